@@ -1,0 +1,279 @@
+"""The hypervisor contract: one small async Protocol every backend implements.
+
+A deploy is the same five moves on every hypervisor: copy a template, hand the copy
+its identity, power it on, learn its address, prove it answers on SSH. This module
+names those moves and the data they exchange; `backends/sim.py` is the reference
+implementation that the demo and the tests run against.
+
+Contract (every backend keeps it; the conformance tests in tests/test_backend_contract.py
+check it):
+
+* Every mutating method returns only after the hypervisor finished the work. A backend
+  whose API is asynchronous (Proxmox UPIDs, vSphere tasks) waits for the task itself.
+* Failures surface only as `BackendError` subclasses. Vendor exceptions are mapped at
+  the backend boundary: `RetryableError` for what may work on a second try (timeouts,
+  an unreachable API, a lock held by someone else), `PermanentError` for the rest.
+* Identity is durable: `prepare_clone` chooses the id the new VM will have *before*
+  anything is created, so a crash in the middle of `clone` still leaves the caller
+  knowing what to clean up. Every later call locates the VM by that id, never by a
+  name or a database key that can be reassigned.
+* Safety: `power_off` and `destroy` refuse (`NotOurVM`) a VM that does not carry the
+  job tag of the `VMRef` they are given. A VM that is already gone makes `destroy`
+  and `power_off` succeed quietly: rollback is idempotent.
+* `destroy` of a running VM fails, as it does on real hypervisors; callers stop first
+  and wait for the stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+JOB_TAG_PREFIX = "deploybot-"
+
+
+def job_tag(job_id: str) -> str:
+    """The tag that marks a VM as built by one job.
+
+    Lower-case letters, digits and hyphens only, so it is valid as a Proxmox tag, a
+    vSphere annotation line and a simulator label alike.
+    """
+    return f"{JOB_TAG_PREFIX}{job_id.lower()}"
+
+
+# --- errors -------------------------------------------------------------------------
+
+
+class BackendError(Exception):
+    """A hypervisor operation failed. `retryable` says whether trying again may help."""
+
+    retryable: bool = False
+
+    def __init__(self, message: str, *, vm_id: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.vm_id = vm_id
+
+
+class RetryableError(BackendError):
+    """Timeouts, connection failures, lock contention: the same call may succeed later."""
+
+    retryable = True
+
+
+class PermanentError(BackendError):
+    """The hypervisor said no for a reason that another attempt will not change."""
+
+
+class VMNotFound(PermanentError):
+    """The durable id names no VM (any more)."""
+
+
+class NotOurVM(PermanentError):
+    """The VM exists but does not carry the expected job tag: deploybot must not touch it."""
+
+
+# --- data ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Template:
+    name: str
+    os_family: str
+    node: str | None = None
+    storage: str | None = None
+    disk_gib: int = 0
+
+
+@dataclass(frozen=True)
+class Storage:
+    name: str
+    node: str | None
+    total_bytes: int
+    free_bytes: int
+    supports_linked_clone: bool = False
+
+
+@dataclass(frozen=True)
+class Network:
+    name: str
+    node: str | None = None
+    distributed: bool = False
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a VM can land: a Proxmox node, a vSphere resource pool, a simulator node."""
+
+    name: str
+    kind: str = "node"
+
+
+@dataclass(frozen=True)
+class CloneSpec:
+    job_id: str
+    name: str
+    template: str
+    placement: str | None = None
+    storage: str | None = None
+
+    @property
+    def tag(self) -> str:
+        return job_tag(self.job_id)
+
+
+@dataclass(frozen=True)
+class VMRef:
+    """The durable handle of a VM built by one job; safe to store and reuse after a restart."""
+
+    vm_id: str
+    job_id: str
+    placement: str | None = None
+
+    @property
+    def tag(self) -> str:
+        return job_tag(self.job_id)
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What cloud-init gives the guest on first boot."""
+
+    hostname: str
+    user: str
+    ssh_keys: tuple[str, ...]
+    address: ipaddress.IPv4Interface
+    gateway: ipaddress.IPv4Address
+    dns: tuple[ipaddress.IPv4Address, ...]
+    search_domain: str
+    upgrade: bool
+    cores: int
+    memory_mib: int
+
+
+@dataclass(frozen=True)
+class VMInfo:
+    vm_id: str
+    name: str
+    running: bool
+    tags: frozenset[str] = field(default_factory=frozenset)
+    placement: str | None = None
+
+
+@dataclass(frozen=True)
+class CloneMode:
+    """Whether a clone request implies a fast linked clone or a full copy, and why."""
+
+    linked: bool
+    reason: str
+
+
+# --- the Protocol -------------------------------------------------------------------
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """One hypervisor endpoint. See the module docstring for the contract."""
+
+    name: str
+
+    async def templates(self) -> list[Template]: ...
+
+    async def storages(self, placement: str | None = None) -> list[Storage]: ...
+
+    async def networks(self, placement: str | None = None) -> list[Network]: ...
+
+    async def placements(self) -> list[Placement]: ...
+
+    async def clone_mode(self, spec: CloneSpec) -> CloneMode: ...
+
+    async def find_vm(self, ref: VMRef) -> VMInfo | None:
+        """Resolve a durable id; None when no such VM exists."""
+        ...
+
+    async def find_by_name(self, name: str) -> list[VMInfo]: ...
+
+    async def find_tagged(self) -> list[VMInfo]:
+        """Every VM carrying any deploybot job tag (for orphan finding)."""
+        ...
+
+    async def prepare_clone(self, spec: CloneSpec) -> VMRef:
+        """Choose the new VM's durable id without creating anything."""
+        ...
+
+    async def clone(self, spec: CloneSpec, ref: VMRef) -> None: ...
+
+    async def apply_identity(self, ref: VMRef, identity: Identity) -> None: ...
+
+    async def grow_disk(self, ref: VMRef, grow_gib: int) -> None: ...
+
+    async def power_on(self, ref: VMRef) -> None: ...
+
+    async def wait_for_address(
+        self, ref: VMRef, expected: ipaddress.IPv4Address | None
+    ) -> ipaddress.IPv4Address:
+        """Wait until the guest reports an address; callers bound it with a timeout.
+
+        Loopback, link-local and container-bridge addresses are skipped; the expected
+        address wins when the guest reports several.
+        """
+        ...
+
+    async def probe_ssh(self, ref: VMRef, address: ipaddress.IPv4Address, port: int) -> None:
+        """Return once a TCP connection to the guest's SSH port succeeds (one attempt)."""
+        ...
+
+    async def power_off(self, ref: VMRef) -> None: ...
+
+    async def destroy(self, ref: VMRef) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+async def tcp_probe(address: ipaddress.IPv4Address, port: int) -> None:
+    """One TCP connect to address:port; a refused or unreachable port is retryable.
+
+    Real backends use this for `probe_ssh`. It opens a connection and closes it at
+    once: reachability is the question, not authentication.
+    """
+    try:
+        _reader, writer = await asyncio.open_connection(str(address), port)
+    except OSError as exc:
+        raise RetryableError(
+            f"{address}:{port} does not answer yet ({exc.strerror or exc})"
+        ) from exc
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+
+
+_CONTAINER_IFACES = ("docker", "cni", "veth", "virbr", "br-", "lxc", "flannel", "cali")
+
+
+def pick_address(
+    interfaces: list[tuple[str, str]], expected: ipaddress.IPv4Address | None
+) -> ipaddress.IPv4Address | None:
+    """Choose the guest's address from what its agent reports as (interface, address) pairs.
+
+    Guest agents report everything the kernel has: loopback, link-local, container
+    bridges. None of those reaches the guest from outside, so they are skipped; the
+    requested address wins when present, otherwise the first usable one.
+    """
+    usable: list[ipaddress.IPv4Address] = []
+    for iface, text in interfaces:
+        if iface == "lo" or iface.startswith(_CONTAINER_IFACES):
+            continue
+        try:
+            ip = ipaddress.ip_address(text.split("/")[0])
+        except ValueError:
+            continue
+        if not isinstance(ip, ipaddress.IPv4Address):
+            continue
+        if ip == expected:
+            return ip
+        if not (ip.is_loopback or ip.is_link_local):
+            usable.append(ip)
+    return usable[0] if usable else None

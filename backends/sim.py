@@ -1,0 +1,431 @@
+"""An in-process hypervisor with the semantics of the real ones, for the demo and the tests.
+
+It is deliberately not a happy-path stub. Operations run as hypervisor-side tasks that
+take time (scaled by `time_scale`), a clone is locked until it finishes, a running VM
+cannot be destroyed, the guest reports its address only after it has booted, and its
+agent reports loopback, link-local and container-bridge addresses next to the real one.
+
+Faults are injected per operation (the Backend method's name):
+
+* ``error``: the hypervisor task fails; side effects are those of the real systems
+  (a failed clone leaves no VM, as Proxmox removes it itself).
+* ``hang``: the hypervisor does the work but the answer never arrives, like a request
+  lost on the way back; only the caller's timeout ends the wait.
+* ``crash``: the work is done, then the call dies with an unexpected, unmapped exception
+  (a bug or a dropped connection), so the caller must clean up without an answer.
+
+A guest whose address is in 127.0.0.0/8 gets a real TCP probe for SSH (tests start a
+listener there); for any other address the simulator answers the probe itself, so no
+packet ever leaves the machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from backends.base import (
+    JOB_TAG_PREFIX,
+    CloneMode,
+    CloneSpec,
+    Identity,
+    Network,
+    NotOurVM,
+    PermanentError,
+    Placement,
+    RetryableError,
+    Storage,
+    Template,
+    VMInfo,
+    VMNotFound,
+    VMRef,
+    pick_address,
+    tcp_probe,
+)
+
+FaultKind = Literal["error", "hang", "crash"]
+FAULT_KINDS: tuple[FaultKind, ...] = ("error", "hang", "crash")
+OPERATIONS = (
+    "find_by_name",
+    "clone",
+    "apply_identity",
+    "grow_disk",
+    "power_on",
+    "wait_for_address",
+    "probe_ssh",
+    "power_off",
+    "destroy",
+)
+GIB = 1024**3
+
+
+class SimulatedCrash(RuntimeError):
+    """Raised by a ``crash`` fault: deliberately not a BackendError."""
+
+
+@dataclass(frozen=True)
+class SimTiming:
+    """Seconds each hypervisor-side task takes before scaling."""
+
+    clone_linked_s: float = 2.5
+    clone_full_s: float = 8.0
+    config_s: float = 0.3
+    resize_s: float = 0.6
+    start_s: float = 1.0
+    boot_s: float = 3.5
+    sshd_s: float = 0.5
+    stop_s: float = 1.0
+    destroy_s: float = 0.4
+    poll_s: float = 0.5
+
+
+@dataclass
+class Fault:
+    op: str
+    kind: FaultKind
+    times: int = 1
+
+
+@dataclass
+class SimVM:
+    vm_id: str
+    name: str
+    template: str
+    placement: str
+    storage: str
+    disk_gib: int
+    tags: set[str] = field(default_factory=set)
+    running: bool = False
+    lock: str | None = None
+    identity: Identity | None = None
+    booted: asyncio.Event = field(default_factory=asyncio.Event)
+    boot_task: asyncio.Task[None] | None = None
+
+    def info(self) -> VMInfo:
+        return VMInfo(self.vm_id, self.name, self.running, frozenset(self.tags), self.placement)
+
+
+_DEFAULT_TEMPLATES = (
+    Template("ubuntu-24.04", "ubuntu", None, "local-lvm", 4),
+    Template("debian-12", "debian", None, "local-lvm", 3),
+    Template("rocky-9", "el9", None, "local-lvm", 10),
+)
+_DEFAULT_STORAGES = (
+    ("local-lvm", 512 * GIB, 380 * GIB, True),
+    ("bulk-nfs", 4096 * GIB, 2900 * GIB, False),
+)
+
+
+class SimBackend:
+    """A simulated hypervisor. Construct it, optionally inject faults, use it as a Backend."""
+
+    def __init__(
+        self,
+        name: str = "sim",
+        *,
+        placements: tuple[str, ...] = ("node1", "node2"),
+        time_scale: float = 1.0,
+        timing: SimTiming | None = None,
+        ssh_port: int = 22,
+    ) -> None:
+        self.name = name
+        self.time_scale = time_scale
+        self.timing = timing or SimTiming()
+        self.ssh_port = ssh_port
+        self._placements = placements
+        self.vms: dict[str, SimVM] = {}
+        self.faults: list[Fault] = []
+        self.task_log: list[tuple[str, str]] = []
+        self._ids = itertools.count(101)
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # --- test and demo controls ---------------------------------------------------
+
+    def inject(self, op: str, kind: FaultKind, times: int = 1) -> None:
+        if op not in OPERATIONS:
+            raise ValueError(f"unknown operation {op!r}; one of {', '.join(OPERATIONS)}")
+        self.faults.append(Fault(op, kind, times))
+
+    def add_vm(self, name: str, *, tags: set[str] | None = None, running: bool = True) -> str:
+        """Put a VM on the simulator that deploybot did not create (or an orphan)."""
+        vm_id = str(next(self._ids))
+        self.vms[vm_id] = SimVM(
+            vm_id, name, "ubuntu-24.04", self._placements[0], "local-lvm", 4, tags or set(), running
+        )
+        return vm_id
+
+    def _take_fault(self, op: str) -> FaultKind | None:
+        for fault in self.faults:
+            if fault.op == op and fault.times > 0:
+                fault.times -= 1
+                return fault.kind
+        return None
+
+    async def _sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds * self.time_scale)
+
+    async def _run(self, op: str, vm_id: str, seconds: float, effect: _Effect) -> None:
+        """Run one hypervisor-side task and wait for it the way a real client would."""
+        fault = self._take_fault(op)
+        self.task_log.append((op, vm_id))
+
+        async def task() -> None:
+            await self._sleep(seconds)
+            if fault == "error":
+                effect.fail()
+                raise PermanentError(f"{op} failed: simulated error on VM {vm_id}", vm_id=vm_id)
+            effect.apply()
+
+        hv_task = asyncio.create_task(task())
+        self._tasks.add(hv_task)
+        hv_task.add_done_callback(self._tasks.discard)
+        if fault == "hang":
+            await asyncio.Event().wait()  # the answer never comes; the caller's timeout ends this
+        await asyncio.shield(hv_task)
+        if fault == "crash":
+            raise SimulatedCrash(f"simulated crash after {op} on VM {vm_id}")
+
+    def _vm(self, ref: VMRef, *, check_tag: bool = True) -> SimVM:
+        vm = self.vms.get(ref.vm_id)
+        if vm is None:
+            raise VMNotFound(f"VM {ref.vm_id} does not exist", vm_id=ref.vm_id)
+        if check_tag and ref.tag not in vm.tags:
+            raise NotOurVM(
+                f"VM {ref.vm_id} ({vm.name}) does not carry tag {ref.tag}", vm_id=vm.vm_id
+            )
+        if vm.lock:
+            raise RetryableError(f"VM {vm.vm_id} is locked ({vm.lock})", vm_id=vm.vm_id)
+        return vm
+
+    # --- discovery ----------------------------------------------------------------
+
+    async def templates(self) -> list[Template]:
+        return list(_DEFAULT_TEMPLATES)
+
+    async def storages(self, placement: str | None = None) -> list[Storage]:
+        return [Storage(n, placement, t, f, linked) for n, t, f, linked in _DEFAULT_STORAGES]
+
+    async def networks(self, placement: str | None = None) -> list[Network]:
+        return [Network("vmbr0", placement), Network("vmbr1", placement)]
+
+    async def placements(self) -> list[Placement]:
+        return [Placement(p) for p in self._placements]
+
+    async def _template(self, name: str) -> Template:
+        for template in _DEFAULT_TEMPLATES:
+            if template.name == name:
+                return template
+        known = ", ".join(t.name for t in _DEFAULT_TEMPLATES)
+        raise PermanentError(f"template {name!r} does not exist on {self.name} (have: {known})")
+
+    async def clone_mode(self, spec: CloneSpec) -> CloneMode:
+        template = await self._template(spec.template)
+        target = spec.storage or template.storage
+        if target != template.storage:
+            return CloneMode(False, f"{target} is not the template's storage: full copy")
+        linked = any(n == target and lk for n, _t, _f, lk in _DEFAULT_STORAGES)
+        if linked:
+            return CloneMode(True, f"linked clone on {target}")
+        return CloneMode(False, f"{target} cannot hold linked clones: full copy")
+
+    async def find_vm(self, ref: VMRef) -> VMInfo | None:
+        vm = self.vms.get(ref.vm_id)
+        return vm.info() if vm else None
+
+    async def find_by_name(self, name: str) -> list[VMInfo]:
+        fault = self._take_fault("find_by_name")
+        if fault == "hang":
+            await asyncio.Event().wait()
+        if fault == "error":
+            raise RetryableError(f"{self.name} did not answer the VM list")
+        if fault == "crash":
+            raise SimulatedCrash("simulated crash while listing VMs")
+        return [vm.info() for vm in self.vms.values() if vm.name == name]
+
+    async def find_tagged(self) -> list[VMInfo]:
+        return [
+            vm.info()
+            for vm in self.vms.values()
+            if any(t.startswith(JOB_TAG_PREFIX) for t in vm.tags)
+        ]
+
+    # --- the deploy moves ---------------------------------------------------------
+
+    async def prepare_clone(self, spec: CloneSpec) -> VMRef:
+        await self._template(spec.template)
+        placement = spec.placement or self._placements[0]
+        if placement not in self._placements:
+            raise PermanentError(
+                f"{placement!r} is not a node of {self.name} (have: {', '.join(self._placements)})"
+            )
+        return VMRef(str(next(self._ids)), spec.job_id, placement)
+
+    async def clone(self, spec: CloneSpec, ref: VMRef) -> None:
+        template = await self._template(spec.template)
+        if ref.vm_id in self.vms:
+            raise PermanentError(f"unable to create VM {ref.vm_id}: it already exists")
+        mode = await self.clone_mode(spec)
+        vm = SimVM(
+            ref.vm_id,
+            spec.name,
+            template.name,
+            ref.placement or self._placements[0],
+            spec.storage or template.storage or "local-lvm",
+            template.disk_gib,
+            {spec.tag},
+            lock="clone",
+        )
+        self.vms[vm.vm_id] = vm
+        seconds = self.timing.clone_linked_s if mode.linked else self.timing.clone_full_s
+        await self._run("clone", vm.vm_id, seconds, _Effect(vm, self, unlock=True, remove=True))
+
+    async def apply_identity(self, ref: VMRef, identity: Identity) -> None:
+        vm = self._vm(ref)
+
+        def set_identity() -> None:
+            vm.identity = identity
+
+        await self._run(
+            "apply_identity", vm.vm_id, self.timing.config_s, _Effect(vm, self, set_identity)
+        )
+
+    async def grow_disk(self, ref: VMRef, grow_gib: int) -> None:
+        if grow_gib < 0:
+            raise PermanentError("shrinking disks is not supported")
+        vm = self._vm(ref)
+
+        def grow() -> None:
+            vm.disk_gib += grow_gib
+
+        await self._run("grow_disk", vm.vm_id, self.timing.resize_s, _Effect(vm, self, grow))
+
+    async def power_on(self, ref: VMRef) -> None:
+        vm = self._vm(ref)
+        if vm.running:
+            raise PermanentError(f"VM {vm.vm_id} already running", vm_id=vm.vm_id)
+
+        def start() -> None:
+            vm.running = True
+            vm.booted.clear()
+            vm.boot_task = asyncio.create_task(self._boot(vm))
+
+        await self._run("power_on", vm.vm_id, self.timing.start_s, _Effect(vm, self, start))
+
+    async def _boot(self, vm: SimVM) -> None:
+        await self._sleep(self.timing.boot_s)
+        vm.booted.set()
+
+    def _guest_interfaces(self, vm: SimVM) -> list[tuple[str, str]]:
+        interfaces = [("lo", "127.0.0.1"), ("ens18", "fe80::be24:11ff:fe4c:1a2b")]
+        if vm.identity is not None:
+            interfaces.append(("ens18", str(vm.identity.address.ip)))
+        interfaces.append(("docker0", "172.17.0.1"))
+        return interfaces
+
+    async def wait_for_address(
+        self, ref: VMRef, expected: ipaddress.IPv4Address | None
+    ) -> ipaddress.IPv4Address:
+        vm = self._vm(ref)
+        fault = self._take_fault("wait_for_address")
+        self.task_log.append(("wait_for_address", vm.vm_id))
+        if fault == "hang":
+            await asyncio.Event().wait()
+        if fault == "error":
+            raise PermanentError(f"guest agent of VM {vm.vm_id} failed: simulated error")
+        while True:
+            if not vm.running:
+                raise PermanentError(f"VM {vm.vm_id} is not running", vm_id=vm.vm_id)
+            if vm.booted.is_set():
+                address = pick_address(self._guest_interfaces(vm), expected)
+                if address is not None:
+                    if fault == "crash":
+                        raise SimulatedCrash("simulated crash while reading the guest agent")
+                    return address
+            await self._sleep(self.timing.poll_s)
+
+    async def probe_ssh(self, ref: VMRef, address: ipaddress.IPv4Address, port: int) -> None:
+        vm = self._vm(ref)
+        fault = self._take_fault("probe_ssh")
+        self.task_log.append(("probe_ssh", vm.vm_id))
+        if fault == "hang":
+            await asyncio.Event().wait()
+        if fault == "error":
+            raise PermanentError(f"{address}:{port} refused the connection (simulated)")
+        if fault == "crash":
+            raise SimulatedCrash("simulated crash while probing SSH")
+        if address.is_loopback:
+            await tcp_probe(address, port)
+            return
+        if not (vm.running and vm.booted.is_set()):
+            raise RetryableError(f"{address}:{port} does not answer yet")
+        await self._sleep(self.timing.sshd_s)
+
+    async def power_off(self, ref: VMRef) -> None:
+        vm = self.vms.get(ref.vm_id)
+        if vm is None:
+            return
+        vm = self._vm(ref)
+        if not vm.running:
+            return
+
+        def stop() -> None:
+            vm.running = False
+            vm.booted.clear()
+            if vm.boot_task:
+                vm.boot_task.cancel()
+
+        await self._run("power_off", vm.vm_id, self.timing.stop_s, _Effect(vm, self, stop))
+
+    async def destroy(self, ref: VMRef) -> None:
+        if ref.vm_id not in self.vms:
+            return
+        vm = self._vm(ref)
+        if vm.running:
+            raise PermanentError(f"VM {vm.vm_id} is running - destroy failed", vm_id=vm.vm_id)
+
+        def remove() -> None:
+            self.vms.pop(vm.vm_id, None)
+
+        await self._run("destroy", vm.vm_id, self.timing.destroy_s, _Effect(vm, self, remove))
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        for vm in self.vms.values():
+            if vm.boot_task:
+                vm.boot_task.cancel()
+
+
+class _Effect:
+    """What a hypervisor task does to the VM when it succeeds, and when it fails."""
+
+    def __init__(
+        self,
+        vm: SimVM,
+        sim: SimBackend,
+        apply: Callable[[], None] | None = None,
+        *,
+        unlock: bool = False,
+        remove: bool = False,
+    ) -> None:
+        self._vm = vm
+        self._sim = sim
+        self._apply = apply
+        self._unlock = unlock
+        self._remove_on_failure = remove
+
+    def apply(self) -> None:
+        if self._apply:
+            self._apply()
+        if self._unlock:
+            self._vm.lock = None
+
+    def fail(self) -> None:
+        if self._remove_on_failure:
+            self._sim.vms.pop(self._vm.vm_id, None)
+        elif self._unlock:
+            self._vm.lock = None

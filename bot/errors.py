@@ -1,0 +1,55 @@
+"""Request and job errors: the few exceptions the core raises to its front ends.
+
+Every `DeployBotError` is a problem a person can fix, and its message says what was
+wrong and how to do it right; front ends show it as it is. Anything else that escapes
+the core is a bug: front ends log it and show a short apology instead of a traceback.
+Hypervisor failures are `backends.base.BackendError` and never cross into front ends
+raw: the pipeline turns them into a failed job with a reason.
+"""
+
+from __future__ import annotations
+
+
+class DeployBotError(Exception):
+    """A user-facing error; `str(err)` is the whole message."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class UsageError(DeployBotError):
+    """The command text does not follow the grammar; `usage` shows the right form."""
+
+    def __init__(self, message: str, usage: str) -> None:
+        super().__init__(f"{message}\nUsage: {usage}")
+        self.problem = message
+        self.usage = usage
+
+
+class RequestInvalid(DeployBotError):
+    """The request parses but breaks a rule (name, address, sizes); lists every problem."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+class ConfigError(DeployBotError):
+    """The configuration file is missing, unreadable or breaks a rule: file, key, reason."""
+
+
+class JobNotFound(DeployBotError):
+    pass
+
+
+class NotAllowed(DeployBotError):
+    """The person may not do this (deploy, approve their own request, cancel others' jobs)."""
+
+
+class TransitionRefused(DeployBotError):
+    """The job is no longer in a state that allows this (already approved, finished...)."""
+
+
+class Conflict(DeployBotError):
+    """The name or address is already taken by a VM or by a job in flight."""

@@ -1,0 +1,194 @@
+"""Requests and jobs as data: pydantic models that map one to one onto store rows."""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+import secrets
+from datetime import UTC, datetime
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+HOSTNAME_RE = re.compile(r"^(?!-)[a-z0-9-]{1,63}(?<!-)$", re.IGNORECASE)
+LOGIN_RE = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
+_ID_ALPHABET = "abcdefghjkmnpqrstuvwxyz23456789"
+
+
+def new_job_id() -> str:
+    """Short enough to type in `/deploy status j4k7tq`, random enough never to collide."""
+    return "j" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(6))
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class JobState(StrEnum):
+    AWAITING_APPROVAL = "awaiting_approval"
+    QUEUED = "queued"
+    RUNNING = "running"
+    ROLLING_BACK = "rolling_back"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    REJECTED = "rejected"
+    EXPIRED = "expired"
+
+    @property
+    def final(self) -> bool:
+        return self in FINAL_STATES
+
+
+FINAL_STATES = frozenset(
+    {JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.REJECTED, JobState.EXPIRED}
+)
+# The states in which a job holds its name and address (see store's unique indexes).
+ACTIVE_STATES = frozenset(
+    {JobState.AWAITING_APPROVAL, JobState.QUEUED, JobState.RUNNING, JobState.ROLLING_BACK}
+)
+TRANSITIONS: dict[JobState, frozenset[JobState]] = {
+    JobState.AWAITING_APPROVAL: frozenset(
+        {JobState.QUEUED, JobState.REJECTED, JobState.EXPIRED, JobState.CANCELLED}
+    ),
+    JobState.QUEUED: frozenset({JobState.RUNNING, JobState.CANCELLED}),
+    JobState.RUNNING: frozenset({JobState.SUCCEEDED, JobState.ROLLING_BACK}),
+    JobState.ROLLING_BACK: frozenset({JobState.FAILED, JobState.CANCELLED}),
+}
+
+
+class ApprovalState(StrEnum):
+    PENDING = "pending"
+    APPROVED = "approved"
+    REJECTED = "rejected"
+    EXPIRED = "expired"
+
+
+class DeployRequest(BaseModel):
+    """One validated `/deploy`: everything the pipeline needs, nothing it has to look up."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    address: ipaddress.IPv4Interface
+    gateway: ipaddress.IPv4Address
+    dns: tuple[ipaddress.IPv4Address, ...] = ()
+    search_domain: str = ""
+    template: str
+    backend: str
+    placement: str | None = None
+    storage: str | None = None
+    cores: int = Field(ge=1)
+    memory_mib: int = Field(ge=256)
+    disk_grow_gib: int = Field(default=0, ge=0)
+    user: str
+    ssh_keys: tuple[str, ...] = ()
+    upgrade: bool = False
+    requester: str = Field(min_length=1)
+
+    @field_validator("name")
+    @classmethod
+    def _hostname(cls, value: str) -> str:
+        if not HOSTNAME_RE.match(value):
+            raise ValueError(
+                f"{value!r} is not a valid host name: use 1-63 letters, digits or hyphens, "
+                "not starting or ending with a hyphen (e.g. web01)"
+            )
+        return value.lower()
+
+    @field_validator("user")
+    @classmethod
+    def _login(cls, value: str) -> str:
+        if not LOGIN_RE.match(value):
+            raise ValueError(
+                f"{value!r} is not a valid login name: start with a lower-case letter or _, "
+                "then up to 31 lower-case letters, digits, _ or - (e.g. ubuntu)"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _address_usable(self) -> DeployRequest:
+        net = self.address.network
+        ip = self.address.ip
+        if net.prefixlen < 31 and ip in (net.network_address, net.broadcast_address):
+            kind = "network" if ip == net.network_address else "broadcast"
+            raise ValueError(f"{ip} is the {kind} address of {net}: pick a host address")
+        if ip == self.gateway:
+            raise ValueError(f"{ip} is the gateway of {net}: pick another address")
+        return self
+
+
+class Job(BaseModel):
+    """One deploy's life, as stored: a row of the `jobs` table."""
+
+    id: str = Field(default_factory=new_job_id)
+    state: JobState
+    requester: str
+    name: str
+    address: str
+    backend: str
+    request: DeployRequest
+    created_at: datetime = Field(default_factory=utcnow)
+    updated_at: datetime = Field(default_factory=utcnow)
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    vm_id: str | None = None
+    vm_placement: str | None = None
+    final_address: str | None = None
+    failed_step: str | None = None
+    error: str | None = None
+    wreckage: str | None = None
+    approval_reason: str | None = None
+
+    @classmethod
+    def for_request(cls, request: DeployRequest, state: JobState) -> Job:
+        return cls(
+            state=state,
+            requester=request.requester,
+            name=request.name,
+            address=str(request.address.ip),
+            backend=request.backend,
+            request=request,
+        )
+
+    @property
+    def ssh_line(self) -> str | None:
+        if self.final_address is None:
+            return None
+        return f"ssh {self.request.user}@{self.final_address}"
+
+
+class JobEvent(BaseModel):
+    """One step boundary of a job (a row of `job_events`)."""
+
+    job_id: str
+    at: datetime = Field(default_factory=utcnow)
+    step: str
+    phase: str  # started | finished | failed | skipped | undo | undo_failed | note
+    duration_s: float | None = None
+    detail: str = ""
+
+
+class Approval(BaseModel):
+    """The approval of one job (a row of `approvals`)."""
+
+    job_id: str
+    state: ApprovalState = ApprovalState.PENDING
+    reason_required: str
+    requested_at: datetime = Field(default_factory=utcnow)
+    expires_at: datetime
+    decided_by: str | None = None
+    decided_at: datetime | None = None
+    note: str | None = None
+
+
+class RollbackReport(BaseModel):
+    """What a rollback did: undo steps that worked, those that failed, and what is left."""
+
+    undone: list[str] = Field(default_factory=list)
+    failed: list[str] = Field(default_factory=list)
+    wreckage: list[str] = Field(default_factory=list)
+
+    @property
+    def clean(self) -> bool:
+        return not self.failed and not self.wreckage

@@ -1,0 +1,230 @@
+"""The grammar of the text after `/deploy`.
+
+    NAME [ADDRESS[/PREFIX]] [key=value ...]
+    help | status JOB | history [N] | cancel JOB | templates | approve JOB | reject JOB REASON
+
+`parse` turns any text into a command or raises `UsageError` that says what was wrong
+and shows the right form; nothing else escapes it (a hypothesis test holds it to that).
+Values are converted here (sizes, booleans), so a typo is reported against the key the
+person typed; rules that need the configuration (subnets, limits) live in bot/requests.py.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass, field
+
+from bot.errors import UsageError
+
+USAGE = (
+    "/deploy NAME [ADDRESS[/PREFIX]] [template=T] [on=BACKEND|NODE] [storage=S] "
+    "[cpu=N] [mem=4G] [disk=+20G] [user=U] [upgrade=yes|no]"
+)
+SUBCOMMAND_USAGE = {
+    "help": "/deploy help",
+    "status": "/deploy status JOB",
+    "history": "/deploy history [N]",
+    "cancel": "/deploy cancel JOB",
+    "templates": "/deploy templates",
+    "approve": "/deploy approve JOB",
+    "reject": "/deploy reject JOB REASON",
+}
+KEYS = ("template", "on", "storage", "cpu", "mem", "disk", "user", "upgrade")
+JOB_ID_RE = re.compile(r"^j[a-z0-9]{6}$")
+HISTORY_MAX = 100
+_SIZE_RE = re.compile(r"^(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?$", re.IGNORECASE)
+_UNIT_MIB = {"m": 1, "g": 1024, "t": 1024 * 1024}
+_YES = {"yes", "y", "true", "on", "1"}
+_NO = {"no", "n", "false", "off", "0"}
+
+
+@dataclass(frozen=True)
+class DeployArgs:
+    """A deploy as typed: converted values, not yet checked against the configuration."""
+
+    name: str
+    address: str | None = None
+    template: str | None = None
+    on: str | None = None
+    storage: str | None = None
+    cores: int | None = None
+    memory_mib: int | None = None
+    disk_grow_gib: int | None = None
+    user: str | None = None
+    upgrade: bool | None = None
+    given: tuple[str, ...] = field(default=())
+
+
+@dataclass(frozen=True)
+class Help:
+    pass
+
+
+@dataclass(frozen=True)
+class Status:
+    job_id: str
+
+
+@dataclass(frozen=True)
+class History:
+    limit: int = 10
+
+
+@dataclass(frozen=True)
+class Cancel:
+    job_id: str
+
+
+@dataclass(frozen=True)
+class Templates:
+    pass
+
+
+@dataclass(frozen=True)
+class Approve:
+    job_id: str
+
+
+@dataclass(frozen=True)
+class Reject:
+    job_id: str
+    reason: str
+
+
+Command = DeployArgs | Help | Status | History | Cancel | Templates | Approve | Reject
+
+
+def parse(text: str) -> Command:
+    """Parse the text after `/deploy`; raise `UsageError` for anything else."""
+    words = text.split()
+    if not words:
+        raise UsageError("Tell me what to deploy.", USAGE)
+    head = words[0].lower()
+    if head in SUBCOMMAND_USAGE:
+        return _subcommand(head, words[1:])
+    return _deploy(words)
+
+
+def _subcommand(head: str, rest: list[str]) -> Command:
+    usage = SUBCOMMAND_USAGE[head]
+    if head in ("help", "templates"):
+        if rest:
+            raise UsageError(f"`{head}` takes no arguments.", usage)
+        return Help() if head == "help" else Templates()
+    if head == "history":
+        if len(rest) > 1:
+            raise UsageError("`history` takes at most one number.", usage)
+        if not rest:
+            return History()
+        if not rest[0].isdigit() or not 1 <= int(rest[0]) <= HISTORY_MAX:
+            raise UsageError(f"`{rest[0]}` is not a number from 1 to {HISTORY_MAX}.", usage)
+        return History(int(rest[0]))
+    if not rest:
+        raise UsageError(f"`{head}` needs a job id (like j4k7tq).", usage)
+    job_id = _job_id(rest[0], usage)
+    if head == "reject":
+        if len(rest) < 2:
+            raise UsageError("Say why you reject it, so the requester can fix it.", usage)
+        return Reject(job_id, " ".join(rest[1:]))
+    if len(rest) > 1:
+        raise UsageError(f"`{head}` takes only a job id.", usage)
+    if head == "status":
+        return Status(job_id)
+    return Cancel(job_id) if head == "cancel" else Approve(job_id)
+
+
+def _job_id(word: str, usage: str) -> str:
+    job_id = word.lower().lstrip("#")
+    if not JOB_ID_RE.match(job_id):
+        raise UsageError(f"`{word}` is not a job id: they look like j4k7tq.", usage)
+    return job_id
+
+
+def _deploy(words: list[str]) -> DeployArgs:
+    name = words[0]
+    if "=" in name:
+        raise UsageError("Start with the VM's name, then the address, then options.", USAGE)
+    rest = words[1:]
+    address = None
+    if rest and "=" not in rest[0]:
+        address = rest.pop(0)
+    values: dict[str, object] = {}
+    for word in rest:
+        key, sep, value = word.partition("=")
+        key = key.lower()
+        if not sep:
+            raise UsageError(
+                f"`{word}` is not an option: options are key=value, after NAME and ADDRESS.", USAGE
+            )
+        if key not in KEYS:
+            raise UsageError(_unknown_key(key), USAGE)
+        if key in values:
+            raise UsageError(f"`{key}` is given twice: keep one.", USAGE)
+        if not value:
+            raise UsageError(f"`{key}=` needs a value.", USAGE)
+        values[key] = _convert(key, value)
+    return DeployArgs(
+        name=name,
+        address=address,
+        template=_opt_str(values.get("template")),
+        on=_opt_str(values.get("on")),
+        storage=_opt_str(values.get("storage")),
+        cores=_opt_int(values.get("cpu")),
+        memory_mib=_opt_int(values.get("mem")),
+        disk_grow_gib=_opt_int(values.get("disk")),
+        user=_opt_str(values.get("user")),
+        upgrade=_opt_bool(values.get("upgrade")),
+        given=tuple(values),
+    )
+
+
+def _unknown_key(key: str) -> str:
+    close = difflib.get_close_matches(key, KEYS, n=1, cutoff=0.5)
+    hint = f" Did you mean `{close[0]}`?" if close else ""
+    return f"`{key}` is not an option I know.{hint} Options: {', '.join(KEYS)}."
+
+
+def _convert(key: str, value: str) -> object:
+    if key == "cpu":
+        if not value.isdigit() or int(value) < 1:
+            raise UsageError(f"cpu={value}: give a whole number of cores, like cpu=4.", USAGE)
+        return int(value)
+    if key == "mem":
+        return _mib(value, f"mem={value}: give a size with a unit, like mem=4G or mem=512M.")
+    if key == "disk":
+        message = f"disk={value}: disks only grow; give the growth, like disk=+20G."
+        if not value.startswith("+"):
+            raise UsageError(message, USAGE)
+        mib = _mib(value[1:], message)
+        if mib % 1024:
+            raise UsageError(f"disk={value}: grow by whole GiB, like disk=+20G.", USAGE)
+        return mib // 1024
+    if key == "upgrade":
+        lowered = value.lower()
+        if lowered in _YES | _NO:
+            return lowered in _YES
+        raise UsageError(f"upgrade={value}: say upgrade=yes or upgrade=no.", USAGE)
+    return value
+
+
+def _mib(text: str, message: str) -> int:
+    match = _SIZE_RE.match(text)
+    if not match or not match.group(2) or match.group(2).lower() == "k":
+        raise UsageError(message, USAGE)
+    mib = float(match.group(1)) * _UNIT_MIB[match.group(2).lower()]
+    if mib > 2**40 or mib != int(mib):
+        raise UsageError(message, USAGE)
+    return int(mib)
+
+
+def _opt_str(value: object) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _opt_bool(value: object) -> bool | None:
+    return value if isinstance(value, bool) else None
+
+
+def _opt_int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None

@@ -1,0 +1,391 @@
+"""One deploy, step by step, with an undo stack.
+
+    check_free -> clone -> identity -> resize -> power_on -> address -> ssh
+
+Each step has a timeout; backend calls that fail with a retryable error are retried
+with backoff inside it. A step that creates something pushes its undo *before* the
+call, so a call that dies after the hypervisor acted (a crash, a lost answer) is still
+undone. On failure or cancel the undo stack runs in reverse (stop and wait, then destroy
+and wait), shielded from further cancellation; an undo that fails is recorded and
+reported, never raised over the original error, and a VM that is still there afterwards
+is listed as wreckage with its id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from backends.base import Backend, BackendError, CloneSpec, Identity, VMRef
+from bot.models import Job, JobEvent, JobState, RollbackReport, utcnow
+from bot.progress import Progress
+from bot.settings import Settings
+from store.db import Store
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+STEPS = ("check_free", "clone", "identity", "resize", "power_on", "address", "ssh")
+
+
+class StepFailed(Exception):
+    def __init__(self, step: str, reason: str) -> None:
+        super().__init__(f"{step}: {reason}")
+        self.step = step
+        self.reason = reason
+
+
+@dataclass
+class Undo:
+    what: str
+    action: Callable[[], Awaitable[None]]
+    timeout_s: float
+
+
+@dataclass
+class _Run:
+    job: Job
+    backend: Backend
+    ref: VMRef | None = None
+    undo: list[Undo] = field(default_factory=list)
+    address: str | None = None
+
+
+async def protected(awaitable: Awaitable[T]) -> T:
+    """Finish `awaitable` even if the caller is cancelled meanwhile (rollbacks, final writes).
+
+    asyncio.shield alone returns control to a cancelled caller while the work goes on
+    unobserved; this keeps waiting, so a job's task ends only once its cleanup has.
+    """
+    task = asyncio.ensure_future(awaitable)
+    while True:
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.done():
+                raise
+
+
+class Pipeline:
+    def __init__(
+        self,
+        settings: Settings,
+        backends: Mapping[str, Backend],
+        store: Store,
+        progress: Progress,
+    ) -> None:
+        self.settings = settings
+        self.backends = backends
+        self.store = store
+        self.progress = progress
+        self.timeouts = settings.timeouts
+
+    async def run(self, job_id: str) -> Job | None:
+        """Run a queued job to a final state; None if it was no longer queued."""
+        run: _Run | None = None
+        try:
+            started = await self.store.transition(
+                job_id, [JobState.QUEUED], JobState.RUNNING, started_at=utcnow()
+            )
+            job = await self.store.get_job(job_id)
+            if not started or job is None:
+                return job
+            await self.progress.job_updated(job)
+            run = _Run(job, self.backends[job.backend])
+            await self._steps(run)
+        except asyncio.CancelledError:
+            if run is None:
+                return await protected(self._cancel_unstarted(job_id))
+            return await protected(self._roll_back(run, JobState.CANCELLED, None))
+        except StepFailed as failure:
+            assert run is not None
+            return await protected(self._roll_back(run, JobState.FAILED, failure))
+        return await protected(self._succeed(run))
+
+    async def _cancel_unstarted(self, job_id: str) -> Job | None:
+        """Cancelled while starting: nothing was created, whichever state the job reached."""
+        if not await self.store.transition(
+            job_id, [JobState.QUEUED], JobState.CANCELLED, finished_at=utcnow()
+        ):
+            await self.store.transition(job_id, [JobState.RUNNING], JobState.ROLLING_BACK)
+            await self.store.transition(
+                job_id,
+                [JobState.ROLLING_BACK],
+                JobState.CANCELLED,
+                error="cancelled",
+                finished_at=utcnow(),
+            )
+        job = await self.store.get_job(job_id)
+        if job is not None:
+            await self.progress.job_finished(job, RollbackReport())
+        return job
+
+    async def _steps(self, run: _Run) -> None:
+        req = run.job.request
+        backend = run.backend
+        spec = CloneSpec(run.job.id, req.name, req.template, req.placement, req.storage)
+        t = self.timeouts
+        await self._step(run, "check_free", t.check_free_s, lambda: self._check_free(run))
+        mode = await self._call(run, "clone", t.check_free_s, lambda: backend.clone_mode(spec))
+        await self._step(
+            run,
+            "clone",
+            t.clone_s,
+            lambda: self._clone(run, spec),
+            f"{req.template}, {mode.reason}",
+        )
+        identity = Identity(
+            hostname=req.name,
+            user=req.user,
+            ssh_keys=req.ssh_keys,
+            address=req.address,
+            gateway=req.gateway,
+            dns=req.dns,
+            search_domain=req.search_domain,
+            upgrade=req.upgrade,
+            cores=req.cores,
+            memory_mib=req.memory_mib,
+        )
+        ref = self._ref(run)
+        await self._step(
+            run,
+            "identity",
+            t.identity_s,
+            lambda: backend.apply_identity(ref, identity),
+            f"{req.user}@{req.address}, {req.cores} cores, {req.memory_mib} MiB",
+        )
+        if req.disk_grow_gib:
+            await self._step(
+                run,
+                "resize",
+                t.resize_s,
+                lambda: backend.grow_disk(ref, req.disk_grow_gib),
+                f"+{req.disk_grow_gib} GiB",
+            )
+        else:
+            await self._skip(run, "resize", "no growth asked")
+        run.undo.append(Undo(f"stop VM {ref.vm_id}", lambda: backend.power_off(ref), t.power_off_s))
+        await self._step(run, "power_on", t.power_on_s, lambda: backend.power_on(ref))
+        await self._step(run, "address", t.address_s, lambda: self._address(run), "guest agent")
+        await self._step(run, "ssh", t.ssh_s, lambda: self._ssh(run), f"port {self._ssh_port}")
+
+    @property
+    def _ssh_port(self) -> int:
+        return self.settings.defaults.ssh_port
+
+    @staticmethod
+    def _ref(run: _Run) -> VMRef:
+        if run.ref is None:
+            raise StepFailed("clone", "no VM id was recorded")
+        return run.ref
+
+    # --- steps --------------------------------------------------------------------
+
+    async def _check_free(self, run: _Run) -> str:
+        req = run.job.request
+        taken = await run.backend.find_by_name(req.name)
+        if taken:
+            raise StepFailed(
+                "check_free",
+                f"a VM named {req.name} already exists on {req.backend} (id {taken[0].vm_id}): "
+                "pick another name, or remove that VM first",
+            )
+        for other in await self.store.history(state=JobState.SUCCEEDED, limit=1000):
+            if other.address != run.job.address or other.vm_id is None:
+                continue
+            backend = self.backends.get(other.backend)
+            if backend and await backend.find_vm(VMRef(other.vm_id, other.id, other.vm_placement)):
+                raise StepFailed(
+                    "check_free",
+                    f"{other.address} belongs to {other.name} (job {other.id}), which still "
+                    "exists: pick another address",
+                )
+        return f"{req.name} and {req.address.ip} are free"
+
+    async def _clone(self, run: _Run, spec: CloneSpec) -> str:
+        backend = run.backend
+        ref = await backend.prepare_clone(spec)
+        # Write-ahead: the id is stored and its undo pushed before anything exists.
+        await self.store.update_job(run.job.id, vm_id=ref.vm_id, vm_placement=ref.placement)
+        run.ref = ref
+        run.undo.append(
+            Undo(f"destroy VM {ref.vm_id}", lambda: backend.destroy(ref), self.timeouts.destroy_s)
+        )
+        await backend.clone(spec, ref)
+        return f"VM {ref.vm_id} on {ref.placement or run.job.backend}"
+
+    async def _address(self, run: _Run) -> str:
+        req = run.job.request
+        found = await run.backend.wait_for_address(self._ref(run), req.address.ip)
+        run.address = str(found)
+        if found != req.address.ip:
+            return f"guest reports {found}, not the requested {req.address.ip}"
+        return str(found)
+
+    async def _ssh(self, run: _Run) -> str:
+        address = ipaddress.IPv4Address(run.address or run.job.address)
+        await self._retrying(lambda: run.backend.probe_ssh(self._ref(run), address, self._ssh_port))
+        return f"{address}:{self._ssh_port} answers"
+
+    # --- step machinery -----------------------------------------------------------
+
+    async def _step(
+        self,
+        run: _Run,
+        step: str,
+        timeout_s: float,
+        action: Callable[[], Awaitable[object]],
+        detail: str = "",
+    ) -> None:
+        job = run.job
+        await self.store.add_event(
+            JobEvent(job_id=job.id, step=step, phase="started", detail=detail)
+        )
+        await self.progress.step_started(job, step, detail)
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        try:
+            result = await self._call(run, step, timeout_s, action)
+        except StepFailed as failure:
+            elapsed = loop.time() - began
+            await self.store.add_event(
+                JobEvent(
+                    job_id=job.id,
+                    step=step,
+                    phase="failed",
+                    duration_s=elapsed,
+                    detail=failure.reason,
+                )
+            )
+            await self.progress.step_finished(job, step, elapsed, False, failure.reason)
+            raise
+        elapsed = loop.time() - began
+        done = result if isinstance(result, str) else detail
+        await self.store.add_event(
+            JobEvent(job_id=job.id, step=step, phase="finished", duration_s=elapsed, detail=done)
+        )
+        await self.progress.step_finished(job, step, elapsed, True, done)
+
+    async def _call(
+        self, run: _Run, step: str, timeout_s: float, action: Callable[[], Awaitable[T]]
+    ) -> T:
+        """Run one action under the step's timeout, mapping every failure to StepFailed."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await self._retrying(action)
+        except StepFailed:
+            raise
+        except TimeoutError:
+            raise StepFailed(step, f"timed out after {timeout_s:g} s") from None
+        except BackendError as exc:
+            raise StepFailed(step, exc.message) from None
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("job %s: unexpected error in step %s", run.job.id, step)
+            raise StepFailed(step, "internal error (the details are in the bot's log)") from None
+
+    async def _retrying(self, action: Callable[[], Awaitable[T]]) -> T:
+        """Retry retryable backend errors with capped exponential backoff; the caller's
+        timeout bounds the whole."""
+        delay = self.timeouts.retry_initial_s
+        while True:
+            try:
+                return await action()
+            except BackendError as exc:
+                if not exc.retryable:
+                    raise
+                log.info("retrying after %s", exc.message)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self.timeouts.retry_max_s)
+
+    async def _skip(self, run: _Run, step: str, why: str) -> None:
+        await self.store.add_event(
+            JobEvent(job_id=run.job.id, step=step, phase="skipped", detail=why)
+        )
+
+    # --- endings ------------------------------------------------------------------
+
+    async def _succeed(self, run: _Run) -> Job | None:
+        await self.store.transition(
+            run.job.id,
+            [JobState.RUNNING],
+            JobState.SUCCEEDED,
+            final_address=run.address,
+            finished_at=utcnow(),
+        )
+        job = await self.store.get_job(run.job.id)
+        if job is not None:
+            await self.progress.job_finished(job, None)
+        return job
+
+    async def _roll_back(
+        self, run: _Run, final: JobState, failure: StepFailed | None
+    ) -> Job | None:
+        job_id = run.job.id
+        await self.store.transition(job_id, [JobState.RUNNING], JobState.ROLLING_BACK)
+        rolling = await self.store.get_job(job_id)
+        if rolling is not None:
+            await self.progress.job_updated(rolling)
+        report = await self.undo(run.job, run.backend, run.undo, run.ref)
+        await self.store.transition(
+            job_id,
+            [JobState.ROLLING_BACK],
+            final,
+            failed_step=failure.step if failure else None,
+            error=failure.reason if failure else "cancelled",
+            wreckage=", ".join(report.wreckage) or None,
+            finished_at=utcnow(),
+        )
+        job = await self.store.get_job(job_id)
+        if job is not None:
+            await self.progress.job_finished(job, report)
+        return job
+
+    async def undo(
+        self, job: Job, backend: Backend, stack: list[Undo], ref: VMRef | None
+    ) -> RollbackReport:
+        """Run the undo stack in reverse, then check nothing of ours is left."""
+        report = RollbackReport()
+        for undo in reversed(stack):
+            await self.store.add_event(
+                JobEvent(job_id=job.id, step="rollback", phase="undo", detail=undo.what)
+            )
+            try:
+                async with asyncio.timeout(undo.timeout_s):
+                    await self._retrying(undo.action)
+            except Exception as exc:  # every failure is reported, none replaces the original
+                reason = exc.message if isinstance(exc, BackendError) else _describe(exc)
+                if not isinstance(exc, (BackendError, TimeoutError)):
+                    log.exception("job %s: undo %r failed", job.id, undo.what)
+                report.failed.append(f"{undo.what}: {reason}")
+                await self.store.add_event(
+                    JobEvent(
+                        job_id=job.id,
+                        step="rollback",
+                        phase="undo_failed",
+                        detail=f"{undo.what}: {reason}",
+                    )
+                )
+            else:
+                report.undone.append(undo.what)
+        if ref is not None:
+            try:
+                left = await backend.find_vm(ref)
+            except BackendError as exc:
+                report.failed.append(f"check that VM {ref.vm_id} is gone: {exc.message}")
+                left = None
+                report.wreckage.append(f"VM {ref.vm_id} (unverified)")
+            if left is not None:
+                report.wreckage.append(f"VM {ref.vm_id} ({left.name}) on {job.backend}")
+        return report
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    return f"internal error ({type(exc).__name__}; details in the bot's log)"

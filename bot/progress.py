@@ -1,0 +1,62 @@
+"""How the core tells front ends what a job is doing.
+
+The pipeline and the service call a `Progress`; a front end implements it (the terminal
+thread in handlers/terminal.py, Slack threads later). A front end that fails must never
+fail a deploy, so every call goes through `Fanout`, which logs and carries on.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Protocol
+
+from bot.models import Job, RollbackReport
+
+log = logging.getLogger(__name__)
+
+
+class Progress(Protocol):
+    async def job_updated(self, job: Job, note: str = "") -> None:
+        """The job was created or changed state (queued, approved, rejected, running...)."""
+        ...
+
+    async def step_started(self, job: Job, step: str, detail: str) -> None: ...
+
+    async def step_finished(
+        self, job: Job, step: str, duration_s: float, ok: bool, detail: str
+    ) -> None: ...
+
+    async def job_finished(self, job: Job, rollback: RollbackReport | None) -> None:
+        """The job reached a final state after running (succeeded, failed, cancelled)."""
+        ...
+
+
+class Fanout:
+    """Sends every update to each listener; a listener's exception is logged, not raised."""
+
+    def __init__(self, *listeners: Progress) -> None:
+        self.listeners = list(listeners)
+
+    async def _each(self, what: str, call: Callable[[Progress], Awaitable[None]]) -> None:
+        for listener in self.listeners:
+            try:
+                await call(listener)
+            except Exception:
+                log.exception("progress listener %r failed on %s", listener, what)
+
+    async def job_updated(self, job: Job, note: str = "") -> None:
+        await self._each("job_updated", lambda p: p.job_updated(job, note))
+
+    async def step_started(self, job: Job, step: str, detail: str) -> None:
+        await self._each("step_started", lambda p: p.step_started(job, step, detail))
+
+    async def step_finished(
+        self, job: Job, step: str, duration_s: float, ok: bool, detail: str
+    ) -> None:
+        await self._each(
+            "step_finished", lambda p: p.step_finished(job, step, duration_s, ok, detail)
+        )
+
+    async def job_finished(self, job: Job, rollback: RollbackReport | None) -> None:
+        await self._each("job_finished", lambda p: p.job_finished(job, rollback))

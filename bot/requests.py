@@ -1,0 +1,137 @@
+"""Turn parsed `/deploy` arguments into a validated `DeployRequest`.
+
+This is where the configuration's rules apply: which subnets may be used, the default
+prefix, gateway and DNS of the subnet an address falls in, size limits, defaults. All
+problems are collected and reported together, so one correction fixes the request.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import Any
+
+from pydantic import ValidationError
+
+from bot.errors import RequestInvalid
+from bot.models import DeployRequest
+from bot.parser import USAGE, DeployArgs
+from bot.settings import Settings
+
+# Request fields as the person typed them, so messages name the key they know.
+_FIELD_KEYS = {
+    "name": "the name",
+    "address": "the address",
+    "cores": "cpu",
+    "memory_mib": "mem",
+    "disk_grow_gib": "disk",
+    "user": "user",
+    "template": "template",
+}
+
+
+def build_request(
+    args: DeployArgs,
+    settings: Settings,
+    requester: str,
+    *,
+    user_keys: tuple[str, ...] = (),
+    user_template: str | None = None,
+) -> DeployRequest:
+    problems: list[str] = []
+    defaults = settings.defaults
+    backend, placement = _placement(args.on, settings)
+    data: dict[str, Any] = {
+        "name": args.name,
+        "template": args.template or user_template or defaults.template,
+        "backend": backend,
+        "placement": placement,
+        "storage": args.storage,
+        "cores": args.cores if args.cores is not None else defaults.cores,
+        "memory_mib": args.memory_mib if args.memory_mib is not None else defaults.memory_mib,
+        "disk_grow_gib": (
+            args.disk_grow_gib if args.disk_grow_gib is not None else defaults.disk_grow_gib
+        ),
+        "user": args.user or defaults.user,
+        "ssh_keys": user_keys or defaults.ssh_keys,
+        "upgrade": bool(args.upgrade),
+        "requester": requester,
+    }
+    data.update(_network(args.address, settings, problems))
+    _limits(data, settings, problems)
+    if problems:
+        raise RequestInvalid(problems)
+    try:
+        return DeployRequest(**data)
+    except ValidationError as exc:
+        raise RequestInvalid([_explain(e) for e in exc.errors(include_url=False)]) from None
+
+
+def _placement(on: str | None, settings: Settings) -> tuple[str, str | None]:
+    """`on=` names a backend, a node of the default backend, or BACKEND/NODE."""
+    if on is None:
+        return settings.default_backend, None
+    if settings.backend(on) is not None:
+        return on, None
+    backend, sep, node = on.partition("/")
+    if sep and settings.backend(backend) is not None:
+        return backend, node or None
+    return settings.default_backend, on
+
+
+def _network(address: str | None, settings: Settings, problems: list[str]) -> dict[str, Any]:
+    subnets = ", ".join(str(s.cidr) for s in settings.subnets)
+    if address is None:
+        problems.append(
+            f"Give the VM an address inside {subnets}, e.g. `{USAGE.split(' [ADDRESS')[0]} "
+            f"{_example_host(settings)}`."
+        )
+        return {}
+    try:
+        iface = ipaddress.IPv4Interface(address)
+    except ValueError:
+        problems.append(
+            f"`{address}` is not an IPv4 address: write it like 10.0.0.50 or 10.0.0.50/24."
+        )
+        return {}
+    subnet = settings.subnet_for(iface.ip)
+    if subnet is None:
+        problems.append(f"{iface.ip} is not in a subnet deploybot may use ({subnets}).")
+        return {}
+    if "/" in address and iface.network.prefixlen != subnet.cidr.prefixlen:
+        problems.append(
+            f"{address} says /{iface.network.prefixlen} but {subnet.cidr} is "
+            f"/{subnet.cidr.prefixlen}: drop the prefix or write /{subnet.cidr.prefixlen}."
+        )
+        return {}
+    return {
+        "address": ipaddress.IPv4Interface(f"{iface.ip}/{subnet.cidr.prefixlen}"),
+        "gateway": subnet.gateway,
+        "dns": subnet.dns,
+        "search_domain": subnet.search_domain,
+    }
+
+
+def _example_host(settings: Settings) -> str:
+    net = settings.subnets[0].cidr
+    return str(net.network_address + min(50, max(1, net.num_addresses - 2)))
+
+
+def _limits(data: dict[str, Any], settings: Settings, problems: list[str]) -> None:
+    limits = settings.limits
+    checks = (
+        ("cores", "cpu", limits.max_cores, ""),
+        ("memory_mib", "mem", limits.max_memory_mib, " MiB"),
+        ("disk_grow_gib", "disk", limits.max_disk_grow_gib, " GiB"),
+    )
+    for field, key, limit, unit in checks:
+        if data[field] > limit:
+            problems.append(f"{key}: {data[field]}{unit} is over the limit of {limit}{unit}.")
+
+
+def _explain(error: Any) -> str:
+    loc = error["loc"][0] if error["loc"] else ""
+    message = str(error["msg"]).removeprefix("Value error, ")
+    key = _FIELD_KEYS.get(str(loc), str(loc))
+    if key in ("the name", "the address") or not loc:
+        return message[:1].upper() + message[1:] + ("" if message.endswith(".") else ".")
+    return f"{key}: {message}."

@@ -1,0 +1,196 @@
+"""Configuration: one TOML file plus environment variables for secrets.
+
+The file comes from `DEPLOYBOT_CONFIG`, else `./deploybot.toml`, else the example bundled
+with the package, so `deploybot demo` works on a fresh machine with no file at all. A bad
+file stops the start with the file, the key and the reason: a bot that guesses at its
+own configuration deploys to the wrong place.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from bot.errors import ConfigError
+
+BUNDLED_CONFIG = Path(__file__).with_name("deploybot.example.toml")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SimBackendConfig(_Section):
+    """The built-in simulator; `time_scale` multiplies every simulated duration."""
+
+    kind: Literal["sim"]
+    name: str = Field(pattern=r"^[a-z][a-z0-9-]{0,31}$")
+    placements: tuple[str, ...] = ("node1", "node2")
+    time_scale: float = Field(default=1.0, gt=0, le=100)
+
+
+BackendConfig = SimBackendConfig
+
+
+class Subnet(_Section):
+    cidr: ipaddress.IPv4Network
+    gateway: ipaddress.IPv4Address
+    dns: tuple[ipaddress.IPv4Address, ...] = ()
+    search_domain: str = ""
+
+    @model_validator(mode="after")
+    def _gateway_inside(self) -> Subnet:
+        if self.gateway not in self.cidr:
+            raise ValueError(f"gateway {self.gateway} is outside {self.cidr}")
+        return self
+
+
+class Defaults(_Section):
+    backend: str | None = None
+    template: str = "ubuntu-24.04"
+    cores: int = Field(default=2, ge=1)
+    memory_mib: int = Field(default=2048, ge=256)
+    disk_grow_gib: int = Field(default=0, ge=0)
+    user: str = "ubuntu"
+    ssh_keys: tuple[str, ...] = ()
+    ssh_port: int = Field(default=22, ge=1, le=65535)
+
+
+class Limits(_Section):
+    max_cores: int = Field(default=16, ge=1)
+    max_memory_mib: int = Field(default=65536, ge=256)
+    max_disk_grow_gib: int = Field(default=1024, ge=0)
+    max_running: int = Field(default=8, ge=1)
+    max_running_per_backend: int = Field(default=4, ge=1)
+
+
+class Timeouts(_Section):
+    """Seconds each pipeline step may take before it counts as failed."""
+
+    check_free_s: float = Field(default=30, gt=0)
+    clone_s: float = Field(default=900, gt=0)
+    identity_s: float = Field(default=120, gt=0)
+    resize_s: float = Field(default=300, gt=0)
+    power_on_s: float = Field(default=120, gt=0)
+    address_s: float = Field(default=300, gt=0)
+    ssh_s: float = Field(default=180, gt=0)
+    power_off_s: float = Field(default=120, gt=0)
+    destroy_s: float = Field(default=300, gt=0)
+    retry_initial_s: float = Field(default=0.5, gt=0)
+    retry_max_s: float = Field(default=10, gt=0)
+
+
+class ApprovalPolicy(_Section):
+    """Who may deploy, who approves, and which requests wait for an approver."""
+
+    deployers: tuple[str, ...] = ()  # empty: everyone may deploy
+    approvers: tuple[str, ...] = ()
+    always: bool = False
+    backends: tuple[str, ...] = ()
+    templates: tuple[str, ...] = ()
+    cores_over: int | None = None
+    memory_mib_over: int | None = None
+    disk_grow_gib_over: int | None = None
+    expire_after_s: float = Field(default=3600, gt=0)
+
+    @property
+    def has_rules(self) -> bool:
+        return bool(
+            self.always
+            or self.backends
+            or self.templates
+            or self.cores_over is not None
+            or self.memory_mib_over is not None
+            or self.disk_grow_gib_over is not None
+        )
+
+    @model_validator(mode="after")
+    def _someone_can_approve(self) -> ApprovalPolicy:
+        if self.has_rules and not self.approvers:
+            raise ValueError("some requests need approval but `approvers` is empty")
+        return self
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="DEPLOYBOT_", extra="forbid", frozen=True)
+
+    database: Path = Path("deploybot.db")
+    log_file: Path = Path("deploybot.log")
+    backends: tuple[BackendConfig, ...] = Field(min_length=1)
+    subnets: tuple[Subnet, ...] = Field(min_length=1)
+    defaults: Defaults = Defaults()
+    limits: Limits = Limits()
+    timeouts: Timeouts = Timeouts()
+    approval: ApprovalPolicy = ApprovalPolicy()
+
+    @model_validator(mode="after")
+    def _references(self) -> Settings:
+        names = [b.name for b in self.backends]
+        if len(set(names)) != len(names):
+            raise ValueError(f"backend names must be unique, got {names}")
+        if self.defaults.backend is not None and self.defaults.backend not in names:
+            raise ValueError(f"defaults.backend {self.defaults.backend!r} is not one of {names}")
+        for unknown in set(self.approval.backends) - set(names):
+            raise ValueError(f"approval.backends names {unknown!r}, not one of {names}")
+        return self
+
+    @property
+    def default_backend(self) -> str:
+        return self.defaults.backend or self.backends[0].name
+
+    def backend(self, name: str) -> BackendConfig | None:
+        return next((b for b in self.backends if b.name == name), None)
+
+    def subnet_for(self, address: ipaddress.IPv4Address) -> Subnet | None:
+        return next((s for s in self.subnets if address in s.cidr), None)
+
+
+def config_path(explicit: str | Path | None = None) -> Path:
+    """Which file to read: argument, `DEPLOYBOT_CONFIG`, ./deploybot.toml, bundled example."""
+    chosen = explicit or os.environ.get("DEPLOYBOT_CONFIG")
+    if chosen:
+        return Path(chosen)
+    local = Path("deploybot.toml")
+    return local if local.exists() else BUNDLED_CONFIG
+
+
+def load_settings(path: str | Path | None = None, **overrides: Any) -> Settings:
+    """Read and validate the configuration; a `ConfigError` names the file, key and reason."""
+    source = config_path(path)
+    try:
+        data = tomllib.loads(source.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(
+            f"{source}: no such file. Set DEPLOYBOT_CONFIG to your deploybot.toml, or unset it "
+            "to use the bundled example."
+        ) from None
+    except OSError as exc:
+        raise ConfigError(f"{source}: cannot read it ({exc.strerror})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+    data.update(overrides)
+    try:
+        return Settings(**data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation(source, exc)) from None
+
+
+def format_validation(source: Path, exc: ValidationError) -> str:
+    errors = exc.errors(include_url=False)
+    # A container whose items failed also reports itself as empty; the items say it better.
+    locs = [tuple(e["loc"]) for e in errors]
+    errors = [
+        e for e in errors if not any(o != e["loc"] and o[: len(e["loc"])] == e["loc"] for o in locs)
+    ]
+    lines = [f"{source}: the configuration has {len(errors)} problem(s):"]
+    for error in errors:
+        key = ".".join(str(part) for part in error["loc"]) or "(top level)"
+        message = error["msg"].removeprefix("Value error, ")
+        lines.append(f"  {key}: {message}")
+    return "\n".join(lines)

@@ -1,0 +1,146 @@
+"""The job history database: one SQLite file in WAL mode, owned by one worker thread.
+
+SQLite calls block, and the bot is one event loop serving many deploys; so every call
+runs on a single dedicated thread that owns the connection. One thread also means this
+process never contends with itself for the write lock; other processes on the same file
+(a CLI next to the server) are handled by SQLite's busy timeout and BEGIN IMMEDIATE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sqlite3
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
+from pathlib import Path
+from typing import Any, ParamSpec, TypeVar
+
+from sqlite_utils import Database
+
+from bot.models import Approval, ApprovalState, Job, JobEvent, JobState
+from store import jobs
+from store.jobs import DuplicateActive
+from store.migrations import migrate
+
+__all__ = ["DuplicateActive", "Store"]
+
+P = ParamSpec("P")
+T = TypeVar("T")
+BUSY_TIMEOUT_MS = 10_000
+
+
+def _connect(path: Path) -> Database:
+    if str(path) != ":memory:":
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Created 0600 before SQLite opens it: the history names people and machines.
+        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+        os.close(fd)
+        os.chmod(path, 0o600)
+    conn = sqlite3.connect(path, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000)
+    db = Database(conn)
+    db.execute("PRAGMA journal_mode = WAL")
+    db.execute("PRAGMA foreign_keys = ON")
+    db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+    db.execute("PRAGMA synchronous = NORMAL")
+    migrate(db)
+    return db
+
+
+class Store:
+    """Async access to the history. Open with `await Store.open(path)`, close when done."""
+
+    def __init__(self, path: Path, executor: ThreadPoolExecutor, db: Database) -> None:
+        self.path = path
+        self._executor = executor
+        self._db = db
+
+    @classmethod
+    async def open(cls, path: str | Path) -> Store:
+        path = Path(path)
+        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deploybot-store")
+        loop = asyncio.get_running_loop()
+        try:
+            db = await loop.run_in_executor(executor, _connect, path)
+        except BaseException:
+            executor.shutdown(wait=False)
+            raise
+        return cls(path, executor, db)
+
+    async def close(self) -> None:
+        await self._call(self._db.conn.close)
+        self._executor.shutdown(wait=True)
+
+    async def _call(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, lambda: fn(*args, **kwargs))
+
+    # --- jobs ---------------------------------------------------------------------
+
+    async def insert_job(self, job: Job, approval: Approval | None = None) -> None:
+        """Raises `DuplicateActive` when a job in flight holds the name or the address."""
+        await self._call(jobs.insert_job, self._db, job, approval)
+
+    async def get_job(self, job_id: str) -> Job | None:
+        return await self._call(jobs.get_job, self._db, job_id)
+
+    async def transition(
+        self, job_id: str, expected: Iterable[JobState], new: JobState, **fields: Any
+    ) -> bool:
+        return await self._call(jobs.transition, self._db, job_id, tuple(expected), new, **fields)
+
+    async def update_job(self, job_id: str, **fields: Any) -> None:
+        await self._call(jobs.update_job, self._db, job_id, **fields)
+
+    async def add_event(self, event: JobEvent) -> None:
+        await self._call(jobs.add_event, self._db, event)
+
+    async def events(self, job_id: str) -> list[JobEvent]:
+        return await self._call(jobs.events, self._db, job_id)
+
+    async def history(
+        self,
+        *,
+        requester: str | None = None,
+        state: JobState | None = None,
+        name: str | None = None,
+        since: datetime | None = None,
+        limit: int = 10,
+    ) -> list[Job]:
+        return await self._call(
+            jobs.history,
+            self._db,
+            requester=requester,
+            state=state,
+            name=name,
+            since=since,
+            limit=limit,
+        )
+
+    async def jobs_in(self, states: Iterable[JobState]) -> list[Job]:
+        return await self._call(jobs.jobs_in, self._db, tuple(states))
+
+    # --- approvals ----------------------------------------------------------------
+
+    async def get_approval(self, job_id: str) -> Approval | None:
+        return await self._call(jobs.get_approval, self._db, job_id)
+
+    async def decide(
+        self,
+        job_id: str,
+        decision: ApprovalState,
+        *,
+        by: str | None,
+        note: str | None = None,
+        at: datetime | None = None,
+    ) -> bool:
+        return await self._call(jobs.decide, self._db, job_id, decision, by=by, note=note, at=at)
+
+    async def expired_approvals(self, now: datetime) -> list[str]:
+        return await self._call(jobs.expired_approvals, self._db, now)
+
+    async def integrity_check(self) -> str:
+        return await self._call(
+            lambda: str(self._db.execute("PRAGMA integrity_check").fetchone()[0])
+        )

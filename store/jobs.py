@@ -1,0 +1,246 @@
+"""Jobs, their events and approvals as rows. Plain functions on a sqlite-utils Database.
+
+State changes are compare-and-set: an UPDATE that names the state it expects, so of two
+actors racing (two approvers, a cancel and a finishing worker) exactly one wins and the
+other is told so. These functions run on the store's worker thread (store/db.py).
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Iterable
+from datetime import UTC, datetime
+from enum import Enum
+from typing import Any
+
+from pydantic import BaseModel
+from sqlite_utils import Database
+
+from bot.models import (
+    TRANSITIONS,
+    Approval,
+    ApprovalState,
+    Job,
+    JobEvent,
+    JobState,
+    utcnow,
+)
+from store.tx import immediate
+
+# Columns a transition may set besides state and updated_at.
+_JOB_FIELDS = frozenset(Job.model_fields) - {"id", "state", "request", "created_at", "updated_at"}
+
+
+class DuplicateActive(Exception):
+    """Another job in flight already holds this name (on this backend) or this address."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(what)
+        self.what = what
+
+
+def ts(moment: datetime) -> str:
+    """One fixed-width UTC format, so text order is time order in every query."""
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _sql_value(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return ts(value)
+    if isinstance(value, Enum):
+        return value.value
+    return value
+
+
+def _row(model: BaseModel) -> dict[str, Any]:
+    return {k: _sql_value(v) for k, v in model.model_dump(mode="python").items()}
+
+
+def job_row(job: Job) -> dict[str, Any]:
+    row = _row(job)
+    row["request"] = json.dumps(job.request.model_dump(mode="json"), sort_keys=True)
+    return row
+
+
+def job_from_row(row: dict[str, Any]) -> Job:
+    return Job.model_validate({**row, "request": json.loads(row["request"])})
+
+
+def insert_job(db: Database, job: Job, approval: Approval | None = None) -> None:
+    with immediate(db.conn):
+        try:
+            db.table("jobs").insert(job_row(job))
+        except sqlite3.IntegrityError as exc:
+            text = str(exc)
+            if "jobs.address" in text:
+                raise DuplicateActive("address") from None
+            if "jobs.backend" in text or "jobs.name" in text:
+                raise DuplicateActive("name") from None
+            raise
+        if approval is not None:
+            db.table("approvals").insert(_row(approval))
+
+
+def get_job(db: Database, job_id: str) -> Job | None:
+    rows = list(db.query("SELECT * FROM jobs WHERE id = ?", [job_id]))
+    return job_from_row(rows[0]) if rows else None
+
+
+def transition(
+    db: Database,
+    job_id: str,
+    expected: Iterable[JobState],
+    new: JobState,
+    **fields: Any,
+) -> bool:
+    """Move a job from one of `expected` to `new`; False when it was not in those states."""
+    expected = tuple(expected)
+    for state in expected:
+        if new not in TRANSITIONS.get(state, frozenset()):
+            raise ValueError(f"{state.value} -> {new.value} is not a job transition")
+    unknown = set(fields) - _JOB_FIELDS
+    if unknown:
+        raise ValueError(f"not job columns: {sorted(unknown)}")
+    values = {k: _sql_value(v) for k, v in fields.items()}
+    sets = "".join(f", {column} = :{column}" for column in values)
+    marks = ", ".join(f":s{i}" for i in range(len(expected)))
+    params = {**values, "new": new.value, "now": ts(utcnow()), "id": job_id}
+    params.update({f"s{i}": state.value for i, state in enumerate(expected)})
+    sql = (
+        f"UPDATE jobs SET state = :new, updated_at = :now{sets} "
+        f"WHERE id = :id AND state IN ({marks})"
+    )
+    with immediate(db.conn):
+        cursor = db.execute(sql, params)
+    return cursor.rowcount == 1
+
+
+def update_job(db: Database, job_id: str, **fields: Any) -> None:
+    """Set columns without a state change (the VM's durable id, the wreckage list)."""
+    unknown = set(fields) - _JOB_FIELDS
+    if unknown:
+        raise ValueError(f"not job columns: {sorted(unknown)}")
+    values = {k: _sql_value(v) for k, v in fields.items()}
+    values["updated_at"] = ts(utcnow())
+    with immediate(db.conn):
+        db.table("jobs").update(job_id, values)
+
+
+def add_event(db: Database, event: JobEvent) -> None:
+    with immediate(db.conn):
+        db.table("job_events").insert(_row(event))
+
+
+def events(db: Database, job_id: str) -> list[JobEvent]:
+    rows = db.query(
+        "SELECT job_id, at, step, phase, duration_s, detail FROM job_events "
+        "WHERE job_id = ? ORDER BY id",
+        [job_id],
+    )
+    return [JobEvent.model_validate(row) for row in rows]
+
+
+def history(
+    db: Database,
+    *,
+    requester: str | None = None,
+    state: JobState | None = None,
+    name: str | None = None,
+    since: datetime | None = None,
+    limit: int = 10,
+) -> list[Job]:
+    """Newest first. Each filter is served by an index on (column, created_at)."""
+    where: list[str] = []
+    params: dict[str, Any] = {"limit": limit}
+    for column, value in (("requester", requester), ("name", name)):
+        if value is not None:
+            where.append(f"{column} = :{column}")
+            params[column] = value
+    if state is not None:
+        where.append("state = :state")
+        params["state"] = state.value
+    if since is not None:
+        where.append("created_at >= :since")
+        params["since"] = ts(since)
+    clause = f"WHERE {' AND '.join(where)} " if where else ""
+    sql = f"SELECT * FROM jobs {clause}ORDER BY created_at DESC, rowid DESC LIMIT :limit"
+    return [job_from_row(row) for row in db.query(sql, params)]
+
+
+def jobs_in(db: Database, states: Iterable[JobState]) -> list[Job]:
+    """Oldest first, so a restart re-queues in the order people asked."""
+    values = [s.value for s in states]
+    marks = ", ".join("?" for _ in values)
+    sql = f"SELECT * FROM jobs WHERE state IN ({marks}) ORDER BY created_at, rowid"
+    return [job_from_row(row) for row in db.query(sql, values)]
+
+
+def get_approval(db: Database, job_id: str) -> Approval | None:
+    rows = list(db.query("SELECT * FROM approvals WHERE job_id = ?", [job_id]))
+    return Approval.model_validate(rows[0]) if rows else None
+
+
+def decide(
+    db: Database,
+    job_id: str,
+    decision: ApprovalState,
+    *,
+    by: str | None,
+    note: str | None = None,
+    at: datetime | None = None,
+) -> bool:
+    """Approve, reject or expire a pending request: both rows change, or neither does."""
+    if decision is ApprovalState.PENDING:
+        raise ValueError("a decision cannot be 'pending'")
+    job_state = {
+        ApprovalState.APPROVED: JobState.QUEUED,
+        ApprovalState.REJECTED: JobState.REJECTED,
+        ApprovalState.EXPIRED: JobState.EXPIRED,
+    }[decision]
+    when = ts(at or utcnow())
+    try:
+        _decide(db, job_id, decision.value, job_state, by, note, when)
+    except _Undecided:
+        return False
+    return True
+
+
+class _Undecided(Exception):
+    pass
+
+
+def _decide(
+    db: Database,
+    job_id: str,
+    decision: str,
+    job_state: JobState,
+    by: str | None,
+    note: str | None,
+    when: str,
+) -> None:
+    final = "" if job_state is JobState.QUEUED else ", finished_at = :at"
+    with immediate(db.conn):
+        decided = db.execute(
+            "UPDATE approvals SET state = :d, decided_by = :by, decided_at = :at, note = :note "
+            "WHERE job_id = :id AND state = 'pending'",
+            {"d": decision, "by": by, "at": when, "note": note, "id": job_id},
+        ).rowcount
+        if decided != 1:
+            raise _Undecided
+        moved = db.execute(
+            f"UPDATE jobs SET state = :s, updated_at = :at{final} "
+            "WHERE id = :id AND state = 'awaiting_approval'",
+            {"s": job_state.value, "at": when, "id": job_id},
+        ).rowcount
+        if moved != 1:
+            raise _Undecided  # rolls the approval row back too
+
+
+def expired_approvals(db: Database, now: datetime) -> list[str]:
+    rows = db.query(
+        "SELECT job_id FROM approvals WHERE state = 'pending' AND expires_at <= ? "
+        "ORDER BY expires_at",
+        [ts(now)],
+    )
+    return [row["job_id"] for row in rows]

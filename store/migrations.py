@@ -1,0 +1,110 @@
+"""Schema versions. Each migration runs once, in order, recorded in `PRAGMA user_version`.
+
+Append new migrations; never edit one that has shipped, because databases in the field
+already ran it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from sqlite_utils import Database
+
+from store.tx import immediate
+
+# Jobs in these states hold their VM name and address; keep in sync with bot.models.ACTIVE_STATES.
+_ACTIVE = "('awaiting_approval', 'queued', 'running', 'rolling_back')"
+
+
+def _v1(db: Database) -> None:
+    db.table("jobs").create(
+        {
+            "id": str,
+            "state": str,
+            "requester": str,
+            "name": str,
+            "address": str,
+            "backend": str,
+            "request": str,
+            "created_at": str,
+            "updated_at": str,
+            "started_at": str,
+            "finished_at": str,
+            "vm_id": str,
+            "vm_placement": str,
+            "final_address": str,
+            "failed_step": str,
+            "error": str,
+            "wreckage": str,
+            "approval_reason": str,
+        },
+        pk="id",
+        not_null={
+            "state",
+            "requester",
+            "name",
+            "address",
+            "backend",
+            "request",
+            "created_at",
+            "updated_at",
+        },
+    )
+    for columns in (["requester", "created_at"], ["state", "created_at"], ["name", "created_at"]):
+        db.table("jobs").create_index(columns)
+    db.table("jobs").create_index(["created_at"])
+    # The store, not a read-then-write check, keeps two live jobs off one name or address.
+    db.execute(
+        f"CREATE UNIQUE INDEX jobs_active_name ON jobs(backend, name) WHERE state IN {_ACTIVE}"
+    )
+    db.execute(f"CREATE UNIQUE INDEX jobs_active_address ON jobs(address) WHERE state IN {_ACTIVE}")
+    db.table("job_events").create(
+        {
+            "id": int,
+            "job_id": str,
+            "at": str,
+            "step": str,
+            "phase": str,
+            "duration_s": float,
+            "detail": str,
+        },
+        pk="id",
+        foreign_keys=[("job_id", "jobs", "id")],
+        not_null={"job_id", "at", "step", "phase"},
+    )
+    db.table("job_events").create_index(["job_id", "id"])
+    db.table("approvals").create(
+        {
+            "job_id": str,
+            "state": str,
+            "reason_required": str,
+            "requested_at": str,
+            "expires_at": str,
+            "decided_by": str,
+            "decided_at": str,
+            "note": str,
+        },
+        pk="job_id",
+        foreign_keys=[("job_id", "jobs", "id")],
+        not_null={"state", "requested_at", "expires_at"},
+    )
+    db.table("approvals").create_index(["state", "expires_at"])
+
+
+MIGRATIONS: list[Callable[[Database], None]] = [_v1]
+SCHEMA_VERSION = len(MIGRATIONS)
+
+
+def migrate(db: Database) -> int:
+    """Bring the schema to the newest version; returns how many migrations ran."""
+    current = int(db.execute("PRAGMA user_version").fetchone()[0])
+    if current > SCHEMA_VERSION:
+        raise RuntimeError(
+            f"the database is at schema version {current}, newer than this deploybot "
+            f"({SCHEMA_VERSION}): upgrade deploybot or point it at another database"
+        )
+    for version in range(current, SCHEMA_VERSION):
+        with immediate(db.conn):
+            MIGRATIONS[version](db)
+            db.execute(f"PRAGMA user_version = {version + 1}")
+    return SCHEMA_VERSION - current
