@@ -264,7 +264,7 @@ class Pipeline:
             await self.progress.step_finished(job, step, elapsed, False, failure.reason)
             raise
         elapsed = loop.time() - began
-        done = result if isinstance(result, str) else detail
+        done = result if isinstance(result, str) else ""
         await self.store.add_event(
             JobEvent(job_id=job.id, step=step, phase="finished", duration_s=elapsed, detail=done)
         )

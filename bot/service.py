@@ -134,9 +134,18 @@ class Deployer:
     # --- deploy -------------------------------------------------------------------
 
     async def request_deploy(
-        self, args: DeployArgs, requester: str, *, ssh_keys: tuple[str, ...] = ()
+        self,
+        args: DeployArgs,
+        requester: str,
+        *,
+        ssh_keys: tuple[str, ...] = (),
+        can_wait_for_approval: bool = True,
     ) -> Job:
-        """Validate, record and queue (or send for approval) one deploy."""
+        """Validate, record and queue (or send for approval) one deploy.
+
+        A front end where nobody can approve (the one-shot CLI) passes
+        `can_wait_for_approval=False`: such a request is refused before it is recorded.
+        """
         policy = self.settings.approval
         if policy.deployers and requester not in policy.deployers:
             raise NotAllowed(
@@ -146,6 +155,11 @@ class Deployer:
         request = build_request(args, self.settings, requester, user_keys=ssh_keys)
         await self._check_on_backend(request)
         reason = approval_reason(policy, request)
+        if reason and not can_wait_for_approval:
+            raise NotAllowed(
+                f"This request needs approval ({reason}). Ask in Slack or in `deploybot shell`, "
+                "where an approver can approve it."
+            )
         state = JobState.AWAITING_APPROVAL if reason else JobState.QUEUED
         job = Job.for_request(request, state).model_copy(update={"approval_reason": reason})
         approval = None

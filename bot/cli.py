@@ -1,0 +1,102 @@
+"""The `deploybot` command line: arguments, configuration, logging, exit codes.
+
+The commands themselves are front ends (they print threads and tables), so they live in
+handlers/ and are handed in by handlers/entry.py; this module keeps what every command
+shares and the rule that no traceback reaches the terminal: user errors print their
+message (exit 2), anything unexpected goes to the log with a one-line pointer (exit 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import getpass
+import logging
+import sys
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from bot.errors import DeployBotError
+from bot.settings import Settings, load_settings
+
+Command = Callable[[argparse.Namespace, Settings], Coroutine[Any, Any, int]]
+log = logging.getLogger("deploybot")
+
+
+def default_user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return "operator"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="deploybot",
+        description="Deploy VMs from templates on Proxmox VE, vCenter, ESXi or the simulator.",
+    )
+    parser.add_argument(
+        "--config",
+        help="configuration file (default: $DEPLOYBOT_CONFIG, "
+        "./deploybot.toml, or the bundled example)",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    demo = sub.add_parser("demo", help="a scripted session on the simulator")
+    demo.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="multiply simulated durations (default 1.0: realistic)",
+    )
+    shell = sub.add_parser("shell", help="an interactive local chat with the bot")
+    shell.add_argument("--user", default=default_user(), help="who you are at the start")
+    deploy = sub.add_parser("deploy", help="deploy one VM and wait for it (exit 0 when ready)")
+    deploy.add_argument("words", nargs="+", metavar="NAME [ADDRESS] [key=value ...]")
+    deploy.add_argument("--user", default=default_user(), help="the requester")
+    deploy.add_argument("--backend", help="same as on=BACKEND")
+    history = sub.add_parser("history", help="recent deploys")
+    history.add_argument("limit", nargs="?", type=int, default=20)
+    history.add_argument("--user", help="only this requester's deploys")
+    history.add_argument("--state", help="only jobs in this state (succeeded, failed, ...)")
+    history.add_argument("--name", help="only deploys of this VM name")
+    sub.add_parser("check-config", help="validate the configuration and summarise it")
+    sub.add_parser("serve", help="run the Slack bot")
+    return parser
+
+
+def configure_logging(path: Path, *, to_stderr: bool = False) -> None:
+    handler: logging.Handler = (
+        logging.StreamHandler(sys.stderr) if to_stderr else logging.FileHandler(path)
+    )
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+
+
+def run(argv: Sequence[str] | None, commands: Mapping[str, Command]) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        settings = load_settings(args.config)
+    except DeployBotError as exc:
+        print(exc.message, file=sys.stderr)
+        return 2
+    if args.command != "demo":
+        configure_logging(settings.log_file, to_stderr=args.command == "serve")
+    try:
+        return asyncio.run(commands[args.command](args, settings))
+    except DeployBotError as exc:
+        print(exc.message, file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("Interrupted.", file=sys.stderr)
+        return 130
+    except Exception:
+        log.exception("deploybot %s failed", args.command)
+        print(
+            f"deploybot {args.command} failed unexpectedly; the details are in "
+            f"{settings.log_file}.",
+            file=sys.stderr,
+        )
+        return 1

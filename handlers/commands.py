@@ -1,0 +1,50 @@
+"""Text commands to replies: the dispatch every text front end shares."""
+
+from __future__ import annotations
+
+import logging
+
+from bot.errors import DeployBotError
+from bot.parser import Approve, Cancel, DeployArgs, Help, History, Reject, Status, Templates, parse
+from bot.service import Deployer
+from handlers import messages
+
+log = logging.getLogger(__name__)
+
+
+async def answer(deployer: Deployer, user: str, text: str) -> list[str]:
+    """Run the text after `/deploy` for `user`; always returns reply lines, never raises."""
+    try:
+        return await _run(deployer, user, parse(text))
+    except DeployBotError as exc:
+        return exc.message.splitlines()
+    except Exception:
+        log.exception("command %r by %s failed", text, user)
+        return [messages.INTERNAL_ERROR.format(log=deployer.settings.log_file)]
+
+
+async def _run(
+    deployer: Deployer,
+    user: str,
+    command: DeployArgs | Help | Status | History | Cancel | Templates | Approve | Reject,
+) -> list[str]:
+    match command:
+        case DeployArgs():
+            job = await deployer.request_deploy(command, user)
+            return [messages.accepted(job)]
+        case Help():
+            return messages.HELP.splitlines()
+        case Status(job_id):
+            return messages.status(await deployer.status(job_id))
+        case History(limit):
+            return messages.history(await deployer.history(limit))
+        case Cancel(job_id):
+            return [messages.cancelling(await deployer.cancel(job_id, user))]
+        case Templates():
+            return messages.templates(await deployer.templates())
+        case Approve(job_id):
+            job = await deployer.approve(job_id, user)
+            return [f"Job {job.id}: {messages.approved(job, user)}"]
+        case Reject(job_id, reason):
+            job = await deployer.reject(job_id, user, reason)
+            return [f"Job {job.id}: rejected; {job.requester} has been told why."]

@@ -1,0 +1,62 @@
+"""`deploybot demo`: a scripted chat on the simulator, start to finish.
+
+Alice asks for web01, Bob approves, the thread shows every step and ends with the SSH
+line. Then the simulator is told to fail the next power-on: Alice's second deploy fails,
+is rolled back, and the thread says what was removed. It uses the bundled configuration
+with an approval rule, whatever deploybot.toml says, so it runs the same everywhere.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+from typing import TextIO
+
+from backends.sim import SimBackend
+from bot.models import JobState
+from bot.runtime import running_deployer
+from bot.settings import BUNDLED_CONFIG, load_settings
+from handlers.terminal import Shell, TerminalThread
+
+
+async def run_demo(time_scale: float = 1.0, out: TextIO | None = None) -> int:
+    out = out or sys.stdout
+    with tempfile.TemporaryDirectory(prefix="deploybot-demo-") as tmp:
+        settings = load_settings(
+            BUNDLED_CONFIG,
+            database=str(Path(tmp) / "demo.db"),
+            log_file=str(Path(tmp) / "demo.log"),
+            approval={"approvers": ["bob"], "always": True},
+        )
+        sim = SimBackend("sim", time_scale=time_scale)
+        thread = TerminalThread(out)
+        async with running_deployer(settings, thread, backends={"sim": sim}) as deployer:
+            shell = Shell(deployer, "alice", out)
+
+            async def say(user: str, text: str) -> None:
+                out.write(f"{user}> {text}\n")
+                shell.user = user
+                await shell.handle(text)
+
+            async def latest_job_id() -> str:
+                return (await deployer.history(1))[0].id
+
+            await say("alice", "/deploy web01 10.0.0.50")
+            first = await latest_job_id()
+            await say("bob", f"approve {first}")
+            await deployer.drain()
+
+            out.write("\n# The simulator is told to fail the next power-on.\n\n")
+            sim.inject("power_on", "error")
+            await say("alice", "/deploy web02 10.0.0.51 mem=4G disk=+10G")
+            second = await latest_job_id()
+            await say("bob", f"approve {second}")
+            await deployer.drain()
+            await say("alice", "/deploy history")
+
+            ok = (await deployer.status(first)).job.state is JobState.SUCCEEDED
+            rolled_back = (await deployer.status(second)).job.state is JobState.FAILED
+            left = [vm.name for vm in sim.vms.values()]
+        out.write(f"\nVMs on the simulator now: {', '.join(left) or 'none'}\n")
+        return 0 if ok and rolled_back and left == ["web01"] else 1

@@ -1,0 +1,98 @@
+"""The `deploybot` console script: the CLI of bot/cli.py with the terminal front ends."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from bot.cli import run
+from bot.models import JobState
+from bot.parser import DeployArgs, parse
+from bot.runtime import running_deployer
+from bot.settings import Settings
+from handlers import messages
+from handlers.demo import run_demo
+from handlers.terminal import Shell, TerminalThread
+
+
+async def demo(args: argparse.Namespace, settings: Settings) -> int:
+    return await run_demo(args.time_scale)
+
+
+async def shell(args: argparse.Namespace, settings: Settings) -> int:
+    async with running_deployer(settings, TerminalThread()) as deployer:
+        await Shell(deployer, args.user).run()
+    return 0
+
+
+async def deploy(args: argparse.Namespace, settings: Settings) -> int:
+    words = list(args.words)
+    if args.backend:
+        words.append(f"on={args.backend}")
+    command = parse(" ".join(words))
+    if not isinstance(command, DeployArgs):
+        print(
+            "`deploybot deploy` takes NAME [ADDRESS] [key=value ...]; "
+            "for the other commands use `deploybot shell`.",
+            file=sys.stderr,
+        )
+        return 2
+    async with running_deployer(settings, TerminalThread()) as deployer:
+        job = await deployer.request_deploy(command, args.user, can_wait_for_approval=False)
+        await deployer.drain()
+        final = (await deployer.status(job.id)).job
+    return 0 if final.state is JobState.SUCCEEDED else 1
+
+
+async def history(args: argparse.Namespace, settings: Settings) -> int:
+    from store.db import Store
+
+    state = None
+    if args.state:
+        try:
+            state = JobState(args.state)
+        except ValueError:
+            choices = ", ".join(s.value for s in JobState)
+            print(f"--state {args.state}: not a job state; use one of {choices}.", file=sys.stderr)
+            return 2
+    store = await Store.open(settings.database)
+    try:
+        jobs = await store.history(
+            requester=args.user, state=state, name=args.name, limit=max(1, args.limit)
+        )
+    finally:
+        await store.close()
+    print("\n".join(messages.history(jobs)))
+    return 0
+
+
+async def check_config(args: argparse.Namespace, settings: Settings) -> int:
+    print("The configuration is valid.")
+    print(f"  backends: {', '.join(f'{b.name} ({b.kind})' for b in settings.backends)}")
+    print(f"  subnets: {', '.join(str(s.cidr) for s in settings.subnets)}")
+    print(f"  database: {settings.database}")
+    return 0
+
+
+async def serve(args: argparse.Namespace, settings: Settings) -> int:
+    print(messages.serve_unavailable(), file=sys.stderr)
+    return 2
+
+
+COMMANDS = {
+    "demo": demo,
+    "shell": shell,
+    "deploy": deploy,
+    "history": history,
+    "check-config": check_config,
+    "serve": serve,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run(argv, COMMANDS)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

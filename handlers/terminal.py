@@ -1,0 +1,110 @@
+"""The local front end: chat-like threads on a terminal, and an interactive shell.
+
+`TerminalThread` is the Progress a terminal shows: every job's lines carry its name and
+id, so concurrent deploys stay readable when they interleave. `Shell` reads lines as a
+chat would (`/deploy ...`, `as bob`, `approve j4k7tq`) and answers through the same
+parser, service and queue the Slack front end uses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from typing import TextIO
+
+from bot.models import Job, JobState, RollbackReport
+from bot.service import Deployer
+from handlers import messages
+from handlers.commands import answer
+
+
+class TerminalThread:
+    """A Progress that prints each job as a thread of lines."""
+
+    def __init__(self, out: TextIO | None = None) -> None:
+        self.out = out or sys.stdout
+        self._opened: set[str] = set()
+
+    def _say(self, job: Job, text: str) -> None:
+        for line in text.splitlines():
+            self.out.write(f"  [{job.name} {job.id}] {line}\n")
+        self.out.flush()
+
+    async def job_updated(self, job: Job, note: str = "") -> None:
+        if job.id not in self._opened:
+            self._opened.add(job.id)
+            self.out.write(f"┌ {messages.headline(job)} (job {job.id})\n")
+        if job.state is JobState.QUEUED and note == "" and job.approval_reason:
+            self._say(job, "approved; queued.")
+            return
+        self._say(job, messages.job_update(job, note))
+
+    async def step_started(self, job: Job, step: str, detail: str) -> None:
+        self._say(job, messages.step_started(step, detail))
+
+    async def step_finished(
+        self, job: Job, step: str, duration_s: float, ok: bool, detail: str
+    ) -> None:
+        self._say(job, messages.step_finished(step, duration_s, ok, detail))
+
+    async def job_finished(self, job: Job, rollback: RollbackReport | None) -> None:
+        self._say(job, "\n".join(messages.finished(job, rollback)))
+        self.out.write(f"└ {messages.headline(job)}\n")
+        self.out.flush()
+
+
+class Shell:
+    """One terminal chat: the current user types, the bot answers."""
+
+    def __init__(self, deployer: Deployer, user: str, out: TextIO | None = None) -> None:
+        self.deployer = deployer
+        self.user = user
+        self.out = out or sys.stdout
+
+    def _reply(self, lines: list[str]) -> None:
+        for line in lines:
+            self.out.write(f"bot: {line}\n")
+        self.out.flush()
+
+    async def handle(self, line: str) -> bool:
+        """Handle one typed line; False when the user wants to leave."""
+        text = line.strip()
+        words = text.split()
+        if not words:
+            return True
+        head = words[0].lower()
+        if head in ("quit", "exit", "/quit"):
+            return False
+        if head in ("as", "/as"):
+            if len(words) != 2:
+                self._reply(["Say who you want to be: as NAME (e.g. as bob)."])
+            else:
+                self.user = words[1]
+                self._reply([messages.switched_user(self.user)])
+            return True
+        if head in ("help", "/help"):
+            self._reply(messages.SHELL_HELP.splitlines())
+            return True
+        if head == "/deploy":
+            command = text[len(words[0]) :]
+        elif head in ("approve", "reject", "status", "cancel", "history"):
+            command = text
+        else:
+            self._reply([messages.unknown_shell_input()])
+            return True
+        self._reply(await answer(self.deployer, self.user, command))
+        return True
+
+    async def run(self) -> None:
+        self._reply([f"You are {self.user}. Type help for the commands, quit to leave."])
+        while True:
+            self.out.write(f"{self.user}> ")
+            self.out.flush()
+            line = await asyncio.to_thread(sys.stdin.readline)
+            if not line:  # end of input
+                break
+            if not await self.handle(line):
+                break
+        if self.deployer.queue.running_count or self.deployer.queue.waiting_count:
+            self._reply(["Waiting for running deploys to finish..."])
+            await self.deployer.drain()
