@@ -13,6 +13,11 @@ Faults are injected per operation (the Backend method's name):
   lost on the way back; only the caller's timeout ends the wait.
 * ``crash``: the work is done, then the call dies with an unexpected, unmapped exception
   (a bug or a dropped connection), so the caller must clean up without an answer.
+* ``flaky``: the call fails with a retryable error before anything happens (an API
+  that is briefly unreachable); the next call works.
+
+Queries (``find_by_name``, ``wait_for_address``, ``probe_ssh``) have no work to do, so
+for them ``hang``, ``error`` and ``crash`` act at once.
 
 A guest whose address is in 127.0.0.0/8 gets a real TCP probe for SSH (tests start a
 listener there); for any other address the simulator answers the probe itself, so no
@@ -47,7 +52,7 @@ from backends.base import (
     tcp_probe,
 )
 
-FaultKind = Literal["error", "hang", "crash"]
+FaultKind = Literal["error", "hang", "crash", "flaky"]
 FAULT_KINDS: tuple[FaultKind, ...] = ("error", "hang", "crash")
 OPERATIONS = (
     "find_by_name",
@@ -158,46 +163,77 @@ class SimBackend:
         )
         return vm_id
 
-    def _take_fault(self, op: str) -> FaultKind | None:
+    def _fault(self, op: str, vm_id: str = "") -> FaultKind | None:
+        """Take the fault planned for this call; a flaky one fails it right here."""
+        kind: FaultKind | None = None
         for fault in self.faults:
             if fault.op == op and fault.times > 0:
                 fault.times -= 1
-                return fault.kind
-        return None
+                kind = fault.kind
+                break
+        if kind == "flaky":
+            raise RetryableError(
+                f"{self.name} did not answer {op} (simulated)", vm_id=vm_id or None
+            )
+        return kind
+
+    async def _query_fault(self, op: str, vm_id: str = "") -> None:
+        fault = self._fault(op, vm_id)
+        self.task_log.append((op, vm_id))
+        if fault == "hang":
+            await asyncio.Event().wait()  # the answer never comes; the caller's timeout ends this
+        if fault == "error":
+            raise PermanentError(
+                f"{op} failed: simulated error on {self.name}", vm_id=vm_id or None
+            )
+        if fault == "crash":
+            raise SimulatedCrash(f"simulated crash in {op}")
 
     async def _sleep(self, seconds: float) -> None:
         await asyncio.sleep(seconds * self.time_scale)
 
-    async def _run(self, op: str, vm_id: str, seconds: float, effect: _Effect) -> None:
-        """Run one hypervisor-side task and wait for it the way a real client would."""
-        fault = self._take_fault(op)
+    async def _run(
+        self, op: str, vm_id: str, seconds: float, effect: _Effect, fault: FaultKind | None
+    ) -> None:
+        """Run one hypervisor-side task and wait for it the way a real client would.
+
+        The task holds the VM's lock until it ends, even when nobody waits for it any
+        more: a caller that gave up must not act on the VM until the task is over.
+        """
         self.task_log.append((op, vm_id))
+        vm = self.vms[vm_id]
+        vm.lock = vm.lock or op
 
         async def task() -> None:
-            await self._sleep(seconds)
-            if fault == "error":
-                effect.fail()
-                raise PermanentError(f"{op} failed: simulated error on VM {vm_id}", vm_id=vm_id)
-            effect.apply()
+            try:
+                await self._sleep(seconds)
+                if fault == "error":
+                    effect.fail()
+                    raise PermanentError(f"{op} failed: simulated error on VM {vm_id}", vm_id=vm_id)
+                effect.apply()
+            finally:
+                vm.lock = None
 
         hv_task = asyncio.create_task(task())
         self._tasks.add(hv_task)
         hv_task.add_done_callback(self._tasks.discard)
         if fault == "hang":
-            await asyncio.Event().wait()  # the answer never comes; the caller's timeout ends this
+            await asyncio.Event().wait()
         await asyncio.shield(hv_task)
         if fault == "crash":
             raise SimulatedCrash(f"simulated crash after {op} on VM {vm_id}")
 
-    def _vm(self, ref: VMRef, *, check_tag: bool = True) -> SimVM:
+    def _vm(self, ref: VMRef, *, change: bool = True) -> SimVM:
+        """The VM behind a ref, if it carries the ref's job tag; a change also needs it
+        unlocked (every task holds the VM's lock while it runs, as on Proxmox)."""
         vm = self.vms.get(ref.vm_id)
         if vm is None:
             raise VMNotFound(f"VM {ref.vm_id} does not exist", vm_id=ref.vm_id)
-        if check_tag and ref.tag not in vm.tags:
+        if ref.tag not in vm.tags:
             raise NotOurVM(
                 f"VM {ref.vm_id} ({vm.name}) does not carry tag {ref.tag}", vm_id=vm.vm_id
             )
-        if vm.lock:
+        if change and vm.lock:
             raise RetryableError(f"VM {vm.vm_id} is locked ({vm.lock})", vm_id=vm.vm_id)
         return vm
 
@@ -237,13 +273,7 @@ class SimBackend:
         return vm.info() if vm else None
 
     async def find_by_name(self, name: str) -> list[VMInfo]:
-        fault = self._take_fault("find_by_name")
-        if fault == "hang":
-            await asyncio.Event().wait()
-        if fault == "error":
-            raise RetryableError(f"{self.name} did not answer the VM list")
-        if fault == "crash":
-            raise SimulatedCrash("simulated crash while listing VMs")
+        await self._query_fault("find_by_name")
         return [vm.info() for vm in self.vms.values() if vm.name == name]
 
     async def find_tagged(self) -> list[VMInfo]:
@@ -269,6 +299,7 @@ class SimBackend:
         if ref.vm_id in self.vms:
             raise PermanentError(f"unable to create VM {ref.vm_id}: it already exists")
         mode = await self.clone_mode(spec)
+        fault = self._fault("clone", ref.vm_id)
         vm = SimVM(
             ref.vm_id,
             spec.name,
@@ -281,7 +312,7 @@ class SimBackend:
         )
         self.vms[vm.vm_id] = vm
         seconds = self.timing.clone_linked_s if mode.linked else self.timing.clone_full_s
-        await self._run("clone", vm.vm_id, seconds, _Effect(vm, self, unlock=True, remove=True))
+        await self._run("clone", vm.vm_id, seconds, _Effect(vm, self, remove=True), fault)
 
     async def apply_identity(self, ref: VMRef, identity: Identity) -> None:
         vm = self._vm(ref)
@@ -289,9 +320,9 @@ class SimBackend:
         def set_identity() -> None:
             vm.identity = identity
 
-        await self._run(
-            "apply_identity", vm.vm_id, self.timing.config_s, _Effect(vm, self, set_identity)
-        )
+        fault = self._fault("apply_identity", vm.vm_id)
+        effect = _Effect(vm, self, set_identity)
+        await self._run("apply_identity", vm.vm_id, self.timing.config_s, effect, fault)
 
     async def grow_disk(self, ref: VMRef, grow_gib: int) -> None:
         if grow_gib < 0:
@@ -301,7 +332,8 @@ class SimBackend:
         def grow() -> None:
             vm.disk_gib += grow_gib
 
-        await self._run("grow_disk", vm.vm_id, self.timing.resize_s, _Effect(vm, self, grow))
+        fault = self._fault("grow_disk", vm.vm_id)
+        await self._run("grow_disk", vm.vm_id, self.timing.resize_s, _Effect(vm, self, grow), fault)
 
     async def power_on(self, ref: VMRef) -> None:
         vm = self._vm(ref)
@@ -313,7 +345,8 @@ class SimBackend:
             vm.booted.clear()
             vm.boot_task = asyncio.create_task(self._boot(vm))
 
-        await self._run("power_on", vm.vm_id, self.timing.start_s, _Effect(vm, self, start))
+        fault = self._fault("power_on", vm.vm_id)
+        await self._run("power_on", vm.vm_id, self.timing.start_s, _Effect(vm, self, start), fault)
 
     async def _boot(self, vm: SimVM) -> None:
         await self._sleep(self.timing.boot_s)
@@ -329,34 +362,20 @@ class SimBackend:
     async def wait_for_address(
         self, ref: VMRef, expected: ipaddress.IPv4Address | None
     ) -> ipaddress.IPv4Address:
-        vm = self._vm(ref)
-        fault = self._take_fault("wait_for_address")
-        self.task_log.append(("wait_for_address", vm.vm_id))
-        if fault == "hang":
-            await asyncio.Event().wait()
-        if fault == "error":
-            raise PermanentError(f"guest agent of VM {vm.vm_id} failed: simulated error")
+        vm = self._vm(ref, change=False)
+        await self._query_fault("wait_for_address", vm.vm_id)
         while True:
             if not vm.running:
                 raise PermanentError(f"VM {vm.vm_id} is not running", vm_id=vm.vm_id)
             if vm.booted.is_set():
                 address = pick_address(self._guest_interfaces(vm), expected)
                 if address is not None:
-                    if fault == "crash":
-                        raise SimulatedCrash("simulated crash while reading the guest agent")
                     return address
             await self._sleep(self.timing.poll_s)
 
     async def probe_ssh(self, ref: VMRef, address: ipaddress.IPv4Address, port: int) -> None:
-        vm = self._vm(ref)
-        fault = self._take_fault("probe_ssh")
-        self.task_log.append(("probe_ssh", vm.vm_id))
-        if fault == "hang":
-            await asyncio.Event().wait()
-        if fault == "error":
-            raise PermanentError(f"{address}:{port} refused the connection (simulated)")
-        if fault == "crash":
-            raise SimulatedCrash("simulated crash while probing SSH")
+        vm = self._vm(ref, change=False)
+        await self._query_fault("probe_ssh", vm.vm_id)
         if address.is_loopback:
             await tcp_probe(address, port)
             return
@@ -378,7 +397,8 @@ class SimBackend:
             if vm.boot_task:
                 vm.boot_task.cancel()
 
-        await self._run("power_off", vm.vm_id, self.timing.stop_s, _Effect(vm, self, stop))
+        fault = self._fault("power_off", vm.vm_id)
+        await self._run("power_off", vm.vm_id, self.timing.stop_s, _Effect(vm, self, stop), fault)
 
     async def destroy(self, ref: VMRef) -> None:
         if ref.vm_id not in self.vms:
@@ -390,7 +410,10 @@ class SimBackend:
         def remove() -> None:
             self.vms.pop(vm.vm_id, None)
 
-        await self._run("destroy", vm.vm_id, self.timing.destroy_s, _Effect(vm, self, remove))
+        fault = self._fault("destroy", vm.vm_id)
+        await self._run(
+            "destroy", vm.vm_id, self.timing.destroy_s, _Effect(vm, self, remove), fault
+        )
 
     async def close(self) -> None:
         for task in list(self._tasks):
@@ -409,23 +432,17 @@ class _Effect:
         sim: SimBackend,
         apply: Callable[[], None] | None = None,
         *,
-        unlock: bool = False,
         remove: bool = False,
     ) -> None:
         self._vm = vm
         self._sim = sim
         self._apply = apply
-        self._unlock = unlock
         self._remove_on_failure = remove
 
     def apply(self) -> None:
         if self._apply:
             self._apply()
-        if self._unlock:
-            self._vm.lock = None
 
     def fail(self) -> None:
         if self._remove_on_failure:
             self._sim.vms.pop(self._vm.vm_id, None)
-        elif self._unlock:
-            self._vm.lock = None

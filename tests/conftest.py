@@ -1,0 +1,100 @@
+"""Shared fixtures: fast settings on real SQLite files, a simulator, a running Deployer."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from backends.sim import SimBackend
+from bot.models import Job, JobState, RollbackReport
+from bot.runtime import running_deployer
+from bot.service import Deployer
+from bot.settings import BUNDLED_CONFIG, Settings, load_settings
+
+FAST_TIMEOUTS = {
+    "check_free_s": 0.5,
+    "clone_s": 0.5,
+    "identity_s": 0.5,
+    "resize_s": 0.5,
+    "power_on_s": 0.5,
+    "address_s": 0.5,
+    "ssh_s": 0.5,
+    "power_off_s": 0.5,
+    "destroy_s": 0.5,
+    "retry_initial_s": 0.001,
+    "retry_max_s": 0.01,
+}
+SIM_SCALE = 0.001
+
+
+def make_settings(tmp_path: Path, **overrides: Any) -> Settings:
+    data: dict[str, Any] = {
+        "database": str(tmp_path / "jobs.db"),
+        "log_file": str(tmp_path / "bot.log"),
+        "backends": [{"kind": "sim", "name": "sim", "time_scale": SIM_SCALE}],
+        "timeouts": FAST_TIMEOUTS,
+        "approval": {"approvers": ["bob", "carol"]},
+    }
+    data.update(overrides)
+    return load_settings(BUNDLED_CONFIG, **data)
+
+
+@dataclass
+class Recorder:
+    """A Progress that keeps what it is told, and can act when a step starts."""
+
+    updates: list[tuple[str, JobState, str]] = field(default_factory=list)
+    steps: list[tuple[str, str, str]] = field(default_factory=list)
+    finished: dict[str, tuple[Job, RollbackReport | None]] = field(default_factory=dict)
+    on_step: Callable[[Job, str], Any] | None = None
+    step_seen: dict[str, asyncio.Event] = field(default_factory=dict)
+
+    def seen(self, step: str) -> asyncio.Event:
+        return self.step_seen.setdefault(step, asyncio.Event())
+
+    async def job_updated(self, job: Job, note: str = "") -> None:
+        self.updates.append((job.id, job.state, note))
+
+    async def step_started(self, job: Job, step: str, detail: str) -> None:
+        self.steps.append((job.id, step, "started"))
+        self.seen(step).set()
+        if self.on_step is not None:
+            result = self.on_step(job, step)
+            if asyncio.iscoroutine(result):
+                await result
+
+    async def step_finished(
+        self, job: Job, step: str, duration_s: float, ok: bool, detail: str
+    ) -> None:
+        self.steps.append((job.id, step, "ok" if ok else "failed"))
+
+    async def job_finished(self, job: Job, rollback: RollbackReport | None) -> None:
+        self.finished[job.id] = (job, rollback)
+
+
+@pytest.fixture
+def settings(tmp_path: Path) -> Settings:
+    return make_settings(tmp_path)
+
+
+@pytest.fixture
+def sim() -> SimBackend:
+    return SimBackend("sim", time_scale=SIM_SCALE)
+
+
+@pytest.fixture
+def recorder() -> Recorder:
+    return Recorder()
+
+
+@pytest.fixture
+async def deployer(
+    settings: Settings, sim: SimBackend, recorder: Recorder
+) -> AsyncIterator[Deployer]:
+    async with running_deployer(settings, recorder, backends={"sim": sim}, grace_s=5) as d:
+        yield d

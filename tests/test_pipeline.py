@@ -1,0 +1,212 @@
+"""Every step x every fault on the simulator: the job fails, the rollback runs in
+reverse, and nothing is left on the hypervisor."""
+
+from __future__ import annotations
+
+import pytest
+
+from backends.sim import FAULT_KINDS, SimBackend
+from bot.models import Job, JobState
+from bot.parser import parse
+from bot.pipeline import STEPS
+from bot.service import Deployer
+from tests.conftest import Recorder
+
+# Which simulator operation each step calls.
+STEP_OPS = {
+    "check_free": "find_by_name",
+    "clone": "clone",
+    "identity": "apply_identity",
+    "resize": "grow_disk",
+    "power_on": "power_on",
+    "address": "wait_for_address",
+    "ssh": "probe_ssh",
+}
+# What the rollback must undo, in order, after a failure in each step.
+UNDO_AFTER = {
+    "check_free": [],
+    "clone": ["destroy"],
+    "identity": ["destroy"],
+    "resize": ["destroy"],
+    "power_on": ["stop", "destroy"],
+    "address": ["stop", "destroy"],
+    "ssh": ["stop", "destroy"],
+}
+REQUEST = "web01 10.0.0.50 disk=+10G"
+
+
+async def deploy(deployer: Deployer, text: str = REQUEST) -> Job:
+    job = await deployer.request_deploy(parse(text), "alice")  # type: ignore[arg-type]
+    await deployer.drain()
+    final = (await deployer.status(job.id)).job
+    assert final.state.final
+    return final
+
+
+async def undo_events(deployer: Deployer, job: Job) -> list[str]:
+    events = (await deployer.status(job.id)).events
+    return [e.detail.split()[0] for e in events if e.step == "rollback" and e.phase == "undo"]
+
+
+def test_every_step_is_covered() -> None:
+    assert set(STEP_OPS) == set(STEPS) == set(UNDO_AFTER)
+
+
+async def test_a_deploy_walks_every_step(deployer: Deployer, sim: SimBackend, recorder: Recorder) -> None:
+    job = await deploy(deployer)
+    assert job.state is JobState.SUCCEEDED
+    assert job.final_address == "10.0.0.50"
+    assert job.ssh_line == "ssh ubuntu@10.0.0.50"
+    ok_steps = [step for _id, step, phase in recorder.steps if phase == "ok"]
+    assert ok_steps == list(STEPS)
+    (vm,) = sim.vms.values()
+    assert vm.running and vm.name == "web01" and job.vm_id == vm.vm_id
+    assert vm.identity is not None and str(vm.identity.address) == "10.0.0.50/24"
+    assert vm.disk_gib == 4 + 10
+    assert f"deploybot-{job.id}" in vm.tags
+
+
+@pytest.mark.parametrize("kind", FAULT_KINDS)
+@pytest.mark.parametrize("step", STEPS)
+async def test_a_fault_in_any_step_rolls_back_everything(
+    deployer: Deployer, sim: SimBackend, recorder: Recorder, step: str, kind: str
+) -> None:
+    sim.inject(STEP_OPS[step], kind)  # type: ignore[arg-type]
+    job = await deploy(deployer)
+    assert job.state is JobState.FAILED
+    assert job.failed_step == step
+    assert job.error
+    if kind == "hang":
+        assert "timed out" in job.error
+    if kind == "crash":
+        assert "internal error" in job.error and "SimulatedCrash" not in job.error
+    assert sim.vms == {}, f"left behind: {list(sim.vms)}"
+    assert job.wreckage is None
+    assert await undo_events(deployer, job) == UNDO_AFTER[step]
+    # A VM that was running was stopped, and the stop finished before the destroy.
+    ops = [op for op, _vm in sim.task_log if op in ("power_off", "destroy")]
+    if "power_off" in ops:
+        assert ops.index("power_off") < ops.index("destroy")
+    _job, report = recorder.finished[job.id]
+    assert report is not None and report.clean
+
+
+@pytest.mark.parametrize("step", [s for s in STEPS if s != "check_free"])
+async def test_a_retryable_error_is_retried_within_the_step(
+    deployer: Deployer, sim: SimBackend, step: str
+) -> None:
+    sim.inject(STEP_OPS[step], "flaky", times=2)
+    job = await deploy(deployer)
+    assert job.state is JobState.SUCCEEDED
+
+
+@pytest.mark.parametrize("step", STEPS)
+async def test_a_cancel_in_any_step_rolls_back(
+    deployer: Deployer, sim: SimBackend, recorder: Recorder, step: str
+) -> None:
+    async def cancel_at(job: Job, started: str) -> None:
+        if started == step:
+            await deployer.cancel(job.id, "alice")
+
+    recorder.on_step = cancel_at
+    job = await deploy(deployer)
+    assert job.state is JobState.CANCELLED
+    assert sim.vms == {}
+    assert job.wreckage is None
+
+
+async def test_a_cancel_during_a_hung_call_rolls_back(
+    deployer: Deployer, sim: SimBackend, recorder: Recorder
+) -> None:
+    sim.inject("wait_for_address", "hang")
+    job = await deployer.request_deploy(parse(REQUEST), "alice")  # type: ignore[arg-type]
+    await recorder.seen("address").wait()
+    await deployer.cancel(job.id, "bob")
+    await deployer.drain()
+    final = (await deployer.status(job.id)).job
+    assert final.state is JobState.CANCELLED
+    assert sim.vms == {}
+    assert await undo_events(deployer, final) == ["stop", "destroy"]
+
+
+async def test_a_failing_undo_is_reported_and_the_job_still_ends(
+    deployer: Deployer, sim: SimBackend, recorder: Recorder
+) -> None:
+    sim.inject("probe_ssh", "error")
+    sim.inject("destroy", "error")
+    job = await deploy(deployer)
+    assert job.state is JobState.FAILED
+    assert job.failed_step == "ssh"  # the original error, not the rollback's
+    (vm_id,) = sim.vms
+    assert job.wreckage is not None and f"VM {vm_id}" in job.wreckage
+    _job, report = recorder.finished[job.id]
+    assert report is not None
+    assert report.undone == [f"stop VM {vm_id}"]
+    assert any(f.startswith(f"destroy VM {vm_id}") for f in report.failed)
+
+
+async def test_a_hanging_undo_times_out_and_the_vm_is_checked_afterwards(
+    deployer: Deployer, sim: SimBackend, recorder: Recorder
+) -> None:
+    """The destroy's answer never comes, but the hypervisor did it: the check after the
+    rollback sees the VM gone, so nothing is reported as left behind."""
+    sim.inject("power_on", "error")
+    sim.inject("destroy", "hang")
+    job = await deploy(deployer)
+    assert job.state is JobState.FAILED
+    _job, report = recorder.finished[job.id]
+    assert report is not None and any("timed out" in f for f in report.failed)
+    assert sim.vms == {}
+    assert job.wreckage is None
+
+
+async def test_an_existing_vm_of_that_name_stops_the_deploy_before_anything_is_built(
+    deployer: Deployer, sim: SimBackend
+) -> None:
+    other = sim.add_vm("web01")
+    job = await deploy(deployer)
+    assert job.state is JobState.FAILED and job.failed_step == "check_free"
+    assert "already exists" in (job.error or "")
+    assert list(sim.vms) == [other]  # the VM that was there is untouched
+    assert ("clone", other) not in sim.task_log
+
+
+async def test_an_address_held_by_a_live_vm_is_refused(deployer: Deployer, sim: SimBackend) -> None:
+    first = await deploy(deployer, "web01 10.0.0.50")
+    assert first.state is JobState.SUCCEEDED
+    second = await deploy(deployer, "web02 10.0.0.50")
+    assert second.state is JobState.FAILED and second.failed_step == "check_free"
+    assert f"belongs to web01 (job {first.id})" in (second.error or "")
+    assert len(sim.vms) == 1
+
+
+async def test_rollback_never_touches_a_vm_without_the_job_tag(
+    deployer: Deployer, sim: SimBackend
+) -> None:
+    """If the VM at the recorded id is not ours, rollback refuses and reports it."""
+    sim.inject("power_on", "error")
+    original_clone = sim.clone
+
+    async def clone_then_lose_tag(spec, ref):  # type: ignore[no-untyped-def]
+        await original_clone(spec, ref)
+        sim.vms[ref.vm_id].tags.clear()  # someone re-tagged it behind our back
+
+    sim.clone = clone_then_lose_tag  # type: ignore[method-assign]
+    job = await deploy(deployer)
+    assert job.state is JobState.FAILED
+    assert job.failed_step == "identity"  # identity refuses too: not our VM
+    assert len(sim.vms) == 1  # left alone
+    assert ("destroy", next(iter(sim.vms))) not in sim.task_log
+
+
+async def test_deploys_run_concurrently_and_independently(deployer: Deployer, sim: SimBackend) -> None:
+    sim.inject("power_on", "error")
+    jobs = [
+        await deployer.request_deploy(parse(f"vm{i} 10.0.0.{60 + i}"), "alice")  # type: ignore[arg-type]
+        for i in range(6)
+    ]
+    await deployer.drain()
+    states = [(await deployer.status(j.id)).job.state for j in jobs]
+    assert states.count(JobState.FAILED) == 1
+    assert states.count(JobState.SUCCEEDED) == 5
+    assert len(sim.vms) == 5

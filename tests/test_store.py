@@ -1,0 +1,210 @@
+from __future__ import annotations
+
+import asyncio
+import os
+import sqlite3
+import stat
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from bot.models import Approval, ApprovalState, Job, JobEvent, JobState, utcnow
+from bot.parser import parse
+from bot.requests import build_request
+from bot.settings import Settings
+from store.db import DuplicateActive, Store
+from store.migrations import SCHEMA_VERSION
+
+
+def make_job(settings: Settings, name: str = "web01", address: str = "10.0.0.50",
+             requester: str = "alice", state: JobState = JobState.QUEUED) -> Job:
+    args = parse(f"{name} {address}")
+    request = build_request(args, settings, requester)  # type: ignore[arg-type]
+    return Job.for_request(request, state)
+
+
+@pytest.fixture
+async def store(tmp_path: Path):  # type: ignore[no-untyped-def]
+    s = await Store.open(tmp_path / "jobs.db")
+    yield s
+    await s.close()
+
+
+async def test_migrates_an_empty_file_and_is_private(tmp_path: Path) -> None:
+    path = tmp_path / "sub" / "jobs.db"
+    store = await Store.open(path)
+    await store.close()
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    assert {"jobs", "job_events", "approvals"} <= tables
+    indexes = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='index'")}
+    assert {"jobs_active_name", "jobs_active_address", "idx_jobs_requester_created_at"} <= indexes
+    conn.close()
+    again = await Store.open(path)  # reopening runs no migration twice
+    await again.close()
+
+
+async def test_refuses_a_newer_schema(tmp_path: Path) -> None:
+    path = tmp_path / "jobs.db"
+    conn = sqlite3.connect(path)
+    conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    conn.close()
+    with pytest.raises(RuntimeError, match="newer than this deploybot"):
+        await Store.open(path)
+
+
+async def test_job_round_trips(store: Store, settings: Settings) -> None:
+    job = make_job(settings)
+    await store.insert_job(job)
+    loaded = await store.get_job(job.id)
+    assert loaded == job
+    assert await store.get_job("jnothere") is None
+
+
+async def test_transition_is_compare_and_set(store: Store, settings: Settings) -> None:
+    job = make_job(settings)
+    await store.insert_job(job)
+    assert await store.transition(job.id, [JobState.QUEUED], JobState.RUNNING, started_at=utcnow())
+    assert not await store.transition(job.id, [JobState.QUEUED], JobState.RUNNING)
+    assert not await store.transition(job.id, [JobState.QUEUED], JobState.CANCELLED)
+    loaded = await store.get_job(job.id)
+    assert loaded is not None and loaded.state is JobState.RUNNING
+    assert loaded.started_at is not None
+
+
+async def test_transition_refuses_edges_that_do_not_exist(store: Store, settings: Settings) -> None:
+    job = make_job(settings)
+    await store.insert_job(job)
+    with pytest.raises(ValueError, match="not a job transition"):
+        await store.transition(job.id, [JobState.QUEUED], JobState.SUCCEEDED)
+    with pytest.raises(ValueError, match="not job columns"):
+        await store.transition(job.id, [JobState.QUEUED], JobState.RUNNING, state="x")
+
+
+async def test_concurrent_writers_on_one_file_only_one_wins(tmp_path: Path, settings: Settings) -> None:
+    """Separate Store instances have separate connections and threads: real contention."""
+    stores = [await Store.open(tmp_path / "shared.db") for _ in range(6)]
+    try:
+        jobs = [make_job(settings, f"vm{i}", f"10.0.0.{10 + i}") for i in range(20)]
+        for job in jobs:
+            await stores[0].insert_job(job)
+        for job in jobs:
+            results = await asyncio.gather(
+                *(s.transition(job.id, [JobState.QUEUED], JobState.RUNNING) for s in stores),
+                *(s.transition(job.id, [JobState.QUEUED], JobState.CANCELLED) for s in stores),
+            )
+            assert sum(results) == 1
+        assert await stores[0].integrity_check() == "ok"
+    finally:
+        for s in stores:
+            await s.close()
+
+
+async def test_one_active_job_per_name_and_per_address(store: Store, settings: Settings) -> None:
+    first = make_job(settings, "web01", "10.0.0.50")
+    await store.insert_job(first)
+    with pytest.raises(DuplicateActive) as dup:
+        await store.insert_job(make_job(settings, "web01", "10.0.0.51"))
+    assert dup.value.what == "name"
+    with pytest.raises(DuplicateActive) as dup:
+        await store.insert_job(make_job(settings, "web02", "10.0.0.50"))
+    assert dup.value.what == "address"
+    # Once the first job has ended, both are free again.
+    assert await store.transition(first.id, [JobState.QUEUED], JobState.CANCELLED)
+    await store.insert_job(make_job(settings, "web01", "10.0.0.50"))
+
+
+async def test_twenty_simultaneous_inserts_of_one_name_make_one_job(
+    tmp_path: Path, settings: Settings
+) -> None:
+    stores = [await Store.open(tmp_path / "shared.db") for _ in range(4)]
+    try:
+        async def attempt(i: int) -> bool:
+            try:
+                await stores[i % 4].insert_job(make_job(settings, "web01", f"10.0.0.{20 + i}"))
+            except DuplicateActive:
+                return False
+            return True
+
+        results = await asyncio.gather(*(attempt(i) for i in range(20)))
+        assert sum(results) == 1
+    finally:
+        for s in stores:
+            await s.close()
+
+
+async def test_history_filters_and_orders_newest_first(store: Store, settings: Settings) -> None:
+    jobs = []
+    for i, who in enumerate(["alice", "bob", "alice", "carol"]):
+        job = make_job(settings, f"vm{i}", f"10.0.0.{30 + i}", requester=who)
+        job = job.model_copy(update={"created_at": utcnow() + timedelta(seconds=i)})
+        await store.insert_job(job)
+        jobs.append(job)
+    await store.transition(jobs[2].id, [JobState.QUEUED], JobState.CANCELLED)
+    newest = await store.history(limit=10)
+    assert [j.id for j in newest] == [j.id for j in reversed(jobs)]
+    assert [j.id for j in await store.history(requester="alice")] == [jobs[2].id, jobs[0].id]
+    assert [j.id for j in await store.history(state=JobState.CANCELLED)] == [jobs[2].id]
+    assert [j.id for j in await store.history(name="vm1")] == [jobs[1].id]
+    assert len(await store.history(limit=2)) == 2
+    since = await store.history(since=jobs[2].created_at)
+    assert {j.id for j in since} == {jobs[2].id, jobs[3].id}
+
+
+async def test_events_keep_their_order(store: Store, settings: Settings) -> None:
+    job = make_job(settings)
+    await store.insert_job(job)
+    for step in ("clone", "identity", "power_on"):
+        await store.add_event(JobEvent(job_id=job.id, step=step, phase="started"))
+        await store.add_event(JobEvent(job_id=job.id, step=step, phase="finished", duration_s=0.5))
+    events = await store.events(job.id)
+    assert [(e.step, e.phase) for e in events][:3] == [
+        ("clone", "started"), ("clone", "finished"), ("identity", "started"),
+    ]
+    assert events[1].duration_s == 0.5
+
+
+async def test_approval_is_decided_once(tmp_path: Path, settings: Settings) -> None:
+    stores = [await Store.open(tmp_path / "shared.db") for _ in range(4)]
+    try:
+        job = make_job(settings, state=JobState.AWAITING_APPROVAL)
+        approval = Approval(job_id=job.id, reason_required="always", expires_at=utcnow() + timedelta(hours=1))
+        await stores[0].insert_job(job, approval)
+        results = await asyncio.gather(
+            *(s.decide(job.id, ApprovalState.APPROVED, by="bob") for s in stores),
+            *(s.decide(job.id, ApprovalState.REJECTED, by="carol", note="no") for s in stores),
+        )
+        assert sum(results) == 1
+        decided = await stores[0].get_approval(job.id)
+        loaded = await stores[0].get_job(job.id)
+        assert decided is not None and loaded is not None
+        assert decided.decided_by in ("bob", "carol") and decided.decided_at is not None
+        expected = JobState.QUEUED if decided.state is ApprovalState.APPROVED else JobState.REJECTED
+        assert loaded.state is expected
+    finally:
+        for s in stores:
+            await s.close()
+
+
+async def test_a_decision_on_a_cancelled_job_changes_nothing(store: Store, settings: Settings) -> None:
+    job = make_job(settings, state=JobState.AWAITING_APPROVAL)
+    approval = Approval(job_id=job.id, reason_required="always", expires_at=utcnow() + timedelta(hours=1))
+    await store.insert_job(job, approval)
+    assert await store.transition(job.id, [JobState.AWAITING_APPROVAL], JobState.CANCELLED)
+    assert not await store.decide(job.id, ApprovalState.APPROVED, by="bob")
+    still = await store.get_approval(job.id)
+    assert still is not None and still.state is ApprovalState.PENDING and still.decided_by is None
+
+
+async def test_expired_approvals_are_found_by_time(store: Store, settings: Settings) -> None:
+    now = utcnow()
+    soon = make_job(settings, "a", "10.0.0.40", state=JobState.AWAITING_APPROVAL)
+    later = make_job(settings, "b", "10.0.0.41", state=JobState.AWAITING_APPROVAL)
+    await store.insert_job(soon, Approval(job_id=soon.id, reason_required="x", expires_at=now + timedelta(minutes=1)))
+    await store.insert_job(later, Approval(job_id=later.id, reason_required="x", expires_at=now + timedelta(hours=1)))
+    assert await store.expired_approvals(now) == []
+    assert await store.expired_approvals(now + timedelta(minutes=2)) == [soon.id]
