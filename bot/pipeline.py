@@ -228,7 +228,7 @@ class Pipeline:
 
     async def _ssh(self, run: _Run) -> str:
         address = ipaddress.IPv4Address(run.address or run.job.address)
-        await self._retrying(lambda: run.backend.probe_ssh(self._ref(run), address, self._ssh_port))
+        await run.backend.probe_ssh(self._ref(run), address, self._ssh_port)
         return f"{address}:{self._ssh_port} answers"
 
     # --- step machinery -----------------------------------------------------------
@@ -274,13 +274,15 @@ class Pipeline:
         self, run: _Run, step: str, timeout_s: float, action: Callable[[], Awaitable[T]]
     ) -> T:
         """Run one action under the step's timeout, mapping every failure to StepFailed."""
+        seen: list[str] = []
         try:
             async with asyncio.timeout(timeout_s):
-                return await self._retrying(action)
+                return await self._retrying(action, seen)
         except StepFailed:
             raise
         except TimeoutError:
-            raise StepFailed(step, f"timed out after {timeout_s:g} s") from None
+            last = f" (last: {seen[-1]})" if seen else ""
+            raise StepFailed(step, f"timed out after {timeout_s:g} s{last}") from None
         except BackendError as exc:
             raise StepFailed(step, exc.message) from None
         except asyncio.CancelledError:
@@ -289,9 +291,11 @@ class Pipeline:
             log.exception("job %s: unexpected error in step %s", run.job.id, step)
             raise StepFailed(step, "internal error (the details are in the bot's log)") from None
 
-    async def _retrying(self, action: Callable[[], Awaitable[T]]) -> T:
+    async def _retrying(
+        self, action: Callable[[], Awaitable[T]], seen: list[str] | None = None
+    ) -> T:
         """Retry retryable backend errors with capped exponential backoff; the caller's
-        timeout bounds the whole."""
+        timeout bounds the whole. Each retried error is appended to `seen`."""
         delay = self.timeouts.retry_initial_s
         while True:
             try:
@@ -300,6 +304,8 @@ class Pipeline:
                 if not exc.retryable:
                     raise
                 log.info("retrying after %s", exc.message)
+                if seen is not None:
+                    seen.append(exc.message)
             await asyncio.sleep(delay)
             delay = min(delay * 2, self.timeouts.retry_max_s)
 

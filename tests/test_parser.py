@@ -38,11 +38,32 @@ from bot.parser import (
                 given=("mem", "cpu", "disk", "upgrade", "user", "template"),
             ),
         ),
-        ("a 10.0.0.9 mem=512M", DeployArgs(name="a", address="10.0.0.9", memory_mib=512, given=("mem",))),
-        ("a 10.0.0.9 mem=1.5GiB", DeployArgs(name="a", address="10.0.0.9", memory_mib=1536, given=("mem",))),
-        ("a 10.0.0.9 disk=+1T", DeployArgs(name="a", address="10.0.0.9", disk_grow_gib=1024, given=("disk",))),
-        ("a 10.0.0.9 upgrade=no", DeployArgs(name="a", address="10.0.0.9", upgrade=False, given=("upgrade",))),
-        ("a 10.0.0.9 on=pve1/node2 storage=fast", DeployArgs(name="a", address="10.0.0.9", on="pve1/node2", storage="fast", given=("on", "storage"))),
+        (
+            "a 10.0.0.9 mem=512M",
+            DeployArgs(name="a", address="10.0.0.9", memory_mib=512, given=("mem",)),
+        ),
+        (
+            "a 10.0.0.9 mem=1.5GiB",
+            DeployArgs(name="a", address="10.0.0.9", memory_mib=1536, given=("mem",)),
+        ),
+        (
+            "a 10.0.0.9 disk=+1T",
+            DeployArgs(name="a", address="10.0.0.9", disk_grow_gib=1024, given=("disk",)),
+        ),
+        (
+            "a 10.0.0.9 upgrade=no",
+            DeployArgs(name="a", address="10.0.0.9", upgrade=False, given=("upgrade",)),
+        ),
+        (
+            "a 10.0.0.9 on=pve1/node2 storage=fast",
+            DeployArgs(
+                name="a",
+                address="10.0.0.9",
+                on="pve1/node2",
+                storage="fast",
+                given=("on", "storage"),
+            ),
+        ),
         ("  web01   10.0.0.50  ", DeployArgs(name="web01", address="10.0.0.50")),
         ("help", Help()),
         ("HELP", Help()),
@@ -113,8 +134,26 @@ def test_any_text_parses_or_raises_usage_error(text: str) -> None:
 
 
 _word = st.sampled_from(
-    ["web01", "10.0.0.5", "mem=4G", "cpu=2", "disk=+5G", "upgrade=yes", "status", "history",
-     "jabcdef", "on=x", "=", "mem=", "disk=+", "help", "reject", "a=b=c", "#", "cpu=-1"]
+    [
+        "web01",
+        "10.0.0.5",
+        "mem=4G",
+        "cpu=2",
+        "disk=+5G",
+        "upgrade=yes",
+        "status",
+        "history",
+        "jabcdef",
+        "on=x",
+        "=",
+        "mem=",
+        "disk=+",
+        "help",
+        "reject",
+        "a=b=c",
+        "#",
+        "cpu=-1",
+    ]
 )
 
 

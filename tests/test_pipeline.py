@@ -52,7 +52,9 @@ def test_every_step_is_covered() -> None:
     assert set(STEP_OPS) == set(STEPS) == set(UNDO_AFTER)
 
 
-async def test_a_deploy_walks_every_step(deployer: Deployer, sim: SimBackend, recorder: Recorder) -> None:
+async def test_a_deploy_walks_every_step(
+    deployer: Deployer, sim: SimBackend, recorder: Recorder
+) -> None:
     job = await deploy(deployer)
     assert job.state is JobState.SUCCEEDED
     assert job.final_address == "10.0.0.50"
@@ -199,7 +201,9 @@ async def test_rollback_never_touches_a_vm_without_the_job_tag(
     assert ("destroy", next(iter(sim.vms))) not in sim.task_log
 
 
-async def test_deploys_run_concurrently_and_independently(deployer: Deployer, sim: SimBackend) -> None:
+async def test_deploys_run_concurrently_and_independently(
+    deployer: Deployer, sim: SimBackend
+) -> None:
     sim.inject("power_on", "error")
     jobs = [
         await deployer.request_deploy(parse(f"vm{i} 10.0.0.{60 + i}"), "alice")  # type: ignore[arg-type]

@@ -30,7 +30,12 @@ def test_defaults_come_from_the_subnet_and_config(settings: Settings) -> None:
     assert req.gateway == ipaddress.IPv4Address("10.0.0.1")
     assert [str(d) for d in req.dns] == ["10.0.0.2", "10.0.0.3"]
     assert req.search_domain == "lab.example"
-    assert (req.template, req.backend, req.cores, req.memory_mib) == ("ubuntu-24.04", "sim", 2, 2048)
+    assert (req.template, req.backend, req.cores, req.memory_mib) == (
+        "ubuntu-24.04",
+        "sim",
+        2,
+        2048,
+    )
     assert req.user == "ubuntu"
     assert req.upgrade is False
     assert req.requester == "alice"
@@ -39,7 +44,11 @@ def test_defaults_come_from_the_subnet_and_config(settings: Settings) -> None:
 def test_options_override_defaults(settings: Settings) -> None:
     req = build("db1 10.0.0.60/24 cpu=4 mem=8G disk=+20G user=admin upgrade=yes on=node2", settings)
     assert (req.cores, req.memory_mib, req.disk_grow_gib, req.user, req.upgrade) == (
-        4, 8192, 20, "admin", True,
+        4,
+        8192,
+        20,
+        "admin",
+        True,
     )
     assert (req.backend, req.placement) == ("sim", "node2")
 

@@ -17,8 +17,13 @@ from store.db import DuplicateActive, Store
 from store.migrations import SCHEMA_VERSION
 
 
-def make_job(settings: Settings, name: str = "web01", address: str = "10.0.0.50",
-             requester: str = "alice", state: JobState = JobState.QUEUED) -> Job:
+def make_job(
+    settings: Settings,
+    name: str = "web01",
+    address: str = "10.0.0.50",
+    requester: str = "alice",
+    state: JobState = JobState.QUEUED,
+) -> Job:
     args = parse(f"{name} {address}")
     request = build_request(args, settings, requester)  # type: ignore[arg-type]
     return Job.for_request(request, state)
@@ -85,7 +90,9 @@ async def test_transition_refuses_edges_that_do_not_exist(store: Store, settings
         await store.transition(job.id, [JobState.QUEUED], JobState.RUNNING, state="x")
 
 
-async def test_concurrent_writers_on_one_file_only_one_wins(tmp_path: Path, settings: Settings) -> None:
+async def test_concurrent_writers_on_one_file_only_one_wins(
+    tmp_path: Path, settings: Settings
+) -> None:
     """Separate Store instances have separate connections and threads: real contention."""
     stores = [await Store.open(tmp_path / "shared.db") for _ in range(6)]
     try:
@@ -123,6 +130,7 @@ async def test_twenty_simultaneous_inserts_of_one_name_make_one_job(
 ) -> None:
     stores = [await Store.open(tmp_path / "shared.db") for _ in range(4)]
     try:
+
         async def attempt(i: int) -> bool:
             try:
                 await stores[i % 4].insert_job(make_job(settings, "web01", f"10.0.0.{20 + i}"))
@@ -163,7 +171,9 @@ async def test_events_keep_their_order(store: Store, settings: Settings) -> None
         await store.add_event(JobEvent(job_id=job.id, step=step, phase="finished", duration_s=0.5))
     events = await store.events(job.id)
     assert [(e.step, e.phase) for e in events][:3] == [
-        ("clone", "started"), ("clone", "finished"), ("identity", "started"),
+        ("clone", "started"),
+        ("clone", "finished"),
+        ("identity", "started"),
     ]
     assert events[1].duration_s == 0.5
 
@@ -172,7 +182,9 @@ async def test_approval_is_decided_once(tmp_path: Path, settings: Settings) -> N
     stores = [await Store.open(tmp_path / "shared.db") for _ in range(4)]
     try:
         job = make_job(settings, state=JobState.AWAITING_APPROVAL)
-        approval = Approval(job_id=job.id, reason_required="always", expires_at=utcnow() + timedelta(hours=1))
+        approval = Approval(
+            job_id=job.id, reason_required="always", expires_at=utcnow() + timedelta(hours=1)
+        )
         await stores[0].insert_job(job, approval)
         results = await asyncio.gather(
             *(s.decide(job.id, ApprovalState.APPROVED, by="bob") for s in stores),
@@ -190,9 +202,13 @@ async def test_approval_is_decided_once(tmp_path: Path, settings: Settings) -> N
             await s.close()
 
 
-async def test_a_decision_on_a_cancelled_job_changes_nothing(store: Store, settings: Settings) -> None:
+async def test_a_decision_on_a_cancelled_job_changes_nothing(
+    store: Store, settings: Settings
+) -> None:
     job = make_job(settings, state=JobState.AWAITING_APPROVAL)
-    approval = Approval(job_id=job.id, reason_required="always", expires_at=utcnow() + timedelta(hours=1))
+    approval = Approval(
+        job_id=job.id, reason_required="always", expires_at=utcnow() + timedelta(hours=1)
+    )
     await store.insert_job(job, approval)
     assert await store.transition(job.id, [JobState.AWAITING_APPROVAL], JobState.CANCELLED)
     assert not await store.decide(job.id, ApprovalState.APPROVED, by="bob")
@@ -204,7 +220,11 @@ async def test_expired_approvals_are_found_by_time(store: Store, settings: Setti
     now = utcnow()
     soon = make_job(settings, "a", "10.0.0.40", state=JobState.AWAITING_APPROVAL)
     later = make_job(settings, "b", "10.0.0.41", state=JobState.AWAITING_APPROVAL)
-    await store.insert_job(soon, Approval(job_id=soon.id, reason_required="x", expires_at=now + timedelta(minutes=1)))
-    await store.insert_job(later, Approval(job_id=later.id, reason_required="x", expires_at=now + timedelta(hours=1)))
+    await store.insert_job(
+        soon, Approval(job_id=soon.id, reason_required="x", expires_at=now + timedelta(minutes=1))
+    )
+    await store.insert_job(
+        later, Approval(job_id=later.id, reason_required="x", expires_at=now + timedelta(hours=1))
+    )
     assert await store.expired_approvals(now) == []
     assert await store.expired_approvals(now + timedelta(minutes=2)) == [soon.id]

@@ -1,0 +1,119 @@
+"""The Backend contract (backends/base.py), run against every backend.
+
+A new backend adds a factory to BACKENDS and must pass all of this unchanged.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+from backends.base import (
+    Backend,
+    CloneSpec,
+    Identity,
+    NotOurVM,
+    PermanentError,
+    VMRef,
+    job_tag,
+)
+from backends.sim import SimBackend
+
+
+async def sim_backend() -> Backend:
+    return SimBackend("sim", time_scale=0.001)
+
+
+BACKENDS: dict[str, Callable[[], Awaitable[Backend]]] = {"sim": sim_backend}
+
+IDENTITY = Identity(
+    hostname="contract01",
+    user="ubuntu",
+    ssh_keys=(
+        "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIHb2vLw3m3tqB7m4m1Lr2x9n0l3r3x8uGk2ycJ0b1Fq8 test",
+    ),
+    address=ipaddress.IPv4Interface("10.0.0.77/24"),
+    gateway=ipaddress.IPv4Address("10.0.0.1"),
+    dns=(ipaddress.IPv4Address("10.0.0.2"),),
+    search_domain="lab.example",
+    upgrade=False,
+    cores=2,
+    memory_mib=2048,
+)
+
+
+@pytest.fixture(params=sorted(BACKENDS))
+async def backend(request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
+    made = await BACKENDS[request.param]()
+    yield made
+    await made.close()
+
+
+async def first_template(backend: Backend) -> str:
+    templates = await backend.templates()
+    assert templates, "a backend under test must offer at least one template"
+    return templates[0].name
+
+
+async def test_is_a_backend(backend: Backend) -> None:
+    assert isinstance(backend, Backend)
+
+
+async def test_discovery(backend: Backend) -> None:
+    assert await backend.templates()
+    storages = await backend.storages()
+    assert all(s.total_bytes >= s.free_bytes >= 0 for s in storages)
+    assert await backend.placements()
+    assert isinstance(await backend.networks(), list)
+
+
+async def test_full_life_cycle(backend: Backend) -> None:
+    spec = CloneSpec("jcontra", "contract01", await first_template(backend))
+    ref = await backend.prepare_clone(spec)
+    assert await backend.find_vm(ref) is None, "prepare_clone must not create anything"
+    await backend.clone(spec, ref)
+    info = await backend.find_vm(ref)
+    assert info is not None and info.name == "contract01" and not info.running
+    assert job_tag("jcontra") in info.tags
+    assert [v.vm_id for v in await backend.find_by_name("contract01")] == [ref.vm_id]
+    assert ref.vm_id in {v.vm_id for v in await backend.find_tagged()}
+    await backend.apply_identity(ref, IDENTITY)
+    await backend.grow_disk(ref, 1)
+    await backend.power_on(ref)
+    assert (await backend.find_vm(ref)).running  # type: ignore[union-attr]
+    assert await backend.wait_for_address(ref, IDENTITY.address.ip) == IDENTITY.address.ip
+    with pytest.raises(PermanentError):
+        await backend.destroy(ref)  # running: the hypervisor refuses
+    await backend.power_off(ref)
+    await backend.destroy(ref)
+    assert await backend.find_vm(ref) is None
+    # Gone is gone: a second rollback succeeds quietly.
+    await backend.power_off(ref)
+    await backend.destroy(ref)
+
+
+async def test_refuses_to_touch_a_vm_without_the_job_tag(backend: Backend) -> None:
+    spec = CloneSpec("jowner1", "owned01", await first_template(backend))
+    ref = await backend.prepare_clone(spec)
+    await backend.clone(spec, ref)
+    intruder = VMRef(ref.vm_id, "jother1", ref.placement)
+    with pytest.raises(NotOurVM):
+        await backend.destroy(intruder)
+    with pytest.raises(NotOurVM):
+        await backend.power_off(intruder)
+    assert await backend.find_vm(ref) is not None
+    await backend.destroy(ref)
+
+
+async def test_clone_mode_says_linked_or_full(backend: Backend) -> None:
+    template = (await backend.templates())[0]
+    mode = await backend.clone_mode(CloneSpec("jmode12", "m", template.name))
+    assert mode.reason
+    others = [s for s in await backend.storages() if s.name != template.storage]
+    if others:
+        full = await backend.clone_mode(
+            CloneSpec("jmode12", "m", template.name, storage=others[0].name)
+        )
+        assert not full.linked and "full" in full.reason

@@ -1,0 +1,217 @@
+"""Approvals, cancels, conflicts and permissions through the Deployer."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from backends.sim import SimBackend
+from bot.errors import Conflict, JobNotFound, NotAllowed, RequestInvalid, TransitionRefused
+from backends.base import job_tag
+from bot.models import ApprovalState, Job, JobState, utcnow
+from bot.parser import DeployArgs, parse
+from bot.requests import build_request
+from bot.runtime import running_deployer
+from bot.service import Deployer
+from store.db import Store
+from tests.conftest import Recorder, make_settings
+
+
+def args(text: str) -> DeployArgs:
+    parsed = parse(text)
+    assert isinstance(parsed, DeployArgs)
+    return parsed
+
+
+@pytest.fixture
+async def strict(tmp_path: Path, sim: SimBackend, recorder: Recorder) -> AsyncIterator[Deployer]:
+    """Every deploy needs approval from bob or carol; only alice, bob, carol may deploy."""
+    settings = make_settings(
+        tmp_path,
+        approval={
+            "approvers": ["bob", "carol"],
+            "deployers": ["alice", "bob", "carol"],
+            "always": True,
+            "expire_after_s": 60,
+        },
+    )
+    async with running_deployer(settings, recorder, backends={"sim": sim}, grace_s=5) as d:
+        yield d
+
+
+async def test_approval_then_deploy(strict: Deployer, recorder: Recorder) -> None:
+    job = await strict.request_deploy(args("web01 10.0.0.50"), "alice")
+    assert job.state is JobState.AWAITING_APPROVAL
+    assert job.approval_reason == "every deploy needs approval"
+    await strict.drain()
+    assert (await strict.status(job.id)).job.state is JobState.AWAITING_APPROVAL
+    approved = await strict.approve(job.id, "bob")
+    assert approved.state is JobState.QUEUED
+    await strict.drain()
+    info = await strict.status(job.id)
+    assert info.job.state is JobState.SUCCEEDED
+    assert info.approval is not None
+    assert (info.approval.state, info.approval.decided_by) == (ApprovalState.APPROVED, "bob")
+    assert info.approval.decided_at is not None
+
+
+async def test_requester_and_strangers_cannot_approve(strict: Deployer) -> None:
+    job = await strict.request_deploy(args("web01 10.0.0.50"), "bob")
+    with pytest.raises(NotAllowed, match="your own request"):
+        await strict.approve(job.id, "bob")
+    with pytest.raises(NotAllowed, match="may not approve deploys; the approvers are bob, carol"):
+        await strict.approve(job.id, "mallory")
+    assert (await strict.status(job.id)).job.state is JobState.AWAITING_APPROVAL
+
+
+async def test_two_approvers_at_once_decide_once(strict: Deployer) -> None:
+    job = await strict.request_deploy(args("web01 10.0.0.50"), "alice")
+    results = await asyncio.gather(
+        strict.approve(job.id, "bob"),
+        strict.reject(job.id, "carol", "not today"),
+        strict.approve(job.id, "carol"),
+        return_exceptions=True,
+    )
+    wins = [r for r in results if not isinstance(r, BaseException)]
+    losses = [r for r in results if isinstance(r, TransitionRefused)]
+    assert len(wins) == 1 and len(losses) == 2
+    assert "not awaiting approval" in str(losses[0])
+    await strict.drain()
+
+
+async def test_reject_records_the_reason(strict: Deployer, recorder: Recorder) -> None:
+    job = await strict.request_deploy(args("web01 10.0.0.50"), "alice")
+    rejected = await strict.reject(job.id, "carol", "use the staging subnet")
+    assert rejected.state is JobState.REJECTED
+    info = await strict.status(job.id)
+    assert info.approval is not None and info.approval.note == "use the staging subnet"
+    assert (job.id, JobState.REJECTED, "use the staging subnet") in recorder.updates
+    # The name and address are free again.
+    again = await strict.request_deploy(args("web01 10.0.0.50"), "alice")
+    assert again.state is JobState.AWAITING_APPROVAL
+
+
+async def test_pending_approvals_expire(strict: Deployer) -> None:
+    job = await strict.request_deploy(args("web01 10.0.0.50"), "alice")
+    assert await strict.expire_approvals(utcnow()) == []
+    expired = await strict.expire_approvals(utcnow() + timedelta(seconds=61))
+    assert [j.id for j in expired] == [job.id]
+    assert expired[0].state is JobState.EXPIRED
+    with pytest.raises(TransitionRefused):
+        await strict.approve(job.id, "bob")
+
+
+async def test_only_listed_people_may_deploy(strict: Deployer) -> None:
+    with pytest.raises(NotAllowed, match="mallory is not on the list"):
+        await strict.request_deploy(args("web01 10.0.0.50"), "mallory")
+    assert await strict.history() == []
+
+
+async def test_rules_decide_which_requests_wait(tmp_path: Path, sim: SimBackend) -> None:
+    settings = make_settings(
+        tmp_path,
+        approval={"approvers": ["bob"], "cores_over": 8, "templates": ["rocky-9"]},
+    )
+    async with running_deployer(settings, backends={"sim": sim}) as d:
+        small = await d.request_deploy(args("small 10.0.0.71"), "alice")
+        big = await d.request_deploy(args("big 10.0.0.70 cpu=12"), "alice")
+        rocky = await d.request_deploy(args("el 10.0.0.72 template=rocky-9"), "alice")
+        assert small.state is JobState.QUEUED
+        assert big.approval_reason == "cores over 8 needs approval"
+        assert rocky.approval_reason == "deploys of rocky-9 need approval"
+        await d.drain()  # the waiting job does not block the queue
+        assert (await d.status(small.id)).job.state is JobState.SUCCEEDED
+        with pytest.raises(NotAllowed, match="needs approval"):
+            await d.request_deploy(
+                args("big2 10.0.0.73 cpu=12"), "alice", can_wait_for_approval=False
+            )
+
+
+async def test_same_name_in_flight_is_a_conflict(strict: Deployer) -> None:
+    first = await strict.request_deploy(args("web01 10.0.0.50"), "alice")
+    with pytest.raises(Conflict, match=f"already being deployed by job {first.id}"):
+        await strict.request_deploy(args("web01 10.0.0.51"), "alice")
+    with pytest.raises(Conflict, match=f"10.0.0.50 is already taken by job {first.id}"):
+        await strict.request_deploy(args("web02 10.0.0.50"), "alice")
+
+
+async def test_twenty_simultaneous_requests_for_one_name_make_one_job(strict: Deployer) -> None:
+    results = await asyncio.gather(
+        *(strict.request_deploy(args(f"web01 10.0.0.{100 + i}"), "alice") for i in range(20)),
+        return_exceptions=True,
+    )
+    assert sum(not isinstance(r, BaseException) for r in results) == 1
+    assert all(isinstance(r, Conflict) for r in results if isinstance(r, BaseException))
+    assert len(await strict.history(50)) == 1
+
+
+async def test_unknown_template_or_node_is_refused_before_recording(strict: Deployer) -> None:
+    with pytest.raises(RequestInvalid, match="'centos-5' is not a template on sim"):
+        await strict.request_deploy(args("web01 10.0.0.50 template=centos-5"), "alice")
+    with pytest.raises(RequestInvalid, match="'node9' is neither a backend nor a node"):
+        await strict.request_deploy(args("web01 10.0.0.50 on=node9"), "alice")
+    assert await strict.history() == []
+
+
+async def test_cancel_permissions_and_states(strict: Deployer) -> None:
+    job = await strict.request_deploy(args("web01 10.0.0.50"), "alice")
+    with pytest.raises(NotAllowed, match="Only alice or an approver"):
+        await strict.cancel(job.id, "dave")
+    cancelled = await strict.cancel(job.id, "alice")
+    assert cancelled.state is JobState.CANCELLED
+    with pytest.raises(TransitionRefused, match="nothing to cancel"):
+        await strict.cancel(job.id, "alice")
+    with pytest.raises(JobNotFound, match="There is no job jzzzzzz"):
+        await strict.status("jzzzzzz")
+
+
+async def test_cancel_of_a_queued_job_keeps_it_from_starting(
+    tmp_path: Path, sim: SimBackend
+) -> None:
+    settings = make_settings(tmp_path, limits={"max_running": 1, "max_running_per_backend": 1})
+    async with running_deployer(settings, backends={"sim": sim}) as d:
+        first = await d.request_deploy(args("one 10.0.0.81"), "alice")
+        second = await d.request_deploy(args("two 10.0.0.82"), "alice")
+        assert d.queue.is_waiting(second.id)
+        cancelled = await d.cancel(second.id, "alice")
+        assert cancelled.state is JobState.CANCELLED
+        await d.drain()
+        assert (await d.status(first.id)).job.state is JobState.SUCCEEDED
+        assert (await d.status(second.id)).job.state is JobState.CANCELLED
+        assert [vm.name for vm in sim.vms.values()] == ["one"]
+
+
+async def test_a_restart_requeues_queued_jobs_and_rolls_back_interrupted_ones(
+    tmp_path: Path, sim: SimBackend, recorder: Recorder
+) -> None:
+    """What a killed process leaves: a job marked running with a VM, and a queued job."""
+    settings = make_settings(tmp_path)
+    store = await Store.open(settings.database)
+    running = Job.for_request(
+        build_request(args("one 10.0.0.81"), settings, "alice"), JobState.QUEUED
+    )
+    queued = Job.for_request(
+        build_request(args("two 10.0.0.82"), settings, "alice"), JobState.QUEUED
+    )
+    await store.insert_job(running)
+    await store.insert_job(queued)
+    vm_id = sim.add_vm("one", tags={job_tag(running.id)}, running=True)
+    stranger = sim.add_vm("someone-elses", running=True)
+    await store.transition(running.id, [JobState.QUEUED], JobState.RUNNING, vm_id=vm_id)
+    await store.close()
+
+    async with running_deployer(settings, recorder, backends={"sim": sim}) as d:
+        await d.drain()
+        first = (await d.status(running.id)).job
+        second = (await d.status(queued.id)).job
+    assert first.state is JobState.FAILED
+    assert first.error == "interrupted by a restart of the bot"
+    assert second.state is JobState.SUCCEEDED
+    names = sorted(vm.name for vm in sim.vms.values())
+    assert names == ["someone-elses", "two"]
+    assert stranger in sim.vms
+    assert ("power_off", vm_id) in sim.task_log and ("destroy", vm_id) in sim.task_log

@@ -1,0 +1,103 @@
+"""Simulator semantics that the contract does not cover: locks, faults, guest agent."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+
+import pytest
+
+from backends.base import CloneSpec, PermanentError, RetryableError, VMRef, pick_address
+from backends.sim import SimBackend, SimulatedCrash, SimTiming
+from tests.test_backend_contract import IDENTITY
+
+
+async def cloned(sim: SimBackend, job: str = "jsim001") -> VMRef:
+    spec = CloneSpec(job, "vm1", "ubuntu-24.04")
+    ref = await sim.prepare_clone(spec)
+    await sim.clone(spec, ref)
+    return ref
+
+
+async def test_a_clone_is_locked_until_it_finishes() -> None:
+    sim = SimBackend(time_scale=0.001, timing=SimTiming(clone_linked_s=50))
+    spec = CloneSpec("jsim001", "vm1", "ubuntu-24.04")
+    ref = await sim.prepare_clone(spec)
+    task = asyncio.create_task(sim.clone(spec, ref))
+    while ref.vm_id not in sim.vms:
+        await asyncio.sleep(0)
+    with pytest.raises(RetryableError, match=r"locked \(clone\)"):
+        await sim.apply_identity(ref, IDENTITY)
+    await task
+    await sim.apply_identity(ref, IDENTITY)
+
+
+async def test_a_failed_clone_leaves_no_vm() -> None:
+    sim = SimBackend(time_scale=0.001)
+    sim.inject("clone", "error")
+    spec = CloneSpec("jsim001", "vm1", "ubuntu-24.04")
+    ref = await sim.prepare_clone(spec)
+    with pytest.raises(PermanentError, match="clone failed"):
+        await sim.clone(spec, ref)
+    assert sim.vms == {}
+
+
+async def test_a_crash_acts_then_raises_an_unmapped_error() -> None:
+    sim = SimBackend(time_scale=0.001)
+    ref = await cloned(sim)
+    sim.inject("power_on", "crash")
+    with pytest.raises(SimulatedCrash):
+        await sim.power_on(ref)
+    assert sim.vms[ref.vm_id].running
+
+
+async def test_the_address_appears_only_after_boot() -> None:
+    sim = SimBackend(time_scale=0.001)
+    ref = await cloned(sim)
+    await sim.apply_identity(ref, IDENTITY)
+    with pytest.raises(PermanentError, match="not running"):
+        await sim.wait_for_address(ref, None)
+    await sim.power_on(ref)
+    assert not sim.vms[ref.vm_id].booted.is_set()
+    assert await sim.wait_for_address(ref, None) == IDENTITY.address.ip
+
+
+async def test_inject_rejects_unknown_operations() -> None:
+    with pytest.raises(ValueError, match="unknown operation"):
+        SimBackend().inject("reboot", "error")
+
+
+async def test_unknown_template_and_node_are_permanent_errors() -> None:
+    sim = SimBackend()
+    with pytest.raises(PermanentError, match="template 'nope' does not exist"):
+        await sim.prepare_clone(CloneSpec("jsim001", "vm1", "nope"))
+    with pytest.raises(PermanentError, match="not a node"):
+        await sim.prepare_clone(CloneSpec("jsim001", "vm1", "ubuntu-24.04", placement="node7"))
+
+
+@pytest.mark.parametrize(
+    ("interfaces", "expected", "chosen"),
+    [
+        (
+            [
+                ("lo", "127.0.0.1"),
+                ("ens18", "fe80::1"),
+                ("docker0", "172.17.0.1"),
+                ("ens18", "10.0.0.5"),
+            ],
+            None,
+            "10.0.0.5",
+        ),
+        ([("ens18", "169.254.3.3"), ("ens18", "10.0.0.5/24")], None, "10.0.0.5"),
+        ([("ens18", "10.0.0.9"), ("ens19", "10.0.0.5")], "10.0.0.5", "10.0.0.5"),
+        ([("cni0", "10.88.0.1"), ("veth1", "10.88.0.2")], None, None),
+        ([("lo", "127.0.0.1")], None, None),
+        ([("ens18", "not-an-ip")], None, None),
+    ],
+)
+def test_pick_address_skips_what_does_not_reach_the_guest(
+    interfaces: list[tuple[str, str]], expected: str | None, chosen: str | None
+) -> None:
+    want = ipaddress.IPv4Address(expected) if expected else None
+    got = pick_address(interfaces, want)
+    assert (str(got) if got else None) == chosen

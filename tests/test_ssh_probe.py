@@ -1,0 +1,94 @@
+"""The real TCP reachability check, against listeners on 127.0.0.0/8 only."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from backends.base import RetryableError, tcp_probe
+from backends.sim import SimBackend
+from bot.models import JobState
+from bot.parser import DeployArgs, parse
+from bot.runtime import running_deployer
+from tests.conftest import make_settings
+
+GUEST = ipaddress.IPv4Address("127.0.5.10")
+
+
+@pytest.fixture
+async def listener() -> AsyncIterator[tuple[int, list[int]]]:
+    """A TCP server on the guest's loopback address; records each connection."""
+    accepted: list[int] = []
+
+    async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(1)
+        writer.write(b"SSH-2.0-OpenSSH_9.6 deploybot-test\r\n")
+        writer.close()
+
+    server = await asyncio.start_server(on_connect, str(GUEST), 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        yield port, accepted
+
+
+async def free_port() -> int:
+    server = await asyncio.start_server(lambda r, w: None, str(GUEST), 0)
+    port: int = server.sockets[0].getsockname()[1]
+    server.close()
+    await server.wait_closed()
+    return port
+
+
+async def test_probe_connects(listener: tuple[int, list[int]]) -> None:
+    port, _accepted = listener
+    await tcp_probe(GUEST, port)
+
+
+async def test_probe_of_a_closed_port_is_retryable() -> None:
+    with pytest.raises(RetryableError, match="does not answer yet"):
+        await tcp_probe(GUEST, await free_port())
+
+
+def loopback_settings(tmp_path: Path, port: int):  # type: ignore[no-untyped-def]
+    return make_settings(
+        tmp_path,
+        subnets=[{"cidr": "127.0.5.0/24", "gateway": "127.0.5.1"}],
+        defaults={"ssh_port": port},
+    )
+
+
+def deploy_args() -> DeployArgs:
+    parsed = parse(f"loop01 {GUEST}")
+    assert isinstance(parsed, DeployArgs)
+    return parsed
+
+
+async def test_a_deploy_proves_ssh_over_real_tcp(
+    tmp_path: Path, listener: tuple[int, list[int]]
+) -> None:
+    port, accepted = listener
+    sim = SimBackend("sim", time_scale=0.001)
+    async with running_deployer(loopback_settings(tmp_path, port), backends={"sim": sim}) as d:
+        job = await d.request_deploy(deploy_args(), "alice")
+        await d.drain()
+        final = (await d.status(job.id)).job
+    assert final.state is JobState.SUCCEEDED
+    assert final.ssh_line == f"ssh ubuntu@{GUEST}"
+    assert accepted, "the SSH check must really connect"
+
+
+async def test_a_guest_that_never_answers_fails_the_deploy(tmp_path: Path) -> None:
+    sim = SimBackend("sim", time_scale=0.001)
+    settings = loopback_settings(tmp_path, await free_port())
+    async with running_deployer(settings, backends={"sim": sim}) as d:
+        job = await d.request_deploy(deploy_args(), "alice")
+        await d.drain()
+        final = (await d.status(job.id)).job
+    assert final.state is JobState.FAILED
+    assert final.failed_step == "ssh"
+    assert "timed out" in (final.error or "") and "does not answer yet" in (final.error or "")
+    assert sim.vms == {}
