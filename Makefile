@@ -27,7 +27,7 @@ test: lint
 	$(BIN)/pytest
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/bench_queue.py
+	$(BIN)/python benchmarks/bench_pipeline.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis

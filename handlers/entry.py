@@ -63,7 +63,8 @@ async def history(args: argparse.Namespace, settings: Settings) -> int:
         )
     finally:
         await store.close()
-    print("\n".join(messages.history(jobs)))
+    filtered = bool(args.user or state or args.name)
+    print("\n".join(messages.history(jobs, filtered=filtered)))
     return 0
 
 

@@ -182,7 +182,9 @@ def _event_line(event: JobEvent) -> str:
     return f"{event.at:%H:%M:%S} {step_label(event.step)} {event.phase}{took}{detail}"
 
 
-def history(jobs: Sequence[Job]) -> list[str]:
+def history(jobs: Sequence[Job], *, filtered: bool = False) -> list[str]:
+    if not jobs and filtered:
+        return ["No deploys match; drop a filter to see more."]
     if not jobs:
         return ["No deploys yet. Start one with /deploy web01 10.0.0.50."]
     lines = [f"{'job':<8} {'when':<16} {'who':<10} {'name':<14} {'address':<15} state"]

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from backends.base import job_tag
 from backends.sim import SimBackend
 from bot.errors import Conflict, JobNotFound, NotAllowed, RequestInvalid, TransitionRefused
-from backends.base import job_tag
 from bot.models import ApprovalState, Job, JobState, utcnow
 from bot.parser import DeployArgs, parse
 from bot.requests import build_request

@@ -8,7 +8,7 @@ import ipaddress
 import pytest
 
 from backends.base import CloneSpec, PermanentError, RetryableError, VMRef, pick_address
-from backends.sim import SimBackend, SimulatedCrash, SimTiming
+from backends.sim import SimBackend, SimTiming, SimulatedCrash
 from tests.test_backend_contract import IDENTITY
 
 
@@ -24,8 +24,8 @@ async def test_a_clone_is_locked_until_it_finishes() -> None:
     spec = CloneSpec("jsim001", "vm1", "ubuntu-24.04")
     ref = await sim.prepare_clone(spec)
     task = asyncio.create_task(sim.clone(spec, ref))
-    while ref.vm_id not in sim.vms:
-        await asyncio.sleep(0)
+    await asyncio.wait({task}, timeout=0)  # one loop turn: the clone's first step makes the VM
+    assert sim.vms[ref.vm_id].lock == "clone"
     with pytest.raises(RetryableError, match=r"locked \(clone\)"):
         await sim.apply_identity(ref, IDENTITY)
     await task

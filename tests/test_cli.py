@@ -1,0 +1,179 @@
+"""The `deploybot` command as a user runs it: a real process, real files, exit codes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+CONFIG = """
+database = "{tmp}/jobs.db"
+log_file = "{tmp}/bot.log"
+
+[[backends]]
+kind = "sim"
+name = "sim"
+time_scale = 0.001
+
+[[subnets]]
+cidr = "10.0.0.0/24"
+gateway = "10.0.0.1"
+dns = ["10.0.0.2"]
+
+[timeouts]
+retry_initial_s = 0.001
+
+[approval]
+approvers = ["bob"]
+cores_over = 8
+"""
+
+
+def deploybot(
+    tmp_path: Path, *args: str, config: str | None = CONFIG, stdin: str = ""
+) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DEPLOYBOT_")}
+    if config is not None:
+        path = tmp_path / "deploybot.toml"
+        path.write_text(config.format(tmp=tmp_path))
+        env["DEPLOYBOT_CONFIG"] = str(path)
+    return subprocess.run(
+        [sys.executable, "-m", "handlers.entry", *args],
+        cwd=tmp_path,
+        env=env,
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def no_traceback(result: subprocess.CompletedProcess[str]) -> None:
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+def test_demo_runs_both_threads_to_the_end(tmp_path: Path) -> None:
+    result = deploybot(tmp_path, "demo", "--time-scale", "0.01", config=None)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "bob> approve j" in out
+    assert "    ssh ubuntu@10.0.0.50" in out
+    assert "failed at power on" in out
+    assert "Rolled back: stop VM 102; destroy VM 102." in out
+    assert "VMs on the simulator now: web01" in out
+    no_traceback(result)
+    assert not list(tmp_path.iterdir()), "the demo leaves no files behind"
+
+
+def test_deploy_prints_the_ssh_line_and_history_remembers(tmp_path: Path) -> None:
+    result = deploybot(tmp_path, "deploy", "web01", "10.0.0.50", "mem=4G", "--user", "alice")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "ssh ubuntu@10.0.0.50" in result.stdout
+    history = deploybot(tmp_path, "history")
+    assert history.returncode == 0
+    assert "web01" in history.stdout and "ready" in history.stdout and "alice" in history.stdout
+    only_failed = deploybot(tmp_path, "history", "--state", "failed")
+    assert "No deploys match" in only_failed.stdout
+    bad_state = deploybot(tmp_path, "history", "--state", "sideways")
+    assert bad_state.returncode == 2 and "use one of awaiting_approval" in bad_state.stderr
+
+
+def test_a_bad_request_says_why_and_records_nothing(tmp_path: Path) -> None:
+    result = deploybot(tmp_path, "deploy", "web_01", "10.0.0.500")
+    assert result.returncode == 2
+    assert "not a valid host name" in result.stderr or "not an IPv4 address" in result.stderr
+    no_traceback(result)
+    usage = deploybot(tmp_path, "deploy", "web01", "10.0.0.50", "memory=4G")
+    assert usage.returncode == 2 and "Did you mean `mem`?" in usage.stderr
+    assert "No deploys yet" in deploybot(tmp_path, "history").stdout
+
+
+def test_a_request_needing_approval_is_refused_by_the_one_shot_cli(tmp_path: Path) -> None:
+    result = deploybot(tmp_path, "deploy", "big", "10.0.0.60", "cpu=12")
+    assert result.returncode == 2
+    assert "needs approval (cores over 8 needs approval)" in result.stderr
+    assert "No deploys yet" in deploybot(tmp_path, "history").stdout
+
+
+def test_a_failed_deploy_exits_1(tmp_path: Path) -> None:
+    config = CONFIG.replace("[timeouts]", "[timeouts]\nssh_s = 0.2\naddress_s = 0.0001")
+    result = deploybot(tmp_path, "deploy", "web01", "10.0.0.50", config=config)
+    assert result.returncode == 1
+    assert "failed at wait for address" in result.stdout
+    no_traceback(result)
+
+
+@pytest.mark.parametrize(
+    ("config", "fragments"),
+    [
+        ("[[backends]]\nkind='sim'\nname='sim'\n", ["subnets: Field required"]),
+        ("database = [1, 2\n", ["not valid TOML"]),
+        (
+            CONFIG.replace('gateway = "10.0.0.1"', 'gateway = "10.9.0.1"'),
+            ["subnets.0: gateway 10.9.0.1 is outside 10.0.0.0/24"],
+        ),
+        (
+            CONFIG.replace("time_scale = 0.001", "time_scale = 0.001\ncolour = 'red'"),
+            ["backends.0.colour"],
+        ),
+    ],
+)
+def test_a_bad_config_names_file_key_and_reason(
+    tmp_path: Path, config: str, fragments: list[str]
+) -> None:
+    result = deploybot(tmp_path, "check-config", config=config)
+    assert result.returncode == 2
+    assert str(tmp_path / "deploybot.toml") in result.stderr
+    for fragment in fragments:
+        assert fragment in result.stderr
+    no_traceback(result)
+
+
+def test_a_missing_config_file_says_what_to_do(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DEPLOYBOT_")}
+    env["DEPLOYBOT_CONFIG"] = str(tmp_path / "nope.toml")
+    result = subprocess.run(
+        [sys.executable, "-m", "handlers.entry", "check-config"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2 and "no such file" in result.stderr
+
+
+def test_the_bundled_config_works_with_no_file(tmp_path: Path) -> None:
+    result = deploybot(tmp_path, "check-config", config=None)
+    assert result.returncode == 0 and "backends: sim (sim)" in result.stdout
+
+
+def test_an_internal_error_points_at_the_log_not_a_traceback(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    config = CONFIG.replace('database = "{tmp}/jobs.db"', 'database = "{tmp}/file/jobs.db"')
+    result = deploybot(tmp_path, "deploy", "web01", "10.0.0.50", config=config)
+    assert result.returncode == 1
+    assert f"the details are in {tmp_path}/bot.log" in result.stderr
+    no_traceback(result)
+    assert "Traceback" in (tmp_path / "bot.log").read_text()
+
+
+def test_shell_session_deploys_and_waits_before_leaving(tmp_path: Path) -> None:
+    lines = "help\n/deploy help\n/deploy web01 10.0.0.50\nwhat\nquit\n"
+    result = deploybot(tmp_path, "shell", "--user", "alice", stdin=lines)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "as NAME" in out
+    assert "bot:   /deploy status JOB" in out
+    assert "I only understand /deploy" in out
+    assert "ssh ubuntu@10.0.0.50" in out
+    no_traceback(result)
+
+
+def test_serve_says_it_is_not_there_yet(tmp_path: Path) -> None:
+    result = deploybot(tmp_path, "serve")
+    assert result.returncode == 2 and "deploybot shell" in result.stderr
