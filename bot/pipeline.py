@@ -194,8 +194,9 @@ class Pipeline:
                 f"a VM named {req.name} already exists on {req.backend} (id {taken[0].vm_id}): "
                 "pick another name, or remove that VM first",
             )
-        for other in await self.store.history(state=JobState.SUCCEEDED, limit=1000):
-            if other.address != run.job.address or other.vm_id is None:
+        holders = await self.store.history(state=JobState.SUCCEEDED, address=run.job.address)
+        for other in holders:
+            if other.vm_id is None:
                 continue
             backend = self.backends.get(other.backend)
             if backend and await backend.find_vm(VMRef(other.vm_id, other.id, other.vm_placement)):

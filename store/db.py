@@ -105,6 +105,7 @@ class Store:
         requester: str | None = None,
         state: JobState | None = None,
         name: str | None = None,
+        address: str | None = None,
         since: datetime | None = None,
         limit: int = 10,
     ) -> list[Job]:
@@ -114,6 +115,7 @@ class Store:
             requester=requester,
             state=state,
             name=name,
+            address=address,
             since=since,
             limit=limit,
         )

@@ -147,13 +147,14 @@ def history(
     requester: str | None = None,
     state: JobState | None = None,
     name: str | None = None,
+    address: str | None = None,
     since: datetime | None = None,
     limit: int = 10,
 ) -> list[Job]:
     """Newest first. Each filter is served by an index on (column, created_at)."""
     where: list[str] = []
     params: dict[str, Any] = {"limit": limit}
-    for column, value in (("requester", requester), ("name", name)):
+    for column, value in (("requester", requester), ("name", name), ("address", address)):
         if value is not None:
             where.append(f"{column} = :{column}")
             params[column] = value

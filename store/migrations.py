@@ -50,7 +50,12 @@ def _v1(db: Database) -> None:
             "updated_at",
         },
     )
-    for columns in (["requester", "created_at"], ["state", "created_at"], ["name", "created_at"]):
+    for columns in (
+        ["requester", "created_at"],
+        ["state", "created_at"],
+        ["name", "created_at"],
+        ["address", "created_at"],
+    ):
         db.table("jobs").create_index(columns)
     db.table("jobs").create_index(["created_at"])
     # The store, not a read-then-write check, keeps two live jobs off one name or address.
