@@ -29,8 +29,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict, Field
 
 JOB_TAG_PREFIX = "deploybot-"
 
@@ -169,6 +172,27 @@ class CloneMode:
 
     linked: bool
     reason: str
+
+
+# --- configuration ------------------------------------------------------------------
+
+
+class BackendConfig(BaseModel):
+    """One `[[backends]]` entry. Each backend module subclasses it as `Config`, with
+    `kind` narrowed to its own literal, and offers `create(config, environ)`.
+
+    Secrets are never fields: a config names the environment variable that holds one
+    (e.g. `token_secret_env`), and `create` reads it from `environ`.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: str
+    name: str = Field(pattern=r"^[a-z][a-z0-9-]{0,31}$")
+
+
+class BackendFactory(Protocol):
+    def __call__(self, config: BackendConfig, environ: Mapping[str, str]) -> Backend: ...
 
 
 # --- the Protocol -------------------------------------------------------------------

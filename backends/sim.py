@@ -29,12 +29,15 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+from pydantic import Field
+
 from backends.base import (
     JOB_TAG_PREFIX,
+    BackendConfig,
     CloneMode,
     CloneSpec,
     Identity,
@@ -66,6 +69,19 @@ OPERATIONS = (
     "destroy",
 )
 GIB = 1024**3
+
+
+class Config(BackendConfig):
+    """`kind = "sim"`: the built-in simulator; `time_scale` multiplies every duration."""
+
+    kind: Literal["sim"]
+    placements: tuple[str, ...] = ("node1", "node2")
+    time_scale: float = Field(default=1.0, gt=0, le=100)
+
+
+def create(config: BackendConfig, environ: Mapping[str, str]) -> SimBackend:
+    assert isinstance(config, Config)
+    return SimBackend(config.name, placements=config.placements, time_scale=config.time_scale)
 
 
 class SimulatedCrash(RuntimeError):

@@ -3,24 +3,23 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+import os
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 
-from backends.base import Backend
-from backends.sim import SimBackend
+from backends.base import Backend, BackendConfig, BackendFactory
 from bot.progress import Progress
 from bot.service import Deployer
-from bot.settings import BackendConfig, Settings
+from bot.settings import Settings, backend_module
 from store.db import Store
 
 log = logging.getLogger(__name__)
 
 
-def make_backend(config: BackendConfig) -> Backend:
-    """One place that knows every backend kind; a new kind adds a branch here."""
-    if config.kind == "sim":
-        return SimBackend(config.name, placements=config.placements, time_scale=config.time_scale)
-    raise ValueError(f"unknown backend kind {config.kind!r}")  # settings validation prevents this
+def make_backend(config: BackendConfig, environ: Mapping[str, str] | None = None) -> Backend:
+    """Build a backend through its module's `create` (see bot.settings.BACKEND_MODULES)."""
+    factory: BackendFactory = backend_module(config.kind).create
+    return factory(config, os.environ if environ is None else environ)
 
 
 @asynccontextmanager

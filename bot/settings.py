@@ -8,15 +8,19 @@ own configuration deploys to the wrong place.
 
 from __future__ import annotations
 
+import importlib
 import ipaddress
 import os
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from types import ModuleType
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import ErrorDetails
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from backends.base import BackendConfig
 from bot.errors import ConfigError
 
 BUNDLED_CONFIG = Path(__file__).with_name("deploybot.example.toml")
@@ -26,16 +30,43 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class SimBackendConfig(_Section):
-    """The built-in simulator; `time_scale` multiplies every simulated duration."""
-
-    kind: Literal["sim"]
-    name: str = Field(pattern=r"^[a-z][a-z0-9-]{0,31}$")
-    placements: tuple[str, ...] = ("node1", "node2")
-    time_scale: float = Field(default=1.0, gt=0, le=100)
+# Each kind is one module in backends/ with a `Config` model and a `create` factory.
+BACKEND_MODULES = {
+    "sim": "backends.sim",
+}
 
 
-BackendConfig = SimBackendConfig
+def backend_module(kind: str) -> ModuleType:
+    return importlib.import_module(BACKEND_MODULES[kind])
+
+
+def _backend_configs(raw: object) -> tuple[list[BackendConfig], list[ErrorDetails]]:
+    """Validate each `[[backends]]` entry against its own kind's model."""
+    if not isinstance(raw, list | tuple):
+        return [], []  # Settings reports the wrong type itself
+    configs: list[BackendConfig] = []
+    errors: list[ErrorDetails] = []
+    for index, entry in enumerate(raw):
+        kind = entry.get("kind") if isinstance(entry, dict) else None
+        if kind not in BACKEND_MODULES:
+            kinds = ", ".join(repr(k) for k in BACKEND_MODULES)
+            message = f"unknown or missing kind {kind!r}; use one of {kinds}"
+            errors.append(
+                {
+                    "type": "value_error",
+                    "loc": ("backends", index, "kind"),
+                    "msg": message,
+                    "input": kind,
+                    "ctx": {},
+                }
+            )
+            continue
+        try:
+            configs.append(backend_module(kind).Config.model_validate(entry))
+        except ValidationError as exc:
+            for error in exc.errors(include_url=False):
+                errors.append({**error, "loc": ("backends", index, *error["loc"])})
+    return configs, errors
 
 
 class Subnet(_Section):
@@ -175,18 +206,35 @@ def load_settings(path: str | Path | None = None, **overrides: Any) -> Settings:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{source}: not valid TOML: {exc}") from None
     data.update(overrides)
+    raw = data.get("backends")
+    configs, errors = _backend_configs(raw)
+    if isinstance(raw, list | tuple):
+        data["backends"] = configs
+    broken_backends = bool(errors)
     try:
-        return Settings(**data)
+        settings = Settings(**data)
     except ValidationError as exc:
-        raise ConfigError(format_validation(source, exc)) from None
+        for error in exc.errors(include_url=False):
+            # With a broken backend entry, "too few backends" and cross-checks against
+            # the backend list would only repeat the real problem.
+            if broken_backends and error["loc"] in (("backends",), ()):
+                continue
+            errors.append(error)
+    if errors:
+        raise ConfigError(format_errors(source, errors))
+    return settings
 
 
-def format_validation(source: Path, exc: ValidationError) -> str:
-    errors = exc.errors(include_url=False)
+def format_errors(source: Path, errors: list[ErrorDetails]) -> str:
     # A container whose items failed also reports itself as empty; the items say it better.
     locs = [tuple(e["loc"]) for e in errors]
     errors = [
         e for e in errors if not any(o != e["loc"] and o[: len(e["loc"])] == e["loc"] for o in locs)
+    ]
+    errors = [
+        e
+        for e in errors
+        if not (e["loc"][:1] == ("backends",) and len(e["loc"]) > 2 and e["type"] == "model_type")
     ]
     lines = [f"{source}: the configuration has {len(errors)} problem(s):"]
     for error in errors:
