@@ -310,7 +310,7 @@ class SimBackend:
             )
         return VMRef(str(next(self._ids)), spec.job_id, placement)
 
-    async def clone(self, spec: CloneSpec, ref: VMRef) -> None:
+    async def clone(self, spec: CloneSpec, ref: VMRef) -> str | None:
         template = await self._template(spec.template)
         if ref.vm_id in self.vms:
             raise PermanentError(f"unable to create VM {ref.vm_id}: it already exists")
@@ -329,8 +329,9 @@ class SimBackend:
         self.vms[vm.vm_id] = vm
         seconds = self.timing.clone_linked_s if mode.linked else self.timing.clone_full_s
         await self._run("clone", vm.vm_id, seconds, _Effect(vm, self, remove=True), fault)
+        return None
 
-    async def apply_identity(self, ref: VMRef, identity: Identity) -> None:
+    async def apply_identity(self, ref: VMRef, identity: Identity) -> str | None:
         vm = self._vm(ref)
 
         def set_identity() -> None:
@@ -339,8 +340,9 @@ class SimBackend:
         fault = self._fault("apply_identity", vm.vm_id)
         effect = _Effect(vm, self, set_identity)
         await self._run("apply_identity", vm.vm_id, self.timing.config_s, effect, fault)
+        return None
 
-    async def grow_disk(self, ref: VMRef, grow_gib: int) -> None:
+    async def grow_disk(self, ref: VMRef, grow_gib: int) -> str | None:
         if grow_gib < 0:
             raise PermanentError("shrinking disks is not supported")
         vm = self._vm(ref)
@@ -350,8 +352,9 @@ class SimBackend:
 
         fault = self._fault("grow_disk", vm.vm_id)
         await self._run("grow_disk", vm.vm_id, self.timing.resize_s, _Effect(vm, self, grow), fault)
+        return None
 
-    async def power_on(self, ref: VMRef) -> None:
+    async def power_on(self, ref: VMRef) -> str | None:
         vm = self._vm(ref)
         if vm.running:
             raise PermanentError(f"VM {vm.vm_id} already running", vm_id=vm.vm_id)
@@ -363,6 +366,7 @@ class SimBackend:
 
         fault = self._fault("power_on", vm.vm_id)
         await self._run("power_on", vm.vm_id, self.timing.start_s, _Effect(vm, self, start), fault)
+        return None
 
     async def _boot(self, vm: SimVM) -> None:
         await self._sleep(self.timing.boot_s)

@@ -216,8 +216,9 @@ class Pipeline:
         run.undo.append(
             Undo(f"destroy VM {ref.vm_id}", lambda: backend.destroy(ref), self.timeouts.destroy_s)
         )
-        await backend.clone(spec, ref)
-        return f"VM {ref.vm_id} on {ref.placement or run.job.backend}"
+        note = await backend.clone(spec, ref)
+        where = f"VM {ref.vm_id} on {ref.placement or run.job.backend}"
+        return f"{where}; {note}" if note else where
 
     async def _address(self, run: _Run) -> str:
         req = run.job.request

@@ -9,7 +9,7 @@ import pytest
 
 from backends.base import CloneSpec, PermanentError, RetryableError, VMRef, pick_address
 from backends.sim import SimBackend, SimTiming, SimulatedCrash
-from tests.test_backend_contract import IDENTITY
+from tests.contract import IDENTITY
 
 
 async def cloned(sim: SimBackend, job: str = "jsim001") -> VMRef:

@@ -1,12 +1,13 @@
-"""The Backend contract (backends/base.py), run against every backend.
+"""The Backend contract (backends/base.py) as tests that every backend must pass.
 
-A new backend adds a factory to BACKENDS and must pass all of this unchanged.
+Not collected by itself: each backend has a `tests/test_<kind>_contract.py` that
+defines a `backend` fixture (a fresh backend with at least one template) and does
+`from tests.contract import *`, so the same tests run against it unchanged.
 """
 
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
@@ -19,14 +20,6 @@ from backends.base import (
     VMRef,
     job_tag,
 )
-from backends.sim import SimBackend
-
-
-async def sim_backend() -> Backend:
-    return SimBackend("sim", time_scale=0.001)
-
-
-BACKENDS: dict[str, Callable[[], Awaitable[Backend]]] = {"sim": sim_backend}
 
 IDENTITY = Identity(
     hostname="contract01",
@@ -42,13 +35,6 @@ IDENTITY = Identity(
     cores=2,
     memory_mib=2048,
 )
-
-
-@pytest.fixture(params=sorted(BACKENDS))
-async def backend(request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
-    made = await BACKENDS[request.param]()
-    yield made
-    await made.close()
 
 
 async def first_template(backend: Backend) -> str:
@@ -70,6 +56,7 @@ async def test_discovery(backend: Backend) -> None:
 
 
 async def test_full_life_cycle(backend: Backend) -> None:
+    """Clone, identity, grow, start, address, stop, destroy; and a second rollback is fine."""
     spec = CloneSpec("jcontra", "contract01", await first_template(backend))
     ref = await backend.prepare_clone(spec)
     assert await backend.find_vm(ref) is None, "prepare_clone must not create anything"
