@@ -29,11 +29,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+import asyncssh
 from pydantic import BaseModel, ConfigDict, Field
+
+log = logging.getLogger(__name__)
 
 JOB_TAG_PREFIX = "deploybot-"
 
@@ -249,8 +253,9 @@ class Backend(Protocol):
         """
         ...
 
-    async def probe_ssh(self, ref: VMRef, address: ipaddress.IPv4Address, port: int) -> None:
-        """Return once a TCP connection to the guest's SSH port succeeds (one attempt)."""
+    async def probe_ssh(self, ref: VMRef, address: ipaddress.IPv4Address, port: int) -> str | None:
+        """One attempt: return once a TCP connection to the guest's SSH port succeeded,
+        with the host key fingerprint when it could be read (`probe_ssh_endpoint`)."""
         ...
 
     async def power_off(self, ref: VMRef) -> None: ...
@@ -258,6 +263,30 @@ class Backend(Protocol):
     async def destroy(self, ref: VMRef) -> None: ...
 
     async def close(self) -> None: ...
+
+
+async def ssh_host_key(
+    address: ipaddress.IPv4Address, port: int, timeout_s: float = 10.0
+) -> str | None:
+    """The SSH server's host key fingerprint (`SHA256:...`) read from its key exchange.
+
+    Returned to the user with the SSH line so the first connection can be verified
+    instead of trusted blindly. None when the server answered TCP but no key could be
+    read (an sshd still starting, a non-SSH listener): reachability is already proven.
+    """
+    try:
+        async with asyncio.timeout(timeout_s):
+            key = await asyncssh.get_server_host_key(str(address), port, config=None)
+    except (OSError, asyncssh.Error, TimeoutError) as exc:
+        log.info("no SSH host key from %s:%s: %s", address, port, exc)
+        return None
+    return key.get_fingerprint("sha256") if key is not None else None
+
+
+async def probe_ssh_endpoint(address: ipaddress.IPv4Address, port: int) -> str | None:
+    """What real backends do for `probe_ssh`: prove TCP reachability, then read the key."""
+    await tcp_probe(address, port)
+    return await ssh_host_key(address, port)
 
 
 async def tcp_probe(address: ipaddress.IPv4Address, port: int) -> None:

@@ -27,11 +27,16 @@ packet ever leaves the machine.
 from __future__ import annotations
 
 import asyncio
+import base64
+import dataclasses
+import hashlib
 import ipaddress
-import itertools
+import json
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -52,7 +57,7 @@ from backends.base import (
     VMNotFound,
     VMRef,
     pick_address,
-    tcp_probe,
+    probe_ssh_endpoint,
 )
 
 FaultKind = Literal["error", "hang", "crash", "flaky"]
@@ -77,11 +82,17 @@ class Config(BackendConfig):
     kind: Literal["sim"]
     placements: tuple[str, ...] = ("node1", "node2")
     time_scale: float = Field(default=1.0, gt=0, le=100)
+    state_file: Path | None = None  # keep the inventory across restarts of the bot
 
 
 def create(config: BackendConfig, environ: Mapping[str, str]) -> SimBackend:
     assert isinstance(config, Config)
-    return SimBackend(config.name, placements=config.placements, time_scale=config.time_scale)
+    return SimBackend(
+        config.name,
+        placements=config.placements,
+        time_scale=config.time_scale,
+        state_file=config.state_file,
+    )
 
 
 class SimulatedCrash(RuntimeError):
@@ -152,6 +163,7 @@ class SimBackend:
         time_scale: float = 1.0,
         timing: SimTiming | None = None,
         ssh_port: int = 22,
+        state_file: Path | None = None,
     ) -> None:
         self.name = name
         self.time_scale = time_scale
@@ -161,8 +173,49 @@ class SimBackend:
         self.vms: dict[str, SimVM] = {}
         self.faults: list[Fault] = []
         self.task_log: list[tuple[str, str]] = []
-        self._ids = itertools.count(101)
+        self._next_id = 101
         self._tasks: set[asyncio.Task[None]] = set()
+        self.state_file = state_file
+        if state_file is not None and state_file.exists():
+            self._load(state_file)
+
+    def _new_id(self) -> str:
+        vm_id = str(self._next_id)
+        self._next_id += 1
+        self._save()
+        return vm_id
+
+    # --- persistence: a hypervisor outlives the bot ---------------------------------
+
+    def _save(self) -> None:
+        """Write the inventory (atomically) when a state file is configured.
+
+        Only the crash tests and `deploybot shell` across restarts need this; the
+        writes are small and synchronous, which a simulator can afford.
+        """
+        if self.state_file is None:
+            return
+        data = {"next_id": self._next_id, "vms": [_vm_to_dict(vm) for vm in self.vms.values()]}
+        tmp = self.state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, self.state_file)
+
+    def _load(self, path: Path) -> None:
+        """Read the inventory back; tasks that were running when the bot died finished
+        meanwhile, as they would on a real hypervisor."""
+        data = json.loads(path.read_text())
+        self._next_id = int(data["next_id"])
+        for item in data["vms"]:
+            vm = _vm_from_dict(item)
+            if vm.lock == "destroy":
+                continue
+            if vm.lock in ("power_on", "power_off"):
+                vm.running = vm.lock == "power_on"
+            vm.lock = None
+            if vm.running:
+                vm.booted.set()
+            self.vms[vm.vm_id] = vm
+        self._save()
 
     # --- test and demo controls ---------------------------------------------------
 
@@ -173,10 +226,13 @@ class SimBackend:
 
     def add_vm(self, name: str, *, tags: set[str] | None = None, running: bool = True) -> str:
         """Put a VM on the simulator that deploybot did not create (or an orphan)."""
-        vm_id = str(next(self._ids))
+        vm_id = self._new_id()
         self.vms[vm_id] = SimVM(
             vm_id, name, "ubuntu-24.04", self._placements[0], "local-lvm", 4, tags or set(), running
         )
+        if running:
+            self.vms[vm_id].booted.set()
+        self._save()
         return vm_id
 
     def _fault(self, op: str, vm_id: str = "") -> FaultKind | None:
@@ -219,6 +275,7 @@ class SimBackend:
         self.task_log.append((op, vm_id))
         vm = self.vms[vm_id]
         vm.lock = vm.lock or op
+        self._save()
 
         async def task() -> None:
             try:
@@ -229,6 +286,7 @@ class SimBackend:
                 effect.apply()
             finally:
                 vm.lock = None
+                self._save()
 
         hv_task = asyncio.create_task(task())
         self._tasks.add(hv_task)
@@ -308,7 +366,7 @@ class SimBackend:
             raise PermanentError(
                 f"{placement!r} is not a node of {self.name} (have: {', '.join(self._placements)})"
             )
-        return VMRef(str(next(self._ids)), spec.job_id, placement)
+        return VMRef(self._new_id(), spec.job_id, placement)
 
     async def clone(self, spec: CloneSpec, ref: VMRef) -> str | None:
         template = await self._template(spec.template)
@@ -327,6 +385,7 @@ class SimBackend:
             lock="clone",
         )
         self.vms[vm.vm_id] = vm
+        self._save()
         seconds = self.timing.clone_linked_s if mode.linked else self.timing.clone_full_s
         await self._run("clone", vm.vm_id, seconds, _Effect(vm, self, remove=True), fault)
         return None
@@ -393,15 +452,15 @@ class SimBackend:
                     return address
             await self._sleep(self.timing.poll_s)
 
-    async def probe_ssh(self, ref: VMRef, address: ipaddress.IPv4Address, port: int) -> None:
+    async def probe_ssh(self, ref: VMRef, address: ipaddress.IPv4Address, port: int) -> str | None:
         vm = self._vm(ref, change=False)
         await self._query_fault("probe_ssh", vm.vm_id)
         if address.is_loopback:
-            await tcp_probe(address, port)
-            return
+            return await probe_ssh_endpoint(address, port)
         if not (vm.running and vm.booted.is_set()):
             raise RetryableError(f"{address}:{port} does not answer yet")
         await self._sleep(self.timing.sshd_s)
+        return _fake_fingerprint(vm.vm_id)
 
     async def power_off(self, ref: VMRef) -> None:
         vm = self.vms.get(ref.vm_id)
@@ -441,6 +500,56 @@ class SimBackend:
         for vm in self.vms.values():
             if vm.boot_task:
                 vm.boot_task.cancel()
+
+
+def _fake_fingerprint(vm_id: str) -> str:
+    """A stable, obviously simulated host key fingerprint for a simulated guest."""
+    digest = hashlib.sha256(f"deploybot-sim-{vm_id}".encode()).digest()
+    return "SHA256:" + base64.b64encode(digest).decode().rstrip("=")
+
+
+def _vm_to_dict(vm: SimVM) -> dict[str, Any]:
+    identity = None
+    if vm.identity is not None:
+        identity = {
+            **dataclasses.asdict(vm.identity),
+            "address": str(vm.identity.address),
+            "gateway": str(vm.identity.gateway),
+            "dns": [str(d) for d in vm.identity.dns],
+        }
+    fields = ("vm_id", "name", "template", "placement", "storage", "disk_gib", "running", "lock")
+    return {
+        **{f: getattr(vm, f) for f in fields},
+        "tags": sorted(vm.tags),
+        "identity": identity,
+    }
+
+
+def _vm_from_dict(item: dict[str, Any]) -> SimVM:
+    identity = None
+    if item["identity"] is not None:
+        raw = item["identity"]
+        identity = Identity(
+            **{
+                **raw,
+                "ssh_keys": tuple(raw["ssh_keys"]),
+                "address": ipaddress.IPv4Interface(raw["address"]),
+                "gateway": ipaddress.IPv4Address(raw["gateway"]),
+                "dns": tuple(ipaddress.IPv4Address(d) for d in raw["dns"]),
+            }
+        )
+    return SimVM(
+        item["vm_id"],
+        item["name"],
+        item["template"],
+        item["placement"],
+        item["storage"],
+        item["disk_gib"],
+        set(item["tags"]),
+        item["running"],
+        item["lock"],
+        identity,
+    )
 
 
 class _Effect:

@@ -53,6 +53,7 @@ class _Run:
     ref: VMRef | None = None
     undo: list[Undo] = field(default_factory=list)
     address: str | None = None
+    host_key: str | None = None
 
 
 async def protected(awaitable: Awaitable[T]) -> T:
@@ -230,8 +231,9 @@ class Pipeline:
 
     async def _ssh(self, run: _Run) -> str:
         address = ipaddress.IPv4Address(run.address or run.job.address)
-        await run.backend.probe_ssh(self._ref(run), address, self._ssh_port)
-        return f"{address}:{self._ssh_port} answers"
+        run.host_key = await run.backend.probe_ssh(self._ref(run), address, self._ssh_port)
+        answers = f"{address}:{self._ssh_port} answers"
+        return f"{answers}, host key {run.host_key}" if run.host_key else answers
 
     # --- step machinery -----------------------------------------------------------
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+from pathlib import Path
 
 import pytest
 
@@ -101,3 +102,28 @@ def test_pick_address_skips_what_does_not_reach_the_guest(
     want = ipaddress.IPv4Address(expected) if expected else None
     got = pick_address(interfaces, want)
     assert (str(got) if got else None) == chosen
+
+
+async def test_the_inventory_outlives_the_bot_with_a_state_file(tmp_path: Path) -> None:
+    state = tmp_path / "sim.json"
+    first = SimBackend(time_scale=0.001, state_file=state)
+    ref = await cloned(first)
+    await first.apply_identity(ref, IDENTITY)
+    await first.power_on(ref)
+    reserved = await first.prepare_clone(CloneSpec("jsim002", "vm2", "ubuntu-24.04"))
+    # A clone that is still running when the bot dies...
+    slow = SimBackend(time_scale=1.0, state_file=state)
+    spec = CloneSpec("jsim003", "vm3", "ubuntu-24.04")
+    slow_ref = await slow.prepare_clone(spec)
+    task = asyncio.create_task(slow.clone(spec, slow_ref))
+    await asyncio.wait({task}, timeout=0)
+    task.cancel()
+    await slow.close()
+    # ...has finished on the hypervisor when the bot comes back.
+    again = SimBackend(time_scale=0.001, state_file=state)
+    vm = again.vms[ref.vm_id]
+    assert vm.running and vm.booted.is_set() and vm.identity == IDENTITY
+    assert again.vms[slow_ref.vm_id].lock is None
+    fresh = await again.prepare_clone(CloneSpec("jsim004", "vm4", "ubuntu-24.04"))
+    assert int(fresh.vm_id) > max(int(reserved.vm_id), int(slow_ref.vm_id))
+    assert await again.wait_for_address(ref, None) == IDENTITY.address.ip

@@ -7,9 +7,10 @@ import ipaddress
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import asyncssh
 import pytest
 
-from backends.base import RetryableError, tcp_probe
+from backends.base import RetryableError, probe_ssh_endpoint, ssh_host_key, tcp_probe
 from backends.sim import SimBackend
 from bot.models import JobState
 from bot.parser import DeployArgs, parse
@@ -92,3 +93,25 @@ async def test_a_guest_that_never_answers_fails_the_deploy(tmp_path: Path) -> No
     assert final.failed_step == "ssh"
     assert "timed out" in (final.error or "") and "does not answer yet" in (final.error or "")
     assert sim.vms == {}
+
+
+async def test_the_host_key_fingerprint_comes_from_the_key_exchange() -> None:
+    host_key = asyncssh.generate_private_key("ssh-ed25519")
+    server = await asyncssh.create_server(
+        asyncssh.SSHServer, str(GUEST), 0, server_host_keys=[host_key]
+    )
+    port = server.sockets[0].getsockname()[1]
+    try:
+        fingerprint = await probe_ssh_endpoint(GUEST, port)
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert fingerprint == host_key.get_fingerprint("sha256")
+    assert fingerprint is not None and fingerprint.startswith("SHA256:")
+
+
+async def test_a_listener_that_is_not_sshd_proves_reachability_without_a_key(
+    listener: tuple[int, list[int]],
+) -> None:
+    port, _accepted = listener
+    assert await ssh_host_key(GUEST, port, timeout_s=5) is None
