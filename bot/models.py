@@ -139,6 +139,7 @@ class Job(BaseModel):
     error: str | None = None
     wreckage: str | None = None
     approval_reason: str | None = None
+    host_key: str | None = None
 
     @classmethod
     def for_request(cls, request: DeployRequest, state: JobState) -> Job:

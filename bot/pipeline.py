@@ -23,7 +23,7 @@ from typing import TypeVar
 from backends.base import Backend, BackendError, CloneSpec, Identity, VMRef
 from bot.models import Job, JobEvent, JobState, RollbackReport, utcnow
 from bot.progress import Progress
-from bot.settings import Settings
+from bot.settings import Settings, Timeouts
 from store.db import Store
 
 log = logging.getLogger(__name__)
@@ -69,6 +69,36 @@ async def protected(awaitable: Awaitable[T]) -> T:
         except asyncio.CancelledError:
             if task.done():
                 raise
+
+
+async def retrying(
+    action: Callable[[], Awaitable[T]], timeouts: Timeouts, seen: list[str] | None = None
+) -> T:
+    """Retry retryable backend errors with capped exponential backoff; the caller's
+    timeout bounds the whole. Each retried error is appended to `seen`."""
+    delay = timeouts.retry_initial_s
+    while True:
+        try:
+            return await action()
+        except BackendError as exc:
+            if not exc.retryable:
+                raise
+            log.info("retrying after %s", exc.message)
+            if seen is not None:
+                seen.append(exc.message)
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, timeouts.retry_max_s)
+
+
+async def remove_vm(backend: Backend, ref: VMRef, timeouts: Timeouts) -> None:
+    """Stop (and wait), then destroy (and wait); each under its timeout, with retries.
+
+    Raises the BackendError or TimeoutError of the move that failed.
+    """
+    async with asyncio.timeout(timeouts.power_off_s):
+        await retrying(lambda: backend.power_off(ref), timeouts)
+    async with asyncio.timeout(timeouts.destroy_s):
+        await retrying(lambda: backend.destroy(ref), timeouts)
 
 
 class Pipeline:
@@ -298,20 +328,7 @@ class Pipeline:
     async def _retrying(
         self, action: Callable[[], Awaitable[T]], seen: list[str] | None = None
     ) -> T:
-        """Retry retryable backend errors with capped exponential backoff; the caller's
-        timeout bounds the whole. Each retried error is appended to `seen`."""
-        delay = self.timeouts.retry_initial_s
-        while True:
-            try:
-                return await action()
-            except BackendError as exc:
-                if not exc.retryable:
-                    raise
-                log.info("retrying after %s", exc.message)
-                if seen is not None:
-                    seen.append(exc.message)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, self.timeouts.retry_max_s)
+        return await retrying(action, self.timeouts, seen)
 
     async def _skip(self, run: _Run, step: str, why: str) -> None:
         await self.store.add_event(
@@ -326,6 +343,7 @@ class Pipeline:
             [JobState.RUNNING],
             JobState.SUCCEEDED,
             final_address=run.address,
+            host_key=run.host_key,
             finished_at=utcnow(),
         )
         job = await self.store.get_job(run.job.id)

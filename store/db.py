@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sqlite3
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
@@ -20,7 +20,7 @@ from typing import Any, ParamSpec, TypeVar
 from sqlite_utils import Database
 
 from bot.models import Approval, ApprovalState, Job, JobEvent, JobState
-from store import jobs
+from store import gc, jobs
 from store.jobs import DuplicateActive
 from store.migrations import migrate
 
@@ -141,6 +141,16 @@ class Store:
 
     async def expired_approvals(self, now: datetime) -> list[str]:
         return await self._call(jobs.expired_approvals, self._db, now)
+
+    # --- gc runs ------------------------------------------------------------------
+
+    async def record_gc_run(
+        self, scope: Sequence[str], vm_keys: Sequence[str], *, applied: bool
+    ) -> None:
+        await self._call(gc.record_gc_run, self._db, scope, vm_keys, applied)
+
+    async def last_gc_dry_run(self, scope: Sequence[str], *, since: datetime) -> set[str] | None:
+        return await self._call(gc.last_gc_dry_run, self._db, scope, since)
 
     async def integrity_check(self) -> str:
         return await self._call(

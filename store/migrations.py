@@ -96,7 +96,19 @@ def _v1(db: Database) -> None:
     db.table("approvals").create_index(["state", "expires_at"])
 
 
-MIGRATIONS: list[Callable[[Database], None]] = [_v1]
+def _v2(db: Database) -> None:
+    # The host key fingerprint read by the SSH check, shown with the SSH line.
+    db.table("jobs").add_column("host_key", str)
+    # Dry runs and applies of `deploybot gc`: an apply needs a recent dry run of its scope.
+    db.table("gc_runs").create(
+        {"id": int, "at": str, "scope": str, "applied": int, "vm_keys": str},
+        pk="id",
+        not_null={"at", "scope", "applied", "vm_keys"},
+    )
+    db.table("gc_runs").create_index(["scope", "applied", "at"])
+
+
+MIGRATIONS: list[Callable[[Database], None]] = [_v1, _v2]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

@@ -1,0 +1,156 @@
+"""`deploybot gc`: find VMs that carry a deploybot job tag but have no business existing.
+
+A tagged VM is classified by the job its tag names:
+
+* `unknown_job`: this store has never heard of the job (a crash before the job row
+  was written, or a VM copied from elsewhere);
+* `ended_job`: the job failed, was cancelled, rejected or expired, so its rollback
+  should have removed the VM (wreckage);
+* kept: the job succeeded (the VM is someone's machine), or is still in flight.
+
+VMs without a tag are never listed, let alone touched. Removal is a two-step rule taken
+from migrations that must not destroy the wrong thing: a dry run first, counted per
+category, and an `--apply` of the same scope within `window_s` that removes only VMs the
+dry run listed and that are still orphans now.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from backends.base import JOB_TAG_PREFIX, Backend, BackendError, VMInfo, VMRef
+from bot.errors import DeployBotError
+from bot.models import ACTIVE_STATES, JobState, utcnow
+from bot.pipeline import remove_vm
+from bot.settings import Timeouts
+from store.db import Store
+
+log = logging.getLogger(__name__)
+ORPHAN = ("unknown_job", "ended_job")
+KEPT = ("succeeded_job", "job_in_flight")
+
+
+@dataclass(frozen=True)
+class Finding:
+    backend: str
+    vm: VMInfo
+    job_id: str
+    category: str
+
+    @property
+    def key(self) -> str:
+        return f"{self.backend}:{self.vm.vm_id}:{self.job_id}"
+
+    @property
+    def orphan(self) -> bool:
+        return self.category in ORPHAN
+
+
+@dataclass
+class GcReport:
+    scope: tuple[str, ...]
+    applied: bool
+    findings: list[Finding] = field(default_factory=list)
+    unreachable: dict[str, str] = field(default_factory=dict)
+    removed: list[Finding] = field(default_factory=list)
+    left: list[tuple[Finding, str]] = field(default_factory=list)
+
+    @property
+    def orphans(self) -> list[Finding]:
+        return [f for f in self.findings if f.orphan]
+
+    def counts(self) -> dict[str, Counter[str]]:
+        """Per backend, how many VMs fell in each category."""
+        per: dict[str, Counter[str]] = {b: Counter() for b in self.scope}
+        for finding in self.findings:
+            per[finding.backend][finding.category] += 1
+        return per
+
+
+def tagged_job_ids(vm: VMInfo) -> list[str]:
+    return sorted(t.removeprefix(JOB_TAG_PREFIX) for t in vm.tags if t.startswith(JOB_TAG_PREFIX))
+
+
+async def classify(store: Store, backend_name: str, vm: VMInfo) -> list[Finding]:
+    findings = []
+    for job_id in tagged_job_ids(vm):
+        job = await store.get_job(job_id)
+        if job is None:
+            category = "unknown_job"
+        elif job.state is JobState.SUCCEEDED:
+            category = "succeeded_job"
+        elif job.state in ACTIVE_STATES:
+            category = "job_in_flight"
+        else:
+            category = "ended_job"
+        findings.append(Finding(backend_name, vm, job_id, category))
+    return findings
+
+
+async def survey(store: Store, backends: Mapping[str, Backend], scope: Sequence[str]) -> GcReport:
+    """List and classify every tagged VM in scope. Changes nothing."""
+    report = GcReport(tuple(sorted(scope)), applied=False)
+    for name in report.scope:
+        try:
+            vms = await backends[name].find_tagged()
+        except BackendError as exc:
+            report.unreachable[name] = exc.message
+            continue
+        for vm in vms:
+            report.findings.extend(await classify(store, name, vm))
+    return report
+
+
+async def dry_run(store: Store, backends: Mapping[str, Backend], scope: Sequence[str]) -> GcReport:
+    report = await survey(store, backends, scope)
+    await store.record_gc_run(report.scope, [f.key for f in report.orphans], applied=False)
+    return report
+
+
+async def apply(
+    store: Store,
+    backends: Mapping[str, Backend],
+    scope: Sequence[str],
+    timeouts: Timeouts,
+    window_s: float,
+) -> GcReport:
+    """Remove the orphans a recent dry run of the same scope listed; refuse without one."""
+    wanted = tuple(sorted(scope))
+    listed = await store.last_gc_dry_run(wanted, since=utcnow() - timedelta(seconds=window_s))
+    if listed is None:
+        minutes = f"{window_s / 60:g}"
+        raise DeployBotError(
+            f"No dry run of this scope ({', '.join(wanted)}) in the last {minutes} minutes. "
+            "Run `deploybot gc` without --apply first, read what it lists, then apply."
+        )
+    report = await survey(store, backends, wanted)
+    report.applied = True
+    for finding in report.orphans:
+        if finding.key not in listed:
+            report.left.append((finding, "not in the dry run: run the dry run again"))
+            continue
+        ref = VMRef(finding.vm.vm_id, finding.job_id, finding.vm.placement)
+        try:
+            await remove_vm(backends[finding.backend], ref, timeouts)
+        except (BackendError, TimeoutError) as exc:
+            reason = exc.message if isinstance(exc, BackendError) else "timed out"
+            report.left.append((finding, f"removal failed: {reason}"))
+            continue
+        except asyncio.CancelledError:
+            raise
+        report.removed.append(finding)
+    for finding in report.findings:
+        if not finding.orphan:
+            why = (
+                "its job succeeded"
+                if finding.category == "succeeded_job"
+                else "its job is in flight"
+            )
+            report.left.append((finding, why))
+    await store.record_gc_run(wanted, [f.key for f in report.removed], applied=True)
+    return report
