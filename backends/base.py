@@ -11,8 +11,9 @@ check it):
 * Every mutating method returns only after the hypervisor finished the work. A backend
   whose API is asynchronous (Proxmox UPIDs, vSphere tasks) waits for the task itself.
 * Failures surface only as `BackendError` subclasses. Vendor exceptions are mapped at
-  the backend boundary: `RetryableError` for what may work on a second try (timeouts,
-  an unreachable API, a lock held by someone else), `PermanentError` for the rest.
+  the backend boundary: `RetryableError` for what may work on a second try (a lock
+  held by someone else; its subclass `Unreachable` when the API itself does not answer:
+  refused, timed out, 5xx), `PermanentError` for the rest.
 * Identity is durable: `prepare_clone` chooses the id the new VM will have *before*
   anything is created, so a crash in the middle of `clone` still leaves the caller
   knowing what to clean up. Every later call locates the VM by that id, never by a
@@ -69,6 +70,11 @@ class RetryableError(BackendError):
     """Timeouts, connection failures, lock contention: the same call may succeed later."""
 
     retryable = True
+
+
+class Unreachable(RetryableError):
+    """The hypervisor's API does not answer at all (refused, timed out, 5xx): the job
+    waits for it, says so in its thread, and carries on when it is back."""
 
 
 class PermanentError(BackendError):

@@ -53,6 +53,7 @@ from backends.base import (
     RetryableError,
     Storage,
     Template,
+    Unreachable,
     VMInfo,
     VMNotFound,
     VMRef,
@@ -176,8 +177,19 @@ class SimBackend:
         self._next_id = 101
         self._tasks: set[asyncio.Task[None]] = set()
         self.state_file = state_file
+        self.down = False
         if state_file is not None and state_file.exists():
             self._load(state_file)
+
+    def _answer(self) -> None:
+        """Every API call starts here: a simulator that is down refuses the connection.
+
+        Tests set `down`; a process outside (the crash tests) creates the file
+        `<state_file>.down`.
+        """
+        down_file = self.state_file.with_suffix(".down") if self.state_file else None
+        if self.down or (down_file is not None and down_file.exists()):
+            raise Unreachable(f"{self.name}: connection refused (simulated outage)")
 
     def _new_id(self) -> str:
         vm_id = str(self._next_id)
@@ -314,15 +326,19 @@ class SimBackend:
     # --- discovery ----------------------------------------------------------------
 
     async def templates(self) -> list[Template]:
+        self._answer()
         return list(_DEFAULT_TEMPLATES)
 
     async def storages(self, placement: str | None = None) -> list[Storage]:
+        self._answer()
         return [Storage(n, placement, t, f, linked) for n, t, f, linked in _DEFAULT_STORAGES]
 
     async def networks(self, placement: str | None = None) -> list[Network]:
+        self._answer()
         return [Network("vmbr0", placement), Network("vmbr1", placement)]
 
     async def placements(self) -> list[Placement]:
+        self._answer()
         return [Placement(p) for p in self._placements]
 
     async def _template(self, name: str) -> Template:
@@ -333,6 +349,7 @@ class SimBackend:
         raise PermanentError(f"template {name!r} does not exist on {self.name} (have: {known})")
 
     async def clone_mode(self, spec: CloneSpec) -> CloneMode:
+        self._answer()
         template = await self._template(spec.template)
         target = spec.storage or template.storage
         if target != template.storage:
@@ -343,14 +360,17 @@ class SimBackend:
         return CloneMode(False, f"{target} cannot hold linked clones: full copy")
 
     async def find_vm(self, ref: VMRef) -> VMInfo | None:
+        self._answer()
         vm = self.vms.get(ref.vm_id)
         return vm.info() if vm else None
 
     async def find_by_name(self, name: str) -> list[VMInfo]:
+        self._answer()
         await self._query_fault("find_by_name")
         return [vm.info() for vm in self.vms.values() if vm.name == name]
 
     async def find_tagged(self) -> list[VMInfo]:
+        self._answer()
         return [
             vm.info()
             for vm in self.vms.values()
@@ -360,6 +380,7 @@ class SimBackend:
     # --- the deploy moves ---------------------------------------------------------
 
     async def prepare_clone(self, spec: CloneSpec) -> VMRef:
+        self._answer()
         await self._template(spec.template)
         placement = spec.placement or self._placements[0]
         if placement not in self._placements:
@@ -369,6 +390,7 @@ class SimBackend:
         return VMRef(self._new_id(), spec.job_id, placement)
 
     async def clone(self, spec: CloneSpec, ref: VMRef) -> str | None:
+        self._answer()
         template = await self._template(spec.template)
         if ref.vm_id in self.vms:
             raise PermanentError(f"unable to create VM {ref.vm_id}: it already exists")
@@ -391,6 +413,7 @@ class SimBackend:
         return None
 
     async def apply_identity(self, ref: VMRef, identity: Identity) -> str | None:
+        self._answer()
         vm = self._vm(ref)
 
         def set_identity() -> None:
@@ -402,6 +425,7 @@ class SimBackend:
         return None
 
     async def grow_disk(self, ref: VMRef, grow_gib: int) -> str | None:
+        self._answer()
         if grow_gib < 0:
             raise PermanentError("shrinking disks is not supported")
         vm = self._vm(ref)
@@ -414,6 +438,7 @@ class SimBackend:
         return None
 
     async def power_on(self, ref: VMRef) -> str | None:
+        self._answer()
         vm = self._vm(ref)
         if vm.running:
             raise PermanentError(f"VM {vm.vm_id} already running", vm_id=vm.vm_id)
@@ -441,9 +466,11 @@ class SimBackend:
     async def wait_for_address(
         self, ref: VMRef, expected: ipaddress.IPv4Address | None
     ) -> ipaddress.IPv4Address:
+        self._answer()
         vm = self._vm(ref, change=False)
         await self._query_fault("wait_for_address", vm.vm_id)
         while True:
+            self._answer()
             if not vm.running:
                 raise PermanentError(f"VM {vm.vm_id} is not running", vm_id=vm.vm_id)
             if vm.booted.is_set():
@@ -453,6 +480,7 @@ class SimBackend:
             await self._sleep(self.timing.poll_s)
 
     async def probe_ssh(self, ref: VMRef, address: ipaddress.IPv4Address, port: int) -> str | None:
+        self._answer()
         vm = self._vm(ref, change=False)
         await self._query_fault("probe_ssh", vm.vm_id)
         if address.is_loopback:
@@ -463,6 +491,7 @@ class SimBackend:
         return _fake_fingerprint(vm.vm_id)
 
     async def power_off(self, ref: VMRef) -> None:
+        self._answer()
         vm = self.vms.get(ref.vm_id)
         if vm is None:
             return
@@ -480,6 +509,7 @@ class SimBackend:
         await self._run("power_off", vm.vm_id, self.timing.stop_s, _Effect(vm, self, stop), fault)
 
     async def destroy(self, ref: VMRef) -> None:
+        self._answer()
         if ref.vm_id not in self.vms:
             return
         vm = self._vm(ref)

@@ -18,9 +18,10 @@ import ipaddress
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import TypeVar
 
-from backends.base import Backend, BackendError, CloneSpec, Identity, VMRef
+from backends.base import Backend, BackendError, CloneSpec, Identity, Unreachable, VMRef
 from bot.models import Job, JobEvent, JobState, RollbackReport, utcnow
 from bot.progress import Progress
 from bot.settings import Settings, Timeouts
@@ -72,10 +73,14 @@ async def protected(awaitable: Awaitable[T]) -> T:
 
 
 async def retrying(
-    action: Callable[[], Awaitable[T]], timeouts: Timeouts, seen: list[str] | None = None
+    action: Callable[[], Awaitable[T]],
+    timeouts: Timeouts,
+    seen: list[str] | None = None,
+    on_retry: Callable[[BackendError], Awaitable[None]] | None = None,
 ) -> T:
     """Retry retryable backend errors with capped exponential backoff; the caller's
-    timeout bounds the whole. Each retried error is appended to `seen`."""
+    timeout bounds the whole. Each retried error is appended to `seen` and passed to
+    `on_retry`."""
     delay = timeouts.retry_initial_s
     while True:
         try:
@@ -86,6 +91,8 @@ async def retrying(
             log.info("retrying after %s", exc.message)
             if seen is not None:
                 seen.append(exc.message)
+            if on_retry is not None:
+                await on_retry(exc)
         await asyncio.sleep(delay)
         delay = min(delay * 2, timeouts.retry_max_s)
 
@@ -311,7 +318,7 @@ class Pipeline:
         seen: list[str] = []
         try:
             async with asyncio.timeout(timeout_s):
-                return await self._retrying(action, seen)
+                return await self._waiting_for_backend(run, step, action, seen)
         except StepFailed:
             raise
         except TimeoutError:
@@ -329,6 +336,34 @@ class Pipeline:
         self, action: Callable[[], Awaitable[T]], seen: list[str] | None = None
     ) -> T:
         return await retrying(action, self.timeouts, seen)
+
+    async def _waiting_for_backend(
+        self, run: _Run, step: str, action: Callable[[], Awaitable[T]], seen: list[str]
+    ) -> T:
+        """Retry, telling the thread once when the hypervisor stops answering and once
+        when it is back, instead of failing the job at the first refused connection."""
+        since: list[datetime] = []
+
+        async def on_retry(exc: BackendError) -> None:
+            if isinstance(exc, Unreachable) and not since:
+                since.append(utcnow())
+                await self._note(
+                    run,
+                    step,
+                    f"waiting for {run.job.backend} (unreachable since "
+                    f"{since[0]:%H:%M:%S} UTC: {exc.message})",
+                )
+
+        result = await retrying(action, self.timeouts, seen, on_retry)
+        if since:
+            await self._note(run, step, f"{run.job.backend} answers again; carrying on.")
+        return result
+
+    async def _note(self, run: _Run, step: str, text: str) -> None:
+        await self.store.add_event(
+            JobEvent(job_id=run.job.id, step=step, phase="note", detail=text)
+        )
+        await self.progress.job_note(run.job, text)
 
     async def _skip(self, run: _Run, step: str, why: str) -> None:
         await self.store.add_event(

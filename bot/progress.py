@@ -31,6 +31,11 @@ class Progress(Protocol):
         """The job reached a final state after running (succeeded, failed, cancelled)."""
         ...
 
+    async def job_note(self, job: Job, text: str) -> None:
+        """A remark on a job between steps: waiting for an unreachable hypervisor, it is
+        back, leftover wreckage finally removed."""
+        ...
+
 
 class Fanout:
     """Sends every update to each listener; a listener's exception is logged, not raised."""
@@ -60,3 +65,6 @@ class Fanout:
 
     async def job_finished(self, job: Job, rollback: RollbackReport | None) -> None:
         await self._each("job_finished", lambda p: p.job_finished(job, rollback))
+
+    async def job_note(self, job: Job, text: str) -> None:
+        await self._each("job_note", lambda p: p.job_note(job, text))

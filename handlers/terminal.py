@@ -47,6 +47,9 @@ class TerminalThread:
     ) -> None:
         self._say(job, messages.step_finished(step, duration_s, ok, detail))
 
+    async def job_note(self, job: Job, text: str) -> None:
+        self._say(job, text)
+
     async def job_finished(self, job: Job, rollback: RollbackReport | None) -> None:
         self._say(job, "\n".join(messages.finished(job, rollback)))
         self.out.write(f"└ {messages.headline(job)}\n")

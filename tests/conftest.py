@@ -51,6 +51,7 @@ class Recorder:
     updates: list[tuple[str, JobState, str]] = field(default_factory=list)
     steps: list[tuple[str, str, str]] = field(default_factory=list)
     finished: dict[str, tuple[Job, RollbackReport | None]] = field(default_factory=dict)
+    notes: list[tuple[str, str]] = field(default_factory=list)
     on_step: Callable[[Job, str], Any] | None = None
     step_seen: dict[str, asyncio.Event] = field(default_factory=dict)
 
@@ -75,6 +76,9 @@ class Recorder:
 
     async def job_finished(self, job: Job, rollback: RollbackReport | None) -> None:
         self.finished[job.id] = (job, rollback)
+
+    async def job_note(self, job: Job, text: str) -> None:
+        self.notes.append((job.id, text))
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from backends.sim import FAULT_KINDS, SimBackend
+from bot.errors import RequestInvalid
 from bot.models import Job, JobState
 from bot.parser import parse
 from bot.pipeline import STEPS
@@ -214,3 +215,50 @@ async def test_deploys_run_concurrently_and_independently(
     assert states.count(JobState.FAILED) == 1
     assert states.count(JobState.SUCCEEDED) == 5
     assert len(sim.vms) == 5
+
+
+async def test_an_outage_makes_the_job_wait_and_say_so(
+    deployer: Deployer, sim: SimBackend, recorder: Recorder
+) -> None:
+    """The hypervisor stops answering when power-on starts and comes back once the
+    thread has said the job is waiting: the deploy carries on instead of failing."""
+
+    def outage_at_power_on(job: Job, step: str) -> None:
+        if step == "power_on":
+            sim.down = True
+
+    async def back_when_told(job: Job, text: str) -> None:
+        recorder.notes.append((job.id, text))
+        sim.down = False
+
+    recorder.on_step = outage_at_power_on
+    recorder.job_note = back_when_told  # type: ignore[method-assign]
+    job = await deploy(deployer)
+    assert job.state is JobState.SUCCEEDED
+    notes = [text for _id, text in recorder.notes]
+    assert notes[0].startswith("waiting for sim (unreachable since ")
+    assert "connection refused" in notes[0]
+    assert notes[1] == "sim answers again; carrying on."
+    events = (await deployer.status(job.id)).events
+    assert [e.detail for e in events if e.phase == "note"] == notes
+
+
+async def test_an_outage_longer_than_the_step_fails_it_with_the_reason(
+    deployer: Deployer, sim: SimBackend, recorder: Recorder
+) -> None:
+    def outage(job: Job, step: str) -> None:
+        sim.down = True
+
+    recorder.on_step = outage
+    job = await deploy(deployer)
+    assert job.state is JobState.FAILED and job.failed_step == "check_free"
+    assert "timed out" in (job.error or "") and "connection refused" in (job.error or "")
+
+
+async def test_a_request_while_the_hypervisor_is_down_is_refused_and_recorded_nowhere(
+    deployer: Deployer, sim: SimBackend
+) -> None:
+    sim.down = True
+    with pytest.raises(RequestInvalid, match=r"sim did not answer .*try again in a minute"):
+        await deployer.request_deploy(parse(REQUEST), "alice")  # type: ignore[arg-type]
+    assert await deployer.history() == []
