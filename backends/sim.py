@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from backends.base import (
     JOB_TAG_PREFIX,
@@ -77,6 +77,13 @@ OPERATIONS = (
 GIB = 1024**3
 
 
+@dataclass
+class Fault:
+    op: str
+    kind: FaultKind
+    times: int = 1
+
+
 class Config(BackendConfig):
     """`kind = "sim"`: the built-in simulator; `time_scale` multiplies every duration."""
 
@@ -84,16 +91,28 @@ class Config(BackendConfig):
     placements: tuple[str, ...] = ("node1", "node2")
     time_scale: float = Field(default=1.0, gt=0, le=100)
     state_file: Path | None = None  # keep the inventory across restarts of the bot
+    faults: tuple[Fault, ...] = ()  # e.g. [{op = "power_on", kind = "error"}]
+
+    @field_validator("faults")
+    @classmethod
+    def _known_operations(cls, faults: tuple[Fault, ...]) -> tuple[Fault, ...]:
+        for fault in faults:
+            if fault.op not in OPERATIONS:
+                raise ValueError(f"unknown operation {fault.op!r}; one of {', '.join(OPERATIONS)}")
+        return faults
 
 
 def create(config: BackendConfig, environ: Mapping[str, str]) -> SimBackend:
     assert isinstance(config, Config)
-    return SimBackend(
+    sim = SimBackend(
         config.name,
         placements=config.placements,
         time_scale=config.time_scale,
         state_file=config.state_file,
     )
+    for fault in config.faults:
+        sim.inject(fault.op, fault.kind, fault.times)
+    return sim
 
 
 class SimulatedCrash(RuntimeError):
@@ -114,13 +133,6 @@ class SimTiming:
     stop_s: float = 1.0
     destroy_s: float = 0.4
     poll_s: float = 0.5
-
-
-@dataclass
-class Fault:
-    op: str
-    kind: FaultKind
-    times: int = 1
 
 
 @dataclass

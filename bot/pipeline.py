@@ -318,7 +318,7 @@ class Pipeline:
         seen: list[str] = []
         try:
             async with asyncio.timeout(timeout_s):
-                return await self._waiting_for_backend(run, step, action, seen)
+                return await self._waiting_for_backend(run.job, step, action, seen)
         except StepFailed:
             raise
         except TimeoutError:
@@ -332,13 +332,8 @@ class Pipeline:
             log.exception("job %s: unexpected error in step %s", run.job.id, step)
             raise StepFailed(step, "internal error (the details are in the bot's log)") from None
 
-    async def _retrying(
-        self, action: Callable[[], Awaitable[T]], seen: list[str] | None = None
-    ) -> T:
-        return await retrying(action, self.timeouts, seen)
-
     async def _waiting_for_backend(
-        self, run: _Run, step: str, action: Callable[[], Awaitable[T]], seen: list[str]
+        self, job: Job, step: str, action: Callable[[], Awaitable[T]], seen: list[str]
     ) -> T:
         """Retry, telling the thread once when the hypervisor stops answering and once
         when it is back, instead of failing the job at the first refused connection."""
@@ -348,22 +343,20 @@ class Pipeline:
             if isinstance(exc, Unreachable) and not since:
                 since.append(utcnow())
                 await self._note(
-                    run,
+                    job,
                     step,
-                    f"waiting for {run.job.backend} (unreachable since "
+                    f"waiting for {job.backend} (unreachable since "
                     f"{since[0]:%H:%M:%S} UTC: {exc.message})",
                 )
 
         result = await retrying(action, self.timeouts, seen, on_retry)
         if since:
-            await self._note(run, step, f"{run.job.backend} answers again; carrying on.")
+            await self._note(job, step, f"{job.backend} answers again; carrying on.")
         return result
 
-    async def _note(self, run: _Run, step: str, text: str) -> None:
-        await self.store.add_event(
-            JobEvent(job_id=run.job.id, step=step, phase="note", detail=text)
-        )
-        await self.progress.job_note(run.job, text)
+    async def _note(self, job: Job, step: str, text: str) -> None:
+        await self.store.add_event(JobEvent(job_id=job.id, step=step, phase="note", detail=text))
+        await self.progress.job_note(job, text)
 
     async def _skip(self, run: _Run, step: str, why: str) -> None:
         await self.store.add_event(
@@ -420,7 +413,7 @@ class Pipeline:
             )
             try:
                 async with asyncio.timeout(undo.timeout_s):
-                    await self._retrying(undo.action)
+                    await self._waiting_for_backend(job, "rollback", undo.action, [])
             except Exception as exc:  # every failure is reported, none replaces the original
                 reason = exc.message if isinstance(exc, BackendError) else _describe(exc)
                 if not isinstance(exc, (BackendError, TimeoutError)):

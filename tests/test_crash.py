@@ -1,0 +1,218 @@
+"""Crash harness: SIGKILL the real `deploybot shell` at many points, restart it, check.
+
+The hypervisor is the simulator with a state file, so it outlives the bot as a real
+one does (tasks running at the kill have finished when the bot comes back). Each round
+asks for one new VM and reuses a name from an earlier round, kills the process when a
+chosen line of the thread appears, restarts it (which recovers and drains), and then
+checks what must always hold:
+
+* every job is in a final state (none stuck running, rolling back or queued);
+* every VM on the hypervisor belongs to a succeeded job, and every succeeded job's
+  VM is still there;
+* no VM name and no address is used twice;
+* the store passes PRAGMA integrity_check.
+
+The kill points are drawn from a seeded RNG (DEPLOYBOT_CRASH_SEED) so a failure can be
+replayed; the count of kills and distinct kill points is printed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+SEED = int(os.environ.get("DEPLOYBOT_CRASH_SEED", "20261130"))
+STEP_LINES = [
+    f"{mark} {label}"
+    for label in (
+        "check name and address",
+        "copy template",
+        "set identity",
+        "grow disk",
+        "power on",
+        "wait for address",
+        "check SSH",
+    )
+    for mark in ("…", "✓")
+][:-1]  # the last "✓ check SSH" is followed only by the final write
+ROLLBACK_LINES = ["something failed; removing", "Rolled back"]
+FAULTS: dict[str | None, int] = {  # op that fails -> index of its step in STEP_LINES
+    None: len(STEP_LINES),
+    "grow_disk": 6,
+    "power_on": 8,
+    "wait_for_address": 10,
+    "probe_ssh": 12,
+}
+CONFIG = """
+database = "{tmp}/jobs.db"
+log_file = "{tmp}/bot.log"
+
+[[backends]]
+kind = "sim"
+name = "sim"
+time_scale = 0.01
+state_file = "{tmp}/sim.json"
+{faults}
+
+[[subnets]]
+cidr = "10.20.0.0/16"
+gateway = "10.20.0.1"
+
+[timeouts]
+retry_initial_s = 0.01
+retry_max_s = 0.05
+power_off_s = 20
+destroy_s = 20
+"""
+
+
+@dataclass(frozen=True)
+class KillPoint:
+    fault: str | None
+    trigger: str
+    outage: bool = False  # take the hypervisor down instead of killing the bot
+
+
+def kill_points() -> list[KillPoint]:
+    points = []
+    for fault, fails_at in FAULTS.items():
+        for trigger in STEP_LINES[: fails_at + 1]:
+            points.append(KillPoint(fault, trigger))
+        if fault is not None:
+            points.extend(KillPoint(fault, line) for line in ROLLBACK_LINES)
+    return points
+
+
+def write_config(tmp: Path, fault: str | None) -> dict[str, str]:
+    faults = f'faults = [{{op = "{fault}", kind = "error"}}]' if fault else ""
+    path = tmp / "deploybot.toml"
+    path.write_text(CONFIG.format(tmp=tmp, faults=faults))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DEPLOYBOT_")}
+    env["DEPLOYBOT_CONFIG"] = str(path)
+    return env
+
+
+def start_shell(env: dict[str, str], cwd: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "handlers.entry", "shell", "--user", "alice"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=cwd,
+        env=env,
+    )
+
+
+def run_round(tmp: Path, point: KillPoint, name: str, address: str, reuse: str | None) -> bool:
+    """One life of the bot, ended by SIGKILL at the kill point; True if it was killed."""
+    env = write_config(tmp, point.fault)
+    proc = start_shell(env, tmp)
+    watchdog = threading.Timer(60, proc.kill)
+    watchdog.start()
+    killed = False
+    try:
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write(f"/deploy {name} {address} disk=+1G\n")
+        if reuse:
+            proc.stdin.write(f"/deploy {reuse} {address.rsplit('.', 1)[0]}.250\n")
+        proc.stdin.flush()
+        for line in proc.stdout:
+            if f"[{name} " in line and point.trigger in line:
+                os.kill(proc.pid, signal.SIGKILL)
+                killed = True
+                break
+            if f"└ {name} " in line:  # the job ended before the kill point came
+                break
+        if not killed:
+            proc.stdin.close()
+        proc.wait()
+    finally:
+        watchdog.cancel()
+    return killed
+
+
+def restart(tmp: Path) -> str:
+    """A new life with nothing to do: it recovers, drains and leaves at end of input."""
+    env = write_config(tmp, None)
+    result = subprocess.run(
+        [sys.executable, "-m", "handlers.entry", "shell", "--user", "alice"],
+        input="",
+        capture_output=True,
+        text=True,
+        cwd=tmp,
+        env=env,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    return result.stdout
+
+
+def check_invariants(tmp: Path) -> None:
+    db = sqlite3.connect(tmp / "jobs.db")
+    try:
+        assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        jobs = {
+            row[0]: (row[1], row[2], row[3], row[4])
+            for row in db.execute("SELECT id, state, name, address, vm_id FROM jobs")
+        }
+    finally:
+        db.close()
+    states = Counter(state for state, *_ in jobs.values())
+    unfinished = {s for s in states if s not in ("succeeded", "failed", "cancelled")}
+    assert not unfinished, f"jobs left in {unfinished}: {states}"
+    state = tmp / "sim.json"  # written at the simulator's first change
+    inventory = json.loads(state.read_text())["vms"] if state.exists() else []
+    names = Counter(vm["name"] for vm in inventory)
+    assert all(n == 1 for n in names.values()), f"a name is used twice: {names}"
+    for vm in inventory:
+        owners = [t.removeprefix("deploybot-") for t in vm["tags"]]
+        assert any(jobs.get(o, ("",))[0] == "succeeded" for o in owners), (
+            f"VM {vm['vm_id']} ({vm['name']}) belongs to no succeeded job: "
+            f"{[(o, jobs.get(o)) for o in owners]}"
+        )
+    live = {vm["vm_id"] for vm in inventory}
+    succeeded = [
+        (name, addr, vm_id) for state, name, addr, vm_id in jobs.values() if state == "succeeded"
+    ]
+    assert all(vm_id in live for _n, _a, vm_id in succeeded), "a succeeded job lost its VM"
+    addresses = Counter(addr for _n, addr, _v in succeeded)
+    assert all(n == 1 for n in addresses.values()), f"an address is used twice: {addresses}"
+
+
+def test_kill_at_random_moments_and_restart(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rng = random.Random(SEED)
+    points = kill_points()
+    rng.shuffle(points)
+    plan = points  # one round per kill point: about a second each
+    kills: Counter[KillPoint] = Counter()
+    names: list[str] = []
+    for number, point in enumerate(plan):
+        name = f"r{number:02d}"
+        address = f"10.20.{number // 200 + 1}.{number % 200 + 10}"
+        reuse = rng.choice(names) if names and rng.random() < 0.5 else None
+        if run_round(tmp_path, point, name, address, reuse):
+            kills[point] += 1
+        names.append(name)
+        restart(tmp_path)
+        check_invariants(tmp_path)
+    with capsys.disabled():
+        print(
+            f"\ncrash harness: {sum(kills.values())} kills at {len(kills)} distinct kill points "
+            f"in {len(plan)} rounds (seed {SEED})"
+        )
+    assert len(kills) >= 50, f"only {len(kills)} distinct kill points were reached"
