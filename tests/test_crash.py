@@ -81,7 +81,7 @@ destroy_s = 20
 class KillPoint:
     fault: str | None
     trigger: str
-    outage: bool = False  # take the hypervisor down instead of killing the bot
+    outage: bool = False  # take the hypervisor down at the trigger; kill once the bot waits
 
 
 def kill_points() -> list[KillPoint]:
@@ -92,6 +92,18 @@ def kill_points() -> list[KillPoint]:
         if fault is not None:
             points.extend(KillPoint(fault, line) for line in ROLLBACK_LINES)
     return points
+
+
+# Outages: the hypervisor stops answering in the middle of a deploy or of a rollback;
+# the bot must wait (and say so) rather than fail, and survive being killed meanwhile.
+OUTAGES = [
+    KillPoint(None, "… copy template", outage=True),
+    KillPoint(None, "… power on", outage=True),
+    KillPoint(None, "… wait for address", outage=True),
+    KillPoint("power_on", "something failed; removing", outage=True),
+    KillPoint("probe_ssh", "something failed; removing", outage=True),
+]
+WAITING = "waiting for sim (unreachable since"
 
 
 def write_config(tmp: Path, fault: str | None) -> dict[str, str]:
@@ -128,10 +140,19 @@ def run_round(tmp: Path, point: KillPoint, name: str, address: str, reuse: str |
         if reuse:
             proc.stdin.write(f"/deploy {reuse} {address.rsplit('.', 1)[0]}.250\n")
         proc.stdin.flush()
+        down = tmp / "sim.down"
         for line in proc.stdout:
-            if f"[{name} " in line and point.trigger in line:
+            mine = f"[{name} " in line
+            if mine and point.trigger in line and not point.outage:
                 os.kill(proc.pid, signal.SIGKILL)
                 killed = True
+                break
+            if mine and point.trigger in line and point.outage:
+                down.touch()
+            if mine and WAITING in line:
+                os.kill(proc.pid, signal.SIGKILL)  # killed while it waits for the hypervisor
+                killed = True
+                down.unlink()
                 break
             if f"└ {name} " in line:  # the job ended before the kill point came
                 break
@@ -198,8 +219,9 @@ def test_kill_at_random_moments_and_restart(
     rng = random.Random(SEED)
     points = kill_points()
     rng.shuffle(points)
-    plan = points  # one round per kill point: about a second each
+    plan = points + OUTAGES  # one round per kill point: about a second each
     kills: Counter[KillPoint] = Counter()
+    waits_seen = 0
     names: list[str] = []
     for number, point in enumerate(plan):
         name = f"r{number:02d}"
@@ -207,12 +229,14 @@ def test_kill_at_random_moments_and_restart(
         reuse = rng.choice(names) if names and rng.random() < 0.5 else None
         if run_round(tmp_path, point, name, address, reuse):
             kills[point] += 1
+            waits_seen += point.outage
         names.append(name)
         restart(tmp_path)
         check_invariants(tmp_path)
     with capsys.disabled():
         print(
             f"\ncrash harness: {sum(kills.values())} kills at {len(kills)} distinct kill points "
-            f"in {len(plan)} rounds (seed {SEED})"
+            f"in {len(plan)} rounds, {waits_seen} of them during an outage (seed {SEED})"
         )
     assert len(kills) >= 50, f"only {len(kills)} distinct kill points were reached"
+    assert waits_seen == len(OUTAGES), "every outage must make the bot wait and say so"
