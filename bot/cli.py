@@ -61,7 +61,18 @@ def build_parser() -> argparse.ArgumentParser:
     history.add_argument("--state", help="only jobs in this state (succeeded, failed, ...)")
     history.add_argument("--name", help="only deploys of this VM name")
     sub.add_parser("check-config", help="validate the configuration and summarise it")
-    sub.add_parser("serve", help="run the Slack bot")
+    serve = sub.add_parser(
+        "serve", help="run the Slack bot (Socket Mode; --http HOST:PORT for HTTP mode)"
+    )
+    serve.add_argument(
+        "--http",
+        metavar="HOST:PORT",
+        help="serve Slack's requests on http://HOST:PORT/slack/events (and /healthz)",
+    )
+    manifest = sub.add_parser("manifest", help="print the Slack app manifest")
+    manifest.add_argument(
+        "--command", dest="slash_command", help="the slash command (default: slack.command)"
+    )
     return parser
 
 

@@ -30,9 +30,11 @@ class UsageError(DeployBotError):
 class RequestInvalid(DeployBotError):
     """The request parses but breaks a rule (name, address, sizes); lists every problem."""
 
-    def __init__(self, problems: list[str]) -> None:
+    def __init__(self, problems: list[str], fields: dict[str, str] | None = None) -> None:
         super().__init__("\n".join(problems))
         self.problems = problems
+        # The request field each problem is about (a form puts it next to that field).
+        self.fields = fields or {}
 
 
 class ConfigError(DeployBotError):
@@ -53,3 +55,11 @@ class TransitionRefused(DeployBotError):
 
 class Conflict(DeployBotError):
     """The name or address is already taken by a VM or by a job in flight."""
+
+
+class Duplicate(DeployBotError):
+    """This exact request (same dedupe key) was already handled; nothing was done again."""
+
+    def __init__(self, message: str, job_id: str) -> None:
+        super().__init__(message)
+        self.job_id = job_id

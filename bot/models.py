@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
 import ipaddress
 import re
 import secrets
+import struct
 from datetime import UTC, datetime
 from enum import StrEnum
 
@@ -78,6 +81,7 @@ class DeployRequest(BaseModel):
     backend: str
     placement: str | None = None
     storage: str | None = None
+    network: str | None = None
     cores: int = Field(ge=1)
     memory_mib: int = Field(ge=256)
     disk_grow_gib: int = Field(default=0, ge=0)
@@ -140,6 +144,11 @@ class Job(BaseModel):
     wreckage: str | None = None
     approval_reason: str | None = None
     host_key: str | None = None
+    # Opaque references a front end keeps on the job: where the request came from (a
+    # chat channel, say), the thread that follows the job, and the approval message.
+    origin: str | None = None
+    thread_ref: str | None = None
+    approval_ref: str | None = None
 
     @classmethod
     def for_request(cls, request: DeployRequest, state: JobState) -> Job:
@@ -193,3 +202,80 @@ class RollbackReport(BaseModel):
     @property
     def clean(self) -> bool:
         return not self.failed and not self.wreckage
+
+
+class UserPrefs(BaseModel):
+    """One person's saved settings: public SSH keys and a default template."""
+
+    user: str
+    ssh_keys: tuple[str, ...] = ()
+    default_template: str | None = None
+
+
+class AuditEvent(BaseModel):
+    """A refused or repeated action, kept even though it changed nothing else."""
+
+    at: datetime = Field(default_factory=utcnow)
+    actor: str
+    action: str
+    outcome: str  # refused | duplicate
+    detail: str = ""
+
+
+# --- SSH public keys -----------------------------------------------------------------
+
+SSH_KEY_TYPES = frozenset(
+    {
+        "ssh-ed25519",
+        "ssh-rsa",
+        "ecdsa-sha2-nistp256",
+        "ecdsa-sha2-nistp384",
+        "ecdsa-sha2-nistp521",
+        "sk-ssh-ed25519@openssh.com",
+        "sk-ecdsa-sha2-nistp256@openssh.com",
+    }
+)
+MAX_SSH_KEYS = 10
+
+
+def check_ssh_key(text: str) -> str:
+    """Validate one OpenSSH public key line; return it normalised as `TYPE BODY [COMMENT]`.
+
+    The body must be base64 and must itself start with the declared type (the wire
+    format repeats it), which catches a key pasted with the wrong prefix or cut short.
+    A private key is refused outright, with a warning, because pasting one is a leak.
+    """
+    words = text.strip().split()
+    if not words:
+        raise ValueError("the key is empty: paste the line from ~/.ssh/id_ed25519.pub")
+    if "PRIVATE" in text.upper() and "KEY" in text.upper():
+        raise ValueError(
+            "that looks like a private key: never paste it anywhere; paste the .pub line"
+        )
+    kind = words[0]
+    if kind not in SSH_KEY_TYPES:
+        known = ", ".join(sorted(SSH_KEY_TYPES))
+        raise ValueError(f"{kind[:40]!r} is not an SSH public key type; use one of {known}")
+    if len(words) < 2:
+        raise ValueError(f"the {kind} key has no body: paste the whole line")
+    body = words[1]
+    try:
+        blob = base64.b64decode(body, validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError(f"the {kind} key's body is not valid base64") from None
+    if _blob_type(blob) != kind:
+        raise ValueError(f"the key's body does not hold a {kind} key: paste the line unchanged")
+    comment = " ".join(words[2:])
+    return f"{kind} {body}" + (f" {comment}" if comment else "")
+
+
+def _blob_type(blob: bytes) -> str | None:
+    if len(blob) < 4:
+        return None
+    (length,) = struct.unpack(">I", blob[:4])
+    if length > 64 or len(blob) < 4 + length:
+        return None
+    try:
+        return blob[4 : 4 + length].decode("ascii")
+    except UnicodeDecodeError:
+        return None

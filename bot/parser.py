@@ -29,6 +29,8 @@ SUBCOMMAND_USAGE = {
     "templates": "/deploy templates",
     "approve": "/deploy approve JOB",
     "reject": "/deploy reject JOB REASON",
+    "key": "/deploy key ssh-ed25519 AAAA... [comment]",
+    "settings": "/deploy settings",
 }
 KEYS = ("template", "on", "storage", "cpu", "mem", "disk", "user", "upgrade")
 JOB_ID_RE = re.compile(r"^j[a-z0-9]{6}$")
@@ -54,6 +56,7 @@ class DeployArgs:
     user: str | None = None
     upgrade: bool | None = None
     given: tuple[str, ...] = field(default=())
+    network: str | None = None  # only forms set it; the text grammar has no key for it
 
 
 @dataclass(frozen=True)
@@ -92,7 +95,30 @@ class Reject:
     reason: str
 
 
-Command = DeployArgs | Help | Status | History | Cancel | Templates | Approve | Reject
+@dataclass(frozen=True)
+class SaveKey:
+    """`key ssh-ed25519 AAAA... comment`: save a public SSH key for later deploys."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class ShowSettings:
+    pass
+
+
+Command = (
+    DeployArgs
+    | Help
+    | Status
+    | History
+    | Cancel
+    | Templates
+    | Approve
+    | Reject
+    | SaveKey
+    | ShowSettings
+)
 
 
 def parse(text: str) -> Command:
@@ -108,10 +134,16 @@ def parse(text: str) -> Command:
 
 def _subcommand(head: str, rest: list[str]) -> Command:
     usage = SUBCOMMAND_USAGE[head]
-    if head in ("help", "templates"):
+    if head in ("help", "templates", "settings"):
         if rest:
             raise UsageError(f"`{head}` takes no arguments.", usage)
-        return Help() if head == "help" else Templates()
+        if head == "help":
+            return Help()
+        return Templates() if head == "templates" else ShowSettings()
+    if head == "key":
+        if not rest:
+            raise UsageError("Paste your public key after `key` (the .pub line).", usage)
+        return SaveKey(" ".join(rest))
     if head == "history":
         if len(rest) > 1:
             raise UsageError("`history` takes at most one number.", usage)

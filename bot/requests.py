@@ -46,6 +46,7 @@ def build_request(
         "backend": backend,
         "placement": placement,
         "storage": args.storage,
+        "network": args.network,
         "cores": args.cores if args.cores is not None else defaults.cores,
         "memory_mib": args.memory_mib if args.memory_mib is not None else defaults.memory_mib,
         "disk_grow_gib": (
@@ -57,13 +58,16 @@ def build_request(
         "requester": requester,
     }
     data.update(_network(args.address, settings, problems))
-    _limits(data, settings, problems)
+    fields = dict.fromkeys(problems[:1], "address")
+    _limits(data, settings, problems, fields)
     if problems:
-        raise RequestInvalid(problems)
+        raise RequestInvalid(problems, {field: text for text, field in fields.items()})
     try:
         return DeployRequest(**data)
     except ValidationError as exc:
-        raise RequestInvalid([_explain(e) for e in exc.errors(include_url=False)]) from None
+        errors = exc.errors(include_url=False)
+        located = {str(e["loc"][0]) if e["loc"] else "": _explain(e) for e in errors}
+        raise RequestInvalid([_explain(e) for e in errors], located) from None
 
 
 def _placement(on: str | None, settings: Settings) -> tuple[str, str | None]:
@@ -116,7 +120,9 @@ def _example_host(settings: Settings) -> str:
     return str(net.network_address + min(50, max(1, net.num_addresses - 2)))
 
 
-def _limits(data: dict[str, Any], settings: Settings, problems: list[str]) -> None:
+def _limits(
+    data: dict[str, Any], settings: Settings, problems: list[str], fields: dict[str, str]
+) -> None:
     limits = settings.limits
     checks = (
         ("cores", "cpu", limits.max_cores, ""),
@@ -126,6 +132,7 @@ def _limits(data: dict[str, Any], settings: Settings, problems: list[str]) -> No
     for field, key, limit, unit in checks:
         if data[field] > limit:
             problems.append(f"{key}: {data[field]}{unit} is over the limit of {limit}{unit}.")
+            fields[problems[-1]] = field
 
 
 def _explain(error: Any) -> str:

@@ -11,20 +11,32 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from backends.base import Backend, BackendError, Template, VMRef
-from bot.errors import Conflict, JobNotFound, NotAllowed, RequestInvalid, TransitionRefused
+from backends.base import Backend, BackendError, Network, Storage, Template, VMRef
+from bot.errors import (
+    Conflict,
+    DeployBotError,
+    Duplicate,
+    JobNotFound,
+    NotAllowed,
+    RequestInvalid,
+    TransitionRefused,
+)
 from bot.models import (
     ACTIVE_STATES,
+    MAX_SSH_KEYS,
     Approval,
     ApprovalState,
+    AuditEvent,
     DeployRequest,
     Job,
     JobEvent,
     JobState,
+    UserPrefs,
+    check_ssh_key,
     utcnow,
 )
 from bot.parser import DeployArgs
@@ -33,9 +45,11 @@ from bot.progress import Fanout, Progress
 from bot.queue import JobQueue
 from bot.requests import build_request
 from bot.settings import ApprovalPolicy, Settings
-from store.db import DuplicateActive, Store
+from store.db import AlreadyDelivered, DuplicateActive, Store
 
 log = logging.getLogger(__name__)
+# A front end that knows the members of an approver group (a chat user group) sets this.
+GroupMembers = Callable[[str], Awaitable[frozenset[str]]]
 
 
 @dataclass(frozen=True)
@@ -83,6 +97,7 @@ class Deployer:
             max_per_backend=settings.limits.max_running_per_backend,
         )
         self._expiry: asyncio.Task[None] | None = None
+        self.group_members: GroupMembers | None = None
 
     # --- life cycle ---------------------------------------------------------------
 
@@ -133,6 +148,28 @@ class Deployer:
 
     # --- deploy -------------------------------------------------------------------
 
+    @contextlib.asynccontextmanager
+    async def _audited(self, actor: str, action: str) -> AsyncIterator[None]:
+        """Record a refusal (the only store change a refused action makes), then re-raise."""
+        try:
+            yield
+        except Duplicate as dup:
+            await self.audit(actor, action, dup.message, outcome="duplicate")
+            raise
+        except DeployBotError as exc:
+            await self.audit(actor, action, exc.message)
+            raise
+
+    async def audit(self, actor: str, action: str, detail: str, outcome: str = "refused") -> None:
+        """Keep a refused or repeated action in the audit log (front ends call it for
+        refusals they decide themselves, such as a command that does not parse)."""
+        try:
+            await self.store.add_audit(
+                AuditEvent(actor=actor, action=action, outcome=outcome, detail=detail[:2000])
+            )
+        except Exception:
+            log.exception("could not write the audit event for %s by %s", action, actor)
+
     async def request_deploy(
         self,
         args: DeployArgs,
@@ -140,20 +177,67 @@ class Deployer:
         *,
         ssh_keys: tuple[str, ...] = (),
         can_wait_for_approval: bool = True,
+        origin: str | None = None,
+        dedupe_key: str | None = None,
+        check_free_first: bool = False,
     ) -> Job:
         """Validate, record and queue (or send for approval) one deploy.
 
         A front end where nobody can approve (the one-shot CLI) passes
         `can_wait_for_approval=False`: such a request is refused before it is recorded.
+        Keys and template the request does not name come from the requester's saved
+        settings. `origin` is kept on the job for the front end; a second request with the
+        same `dedupe_key` (a redelivery) raises `Duplicate` and records nothing.
+        `check_free_first` asks the hypervisor whether the name and address are free
+        before recording, so a chat user hears of a clash at once instead of from a
+        failed job (the pipeline checks again when the job starts).
         """
+        async with self._audited(requester, "deploy"):
+            await self._refuse_redelivery(dedupe_key)
+            request = await self._validated(args, requester, ssh_keys)
+            if check_free_first:
+                await self._check_free(request)
+            return await self._record(request, can_wait_for_approval, origin, dedupe_key)
+
+    async def _refuse_redelivery(self, dedupe_key: str | None) -> None:
+        """Answer a redelivery before validating again (by then its own job holds the name).
+
+        Only an early answer: the insert's claim on the key is what enforces it.
+        """
+        if dedupe_key is None:
+            return
+        job_id = await self.store.delivered(dedupe_key)
+        if job_id is not None:
+            raise Duplicate(_already_have(job_id), job_id)
+
+    async def _validated(
+        self, args: DeployArgs, requester: str, ssh_keys: tuple[str, ...]
+    ) -> DeployRequest:
         policy = self.settings.approval
         if policy.deployers and requester not in policy.deployers:
             raise NotAllowed(
                 f"{requester} is not on the list of people who may deploy; ask one of "
                 f"{', '.join(policy.approvers) or 'the operators'} to add you."
             )
-        request = build_request(args, self.settings, requester, user_keys=ssh_keys)
+        prefs = await self.store.get_prefs(requester)
+        request = build_request(
+            args,
+            self.settings,
+            requester,
+            user_keys=ssh_keys or prefs.ssh_keys,
+            user_template=prefs.default_template,
+        )
         await self._check_on_backend(request)
+        return request
+
+    async def _record(
+        self,
+        request: DeployRequest,
+        can_wait_for_approval: bool,
+        origin: str | None,
+        dedupe_key: str | None,
+    ) -> Job:
+        policy = self.settings.approval
         reason = approval_reason(policy, request)
         if reason and not can_wait_for_approval:
             raise NotAllowed(
@@ -161,13 +245,17 @@ class Deployer:
                 "where an approver can approve it."
             )
         state = JobState.AWAITING_APPROVAL if reason else JobState.QUEUED
-        job = Job.for_request(request, state).model_copy(update={"approval_reason": reason})
+        job = Job.for_request(request, state).model_copy(
+            update={"approval_reason": reason, "origin": origin}
+        )
         approval = None
         if reason:
             expires = job.created_at + timedelta(seconds=policy.expire_after_s)
             approval = Approval(job_id=job.id, reason_required=reason, expires_at=expires)
         try:
-            await self.store.insert_job(job, approval)
+            await self.store.insert_job(job, approval, dedupe_key=dedupe_key)
+        except AlreadyDelivered as seen:
+            raise Duplicate(_already_have(seen.job_id), seen.job_id) from None
         except DuplicateActive as dup:
             raise Conflict(await self._conflict_message(request, dup.what)) from None
         await self.progress.job_updated(job)
@@ -201,8 +289,54 @@ class Deployer:
                 f"on: {request.placement!r} is neither a backend nor a node of "
                 f"{request.backend}; choose one of {choices}."
             )
+        storages = await self._names(backend.storages(request.placement)) if request.storage else []
+        if request.storage is not None and request.storage not in storages:
+            problems.append(
+                f"storage: {request.storage!r} is not a storage on {request.backend}; "
+                f"choose one of {', '.join(storages)}."
+            )
+        if request.network is not None:
+            networks = await self._names(backend.networks(request.placement))
+            if request.network not in networks:
+                problems.append(
+                    f"network: {request.network!r} is not a network on {request.backend}; "
+                    f"choose one of {', '.join(networks)}."
+                )
         if problems:
             raise RequestInvalid(problems)
+
+    async def _names(self, listing: Awaitable[list[Storage] | list[Network]]) -> list[str]:
+        try:
+            return [item.name for item in await listing]
+        except BackendError as exc:
+            raise RequestInvalid([f"The hypervisor did not answer ({exc.message})."]) from None
+
+    async def _check_free(self, request: DeployRequest) -> None:
+        """Refuse a name or address a VM already has, before anything is recorded.
+
+        The pipeline checks again when the job starts; this answers the requester now.
+        """
+        backend = self.backends[request.backend]
+        try:
+            taken = await backend.find_by_name(request.name)
+        except BackendError:
+            return  # the pipeline's own check will say it, with retries
+        if taken:
+            raise Conflict(
+                f"A VM named {request.name} already exists on {request.backend} "
+                f"(id {taken[0].vm_id}): pick another name, or remove that VM first."
+            )
+        ip = str(request.address.ip)
+        for other in await self.store.history(state=JobState.SUCCEEDED, address=ip):
+            owner = self.backends.get(other.backend)
+            if other.vm_id is None or owner is None:
+                continue
+            with contextlib.suppress(BackendError):
+                if await owner.find_vm(VMRef(other.vm_id, other.id, other.vm_placement)):
+                    raise Conflict(
+                        f"{ip} belongs to {other.name} (job {other.id}), which still "
+                        "exists: pick another address."
+                    )
 
     async def _conflict_message(self, request: DeployRequest, what: str) -> str:
         holder = next(
@@ -221,33 +355,105 @@ class Deployer:
 
     # --- approvals ----------------------------------------------------------------
 
-    async def approve(self, job_id: str, approver: str) -> Job:
-        return await self._decide(job_id, approver, ApprovalState.APPROVED, None)
+    async def approve(self, job_id: str, approver: str, *, dedupe_key: str | None = None) -> Job:
+        async with self._audited(approver, f"approve {job_id}"):
+            return await self._decide(job_id, approver, ApprovalState.APPROVED, None, dedupe_key)
 
-    async def reject(self, job_id: str, approver: str, reason: str) -> Job:
-        return await self._decide(job_id, approver, ApprovalState.REJECTED, reason)
+    async def reject(
+        self, job_id: str, approver: str, reason: str, *, dedupe_key: str | None = None
+    ) -> Job:
+        async with self._audited(approver, f"reject {job_id}"):
+            return await self._decide(job_id, approver, ApprovalState.REJECTED, reason, dedupe_key)
+
+    async def is_approver(self, user: str) -> bool:
+        policy = self.settings.approval
+        if user in policy.approvers:
+            return True
+        if self.group_members is None:
+            return False
+        for group in policy.approver_groups:
+            try:
+                if user in await self.group_members(group):
+                    return True
+            except Exception:
+                log.exception("could not list the members of approver group %s", group)
+        return False
+
+    def approvers_text(self) -> str:
+        policy = self.settings.approval
+        names = [*policy.approvers, *(f"the members of {g}" for g in policy.approver_groups)]
+        return ", ".join(names) or "nobody (set approval.approvers)"
 
     async def _decide(
-        self, job_id: str, approver: str, decision: ApprovalState, note: str | None
+        self,
+        job_id: str,
+        approver: str,
+        decision: ApprovalState,
+        note: str | None,
+        dedupe_key: str | None = None,
     ) -> Job:
-        job = await self._job(job_id)
-        approvers = self.settings.approval.approvers
-        if approver not in approvers:
-            raise NotAllowed(
-                f"{approver} may not approve deploys; the approvers are {', '.join(approvers)}."
+        if dedupe_key is not None and await self.store.delivered(dedupe_key):
+            raise Duplicate(f"This decision on job {job_id} was already made.", job_id)
+        await self._check_decider(job_id, approver)
+        try:
+            decided_now = await self.store.decide(
+                job_id, decision, by=approver, note=note, dedupe_key=dedupe_key
             )
-        if approver == job.requester:
-            raise NotAllowed("You cannot approve or reject your own request: ask another approver.")
-        if not await self.store.decide(job_id, decision, by=approver, note=note):
-            current = await self._job(job_id)
-            raise TransitionRefused(
-                f"Job {job_id} is {current.state.value}, not awaiting approval: nothing to decide."
-            )
+        except AlreadyDelivered:
+            raise Duplicate(f"This decision on job {job_id} was already made.", job_id) from None
+        if not decided_now:
+            raise TransitionRefused(await self._undecidable(job_id))
         decided = await self._job(job_id)
         await self.progress.job_updated(decided, note or "")
         if decision is ApprovalState.APPROVED:
             self.queue.submit(decided.id, decided.backend)
         return decided
+
+    async def may_decide(self, job_id: str, approver: str) -> Job:
+        """Refuse now what a decision would refuse (before asking a reason, say)."""
+        async with self._audited(approver, f"decide {job_id}"):
+            return await self._check_decider(job_id, approver)
+
+    async def _check_decider(self, job_id: str, approver: str) -> Job:
+        job = await self._job(job_id)
+        if not await self.is_approver(approver):
+            raise NotAllowed(
+                f"{approver} may not approve deploys; the approvers are {self.approvers_text()}."
+            )
+        if approver == job.requester:
+            raise NotAllowed("You cannot approve or reject your own request: ask another approver.")
+        await self._refuse_if_expired(job)
+        if job.state is not JobState.AWAITING_APPROVAL:
+            raise TransitionRefused(await self._undecidable(job_id))
+        return job
+
+    async def _refuse_if_expired(self, job: Job) -> None:
+        """A pending approval past its time expires now, even if the sweep has not run."""
+        approval = await self.store.get_approval(job.id)
+        if approval is None or approval.state is not ApprovalState.PENDING:
+            return
+        if approval.expires_at > utcnow():
+            return
+        if await self.store.decide(job.id, ApprovalState.EXPIRED, by=None):
+            await self.progress.job_updated(await self._job(job.id))
+        raise TransitionRefused(await self._undecidable(job.id))
+
+    async def _undecidable(self, job_id: str) -> str:
+        """Why a job cannot be decided on: already decided (by whom), expired, cancelled."""
+        job = await self._job(job_id)
+        approval = await self.store.get_approval(job_id)
+        if approval is not None and approval.state is ApprovalState.EXPIRED:
+            return (
+                f"Job {job_id} expired at {approval.decided_at or approval.expires_at:%H:%M} UTC: "
+                f"nobody approved it in time. {job.requester} can ask again."
+            )
+        if approval is not None and approval.decided_by:
+            when = f" at {approval.decided_at:%H:%M} UTC" if approval.decided_at else ""
+            return (
+                f"Job {job_id} is not awaiting approval any more: {approval.decided_by} "
+                f"{approval.state.value} it{when}."
+            )
+        return f"Job {job_id} is {job.state.value}, not awaiting approval: nothing to decide."
 
     async def expire_approvals(self, now: datetime | None = None) -> list[Job]:
         expired = []
@@ -269,8 +475,12 @@ class Deployer:
     # --- other commands -----------------------------------------------------------
 
     async def cancel(self, job_id: str, user: str) -> Job:
+        async with self._audited(user, f"cancel {job_id}"):
+            return await self._cancel(job_id, user)
+
+    async def _cancel(self, job_id: str, user: str) -> Job:
         job = await self._job(job_id)
-        if user != job.requester and user not in self.settings.approval.approvers:
+        if user != job.requester and not await self.is_approver(user):
             raise NotAllowed(f"Only {job.requester} or an approver can cancel job {job_id}.")
         if job.state in (JobState.QUEUED, JobState.AWAITING_APPROVAL):
             if await self.store.transition(
@@ -304,8 +514,73 @@ class Deployer:
                 found[name] = exc.message
         return found
 
+    # --- per-user settings and front-end references ----------------------------------
+
+    async def prefs(self, user: str) -> UserPrefs:
+        return await self.store.get_prefs(user)
+
+    async def save_ssh_key(self, user: str, text: str) -> UserPrefs:
+        """Validate one public key and add it to the user's saved keys."""
+        async with self._audited(user, "save key"):
+            try:
+                key = check_ssh_key(text)
+            except ValueError as exc:
+                raise RequestInvalid([f"SSH key: {exc}."]) from None
+            saved = await self.store.add_ssh_key(user, key, MAX_SSH_KEYS)
+            if saved is None:
+                raise RequestInvalid(
+                    [f"You already have {MAX_SSH_KEYS} keys saved; remove one in the settings."]
+                )
+            return saved
+
+    async def save_prefs(
+        self, user: str, ssh_keys: tuple[str, ...], default_template: str | None
+    ) -> UserPrefs:
+        """Replace the user's keys and default template, after checking both."""
+        async with self._audited(user, "save settings"):
+            keys = _check_keys(ssh_keys)
+            if default_template is not None:
+                await self._check_template_somewhere(default_template)
+            prefs = UserPrefs(user=user, ssh_keys=keys, default_template=default_template)
+            await self.store.put_prefs(prefs)
+            return prefs
+
+    async def _check_template_somewhere(self, name: str) -> None:
+        found = await self.templates()
+        names = {t.name for items in found.values() if not isinstance(items, str) for t in items}
+        if name not in names:
+            raise RequestInvalid(
+                [f"template: {name!r} is not a template on any backend; see `/deploy templates`."]
+            )
+
+    async def set_refs(
+        self, job_id: str, *, thread_ref: str | None = None, approval_ref: str | None = None
+    ) -> None:
+        """Remember where a front end shows this job (kept so a restart can find it)."""
+        fields = {"thread_ref": thread_ref, "approval_ref": approval_ref}
+        await self.store.update_job(job_id, **{k: v for k, v in fields.items() if v})
+
     async def _job(self, job_id: str) -> Job:
         job = await self.store.get_job(job_id)
         if job is None:
             raise JobNotFound(f"There is no job {job_id}; `/deploy history` lists recent ones.")
         return job
+
+
+def _check_keys(texts: tuple[str, ...]) -> tuple[str, ...]:
+    keys: list[str] = []
+    problems: list[str] = []
+    for number, text in enumerate(texts, start=1):
+        try:
+            keys.append(check_ssh_key(text))
+        except ValueError as exc:
+            problems.append(f"SSH key {number}: {exc}.")
+    if len(keys) > MAX_SSH_KEYS:
+        problems.append(f"Save at most {MAX_SSH_KEYS} SSH keys.")
+    if problems:
+        raise RequestInvalid(problems)
+    return tuple(keys)
+
+
+def _already_have(job_id: str) -> str:
+    return f"I already have this request as job {job_id}; follow it with `/deploy status {job_id}`."

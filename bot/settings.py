@@ -33,6 +33,8 @@ class _Section(BaseModel):
 # Each kind is one module in backends/ with a `Config` model and a `create` factory.
 BACKEND_MODULES = {
     "sim": "backends.sim",
+    "proxmox": "backends.proxmox",
+    "vsphere": "backends.vsphere",
 }
 
 
@@ -122,6 +124,8 @@ class ApprovalPolicy(_Section):
 
     deployers: tuple[str, ...] = ()  # empty: everyone may deploy
     approvers: tuple[str, ...] = ()
+    # Groups whose members approve too; a chat front end resolves their members.
+    approver_groups: tuple[str, ...] = ()
     always: bool = False
     backends: tuple[str, ...] = ()
     templates: tuple[str, ...] = ()
@@ -143,9 +147,29 @@ class ApprovalPolicy(_Section):
 
     @model_validator(mode="after")
     def _someone_can_approve(self) -> ApprovalPolicy:
-        if self.has_rules and not self.approvers:
-            raise ValueError("some requests need approval but `approvers` is empty")
+        if self.has_rules and not self.approvers and not self.approver_groups:
+            raise ValueError(
+                "some requests need approval but `approvers` is empty (and so is `approver_groups`)"
+            )
         return self
+
+
+class SlackSettings(_Section):
+    """The chat front end: where the Web API is, where approvals go, how fast to post.
+
+    Tokens are never here: only the names of the environment variables that hold them.
+    """
+
+    # GovSlack workspaces use https://slack-gov.com/api/; tests point it at a local fake.
+    api_base_url: str = Field(default="https://slack.com/api/", pattern=r"^https?://\S+/$")
+    command: str = Field(default="/deploy", pattern=r"^/[a-z0-9_-]{1,31}$")
+    approvals_channel: str | None = Field(default=None, pattern=r"^[CG][A-Z0-9]{2,}$")
+    bot_token_env: str = "SLACK_BOT_TOKEN"
+    app_token_env: str = "SLACK_APP_TOKEN"
+    signing_secret_env: str = "SLACK_SIGNING_SECRET"
+    # Slack allows about one message per second per channel; keep inside it.
+    posts_per_second: float = Field(default=1.0, gt=0, le=1000)
+    group_cache_s: float = Field(default=300, ge=0)
 
 
 class Settings(BaseSettings):
@@ -159,6 +183,7 @@ class Settings(BaseSettings):
     limits: Limits = Limits()
     timeouts: Timeouts = Timeouts()
     approval: ApprovalPolicy = ApprovalPolicy()
+    slack: SlackSettings = SlackSettings()
 
     @model_validator(mode="after")
     def _references(self) -> Settings:

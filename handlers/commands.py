@@ -5,7 +5,20 @@ from __future__ import annotations
 import logging
 
 from bot.errors import DeployBotError
-from bot.parser import Approve, Cancel, DeployArgs, Help, History, Reject, Status, Templates, parse
+from bot.parser import (
+    Approve,
+    Cancel,
+    Command,
+    DeployArgs,
+    Help,
+    History,
+    Reject,
+    SaveKey,
+    ShowSettings,
+    Status,
+    Templates,
+    parse,
+)
 from bot.service import Deployer
 from handlers import messages
 
@@ -26,7 +39,7 @@ async def answer(deployer: Deployer, user: str, text: str) -> list[str]:
 async def _run(
     deployer: Deployer,
     user: str,
-    command: DeployArgs | Help | Status | History | Cancel | Templates | Approve | Reject,
+    command: Command,
 ) -> list[str]:
     match command:
         case DeployArgs():
@@ -48,3 +61,8 @@ async def _run(
         case Reject(job_id, reason):
             job = await deployer.reject(job_id, user, reason)
             return [f"Job {job.id}: rejected; {job.requester} has been told why."]
+        case SaveKey(text):
+            return [messages.key_saved(await deployer.save_ssh_key(user, text))]
+        case ShowSettings():
+            return messages.user_settings(await deployer.prefs(user))
+    return messages.HELP.splitlines()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -77,8 +78,20 @@ async def check_config(args: argparse.Namespace, settings: Settings) -> int:
 
 
 async def serve(args: argparse.Namespace, settings: Settings) -> int:
-    print(messages.serve_unavailable(), file=sys.stderr)
-    return 2
+    from handlers.slack_serve import serve as serve_slack  # Bolt loads only when needed
+
+    return await serve_slack(settings, http=args.http, environ=os.environ)
+
+
+async def manifest(args: argparse.Namespace, settings: Settings) -> int:
+    from handlers.slack_manifest import COMMAND_RE, manifest_yaml
+
+    command = args.slash_command or settings.slack.command
+    if not COMMAND_RE.match(command):
+        print(messages.bad_command_name(command), file=sys.stderr)
+        return 2
+    print(manifest_yaml(command), end="")
+    return 0
 
 
 COMMANDS = {
@@ -88,6 +101,7 @@ COMMANDS = {
     "history": history,
     "check-config": check_config,
     "serve": serve,
+    "manifest": manifest,
 }
 
 

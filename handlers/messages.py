@@ -7,9 +7,10 @@ Slack later) only lay these texts out; they never word their own.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import datetime
 
 from backends.base import Template
-from bot.models import Job, JobEvent, JobState, RollbackReport
+from bot.models import Approval, ApprovalState, Job, JobEvent, JobState, RollbackReport, UserPrefs
 from bot.parser import SUBCOMMAND_USAGE, USAGE
 from bot.service import JobStatus
 
@@ -222,8 +223,181 @@ def switched_user(user: str) -> str:
     return f"You are now {user}."
 
 
-def serve_unavailable() -> str:
+# --- Slack ------------------------------------------------------------------------
+# Slack renders `<@U123>` as the person's name and `<!date^...>` in the reader's time zone.
+
+FULL_COPY = "full copy: minutes, not seconds"
+LINKED_CLONE = "fast linked clone: seconds"
+SLACK_WORKING = "On it…"
+FORM_TITLE = "Deploy a VM"
+FORM_LOADING = "Looking up templates, nodes and storage…"
+SETTINGS_TITLE = "Your deploy settings"
+REJECT_TITLE = "Reject deploy"
+FORM_LABELS = {
+    "template": "Template",
+    "placement": "Where (backend or node)",
+    "storage": "Storage",
+    "network": "Network",
+    "name": "VM name",
+    "address": "Address",
+    "cores": "CPU cores",
+    "memory": "Memory",
+    "disk": "Grow the disk by (GiB)",
+    "user": "Login user",
+    "keys": "SSH public keys (one per line)",
+    "upgrade": "Upgrade packages on first boot",
+    "default_template": "Default template",
+    "reason": "Why is it rejected?",
+}
+FORM_HINTS = {
+    "address": "Inside {subnets}, e.g. {example}",
+    "name": "Letters, digits and hyphens, e.g. web01",
+    "keys": "Prefilled from your saved keys (`/deploy key ...` or `/deploy settings`).",
+    "storage": "Leave empty to use the template's own storage.",
+}
+TEMPLATES_OVERFLOW = "There are {count} templates: type part of a name to find one."
+
+
+def mention(user: str) -> str:
+    return f"<@{user}>"
+
+
+def slack_time(moment: datetime) -> str:
+    fallback = f"{moment:%Y-%m-%d %H:%M} UTC"
+    return f"<!date^{int(moment.timestamp())}^{{date_short_pretty}} {{time}}|{fallback}>"
+
+
+def clone_mode(linked: bool, reason: str) -> str:
+    return f"{LINKED_CLONE} ({reason})" if linked else f"*{FULL_COPY}* ({reason})"
+
+
+def storage_option(name: str, free_bytes: int) -> str:
+    return f"{name} ({free_bytes / 1024**3:,.0f} GiB free)"
+
+
+def slack_thread_update(job: Job, note: str, approval: Approval | None) -> str:
+    """A state change in the requester's thread; an approval names who decided."""
+    if job.state is JobState.AWAITING_APPROVAL:
+        return (
+            f"waiting for approval ({job.approval_reason}); the approvers have been asked. "
+            f"Cancel with `/deploy cancel {job.id}`."
+        )
+    if approval is not None and approval.decided_by and job.state is JobState.QUEUED:
+        return approved(job, mention(approval.decided_by))
+    return job_update(job, note)
+
+
+def slack_finished(job: Job, rollback: RollbackReport | None) -> str:
+    lines = finished(job, rollback)
+    return "\n".join(f"`{ln.strip()}`" if ln.startswith("    ") else ln for ln in lines)
+
+
+def approval_summary(job: Job) -> str:
+    req = job.request
+    where = f"{job.backend}/{req.placement}" if req.placement else job.backend
     return (
-        "The Slack front end is not part of this build yet. Use `deploybot shell` to deploy "
-        "from a terminal, or `deploybot demo` to watch a scripted session."
+        f"*{mention(job.requester)} asks to deploy {job.name} {job.address}* on {where}\n"
+        f"template {req.template}, {req.cores} cores, {req.memory_mib} MiB memory, "
+        f"disk +{req.disk_grow_gib} GiB, login {req.user}\n"
+        f"Needs approval because {job.approval_reason}. Job {job.id}."
     )
+
+
+def approval_outcome(job: Job, approval: Approval | None) -> str:
+    """What replaces the Approve / Reject buttons once the request is decided."""
+    if approval is None or approval.state is ApprovalState.PENDING:
+        return f"{STATE_LABELS[job.state].capitalize()}: no decision was needed any more."
+    at = slack_time(approval.decided_at) if approval.decided_at else "an unknown time"
+    if approval.state is ApprovalState.APPROVED and approval.decided_by:
+        return f":white_check_mark: Approved by {mention(approval.decided_by)} at {at}"
+    if approval.state is ApprovalState.REJECTED and approval.decided_by:
+        return f":x: Rejected by {mention(approval.decided_by)}: {approval.note or 'no reason'}"
+    return f":hourglass: Expired at {at}: nobody approved it in time."
+
+
+def approval_cancelled(note: str) -> str:
+    said = note[:1].upper() + note[1:] if note else "Cancelled"
+    return f":no_entry_sign: {said} before a decision."
+
+
+def key_saved(prefs: UserPrefs) -> str:
+    count = len(prefs.ssh_keys)
+    return (
+        f"Saved. You have {count} SSH key{'s' if count != 1 else ''}; deploys that name no "
+        "key log in with them. `/deploy settings` shows and edits them."
+    )
+
+
+def settings_saved(prefs: UserPrefs) -> str:
+    template = prefs.default_template or "the configured default"
+    return f"Settings saved: {len(prefs.ssh_keys)} SSH key(s), default template {template}."
+
+
+def duplicate_ignored(job_id: str) -> str:
+    return f"Already handled (job {job_id}); nothing was done twice."
+
+
+def form_opened_elsewhere() -> str:
+    return "The form could not be opened (it took too long); type `/deploy` again."
+
+
+def missing_field(label: str) -> str:
+    return f"{label} is required."
+
+
+def reason_required() -> str:
+    return "Say why, so the requester can fix the request."
+
+
+def token_missing(variable: str, what: str) -> str:
+    return (
+        f"{variable} is not set: put the {what} in the environment (see README, Slack "
+        "set-up); deploybot serve did not start."
+    )
+
+
+def token_malformed(variable: str, what: str, shape: str) -> str:
+    return (
+        f"{variable} does not look like a {what} (it should {shape}); check that the "
+        "right value is in the right variable. deploybot serve did not start."
+    )
+
+
+def serving_socket() -> str:
+    return "deploybot is connected to Slack in Socket Mode. Stop it with Ctrl-C."
+
+
+def serving_http(url: str) -> str:
+    return f"deploybot is listening on {url}/slack/events (health: {url}/healthz)."
+
+
+def bad_http_address(text: str) -> str:
+    return f"--http {text}: give HOST:PORT, e.g. 127.0.0.1:3000."
+
+
+def slack_headline(job: Job, step: str | None) -> str:
+    """The parent message: the headline, plus the step while a deploy runs."""
+    text = headline(job)
+    return f"{text} ({step_label(step)})" if step and job.state is JobState.RUNNING else text
+
+
+def slack_step(step: str, duration_s: float, ok: bool, detail: str) -> str:
+    mark = ":white_check_mark:" if ok else ":x:"
+    text = f"{mark} {step_label(step)} — {duration_s:.1f} s"
+    return text + (f" · {detail}" if detail else "")
+
+
+def bad_command_name(command: str) -> str:
+    return (
+        f"{command!r} is not a slash command name: start with /, then 1 to 31 lower-case "
+        "letters, digits, - or _ (e.g. /deploy)."
+    )
+
+
+def user_settings(prefs: UserPrefs) -> list[str]:
+    """The settings as text (the shell; Slack shows them in a modal)."""
+    template = prefs.default_template or "the configured default"
+    lines = [f"Default template: {template}.", f"SSH keys ({len(prefs.ssh_keys)}):"]
+    lines.extend(f"  {' '.join(key.split()[::2])}" for key in prefs.ssh_keys)
+    lines.append("Add a key with /deploy key ssh-ed25519 AAAA... comment.")
+    return lines

@@ -19,12 +19,12 @@ from typing import Any, ParamSpec, TypeVar
 
 from sqlite_utils import Database
 
-from bot.models import Approval, ApprovalState, Job, JobEvent, JobState
-from store import gc, jobs
-from store.jobs import DuplicateActive
+from bot.models import Approval, ApprovalState, AuditEvent, Job, JobEvent, JobState, UserPrefs
+from store import gc, jobs, users
+from store.jobs import AlreadyDelivered, DuplicateActive
 from store.migrations import migrate
 
-__all__ = ["DuplicateActive", "Store"]
+__all__ = ["AlreadyDelivered", "DuplicateActive", "Store"]
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -78,9 +78,16 @@ class Store:
 
     # --- jobs ---------------------------------------------------------------------
 
-    async def insert_job(self, job: Job, approval: Approval | None = None) -> None:
-        """Raises `DuplicateActive` when a job in flight holds the name or the address."""
-        await self._call(jobs.insert_job, self._db, job, approval)
+    async def insert_job(
+        self, job: Job, approval: Approval | None = None, *, dedupe_key: str | None = None
+    ) -> None:
+        """Raises `DuplicateActive` when a job in flight holds the name or the address,
+        `AlreadyDelivered` when `dedupe_key` was used before (then nothing is written)."""
+        await self._call(jobs.insert_job, self._db, job, approval, dedupe_key)
+
+    async def delivered(self, dedupe_key: str) -> str | None:
+        """The job a dedupe key was used for, or None when it is new."""
+        return await self._call(jobs.delivered, self._db, dedupe_key)
 
     async def get_job(self, job_id: str) -> Job | None:
         return await self._call(jobs.get_job, self._db, job_id)
@@ -136,8 +143,18 @@ class Store:
         by: str | None,
         note: str | None = None,
         at: datetime | None = None,
+        dedupe_key: str | None = None,
     ) -> bool:
-        return await self._call(jobs.decide, self._db, job_id, decision, by=by, note=note, at=at)
+        return await self._call(
+            jobs.decide,
+            self._db,
+            job_id,
+            decision,
+            by=by,
+            note=note,
+            at=at,
+            dedupe_key=dedupe_key,
+        )
 
     async def expired_approvals(self, now: datetime) -> list[str]:
         return await self._call(jobs.expired_approvals, self._db, now)
@@ -151,6 +168,24 @@ class Store:
 
     async def last_gc_dry_run(self, scope: Sequence[str], *, since: datetime) -> set[str] | None:
         return await self._call(gc.last_gc_dry_run, self._db, scope, since)
+
+    # --- people -------------------------------------------------------------------
+
+    async def get_prefs(self, user: str) -> UserPrefs:
+        return await self._call(users.get_prefs, self._db, user)
+
+    async def put_prefs(self, prefs: UserPrefs) -> None:
+        await self._call(users.put_prefs, self._db, prefs)
+
+    async def add_ssh_key(self, user: str, key: str, max_keys: int) -> UserPrefs | None:
+        return await self._call(users.add_key, self._db, user, key, max_keys)
+
+    async def add_audit(self, event: AuditEvent) -> None:
+        await self._call(users.add_audit, self._db, event)
+
+    async def audit_events(self, limit: int = 50) -> list[AuditEvent]:
+        """Newest first."""
+        return await self._call(users.audit_events, self._db, limit)
 
     async def integrity_check(self) -> str:
         return await self._call(

@@ -67,8 +67,40 @@ def job_from_row(row: dict[str, Any]) -> Job:
     return Job.model_validate({**row, "request": json.loads(row["request"])})
 
 
-def insert_job(db: Database, job: Job, approval: Approval | None = None) -> None:
+class AlreadyDelivered(Exception):
+    """This dedupe key was handled before (for `job_id`); the transaction did nothing."""
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__(job_id)
+        self.job_id = job_id
+
+
+def _claim(db: Database, key: str, job_id: str, action: str) -> None:
+    """Record a delivery inside the caller's transaction; raise if it was seen before.
+
+    The primary key decides, not a lookup first: two deliveries racing cannot both pass.
+    """
+    try:
+        db.execute(
+            "INSERT INTO deliveries (key, job_id, action, at) VALUES (?, ?, ?, ?)",
+            [key, job_id, action, ts(utcnow())],
+        )
+    except sqlite3.IntegrityError:
+        rows = list(db.query("SELECT job_id FROM deliveries WHERE key = ?", [key]))
+        raise AlreadyDelivered(rows[0]["job_id"] if rows else job_id) from None
+
+
+def delivered(db: Database, key: str) -> str | None:
+    rows = list(db.query("SELECT job_id FROM deliveries WHERE key = ?", [key]))
+    return str(rows[0]["job_id"]) if rows else None
+
+
+def insert_job(
+    db: Database, job: Job, approval: Approval | None = None, dedupe_key: str | None = None
+) -> None:
     with immediate(db.conn):
+        if dedupe_key is not None:
+            _claim(db, dedupe_key, job.id, "request")
         try:
             db.table("jobs").insert(job_row(job))
         except sqlite3.IntegrityError as exc:
@@ -190,8 +222,12 @@ def decide(
     by: str | None,
     note: str | None = None,
     at: datetime | None = None,
+    dedupe_key: str | None = None,
 ) -> bool:
-    """Approve, reject or expire a pending request: both rows change, or neither does."""
+    """Approve, reject or expire a pending request: both rows change, or neither does.
+
+    With a `dedupe_key`, a second delivery of the same decision raises `AlreadyDelivered`.
+    """
     if decision is ApprovalState.PENDING:
         raise ValueError("a decision cannot be 'pending'")
     job_state = {
@@ -201,7 +237,7 @@ def decide(
     }[decision]
     when = ts(at or utcnow())
     try:
-        _decide(db, job_id, decision.value, job_state, by, note, when)
+        _decide(db, job_id, decision.value, job_state, by, note, when, dedupe_key)
     except _Undecided:
         return False
     return True
@@ -219,9 +255,12 @@ def _decide(
     by: str | None,
     note: str | None,
     when: str,
+    dedupe_key: str | None,
 ) -> None:
     final = "" if job_state is JobState.QUEUED else ", finished_at = :at"
     with immediate(db.conn):
+        if dedupe_key is not None:
+            _claim(db, dedupe_key, job_id, decision)
         decided = db.execute(
             "UPDATE approvals SET state = :d, decided_by = :by, decided_at = :at, note = :note "
             "WHERE job_id = :id AND state = 'pending'",

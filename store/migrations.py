@@ -108,7 +108,31 @@ def _v2(db: Database) -> None:
     db.table("gc_runs").create_index(["scope", "applied", "at"])
 
 
-MIGRATIONS: list[Callable[[Database], None]] = [_v1, _v2]
+def _v3(db: Database) -> None:
+    """Front-end references on jobs, idempotency keys, per-user settings, an audit log."""
+    for column in ("origin", "thread_ref", "approval_ref"):
+        db.table("jobs").add_column(column, str)
+    # One row per handled delivery (a command, a click): its primary key is what makes a
+    # redelivered request fail inside the same transaction that would act on it twice.
+    db.table("deliveries").create(
+        {"key": str, "job_id": str, "action": str, "at": str},
+        pk="key",
+        not_null={"job_id", "action", "at"},
+    )
+    db.table("user_prefs").create(
+        {"user": str, "ssh_keys": str, "default_template": str, "updated_at": str},
+        pk="user",
+        not_null={"ssh_keys", "updated_at"},
+    )
+    db.table("audit").create(
+        {"id": int, "at": str, "actor": str, "action": str, "outcome": str, "detail": str},
+        pk="id",
+        not_null={"at", "actor", "action", "outcome"},
+    )
+    db.table("audit").create_index(["actor", "at"])
+
+
+MIGRATIONS: list[Callable[[Database], None]] = [_v1, _v2, _v3]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

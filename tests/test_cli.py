@@ -174,6 +174,9 @@ def test_shell_session_deploys_and_waits_before_leaving(tmp_path: Path) -> None:
     no_traceback(result)
 
 
-def test_serve_says_it_is_not_there_yet(tmp_path: Path) -> None:
+def test_serve_without_a_token_says_which_variable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("SLACK_BOT_TOKEN", raising=False)
     result = deploybot(tmp_path, "serve")
-    assert result.returncode == 2 and "deploybot shell" in result.stderr
+    assert result.returncode == 2 and "SLACK_BOT_TOKEN is not set" in result.stderr

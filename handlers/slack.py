@@ -1,0 +1,214 @@
+"""The Slack front end: a Bolt `AsyncApp` whose listeners drive the same core as the shell.
+
+Every listener acknowledges first (Slack allows 3 s, and a hypervisor may take longer to
+answer a single question), using only what needs no hypervisor: the grammar, the
+configuration, the store. The rest runs afterwards in a task the bot keeps a reference
+to, and answers the person with an ephemeral message. Deploys themselves go on the
+core's job queue; their threads are handlers/slack_threads.py. Redelivered commands and
+clicks are recognised by Slack's own ids (trigger_id, action_ts, view id), which the core
+stores in the same transaction as the job or the decision they would create.
+
+Approvals, the form and the settings modal are in handlers/slack_interact.py; starting
+the bot (tokens, Socket Mode, HTTP mode) in handlers/slack_serve.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Coroutine, Sequence
+from typing import Any
+
+from slack_bolt.async_app import AsyncApp
+from slack_bolt.context.ack.async_ack import AsyncAck
+from slack_sdk.errors import SlackApiError
+from slack_sdk.http_retry.builtin_async_handlers import AsyncRateLimitErrorRetryHandler
+from slack_sdk.web.async_client import AsyncWebClient
+
+from bot.errors import DeployBotError, UsageError
+from bot.models import check_ssh_key
+from bot.parser import (
+    Approve,
+    Cancel,
+    Command,
+    DeployArgs,
+    Help,
+    History,
+    Reject,
+    SaveKey,
+    ShowSettings,
+    Status,
+    Templates,
+    parse,
+)
+from bot.service import Deployer
+from handlers import messages, slack_interact, slack_views
+from handlers.slack_form import Catalog
+from handlers.slack_threads import SlackThreads
+from handlers.slack_views import mentions
+
+log = logging.getLogger(__name__)
+
+
+def make_client(token: str, base_url: str) -> AsyncWebClient:
+    """A Web API client that waits out 429s (Retry-After) before giving up."""
+    client = AsyncWebClient(token=token, base_url=base_url)
+    client.retry_handlers.append(AsyncRateLimitErrorRetryHandler(max_retry_count=2))
+    return client
+
+
+class GroupDirectory:
+    """Members of Slack user groups (approver groups), cached for `ttl_s`."""
+
+    def __init__(self, client: AsyncWebClient, ttl_s: float) -> None:
+        self.client = client
+        self.ttl_s = ttl_s
+        self._cache: dict[str, tuple[float, frozenset[str]]] = {}
+
+    async def members(self, group: str) -> frozenset[str]:
+        cached = self._cache.get(group)
+        if cached is not None and cached[0] > time.monotonic():
+            return cached[1]
+        answer = await self.client.usergroups_users_list(usergroup=group)
+        users = frozenset(str(u) for u in answer.get("users") or [])
+        self._cache[group] = (time.monotonic() + self.ttl_s, users)
+        return users
+
+
+class SlackBot:
+    """The app, its listeners, and the tasks they start after acknowledging."""
+
+    def __init__(
+        self,
+        deployer: Deployer,
+        threads: SlackThreads,
+        client: AsyncWebClient,
+        *,
+        signing_secret: str | None,
+    ) -> None:
+        self.deployer = deployer
+        self.settings = deployer.settings
+        self.threads = threads
+        self.client = client
+        self.directory = GroupDirectory(client, self.settings.slack.group_cache_s)
+        deployer.group_members = self.directory.members
+        threads.bind(deployer)
+        self.tasks: set[asyncio.Task[None]] = set()
+        # The last look-up of templates, so external_select can answer inside its ack.
+        self.catalog = Catalog()
+        self.app = AsyncApp(
+            client=client,
+            signing_secret=signing_secret or "",
+            # Socket Mode requests come over an authenticated socket and carry no signature.
+            request_verification_enabled=signing_secret is not None,
+            process_before_response=False,
+        )
+        self.app.command(self.settings.slack.command)(self.on_command)
+        slack_interact.register(self)
+
+    # --- tasks and answers --------------------------------------------------------
+
+    def spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run work after the ack; the set keeps the task alive until it is done."""
+        task = asyncio.create_task(self._guarded(work))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _guarded(self, work: Coroutine[Any, Any, None]) -> None:
+        try:
+            await work
+        except Exception:
+            log.exception("a Slack listener task failed")
+
+    async def settle(self) -> None:
+        """Wait until every task started by a listener has finished (tests, shutdown)."""
+        while self.tasks:
+            await asyncio.gather(*list(self.tasks), return_exceptions=True)
+
+    async def tell(
+        self, channel: str, user: str, lines: Sequence[str], *, monospace: bool = False
+    ) -> None:
+        """An ephemeral answer: only `user` sees it, in the channel they typed in."""
+        shown = [mentions(line) for line in lines] or [" "]
+        try:
+            await self.client.chat_postEphemeral(
+                channel=channel,
+                user=user,
+                text=slack_views.fit("\n".join(shown), 3000),
+                blocks=slack_views.answer(shown, monospace=monospace),
+            )
+        except SlackApiError as exc:
+            log.error("could not answer %s in %s: %s", user, channel, exc.response.get("error"))
+
+    async def answering(
+        self, channel: str, user: str, work: Coroutine[Any, Any, list[str]], *, mono: bool = False
+    ) -> None:
+        """Run `work` and tell the user its lines, or what went wrong."""
+        try:
+            lines = await work
+        except DeployBotError as exc:
+            lines = exc.message.splitlines()
+        except Exception:
+            log.exception("a command by %s failed", user)
+            lines = [messages.INTERNAL_ERROR.format(log=self.settings.log_file)]
+            mono = False
+        await self.tell(channel, user, lines, monospace=mono)
+
+    # --- /deploy ------------------------------------------------------------------
+
+    async def on_command(self, ack: AsyncAck, body: dict[str, Any]) -> None:
+        user, channel = str(body["user_id"]), str(body["channel_id"])
+        text, trigger = str(body.get("text") or ""), str(body.get("trigger_id") or "")
+        if not text.strip():
+            await ack()
+            self.spawn(slack_interact.open_form(self, trigger, user, channel))
+            return
+        try:
+            command = parse(text)
+            if isinstance(command, SaveKey):
+                check_ssh_key(command.text)  # answered at once: it needs no look-up
+        except (UsageError, ValueError) as exc:
+            problem = str(exc) if isinstance(exc, ValueError) else exc.message
+            if isinstance(exc, ValueError):
+                problem = f"SSH key: {problem}."
+            await ack(response_type="ephemeral", text=problem, blocks=slack_views.answer([problem]))
+            self.spawn(self.deployer.audit(user, "command", problem))
+            return
+        if isinstance(command, Help):
+            lines = messages.HELP.splitlines()
+            await ack(response_type="ephemeral", text=lines[0], blocks=slack_views.answer(lines))
+            return
+        await ack()
+        if isinstance(command, ShowSettings):
+            self.spawn(slack_interact.open_settings(self, trigger, user, channel))
+            return
+        mono = isinstance(command, Status | History)
+        work = self._run(command, user, channel, f"command:{trigger}")
+        self.spawn(self.answering(channel, user, work, mono=mono))
+
+    async def _run(self, command: Command, user: str, channel: str, key: str) -> list[str]:
+        d = self.deployer
+        match command:
+            case DeployArgs():
+                job = await d.request_deploy(
+                    command, user, origin=channel, dedupe_key=key, check_free_first=True
+                )
+                return [messages.accepted(job)]
+            case Status(job_id):
+                return messages.status(await d.status(job_id))
+            case History(limit):
+                return messages.history(await d.history(limit))
+            case Cancel(job_id):
+                return [messages.cancelling(await d.cancel(job_id, user))]
+            case Templates():
+                return messages.templates(await d.templates())
+            case Approve(job_id):
+                job = await d.approve(job_id, user, dedupe_key=key)
+                return [f"Job {job.id}: {messages.approved(job, messages.mention(user))}"]
+            case Reject(job_id, reason):
+                job = await d.reject(job_id, user, reason, dedupe_key=key)
+                return [f"Job {job.id}: rejected; {messages.mention(job.requester)} is told why."]
+            case SaveKey(text):
+                return [messages.key_saved(await d.save_ssh_key(user, text))]
+        return messages.HELP.splitlines()

@@ -1,0 +1,433 @@
+"""The `/deploy` form: what the hypervisors offer, the modal, and reading it back.
+
+`discover` asks the backends (templates, nodes, storage with free space, networks, and
+whether the choice means a linked clone or a full copy); it runs after the modal is
+open, never before an `ack`. `form_view` lays the answer out; `read_form` turns a
+submission into `DeployArgs` or per-block errors using only the configuration, so the
+errors can go back inside the 3 s an `ack` allows.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from slack_sdk.models.blocks import (
+    Block,
+    CheckboxesElement,
+    ContextBlock,
+    ExternalDataSelectElement,
+    InputBlock,
+    MarkdownTextObject,
+    NumberInputElement,
+    Option,
+    PlainTextInputElement,
+)
+from slack_sdk.models.views import View
+
+from backends.base import BackendError, CloneSpec, Network, Storage, Template
+from bot.errors import RequestInvalid
+from bot.models import HOSTNAME_RE, UserPrefs, check_ssh_key
+from bot.parser import DeployArgs
+from bot.requests import build_request
+from bot.service import Deployer
+from bot.settings import Settings
+from handlers import messages
+from handlers.slack_views import fit, option, select
+
+FORM_VIEW = "deploy_form"
+SELECT_MAX = 100
+# Request fields (bot.models.DeployRequest) to the form block that shows them.
+FIELD_BLOCKS = {
+    "name": "name",
+    "address": "address",
+    "": "address",
+    "gateway": "address",
+    "cores": "cores",
+    "memory_mib": "memory",
+    "disk_grow_gib": "disk",
+    "user": "user",
+    "template": "template",
+    "ssh_keys": "keys",
+}
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What the form has selected so far; values as the selects carry them."""
+
+    template: str | None = None  # "BACKEND|TEMPLATE"
+    placement: str | None = None  # "BACKEND" or "BACKEND/NODE"
+    storage: str | None = None
+    network: str | None = None
+
+    @property
+    def backend(self) -> str | None:
+        if self.placement:
+            return self.placement.split("/", 1)[0]
+        return self.template.split("|", 1)[0] if self.template else None
+
+    @property
+    def node(self) -> str | None:
+        if self.placement and "/" in self.placement:
+            return self.placement.split("/", 1)[1]
+        return None
+
+
+@dataclass
+class Catalog:
+    """What the backends offer for the current choice."""
+
+    templates: list[tuple[str, Template]] = field(default_factory=list)
+    placements: list[str] = field(default_factory=list)
+    storages: list[Storage] = field(default_factory=list)
+    networks: list[Network] = field(default_factory=list)
+    clone_note: str | None = None
+    problems: list[str] = field(default_factory=list)
+
+
+def template_value(backend: str, name: str) -> str:
+    return f"{backend}|{name}"
+
+
+def template_options(catalog: Catalog, query: str = "") -> list[Option]:
+    wanted = query.lower().strip()
+    return [
+        option(f"{t.name} ({backend})", template_value(backend, t.name))
+        for backend, t in catalog.templates
+        if wanted in t.name.lower()
+    ][:SELECT_MAX]
+
+
+async def discover(deployer: Deployer, choice: Choice) -> Catalog:
+    """Ask every backend what the form can offer; a backend that fails is reported."""
+    catalog = Catalog()
+    for backend, found in (await deployer.templates()).items():
+        if isinstance(found, str):
+            catalog.problems.append(f"{backend}: {found}")
+            continue
+        catalog.templates.extend((backend, t) for t in found)
+    for name, backend_obj in deployer.backends.items():
+        catalog.placements.append(name)
+        try:
+            catalog.placements.extend(f"{name}/{p.name}" for p in await backend_obj.placements())
+        except BackendError as exc:
+            catalog.problems.append(f"{name}: {exc.message}")
+    chosen = deployer.backends.get(choice.backend or deployer.settings.default_backend)
+    if chosen is None:
+        return catalog
+    try:
+        catalog.storages = await chosen.storages(choice.node)
+        catalog.networks = await chosen.networks(choice.node)
+        if choice.template:
+            spec = CloneSpec(
+                "jpreview", "preview", choice.template.split("|", 1)[1], choice.node, choice.storage
+            )
+            mode = await chosen.clone_mode(spec)
+            catalog.clone_note = messages.clone_mode(mode.linked, mode.reason)
+    except BackendError as exc:
+        catalog.problems.append(f"{chosen.name}: {exc.message}")
+    return catalog
+
+
+def initial_choice(settings: Settings, prefs: UserPrefs) -> Choice:
+    backend = settings.default_backend
+    template = prefs.default_template or settings.defaults.template
+    return Choice(template=template_value(backend, template), placement=backend)
+
+
+# --- the modal ----------------------------------------------------------------------
+
+
+def form_view(
+    settings: Settings, catalog: Catalog, choice: Choice, prefs: UserPrefs, metadata: str
+) -> View:
+    blocks: list[Block] = [
+        _template_block(catalog, choice),
+        _input("placement", _placement_select(catalog, choice), dispatch=True),
+    ]
+    if catalog.storages:
+        storage_options = [
+            option(messages.storage_option(s.name, s.free_bytes), s.name) for s in catalog.storages
+        ]
+        storage = select("storage", storage_options, initial=choice.storage)
+        # The placement is part of the block id, so a new node resets a stale choice.
+        blocks.append(_input(f"storage@{choice.placement}", storage, optional=True, dispatch=True))
+    if catalog.clone_note:
+        blocks.append(ContextBlock(elements=[MarkdownTextObject(text=catalog.clone_note)]))
+    if catalog.networks:
+        networks = [option(n.name, n.name) for n in catalog.networks]
+        blocks.append(
+            _input(f"network@{choice.placement}", select("network", networks), optional=True)
+        )
+    blocks.extend(_sizes_and_identity(settings, prefs))
+    if catalog.problems:
+        text = fit("Not every backend answered: " + "; ".join(catalog.problems), 3000)
+        blocks.append(ContextBlock(elements=[MarkdownTextObject(text=text)]))
+    return View(
+        type="modal",
+        callback_id=FORM_VIEW,
+        title=messages.FORM_TITLE,
+        submit="Deploy",
+        close="Cancel",
+        private_metadata=metadata,
+        blocks=blocks,
+    )
+
+
+def _input(
+    block_id: str,
+    element: Any,
+    *,
+    optional: bool = False,
+    dispatch: bool = False,
+    hint: str | None = None,
+) -> InputBlock:
+    key = block_id.split("@", 1)[0]
+    return InputBlock(
+        block_id=block_id,
+        label=messages.FORM_LABELS[key],
+        element=element,
+        optional=optional,
+        dispatch_action=dispatch or None,
+        hint=hint,
+    )
+
+
+def _template_block(catalog: Catalog, choice: Choice) -> InputBlock:
+    everything = template_options(catalog)
+    if len(catalog.templates) <= SELECT_MAX:
+        element: Any = select("template", everything, initial=choice.template)
+        return _input("template", element, dispatch=True)
+    initial = next((o for o in everything if o.value == choice.template), None)
+    element = ExternalDataSelectElement(
+        action_id="template", placeholder="Type to search", initial_option=initial
+    )
+    hint = messages.TEMPLATES_OVERFLOW.format(count=len(catalog.templates))
+    return _input("template", element, dispatch=True, hint=hint)
+
+
+def _placement_select(catalog: Catalog, choice: Choice) -> Any:
+    options = [option(p, p) for p in catalog.placements]
+    return select("placement", options, initial=choice.placement)
+
+
+def _sizes_and_identity(settings: Settings, prefs: UserPrefs) -> list[Block]:
+    d, limits = settings.defaults, settings.limits
+    cores = [option(str(n), str(n)) for n in range(1, min(limits.max_cores, SELECT_MAX) + 1)]
+    memory = [option(_mib_text(m), str(m)) for m in _memory_sizes(limits.max_memory_mib)]
+    subnets = ", ".join(str(s.cidr) for s in settings.subnets)
+    example = str(settings.subnets[0].cidr.network_address + 50)
+    keys = "\n".join(prefs.ssh_keys)
+    upgrade = CheckboxesElement(
+        action_id="upgrade", options=[option(messages.FORM_LABELS["upgrade"], "yes")]
+    )
+    return [
+        _input("name", PlainTextInputElement(action_id="name", max_length=63), hint=_hint("name")),
+        _input(
+            "address",
+            PlainTextInputElement(action_id="address", max_length=18),
+            hint=messages.FORM_HINTS["address"].format(subnets=subnets, example=example),
+        ),
+        _input("cores", select("cores", cores, initial=str(d.cores))),
+        _input("memory", select("memory", memory, initial=str(d.memory_mib))),
+        _input(
+            "disk",
+            NumberInputElement(
+                action_id="disk",
+                is_decimal_allowed=False,
+                min_value="0",
+                max_value=str(limits.max_disk_grow_gib),
+                initial_value=str(d.disk_grow_gib),
+            ),
+        ),
+        _input("user", PlainTextInputElement(action_id="user", initial_value=d.user)),
+        _input(
+            "keys",
+            PlainTextInputElement(action_id="keys", multiline=True, initial_value=keys or None),
+            optional=True,
+            hint=_hint("keys"),
+        ),
+        # Unchecked unless the person ticks it; read back as an explicit "no".
+        _input("upgrade", upgrade, optional=True),
+    ]
+
+
+def _hint(key: str) -> str:
+    return messages.FORM_HINTS[key]
+
+
+def _memory_sizes(limit: int) -> list[int]:
+    sizes = [512 * 2**i for i in range(20)]
+    return [s for s in sizes if s <= limit][:SELECT_MAX]
+
+
+def _mib_text(mib: int) -> str:
+    return f"{mib // 1024} GiB" if mib >= 1024 else f"{mib} MiB"
+
+
+# --- reading it back ----------------------------------------------------------------
+
+
+def state_values(view: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Block id (without its @suffix) to that block's single element state."""
+    values: dict[str, dict[str, Any]] = {}
+    for block_id, actions in view.get("state", {}).get("values", {}).items():
+        for element in actions.values():
+            values[block_id.split("@", 1)[0]] = element
+    return values
+
+
+def block_ids(view: dict[str, Any]) -> dict[str, str]:
+    """Block id without its @suffix to the block id the view really has."""
+    ids = [str(b["block_id"]) for b in view.get("blocks", []) if b.get("block_id")]
+    return {block_id.split("@", 1)[0]: block_id for block_id in ids}
+
+
+def value(element: dict[str, Any] | None) -> str | None:
+    if not element:
+        return None
+    if element.get("selected_option"):
+        return str(element["selected_option"]["value"])
+    text = element.get("value")
+    return str(text).strip() if text not in (None, "") else None
+
+
+def choice_of(view: dict[str, Any]) -> Choice:
+    values = state_values(view)
+    return Choice(
+        template=value(values.get("template")),
+        placement=value(values.get("placement")),
+        storage=value(values.get("storage")),
+        network=value(values.get("network")),
+    )
+
+
+@dataclass
+class FormResult:
+    args: DeployArgs | None
+    keys: tuple[str, ...]
+    errors: dict[str, str]  # block id -> message
+
+
+def read_form(view: dict[str, Any], settings: Settings, requester: str) -> FormResult:
+    """Check a submission with the configuration only (no hypervisor call)."""
+    values = state_values(view)
+    ids = block_ids(view)
+    errors: dict[str, str] = {}
+    required = ("template", "placement", "name", "address", "cores", "memory", "user")
+    got = {key: value(values.get(key)) for key in (*required, "storage", "network", "disk")}
+    for key in required:
+        if got[key] is None:
+            errors[key] = messages.missing_field(messages.FORM_LABELS[key])
+    keys, key_error = _keys(value(values.get("keys")))
+    if key_error:
+        errors["keys"] = key_error
+    _check_choice(got, errors)
+    for key in ("cores", "memory", "disk"):
+        if got[key] is not None and not str(got[key]).isdigit():
+            errors[key] = f"{messages.FORM_LABELS[key]}: give a whole number."
+    if got["name"] and not HOSTNAME_RE.match(got["name"]):
+        errors["name"] = messages.FORM_HINTS["name"] + "."
+    if errors:
+        return FormResult(None, keys, _to_blocks(errors, ids))
+    args = _args(got, bool((values.get("upgrade") or {}).get("selected_options")))
+    try:
+        build_request(args, settings, requester, user_keys=keys)
+    except RequestInvalid as exc:
+        for name, text in (exc.fields or {"": exc.message}).items():
+            errors.setdefault(FIELD_BLOCKS.get(name, "name"), text)
+        return FormResult(None, keys, _to_blocks(errors, ids))
+    return FormResult(args, keys, {})
+
+
+def _check_choice(got: dict[str, str | None], errors: dict[str, str]) -> None:
+    template, placement = got["template"], got["placement"]
+    if template and placement and template.split("|")[0] != placement.split("/")[0]:
+        errors["placement"] = (
+            f"{template.split('|')[-1]} is a template on {template.split('|')[0]}: "
+            "choose a place on that backend."
+        )
+
+
+def _keys(text: str | None) -> tuple[tuple[str, ...], str | None]:
+    keys: list[str] = []
+    for number, line in enumerate((text or "").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            keys.append(check_ssh_key(line))
+        except ValueError as exc:
+            return (), f"Key on line {number}: {exc}."
+    return tuple(keys), None
+
+
+def _args(got: dict[str, str | None], upgrade: bool) -> DeployArgs:
+    template = got["template"] or "|"
+    return DeployArgs(
+        name=got["name"] or "",
+        address=got["address"],
+        template=template.split("|", 1)[1],
+        on=got["placement"],
+        storage=got["storage"],
+        network=got["network"],
+        cores=int(got["cores"] or 0),
+        memory_mib=int(got["memory"] or 0),
+        disk_grow_gib=int(got["disk"] or 0),
+        user=got["user"],
+        upgrade=upgrade,  # explicit: an unticked box means no
+        given=("template", "on", "cpu", "mem", "disk", "user", "upgrade"),
+    )
+
+
+def _to_blocks(errors: dict[str, str], ids: dict[str, str]) -> dict[str, str]:
+    return {ids.get(key, key): fit(text, 2000) for key, text in errors.items()}
+
+
+def metadata(channel: str, extra: dict[str, str] | None = None) -> str:
+    return json.dumps({"channel": channel, **(extra or {})})
+
+
+# --- the settings modal ---------------------------------------------------------------
+
+SETTINGS_VIEW = "user_settings"
+
+
+def settings_view(catalog: Catalog, prefs: UserPrefs, metadata: str) -> View:
+    keys = "\n".join(prefs.ssh_keys)
+    initial = next(
+        (
+            template_value(b, t.name)
+            for b, t in catalog.templates
+            if t.name == prefs.default_template
+        ),
+        None,
+    )
+    templates = select("default_template", template_options(catalog), initial=initial)
+    blocks: list[Block] = [
+        _input(
+            "keys",
+            PlainTextInputElement(action_id="keys", multiline=True, initial_value=keys or None),
+            optional=True,
+        ),
+        _input("default_template", templates, optional=True),
+    ]
+    return View(
+        type="modal",
+        callback_id=SETTINGS_VIEW,
+        title=messages.SETTINGS_TITLE,
+        submit="Save",
+        close="Cancel",
+        private_metadata=metadata,
+        blocks=blocks,
+    )
+
+
+def read_settings(view: dict[str, Any]) -> tuple[tuple[str, ...], str | None, dict[str, str]]:
+    """Keys, default template and per-block errors of a settings submission."""
+    values = state_values(view)
+    keys, error = _keys(value(values.get("keys")))
+    template = value(values.get("default_template"))
+    errors = {"keys": error} if error else {}
+    return keys, template.split("|", 1)[1] if template else None, errors

@@ -1,0 +1,248 @@
+"""Buttons and modals: Approve / Reject, the deploy form, the settings modal.
+
+Same rule as the command: acknowledge first, with only what needs no hypervisor (the
+form's field errors come from the configuration), then do the work in a kept task. The
+core decides approvals; the buttons only ask it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from typing import TYPE_CHECKING, Any
+
+from slack_bolt.context.ack.async_ack import AsyncAck
+from slack_sdk.errors import SlackApiError
+
+from bot.errors import DeployBotError, Duplicate
+from bot.models import ACTIVE_STATES
+from bot.parser import DeployArgs
+from handlers import messages, slack_form, slack_views
+from handlers.slack_form import FORM_VIEW, SETTINGS_VIEW, Choice
+
+if TYPE_CHECKING:
+    from handlers.slack import SlackBot
+
+log = logging.getLogger(__name__)
+FORM_ACTIONS = re.compile(r"^(template|placement|storage)$")
+
+
+def register(bot: SlackBot) -> None:
+    app = bot.app
+
+    async def on_approve(ack: AsyncAck, body: dict[str, Any]) -> None:
+        await ack()
+        bot.spawn(_approve(bot, body))
+
+    async def on_reject(ack: AsyncAck, body: dict[str, Any]) -> None:
+        await ack()
+        bot.spawn(_ask_reason(bot, body))
+
+    async def on_reason(ack: AsyncAck, body: dict[str, Any], view: dict[str, Any]) -> None:
+        reason = slack_form.value(slack_form.state_values(view).get("reason"))
+        if not reason:
+            await ack(response_action="errors", errors={"reason": messages.reason_required()})
+            return
+        await ack()
+        bot.spawn(_reject(bot, body, view, reason))
+
+    async def on_form_change(ack: AsyncAck, body: dict[str, Any]) -> None:
+        await ack()
+        view = body.get("view") or {}
+        if view.get("callback_id") == FORM_VIEW:
+            bot.spawn(_refresh_form(bot, body, view))
+
+    async def on_template_options(ack: AsyncAck, body: dict[str, Any]) -> None:
+        # Answered from what the form already looked up: no hypervisor call before ack.
+        query = str(body.get("value") or "")
+        await ack(options=slack_form.template_options(bot.catalog, query))
+
+    async def on_form(ack: AsyncAck, body: dict[str, Any], view: dict[str, Any]) -> None:
+        await _submit_form(bot, ack, body, view)
+
+    async def on_settings(ack: AsyncAck, body: dict[str, Any], view: dict[str, Any]) -> None:
+        keys, template, errors = slack_form.read_settings(view)
+        if errors:
+            await ack(response_action="errors", errors=errors)
+            return
+        await ack()
+        bot.spawn(_save_settings(bot, body, view, keys, template))
+
+    app.action(slack_views.APPROVE)(on_approve)
+    app.action(slack_views.REJECT)(on_reject)
+    app.view(slack_views.REJECT_VIEW)(on_reason)
+    app.action(FORM_ACTIONS)(on_form_change)
+    app.options("template")(on_template_options)
+    app.view(FORM_VIEW)(on_form)
+    app.view(SETTINGS_VIEW)(on_settings)
+
+
+# --- approvals ----------------------------------------------------------------------
+
+
+def _click(body: dict[str, Any]) -> tuple[str, str, str, str]:
+    """(job id, clicker, channel, dedupe key) of a button click."""
+    action = body["actions"][0]
+    user = str(body["user"]["id"])
+    channel = str((body.get("channel") or body.get("container") or {}).get("id", ""))
+    return str(action["value"]), user, channel, f"click:{action['action_ts']}:{user}"
+
+
+async def _approve(bot: SlackBot, body: dict[str, Any]) -> None:
+    job_id, user, channel, key = _click(body)
+    try:
+        await bot.deployer.approve(job_id, user, dedupe_key=key)
+    except Duplicate:
+        log.info("ignored a redelivered approval click on %s", job_id)
+    except DeployBotError as exc:
+        await bot.tell(channel, user, [exc.message])
+
+
+async def _ask_reason(bot: SlackBot, body: dict[str, Any]) -> None:
+    """Refuse at once whoever may not decide; otherwise ask for the reason in a modal."""
+    job_id, user, channel, _key = _click(body)
+    try:
+        await bot.deployer.may_decide(job_id, user)
+    except DeployBotError as exc:
+        await bot.tell(channel, user, [exc.message])
+        return
+    modal = slack_views.reject_modal(job_id, {"channel": channel})
+    await bot.client.views_open(trigger_id=str(body["trigger_id"]), view=modal)
+
+
+async def _reject(bot: SlackBot, body: dict[str, Any], view: dict[str, Any], reason: str) -> None:
+    meta = json.loads(view.get("private_metadata") or "{}")
+    user = str(body["user"]["id"])
+    try:
+        await bot.deployer.reject(
+            str(meta["job_id"]), user, reason, dedupe_key=f"view:{view['id']}"
+        )
+    except Duplicate:
+        log.info("ignored a redelivered rejection of %s", meta.get("job_id"))
+    except DeployBotError as exc:
+        await bot.tell(str(meta.get("channel", "")), user, [exc.message])
+
+
+# --- the deploy form ------------------------------------------------------------------
+
+
+async def open_form(bot: SlackBot, trigger: str, user: str, channel: str) -> None:
+    """Open at once (trigger ids expire in 3 s), then fill in what the backends offer."""
+    meta = slack_form.metadata(channel)
+    loading = slack_views.loading_modal(FORM_VIEW, messages.FORM_TITLE, meta)
+    try:
+        opened = await bot.client.views_open(trigger_id=trigger, view=loading)
+    except SlackApiError as exc:
+        log.error("views.open failed: %s", exc.response.get("error"))
+        await bot.tell(channel, user, [messages.form_opened_elsewhere()])
+        return
+    prefs = await bot.deployer.prefs(user)
+    choice = slack_form.initial_choice(bot.settings, prefs)
+    await _show_form(bot, opened["view"], choice, user, meta)
+
+
+async def _refresh_form(bot: SlackBot, body: dict[str, Any], view: dict[str, Any]) -> None:
+    """A template, place or storage was chosen: update storage, networks, clone mode."""
+    user = str(body["user"]["id"])
+    await _show_form(bot, view, slack_form.choice_of(view), user, view["private_metadata"])
+
+
+async def _show_form(
+    bot: SlackBot, view: dict[str, Any], choice: Choice, user: str, meta: str
+) -> None:
+    catalog = await slack_form.discover(bot.deployer, choice)
+    bot.catalog = catalog
+    prefs = await bot.deployer.prefs(user)
+    form = slack_form.form_view(bot.settings, catalog, choice, prefs, meta)
+    try:
+        await bot.client.views_update(view_id=view["id"], hash=view.get("hash"), view=form)
+    except SlackApiError as exc:
+        # hash_conflict: the person changed something meanwhile; that update wins.
+        log.info("views.update skipped: %s", exc.response.get("error"))
+
+
+async def _submit_form(
+    bot: SlackBot, ack: AsyncAck, body: dict[str, Any], view: dict[str, Any]
+) -> None:
+    user = str(body["user"]["id"])
+    result = slack_form.read_form(view, bot.settings, user)
+    if result.args is not None:
+        result.errors.update(await _held(bot, result.args, view))
+    if result.errors or result.args is None:
+        await ack(response_action="errors", errors=result.errors)
+        bot.spawn(bot.deployer.audit(user, "form", "; ".join(result.errors.values())))
+        return
+    await ack()
+    channel = str(json.loads(view.get("private_metadata") or "{}").get("channel", ""))
+    bot.spawn(_deploy_from_form(bot, result.args, result.keys, user, channel, str(view["id"])))
+
+
+async def _held(bot: SlackBot, args: DeployArgs, view: dict[str, Any]) -> dict[str, str]:
+    """Name or address held by a job in flight: a store read, answered inside the ack."""
+    ids = slack_form.block_ids(view)
+    errors: dict[str, str] = {}
+    for job in await bot.deployer.store.jobs_in(ACTIVE_STATES):
+        if job.name == args.name.lower():
+            errors[ids.get("name", "name")] = (
+                f"{job.name} is already being deployed by job {job.id}: pick another name."
+            )
+        if job.address == (args.address or "").split("/")[0]:
+            errors[ids.get("address", "address")] = (
+                f"{job.address} is already taken by job {job.id}: pick another address."
+            )
+    return errors
+
+
+async def _deploy_from_form(
+    bot: SlackBot, args: DeployArgs, keys: tuple[str, ...], user: str, channel: str, view_id: str
+) -> None:
+    async def work() -> list[str]:
+        job = await bot.deployer.request_deploy(
+            args,
+            user,
+            ssh_keys=keys,
+            origin=channel,
+            dedupe_key=f"view:{view_id}",
+            check_free_first=True,
+        )
+        return [messages.accepted(job)]
+
+    await bot.answering(channel, user, work())
+
+
+# --- the settings modal ---------------------------------------------------------------
+
+
+async def open_settings(bot: SlackBot, trigger: str, user: str, channel: str) -> None:
+    meta = slack_form.metadata(channel)
+    loading = slack_views.loading_modal(SETTINGS_VIEW, messages.SETTINGS_TITLE, meta)
+    try:
+        opened = await bot.client.views_open(trigger_id=trigger, view=loading)
+    except SlackApiError as exc:
+        log.error("views.open failed: %s", exc.response.get("error"))
+        await bot.tell(channel, user, [messages.form_opened_elsewhere()])
+        return
+    catalog = await slack_form.discover(bot.deployer, Choice())
+    bot.catalog = catalog
+    prefs = await bot.deployer.prefs(user)
+    view = slack_form.settings_view(catalog, prefs, meta)
+    await bot.client.views_update(
+        view_id=opened["view"]["id"], hash=opened["view"].get("hash"), view=view
+    )
+
+
+async def _save_settings(
+    bot: SlackBot,
+    body: dict[str, Any],
+    view: dict[str, Any],
+    keys: tuple[str, ...],
+    template: str | None,
+) -> None:
+    user = str(body["user"]["id"])
+    channel = str(json.loads(view.get("private_metadata") or "{}").get("channel", ""))
+
+    async def work() -> list[str]:
+        return [messages.settings_saved(await bot.deployer.save_prefs(user, keys, template))]
+
+    await bot.answering(channel, user, work())

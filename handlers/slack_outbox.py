@@ -1,0 +1,147 @@
+"""Paced, coalescing delivery of the bot's channel messages.
+
+Slack allows about one message per second per channel. Fifty deploys reporting seven
+steps each would need hundreds of posts, so nothing here posts per event: each job's
+thread (and each approval request) keeps only what is still to be said, and one worker
+per channel sends, in turn, the single most useful call for the next item that has
+something pending. Whatever piled up meanwhile goes out as one reply. The worker waits
+`1 / rate` seconds after each call *finishes*, so even a slow answer cannot squeeze two
+calls closer than the interval at Slack's end.
+
+A 429 that outlives the SDK's own retry (AsyncRateLimitErrorRetryHandler) puts the item
+back and pauses the channel for Retry-After; nothing pending is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+from typing import Protocol
+
+from slack_sdk.errors import SlackApiError
+from slack_sdk.web.async_client import AsyncWebClient
+
+log = logging.getLogger(__name__)
+
+
+class Item(Protocol):
+    """Something with calls to make in one channel (a job's thread, an approval request)."""
+
+    channel: str
+
+    def pending(self) -> bool: ...
+
+    async def flush_one(self, client: AsyncWebClient) -> None:
+        """Make exactly one Web API call; update own state only once it succeeded."""
+        ...
+
+    def give_up(self) -> None:
+        """Slack refused the call for good (channel gone, not allowed): forget it."""
+        ...
+
+
+class ChannelOutbox:
+    """The one worker that talks to one channel, at most `rate` calls per second."""
+
+    def __init__(self, channel: str, client: AsyncWebClient, rate: float) -> None:
+        self.channel = channel
+        self.client = client
+        self.interval = 1.0 / rate
+        self._queue: deque[Item] = deque()
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._next_at = 0.0
+        self._task: asyncio.Task[None] | None = None
+
+    def touch(self, item: Item) -> None:
+        """`item` has something new to say; queue it once, start the worker if needed."""
+        if item not in self._queue:
+            self._queue.append(item)
+        self._idle.clear()
+        self._wake.set()
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._work(), name=f"slack-outbox-{self.channel}")
+
+    async def idle(self) -> None:
+        await self._idle.wait()
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _work(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._queue:
+                self._idle.set()
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            item = self._queue.popleft()
+            if not item.pending():
+                continue
+            delay = self._next_at - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)  # pacing, not synchronisation
+            pause = await self._call(item)
+            self._next_at = loop.time() + max(self.interval, pause)
+            if item.pending() and item not in self._queue:
+                self._queue.append(item)  # round robin: other jobs get their turn first
+
+    async def _call(self, item: Item) -> float:
+        """One call for `item`; returns how long the channel must rest afterwards."""
+        try:
+            await item.flush_one(self.client)
+        except SlackApiError as exc:
+            if exc.response.status_code == 429:
+                retry_after = _retry_after(exc)
+                log.warning("Slack rate-limits %s; waiting %.0f s", self.channel, retry_after)
+                return retry_after
+            log.error("Slack refused a call to %s: %s", self.channel, exc.response.get("error"))
+            item.give_up()
+        except Exception:
+            log.exception("posting to %s failed; dropping that update", self.channel)
+            item.give_up()
+        return 0.0
+
+
+def _retry_after(exc: SlackApiError) -> float:
+    header = exc.response.headers.get("Retry-After") or exc.response.headers.get("retry-after")
+    if isinstance(header, list):
+        header = header[0] if header else None
+    try:
+        return max(0.0, float(header)) if header is not None else 1.0
+    except ValueError:
+        return 1.0
+
+
+class Outboxes:
+    """One `ChannelOutbox` per channel, created on first use."""
+
+    def __init__(self, client: AsyncWebClient, rate: float) -> None:
+        self.client = client
+        self.rate = rate
+        self._boxes: dict[str, ChannelOutbox] = {}
+
+    def touch(self, item: Item) -> None:
+        box = self._boxes.get(item.channel)
+        if box is None:
+            box = self._boxes[item.channel] = ChannelOutbox(item.channel, self.client, self.rate)
+        box.touch(item)
+
+    async def idle(self) -> None:
+        """Wait until every channel has said all it had to say."""
+        while not all(box._idle.is_set() for box in self._boxes.values()):
+            await asyncio.gather(*(box.idle() for box in list(self._boxes.values())))
+
+    async def close(self, grace_s: float = 5.0) -> None:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(grace_s):
+                await self.idle()
+        for box in self._boxes.values():
+            await box.close()

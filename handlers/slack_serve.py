@@ -1,0 +1,157 @@
+"""`deploybot serve`: start the Slack bot in Socket Mode, or in HTTP mode with --http.
+
+The tokens are read from the environment and checked for their shape before anything
+starts; a missing or malformed one stops the start with a message that names the
+variable and never shows its value. Tokens are not logged, not stored, and not put in
+any message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import signal
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from aiohttp import web
+from slack_bolt.adapter.socket_mode.aiohttp import AsyncSocketModeHandler
+
+from bot.errors import ConfigError
+from bot.runtime import running_deployer
+from bot.settings import Settings, SlackSettings
+from handlers import messages
+from handlers.slack import SlackBot, make_client
+from handlers.slack_threads import SlackThreads
+
+_BOT_TOKEN = re.compile(r"^xoxb-[A-Za-z0-9-]{10,}$")
+_APP_TOKEN = re.compile(r"^xapp-[A-Za-z0-9-]{10,}$")
+_SIGNING_SECRET = re.compile(r"^[0-9a-f]{32}$")
+
+
+@dataclass(frozen=True)
+class Secrets:
+    bot_token: str
+    app_token: str | None = None
+    signing_secret: str | None = None
+
+    def __repr__(self) -> str:  # never print a token, even in a traceback
+        return "Secrets(<hidden>)"
+
+
+def _secret(
+    environ: Mapping[str, str], variable: str, what: str, shape: re.Pattern[str], rule: str
+) -> str:
+    value = environ.get(variable, "").strip()
+    if not value:
+        raise ConfigError(messages.token_missing(variable, what))
+    if not shape.match(value):
+        raise ConfigError(messages.token_malformed(variable, what, rule))
+    return value
+
+
+def read_secrets(slack: SlackSettings, environ: Mapping[str, str], *, http: bool) -> Secrets:
+    """The tokens this mode needs, checked; `ConfigError` names the variable at fault."""
+    bot = _secret(environ, slack.bot_token_env, "bot token", _BOT_TOKEN, "start with xoxb-")
+    if http:
+        secret = _secret(
+            environ,
+            slack.signing_secret_env,
+            "signing secret",
+            _SIGNING_SECRET,
+            "be 32 hexadecimal characters",
+        )
+        return Secrets(bot, signing_secret=secret)
+    app = _secret(environ, slack.app_token_env, "app-level token", _APP_TOKEN, "start with xapp-")
+    return Secrets(bot, app_token=app)
+
+
+def parse_http(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ConfigError(messages.bad_http_address(text))
+    return host.strip("[]"), int(port)
+
+
+def say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+async def serve(
+    settings: Settings,
+    *,
+    http: str | None,
+    environ: Mapping[str, str],
+    ready: Callable[[str], None] = say,
+    stop: asyncio.Event | None = None,
+) -> int:
+    """Run until SIGINT/SIGTERM (or `stop`); running deploys get their grace period."""
+    address = parse_http(http) if http else None
+    secrets = read_secrets(settings.slack, environ, http=address is not None)
+    stop = stop or _stop_on_signals()
+    client = make_client(secrets.bot_token, settings.slack.api_base_url)
+    threads = SlackThreads(client, settings.slack)
+    async with running_deployer(settings, threads) as deployer:
+        bot = SlackBot(deployer, threads, client, signing_secret=secrets.signing_secret)
+        try:
+            if address is not None:
+                await run_http(bot, address, ready, stop)
+            else:
+                assert secrets.app_token is not None
+                await run_socket(bot, secrets.app_token, ready, stop)
+        finally:
+            await bot.settle()
+    await threads.close()
+    return 0
+
+
+def _stop_on_signals() -> asyncio.Event:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+def http_app(bot: SlackBot) -> web.Application:
+    """Bolt's aiohttp app (signature-checked /slack/events) plus /healthz."""
+    app = bot.app.web_app(path="/slack/events")
+
+    async def healthz(_request: web.Request) -> web.Response:
+        queue = bot.deployer.queue
+        return web.json_response(
+            {"ok": True, "running": queue.running_count, "waiting": queue.waiting_count}
+        )
+
+    app.router.add_get("/healthz", healthz)
+    return app
+
+
+async def run_http(
+    bot: SlackBot, address: tuple[str, int], ready: Callable[[str], None], stop: asyncio.Event
+) -> None:
+    runner = web.AppRunner(http_app(bot), access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, address[0], address[1])
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        ready(messages.serving_http(f"http://{host}:{port}"))
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+async def run_socket(
+    bot: SlackBot, app_token: str, ready: Callable[[str], None], stop: asyncio.Event
+) -> None:
+    handler = AsyncSocketModeHandler(bot.app, app_token)
+    await handler.connect_async()  # type: ignore[no-untyped-call]  # untyped in slack_bolt
+    try:
+        ready(messages.serving_socket())
+        await stop.wait()
+    finally:
+        await handler.close_async()  # type: ignore[no-untyped-call]  # untyped in slack_bolt

@@ -1,0 +1,196 @@
+"""Block Kit for Slack, built with `slack_sdk.models` so Slack's limits are checked here.
+
+`to_dict()` on these objects validates the limits (100 options, 75-character option text,
+3000-character sections, 24-character modal titles...), so a payload that Slack would
+refuse fails in our code and our tests, not in a user's channel. Long text is split or
+cut to fit before it is wrapped. Wording comes from handlers/messages.py.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from slack_sdk.models.blocks import (
+    ActionsBlock,
+    Block,
+    ButtonElement,
+    ContextBlock,
+    HeaderBlock,
+    InputBlock,
+    MarkdownTextObject,
+    Option,
+    PlainTextInputElement,
+    PlainTextObject,
+    SectionBlock,
+    StaticSelectElement,
+)
+from slack_sdk.models.views import View
+
+from bot.models import Approval, Job
+from handlers import messages
+
+SECTION_MAX = 3000
+OPTION_TEXT_MAX = 75
+MESSAGE_BLOCKS_MAX = 50  # Slack's limit for a message (a modal allows 100)
+
+# action_id / callback_id values the app listens for.
+APPROVE = "approve"
+REJECT = "reject"
+REJECT_VIEW = "reject_reason"
+
+
+_USER_ID = re.compile(r"(?<![<@\w])([UW][A-Z0-9]{8,})\b")
+
+
+def mentions(text: str) -> str:
+    """Show Slack user ids in core messages as mentions, which Slack renders as names."""
+    return _USER_ID.sub(r"<@\1>", text)
+
+
+def fit(text: str, limit: int) -> str:
+    """Cut text to `limit` characters, marking the cut."""
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def chunks(text: str, limit: int = SECTION_MAX) -> list[str]:
+    """Split text at line ends into pieces of at most `limit` characters."""
+    pieces: list[str] = []
+    current = ""
+    for line in text.splitlines():
+        while len(line) > limit:  # a single line longer than a section
+            pieces.append(line[:limit])
+            line = line[limit:]
+        candidate = f"{current}\n{line}" if current else line
+        if len(candidate) > limit:
+            pieces.append(current)
+            current = line
+        else:
+            current = candidate
+    if current or not pieces:
+        pieces.append(current or " ")
+    return pieces
+
+
+def option(text: str, value: str) -> Option:
+    return Option(text=PlainTextObject(text=fit(text, OPTION_TEXT_MAX)), value=value[:150])
+
+
+def lines_blocks(lines: Sequence[str], *, monospace: bool = False) -> list[Block]:
+    """Reply lines as sections (a table in a code block keeps its columns)."""
+    text = "\n".join(lines)
+    size = SECTION_MAX - 6 if monospace else SECTION_MAX
+    parts = chunks(text, size)[:MESSAGE_BLOCKS_MAX]
+    wrap = (lambda p: f"```{p}```") if monospace else (lambda p: p)
+    return [SectionBlock(text=MarkdownTextObject(text=wrap(p))) for p in parts]
+
+
+def answer(lines: Sequence[str], *, monospace: bool = False) -> list[dict[str, Any]]:
+    """An ephemeral answer as validated block dicts."""
+    return dicts(lines_blocks(lines, monospace=monospace))
+
+
+def dicts(blocks: Sequence[Block]) -> list[dict[str, Any]]:
+    return [block.to_dict() for block in blocks]
+
+
+# --- the job's thread ---------------------------------------------------------------
+
+
+def parent(job: Job, headline: str) -> list[dict[str, Any]]:
+    """The channel message that stands for one deploy; `chat.update` keeps it current."""
+    context = f"job {job.id} · requested by {messages.mention(job.requester)}"
+    return dicts(
+        [
+            SectionBlock(text=MarkdownTextObject(text=fit(f"*{headline}*", SECTION_MAX))),
+            ContextBlock(elements=[MarkdownTextObject(text=context)]),
+        ]
+    )
+
+
+# --- approvals ----------------------------------------------------------------------
+
+
+def approval_request(job: Job) -> list[dict[str, Any]]:
+    summary = SectionBlock(
+        block_id="summary",
+        text=MarkdownTextObject(text=fit(messages.approval_summary(job), SECTION_MAX)),
+    )
+    buttons = ActionsBlock(
+        block_id="decision",
+        elements=[
+            ButtonElement(text="Approve", action_id=APPROVE, value=job.id, style="primary"),
+            ButtonElement(text="Reject", action_id=REJECT, value=job.id, style="danger"),
+        ],
+    )
+    return dicts([summary, buttons])
+
+
+def approval_decided(job: Job, outcome: str) -> list[dict[str, Any]]:
+    """The request with its buttons replaced by who decided and when."""
+    summary = SectionBlock(
+        block_id="summary",
+        text=MarkdownTextObject(text=fit(messages.approval_summary(job), SECTION_MAX)),
+    )
+    return dicts([summary, ContextBlock(elements=[MarkdownTextObject(text=outcome)])])
+
+
+def reject_modal(job_id: str, metadata: dict[str, str]) -> View:
+    reason = InputBlock(
+        block_id="reason",
+        label=messages.FORM_LABELS["reason"],
+        element=PlainTextInputElement(action_id="reason", multiline=True, max_length=500),
+    )
+    return View(
+        type="modal",
+        callback_id=REJECT_VIEW,
+        title=messages.REJECT_TITLE,
+        submit="Reject",
+        close="Cancel",
+        private_metadata=json.dumps({**metadata, "job_id": job_id}),
+        blocks=[
+            SectionBlock(text=MarkdownTextObject(text=f"Reject job {job_id}?")),
+            reason,
+        ],
+    )
+
+
+def approval_outcome_text(job: Job, approval: Approval | None) -> str:
+    return messages.approval_outcome(job, approval)
+
+
+# --- simple modals --------------------------------------------------------------------
+
+
+def loading_modal(callback_id: str, title: str, metadata: str) -> View:
+    """Opened at once (a trigger id lives 3 s); filled by views.update after look-ups."""
+    return View(
+        type="modal",
+        callback_id=callback_id,
+        title=title,
+        close="Cancel",
+        private_metadata=metadata,
+        blocks=[SectionBlock(text=PlainTextObject(text=messages.FORM_LOADING))],
+    )
+
+
+def select(
+    action_id: str,
+    options: Sequence[Option],
+    *,
+    initial: str | None = None,
+    placeholder: str = "Choose…",
+) -> StaticSelectElement:
+    chosen = next((o for o in options if o.value == initial), None)
+    return StaticSelectElement(
+        action_id=action_id,
+        placeholder=placeholder,
+        options=list(options)[:100],
+        initial_option=chosen,
+    )
+
+
+def header(text: str) -> HeaderBlock:
+    return HeaderBlock(text=fit(text, 150))

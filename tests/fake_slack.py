@@ -1,0 +1,292 @@
+"""A local fake of Slack's Web API: aiohttp on 127.0.0.1, a random port, no network.
+
+It answers the methods the bot calls the way Slack does: arguments come as a query
+string, a form or JSON; the token comes in the Authorization header; arguments are
+checked against `slack-methods.json` (an argument the method does not take, or a
+missing required one, gets `invalid_arguments`); blocks and views are checked with
+`slack_sdk.models`; trigger ids work once and for 3 s; `views.update` honours `hash`.
+It can answer 429 with Retry-After, and it records every call with the time it arrived,
+so tests wait for "a call matching X" instead of sleeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+from slack_sdk.models.blocks import Block
+from slack_sdk.models.views import View
+
+TRIGGER_TTL_S = 3.0
+# Slack takes these on every method: the token (old style) and, for org-wide apps, the
+# workspace. Bolt's per-request client adds team_id to each call it makes (auth.test).
+ANY_METHOD = frozenset({"token", "team_id"})
+
+
+@dataclass
+class Call:
+    method: str
+    args: dict[str, Any]
+    at: float
+    status: int
+    answer: dict[str, Any]
+
+    @property
+    def text(self) -> str:
+        return str(self.args.get("text") or "")
+
+    @property
+    def channel(self) -> str:
+        return str(self.args.get("channel") or "")
+
+
+class Refused(Exception):
+    def __init__(self, error: str, *details: str) -> None:
+        super().__init__(error)
+        self.error = error
+        self.details = list(details)
+
+
+@dataclass
+class FakeSlack:
+    methods: dict[str, Any]  # slack-methods.json
+    token: str
+    channels: set[str]
+    users: dict[str, dict[str, Any]] = field(default_factory=dict)
+    groups: dict[str, list[str]] = field(default_factory=dict)
+    calls: list[Call] = field(default_factory=list)
+    messages: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    views: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._ids = itertools.count(1)
+        self._triggers: dict[str, float] = {}
+        self._limits: dict[str, list[int]] = {}  # method -> [times left, retry_after]
+        self._changed = asyncio.Condition()
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+
+    # --- life cycle ---------------------------------------------------------------
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_route("*", "/api/{method}", self._handle)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        port = self._runner.addresses[0][1]
+        self.url = f"http://127.0.0.1:{port}/api/"
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    # --- test controls ------------------------------------------------------------
+
+    def new_trigger(self) -> str:
+        trigger = f"{next(self._ids)}.{int(time.time())}.trigger"
+        self._triggers[trigger] = time.monotonic()
+        return trigger
+
+    def rate_limit(self, method: str, times: int = 1, retry_after: int = 0) -> None:
+        """Answer the next `times` calls of `method` with 429 and Retry-After."""
+        self._limits[method] = [times, retry_after]
+
+    def called(self, method: str, **match: Any) -> list[Call]:
+        return [
+            c
+            for c in self.calls
+            if c.method == method and c.status == 200 and c.answer.get("ok")
+            if all(c.args.get(k) == v for k, v in match.items())
+        ]
+
+    async def wait_for(self, predicate: Callable[[Call], bool], within: float = 15.0) -> Call:
+        """The first recorded call matching `predicate`, waiting for it if need be."""
+
+        def found() -> Call | None:
+            return next((c for c in self.calls if predicate(c)), None)
+
+        async with asyncio.timeout(within), self._changed:
+            await self._changed.wait_for(lambda: found() is not None)
+        call = found()
+        assert call is not None
+        return call
+
+    def thread(self, channel: str, ts: str) -> list[str]:
+        """The texts of the replies in one thread, in order."""
+        return [
+            c.text
+            for c in self.called("chat.postMessage", channel=channel)
+            if c.args.get("thread_ts") == ts
+        ]
+
+    # --- the API ------------------------------------------------------------------
+
+    async def _handle(self, request: web.Request) -> web.Response:
+        method = request.match_info["method"]
+        args = await _arguments(request)
+        limit = self._limits.get(method)
+        if limit and limit[0] > 0:  # refused before it does anything, as Slack does
+            limit[0] -= 1
+            status, answer = 429, {"ok": False, "error": "ratelimited"}
+            headers = {"Retry-After": str(limit[1])}
+        else:
+            status, headers, answer = 200, {}, self._answer(request, method, args)
+        await self._record(Call(method, args, time.monotonic(), status, answer))
+        return web.json_response(answer, status=status, headers=headers)
+
+    async def _record(self, call: Call) -> None:
+        async with self._changed:
+            self.calls.append(call)
+            self._changed.notify_all()
+
+    def _answer(self, request: web.Request, method: str, args: dict[str, Any]) -> dict[str, Any]:
+        try:
+            self._authorised(request)
+            self._check_arguments(method, args)
+            handler = getattr(self, "_" + method.replace(".", "_"), None)
+            if handler is None:
+                raise Refused("unknown_method")
+            return {"ok": True, **handler(args)}
+        except Refused as refused:
+            answer: dict[str, Any] = {"ok": False, "error": refused.error}
+            if refused.details:
+                answer["response_metadata"] = {"messages": refused.details}
+            return answer
+
+    def _authorised(self, request: web.Request) -> None:
+        header = request.headers.get("Authorization", "")
+        if not header:
+            raise Refused("not_authed")
+        if header != f"Bearer {self.token}":
+            raise Refused("invalid_auth")
+
+    def _check_arguments(self, method: str, args: dict[str, Any]) -> None:
+        spec = self.methods.get(method)
+        if spec is None:
+            raise Refused("unknown_method")
+        known = spec["args"]
+        problems = [
+            f"[ERROR] unknown argument: {name}"
+            for name in args
+            if name not in known and name not in ANY_METHOD
+        ]
+        problems += [
+            f"[ERROR] missing required field: {name}"
+            for name, arg in known.items()
+            if arg.get("required") and name not in args
+        ]
+        if problems:
+            raise Refused("invalid_arguments", *problems)
+        if "blocks" in args:
+            _check_blocks(args["blocks"])
+
+    # --- methods --------------------------------------------------------------------
+
+    def _auth_test(self, args: dict[str, Any]) -> dict[str, Any]:
+        return {"url": "https://fake.slack/", "team": "Fake", "team_id": "T0000001",
+                "user": "deploybot", "user_id": "UBOT00001", "bot_id": "B0000001"}  # fmt: skip
+
+    def _channel(self, args: dict[str, Any]) -> str:
+        channel = str(args["channel"])
+        if channel not in self.channels:
+            raise Refused("channel_not_found")
+        return channel
+
+    def _chat_postMessage(self, args: dict[str, Any]) -> dict[str, Any]:
+        channel = self._channel(args)
+        if not args.get("text") and not args.get("blocks"):
+            raise Refused("no_text")
+        thread = args.get("thread_ts")
+        if thread is not None and (channel, str(thread)) not in self.messages:
+            raise Refused("thread_not_found")
+        ts = f"{int(time.time())}.{next(self._ids):06d}"
+        self.messages[(channel, ts)] = dict(args)
+        return {"channel": channel, "ts": ts, "message": {"text": args.get("text", "")}}
+
+    def _chat_update(self, args: dict[str, Any]) -> dict[str, Any]:
+        channel = self._channel(args)
+        key = (channel, str(args["ts"]))
+        if key not in self.messages:
+            raise Refused("message_not_found")
+        self.messages[key].update(args)
+        return {"channel": channel, "ts": args["ts"], "text": args.get("text", "")}
+
+    def _chat_postEphemeral(self, args: dict[str, Any]) -> dict[str, Any]:
+        self._channel(args)
+        if str(args["user"]) not in self.users:
+            raise Refused("user_not_found")
+        return {"message_ts": f"{int(time.time())}.{next(self._ids):06d}"}
+
+    def _views_open(self, args: dict[str, Any]) -> dict[str, Any]:
+        trigger = str(args.get("trigger_id") or "")
+        issued = self._triggers.pop(trigger, None)
+        if issued is None:
+            raise Refused("invalid_trigger_id")
+        if time.monotonic() - issued > TRIGGER_TTL_S:
+            raise Refused("expired_trigger_id")
+        view_id = f"V{next(self._ids):08d}"
+        return {"view": self._store_view(view_id, args["view"])}
+
+    def _views_update(self, args: dict[str, Any]) -> dict[str, Any]:
+        view_id = str(args.get("view_id") or "")
+        current = self.views.get(view_id)
+        if current is None:
+            raise Refused("not_found")
+        if args.get("hash") and args["hash"] != current["hash"]:
+            raise Refused("hash_conflict")
+        return {"view": self._store_view(view_id, args["view"])}
+
+    def _store_view(self, view_id: str, view: Any) -> dict[str, Any]:
+        view = json.loads(view) if isinstance(view, str) else dict(view)
+        try:
+            View(**view).to_dict()
+        except Exception as exc:
+            raise Refused("invalid_arguments", f"[ERROR] invalid view: {exc}") from None
+        stored = {**view, "id": view_id, "hash": f"h{next(self._ids)}", "state": {"values": {}}}
+        self.views[view_id] = stored
+        return stored
+
+    def _users_info(self, args: dict[str, Any]) -> dict[str, Any]:
+        user = self.users.get(str(args["user"]))
+        if user is None:
+            raise Refused("user_not_found")
+        return {"user": user}
+
+    def _usergroups_users_list(self, args: dict[str, Any]) -> dict[str, Any]:
+        members = self.groups.get(str(args["usergroup"]))
+        if members is None:
+            raise Refused("no_such_subteam")
+        return {"users": members}
+
+
+async def _arguments(request: web.Request) -> dict[str, Any]:
+    args: dict[str, Any] = dict(request.query)
+    if request.method == "POST" and request.can_read_body:
+        if request.content_type == "application/json":
+            args.update(await request.json())
+        else:
+            args.update(dict(await request.post()))
+    args.pop("token", None)  # a token in the body is the old way; the header is checked
+    return args
+
+
+def _check_blocks(blocks: Any) -> None:
+    parsed = json.loads(blocks) if isinstance(blocks, str) else blocks
+    if not isinstance(parsed, list):
+        raise Refused("invalid_blocks_format")
+    for item in parsed:
+        try:
+            block = Block.parse(item)
+            if block is None:
+                raise ValueError(f"unknown block {item!r}")
+            block.to_dict()
+        except Exception as exc:
+            raise Refused("invalid_blocks", f"[ERROR] {exc}") from None

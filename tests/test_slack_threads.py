@@ -1,0 +1,71 @@
+"""Threads under load: 429s in the middle of a deploy, and many deploys in one channel."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from pathlib import Path
+
+from backends.base import CloneSpec, VMRef
+from backends.sim import SimBackend
+from bot.models import JobState
+from tests.conftest import SIM_SCALE
+from tests.slack_support import CHANNEL, is_reply, slack_bot
+
+
+def is_parent(c: object) -> bool:
+    return getattr(c, "method", "") == "chat.postMessage" and "thread_ts" not in c.args  # type: ignore[attr-defined]
+
+
+class SlowClone(SimBackend):
+    """The simulator, except that the clone waits until the test lets it go."""
+
+    def __init__(self) -> None:
+        super().__init__("sim", time_scale=SIM_SCALE)
+        self.gate = asyncio.Event()
+
+    async def clone(self, spec: CloneSpec, ref: VMRef) -> str | None:
+        await self.gate.wait()
+        return await super().clone(spec, ref)
+
+
+async def test_429s_mid_deploy_are_waited_out_and_nothing_is_lost(tmp_path: Path) -> None:
+    sim = SlowClone()
+    async with slack_bot(tmp_path, backend=sim) as h:
+        await h.command("web01 10.0.0.50")
+        parent = await h.fake.wait_for(lambda c: is_parent(c) and c.status == 200)
+        await h.fake.wait_for(is_reply("check name and address"))
+        # Three refusals: the SDK retries twice after Retry-After, then the channel's
+        # outbox waits and tries once more.
+        h.fake.rate_limit("chat.postMessage", times=3, retry_after=0)
+        sim.gate.set()
+        await h.fake.wait_for(is_reply("ssh ubuntu@10.0.0.50"))
+        await h.settle()
+        limited = [c for c in h.fake.calls if c.status == 429]
+        assert len(limited) == 3
+        thread = "\n".join(h.fake.thread(CHANNEL, parent.answer["ts"]))
+        for line in ("queued", "check name and address", "copy template", "check SSH", "ready in"):
+            assert line in thread
+
+
+async def test_fifty_deploys_stay_inside_the_channel_rate(tmp_path: Path) -> None:
+    rate = 80.0  # the production pacing, sped up: 1/rate s between calls to a channel
+    count = 60
+    async with slack_bot(tmp_path, rate=rate) as h:
+        await asyncio.gather(*(h.command(f"web{n:02d} 10.0.0.{100 + n}") for n in range(count)))
+        await h.bot.settle()
+        await h.deployer.drain()
+        await h.threads.idle()
+        jobs = await h.deployer.history(count)
+        assert len(jobs) == count and all(j.state is JobState.SUCCEEDED for j in jobs)
+        channel_calls = [
+            c for c in h.fake.calls if c.channel == CHANNEL and c.method != "chat.postEphemeral"
+        ]
+        gaps = [b.at - a.at for a, b in itertools.pairwise(channel_calls)]
+        assert min(gaps) >= 1 / rate
+        # Each deploy reports about a dozen lines; coalesced, far fewer calls are made.
+        assert len(channel_calls) <= 5 * count
+        for job in jobs:
+            assert job.thread_ref is not None
+            ts = job.thread_ref.split("/")[1]
+            assert f"ssh ubuntu@{job.address}" in "\n".join(h.fake.thread(CHANNEL, ts))
