@@ -69,6 +69,21 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="HOST:PORT",
         help="serve Slack's requests on http://HOST:PORT/slack/events (and /healthz)",
     )
+    gc = sub.add_parser(
+        "gc", help="list VMs with a deploybot tag but no successful job (--apply removes them)"
+    )
+    gc.add_argument(
+        "--backend", action="append", metavar="NAME", help="only this backend (repeatable)"
+    )
+    gc.add_argument(
+        "--apply", action="store_true", help="remove what a recent dry run of this scope listed"
+    )
+    gc.add_argument(
+        "--window-minutes",
+        type=float,
+        default=30.0,
+        help="how recent that dry run must be (default 30)",
+    )
     manifest = sub.add_parser("manifest", help="print the Slack app manifest")
     manifest.add_argument(
         "--command", dest="slash_command", help="the slash command (default: slack.command)"

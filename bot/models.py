@@ -37,6 +37,7 @@ class JobState(StrEnum):
     CANCELLED = "cancelled"
     REJECTED = "rejected"
     EXPIRED = "expired"
+    RELEASED = "released"  # succeeded, and its VM has since gone: the name is free again
 
     @property
     def final(self) -> bool:
@@ -44,12 +45,22 @@ class JobState(StrEnum):
 
 
 FINAL_STATES = frozenset(
-    {JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.REJECTED, JobState.EXPIRED}
+    {
+        JobState.SUCCEEDED,
+        JobState.FAILED,
+        JobState.CANCELLED,
+        JobState.REJECTED,
+        JobState.EXPIRED,
+        JobState.RELEASED,
+    }
 )
-# The states in which a job holds its name and address (see store's unique indexes).
+# Jobs in flight.
 ACTIVE_STATES = frozenset(
     {JobState.AWAITING_APPROVAL, JobState.QUEUED, JobState.RUNNING, JobState.ROLLING_BACK}
 )
+# The states in which a job holds its VM name (per backend) and its address: the store's
+# unique indexes enforce it (store/migrations.py spells the same list).
+HOLDING_STATES = ACTIVE_STATES | {JobState.SUCCEEDED}
 TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     JobState.AWAITING_APPROVAL: frozenset(
         {JobState.QUEUED, JobState.REJECTED, JobState.EXPIRED, JobState.CANCELLED}
@@ -57,6 +68,7 @@ TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     JobState.QUEUED: frozenset({JobState.RUNNING, JobState.CANCELLED}),
     JobState.RUNNING: frozenset({JobState.SUCCEEDED, JobState.ROLLING_BACK}),
     JobState.ROLLING_BACK: frozenset({JobState.FAILED, JobState.CANCELLED}),
+    JobState.SUCCEEDED: frozenset({JobState.RELEASED}),
 }
 
 

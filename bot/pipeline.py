@@ -232,17 +232,8 @@ class Pipeline:
                 f"a VM named {req.name} already exists on {req.backend} (id {taken[0].vm_id}): "
                 "pick another name, or remove that VM first",
             )
-        holders = await self.store.history(state=JobState.SUCCEEDED, address=run.job.address)
-        for other in holders:
-            if other.vm_id is None:
-                continue
-            backend = self.backends.get(other.backend)
-            if backend and await backend.find_vm(VMRef(other.vm_id, other.id, other.vm_placement)):
-                raise StepFailed(
-                    "check_free",
-                    f"{other.address} belongs to {other.name} (job {other.id}), which still "
-                    "exists: pick another address",
-                )
+        # Our own jobs' names and addresses were checked by the store when this job was
+        # recorded (unique indexes over jobs in flight or succeeded).
         return f"{req.name} and {req.address.ip} are free"
 
     async def _clone(self, run: _Run, spec: CloneSpec) -> str:

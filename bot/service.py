@@ -26,7 +26,6 @@ from bot.errors import (
     TransitionRefused,
 )
 from bot.models import (
-    ACTIVE_STATES,
     MAX_SSH_KEYS,
     Approval,
     ApprovalState,
@@ -40,9 +39,10 @@ from bot.models import (
     utcnow,
 )
 from bot.parser import DeployArgs
-from bot.pipeline import Pipeline, Undo, protected
+from bot.pipeline import Pipeline, protected
 from bot.progress import Fanout, Progress
 from bot.queue import JobQueue
+from bot.recovery import recover_interrupted, sweep_wreckage
 from bot.requests import build_request
 from bot.settings import ApprovalPolicy, Settings
 from store.db import AlreadyDelivered, DuplicateActive, Store
@@ -97,6 +97,7 @@ class Deployer:
             max_per_backend=settings.limits.max_running_per_backend,
         )
         self._expiry: asyncio.Task[None] | None = None
+        self._sweeper: asyncio.Task[None] | None = None
         self.group_members: GroupMembers | None = None
 
     # --- life cycle ---------------------------------------------------------------
@@ -104,47 +105,36 @@ class Deployer:
     async def start(self, *, expire_every_s: float = 30.0) -> None:
         """Resume after a restart: re-queue queued jobs, roll back interrupted ones."""
         for job in await self.store.jobs_in([JobState.RUNNING, JobState.ROLLING_BACK]):
-            await protected(self._recover_interrupted(job))
+            await protected(recover_interrupted(self.pipeline, self.backends, job))
         for job in await self.store.jobs_in([JobState.QUEUED]):
             self.queue.submit(job.id, job.backend)
         self._expiry = asyncio.create_task(self._expire_loop(expire_every_s))
+        self._sweeper = asyncio.create_task(
+            self._sweep_loop(self.settings.timeouts.wreckage_retry_s)
+        )
 
     async def close(self, grace_s: float = 30.0) -> None:
-        if self._expiry:
-            self._expiry.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._expiry
+        for task in (self._expiry, self._sweeper):
+            if task:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await self.queue.shutdown(grace_s)
+
+    async def sweep_wreckage(self) -> list[str]:
+        """Retry removing what failed rollbacks left; returns the jobs now clean."""
+        return await sweep_wreckage(self.store, self.backends, self.pipeline, self.progress)
+
+    async def _sweep_loop(self, every_s: float) -> None:
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                await self.sweep_wreckage()
+            except Exception:
+                log.exception("retrying wreckage removal failed")
 
     async def drain(self) -> None:
         await self.queue.drain()
-
-    async def _recover_interrupted(self, job: Job) -> None:
-        """The process died mid-deploy: remove what the job may have built, then fail it."""
-        backend = self.backends.get(job.backend)
-        await self.store.transition(job.id, [JobState.RUNNING], JobState.ROLLING_BACK)
-        stack: list[Undo] = []
-        ref = None
-        if backend is not None and job.vm_id is not None:
-            ref = VMRef(job.vm_id, job.id, job.vm_placement)
-            t = self.settings.timeouts
-            stack = [
-                Undo(f"destroy VM {ref.vm_id}", lambda: backend.destroy(ref), t.destroy_s),
-                Undo(f"stop VM {ref.vm_id}", lambda: backend.power_off(ref), t.power_off_s),
-            ]
-        report = await self.pipeline.undo(job, backend, stack, ref) if backend is not None else None
-        wreckage = ", ".join(report.wreckage) if report else None
-        await self.store.transition(
-            job.id,
-            [JobState.ROLLING_BACK],
-            JobState.FAILED,
-            error="interrupted by a restart of the bot",
-            wreckage=wreckage or None,
-            finished_at=utcnow(),
-        )
-        final = await self.store.get_job(job.id)
-        if final is not None:
-            await self.progress.job_finished(final, report)
 
     # --- deploy -------------------------------------------------------------------
 
@@ -252,12 +242,15 @@ class Deployer:
         if reason:
             expires = job.created_at + timedelta(seconds=policy.expire_after_s)
             approval = Approval(job_id=job.id, reason_required=reason, expires_at=expires)
-        try:
-            await self.store.insert_job(job, approval, dedupe_key=dedupe_key)
-        except AlreadyDelivered as seen:
-            raise Duplicate(_already_have(seen.job_id), seen.job_id) from None
-        except DuplicateActive as dup:
-            raise Conflict(await self._conflict_message(request, dup.what)) from None
+        for attempt in range(3):
+            try:
+                await self.store.insert_job(job, approval, dedupe_key=dedupe_key)
+                break
+            except AlreadyDelivered as seen:
+                raise Duplicate(_already_have(seen.job_id), seen.job_id) from None
+            except DuplicateActive as dup:
+                if attempt == 2 or not await self._release_if_gone(request):
+                    raise Conflict(await self._conflict_message(request, dup.what)) from None
         await self.progress.job_updated(job)
         if state is JobState.QUEUED:
             self.queue.submit(job.id, job.backend)
@@ -312,9 +305,10 @@ class Deployer:
             raise RequestInvalid([f"The hypervisor did not answer ({exc.message})."]) from None
 
     async def _check_free(self, request: DeployRequest) -> None:
-        """Refuse a name or address a VM already has, before anything is recorded.
+        """Refuse a name a VM (ours or not) already has, before anything is recorded.
 
         The pipeline checks again when the job starts; this answers the requester now.
+        Addresses held by our own jobs are refused by the store's unique index.
         """
         backend = self.backends[request.backend]
         try:
@@ -326,32 +320,46 @@ class Deployer:
                 f"A VM named {request.name} already exists on {request.backend} "
                 f"(id {taken[0].vm_id}): pick another name, or remove that VM first."
             )
-        ip = str(request.address.ip)
-        for other in await self.store.history(state=JobState.SUCCEEDED, address=ip):
-            owner = self.backends.get(other.backend)
-            if other.vm_id is None or owner is None:
-                continue
-            with contextlib.suppress(BackendError):
-                if await owner.find_vm(VMRef(other.vm_id, other.id, other.vm_placement)):
-                    raise Conflict(
-                        f"{ip} belongs to {other.name} (job {other.id}), which still "
-                        "exists: pick another address."
-                    )
+
+    async def _release_if_gone(self, request: DeployRequest) -> bool:
+        """A succeeded job holds the name or address: if its VM has gone since (deleted
+        by hand), release the job so the name and address can be used again."""
+        held = await self.store.holder(
+            backend=request.backend, name=request.name, address=str(request.address.ip)
+        )
+        if held is None:
+            return True  # released meanwhile: try again
+        backend = self.backends.get(held.backend)
+        if held.state is not JobState.SUCCEEDED or held.vm_id is None or backend is None:
+            return False
+        try:
+            gone = await backend.find_vm(VMRef(held.vm_id, held.id, held.vm_placement)) is None
+        except BackendError:
+            return False
+        if gone and await self.store.transition(held.id, [JobState.SUCCEEDED], JobState.RELEASED):
+            detail = f"VM {held.vm_id} no longer exists; its name and address are free again"
+            await self.store.add_event(
+                JobEvent(job_id=held.id, step="release", phase="note", detail=detail)
+            )
+        return gone
 
     async def _conflict_message(self, request: DeployRequest, what: str) -> str:
-        holder = next(
-            (
-                j
-                for j in await self.store.jobs_in(ACTIVE_STATES)
-                if (what == "name" and j.name == request.name and j.backend == request.backend)
-                or (what == "address" and j.address == str(request.address.ip))
-            ),
-            None,
-        )
-        held = f" by job {holder.id} ({holder.name}, {holder.state.value})" if holder else ""
+        ip = str(request.address.ip)
+        held = await self.store.holder(backend=request.backend, name=request.name, address=ip)
+        if held is not None and held.state is JobState.SUCCEEDED:
+            if what == "name":
+                return (
+                    f"{request.name} already exists on {request.backend} (job {held.id}, VM "
+                    f"{held.vm_id}): pick another name, or remove that VM first."
+                )
+            return (
+                f"{ip} belongs to {held.name} (job {held.id}), which still exists: "
+                "pick another address."
+            )
+        by = f" by job {held.id} ({held.name}, {held.state.value})" if held else ""
         if what == "name":
-            return f"{request.name} is already being deployed{held}: pick another name or wait."
-        return f"{request.address.ip} is already taken{held}: pick another address or wait."
+            return f"{request.name} is already being deployed{by}: pick another name or wait."
+        return f"{ip} is already taken{by}: pick another address or wait."
 
     # --- approvals ----------------------------------------------------------------
 

@@ -115,6 +115,7 @@ class Timeouts(_Section):
     ssh_s: float = Field(default=180, gt=0)
     power_off_s: float = Field(default=120, gt=0)
     destroy_s: float = Field(default=300, gt=0)
+    wreckage_retry_s: float = Field(default=300, gt=0)  # how often to retry failed rollbacks
     retry_initial_s: float = Field(default=0.5, gt=0)
     retry_max_s: float = Field(default=10, gt=0)
 

@@ -7,14 +7,16 @@ import os
 import sys
 from collections.abc import Sequence
 
+from bot import gc
 from bot.cli import run
 from bot.models import JobState
 from bot.parser import DeployArgs, parse
-from bot.runtime import running_deployer
+from bot.runtime import make_backend, running_deployer
 from bot.settings import Settings
 from handlers import messages
 from handlers.demo import run_demo
 from handlers.terminal import Shell, TerminalThread
+from store.db import Store
 
 
 async def demo(args: argparse.Namespace, settings: Settings) -> int:
@@ -47,8 +49,6 @@ async def deploy(args: argparse.Namespace, settings: Settings) -> int:
 
 
 async def history(args: argparse.Namespace, settings: Settings) -> int:
-    from store.db import Store
-
     state = None
     if args.state:
         try:
@@ -77,6 +77,30 @@ async def check_config(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+async def gc_command(args: argparse.Namespace, settings: Settings) -> int:
+    known = [b.name for b in settings.backends]
+    scope = args.backend or known
+    unknown = sorted(set(scope) - set(known))
+    if unknown:
+        print(messages.gc_unknown_backends(unknown, known), file=sys.stderr)
+        return 2
+    backends = {c.name: make_backend(c) for c in settings.backends if c.name in scope}
+    store = await Store.open(settings.database)
+    try:
+        if args.apply:
+            window_s = args.window_minutes * 60
+            report = await gc.apply(store, backends, scope, settings.timeouts, window_s)
+        else:
+            report = await gc.dry_run(store, backends, scope)
+    finally:
+        for backend in backends.values():
+            await backend.close()
+        await store.close()
+    print("\n".join(messages.gc_report(report, args.window_minutes)))
+    failed = [why for _f, why in report.left if why.startswith("removal failed")]
+    return 1 if failed or report.unreachable else 0
+
+
 async def serve(args: argparse.Namespace, settings: Settings) -> int:
     from handlers.slack_serve import serve as serve_slack  # Bolt loads only when needed
 
@@ -102,6 +126,7 @@ COMMANDS = {
     "check-config": check_config,
     "serve": serve,
     "manifest": manifest,
+    "gc": gc_command,
 }
 
 

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from datetime import datetime
 
 from backends.base import Template
+from bot.gc import GcReport
 from bot.models import Approval, ApprovalState, Job, JobEvent, JobState, RollbackReport, UserPrefs
 from bot.parser import SUBCOMMAND_USAGE, USAGE
 from bot.service import JobStatus
@@ -35,6 +36,7 @@ STATE_LABELS = {
     JobState.CANCELLED: "cancelled",
     JobState.REJECTED: "rejected",
     JobState.EXPIRED: "expired",
+    JobState.RELEASED: "released (VM gone)",
 }
 
 HELP = "\n".join(
@@ -124,7 +126,10 @@ def step_finished(step: str, duration_s: float, ok: bool, detail: str) -> str:
 def finished(job: Job, rollback: RollbackReport | None) -> list[str]:
     """The end of a thread: the SSH line, or what failed and what the rollback did."""
     if job.state is JobState.SUCCEEDED:
-        return [f"ready in {_took(job)}. Log in with:", f"    {job.ssh_line}"]
+        lines = [f"ready in {_took(job)}. Log in with:", f"    {job.ssh_line}"]
+        if job.host_key:
+            lines.append(f"Its host key is {job.host_key}: check that ssh shows the same.")
+        return lines
     if job.state is JobState.CANCELLED:
         lines = ["cancelled."]
     else:
@@ -400,4 +405,62 @@ def user_settings(prefs: UserPrefs) -> list[str]:
     lines = [f"Default template: {template}.", f"SSH keys ({len(prefs.ssh_keys)}):"]
     lines.extend(f"  {' '.join(key.split()[::2])}" for key in prefs.ssh_keys)
     lines.append("Add a key with /deploy key ssh-ed25519 AAAA... comment.")
+    return lines
+
+
+GC_CATEGORIES = {
+    "unknown_job": "job unknown to this bot",
+    "ended_job": "job failed or was cancelled",
+    "succeeded_job": "job succeeded (kept)",
+    "job_in_flight": "job still in flight (kept)",
+}
+
+
+def gc_unknown_backends(unknown: list[str], known: list[str]) -> str:
+    return f"No backend called {', '.join(unknown)}; the configured ones are {', '.join(known)}."
+
+
+def gc_report(report: GcReport, window_minutes: float) -> list[str]:
+    """What `deploybot gc` found (and, with --apply, did), counted per category."""
+    scope = ", ".join(report.scope)
+    head = (
+        f"gc --apply over {scope}:"
+        if report.applied
+        else f"gc dry run over {scope} (nothing was touched):"
+    )
+    lines = [head]
+    for backend, counts in report.counts().items():
+        if backend in report.unreachable:
+            lines.append(
+                f"  {backend}: did not answer ({report.unreachable[backend]}); try again later."
+            )
+            continue
+        parts = [f"{n} {GC_CATEGORIES[c]}" for c, n in sorted(counts.items())] or ["no tagged VMs"]
+        lines.append(f"  {backend}: " + "; ".join(parts))
+    for finding in report.findings:
+        if finding.orphan and not report.applied:
+            lines.append(
+                f"  orphan: VM {finding.vm.vm_id} ({finding.vm.name}) on {finding.backend}, "
+                f"job {finding.job_id}: {GC_CATEGORIES[finding.category]}"
+            )
+    if report.applied:
+        for finding in report.removed:
+            lines.append(
+                f"  removed: VM {finding.vm.vm_id} ({finding.vm.name}) on {finding.backend}"
+            )
+        for finding, why in report.left:
+            lines.append(
+                f"  left: VM {finding.vm.vm_id} ({finding.vm.name}) on {finding.backend}: {why}"
+            )
+        lines.append(
+            f"Found {len(report.orphans)} orphan(s), removed {len(report.removed)}, "
+            f"left {len(report.left)}."
+        )
+    elif report.orphans:
+        lines.append(
+            f"Found {len(report.orphans)} orphan(s). Check them, then remove them with "
+            f"`deploybot gc --apply` (same scope, within {window_minutes:g} minutes)."
+        )
+    else:
+        lines.append("Found no orphans.")
     return lines

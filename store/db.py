@@ -89,6 +89,9 @@ class Store:
         """The job a dedupe key was used for, or None when it is new."""
         return await self._call(jobs.delivered, self._db, dedupe_key)
 
+    async def holder(self, *, backend: str, name: str, address: str) -> Job | None:
+        return await self._call(jobs.holder, self._db, backend=backend, name=name, address=address)
+
     async def get_job(self, job_id: str) -> Job | None:
         return await self._call(jobs.get_job, self._db, job_id)
 
@@ -126,6 +129,9 @@ class Store:
             since=since,
             limit=limit,
         )
+
+    async def jobs_with_wreckage(self) -> list[Job]:
+        return await self._call(jobs.jobs_with_wreckage, self._db)
 
     async def jobs_in(self, states: Iterable[JobState]) -> list[Job]:
         return await self._call(jobs.jobs_in, self._db, tuple(states))

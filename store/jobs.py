@@ -18,6 +18,7 @@ from pydantic import BaseModel
 from sqlite_utils import Database
 
 from bot.models import (
+    HOLDING_STATES,
     TRANSITIONS,
     Approval,
     ApprovalState,
@@ -114,6 +115,19 @@ def insert_job(
             db.table("approvals").insert(_row(approval))
 
 
+def holder(db: Database, *, backend: str, name: str, address: str) -> Job | None:
+    """The job that holds this name on this backend, or this address (see HOLDING_STATES)."""
+    marks = ", ".join(f"'{s.value}'" for s in HOLDING_STATES)
+    rows = list(
+        db.query(
+            f"SELECT * FROM jobs WHERE state IN ({marks}) "
+            "AND ((backend = ? AND name = ?) OR address = ?) LIMIT 1",
+            [backend, name, address],
+        )
+    )
+    return job_from_row(rows[0]) if rows else None
+
+
 def get_job(db: Database, job_id: str) -> Job | None:
     rows = list(db.query("SELECT * FROM jobs WHERE id = ?", [job_id]))
     return job_from_row(rows[0]) if rows else None
@@ -199,6 +213,12 @@ def history(
     clause = f"WHERE {' AND '.join(where)} " if where else ""
     sql = f"SELECT * FROM jobs {clause}ORDER BY created_at DESC, rowid DESC LIMIT :limit"
     return [job_from_row(row) for row in db.query(sql, params)]
+
+
+def jobs_with_wreckage(db: Database) -> list[Job]:
+    """Finished jobs whose rollback left a VM behind (oldest first)."""
+    sql = "SELECT * FROM jobs WHERE wreckage IS NOT NULL ORDER BY created_at, rowid"
+    return [job_from_row(row) for row in db.query(sql)]
 
 
 def jobs_in(db: Database, states: Iterable[JobState]) -> list[Job]:

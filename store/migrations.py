@@ -12,8 +12,8 @@ from sqlite_utils import Database
 
 from store.tx import immediate
 
-# Jobs in these states hold their VM name and address; keep in sync with bot.models.ACTIVE_STATES.
-_ACTIVE = "('awaiting_approval', 'queued', 'running', 'rolling_back')"
+# Jobs in these states hold their VM name and address (bot.models.HOLDING_STATES).
+_HOLDING = "('awaiting_approval', 'queued', 'running', 'rolling_back', 'succeeded')"
 
 
 def _v1(db: Database) -> None:
@@ -60,9 +60,11 @@ def _v1(db: Database) -> None:
     db.table("jobs").create_index(["created_at"])
     # The store, not a read-then-write check, keeps two live jobs off one name or address.
     db.execute(
-        f"CREATE UNIQUE INDEX jobs_active_name ON jobs(backend, name) WHERE state IN {_ACTIVE}"
+        f"CREATE UNIQUE INDEX jobs_active_name ON jobs(backend, name) WHERE state IN {_HOLDING}"
     )
-    db.execute(f"CREATE UNIQUE INDEX jobs_active_address ON jobs(address) WHERE state IN {_ACTIVE}")
+    db.execute(
+        f"CREATE UNIQUE INDEX jobs_active_address ON jobs(address) WHERE state IN {_HOLDING}"
+    )
     db.table("job_events").create(
         {
             "id": int,

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -98,3 +103,50 @@ async def test_apply_leaves_orphans_the_dry_run_did_not_list(tmp_path: Path) -> 
     failed = [why for vm_id, why in reasons.items() if vm_id in (vms["wreck"], vms["unknown"])]
     assert len(failed) == 1 and failed[0].startswith("removal failed")
     assert late in sim.vms
+
+
+def test_gc_command_dry_run_then_apply(tmp_path: Path) -> None:
+    """The real command on a hypervisor (the simulator's state file) seeded with orphans."""
+    state = tmp_path / "sim.json"
+
+    async def seed() -> dict[str, str]:
+        _settings, store, sim, vms = await seeded(tmp_path)
+        await store.close()
+        sim.state_file = state
+        sim._save()  # the hypervisor as the seeding left it
+        return vms
+
+    vms = asyncio.run(seed())
+    config = tmp_path / "deploybot.toml"
+    config.write_text(
+        f'database = "{tmp_path}/jobs.db"\nlog_file = "{tmp_path}/bot.log"\n'
+        f'[[backends]]\nkind = "sim"\nname = "sim"\nstate_file = "{state}"\n'
+        '[[subnets]]\ncidr = "10.0.0.0/24"\ngateway = "10.0.0.1"\n'
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DEPLOYBOT_")}
+    env["DEPLOYBOT_CONFIG"] = str(config)
+
+    def gc_cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "handlers.entry", "gc", *args],
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    refused = gc_cli("--apply")
+    assert refused.returncode == 2 and "No dry run of this scope" in refused.stderr
+    dry = gc_cli()
+    assert dry.returncode == 0, dry.stderr
+    assert "gc dry run over sim (nothing was touched):" in dry.stdout
+    assert "1 job failed or was cancelled; 1 job still in flight (kept); " in dry.stdout
+    assert f"orphan: VM {vms['unknown']} (ghost) on sim, job jghost1" in dry.stdout
+    assert "Found 2 orphan(s)." in dry.stdout
+    assert gc_cli("--backend", "nope").returncode == 2
+    applied = gc_cli("--apply")
+    assert applied.returncode == 0, applied.stderr
+    assert "Found 2 orphan(s), removed 2, left 2." in applied.stdout
+    left = {vm["vm_id"] for vm in json.loads(state.read_text())["vms"]}
+    assert left == {vms["succeeded"], vms["busy"], vms["untagged"], vms["other-tags"]}

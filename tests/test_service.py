@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from backends.base import job_tag
+from backends.base import CloneSpec, job_tag
 from backends.sim import SimBackend
 from bot.errors import Conflict, JobNotFound, NotAllowed, RequestInvalid, TransitionRefused
 from bot.models import ApprovalState, Job, JobState, utcnow
 from bot.parser import DeployArgs, parse
+from bot.recovery import INTERRUPTED
 from bot.requests import build_request
 from bot.runtime import running_deployer
 from bot.service import Deployer
@@ -215,3 +216,63 @@ async def test_a_restart_requeues_queued_jobs_and_rolls_back_interrupted_ones(
     assert names == ["someone-elses", "two"]
     assert stranger in sim.vms
     assert ("power_off", vm_id) in sim.task_log and ("destroy", vm_id) in sim.task_log
+
+
+async def test_a_restart_with_a_vm_that_never_appeared_has_nothing_to_clean(
+    tmp_path: Path, sim: SimBackend, recorder: Recorder
+) -> None:
+    settings = make_settings(tmp_path)
+    store = await Store.open(settings.database)
+    job = Job.for_request(build_request(args("one 10.0.0.81"), settings, "alice"), JobState.QUEUED)
+    await store.insert_job(job)
+    reserved = await sim.prepare_clone(CloneSpec(job.id, "one", "ubuntu-24.04"))
+    await store.transition(job.id, [JobState.QUEUED], JobState.RUNNING, vm_id=reserved.vm_id)
+    await store.close()
+    async with running_deployer(settings, recorder, backends={"sim": sim}) as d:
+        info = await d.status(job.id)
+    assert info.job.state is JobState.FAILED and info.job.error == INTERRUPTED
+    assert not [e for e in info.events if e.step == "rollback"]
+    assert sim.task_log == []
+    _job, report = recorder.finished[job.id]
+    assert report is not None and report.clean and report.undone == []
+
+
+async def test_wreckage_is_retried_until_it_is_gone(
+    deployer: Deployer, sim: SimBackend, recorder: Recorder
+) -> None:
+    sim.inject("power_on", "error")
+    sim.inject("destroy", "error", times=2)
+    job = await deployer.request_deploy(args("web01 10.0.0.50"), "alice")
+    await deployer.drain()
+    failed = (await deployer.status(job.id)).job
+    assert failed.wreckage is not None and failed.vm_id in sim.vms
+    assert await deployer.sweep_wreckage() == []  # the second destroy fails too
+    assert (await deployer.status(job.id)).job.wreckage is not None
+    assert await deployer.sweep_wreckage() == [job.id]
+    cleaned = (await deployer.status(job.id)).job
+    assert cleaned.wreckage is None and sim.vms == {}
+    assert (job.id, f"the VM left behind ({failed.vm_id}) has now been removed.") in recorder.notes
+    assert cleaned.state is JobState.FAILED  # the job's outcome does not change
+
+
+async def test_a_succeeded_vm_holds_its_name_until_it_is_gone(
+    deployer: Deployer, sim: SimBackend
+) -> None:
+    first = await deployer.request_deploy(args("web01 10.0.0.50"), "alice")
+    await deployer.drain()
+    done = (await deployer.status(first.id)).job
+    assert done.state is JobState.SUCCEEDED
+    with pytest.raises(
+        Conflict, match=f"web01 already exists on sim \\(job {first.id}, VM {done.vm_id}\\)"
+    ):
+        await deployer.request_deploy(args("web01 10.0.0.60"), "alice")
+    with pytest.raises(Conflict, match=f"10.0.0.50 belongs to web01 \\(job {first.id}\\)"):
+        await deployer.request_deploy(args("web02 10.0.0.50"), "alice")
+    assert done.vm_id is not None
+    del sim.vms[done.vm_id]  # someone deleted the VM by hand
+    again = await deployer.request_deploy(args("web01 10.0.0.50"), "alice")
+    released = await deployer.status(first.id)
+    assert released.job.state is JobState.RELEASED
+    assert released.events[-1].detail.endswith("its name and address are free again")
+    await deployer.drain()
+    assert (await deployer.status(again.id)).job.state is JobState.SUCCEEDED

@@ -1,0 +1,91 @@
+"""What the bot does about work it could not finish: after a restart, and after outages.
+
+* `recover_interrupted`: a job left `running` or `rolling_back` by a dead process has
+  its VM (found by the id written before the clone) stopped and destroyed, and ends
+  `failed`. When that VM does not exist the job simply fails, with nothing to clean.
+* `sweep_wreckage`: a rollback that could not reach the hypervisor leaves its VM listed
+  as wreckage on the job; a background task retries the removal until the VM is gone
+  and then clears the listing, telling the job's thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+from backends.base import Backend, BackendError, VMRef
+from bot.models import FINAL_STATES, Job, JobEvent, JobState, RollbackReport, utcnow
+from bot.pipeline import Pipeline, Undo, remove_vm
+from bot.progress import Progress
+from store.db import Store
+
+log = logging.getLogger(__name__)
+INTERRUPTED = "interrupted by a restart of the bot"
+
+
+async def recover_interrupted(
+    pipeline: Pipeline, backends: Mapping[str, Backend], job: Job
+) -> RollbackReport:
+    store, progress = pipeline.store, pipeline.progress
+    await store.transition(job.id, [JobState.RUNNING], JobState.ROLLING_BACK)
+    backend = backends.get(job.backend)
+    report = RollbackReport()
+    if backend is not None and job.vm_id is not None:
+        ref = VMRef(job.vm_id, job.id, job.vm_placement)
+        if await _may_exist(backend, ref):
+            t = pipeline.timeouts
+            stack = [
+                Undo(f"destroy VM {ref.vm_id}", lambda: backend.destroy(ref), t.destroy_s),
+                Undo(f"stop VM {ref.vm_id}", lambda: backend.power_off(ref), t.power_off_s),
+            ]
+            report = await pipeline.undo(job, backend, stack, ref)
+    elif backend is None and job.vm_id is not None:
+        report.wreckage.append(f"VM {job.vm_id} on {job.backend} (backend not configured)")
+    await store.transition(
+        job.id,
+        [JobState.ROLLING_BACK],
+        JobState.FAILED,
+        error=INTERRUPTED,
+        wreckage=", ".join(report.wreckage) or None,
+        finished_at=utcnow(),
+    )
+    final = await store.get_job(job.id)
+    if final is not None:
+        await progress.job_finished(final, report)
+    return report
+
+
+async def _may_exist(backend: Backend, ref: VMRef) -> bool:
+    """False only when the hypervisor says the VM is not there; unsure counts as there."""
+    try:
+        return await backend.find_vm(ref) is not None
+    except BackendError as exc:
+        log.warning("cannot tell whether VM %s exists (%s); rolling back anyway", ref.vm_id, exc)
+        return True
+
+
+async def sweep_wreckage(
+    store: Store, backends: Mapping[str, Backend], pipeline: Pipeline, progress: Progress
+) -> list[str]:
+    """Try once more to remove every VM a finished job left behind; ids of jobs cleaned."""
+    cleaned = []
+    for job in await store.jobs_with_wreckage():
+        backend = backends.get(job.backend)
+        if backend is None or job.vm_id is None or job.state not in FINAL_STATES:
+            continue
+        ref = VMRef(job.vm_id, job.id, job.vm_placement)
+        try:
+            await remove_vm(backend, ref, pipeline.timeouts)
+            gone = await backend.find_vm(ref) is None
+        except (BackendError, TimeoutError) as exc:
+            log.info("job %s: wreckage VM %s still there (%s)", job.id, ref.vm_id, exc)
+            continue
+        if gone:
+            await store.update_job(job.id, wreckage=None)
+            text = f"the VM left behind ({ref.vm_id}) has now been removed."
+            await store.add_event(
+                JobEvent(job_id=job.id, step="rollback", phase="note", detail=text)
+            )
+            await progress.job_note(job, text)
+            cleaned.append(job.id)
+    return cleaned
