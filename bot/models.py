@@ -66,7 +66,8 @@ TRANSITIONS: dict[JobState, frozenset[JobState]] = {
         {JobState.QUEUED, JobState.REJECTED, JobState.EXPIRED, JobState.CANCELLED}
     ),
     JobState.QUEUED: frozenset({JobState.RUNNING, JobState.CANCELLED}),
-    JobState.RUNNING: frozenset({JobState.SUCCEEDED, JobState.ROLLING_BACK}),
+    # running -> queued: put back to resume after a restart (settings.recovery).
+    JobState.RUNNING: frozenset({JobState.SUCCEEDED, JobState.ROLLING_BACK, JobState.QUEUED}),
     JobState.ROLLING_BACK: frozenset({JobState.FAILED, JobState.CANCELLED}),
     JobState.SUCCEEDED: frozenset({JobState.RELEASED}),
 }

@@ -14,6 +14,7 @@ is listed as wreckage with its id.
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
 import logging
 from collections.abc import Awaitable, Callable, Mapping
@@ -22,7 +23,7 @@ from datetime import datetime
 from typing import TypeVar
 
 from backends.base import Backend, BackendError, CloneSpec, Identity, Unreachable, VMRef
-from bot.models import Job, JobEvent, JobState, RollbackReport, utcnow
+from bot.models import DeployRequest, Job, JobEvent, JobState, RollbackReport, utcnow
 from bot.progress import Progress
 from bot.settings import Settings, Timeouts
 from store.db import Store
@@ -31,6 +32,44 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 STEPS = ("check_free", "clone", "identity", "resize", "power_on", "address", "ssh")
+# After a restart a job may carry on once one of these has finished: each later step is
+# safe to run again, except a disk growth that may or may not have happened.
+RESUMABLE_AFTER = frozenset({"clone", "identity", "resize", "power_on", "address", "ssh"})
+
+
+def resume_point(events: list[JobEvent]) -> int | None:
+    """Where a job interrupted by a restart can carry on (an index into STEPS), or None
+    when only a rollback is safe."""
+    done = [
+        STEPS.index(e.step)
+        for e in events
+        if e.step in STEPS and e.phase in ("finished", "skipped")
+    ]
+    if not done or STEPS[max(done)] not in RESUMABLE_AFTER:
+        return None
+    last = max(done)
+    if (
+        any(e.step == "resize" and e.phase == "started" for e in events)
+        and STEPS.index("resize") > last
+    ):
+        return None
+    # The address is read again rather than remembered: it is cheap and the SSH check needs it.
+    return min(last + 1, STEPS.index("address"))
+
+
+def _identity(req: DeployRequest) -> Identity:
+    return Identity(
+        hostname=req.name,
+        user=req.user,
+        ssh_keys=req.ssh_keys,
+        address=req.address,
+        gateway=req.gateway,
+        dns=req.dns,
+        search_domain=req.search_domain,
+        upgrade=req.upgrade,
+        cores=req.cores,
+        memory_mib=req.memory_mib,
+    )
 
 
 class StepFailed(Exception):
@@ -134,7 +173,8 @@ class Pipeline:
                 return job
             await self.progress.job_updated(job)
             run = _Run(job, self.backends[job.backend])
-            await self._steps(run)
+            first = await self._resume(run) if job.vm_id is not None else 0
+            await self._steps(run, first)
         except asyncio.CancelledError:
             if run is None:
                 return await protected(self._cancel_unstarted(job_id))
@@ -162,54 +202,64 @@ class Pipeline:
             await self.progress.job_finished(job, RollbackReport())
         return job
 
-    async def _steps(self, run: _Run) -> None:
-        req = run.job.request
-        backend = run.backend
-        spec = CloneSpec(run.job.id, req.name, req.template, req.placement, req.storage)
-        t = self.timeouts
-        await self._step(run, "check_free", t.check_free_s, lambda: self._check_free(run))
-        mode = await self._call(run, "clone", t.check_free_s, lambda: backend.clone_mode(spec))
-        await self._step(
-            run,
-            "clone",
-            t.clone_s,
-            lambda: self._clone(run, spec),
-            f"{req.template}, {mode.reason}",
-        )
-        identity = Identity(
-            hostname=req.name,
-            user=req.user,
-            ssh_keys=req.ssh_keys,
-            address=req.address,
-            gateway=req.gateway,
-            dns=req.dns,
-            search_domain=req.search_domain,
-            upgrade=req.upgrade,
-            cores=req.cores,
-            memory_mib=req.memory_mib,
-        )
-        ref = self._ref(run)
-        await self._step(
-            run,
-            "identity",
-            t.identity_s,
-            lambda: backend.apply_identity(ref, identity),
-            f"{req.user}@{req.address}, {req.cores} cores, {req.memory_mib} MiB",
-        )
-        if req.disk_grow_gib:
-            await self._step(
-                run,
-                "resize",
-                t.resize_s,
-                lambda: backend.grow_disk(ref, req.disk_grow_gib),
-                f"+{req.disk_grow_gib} GiB",
+    async def _resume(self, run: _Run) -> int:
+        """Rebuild what a job interrupted by a restart had: its VM and its undo stack."""
+        job = run.job
+        events = await self.store.events(job.id)
+        first = resume_point(events)
+        if first is None or job.vm_id is None:
+            raise StepFailed("clone", "interrupted by a restart at a point that cannot be resumed")
+        ref = VMRef(job.vm_id, job.id, job.vm_placement)
+        run.ref = ref
+        t, backend = self.timeouts, run.backend
+        run.undo.append(Undo(f"destroy VM {ref.vm_id}", lambda: backend.destroy(ref), t.destroy_s))
+        if any(
+            e.step == "power_on" and e.phase == "started" for e in events
+        ) and first > STEPS.index("power_on"):
+            run.undo.append(
+                Undo(f"stop VM {ref.vm_id}", lambda: backend.power_off(ref), t.power_off_s)
             )
-        else:
-            await self._skip(run, "resize", "no growth asked")
-        run.undo.append(Undo(f"stop VM {ref.vm_id}", lambda: backend.power_off(ref), t.power_off_s))
-        await self._step(run, "power_on", t.power_on_s, lambda: backend.power_on(ref))
-        await self._step(run, "address", t.address_s, lambda: self._address(run), "guest agent")
-        await self._step(run, "ssh", t.ssh_s, lambda: self._ssh(run), f"port {self._ssh_port}")
+        await self._note(
+            job, STEPS[first], f"resuming after a restart of the bot, at {STEPS[first]}"
+        )
+        return first
+
+    async def _steps(self, run: _Run, first: int = 0) -> None:
+        """Run STEPS from index `first` (0, or later when resuming after a restart)."""
+        for step in STEPS[first:]:
+            await self._run_step(run, step)
+
+    async def _run_step(self, run: _Run, step: str) -> None:
+        req, backend, t = run.job.request, run.backend, self.timeouts
+        if step == "check_free":
+            await self._step(run, step, t.check_free_s, lambda: self._check_free(run))
+        elif step == "clone":
+            spec = CloneSpec(run.job.id, req.name, req.template, req.placement, req.storage)
+            mode = await self._call(run, step, t.check_free_s, lambda: backend.clone_mode(spec))
+            detail = f"{req.template}, {mode.reason}"
+            await self._step(run, step, t.clone_s, lambda: self._clone(run, spec), detail)
+        elif step == "identity":
+            ref, identity = self._ref(run), _identity(req)
+            detail = f"{req.user}@{req.address}, {req.cores} cores, {req.memory_mib} MiB"
+            action = functools.partial(backend.apply_identity, ref, identity)
+            await self._step(run, step, t.identity_s, action, detail)
+        elif step == "resize" and req.disk_grow_gib:
+            ref, grow = self._ref(run), req.disk_grow_gib
+            action = functools.partial(backend.grow_disk, ref, grow)
+            await self._step(run, step, t.resize_s, action, f"+{grow} GiB")
+        elif step == "resize":
+            await self._skip(run, step, "no growth asked")
+        elif step == "power_on":
+            ref = self._ref(run)
+            run.undo.append(
+                Undo(f"stop VM {ref.vm_id}", lambda: backend.power_off(ref), t.power_off_s)
+            )
+            await self._step(run, step, t.power_on_s, lambda: self._power_on(run))
+        elif step == "address":
+            await self._step(run, step, t.address_s, lambda: self._address(run), "guest agent")
+        elif step == "ssh":
+            detail = f"port {self._ssh_port}"
+            await self._step(run, step, t.ssh_s, lambda: self._ssh(run), detail)
 
     @property
     def _ssh_port(self) -> int:
@@ -248,6 +298,14 @@ class Pipeline:
         note = await backend.clone(spec, ref)
         where = f"VM {ref.vm_id} on {ref.placement or run.job.backend}"
         return f"{where}; {note}" if note else where
+
+    async def _power_on(self, run: _Run) -> str | None:
+        """Start the VM; one already running (a start that outlived a restart) is fine."""
+        ref = self._ref(run)
+        found = await run.backend.find_vm(ref)
+        if found is not None and found.running:
+            return "already running"
+        return await run.backend.power_on(ref)
 
     async def _address(self, run: _Run) -> str:
         req = run.job.request

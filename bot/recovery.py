@@ -3,6 +3,8 @@
 * `recover_interrupted`: a job left `running` or `rolling_back` by a dead process has
   its VM (found by the id written before the clone) stopped and destroyed, and ends
   `failed`. When that VM does not exist the job simply fails, with nothing to clean.
+  With `recovery.interrupted = "resume"`, a running job whose VM is there and whose
+  remaining steps are safe to repeat goes back in the queue and carries on instead.
 * `sweep_wreckage`: a rollback that could not reach the hypervisor leaves its VM listed
   as wreckage on the job; a background task retries the removal until the VM is gone
   and then clears the listing, telling the job's thread.
@@ -13,9 +15,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-from backends.base import Backend, BackendError, VMRef
+from backends.base import Backend, BackendError, VMRef, job_tag
 from bot.models import FINAL_STATES, Job, JobEvent, JobState, RollbackReport, utcnow
-from bot.pipeline import Pipeline, Undo, remove_vm
+from bot.pipeline import Pipeline, Undo, remove_vm, resume_point
 from bot.progress import Progress
 from store.db import Store
 
@@ -25,8 +27,12 @@ INTERRUPTED = "interrupted by a restart of the bot"
 
 async def recover_interrupted(
     pipeline: Pipeline, backends: Mapping[str, Backend], job: Job
-) -> RollbackReport:
+) -> RollbackReport | None:
+    """Roll back (or, by policy, put back in the queue to resume) an interrupted job;
+    None when it was requeued."""
     store, progress = pipeline.store, pipeline.progress
+    if await _requeue_to_resume(pipeline, backends, job):
+        return None
     await store.transition(job.id, [JobState.RUNNING], JobState.ROLLING_BACK)
     backend = backends.get(job.backend)
     report = RollbackReport()
@@ -53,6 +59,23 @@ async def recover_interrupted(
     if final is not None:
         await progress.job_finished(final, report)
     return report
+
+
+async def _requeue_to_resume(pipeline: Pipeline, backends: Mapping[str, Backend], job: Job) -> bool:
+    if pipeline.settings.recovery.interrupted != "resume" or job.state is not JobState.RUNNING:
+        return False
+    backend = backends.get(job.backend)
+    if backend is None or job.vm_id is None:
+        return False
+    if resume_point(await pipeline.store.events(job.id)) is None:
+        return False
+    try:
+        found = await backend.find_vm(VMRef(job.vm_id, job.id, job.vm_placement))
+    except BackendError:
+        return False  # cannot see the VM: rolling back is the safe choice
+    if found is None or job_tag(job.id) not in found.tags:
+        return False
+    return await pipeline.store.transition(job.id, [JobState.RUNNING], JobState.QUEUED)
 
 
 async def _may_exist(backend: Backend, ref: VMRef) -> bool:

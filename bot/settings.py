@@ -14,7 +14,7 @@ import os
 import tomllib
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import ErrorDetails
@@ -120,6 +120,14 @@ class Timeouts(_Section):
     retry_max_s: float = Field(default=10, gt=0)
 
 
+class Recovery(_Section):
+    """What a restart does with a job that was running when the bot died: `roll_back`
+    (the default: remove its VM and fail it) or `resume` (carry on from the last step
+    that finished, when every later step is safe to run again; else roll back)."""
+
+    interrupted: Literal["roll_back", "resume"] = "roll_back"
+
+
 class ApprovalPolicy(_Section):
     """Who may deploy, who approves, and which requests wait for an approver."""
 
@@ -184,6 +192,7 @@ class Settings(BaseSettings):
     limits: Limits = Limits()
     timeouts: Timeouts = Timeouts()
     approval: ApprovalPolicy = ApprovalPolicy()
+    recovery: Recovery = Recovery()
     slack: SlackSettings = SlackSettings()
 
     @model_validator(mode="after")

@@ -69,6 +69,9 @@ state_file = "{tmp}/sim.json"
 cidr = "10.20.0.0/16"
 gateway = "10.20.0.1"
 
+[recovery]
+interrupted = "{recovery}"
+
 [timeouts]
 retry_initial_s = 0.01
 retry_max_s = 0.05
@@ -82,6 +85,7 @@ class KillPoint:
     fault: str | None
     trigger: str
     outage: bool = False  # take the hypervisor down at the trigger; kill once the bot waits
+    resume: bool = False  # restart with recovery.interrupted = "resume"
 
 
 def kill_points() -> list[KillPoint]:
@@ -105,11 +109,24 @@ OUTAGES = [
 ]
 WAITING = "waiting for sim (unreachable since"
 
+# With recovery.interrupted = "resume", a job killed after its clone carries on after the
+# restart, unless a disk growth was under way (it may or may not have happened).
+RESUMES = {
+    KillPoint(None, "✓ copy template", resume=True): "succeeded",
+    KillPoint(None, "✓ set identity", resume=True): "succeeded",
+    KillPoint(None, "✓ power on", resume=True): "succeeded",
+    KillPoint(None, "… wait for address", resume=True): "succeeded",
+    KillPoint(None, "… check SSH", resume=True): "succeeded",
+    KillPoint(None, "… grow disk", resume=True): "failed",
+    KillPoint(None, "… copy template", resume=True): "failed",
+}
 
-def write_config(tmp: Path, fault: str | None) -> dict[str, str]:
+
+def write_config(tmp: Path, fault: str | None, resume: bool = False) -> dict[str, str]:
     faults = f'faults = [{{op = "{fault}", kind = "error"}}]' if fault else ""
     path = tmp / "deploybot.toml"
-    path.write_text(CONFIG.format(tmp=tmp, faults=faults))
+    recovery = "resume" if resume else "roll_back"
+    path.write_text(CONFIG.format(tmp=tmp, faults=faults, recovery=recovery))
     env = {k: v for k, v in os.environ.items() if not k.startswith("DEPLOYBOT_")}
     env["DEPLOYBOT_CONFIG"] = str(path)
     return env
@@ -164,9 +181,9 @@ def run_round(tmp: Path, point: KillPoint, name: str, address: str, reuse: str |
     return killed
 
 
-def restart(tmp: Path) -> str:
+def restart(tmp: Path, resume: bool = False) -> str:
     """A new life with nothing to do: it recovers, drains and leaves at end of input."""
-    env = write_config(tmp, None)
+    env = write_config(tmp, None, resume)
     result = subprocess.run(
         [sys.executable, "-m", "handlers.entry", "shell", "--user", "alice"],
         input="",
@@ -179,6 +196,14 @@ def restart(tmp: Path) -> str:
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Traceback" not in result.stdout + result.stderr
     return result.stdout
+
+
+def job_state(tmp: Path, name: str) -> str:
+    db = sqlite3.connect(tmp / "jobs.db")
+    try:
+        return str(db.execute("SELECT state FROM jobs WHERE name = ?", [name]).fetchone()[0])
+    finally:
+        db.close()
 
 
 def check_invariants(tmp: Path) -> None:
@@ -219,7 +244,7 @@ def test_kill_at_random_moments_and_restart(
     rng = random.Random(SEED)
     points = kill_points()
     rng.shuffle(points)
-    plan = points + OUTAGES  # one round per kill point: about a second each
+    plan = points + OUTAGES + list(RESUMES)  # one round per kill point: about a second each
     kills: Counter[KillPoint] = Counter()
     waits_seen = 0
     names: list[str] = []
@@ -231,8 +256,10 @@ def test_kill_at_random_moments_and_restart(
             kills[point] += 1
             waits_seen += point.outage
         names.append(name)
-        restart(tmp_path)
+        restart(tmp_path, point.resume)
         check_invariants(tmp_path)
+        if point.resume:
+            assert job_state(tmp_path, name) == RESUMES[point], point
     with capsys.disabled():
         print(
             f"\ncrash harness: {sum(kills.values())} kills at {len(kills)} distinct kill points "

@@ -7,9 +7,9 @@ import pytest
 
 from backends.sim import FAULT_KINDS, SimBackend
 from bot.errors import Conflict, RequestInvalid
-from bot.models import Job, JobState
+from bot.models import Job, JobEvent, JobState
 from bot.parser import parse
-from bot.pipeline import STEPS
+from bot.pipeline import STEPS, resume_point
 from bot.service import Deployer
 from tests.conftest import Recorder
 
@@ -261,3 +261,26 @@ async def test_a_request_while_the_hypervisor_is_down_is_refused_and_recorded_no
     with pytest.raises(RequestInvalid, match=r"sim did not answer .*try again in a minute"):
         await deployer.request_deploy(parse(REQUEST), "alice")  # type: ignore[arg-type]
     assert await deployer.history() == []
+
+
+def _events(*pairs: tuple[str, str]) -> list[JobEvent]:
+    return [JobEvent(job_id="jresume", step=step, phase=phase) for step, phase in pairs]
+
+
+@pytest.mark.parametrize(
+    ("pairs", "expected"),
+    [
+        ([], None),
+        ([("check_free", "finished"), ("clone", "started")], None),  # a clone half done
+        ([("clone", "finished")], "identity"),
+        ([("clone", "finished"), ("identity", "started")], "identity"),
+        ([("identity", "finished"), ("resize", "started")], None),  # grown or not? unknown
+        ([("identity", "finished"), ("resize", "skipped"), ("power_on", "started")], "power_on"),
+        ([("power_on", "finished"), ("address", "started")], "address"),
+        ([("address", "finished"), ("ssh", "started")], "address"),  # read the address again
+        ([("ssh", "finished")], "address"),  # the success write was lost
+    ],
+)
+def test_resume_point(pairs: list[tuple[str, str]], expected: str | None) -> None:
+    point = resume_point(_events(*pairs))
+    assert (STEPS[point] if point is not None else None) == expected
