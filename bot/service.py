@@ -11,11 +11,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from backends.base import Backend, BackendError, Network, Storage, Template, VMRef
+from bot.approvals import Approvals, GroupMembers, approval_reason
 from bot.errors import (
     Conflict,
     DeployBotError,
@@ -44,12 +45,10 @@ from bot.progress import Fanout, Progress
 from bot.queue import JobQueue
 from bot.recovery import recover_interrupted, sweep_wreckage
 from bot.requests import build_request
-from bot.settings import ApprovalPolicy, Settings
+from bot.settings import Settings
 from store.db import AlreadyDelivered, DuplicateActive, Store
 
 log = logging.getLogger(__name__)
-# A front end that knows the members of an approver group (a chat user group) sets this.
-GroupMembers = Callable[[str], Awaitable[frozenset[str]]]
 
 
 @dataclass(frozen=True)
@@ -57,25 +56,6 @@ class JobStatus:
     job: Job
     events: list[JobEvent]
     approval: Approval | None
-
-
-def approval_reason(policy: ApprovalPolicy, request: DeployRequest) -> str | None:
-    """Why this request needs an approver, or None when it may run at once."""
-    if policy.always:
-        return "every deploy needs approval"
-    if request.backend in policy.backends:
-        return f"deploys to {request.backend} need approval"
-    if request.template in policy.templates:
-        return f"deploys of {request.template} need approval"
-    over = (
-        ("cores", request.cores, policy.cores_over, ""),
-        ("memory", request.memory_mib, policy.memory_mib_over, " MiB"),
-        ("disk growth", request.disk_grow_gib, policy.disk_grow_gib_over, " GiB"),
-    )
-    for what, value, limit, unit in over:
-        if limit is not None and value > limit:
-            return f"{what} over {limit}{unit} needs approval"
-    return None
 
 
 class Deployer:
@@ -96,9 +76,18 @@ class Deployer:
             max_running=settings.limits.max_running,
             max_per_backend=settings.limits.max_running_per_backend,
         )
+        self.approvals = Approvals(settings, store, self.progress, self.queue, self._job)
         self._expiry: asyncio.Task[None] | None = None
         self._sweeper: asyncio.Task[None] | None = None
-        self.group_members: GroupMembers | None = None
+
+    @property
+    def group_members(self) -> GroupMembers | None:
+        return self.approvals.group_members
+
+    @group_members.setter
+    def group_members(self, lookup: GroupMembers | None) -> None:
+        """A front end that knows chat user groups sets how to list a group's members."""
+        self.approvals.group_members = lookup
 
     # --- life cycle ---------------------------------------------------------------
 
@@ -365,112 +354,31 @@ class Deployer:
 
     async def approve(self, job_id: str, approver: str, *, dedupe_key: str | None = None) -> Job:
         async with self._audited(approver, f"approve {job_id}"):
-            return await self._decide(job_id, approver, ApprovalState.APPROVED, None, dedupe_key)
+            return await self.approvals.decide(
+                job_id, approver, ApprovalState.APPROVED, None, dedupe_key
+            )
 
     async def reject(
         self, job_id: str, approver: str, reason: str, *, dedupe_key: str | None = None
     ) -> Job:
         async with self._audited(approver, f"reject {job_id}"):
-            return await self._decide(job_id, approver, ApprovalState.REJECTED, reason, dedupe_key)
+            return await self.approvals.decide(
+                job_id, approver, ApprovalState.REJECTED, reason, dedupe_key
+            )
 
     async def is_approver(self, user: str) -> bool:
-        policy = self.settings.approval
-        if user in policy.approvers:
-            return True
-        if self.group_members is None:
-            return False
-        for group in policy.approver_groups:
-            try:
-                if user in await self.group_members(group):
-                    return True
-            except Exception:
-                log.exception("could not list the members of approver group %s", group)
-        return False
+        return await self.approvals.is_approver(user)
 
     def approvers_text(self) -> str:
-        policy = self.settings.approval
-        names = [*policy.approvers, *(f"the members of {g}" for g in policy.approver_groups)]
-        return ", ".join(names) or "nobody (set approval.approvers)"
-
-    async def _decide(
-        self,
-        job_id: str,
-        approver: str,
-        decision: ApprovalState,
-        note: str | None,
-        dedupe_key: str | None = None,
-    ) -> Job:
-        if dedupe_key is not None and await self.store.delivered(dedupe_key):
-            raise Duplicate(f"This decision on job {job_id} was already made.", job_id)
-        await self._check_decider(job_id, approver)
-        try:
-            decided_now = await self.store.decide(
-                job_id, decision, by=approver, note=note, dedupe_key=dedupe_key
-            )
-        except AlreadyDelivered:
-            raise Duplicate(f"This decision on job {job_id} was already made.", job_id) from None
-        if not decided_now:
-            raise TransitionRefused(await self._undecidable(job_id))
-        decided = await self._job(job_id)
-        await self.progress.job_updated(decided, note or "")
-        if decision is ApprovalState.APPROVED:
-            self.queue.submit(decided.id, decided.backend)
-        return decided
+        return self.approvals.approvers_text()
 
     async def may_decide(self, job_id: str, approver: str) -> Job:
         """Refuse now what a decision would refuse (before asking a reason, say)."""
         async with self._audited(approver, f"decide {job_id}"):
-            return await self._check_decider(job_id, approver)
-
-    async def _check_decider(self, job_id: str, approver: str) -> Job:
-        job = await self._job(job_id)
-        if not await self.is_approver(approver):
-            raise NotAllowed(
-                f"{approver} may not approve deploys; the approvers are {self.approvers_text()}."
-            )
-        if approver == job.requester:
-            raise NotAllowed("You cannot approve or reject your own request: ask another approver.")
-        await self._refuse_if_expired(job)
-        if job.state is not JobState.AWAITING_APPROVAL:
-            raise TransitionRefused(await self._undecidable(job_id))
-        return job
-
-    async def _refuse_if_expired(self, job: Job) -> None:
-        """A pending approval past its time expires now, even if the sweep has not run."""
-        approval = await self.store.get_approval(job.id)
-        if approval is None or approval.state is not ApprovalState.PENDING:
-            return
-        if approval.expires_at > utcnow():
-            return
-        if await self.store.decide(job.id, ApprovalState.EXPIRED, by=None):
-            await self.progress.job_updated(await self._job(job.id))
-        raise TransitionRefused(await self._undecidable(job.id))
-
-    async def _undecidable(self, job_id: str) -> str:
-        """Why a job cannot be decided on: already decided (by whom), expired, cancelled."""
-        job = await self._job(job_id)
-        approval = await self.store.get_approval(job_id)
-        if approval is not None and approval.state is ApprovalState.EXPIRED:
-            return (
-                f"Job {job_id} expired at {approval.decided_at or approval.expires_at:%H:%M} UTC: "
-                f"nobody approved it in time. {job.requester} can ask again."
-            )
-        if approval is not None and approval.decided_by:
-            when = f" at {approval.decided_at:%H:%M} UTC" if approval.decided_at else ""
-            return (
-                f"Job {job_id} is not awaiting approval any more: {approval.decided_by} "
-                f"{approval.state.value} it{when}."
-            )
-        return f"Job {job_id} is {job.state.value}, not awaiting approval: nothing to decide."
+            return await self.approvals.check_decider(job_id, approver)
 
     async def expire_approvals(self, now: datetime | None = None) -> list[Job]:
-        expired = []
-        for job_id in await self.store.expired_approvals(now or utcnow()):
-            if await self.store.decide(job_id, ApprovalState.EXPIRED, by=None, at=now):
-                job = await self._job(job_id)
-                await self.progress.job_updated(job)
-                expired.append(job)
-        return expired
+        return await self.approvals.expire(now)
 
     async def _expire_loop(self, every_s: float) -> None:
         while True:

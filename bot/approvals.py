@@ -1,0 +1,155 @@
+"""Approvals: which requests wait for an approver, who may decide, and the decision.
+
+The policy comes from configuration; the decision is one compare-and-set in the store
+(the approval row and the job move together or not at all), so a double click or two
+approvers at once decide once. Nobody decides on their own request.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from datetime import datetime
+
+from bot.errors import Duplicate, NotAllowed, TransitionRefused
+from bot.models import ApprovalState, DeployRequest, Job, JobState, utcnow
+from bot.progress import Progress
+from bot.queue import JobQueue
+from bot.settings import ApprovalPolicy, Settings
+from store.db import AlreadyDelivered, Store
+
+log = logging.getLogger(__name__)
+# A front end that knows the members of an approver group (a chat user group) sets this.
+GroupMembers = Callable[[str], Awaitable[frozenset[str]]]
+
+
+def approval_reason(policy: ApprovalPolicy, request: DeployRequest) -> str | None:
+    """Why this request needs an approver, or None when it may run at once."""
+    if policy.always:
+        return "every deploy needs approval"
+    if request.backend in policy.backends:
+        return f"deploys to {request.backend} need approval"
+    if request.template in policy.templates:
+        return f"deploys of {request.template} need approval"
+    over = (
+        ("cores", request.cores, policy.cores_over, ""),
+        ("memory", request.memory_mib, policy.memory_mib_over, " MiB"),
+        ("disk growth", request.disk_grow_gib, policy.disk_grow_gib_over, " GiB"),
+    )
+    for what, value, limit, unit in over:
+        if limit is not None and value > limit:
+            return f"{what} over {limit}{unit} needs approval"
+    return None
+
+
+class Approvals:
+    def __init__(
+        self,
+        settings: Settings,
+        store: Store,
+        progress: Progress,
+        queue: JobQueue,
+        job: Callable[[str], Awaitable[Job]],
+    ) -> None:
+        self.policy = settings.approval
+        self.store = store
+        self.progress = progress
+        self.queue = queue
+        self._job = job
+        self.group_members: GroupMembers | None = None
+
+    async def is_approver(self, user: str) -> bool:
+        policy = self.policy
+        if user in policy.approvers:
+            return True
+        if self.group_members is None:
+            return False
+        for group in policy.approver_groups:
+            try:
+                if user in await self.group_members(group):
+                    return True
+            except Exception:
+                log.exception("could not list the members of approver group %s", group)
+        return False
+
+    def approvers_text(self) -> str:
+        policy = self.policy
+        names = [*policy.approvers, *(f"the members of {g}" for g in policy.approver_groups)]
+        return ", ".join(names) or "nobody (set approval.approvers)"
+
+    async def decide(
+        self,
+        job_id: str,
+        approver: str,
+        decision: ApprovalState,
+        note: str | None,
+        dedupe_key: str | None = None,
+    ) -> Job:
+        if dedupe_key is not None and await self.store.delivered(dedupe_key):
+            raise Duplicate(f"This decision on job {job_id} was already made.", job_id)
+        await self.check_decider(job_id, approver)
+        try:
+            decided_now = await self.store.decide(
+                job_id, decision, by=approver, note=note, dedupe_key=dedupe_key
+            )
+        except AlreadyDelivered:
+            raise Duplicate(f"This decision on job {job_id} was already made.", job_id) from None
+        if not decided_now:
+            raise TransitionRefused(await self._undecidable(job_id))
+        decided = await self._job(job_id)
+        await self.progress.job_updated(decided, note or "")
+        if decision is ApprovalState.APPROVED:
+            self.queue.submit(decided.id, decided.backend)
+        return decided
+
+    async def check_decider(self, job_id: str, approver: str) -> Job:
+        """Refuse non-approvers, the requester, and jobs no longer awaiting approval."""
+        job = await self._job(job_id)
+        if not await self.is_approver(approver):
+            raise NotAllowed(
+                f"{approver} may not approve deploys; the approvers are {self.approvers_text()}."
+            )
+        if approver == job.requester:
+            raise NotAllowed("You cannot approve or reject your own request: ask another approver.")
+        await self._refuse_if_expired(job)
+        if job.state is not JobState.AWAITING_APPROVAL:
+            raise TransitionRefused(await self._undecidable(job_id))
+        return job
+
+    async def _refuse_if_expired(self, job: Job) -> None:
+        """A pending approval past its time expires now, even if the sweep has not run."""
+        approval = await self.store.get_approval(job.id)
+        if approval is None or approval.state is not ApprovalState.PENDING:
+            return
+        if approval.expires_at > utcnow():
+            return
+        if await self.store.decide(job.id, ApprovalState.EXPIRED, by=None):
+            await self.progress.job_updated(await self._job(job.id))
+        raise TransitionRefused(await self._undecidable(job.id))
+
+    async def _undecidable(self, job_id: str) -> str:
+        """Why a job cannot be decided on: already decided (by whom), expired, cancelled."""
+        job = await self._job(job_id)
+        approval = await self.store.get_approval(job_id)
+        if approval is not None and approval.state is ApprovalState.EXPIRED:
+            return (
+                f"Job {job_id} expired at {approval.decided_at or approval.expires_at:%H:%M} UTC: "
+                f"nobody approved it in time. {job.requester} can ask again."
+            )
+        if approval is not None and approval.decided_by:
+            when = f" at {approval.decided_at:%H:%M} UTC" if approval.decided_at else ""
+            return (
+                f"Job {job_id} is not awaiting approval any more: {approval.decided_by} "
+                f"{approval.state.value} it{when}."
+            )
+        return f"Job {job_id} is {job.state.value}, not awaiting approval: nothing to decide."
+
+    async def expire(self, now: datetime | None = None) -> list[Job]:
+        """Expire every pending approval past its time; the jobs that expired now."""
+        expired = []
+        for job_id in await self.store.expired_approvals(now or utcnow()):
+            if await self.store.decide(job_id, ApprovalState.EXPIRED, by=None, at=now):
+                job = await self._job(job_id)
+                await self.progress.job_updated(job)
+                expired.append(job)
+        return expired
