@@ -1,0 +1,516 @@
+"""Proxmox VE: clone a template, give the clone its identity through Proxmox's own
+cloud-init fields, start it, read its address from the QEMU guest agent, roll back.
+
+The pieces: `proxmox_config` (the config entry, OS profiles, credentials),
+`proxmox_api` (proxmoxer on a thread pool, auth, error mapping, the task waiter),
+`proxmox_inventory` (templates, storages, nodes, what a clone implies) and
+`proxmox_vmconfig` (reading and writing config values). This module holds the deploy
+moves and their safety rules:
+
+* Nothing touches a VM before its clone task ended (so never `VM is locked (clone)`),
+  and every change, stop or destroy first reads the VM's config and checks the job's
+  tag: in `tags`, or in the description the clone wrote (tags come only afterwards).
+* The vmid is chosen before anything exists (`prepare_clone`) and reserved in this
+  process, so concurrent deploys never pick the same one; a clone that finds it taken
+  by another client raises a RetryableError and the pipeline picks a new id.
+* The CPU model comes from the template's OS profile; a node that cannot provide it is
+  refused before cloning, rather than booting a guest that panics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import re
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
+from urllib.parse import quote
+
+from backends.base import (
+    JOB_TAG_PREFIX,
+    BackendConfig,
+    CloneMode,
+    CloneSpec,
+    Identity,
+    Network,
+    NotOurVM,
+    PermanentError,
+    Placement,
+    RetryableError,
+    Storage,
+    Template,
+    Unreachable,
+    VMInfo,
+    VMNotFound,
+    VMRef,
+    pick_address,
+    probe_ssh_endpoint,
+)
+from backends.proxmox_api import AlreadyExists, LockContention, PveApi, TaskFailed
+from backends.proxmox_config import Config, OSProfile, credentials
+from backends.proxmox_inventory import LINKED_TYPES, Inventory
+from backends.proxmox_vmconfig import (
+    GIB,
+    Mark,
+    boot_disk,
+    mark_field,
+    merged_tags,
+    nic_with,
+    size_text,
+    tags_of,
+)
+
+__all__ = ["Config", "OSProfile", "ProxmoxBackend", "create"]
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+_AGENT_NOT_YET = re.compile(r"guest agent is not running", re.I)
+_CIUPGRADE_SINCE = (8, 0)
+
+
+def create(config: BackendConfig, environ: Mapping[str, str]) -> ProxmoxBackend:
+    """The backend for a `kind = "proxmox"` entry; connects lazily, on the first call."""
+    assert isinstance(config, Config)
+    creds = credentials(config, environ)
+    if not config.verify_tls:
+        log.warning(
+            "%s: TLS verification is OFF for %s:%s (verify_tls = false): anyone on the way "
+            "can read and change what deploybot sends",
+            config.name,
+            config.host,
+            config.port,
+        )
+    auth = f"token {config.user}!{config.token_id}" if creds.uses_token else f"ticket {config.user}"
+    log.info("%s: Proxmox VE at %s:%s, %s", config.name, config.host, config.port, auth)
+    return ProxmoxBackend(config, PveApi(config.name, config.api_settings(), creds))
+
+
+@dataclass
+class _AgentWatch:
+    """What the guest agent did so far, so the last error says which way it failed."""
+
+    since_s: float
+    answered: bool = False
+    seen: str = ""
+
+    def message(self, vm_id: str, now_s: float, expected: ipaddress.IPv4Address | None) -> str:
+        waited = f"{now_s - self.since_s:.0f} s"
+        if not self.answered:
+            return (
+                f"VM {vm_id}: the guest agent has not answered in {waited} "
+                "(does the template have qemu-guest-agent installed and enabled?)"
+            )
+        wanted = f" (expected {expected})" if expected else ""
+        return (
+            f"VM {vm_id}: the guest agent answers but reports no usable address{wanted} "
+            f"after {waited}; it reports {self.seen or 'no addresses'} "
+            "(is cloud-init applying ipconfig0?)"
+        )
+
+
+class ProxmoxBackend:
+    def __init__(self, config: Config, api: PveApi) -> None:
+        self.name = config.name
+        self.config = config
+        self.api = api
+        self.inventory = Inventory(config, api)
+        self._reserved: set[int] = set()
+        self._resize_targets: dict[str, int] = {}
+        self._watches: dict[str, _AgentWatch] = {}
+        polling = api.settings.polling
+        self._agent_polling = replace(
+            polling, initial_s=max(polling.initial_s, config.agent_poll_initial_s)
+        )
+
+    # --- discovery --------------------------------------------------------------------
+
+    async def templates(self) -> list[Template]:
+        return [t.public() for t in (await self.inventory.templates()).values()]
+
+    async def storages(self, placement: str | None = None) -> list[Storage]:
+        node = placement or await self.inventory.default_node()
+        return [
+            Storage(s.name, node, s.total_bytes, s.free_bytes, s.type in LINKED_TYPES)
+            for s in await self.inventory.storages(node)
+        ]
+
+    async def networks(self, placement: str | None = None) -> list[Network]:
+        node = placement or await self.inventory.default_node()
+        items = await self.api.get(f"nodes/{node}/network", "bridge list", type="any_bridge")
+        return [Network(str(i["iface"]), node) for i in items]
+
+    async def placements(self) -> list[Placement]:
+        return [Placement(n) for n in await self.inventory.online_nodes()]
+
+    async def clone_mode(self, spec: CloneSpec) -> CloneMode:
+        template = await self.inventory.template(spec.template)
+        node = self.inventory.target_node(spec, template)
+        mode, _storage = await self.inventory.clone_mode(spec, template, node)
+        return mode
+
+    # --- finding VMs ------------------------------------------------------------------
+
+    async def find_vm(self, ref: VMRef) -> VMInfo | None:
+        """The VM behind a ref; None when gone, or when its id now names another VM."""
+        try:
+            node, config = await self._owned(ref)
+        except (VMNotFound, NotOurVM):
+            return None
+        status = await self.api.get(f"nodes/{node}/qemu/{ref.vm_id}/status/current", "VM status")
+        running = status.get("status") == "running"
+        return VMInfo(ref.vm_id, str(config.get("name", "")), running, tags_of(config), node)
+
+    async def find_by_name(self, name: str) -> list[VMInfo]:
+        vms = await self.inventory.vms()
+        return [_info(i) for i in vms if i.get("name") == name and not i.get("template")]
+
+    async def find_tagged(self) -> list[VMInfo]:
+        """Tagged VMs, plus stopped ones whose description carries a job mark: a clone
+        whose identity (and tags) never came, the orphan a crash leaves behind."""
+        vms = [_info(i) for i in await self.inventory.vms() if not i.get("template")]
+        tagged = [v for v in vms if _has_mark(v.tags)]
+        bare = [v for v in vms if not _has_mark(v.tags) and not v.running]
+        configs = await asyncio.gather(
+            *(self.inventory.vm_config(str(v.placement), v.vm_id) for v in bare)
+        )
+        for vm, config in zip(bare, configs, strict=True):
+            if config is not None and _has_mark(tags_of(config)):
+                tagged.append(VMInfo(vm.vm_id, vm.name, False, tags_of(config), vm.placement))
+        return tagged
+
+    async def _locate(self, ref: VMRef) -> str:
+        """The node a ref names, once it is clear the ref was made on this cluster."""
+        node, _, cluster = (ref.placement or "").partition("@")
+        ours = await self.inventory.cluster_name() if cluster else None
+        if cluster and cluster != ours:
+            raise PermanentError(
+                f"VM {ref.vm_id} was built on cluster {cluster}, but {self.name} now talks "
+                f"to {ours or 'a standalone node'}: not touching it"
+            )
+        return node or await self.inventory.default_node()
+
+    async def _owned(self, ref: VMRef) -> tuple[str, dict[str, Any]]:
+        """Node and config of the ref's VM, refusing one without the job's tag."""
+        node = await self._locate(ref)
+        config = await self.inventory.vm_config(node, ref.vm_id)
+        if config is None:  # migrated to another node since?
+            moved = [i for i in await self.inventory.vms() if str(i.get("vmid")) == ref.vm_id]
+            if moved and str(moved[0]["node"]) != node:
+                node = str(moved[0]["node"])
+                config = await self.inventory.vm_config(node, ref.vm_id)
+        if config is None:
+            raise VMNotFound(f"VM {ref.vm_id} does not exist on {self.name}", vm_id=ref.vm_id)
+        if ref.tag not in tags_of(config):
+            raise NotOurVM(
+                f"VM {ref.vm_id} ({config.get('name', '?')}) on {node} does not carry tag "
+                f"{ref.tag}: deploybot leaves it alone",
+                vm_id=ref.vm_id,
+            )
+        return node, config
+
+    # --- running tasks ----------------------------------------------------------------
+
+    async def _patiently(self, action: Callable[[], Awaitable[T]]) -> T:
+        """Retry lock timeouts with backoff; other errors, and the last one, go up."""
+        delay = self.config.lock_backoff_s
+        attempt = 0
+        while True:
+            try:
+                return await action()
+            except LockContention as exc:
+                if attempt >= self.config.lock_retries:
+                    raise
+                log.info("%s: %s; trying again in %.1f s", self.name, exc.message, delay)
+            await asyncio.sleep(delay)
+            attempt += 1
+            delay *= 2
+
+    async def _task(self, what: str, vm_id: str, start: Callable[[], Awaitable[Any]]) -> str:
+        """Start a task and wait for its end; a lock timeout (nothing done) is retried."""
+
+        async def once() -> str:
+            upid = await start()
+            if upid is None:  # a synchronous answer: resize before PVE 8.0
+                return "OK"
+            return await self.api.wait_task(str(upid), what, vm_id=vm_id)
+
+        return await self._patiently(once)
+
+    # --- clone ------------------------------------------------------------------------
+
+    async def prepare_clone(self, spec: CloneSpec) -> VMRef:
+        template = await self.inventory.template(spec.template)
+        node = self.inventory.target_node(spec, template)
+        nodes = await self.inventory.online_nodes()
+        if node not in nodes:
+            raise PermanentError(
+                f"{node!r} is not an online node of {self.name} (have: {', '.join(nodes)})"
+            )
+        await self.inventory.clone_mode(spec, template, node)
+        await self.inventory.check_baseline(template, node)
+        vmid = await self._free_vmid()
+        cluster = await self.inventory.cluster_name()
+        return VMRef(str(vmid), spec.job_id, f"{node}@{cluster}" if cluster else node)
+
+    async def _free_vmid(self) -> int:
+        """A vmid the cluster calls free and no deploy of this process holds; reserved
+        before the next await, so concurrent deploys cannot pick the same one."""
+        candidate = int(await self.api.get("cluster/nextid", "next free VM id"))
+        verified = candidate
+        for _ in range(1000):
+            while candidate in self._reserved:
+                candidate += 1
+            self._reserved.add(candidate)
+            if candidate == verified:
+                return candidate
+            try:
+                await self.api.get("cluster/nextid", "VM id check", vmid=candidate)
+            except AlreadyExists:
+                self._reserved.discard(candidate)
+                candidate += 1
+                continue
+            except BaseException:
+                self._reserved.discard(candidate)
+                raise
+            return candidate
+        raise PermanentError(f"{self.name}: found no free VM id")
+
+    async def clone(self, spec: CloneSpec, ref: VMRef) -> str | None:
+        template = await self.inventory.template(spec.template)
+        node = await self._locate(ref)
+        mode, target = await self.inventory.clone_mode(spec, template, node)
+        mark = Mark(spec.job_id, spec.tag, template.name, template.family)
+        params: dict[str, Any] = {
+            "newid": int(ref.vm_id),
+            "name": spec.name,
+            "description": mark.text(),  # the job's mark from the first moment on
+        }
+        if not mode.linked:
+            params.update(full=1, storage=target)
+        if node != template.node:
+            params["target"] = node
+        what = f"clone of {template.name} into VM {ref.vm_id}"
+        path = f"nodes/{template.node}/qemu/{template.vmid}/clone"
+        try:
+            await self._unlost(node, ref, lambda: self.api.post(path, what, **params), what)
+        finally:
+            self._reserved.discard(int(ref.vm_id))
+        return None if mode.linked else f"full copy onto {target}: minutes, not seconds"
+
+    async def _unlost(
+        self, node: str, ref: VMRef, post: Callable[[], Awaitable[Any]], what: str
+    ) -> None:
+        """Clone into the ref's vmid, and only that one. A request whose answer was lost
+        may have started the clone: look before sending it again, and adopt what is
+        ours, so a retry never leaves a second VM behind under another id."""
+        delay = self.config.lock_backoff_s
+        for attempt in range(self.config.lock_retries + 1):
+            try:
+                if attempt and await self.inventory.vm_config(node, ref.vm_id) is not None:
+                    raise AlreadyExists(f"VM {ref.vm_id} exists")
+                await self._task(what, ref.vm_id, post)
+                return
+            except AlreadyExists:
+                await self._adopt(node, ref)
+                return
+            except Unreachable:
+                if attempt == self.config.lock_retries:
+                    raise
+            await asyncio.sleep(delay)
+            delay *= 2
+
+    async def _adopt(self, node: str, ref: VMRef) -> None:
+        """The vmid exists: ours from an attempt whose answer was lost (wait for its
+        clone to end), or another client's (retryable: the pipeline takes a new id)."""
+        config = await self.inventory.vm_config(node, ref.vm_id)
+        if config is None or ref.tag not in tags_of(config):
+            raise RetryableError(
+                f"VM id {ref.vm_id} was taken by another client between choosing and "
+                "cloning; choosing another id"
+            )
+        began = asyncio.get_running_loop().time()
+        while config.get("lock"):
+            elapsed = asyncio.get_running_loop().time() - began
+            await asyncio.sleep(self.api.settings.polling.interval_s(elapsed))
+            config = await self.inventory.vm_config(node, ref.vm_id)
+            if config is None:
+                raise RetryableError(f"an earlier clone into VM {ref.vm_id} failed; cloning again")
+
+    # --- identity, disk, power ----------------------------------------------------------
+
+    async def apply_identity(self, ref: VMRef, identity: Identity) -> str | None:
+        """One config change: cloud-init fields, size, CPU model, tags and description."""
+        node, config = await self._owned(ref)
+        family = mark_field(config, "os") or "unknown"
+        params: dict[str, Any] = {
+            "name": identity.hostname,
+            "ciuser": identity.user,
+            "ipconfig0": f"ip={identity.address.with_prefixlen},gw={identity.gateway}",
+            "cores": identity.cores,
+            "memory": str(identity.memory_mib),
+            "agent": "1",
+            "cpu": self.inventory.cpu_for(family),
+            "tags": merged_tags(config, ref.tag),
+            "description": _described(config, identity),
+            "digest": config.get("digest"),  # refuse if someone changed it meanwhile
+        }
+        if identity.ssh_keys:  # format `urlencoded`: %20 for spaces, never `+`
+            params["sshkeys"] = quote("\n".join(identity.ssh_keys), safe="")
+        if identity.dns:
+            params["nameserver"] = " ".join(str(d) for d in identity.dns)
+        if identity.search_domain:
+            params["searchdomain"] = identity.search_domain
+        params["net0"] = nic_with(
+            config.get("net0"), self.inventory.profile(family).nic_model, self.config.bridge
+        )
+        note = None
+        release = await self.inventory.release()
+        if release >= _CIUPGRADE_SINCE:
+            params["ciupgrade"] = 1 if identity.upgrade else 0  # the server's default is 1
+        else:
+            note = (
+                f"server {release[0]}.{release[1]}: ciupgrade not sent (it exists from PVE 8.0); "
+                "this server upgrades packages on first boot whatever was asked"
+            )
+        params = {k: v for k, v in params.items() if v is not None}
+        what = f"identity of VM {ref.vm_id}"
+        path = f"nodes/{node}/qemu/{ref.vm_id}/config"
+        await self._task(what, ref.vm_id, lambda: self.api.post(path, what, **params))
+        return note
+
+    async def grow_disk(self, ref: VMRef, grow_gib: int) -> str | None:
+        if grow_gib < 0:
+            raise PermanentError("shrinking disks is not supported")
+        if grow_gib == 0:
+            return None
+        node, config = await self._owned(ref)
+        disk = boot_disk(config)
+        # An absolute target, fixed by the first attempt: a retry after a lost answer
+        # must not grow the disk twice.
+        target = self._resize_targets.setdefault(ref.vm_id, disk.size_bytes + grow_gib * GIB)
+        if disk.size_bytes < target:
+            what = f"growing {disk.key} of VM {ref.vm_id} to {size_text(target)}"
+            path = f"nodes/{node}/qemu/{ref.vm_id}/resize"
+            size = size_text(target)
+            await self._task(
+                what, ref.vm_id, lambda: self.api.put(path, what, disk=disk.key, size=size)
+            )
+        self._resize_targets.pop(ref.vm_id, None)
+        return None
+
+    async def power_on(self, ref: VMRef) -> str | None:
+        node, _config = await self._owned(ref)
+        self._watches.pop(ref.vm_id, None)  # a new boot: the agent's clock starts again
+        what = f"start of VM {ref.vm_id}"
+        path = f"nodes/{node}/qemu/{ref.vm_id}/status/start"
+        try:
+            await self._task(what, ref.vm_id, lambda: self.api.post(path, what))
+        except TaskFailed as exc:
+            if "already running" not in exc.exitstatus:  # a retry after a lost answer
+                raise
+        return None
+
+    # --- address and SSH ----------------------------------------------------------------
+
+    async def wait_for_address(
+        self, ref: VMRef, expected: ipaddress.IPv4Address | None
+    ) -> ipaddress.IPv4Address:
+        """Poll the guest agent for up to `agent_poll_window_s`, then raise a
+        RetryableError saying whether it never answered or answered without a usable
+        address; the pipeline calls again until its own timeout."""
+        node, _config = await self._owned(ref)
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        watch = self._watches.setdefault(ref.vm_id, _AgentWatch(began))
+        path = f"nodes/{node}/qemu/{ref.vm_id}/agent/network-get-interfaces"
+        while True:
+            try:
+                answer = await self.api.get(path, f"guest agent of VM {ref.vm_id}")
+            except RetryableError:
+                pass  # the API or the agent channel is busy: ask again
+            except PermanentError as exc:
+                if not _AGENT_NOT_YET.search(exc.message):
+                    raise  # not running any more, or no agent configured
+            else:
+                pairs = _interfaces(answer)
+                found = pick_address(pairs, expected)
+                if found is not None:
+                    self._watches.pop(ref.vm_id, None)
+                    return found
+                watch.answered = True
+                watch.seen = ", ".join(f"{name} {ip}" for name, ip in pairs)
+            now = loop.time()
+            if now - began >= self.config.agent_poll_window_s:
+                raise RetryableError(watch.message(ref.vm_id, now, expected), vm_id=ref.vm_id)
+            await asyncio.sleep(self._agent_polling.interval_s(now - watch.since_s))
+
+    async def probe_ssh(self, ref: VMRef, address: ipaddress.IPv4Address, port: int) -> str | None:
+        return await probe_ssh_endpoint(address, port)
+
+    # --- rollback -----------------------------------------------------------------------
+
+    async def power_off(self, ref: VMRef) -> None:
+        """Stop (hard) and wait for the stop task: a destroy must not race it."""
+        try:
+            node, _config = await self._owned(ref)
+        except VMNotFound:
+            return
+        status = await self.api.get(f"nodes/{node}/qemu/{ref.vm_id}/status/current", "VM status")
+        if status.get("status") != "running":
+            return
+        what = f"stop of VM {ref.vm_id}"
+        path = f"nodes/{node}/qemu/{ref.vm_id}/status/stop"
+        await self._task(what, ref.vm_id, lambda: self.api.post(path, what))
+
+    async def destroy(self, ref: VMRef) -> None:
+        """Delete with its disks, backup jobs and HA entry, and wait; gone is done."""
+        try:
+            node, _config = await self._owned(ref)
+        except VMNotFound:
+            return
+        self._watches.pop(ref.vm_id, None)
+        self._resize_targets.pop(ref.vm_id, None)
+        what = f"destroy of VM {ref.vm_id} on {node}"
+        path = f"nodes/{node}/qemu/{ref.vm_id}"
+        params = {"purge": 1, "destroy-unreferenced-disks": 1}
+        try:
+            await self._task(what, ref.vm_id, lambda: self.api.delete(path, what, **params))
+        except VMNotFound:
+            return
+        except TaskFailed as exc:
+            raise PermanentError(
+                f"{exc.message}; VM {ref.vm_id} is left on {node}", vm_id=ref.vm_id
+            ) from None
+
+    async def close(self) -> None:
+        await self.api.close()
+
+
+def _info(item: dict[str, Any]) -> VMInfo:
+    tags = frozenset(t for t in re.split(r"[;,\s]+", str(item.get("tags", ""))) if t)
+    running = item.get("status") == "running"
+    return VMInfo(str(item["vmid"]), str(item.get("name", "")), running, tags, str(item["node"]))
+
+
+def _has_mark(tags: frozenset[str]) -> bool:
+    return any(t.startswith(JOB_TAG_PREFIX) for t in tags)
+
+
+def _described(config: dict[str, Any], identity: Identity) -> str | None:
+    """The clone's description with the identity appended; None leaves it as it is."""
+    text = str(config.get("description", ""))
+    if not text:
+        return None
+    kept = text.split("\naddress: ")[0]
+    return f"{kept}\naddress: {identity.address} ({identity.user})"
+
+
+def _interfaces(answer: Any) -> list[tuple[str, str]]:
+    """(interface, address) pairs from `network-get-interfaces`."""
+    result = answer.get("result", []) if isinstance(answer, dict) else []
+    return [
+        (str(iface.get("name", "")), str(ip.get("ip-address", "")))
+        for iface in result
+        for ip in iface.get("ip-addresses") or []
+    ]

@@ -1,0 +1,352 @@
+"""The Proxmox VE API as the backend sees it: proxmoxer in a thread pool, auth, errors, tasks.
+
+proxmoxer is blocking (requests underneath), so every call runs on a small thread pool
+owned by this client; the event loop only awaits futures. This module also keeps the
+three rules every caller relies on:
+
+* Auth: an API token when one is configured (one header, no expiry, no CSRF), else a
+  ticket from username/password, renewed well before its 2 h lifetime and once more
+  when the server answers 401 (a restarted node forgets its tickets).
+* Errors: every proxmoxer/requests failure becomes a `backends.base` error carrying the
+  server's own message (the HTTP reason phrase, plus the per-parameter `errors` of a 400).
+* Tasks: `wait_task` is the one waiter every mutating call goes through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import requests
+from proxmoxer import ProxmoxAPI
+from proxmoxer.core import AuthenticationError, ResourceException
+from requests.adapters import HTTPAdapter
+
+from backends.base import (
+    BackendError,
+    PermanentError,
+    RetryableError,
+    Unreachable,
+    VMNotFound,
+)
+
+log = logging.getLogger(__name__)
+
+# 595-599 are pveproxy's own codes for a node it could not reach (AnyEvent::HTTP).
+_UNREACHABLE_CODES = frozenset({502, 503, 504, 595, 596, 597, 598, 599})
+_LOCKED = re.compile(r"can't lock file|got timeout|VM is locked|is locked \(")
+_MISSING = re.compile(r"Configuration file '[^']*' does not exist")
+_EXISTS = re.compile(r"already exists")
+_WARNINGS = re.compile(r"WARNINGS: \d+")
+_LOG_LIMIT = 1000
+_NO_PROXIES: dict[str, str | None] = {"http": None, "https": None, "all": None}
+
+
+class LockContention(RetryableError):
+    """Someone else holds the VM's or the storage's lock; a later try may get it."""
+
+
+class AlreadyExists(PermanentError):
+    """The id asked for is taken (a clone target, a `nextid` check)."""
+
+
+class TaskFailed(PermanentError):
+    """A task ended with an error; `exitstatus` is Proxmox's own text."""
+
+    def __init__(self, message: str, exitstatus: str, *, vm_id: str | None = None) -> None:
+        super().__init__(message, vm_id=vm_id)
+        self.exitstatus = exitstatus
+
+
+class TaskLockTimeout(LockContention):
+    """A task that died waiting for a lock: nothing was done, so it can be run again."""
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """Who we are. The secrets never appear in repr, logs or messages."""
+
+    user: str
+    token_id: str | None = None
+    token_secret: str | None = field(default=None, repr=False)
+    password: str | None = field(default=None, repr=False)
+    secret_source: str = ""  # the environment variable it came from, for messages
+
+    @property
+    def uses_token(self) -> bool:
+        return self.token_id is not None
+
+
+@dataclass(frozen=True)
+class PollTiming:
+    """Adaptive polling: fast at first, then a fixed share of the time already waited,
+    capped. Waiting ~10% longer than the task is the most a poll can add."""
+
+    initial_s: float = 0.05
+    ratio: float = 0.1
+    max_s: float = 2.0
+
+    def interval_s(self, elapsed_s: float) -> float:
+        return min(self.max_s, max(self.initial_s, elapsed_s * self.ratio))
+
+
+@dataclass(frozen=True)
+class ApiSettings:
+    host: str
+    port: int
+    verify: bool | str  # False, True (system CAs) or a CA bundle path
+    request_timeout_s: float = 15.0
+    max_parallel: int = 16
+    ticket_renew_s: float = 3600.0
+    polling: PollTiming = PollTiming()
+    task_timeout_s: float = 3600.0
+    log_lines: int = 5
+
+
+def _param_errors(errors: object) -> str:
+    if isinstance(errors, dict) and errors:
+        return "; ".join(f"{k}: {str(v).strip()}" for k, v in sorted(errors.items()))
+    return ""
+
+
+def map_error(exc: Exception, what: str, endpoint: str) -> BackendError | None:
+    """The backends.base error for a proxmoxer/requests failure; None for anything else
+    (a bug, which must surface as one)."""
+    if isinstance(exc, BackendError):
+        return exc
+    if isinstance(exc, ResourceException):
+        code = int(exc.status_code)
+        reason = str(exc.content or exc.status_message or "").strip()
+        detail = _param_errors(exc.errors)
+        message = f"{what}: {reason}" + (f" ({detail})" if detail else "")
+        if code == 400 and _EXISTS.search(detail):
+            return AlreadyExists(message)
+        if code in (400, 403, 501):
+            return PermanentError(message)
+        if code == 401:
+            return PermanentError(f"{what}: {endpoint} refused our credentials ({reason})")
+        if code in _UNREACHABLE_CODES:
+            return Unreachable(f"{what}: {endpoint} answered {code} {reason}")
+        if _LOCKED.search(reason):
+            return LockContention(message)
+        if _MISSING.search(reason):
+            return VMNotFound(message)
+        if _EXISTS.search(reason):
+            return AlreadyExists(message)
+        return PermanentError(message)
+    if isinstance(exc, requests.exceptions.SSLError):
+        return PermanentError(
+            f"{what}: TLS verification of {endpoint} failed: set ca_bundle to the CA that "
+            "signed the Proxmox certificate (or, knowingly, verify_tls = false)"
+        )
+    if isinstance(exc, requests.exceptions.Timeout):
+        return Unreachable(f"{what}: {endpoint} did not answer in time")
+    if isinstance(exc, requests.exceptions.ConnectionError):
+        return Unreachable(f"{what}: cannot reach {endpoint} ({_root_cause(exc)})")
+    if isinstance(exc, AuthenticationError):  # proxmoxer's own ticket renewal failed
+        return PermanentError(f"{what}: {endpoint} no longer accepts our login")
+    if isinstance(exc, requests.exceptions.RequestException):
+        return Unreachable(f"{what}: talking to {endpoint} failed ({type(exc).__name__})")
+    return None
+
+
+def _root_cause(exc: BaseException) -> str:
+    """The innermost reason of a requests error, without the URL noise around it."""
+    while exc.__cause__ is not None or exc.__context__ is not None:
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    text = str(exc)
+    return text.split(": ", 1)[-1] if ": " in text else text or type(exc).__name__
+
+
+class PveApi:
+    """One Proxmox endpoint. `requests_sent` counts every API request; `task_polls`
+    the share of them the task waiter made."""
+
+    def __init__(
+        self,
+        name: str,
+        settings: ApiSettings,
+        credentials: Credentials,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.name = name
+        self.settings = settings
+        self.endpoint = f"{settings.host}:{settings.port}"
+        self.requests_sent = 0
+        self.task_polls = 0
+        self.logins = 0
+        self._credentials = credentials
+        self.clock = clock  # injectable: tests move time on to expire tickets
+        self._pool = ThreadPoolExecutor(settings.max_parallel, thread_name_prefix=f"pve-{name}")
+        self._conn: Any = None
+        self._login_at = 0.0
+        self._conn_lock = threading.Lock()
+        self._sessions: list[requests.Session] = []
+
+    # --- requests -------------------------------------------------------------------
+
+    async def get(self, path: str, what: str = "", **params: Any) -> Any:
+        return await self.call("GET", path, what, params)
+
+    async def post(self, path: str, what: str = "", **params: Any) -> Any:
+        return await self.call("POST", path, what, params)
+
+    async def put(self, path: str, what: str = "", **params: Any) -> Any:
+        return await self.call("PUT", path, what, params)
+
+    async def delete(self, path: str, what: str = "", **params: Any) -> Any:
+        return await self.call("DELETE", path, what, params)
+
+    async def call(self, method: str, path: str, what: str, params: dict[str, Any]) -> Any:
+        self.requests_sent += 1
+        loop = asyncio.get_running_loop()
+        job = functools.partial(self._blocking, method, path.strip("/"), params)
+        try:
+            return await loop.run_in_executor(self._pool, job)
+        except Exception as exc:
+            mapped = map_error(exc, what or f"{method} /{path.strip('/')}", self.endpoint)
+            if mapped is None:
+                raise
+            raise mapped from None
+
+    def _blocking(self, method: str, path: str, params: dict[str, Any]) -> Any:
+        """Runs on a worker thread. A ticket the server no longer knows (401) is renewed
+        once and the request sent again."""
+        try:
+            return self._send(self._connection(), method, path, params)
+        except ResourceException as exc:
+            if exc.status_code != 401 or self._credentials.uses_token:
+                raise
+            log.info("%s: ticket refused; logging in again", self.name)
+            return self._send(self._connection(renew=True), method, path, params)
+
+    @staticmethod
+    def _send(conn: Any, method: str, path: str, params: dict[str, Any]) -> Any:
+        send = {"GET": conn(path).get, "POST": conn(path).post, "PUT": conn(path).put}
+        return send.get(method, conn(path).delete)(**params)
+
+    def _connection(self, *, renew: bool = False) -> Any:
+        with self._conn_lock:
+            creds = self._credentials
+            stale = (
+                not creds.uses_token
+                and self._conn is not None
+                and self.clock() - self._login_at >= self.settings.ticket_renew_s
+            )
+            if self._conn is None or renew or stale:
+                self._conn = self._open()
+                self._login_at = self.clock()
+            return self._conn
+
+    def _open(self) -> Any:
+        """A proxmoxer connection; with a password this logs in (POST /access/ticket)."""
+        creds = self._credentials
+        s = self.settings
+        common: dict[str, Any] = {
+            "port": s.port,
+            "verify_ssl": s.verify,
+            "timeout": s.request_timeout_s,
+            # Straight to the API: no *_PROXY variable may route it (or a test's loopback
+            # traffic) through anything else. The login takes these proxies too.
+            "proxies": _NO_PROXIES,
+        }
+        try:
+            if creds.uses_token:
+                conn = ProxmoxAPI(
+                    s.host,
+                    user=creds.user,
+                    token_name=creds.token_id,
+                    token_value=creds.token_secret,
+                    **common,
+                )
+            else:
+                self.logins += 1
+                conn = ProxmoxAPI(s.host, user=creds.user, password=creds.password, **common)
+        except AuthenticationError:
+            # proxmoxer's message names user and URL only, but say it in our words.
+            raise PermanentError(
+                f"login to {self.endpoint} as {creds.user} failed (HTTP 401): check the "
+                f"password in ${creds.secret_source}"
+            ) from None
+        # One pooled connection per worker thread, instead of requests' default 10; and no
+        # environment lookups per request (proxies, netrc, CA variables: ca_bundle says
+        # which CA to trust), which cost requests a third of its time.
+        session: requests.Session = conn._store["session"]
+        adapter = HTTPAdapter(pool_connections=1, pool_maxsize=s.max_parallel)
+        session.mount("https://", adapter)
+        session.trust_env = False
+        self._sessions.append(session)
+        return conn
+
+    # --- tasks ------------------------------------------------------------------------
+
+    async def wait_task(self, upid: str, what: str, *, vm_id: str | None = None) -> str:
+        """Wait until the task `upid` has stopped; return its exit status on success
+        (`OK` or `WARNINGS: N`). A failure raises TaskFailed (TaskLockTimeout when it
+        died waiting for a lock) with the error and the last lines of its log. A poll
+        that cannot reach the server is repeated: the task runs on regardless, and no
+        caller may act on the VM before it has ended."""
+        node = upid_node(upid)
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        deadline = began + self.settings.task_timeout_s
+        status: dict[str, Any] = {}
+        while True:
+            try:
+                self.task_polls += 1
+                status = await self.get(f"nodes/{node}/tasks/{upid}/status", what)
+            except (Unreachable, LockContention) as exc:
+                log.info("%s: polling %s: %s", self.name, upid, exc.message)
+            else:
+                if status.get("status") == "stopped":
+                    break
+            now = loop.time()
+            if now >= deadline:
+                raise PermanentError(
+                    f"{what}: task {upid} still running after {self.settings.task_timeout_s:g} s",
+                    vm_id=vm_id,
+                )
+            pause = self.settings.polling.interval_s(now - began)
+            await asyncio.sleep(min(pause, deadline - now))
+        exitstatus = str(status.get("exitstatus", ""))
+        if exitstatus == "OK" or _WARNINGS.fullmatch(exitstatus):
+            return exitstatus
+        tail = await self._log_tail(node, upid, what)
+        message = f"{what} failed: {exitstatus}" + (f" (task log: {tail})" if tail else "")
+        if _LOCKED.search(exitstatus):
+            raise TaskLockTimeout(message, vm_id=vm_id)
+        raise TaskFailed(message, exitstatus, vm_id=vm_id)
+
+    async def _log_tail(self, node: str, upid: str, what: str) -> str:
+        """The last lines of a task's log, minus the `TASK ERROR` line that repeats the
+        exit status; empty when the log cannot be read (the error is known already)."""
+        try:
+            self.task_polls += 1
+            lines = await self.get(f"nodes/{node}/tasks/{upid}/log", what, limit=_LOG_LIMIT)
+        except BackendError:
+            return ""
+        texts = [str(line.get("t", "")) for line in lines if isinstance(line, dict)]
+        texts = [t for t in texts if t and not t.startswith("TASK ERROR:")]
+        return " | ".join(texts[-self.settings.log_lines :])
+
+    async def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for session in self._sessions:
+            session.close()
+
+
+def upid_node(upid: str) -> str:
+    """The node a task runs on: `UPID:{node}:{pid}:{pstart}:{starttime}:{type}:{id}:{user}:`."""
+    parts = upid.split(":")
+    if len(parts) < 9 or parts[0] != "UPID" or not parts[1]:
+        raise PermanentError(f"the server answered {upid!r} where a task id (UPID) belongs")
+    return parts[1]

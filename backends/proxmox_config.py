@@ -1,0 +1,134 @@
+"""The `[[backends]]` entry of `kind = "proxmox"`, its OS profiles and its credentials.
+
+Secrets are never fields: the config names the environment variables that hold the API
+token secret or the password, and `credentials` reads them, naming the variable that is
+missing when neither is there.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from backends.base import BackendConfig, PermanentError
+from backends.proxmox_api import ApiSettings, Credentials, PollTiming
+
+log = logging.getLogger(__name__)
+
+
+class OSProfile(BaseModel):
+    """Per guest OS family: CPU baseline (None: the site default), login user, NIC model."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    cpu: str | None = None
+    user: str = "ubuntu"
+    nic_model: str = "virtio"
+
+
+DEFAULT_PROFILES: dict[str, OSProfile] = {
+    "ubuntu": OSProfile(user="ubuntu"),
+    "debian": OSProfile(user="debian"),
+    # EL9 glibc needs x86-64-v2, EL10 x86-64-v3: on kvm64 PID 1 dies and the kernel panics.
+    "el9": OSProfile(cpu="x86-64-v2-AES", user="cloud-user"),
+    "el10": OSProfile(cpu="x86-64-v3", user="cloud-user"),
+}
+
+
+class Config(BackendConfig):
+    """`kind = "proxmox"`. An API token (`token_id`, its secret in `$token_secret_env`)
+    is used when its secret is set; otherwise a password login (`$password_env`).
+    A template's OS family comes from an `os-<family>` tag on it, else `template_os`,
+    else its name (ubuntu*, debian*, rocky-9 -> el9, ...)."""
+
+    kind: Literal["proxmox"]
+    host: str = Field(min_length=1)
+    port: int = Field(default=8006, ge=1, le=65535)
+    user: str = Field(default="root@pam", pattern=r"^[^@!\s:]+@[A-Za-z][A-Za-z0-9.\-_]+$")
+    token_id: str | None = Field(default=None, pattern=r"^[A-Za-z][A-Za-z0-9.\-_]*$")
+    token_secret_env: str = "PVE_TOKEN_SECRET"
+    password_env: str | None = "PVE_PASSWORD"
+    verify_tls: bool = True  # false is the explicit insecure choice, logged at start
+    ca_bundle: Path | None = None  # *_PROXY and REQUESTS_CA_BUNDLE are never consulted
+    node: str | None = None  # default node: discovery, and clones of shared templates
+    storage: str | None = None  # default target storage; None: the template's own
+    bridge: str | None = None  # None: keep the template's bridge
+    cpu: str = "x86-64-v2-AES"  # the site default CPU model, for profiles without one
+    os_profiles: dict[str, OSProfile] = Field(default_factory=lambda: dict(DEFAULT_PROFILES))
+    template_os: dict[str, str] = Field(default_factory=dict)
+    request_timeout_s: float = Field(default=15.0, gt=0)
+    max_parallel_requests: int = Field(default=8, ge=1, le=64)  # more threads, more GIL waits
+    ticket_renew_s: float = Field(default=3600.0, gt=0, lt=7200)  # tickets live 2 h
+    # Task polls: every initial_s at first, then every `ratio` of the time waited so far
+    # (so a poll adds at most ~10% to a task), capped at max_s.
+    task_poll_initial_s: float = Field(default=0.1, gt=0)
+    task_poll_ratio: float = Field(default=0.05, gt=0, le=1)
+    task_poll_max_s: float = Field(default=2.0, gt=0)
+    task_timeout_s: float = Field(default=3600.0, gt=0)
+    task_log_lines: int = Field(default=5, ge=0)
+    lock_retries: int = Field(default=3, ge=0)
+    lock_backoff_s: float = Field(default=1.0, ge=0)
+    agent_poll_initial_s: float = Field(default=0.2, gt=0)  # guests take seconds to boot
+    # wait_for_address polls this long, then reports how the agent is doing (a
+    # RetryableError the pipeline records) and is called again: long against the
+    # pipeline's retry pause, so the agent is rarely left unwatched.
+    agent_poll_window_s: float = Field(default=30.0, gt=0)
+    discovery_cache_s: float = Field(default=60.0, ge=0)
+
+    @field_validator("os_profiles")
+    @classmethod
+    def _over_defaults(cls, value: dict[str, OSProfile]) -> dict[str, OSProfile]:
+        return {**DEFAULT_PROFILES, **value}
+
+    @model_validator(mode="after")
+    def _tls(self) -> Config:
+        if self.ca_bundle is not None and not self.verify_tls:
+            raise ValueError("ca_bundle is set but verify_tls = false: choose one")
+        return self
+
+    def api_settings(self) -> ApiSettings:
+        verify: bool | str = str(self.ca_bundle) if self.ca_bundle else self.verify_tls
+        return ApiSettings(
+            host=self.host,
+            port=self.port,
+            verify=verify,
+            request_timeout_s=self.request_timeout_s,
+            max_parallel=self.max_parallel_requests,
+            ticket_renew_s=self.ticket_renew_s,
+            polling=PollTiming(
+                self.task_poll_initial_s, self.task_poll_ratio, self.task_poll_max_s
+            ),
+            task_timeout_s=self.task_timeout_s,
+            log_lines=self.task_log_lines,
+        )
+
+
+def credentials(config: Config, environ: Mapping[str, str]) -> Credentials:
+    """The token if its secret is set, else the password; an error naming the variable."""
+    if config.token_id and environ.get(config.token_secret_env):
+        return Credentials(
+            config.user,
+            config.token_id,
+            token_secret=environ[config.token_secret_env],
+            secret_source=config.token_secret_env,
+        )
+    if config.password_env and environ.get(config.password_env):
+        if config.token_id:
+            log.warning(
+                "%s: $%s is not set; logging in with the password instead of the API token",
+                config.name,
+                config.token_secret_env,
+            )
+        return Credentials(
+            config.user, password=environ[config.password_env], secret_source=config.password_env
+        )
+    wanted = [f"${config.token_secret_env}"] if config.token_id else []
+    wanted += [f"${config.password_env}"] if config.password_env else []
+    hint = " or ".join(wanted) or "a token_id and its secret variable"
+    raise PermanentError(
+        f"backend {config.name}: no Proxmox credentials: set {hint} in the environment"
+    )

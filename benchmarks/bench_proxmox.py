@@ -1,0 +1,163 @@
+"""Bot overhead on Proxmox: wall time against the hypervisor's own task time.
+
+Starts the fake Proxmox API (`python -m tests.fakepve`) in its own process with fixed task
+durations (clone 2 s, config 0.2 s, start 1 s, guest agent up 3 s after start; the guest's
+sshd comes up with the agent on 127.0.10.x), then runs one deploy and 50 concurrent ones
+through the real queue, pipeline and SQLite store with the ProxmoxBackend. Per run it
+prints: wall time; the hypervisor's own time on one deploy's critical path (the tasks'
+measured durations from the fake, plus the agent's delay); their ratio (1.00 = the bot
+adds nothing); API requests per deploy (and how many of them were task polls); and the
+worst event-loop stall seen by a 5 ms ticker. Targets: ratio <= 1.10, stall <= 50 ms.
+
+    .venv/bin/python benchmarks/bench_proxmox.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import socket
+import ssl
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from backends.proxmox import Config, create
+from bot.models import JobState
+from bot.parser import DeployArgs, parse
+from bot.runtime import running_deployer
+from bot.settings import BUNDLED_CONFIG, load_settings
+
+ROOT = Path(__file__).resolve().parent.parent
+TIMINGS = {"clone-s": 2.0, "config-s": 0.2, "start-s": 1.0, "agent-after-s": 3.0}
+GUESTS = "127.0.10"
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        port: int = probe.getsockname()[1]
+    return port
+
+
+def start_fake(state: Path, port: int, ssh_port: int, secret: str) -> subprocess.Popen[str]:
+    args = [sys.executable, "-m", "tests.fakepve", "--port", str(port), "--ssh-port", str(ssh_port)]
+    args += ["--state-dir", str(state), "--token-secret", secret]
+    for name, seconds in TIMINGS.items():
+        args += [f"--{name}", str(seconds)]
+    errors = (state / "fake.err").open("w")
+    fake = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=errors, text=True)
+    assert fake.stdout is not None
+    for line in fake.stdout:  # wait until it listens
+        if "listening on" in line:
+            return fake
+    raise SystemExit(f"the fake did not start; see {state / 'fake.err'}")
+
+
+def fake_tasks(port: int, ca: Path) -> list[dict[str, Any]]:
+    """The fake's task records (its control endpoint): when each task began and ended."""
+    context = ssl.create_default_context(cafile=str(ca))
+    with urllib.request.urlopen(f"https://127.0.0.1:{port}/_fake/tasks", context=context) as r:
+        tasks: list[dict[str, Any]] = json.load(r)["tasks"]
+    return tasks
+
+
+async def ticker(worst: list[float], stop: asyncio.Event) -> None:
+    """How late a 5 ms timer fires: the event loop's worst stall."""
+    loop = asyncio.get_running_loop()
+    while not stop.is_set():
+        before = loop.time()
+        await asyncio.sleep(0.005)
+        worst[0] = max(worst[0], loop.time() - before - 0.005)
+
+
+async def run(
+    count: int, first: int, port: int, ssh_port: int, secret: str, tmp: Path
+) -> dict[str, float]:
+    config = Config(
+        kind="proxmox",
+        name="pve",
+        host="127.0.0.1",
+        port=port,
+        token_id="deploybot",
+        ca_bundle=tmp / "fake-pve-ca.pem",
+        node="pve1",
+    )
+    settings = load_settings(
+        BUNDLED_CONFIG,
+        database=str(tmp / f"bench-{count}.db"),
+        log_file=str(tmp / "bench.log"),
+        backends=[config.model_dump()],
+        subnets=[{"cidr": f"{GUESTS}.0/24", "gateway": f"{GUESTS}.1"}],
+        defaults={"backend": "pve", "template": "ubuntu-24.04", "ssh_port": ssh_port},
+        limits={"max_running": count, "max_running_per_backend": count},
+        approval={},
+    )
+    backend = create(config, {"PVE_TOKEN_SECRET": secret})
+    worst, stop = [0.0], asyncio.Event()
+    async with running_deployer(settings, backends={"pve": backend}) as deployer:
+        tick = asyncio.create_task(ticker(worst, stop))
+        started = time.perf_counter()
+        requests = [parse(f"bench{count}-{i} {GUESTS}.{first + i}") for i in range(count)]
+        assert all(isinstance(r, DeployArgs) for r in requests)
+        # Fifty people at once: the requests arrive together, as they would in a channel.
+        jobs = await asyncio.gather(
+            *(deployer.request_deploy(r, "bench") for r in requests)  # type: ignore[arg-type]
+        )
+        await deployer.drain()
+        wall = time.perf_counter() - started
+        stop.set()
+        await tick
+        finals = [(await deployer.status(j.id)).job for j in jobs]
+        sent, polls = backend.api.requests_sent, backend.api.task_polls
+    failed = [f"{j.name}: {j.error}" for j in finals if j.state is not JobState.SUCCEEDED]
+    assert not failed, failed
+    return {"wall": wall, "requests": sent / count, "polls": polls / count, "stall": worst[0]}
+
+
+def hypervisor_s(tasks: list[dict[str, Any]], count: int) -> float:
+    """One deploy's critical path on the hypervisor: its tasks' measured durations (the
+    average over the run's deploys) plus the time the guest agent takes to come up."""
+    busy = sum(float(t["ended_s"]) - float(t["began_s"]) for t in tasks if t["ended_s"])
+    return busy / count + TIMINGS["agent-after-s"]
+
+
+async def main() -> None:
+    secret = secrets.token_hex(16)
+    port, ssh_port = free_port("127.0.0.1"), free_port(f"{GUESTS}.1")
+    with tempfile.TemporaryDirectory(prefix="bench-pve-") as name:
+        tmp = Path(name)
+        fake = start_fake(tmp, port, ssh_port, secret)
+        try:
+            print(
+                "fake Proxmox, task durations: "
+                + ", ".join(f"{k.removesuffix('-s')} {v:g} s" for k, v in TIMINGS.items())
+            )
+            print(
+                f"{'deploys':>8} {'wall s':>8} {'hv s':>7} {'ratio':>6} {'requests/deploy':>16} "
+                f"{'polls/deploy':>13} {'worst stall ms':>15}"
+            )
+            seen = 0
+            for count, first in ((1, 10), (50, 20)):
+                result = await run(count, first, port, ssh_port, secret, tmp)
+                tasks = fake_tasks(port, tmp / "fake-pve-ca.pem")
+                hv = hypervisor_s(tasks[seen:], count)
+                seen = len(tasks)
+                print(
+                    f"{count:>8} {result['wall']:>8.2f} {hv:>7.2f} {result['wall'] / hv:>6.2f} "
+                    f"{result['requests']:>16.1f} {result['polls']:>13.1f} "
+                    f"{result['stall'] * 1000:>15.1f}"
+                )
+            print("targets: ratio <= 1.10, worst stall <= 50 ms")
+        finally:
+            fake.terminate()
+            fake.wait(timeout=10)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,126 @@
+"""Run the fake Proxmox VE API on its own, for the README demo and the benchmark.
+
+    .venv/bin/python -m tests.fakepve --port 8006 --ssh-port 2222
+
+It prints its URL, the CA bundle to trust, the API token and a deploybot config snippet,
+then serves until interrupted. It listens on 127.0.0.0/8 only; guests whose address is in
+127.0.0.0/8 answer SSH on `--ssh-port` once booted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from tests.fakepve.cluster import Timings
+from tests.fakepve.schema import ApiSchema
+from tests.fakepve.server import FakePVE, make_tls
+from tests.reference import REFERENCE
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.fakepve", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="a 127.0.0.0/8 address")
+    parser.add_argument("--port", type=int, default=8006)
+    parser.add_argument("--release", default="8.2", help="PVE release to claim, e.g. 7.4")
+    parser.add_argument("--ssh-port", type=int, default=2222, help="guest sshd port (0: none)")
+    parser.add_argument("--schema", type=Path, default=REFERENCE / "pve-api-subset.json")
+    parser.add_argument("--state-dir", type=Path, help="for the CA bundle (default: a temp dir)")
+    parser.add_argument("--write-config", type=Path, help="write a deploybot.toml for it here")
+    parser.add_argument("--token-secret", help="default: random")
+    parser.add_argument("--password", help="root@pam's password (default: random)")
+    parser.add_argument("--auth-fail-delay-s", type=float, default=3.0)
+    for name, default in vars(Timings()).items():
+        if isinstance(default, float):
+            parser.add_argument(f"--{name.replace('_', '-')}", type=float, default=default)
+    return parser.parse_args(argv)
+
+
+def config_text(fake: FakePVE, state_dir: Path, ssh_port: int | None) -> str:
+    """A deploybot.toml for deploys onto this fake: guests on 127.0.10.0/24, where the
+    fake's sshd answers, so the SSH check connects to nothing outside loopback."""
+    return f"""\
+database = "{state_dir / "deploybot.db"}"
+log_file = "{state_dir / "deploybot.log"}"
+
+[[backends]]
+kind = "proxmox"
+name = "pve"
+host = "127.0.0.1"
+port = {fake.port}
+user = "{fake.user}"
+token_id = "{fake.token_id.split("!")[1]}"
+ca_bundle = "{fake.tls.ca_path}"
+
+[[subnets]]
+cidr = "127.0.10.0/24"
+gateway = "127.0.10.1"
+dns = ["127.0.10.2"]
+search_domain = "lab.example"
+
+[defaults]
+backend = "pve"
+template = "ubuntu-24.04"
+ssh_port = {ssh_port or 22}
+"""
+
+
+async def serve(args: argparse.Namespace, state_dir: Path) -> None:
+    if not args.schema.exists():
+        sys.exit(f"{args.schema} is missing: pass --schema PATH to pve-api-subset.json")
+    schema = ApiSchema(json.loads(args.schema.read_text(encoding="utf-8")))
+    durations = {k: getattr(args, k) for k, v in vars(Timings()).items() if isinstance(v, float)}
+    timings = Timings(**durations)
+    fake = FakePVE(
+        schema,
+        make_tls(state_dir),
+        timings=timings,
+        release=args.release,
+        ssh_port=args.ssh_port or None,
+        token_secret=args.token_secret,
+        password=args.password,
+        auth_fail_delay_s=args.auth_fail_delay_s,
+        record_session=False,
+    )
+    await fake.start(args.host, args.port)
+    print(f"fake Proxmox VE {args.release} listening on {fake.url}")
+    print(f"  CA bundle:   {fake.tls.ca_path}")
+    print(f"  API token:   {fake.token_id}  (secret {fake.token_secret})")
+    print(f"  password:    {fake.user} / {fake.password}")
+    templates = [vm.config["name"] for vm in fake.cluster.vms.values() if vm.template]
+    print(f"  templates:   {', '.join(templates)}")
+    if args.ssh_port:
+        print(f"  guest sshd:  port {args.ssh_port} on guest addresses in 127.0.0.0/8")
+    config = config_text(fake, state_dir, args.ssh_port)
+    if args.write_config:
+        args.write_config.write_text(config, encoding="utf-8")
+        print(f"  config:      {args.write_config} (export DEPLOYBOT_CONFIG={args.write_config})")
+    else:
+        print(f"\ndeploybot.toml:\n{config}")
+    print(f"\nexport PVE_TOKEN_SECRET={fake.token_secret}", flush=True)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await fake.close()
+
+
+def main() -> None:
+    args = parse_args()
+    with contextlib.ExitStack() as stack:
+        state_dir = args.state_dir or Path(
+            stack.enter_context(tempfile.TemporaryDirectory(prefix="fakepve-"))
+        )
+        state_dir.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(serve(args, state_dir))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""What the fake's guests show the world: the agent's interface list and an sshd.
+
+The sshd is real (asyncssh, with a host key generated at first boot as cloud-init
+does), but it only ever listens on a guest address inside 127.0.0.0/8: tests and demos
+never send a packet anywhere else.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import re
+from typing import Any
+
+import asyncssh
+
+log = logging.getLogger(__name__)
+_IP = re.compile(r"(?:^|,)ip=([0-9.]+)/(\d+)")
+
+
+def configured_ip(config: dict[str, str]) -> tuple[ipaddress.IPv4Address, int] | None:
+    match = _IP.search(config.get("ipconfig0", ""))
+    if not match:
+        return None
+    return ipaddress.IPv4Address(match.group(1)), int(match.group(2))
+
+
+def interfaces(config: dict[str, str], vmid: int) -> list[dict[str, Any]]:
+    """`network-get-interfaces` of a booted cloud image with docker: loopback, the
+    container bridge, then the NIC with its link-local IPv6 before its real address."""
+    mac = config.get("net0", "virtio=BC:24:11:00:00:00").split(",")[0].split("=")[-1]
+    nic: list[dict[str, Any]] = [
+        {
+            "ip-address": f"fe80::be24:11ff:fe{vmid % 256:02x}:{vmid % 4096:04x}",
+            "ip-address-type": "ipv6",
+            "prefix": 64,
+        },
+    ]
+    static = configured_ip(config)
+    if static is not None:
+        nic.append({"ip-address": str(static[0]), "ip-address-type": "ipv4", "prefix": static[1]})
+    return [
+        {
+            "name": "lo",
+            "hardware-address": "00:00:00:00:00:00",
+            "ip-addresses": [
+                {"ip-address": "127.0.0.1", "ip-address-type": "ipv4", "prefix": 8},
+                {"ip-address": "::1", "ip-address-type": "ipv6", "prefix": 128},
+            ],
+        },
+        {
+            "name": "docker0",
+            "hardware-address": "02:42:5e:11:22:33",
+            "ip-addresses": [{"ip-address": "172.17.0.1", "ip-address-type": "ipv4", "prefix": 16}],
+        },
+        {"name": "eth0", "hardware-address": mac.lower(), "ip-addresses": nic},
+    ]
+
+
+class Guest:
+    """Opens and closes the guests' sshd listeners; `ssh_port` None means no sshd."""
+
+    def __init__(self, ssh_port: int | None) -> None:
+        self.ssh_port = ssh_port
+        self.host_keys: dict[int, str] = {}  # vmid -> SHA256 fingerprint
+        self._servers: dict[int, asyncssh.SSHAcceptor] = {}
+
+    async def boot(self, vmid: int, config: dict[str, str]) -> None:
+        static = configured_ip(config)
+        if self.ssh_port is None or static is None or not static[0].is_loopback:
+            return  # never listen outside 127.0.0.0/8
+        key = asyncssh.generate_private_key("ssh-ed25519")
+        try:
+            server = await asyncssh.create_server(
+                asyncssh.SSHServer, str(static[0]), self.ssh_port, server_host_keys=[key]
+            )
+        except OSError as exc:
+            log.warning(
+                "guest %s: sshd cannot listen on %s:%s: %s", vmid, static[0], self.ssh_port, exc
+            )
+            return
+        self._servers[vmid] = server
+        self.host_keys[vmid] = key.get_fingerprint("sha256")
+
+    async def shutdown(self, vmid: int) -> None:
+        server = self._servers.pop(vmid, None)
+        if server is not None:
+            server.close()
+            await server.wait_closed()
+
+    def listening(self, vmid: int) -> bool:
+        return vmid in self._servers
+
+    async def close(self) -> None:
+        for vmid in list(self._servers):
+            await self.shutdown(vmid)

@@ -1,0 +1,92 @@
+"""The README's demo as a test: `deploybot deploy web01 ... --backend pve` against the
+fake Proxmox API, as a separate process, prints the SSH line."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import sys
+from pathlib import Path
+
+from tests.fakepve import testing
+from tests.fakepve.schema import ApiSchema
+from tests.fakepve.server import FakePVE, Tls
+from tests.fakepve.testing import start_fake
+
+# The fake server's fixtures, shared by the Proxmox test modules.
+pve_schema = testing.pve_schema
+pve_tls = testing.pve_tls
+
+GUEST = "127.0.10.50"
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind((GUEST, 0))
+        port: int = probe.getsockname()[1]
+    return port
+
+
+def config_file(tmp_path: Path, fake: FakePVE) -> Path:
+    path = tmp_path / "deploybot.toml"
+    path.write_text(
+        f"""
+database = "{tmp_path / "jobs.db"}"
+log_file = "{tmp_path / "deploybot.log"}"
+
+[[backends]]
+kind = "proxmox"
+name = "pve"
+host = "127.0.0.1"
+port = {fake.port}
+user = "root@pam"
+token_id = "deploybot"
+ca_bundle = "{fake.tls.ca_path}"
+
+[[subnets]]
+cidr = "127.0.10.0/24"
+gateway = "127.0.10.1"
+dns = ["127.0.10.2"]
+search_domain = "lab.example"
+
+[defaults]
+backend = "pve"
+template = "ubuntu-24.04"
+ssh_port = {fake.cluster.guest.ssh_port}
+
+[timeouts]
+address_s = 30
+ssh_s = 30
+""",
+        encoding="utf-8",
+    )
+    return path
+
+
+async def test_deploybot_deploy_prints_the_ssh_line(
+    pve_schema: ApiSchema,
+    pve_tls: Tls,
+    tmp_path: Path,
+) -> None:
+    async with start_fake(pve_schema, pve_tls, ssh_port=free_port()) as fake:
+        env = {
+            **os.environ,
+            "DEPLOYBOT_CONFIG": str(config_file(tmp_path, fake)),
+            "PVE_TOKEN_SECRET": fake.token_secret,
+        }
+        process = await asyncio.create_subprocess_exec(
+            str(Path(sys.executable).with_name("deploybot")),
+            *("deploy", "web01", GUEST, "--backend", "pve", "--user", "alice"),
+            env=env,
+            cwd=tmp_path,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        stdout, stderr = await process.communicate()
+    output = stdout.decode() + stderr.decode()
+    assert process.returncode == 0, output
+    assert f"ssh ubuntu@{GUEST}" in output
+    assert "VM 101 on pve1@lab" in output
+    log = (tmp_path / "deploybot.log").read_text(encoding="utf-8")
+    assert fake.token_secret not in output + log

@@ -1,0 +1,25 @@
+"""The shared backend contract, run against ProxmoxBackend and the fake Proxmox API."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+
+from backends.base import Backend
+from tests.contract import *  # noqa: F403
+from tests.fakepve import testing
+from tests.fakepve.server import FakePVE
+from tests.fakepve.testing import make_backend
+
+# The fake server's fixtures, shared by the Proxmox test modules.
+pve = testing.pve
+pve_schema = testing.pve_schema
+pve_tls = testing.pve_tls
+
+
+@pytest.fixture
+async def backend(pve: FakePVE) -> AsyncIterator[Backend]:
+    proxmox = make_backend(pve)
+    yield proxmox
+    await proxmox.close()

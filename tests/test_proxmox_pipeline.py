@@ -1,0 +1,218 @@
+"""Whole deploys through the real pipeline (queue, SQLite, steps, rollback) onto the fake
+Proxmox API, with the real SSH check against the guest's sshd on 127.0.10.0/24."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bot.models import Job, JobEvent, JobState
+from bot.parser import DeployArgs, parse
+from bot.pipeline import STEPS
+from bot.runtime import running_deployer
+from bot.settings import Settings
+from tests.conftest import Recorder
+from tests.fakepve import testing
+from tests.fakepve.schema import ApiSchema
+from tests.fakepve.server import FakePVE, Tls
+from tests.fakepve.testing import make_backend, pve_settings, start_fake
+
+# The fake server's fixtures, shared by the Proxmox test modules.
+pve_schema = testing.pve_schema
+pve_tls = testing.pve_tls
+
+ADDRESS = "127.0.10.50"
+ORIGINAL = {100, 9000, 9001, 9002, 9003, 9004, 9005}
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind((ADDRESS, 0))
+        port: int = probe.getsockname()[1]
+    return port
+
+
+@pytest.fixture
+async def fake(pve_schema: ApiSchema, pve_tls: Tls) -> AsyncIterator[FakePVE]:
+    async with start_fake(pve_schema, pve_tls, ssh_port=free_port()) as server:
+        yield server
+
+
+async def deploy(
+    fake: FakePVE, settings: Settings, text: str, recorder: Recorder | None = None
+) -> tuple[Job, list[JobEvent]]:
+    backend = make_backend(fake)
+    async with running_deployer(settings, recorder, backends={"pve": backend}, grace_s=5) as d:
+        args = parse(text)
+        assert isinstance(args, DeployArgs)
+        job = await d.request_deploy(args, "alice")
+        await d.drain()
+        info = await d.status(job.id)
+    assert info.job.state.final
+    return info.job, info.events
+
+
+def detail(events: list[JobEvent], step: str, phase: str = "finished") -> str:
+    return next(e.detail for e in events if e.step == step and e.phase == phase)
+
+
+def ours_left(fake: FakePVE) -> list[int]:
+    marks = (
+        vm.config.get("description", "") + vm.config.get("tags", "")
+        for vm in fake.cluster.vms.values()
+    )
+    return [
+        vmid for vmid, mark in zip(fake.cluster.vms, marks, strict=True) if "deploybot-" in mark
+    ]
+
+
+async def test_a_deploy_ends_with_a_reachable_vm(fake: FakePVE, tmp_path: Path) -> None:
+    job, events = await deploy(fake, pve_settings(tmp_path, fake), f"web01 {ADDRESS} disk=+10G")
+    assert job.state is JobState.SUCCEEDED, job.error
+    assert (job.final_address, job.ssh_line) == (ADDRESS, f"ssh ubuntu@{ADDRESS}")
+    vmid = int(job.vm_id or 0)
+    vm = fake.cluster.vms[vmid]
+    assert vm.running and vm.config["name"] == "web01"
+    assert f"deploybot-{job.id}" in vm.config["tags"].split(";")
+    assert vm.config["scsi0"].endswith("size=14G")
+    assert job.host_key == fake.cluster.guest.host_keys[vmid]  # read from the guest's sshd
+    assert detail(events, "clone").startswith(f"VM {vmid} on pve1@lab")
+    assert (
+        detail(events, "ssh")
+        == f"{ADDRESS}:{fake.cluster.guest.ssh_port} answers, host key {job.host_key}"
+    )
+
+
+async def test_a_7_4_server_says_why_ciupgrade_was_not_sent(
+    pve_schema: ApiSchema,
+    pve_tls: Tls,
+    tmp_path: Path,
+) -> None:
+    async with start_fake(pve_schema, pve_tls, release="7.4", ssh_port=free_port()) as old:
+        job, events = await deploy(old, pve_settings(tmp_path, old), f"web01 {ADDRESS}")
+    assert job.state is JobState.SUCCEEDED, job.error
+    assert detail(events, "identity").startswith("server 7.4: ciupgrade not sent")
+
+
+async def test_two_deploys_racing_for_a_vmid_take_the_next_one(
+    fake: FakePVE, tmp_path: Path
+) -> None:
+    fake.inject("nextid", "race")  # another client clones into the id we were given
+    job, _events = await deploy(fake, pve_settings(tmp_path, fake), f"web01 {ADDRESS}")
+    assert job.state is JobState.SUCCEEDED, job.error
+    intruder = next(v for v in fake.cluster.vms.values() if v.config["name"].startswith("intruder"))
+    assert job.vm_id != str(intruder.vmid)
+    assert not [
+        r
+        for r in fake.requests
+        if r.method != "GET" and r.path_params.get("vmid") == str(intruder.vmid)
+    ]
+
+
+Setup = Callable[[FakePVE], Any]
+# A failure in each step (and the lock timeouts and task errors of the issue): the step
+# that fails, the step at whose start the fault is planted, the fault, the reason given.
+FAILURES: dict[str, tuple[str, str, Setup, str]] = {
+    "check_free": (
+        "check_free",
+        "check_free",
+        lambda f: f.inject("resources", "error", message="cfs not ready"),
+        "cfs not ready",
+    ),
+    "clone task": (
+        "clone",
+        "clone",
+        lambda f: f.inject("clone", "task_error", message="clone failed: disk full"),
+        "disk full",
+    ),
+    "clone lock": (
+        "clone",
+        "clone",
+        lambda f: f.inject("clone", "lock_timeout", times=10_000),
+        "got timeout",
+    ),
+    # The clone outlives its step: the destroy waits for the clone's lock, then removes it.
+    "clone slow": (
+        "clone",
+        "clone",
+        lambda f: setattr(f.cluster.timings, "clone_s", 1.6),
+        "timed out",
+    ),
+    "identity task": (
+        "identity",
+        "identity",
+        lambda f: f.inject("config", "task_error", message="bad cloud-init drive"),
+        "bad cloud-init drive",
+    ),
+    "identity lock": (
+        "identity",
+        "identity",
+        lambda f: f.inject("config", "task_lock_timeout", times=10_000),
+        "got timeout",
+    ),
+    "resize": (
+        "resize",
+        "resize",
+        lambda f: f.inject("resize", "task_error", message="no space left"),
+        "no space left",
+    ),
+    "power_on": (
+        "power_on",
+        "power_on",
+        lambda f: f.inject("start", "task_error", message="start failed: kvm died"),
+        "kvm died",
+    ),
+    "address": (  # a template without qemu-guest-agent
+        "address",
+        "check_free",
+        lambda f: setattr(f.cluster.vms[9000], "agent_installed", False),
+        "has not answered",
+    ),
+    "ssh": (  # no sshd answers
+        "ssh",
+        "check_free",
+        lambda f: setattr(f.cluster.guest, "ssh_port", None),
+        "does not answer yet",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", FAILURES)
+async def test_a_failure_in_any_step_leaves_no_vm_behind(
+    fake: FakePVE, tmp_path: Path, case: str
+) -> None:
+    step, when, setup, reason = FAILURES[case]
+    recorder = Recorder()
+
+    async def at_step(job: Job, started: str) -> None:
+        if started == when:
+            setup(fake)
+
+    recorder.on_step = at_step
+    steps = ("check_free", "clone", "identity", "resize", "power_on", "address", "ssh")
+    settings = pve_settings(tmp_path, fake)
+    timeouts = {**settings.timeouts.model_dump(), **{f"{s}_s": 1.0 for s in steps}}
+    job, events = await deploy(
+        fake, pve_settings(tmp_path, fake, timeouts=timeouts), f"web01 {ADDRESS} disk=+2G", recorder
+    )
+    assert job.state is JobState.FAILED
+    assert (job.failed_step, reason in (job.error or "")) == (step, True), job.error
+    await fake.settled()
+    assert ours_left(fake) == [] and set(fake.cluster.vms) == ORIGINAL
+    assert job.wreckage is None
+    _job, report = recorder.finished[job.id]
+    assert report is not None and report.clean, report
+    undone = [e.detail.split()[0] for e in events if e.step == "rollback" and e.phase == "undo"]
+    started = STEPS.index(step) >= STEPS.index("power_on")
+    # A clone retried after lock timeouts pushes one destroy per attempt (all of one id).
+    expected = ["stop", "destroy"] if started else ["destroy"] if step != "check_free" else []
+    assert (undone[:1], set(undone)) == (expected[:1], set(expected))
+    stops = [t for t in fake.cluster.tasks.values() if t.type == "qmstop"]
+    assert len(stops) == (1 if STEPS.index(step) > STEPS.index("power_on") else 0)
+    for stop in stops:  # the VM was running: the stop task ended before the delete was sent
+        delete = fake.sent("DELETE", "/nodes/{node}/qemu/{vmid}")[-1]
+        assert stop.ended_s is not None and delete.at_s >= stop.ended_s
