@@ -5,7 +5,7 @@ its identity, power it on, learn its address, prove it answers on SSH. This modu
 names those moves and the data they exchange; `backends/sim.py` is the reference
 implementation that the demo and the tests run against.
 
-Contract (every backend keeps it; the conformance tests in tests/test_backend_contract.py
+Contract (every backend keeps it; the shared conformance tests in tests/contract.py
 check it):
 
 * Every mutating method returns only after the hypervisor finished the work. A backend
@@ -77,6 +77,11 @@ class Unreachable(RetryableError):
     waits for it, says so in its thread, and carries on when it is back."""
 
 
+class IdTaken(RetryableError):
+    """The id `prepare_clone` chose was taken by another client before the clone began:
+    the caller forgets that id (it names someone else's VM now) and prepares a new one."""
+
+
 class PermanentError(BackendError):
     """The hypervisor said no for a reason that another attempt will not change."""
 
@@ -99,6 +104,7 @@ class Template:
     node: str | None = None
     storage: str | None = None
     disk_gib: int = 0
+    default_user: str | None = None  # the image's login user, when the template knows it
 
 
 @dataclass(frozen=True)
@@ -132,6 +138,7 @@ class CloneSpec:
     template: str
     placement: str | None = None
     storage: str | None = None
+    network: str | None = None  # the NIC's network (None: the backend's default)
 
     @property
     def tag(self) -> str:
@@ -140,7 +147,11 @@ class CloneSpec:
 
 @dataclass(frozen=True)
 class VMRef:
-    """The durable handle of a VM built by one job; safe to store and reuse after a restart."""
+    """The durable handle of a VM built by one job; safe to store and reuse after a restart.
+
+    `placement` is opaque to the core: each backend stores there what it needs to find
+    the VM again (a Proxmox `node@cluster`, a vCenter's identity).
+    """
 
     vm_id: str
     job_id: str
@@ -165,6 +176,7 @@ class Identity:
     upgrade: bool
     cores: int
     memory_mib: int
+    network: str | None = None  # the NIC's network, as in CloneSpec (None: the default)
 
 
 @dataclass(frozen=True)
@@ -225,7 +237,8 @@ class Backend(Protocol):
     async def clone_mode(self, spec: CloneSpec) -> CloneMode: ...
 
     async def find_vm(self, ref: VMRef) -> VMInfo | None:
-        """Resolve a durable id; None when no such VM exists."""
+        """Resolve a durable id; None when no such VM exists, or when the id now names a
+        VM without this job's tag (someone else's)."""
         ...
 
     async def find_by_name(self, name: str) -> list[VMInfo]: ...

@@ -12,7 +12,7 @@ moves and their safety rules:
   tag: in `tags`, or in the description the clone wrote (tags come only afterwards).
 * The vmid is chosen before anything exists (`prepare_clone`) and reserved in this
   process, so concurrent deploys never pick the same one; a clone that finds it taken
-  by another client raises a RetryableError and the pipeline picks a new id.
+  by another client raises IdTaken and the pipeline picks a new id.
 * The CPU model comes from the template's OS profile; a node that cannot provide it is
   refused before cloning, rather than booting a guest that panics.
 """
@@ -34,6 +34,7 @@ from backends.base import (
     CloneMode,
     CloneSpec,
     Identity,
+    IdTaken,
     Network,
     NotOurVM,
     PermanentError,
@@ -126,7 +127,8 @@ class ProxmoxBackend:
     # --- discovery --------------------------------------------------------------------
 
     async def templates(self) -> list[Template]:
-        return [t.public() for t in (await self.inventory.templates()).values()]
+        found = (await self.inventory.templates()).values()
+        return [t.public(self.inventory.profile(t.family).user) for t in found]
 
     async def storages(self, placement: str | None = None) -> list[Storage]:
         node = placement or await self.inventory.default_node()
@@ -325,7 +327,7 @@ class ProxmoxBackend:
         clone to end), or another client's (retryable: the pipeline takes a new id)."""
         config = await self.inventory.vm_config(node, ref.vm_id)
         if config is None or ref.tag not in tags_of(config):
-            raise RetryableError(
+            raise IdTaken(
                 f"VM id {ref.vm_id} was taken by another client between choosing and "
                 "cloning; choosing another id"
             )
@@ -361,8 +363,9 @@ class ProxmoxBackend:
             params["nameserver"] = " ".join(str(d) for d in identity.dns)
         if identity.search_domain:
             params["searchdomain"] = identity.search_domain
+        bridge = identity.network or self.config.bridge
         params["net0"] = nic_with(
-            config.get("net0"), self.inventory.profile(family).nic_model, self.config.bridge
+            config.get("net0"), self.inventory.profile(family).nic_model, bridge
         )
         note = None
         release = await self.inventory.release()

@@ -45,9 +45,9 @@ class TemplateInfo:
     disk: Disk
     family: str
 
-    def public(self) -> Template:
+    def public(self, default_user: str) -> Template:
         gib = self.disk.size_bytes // GIB
-        return Template(self.name, self.family, self.node, self.disk.storage, gib)
+        return Template(self.name, self.family, self.node, self.disk.storage, gib, default_user)
 
 
 @dataclass(frozen=True)

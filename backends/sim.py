@@ -155,9 +155,9 @@ class SimVM:
 
 
 _DEFAULT_TEMPLATES = (
-    Template("ubuntu-24.04", "ubuntu", None, "local-lvm", 4),
-    Template("debian-12", "debian", None, "local-lvm", 3),
-    Template("rocky-9", "el9", None, "local-lvm", 10),
+    Template("ubuntu-24.04", "ubuntu", None, "local-lvm", 4, "ubuntu"),
+    Template("debian-12", "debian", None, "local-lvm", 3, "debian"),
+    Template("rocky-9", "el9", None, "local-lvm", 10, "rocky"),
 )
 _DEFAULT_STORAGES = (
     ("local-lvm", 512 * GIB, 380 * GIB, True),

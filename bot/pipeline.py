@@ -22,7 +22,15 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TypeVar
 
-from backends.base import Backend, BackendError, CloneSpec, Identity, Unreachable, VMRef
+from backends.base import (
+    Backend,
+    BackendError,
+    CloneSpec,
+    Identity,
+    IdTaken,
+    Unreachable,
+    VMRef,
+)
 from bot.models import DeployRequest, Job, JobEvent, JobState, RollbackReport, utcnow
 from bot.progress import Progress
 from bot.settings import Settings, Timeouts
@@ -69,6 +77,7 @@ def _identity(req: DeployRequest) -> Identity:
         upgrade=req.upgrade,
         cores=req.cores,
         memory_mib=req.memory_mib,
+        network=req.network,
     )
 
 
@@ -94,6 +103,7 @@ class _Run:
     undo: list[Undo] = field(default_factory=list)
     address: str | None = None
     host_key: str | None = None
+    resumed: bool = False
 
 
 async def protected(awaitable: Awaitable[T]) -> T:
@@ -211,6 +221,7 @@ class Pipeline:
             raise StepFailed("clone", "interrupted by a restart at a point that cannot be resumed")
         ref = VMRef(job.vm_id, job.id, job.vm_placement)
         run.ref = ref
+        run.resumed = True
         t, backend = self.timeouts, run.backend
         run.undo.append(Undo(f"destroy VM {ref.vm_id}", lambda: backend.destroy(ref), t.destroy_s))
         if any(
@@ -234,7 +245,9 @@ class Pipeline:
         if step == "check_free":
             await self._step(run, step, t.check_free_s, lambda: self._check_free(run))
         elif step == "clone":
-            spec = CloneSpec(run.job.id, req.name, req.template, req.placement, req.storage)
+            spec = CloneSpec(
+                run.job.id, req.name, req.template, req.placement, req.storage, req.network
+            )
             mode = await self._call(run, step, t.check_free_s, lambda: backend.clone_mode(spec))
             detail = f"{req.template}, {mode.reason}"
             await self._step(run, step, t.clone_s, lambda: self._clone(run, spec), detail)
@@ -288,23 +301,35 @@ class Pipeline:
 
     async def _clone(self, run: _Run, spec: CloneSpec) -> str:
         backend = run.backend
-        ref = await backend.prepare_clone(spec)
-        # Write-ahead: the id is stored and its undo pushed before anything exists.
-        await self.store.update_job(run.job.id, vm_id=ref.vm_id, vm_placement=ref.placement)
-        run.ref = ref
-        run.undo.append(
-            Undo(f"destroy VM {ref.vm_id}", lambda: backend.destroy(ref), self.timeouts.destroy_s)
-        )
-        note = await backend.clone(spec, ref)
+        if run.ref is None:
+            ref = await backend.prepare_clone(spec)
+            # Write-ahead: the id is stored and its undo pushed before anything exists.
+            await self.store.update_job(run.job.id, vm_id=ref.vm_id, vm_placement=ref.placement)
+            run.ref = ref
+            destroy = Undo(
+                f"destroy VM {ref.vm_id}", lambda: backend.destroy(ref), self.timeouts.destroy_s
+            )
+            run.undo.append(destroy)
+        ref = run.ref
+        try:
+            note = await backend.clone(spec, ref)  # a retry reuses the same id
+        except IdTaken:
+            # That id names someone else's VM now: never undo it; choose a new one.
+            run.undo.clear()
+            run.ref = None
+            await self.store.update_job(run.job.id, vm_id=None, vm_placement=None)
+            raise
         where = f"VM {ref.vm_id} on {ref.placement or run.job.backend}"
         return f"{where}; {note}" if note else where
 
     async def _power_on(self, run: _Run) -> str | None:
-        """Start the VM; one already running (a start that outlived a restart) is fine."""
+        """Start the VM. A resumed job's VM may be running already (its start outlived
+        the restart): ask first then, and only then."""
         ref = self._ref(run)
-        found = await run.backend.find_vm(ref)
-        if found is not None and found.running:
-            return "already running"
+        if run.resumed:
+            found = await run.backend.find_vm(ref)
+            if found is not None and found.running:
+                return "already running"
         return await run.backend.power_on(ref)
 
     async def _address(self, run: _Run) -> str:

@@ -7,7 +7,8 @@ import os
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 
-from backends.base import Backend, BackendConfig, BackendFactory
+from backends.base import Backend, BackendConfig, BackendError, BackendFactory
+from bot.errors import ConfigError
 from bot.progress import Progress
 from bot.service import Deployer
 from bot.settings import Settings, backend_module
@@ -19,7 +20,10 @@ log = logging.getLogger(__name__)
 def make_backend(config: BackendConfig, environ: Mapping[str, str] | None = None) -> Backend:
     """Build a backend through its module's `create` (see bot.settings.BACKEND_MODULES)."""
     factory: BackendFactory = backend_module(config.kind).create
-    return factory(config, os.environ if environ is None else environ)
+    try:
+        return factory(config, os.environ if environ is None else environ)
+    except BackendError as exc:  # a missing secret, an unreadable CA bundle...
+        raise ConfigError(f"backend {config.name}: {exc.message}") from None
 
 
 @asynccontextmanager

@@ -206,7 +206,12 @@ class Deployer:
             user_keys=ssh_keys or prefs.ssh_keys,
             user_template=prefs.default_template,
         )
-        await self._check_on_backend(request)
+        template = await self._check_on_backend(request)
+        if args.user is None and template.default_user not in (None, request.user):
+            # The image's own login user beats the site default: the SSH line must work.
+            request = DeployRequest.model_validate(
+                {**request.model_dump(), "user": template.default_user}
+            )
         return request
 
     async def _record(
@@ -245,8 +250,9 @@ class Deployer:
             self.queue.submit(job.id, job.backend)
         return job
 
-    async def _check_on_backend(self, request: DeployRequest) -> None:
-        """Refuse unknown templates and placements before anything is recorded."""
+    async def _check_on_backend(self, request: DeployRequest) -> Template:
+        """Refuse unknown templates and placements before anything is recorded; return
+        the template."""
         backend = self.backends.get(request.backend)
         if backend is None:
             raise RequestInvalid([f"No backend called {request.backend!r} is running."])
@@ -286,6 +292,7 @@ class Deployer:
                 )
         if problems:
             raise RequestInvalid(problems)
+        return next(t for t in templates if t.name == request.template)
 
     async def _names(self, listing: Awaitable[list[Storage] | list[Network]]) -> list[str]:
         try:

@@ -182,7 +182,7 @@ async def test_saved_keys_and_default_template_are_used_when_a_request_names_non
         assert (await h.submit(view_id, values)).status == 200
         await h.settle()
         await h.command("web01 10.0.0.50")
-        await h.fake.wait_for(is_reply("ssh ubuntu@10.0.0.50"))
+        await h.fake.wait_for(is_reply("ssh debian@10.0.0.50"))  # debian-12 logs in as debian
         await h.settle()
         job = (await h.deployer.history(1))[0]
         assert job.request.ssh_keys == (KEY,) and job.request.template == "debian-12"
