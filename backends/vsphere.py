@@ -1,0 +1,489 @@
+# mypy: disable-error-code="no-untyped-call"
+# (pyvmomi is typed, but the constructors of its data objects are not)
+"""vSphere backend: vCenter clones a template, a standalone ESXi host copies its disk.
+
+`content.about.apiType` decides the path. `VirtualCenter`: `CloneVM_Task` into a resource
+pool (vSphere picks the host under DRS) and datastore. `HostAgent` has no clone: make
+the VM's folder, copy the template's disks (`CopyVirtualDisk_Task`), create a VM from the
+template's hardware around them (`CreateVM_Task`). `CloneVM_Task` is never sent there.
+
+* Identity: the VM's `config.instanceUuid`, chosen by `prepare_clone`, written into the
+  clone/create spec and resolved with `FindByUuid(None, uuid, True, True)` at every
+  operation. The job tag is a line of the annotation; a VM without it is never changed.
+* The guest's identity travels as cloud-init documents in guestinfo keys
+  (`vsphere_guestinfo`), set with CPU and memory by `apply_identity`.
+* Session, thread pool, task waiting without polling and fault mapping:
+  `vsphere_session`; inventory lookups: `vsphere_inventory`; specs: `vsphere_specs`.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import uuid
+from collections import Counter
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+from pyVmomi import vim, vmodl
+
+from backends import vsphere_guestinfo as guestinfo
+from backends import vsphere_specs as specs
+from backends.base import (
+    BackendConfig,
+    CloneMode,
+    CloneSpec,
+    Identity,
+    Network,
+    PermanentError,
+    Placement,
+    RetryableError,
+    Storage,
+    Template,
+    VMInfo,
+    VMNotFound,
+    VMRef,
+    pick_address,
+    probe_ssh_endpoint,
+)
+from backends.vsphere_inventory import (
+    POWERED_ON,
+    Inventory,
+    Plan,
+    annotation,
+    disks,
+    os_family,
+    tags,
+    vm_info,
+)
+from backends.vsphere_session import (
+    RETRYABLE_FAULTS,
+    WAIT_SLICE_S,
+    Conn,
+    Endpoint,
+    Op,
+    Props,
+    Row,
+    Session,
+    fault_text,
+)
+
+log = logging.getLogger(__name__)
+KIB_PER_GIB = 1024 * 1024
+# Plans kept from prepare_clone for clone; an older one is simply looked up again.
+MAX_PLANS = 256
+# Records the size grow_disk aimed at, so a retried grow does not grow twice.
+GROW_TARGET_KEY = "deploybot.grow.target_kb"
+
+
+class Config(BackendConfig):
+    """`kind = "vsphere"`: a vCenter or a standalone ESXi host (the server says which).
+
+    Disk provisioning is vSphere's two flags: thin, thick lazy-zeroed (both false) or
+    thick eager-zeroed; thin excludes eager. `verify_tls = false` is the explicit
+    insecure choice and is logged as a warning at start.
+    """
+
+    kind: Literal["vsphere"]
+    host: str = Field(min_length=1)
+    port: int = Field(default=443, ge=1, le=65535)
+    user: str = Field(min_length=1)
+    password_env: str = Field(default="VSPHERE_PASSWORD", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    verify_tls: bool = True
+    ca_bundle: Path | None = None
+    datacenter: str | None = None
+    compute: str | None = None  # cluster or host; default: the first cluster, else host
+    resource_pool: str | None = None  # a pool path inside `compute`, e.g. "deploy/web"
+    datastore: str | None = None  # default: the template's
+    network: str | None = None  # standard or distributed portgroup; default: the template's
+    vm_folder: str | None = None  # under the datacenter's VM folder
+    template_folder: str | None = None
+    template_annotation: str | None = None  # templates whose annotation contains this
+    thin_provisioned: bool = True
+    eagerly_scrub: bool = False
+    api_threads: int = Field(default=32, ge=4, le=256)
+    request_timeout_s: float = Field(default=90, gt=WAIT_SLICE_S)
+    cancel_wait_s: float = Field(default=60, gt=0)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Config:
+        if self.thin_provisioned and self.eagerly_scrub:
+            raise ValueError(
+                "thin_provisioned excludes eagerly_scrub: use thin (thin_provisioned = true), "
+                "thick lazy-zeroed (both false) or thick eager-zeroed (eagerly_scrub = true, "
+                "thin_provisioned = false)"
+            )
+        if self.ca_bundle is not None and not self.verify_tls:
+            raise ValueError("ca_bundle is set but verify_tls = false: drop one of the two")
+        return self
+
+    @property
+    def disk_format(self) -> str:
+        if self.thin_provisioned:
+            return "thin"
+        return "thick eager-zeroed" if self.eagerly_scrub else "thick lazy-zeroed"
+
+
+def create(config: BackendConfig, environ: Mapping[str, str]) -> VSphereBackend:
+    assert isinstance(config, Config)
+    password = environ.get(config.password_env)
+    if not password:
+        raise PermanentError(
+            f"backend {config.name}: the password of {config.user} on {config.host} comes "
+            f"from the environment variable {config.password_env}, which is not set"
+        )
+    if not config.verify_tls:
+        log.warning(
+            "backend %s: TLS certificate verification is OFF for %s (verify_tls = false)",
+            config.name,
+            config.host,
+        )
+    return VSphereBackend(config, password)
+
+
+def _interfaces(props: Props) -> list[tuple[str, str]]:
+    """(interface, address) pairs from VMware Tools, for `pick_address`.
+
+    Entries with deviceConfigId -1 are no virtual NIC (docker bridges and the like).
+    """
+    pairs: list[tuple[str, str]] = []
+    for nic in props.get("guest.net") or []:
+        if nic.deviceConfigId == -1:
+            continue
+        label = f"nic{nic.deviceConfigId}"
+        configured = nic.ipConfig.ipAddress if nic.ipConfig else None
+        pairs += [(label, a.ipAddress) for a in configured or []]
+        pairs += [(label, a) for a in nic.ipAddress or []]
+    if props.get("guest.ipAddress"):
+        pairs.append(("guest", props["guest.ipAddress"]))
+    return pairs
+
+
+def _last_extra(props: Props, key: str) -> str | None:
+    values = [o.value for o in props.get("config.extraConfig") or [] if o.key == key]
+    return str(values[-1]) if values else None
+
+
+class VSphereBackend:
+    """A vCenter or a standalone ESXi host behind the Backend Protocol."""
+
+    def __init__(self, config: Config, password: str) -> None:
+        self.name = config.name
+        self.config = config
+        endpoint = Endpoint(
+            config.name,
+            config.host,
+            config.port,
+            config.user,
+            config.password_env,
+            config.verify_tls,
+            config.ca_bundle,
+            config.api_threads,
+            config.request_timeout_s,
+            config.cancel_wait_s,
+        )
+        self._session = Session(endpoint, password)
+        self._inventory = Inventory(config.name, config)
+        self._disks = specs.Disks(config.thin_provisioned, config.eagerly_scrub)
+        self._plans: dict[str, Plan] = {}
+
+    def api_calls(self) -> Counter[str]:
+        """SOAP calls so far by method name (`Fetch` is one single property read)."""
+        return self._session.api_calls()
+
+    async def is_vcenter(self) -> bool:
+        return (await self._session.connection()).vcenter
+
+    def _existing(self, conn: Conn, ref: VMRef, paths: tuple[str, ...] = ()) -> Row:
+        found = self._inventory.ours(conn, ref, paths)
+        if found is None:
+            raise VMNotFound(f"no VM has instance UUID {ref.vm_id} on {self.name}", vm_id=ref.vm_id)
+        return found
+
+    # --- discovery ----------------------------------------------------------------
+
+    async def templates(self) -> list[Template]:
+        def work(op: Op) -> list[Template]:
+            inv = self._inventory
+            dc = inv.datacenter(op.conn)
+            names = {o._moId: p["name"] for o, p in inv.datastores(op.conn, dc.obj)}
+            found = []
+            for _obj, p in inv.templates(op.conn, dc):
+                stores = [names.get(d._moId) for d in p.get("datastore") or []]
+                size_kb = sum(d.capacityInKB for d in disks(p["config.hardware.device"]))
+                family = os_family(str(p.get("config.guestId") or ""))
+                store = next((s for s in stores if s), None)
+                found.append(Template(p["name"], family, None, store, size_kb // KIB_PER_GIB))
+            return sorted(found, key=lambda t: t.name)
+
+        return await self._session.run(work, changes=False)
+
+    async def storages(self, placement: str | None = None) -> list[Storage]:
+        def work(op: Op) -> list[Storage]:
+            dc = self._inventory.datacenter(op.conn)
+            root = dc.obj
+            if placement:
+                pool, _name = self._inventory.pool(op.conn, dc, placement)
+                root = op.conn.props(pool, vim.ResourcePool, ["owner"])["owner"]
+            return [
+                Storage(p["name"], placement, p["summary.capacity"], p["summary.freeSpace"])
+                for _o, p in self._inventory.datastores(op.conn, root)
+            ]
+
+        return await self._session.run(work, changes=False)
+
+    async def networks(self, placement: str | None = None) -> list[Network]:
+        def work(op: Op) -> list[Network]:
+            dc = self._inventory.datacenter(op.conn)
+            rows = op.conn.contained(dc.obj, vim.Network, ["name"])
+            pg_type = vim.dvs.DistributedVirtualPortgroup
+            pgs = [o for o, _p in rows if isinstance(o, pg_type)]
+            uplink = op.conn.retrieve(pgs, pg_type, ["config.uplink"])
+            skip = {o._moId for o, p in uplink if p.get("config.uplink")}
+            return [
+                Network(p["name"], placement, isinstance(o, pg_type))
+                for o, p in rows
+                if o._moId not in skip
+            ]
+
+        return await self._session.run(work, changes=False)
+
+    async def placements(self) -> list[Placement]:
+        def work(op: Op) -> list[Placement]:
+            found = []
+            dc = self._inventory.datacenter(op.conn)
+            for obj, p in self._inventory.computes(op.conn, dc):
+                kind = "cluster" if isinstance(obj, vim.ClusterComputeResource) else "host"
+                found.append(Placement(p["name"], kind))
+                root = op.conn.props(p["resourcePool"], vim.ResourcePool, ["resourcePool"])
+                children = list(root.get("resourcePool") or [])
+                for _c, c in op.conn.retrieve(children, vim.ResourcePool, ["name"]):
+                    found.append(Placement(f"{p['name']}/{c['name']}", "pool"))
+            return found
+
+        return await self._session.run(work, changes=False)
+
+    async def clone_mode(self, spec: CloneSpec) -> CloneMode:
+        # A linked clone needs a snapshot on the template; deploybot always copies.
+        target = spec.storage or self.config.datastore or "the template's datastore"
+        return CloneMode(False, f"full copy to {target}, {self.config.disk_format}")
+
+    # --- finding VMs ----------------------------------------------------------------
+
+    async def find_vm(self, ref: VMRef) -> VMInfo | None:
+        def work(op: Op) -> VMInfo | None:
+            found = self._inventory.lookup(op.conn, ref.vm_id)
+            return vm_info(ref.vm_id, found[1], ref.placement) if found else None
+
+        return await self._session.run(work, ref.vm_id, changes=False)
+
+    async def find_by_name(self, name: str) -> list[VMInfo]:
+        return await self._session.run(lambda op: self._inventory.vms(op.conn, name), changes=False)
+
+    async def find_tagged(self) -> list[VMInfo]:
+        return await self._session.run(
+            lambda op: [v for v in self._inventory.vms(op.conn) if v.tags], changes=False
+        )
+
+    # --- the deploy moves -----------------------------------------------------------
+
+    async def prepare_clone(self, spec: CloneSpec) -> VMRef:
+        plan = await self._session.run(
+            lambda op: self._inventory.plan(op.conn, spec), changes=False
+        )
+        # The durable id, chosen before anything exists and written into the clone spec:
+        # a crash halfway through still leaves the caller a UUID to find and remove.
+        vm_id = str(uuid.uuid4())
+        self._plans[vm_id] = plan
+        while len(self._plans) > MAX_PLANS:  # clones that never came (cancelled, failed)
+            self._plans.pop(next(iter(self._plans)))
+        return VMRef(vm_id, spec.job_id, plan.placement)
+
+    async def clone(self, spec: CloneSpec, ref: VMRef) -> str | None:
+        plan = self._plans.pop(ref.vm_id, None)
+
+        def work(op: Op) -> str:
+            if self._inventory.ours(op.conn, ref) is not None:
+                return "the VM was already there (an earlier attempt finished)"
+            use = plan or self._inventory.plan(op.conn, spec)
+            note = annotation(spec)
+            if op.conn.vcenter:
+                clone = specs.clone_spec(use, ref, note, self._disks)
+                vm = op.wait(
+                    use.template.CloneVM_Task(folder=use.folder, name=spec.name, spec=clone)
+                )
+            else:
+                vm = self._copy_esxi(op, spec, ref, use)
+            self._settle(op, vm, ref, note)
+            how = "cloned" if op.conn.vcenter else "disk copied"
+            net = f", NIC on {use.network.name}" if use.network else ""
+            return f"{how} to {use.datastore_name} ({self.config.disk_format}){net}"
+
+        return await self._session.run(work, ref.vm_id)
+
+    def _copy_esxi(self, op: Op, spec: CloneSpec, ref: VMRef, plan: Plan) -> Any:
+        """A standalone host has no CloneVM_Task: copy the template's disks into a new
+        folder, then create a VM around them from the template's hardware."""
+        content = op.conn.content
+        # The UUID in the folder name keeps it unique and traceable to the VM.
+        folder = f"[{plan.datastore_name}] {spec.name}-{ref.vm_id[:8]}"
+        content.fileManager.MakeDirectory(folder, plan.datacenter, False)
+        try:
+            devices = plan.template_config.hardware.device
+            copies = {}
+            for index, disk in enumerate(disks(devices)):
+                op.check()
+                target = f"{folder}/{spec.name}{f'_{index}' if index else ''}.vmdk"
+                task = content.virtualDiskManager.CopyVirtualDisk_Task(
+                    sourceName=disk.backing.fileName,
+                    sourceDatacenter=plan.datacenter,
+                    destName=target,
+                    destDatacenter=plan.datacenter,
+                    destSpec=self._disks.copy_spec(devices, disk),
+                    force=False,
+                )
+                op.wait(task)
+                copies[disk.key] = target
+            op.check()
+            vmx = f"{folder}/{spec.name}.vmx"
+            config = specs.create_spec(spec, ref, plan, annotation(spec), vmx, copies, self._disks)
+            return op.wait(plan.folder.CreateVM_Task(config=config, pool=plan.pool))
+        except BaseException:
+            self._remove_folder(op, ref, folder, plan.datacenter)
+            raise
+
+    def _remove_folder(self, op: Op, ref: VMRef, folder: str, datacenter: Any) -> None:
+        """Undo a half-done copy: the folder goes, unless a VM was created in it (the
+        rollback's destroy removes that VM with its files)."""
+        try:
+            if op.conn.find_vm(ref.vm_id) is None:
+                manager = op.conn.content.fileManager
+                # An Op of its own: the clean-up must not be cancelled with the copy.
+                Op(op.conn, op.grace_s).wait(manager.DeleteDatastoreFile_Task(folder, datacenter))
+        except Exception:
+            log.warning("backend %s: could not remove %s", self.name, folder, exc_info=True)
+
+    def _settle(self, op: Op, vm: Any, ref: VMRef, note: str) -> None:
+        """Make sure the new VM carries our instance UUID and job tag: a server that
+        dropped them from the spec (vcsim drops the annotation) gets them set now."""
+        paths = ["config.instanceUuid", "config.annotation"]
+        p = op.conn.props(vm, vim.VirtualMachine, paths)
+        fix = vim.vm.ConfigSpec()
+        if p.get("config.instanceUuid") != ref.vm_id:
+            fix.instanceUuid = ref.vm_id
+        if ref.tag not in tags(p.get("config.annotation")):
+            fix.annotation = note
+        if fix.instanceUuid or fix.annotation:
+            log.info("backend %s: setting what the server left out of the clone", self.name)
+            op.wait(vm.ReconfigVM_Task(fix))
+
+    async def apply_identity(self, ref: VMRef, identity: Identity) -> str | None:
+        # The instance UUID is new for every deploy: cloud-init runs its per-instance
+        # setup only when the instance-id differs from the one cached on disk.
+        extra = guestinfo.extra_config(ref.vm_id, identity)
+
+        def work(op: Op) -> None:
+            vm, p = self._existing(op.conn, ref, ("config.hardware.numCoresPerSocket",))
+            spec = vim.vm.ConfigSpec(
+                numCPUs=identity.cores,
+                memoryMB=identity.memory_mib,
+                extraConfig=[vim.option.OptionValue(key=k, value=v) for k, v in extra.items()],
+            )
+            if identity.cores % (p.get("config.hardware.numCoresPerSocket") or 1):
+                spec.numCoresPerSocket = 1
+            op.wait(vm.ReconfigVM_Task(spec))
+
+        await self._session.run(work, ref.vm_id)
+        return None
+
+    async def grow_disk(self, ref: VMRef, grow_gib: int) -> str | None:
+        if grow_gib < 0:
+            raise PermanentError("shrinking disks is not supported")
+        if grow_gib == 0:
+            return None
+
+        def work(op: Op) -> str:
+            paths = ("config.hardware.device", "config.extraConfig")
+            vm, p = self._existing(op.conn, ref, paths)
+            found = disks(p.get("config.hardware.device") or [])
+            if not found:
+                raise PermanentError(f"VM {p['name']} has no disk to grow", vm_id=ref.vm_id)
+            disk = found[0]
+            recorded = _last_extra(p, GROW_TARGET_KEY)
+            target_kb = int(recorded) if recorded else disk.capacityInKB + grow_gib * KIB_PER_GIB
+            if disk.capacityInKB < target_kb:
+                disk.capacityInKB, disk.capacityInBytes = target_kb, target_kb * 1024
+                edit = vim.vm.device.VirtualDeviceSpec(operation="edit", device=disk)
+                marker = vim.option.OptionValue(key=GROW_TARGET_KEY, value=str(target_kb))
+                spec = vim.vm.ConfigSpec(deviceChange=[edit], extraConfig=[marker])
+                op.wait(vm.ReconfigVM_Task(spec))
+            return f"first disk now {target_kb / KIB_PER_GIB:.1f} GiB"
+
+        return await self._session.run(work, ref.vm_id)
+
+    async def power_on(self, ref: VMRef) -> str | None:
+        def work(op: Op) -> str | None:
+            vm, p = self._existing(op.conn, ref)
+            if p.get("runtime.powerState") == POWERED_ON:
+                return "already running"
+            op.wait(vm.PowerOnVM_Task())
+            return None
+
+        return await self._session.run(work, ref.vm_id)
+
+    async def wait_for_address(
+        self, ref: VMRef, expected: ipaddress.IPv4Address | None
+    ) -> ipaddress.IPv4Address:
+        def found(p: Props) -> ipaddress.IPv4Address | None:
+            if p.get("runtime.powerState") != POWERED_ON:
+                raise PermanentError(f"VM {ref.vm_id} is not running", vm_id=ref.vm_id)
+            # Empty means VMware Tools has not said yet, never "no address".
+            return pick_address(_interfaces(p), expected)
+
+        def work(op: Op) -> ipaddress.IPv4Address:
+            vm, _p = self._existing(op.conn, ref)
+            paths = ["runtime.powerState", "guest.ipAddress", "guest.net"]
+            return op.watch(vm, vim.VirtualMachine, paths, found)
+
+        return await self._session.run(work, ref.vm_id)
+
+    async def probe_ssh(self, ref: VMRef, address: ipaddress.IPv4Address, port: int) -> str | None:
+        # The address came through the hypervisor, not the network: only a connection
+        # proves that the guest is reachable.
+        return await probe_ssh_endpoint(address, port)
+
+    async def power_off(self, ref: VMRef) -> None:
+        def work(op: Op) -> None:
+            found = self._inventory.ours(op.conn, ref)
+            if found is None or found[1].get("runtime.powerState") == "poweredOff":
+                return
+            try:
+                op.wait(found[0].PowerOffVM_Task())
+            except (vim.fault.InvalidPowerState, vmodl.fault.ManagedObjectNotFound):
+                return  # it stopped, or went, meanwhile
+
+        await self._session.run(work, ref.vm_id)
+
+    async def destroy(self, ref: VMRef) -> None:
+        def work(op: Op) -> None:
+            found = self._inventory.ours(op.conn, ref)
+            if found is None:
+                return  # gone already: rollback is idempotent
+            vm, p = found
+            left = f"VM {p.get('name')} is still there (instance UUID {ref.vm_id})"
+            if p.get("runtime.powerState") == POWERED_ON:
+                raise PermanentError(f"{left}: it is running; stop it first", vm_id=ref.vm_id)
+            try:
+                op.wait(vm.Destroy_Task())
+            except vmodl.fault.ManagedObjectNotFound:
+                return
+            except vmodl.MethodFault as fault:
+                kind = RetryableError if isinstance(fault, RETRYABLE_FAULTS) else PermanentError
+                raise kind(f"{left}: {fault_text(fault)}", vm_id=ref.vm_id) from None
+
+        await self._session.run(work, ref.vm_id)
+
+    async def close(self) -> None:
+        await self._session.close()

@@ -1,0 +1,252 @@
+# mypy: disable-error-code="no-untyped-call"
+# (pyvmomi is typed, but the constructors of its data objects are not)
+"""Finding things in a vSphere inventory: datacenter, placement, templates, datastores,
+networks, and our VMs by instance UUID. Blocking; runs inside `Session.run`.
+
+Nothing found here is kept between operations except a clone's plan (from
+`prepare_clone` to `clone`): managed object ids belong to one server's database, so
+every operation looks its objects up again, and VMs are always found by instance UUID.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from pyVmomi import vim, vmodl
+
+from backends.base import JOB_TAG_PREFIX, CloneSpec, NotOurVM, PermanentError, VMInfo, VMRef
+from backends.vsphere_session import Conn, Props, Row
+
+if TYPE_CHECKING:
+    from backends.vsphere import Config
+
+_TAG_LINE = re.compile(rf"^{re.escape(JOB_TAG_PREFIX)}[a-z0-9-]+$")
+VM_PATHS = ["name", "config.annotation", "runtime.powerState"]
+POWERED_ON = "poweredOn"
+
+
+@dataclass(frozen=True)
+class Net:
+    """A network as a NIC must name it: a standard one by name, a distributed portgroup
+    by its switch's UUID and its key."""
+
+    name: str
+    obj: Any
+    distributed: bool
+    portgroup_key: str = ""
+    switch_uuid: str = ""
+
+    def backing(self) -> Any:
+        card = vim.vm.device.VirtualEthernetCard
+        if self.distributed:
+            # Naming a distributed portgroup like a standard network is accepted, and
+            # leaves the NIC connected to nothing.
+            port = vim.dvs.PortConnection(
+                portgroupKey=self.portgroup_key, switchUuid=self.switch_uuid
+            )
+            return card.DistributedVirtualPortBackingInfo(port=port)
+        return card.NetworkBackingInfo(network=self.obj, deviceName=self.name)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where a clone goes and what it copies, found once by `prepare_clone`."""
+
+    datacenter: Any
+    folder: Any
+    pool: Any
+    placement: str
+    template: Any
+    template_config: Any
+    datastore: Any
+    datastore_name: str
+    network: Net | None
+
+
+@dataclass(frozen=True)
+class Datacenter:
+    obj: Any
+    name: str
+    vm_folder: Any
+    host_folder: Any
+
+
+def tags(annotation: object) -> frozenset[str]:
+    """The job tags on the lines of an annotation."""
+    lines = (line.strip() for line in str(annotation or "").splitlines())
+    return frozenset(line for line in lines if _TAG_LINE.match(line))
+
+
+def annotation(spec: CloneSpec) -> str:
+    return f"{spec.tag}\nDeployed by deploybot job {spec.job_id} from template {spec.template}."
+
+
+def vm_info(vm_id: str, props: Props, placement: str | None = None) -> VMInfo:
+    running = props.get("runtime.powerState") == POWERED_ON
+    return VMInfo(
+        vm_id, str(props.get("name")), running, tags(props.get("config.annotation")), placement
+    )
+
+
+def disks(devices: list[Any]) -> list[Any]:
+    return [d for d in devices if isinstance(d, vim.vm.device.VirtualDisk)]
+
+
+def os_family(guest_id: str) -> str:
+    guest = guest_id.lower()
+    for family in ("ubuntu", "debian", "windows", "sles", "photon", "coreos"):
+        if family in guest:
+            return family
+    if any(el in guest for el in ("rhel", "centos", "rocky", "alma", "oracle")):
+        return "el"
+    return "other"
+
+
+class Inventory:
+    """Lookups under the configured datacenter, folders and filters."""
+
+    def __init__(self, name: str, config: Config) -> None:
+        self.name = name
+        self.config = config
+
+    def datacenter(self, conn: Conn) -> Datacenter:
+        paths = ["name", "vmFolder", "hostFolder"]
+        rows = conn.contained(conn.content.rootFolder, vim.Datacenter, paths)
+        wanted = self.config.datacenter
+        found = [(o, p) for o, p in rows if wanted is None or p["name"] == wanted]
+        if len(found) != 1:
+            names = ", ".join(sorted(p["name"] for _o, p in rows)) or "none"
+            problem = f"no datacenter {wanted!r}" if wanted else "several datacenters"
+            raise PermanentError(f"{self.name}: {problem} (have: {names}); set `datacenter`")
+        obj, p = found[0]
+        return Datacenter(obj, p["name"], p["vmFolder"], p["hostFolder"])
+
+    def computes(self, conn: Conn, dc: Datacenter) -> list[Row]:
+        rows = conn.contained(dc.host_folder, vim.ComputeResource, ["name", "resourcePool"])
+        # Clusters first: under DRS, vSphere chooses the host.
+        return sorted(rows, key=lambda r: not isinstance(r[0], vim.ClusterComputeResource))
+
+    def pool(self, conn: Conn, dc: Datacenter, placement: str | None) -> tuple[Any, str]:
+        """The resource pool for "COMPUTE" or "COMPUTE/POOL/...", and that name."""
+        configured = "/".join(p for p in (self.config.compute, self.config.resource_pool) if p)
+        compute_name, _, pool_path = (placement or configured).partition("/")
+        computes = self.computes(conn, dc)
+        chosen = [r for r in computes if not compute_name or r[1]["name"] == compute_name]
+        if not chosen:
+            names = ", ".join(p["name"] for _o, p in computes)
+            raise PermanentError(
+                f"{compute_name!r} is not a cluster or host of {self.name} (have: {names})"
+            )
+        name = chosen[0][1]["name"]
+        if not pool_path:
+            return chosen[0][1]["resourcePool"], name
+        pool = conn.find_path(f"{dc.name}/host/{name}/Resources/{pool_path}")
+        if not isinstance(pool, vim.ResourcePool):
+            raise PermanentError(f"no resource pool {pool_path!r} in {name} on {self.name}")
+        return pool, f"{name}/{pool_path}"
+
+    def folder(self, conn: Conn, dc: Datacenter, path: str | None) -> Any:
+        if not path:
+            return dc.vm_folder
+        folder = conn.find_path(f"{dc.name}/vm/{path}")
+        if not isinstance(folder, vim.Folder):
+            raise PermanentError(f"no VM folder {path!r} in {dc.name} on {self.name}")
+        return folder
+
+    def templates(self, conn: Conn, dc: Datacenter) -> list[Row]:
+        """VMs marked as templates, in `template_folder`, whose annotation contains
+        `template_annotation` (each filter only when configured)."""
+        root = self.folder(conn, dc, self.config.template_folder)
+        paths = ["name", "config.template", "config.annotation", "config.guestId", "datastore"]
+        needle = self.config.template_annotation or ""
+        rows = conn.contained(root, vim.VirtualMachine, [*paths, "config.hardware.device"])
+        return [
+            (obj, p)
+            for obj, p in rows
+            if p.get("config.template") and needle in str(p.get("config.annotation") or "")
+        ]
+
+    def template(self, conn: Conn, dc: Datacenter, name: str) -> Row:
+        rows = self.templates(conn, dc)
+        for obj, p in rows:
+            if p["name"] == name:
+                return obj, p
+        known = ", ".join(sorted(p["name"] for _o, p in rows)) or "none"
+        raise PermanentError(f"template {name!r} does not exist on {self.name} (have: {known})")
+
+    def datastores(self, conn: Conn, root: Any) -> list[Row]:
+        paths = ["name", "summary.capacity", "summary.freeSpace", "summary.accessible"]
+        rows = conn.contained(root, vim.Datastore, paths)
+        return [r for r in rows if r[1].get("summary.accessible", True)]
+
+    def network(self, conn: Conn, dc: Datacenter, name: str) -> Net:
+        rows = conn.contained(dc.obj, vim.Network, ["name"])
+        match = [obj for obj, p in rows if p["name"] == name]
+        if not match:
+            known = ", ".join(sorted(p["name"] for _o, p in rows))
+            raise PermanentError(f"no network {name!r} on {self.name} (have: {known})")
+        obj = match[0]
+        if not isinstance(obj, vim.dvs.DistributedVirtualPortgroup):
+            return Net(name, obj, distributed=False)
+        pg_paths = ["key", "config.distributedVirtualSwitch"]
+        pg = conn.props(obj, vim.dvs.DistributedVirtualPortgroup, pg_paths)
+        switch = pg["config.distributedVirtualSwitch"]
+        switch_uuid = conn.props(switch, vim.DistributedVirtualSwitch, ["uuid"])["uuid"]
+        return Net(name, obj, True, pg["key"], switch_uuid)
+
+    def plan(self, conn: Conn, spec: CloneSpec) -> Plan:
+        dc = self.datacenter(conn)
+        template, t_props = self.template(conn, dc, spec.template)
+        pool, placement = self.pool(conn, dc, spec.placement)
+        stores = self.datastores(conn, dc.obj)
+        wanted = spec.storage or self.config.datastore
+        if wanted:
+            chosen = [r for r in stores if r[1]["name"] == wanted]
+        else:
+            own = {d._moId for d in t_props.get("datastore") or []}
+            chosen = [r for r in stores if r[0]._moId in own]
+        if not chosen:
+            known = ", ".join(sorted(p["name"] for _o, p in stores))
+            raise PermanentError(f"no datastore {wanted!r} on {self.name} (have: {known})")
+        config = conn.props(template, vim.VirtualMachine, ["config"])["config"]
+        wanted_net = spec.network or self.config.network
+        network = self.network(conn, dc, wanted_net) if wanted_net else None
+        folder = self.folder(conn, dc, self.config.vm_folder)
+        store, store_props = chosen[0]
+        return Plan(
+            dc.obj, folder, pool, placement, template, config, store, store_props["name"], network
+        )
+
+    def vms(self, conn: Conn, name: str | None = None) -> list[VMInfo]:
+        """Every VM the session can see (or those called `name`), by instance UUID."""
+        root, paths = conn.content.rootFolder, [*VM_PATHS, "config.instanceUuid"]
+        if name is None:
+            rows = conn.contained(root, vim.VirtualMachine, paths)
+        else:  # names of all, details of the few that match
+            named = conn.contained(root, vim.VirtualMachine, ["name"])
+            matches = [obj for obj, p in named if p.get("name") == name]
+            rows = conn.retrieve(matches, vim.VirtualMachine, paths)
+        return [vm_info(str(p.get("config.instanceUuid")), p) for _o, p in rows]
+
+    def lookup(self, conn: Conn, vm_id: str, paths: tuple[str, ...] = ()) -> Row | None:
+        """The VM with this instance UUID and its properties; None when there is none."""
+        vm = conn.find_vm(vm_id)
+        if vm is None:
+            return None
+        try:
+            return vm, conn.props(vm, vim.VirtualMachine, [*VM_PATHS, *paths])
+        except vmodl.fault.ManagedObjectNotFound:
+            return None  # removed between the search and the read
+
+    def ours(self, conn: Conn, ref: VMRef, paths: tuple[str, ...] = ()) -> Row | None:
+        """Like `lookup`, but NotOurVM when the VM lacks the ref's job tag."""
+        found = self.lookup(conn, ref.vm_id, paths)
+        if found is not None and ref.tag not in tags(found[1].get("config.annotation")):
+            raise NotOurVM(
+                f"VM {found[1].get('name')} (instance UUID {ref.vm_id}) does not carry tag "
+                f"{ref.tag}: deploybot leaves it alone",
+                vm_id=ref.vm_id,
+            )
+        return found

@@ -1,0 +1,139 @@
+"""20 concurrent deploys on one vSphere session, against vcsim (vCenter and ESXi mode).
+
+Each run goes through the real queue, pipeline and SQLite store with the VSphereBackend,
+the test's guest agent reporting each guest's address and a listener answering its SSH
+check on 127.0.20.x. Per run it prints: wall time; SOAP round trips per deploy; tasks
+submitted, WaitForUpdatesEx calls and property reads (RetrievePropertiesEx + Fetch) per
+deploy; the worst event-loop stall seen by a 5 ms ticker.
+
+Waiting without polling shows in two ways: every task costs one WaitForUpdatesEx (vcsim
+ends its tasks at once) and no Fetch; and when the guests take 2 s longer to boot, the
+wall time grows by those 2 s while the reads and waits per deploy stay the same (a
+polling client would read more the longer it waits).
+
+    .venv/bin/python -m benchmarks.bench_vsphere    # from the checkout: uses tests/
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from backends.vsphere import VSphereBackend
+from bot.models import JobState
+from bot.parser import DeployArgs, parse
+from bot.runtime import make_backend, running_deployer
+from bot.settings import BUNDLED_CONFIG, load_settings
+from tests.vcsim_support import (
+    PASSWORD,
+    PASSWORD_ENV,
+    TEMPLATE,
+    Simulated,
+    build_vcsim,
+    make_tls,
+    simulator,
+)
+
+COUNT = 20
+GUESTS = [f"127.0.20.{100 + i}" for i in range(COUNT)]
+
+
+async def ticker(worst: list[float], stop: asyncio.Event) -> None:
+    """How late a 5 ms timer fires: a blocking call on the event loop would show here."""
+    loop = asyncio.get_running_loop()
+    while not stop.is_set():
+        before = loop.time()
+        await asyncio.sleep(0.005)
+        worst[0] = max(worst[0], loop.time() - before - 0.005)
+
+
+async def listen(port: int = 0) -> tuple[list[asyncio.Server], int]:
+    async def greet(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"SSH-2.0-OpenSSH_9.6 bench\r\n")
+        writer.close()
+
+    servers = []
+    for address in GUESTS:
+        servers.append(await asyncio.start_server(greet, address, port))
+        port = port or servers[0].sockets[0].getsockname()[1]
+    return servers, port
+
+
+async def run(lab: Simulated, tmp: Path) -> tuple[float, Counter[str], float]:
+    servers, port = await listen()
+    entry = lab.sim.config()
+    settings = load_settings(
+        BUNDLED_CONFIG,
+        database=str(tmp / f"bench-{time.monotonic_ns()}.db"),
+        log_file=str(tmp / "bench.log"),
+        backends=[entry],
+        subnets=[{"cidr": "127.0.20.0/24", "gateway": "127.0.20.1"}],
+        defaults={"backend": entry["name"], "template": TEMPLATE, "ssh_port": port},
+        limits={"max_running": COUNT, "max_running_per_backend": COUNT},
+        approval={},
+    )
+    backend = make_backend(settings.backends[0], {PASSWORD_ENV: PASSWORD})
+    assert isinstance(backend, VSphereBackend)
+    worst, stop = [0.0], asyncio.Event()
+    async with running_deployer(settings, backends={entry["name"]: backend}) as deployer:
+        await backend.templates()  # log in before the clock starts
+        before = backend.api_calls()
+        tick = asyncio.create_task(ticker(worst, stop))
+        started = time.perf_counter()
+        jobs = []
+        for i, address in enumerate(GUESTS):
+            args = parse(f"bench{i:02d} {address}")
+            assert isinstance(args, DeployArgs)
+            jobs.append(await deployer.request_deploy(args, "bench"))
+        await deployer.drain()
+        wall = time.perf_counter() - started
+        stop.set()
+        await tick
+        calls = backend.api_calls() - before
+        states = {(await deployer.status(j.id)).job.state for j in jobs}
+    for server in servers:
+        server.close()
+    assert states == {JobState.SUCCEEDED}, states
+    return wall, calls, worst[0]
+
+
+def row(mode: str, boot_s: float, wall: float, calls: Counter[str], stall: float) -> str:
+    per = {k: v / COUNT for k, v in calls.items()}
+    tasks = sum(v for k, v in per.items() if k.endswith("_Task"))
+    reads = per.get("RetrievePropertiesEx", 0) + per.get("Fetch", 0)
+    return (
+        f"{mode:<8} {boot_s:>6.1f} {wall:>7.2f} {sum(per.values()):>8.1f} {tasks:>6.1f} "
+        f"{per.get('WaitForUpdatesEx', 0):>6.1f} {reads:>6.1f} {per.get('Fetch', 0):>6.1f} "
+        f"{stall * 1000:>9.1f}"
+    )
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory() as name:
+        tmp = Path(name)
+        binary, tls = build_vcsim(tmp), make_tls(tmp)
+        print(f"{COUNT} concurrent deploys on one session; per deploy: SOAP calls, tasks, ")
+        print("WaitForUpdatesEx, property reads (RetrievePropertiesEx + Fetch), Fetch alone\n")
+        print(
+            f"{'mode':<8} {'boot s':>6} {'wall s':>7} {'calls':>8} {'tasks':>6} {'waits':>6} "
+            f"{'reads':>6} {'Fetch':>6} {'stall ms':>9}"
+        )
+        detail: dict[str, Any] = {}
+        for esx in (False, True):
+            for boot_s in (0.0, 2.0):
+                mode = "esxi" if esx else "vcenter"
+                with simulator(binary, tls, tmp, esx=esx, boot_s=boot_s) as lab:
+                    wall, calls, stall = asyncio.run(run(lab, tmp))
+                print(row(mode, boot_s, wall, calls, stall))
+                detail.setdefault(mode, calls)
+        for mode, calls in detail.items():
+            methods = ", ".join(f"{k} {v / COUNT:g}" for k, v in sorted(calls.items()))
+            print(f"\n{mode} calls per deploy: {methods}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,22 @@
+"""The shared backend contract, run against vcsim in standalone ESXi mode.
+
+The test's guest agent (tests/vcsim_support.py) plays the booted guest: it reports the address
+from the VM's cloud-init metadata, so `wait_for_address` returns the identity's address.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+
+from backends.base import Backend
+from tests.contract import *  # noqa: F403
+from tests.vcsim_support import Simulated, esxi_fixture, vcsim_binary_fixture, vcsim_tls_fixture  # noqa: F401
+
+
+@pytest.fixture
+async def backend(esxi: Simulated) -> AsyncIterator[Backend]:
+    vsphere = esxi.sim.backend()
+    yield vsphere
+    await vsphere.close()

@@ -1,0 +1,336 @@
+"""Whole deploys through the real pipeline (queue, SQLite, steps, rollback) onto vcsim,
+in vCenter and standalone ESXi mode, with the real SSH check against a listener on the
+127.0.20.0/24 address the test gives the VM."""
+
+# mypy: disable-error-code="no-untyped-call"
+# (pyvmomi is typed, but the constructors of its data objects and pyVim are not)
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import Counter
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pyVmomi import vim
+
+from backends.vsphere import VSphereBackend
+from bot.models import Job, JobState
+from bot.parser import DeployArgs, parse
+from bot.pipeline import STEPS
+from bot.runtime import make_backend, running_deployer
+from bot.service import Deployer
+from bot.settings import Settings
+from tests.conftest import Recorder, make_settings
+from tests.vcsim_support import (
+    PASSWORD,
+    PASSWORD_ENV,
+    TEMPLATE,
+    Simulated,
+    TlsFiles,
+    esxi_fixture,  # noqa: F401
+    simulator,
+    vcenter_fixture,  # noqa: F401
+    vcsim_binary_fixture,  # noqa: F401
+    vcsim_tls_fixture,  # noqa: F401
+)
+
+SUBNET = {
+    "cidr": "127.0.20.0/24",
+    "gateway": "127.0.20.1",
+    "dns": ["127.0.20.2"],
+    "search_domain": "lab.test",
+}
+# Generous: 20 deploys share one simulator. Failing tests shorten the step they fail.
+TIMEOUTS = {
+    **dict.fromkeys(
+        ("check_free_s", "clone_s", "identity_s", "resize_s", "power_on_s", "address_s"), 30.0
+    ),
+    **dict.fromkeys(("ssh_s", "power_off_s", "destroy_s"), 30.0),
+    "retry_initial_s": 0.05,
+    "retry_max_s": 0.2,
+}
+
+
+class Sshd:
+    """The guests' SSH servers: listeners on their loopback addresses, one shared port."""
+
+    def __init__(self) -> None:
+        self.accepted: Counter[str] = Counter()
+        self.servers: list[asyncio.Server] = []
+        self.port = 0
+
+    async def listen(self, *addresses: str) -> None:
+        for address in addresses:
+            server = await asyncio.start_server(self._greet(address), address, self.port)
+            self.port = self.port or server.sockets[0].getsockname()[1]
+            self.servers.append(server)
+
+    def _greet(self, address: str) -> Any:
+        async def greet(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            self.accepted[address] += 1
+            writer.write(b"SSH-2.0-OpenSSH_9.6 vcsim-guest\r\n")
+            writer.close()
+
+        return greet
+
+    async def close(self) -> None:
+        for server in self.servers:
+            server.close()
+            await server.wait_closed()
+
+
+@pytest.fixture
+async def sshd() -> AsyncIterator[Sshd]:
+    listeners = Sshd()
+    await listeners.listen("127.0.20.50")
+    yield listeners
+    await listeners.close()
+
+
+def vsphere_settings(tmp_path: Path, sim: Simulated, sshd: Sshd, **overrides: Any) -> Settings:
+    entry = sim.sim.config()
+    data: dict[str, Any] = {
+        "backends": [entry],
+        "subnets": [SUBNET],
+        "defaults": {"backend": entry["name"], "template": TEMPLATE, "ssh_port": sshd.port},
+        "timeouts": TIMEOUTS,
+        "limits": {"max_running": 20, "max_running_per_backend": 20},
+    }
+    return make_settings(tmp_path, **{**data, **overrides})
+
+
+@contextlib.asynccontextmanager
+async def deployer_for(
+    settings: Settings, recorder: Recorder | None = None
+) -> AsyncIterator[tuple[Deployer, VSphereBackend]]:
+    """The real wiring: the backend from its module's `create`, the password from the
+    environment it is given."""
+    (config,) = settings.backends
+    backend = make_backend(config, {PASSWORD_ENV: PASSWORD})
+    assert isinstance(backend, VSphereBackend)
+    async with running_deployer(
+        settings, recorder or Recorder(), backends={config.name: backend}, grace_s=30
+    ) as deployer:
+        yield deployer, backend
+
+
+async def deploy(deployer: Deployer, text: str) -> Job:
+    args = parse(text)
+    assert isinstance(args, DeployArgs)
+    job = await deployer.request_deploy(args, "alice")
+    await deployer.drain()
+    final = (await deployer.status(job.id)).job
+    assert final.state.final
+    return final
+
+
+def nic_of(vm: Any) -> Any:
+    (nic,) = [
+        d for d in vm.config.hardware.device if isinstance(d, vim.vm.device.VirtualEthernetCard)
+    ]
+    return nic
+
+
+# --- whole deploys ----------------------------------------------------------------------
+
+
+async def test_a_vcenter_deploy_end_to_end(
+    vcenter: Simulated, sshd: Sshd, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    settings = vsphere_settings(tmp_path, vcenter, sshd)
+    recorder = Recorder()
+    async with deployer_for(settings, recorder) as (deployer, backend):
+        job = await deploy(deployer, "web01 127.0.20.50 cpu=2 mem=1G disk=+2G")
+        calls = backend.api_calls()
+    assert job.state is JobState.SUCCEEDED, job.error
+    assert job.ssh_line == "ssh ubuntu@127.0.20.50"
+    assert [s for _j, s, phase in recorder.steps if phase == "ok"] == list(STEPS)
+    assert sshd.accepted["127.0.20.50"] >= 1  # the SSH check really connected
+    # The job stored the instance UUID and the pool the clone went to.
+    vm = vcenter.sim.vm(str(job.vm_id))
+    assert vm.name == "web01" and job.vm_placement == "DC0_C0"
+    assert vm.runtime.powerState == "poweredOn"
+    assert (vm.config.hardware.numCPU, vm.config.hardware.memoryMB) == (2, 1024)
+    pg = next(n for n in vcenter.sim.datacenter.network if n.name == "DC0_DVPG0")
+    backing = nic_of(vm).backing
+    assert isinstance(backing, vim.vm.device.VirtualEthernetCard.DistributedVirtualPortBackingInfo)
+    assert (backing.port.switchUuid, backing.port.portgroupKey) == (
+        pg.config.distributedVirtualSwitch.uuid,
+        pg.key,
+    )
+    # What the guest read from guestinfo at boot.
+    booted = vcenter.guests.booted[str(job.vm_id)]
+    assert booted.metadata["instance-id"] == job.vm_id
+    assert booted.metadata["local-hostname"] == "web01"
+    nic = booted.metadata["network"]["ethernets"]["nic0"]
+    assert nic["addresses"] == ["127.0.20.50/24"] and nic["match"] == {"name": "e*"}
+    assert nic["routes"] == [{"to": "0.0.0.0/0", "via": "127.0.20.1"}]
+    assert nic["nameservers"] == {"addresses": ["127.0.20.2"], "search": ["lab.test"]}
+    assert booted.userdata["users"][0]["name"] == "ubuntu"
+    assert booted.userdata["package_upgrade"] is False
+    # Tasks were waited for through collectors, never by reading properties in a loop.
+    assert calls["Fetch"] == 0
+    assert calls["CloneVM_Task"] == 1 and calls["Login"] == 1
+    assert PASSWORD not in caplog.text
+
+
+async def test_an_esxi_deploy_end_to_end_never_clones(
+    esxi: Simulated, sshd: Sshd, tmp_path: Path
+) -> None:
+    """vcsim accepts CloneVM_Task in ESX mode, a real ESXi does not: the ESXi path must
+    copy the disk and create the VM instead, which the client's calls and the server's
+    events both show."""
+    overrides = {"thin_provisioned": False, "eagerly_scrub": True}
+    settings = vsphere_settings(tmp_path, esxi, sshd, backends=[esxi.sim.config(**overrides)])
+    async with deployer_for(settings) as (deployer, backend):
+        job = await deploy(deployer, "web01 127.0.20.50 disk=+1G")
+        calls = backend.api_calls()
+    assert job.state is JobState.SUCCEEDED, job.error
+    assert job.ssh_line == "ssh ubuntu@127.0.20.50" and sshd.accepted["127.0.20.50"] >= 1
+    assert calls["CloneVM_Task"] == 0
+    assert calls["MakeDirectory"] == 1
+    assert calls["CopyVirtualDisk_Task"] == 1 and calls["CreateVM_Task"] == 1
+    done = esxi.sim.task_history()
+    assert "VirtualDiskManager.copyVirtualDisk" in done and "Folder.createVm" in done
+    assert not [d for d in done if "clone" in d.lower()]
+    vm = esxi.sim.vm(str(job.vm_id))
+    (disk,) = [d for d in vm.config.hardware.device if isinstance(d, vim.vm.device.VirtualDisk)]
+    backing: Any = disk.backing
+    assert backing.fileName == f"[LocalDS_0] web01-{str(job.vm_id)[:8]}/web01.vmdk"
+    assert (backing.thinProvisioned, backing.eagerlyScrub) == (False, True)
+    assert isinstance(nic_of(vm).backing, vim.vm.device.VirtualEthernetCard.NetworkBackingInfo)
+    assert esxi.guests.booted[str(job.vm_id)].metadata["local-hostname"] == "web01"
+
+
+# --- rollback -------------------------------------------------------------------------
+
+
+def leftovers(sim: Simulated, before: dict[str, str]) -> dict[str, str]:
+    """VMs in the inventory now that were not there before the deploy."""
+    now = sim.sim.vms()
+    assert set(before) <= set(now), "a VM that was there before has gone"
+    return {uuid: name for uuid, name in now.items() if uuid not in before}
+
+
+# The SOAP call each step waits on, made slower (0.6 s) than the step's timeout (0.3 s),
+# so that the timeout lands while the call is in flight; the address step waits for a
+# guest that never reports, the SSH step for a port where nothing listens.
+IN_FLIGHT = {
+    "clone": "CloneVM_Task=600,CopyVirtualDisk_Task=600",
+    "identity": "ReconfigVM_Task=600",
+    "resize": "ReconfigVM_Task=600",
+    "power_on": "PowerOnVM_Task=600",
+    "address": "",
+    "ssh": "",
+}
+
+
+@pytest.mark.parametrize("mode", ["vcenter", "esxi"])
+@pytest.mark.parametrize("step", list(IN_FLIGHT))
+async def test_a_step_that_times_out_mid_call_leaves_nothing(
+    vcsim_binary: Path, vcsim_tls: TlsFiles, tmp_path: Path, step: str, mode: str
+) -> None:
+    """The timeout lands while the step's call runs in its thread: the backend stops it
+    or lets vSphere finish, and only then returns, so the rollback finds what there is
+    and removes it. The inventory and the datastore are as they were before."""
+    esx = mode == "esxi"
+    with simulator(vcsim_binary, vcsim_tls, tmp_path, esx=esx, delay=IN_FLIGHT[step]) as sim:
+        sim.guests.silent.add("web01" if step == "address" else "")
+        ssh = Sshd()
+        if step == "ssh":
+            ssh.port = 2  # nothing listens there
+        else:
+            await ssh.listen("127.0.20.50")
+        timeouts = {**TIMEOUTS, f"{step}_s": 0.3}
+        settings = vsphere_settings(tmp_path, sim, ssh, timeouts=timeouts)
+        before, history = sim.sim.vms(), Counter(sim.sim.task_history())
+        folders = sim.sim.datastore_folders()
+        recorder = Recorder()
+        async with deployer_for(settings, recorder) as (deployer, _backend):
+            job = await deploy(deployer, "web01 127.0.20.50 disk=+1G")
+        await ssh.close()
+        assert job.state is JobState.FAILED and job.failed_step == step
+        assert "timed out" in (job.error or "")
+        assert leftovers(sim, before) == {}
+        assert sim.sim.datastore_folders() == folders  # no copied disk left either
+        _job, report = recorder.finished[job.id]
+        assert report is not None and report.clean, report
+        done = Counter(sim.sim.task_history()) - history
+        # The call that timed out had finished (or, for the ESXi copy, was undone) when
+        # the rollback ran: from the clone on (vCenter) there was a VM to remove, from
+        # power-on a running VM to stop first.
+        created = step != "clone" or not esx
+        assert done["VirtualMachine.destroy"] == int(created)
+        powered = STEPS.index(step) >= STEPS.index("power_on")
+        assert done["VirtualMachine.powerOff"] == int(powered)
+
+
+async def test_a_cancel_while_waiting_for_the_guest_stops_and_removes_the_vm(
+    vcenter: Simulated, sshd: Sshd, tmp_path: Path
+) -> None:
+    vcenter.guests.silent.add("web01")
+    before = vcenter.sim.vms()
+    recorder = Recorder()
+    async with deployer_for(vsphere_settings(tmp_path, vcenter, sshd), recorder) as (d, _b):
+        args = parse("web01 127.0.20.50")
+        assert isinstance(args, DeployArgs)
+        job = await d.request_deploy(args, "alice")
+        await recorder.seen("address").wait()
+        await d.cancel(job.id, "alice")
+        await d.drain()
+        job = (await d.status(job.id)).job
+    assert job.state is JobState.CANCELLED
+    assert leftovers(vcenter, before) == {}
+    _job, report = recorder.finished[job.id]
+    assert report is not None and report.clean
+    assert [u.split()[0] for u in report.undone] == ["stop", "destroy"]
+
+
+async def test_an_unknown_datastore_fails_the_clone_before_anything_exists(
+    vcenter: Simulated, sshd: Sshd, tmp_path: Path
+) -> None:
+    entry = vcenter.sim.config(datastore="NoSuchDS")
+    before = vcenter.sim.vms()
+    settings = vsphere_settings(tmp_path, vcenter, sshd, backends=[entry])
+    async with deployer_for(settings) as (deployer, _backend):
+        job = await deploy(deployer, "web01 127.0.20.50")
+    assert job.state is JobState.FAILED and job.failed_step == "clone"
+    assert "no datastore 'NoSuchDS'" in (job.error or "") and "LocalDS_0" in (job.error or "")
+    assert job.vm_id is None
+    assert leftovers(vcenter, before) == {}
+
+
+# --- many at once ---------------------------------------------------------------------
+
+
+async def test_twenty_concurrent_deploys_share_one_session(
+    vcenter: Simulated, sshd: Sshd, tmp_path: Path
+) -> None:
+    """Twenty deploys at once on one session: every task wait gets its own collector,
+    so each deploy sees its own tasks end, and every VM gets its own identity."""
+    addresses = [f"127.0.20.{100 + i}" for i in range(20)]
+    await sshd.listen(*addresses)
+    async with deployer_for(vsphere_settings(tmp_path, vcenter, sshd)) as (deployer, backend):
+        requested = []
+        for i, address in enumerate(addresses):
+            args = parse(f"web{i:02d} {address}")
+            assert isinstance(args, DeployArgs)
+            requested.append(await deployer.request_deploy(args, "alice"))
+        await deployer.drain()
+        jobs = [(await deployer.status(j.id)).job for j in requested]
+        calls = backend.api_calls()
+    assert [j.state for j in jobs] == [JobState.SUCCEEDED] * 20, [j.error for j in jobs]
+    for job, address in zip(jobs, addresses, strict=True):
+        assert job.final_address == address and sshd.accepted[address] >= 1
+        booted = vcenter.guests.booted[str(job.vm_id)]
+        assert (booted.name, booted.address) == (job.name, address)
+        assert vcenter.sim.vm(str(job.vm_id)).name == job.name
+    assert len({j.vm_id for j in jobs}) == 20
+    assert calls["Login"] == 1
+    assert calls["CreatePropertyCollector"] == calls["DestroyPropertyCollector"]
+    tasks = sum(n for method, n in calls.items() if method.endswith("_Task"))
+    assert calls["WaitForUpdatesEx"] >= tasks and calls["Fetch"] == 0
