@@ -144,9 +144,15 @@ def start_shell(env: dict[str, str], cwd: Path) -> subprocess.Popen[str]:
     )
 
 
-def run_round(tmp: Path, point: KillPoint, name: str, address: str, reuse: str | None) -> bool:
+def run_round(
+    tmp: Path,
+    env: dict[str, str],
+    point: KillPoint,
+    name: str,
+    address: str,
+    reuse: str | None = None,
+) -> bool:
     """One life of the bot, ended by SIGKILL at the kill point; True if it was killed."""
-    env = write_config(tmp, point.fault)
     proc = start_shell(env, tmp)
     watchdog = threading.Timer(60, proc.kill)
     watchdog.start()
@@ -181,9 +187,8 @@ def run_round(tmp: Path, point: KillPoint, name: str, address: str, reuse: str |
     return killed
 
 
-def restart(tmp: Path, resume: bool = False) -> str:
+def restart(tmp: Path, env: dict[str, str]) -> str:
     """A new life with nothing to do: it recovers, drains and leaves at end of input."""
-    env = write_config(tmp, None, resume)
     result = subprocess.run(
         [sys.executable, "-m", "handlers.entry", "shell", "--user", "alice"],
         input="",
@@ -206,7 +211,9 @@ def job_state(tmp: Path, name: str) -> str:
         db.close()
 
 
-def check_invariants(tmp: Path) -> None:
+def settled_jobs(tmp: Path) -> dict[str, tuple[str, str, str, str]]:
+    """Every job as (state, name, address, vm_id), after checking the store is sound and
+    no job is left unfinished."""
     db = sqlite3.connect(tmp / "jobs.db")
     try:
         assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
@@ -219,6 +226,11 @@ def check_invariants(tmp: Path) -> None:
     states = Counter(state for state, *_ in jobs.values())
     unfinished = {s for s in states if s not in ("succeeded", "failed", "cancelled")}
     assert not unfinished, f"jobs left in {unfinished}: {states}"
+    return jobs
+
+
+def check_invariants(tmp: Path) -> None:
+    jobs = settled_jobs(tmp)
     state = tmp / "sim.json"  # written at the simulator's first change
     inventory = json.loads(state.read_text())["vms"] if state.exists() else []
     names = Counter(vm["name"] for vm in inventory)
@@ -252,11 +264,12 @@ def test_kill_at_random_moments_and_restart(
         name = f"r{number:02d}"
         address = f"10.20.{number // 200 + 1}.{number % 200 + 10}"
         reuse = rng.choice(names) if names and rng.random() < 0.5 else None
-        if run_round(tmp_path, point, name, address, reuse):
+        env = write_config(tmp_path, point.fault)
+        if run_round(tmp_path, env, point, name, address, reuse):
             kills[point] += 1
             waits_seen += point.outage
         names.append(name)
-        restart(tmp_path, point.resume)
+        restart(tmp_path, write_config(tmp_path, None, point.resume))
         check_invariants(tmp_path)
         if point.resume:
             assert job_state(tmp_path, name) == RESUMES[point], point
