@@ -132,6 +132,23 @@ class Placement:
 
 
 @dataclass(frozen=True)
+class Identity:
+    """What cloud-init gives the guest on first boot."""
+
+    hostname: str
+    user: str
+    ssh_keys: tuple[str, ...]
+    address: ipaddress.IPv4Interface
+    gateway: ipaddress.IPv4Address
+    dns: tuple[ipaddress.IPv4Address, ...]
+    search_domain: str
+    upgrade: bool
+    cores: int
+    memory_mib: int
+    network: str | None = None  # the NIC's network, as in CloneSpec (None: the default)
+
+
+@dataclass(frozen=True)
 class CloneSpec:
     job_id: str
     name: str
@@ -139,6 +156,9 @@ class CloneSpec:
     placement: str | None = None
     storage: str | None = None
     network: str | None = None  # the NIC's network (None: the backend's default)
+    # What cloud-init will give the guest, for backends that can set it in the clone
+    # itself; apply_identity is still called and must then be cheap and idempotent.
+    identity: Identity | None = None
 
     @property
     def tag(self) -> str:
@@ -160,23 +180,6 @@ class VMRef:
     @property
     def tag(self) -> str:
         return job_tag(self.job_id)
-
-
-@dataclass(frozen=True)
-class Identity:
-    """What cloud-init gives the guest on first boot."""
-
-    hostname: str
-    user: str
-    ssh_keys: tuple[str, ...]
-    address: ipaddress.IPv4Interface
-    gateway: ipaddress.IPv4Address
-    dns: tuple[ipaddress.IPv4Address, ...]
-    search_domain: str
-    upgrade: bool
-    cores: int
-    memory_mib: int
-    network: str | None = None  # the NIC's network, as in CloneSpec (None: the default)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,9 @@ template's hardware around them (`CreateVM_Task`). `CloneVM_Task` is never sent 
   clone/create spec and resolved with `FindByUuid(None, uuid, True, True)` at every
   operation. The job tag is a line of the annotation; a VM without it is never changed.
 * The guest's identity travels as cloud-init documents in guestinfo keys
-  (`vsphere_guestinfo`), set with CPU and memory by `apply_identity`.
+  (`vsphere_guestinfo`), set with CPU and memory in the clone/create spec when the
+  CloneSpec carries it; `apply_identity` then finds them in place (one property read)
+  and reconfigures only a VM that lacks them.
 * Session, thread pool, task waiting without polling and fault mapping:
   `vsphere_session`; inventory lookups: `vsphere_inventory`; specs: `vsphere_specs`.
 """
@@ -29,7 +31,6 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 from pyVmomi import vim, vmodl
 
-from backends import vsphere_guestinfo as guestinfo
 from backends import vsphere_specs as specs
 from backends.base import (
     BackendConfig,
@@ -159,11 +160,6 @@ def _interfaces(props: Props) -> list[tuple[str, str]]:
     if props.get("guest.ipAddress"):
         pairs.append(("guest", props["guest.ipAddress"]))
     return pairs
-
-
-def _last_extra(props: Props, key: str) -> str | None:
-    values = [o.value for o in props.get("config.extraConfig") or [] if o.key == key]
-    return str(values[-1]) if values else None
 
 
 class VSphereBackend:
@@ -303,6 +299,8 @@ class VSphereBackend:
 
     async def clone(self, spec: CloneSpec, ref: VMRef) -> str | None:
         plan = self._plans.pop(ref.vm_id, None)
+        # Built first: an identity that cannot be written fails before anything exists.
+        guest = specs.GuestConfig.of(ref.vm_id, spec.identity) if spec.identity else None
 
         def work(op: Op) -> str:
             if self._inventory.ours(op.conn, ref) is not None:
@@ -310,20 +308,22 @@ class VSphereBackend:
             use = plan or self._inventory.plan(op.conn, spec)
             note = annotation(spec)
             if op.conn.vcenter:
-                clone = specs.clone_spec(use, ref, note, self._disks)
+                clone = specs.clone_spec(use, ref, note, self._disks, guest)
                 vm = op.wait(
                     use.template.CloneVM_Task(folder=use.folder, name=spec.name, spec=clone)
                 )
             else:
-                vm = self._copy_esxi(op, spec, ref, use)
-            self._settle(op, vm, ref, note)
+                vm = self._copy_esxi(op, spec, ref, use, guest)
+            self._settle(op, vm, ref, note, guest)
             how = "cloned" if op.conn.vcenter else "disk copied"
             net = f", NIC on {use.network.name}" if use.network else ""
             return f"{how} to {use.datastore_name} ({self.config.disk_format}){net}"
 
         return await self._session.run(work, ref.vm_id)
 
-    def _copy_esxi(self, op: Op, spec: CloneSpec, ref: VMRef, plan: Plan) -> Any:
+    def _copy_esxi(
+        self, op: Op, spec: CloneSpec, ref: VMRef, plan: Plan, guest: specs.GuestConfig | None
+    ) -> Any:
         """A standalone host has no CloneVM_Task: copy the template's disks into a new
         folder, then create a VM around them from the template's hardware."""
         content = op.conn.content
@@ -348,7 +348,8 @@ class VSphereBackend:
                 copies[disk.key] = target
             op.check()
             vmx = f"{folder}/{spec.name}.vmx"
-            config = specs.create_spec(spec, ref, plan, annotation(spec), vmx, copies, self._disks)
+            note = annotation(spec)
+            config = specs.create_spec(spec, ref, plan, note, vmx, copies, self._disks, guest)
             return op.wait(plan.folder.CreateVM_Task(config=config, pool=plan.pool))
         except BaseException:
             self._remove_folder(op, ref, folder, plan.datacenter)
@@ -365,35 +366,41 @@ class VSphereBackend:
         except Exception:
             log.warning("backend %s: could not remove %s", self.name, folder, exc_info=True)
 
-    def _settle(self, op: Op, vm: Any, ref: VMRef, note: str) -> None:
-        """Make sure the new VM carries our instance UUID and job tag: a server that
-        dropped them from the spec (vcsim drops the annotation) gets them set now."""
+    def _settle(
+        self, op: Op, vm: Any, ref: VMRef, note: str, guest: specs.GuestConfig | None
+    ) -> None:
+        """Make sure the new VM carries our instance UUID, job tag and the guest's
+        identity: what a server dropped from the spec (vcsim drops the annotation, and
+        from a clone the CPU and memory) is set now, in one reconfiguration."""
         paths = ["config.instanceUuid", "config.annotation"]
-        p = op.conn.props(vm, vim.VirtualMachine, paths)
+        p = op.conn.props(vm, vim.VirtualMachine, [*paths, *(specs.GUEST_PATHS if guest else ())])
         fix = vim.vm.ConfigSpec()
+        missing: list[str] = []
         if p.get("config.instanceUuid") != ref.vm_id:
             fix.instanceUuid = ref.vm_id
+            missing.append("instance UUID")
         if ref.tag not in tags(p.get("config.annotation")):
             fix.annotation = note
-        if fix.instanceUuid or fix.annotation:
-            log.info("backend %s: setting what the server left out of the clone", self.name)
+            missing.append("job tag")
+        for key, value in (guest.missing(p) if guest else {}).items():
+            setattr(fix, key, value)
+            missing.append(key)
+        if missing:
+            log.info(
+                "backend %s: setting what the server left out of the clone: %s",
+                self.name,
+                ", ".join(missing),
+            )
             op.wait(vm.ReconfigVM_Task(fix))
 
     async def apply_identity(self, ref: VMRef, identity: Identity) -> str | None:
-        # The instance UUID is new for every deploy: cloud-init runs its per-instance
-        # setup only when the instance-id differs from the one cached on disk.
-        extra = guestinfo.extra_config(ref.vm_id, identity)
+        guest = specs.GuestConfig.of(ref.vm_id, identity)
 
         def work(op: Op) -> None:
-            vm, p = self._existing(op.conn, ref, ("config.hardware.numCoresPerSocket",))
-            spec = vim.vm.ConfigSpec(
-                numCPUs=identity.cores,
-                memoryMB=identity.memory_mib,
-                extraConfig=[vim.option.OptionValue(key=k, value=v) for k, v in extra.items()],
-            )
-            if identity.cores % (p.get("config.hardware.numCoresPerSocket") or 1):
-                spec.numCoresPerSocket = 1
-            op.wait(vm.ReconfigVM_Task(spec))
+            # Read with the lookup: a VM whose clone carried the identity costs no task.
+            vm, p = self._existing(op.conn, ref, specs.GUEST_PATHS)
+            if guest.missing(p):
+                op.wait(vm.ReconfigVM_Task(guest.spec(p.get(specs.CORES_PER_SOCKET))))
 
         await self._session.run(work, ref.vm_id)
         return None
@@ -411,7 +418,7 @@ class VSphereBackend:
             if not found:
                 raise PermanentError(f"VM {p['name']} has no disk to grow", vm_id=ref.vm_id)
             disk = found[0]
-            recorded = _last_extra(p, GROW_TARGET_KEY)
+            recorded = specs.last_extra(p, GROW_TARGET_KEY)
             target_kb = int(recorded) if recorded else disk.capacityInKB + grow_gib * KIB_PER_GIB
             if disk.capacityInKB < target_kb:
                 disk.capacityInKB, disk.capacityInBytes = target_kb, target_kb * 1024

@@ -246,7 +246,13 @@ class Pipeline:
             await self._step(run, step, t.check_free_s, lambda: self._check_free(run))
         elif step == "clone":
             spec = CloneSpec(
-                run.job.id, req.name, req.template, req.placement, req.storage, req.network
+                run.job.id,
+                req.name,
+                req.template,
+                req.placement,
+                req.storage,
+                req.network,
+                identity=_identity(req),
             )
             mode = await self._call(run, step, t.check_free_s, lambda: backend.clone_mode(spec))
             detail = f"{req.template}, {mode.reason}"

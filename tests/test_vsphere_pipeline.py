@@ -31,6 +31,7 @@ from tests.vcsim_support import (
     TEMPLATE,
     Simulated,
     TlsFiles,
+    decode,
     esxi_fixture,  # noqa: F401
     simulator,
     vcenter_fixture,  # noqa: F401
@@ -128,6 +129,30 @@ async def deploy(deployer: Deployer, text: str) -> Job:
     return final
 
 
+class StepCalls:
+    """The backend's SOAP calls per step, from snapshots taken as each step starts."""
+
+    def __init__(self, recorder: Recorder, backend: VSphereBackend) -> None:
+        self.backend = backend
+        self.started: list[tuple[str, Counter[str]]] = []
+        recorder.on_step = lambda _job, step: self.started.append((step, backend.api_calls()))
+
+    def during(self, step: str) -> Counter[str]:
+        """From `step`'s start to the next step's (or to now): read before the backend closes."""
+        names = [name for name, _calls in self.started]
+        index = names.index(step)
+        later = self.started[index + 1 :]
+        end = later[0][1] if later else self.backend.api_calls()
+        return end - self.started[index][1]
+
+
+def guest_config(sim: Simulated, vm_id: str) -> tuple[int, int, dict[str, Any]]:
+    """numCPU, memoryMB and the decoded cloud-init metadata of a VM, as the server has them."""
+    vm = sim.sim.vm(vm_id)
+    metadata = decode(sim.sim.extra(vm)["guestinfo.metadata"])
+    return vm.config.hardware.numCPU, vm.config.hardware.memoryMB, metadata
+
+
 def nic_of(vm: Any) -> Any:
     (nic,) = [
         d for d in vm.config.hardware.device if isinstance(d, vim.vm.device.VirtualEthernetCard)
@@ -144,8 +169,10 @@ async def test_a_vcenter_deploy_end_to_end(
     settings = vsphere_settings(tmp_path, vcenter, sshd)
     recorder = Recorder()
     async with deployer_for(settings, recorder) as (deployer, backend):
+        steps = StepCalls(recorder, backend)
         job = await deploy(deployer, "web01 127.0.20.50 cpu=2 mem=1G disk=+2G")
         calls = backend.api_calls()
+        cloning, identity = steps.during("clone"), steps.during("identity")
     assert job.state is JobState.SUCCEEDED, job.error
     assert job.ssh_line == "ssh ubuntu@127.0.20.50"
     assert [s for _j, s, phase in recorder.steps if phase == "ok"] == list(STEPS)
@@ -154,7 +181,14 @@ async def test_a_vcenter_deploy_end_to_end(
     vm = vcenter.sim.vm(str(job.vm_id))
     assert vm.name == "web01" and job.vm_placement == "DC0_C0"
     assert vm.runtime.powerState == "poweredOn"
-    assert (vm.config.hardware.numCPU, vm.config.hardware.memoryMB) == (2, 1024)
+    # The clone carried CPU, memory and guestinfo: the identity step only read them.
+    # (vcsim drops the annotation and, from a clone, CPU and memory: the clone's own check
+    # sets them in its one ReconfigVM_Task; a vCenter keeps them and needs none.)
+    assert cloning["CloneVM_Task"] == 1 and cloning["ReconfigVM_Task"] <= 1
+    assert identity["ReconfigVM_Task"] == 0 and identity["RetrievePropertiesEx"] == 1
+    cores, memory, metadata = guest_config(vcenter, str(job.vm_id))
+    assert (cores, memory) == (2, 1024)
+    assert metadata["instance-id"] == job.vm_id and metadata["local-hostname"] == "web01"
     pg = next(n for n in vcenter.sim.datacenter.network if n.name == "DC0_DVPG0")
     backing = nic_of(vm).backing
     assert isinstance(backing, vim.vm.device.VirtualEthernetCard.DistributedVirtualPortBackingInfo)
@@ -186,9 +220,12 @@ async def test_an_esxi_deploy_end_to_end_never_clones(
     events both show."""
     overrides = {"thin_provisioned": False, "eagerly_scrub": True}
     settings = vsphere_settings(tmp_path, esxi, sshd, backends=[esxi.sim.config(**overrides)])
-    async with deployer_for(settings) as (deployer, backend):
-        job = await deploy(deployer, "web01 127.0.20.50 disk=+1G")
+    recorder = Recorder()
+    async with deployer_for(settings, recorder) as (deployer, backend):
+        steps = StepCalls(recorder, backend)
+        job = await deploy(deployer, "web01 127.0.20.50 cpu=3 mem=1536M disk=+1G")
         calls = backend.api_calls()
+        creating, identity = steps.during("clone"), steps.during("identity")
     assert job.state is JobState.SUCCEEDED, job.error
     assert job.ssh_line == "ssh ubuntu@127.0.20.50" and sshd.accepted["127.0.20.50"] >= 1
     assert calls["CloneVM_Task"] == 0
@@ -204,6 +241,14 @@ async def test_an_esxi_deploy_end_to_end_never_clones(
     assert (backing.thinProvisioned, backing.eagerlyScrub) == (False, True)
     assert isinstance(nic_of(vm).backing, vim.vm.device.VirtualEthernetCard.NetworkBackingInfo)
     assert esxi.guests.booted[str(job.vm_id)].metadata["local-hostname"] == "web01"
+    # CreateVM_Task's spec carried CPU, memory and guestinfo: nothing was reconfigured
+    # for them, neither after the create nor by the identity step, which only read them.
+    assert creating["CreateVM_Task"] == 1 and creating["ReconfigVM_Task"] == 0
+    assert identity["ReconfigVM_Task"] == 0 and identity["RetrievePropertiesEx"] == 1
+    cores, memory, metadata = guest_config(esxi, str(job.vm_id))
+    assert (cores, memory) == (3, 1536)
+    assert metadata["instance-id"] == job.vm_id
+    assert metadata["network"]["ethernets"]["nic0"]["addresses"] == ["127.0.20.50/24"]
 
 
 # --- rollback -------------------------------------------------------------------------
@@ -218,10 +263,11 @@ def leftovers(sim: Simulated, before: dict[str, str]) -> dict[str, str]:
 
 # The SOAP call each step waits on, made slower (0.6 s) than the step's timeout (0.3 s),
 # so that the timeout lands while the call is in flight; the address step waits for a
-# guest that never reports, the SSH step for a port where nothing listens.
+# guest that never reports, the SSH step for a port where nothing listens. The identity
+# step, whose clone carried the identity, only looks the VM up and reads it.
 IN_FLIGHT = {
     "clone": "CloneVM_Task=600,CopyVirtualDisk_Task=600",
-    "identity": "ReconfigVM_Task=600",
+    "identity": "FindByUuid=600",
     "resize": "ReconfigVM_Task=600",
     "power_on": "PowerOnVM_Task=600",
     "address": "",
