@@ -51,9 +51,15 @@ async def backend(pve: FakePVE) -> AsyncIterator[ProxmoxBackend]:
 
 
 async def cloned(
-    backend: ProxmoxBackend, template: str = "ubuntu-24.04", job: str = "jtest01", **kw: str
+    backend: ProxmoxBackend,
+    template: str = "ubuntu-24.04",
+    job: str = "jtest01",
+    *,
+    name: str = "web01",
+    placement: str | None = None,
+    storage: str | None = None,
 ) -> VMRef:
-    spec = CloneSpec(job, kw.pop("name", "web01"), template, **kw)
+    spec = CloneSpec(job, name, template, placement, storage)
     ref = await backend.prepare_clone(spec)
     await backend.clone(spec, ref)
     return ref
