@@ -27,7 +27,7 @@ test: lint
 	$(BIN)/pytest
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/bench_pipeline.py
+	$(BIN)/python -m benchmarks.bench_pipeline
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis

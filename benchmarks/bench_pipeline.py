@@ -5,7 +5,7 @@ pipeline), and prints per run: wall time, the simulated hypervisor time on one d
 critical path, their ratio (1.00 = the bot adds nothing), the worst event-loop stall
 seen by a 5 ms ticker, store writes per deploy, and peak Python memory.
 
-    .venv/bin/python benchmarks/bench_pipeline.py [--time-scale 0.2]
+    .venv/bin/python -m benchmarks.bench_pipeline [--time-scale 0.2]
 """
 
 from __future__ import annotations
@@ -18,19 +18,11 @@ import tracemalloc
 from pathlib import Path
 
 from backends.sim import SimBackend, SimTiming
+from benchmarks.stall import ticker
 from bot.models import JobState
 from bot.parser import DeployArgs, parse
 from bot.runtime import running_deployer
 from bot.settings import BUNDLED_CONFIG, load_settings
-
-
-async def ticker(worst: list[float], stop: asyncio.Event) -> None:
-    """Measure how late a 5 ms timer fires: the event loop's worst stall."""
-    loop = asyncio.get_running_loop()
-    while not stop.is_set():
-        before = loop.time()
-        await asyncio.sleep(0.005)
-        worst[0] = max(worst[0], loop.time() - before - 0.005)
 
 
 def critical_path_s(timing: SimTiming, scale: float) -> float:

@@ -9,7 +9,7 @@ measured durations from the fake, plus the agent's delay); their ratio (1.00 = t
 adds nothing); API requests per deploy (and how many of them were task polls); and the
 worst event-loop stall seen by a 5 ms ticker. Targets: ratio <= 1.10, stall <= 50 ms.
 
-    .venv/bin/python benchmarks/bench_proxmox.py
+    .venv/bin/python -m benchmarks.bench_proxmox
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from backends.proxmox import Config, create
+from benchmarks.stall import ticker
 from bot.models import JobState
 from bot.parser import DeployArgs, parse
 from bot.runtime import running_deployer
@@ -65,15 +66,6 @@ def fake_tasks(port: int, ca: Path) -> list[dict[str, Any]]:
     with urllib.request.urlopen(f"https://127.0.0.1:{port}/_fake/tasks", context=context) as r:
         tasks: list[dict[str, Any]] = json.load(r)["tasks"]
     return tasks
-
-
-async def ticker(worst: list[float], stop: asyncio.Event) -> None:
-    """How late a 5 ms timer fires: the event loop's worst stall."""
-    loop = asyncio.get_running_loop()
-    while not stop.is_set():
-        before = loop.time()
-        await asyncio.sleep(0.005)
-        worst[0] = max(worst[0], loop.time() - before - 0.005)
 
 
 async def run(

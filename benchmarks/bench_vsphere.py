@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from backends.vsphere import VSphereBackend
+from benchmarks.stall import ticker
 from bot.models import JobState
 from bot.parser import DeployArgs, parse
 from bot.runtime import make_backend, running_deployer
@@ -40,15 +41,6 @@ from tests.vcsim_support import (
 
 COUNT = 20
 GUESTS = [f"127.0.20.{100 + i}" for i in range(COUNT)]
-
-
-async def ticker(worst: list[float], stop: asyncio.Event) -> None:
-    """How late a 5 ms timer fires: a blocking call on the event loop would show here."""
-    loop = asyncio.get_running_loop()
-    while not stop.is_set():
-        before = loop.time()
-        await asyncio.sleep(0.005)
-        worst[0] = max(worst[0], loop.time() - before - 0.005)
 
 
 async def listen(port: int = 0) -> tuple[list[asyncio.Server], int]:
