@@ -127,15 +127,27 @@ async def _reject(bot: SlackBot, body: dict[str, Any], view: dict[str, Any], rea
 # --- the deploy form ------------------------------------------------------------------
 
 
-async def open_form(bot: SlackBot, trigger: str, user: str, channel: str) -> None:
-    """Open at once (trigger ids expire in 3 s), then fill in what the backends offer."""
+async def _open_loading(
+    bot: SlackBot, trigger: str, user: str, channel: str, callback_id: str, title: str
+) -> Any | None:
+    """Open a "loading" modal at once (trigger ids expire in 3 s and work once); the
+    caller fills it with views.update. None, with the user told, when Slack refused."""
     meta = slack_form.metadata(channel)
-    loading = slack_views.loading_modal(FORM_VIEW, messages.FORM_TITLE, meta)
+    loading = slack_views.loading_modal(callback_id, title, meta)
     try:
         opened = await bot.client.views_open(trigger_id=trigger, view=loading)
     except SlackApiError as exc:
         log.error("views.open failed: %s", exc.response.get("error"))
         await bot.tell(channel, user, [messages.form_opened_elsewhere()])
+        return None
+    return opened
+
+
+async def open_form(bot: SlackBot, trigger: str, user: str, channel: str) -> None:
+    """Open at once (trigger ids expire in 3 s), then fill in what the backends offer."""
+    meta = slack_form.metadata(channel)
+    opened = await _open_loading(bot, trigger, user, channel, FORM_VIEW, messages.FORM_TITLE)
+    if opened is None:
         return
     prefs = await bot.deployer.prefs(user)
     choice = slack_form.initial_choice(bot.settings, prefs)
@@ -216,12 +228,10 @@ async def _deploy_from_form(
 
 async def open_settings(bot: SlackBot, trigger: str, user: str, channel: str) -> None:
     meta = slack_form.metadata(channel)
-    loading = slack_views.loading_modal(SETTINGS_VIEW, messages.SETTINGS_TITLE, meta)
-    try:
-        opened = await bot.client.views_open(trigger_id=trigger, view=loading)
-    except SlackApiError as exc:
-        log.error("views.open failed: %s", exc.response.get("error"))
-        await bot.tell(channel, user, [messages.form_opened_elsewhere()])
+    opened = await _open_loading(
+        bot, trigger, user, channel, SETTINGS_VIEW, messages.SETTINGS_TITLE
+    )
+    if opened is None:
         return
     catalog = await slack_form.discover(bot.deployer, Choice())
     bot.catalog = catalog
