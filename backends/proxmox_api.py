@@ -15,8 +15,10 @@ three rules every caller relies on:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
+import math
 import re
 import threading
 import time
@@ -47,6 +49,7 @@ _MISSING = re.compile(r"Configuration file '[^']*' does not exist")
 _EXISTS = re.compile(r"already exists")
 _WARNINGS = re.compile(r"WARNINGS: \d+")
 _LOG_LIMIT = 1000
+_LIST_LIMIT = 1000  # running tasks listed per poll (the server's default is 50)
 _NO_PROXIES: dict[str, str | None] = {"http": None, "https": None, "all": None}
 
 
@@ -191,6 +194,7 @@ class PveApi:
         self._login_at = 0.0
         self._conn_lock = threading.Lock()
         self._sessions: list[requests.Session] = []
+        self._watchers: dict[str, _TaskWatcher] = {}  # node -> its waits' shared poller
 
     # --- requests -------------------------------------------------------------------
 
@@ -294,29 +298,33 @@ class PveApi:
         (`OK` or `WARNINGS: N`). A failure raises TaskFailed (TaskLockTimeout when it
         died waiting for a lock) with the error and the last lines of its log. A poll
         that cannot reach the server is repeated: the task runs on regardless, and no
-        caller may act on the VM before it has ended."""
+        caller may act on the VM before it has ended.
+
+        The waits on one node share their polling (`_TaskWatcher`): one list of the
+        node's running tasks serves them all, and a task gone from it is asked for its
+        own status once."""
         node = upid_node(upid)
         loop = asyncio.get_running_loop()
         began = loop.time()
         deadline = began + self.settings.task_timeout_s
-        status: dict[str, Any] = {}
         while True:
             try:
-                self.task_polls += 1
-                status = await self.get(f"nodes/{node}/tasks/{upid}/status", what)
-            except (Unreachable, LockContention) as exc:
-                log.info("%s: polling %s: %s", self.name, upid, exc.message)
-            else:
-                if status.get("status") == "stopped":
-                    break
-            now = loop.time()
-            if now >= deadline:
+                async with asyncio.timeout_at(deadline):
+                    status = await self._watcher(node).wait(upid, what, began)
+            except TimeoutError:
+                raise PermanentError(
+                    f"{what}: task {upid} still running after {self.settings.task_timeout_s:g} s",
+                    vm_id=vm_id,
+                ) from None
+            if status is None:  # no longer listed as running: its own status says how
+                status = await self._task_status(node, upid, what)
+            if status is not None and status.get("status") == "stopped":
+                break
+            if loop.time() >= deadline:  # listed as gone, yet running: not yet listed
                 raise PermanentError(
                     f"{what}: task {upid} still running after {self.settings.task_timeout_s:g} s",
                     vm_id=vm_id,
                 )
-            pause = self.settings.polling.interval_s(now - began)
-            await asyncio.sleep(min(pause, deadline - now))
         exitstatus = str(status.get("exitstatus", ""))
         if exitstatus == "OK" or _WARNINGS.fullmatch(exitstatus):
             return exitstatus
@@ -325,6 +333,26 @@ class PveApi:
         if _LOCKED.search(exitstatus):
             raise TaskLockTimeout(message, vm_id=vm_id)
         raise TaskFailed(message, exitstatus, vm_id=vm_id)
+
+    async def _task_status(self, node: str, upid: str, what: str) -> dict[str, Any] | None:
+        """One task's status; None when the server could not be asked (try again later)."""
+        try:
+            self.task_polls += 1
+            status: dict[str, Any] = await self.get(f"nodes/{node}/tasks/{upid}/status", what)
+        except (Unreachable, LockContention) as exc:
+            log.info("%s: polling %s: %s", self.name, upid, exc.message)
+            return None
+        return status
+
+    def polling_nodes(self) -> list[str]:
+        """The nodes whose task waits are being polled right now."""
+        return sorted(node for node, w in self._watchers.items() if w.running)
+
+    def _watcher(self, node: str) -> _TaskWatcher:
+        watcher = self._watchers.get(node)
+        if watcher is None:
+            watcher = self._watchers[node] = _TaskWatcher(self, node)
+        return watcher
 
     async def _log_tail(self, node: str, upid: str, what: str) -> str:
         """The last lines of a task's log, minus the `TASK ERROR` line that repeats the
@@ -339,9 +367,118 @@ class PveApi:
         return " | ".join(texts[-self.settings.log_lines :])
 
     async def close(self) -> None:
+        for watcher in list(self._watchers.values()):
+            await watcher.stop()
         self._pool.shutdown(wait=False, cancel_futures=True)
         for session in self._sessions:
             session.close()
+
+
+@dataclass(eq=False)
+class _Waiter:
+    upid: str
+    what: str
+    began: float  # when the wait began (its poll interval adapts to that age)
+    # The task's final status, or None: "no longer listed as running, ask it".
+    future: asyncio.Future[dict[str, Any] | None]
+
+
+class _TaskWatcher:
+    """The task waits on one node, polled together. While any wait is pending one loop
+    polls: a lone wait asks for its task's status (as many requests as a wait of its
+    own); two or more share `GET /nodes/{node}/tasks?source=active`, which lists the
+    node's running tasks, and a task missing from it (ended, or started too recently to
+    be listed) is resolved with None for its waiter to ask its status once. The interval
+    is the youngest wait's `PollTiming`; the loop ends with the last wait."""
+
+    def __init__(self, api: PveApi, node: str) -> None:
+        self.api = api
+        self.node = node
+        self.waiters: set[_Waiter] = set()
+        self._wake = asyncio.Event()
+        self._last_poll = -math.inf
+        self._loop: asyncio.Task[None] | None = None
+
+    async def wait(self, upid: str, what: str, began: float) -> dict[str, Any] | None:
+        future: asyncio.Future[dict[str, Any] | None] = asyncio.get_running_loop().create_future()
+        waiter = _Waiter(upid, what, began, future)
+        self.waiters.add(waiter)
+        self._wake.set()  # a younger wait may want an earlier poll
+        if self._loop is None or self._loop.done():
+            self._loop = asyncio.create_task(self._run(), name=f"pve-tasks-{self.node}")
+        try:
+            return await future  # cancelling this wait cancels its future only
+        finally:
+            self.waiters.discard(waiter)
+
+    @property
+    def running(self) -> bool:
+        return self._loop is not None and not self._loop.done()
+
+    async def stop(self) -> None:
+        if self._loop is not None:
+            self._loop.cancel()
+            await asyncio.gather(self._loop, return_exceptions=True)
+
+    def _pending(self) -> list[_Waiter]:
+        return [w for w in self.waiters if not w.future.done()]
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while pending := self._pending():
+                youngest = max(w.began for w in pending)
+                now = loop.time()
+                due = self._last_poll + self.api.settings.polling.interval_s(now - youngest)
+                if now < due:
+                    self._wake.clear()
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(due - now):
+                            await self._wake.wait()
+                    continue
+                try:
+                    await self._poll(pending)
+                except Exception as exc:  # a refusal, or a bug: every wait learns of it
+                    for waiter in pending:
+                        if not waiter.future.done():
+                            waiter.future.set_exception(exc)
+                self._last_poll = loop.time()
+        finally:
+            for waiter in self._pending():  # only when the loop was stopped (close())
+                waiter.future.set_exception(
+                    PermanentError(f"{waiter.what}: the client was closed while waiting")
+                )
+            if self.api._watchers.get(self.node) is self and not self.waiters:
+                del self.api._watchers[self.node]
+
+    async def _poll(self, pending: list[_Waiter]) -> None:
+        api = self.api
+        if len(pending) == 1:
+            (waiter,) = pending
+            status = await api._task_status(self.node, waiter.upid, waiter.what)
+            stopped = status is not None and status.get("status") == "stopped"
+            if stopped and not waiter.future.done():
+                waiter.future.set_result(status)
+            return
+        try:
+            api.task_polls += 1
+            listed = await api.get(
+                f"nodes/{self.node}/tasks",
+                f"listing the running tasks of node {self.node}",
+                source="active",
+                limit=_LIST_LIMIT,
+            )
+        except (Unreachable, LockContention) as exc:
+            log.info("%s: polling the tasks of %s: %s", api.name, self.node, exc.message)
+            return
+        running = {
+            str(item.get("upid"))
+            for item in listed
+            if isinstance(item, dict) and item.get("endtime") is None
+        }
+        for waiter in pending:
+            if waiter.upid not in running and not waiter.future.done():
+                waiter.future.set_result(None)
 
 
 def upid_node(upid: str) -> str:

@@ -11,6 +11,7 @@ Where the reference data is missing it skips, except in CI (DEPLOYBOT_REQUIRE_RE
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import re
 from typing import Any
@@ -49,6 +50,7 @@ USED = {
     ("GET", "/nodes/{node}/qemu/{vmid}/agent/network-get-interfaces"),
     ("POST", "/nodes/{node}/qemu/{vmid}/status/stop"),
     ("DELETE", "/nodes/{node}/qemu/{vmid}"),
+    ("GET", "/nodes/{node}/tasks"),
     ("GET", "/nodes/{node}/tasks/{upid}/status"),
     ("GET", "/nodes/{node}/tasks/{upid}/log"),
 }
@@ -81,7 +83,11 @@ async def exercise(schema: ApiSchema, tls: Tls) -> None:
             await backend.networks()
             spec = CloneSpec("jwire01", "wire01", "rocky-9", storage="bulk-nfs")
             ref = await backend.prepare_clone(spec)
-            await backend.clone(spec, ref)
+            other = CloneSpec("jwire02", "wire02", "debian-12")
+            other_ref = await backend.prepare_clone(other)
+            # Two waits at once: they share the poll of the node's running tasks.
+            await asyncio.gather(backend.clone(spec, ref), backend.clone(other, other_ref))
+            await backend.destroy(other_ref)
             await backend.apply_identity(ref, IDENTITY)
             await backend.grow_disk(ref, 3)
             try:

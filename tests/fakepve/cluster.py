@@ -163,6 +163,7 @@ class Cluster:
         self.storages: dict[str, StorageDef] = {}
         self.vms: dict[int, VM] = {}
         self.tasks: dict[str, Task] = {}
+        self.unlisted: set[str] = set()  # running tasks `GET /nodes/{node}/tasks` omits
         self.faults: list[Fault] = []
         self._pids = itertools.count(random.randint(0x1000, 0xFFFF))
         self._locks: dict[int, asyncio.Lock] = {}

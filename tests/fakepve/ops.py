@@ -12,7 +12,7 @@ from typing import Any
 from urllib.parse import quote, unquote
 
 from tests.fakepve import guest
-from tests.fakepve.cluster import GIB, TASK_FAULTS, VM, ApiError, Cluster, TaskError
+from tests.fakepve.cluster import GIB, TASK_FAULTS, VM, ApiError, Cluster, Task, TaskError
 from tests.fakepve.formats import CPU_MODELS, ssh_keys_problem
 
 _LINKED = frozenset({"zfspool", "lvmthin", "rbd", "btrfs"})
@@ -253,6 +253,56 @@ async def agent_interfaces(c: Call) -> Any:
 
 async def task_status(c: Call) -> Any:
     return c.cluster.task(c.path["upid"]).status()
+
+
+def _listed(task: Task) -> dict[str, Any]:
+    item: dict[str, Any] = {
+        "upid": task.upid,
+        "node": task.node,
+        "pid": task.pid,
+        "pstart": task.pstart,
+        "starttime": task.starttime,
+        "type": task.type,
+        "id": task.id,
+        "user": task.user,
+    }
+    if task.exitstatus is not None:  # finished: as the archive lists it
+        item["status"] = task.exitstatus
+        item["endtime"] = task.starttime + max(0, round((task.ended_s or 0) - task.began_s))
+    return item
+
+
+async def node_tasks(c: Call) -> Any:
+    """The node's tasks, newest first: `active` the running ones, `archive` the finished
+    ones, `all` both; with the filters a client is likely to send."""
+    cl = c.cluster
+    cl.node(c.node)
+    p = c.params
+    source = p.get("source", "archive")
+    answer = []
+    for task in sorted(cl.tasks.values(), key=lambda t: t.began_s, reverse=True):
+        running = task.exitstatus is None
+        if task.node != c.node or (source == "active" and not running):
+            continue
+        if source == "archive" and running:
+            continue
+        if running and task.upid in cl.unlisted:
+            continue  # a task the active list has not caught up with yet
+        if "typefilter" in p and task.type != p["typefilter"]:
+            continue
+        if "userfilter" in p and p["userfilter"].lower() not in task.user.lower():
+            continue
+        if "vmid" in p and task.id != p["vmid"]:
+            continue
+        if p.get("errors") in ("1", "true") and task.exitstatus in (None, "OK"):
+            continue
+        if "since" in p and task.starttime < int(p["since"]):
+            continue
+        if "until" in p and task.starttime > int(p["until"]):
+            continue
+        answer.append(_listed(task))
+    start, limit = int(p.get("start", "0")), int(p.get("limit", "50"))
+    return answer[start : start + limit]
 
 
 async def task_log(c: Call) -> Any:
@@ -532,6 +582,7 @@ ENDPOINTS: dict[tuple[str, str], tuple[str, Handler]] = {
     ),
     ("DELETE", "/nodes/{node}/qemu/{vmid}"): ("delete", destroy),
     ("GET", "/nodes/{node}/qemu/{vmid}/agent/network-get-interfaces"): ("agent", agent_interfaces),
+    ("GET", "/nodes/{node}/tasks"): ("tasks", node_tasks),
     ("GET", "/nodes/{node}/tasks/{upid}/status"): ("task_status", task_status),
     ("GET", "/nodes/{node}/tasks/{upid}/log"): ("task_log", task_log),
 }

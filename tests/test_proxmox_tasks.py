@@ -1,0 +1,190 @@
+"""The task waiter against the fake Proxmox API: concurrent waits on one node share one
+poll of the node's running tasks (`GET /nodes/{node}/tasks?source=active`), and each
+still ends exactly as its own task did."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from backends.proxmox import ProxmoxBackend
+from backends.proxmox_api import PveApi, TaskFailed
+from tests.fakepve import testing
+from tests.fakepve.server import FakePVE
+from tests.fakepve.testing import make_backend
+
+# The fake server's fixtures, shared by the Proxmox test modules.
+pve = testing.pve
+pve_schema = testing.pve_schema
+pve_tls = testing.pve_tls
+
+LIST = "/nodes/{node}/tasks"
+STATUS = "/nodes/{node}/tasks/{upid}/status"
+VMIDS = range(200, 220)
+
+
+@pytest.fixture
+async def backend(pve: FakePVE) -> AsyncIterator[ProxmoxBackend]:
+    for vmid in VMIDS:
+        pve.cluster.add_vm(vmid, f"vm{vmid}")
+    pve.cluster.timings.config_s = 0.3  # long enough for many polls at 5 ms .. 50 ms
+    proxmox = make_backend(pve)
+    yield proxmox
+    await proxmox.close()
+
+
+async def start_config(api: PveApi, vmid: int) -> str:
+    """A config change on a VM: a task of type qmconfig, `config_s` long."""
+    upid = await api.post(f"nodes/pve1/qemu/{vmid}/config", "config", description=f"n{vmid}")
+    return str(upid)
+
+
+async def start_resize(api: PveApi, vmid: int) -> str:
+    upid = await api.put(f"nodes/pve1/qemu/{vmid}/resize", "resize", disk="scsi0", size="+1G")
+    return str(upid)
+
+
+def polling_ended(api: PveApi) -> bool:
+    return api.polling_nodes() == []
+
+
+async def test_concurrent_waits_share_one_list_poll(backend: ProxmoxBackend, pve: FakePVE) -> None:
+    api = backend.api
+    upids = [await start_config(api, vmid) for vmid in VMIDS]
+    results = await asyncio.gather(*(api.wait_task(u, "config") for u in upids))
+    assert results == ["OK"] * len(upids)
+    assert all(pve.cluster.tasks[u].exitstatus == "OK" for u in upids)
+    lists, statuses = pve.sent("GET", LIST), pve.sent("GET", STATUS)
+    assert all(r.params["source"] == "active" and r.status == 200 for r in lists)
+    assert len(lists) + len(statuses) == api.task_polls
+    # On their own, 20 waits of 0.3 s at 5 ms .. 50 ms would have sent ~20 polls each;
+    # together one list per interval, and one status per task once it has gone.
+    assert 3 < len(lists) < 40
+    assert len(statuses) <= 2 * len(upids)
+    assert api.task_polls < 4 * len(upids)
+    assert polling_ended(api)
+
+
+async def test_a_failing_task_among_them_still_fails(backend: ProxmoxBackend, pve: FakePVE) -> None:
+    api = backend.api
+    upids = [await start_config(api, vmid) for vmid in VMIDS[:5]]
+    pve.inject("config", "task_error", message="disk full")
+    failing = await start_config(api, VMIDS[5])
+    upids += [await start_config(api, vmid) for vmid in VMIDS[6:10]]
+    waits = [api.wait_task(u, f"config {u}", vm_id=u) for u in [*upids, failing]]
+    results = await asyncio.gather(*waits, return_exceptions=True)
+    assert results[:-1] == ["OK"] * len(upids)
+    failure = results[-1]
+    assert isinstance(failure, TaskFailed)
+    assert failure.exitstatus == "disk full" and failure.vm_id == failing
+    assert failure.message == (
+        f"config {failing} failed: disk full (task log: starting task qmconfig {VMIDS[5]})"
+    )
+    assert len(pve.sent("GET", LIST)) > 0
+    assert polling_ended(api)
+
+
+async def test_a_cancelled_wait_leaves_the_others_waiting(
+    backend: ProxmoxBackend, pve: FakePVE
+) -> None:
+    api = backend.api
+    pve.cluster.timings.resize_s = 0.05
+    short = await start_resize(api, VMIDS[0])
+    upids = [await start_config(api, vmid) for vmid in VMIDS[1:8]]
+    quick = asyncio.create_task(api.wait_task(short, "resize"))
+    waits = [asyncio.create_task(api.wait_task(u, "config")) for u in upids]
+    assert await quick == "OK"  # the others are still running: config takes 0.3 s
+    assert all(pve.cluster.tasks[u].exitstatus is None for u in upids)
+    listed_before = len(pve.sent("GET", LIST))
+    waits[0].cancel()
+    waits[3].cancel()
+    done = await asyncio.gather(*waits, return_exceptions=True)
+    assert isinstance(done[0], asyncio.CancelledError)
+    assert isinstance(done[3], asyncio.CancelledError)
+    assert [done[i] for i in (1, 2, 4, 5, 6)] == ["OK"] * 5
+    assert all(pve.cluster.tasks[upids[i]].exitstatus == "OK" for i in (1, 2, 4, 5, 6))
+    assert len(pve.sent("GET", LIST)) > listed_before  # the shared poll went on
+    assert polling_ended(api)
+    # A wait after the watcher ended starts it again.
+    assert await api.wait_task(await start_config(api, VMIDS[9]), "config") == "OK"
+    assert polling_ended(api)
+
+
+async def test_a_task_never_listed_ends_by_its_own_status(
+    backend: ProxmoxBackend, pve: FakePVE
+) -> None:
+    """A just-started task may not be listed yet: absence alone does not end its wait."""
+    api = backend.api
+    hidden = await start_config(api, VMIDS[0])
+    pve.cluster.unlisted.add(hidden)  # running all along, never in the active list
+    pve.inject("config", "task_error", message="hidden failure")
+    hidden_failing = await start_config(api, VMIDS[1])
+    pve.cluster.unlisted.add(hidden_failing)
+    others = [await start_config(api, vmid) for vmid in VMIDS[2:6]]
+
+    async def wait_hidden() -> float:
+        assert await api.wait_task(hidden, "config") == "OK"
+        return asyncio.get_running_loop().time()
+
+    waits = [
+        wait_hidden(),
+        api.wait_task(hidden_failing, "config"),
+        *(api.wait_task(u, "config") for u in others),
+    ]
+    results = await asyncio.gather(*waits, return_exceptions=True)
+    task = pve.cluster.tasks[hidden]
+    assert isinstance(results[0], float)
+    assert task.ended_s is not None and task.ended_s <= results[0]
+    assert isinstance(results[1], TaskFailed) and results[1].exitstatus == "hidden failure"
+    assert results[2:] == ["OK"] * len(others)
+    # Each list poll that missed it meant one status question, not an early end.
+    hidden_polls = [r for r in pve.sent("GET", STATUS) if r.path_params["upid"] == hidden]
+    assert len(hidden_polls) > 1
+    assert polling_ended(api)
+
+
+async def test_a_task_that_ends_before_it_is_listed(backend: ProxmoxBackend, pve: FakePVE) -> None:
+    api = backend.api
+    pve.cluster.timings.resize_s = 0.0
+    upids = [await start_config(api, vmid) for vmid in VMIDS[:4]]
+    instant = await start_resize(api, VMIDS[4])
+    await pve.cluster.tasks[instant].done.wait()  # over before any list could show it
+    results = await asyncio.gather(*(api.wait_task(u, "t") for u in [instant, *upids]))
+    assert results == ["OK"] * 5
+    assert all(instant != r.params.get("upid") for r in pve.sent("GET", LIST))
+    assert polling_ended(api)
+
+
+async def test_a_lone_wait_costs_what_it_did(backend: ProxmoxBackend, pve: FakePVE) -> None:
+    api = backend.api
+    assert await api.wait_task(await start_config(api, VMIDS[0]), "config") == "OK"
+    assert pve.sent("GET", LIST) == []
+    assert len(pve.sent("GET", STATUS)) == api.task_polls
+
+
+async def test_an_unreachable_list_poll_is_retried(backend: ProxmoxBackend, pve: FakePVE) -> None:
+    api = backend.api
+    upids = [await start_config(api, vmid) for vmid in VMIDS[:4]]
+    pve.inject("tasks", "error", times=2, status=595, message="no route to host")
+    results = await asyncio.gather(*(api.wait_task(u, "config") for u in upids))
+    assert results == ["OK"] * 4
+    assert [r.status for r in pve.sent("GET", LIST)][:3] == [595, 595, 200]
+
+
+async def test_the_fake_lists_tasks_by_source(backend: ProxmoxBackend, pve: FakePVE) -> None:
+    api = backend.api
+    done = await start_config(api, VMIDS[0])
+    await api.wait_task(done, "config")
+    running = await start_config(api, VMIDS[1])
+    active = await api.get("nodes/pve1/tasks", source="active")
+    assert [t["upid"] for t in active] == [running]
+    assert set(active[0]) == {"upid", "node", "pid", "pstart", "starttime", "type", "id", "user"}
+    archive = await api.get("nodes/pve1/tasks", source="archive", typefilter="qmconfig")
+    assert [(t["upid"], t["status"]) for t in archive] == [(done, "OK")]
+    assert "endtime" in archive[0]
+    every = await api.get("nodes/pve1/tasks", source="all", vmid=VMIDS[1])
+    assert [t["upid"] for t in every] == [running]
+    assert await api.get("nodes/pve2/tasks", source="all") == []
+    await api.wait_task(running, "config")
