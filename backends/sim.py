@@ -46,6 +46,7 @@ from backends.base import (
     CloneMode,
     CloneSpec,
     Identity,
+    IdTaken,
     Network,
     NotOurVM,
     PermanentError,
@@ -405,7 +406,8 @@ class SimBackend:
         self._answer()
         template = await self._template(spec.template)
         if ref.vm_id in self.vms:
-            raise PermanentError(f"unable to create VM {ref.vm_id}: it already exists")
+            # Another client took the id between prepare_clone and clone.
+            raise IdTaken(f"unable to create VM {ref.vm_id}: config file already exists")
         mode = await self.clone_mode(spec)
         fault = self._fault("clone", ref.vm_id)
         vm = SimVM(

@@ -215,15 +215,16 @@ class Pipeline:
     async def _resume(self, run: _Run) -> int:
         """Rebuild what a job interrupted by a restart had: its VM and its undo stack."""
         job = run.job
-        events = await self.store.events(job.id)
-        first = resume_point(events)
-        if first is None or job.vm_id is None:
-            raise StepFailed("clone", "interrupted by a restart at a point that cannot be resumed")
+        assert job.vm_id is not None
         ref = VMRef(job.vm_id, job.id, job.vm_placement)
         run.ref = ref
         run.resumed = True
         t, backend = self.timeouts, run.backend
         run.undo.append(Undo(f"destroy VM {ref.vm_id}", lambda: backend.destroy(ref), t.destroy_s))
+        events = await self.store.events(job.id)
+        first = resume_point(events)
+        if first is None:  # recovery checks first; if it changed meanwhile, roll back
+            raise StepFailed("clone", "interrupted by a restart at a point that cannot be resumed")
         if any(
             e.step == "power_on" and e.phase == "started" for e in events
         ) and first > STEPS.index("power_on"):

@@ -284,3 +284,19 @@ def _events(*pairs: tuple[str, str]) -> list[JobEvent]:
 def test_resume_point(pairs: list[tuple[str, str]], expected: str | None) -> None:
     point = resume_point(_events(*pairs))
     assert (STEPS[point] if point is not None else None) == expected
+
+
+async def test_an_id_taken_by_another_client_is_chosen_anew_and_theirs_is_untouched(
+    deployer: Deployer, sim: SimBackend, recorder: Recorder
+) -> None:
+    def steal_the_next_id(job: Job, step: str) -> None:
+        if step == "clone":  # between choosing the id and cloning, someone else uses it
+            sim.add_vm("someone-elses", running=True)
+            sim._next_id -= 1  # ...without the simulator's counter having moved for us
+
+    recorder.on_step = steal_the_next_id
+    job = await deploy(deployer, "web01 10.0.0.50")
+    assert job.state is JobState.SUCCEEDED
+    names = sorted(vm.name for vm in sim.vms.values())
+    assert names == ["someone-elses", "web01"]
+    assert sim.vms[job.vm_id or ""].name == "web01"
