@@ -13,7 +13,7 @@ import pytest
 
 from backends.base import CloneSpec, Identity, NotOurVM, PermanentError, RetryableError, VMRef
 from backends.proxmox import ProxmoxBackend
-from backends.proxmox_api import LockContention, TaskFailed
+from backends.proxmox.api import LockContention, TaskFailed
 from tests.fakepve import testing
 from tests.fakepve.server import FakePVE, Recorded
 from tests.fakepve.testing import make_backend, start_fake

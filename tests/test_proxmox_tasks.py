@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from backends.proxmox import ProxmoxBackend
-from backends.proxmox_api import PveApi, TaskFailed
+from backends.proxmox.api import PveApi, TaskFailed
 from tests.fakepve import testing
 from tests.fakepve.server import FakePVE
 from tests.fakepve.testing import make_backend

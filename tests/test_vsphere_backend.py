@@ -23,9 +23,9 @@ from pyVmomi import vim
 
 from backends.base import CloneSpec, Identity, NotOurVM, PermanentError, Unreachable, VMRef
 from backends.vsphere import Config, VSphereBackend, create
-from backends.vsphere_guestinfo import extra_config
-from backends.vsphere_inventory import Plan
-from backends.vsphere_specs import Disks, GuestConfig, clone_spec, create_spec
+from backends.vsphere.guestinfo import extra_config
+from backends.vsphere.inventory import Plan
+from backends.vsphere.specs import Disks, GuestConfig, clone_spec, create_spec
 from bot.errors import ConfigError
 from bot.settings import BUNDLED_CONFIG, load_settings
 from tests.contract import IDENTITY

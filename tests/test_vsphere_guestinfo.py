@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from backends.base import Identity, PermanentError
-from backends.vsphere_guestinfo import extra_config
+from backends.vsphere.guestinfo import extra_config
 
 KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIHb2vLw3m3tqB7m4m1Lr2x9n0l3r3x8uGk2ycJ0b1Fq8"
 # Every character that means something in YAML, in a host name and a key comment.

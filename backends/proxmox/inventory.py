@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 from backends.base import CloneMode, CloneSpec, PermanentError, Template, VMNotFound
-from backends.proxmox_api import PveApi
-from backends.proxmox_config import Config, OSProfile
-from backends.proxmox_vmconfig import (
+from backends.proxmox.api import PveApi
+from backends.proxmox.config import Config, OSProfile
+from backends.proxmox.vmconfig import (
     GIB,
     Disk,
     boot_disk,

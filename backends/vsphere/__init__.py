@@ -11,11 +11,11 @@ template's hardware around them (`CreateVM_Task`). `CloneVM_Task` is never sent 
   clone/create spec and resolved with `FindByUuid(None, uuid, True, True)` at every
   operation. The job tag is a line of the annotation; a VM without it is never changed.
 * The guest's identity travels as cloud-init documents in guestinfo keys
-  (`vsphere_guestinfo`), set with CPU and memory in the clone/create spec when the
+  (`guestinfo`), set with CPU and memory in the clone/create spec when the
   CloneSpec carries it; `apply_identity` then finds them in place (one property read)
   and reconfigures only a VM that lacks them.
 * Session, thread pool, task waiting without polling and fault mapping:
-  `vsphere_session`; inventory lookups: `vsphere_inventory`; specs: `vsphere_specs`.
+  `session`; inventory lookups: `inventory`; specs: `specs`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 from pyVmomi import vim, vmodl
 
-from backends import vsphere_specs as specs
 from backends.base import (
     BackendConfig,
     CloneMode,
@@ -49,7 +48,8 @@ from backends.base import (
     pick_address,
     probe_ssh_endpoint,
 )
-from backends.vsphere_inventory import (
+from backends.vsphere import specs
+from backends.vsphere.inventory import (
     POWERED_ON,
     Inventory,
     Plan,
@@ -59,7 +59,7 @@ from backends.vsphere_inventory import (
     tags,
     vm_info,
 )
-from backends.vsphere_session import (
+from backends.vsphere.session import (
     RETRYABLE_FAULTS,
     WAIT_SLICE_S,
     Conn,

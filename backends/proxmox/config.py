@@ -15,7 +15,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from backends.base import BackendConfig, PermanentError
-from backends.proxmox_api import ApiSettings, Credentials, PollTiming
+from backends.proxmox.api import ApiSettings, Credentials, PollTiming
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from pyVmomi import vim, vmodl
 
 from backends.base import JOB_TAG_PREFIX, CloneSpec, NotOurVM, PermanentError, VMInfo, VMRef
-from backends.vsphere_session import Conn, Props, Row
+from backends.vsphere.session import Conn, Props, Row
 
 if TYPE_CHECKING:
     from backends.vsphere import Config

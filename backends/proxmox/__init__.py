@@ -1,10 +1,10 @@
 """Proxmox VE: clone a template, give the clone its identity through Proxmox's own
 cloud-init fields, start it, read its address from the QEMU guest agent, roll back.
 
-The pieces: `proxmox_config` (the config entry, OS profiles, credentials),
-`proxmox_api` (proxmoxer on a thread pool, auth, error mapping, the task waiter),
-`proxmox_inventory` (templates, storages, nodes, what a clone implies) and
-`proxmox_vmconfig` (reading and writing config values). This module holds the deploy
+The pieces: `config` (the config entry, OS profiles, credentials),
+`api` (proxmoxer on a thread pool, auth, error mapping, the task waiter),
+`inventory` (templates, storages, nodes, what a clone implies) and
+`vmconfig` (reading and writing config values). This module holds the deploy
 moves and their safety rules:
 
 * Nothing touches a VM before its clone task ended (so never `VM is locked (clone)`),
@@ -49,10 +49,10 @@ from backends.base import (
     pick_address,
     probe_ssh_endpoint,
 )
-from backends.proxmox_api import AlreadyExists, LockContention, PveApi, TaskFailed
-from backends.proxmox_config import Config, OSProfile, credentials
-from backends.proxmox_inventory import LINKED_TYPES, Inventory
-from backends.proxmox_vmconfig import (
+from backends.proxmox.api import AlreadyExists, LockContention, PveApi, TaskFailed
+from backends.proxmox.config import Config, OSProfile, credentials
+from backends.proxmox.inventory import LINKED_TYPES, Inventory
+from backends.proxmox.vmconfig import (
     GIB,
     Mark,
     boot_disk,

@@ -17,10 +17,10 @@ from typing import Any
 
 from pyVmomi import vim
 
-from backends import vsphere_guestinfo as guestinfo
 from backends.base import CloneSpec, Identity, VMRef
-from backends.vsphere_inventory import Net, Plan, disks
-from backends.vsphere_session import Props
+from backends.vsphere import guestinfo
+from backends.vsphere.inventory import Net, Plan, disks
+from backends.vsphere.session import Props
 
 DeviceSpec = vim.vm.device.VirtualDeviceSpec
 CORES_PER_SOCKET = "config.hardware.numCoresPerSocket"
