@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 async def answer(deployer: Deployer, user: str, text: str) -> list[str]:
     """Run the text after `/deploy` for `user`; always returns reply lines, never raises."""
     try:
-        return await _run(deployer, user, parse(text))
+        return await run_command(deployer, user, parse(text))
     except DeployBotError as exc:
         return exc.message.splitlines()
     except Exception:
@@ -36,11 +36,9 @@ async def answer(deployer: Deployer, user: str, text: str) -> list[str]:
         return [messages.INTERNAL_ERROR.format(log=deployer.settings.log_file)]
 
 
-async def _run(
-    deployer: Deployer,
-    user: str,
-    command: Command,
-) -> list[str]:
+async def run_command(deployer: Deployer, user: str, command: Command) -> list[str]:
+    """Carry out a parsed command and word the reply; front ends that need more (Slack's
+    delivery keys and mentions) handle those commands first and pass on the rest."""
     match command:
         case DeployArgs():
             job = await deployer.request_deploy(command, user)

@@ -30,7 +30,6 @@ from bot.errors import DeployBotError, UsageError
 from bot.models import check_ssh_key
 from bot.parser import (
     Approve,
-    Cancel,
     Command,
     DeployArgs,
     Help,
@@ -39,11 +38,11 @@ from bot.parser import (
     SaveKey,
     ShowSettings,
     Status,
-    Templates,
     parse,
 )
 from bot.service import Deployer
 from handlers import messages, slack_interact, slack_views
+from handlers.commands import run_command
 from handlers.slack_form import Catalog
 from handlers.slack_threads import SlackThreads
 from handlers.slack_views import mentions
@@ -195,20 +194,10 @@ class SlackBot:
                     command, user, origin=channel, dedupe_key=key, check_free_first=True
                 )
                 return [messages.accepted(job)]
-            case Status(job_id):
-                return messages.status(await d.status(job_id))
-            case History(limit):
-                return messages.history(await d.history(limit))
-            case Cancel(job_id):
-                return [messages.cancelling(await d.cancel(job_id, user))]
-            case Templates():
-                return messages.templates(await d.templates())
             case Approve(job_id):
                 job = await d.approve(job_id, user, dedupe_key=key)
                 return [f"Job {job.id}: {messages.approved(job, messages.mention(user))}"]
             case Reject(job_id, reason):
                 job = await d.reject(job_id, user, reason, dedupe_key=key)
                 return [f"Job {job.id}: rejected; {messages.mention(job.requester)} is told why."]
-            case SaveKey(text):
-                return [messages.key_saved(await d.save_ssh_key(user, text))]
-        return messages.HELP.splitlines()
+        return await run_command(d, user, command)

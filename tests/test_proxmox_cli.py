@@ -12,7 +12,7 @@ from pathlib import Path
 from tests.fakepve import testing
 from tests.fakepve.schema import ApiSchema
 from tests.fakepve.server import FakePVE, Tls
-from tests.fakepve.testing import start_fake
+from tests.fakepve.testing import config_text, start_fake
 
 # The fake server's fixtures, shared by the Proxmox test modules.
 pve_schema = testing.pve_schema
@@ -29,38 +29,10 @@ def free_port() -> int:
 
 
 def config_file(tmp_path: Path, fake: FakePVE) -> Path:
+    """The config the fake writes for the README's demo, with roomier timeouts."""
     path = tmp_path / "deploybot.toml"
-    path.write_text(
-        f"""
-database = "{tmp_path / "jobs.db"}"
-log_file = "{tmp_path / "deploybot.log"}"
-
-[[backends]]
-kind = "proxmox"
-name = "pve"
-host = "127.0.0.1"
-port = {fake.port}
-user = "root@pam"
-token_id = "deploybot"
-ca_bundle = "{fake.tls.ca_path}"
-
-[[subnets]]
-cidr = "127.0.10.0/24"
-gateway = "127.0.10.1"
-dns = ["127.0.10.2"]
-search_domain = "lab.example"
-
-[defaults]
-backend = "pve"
-template = "ubuntu-24.04"
-ssh_port = {fake.cluster.guest.ssh_port}
-
-[timeouts]
-address_s = 30
-ssh_s = 30
-""",
-        encoding="utf-8",
-    )
+    text = config_text(fake, tmp_path, fake.cluster.guest.ssh_port)
+    path.write_text(text + "\n[timeouts]\naddress_s = 30\nssh_s = 30\n", encoding="utf-8")
     return path
 
 

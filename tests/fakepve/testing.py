@@ -119,3 +119,32 @@ def pve_settings(tmp_path: Path, fake: FakePVE, **overrides: Any) -> Settings:
     }
     data.update(overrides)
     return make_settings(tmp_path, **data)
+
+
+def config_text(fake: FakePVE, state_dir: Path, ssh_port: int | None) -> str:
+    """A deploybot.toml for deploys onto this fake: guests on 127.0.10.0/24, where the
+    fake's sshd answers, so the SSH check connects to nothing outside loopback."""
+    return f"""\
+database = "{state_dir / "deploybot.db"}"
+log_file = "{state_dir / "deploybot.log"}"
+
+[[backends]]
+kind = "proxmox"
+name = "pve"
+host = "127.0.0.1"
+port = {fake.port}
+user = "{fake.user}"
+token_id = "{fake.token_id.split("!")[1]}"
+ca_bundle = "{fake.tls.ca_path}"
+
+[[subnets]]
+cidr = "127.0.10.0/24"
+gateway = "127.0.10.1"
+dns = ["127.0.10.2"]
+search_domain = "lab.example"
+
+[defaults]
+backend = "pve"
+template = "ubuntu-24.04"
+ssh_port = {ssh_port or 22}
+"""
