@@ -121,6 +121,11 @@ Command = (
 )
 
 
+def is_whole(text: str) -> bool:
+    """ASCII digits only: str.isdigit() also accepts "²", which int() refuses."""
+    return text.isascii() and text.isdigit()
+
+
 def parse(text: str) -> Command:
     """Parse the text after `/deploy`; raise `UsageError` for anything else."""
     words = text.split()
@@ -149,7 +154,7 @@ def _subcommand(head: str, rest: list[str]) -> Command:
             raise UsageError("`history` takes at most one number.", usage)
         if not rest:
             return History()
-        if not rest[0].isdigit() or not 1 <= int(rest[0]) <= HISTORY_MAX:
+        if not is_whole(rest[0]) or not 1 <= int(rest[0]) <= HISTORY_MAX:
             raise UsageError(f"`{rest[0]}` is not a number from 1 to {HISTORY_MAX}.", usage)
         return History(int(rest[0]))
     if not rest:
@@ -219,7 +224,7 @@ def _unknown_key(key: str) -> str:
 
 def _convert(key: str, value: str) -> object:
     if key == "cpu":
-        if not value.isdigit() or int(value) < 1:
+        if not is_whole(value) or int(value) < 1:
             raise UsageError(f"cpu={value}: give a whole number of cores, like cpu=4.", USAGE)
         return int(value)
     if key == "mem":

@@ -29,7 +29,7 @@ from slack_sdk.models.views import View
 from backends.base import BackendError, CloneSpec, Network, Storage, Template
 from bot.errors import RequestInvalid
 from bot.models import HOSTNAME_RE, UserPrefs, check_ssh_key
-from bot.parser import DeployArgs
+from bot.parser import DeployArgs, is_whole
 from bot.requests import build_request
 from bot.service import Deployer
 from bot.settings import Settings
@@ -326,7 +326,7 @@ def read_form(view: dict[str, Any], settings: Settings, requester: str) -> FormR
         errors["keys"] = key_error
     _check_choice(got, errors)
     for key in ("cores", "memory", "disk"):
-        if got[key] is not None and not str(got[key]).isdigit():
+        if got[key] is not None and not is_whole(str(got[key])):
             errors[key] = f"{messages.FORM_LABELS[key]}: give a whole number."
     if got["name"] and not HOSTNAME_RE.match(got["name"]):
         errors["name"] = messages.FORM_HINTS["name"] + "."

@@ -20,6 +20,7 @@ from aiohttp import web
 from slack_bolt.adapter.socket_mode.aiohttp import AsyncSocketModeHandler
 
 from bot.errors import ConfigError
+from bot.parser import is_whole
 from bot.runtime import running_deployer
 from bot.settings import Settings, SlackSettings
 from handlers import messages
@@ -70,7 +71,7 @@ def read_secrets(slack: SlackSettings, environ: Mapping[str, str], *, http: bool
 
 def parse_http(text: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
+    if not sep or not host or not is_whole(port) or int(port) > 65535:
         raise ConfigError(messages.bad_http_address(text))
     return host.strip("[]"), int(port)
 

@@ -164,3 +164,9 @@ _word = st.sampled_from(
 def test_grammar_like_text_parses_or_raises_usage_error(words: list[str]) -> None:
     with contextlib.suppress(UsageError):
         parse(" ".join(words))
+
+
+@pytest.mark.parametrize("text", ["history ²", "web01 10.0.0.50 cpu=²", "history ١٢"])
+def test_digits_that_are_not_ascii_are_usage_errors(text: str) -> None:
+    with pytest.raises(UsageError):
+        parse(text)
