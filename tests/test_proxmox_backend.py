@@ -166,6 +166,38 @@ async def test_concurrent_deploys_get_distinct_ids(backend: ProxmoxBackend, pve:
     assert all(config_of(pve, r)["name"] == s.name for s, r in zip(specs, refs, strict=True))
 
 
+async def test_deploys_asking_together_share_one_nextid_and_skip_ids_in_use(
+    backend: ProxmoxBackend, pve: FakePVE
+) -> None:
+    free = next(i for i in range(100, 1000) if i not in pve.cluster.vms)
+    pve.cluster.add_vm(free + 2, "busy")  # a hole after the lowest free id
+    await backend.templates()  # the listing that knows the busy one
+    specs = [CloneSpec(f"jtog{i:03d}", f"web{i}", "ubuntu-24.04") for i in range(5)]
+    refs = await asyncio.gather(*(backend.prepare_clone(s) for s in specs))
+    assert sorted(int(r.vm_id) for r in refs) == [free, free + 1, free + 3, free + 4, free + 5]
+    assert len(pve.sent("GET", "/cluster/nextid")) == 1
+    await asyncio.gather(*(backend.clone(s, r) for s, r in zip(specs, refs, strict=True)))
+    assert pve.cluster.vms[free + 2].config["name"] == "busy"
+
+
+async def test_an_id_in_use_unknown_to_the_listing_means_a_new_id(
+    backend: ProxmoxBackend, pve: FakePVE
+) -> None:
+    free = next(i for i in range(100, 1000) if i not in pve.cluster.vms)
+    await backend.templates()
+    pve.cluster.add_vm(free + 1, "newcomer")  # created after the listing
+    specs = [CloneSpec(f"jnew{i:03d}", f"web{i}", "ubuntu-24.04") for i in range(2)]
+    first, second = await asyncio.gather(*(backend.prepare_clone(s) for s in specs))
+    assert (int(first.vm_id), int(second.vm_id)) == (free, free + 1)
+    await backend.clone(specs[0], first)
+    with pytest.raises(RetryableError, match="taken by another client"):
+        await backend.clone(specs[1], second)
+    assert mutations(pve, second.vm_id) == []  # the newcomer was never touched
+    again = await backend.prepare_clone(specs[1])
+    await backend.clone(specs[1], again)
+    assert int(again.vm_id) not in (free, free + 1)
+
+
 async def test_a_vmid_taken_by_another_client_means_a_new_id(
     backend: ProxmoxBackend,
     pve: FakePVE,

@@ -1,6 +1,7 @@
 """The task waiter against the fake Proxmox API: concurrent waits on one node share one
-poll of the node's running tasks (`GET /nodes/{node}/tasks?source=active`), and each
-still ends exactly as its own task did."""
+poll of the node's recent tasks (`GET /nodes/{node}/tasks?source=all&since=...`), which
+also tells how the finished ones ended, and each wait still ends exactly as its own
+task did."""
 
 from __future__ import annotations
 
@@ -57,13 +58,15 @@ async def test_concurrent_waits_share_one_list_poll(backend: ProxmoxBackend, pve
     assert results == ["OK"] * len(upids)
     assert all(pve.cluster.tasks[u].exitstatus == "OK" for u in upids)
     lists, statuses = pve.sent("GET", LIST), pve.sent("GET", STATUS)
-    assert all(r.params["source"] == "active" and r.status == 200 for r in lists)
+    assert all(r.params["source"] == "all" and r.status == 200 for r in lists)
+    oldest = min(pve.cluster.tasks[u].starttime for u in upids)
+    assert all(r.params["since"] == str(oldest) for r in lists)
     assert len(lists) + len(statuses) == api.task_polls
     # On their own, 20 waits of 0.3 s at 5 ms .. 50 ms would have sent ~20 polls each;
-    # together one list per interval, and one status per task once it has gone.
+    # together one list per interval, which also carries each finished task's status;
+    # only a wait left alone at the end asks its own task.
     assert 3 < len(lists) < 40
-    assert len(statuses) <= 2 * len(upids)
-    assert api.task_polls < 4 * len(upids)
+    assert len({r.path_params["upid"] for r in statuses}) <= 1
     assert polling_ended(api)
 
 
@@ -83,6 +86,8 @@ async def test_a_failing_task_among_them_still_fails(backend: ProxmoxBackend, pv
         f"config {failing} failed: disk full (task log: starting task qmconfig {VMIDS[5]})"
     )
     assert len(pve.sent("GET", LIST)) > 0
+    # The list said how each one ended; only a wait left alone at the end asks its own.
+    assert len({r.path_params["upid"] for r in pve.sent("GET", STATUS)}) <= 1
     assert polling_ended(api)
 
 
@@ -180,11 +185,16 @@ async def test_the_fake_lists_tasks_by_source(backend: ProxmoxBackend, pve: Fake
     running = await start_config(api, VMIDS[1])
     active = await api.get("nodes/pve1/tasks", source="active")
     assert [t["upid"] for t in active] == [running]
-    assert set(active[0]) == {"upid", "node", "pid", "pstart", "starttime", "type", "id", "user"}
+    fields = {"upid", "node", "pid", "pstart", "starttime", "type", "id", "user", "status"}
+    assert set(active[0]) == fields and active[0]["status"] == "RUNNING"
     archive = await api.get("nodes/pve1/tasks", source="archive", typefilter="qmconfig")
     assert [(t["upid"], t["status"]) for t in archive] == [(done, "OK")]
     assert "endtime" in archive[0]
     every = await api.get("nodes/pve1/tasks", source="all", vmid=VMIDS[1])
     assert [t["upid"] for t in every] == [running]
+    began = pve.cluster.tasks[running].starttime
+    since = await api.get("nodes/pve1/tasks", source="all", since=began)
+    assert running in [t["upid"] for t in since]
+    assert await api.get("nodes/pve1/tasks", source="all", since=began + 1) == []
     assert await api.get("nodes/pve2/tasks", source="all") == []
     await api.wait_task(running, "config")

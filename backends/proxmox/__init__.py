@@ -256,27 +256,18 @@ class ProxmoxBackend:
         return VMRef(str(vmid), spec.job_id, f"{node}@{cluster}" if cluster else node)
 
     async def _free_vmid(self) -> int:
-        """A vmid the cluster calls free and no deploy of this process holds; reserved
-        before the next await, so concurrent deploys cannot pick the same one."""
-        candidate = int(await self.api.get("cluster/nextid", "next free VM id"))
-        verified = candidate
-        for _ in range(1000):
-            while candidate in self._reserved:
-                candidate += 1
-            self._reserved.add(candidate)
-            if candidate == verified:
-                return candidate
-            try:
-                await self.api.get("cluster/nextid", "VM id check", vmid=candidate)
-            except AlreadyExists:
-                self._reserved.discard(candidate)
-                candidate += 1
-                continue
-            except BaseException:
-                self._reserved.discard(candidate)
-                raise
-            return candidate
-        raise PermanentError(f"{self.name}: found no free VM id")
+        """A vmid the cluster calls free and no deploy of this process holds, reserved
+        before the next await so concurrent deploys cannot pick the same one. Deploys
+        asking together share one `nextid` answer and take the ids after it, skipping
+        those the last VM listing showed in use; if another client takes one meanwhile,
+        the clone says "already exists" and the pipeline asks again (IdTaken)."""
+        answer = await self.inventory.next_vmid()
+        used = self.inventory.known_vmids
+        candidate = answer
+        while candidate in self._reserved or (candidate != answer and candidate in used):
+            candidate += 1
+        self._reserved.add(candidate)
+        return candidate
 
     async def clone(self, spec: CloneSpec, ref: VMRef) -> str | None:
         template = await self.inventory.template(spec.template)

@@ -49,7 +49,7 @@ _MISSING = re.compile(r"Configuration file '[^']*' does not exist")
 _EXISTS = re.compile(r"already exists")
 _WARNINGS = re.compile(r"WARNINGS: \d+")
 _LOG_LIMIT = 1000
-_LIST_LIMIT = 1000  # running tasks listed per poll (the server's default is 50)
+_LIST_LIMIT = 1000  # tasks listed per poll (the server's default is 50)
 _NO_PROXIES: dict[str, str | None] = {"http": None, "https": None, "all": None}
 
 
@@ -301,8 +301,7 @@ class PveApi:
         caller may act on the VM before it has ended.
 
         The waits on one node share their polling (`_TaskWatcher`): one list of the
-        node's running tasks serves them all, and a task gone from it is asked for its
-        own status once."""
+        node's recent tasks serves them all, and says how the finished ones ended."""
         node = upid_node(upid)
         loop = asyncio.get_running_loop()
         began = loop.time()
@@ -386,10 +385,12 @@ class _Waiter:
 class _TaskWatcher:
     """The task waits on one node, polled together. While any wait is pending one loop
     polls: a lone wait asks for its task's status (as many requests as a wait of its
-    own); two or more share `GET /nodes/{node}/tasks?source=active`, which lists the
-    node's running tasks, and a task missing from it (ended, or started too recently to
-    be listed) is resolved with None for its waiter to ask its status once. The interval
-    is the youngest wait's `PollTiming`; the loop ends with the last wait."""
+    own); two or more share `GET /nodes/{node}/tasks?source=all&since=...`, which lists
+    the node's tasks since the oldest wait's began: running ones as `RUNNING` without an
+    `endtime`, finished ones with their `endtime` and exit status, which ends their
+    waits with no request of their own. A task missing from the list (started too
+    recently to be listed) is resolved with None for its waiter to ask its status once.
+    The interval is the youngest wait's `PollTiming`; the loop ends with the last wait."""
 
     def __init__(self, api: PveApi, node: str) -> None:
         self.api = api
@@ -460,25 +461,32 @@ class _TaskWatcher:
             if stopped and not waiter.future.done():
                 waiter.future.set_result(status)
             return
+        # The running tasks and the finished ones (with their exit status) since the
+        # oldest wait's task began: one answer ends every wait whose task is over.
+        params: dict[str, Any] = {"source": "all", "limit": _LIST_LIMIT}
+        starts = [upid_starttime(w.upid) for w in pending]
+        if None not in starts:
+            params["since"] = min(s for s in starts if s is not None)
         try:
             api.task_polls += 1
             listed = await api.get(
-                f"nodes/{self.node}/tasks",
-                f"listing the running tasks of node {self.node}",
-                source="active",
-                limit=_LIST_LIMIT,
+                f"nodes/{self.node}/tasks", f"listing the tasks of node {self.node}", **params
             )
         except (Unreachable, LockContention) as exc:
             log.info("%s: polling the tasks of %s: %s", api.name, self.node, exc.message)
             return
-        running = {
-            str(item.get("upid"))
-            for item in listed
-            if isinstance(item, dict) and item.get("endtime") is None
-        }
+        items = {str(i.get("upid")): i for i in listed if isinstance(i, dict)}
         for waiter in pending:
-            if waiter.upid not in running and not waiter.future.done():
+            if waiter.future.done():
+                continue
+            item = items.get(waiter.upid)
+            if item is None:  # too new to be listed, or past the limit: ask it
                 waiter.future.set_result(None)
+            elif item.get("endtime") is not None:  # over; without a status, ask it
+                exitstatus = str(item.get("status") or "")
+                if exitstatus != "RUNNING":
+                    ended = {"status": "stopped", "exitstatus": exitstatus}
+                    waiter.future.set_result(ended if exitstatus else None)
 
 
 def upid_node(upid: str) -> str:
@@ -487,3 +495,11 @@ def upid_node(upid: str) -> str:
     if len(parts) < 9 or parts[0] != "UPID" or not parts[1]:
         raise PermanentError(f"the server answered {upid!r} where a task id (UPID) belongs")
     return parts[1]
+
+
+def upid_starttime(upid: str) -> int | None:
+    """When a task began (UNIX time, the UPID's fifth field in hex); None if unreadable."""
+    try:
+        return int(upid.split(":")[4], 16)
+    except (IndexError, ValueError):
+        return None

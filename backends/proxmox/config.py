@@ -64,7 +64,7 @@ class Config(BackendConfig):
     max_parallel_requests: int = Field(default=8, ge=1, le=64)  # more threads, more GIL waits
     ticket_renew_s: float = Field(default=3600.0, gt=0, lt=7200)  # tickets live 2 h
     # Task polls: every initial_s at first, then every `ratio` of the time waited so far
-    # (so a poll adds at most ~10% to a task), capped at max_s.
+    # (so a poll adds at most ~5% to a task), capped at max_s.
     task_poll_initial_s: float = Field(default=0.1, gt=0)
     task_poll_ratio: float = Field(default=0.05, gt=0, le=1)
     task_poll_max_s: float = Field(default=2.0, gt=0)
@@ -72,7 +72,7 @@ class Config(BackendConfig):
     task_log_lines: int = Field(default=5, ge=0)
     lock_retries: int = Field(default=3, ge=0)
     lock_backoff_s: float = Field(default=1.0, ge=0)
-    agent_poll_initial_s: float = Field(default=0.2, gt=0)  # guests take seconds to boot
+    agent_poll_initial_s: float = Field(default=0.1, gt=0)  # guests take seconds to boot
     # wait_for_address polls this long, then reports how the agent is doing (a
     # RetryableError the pipeline records) and is called again: long against the
     # pipeline's retry pause, so the agent is rarely left unwatched.

@@ -95,6 +95,7 @@ class Inventory:
         self._storages: dict[str, dict[str, StorageInfo]] = {}
         self._cpus: dict[str, NodeCpu] = {}
         self._shared = _Shared()
+        self.known_vmids: frozenset[int] = frozenset()  # as the last VM listing had them
 
     def _now(self) -> float:
         return asyncio.get_running_loop().time()
@@ -134,7 +135,15 @@ class Inventory:
         items = await self._shared(
             "vms", lambda: self.api.get("cluster/resources", "VM list", type="vm")
         )
+        # VMs and containers share one id space.
+        self.known_vmids = frozenset(int(i["vmid"]) for i in items if "vmid" in i)
         return [i for i in items if i.get("type", "qemu") == "qemu"]
+
+    async def next_vmid(self) -> int:
+        """`/cluster/nextid`: the lowest free id. Callers asking together share one answer
+        (and must not all take it: see ProxmoxBackend._free_vmid)."""
+        answer = await self._shared("nextid", lambda: self.api.get("cluster/nextid", "VM id"))
+        return int(answer)
 
     async def vm_config(self, node: str, vm_id: str) -> dict[str, Any] | None:
         """A VM's config (with its `digest`); None when there is no such VM on the node."""

@@ -266,7 +266,9 @@ def _listed(task: Task) -> dict[str, Any]:
         "id": task.id,
         "user": task.user,
     }
-    if task.exitstatus is not None:  # finished: as the archive lists it
+    if task.exitstatus is None:  # PVE's own word for a task of the active list
+        item["status"] = "RUNNING"
+    else:  # finished: as the archive lists it
         item["status"] = task.exitstatus
         item["endtime"] = task.starttime + max(0, round((task.ended_s or 0) - task.began_s))
     return item
