@@ -43,6 +43,9 @@ STEPS = ("check_free", "clone", "identity", "resize", "power_on", "address", "ss
 # After a restart a job may carry on once one of these has finished: each later step is
 # safe to run again, except a disk growth that may or may not have happened.
 RESUMABLE_AFTER = frozenset({"clone", "identity", "resize", "power_on", "address", "ssh"})
+# Steps whose retryable answer means "not yet" rather than "something went wrong": a
+# refused SSH port right after the agent answered is sshd still starting.
+_POLLED_STEPS = frozenset({"ssh"})
 
 
 def resume_point(events: list[JobEvent]) -> int | None:
@@ -126,10 +129,18 @@ async def retrying(
     timeouts: Timeouts,
     seen: list[str] | None = None,
     on_retry: Callable[[BackendError], Awaitable[None]] | None = None,
+    *,
+    polling: bool = False,
 ) -> T:
-    """Retry retryable backend errors with capped exponential backoff; the caller's
-    timeout bounds the whole. Each retried error is appended to `seen` and passed to
-    `on_retry`."""
+    """Retry retryable backend errors; the caller's timeout bounds the whole. Each
+    retried error is appended to `seen` and passed to `on_retry`.
+
+    Errors back off exponentially (`retry_initial_s`, doubling, capped at `retry_max_s`).
+    With `polling` a retryable answer is the expected "not yet" (an sshd still starting
+    after the guest agent): ask again after `poll_initial_s`, then after a twentieth of
+    the time waited so far, so a poll adds at most ~5% to the wait (same cap)."""
+    loop = asyncio.get_running_loop()
+    began = loop.time()
     delay = timeouts.retry_initial_s
     while True:
         try:
@@ -142,8 +153,12 @@ async def retrying(
                 seen.append(exc.message)
             if on_retry is not None:
                 await on_retry(exc)
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, timeouts.retry_max_s)
+        if polling:
+            waited = loop.time() - began
+            pause = min(timeouts.retry_max_s, max(timeouts.poll_initial_s, waited / 20))
+        else:
+            pause, delay = delay, min(delay * 2, timeouts.retry_max_s)
+        await asyncio.sleep(pause)
 
 
 async def remove_vm(backend: Backend, ref: VMRef, timeouts: Timeouts) -> None:
@@ -430,7 +445,8 @@ class Pipeline:
                     f"{since[0]:%H:%M:%S} UTC: {exc.message})",
                 )
 
-        result = await retrying(action, self.timeouts, seen, on_retry)
+        polling = step in _POLLED_STEPS
+        result = await retrying(action, self.timeouts, seen, on_retry, polling=polling)
         if since:
             await self._note(job, step, f"{job.backend} answers again; carrying on.")
         return result

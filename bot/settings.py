@@ -116,8 +116,9 @@ class Timeouts(_Section):
     power_off_s: float = Field(default=120, gt=0)
     destroy_s: float = Field(default=300, gt=0)
     wreckage_retry_s: float = Field(default=300, gt=0)  # how often to retry failed rollbacks
-    retry_initial_s: float = Field(default=0.5, gt=0)
+    retry_initial_s: float = Field(default=0.5, gt=0)  # backoff after a failed call
     retry_max_s: float = Field(default=10, gt=0)
+    poll_initial_s: float = Field(default=0.1, gt=0)  # the SSH check asking again: see retrying
 
 
 class Recovery(_Section):

@@ -115,3 +115,24 @@ async def test_a_listener_that_is_not_sshd_proves_reachability_without_a_key(
 ) -> None:
     port, _accepted = listener
     assert await ssh_host_key(GUEST, port, timeout_s=5) is None
+
+
+async def test_a_starting_sshd_is_asked_again_at_the_poll_pace(
+    tmp_path: Path, listener: tuple[int, list[int]]
+) -> None:
+    """A refused SSH port after the address is found is sshd still starting: the check
+    asks again after `poll_initial_s`, not after the error backoff (here longer than the
+    whole step may take, so the old pacing would fail the deploy)."""
+    port, accepted = listener
+    sim = SimBackend("sim", time_scale=0.001)
+    sim.inject("probe_ssh", "flaky", times=3)  # three refusals before sshd answers
+    settings = loopback_settings(tmp_path, port)
+    timeouts = {**settings.timeouts.model_dump(), "retry_initial_s": 30.0, "ssh_s": 5.0}
+    settings = settings.model_copy(update={"timeouts": type(settings.timeouts)(**timeouts)})
+    async with running_deployer(settings, backends={"sim": sim}) as d:
+        job = await d.request_deploy(deploy_args(), "alice")
+        await d.drain()
+        final = (await d.status(job.id)).job
+    assert final.state is JobState.SUCCEEDED, final.error
+    assert [f.times for f in sim.faults] == [0]  # all three refusals were met
+    assert accepted
