@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from collections.abc import AsyncIterator, Mapping
@@ -26,6 +27,22 @@ def make_backend(config: BackendConfig, environ: Mapping[str, str] | None = None
         raise ConfigError(f"backend {config.name}: {exc.message}") from None
 
 
+_heap_frozen = False
+
+
+def freeze_startup_heap() -> None:
+    """Move what is alive once the bot has started (modules, schemas, settings: all of
+    it lives as long as the process) out of the collector's way, once per process.
+
+    Without this every full collection walks that whole heap again, and with fifty
+    deploys in flight one took 30-45 ms, all of it an event-loop stall."""
+    global _heap_frozen
+    if not _heap_frozen:
+        _heap_frozen = True
+        gc.collect()
+        gc.freeze()
+
+
 @asynccontextmanager
 async def running_deployer(
     settings: Settings,
@@ -42,6 +59,7 @@ async def running_deployer(
     deployer = Deployer(settings, store, backends, progress)
     try:
         await deployer.start()
+        freeze_startup_heap()
         yield deployer
     finally:
         await deployer.close(grace_s)

@@ -55,6 +55,8 @@ class Store:
         self.path = path
         self._executor = executor
         self._db = db
+        self._events: list[tuple[JobEvent, asyncio.Future[None]]] = []
+        self._writing_events: asyncio.Task[None] | None = None
 
     @classmethod
     async def open(cls, path: str | Path) -> Store:
@@ -69,6 +71,8 @@ class Store:
         return cls(path, executor, db)
 
     async def close(self) -> None:
+        if self._writing_events is not None:
+            await asyncio.gather(self._writing_events, return_exceptions=True)
         await self._call(self._db.conn.close)
         self._executor.shutdown(wait=True)
 
@@ -104,7 +108,34 @@ class Store:
         await self._call(jobs.update_job, self._db, job_id, **fields)
 
     async def add_event(self, event: JobEvent) -> None:
-        await self._call(jobs.add_event, self._db, event)
+        """Returns once the event is committed. Events added together (fifty deploys
+        finishing a step at once) go to the worker thread as one transaction: one hand-
+        over instead of fifty, each of which would wait for the GIL while the event loop
+        is busy resuming those same deploys."""
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._events.append((event, done))
+        if self._writing_events is None or self._writing_events.done():
+            self._writing_events = asyncio.create_task(self._write_events())
+        await done
+
+    async def _write_events(self) -> None:
+        while self._events:
+            batch, self._events = self._events, []
+            try:
+                failures = await self._call(jobs.add_events, self._db, [e for e, _ in batch])
+            except Exception as exc:  # the database itself failed: every caller hears it
+                failures = [exc] * len(batch)
+            except BaseException:  # cancelled (the loop is going away): nobody may hang
+                for _event, done in batch + self._events:
+                    done.cancel()
+                raise
+            for (_event, done), failure in zip(batch, failures, strict=True):
+                if done.done():  # its caller was cancelled; the event was written anyway
+                    continue
+                if failure is None:
+                    done.set_result(None)
+                else:
+                    done.set_exception(failure)
 
     async def events(self, job_id: str) -> list[JobEvent]:
         return await self._call(jobs.events, self._db, job_id)

@@ -178,6 +178,28 @@ def add_event(db: Database, event: JobEvent) -> None:
         db.table("job_events").insert(_row(event))
 
 
+def add_events(db: Database, events: list[JobEvent]) -> list[Exception | None]:
+    """Write several events in one transaction; what went wrong with each (None: it was
+    written). One that cannot be written (its job is gone) must not lose the others, so
+    a failed batch is written again one by one."""
+    try:
+        with immediate(db.conn):
+            db.table("job_events").insert_all(_row(e) for e in events)
+    except sqlite3.Error:
+        pass
+    else:
+        return [None] * len(events)
+    failures: list[Exception | None] = []
+    for event in events:
+        try:
+            add_event(db, event)
+        except sqlite3.Error as exc:
+            failures.append(exc)
+        else:
+            failures.append(None)
+    return failures
+
+
 def events(db: Database, job_id: str) -> list[JobEvent]:
     rows = db.query(
         "SELECT job_id, at, step, phase, duration_s, detail FROM job_events "

@@ -228,3 +228,38 @@ async def test_expired_approvals_are_found_by_time(store: Store, settings: Setti
     )
     assert await store.expired_approvals(now) == []
     assert await store.expired_approvals(now + timedelta(minutes=2)) == [soon.id]
+
+
+async def test_events_added_together_are_written_together(store: Store, settings: Settings) -> None:
+    jobs = [make_job(settings, f"web{i:02d}", f"10.0.0.{50 + i}") for i in range(20)]
+    for job in jobs:
+        await store.insert_job(job)
+    statements: list[str] = []
+    trace = store._db.conn.set_trace_callback  # SQLite's own account, on the store's thread
+    await store._call(trace, statements.append)
+    await asyncio.gather(
+        *(store.add_event(JobEvent(job_id=j.id, step="clone", phase="started")) for j in jobs)
+    )
+    await store._call(trace, None)
+    assert statements.count("BEGIN IMMEDIATE") == 1  # one transaction, not 20
+    written = [[e.phase for e in await store.events(j.id)] for j in jobs]
+    assert written == [["started"]] * len(jobs)
+
+
+async def test_an_event_that_cannot_be_written_fails_alone(
+    store: Store, settings: Settings
+) -> None:
+    job = make_job(settings)
+    await store.insert_job(job)
+    good = [JobEvent(job_id=job.id, step="clone", phase=p) for p in ("started", "finished")]
+    orphan = JobEvent(job_id="nosuchjob", step="clone", phase="started")
+    results = await asyncio.gather(
+        store.add_event(good[0]),
+        store.add_event(orphan),
+        store.add_event(good[1]),
+        return_exceptions=True,
+    )
+    assert results[0] is None and results[2] is None
+    assert isinstance(results[1], sqlite3.IntegrityError)
+    assert [e.phase for e in await store.events(job.id)] == ["started", "finished"]
+    assert await store.events("nosuchjob") == []
