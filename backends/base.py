@@ -27,16 +27,15 @@ check it):
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import ipaddress
 import logging
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-import asyncssh
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 log = logging.getLogger(__name__)
 
@@ -202,18 +201,45 @@ class CloneMode:
 # --- configuration ------------------------------------------------------------------
 
 
+class SshJump(BaseModel):
+    """A jump host (bastion) for the SSH check, for a bot that cannot reach the guests'
+    network itself: the check asks it to open the TCP connection to the guest, as
+    `ssh -J` does. The bot's key is a file it can read (a path, like a CA bundle, never
+    the key itself); the jump host's own key must be in `known_hosts`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    host: str = Field(min_length=1)
+    port: int = Field(default=22, ge=1, le=65535)
+    user: str = Field(min_length=1)
+    key_file: Path
+    known_hosts: Path
+
+    @field_validator("key_file", "known_hosts")
+    @classmethod
+    def _readable(cls, path: Path) -> Path:
+        if not path.is_file() or not os.access(path, os.R_OK):
+            raise ValueError(f"{path} is not a file this process can read")
+        return path
+
+    def __str__(self) -> str:
+        return f"{self.user}@{self.host}:{self.port}"
+
+
 class BackendConfig(BaseModel):
     """One `[[backends]]` entry. Each backend module subclasses it as `Config`, with
     `kind` narrowed to its own literal, and offers `create(config, environ)`.
 
     Secrets are never fields: a config names the environment variable that holds one
-    (e.g. `token_secret_env`), and `create` reads it from `environ`.
+    (e.g. `token_secret_env`), and `create` reads it from `environ`. `ssh_jump` is for
+    every kind: the SSH check of this backend's guests goes through that jump host.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     kind: str
     name: str = Field(pattern=r"^[a-z][a-z0-9-]{0,31}$")
+    ssh_jump: SshJump | None = None
 
 
 class BackendFactory(Protocol):
@@ -277,7 +303,8 @@ class Backend(Protocol):
 
     async def probe_ssh(self, ref: VMRef, address: ipaddress.IPv4Address, port: int) -> str | None:
         """One attempt: return once a TCP connection to the guest's SSH port succeeded,
-        with the host key fingerprint when it could be read (`probe_ssh_endpoint`)."""
+        with the host key fingerprint when it could be read (`backends.sshcheck`, through
+        the config's `ssh_jump` when it has one)."""
         ...
 
     async def power_off(self, ref: VMRef) -> None: ...
@@ -285,47 +312,6 @@ class Backend(Protocol):
     async def destroy(self, ref: VMRef) -> None: ...
 
     async def close(self) -> None: ...
-
-
-async def ssh_host_key(
-    address: ipaddress.IPv4Address, port: int, timeout_s: float = 10.0
-) -> str | None:
-    """The SSH server's host key fingerprint (`SHA256:...`) read from its key exchange.
-
-    Returned to the user with the SSH line so the first connection can be verified
-    instead of trusted blindly. None when the server answered TCP but no key could be
-    read (an sshd still starting, a non-SSH listener): reachability is already proven.
-    """
-    try:
-        async with asyncio.timeout(timeout_s):
-            key = await asyncssh.get_server_host_key(str(address), port, config=None)
-    except (OSError, asyncssh.Error, TimeoutError) as exc:
-        log.info("no SSH host key from %s:%s: %s", address, port, exc)
-        return None
-    return key.get_fingerprint("sha256") if key is not None else None
-
-
-async def probe_ssh_endpoint(address: ipaddress.IPv4Address, port: int) -> str | None:
-    """What real backends do for `probe_ssh`: prove TCP reachability, then read the key."""
-    await tcp_probe(address, port)
-    return await ssh_host_key(address, port)
-
-
-async def tcp_probe(address: ipaddress.IPv4Address, port: int) -> None:
-    """One TCP connect to address:port; a refused or unreachable port is retryable.
-
-    Real backends use this for `probe_ssh`. It opens a connection and closes it at
-    once: reachability is the question, not authentication.
-    """
-    try:
-        _reader, writer = await asyncio.open_connection(str(address), port)
-    except OSError as exc:
-        raise RetryableError(
-            f"{address}:{port} does not answer yet ({exc.strerror or exc})"
-        ) from exc
-    writer.close()
-    with contextlib.suppress(OSError):
-        await writer.wait_closed()
 
 
 _CONTAINER_IFACES = ("docker", "cni", "veth", "virbr", "br-", "lxc", "flannel", "cali")

@@ -52,6 +52,7 @@ from backends.base import (
     PermanentError,
     Placement,
     RetryableError,
+    SshJump,
     Storage,
     Template,
     Unreachable,
@@ -59,8 +60,8 @@ from backends.base import (
     VMNotFound,
     VMRef,
     pick_address,
-    probe_ssh_endpoint,
 )
+from backends.sshcheck import probe_ssh_endpoint
 
 FaultKind = Literal["error", "hang", "crash", "flaky"]
 FAULT_KINDS: tuple[FaultKind, ...] = ("error", "hang", "crash")
@@ -110,6 +111,7 @@ def create(config: BackendConfig, environ: Mapping[str, str]) -> SimBackend:
         placements=config.placements,
         time_scale=config.time_scale,
         state_file=config.state_file,
+        ssh_jump=config.ssh_jump,
     )
     for fault in config.faults:
         sim.inject(fault.op, fault.kind, fault.times)
@@ -178,8 +180,10 @@ class SimBackend:
         timing: SimTiming | None = None,
         ssh_port: int = 22,
         state_file: Path | None = None,
+        ssh_jump: SshJump | None = None,
     ) -> None:
         self.name = name
+        self.ssh_jump = ssh_jump  # for the guests the check really connects to
         self.time_scale = time_scale
         self.timing = timing or SimTiming()
         self.ssh_port = ssh_port
@@ -498,7 +502,7 @@ class SimBackend:
         vm = self._vm(ref, change=False)
         await self._query_fault("probe_ssh", vm.vm_id)
         if address.is_loopback:
-            return await probe_ssh_endpoint(address, port)
+            return await probe_ssh_endpoint(address, port, self.ssh_jump)
         if not (vm.running and vm.booted.is_set()):
             raise RetryableError(f"{address}:{port} does not answer yet")
         await self._sleep(self.timing.sshd_s)

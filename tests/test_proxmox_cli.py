@@ -1,5 +1,6 @@
-"""The README's demo as a test: `deploybot deploy web01 ... --backend pve` against the
-fake Proxmox API, as a separate process, prints the SSH line."""
+"""The README's demo as a test: `deploybot deploy web01 10.0.0.50 --backend pve` against
+the fake Proxmox API, as a separate process, prints the SSH line. The guest on 10.0.0.50
+is checked through the fake's jump host; one on 127.0.10.50 directly."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import os
 import socket
 import sys
 from pathlib import Path
+
+import pytest
 
 from tests.fakepve import testing
 from tests.fakepve.schema import ApiSchema
@@ -18,12 +21,12 @@ from tests.fakepve.testing import config_text, start_fake
 pve_schema = testing.pve_schema
 pve_tls = testing.pve_tls
 
-GUEST = "127.0.10.50"
+LOOPBACK_GUEST = "127.0.10.50"
 
 
 def free_port() -> int:
     with socket.socket() as probe:
-        probe.bind((GUEST, 0))
+        probe.bind((LOOPBACK_GUEST, 0))
         port: int = probe.getsockname()[1]
     return port
 
@@ -36,12 +39,12 @@ def config_file(tmp_path: Path, fake: FakePVE) -> Path:
     return path
 
 
+@pytest.mark.parametrize("guest", ["10.0.0.50", LOOPBACK_GUEST])
 async def test_deploybot_deploy_prints_the_ssh_line(
-    pve_schema: ApiSchema,
-    pve_tls: Tls,
-    tmp_path: Path,
+    pve_schema: ApiSchema, pve_tls: Tls, tmp_path: Path, guest: str
 ) -> None:
-    async with start_fake(pve_schema, pve_tls, ssh_port=free_port()) as fake:
+    lab = start_fake(pve_schema, pve_tls, ssh_port=free_port(), jump_dir=tmp_path / "jump")
+    async with lab as fake:
         env = {
             **os.environ,
             "DEPLOYBOT_CONFIG": str(config_file(tmp_path, fake)),
@@ -49,7 +52,7 @@ async def test_deploybot_deploy_prints_the_ssh_line(
         }
         process = await asyncio.create_subprocess_exec(
             str(Path(sys.executable).with_name("deploybot")),
-            *("deploy", "web01", GUEST, "--backend", "pve", "--user", "alice"),
+            *("deploy", "web01", guest, "--backend", "pve", "--user", "alice"),
             env=env,
             cwd=tmp_path,
             stdout=asyncio.subprocess.PIPE,
@@ -58,7 +61,13 @@ async def test_deploybot_deploy_prints_the_ssh_line(
         stdout, stderr = await process.communicate()
     output = stdout.decode() + stderr.decode()
     assert process.returncode == 0, output
-    assert f"ssh ubuntu@{GUEST}" in output
+    assert f"ssh ubuntu@{guest}" in output
     assert "VM 101 on pve1@lab" in output
+    assert f"host key {fake.cluster.guest.host_keys[101]}" in output
+    assert fake.jump is not None
+    asked = [host for host, _port in fake.jump.requests]
+    # The check went through the jump host (direct-tcpip, then the key exchange), which
+    # reached the guest's sshd on loopback: nothing was sent to 10.0.0.50 itself.
+    assert asked and set(asked) == {guest}
     log = (tmp_path / "deploybot.log").read_text(encoding="utf-8")
     assert fake.token_secret not in output + log

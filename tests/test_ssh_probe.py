@@ -10,8 +10,9 @@ from pathlib import Path
 import asyncssh
 import pytest
 
-from backends.base import RetryableError, probe_ssh_endpoint, ssh_host_key, tcp_probe
+from backends.base import RetryableError
 from backends.sim import SimBackend
+from backends.sshcheck import probe_ssh_endpoint, ssh_host_key, tcp_probe
 from bot.models import JobState
 from bot.parser import DeployArgs, parse
 from bot.runtime import running_deployer

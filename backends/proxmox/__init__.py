@@ -47,7 +47,6 @@ from backends.base import (
     VMNotFound,
     VMRef,
     pick_address,
-    probe_ssh_endpoint,
 )
 from backends.proxmox.api import AlreadyExists, LockContention, PveApi, TaskFailed
 from backends.proxmox.config import Config, OSProfile, credentials
@@ -62,6 +61,7 @@ from backends.proxmox.vmconfig import (
     size_text,
     tags_of,
 )
+from backends.sshcheck import probe_ssh_endpoint
 
 __all__ = ["Config", "OSProfile", "ProxmoxBackend", "create"]
 log = logging.getLogger(__name__)
@@ -440,7 +440,7 @@ class ProxmoxBackend:
             await asyncio.sleep(self._agent_polling.interval_s(now - watch.since_s))
 
     async def probe_ssh(self, ref: VMRef, address: ipaddress.IPv4Address, port: int) -> str | None:
-        return await probe_ssh_endpoint(address, port)
+        return await probe_ssh_endpoint(address, port, self.config.ssh_jump)
 
     # --- rollback -----------------------------------------------------------------------
 

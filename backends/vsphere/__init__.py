@@ -46,8 +46,8 @@ from backends.base import (
     VMNotFound,
     VMRef,
     pick_address,
-    probe_ssh_endpoint,
 )
+from backends.sshcheck import probe_ssh_endpoint
 from backends.vsphere import specs
 from backends.vsphere.inventory import (
     POWERED_ON,
@@ -459,7 +459,7 @@ class VSphereBackend:
     async def probe_ssh(self, ref: VMRef, address: ipaddress.IPv4Address, port: int) -> str | None:
         # The address came through the hypervisor, not the network: only a connection
         # proves that the guest is reachable.
-        return await probe_ssh_endpoint(address, port)
+        return await probe_ssh_endpoint(address, port, self.config.ssh_jump)
 
     async def power_off(self, ref: VMRef) -> None:
         def work(op: Op) -> None:

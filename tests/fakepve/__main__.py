@@ -32,6 +32,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=8006)
     parser.add_argument("--release", default="8.2", help="PVE release to claim, e.g. 7.4")
     parser.add_argument("--ssh-port", type=int, default=2222, help="guest sshd port (0: none)")
+    parser.add_argument(
+        "--no-jump", action="store_true", help="no jump host (guests then need 127.x addresses)"
+    )
     parser.add_argument("--schema", type=Path, default=REFERENCE / "pve-api-subset.json")
     parser.add_argument("--state-dir", type=Path, help="for the CA bundle (default: a temp dir)")
     parser.add_argument("--write-config", type=Path, help="write a deploybot.toml for it here")
@@ -56,6 +59,7 @@ async def serve(args: argparse.Namespace, state_dir: Path) -> None:
         timings=timings,
         release=args.release,
         ssh_port=args.ssh_port or None,
+        jump_dir=None if args.no_jump else state_dir,
         token_secret=args.token_secret,
         password=args.password,
         auth_fail_delay_s=args.auth_fail_delay_s,
@@ -70,6 +74,8 @@ async def serve(args: argparse.Namespace, state_dir: Path) -> None:
     print(f"  templates:   {', '.join(templates)}")
     if args.ssh_port:
         print(f"  guest sshd:  port {args.ssh_port} on guest addresses in 127.0.0.0/8")
+    if fake.jump is not None:
+        print(f"  jump host:   {fake.jump.user}@{fake.jump.host}:{fake.jump.port} (other guests)")
     config = config_text(fake, state_dir, args.ssh_port)
     if args.write_config:
         args.write_config.write_text(config, encoding="utf-8")

@@ -58,32 +58,53 @@ def interfaces(config: dict[str, str], vmid: int) -> list[dict[str, Any]]:
 
 
 class Guest:
-    """Opens and closes the guests' sshd listeners; `ssh_port` None means no sshd."""
+    """Opens and closes the guests' sshd listeners; `ssh_port` None means no sshd.
 
-    def __init__(self, ssh_port: int | None) -> None:
+    A guest on a loopback address listens there, on `ssh_port`. A guest on any other
+    address (10.0.0.50) is reachable only through the lab's jump host (`behind_jump`):
+    its sshd listens on an ephemeral port of 127.0.0.1, and `route` tells the jump host
+    where "10.0.0.50:22" is. Without a jump host such a guest has no sshd at all."""
+
+    def __init__(self, ssh_port: int | None, *, behind_jump: bool = False) -> None:
         self.ssh_port = ssh_port
+        self.behind_jump = behind_jump
         self.host_keys: dict[int, str] = {}  # vmid -> SHA256 fingerprint
         self._servers: dict[int, asyncssh.SSHAcceptor] = {}
+        self._endpoints: dict[str, tuple[int, tuple[str, int]]] = {}  # address -> vmid, sshd
 
     async def boot(self, vmid: int, config: dict[str, str]) -> None:
         static = configured_ip(config)
-        if self.ssh_port is None or static is None or not static[0].is_loopback:
+        if self.ssh_port is None or static is None:
+            return
+        address = static[0]
+        if address.is_loopback:
+            listen = (str(address), self.ssh_port)
+        elif self.behind_jump:
+            listen = ("127.0.0.1", 0)  # where the jump host's route leads
+        else:
             return  # never listen outside 127.0.0.0/8
         key = asyncssh.generate_private_key("ssh-ed25519")
         try:
             server = await asyncssh.create_server(
-                asyncssh.SSHServer, str(static[0]), self.ssh_port, server_host_keys=[key]
+                asyncssh.SSHServer, *listen, server_host_keys=[key]
             )
         except OSError as exc:
-            log.warning(
-                "guest %s: sshd cannot listen on %s:%s: %s", vmid, static[0], self.ssh_port, exc
-            )
+            log.warning("guest %s: sshd cannot listen on %s:%s: %s", vmid, *listen, exc)
             return
         self._servers[vmid] = server
+        self._endpoints[str(address)] = (vmid, server.sockets[0].getsockname()[:2])
         self.host_keys[vmid] = key.get_fingerprint("sha256")
+
+    def route(self, host: str, port: int) -> tuple[str, int] | None:
+        """For the jump host: the sshd of the booted guest with this address and port."""
+        found = self._endpoints.get(host)
+        if found is None or self.ssh_port is None or port not in (22, self.ssh_port):
+            return None
+        return found[1]
 
     async def shutdown(self, vmid: int) -> None:
         server = self._servers.pop(vmid, None)
+        self._endpoints = {a: e for a, e in self._endpoints.items() if e[0] != vmid}
         if server is not None:
             server.close()
             await server.wait_closed()

@@ -29,6 +29,7 @@ from tests.fakepve.cluster import ApiError, Cluster, FaultKind, Timings
 from tests.fakepve.guest import Guest
 from tests.fakepve.ops import ENDPOINTS, Call
 from tests.fakepve.schema import ApiSchema
+from tests.jumphost import JumpHost
 
 EXEMPT_HEADER = "X-Fake-Exempt"  # a test's deliberate bad request: not the backend's
 
@@ -76,6 +77,7 @@ class FakePVE:
         release: str = "8.2",
         cluster_name: str | None = "lab",
         ssh_port: int | None = None,
+        jump_dir: Path | None = None,
         user: str = "root@pam",
         token_name: str = "deploybot",
         token_secret: str | None = None,
@@ -86,10 +88,12 @@ class FakePVE:
     ) -> None:
         self.schema = schema
         self.tls = tls
-        guest = Guest(ssh_port)
+        guest = Guest(ssh_port, behind_jump=jump_dir is not None)
         self.cluster = cluster or Cluster.standard(
             timings=timings, release=release, cluster_name=cluster_name, guest=guest
         )
+        # Guests outside 127.0.0.0/8 answer SSH only through this lab's jump host.
+        self.jump = None if jump_dir is None else JumpHost(jump_dir, self.cluster.guest.route)
         self.user = user
         self.token_id = f"{user}!{token_name}"
         self.token_secret = token_secret or secrets.token_hex(16)
@@ -119,6 +123,8 @@ class FakePVE:
         site = web.TCPSite(self._runner, host, port, ssl_context=self.tls.server)
         await site.start()
         self.port = self._runner.addresses[0][1]
+        if self.jump is not None:
+            await self.jump.start(host)
         return self
 
     @property
@@ -128,6 +134,8 @@ class FakePVE:
     async def close(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
+        if self.jump is not None:
+            await self.jump.close()
         await self.cluster.close()
 
     async def __aenter__(self) -> FakePVE:

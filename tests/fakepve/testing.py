@@ -122,8 +122,21 @@ def pve_settings(tmp_path: Path, fake: FakePVE, **overrides: Any) -> Settings:
 
 
 def config_text(fake: FakePVE, state_dir: Path, ssh_port: int | None) -> str:
-    """A deploybot.toml for deploys onto this fake: guests on 127.0.10.0/24, where the
-    fake's sshd answers, so the SSH check connects to nothing outside loopback."""
+    """A deploybot.toml for deploys onto this fake. Guests on 10.0.0.0/24 answer the SSH
+    check through the fake's jump host (when it runs one); guests on 127.0.10.0/24 are
+    reached directly. Either way the check connects to nothing outside loopback."""
+    jump = fake.jump.toml() if fake.jump is not None else ""
+    lab = (
+        """
+[[subnets]]
+cidr = "10.0.0.0/24"
+gateway = "10.0.0.1"
+dns = ["10.0.0.2"]
+search_domain = "lab.example"
+"""
+        if jump
+        else ""
+    )
     return f"""\
 database = "{state_dir / "deploybot.db"}"
 log_file = "{state_dir / "deploybot.log"}"
@@ -136,7 +149,7 @@ port = {fake.port}
 user = "{fake.user}"
 token_id = "{fake.token_id.split("!")[1]}"
 ca_bundle = "{fake.tls.ca_path}"
-
+{jump}{lab}
 [[subnets]]
 cidr = "127.0.10.0/24"
 gateway = "127.0.10.1"

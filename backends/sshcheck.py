@@ -1,0 +1,114 @@
+"""The SSH check every real backend runs as `probe_ssh`: prove the guest's SSH port
+answers, then read its host key, directly or through a jump host (`SshJump`).
+
+Reachability is the question, not login: the check opens a TCP connection and closes
+it, then reads the server's host key from a key exchange so the user can verify the
+first connection instead of trusting it blindly. Through a jump host both go over one
+SSH connection to it (`direct-tcpip`, as `ssh -J` does), so the bot never needs a route
+to the guests' network.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+from collections.abc import AsyncIterator
+
+import asyncssh
+
+from backends.base import PermanentError, RetryableError, SshJump
+
+log = logging.getLogger(__name__)
+
+
+async def probe_ssh_endpoint(
+    address: ipaddress.IPv4Address, port: int, jump: SshJump | None = None
+) -> str | None:
+    """One attempt: raise RetryableError while the port does not answer; return the
+    host key fingerprint, or None when the port answered but no key could be read."""
+    if jump is None:
+        await tcp_probe(address, port)
+        return await ssh_host_key(address, port)
+    async with jump_connection(jump) as tunnel:
+        try:
+            _reader, writer = await tunnel.open_connection(str(address), port)
+        except asyncssh.ChannelOpenError as exc:
+            raise RetryableError(
+                f"{address}:{port} does not answer yet (from {jump.host}: {exc.reason})"
+            ) from None
+        writer.close()
+        return await ssh_host_key(address, port, tunnel=tunnel)
+
+
+async def tcp_probe(address: ipaddress.IPv4Address, port: int) -> None:
+    """One TCP connect to address:port; a refused or unreachable port is retryable."""
+    try:
+        _reader, writer = await asyncio.open_connection(str(address), port)
+    except OSError as exc:
+        raise RetryableError(
+            f"{address}:{port} does not answer yet ({exc.strerror or exc})"
+        ) from exc
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+
+
+async def ssh_host_key(
+    address: ipaddress.IPv4Address,
+    port: int,
+    timeout_s: float = 10.0,
+    *,
+    tunnel: asyncssh.SSHClientConnection | None = None,
+) -> str | None:
+    """The SSH server's host key fingerprint (`SHA256:...`) read from its key exchange.
+
+    None when the server answered TCP but no key could be read (an sshd still starting,
+    a non-SSH listener): reachability is already proven.
+    """
+    try:
+        async with asyncio.timeout(timeout_s):
+            key = await asyncssh.get_server_host_key(
+                str(address), port, tunnel=tunnel or (), config=None
+            )
+    except (OSError, asyncssh.Error, TimeoutError) as exc:
+        log.info("no SSH host key from %s:%s: %s", address, port, exc)
+        return None
+    return key.get_fingerprint("sha256") if key is not None else None
+
+
+@contextlib.asynccontextmanager
+async def jump_connection(
+    jump: SshJump, timeout_s: float = 15.0
+) -> AsyncIterator[asyncssh.SSHClientConnection]:
+    """An SSH connection to the jump host, its host key checked against `known_hosts`.
+
+    A refused key or an unknown host key will not mend by waiting (PermanentError, with
+    what to fix); a jump host that does not answer may (RetryableError).
+    """
+    try:
+        conn = await asyncssh.connect(
+            jump.host,
+            jump.port,
+            username=jump.user,
+            client_keys=[str(jump.key_file)],
+            known_hosts=str(jump.known_hosts),
+            agent_path=None,
+            config=None,
+            connect_timeout=timeout_s,
+        )
+    except asyncssh.PermissionDenied:
+        raise PermanentError(
+            f"jump host {jump} refused the key in {jump.key_file}: add its public key to "
+            f"~{jump.user}/.ssh/authorized_keys there"
+        ) from None
+    except asyncssh.HostKeyNotVerifiable:
+        raise PermanentError(
+            f"jump host {jump.host}:{jump.port} showed a host key that {jump.known_hosts} "
+            "does not list: check it, then add it there (ssh-keyscan)"
+        ) from None
+    except (OSError, asyncssh.Error, TimeoutError) as exc:
+        raise RetryableError(f"jump host {jump} does not answer ({exc})") from None
+    async with conn:
+        yield conn

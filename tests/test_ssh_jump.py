@@ -1,0 +1,107 @@
+"""The SSH check through a jump host: a real asyncssh bastion on 127.0.0.1 that forwards
+only to the loopback sshd it maps a guest address to (tests/jumphost.py)."""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import asyncssh
+import pytest
+from pydantic import ValidationError
+
+from backends.base import PermanentError, RetryableError, SshJump
+from backends.sshcheck import probe_ssh_endpoint
+from bot.errors import ConfigError
+from bot.settings import load_settings
+from tests.jumphost import JumpHost
+
+GUEST = ipaddress.IPv4Address("10.0.0.50")  # never connected to: the jump host maps it
+
+
+@pytest.fixture
+async def sshd() -> AsyncIterator[tuple[int, str]]:
+    """The guest's sshd, on loopback; its port and host key fingerprint."""
+    key = asyncssh.generate_private_key("ssh-ed25519")
+    server = await asyncssh.create_server(
+        asyncssh.SSHServer, "127.0.0.1", 0, server_host_keys=[key]
+    )
+    yield server.sockets[0].getsockname()[1], key.get_fingerprint("sha256")
+    server.close()
+    await server.wait_closed()
+
+
+@pytest.fixture
+async def jump(tmp_path: Path, sshd: tuple[int, str]) -> AsyncIterator[JumpHost]:
+    port = sshd[0]
+
+    def route(host: str, dest_port: int) -> tuple[str, int] | None:
+        return ("127.0.0.1", port) if (host, dest_port) == (str(GUEST), 22) else None
+
+    host = await JumpHost(tmp_path / "jump", route).start()
+    yield host
+    await host.close()
+
+
+def settings_of(jump: JumpHost, **changes: object) -> SshJump:
+    return SshJump.model_validate({**jump.config(), **changes})
+
+
+async def test_the_check_goes_through_the_jump_host(jump: JumpHost, sshd: tuple[int, str]) -> None:
+    fingerprint = await probe_ssh_endpoint(GUEST, 22, settings_of(jump))
+    assert fingerprint == sshd[1]  # the guest's key, read through the tunnel
+    assert jump.requests == [(str(GUEST), 22), (str(GUEST), 22)]  # TCP check, key exchange
+
+
+async def test_a_guest_the_jump_host_cannot_reach_is_not_there_yet(jump: JumpHost) -> None:
+    with pytest.raises(RetryableError, match=r"10.0.0.51:22 does not answer yet \(from 127"):
+        await probe_ssh_endpoint(ipaddress.IPv4Address("10.0.0.51"), 22, settings_of(jump))
+    assert jump.requests == [("10.0.0.51", 22)]
+
+
+async def test_a_refused_key_says_what_to_fix(jump: JumpHost, tmp_path: Path) -> None:
+    other = tmp_path / "other-key"
+    asyncssh.generate_private_key("ssh-ed25519").write_private_key(str(other))
+    with pytest.raises(PermanentError, match=r"refused the key in .*other-key: add its public"):
+        await probe_ssh_endpoint(GUEST, 22, settings_of(jump, key_file=str(other)))
+    assert jump.requests == []
+
+
+async def test_an_unknown_jump_host_key_is_refused(jump: JumpHost, tmp_path: Path) -> None:
+    stranger = asyncssh.generate_private_key("ssh-ed25519").export_public_key().decode()
+    known = tmp_path / "known_hosts"
+    known.write_text(f"[127.0.0.1]:{jump.port} {stranger}", encoding="utf-8")
+    with pytest.raises(PermanentError, match="does not list: check it"):
+        await probe_ssh_endpoint(GUEST, 22, settings_of(jump, known_hosts=str(known)))
+    assert jump.requests == []
+
+
+async def test_a_jump_host_that_does_not_answer_may_later(jump: JumpHost) -> None:
+    await jump.close()
+    down = r"jump host deploybot@127\.0\.0\.1:\d+ does not answer"
+    with pytest.raises(RetryableError, match=down):
+        await probe_ssh_endpoint(GUEST, 22, settings_of(jump))
+
+
+def test_an_unreadable_key_file_stops_the_start(tmp_path: Path) -> None:
+    known = tmp_path / "known_hosts"
+    known.write_text("", encoding="utf-8")
+    with pytest.raises(ValidationError, match="is not a file this process can read"):
+        SshJump(host="bastion", user="deploybot", key_file=tmp_path / "nope", known_hosts=known)
+    config = tmp_path / "deploybot.toml"
+    config.write_text(
+        f"""
+[[backends]]
+kind = "sim"
+name = "sim"
+[backends.ssh_jump]
+host = "bastion.example"
+user = "deploybot"
+key_file = "{tmp_path / "missing-key"}"
+known_hosts = "{known}"
+""",
+        encoding="utf-8",
+    )
+    with pytest.raises(ConfigError, match=r"backends\.0\.ssh_jump\.key_file.*missing-key"):
+        load_settings(config)
