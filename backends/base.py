@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+import asyncssh
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 log = logging.getLogger(__name__)
@@ -220,6 +221,18 @@ class SshJump(BaseModel):
     def _readable(cls, path: Path) -> Path:
         if not path.is_file() or not os.access(path, os.R_OK):
             raise ValueError(f"{path} is not a file this process can read")
+        return path
+
+    @field_validator("key_file")
+    @classmethod
+    def _a_private_key(cls, path: Path) -> Path:
+        try:
+            asyncssh.read_private_key(path)
+        except (OSError, ValueError) as exc:  # KeyImportError is a ValueError
+            raise ValueError(
+                f"{path} holds no SSH private key deploybot can use ({exc}); "
+                "keys with a passphrase are not supported"
+            ) from None
         return path
 
     def __str__(self) -> str:

@@ -61,7 +61,7 @@ from backends.base import (
     VMRef,
     pick_address,
 )
-from backends.sshcheck import probe_ssh_endpoint
+from backends.sshcheck import SshCheck
 
 FaultKind = Literal["error", "hang", "crash", "flaky"]
 FAULT_KINDS: tuple[FaultKind, ...] = ("error", "hang", "crash")
@@ -183,7 +183,7 @@ class SimBackend:
         ssh_jump: SshJump | None = None,
     ) -> None:
         self.name = name
-        self.ssh_jump = ssh_jump  # for the guests the check really connects to
+        self._ssh = SshCheck(ssh_jump)  # for the guests the check really connects to
         self.time_scale = time_scale
         self.timing = timing or SimTiming()
         self.ssh_port = ssh_port
@@ -502,7 +502,7 @@ class SimBackend:
         vm = self._vm(ref, change=False)
         await self._query_fault("probe_ssh", vm.vm_id)
         if address.is_loopback:
-            return await probe_ssh_endpoint(address, port, self.ssh_jump)
+            return await self._ssh.probe(address, port)
         if not (vm.running and vm.booted.is_set()):
             raise RetryableError(f"{address}:{port} does not answer yet")
         await self._sleep(self.timing.sshd_s)
@@ -548,6 +548,7 @@ class SimBackend:
         for vm in self.vms.values():
             if vm.boot_task:
                 vm.boot_task.cancel()
+        await self._ssh.close()
 
 
 def _fake_fingerprint(vm_id: str) -> str:

@@ -14,32 +14,78 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
-from collections.abc import AsyncIterator
 
 import asyncssh
 
-from backends.base import PermanentError, RetryableError, SshJump
+from backends.base import PermanentError, RetryableError, SshJump, Unreachable
 
 log = logging.getLogger(__name__)
+
+
+class SshCheck:
+    """The SSH check of one backend's guests (its `probe_ssh`): direct, or through the
+    backend's jump host over one SSH connection kept between checks (fifty deploys each
+    logging in anew every tenth of a second would soon be refused by a real bastion).
+    A broken connection is opened again at the next check."""
+
+    def __init__(self, jump: SshJump | None) -> None:
+        self.jump = jump
+        self._conn: asyncssh.SSHClientConnection | None = None
+        self._lock = asyncio.Lock()
+
+    async def probe(self, address: ipaddress.IPv4Address, port: int) -> str | None:
+        """One attempt: raise RetryableError while the port does not answer (Unreachable
+        when the jump host does not); return the host key fingerprint, or None when the
+        port answered but no key could be read."""
+        if self.jump is None:
+            await tcp_probe(address, port)
+            return await ssh_host_key(address, port)
+        jump, tunnel = self.jump, await self._tunnel()
+        try:
+            _reader, writer = await tunnel.open_connection(str(address), port)
+        except asyncssh.ChannelOpenError as exc:
+            if exc.code == asyncssh.OPEN_ADMINISTRATIVELY_PROHIBITED:
+                raise PermanentError(
+                    f"jump host {jump} will not connect to {address}:{port} ({exc.reason}): "
+                    f"allow TCP forwarding for {jump.user} there (AllowTcpForwarding, PermitOpen)"
+                ) from None
+            raise RetryableError(
+                f"{address}:{port} does not answer yet (from {jump.host}: {exc.reason})"
+            ) from None
+        except (OSError, asyncssh.Error) as exc:  # the connection to the jump host broke
+            await self._drop(tunnel)
+            raise Unreachable(f"jump host {jump} dropped the connection ({exc})") from None
+        writer.close()
+        return await ssh_host_key(address, port, tunnel=tunnel)
+
+    async def _tunnel(self) -> asyncssh.SSHClientConnection:
+        assert self.jump is not None
+        async with self._lock:
+            if self._conn is None or self._conn.is_closed():
+                self._conn = await jump_connection(self.jump)
+            return self._conn
+
+    async def _drop(self, conn: asyncssh.SSHClientConnection) -> None:
+        if self._conn is conn:
+            self._conn = None
+        conn.close()
+        with contextlib.suppress(OSError, asyncssh.Error):
+            await conn.wait_closed()
+
+    async def close(self) -> None:
+        if self._conn is not None:
+            await self._drop(self._conn)
 
 
 async def probe_ssh_endpoint(
     address: ipaddress.IPv4Address, port: int, jump: SshJump | None = None
 ) -> str | None:
-    """One attempt: raise RetryableError while the port does not answer; return the
-    host key fingerprint, or None when the port answered but no key could be read."""
-    if jump is None:
-        await tcp_probe(address, port)
-        return await ssh_host_key(address, port)
-    async with jump_connection(jump) as tunnel:
-        try:
-            _reader, writer = await tunnel.open_connection(str(address), port)
-        except asyncssh.ChannelOpenError as exc:
-            raise RetryableError(
-                f"{address}:{port} does not answer yet (from {jump.host}: {exc.reason})"
-            ) from None
-        writer.close()
-        return await ssh_host_key(address, port, tunnel=tunnel)
+    """One check on its own (a connection to the jump host just for it)."""
+    check = SshCheck(jump)
+    try:
+        return await check.probe(address, port)
+    finally:
+        await check.close()
 
 
 async def tcp_probe(address: ipaddress.IPv4Address, port: int) -> None:
@@ -78,17 +124,14 @@ async def ssh_host_key(
     return key.get_fingerprint("sha256") if key is not None else None
 
 
-@contextlib.asynccontextmanager
-async def jump_connection(
-    jump: SshJump, timeout_s: float = 15.0
-) -> AsyncIterator[asyncssh.SSHClientConnection]:
+async def jump_connection(jump: SshJump, timeout_s: float = 15.0) -> asyncssh.SSHClientConnection:
     """An SSH connection to the jump host, its host key checked against `known_hosts`.
 
     A refused key or an unknown host key will not mend by waiting (PermanentError, with
-    what to fix); a jump host that does not answer may (RetryableError).
+    what to fix); a jump host that does not answer may (Unreachable).
     """
     try:
-        conn = await asyncssh.connect(
+        return await asyncssh.connect(
             jump.host,
             jump.port,
             username=jump.user,
@@ -109,6 +152,4 @@ async def jump_connection(
             "does not list: check it, then add it there (ssh-keyscan)"
         ) from None
     except (OSError, asyncssh.Error, TimeoutError) as exc:
-        raise RetryableError(f"jump host {jump} does not answer ({exc})") from None
-    async with conn:
-        yield conn
+        raise Unreachable(f"jump host {jump} does not answer ({exc})") from None

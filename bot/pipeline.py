@@ -138,7 +138,8 @@ async def retrying(
     Errors back off exponentially (`retry_initial_s`, doubling, capped at `retry_max_s`).
     With `polling` a retryable answer is the expected "not yet" (an sshd still starting
     after the guest agent): ask again after `poll_initial_s`, then after a twentieth of
-    the time waited so far, so a poll adds at most ~5% to the wait (same cap)."""
+    the time waited so far, so a poll adds at most ~5% to the wait (same cap). An
+    endpoint that does not answer at all (`Unreachable`) still backs off."""
     loop = asyncio.get_running_loop()
     began = loop.time()
     delay = timeouts.retry_initial_s
@@ -148,12 +149,13 @@ async def retrying(
         except BackendError as exc:
             if not exc.retryable:
                 raise
+            not_yet = polling and not isinstance(exc, Unreachable)
             log.info("retrying after %s", exc.message)
             if seen is not None:
                 seen.append(exc.message)
             if on_retry is not None:
                 await on_retry(exc)
-        if polling:
+        if not_yet:
             waited = loop.time() - began
             pause = min(timeouts.retry_max_s, max(timeouts.poll_initial_s, waited / 20))
         else:

@@ -57,9 +57,9 @@ async def running_deployer(
     )
     store = await Store.open(settings.database)
     deployer = Deployer(settings, store, backends, progress)
+    freeze_startup_heap()  # before start(): the jobs it recovers and queues are not
     try:
         await deployer.start()
-        freeze_startup_heap()
         yield deployer
     finally:
         await deployer.close(grace_s)

@@ -128,6 +128,7 @@ class Store:
             except BaseException:  # cancelled (the loop is going away): nobody may hang
                 for _event, done in batch + self._events:
                     done.cancel()
+                self._events = []  # their callers were told; a later writer must not
                 raise
             for (_event, done), failure in zip(batch, failures, strict=True):
                 if done.done():  # its caller was cancelled; the event was written anyway

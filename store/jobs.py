@@ -185,7 +185,7 @@ def add_events(db: Database, events: list[JobEvent]) -> list[Exception | None]:
     try:
         with immediate(db.conn):
             db.table("job_events").insert_all(_row(e) for e in events)
-    except sqlite3.Error:
+    except Exception:  # whichever one it was, it fails alone below
         pass
     else:
         return [None] * len(events)
@@ -193,7 +193,7 @@ def add_events(db: Database, events: list[JobEvent]) -> list[Exception | None]:
     for event in events:
         try:
             add_event(db, event)
-        except sqlite3.Error as exc:
+        except Exception as exc:  # handed to that event's caller
             failures.append(exc)
         else:
             failures.append(None)

@@ -30,6 +30,8 @@ class JumpHost:
         self.key_file = state_dir / "jump-client-key"
         self.known_hosts = state_dir / "jump-known-hosts"
         self.requests: list[tuple[str, int]] = []  # every direct-tcpip asked for
+        self.logins = 0
+        self.prohibited: set[str] = set()  # guest addresses it will not forward to
         self._host_key = asyncssh.generate_private_key("ssh-ed25519")
         self.client_key = asyncssh.generate_private_key("ssh-ed25519")
         self._server: asyncssh.SSHAcceptor | None = None
@@ -89,10 +91,17 @@ class _Server(asyncssh.SSHServer):
         ours = self.jump.client_key.export_public_key()
         return username == self.jump.user and key.export_public_key() == ours
 
+    def auth_completed(self) -> None:
+        self.jump.logins += 1
+
     def connection_requested(
         self, dest_host: str, dest_port: int, orig_host: str, orig_port: int
     ) -> Any:
         self.jump.requests.append((dest_host, dest_port))
+        if dest_host in self.jump.prohibited:  # AllowTcpForwarding no, or PermitOpen
+            raise asyncssh.ChannelOpenError(
+                asyncssh.OPEN_ADMINISTRATIVELY_PROHIBITED, "administratively prohibited"
+            )
         target = self.jump.route(dest_host, dest_port)
         if target is None or not ipaddress.ip_address(target[0]).is_loopback:
             raise asyncssh.ChannelOpenError(asyncssh.OPEN_CONNECT_FAILED, "Connection refused")

@@ -166,6 +166,11 @@ async def test_concurrent_deploys_get_distinct_ids(backend: ProxmoxBackend, pve:
     assert all(config_of(pve, r)["name"] == s.name for s, r in zip(specs, refs, strict=True))
 
 
+def nextid_checks(pve: FakePVE) -> list[int]:
+    """The ids the backend asked `nextid?vmid=` about."""
+    return [int(r.params["vmid"]) for r in pve.sent("GET", "/cluster/nextid") if r.params]
+
+
 async def test_deploys_asking_together_share_one_nextid_and_skip_ids_in_use(
     backend: ProxmoxBackend, pve: FakePVE
 ) -> None:
@@ -175,27 +180,47 @@ async def test_deploys_asking_together_share_one_nextid_and_skip_ids_in_use(
     specs = [CloneSpec(f"jtog{i:03d}", f"web{i}", "ubuntu-24.04") for i in range(5)]
     refs = await asyncio.gather(*(backend.prepare_clone(s) for s in specs))
     assert sorted(int(r.vm_id) for r in refs) == [free, free + 1, free + 3, free + 4, free + 5]
-    assert len(pve.sent("GET", "/cluster/nextid")) == 1
+    answers = [r for r in pve.sent("GET", "/cluster/nextid") if not r.params]
+    assert len(answers) == 1  # one shared answer; the ids after it checked one by one
+    assert sorted(nextid_checks(pve)) == [free + 1, free + 3, free + 4, free + 5]
     await asyncio.gather(*(backend.clone(s, r) for s, r in zip(specs, refs, strict=True)))
     assert pve.cluster.vms[free + 2].config["name"] == "busy"
 
 
-async def test_an_id_in_use_unknown_to_the_listing_means_a_new_id(
-    backend: ProxmoxBackend, pve: FakePVE
+@pytest.mark.parametrize("hidden", [False, True])
+async def test_an_id_in_use_unknown_to_the_listing_is_skipped(
+    backend: ProxmoxBackend, pve: FakePVE, hidden: bool
 ) -> None:
+    """Made after the listing, or never in it: a token limited to a pool does not see
+    the cluster's other VMs, but `nextid?vmid=` does."""
     free = next(i for i in range(100, 1000) if i not in pve.cluster.vms)
+    if hidden:
+        pve.cluster.hidden.add(free + 1)
     await backend.templates()
-    pve.cluster.add_vm(free + 1, "newcomer")  # created after the listing
+    pve.cluster.add_vm(free + 1, "newcomer")
     specs = [CloneSpec(f"jnew{i:03d}", f"web{i}", "ubuntu-24.04") for i in range(2)]
     first, second = await asyncio.gather(*(backend.prepare_clone(s) for s in specs))
-    assert (int(first.vm_id), int(second.vm_id)) == (free, free + 1)
-    await backend.clone(specs[0], first)
+    assert (int(first.vm_id), int(second.vm_id)) == (free, free + 2)
+    await asyncio.gather(
+        *(backend.clone(s, r) for s, r in zip(specs, (first, second), strict=True))
+    )
+    assert pve.cluster.vms[free + 1].config["name"] == "newcomer"
+    assert mutations(pve, str(free + 1)) == []
+
+
+async def test_an_id_someone_we_cannot_see_took_means_a_new_id(
+    backend: ProxmoxBackend, pve: FakePVE
+) -> None:
+    spec = CloneSpec("jhid001", "web01", "ubuntu-24.04")
+    ref = await backend.prepare_clone(spec)
+    pve.cluster.add_vm(int(ref.vm_id), "invisible")  # in between, in another pool
+    pve.cluster.hidden.add(int(ref.vm_id))
     with pytest.raises(RetryableError, match="taken by another client"):
-        await backend.clone(specs[1], second)
-    assert mutations(pve, second.vm_id) == []  # the newcomer was never touched
-    again = await backend.prepare_clone(specs[1])
-    await backend.clone(specs[1], again)
-    assert int(again.vm_id) not in (free, free + 1)
+        await backend.clone(spec, ref)  # 403 on the clone, and the id is in use
+    assert mutations(pve, ref.vm_id) == []
+    again = await backend.prepare_clone(spec)
+    await backend.clone(spec, again)
+    assert again.vm_id != ref.vm_id and config_of(pve, again)["name"] == "web01"
 
 
 async def test_a_vmid_taken_by_another_client_means_a_new_id(

@@ -1,6 +1,6 @@
 """The README's demo as a test: `deploybot deploy web01 10.0.0.50 --backend pve` against
-the fake Proxmox API, as a separate process, prints the SSH line. The guest on 10.0.0.50
-is checked through the fake's jump host; one on 127.0.10.50 directly."""
+the fake Proxmox API, as a separate process, prints the SSH line. The config the fake
+writes sends the SSH check through its jump host, for 10.0.0.50 and 127.0.10.50 alike."""
 
 from __future__ import annotations
 

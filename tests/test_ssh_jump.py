@@ -11,8 +11,8 @@ import asyncssh
 import pytest
 from pydantic import ValidationError
 
-from backends.base import PermanentError, RetryableError, SshJump
-from backends.sshcheck import probe_ssh_endpoint
+from backends.base import PermanentError, RetryableError, SshJump, Unreachable
+from backends.sshcheck import SshCheck, probe_ssh_endpoint
 from bot.errors import ConfigError
 from bot.settings import load_settings
 from tests.jumphost import JumpHost
@@ -80,8 +80,37 @@ async def test_an_unknown_jump_host_key_is_refused(jump: JumpHost, tmp_path: Pat
 async def test_a_jump_host_that_does_not_answer_may_later(jump: JumpHost) -> None:
     await jump.close()
     down = r"jump host deploybot@127\.0\.0\.1:\d+ does not answer"
-    with pytest.raises(RetryableError, match=down):
+    with pytest.raises(Unreachable, match=down):
         await probe_ssh_endpoint(GUEST, 22, settings_of(jump))
+
+
+async def test_checks_share_one_login_to_the_jump_host(
+    jump: JumpHost, sshd: tuple[int, str]
+) -> None:
+    check = SshCheck(settings_of(jump))
+    try:
+        for _ in range(3):
+            assert await check.probe(GUEST, 22) == sshd[1]
+        with pytest.raises(RetryableError, match="does not answer yet"):
+            await check.probe(ipaddress.IPv4Address("10.0.0.51"), 22)
+        assert await check.probe(GUEST, 22) == sshd[1]
+    finally:
+        await check.close()
+    assert jump.logins == 1  # one SSH connection, many direct-tcpip channels
+    assert len(jump.requests) == 9
+
+
+async def test_a_jump_host_that_forbids_forwarding_says_so(jump: JumpHost) -> None:
+    jump.prohibited.add(str(GUEST))
+    with pytest.raises(PermanentError, match=r"will not connect to 10\.0\.0\.50:22 .*AllowTcp"):
+        await probe_ssh_endpoint(GUEST, 22, settings_of(jump))
+
+
+async def test_a_key_file_that_holds_no_key_stops_the_start(jump: JumpHost, tmp_path: Path) -> None:
+    garbage = tmp_path / "not-a-key"
+    garbage.write_text("hello\n", encoding="utf-8")
+    with pytest.raises(ValidationError, match="holds no SSH private key deploybot can use"):
+        settings_of(jump, key_file=str(garbage))
 
 
 def test_an_unreadable_key_file_stops_the_start(tmp_path: Path) -> None:

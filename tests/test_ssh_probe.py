@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import asyncssh
 import pytest
 
-from backends.base import RetryableError
+from backends.base import RetryableError, Unreachable
 from backends.sim import SimBackend
 from backends.sshcheck import probe_ssh_endpoint, ssh_host_key, tcp_probe
 from bot.models import JobState
 from bot.parser import DeployArgs, parse
+from bot.pipeline import retrying
 from bot.runtime import running_deployer
+from bot.settings import Timeouts
 from tests.conftest import make_settings
 
 GUEST = ipaddress.IPv4Address("127.0.5.10")
@@ -137,3 +139,28 @@ async def test_a_starting_sshd_is_asked_again_at_the_poll_pace(
     assert final.state is JobState.SUCCEEDED, final.error
     assert [f.times for f in sim.faults] == [0]  # all three refusals were met
     assert accepted
+
+
+async def test_polling_still_backs_off_from_an_endpoint_that_does_not_answer() -> None:
+    """`polling` is for "not yet" answers; a jump host or API that does not answer at all
+    (Unreachable) gets the error backoff, here far longer than the caller waits."""
+    timeouts = Timeouts(retry_initial_s=30.0, poll_initial_s=0.01)
+
+    def answers(*items: object) -> Callable[[], Awaitable[object]]:
+        queue = list(items)
+
+        async def action() -> object:
+            item = queue.pop(0)
+            if isinstance(item, Exception):
+                raise item
+            return item
+
+        return action
+
+    not_yet = answers(RetryableError("not yet"), RetryableError("not yet"), "up")
+    async with asyncio.timeout(5.0):
+        assert await retrying(not_yet, timeouts, polling=True) == "up"
+    gone = answers(Unreachable("jump host gone"), "up")
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(1.0):
+            await retrying(gone, timeouts, polling=True)

@@ -48,7 +48,7 @@ from backends.base import (
     VMRef,
     pick_address,
 )
-from backends.proxmox.api import AlreadyExists, LockContention, PveApi, TaskFailed
+from backends.proxmox.api import AlreadyExists, Forbidden, LockContention, PveApi, TaskFailed
 from backends.proxmox.config import Config, OSProfile, credentials
 from backends.proxmox.inventory import LINKED_TYPES, Inventory
 from backends.proxmox.vmconfig import (
@@ -61,13 +61,16 @@ from backends.proxmox.vmconfig import (
     size_text,
     tags_of,
 )
-from backends.sshcheck import probe_ssh_endpoint
+from backends.sshcheck import SshCheck
 
 __all__ = ["Config", "OSProfile", "ProxmoxBackend", "create"]
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _AGENT_NOT_YET = re.compile(r"guest agent is not running", re.I)
 _CIUPGRADE_SINCE = (8, 0)
+_ID_TAKEN = (
+    "VM id {vmid} was taken by another client between choosing and cloning; choosing another id"
+)
 
 
 def create(config: BackendConfig, environ: Mapping[str, str]) -> ProxmoxBackend:
@@ -115,6 +118,7 @@ class ProxmoxBackend:
         self.name = config.name
         self.config = config
         self.api = api
+        self._ssh = SshCheck(config.ssh_jump)
         self.inventory = Inventory(config, api)
         self._reserved: set[int] = set()
         self._resize_targets: dict[str, int] = {}
@@ -258,16 +262,35 @@ class ProxmoxBackend:
     async def _free_vmid(self) -> int:
         """A vmid the cluster calls free and no deploy of this process holds, reserved
         before the next await so concurrent deploys cannot pick the same one. Deploys
-        asking together share one `nextid` answer and take the ids after it, skipping
-        those the last VM listing showed in use; if another client takes one meanwhile,
-        the clone says "already exists" and the pipeline asks again (IdTaken)."""
+        asking together share one `nextid` answer; the ids after it are skipped when the
+        last VM listing showed them in use, and otherwise checked with `nextid?vmid=`,
+        which knows every VM of the cluster, also those this user may not see. If
+        another client takes one meanwhile, the clone says so and the pipeline asks
+        again (IdTaken)."""
         answer = await self.inventory.next_vmid()
-        used = self.inventory.known_vmids
         candidate = answer
-        while candidate in self._reserved or (candidate != answer and candidate in used):
+        for _ in range(1000):
+            used = self.inventory.known_vmids
+            while candidate in self._reserved or (candidate != answer and candidate in used):
+                candidate += 1
+            self._reserved.add(candidate)
+            if candidate == answer or not await self._taken(candidate):
+                return candidate
+            self._reserved.discard(candidate)
             candidate += 1
-        self._reserved.add(candidate)
-        return candidate
+        raise PermanentError(f"{self.name}: found no free VM id")
+
+    async def _taken(self, vmid: int) -> bool:
+        """Whether the cluster has a VM (or container) with this id; the id stays
+        reserved by the caller while it is asked."""
+        try:
+            await self.api.get("cluster/nextid", "VM id check", vmid=vmid)
+        except AlreadyExists:
+            return True
+        except BaseException:
+            self._reserved.discard(vmid)
+            raise
+        return False
 
     async def clone(self, spec: CloneSpec, ref: VMRef) -> str | None:
         template = await self.inventory.template(spec.template)
@@ -307,6 +330,10 @@ class ProxmoxBackend:
             except AlreadyExists:
                 await self._adopt(node, ref)
                 return
+            except Forbidden:  # may we not clone at all, or is the id someone else's?
+                if await self._taken(int(ref.vm_id)):
+                    raise IdTaken(_ID_TAKEN.format(vmid=ref.vm_id)) from None
+                raise
             except Unreachable:
                 if attempt == self.config.lock_retries:
                     raise
@@ -316,12 +343,12 @@ class ProxmoxBackend:
     async def _adopt(self, node: str, ref: VMRef) -> None:
         """The vmid exists: ours from an attempt whose answer was lost (wait for its
         clone to end), or another client's (retryable: the pipeline takes a new id)."""
-        config = await self.inventory.vm_config(node, ref.vm_id)
+        try:
+            config = await self.inventory.vm_config(node, ref.vm_id)
+        except Forbidden:  # a VM we may not even read is not ours
+            config = None
         if config is None or ref.tag not in tags_of(config):
-            raise IdTaken(
-                f"VM id {ref.vm_id} was taken by another client between choosing and "
-                "cloning; choosing another id"
-            )
+            raise IdTaken(_ID_TAKEN.format(vmid=ref.vm_id))
         began = asyncio.get_running_loop().time()
         while config.get("lock"):
             elapsed = asyncio.get_running_loop().time() - began
@@ -440,7 +467,7 @@ class ProxmoxBackend:
             await asyncio.sleep(self._agent_polling.interval_s(now - watch.since_s))
 
     async def probe_ssh(self, ref: VMRef, address: ipaddress.IPv4Address, port: int) -> str | None:
-        return await probe_ssh_endpoint(address, port, self.config.ssh_jump)
+        return await self._ssh.probe(address, port)
 
     # --- rollback -----------------------------------------------------------------------
 
@@ -478,6 +505,7 @@ class ProxmoxBackend:
             ) from None
 
     async def close(self) -> None:
+        await self._ssh.close()
         await self.api.close()
 
 

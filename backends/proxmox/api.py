@@ -61,6 +61,10 @@ class AlreadyExists(PermanentError):
     """The id asked for is taken (a clone target, a `nextid` check)."""
 
 
+class Forbidden(PermanentError):
+    """HTTP 403: the API user may not do this, or may not even see what it asked for."""
+
+
 class TaskFailed(PermanentError):
     """A task ended with an error; `exitstatus` is Proxmox's own text."""
 
@@ -132,7 +136,9 @@ def map_error(exc: Exception, what: str, endpoint: str) -> BackendError | None:
         message = f"{what}: {reason}" + (f" ({detail})" if detail else "")
         if code == 400 and _EXISTS.search(detail):
             return AlreadyExists(message)
-        if code in (400, 403, 501):
+        if code == 403:
+            return Forbidden(message)
+        if code in (400, 501):
             return PermanentError(message)
         if code == 401:
             return PermanentError(f"{what}: {endpoint} refused our credentials ({reason})")

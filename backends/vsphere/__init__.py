@@ -47,7 +47,7 @@ from backends.base import (
     VMRef,
     pick_address,
 )
-from backends.sshcheck import probe_ssh_endpoint
+from backends.sshcheck import SshCheck
 from backends.vsphere import specs
 from backends.vsphere.inventory import (
     POWERED_ON,
@@ -168,6 +168,7 @@ class VSphereBackend:
     def __init__(self, config: Config, password: str) -> None:
         self.name = config.name
         self.config = config
+        self._ssh = SshCheck(config.ssh_jump)
         endpoint = Endpoint(
             config.name,
             config.host,
@@ -459,7 +460,7 @@ class VSphereBackend:
     async def probe_ssh(self, ref: VMRef, address: ipaddress.IPv4Address, port: int) -> str | None:
         # The address came through the hypervisor, not the network: only a connection
         # proves that the guest is reachable.
-        return await probe_ssh_endpoint(address, port, self.config.ssh_jump)
+        return await self._ssh.probe(address, port)
 
     async def power_off(self, ref: VMRef) -> None:
         def work(op: Op) -> None:
@@ -493,4 +494,5 @@ class VSphereBackend:
         await self._session.run(work, ref.vm_id)
 
     async def close(self) -> None:
+        await self._ssh.close()
         await self._session.close()

@@ -75,7 +75,7 @@ async def serve(args: argparse.Namespace, state_dir: Path) -> None:
     if args.ssh_port:
         print(f"  guest sshd:  port {args.ssh_port} on guest addresses in 127.0.0.0/8")
     if fake.jump is not None:
-        print(f"  jump host:   {fake.jump.user}@{fake.jump.host}:{fake.jump.port} (other guests)")
+        print(f"  jump host:   {fake.jump.user}@{fake.jump.host}:{fake.jump.port} (SSH checks)")
     config = config_text(fake, state_dir, args.ssh_port)
     if args.write_config:
         args.write_config.write_text(config, encoding="utf-8")

@@ -164,6 +164,9 @@ class Cluster:
         self.vms: dict[int, VM] = {}
         self.tasks: dict[str, Task] = {}
         self.unlisted: set[str] = set()  # running tasks `GET /nodes/{node}/tasks` omits
+        # VMs the API user may not see (a token limited to a pool): left out of
+        # /cluster/resources, 403 on their paths; `nextid` still knows them.
+        self.hidden: set[int] = set()
         self.faults: list[Fault] = []
         self._pids = itertools.count(random.randint(0x1000, 0xFFFF))
         self._locks: dict[int, asyncio.Lock] = {}
@@ -290,6 +293,8 @@ class Cluster:
         return self.nodes[name]
 
     def vm(self, node: str, vmid: int) -> VM:
+        if vmid in self.hidden:
+            raise ApiError(403, f"Permission check failed (/vms/{vmid}, VM.Audit)")
         vm = self.vms.get(vmid)
         if vm is None or vm.node != node:
             raise ApiError(

@@ -178,6 +178,8 @@ async def resources(c: Call) -> Any:
     answer: list[dict[str, Any]] = []
     if kind in (None, "vm"):
         for vm in sorted(c.cluster.vms.values(), key=lambda v: v.vmid):
+            if vm.vmid in c.cluster.hidden:
+                continue
             item: dict[str, Any] = {
                 "id": f"qemu/{vm.vmid}",
                 "type": "qemu",
@@ -320,6 +322,8 @@ async def task_log(c: Call) -> Any:
 async def clone(c: Call) -> Any:
     cl, src = c.cluster, c.vm()
     newid = int(c.params["newid"])
+    if newid in cl.hidden:  # VM.Allocate on /vms/{newid}, which is someone else's
+        raise ApiError(403, f"Permission check failed (/vms/{newid}, VM.Allocate)")
     if newid in cl.vms:
         raise ApiError(500, f"unable to create VM {newid}: config file already exists")
     full = c.params.get("full", "0" if src.template else "1") in ("1", "true", "yes", "on")

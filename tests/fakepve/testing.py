@@ -122,9 +122,10 @@ def pve_settings(tmp_path: Path, fake: FakePVE, **overrides: Any) -> Settings:
 
 
 def config_text(fake: FakePVE, state_dir: Path, ssh_port: int | None) -> str:
-    """A deploybot.toml for deploys onto this fake. Guests on 10.0.0.0/24 answer the SSH
-    check through the fake's jump host (when it runs one); guests on 127.0.10.0/24 are
-    reached directly. Either way the check connects to nothing outside loopback."""
+    """A deploybot.toml for deploys onto this fake. When the fake runs a jump host, the
+    backend's SSH checks all go through it (guests on 10.0.0.0/24 and on 127.0.10.0/24
+    alike); without one, only 127.0.10.0/24 is offered. Either way the check connects
+    to nothing outside loopback."""
     jump = fake.jump.toml() if fake.jump is not None else ""
     lab = (
         """
