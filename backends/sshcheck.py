@@ -77,17 +77,6 @@ class SshCheck:
             await self._drop(self._conn)
 
 
-async def probe_ssh_endpoint(
-    address: ipaddress.IPv4Address, port: int, jump: SshJump | None = None
-) -> str | None:
-    """One check on its own (a connection to the jump host just for it)."""
-    check = SshCheck(jump)
-    try:
-        return await check.probe(address, port)
-    finally:
-        await check.close()
-
-
 async def tcp_probe(address: ipaddress.IPv4Address, port: int) -> None:
     """One TCP connect to address:port; a refused or unreachable port is retryable."""
     try:

@@ -12,7 +12,7 @@ import pytest
 from pydantic import ValidationError
 
 from backends.base import PermanentError, RetryableError, SshJump, Unreachable
-from backends.sshcheck import SshCheck, probe_ssh_endpoint
+from backends.sshcheck import SshCheck
 from bot.errors import ConfigError
 from bot.settings import load_settings
 from tests.jumphost import JumpHost
@@ -46,6 +46,17 @@ async def jump(tmp_path: Path, sshd: tuple[int, str]) -> AsyncIterator[JumpHost]
 
 def settings_of(jump: JumpHost, **changes: object) -> SshJump:
     return SshJump.model_validate({**jump.config(), **changes})
+
+
+async def probe_ssh_endpoint(
+    address: ipaddress.IPv4Address, port: int, jump: SshJump | None
+) -> str | None:
+    """One check with a connection to the jump host of its own."""
+    check = SshCheck(jump)
+    try:
+        return await check.probe(address, port)
+    finally:
+        await check.close()
 
 
 async def test_the_check_goes_through_the_jump_host(jump: JumpHost, sshd: tuple[int, str]) -> None:

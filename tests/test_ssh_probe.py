@@ -12,7 +12,7 @@ import pytest
 
 from backends.base import RetryableError, Unreachable
 from backends.sim import SimBackend
-from backends.sshcheck import probe_ssh_endpoint, ssh_host_key, tcp_probe
+from backends.sshcheck import SshCheck, ssh_host_key, tcp_probe
 from bot.models import JobState
 from bot.parser import DeployArgs, parse
 from bot.pipeline import retrying
@@ -105,7 +105,7 @@ async def test_the_host_key_fingerprint_comes_from_the_key_exchange() -> None:
     )
     port = server.sockets[0].getsockname()[1]
     try:
-        fingerprint = await probe_ssh_endpoint(GUEST, port)
+        fingerprint = await SshCheck(None).probe(GUEST, port)
     finally:
         server.close()
         await server.wait_closed()

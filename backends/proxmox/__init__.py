@@ -273,23 +273,23 @@ class ProxmoxBackend:
             used = self.inventory.known_vmids
             while candidate in self._reserved or (candidate != answer and candidate in used):
                 candidate += 1
-            self._reserved.add(candidate)
-            if candidate == answer or not await self._taken(candidate):
-                return candidate
+            self._reserved.add(candidate)  # held while the server is asked
+            try:
+                if candidate == answer or not await self._taken(candidate):
+                    return candidate
+            except BaseException:
+                self._reserved.discard(candidate)
+                raise
             self._reserved.discard(candidate)
             candidate += 1
         raise PermanentError(f"{self.name}: found no free VM id")
 
     async def _taken(self, vmid: int) -> bool:
-        """Whether the cluster has a VM (or container) with this id; the id stays
-        reserved by the caller while it is asked."""
+        """Whether the cluster has a VM (or container) with this id, visible to us or not."""
         try:
             await self.api.get("cluster/nextid", "VM id check", vmid=vmid)
         except AlreadyExists:
             return True
-        except BaseException:
-            self._reserved.discard(vmid)
-            raise
         return False
 
     async def clone(self, spec: CloneSpec, ref: VMRef) -> str | None:
