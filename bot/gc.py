@@ -26,8 +26,8 @@ from datetime import timedelta
 from backends.base import JOB_TAG_PREFIX, Backend, BackendError, VMInfo, VMRef
 from bot.errors import DeployBotError
 from bot.models import ACTIVE_STATES, JobState, utcnow
-from bot.pipeline import remove_vm
 from bot.settings import Timeouts
+from bot.waiting import remove_vm
 from store.db import Store
 
 log = logging.getLogger(__name__)

@@ -33,7 +33,8 @@ from backends.base import (
 )
 from bot.models import DeployRequest, Job, JobEvent, JobState, RollbackReport, utcnow
 from bot.progress import Progress
-from bot.settings import Settings, Timeouts
+from bot.settings import Settings
+from bot.waiting import protected, retrying
 from store.db import Store
 
 log = logging.getLogger(__name__)
@@ -107,71 +108,6 @@ class _Run:
     address: str | None = None
     host_key: str | None = None
     resumed: bool = False
-
-
-async def protected(awaitable: Awaitable[T]) -> T:
-    """Finish `awaitable` even if the caller is cancelled meanwhile (rollbacks, final writes).
-
-    asyncio.shield alone returns control to a cancelled caller while the work goes on
-    unobserved; this keeps waiting, so a job's task ends only once its cleanup has.
-    """
-    task = asyncio.ensure_future(awaitable)
-    while True:
-        try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            if task.done():
-                raise
-
-
-async def retrying(
-    action: Callable[[], Awaitable[T]],
-    timeouts: Timeouts,
-    seen: list[str] | None = None,
-    on_retry: Callable[[BackendError], Awaitable[None]] | None = None,
-    *,
-    polling: bool = False,
-) -> T:
-    """Retry retryable backend errors; the caller's timeout bounds the whole. Each
-    retried error is appended to `seen` and passed to `on_retry`.
-
-    Errors back off exponentially (`retry_initial_s`, doubling, capped at `retry_max_s`).
-    With `polling` a retryable answer is the expected "not yet" (an sshd still starting
-    after the guest agent): ask again after `poll_initial_s`, then after a twentieth of
-    the time waited so far, so a poll adds at most ~5% to the wait (same cap). An
-    endpoint that does not answer at all (`Unreachable`) still backs off."""
-    loop = asyncio.get_running_loop()
-    began = loop.time()
-    delay = timeouts.retry_initial_s
-    while True:
-        try:
-            return await action()
-        except BackendError as exc:
-            if not exc.retryable:
-                raise
-            not_yet = polling and not isinstance(exc, Unreachable)
-            log.info("retrying after %s", exc.message)
-            if seen is not None:
-                seen.append(exc.message)
-            if on_retry is not None:
-                await on_retry(exc)
-        if not_yet:
-            waited = loop.time() - began
-            pause = min(timeouts.retry_max_s, max(timeouts.poll_initial_s, waited / 20))
-        else:
-            pause, delay = delay, min(delay * 2, timeouts.retry_max_s)
-        await asyncio.sleep(pause)
-
-
-async def remove_vm(backend: Backend, ref: VMRef, timeouts: Timeouts) -> None:
-    """Stop (and wait), then destroy (and wait); each under its timeout, with retries.
-
-    Raises the BackendError or TimeoutError of the move that failed.
-    """
-    async with asyncio.timeout(timeouts.power_off_s):
-        await retrying(lambda: backend.power_off(ref), timeouts)
-    async with asyncio.timeout(timeouts.destroy_s):
-        await retrying(lambda: backend.destroy(ref), timeouts)
 
 
 class Pipeline:

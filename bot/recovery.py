@@ -17,8 +17,9 @@ from collections.abc import Mapping
 
 from backends.base import Backend, BackendError, VMRef, job_tag
 from bot.models import FINAL_STATES, Job, JobEvent, JobState, RollbackReport, utcnow
-from bot.pipeline import Pipeline, Undo, remove_vm, resume_point
+from bot.pipeline import Pipeline, Undo, resume_point
 from bot.progress import Progress
+from bot.waiting import remove_vm
 from store.db import Store
 
 log = logging.getLogger(__name__)

@@ -40,12 +40,13 @@ from bot.models import (
     utcnow,
 )
 from bot.parser import DeployArgs
-from bot.pipeline import Pipeline, protected
+from bot.pipeline import Pipeline
 from bot.progress import Fanout, Progress
 from bot.queue import JobQueue
 from bot.recovery import recover_interrupted, sweep_wreckage
 from bot.requests import build_request
 from bot.settings import Settings
+from bot.waiting import protected
 from store.db import AlreadyDelivered, DuplicateActive, Store
 
 log = logging.getLogger(__name__)

@@ -15,9 +15,9 @@ from backends.sim import SimBackend
 from backends.sshcheck import SshCheck, ssh_host_key, tcp_probe
 from bot.models import JobState
 from bot.parser import DeployArgs, parse
-from bot.pipeline import retrying
 from bot.runtime import running_deployer
 from bot.settings import Timeouts
+from bot.waiting import retrying
 from tests.conftest import make_settings
 
 GUEST = ipaddress.IPv4Address("127.0.5.10")

@@ -1,0 +1,84 @@
+"""How the core waits on backends: retries (an error backoff, or a polling pace for
+"not yet" answers), cleanup that a cancel cannot cut short, and stop-then-destroy.
+
+The pipeline, the recovery at start and `deploybot gc` all remove VMs and retry the same
+way; this module is the one place that says how.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from backends.base import Backend, BackendError, Unreachable, VMRef
+from bot.settings import Timeouts
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+async def protected(awaitable: Awaitable[T]) -> T:
+    """Finish `awaitable` even if the caller is cancelled meanwhile (rollbacks, final writes).
+
+    asyncio.shield alone returns control to a cancelled caller while the work goes on
+    unobserved; this keeps waiting, so a job's task ends only once its cleanup has.
+    """
+    task = asyncio.ensure_future(awaitable)
+    while True:
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.done():
+                raise
+
+
+async def retrying(
+    action: Callable[[], Awaitable[T]],
+    timeouts: Timeouts,
+    seen: list[str] | None = None,
+    on_retry: Callable[[BackendError], Awaitable[None]] | None = None,
+    *,
+    polling: bool = False,
+) -> T:
+    """Retry retryable backend errors; the caller's timeout bounds the whole. Each
+    retried error is appended to `seen` and passed to `on_retry`.
+
+    Errors back off exponentially (`retry_initial_s`, doubling, capped at `retry_max_s`).
+    With `polling` a retryable answer is the expected "not yet" (an sshd still starting
+    after the guest agent): ask again after `poll_initial_s`, then after a twentieth of
+    the time waited so far, so a poll adds at most ~5% to the wait (same cap). An
+    endpoint that does not answer at all (`Unreachable`) still backs off."""
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    delay = timeouts.retry_initial_s
+    while True:
+        try:
+            return await action()
+        except BackendError as exc:
+            if not exc.retryable:
+                raise
+            not_yet = polling and not isinstance(exc, Unreachable)
+            log.info("retrying after %s", exc.message)
+            if seen is not None:
+                seen.append(exc.message)
+            if on_retry is not None:
+                await on_retry(exc)
+        if not_yet:
+            waited = loop.time() - began
+            pause = min(timeouts.retry_max_s, max(timeouts.poll_initial_s, waited / 20))
+        else:
+            pause, delay = delay, min(delay * 2, timeouts.retry_max_s)
+        await asyncio.sleep(pause)
+
+
+async def remove_vm(backend: Backend, ref: VMRef, timeouts: Timeouts) -> None:
+    """Stop (and wait), then destroy (and wait); each under its timeout, with retries.
+
+    Raises the BackendError or TimeoutError of the move that failed.
+    """
+    async with asyncio.timeout(timeouts.power_off_s):
+        await retrying(lambda: backend.power_off(ref), timeouts)
+    async with asyncio.timeout(timeouts.destroy_s):
+        await retrying(lambda: backend.destroy(ref), timeouts)
