@@ -30,6 +30,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,15 +42,53 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 log = logging.getLogger(__name__)
 
 JOB_TAG_PREFIX = "deploybot-"
+# The tag grammar: `deploybot-<installation>-<job>`, or `deploybot-<job>` as tagged before
+# installations had ids. Ids are lower-case letters and digits (bot/models.py makes
+# them from a smaller alphabet); anything else with the prefix is not a job tag.
+INSTALLATION_LEN = 10
+_TAG = re.compile(
+    rf"^{JOB_TAG_PREFIX}(?:(?P<inst>[a-z0-9]{{{INSTALLATION_LEN}}})-(?P<job>j[a-z0-9]{{6,24}})"
+    r"|(?P<legacy>j[a-z0-9]{6}))$"
+)
 
 
-def job_tag(job_id: str) -> str:
-    """The tag that marks a VM as built by one job.
+@dataclass(frozen=True)
+class JobMark:
+    """What a job tag says: which installation's job built the VM. `installation` is
+    None for a tag from before installations had ids (`deploybot-<job>`)."""
+
+    installation: str | None
+    job_id: str
+
+
+def job_tag(job_id: str, installation: str | None = None) -> str:
+    """The tag that marks a VM as built by one job of one installation.
 
     Lower-case letters, digits and hyphens only, so it is valid as a Proxmox tag, a
-    vSphere annotation line and a simulator label alike.
+    vSphere annotation line and a simulator label alike. Jobs recorded before
+    installations had ids keep their old tag (`installation=None`).
     """
-    return f"{JOB_TAG_PREFIX}{job_id.lower()}"
+    if installation is None:
+        return f"{JOB_TAG_PREFIX}{job_id.lower()}"
+    return f"{JOB_TAG_PREFIX}{installation}-{job_id.lower()}"
+
+
+def parse_tag(tag: str) -> JobMark | None:
+    """The one strict reading of a job tag; None for anything else (a human's
+    `deploybot-managed`, a typo): a VM whose tags do not parse is not ours."""
+    match = _TAG.match(tag)
+    if match is None:
+        return None
+    if match["legacy"]:
+        return JobMark(None, match["legacy"])
+    return JobMark(match["inst"], match["job"])
+
+
+def job_marks(tags: frozenset[str] | set[str]) -> list[JobMark]:
+    return sorted(
+        (m for m in map(parse_tag, tags) if m is not None),
+        key=lambda m: (m.installation or "", m.job_id),
+    )
 
 
 # --- errors -------------------------------------------------------------------------
@@ -159,10 +198,11 @@ class CloneSpec:
     # What cloud-init will give the guest, for backends that can set it in the clone
     # itself; apply_identity is still called and must then be cheap and idempotent.
     identity: Identity | None = None
+    installation: str | None = None  # None: a job recorded before installations had ids
 
     @property
     def tag(self) -> str:
-        return job_tag(self.job_id)
+        return job_tag(self.job_id, self.installation)
 
 
 @dataclass(frozen=True)
@@ -176,10 +216,11 @@ class VMRef:
     vm_id: str
     job_id: str
     placement: str | None = None
+    installation: str | None = None  # the job's installation (None: an old, bare tag)
 
     @property
     def tag(self) -> str:
-        return job_tag(self.job_id)
+        return job_tag(self.job_id, self.installation)
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,6 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from backends.base import (
-    JOB_TAG_PREFIX,
     BackendConfig,
     CloneMode,
     CloneSpec,
@@ -59,6 +58,7 @@ from backends.base import (
     VMInfo,
     VMNotFound,
     VMRef,
+    job_marks,
     pick_address,
 )
 from backends.sshcheck import SshCheck
@@ -388,11 +388,7 @@ class SimBackend:
 
     async def find_tagged(self) -> list[VMInfo]:
         self._answer()
-        return [
-            vm.info()
-            for vm in self.vms.values()
-            if any(t.startswith(JOB_TAG_PREFIX) for t in vm.tags)
-        ]
+        return [vm.info() for vm in self.vms.values() if job_marks(vm.tags)]
 
     # --- the deploy moves ---------------------------------------------------------
 
@@ -404,7 +400,7 @@ class SimBackend:
             raise PermanentError(
                 f"{placement!r} is not a node of {self.name} (have: {', '.join(self._placements)})"
             )
-        return VMRef(self._new_id(), spec.job_id, placement)
+        return VMRef(self._new_id(), spec.job_id, placement, spec.installation)
 
     async def clone(self, spec: CloneSpec, ref: VMRef) -> str | None:
         self._answer()

@@ -14,7 +14,6 @@ from datetime import datetime
 from bot.errors import Duplicate, NotAllowed, TransitionRefused
 from bot.models import ApprovalState, DeployRequest, Job, JobState, utcnow
 from bot.progress import Progress
-from bot.queue import JobQueue
 from bot.settings import ApprovalPolicy, Settings
 from store.db import AlreadyDelivered, Store
 
@@ -48,13 +47,13 @@ class Approvals:
         settings: Settings,
         store: Store,
         progress: Progress,
-        queue: JobQueue,
+        start: Callable[[Job], Awaitable[bool]],
         job: Callable[[str], Awaitable[Job]],
     ) -> None:
         self.policy = settings.approval
         self.store = store
         self.progress = progress
-        self.queue = queue
+        self._start = start  # claims an approved job for this runner and queues it
         self._job = job
         self.group_members: GroupMembers | None = None
 
@@ -99,7 +98,7 @@ class Approvals:
         decided = await self._job(job_id)
         await self.progress.job_updated(decided, note or "")
         if decision is ApprovalState.APPROVED:
-            self.queue.submit(decided.id, decided.backend)
+            await self._start(decided)  # False: another runner claimed it first
         return decided
 
     async def check_decider(self, job_id: str, approver: str) -> Job:

@@ -23,6 +23,16 @@ def new_job_id() -> str:
     return "j" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(6))
 
 
+def new_installation_id() -> str:
+    """One per database, made when it is created; VM tags carry it (about 50 bits)."""
+    return "".join(secrets.choice(_ID_ALPHABET) for _ in range(10))
+
+
+def new_runner_id() -> str:
+    """One per running process; `r` + 12 letters (about 60 bits), logged at start."""
+    return "r" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(12))
+
+
 def utcnow() -> datetime:
     return datetime.now(UTC)
 
@@ -162,6 +172,14 @@ class Job(BaseModel):
     origin: str | None = None
     thread_ref: str | None = None
     approval_ref: str | None = None
+    # Who runs it: the runner that claimed it and until when its lease holds (renewed
+    # while the runner lives). Another process takes a job over only once that passed.
+    owner: str | None = None
+    lease_until: datetime | None = None
+    # The installation whose tag its VM carries (None: a job from before tags had one).
+    installation: str | None = None
+    # Who asked to cancel it while another process ran it (that process acts on it).
+    cancel_requested: str | None = None
 
     @classmethod
     def for_request(cls, request: DeployRequest, state: JobState) -> Job:

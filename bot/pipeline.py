@@ -69,6 +69,13 @@ def resume_point(events: list[JobEvent]) -> int | None:
     return min(last + 1, STEPS.index("address"))
 
 
+def vm_ref(job: Job) -> VMRef:
+    """The handle of a job's VM, from what the store recorded before the clone."""
+    if job.vm_id is None:
+        raise ValueError(f"job {job.id} has no VM id")
+    return VMRef(job.vm_id, job.id, job.vm_placement, job.installation)
+
+
 def _identity(req: DeployRequest) -> Identity:
     return Identity(
         hostname=req.name,
@@ -117,7 +124,11 @@ class Pipeline:
         backends: Mapping[str, Backend],
         store: Store,
         progress: Progress,
+        owner: str | None = None,
     ) -> None:
+        """`owner` is this process's runner id: every state change of a job names it,
+        so a runner that lost a job (its lease lapsed) can no longer change it."""
+        self.owner = owner
         self.settings = settings
         self.backends = backends
         self.store = store
@@ -129,7 +140,11 @@ class Pipeline:
         run: _Run | None = None
         try:
             started = await self.store.transition(
-                job_id, [JobState.QUEUED], JobState.RUNNING, started_at=utcnow()
+                job_id,
+                [JobState.QUEUED],
+                JobState.RUNNING,
+                held_by=self.owner,
+                started_at=utcnow(),
             )
             job = await self.store.get_job(job_id)
             if not started or job is None:
@@ -152,11 +167,14 @@ class Pipeline:
         if not await self.store.transition(
             job_id, [JobState.QUEUED], JobState.CANCELLED, finished_at=utcnow()
         ):
-            await self.store.transition(job_id, [JobState.RUNNING], JobState.ROLLING_BACK)
+            await self.store.transition(
+                job_id, [JobState.RUNNING], JobState.ROLLING_BACK, held_by=self.owner
+            )
             await self.store.transition(
                 job_id,
                 [JobState.ROLLING_BACK],
                 JobState.CANCELLED,
+                held_by=self.owner,
                 error="cancelled",
                 finished_at=utcnow(),
             )
@@ -169,7 +187,7 @@ class Pipeline:
         """Rebuild what a job interrupted by a restart had: its VM and its undo stack."""
         job = run.job
         assert job.vm_id is not None
-        ref = VMRef(job.vm_id, job.id, job.vm_placement)
+        ref = vm_ref(job)
         run.ref = ref
         run.resumed = True
         t, backend = self.timeouts, run.backend
@@ -207,6 +225,7 @@ class Pipeline:
                 req.storage,
                 req.network,
                 identity=_identity(req),
+                installation=run.job.installation,
             )
             mode = await self._call(run, step, t.check_free_s, lambda: backend.clone_mode(spec))
             detail = f"{req.template}, {mode.reason}"
@@ -264,7 +283,10 @@ class Pipeline:
         if run.ref is None:
             ref = await backend.prepare_clone(spec)
             # Write-ahead: the id is stored and its undo pushed before anything exists.
-            await self.store.update_job(run.job.id, vm_id=ref.vm_id, vm_placement=ref.placement)
+            if not await self.store.update_job(
+                run.job.id, held_by=self.owner, vm_id=ref.vm_id, vm_placement=ref.placement
+            ):
+                raise StepFailed("clone", "another process took this job over")
             run.ref = ref
             destroy = Undo(
                 f"destroy VM {ref.vm_id}", lambda: backend.destroy(ref), self.timeouts.destroy_s
@@ -277,7 +299,9 @@ class Pipeline:
             # That id names someone else's VM now: never undo it; choose a new one.
             run.undo.clear()
             run.ref = None
-            await self.store.update_job(run.job.id, vm_id=None, vm_placement=None)
+            await self.store.update_job(
+                run.job.id, held_by=self.owner, vm_id=None, vm_placement=None
+            )
             raise
         where = f"VM {ref.vm_id} on {ref.placement or run.job.backend}"
         return f"{where}; {note}" if note else where
@@ -401,14 +425,17 @@ class Pipeline:
     # --- endings ------------------------------------------------------------------
 
     async def _succeed(self, run: _Run) -> Job | None:
-        await self.store.transition(
+        if not await self.store.transition(
             run.job.id,
             [JobState.RUNNING],
             JobState.SUCCEEDED,
+            held_by=self.owner,
             final_address=run.address,
             host_key=run.host_key,
             finished_at=utcnow(),
-        )
+        ):
+            log.warning("job %s: taken over by another runner before it succeeded", run.job.id)
+            return await self.store.get_job(run.job.id)
         job = await self.store.get_job(run.job.id)
         if job is not None:
             await self.progress.job_finished(job, None)
@@ -418,7 +445,13 @@ class Pipeline:
         self, run: _Run, final: JobState, failure: StepFailed | None
     ) -> Job | None:
         job_id = run.job.id
-        await self.store.transition(job_id, [JobState.RUNNING], JobState.ROLLING_BACK)
+        if not await self.store.transition(
+            job_id, [JobState.RUNNING], JobState.ROLLING_BACK, held_by=self.owner
+        ):
+            # Not ours any more (taken over after our lease lapsed): the new owner
+            # decides about the VM; touching it here could destroy what it resumes.
+            log.warning("job %s: no longer ours; leaving its VM to the new owner", job_id)
+            return await self.store.get_job(job_id)
         rolling = await self.store.get_job(job_id)
         if rolling is not None:
             await self.progress.job_updated(rolling)
@@ -427,6 +460,7 @@ class Pipeline:
             job_id,
             [JobState.ROLLING_BACK],
             final,
+            held_by=self.owner,
             failed_step=failure.step if failure else None,
             error=failure.reason if failure else "cancelled",
             wreckage=", ".join(report.wreckage) or None,

@@ -53,6 +53,15 @@ class JobQueue:
     def is_waiting(self, job_id: str) -> bool:
         return any(w.job_id == job_id for q in self._waiting.values() for w in q)
 
+    def running_ids(self) -> list[str]:
+        return list(self._running)
+
+    def room(self) -> int:
+        """How many more jobs this process could start now (claims take no more)."""
+        if self._closed:
+            return 0
+        return max(0, self.max_running - len(self._running) - self.waiting_count)
+
     @property
     def running_count(self) -> int:
         return len(self._running)

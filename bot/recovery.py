@@ -15,9 +15,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-from backends.base import Backend, BackendError, VMRef, job_tag
+from backends.base import Backend, BackendError, VMRef
 from bot.models import FINAL_STATES, Job, JobEvent, JobState, RollbackReport, utcnow
-from bot.pipeline import Pipeline, Undo, resume_point
+from bot.pipeline import Pipeline, Undo, resume_point, vm_ref
 from bot.progress import Progress
 from bot.waiting import remove_vm
 from store.db import Store
@@ -34,11 +34,15 @@ async def recover_interrupted(
     store, progress = pipeline.store, pipeline.progress
     if await _requeue_to_resume(pipeline, backends, job):
         return None
-    await store.transition(job.id, [JobState.RUNNING], JobState.ROLLING_BACK)
+    me = pipeline.owner
+    if job.state is JobState.RUNNING and not await store.transition(
+        job.id, [JobState.RUNNING], JobState.ROLLING_BACK, held_by=me
+    ):
+        return RollbackReport()  # taken over by another runner meanwhile: its job now
     backend = backends.get(job.backend)
     report = RollbackReport()
     if backend is not None and job.vm_id is not None:
-        ref = VMRef(job.vm_id, job.id, job.vm_placement)
+        ref = vm_ref(job)
         if await _may_exist(backend, ref):
             t = pipeline.timeouts
             stack = [
@@ -52,6 +56,7 @@ async def recover_interrupted(
         job.id,
         [JobState.ROLLING_BACK],
         JobState.FAILED,
+        held_by=me,
         error=INTERRUPTED,
         wreckage=", ".join(report.wreckage) or None,
         finished_at=utcnow(),
@@ -71,12 +76,14 @@ async def _requeue_to_resume(pipeline: Pipeline, backends: Mapping[str, Backend]
     if resume_point(await pipeline.store.events(job.id)) is None:
         return False
     try:
-        found = await backend.find_vm(VMRef(job.vm_id, job.id, job.vm_placement))
+        found = await backend.find_vm(vm_ref(job))
     except BackendError:
         return False  # cannot see the VM: rolling back is the safe choice
-    if found is None or job_tag(job.id) not in found.tags:
+    if found is None or vm_ref(job).tag not in found.tags:
         return False
-    return await pipeline.store.transition(job.id, [JobState.RUNNING], JobState.QUEUED)
+    return await pipeline.store.transition(
+        job.id, [JobState.RUNNING], JobState.QUEUED, held_by=pipeline.owner
+    )
 
 
 async def _may_exist(backend: Backend, ref: VMRef) -> bool:
@@ -97,7 +104,7 @@ async def sweep_wreckage(
         backend = backends.get(job.backend)
         if backend is None or job.vm_id is None or job.state not in FINAL_STATES:
             continue
-        ref = VMRef(job.vm_id, job.id, job.vm_placement)
+        ref = vm_ref(job)
         try:
             await remove_vm(backend, ref, pipeline.timeouts)
             gone = await backend.find_vm(ref) is None

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from backends.base import Backend, BackendError, Network, Storage, Template, VMRef
+from backends.base import Backend, BackendError, Network, Storage, Template
 from bot.approvals import Approvals, GroupMembers, approval_reason
 from bot.errors import (
     Conflict,
@@ -39,8 +39,9 @@ from bot.models import (
     check_ssh_key,
     utcnow,
 )
+from bot.ownership import Clock, Ownership, Runner
 from bot.parser import DeployArgs
-from bot.pipeline import Pipeline
+from bot.pipeline import Pipeline, vm_ref
 from bot.progress import Fanout, Progress
 from bot.queue import JobQueue
 from bot.recovery import recover_interrupted, sweep_wreckage
@@ -66,20 +67,38 @@ class Deployer:
         store: Store,
         backends: Mapping[str, Backend],
         progress: Progress | None = None,
+        *,
+        runner_kind: str = "shell",
+        takes_over: bool = True,
+        clock: Clock = utcnow,
     ) -> None:
+        """`takes_over=False` is a short-lived process (the one-shot `deploy`): it runs
+        only the jobs it records, and never recovers or claims other runners' work."""
         self.settings = settings
         self.store = store
         self.backends = dict(backends)
         self.progress = Fanout(*([progress] if progress else []))
-        self.pipeline = Pipeline(settings, self.backends, store, self.progress)
+        self.runner = Runner.here(runner_kind)
+        self.clock = clock
+        self.pipeline = Pipeline(settings, self.backends, store, self.progress, self.runner.id)
         self.queue = JobQueue(
             self.pipeline.run,
             max_running=settings.limits.max_running,
             max_per_backend=settings.limits.max_running_per_backend,
         )
-        self.approvals = Approvals(settings, store, self.progress, self.queue, self._job)
+        self.ownership = Ownership(
+            store,
+            self.queue,
+            settings.ownership,
+            self.runner,
+            takes_over=takes_over,
+            recover=self._recover,
+            clock=clock,
+        )
+        self.approvals = Approvals(settings, store, self.progress, self.ownership.take, self._job)
         self._expiry: asyncio.Task[None] | None = None
         self._sweeper: asyncio.Task[None] | None = None
+        self.ready = asyncio.Event()  # set once start() has recovered and claimed
 
     @property
     def group_members(self) -> GroupMembers | None:
@@ -92,24 +111,37 @@ class Deployer:
 
     # --- life cycle ---------------------------------------------------------------
 
-    async def start(self, *, expire_every_s: float = 30.0) -> None:
-        """Resume after a restart: re-queue queued jobs, roll back interrupted ones."""
-        for job in await self.store.jobs_in([JobState.RUNNING, JobState.ROLLING_BACK]):
-            await protected(recover_interrupted(self.pipeline, self.backends, job))
-        for job in await self.store.jobs_in([JobState.QUEUED]):
-            self.queue.submit(job.id, job.backend)
-        self._expiry = asyncio.create_task(self._expire_loop(expire_every_s))
-        self._sweeper = asyncio.create_task(
-            self._sweep_loop(self.settings.timeouts.wreckage_retry_s)
-        )
+    async def start(self, *, expire_every_s: float = 30.0, settle: bool = True) -> None:
+        """Become a runner: claim the queued jobs nobody holds and recover the ones whose
+        runner died (bot/ownership.py), then keep doing so in the background. With
+        `settle` (the shell, the CLI) those first recoveries end before this returns; a
+        server passes False and reports readiness (`ready`) once they have."""
+        await self.ownership.start()
+        if settle:
+            await self.ownership.settle()
+        if self.ownership.takes_over:
+            self._expiry = asyncio.create_task(self._expire_loop(expire_every_s))
+            self._sweeper = asyncio.create_task(
+                self._sweep_loop(self.settings.timeouts.wreckage_retry_s)
+            )
+        self.ready.set()
+
+    async def _recover(self, job: Job) -> bool:
+        """Recover a job this runner took over; True when it goes back in the queue."""
+        report = await protected(recover_interrupted(self.pipeline, self.backends, job))
+        return report is None
 
     async def close(self, grace_s: float = 30.0) -> None:
+        """Stop taking work, let running jobs finish within `grace_s` (renewing their
+        leases meanwhile), then hand queued jobs back to the other runners."""
+        self.ownership.closing = True
         for task in (self._expiry, self._sweeper):
             if task:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         await self.queue.shutdown(grace_s)
+        await self.ownership.close()
 
     async def sweep_wreckage(self) -> list[str]:
         """Retry removing what failed rollbacks left; returns the jobs now clean."""
@@ -124,7 +156,12 @@ class Deployer:
                 log.exception("retrying wreckage removal failed")
 
     async def drain(self) -> None:
-        await self.queue.drain()
+        """Wait until this process has nothing left to run or recover."""
+        while True:
+            await self.ownership.settle()
+            await self.queue.drain()
+            if not self.ownership.recovering:
+                return
 
     # --- deploy -------------------------------------------------------------------
 
@@ -230,9 +267,14 @@ class Deployer:
                 "where an approver can approve it."
             )
         state = JobState.AWAITING_APPROVAL if reason else JobState.QUEUED
-        job = Job.for_request(request, state).model_copy(
-            update={"approval_reason": reason, "origin": origin}
-        )
+        update: dict[str, object] = {
+            "approval_reason": reason,
+            "origin": origin,
+            "installation": self.store.installation_id,
+        }
+        if state is JobState.QUEUED:  # reserved for this runner: it starts it here
+            update.update(owner=self.runner.id, lease_until=self.ownership.lease_until())
+        job = Job.for_request(request, state).model_copy(update=update)
         approval = None
         if reason:
             expires = job.created_at + timedelta(seconds=policy.expire_after_s)
@@ -330,7 +372,7 @@ class Deployer:
         if held.state is not JobState.SUCCEEDED or held.vm_id is None or backend is None:
             return False
         try:
-            gone = await backend.find_vm(VMRef(held.vm_id, held.id, held.vm_placement)) is None
+            gone = await backend.find_vm(vm_ref(held)) is None
         except BackendError:
             return False
         if gone and await self.store.transition(held.id, [JobState.SUCCEEDED], JobState.RELEASED):
@@ -415,7 +457,11 @@ class Deployer:
                 await self.progress.job_updated(cancelled, f"cancelled by {user}")
                 return cancelled
             job = await self._job(job_id)
-        if job.state in (JobState.RUNNING, JobState.ROLLING_BACK) and self.queue.cancel(job_id):
+        working = job.state in (JobState.RUNNING, JobState.ROLLING_BACK)
+        if working and self.queue.cancel(job_id):
+            return job
+        # Another process runs it: ask it, through the store (bot/ownership.py).
+        if working and await self.store.request_cancel(job_id, user):
             return job
         raise TransitionRefused(f"Job {job_id} is {job.state.value}: there is nothing to cancel.")
 

@@ -129,6 +129,26 @@ class Recovery(_Section):
     interrupted: Literal["roll_back", "resume"] = "roll_back"
 
 
+class OwnershipSettings(_Section):
+    """How processes sharing one database share the work (bot/ownership.py).
+
+    A runner renews its leases every `tick_s`; a job whose lease has been unrenewed for
+    `lease_s` is taken over by another runner. A process on the same host that is seen
+    to be gone frees its jobs at once, without waiting for the lease."""
+
+    lease_s: float = Field(default=30, gt=0)
+    tick_s: float = Field(default=2, gt=0)
+
+    @model_validator(mode="after")
+    def _renews_in_time(self) -> OwnershipSettings:
+        if self.tick_s * 3 > self.lease_s:
+            raise ValueError(
+                f"tick_s ({self.tick_s:g}) must be at most a third of lease_s "
+                f"({self.lease_s:g}), so a live runner renews before its lease lapses"
+            )
+        return self
+
+
 class ApprovalPolicy(_Section):
     """Who may deploy, who approves, and which requests wait for an approver."""
 
@@ -194,6 +214,7 @@ class Settings(BaseSettings):
     timeouts: Timeouts = Timeouts()
     approval: ApprovalPolicy = ApprovalPolicy()
     recovery: Recovery = Recovery()
+    ownership: OwnershipSettings = OwnershipSettings()
     slack: SlackSettings = SlackSettings()
 
     @model_validator(mode="after")

@@ -20,7 +20,7 @@ from typing import Any, ParamSpec, TypeVar
 from sqlite_utils import Database
 
 from bot.models import Approval, ApprovalState, AuditEvent, Job, JobEvent, JobState, UserPrefs
-from store import gc, jobs, users
+from store import gc, jobs, owners, users
 from store.jobs import AlreadyDelivered, DuplicateActive
 from store.migrations import migrate
 
@@ -51,8 +51,12 @@ def _connect(path: Path) -> Database:
 class Store:
     """Async access to the history. Open with `await Store.open(path)`, close when done."""
 
-    def __init__(self, path: Path, executor: ThreadPoolExecutor, db: Database) -> None:
+    def __init__(
+        self, path: Path, executor: ThreadPoolExecutor, db: Database, installation_id: str
+    ) -> None:
         self.path = path
+        # Made with the database and never changed: VM tags carry it (store/migrations).
+        self.installation_id = installation_id
         self._executor = executor
         self._db = db
         self._events: list[tuple[JobEvent, asyncio.Future[None]]] = []
@@ -65,10 +69,11 @@ class Store:
         loop = asyncio.get_running_loop()
         try:
             db = await loop.run_in_executor(executor, _connect, path)
+            installation = await loop.run_in_executor(executor, owners.installation_id, db)
         except BaseException:
             executor.shutdown(wait=False)
             raise
-        return cls(path, executor, db)
+        return cls(path, executor, db, installation)
 
     async def close(self) -> None:
         if self._writing_events is not None:
@@ -100,12 +105,59 @@ class Store:
         return await self._call(jobs.get_job, self._db, job_id)
 
     async def transition(
-        self, job_id: str, expected: Iterable[JobState], new: JobState, **fields: Any
+        self,
+        job_id: str,
+        expected: Iterable[JobState],
+        new: JobState,
+        *,
+        held_by: str | None = None,
+        **fields: Any,
     ) -> bool:
-        return await self._call(jobs.transition, self._db, job_id, tuple(expected), new, **fields)
+        """Compare-and-set; with `held_by`, only while that runner owns the job."""
+        return await self._call(
+            jobs.transition, self._db, job_id, tuple(expected), new, held_by, **fields
+        )
 
-    async def update_job(self, job_id: str, **fields: Any) -> None:
-        await self._call(jobs.update_job, self._db, job_id, **fields)
+    async def update_job(self, job_id: str, *, held_by: str | None = None, **fields: Any) -> bool:
+        return await self._call(jobs.update_job, self._db, job_id, held_by, **fields)
+
+    # --- runners and leases (store/owners.py) ----------------------------------------
+
+    async def register_runner(self, runner: owners.RunnerRow) -> None:
+        await self._call(owners.register, self._db, runner)
+
+    async def renew(self, runner_id: str, now: datetime, until: datetime) -> list[owners.Owned]:
+        return await self._call(owners.renew, self._db, runner_id, now, until)
+
+    async def claim(
+        self,
+        job_id: str,
+        runner_id: str,
+        now: datetime,
+        until: datetime,
+        states: Iterable[JobState] = (JobState.QUEUED,),
+    ) -> bool:
+        return await self._call(
+            owners.claim, self._db, job_id, runner_id, now, until, tuple(states)
+        )
+
+    async def claimable(self, now: datetime, limit: int) -> list[tuple[str, str]]:
+        return await self._call(owners.claimable, self._db, now, limit)
+
+    async def abandoned(self, now: datetime) -> list[Job]:
+        return await self._call(owners.abandoned, self._db, now)
+
+    async def release_runner(self, runner_id: str, now: datetime) -> int:
+        return await self._call(owners.release, self._db, runner_id, now)
+
+    async def live_runners_on(self, host: str, now: datetime) -> list[tuple[str, int, str]]:
+        return await self._call(owners.live_on_host, self._db, host, now)
+
+    async def declare_dead(self, runner_id: str, now: datetime) -> None:
+        await self._call(owners.declare_dead, self._db, runner_id, now)
+
+    async def request_cancel(self, job_id: str, by: str) -> bool:
+        return await self._call(owners.request_cancel, self._db, job_id, by)
 
     async def add_event(self, event: JobEvent) -> None:
         """Returns once the event is committed. Events added together (fifty deploys

@@ -138,9 +138,12 @@ def transition(
     job_id: str,
     expected: Iterable[JobState],
     new: JobState,
+    held_by: str | None = None,
     **fields: Any,
 ) -> bool:
-    """Move a job from one of `expected` to `new`; False when it was not in those states."""
+    """Move a job from one of `expected` to `new`; False when it was not in those states
+    (or, with `held_by`, when that runner no longer owns it: a runner whose lease lapsed
+    and whose job was taken over must not write over the new owner's work)."""
     expected = tuple(expected)
     for state in expected:
         if new not in TRANSITIONS.get(state, frozenset()):
@@ -153,24 +156,35 @@ def transition(
     marks = ", ".join(f":s{i}" for i in range(len(expected)))
     params = {**values, "new": new.value, "now": ts(utcnow()), "id": job_id}
     params.update({f"s{i}": state.value for i, state in enumerate(expected)})
+    fence = ""
+    if held_by is not None:
+        fence = " AND owner = :held_by"
+        params["held_by"] = held_by
     sql = (
         f"UPDATE jobs SET state = :new, updated_at = :now{sets} "
-        f"WHERE id = :id AND state IN ({marks})"
+        f"WHERE id = :id AND state IN ({marks}){fence}"
     )
     with immediate(db.conn):
         cursor = db.execute(sql, params)
     return cursor.rowcount == 1
 
 
-def update_job(db: Database, job_id: str, **fields: Any) -> None:
-    """Set columns without a state change (the VM's durable id, the wreckage list)."""
+def update_job(db: Database, job_id: str, held_by: str | None = None, **fields: Any) -> bool:
+    """Set columns without a state change (the VM's durable id, the wreckage list);
+    with `held_by`, only while that runner owns the job. False when nothing changed."""
     unknown = set(fields) - _JOB_FIELDS
     if unknown:
         raise ValueError(f"not job columns: {sorted(unknown)}")
     values = {k: _sql_value(v) for k, v in fields.items()}
     values["updated_at"] = ts(utcnow())
+    sets = ", ".join(f"{column} = :{column}" for column in values)
+    fence = " AND owner = :held_by" if held_by is not None else ""
     with immediate(db.conn):
-        db.table("jobs").update(job_id, values)
+        cursor = db.execute(
+            f"UPDATE jobs SET {sets} WHERE id = :id{fence}",
+            {**values, "id": job_id, "held_by": held_by},
+        )
+    return cursor.rowcount == 1
 
 
 def add_event(db: Database, event: JobEvent) -> None:

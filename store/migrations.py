@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from sqlite_utils import Database
 
+from bot.models import new_installation_id
 from store.tx import immediate
 
 # Jobs in these states hold their VM name and address (bot.models.HOLDING_STATES).
@@ -134,20 +135,60 @@ def _v3(db: Database) -> None:
     db.table("audit").create_index(["actor", "at"])
 
 
-MIGRATIONS: list[Callable[[Database], None]] = [_v1, _v2, _v3]
+def _v4(db: Database) -> None:
+    """Many processes, one truth: who runs each job (runners and leases), a cancel asked
+    by another process, and the installation this database belongs to."""
+    db.table("meta").create({"key": str, "value": str}, pk="key", not_null={"value"})
+    # Chosen once, when the database is created (or first migrated): the VMs' tags carry
+    # it, so two installations sharing a cluster never take each other's VMs for orphans.
+    db.table("meta").insert({"key": "installation_id", "value": new_installation_id()})
+    db.table("runners").create(
+        {
+            "id": str,
+            "kind": str,
+            "host": str,
+            "pid": int,
+            "proc_start": str,
+            "started_at": str,
+            "heartbeat_at": str,
+            "lease_until": str,
+            "stopped_at": str,
+        },
+        pk="id",
+        not_null={"kind", "host", "pid", "started_at", "heartbeat_at", "lease_until"},
+    )
+    for column in ("owner", "lease_until", "installation", "cancel_requested"):
+        db.table("jobs").add_column(column, str)
+    db.table("jobs").create_index(["owner"])
+    db.table("jobs").create_index(["state", "lease_until"])
+
+
+MIGRATIONS: list[Callable[[Database], None]] = [_v1, _v2, _v3, _v4]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
+def _version(db: Database) -> int:
+    return int(db.execute("PRAGMA user_version").fetchone()[0])
+
+
 def migrate(db: Database) -> int:
-    """Bring the schema to the newest version; returns how many migrations ran."""
-    current = int(db.execute("PRAGMA user_version").fetchone()[0])
-    if current > SCHEMA_VERSION:
+    """Bring the schema to the newest version; returns how many migrations ran.
+
+    Each step re-reads the version inside its own write transaction: two processes
+    starting together on a new file both see version 0 before either writes, and the
+    second must then find the step done instead of creating the same table again."""
+    start = _version(db)
+    if start > SCHEMA_VERSION:
         raise RuntimeError(
-            f"the database is at schema version {current}, newer than this deploybot "
+            f"the database is at schema version {start}, newer than this deploybot "
             f"({SCHEMA_VERSION}): upgrade deploybot or point it at another database"
         )
-    for version in range(current, SCHEMA_VERSION):
+    ran = 0
+    for version in range(start, SCHEMA_VERSION):
         with immediate(db.conn):
+            if _version(db) > version:
+                continue  # another process ran it meanwhile
             MIGRATIONS[version](db)
             db.execute(f"PRAGMA user_version = {version + 1}")
-    return SCHEMA_VERSION - current
+            ran += 1
+    return ran

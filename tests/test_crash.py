@@ -32,6 +32,8 @@ from pathlib import Path
 
 import pytest
 
+from backends.base import job_marks
+
 SEED = int(os.environ.get("DEPLOYBOT_CRASH_SEED", "20261130"))
 STEP_LINES = [
     f"{mark} {label}"
@@ -236,7 +238,7 @@ def check_invariants(tmp: Path) -> None:
     names = Counter(vm["name"] for vm in inventory)
     assert all(n == 1 for n in names.values()), f"a name is used twice: {names}"
     for vm in inventory:
-        owners = [t.removeprefix("deploybot-") for t in vm["tags"]]
+        owners = [m.job_id for m in job_marks(set(vm["tags"]))]
         assert any(jobs.get(o, ("",))[0] == "succeeded" for o in owners), (
             f"VM {vm['vm_id']} ({vm['name']}) belongs to no succeeded job: "
             f"{[(o, jobs.get(o)) for o in owners]}"

@@ -9,7 +9,7 @@ from backends.sim import FAULT_KINDS, SimBackend
 from bot.errors import Conflict, RequestInvalid
 from bot.models import Job, JobEvent, JobState
 from bot.parser import parse
-from bot.pipeline import STEPS, resume_point
+from bot.pipeline import STEPS, resume_point, vm_ref
 from bot.service import Deployer
 from tests.conftest import Recorder
 
@@ -66,7 +66,8 @@ async def test_a_deploy_walks_every_step(
     assert vm.running and vm.name == "web01" and job.vm_id == vm.vm_id
     assert vm.identity is not None and str(vm.identity.address) == "10.0.0.50/24"
     assert vm.disk_gib == 4 + 10
-    assert f"deploybot-{job.id}" in vm.tags
+    assert vm_ref(job).tag in vm.tags
+    assert vm_ref(job).tag == f"deploybot-{deployer.store.installation_id}-{job.id}"
 
 
 @pytest.mark.parametrize("kind", FAULT_KINDS)

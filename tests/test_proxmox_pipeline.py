@@ -12,7 +12,7 @@ import pytest
 
 from bot.models import Job, JobEvent, JobState
 from bot.parser import DeployArgs, parse
-from bot.pipeline import STEPS
+from bot.pipeline import STEPS, vm_ref
 from bot.runtime import running_deployer
 from bot.settings import Settings
 from tests.conftest import Recorder
@@ -77,7 +77,7 @@ async def test_a_deploy_ends_with_a_reachable_vm(fake: FakePVE, tmp_path: Path) 
     vmid = int(job.vm_id or 0)
     vm = fake.cluster.vms[vmid]
     assert vm.running and vm.config["name"] == "web01"
-    assert f"deploybot-{job.id}" in vm.config["tags"].split(";")
+    assert vm_ref(job).tag in vm.config["tags"].split(";")
     assert vm.config["scsi0"].endswith("size=14G")
     assert job.host_key == fake.cluster.guest.host_keys[vmid]  # read from the guest's sshd
     assert detail(events, "clone").startswith(f"VM {vmid} on pve1@lab")

@@ -29,7 +29,6 @@ from typing import Any, TypeVar
 from urllib.parse import quote
 
 from backends.base import (
-    JOB_TAG_PREFIX,
     BackendConfig,
     CloneMode,
     CloneSpec,
@@ -46,6 +45,7 @@ from backends.base import (
     VMInfo,
     VMNotFound,
     VMRef,
+    job_marks,
     pick_address,
 )
 from backends.proxmox.api import AlreadyExists, Forbidden, LockContention, PveApi, TaskFailed
@@ -257,7 +257,8 @@ class ProxmoxBackend:
         await self.inventory.check_baseline(template, node)
         vmid = await self._free_vmid()
         cluster = await self.inventory.cluster_name()
-        return VMRef(str(vmid), spec.job_id, f"{node}@{cluster}" if cluster else node)
+        placement = f"{node}@{cluster}" if cluster else node
+        return VMRef(str(vmid), spec.job_id, placement, spec.installation)
 
     async def _free_vmid(self) -> int:
         """A vmid the cluster calls free and no deploy of this process holds, reserved
@@ -516,7 +517,7 @@ def _info(item: dict[str, Any]) -> VMInfo:
 
 
 def _has_mark(tags: frozenset[str]) -> bool:
-    return any(t.startswith(JOB_TAG_PREFIX) for t in tags)
+    return bool(job_marks(tags))
 
 
 def _described(config: dict[str, Any], identity: Identity) -> str | None:

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from backends.base import JOB_TAG_PREFIX, PermanentError
+from backends.base import PermanentError, parse_tag
 
 GIB = 1024**3
 _UNITS = {"K": 1024, "M": 1024**2, "G": GIB, "T": 1024**4}
@@ -22,7 +22,6 @@ _DISK_KEYS = tuple(
     for n in range(count)
 )
 _TAG_SPLIT = re.compile(r"[;,\s]+")
-_MARK = re.compile(rf"\b{JOB_TAG_PREFIX}[a-z0-9-]+\b")
 _NIC_MODELS = frozenset(
     {
         "e1000",
@@ -89,7 +88,11 @@ def tags_of(config: dict[str, Any]) -> frozenset[str]:
     """Tags plus the job marks in the description (set at clone time, before the
     identity change can write tags)."""
     tags = {t for t in _TAG_SPLIT.split(str(config.get("tags", ""))) if t}
-    tags.update(_MARK.findall(str(config.get("description", ""))))
+    # Only the mark's own `tag:` line, strictly parsed: any other `deploybot-...` text a
+    # person wrote in the description says nothing about who built the VM.
+    mark = mark_field(config, "tag")
+    if mark is not None and parse_tag(mark) is not None:
+        tags.add(mark)
     return frozenset(tags)
 
 

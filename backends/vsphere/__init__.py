@@ -296,7 +296,7 @@ class VSphereBackend:
         self._plans[vm_id] = plan
         while len(self._plans) > MAX_PLANS:  # clones that never came (cancelled, failed)
             self._plans.pop(next(iter(self._plans)))
-        return VMRef(vm_id, spec.job_id, plan.placement)
+        return VMRef(vm_id, spec.job_id, plan.placement, spec.installation)
 
     async def clone(self, spec: CloneSpec, ref: VMRef) -> str | None:
         plan = self._plans.pop(ref.vm_id, None)

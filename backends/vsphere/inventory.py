@@ -10,19 +10,17 @@ every operation looks its objects up again, and VMs are always found by instance
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pyVmomi import vim, vmodl
 
-from backends.base import JOB_TAG_PREFIX, CloneSpec, NotOurVM, PermanentError, VMInfo, VMRef
+from backends.base import CloneSpec, NotOurVM, PermanentError, VMInfo, VMRef, parse_tag
 from backends.vsphere.session import Conn, Props, Row
 
 if TYPE_CHECKING:
     from backends.vsphere import Config
 
-_TAG_LINE = re.compile(rf"^{re.escape(JOB_TAG_PREFIX)}[a-z0-9-]+$")
 VM_PATHS = ["name", "config.annotation", "runtime.powerState"]
 POWERED_ON = "poweredOn"
 
@@ -76,7 +74,7 @@ class Datacenter:
 def tags(annotation: object) -> frozenset[str]:
     """The job tags on the lines of an annotation."""
     lines = (line.strip() for line in str(annotation or "").splitlines())
-    return frozenset(line for line in lines if _TAG_LINE.match(line))
+    return frozenset(line for line in lines if parse_tag(line) is not None)
 
 
 def annotation(spec: CloneSpec) -> str:

@@ -1,0 +1,221 @@
+"""Many processes, one database: which process runs which job.
+
+Every process that runs jobs is a *runner* (store/owners.py): a row with its id, host
+and pid, and a lease it renews. A job is run only by the runner that claimed it (one
+compare-and-set that writes the owner and a lease expiry); every later write of that
+job's state names the owner it expects (`held_by`), so a runner whose lease lapsed can
+no longer change a job that another took over.
+
+`Ownership.tick` is the whole protocol, run every `ownership.tick_s`:
+
+1. renew this runner's lease and all of its jobs' leases (one transaction);
+2. a job it runs locally but no longer owns is dropped without touching its VM (the new
+   owner deals with it); a cancel another process asked for is carried out here;
+3. (long-lived runners only) runners on this host whose process is gone are declared
+   dead at once, so a restart need not wait for their leases to lapse; jobs whose
+   lease has passed are taken over (another compare-and-set) and recovered;
+4. (long-lived runners only) queued jobs nobody holds are claimed, as many as there is
+   room for, and started here.
+
+A one-shot `deploybot deploy` runs only its own job: it renews, it never takes over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from pathlib import Path
+
+from bot.models import Job, JobState, new_runner_id, utcnow
+from bot.queue import JobQueue
+from bot.settings import OwnershipSettings
+from store.db import Store
+from store.owners import RunnerRow
+
+log = logging.getLogger(__name__)
+Clock = Callable[[], datetime]
+WORKING = (JobState.RUNNING, JobState.ROLLING_BACK)
+
+
+def host_identity() -> str:
+    """Where a pid means one process: this host, this boot, this pid namespace."""
+    parts = [socket.gethostname()]
+    for path in ("/proc/sys/kernel/random/boot_id", "/proc/self/ns/pid"):
+        try:
+            parts.append(Path(path).read_text().strip() if "boot" in path else os.readlink(path))
+        except OSError:
+            parts.append("?")
+    return "/".join(parts)
+
+
+def process_start(pid: int) -> str:
+    """The process's start time in clock ticks since boot (/proc/PID/stat field 22), or
+    "" where there is no /proc: with the pid, it names one process even after reuse."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    return stat.rsplit(")", 1)[-1].split()[19]
+
+
+def process_alive(pid: int, started: str) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process with that pid: cannot tell, assume alive
+    return not started or process_start(pid) in ("", started)
+
+
+@dataclass(frozen=True)
+class Runner:
+    id: str
+    kind: str
+    host: str
+    pid: int
+
+    @classmethod
+    def here(cls, kind: str) -> Runner:
+        return cls(new_runner_id(), kind, host_identity(), os.getpid())
+
+
+class Ownership:
+    """This process's runner: its lease, its claims, and what it takes over."""
+
+    def __init__(
+        self,
+        store: Store,
+        queue: JobQueue,
+        settings: OwnershipSettings,
+        runner: Runner,
+        *,
+        takes_over: bool,
+        recover: Callable[[Job], Awaitable[bool]],
+        clock: Clock = utcnow,
+    ) -> None:
+        self.store = store
+        self.queue = queue
+        self.settings = settings
+        self.runner = runner
+        self.takes_over = takes_over
+        self._recover = recover
+        self.clock = clock
+        self.recovering: dict[str, asyncio.Task[None]] = {}
+        self.closing = False
+        self._loop: asyncio.Task[None] | None = None
+
+    @property
+    def id(self) -> str:
+        return self.runner.id
+
+    def lease_until(self, now: datetime | None = None) -> datetime:
+        return (now or self.clock()) + timedelta(seconds=self.settings.lease_s)
+
+    async def start(self) -> None:
+        """Register, act once (so a restarted shell recovers before it reads input),
+        then keep acting every `tick_s`."""
+        now = self.clock()
+        r = self.runner
+        await self.store.register_runner(
+            RunnerRow(r.id, r.kind, r.host, r.pid, process_start(r.pid), now, self.lease_until(now))
+        )
+        log.info("runner %s (%s, pid %d) started", r.id, r.kind, r.pid)
+        await self.tick()
+        self._loop = asyncio.create_task(self._every_tick(), name=f"runner-{r.id}")
+
+    async def _every_tick(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.tick_s)
+            try:
+                await self.tick()
+            except Exception:
+                log.exception("runner %s: a tick failed; trying again", self.id)
+
+    async def tick(self) -> None:
+        now = self.clock()
+        owned = {o.job_id: o for o in await self.store.renew(self.id, now, self.lease_until(now))}
+        await self._drop_lost(set(owned))
+        for held in owned.values():
+            if held.cancel_requested and self.queue.is_running(held.job_id):
+                log.info("job %s: cancel asked by %s", held.job_id, held.cancel_requested)
+                self.queue.cancel(held.job_id)
+        if self.takes_over and not self.closing:
+            await self._reap_dead_neighbours(now)
+            await self._take_over(now)
+            await self._claim_queued(now)
+
+    async def _drop_lost(self, owned: set[str]) -> None:
+        """Stop local work on jobs another runner now owns (our lease had lapsed)."""
+        for job_id in self.queue.running_ids():
+            if job_id in owned:
+                continue
+            job = await self.store.get_job(job_id)
+            if job is not None and job.state in WORKING and job.owner != self.id:
+                log.warning("job %s: taken over by runner %s; stopping here", job_id, job.owner)
+                self.queue.cancel(job_id)  # its rollback is fenced: it cannot touch the VM
+
+    async def _reap_dead_neighbours(self, now: datetime) -> None:
+        for runner_id, pid, started in await self.store.live_runners_on(self.runner.host, now):
+            if runner_id != self.id and not process_alive(pid, started):
+                log.info("runner %s (pid %d) is gone; its jobs are free now", runner_id, pid)
+                await self.store.declare_dead(runner_id, now)
+
+    async def _take_over(self, now: datetime) -> None:
+        for job in await self.store.abandoned(now):
+            if job.id in self.recovering or self.queue.is_running(job.id):
+                continue
+            if not await self.store.claim(job.id, self.id, now, self.lease_until(now), WORKING):
+                continue  # another runner took it first
+            log.info("job %s: taking over from runner %s", job.id, job.owner)
+            task = asyncio.create_task(self._recovered(job), name=f"recover-{job.id}")
+            self.recovering[job.id] = task
+
+    async def _recovered(self, job: Job) -> None:
+        try:
+            if await self._recover(job):  # True: put back in the queue to resume
+                self.queue.submit(job.id, job.backend)
+        except Exception:
+            log.exception("job %s: recovery failed; it is retried once its lease lapses", job.id)
+        finally:
+            self.recovering.pop(job.id, None)
+
+    async def _claim_queued(self, now: datetime) -> None:
+        room = self.queue.room()
+        if room <= 0:
+            return
+        for job_id, backend in await self.store.claimable(now, room):
+            if await self.store.claim(job_id, self.id, now, self.lease_until(now)):
+                self.queue.submit(job_id, backend)
+
+    async def take(self, job: Job) -> bool:
+        """Claim a queued job this process just made runnable (approved it) and start it
+        here; False when another runner was faster."""
+        now = self.clock()
+        if not await self.store.claim(job.id, self.id, now, self.lease_until(now)):
+            return False
+        self.queue.submit(job.id, job.backend)
+        return True
+
+    async def settle(self) -> None:
+        """Wait for the recoveries started so far (tests, shutdown)."""
+        while self.recovering:
+            await asyncio.gather(*list(self.recovering.values()), return_exceptions=True)
+
+    async def close(self) -> None:
+        """Hand queued jobs back and say this runner stopped. Called once the queue has
+        shut down; the caller keeps renewing (`closing`) until then."""
+        if self._loop is not None:
+            self._loop.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop
+        await self.settle()
+        handed = await self.store.release_runner(self.id, self.clock())
+        if handed:
+            log.info("runner %s: handed %d queued job(s) back", self.id, handed)

@@ -1,0 +1,192 @@
+"""Who runs which job: runners, their heartbeats, and the leases on jobs.
+
+Every process that runs jobs is a *runner* with a row here. A job is run by the runner
+that claimed it: `owner` and `lease_until` on the job, written by one compare-and-set
+(an UPDATE that names what it expects), so of two processes claiming the same job
+exactly one gets it. The owner renews its leases while it lives; another process may
+take a job over only once its lease has passed. Times are given by the caller (the
+bot's injected clock), as fixed-width UTC text, so text order is time order.
+
+These functions run on the store's worker thread (store/db.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlite_utils import Database
+
+from bot.models import Job, JobState
+from store.jobs import job_from_row, ts
+from store.tx import immediate
+
+# States in which a job has an owner: reserved by it (queued) or being worked on.
+_OWNED = ("queued", "running", "rolling_back")
+_OWNED_SQL = "('queued', 'running', 'rolling_back')"
+# A lease that is NULL, or before now, has expired; so has one of a dead runner.
+_EXPIRED = "(lease_until IS NULL OR lease_until < :now)"
+
+
+@dataclass(frozen=True)
+class RunnerRow:
+    id: str
+    kind: str  # serve | shell | deploy ...: shown to operators, never decides anything
+    host: str  # hostname, boot and pid namespace: where `pid` means this process
+    pid: int
+    proc_start: str  # the process's start time there: a reused pid is another process
+    started_at: datetime
+    lease_until: datetime
+
+
+@dataclass(frozen=True)
+class Owned:
+    """A job this runner holds, as a renewal found it."""
+
+    job_id: str
+    state: JobState
+    cancel_requested: str | None
+
+
+def installation_id(db: Database) -> str:
+    rows = list(db.query("SELECT value FROM meta WHERE key = 'installation_id'"))
+    return str(rows[0]["value"])
+
+
+def register(db: Database, runner: RunnerRow) -> None:
+    row = {
+        "id": runner.id,
+        "kind": runner.kind,
+        "host": runner.host,
+        "pid": runner.pid,
+        "proc_start": runner.proc_start,
+        "started_at": ts(runner.started_at),
+        "heartbeat_at": ts(runner.started_at),
+        "lease_until": ts(runner.lease_until),
+    }
+    with immediate(db.conn):
+        db.table("runners").insert(row)
+
+
+def renew(db: Database, runner_id: str, now: datetime, until: datetime) -> list[Owned]:
+    """Extend this runner's lease and every lease it holds; what it holds now.
+
+    One transaction and two statements whatever the number of jobs: renewal must stay
+    cheap with hundreds in flight. A job missing from the answer is no longer ours
+    (cancelled while queued, or taken over after our lease lapsed).
+    """
+    params = {"me": runner_id, "now": ts(now), "until": ts(until)}
+    with immediate(db.conn):
+        db.execute(
+            "UPDATE runners SET heartbeat_at = :now, lease_until = :until WHERE id = :me",
+            params,
+        )
+        db.execute(
+            f"UPDATE jobs SET lease_until = :until WHERE owner = :me AND state IN {_OWNED_SQL}",
+            params,
+        )
+        rows = db.execute(
+            f"SELECT id, state, cancel_requested FROM jobs "
+            f"WHERE owner = :me AND state IN {_OWNED_SQL}",
+            params,
+        ).fetchall()
+    return [Owned(row[0], JobState(row[1]), row[2]) for row in rows]
+
+
+def claim(
+    db: Database,
+    job_id: str,
+    runner_id: str,
+    now: datetime,
+    until: datetime,
+    states: Iterable[JobState],
+) -> bool:
+    """Make this runner the job's owner if it is in `states` and nobody else holds it
+    (no owner, or an expired lease). One statement: two claimers, one winner."""
+    wanted = tuple(s.value for s in states)
+    marks = ", ".join(f":s{i}" for i in range(len(wanted)))
+    params: dict[str, Any] = {"id": job_id, "me": runner_id, "now": ts(now), "until": ts(until)}
+    params.update({f"s{i}": s for i, s in enumerate(wanted)})
+    with immediate(db.conn):
+        cursor = db.execute(
+            f"UPDATE jobs SET owner = :me, lease_until = :until "
+            f"WHERE id = :id AND state IN ({marks}) "
+            f"AND (owner IS NULL OR owner = :me OR {_EXPIRED})",
+            params,
+        )
+    return cursor.rowcount == 1
+
+
+def claimable(db: Database, now: datetime, limit: int) -> list[tuple[str, str]]:
+    """(id, backend) of queued jobs nobody holds, oldest first: what any runner with
+    room may claim."""
+    rows = db.execute(
+        f"SELECT id, backend FROM jobs WHERE state = 'queued' AND (owner IS NULL OR {_EXPIRED}) "
+        "ORDER BY created_at, rowid LIMIT :limit",
+        {"now": ts(now), "limit": limit},
+    ).fetchall()
+    return [(str(row[0]), str(row[1])) for row in rows]
+
+
+def abandoned(db: Database, now: datetime) -> list[Job]:
+    """Jobs being worked on whose owner's lease has passed (the owner died or hangs)."""
+    rows = db.query(
+        f"SELECT * FROM jobs WHERE state IN ('running', 'rolling_back') AND {_EXPIRED} "
+        "ORDER BY created_at, rowid",
+        {"now": ts(now)},
+    )
+    return [job_from_row(row) for row in rows]
+
+
+def release(db: Database, runner_id: str, now: datetime) -> int:
+    """A runner leaving in good order: its queued jobs go back to anyone; its own row
+    says it stopped. Returns how many queued jobs were handed back."""
+    params = {"me": runner_id, "now": ts(now)}
+    with immediate(db.conn):
+        handed = db.execute(
+            "UPDATE jobs SET owner = NULL, lease_until = NULL "
+            "WHERE owner = :me AND state = 'queued'",
+            params,
+        ).rowcount
+        db.execute(
+            "UPDATE runners SET stopped_at = :now, lease_until = :now WHERE id = :me", params
+        )
+    return int(handed)
+
+
+def live_on_host(db: Database, host: str, now: datetime) -> list[tuple[str, int, str]]:
+    """(id, pid, proc_start) of runners on this host whose lease has not passed."""
+    rows = db.execute(
+        "SELECT id, pid, proc_start FROM runners WHERE host = :host AND stopped_at IS NULL "
+        "AND lease_until >= :now",
+        {"host": host, "now": ts(now)},
+    )
+    return [(str(r[0]), int(r[1]), str(r[2] or "")) for r in rows]
+
+
+def declare_dead(db: Database, runner_id: str, now: datetime) -> None:
+    """A runner seen to be dead (its process is gone): end its leases now rather than
+    let its jobs wait for them to lapse."""
+    params = {"id": runner_id, "now": ts(now)}
+    with immediate(db.conn):
+        db.execute(
+            "UPDATE runners SET stopped_at = :now, lease_until = :now WHERE id = :id", params
+        )
+        db.execute(
+            f"UPDATE jobs SET lease_until = NULL WHERE owner = :id AND state IN {_OWNED_SQL}",
+            params,
+        )
+
+
+def request_cancel(db: Database, job_id: str, by: str) -> bool:
+    """Ask the owner of a job being worked on to cancel it (it sees this at its next
+    renewal). False when the job is not running or rolling back."""
+    with immediate(db.conn):
+        cursor = db.execute(
+            "UPDATE jobs SET cancel_requested = :by "
+            "WHERE id = :id AND state IN ('running', 'rolling_back')",
+            {"id": job_id, "by": by},
+        )
+    return cursor.rowcount == 1
