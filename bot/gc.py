@@ -1,17 +1,23 @@
 """`deploybot gc`: find VMs that carry a deploybot job tag but have no business existing.
 
-A tagged VM is classified by the job its tag names:
+A VM is classified by its job tags, read with the one strict grammar
+(`backends.base.parse_tag`: `deploybot-<installation>-<job>`, or `deploybot-<job>` from
+before installations had ids). A tag that does not parse (a human's `deploybot-managed`)
+makes nothing ours. Orphans, which `--apply` may remove:
 
-* `unknown_job`: this store has never heard of the job (a crash before the job row
-  was written, or a VM copied from elsewhere);
+* `unknown_job`: a tag of this installation whose job this store has never heard of
+  (a VM copied from elsewhere, a job row lost with a restored backup);
 * `ended_job`: the job failed, was cancelled, rejected or expired, so its rollback
-  should have removed the VM (wreckage);
-* kept: the job succeeded (the VM is someone's machine), or is still in flight.
+  should have removed the VM (wreckage).
 
-VMs without a tag are never listed, let alone touched. Removal is a two-step rule taken
-from migrations that must not destroy the wrong thing: a dry run first, counted per
-category, and an `--apply` of the same scope within `window_s` that removes only VMs the
-dry run listed and that are still orphans now.
+Listed, never removed: the job succeeded (someone's machine) or is in flight;
+`other_installation`: another deploybot database's VM on the same cluster (staging
+next to production); `unknown_legacy`: an old-style tag whose job this store does not
+know, which may be another installation's too. VMs without a tag are never listed.
+
+Removal is a two-step rule taken from migrations that must not destroy the wrong
+thing: a dry run first, counted per category, and an `--apply` of the same scope within
+`window_s` that removes only VMs the dry run listed and that are still orphans now.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from backends.base import JOB_TAG_PREFIX, Backend, BackendError, VMInfo, VMRef
+from backends.base import Backend, BackendError, JobMark, VMInfo, VMRef, job_marks
 from bot.errors import DeployBotError
 from bot.models import ACTIVE_STATES, JobState, utcnow
 from bot.settings import Timeouts
@@ -32,7 +38,14 @@ from store.db import Store
 
 log = logging.getLogger(__name__)
 ORPHAN = ("unknown_job", "ended_job")
-KEPT = ("succeeded_job", "job_in_flight")
+KEPT = ("succeeded_job", "job_in_flight", "other_installation", "unknown_legacy")
+KEPT_WHY = {
+    "succeeded_job": "its job succeeded",
+    "job_in_flight": "its job is in flight",
+    "other_installation": "another installation's VM (never removed here)",
+    "unknown_legacy": "an old-style tag this database does not know: remove it by hand if "
+    "nobody claims it",
+}
 
 
 @dataclass(frozen=True)
@@ -41,6 +54,7 @@ class Finding:
     vm: VMInfo
     job_id: str
     category: str
+    installation: str | None = None  # from the tag (None: an old-style tag)
 
     @property
     def key(self) -> str:
@@ -72,24 +86,29 @@ class GcReport:
         return per
 
 
-def tagged_job_ids(vm: VMInfo) -> list[str]:
-    return sorted(t.removeprefix(JOB_TAG_PREFIX) for t in vm.tags if t.startswith(JOB_TAG_PREFIX))
-
-
 async def classify(store: Store, backend_name: str, vm: VMInfo) -> list[Finding]:
     findings = []
-    for job_id in tagged_job_ids(vm):
-        job = await store.get_job(job_id)
-        if job is None:
-            category = "unknown_job"
-        elif job.state is JobState.SUCCEEDED:
-            category = "succeeded_job"
-        elif job.state in ACTIVE_STATES:
-            category = "job_in_flight"
-        else:
-            category = "ended_job"
-        findings.append(Finding(backend_name, vm, job_id, category))
+    for mark in job_marks(vm.tags):
+        category = await _category(store, mark)
+        findings.append(Finding(backend_name, vm, mark.job_id, category, mark.installation))
     return findings
+
+
+async def _category(store: Store, mark: JobMark) -> str:
+    if mark.installation is not None and mark.installation != store.installation_id:
+        return "other_installation"
+    job = await store.get_job(mark.job_id)
+    if job is None and mark.installation is not None:
+        return "unknown_job"  # tagged by this installation: ours to clean
+    if job is None or job.installation != mark.installation:
+        # An old-style tag naming no job of ours, or a tag unlike the one our job wrote:
+        # it may be anybody's, so it is listed and left alone.
+        return "unknown_legacy"
+    if job.state is JobState.SUCCEEDED:
+        return "succeeded_job"
+    if job.state in ACTIVE_STATES:
+        return "job_in_flight"
+    return "ended_job"
 
 
 async def survey(store: Store, backends: Mapping[str, Backend], scope: Sequence[str]) -> GcReport:
@@ -134,7 +153,7 @@ async def apply(
         if finding.key not in listed:
             report.left.append((finding, "not in the dry run: run the dry run again"))
             continue
-        ref = VMRef(finding.vm.vm_id, finding.job_id, finding.vm.placement)
+        ref = VMRef(finding.vm.vm_id, finding.job_id, finding.vm.placement, finding.installation)
         try:
             await remove_vm(backends[finding.backend], ref, timeouts)
         except (BackendError, TimeoutError) as exc:
@@ -146,11 +165,6 @@ async def apply(
         report.removed.append(finding)
     for finding in report.findings:
         if not finding.orphan:
-            why = (
-                "its job succeeded"
-                if finding.category == "succeeded_job"
-                else "its job is in flight"
-            )
-            report.left.append((finding, why))
+            report.left.append((finding, KEPT_WHY[finding.category]))
     await store.record_gc_run(wanted, [f.key for f in report.removed], applied=True)
     return report

@@ -110,6 +110,9 @@ class Ownership:
         self.recovering: dict[str, asyncio.Task[None]] = {}
         self.closing = False
         self._loop: asyncio.Task[None] | None = None
+        # A finished job frees a slot: look for queued work at once, not at the next tick.
+        self._wake = asyncio.Event()
+        queue.on_room = self._wake.set
 
     @property
     def id(self) -> str:
@@ -132,7 +135,9 @@ class Ownership:
 
     async def _every_tick(self) -> None:
         while True:
-            await asyncio.sleep(self.settings.tick_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.settings.tick_s)
+            self._wake.clear()
             try:
                 await self.tick()
             except Exception:
@@ -186,13 +191,22 @@ class Ownership:
         finally:
             self.recovering.pop(job.id, None)
 
-    async def _claim_queued(self, now: datetime) -> None:
+    async def _claim_queued(self, now: datetime) -> int:
         room = self.queue.room()
         if room <= 0:
-            return
+            return 0
+        claimed = 0
         for job_id, backend in await self.store.claimable(now, room):
             if await self.store.claim(job_id, self.id, now, self.lease_until(now)):
                 self.queue.submit(job_id, backend)
+                claimed += 1
+        return claimed
+
+    async def claim_queued(self) -> int:
+        """Claim what queued work there is room for now; how many jobs were claimed."""
+        if not self.takes_over or self.closing:
+            return 0
+        return await self._claim_queued(self.clock())
 
     async def take(self, job: Job) -> bool:
         """Claim a queued job this process just made runnable (approved it) and start it

@@ -43,6 +43,7 @@ class JobQueue:
         self._idle = asyncio.Event()
         self._idle.set()
         self.peak_per_backend: dict[str, int] = {}
+        self.on_room: Callable[[], None] | None = None  # a slot freed: look for work
         self.started_order: list[str] = []
 
     # --- state --------------------------------------------------------------------
@@ -152,6 +153,8 @@ class JobQueue:
         backend, _task = self._running.pop(job_id)
         self._per_backend[backend] -= 1
         self._pump()
+        if self.on_room is not None and self.room() > 0:
+            self.on_room()
 
     def _check_idle(self) -> None:
         if not self._running and not any(self._waiting.values()):

@@ -50,16 +50,25 @@ async def running_deployer(
     *,
     backends: dict[str, Backend] | None = None,
     grace_s: float = 30.0,
+    runner_kind: str = "shell",
+    takes_over: bool = True,
+    start: bool = True,
 ) -> AsyncIterator[Deployer]:
-    """Open the store, start the backends and the queue; shut all down on exit."""
+    """Open the store, start the backends and the queue; shut all down on exit.
+
+    With `start=False` the caller starts the deployer itself (`deploybot serve` binds
+    its front end first, so what recovery says reaches Slack)."""
     backends = (
         backends if backends is not None else {c.name: make_backend(c) for c in settings.backends}
     )
     store = await Store.open(settings.database)
-    deployer = Deployer(settings, store, backends, progress)
+    deployer = Deployer(
+        settings, store, backends, progress, runner_kind=runner_kind, takes_over=takes_over
+    )
     freeze_startup_heap()  # before start(): the jobs it recovers and queues are not
     try:
-        await deployer.start()
+        if start:
+            await deployer.start()
         yield deployer
     finally:
         await deployer.close(grace_s)

@@ -156,11 +156,12 @@ class Deployer:
                 log.exception("retrying wreckage removal failed")
 
     async def drain(self) -> None:
-        """Wait until this process has nothing left to run or recover."""
+        """Wait until this process has nothing left to run or recover, and no queued
+        job that nobody holds is left for it to claim."""
         while True:
             await self.ownership.settle()
             await self.queue.drain()
-            if not self.ownership.recovering:
+            if not self.ownership.recovering and not await self.ownership.claim_queued():
                 return
 
     # --- deploy -------------------------------------------------------------------

@@ -41,7 +41,10 @@ async def deploy(args: argparse.Namespace, settings: Settings) -> int:
             file=sys.stderr,
         )
         return 2
-    async with running_deployer(settings, TerminalThread()) as deployer:
+    # A one-shot runner: it runs its own job and never takes over another process's.
+    async with running_deployer(
+        settings, TerminalThread(), runner_kind="deploy", takes_over=False
+    ) as deployer:
         job = await deployer.request_deploy(command, args.user, can_wait_for_approval=False)
         await deployer.drain()
         final = (await deployer.status(job.id)).job

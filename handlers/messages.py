@@ -413,6 +413,8 @@ GC_CATEGORIES = {
     "ended_job": "job failed or was cancelled",
     "succeeded_job": "job succeeded (kept)",
     "job_in_flight": "job still in flight (kept)",
+    "other_installation": "another installation's VM (kept)",
+    "unknown_legacy": "old-style tag of a job unknown here (kept)",
 }
 
 
@@ -442,6 +444,12 @@ def gc_report(report: GcReport, window_minutes: float) -> list[str]:
             lines.append(
                 f"  orphan: VM {finding.vm.vm_id} ({finding.vm.name}) on {finding.backend}, "
                 f"job {finding.job_id}: {GC_CATEGORIES[finding.category]}"
+            )
+        elif finding.category == "other_installation" and not report.applied:
+            lines.append(
+                f"  another installation: VM {finding.vm.vm_id} ({finding.vm.name}) on "
+                f"{finding.backend}, installation {finding.installation}, job "
+                f"{finding.job_id}: never removed by this one"
             )
     if report.applied:
         for finding in report.removed:

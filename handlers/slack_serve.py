@@ -94,8 +94,11 @@ async def serve(
     stop = stop or _stop_on_signals()
     client = make_client(secrets.bot_token, settings.slack.api_base_url)
     threads = SlackThreads(client, settings.slack)
-    async with running_deployer(settings, threads) as deployer:
+    async with running_deployer(settings, threads, runner_kind="serve", start=False) as deployer:
         bot = SlackBot(deployer, threads, client, signing_secret=secrets.signing_secret)
+        # Only now, with the threads bound: what recovery says must reach Slack. The
+        # recoveries themselves go on in the background (`/readyz`).
+        await deployer.start(settle=False)
         try:
             if address is not None:
                 await run_http(bot, address, ready, stop)
@@ -127,7 +130,19 @@ def http_app(bot: SlackBot) -> web.Application:
             {"ok": True, "running": queue.running_count, "waiting": queue.waiting_count}
         )
 
+    async def readyz(_request: web.Request) -> web.Response:
+        """Ready once this runner has registered and made its first claims; the
+        recoveries it started may still be running (`recovering`)."""
+        deployer = bot.deployer
+        body = {
+            "ready": deployer.ready.is_set(),
+            "runner": deployer.runner.id,
+            "recovering": len(deployer.ownership.recovering),
+        }
+        return web.json_response(body, status=200 if deployer.ready.is_set() else 503)
+
     app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
     return app
 
 

@@ -1,0 +1,236 @@
+"""Several runners on one database (real SQLite file, one simulated hypervisor).
+
+Each `Deployer` here is what one process would run: its own store connection, its own
+runner id, its own queue. Time is an injected clock, so a lease lapses when the test
+says so; a runner's `tick` is called directly instead of waiting for its loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from backends.sim import SimBackend
+from bot.models import Job, JobState, utcnow
+from bot.ownership import host_identity
+from bot.parser import DeployArgs, parse
+from bot.recovery import INTERRUPTED
+from bot.requests import build_request
+from bot.service import Deployer
+from bot.settings import Settings
+from store.db import Store
+from store.owners import RunnerRow
+from tests.conftest import Recorder, make_settings
+
+LEASE_S = 30.0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = utcnow()
+
+    def __call__(self) -> datetime:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += timedelta(seconds=seconds)
+
+
+def request(text: str) -> DeployArgs:
+    parsed = parse(text)
+    assert isinstance(parsed, DeployArgs)
+    return parsed
+
+
+@asynccontextmanager
+async def runner(
+    settings: Settings,
+    sim: SimBackend,
+    clock: Callable[[], datetime] = utcnow,
+    progress: Recorder | None = None,
+    **options: Any,
+) -> AsyncIterator[Deployer]:
+    """One process's Deployer on the shared database and hypervisor."""
+    store = await Store.open(settings.database)
+    deployer = Deployer(
+        settings, store, {"sim": sim}, progress or Recorder(), clock=clock, **options
+    )
+    await deployer.start()
+    try:
+        yield deployer
+    finally:
+        await deployer.close(grace_s=5)
+        await store.close()
+
+
+def gate(recorder: Recorder, step: str) -> asyncio.Event:
+    """Hold every job at the start of `step` until the returned event is set."""
+    release = asyncio.Event()
+
+    async def hold(_job: Job, started: str) -> None:
+        if started == step:
+            await release.wait()
+
+    recorder.on_step = hold
+    return release
+
+
+def destroys(sim: SimBackend) -> list[str]:
+    return [vm for op, vm in sim.task_log if op == "destroy"]
+
+
+async def test_a_second_runner_leaves_the_first_ones_running_job_alone(tmp_path: Path) -> None:
+    settings, sim, held = make_settings(tmp_path), SimBackend("sim", time_scale=0.001), Recorder()
+    release = gate(held, "power_on")
+    async with runner(settings, sim, progress=held) as first:
+        job = await first.request_deploy(request("web01 10.0.0.50"), "alice")
+        await held.seen("power_on").wait()
+        async with runner(settings, sim) as second:  # starts, ticks, recovers nothing
+            await second.ownership.tick()
+            assert not second.ownership.recovering
+            assert (await second.status(job.id)).job.state is JobState.RUNNING
+        release.set()
+        await first.drain()
+        done = (await first.status(job.id)).job
+    assert done.state is JobState.SUCCEEDED and done.owner == first.runner.id
+    assert not destroys(sim) and sim.vms[str(done.vm_id)].running
+
+
+async def test_an_expired_lease_is_taken_over_once_and_the_old_owner_backs_off(
+    tmp_path: Path,
+) -> None:
+    settings, sim, held = make_settings(tmp_path), SimBackend("sim", time_scale=0.001), Recorder()
+    late = Clock()  # the other runners' clock: the first one's lease has lapsed for them
+    release = gate(held, "power_on")
+    async with runner(settings, sim, progress=held) as first:
+        job = await first.request_deploy(request("web01 10.0.0.50"), "alice")
+        await held.seen("power_on").wait()
+        late.advance(LEASE_S + 1)
+        async with runner(settings, sim, late) as b, runner(settings, sim, late) as c:
+            await asyncio.gather(b.ownership.tick(), c.ownership.tick())
+            await asyncio.gather(b.drain(), c.drain())
+        taken = (await first.status(job.id)).job
+        assert taken.state is JobState.FAILED and taken.error == INTERRUPTED
+        assert taken.owner in (b.runner.id, c.runner.id)
+        # The first runner learns at its next tick that the job is not its own any more,
+        # stops, and its rollback (fenced by owner) leaves the VM business to the taker.
+        await first.ownership.tick()
+        release.set()
+        await first.drain()
+    # One rollback, by the one runner that won the takeover; none by the first runner.
+    assert destroys(sim) == [taken.vm_id]
+    interrupted = [n for n in held.notes if n[0] == job.id]
+    assert not [u for u in held.updates if u[0] == job.id and u[1] is JobState.ROLLING_BACK]
+    assert not interrupted
+
+
+async def test_two_runners_run_each_queued_job_exactly_once(tmp_path: Path) -> None:
+    settings = make_settings(tmp_path, limits={"max_running": 3, "max_running_per_backend": 3})
+    sim = SimBackend("sim", time_scale=0.001)
+    store = await Store.open(settings.database)
+    ids = []
+    for n in range(8):  # queued by a process that is gone: nobody holds them
+        made = build_request(request(f"q{n:02d} 10.0.0.{60 + n}"), settings, "alice")
+        job = Job.for_request(made, JobState.QUEUED)
+        job = job.model_copy(update={"installation": store.installation_id})
+        await store.insert_job(job)
+        ids.append(job.id)
+    await store.close()
+    async with runner(settings, sim) as a, runner(settings, sim) as b:
+        while True:
+            await asyncio.gather(a.drain(), b.drain())
+            await asyncio.gather(a.ownership.tick(), b.ownership.tick())
+            if not (a.queue.running_count or b.queue.running_count):
+                states = [(await a.status(i)).job.state for i in ids]
+                if all(s.final for s in states):
+                    break
+    ran_a, ran_b = set(a.queue.started_order), set(b.queue.started_order)
+    assert ran_a | ran_b == set(ids) and not ran_a & ran_b
+    assert all(s is JobState.SUCCEEDED for s in states)
+    assert len([op for op, _ in sim.task_log if op == "clone"]) == len(ids)
+
+
+async def test_a_graceful_shutdown_hands_queued_jobs_back(tmp_path: Path) -> None:
+    limits = {"max_running": 1, "max_running_per_backend": 1}
+    settings = make_settings(tmp_path, limits=limits)
+    sim, held = SimBackend("sim", time_scale=0.001), Recorder()
+    release = gate(held, "power_on")
+    async with runner(settings, sim, progress=held) as first:
+        jobs = [
+            await first.request_deploy(request(f"h{n} 10.0.0.{70 + n}"), "alice") for n in range(3)
+        ]
+        await held.seen("power_on").wait()
+        release.set()
+    # The running one finished within the grace period; the two waiting ones are free.
+    async with runner(settings, sim) as second:
+        await second.drain()
+        states = [(await second.status(j.id)).job for j in jobs]
+    assert [j.state for j in states] == [JobState.SUCCEEDED] * 3
+    assert states[0].owner == first.runner.id
+    assert states[1].owner == states[2].owner == second.runner.id
+
+
+async def test_a_cancel_asked_in_another_process_is_carried_out_by_the_owner(
+    tmp_path: Path,
+) -> None:
+    settings, sim, held = make_settings(tmp_path), SimBackend("sim", time_scale=0.001), Recorder()
+    release = gate(held, "address")
+    async with runner(settings, sim, progress=held) as owner:
+        job = await owner.request_deploy(request("web01 10.0.0.50"), "alice")
+        await held.seen("address").wait()
+        async with runner(settings, sim) as other:
+            asked = await other.cancel(job.id, "alice")
+            assert asked.state is JobState.RUNNING  # asked, not done: the owner does it
+        await owner.ownership.tick()
+        release.set()
+        await owner.drain()
+        final = (await owner.status(job.id)).job
+    assert final.state is JobState.CANCELLED and final.cancel_requested == "alice"
+    assert destroys(sim) == [final.vm_id] and not sim.vms
+
+
+async def test_a_one_shot_runner_never_takes_over(tmp_path: Path) -> None:
+    settings, sim = make_settings(tmp_path), SimBackend("sim", time_scale=0.001)
+    late = Clock()
+    late.advance(LEASE_S + 1)
+    held = Recorder()
+    release = gate(held, "power_on")
+    async with runner(settings, sim, progress=held) as first:
+        job = await first.request_deploy(request("web01 10.0.0.50"), "alice")
+        await held.seen("power_on").wait()
+        async with runner(settings, sim, late, takes_over=False, runner_kind="deploy") as cli:
+            await cli.ownership.tick()
+            assert not cli.ownership.recovering
+            assert (await cli.status(job.id)).job.state is JobState.RUNNING
+        release.set()
+        await first.drain()
+        assert (await first.status(job.id)).job.state is JobState.SUCCEEDED
+
+
+async def test_a_dead_runner_on_this_host_frees_its_jobs_without_waiting(tmp_path: Path) -> None:
+    """A killed process's leases need not lapse: its pid is gone, so a restart recovers
+    at once (the crash harnesses depend on it)."""
+    settings, sim = make_settings(tmp_path), SimBackend("sim", time_scale=0.001)
+    gone = await asyncio.create_subprocess_exec("true")
+    await gone.wait()  # reaped: its pid names no process now
+    store = await Store.open(settings.database)
+    now = utcnow()
+    until = now + timedelta(hours=1)  # a lease far from lapsing
+    await store.register_runner(
+        RunnerRow("rdead", "shell", host_identity(), gone.pid, "1", now, until)
+    )
+    made = build_request(request("web01 10.0.0.50"), settings, "alice")
+    job = Job.for_request(made, JobState.QUEUED).model_copy(
+        update={"owner": "rdead", "lease_until": until, "installation": store.installation_id}
+    )
+    await store.insert_job(job)
+    assert await store.transition(job.id, [JobState.QUEUED], JobState.RUNNING, held_by="rdead")
+    await store.close()
+    async with runner(settings, sim) as restarted:
+        final = (await restarted.status(job.id)).job
+    assert final.state is JobState.FAILED and final.error == INTERRUPTED
+    assert final.owner == restarted.runner.id
