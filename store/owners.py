@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlite_utils import Database
@@ -28,6 +28,7 @@ _OWNED = ("queued", "running", "rolling_back")
 _OWNED_SQL = "('queued', 'running', 'rolling_back')"
 # A lease that is NULL, or before now, has expired; so has one of a dead runner.
 _EXPIRED = "(lease_until IS NULL OR lease_until < :now)"
+RUNNERS_KEPT_DAYS = 7
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,10 @@ def register(db: Database, runner: RunnerRow) -> None:
         "heartbeat_at": ts(runner.started_at),
         "lease_until": ts(runner.lease_until),
     }
+    # Every CLI run is a runner: forget those long gone, or the table only grows.
+    forgotten = ts(runner.started_at - timedelta(days=RUNNERS_KEPT_DAYS))
     with immediate(db.conn):
+        db.execute("DELETE FROM runners WHERE lease_until < ?", [forgotten])
         db.table("runners").insert(row)
 
 

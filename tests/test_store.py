@@ -263,3 +263,22 @@ async def test_an_event_that_cannot_be_written_fails_alone(
     assert isinstance(results[1], sqlite3.IntegrityError)
     assert [e.phase for e in await store.events(job.id)] == ["started", "finished"]
     assert await store.events("nosuchjob") == []
+
+
+async def test_processes_opening_a_new_database_together_migrate_it_once(
+    tmp_path: Path,
+) -> None:
+    """Four connections (each on its own thread, as four processes would be) race to
+    create the same new file: each finds the schema complete, and one installation id."""
+    for attempt in range(5):
+        path = tmp_path / f"new{attempt}.db"
+        stores = await asyncio.gather(*(Store.open(path) for _ in range(4)))
+        try:
+            assert len({s.installation_id for s in stores}) == 1
+            version = await stores[0]._call(
+                lambda s=stores[0]: int(s._db.execute("PRAGMA user_version").fetchone()[0])
+            )
+            assert version == SCHEMA_VERSION
+        finally:
+            for store in stores:
+                await store.close()
