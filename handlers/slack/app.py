@@ -4,12 +4,14 @@ Every listener acknowledges first (Slack allows 3 s, and a hypervisor may take l
 answer a single question), using only what needs no hypervisor: the grammar, the
 configuration, the store. The rest runs afterwards in a task the bot keeps a reference
 to, and answers the person with an ephemeral message. Deploys themselves go on the
-core's job queue; their threads are handlers/slack_threads.py. Redelivered commands and
+core's job queue; their threads are handlers/slack/threads.py. Redelivered commands and
 clicks are recognised by Slack's own ids (trigger_id, action_ts, view id), which the core
 stores in the same transaction as the job or the decision they would create.
 
-Approvals, the form and the settings modal are in handlers/slack_interact.py; starting
-the bot (tokens, Socket Mode, HTTP mode) in handlers/slack_serve.py.
+Approvals, the form and the settings modal are in handlers/slack/interact.py, which
+registers its listeners on this bot through the small `interact.Host` protocol (so it
+never imports this module); starting the bot (tokens, Socket Mode, HTTP mode) is in
+handlers/slack/serve.py.
 """
 
 from __future__ import annotations
@@ -41,11 +43,12 @@ from bot.parser import (
     parse,
 )
 from bot.service import Deployer
-from handlers import messages, slack_interact, slack_views
+from handlers import messages
 from handlers.commands import run_command
-from handlers.slack_form import Catalog
-from handlers.slack_threads import SlackThreads
-from handlers.slack_views import mentions
+from handlers.slack import interact, views
+from handlers.slack.form import Catalog
+from handlers.slack.threads import SlackThreads
+from handlers.slack.views import mentions
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +107,7 @@ class SlackBot:
             process_before_response=False,
         )
         self.app.command(self.settings.slack.command)(self.on_command)
-        slack_interact.register(self)
+        interact.register(self)
 
     # --- tasks and answers --------------------------------------------------------
 
@@ -134,8 +137,8 @@ class SlackBot:
             await self.client.chat_postEphemeral(
                 channel=channel,
                 user=user,
-                text=slack_views.fit("\n".join(shown), 3000),
-                blocks=slack_views.answer(shown, monospace=monospace),
+                text=views.fit("\n".join(shown), 3000),
+                blocks=views.answer(shown, monospace=monospace),
             )
         except SlackApiError as exc:
             log.error("could not answer %s in %s: %s", user, channel, exc.response.get("error"))
@@ -161,7 +164,7 @@ class SlackBot:
         text, trigger = str(body.get("text") or ""), str(body.get("trigger_id") or "")
         if not text.strip():
             await ack()
-            self.spawn(slack_interact.open_form(self, trigger, user, channel))
+            self.spawn(interact.open_form(self, trigger, user, channel))
             return
         try:
             command = parse(text)
@@ -171,16 +174,16 @@ class SlackBot:
             problem = str(exc) if isinstance(exc, ValueError) else exc.message
             if isinstance(exc, ValueError):
                 problem = f"SSH key: {problem}."
-            await ack(response_type="ephemeral", text=problem, blocks=slack_views.answer([problem]))
+            await ack(response_type="ephemeral", text=problem, blocks=views.answer([problem]))
             self.spawn(self.deployer.audit(user, "command", problem))
             return
         if isinstance(command, Help):
             lines = messages.HELP.splitlines()
-            await ack(response_type="ephemeral", text=lines[0], blocks=slack_views.answer(lines))
+            await ack(response_type="ephemeral", text=lines[0], blocks=views.answer(lines))
             return
         await ack()
         if isinstance(command, ShowSettings):
-            self.spawn(slack_interact.open_settings(self, trigger, user, channel))
+            self.spawn(interact.open_settings(self, trigger, user, channel))
             return
         mono = isinstance(command, Status | History)
         work = self._run(command, user, channel, f"command:{trigger}")

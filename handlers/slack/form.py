@@ -34,7 +34,7 @@ from bot.requests import build_request
 from bot.service import Deployer
 from bot.settings import Settings
 from handlers import messages
-from handlers.slack_views import fit, option, select
+from handlers.slack.views import fit, option, select
 
 FORM_VIEW = "deploy_form"
 SELECT_MAX = 100
