@@ -8,7 +8,7 @@ from slack_sdk.models.blocks import Block
 
 from backends.base import Template
 from handlers.slack import views
-from handlers.slack.form import Catalog, template_options
+from handlers.slack.catalog import Catalog, template_options
 
 
 @settings(max_examples=200, deadline=None)

@@ -46,7 +46,7 @@ from bot.service import Deployer
 from handlers import messages
 from handlers.commands import run_command
 from handlers.slack import interact, views
-from handlers.slack.form import Catalog
+from handlers.slack.catalog import Catalog
 from handlers.slack.threads import SlackThreads
 from handlers.slack.views import mentions
 

@@ -29,7 +29,8 @@ from bot.service import Deployer
 from bot.settings import Settings
 from handlers import messages
 from handlers.slack import form, views
-from handlers.slack.form import FORM_VIEW, SETTINGS_VIEW, Catalog, Choice
+from handlers.slack.catalog import Catalog, Choice, discover, initial_choice, template_options
+from handlers.slack.form import FORM_VIEW, SETTINGS_VIEW
 
 log = logging.getLogger(__name__)
 FORM_ACTIONS = re.compile(r"^(template|placement|storage)$")
@@ -89,7 +90,7 @@ def register(bot: Host) -> None:
     async def on_template_options(ack: AsyncAck, body: dict[str, Any]) -> None:
         # Answered from what the form already looked up: no hypervisor call before ack.
         query = str(body.get("value") or "")
-        await ack(options=form.template_options(bot.catalog, query))
+        await ack(options=template_options(bot.catalog, query))
 
     async def on_form(ack: AsyncAck, body: dict[str, Any], view: dict[str, Any]) -> None:
         await _submit_form(bot, ack, body, view)
@@ -183,7 +184,7 @@ async def open_form(bot: Host, trigger: str, user: str, channel: str) -> None:
     if opened is None:
         return
     prefs = await bot.deployer.prefs(user)
-    choice = form.initial_choice(bot.settings, prefs)
+    choice = initial_choice(bot.settings, prefs)
     await _show_form(bot, opened["view"], choice, user, meta)
 
 
@@ -194,7 +195,7 @@ async def _refresh_form(bot: Host, body: dict[str, Any], view: dict[str, Any]) -
 
 
 async def _show_form(bot: Host, view: dict[str, Any], choice: Choice, user: str, meta: str) -> None:
-    catalog = await form.discover(bot.deployer, choice)
+    catalog = await discover(bot.deployer, choice)
     bot.catalog = catalog
     prefs = await bot.deployer.prefs(user)
     modal = form.form_view(bot.settings, catalog, choice, prefs, meta)
@@ -264,7 +265,7 @@ async def open_settings(bot: Host, trigger: str, user: str, channel: str) -> Non
     )
     if opened is None:
         return
-    catalog = await form.discover(bot.deployer, Choice())
+    catalog = await discover(bot.deployer, Choice())
     bot.catalog = catalog
     prefs = await bot.deployer.prefs(user)
     view = form.settings_view(catalog, prefs, meta)

@@ -35,6 +35,7 @@ from handlers import messages
 SECTION_MAX = 3000
 OPTION_TEXT_MAX = 75
 MESSAGE_BLOCKS_MAX = 50  # Slack's limit for a message (a modal allows 100)
+SELECT_MAX = 100  # options in a static select
 
 # action_id / callback_id values the app listens for.
 APPROVE = "approve"
@@ -187,7 +188,7 @@ def select(
     return StaticSelectElement(
         action_id=action_id,
         placeholder=placeholder,
-        options=list(options)[:100],
+        options=list(options)[:SELECT_MAX],
         initial_option=chosen,
     )
 
