@@ -48,7 +48,6 @@ from handlers.commands import run_command
 from handlers.slack import interact, views
 from handlers.slack.catalog import Catalog
 from handlers.slack.threads import SlackThreads
-from handlers.slack.views import mentions
 
 log = logging.getLogger(__name__)
 
@@ -131,8 +130,10 @@ class SlackBot:
     async def tell(
         self, channel: str, user: str, lines: Sequence[str], *, monospace: bool = False
     ) -> None:
-        """An ephemeral answer: only `user` sees it, in the channel they typed in."""
-        shown = [mentions(line) for line in lines] or [" "]
+        """An ephemeral answer: only `user` sees it, in the channel they typed in. `lines`
+        are plain text (errors quote what people typed), escaped here before the bot's
+        mentions are added."""
+        shown = [views.mrkdwn(line) for line in lines] or [" "]
         try:
             await self.client.chat_postEphemeral(
                 channel=channel,
@@ -171,15 +172,13 @@ class SlackBot:
             if isinstance(command, SaveKey):
                 check_ssh_key(command.text)  # answered at once: it needs no look-up
         except (UsageError, ValueError) as exc:
-            problem = str(exc) if isinstance(exc, ValueError) else exc.message
-            if isinstance(exc, ValueError):
-                problem = f"SSH key: {problem}."
-            await ack(response_type="ephemeral", text=problem, blocks=views.answer([problem]))
+            problem = exc.message if isinstance(exc, UsageError) else messages.bad_ssh_key(str(exc))
+            await _answer_in_ack(ack, problem, [problem])
             self.spawn(self.deployer.audit(user, "command", problem))
             return
         if isinstance(command, Help):
             lines = messages.HELP.splitlines()
-            await ack(response_type="ephemeral", text=lines[0], blocks=views.answer(lines))
+            await _answer_in_ack(ack, lines[0], lines)
             return
         await ack()
         if isinstance(command, ShowSettings):
@@ -199,8 +198,16 @@ class SlackBot:
                 return [messages.accepted(job)]
             case Approve(job_id):
                 job = await d.approve(job_id, user, dedupe_key=key)
-                return [f"Job {job.id}: {messages.approved(job, messages.mention(user))}"]
+                return [messages.approve_answer(job, user)]  # `tell` adds the mention
             case Reject(job_id, reason):
                 job = await d.reject(job_id, user, reason, dedupe_key=key)
-                return [f"Job {job.id}: rejected; {messages.mention(job.requester)} is told why."]
+                return [messages.slack_reject_answer(job)]
         return await run_command(d, user, command)
+
+
+async def _answer_in_ack(ack: AsyncAck, text: str, lines: Sequence[str]) -> None:
+    """An ephemeral answer inside the ack (`text` is the notification), for what needs
+    no look-up. Both quote what was typed, so they are escaped; no mentions are added,
+    since a user id in them is one the person typed, not one the bot names."""
+    shown = [messages.escape(line) for line in lines]
+    await ack(response_type="ephemeral", text=messages.escape(text), blocks=views.answer(shown))

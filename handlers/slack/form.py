@@ -74,7 +74,7 @@ def form_view(
         )
     blocks.extend(_sizes_and_identity(settings, prefs))
     if catalog.problems:
-        text = fit("Not every backend answered: " + "; ".join(catalog.problems), 3000)
+        text = fit(messages.backends_not_answering(catalog.problems), 3000)
         blocks.append(ContextBlock(elements=[MarkdownTextObject(text=text)]))
     return View(
         type="modal",

@@ -228,13 +228,9 @@ async def _held(bot: Host, args: DeployArgs, view: dict[str, Any]) -> dict[str, 
     errors: dict[str, str] = {}
     for job in await bot.deployer.store.jobs_in(ACTIVE_STATES):
         if job.name == args.name.lower():
-            errors[ids.get("name", "name")] = (
-                f"{job.name} is already being deployed by job {job.id}: pick another name."
-            )
+            errors[ids.get("name", "name")] = messages.name_in_flight(job.name, job.id)
         if job.address == (args.address or "").split("/")[0]:
-            errors[ids.get("address", "address")] = (
-                f"{job.address} is already taken by job {job.id}: pick another address."
-            )
+            errors[ids.get("address", "address")] = messages.address_in_flight(job.address, job.id)
     return errors
 
 

@@ -56,6 +56,7 @@ class JobThread:
 
     @property
     def headline(self) -> str:
+        """Mrkdwn: the job's name and place come from the request, so they are escaped."""
         return messages.slack_headline(self.job, self.step)
 
     def pending(self) -> bool:
@@ -106,7 +107,7 @@ class ApprovalCard:
     channel: str
     deployer: Deployer
     ts: str | None = None
-    outcome: str | None = None
+    outcome: str | None = None  # mrkdwn: the decision that replaces the buttons
     shown: str | None = None
     dead: bool = False
 
@@ -117,7 +118,7 @@ class ApprovalCard:
         outcome = self.outcome
         if outcome is None:
             blocks = views.approval_request(self.job)
-            text = f"Approval needed: {self.job.name} {self.job.address} (job {self.job.id})"
+            text = views.mrkdwn(messages.approval_needed(self.job))
         else:
             blocks = views.approval_decided(self.job, outcome)
             text = outcome
@@ -164,7 +165,7 @@ class SlackThreads:
         if card is not None and card.outcome is None:
             pending = approval is None or approval.state is ApprovalState.PENDING
             if job.state is JobState.CANCELLED and pending:
-                card.outcome = views.mentions(messages.approval_cancelled(note))
+                card.outcome = views.mrkdwn(messages.approval_cancelled(note))
             else:
                 card.outcome = messages.approval_outcome(job, approval)
             card.job = job
@@ -193,9 +194,10 @@ class SlackThreads:
     # --- machinery ----------------------------------------------------------------
 
     def _say(self, job: Job, text: str) -> None:
+        """Add a plain-text line (it may quote a reason or a backend's error) to the thread."""
         thread = self._thread(job)
         if thread is not None:
-            thread.lines.append(views.mentions(text))
+            thread.lines.append(views.mrkdwn(text))
             self.outboxes.touch(thread)
 
     def _thread(self, job: Job) -> JobThread | None:

@@ -51,6 +51,13 @@ def mentions(text: str) -> str:
     return _USER_ID.sub(r"<@\1>", text)
 
 
+def mrkdwn(text: str) -> str:
+    """Plain text (the core's words, messages.py's plain texts, and whatever a person
+    typed inside them) as mrkdwn: escaped first, so `<!channel>` or `<@U123|x>` typed by
+    someone shows as typed, and only then the bot's own mentions are added."""
+    return mentions(messages.escape(text))
+
+
 def fit(text: str, limit: int) -> str:
     """Cut text to `limit` characters, marking the cut."""
     return text if len(text) <= limit else text[: limit - 1] + "…"
@@ -89,7 +96,7 @@ def lines_blocks(lines: Sequence[str], *, monospace: bool = False) -> list[Block
 
 
 def answer(lines: Sequence[str], *, monospace: bool = False) -> list[dict[str, Any]]:
-    """An ephemeral answer as validated block dicts."""
+    """An ephemeral answer as validated block dicts; `lines` are mrkdwn already."""
     return dicts(lines_blocks(lines, monospace=monospace))
 
 
@@ -101,7 +108,8 @@ def dicts(blocks: Sequence[Block]) -> list[dict[str, Any]]:
 
 
 def parent(job: Job, headline: str) -> list[dict[str, Any]]:
-    """The channel message that stands for one deploy; `chat.update` keeps it current."""
+    """The channel message that stands for one deploy; `chat.update` keeps it current.
+    `headline` is mrkdwn already (messages.slack_headline)."""
     context = f"job {job.id} · requested by {messages.mention(job.requester)}"
     return dicts(
         [
@@ -152,7 +160,7 @@ def reject_modal(job_id: str, metadata: dict[str, str]) -> View:
         close="Cancel",
         private_metadata=json.dumps({**metadata, "job_id": job_id}),
         blocks=[
-            SectionBlock(text=MarkdownTextObject(text=f"Reject job {job_id}?")),
+            SectionBlock(text=MarkdownTextObject(text=messages.reject_question(job_id))),
             reason,
         ],
     )
