@@ -55,10 +55,10 @@ async def run_command(deployer: Deployer, user: str, command: Command) -> list[s
             return messages.templates(await deployer.templates())
         case Approve(job_id):
             job = await deployer.approve(job_id, user)
-            return [f"Job {job.id}: {messages.approved(job, user)}"]
+            return [messages.approve_answer(job, user)]
         case Reject(job_id, reason):
             job = await deployer.reject(job_id, user, reason)
-            return [f"Job {job.id}: rejected; {job.requester} has been told why."]
+            return [messages.reject_answer(job)]
         case SaveKey(text):
             return [messages.key_saved(await deployer.save_ssh_key(user, text))]
         case ShowSettings():

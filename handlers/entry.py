@@ -105,13 +105,13 @@ async def gc_command(args: argparse.Namespace, settings: Settings) -> int:
 
 
 async def serve(args: argparse.Namespace, settings: Settings) -> int:
-    from handlers.slack_serve import serve as serve_slack  # Bolt loads only when needed
+    from handlers.slack.serve import serve as serve_slack  # Bolt loads only when needed
 
     return await serve_slack(settings, http=args.http, environ=os.environ)
 
 
 async def manifest(args: argparse.Namespace, settings: Settings) -> int:
-    from handlers.slack_manifest import COMMAND_RE, manifest_yaml
+    from handlers.slack.manifest import COMMAND_RE, manifest_yaml
 
     command = args.slash_command or settings.slack.command
     if not COMMAND_RE.match(command):

@@ -104,6 +104,14 @@ def approved(job: Job, approver: str) -> str:
     return f"approved by {approver}; queued."
 
 
+def approve_answer(job: Job, approver: str) -> str:
+    return f"Job {job.id}: {approved(job, approver)}"
+
+
+def reject_answer(job: Job) -> str:
+    return f"Job {job.id}: rejected; {job.requester} has been told why."
+
+
 def accepted(job: Job) -> str:
     if job.state is JobState.AWAITING_APPROVAL:
         return (
@@ -230,6 +238,13 @@ def switched_user(user: str) -> str:
 
 # --- Slack ------------------------------------------------------------------------
 # Slack renders `<@U123>` as the person's name and `<!date^...>` in the reader's time zone.
+# In Slack's mrkdwn `&`, `<` and `>` are markup: `<!channel>` pings everyone, `<@U123>`
+# pings someone and `<https://x|y>` is a link. So text the bot did not write (a reason,
+# a template name, an error that quotes what someone typed) is escaped before the bot
+# adds its own markup. The functions below that add markup (mention, slack_time, bold)
+# escape what they embed and return mrkdwn; the other texts here are plain, and the
+# Slack front end escapes each as a whole (handlers/slack/views.mrkdwn) before turning
+# the user ids in it into mentions.
 
 FULL_COPY = "full copy: minutes, not seconds"
 LINKED_CLONE = "fast linked clone: seconds"
@@ -263,6 +278,11 @@ FORM_HINTS = {
 TEMPLATES_OVERFLOW = "There are {count} templates: type part of a name to find one."
 
 
+def escape(text: str) -> str:
+    """Plain text as mrkdwn that shows it as is (`&` first, or it would be escaped twice)."""
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
 def mention(user: str) -> str:
     return f"<@{user}>"
 
@@ -273,7 +293,14 @@ def slack_time(moment: datetime) -> str:
 
 
 def clone_mode(linked: bool, reason: str) -> str:
-    return f"{LINKED_CLONE} ({reason})" if linked else f"*{FULL_COPY}* ({reason})"
+    """Mrkdwn: the backend's reason may name storage the person chose."""
+    why = escape(reason)
+    return f"{LINKED_CLONE} ({why})" if linked else f"*{FULL_COPY}* ({why})"
+
+
+def backends_not_answering(problems: Sequence[str]) -> str:
+    """Mrkdwn, under the form: the backends' own words, which may quote names."""
+    return escape("Not every backend answered: " + "; ".join(problems))
 
 
 def storage_option(name: str, free_bytes: int) -> str:
@@ -288,7 +315,7 @@ def slack_thread_update(job: Job, note: str, approval: Approval | None) -> str:
             f"Cancel with `/deploy cancel {job.id}`."
         )
     if approval is not None and approval.decided_by and job.state is JobState.QUEUED:
-        return approved(job, mention(approval.decided_by))
+        return approved(job, approval.decided_by)  # plain: the front end adds the mention
     return job_update(job, note)
 
 
@@ -297,30 +324,40 @@ def slack_finished(job: Job, rollback: RollbackReport | None) -> str:
     return "\n".join(f"`{ln.strip()}`" if ln.startswith("    ") else ln for ln in lines)
 
 
+def approval_needed(job: Job) -> str:
+    """The approval card's notification text (plain)."""
+    return f"Approval needed: {job.name} {job.address} (job {job.id})"
+
+
 def approval_summary(job: Job) -> str:
+    """Mrkdwn: the request on the approval card, every value from it escaped."""
     req = job.request
     where = f"{job.backend}/{req.placement}" if req.placement else job.backend
-    return (
-        f"*{mention(job.requester)} asks to deploy {job.name} {job.address}* on {where}\n"
+    asks = escape(f"asks to deploy {job.name} {job.address}")
+    details = escape(
         f"template {req.template}, {req.cores} cores, {req.memory_mib} MiB memory, "
         f"disk +{req.disk_grow_gib} GiB, login {req.user}\n"
         f"Needs approval because {job.approval_reason}. Job {job.id}."
     )
+    return f"*{mention(job.requester)} {asks}* on {escape(where)}\n{details}"
 
 
 def approval_outcome(job: Job, approval: Approval | None) -> str:
-    """What replaces the Approve / Reject buttons once the request is decided."""
+    """Mrkdwn: what replaces the Approve / Reject buttons once the request is decided;
+    the approver's reason is escaped, so `<!channel>` in it pings nobody."""
     if approval is None or approval.state is ApprovalState.PENDING:
         return f"{STATE_LABELS[job.state].capitalize()}: no decision was needed any more."
     at = slack_time(approval.decided_at) if approval.decided_at else "an unknown time"
     if approval.state is ApprovalState.APPROVED and approval.decided_by:
         return f":white_check_mark: Approved by {mention(approval.decided_by)} at {at}"
     if approval.state is ApprovalState.REJECTED and approval.decided_by:
-        return f":x: Rejected by {mention(approval.decided_by)}: {approval.note or 'no reason'}"
+        reason = escape(approval.note) if approval.note else "no reason"
+        return f":x: Rejected by {mention(approval.decided_by)}: {reason}"
     return f":hourglass: Expired at {at}: nobody approved it in time."
 
 
 def approval_cancelled(note: str) -> str:
+    """Plain: the core's note names the canceller by id, made a mention by the front end."""
     said = note[:1].upper() + note[1:] if note else "Cancelled"
     return f":no_entry_sign: {said} before a decision."
 
@@ -354,6 +391,28 @@ def reason_required() -> str:
     return "Say why, so the requester can fix the request."
 
 
+def reject_question(job_id: str) -> str:
+    """Mrkdwn, atop the modal that asks for the reason."""
+    return f"Reject job {escape(job_id)}?"
+
+
+def slack_reject_answer(job: Job) -> str:
+    """Plain; Slack shows the requester's id as a mention."""
+    return f"Job {job.id}: rejected; {job.requester} is told why."
+
+
+def bad_ssh_key(problem: str) -> str:
+    return f"SSH key: {problem}."
+
+
+def name_in_flight(name: str, job_id: str) -> str:
+    return f"{name} is already being deployed by job {job_id}: pick another name."
+
+
+def address_in_flight(address: str, job_id: str) -> str:
+    return f"{address} is already taken by job {job_id}: pick another address."
+
+
 def token_missing(variable: str, what: str) -> str:
     return (
         f"{variable} is not set: put the {what} in the environment (see README, Slack "
@@ -381,8 +440,8 @@ def bad_http_address(text: str) -> str:
 
 
 def slack_headline(job: Job, step: str | None) -> str:
-    """The parent message: the headline, plus the step while a deploy runs."""
-    text = headline(job)
+    """Mrkdwn: the parent message, the headline plus the step while a deploy runs."""
+    text = escape(headline(job))
     return f"{text} ({step_label(step)})" if step and job.state is JobState.RUNNING else text
 
 

@@ -25,8 +25,8 @@ from backends.base import Backend
 from backends.sim import SimBackend
 from bot.runtime import running_deployer
 from bot.service import Deployer
-from handlers.slack import SlackBot, make_client
-from handlers.slack_threads import SlackThreads
+from handlers.slack.app import SlackBot, make_client
+from handlers.slack.threads import SlackThreads
 from tests.conftest import SIM_SCALE, make_settings
 from tests.fake_slack import Call, FakeSlack
 from tests.reference import reference_json

@@ -7,15 +7,15 @@ from hypothesis import strategies as st
 from slack_sdk.models.blocks import Block
 
 from backends.base import Template
-from handlers import slack_views
-from handlers.slack_form import Catalog, template_options
+from handlers.slack import views
+from handlers.slack.catalog import Catalog, template_options
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.text(max_size=4000), max_size=30), st.booleans())
 def test_any_answer_fits_slacks_limits(lines: list[str], monospace: bool) -> None:
-    blocks = slack_views.answer(lines, monospace=monospace)
-    assert 1 <= len(blocks) <= slack_views.MESSAGE_BLOCKS_MAX
+    blocks = views.answer(lines, monospace=monospace)
+    assert 1 <= len(blocks) <= views.MESSAGE_BLOCKS_MAX
     for block in blocks:
         assert len(block["text"]["text"]) <= 3000
         parsed = Block.parse(block)
@@ -25,7 +25,7 @@ def test_any_answer_fits_slacks_limits(lines: list[str], monospace: bool) -> Non
 
 def test_a_short_answer_keeps_every_line() -> None:
     lines = [f"line {n}" for n in range(500)]
-    text = "\n".join(b["text"]["text"] for b in slack_views.answer(lines))
+    text = "\n".join(b["text"]["text"] for b in views.answer(lines))
     assert text.splitlines() == lines
 
 

@@ -9,7 +9,7 @@ import pytest
 from slack_sdk.errors import SlackApiError
 from slack_sdk.web.async_client import AsyncWebClient
 
-from handlers.slack import make_client
+from handlers.slack.app import make_client
 from tests.fake_slack import FakeSlack
 from tests.reference import reference_json
 from tests.slack_support import BOT_TOKEN, CHANNEL, directory

@@ -15,7 +15,7 @@ import jsonschema
 import pytest
 import yaml
 
-from handlers.slack_serve import run_http
+from handlers.slack.serve import run_http
 from tests.fake_slack import FakeSlack
 from tests.reference import reference_json
 from tests.slack_support import (

@@ -3,6 +3,10 @@
 Same rule as the command: acknowledge first, with only what needs no hypervisor (the
 form's field errors come from the configuration), then do the work in a kept task. The
 core decides approvals; the buttons only ask it.
+
+Everything here works on a `Host`: the few things of the bot (handlers/slack/app.py)
+these listeners use. `SlackBot` is one; naming only these keeps this module from
+importing app.py, which imports this one to register the listeners.
 """
 
 from __future__ import annotations
@@ -10,25 +14,55 @@ from __future__ import annotations
 import json
 import logging
 import re
-from typing import TYPE_CHECKING, Any
+from collections.abc import Coroutine, Sequence
+from typing import Any, Protocol
 
+from slack_bolt.async_app import AsyncApp
 from slack_bolt.context.ack.async_ack import AsyncAck
 from slack_sdk.errors import SlackApiError
+from slack_sdk.web.async_client import AsyncWebClient
 
 from bot.errors import DeployBotError, Duplicate
 from bot.models import ACTIVE_STATES
 from bot.parser import DeployArgs
-from handlers import messages, slack_form, slack_views
-from handlers.slack_form import FORM_VIEW, SETTINGS_VIEW, Choice
-
-if TYPE_CHECKING:
-    from handlers.slack import SlackBot
+from bot.service import Deployer
+from bot.settings import Settings
+from handlers import messages
+from handlers.slack import form, views
+from handlers.slack.catalog import Catalog, Choice, discover, initial_choice, template_options
+from handlers.slack.form import FORM_VIEW, SETTINGS_VIEW
 
 log = logging.getLogger(__name__)
 FORM_ACTIONS = re.compile(r"^(template|placement|storage)$")
 
 
-def register(bot: SlackBot) -> None:
+class Host(Protocol):
+    """What the listeners need of the bot that registers them."""
+
+    app: AsyncApp
+    deployer: Deployer
+    settings: Settings
+    client: AsyncWebClient
+    catalog: Catalog  # the last look-up of templates, kept for external_select
+
+    def spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run `work` after the ack, in a task the host keeps until it is done."""
+        ...
+
+    async def tell(
+        self, channel: str, user: str, lines: Sequence[str], *, monospace: bool = False
+    ) -> None:
+        """An ephemeral answer to `user`."""
+        ...
+
+    async def answering(
+        self, channel: str, user: str, work: Coroutine[Any, Any, list[str]], *, mono: bool = False
+    ) -> None:
+        """Run `work` and tell the user its lines, or what went wrong."""
+        ...
+
+
+def register(bot: Host) -> None:
     app = bot.app
 
     async def on_approve(ack: AsyncAck, body: dict[str, Any]) -> None:
@@ -40,7 +74,7 @@ def register(bot: SlackBot) -> None:
         bot.spawn(_ask_reason(bot, body))
 
     async def on_reason(ack: AsyncAck, body: dict[str, Any], view: dict[str, Any]) -> None:
-        reason = slack_form.value(slack_form.state_values(view).get("reason"))
+        reason = form.value(form.state_values(view).get("reason"))
         if not reason:
             await ack(response_action="errors", errors={"reason": messages.reason_required()})
             return
@@ -56,22 +90,22 @@ def register(bot: SlackBot) -> None:
     async def on_template_options(ack: AsyncAck, body: dict[str, Any]) -> None:
         # Answered from what the form already looked up: no hypervisor call before ack.
         query = str(body.get("value") or "")
-        await ack(options=slack_form.template_options(bot.catalog, query))
+        await ack(options=template_options(bot.catalog, query))
 
     async def on_form(ack: AsyncAck, body: dict[str, Any], view: dict[str, Any]) -> None:
         await _submit_form(bot, ack, body, view)
 
     async def on_settings(ack: AsyncAck, body: dict[str, Any], view: dict[str, Any]) -> None:
-        keys, template, errors = slack_form.read_settings(view)
+        keys, template, errors = form.read_settings(view)
         if errors:
             await ack(response_action="errors", errors=errors)
             return
         await ack()
         bot.spawn(_save_settings(bot, body, view, keys, template))
 
-    app.action(slack_views.APPROVE)(on_approve)
-    app.action(slack_views.REJECT)(on_reject)
-    app.view(slack_views.REJECT_VIEW)(on_reason)
+    app.action(views.APPROVE)(on_approve)
+    app.action(views.REJECT)(on_reject)
+    app.view(views.REJECT_VIEW)(on_reason)
     app.action(FORM_ACTIONS)(on_form_change)
     app.options("template")(on_template_options)
     app.view(FORM_VIEW)(on_form)
@@ -89,7 +123,7 @@ def _click(body: dict[str, Any]) -> tuple[str, str, str, str]:
     return str(action["value"]), user, channel, f"click:{action['action_ts']}:{user}"
 
 
-async def _approve(bot: SlackBot, body: dict[str, Any]) -> None:
+async def _approve(bot: Host, body: dict[str, Any]) -> None:
     job_id, user, channel, key = _click(body)
     try:
         await bot.deployer.approve(job_id, user, dedupe_key=key)
@@ -99,7 +133,7 @@ async def _approve(bot: SlackBot, body: dict[str, Any]) -> None:
         await bot.tell(channel, user, [exc.message])
 
 
-async def _ask_reason(bot: SlackBot, body: dict[str, Any]) -> None:
+async def _ask_reason(bot: Host, body: dict[str, Any]) -> None:
     """Refuse at once whoever may not decide; otherwise ask for the reason in a modal."""
     job_id, user, channel, _key = _click(body)
     try:
@@ -107,11 +141,11 @@ async def _ask_reason(bot: SlackBot, body: dict[str, Any]) -> None:
     except DeployBotError as exc:
         await bot.tell(channel, user, [exc.message])
         return
-    modal = slack_views.reject_modal(job_id, {"channel": channel})
+    modal = views.reject_modal(job_id, {"channel": channel})
     await bot.client.views_open(trigger_id=str(body["trigger_id"]), view=modal)
 
 
-async def _reject(bot: SlackBot, body: dict[str, Any], view: dict[str, Any], reason: str) -> None:
+async def _reject(bot: Host, body: dict[str, Any], view: dict[str, Any], reason: str) -> None:
     meta = json.loads(view.get("private_metadata") or "{}")
     user = str(body["user"]["id"])
     try:
@@ -128,12 +162,12 @@ async def _reject(bot: SlackBot, body: dict[str, Any], view: dict[str, Any], rea
 
 
 async def _open_loading(
-    bot: SlackBot, trigger: str, user: str, channel: str, callback_id: str, title: str
+    bot: Host, trigger: str, user: str, channel: str, callback_id: str, title: str
 ) -> Any | None:
     """Open a "loading" modal at once (trigger ids expire in 3 s and work once); the
     caller fills it with views.update. None, with the user told, when Slack refused."""
-    meta = slack_form.metadata(channel)
-    loading = slack_views.loading_modal(callback_id, title, meta)
+    meta = form.metadata(channel)
+    loading = views.loading_modal(callback_id, title, meta)
     try:
         opened = await bot.client.views_open(trigger_id=trigger, view=loading)
     except SlackApiError as exc:
@@ -143,42 +177,40 @@ async def _open_loading(
     return opened
 
 
-async def open_form(bot: SlackBot, trigger: str, user: str, channel: str) -> None:
+async def open_form(bot: Host, trigger: str, user: str, channel: str) -> None:
     """Open at once (trigger ids expire in 3 s), then fill in what the backends offer."""
-    meta = slack_form.metadata(channel)
+    meta = form.metadata(channel)
     opened = await _open_loading(bot, trigger, user, channel, FORM_VIEW, messages.FORM_TITLE)
     if opened is None:
         return
     prefs = await bot.deployer.prefs(user)
-    choice = slack_form.initial_choice(bot.settings, prefs)
+    choice = initial_choice(bot.settings, prefs)
     await _show_form(bot, opened["view"], choice, user, meta)
 
 
-async def _refresh_form(bot: SlackBot, body: dict[str, Any], view: dict[str, Any]) -> None:
+async def _refresh_form(bot: Host, body: dict[str, Any], view: dict[str, Any]) -> None:
     """A template, place or storage was chosen: update storage, networks, clone mode."""
     user = str(body["user"]["id"])
-    await _show_form(bot, view, slack_form.choice_of(view), user, view["private_metadata"])
+    await _show_form(bot, view, form.choice_of(view), user, view["private_metadata"])
 
 
-async def _show_form(
-    bot: SlackBot, view: dict[str, Any], choice: Choice, user: str, meta: str
-) -> None:
-    catalog = await slack_form.discover(bot.deployer, choice)
+async def _show_form(bot: Host, view: dict[str, Any], choice: Choice, user: str, meta: str) -> None:
+    catalog = await discover(bot.deployer, choice)
     bot.catalog = catalog
     prefs = await bot.deployer.prefs(user)
-    form = slack_form.form_view(bot.settings, catalog, choice, prefs, meta)
+    modal = form.form_view(bot.settings, catalog, choice, prefs, meta)
     try:
-        await bot.client.views_update(view_id=view["id"], hash=view.get("hash"), view=form)
+        await bot.client.views_update(view_id=view["id"], hash=view.get("hash"), view=modal)
     except SlackApiError as exc:
         # hash_conflict: the person changed something meanwhile; that update wins.
         log.info("views.update skipped: %s", exc.response.get("error"))
 
 
 async def _submit_form(
-    bot: SlackBot, ack: AsyncAck, body: dict[str, Any], view: dict[str, Any]
+    bot: Host, ack: AsyncAck, body: dict[str, Any], view: dict[str, Any]
 ) -> None:
     user = str(body["user"]["id"])
-    result = slack_form.read_form(view, bot.settings, user)
+    result = form.read_form(view, bot.settings, user)
     if result.args is not None:
         result.errors.update(await _held(bot, result.args, view))
     if result.errors or result.args is None:
@@ -190,24 +222,20 @@ async def _submit_form(
     bot.spawn(_deploy_from_form(bot, result.args, result.keys, user, channel, str(view["id"])))
 
 
-async def _held(bot: SlackBot, args: DeployArgs, view: dict[str, Any]) -> dict[str, str]:
+async def _held(bot: Host, args: DeployArgs, view: dict[str, Any]) -> dict[str, str]:
     """Name or address held by a job in flight: a store read, answered inside the ack."""
-    ids = slack_form.block_ids(view)
+    ids = form.block_ids(view)
     errors: dict[str, str] = {}
     for job in await bot.deployer.store.jobs_in(ACTIVE_STATES):
         if job.name == args.name.lower():
-            errors[ids.get("name", "name")] = (
-                f"{job.name} is already being deployed by job {job.id}: pick another name."
-            )
+            errors[ids.get("name", "name")] = messages.name_in_flight(job.name, job.id)
         if job.address == (args.address or "").split("/")[0]:
-            errors[ids.get("address", "address")] = (
-                f"{job.address} is already taken by job {job.id}: pick another address."
-            )
+            errors[ids.get("address", "address")] = messages.address_in_flight(job.address, job.id)
     return errors
 
 
 async def _deploy_from_form(
-    bot: SlackBot, args: DeployArgs, keys: tuple[str, ...], user: str, channel: str, view_id: str
+    bot: Host, args: DeployArgs, keys: tuple[str, ...], user: str, channel: str, view_id: str
 ) -> None:
     async def work() -> list[str]:
         job = await bot.deployer.request_deploy(
@@ -226,24 +254,24 @@ async def _deploy_from_form(
 # --- the settings modal ---------------------------------------------------------------
 
 
-async def open_settings(bot: SlackBot, trigger: str, user: str, channel: str) -> None:
-    meta = slack_form.metadata(channel)
+async def open_settings(bot: Host, trigger: str, user: str, channel: str) -> None:
+    meta = form.metadata(channel)
     opened = await _open_loading(
         bot, trigger, user, channel, SETTINGS_VIEW, messages.SETTINGS_TITLE
     )
     if opened is None:
         return
-    catalog = await slack_form.discover(bot.deployer, Choice())
+    catalog = await discover(bot.deployer, Choice())
     bot.catalog = catalog
     prefs = await bot.deployer.prefs(user)
-    view = slack_form.settings_view(catalog, prefs, meta)
+    view = form.settings_view(catalog, prefs, meta)
     await bot.client.views_update(
         view_id=opened["view"]["id"], hash=opened["view"].get("hash"), view=view
     )
 
 
 async def _save_settings(
-    bot: SlackBot,
+    bot: Host,
     body: dict[str, Any],
     view: dict[str, Any],
     keys: tuple[str, ...],

@@ -35,6 +35,7 @@ from handlers import messages
 SECTION_MAX = 3000
 OPTION_TEXT_MAX = 75
 MESSAGE_BLOCKS_MAX = 50  # Slack's limit for a message (a modal allows 100)
+SELECT_MAX = 100  # options in a static select
 
 # action_id / callback_id values the app listens for.
 APPROVE = "approve"
@@ -48,6 +49,13 @@ _USER_ID = re.compile(r"(?<![<@\w])([UW][A-Z0-9]{8,})\b")
 def mentions(text: str) -> str:
     """Show Slack user ids in core messages as mentions, which Slack renders as names."""
     return _USER_ID.sub(r"<@\1>", text)
+
+
+def mrkdwn(text: str) -> str:
+    """Plain text (the core's words, messages.py's plain texts, and whatever a person
+    typed inside them) as mrkdwn: escaped first, so `<!channel>` or `<@U123|x>` typed by
+    someone shows as typed, and only then the bot's own mentions are added."""
+    return mentions(messages.escape(text))
 
 
 def fit(text: str, limit: int) -> str:
@@ -88,7 +96,7 @@ def lines_blocks(lines: Sequence[str], *, monospace: bool = False) -> list[Block
 
 
 def answer(lines: Sequence[str], *, monospace: bool = False) -> list[dict[str, Any]]:
-    """An ephemeral answer as validated block dicts."""
+    """An ephemeral answer as validated block dicts; `lines` are mrkdwn already."""
     return dicts(lines_blocks(lines, monospace=monospace))
 
 
@@ -100,7 +108,8 @@ def dicts(blocks: Sequence[Block]) -> list[dict[str, Any]]:
 
 
 def parent(job: Job, headline: str) -> list[dict[str, Any]]:
-    """The channel message that stands for one deploy; `chat.update` keeps it current."""
+    """The channel message that stands for one deploy; `chat.update` keeps it current.
+    `headline` is mrkdwn already (messages.slack_headline)."""
     context = f"job {job.id} · requested by {messages.mention(job.requester)}"
     return dicts(
         [
@@ -151,7 +160,7 @@ def reject_modal(job_id: str, metadata: dict[str, str]) -> View:
         close="Cancel",
         private_metadata=json.dumps({**metadata, "job_id": job_id}),
         blocks=[
-            SectionBlock(text=MarkdownTextObject(text=f"Reject job {job_id}?")),
+            SectionBlock(text=MarkdownTextObject(text=messages.reject_question(job_id))),
             reason,
         ],
     )
@@ -187,7 +196,7 @@ def select(
     return StaticSelectElement(
         action_id=action_id,
         placeholder=placeholder,
-        options=list(options)[:100],
+        options=list(options)[:SELECT_MAX],
         initial_option=chosen,
     )
 

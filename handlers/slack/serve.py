@@ -24,8 +24,8 @@ from bot.parser import is_whole
 from bot.runtime import running_deployer
 from bot.settings import Settings, SlackSettings
 from handlers import messages
-from handlers.slack import SlackBot, make_client
-from handlers.slack_threads import SlackThreads
+from handlers.slack.app import SlackBot, make_client
+from handlers.slack.threads import SlackThreads
 
 _BOT_TOKEN = re.compile(r"^xoxb-[A-Za-z0-9-]{10,}$")
 _APP_TOKEN = re.compile(r"^xapp-[A-Za-z0-9-]{10,}$")

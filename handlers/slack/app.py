@@ -4,12 +4,14 @@ Every listener acknowledges first (Slack allows 3 s, and a hypervisor may take l
 answer a single question), using only what needs no hypervisor: the grammar, the
 configuration, the store. The rest runs afterwards in a task the bot keeps a reference
 to, and answers the person with an ephemeral message. Deploys themselves go on the
-core's job queue; their threads are handlers/slack_threads.py. Redelivered commands and
+core's job queue; their threads are handlers/slack/threads.py. Redelivered commands and
 clicks are recognised by Slack's own ids (trigger_id, action_ts, view id), which the core
 stores in the same transaction as the job or the decision they would create.
 
-Approvals, the form and the settings modal are in handlers/slack_interact.py; starting
-the bot (tokens, Socket Mode, HTTP mode) in handlers/slack_serve.py.
+Approvals, the form and the settings modal are in handlers/slack/interact.py, which
+registers its listeners on this bot through the small `interact.Host` protocol (so it
+never imports this module); starting the bot (tokens, Socket Mode, HTTP mode) is in
+handlers/slack/serve.py.
 """
 
 from __future__ import annotations
@@ -41,11 +43,11 @@ from bot.parser import (
     parse,
 )
 from bot.service import Deployer
-from handlers import messages, slack_interact, slack_views
+from handlers import messages
 from handlers.commands import run_command
-from handlers.slack_form import Catalog
-from handlers.slack_threads import SlackThreads
-from handlers.slack_views import mentions
+from handlers.slack import interact, views
+from handlers.slack.catalog import Catalog
+from handlers.slack.threads import SlackThreads
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +106,7 @@ class SlackBot:
             process_before_response=False,
         )
         self.app.command(self.settings.slack.command)(self.on_command)
-        slack_interact.register(self)
+        interact.register(self)
 
     # --- tasks and answers --------------------------------------------------------
 
@@ -128,14 +130,16 @@ class SlackBot:
     async def tell(
         self, channel: str, user: str, lines: Sequence[str], *, monospace: bool = False
     ) -> None:
-        """An ephemeral answer: only `user` sees it, in the channel they typed in."""
-        shown = [mentions(line) for line in lines] or [" "]
+        """An ephemeral answer: only `user` sees it, in the channel they typed in. `lines`
+        are plain text (errors quote what people typed), escaped here before the bot's
+        mentions are added."""
+        shown = [views.mrkdwn(line) for line in lines] or [" "]
         try:
             await self.client.chat_postEphemeral(
                 channel=channel,
                 user=user,
-                text=slack_views.fit("\n".join(shown), 3000),
-                blocks=slack_views.answer(shown, monospace=monospace),
+                text=views.fit("\n".join(shown), 3000),
+                blocks=views.answer(shown, monospace=monospace),
             )
         except SlackApiError as exc:
             log.error("could not answer %s in %s: %s", user, channel, exc.response.get("error"))
@@ -161,26 +165,24 @@ class SlackBot:
         text, trigger = str(body.get("text") or ""), str(body.get("trigger_id") or "")
         if not text.strip():
             await ack()
-            self.spawn(slack_interact.open_form(self, trigger, user, channel))
+            self.spawn(interact.open_form(self, trigger, user, channel))
             return
         try:
             command = parse(text)
             if isinstance(command, SaveKey):
                 check_ssh_key(command.text)  # answered at once: it needs no look-up
         except (UsageError, ValueError) as exc:
-            problem = str(exc) if isinstance(exc, ValueError) else exc.message
-            if isinstance(exc, ValueError):
-                problem = f"SSH key: {problem}."
-            await ack(response_type="ephemeral", text=problem, blocks=slack_views.answer([problem]))
+            problem = exc.message if isinstance(exc, UsageError) else messages.bad_ssh_key(str(exc))
+            await _answer_in_ack(ack, problem, [problem])
             self.spawn(self.deployer.audit(user, "command", problem))
             return
         if isinstance(command, Help):
             lines = messages.HELP.splitlines()
-            await ack(response_type="ephemeral", text=lines[0], blocks=slack_views.answer(lines))
+            await _answer_in_ack(ack, lines[0], lines)
             return
         await ack()
         if isinstance(command, ShowSettings):
-            self.spawn(slack_interact.open_settings(self, trigger, user, channel))
+            self.spawn(interact.open_settings(self, trigger, user, channel))
             return
         mono = isinstance(command, Status | History)
         work = self._run(command, user, channel, f"command:{trigger}")
@@ -196,8 +198,16 @@ class SlackBot:
                 return [messages.accepted(job)]
             case Approve(job_id):
                 job = await d.approve(job_id, user, dedupe_key=key)
-                return [f"Job {job.id}: {messages.approved(job, messages.mention(user))}"]
+                return [messages.approve_answer(job, user)]  # `tell` adds the mention
             case Reject(job_id, reason):
                 job = await d.reject(job_id, user, reason, dedupe_key=key)
-                return [f"Job {job.id}: rejected; {messages.mention(job.requester)} is told why."]
+                return [messages.slack_reject_answer(job)]
         return await run_command(d, user, command)
+
+
+async def _answer_in_ack(ack: AsyncAck, text: str, lines: Sequence[str]) -> None:
+    """An ephemeral answer inside the ack (`text` is the notification), for what needs
+    no look-up. Both quote what was typed, so they are escaped; no mentions are added,
+    since a user id in them is one the person typed, not one the bot names."""
+    shown = [messages.escape(line) for line in lines]
+    await ack(response_type="ephemeral", text=messages.escape(text), blocks=views.answer(shown))

@@ -7,7 +7,7 @@ what the rollback did. A request that needs approval also gets a card with Appro
 Reject buttons in the approvals channel, replaced by the decision once there is one.
 
 Nothing here calls Slack directly: each thread and card only records what is still to
-be said and hands itself to the channel's outbox (handlers/slack_outbox.py), which
+be said and hands itself to the channel's outbox (handlers/slack/outbox.py), which
 paces and coalesces the calls. Where a thread lives is kept on the job (`thread_ref`,
 `approval_ref`), so after a restart the bot keeps updating the same messages.
 """
@@ -22,8 +22,9 @@ from slack_sdk.web.async_client import AsyncWebClient
 from bot.models import ApprovalState, Job, JobState, RollbackReport
 from bot.service import Deployer
 from bot.settings import SlackSettings
-from handlers import messages, slack_views
-from handlers.slack_outbox import Outboxes
+from handlers import messages
+from handlers.slack import views
+from handlers.slack.outbox import Outboxes
 
 log = logging.getLogger(__name__)
 REPLY_MAX = 3500  # characters per coalesced thread reply
@@ -55,6 +56,7 @@ class JobThread:
 
     @property
     def headline(self) -> str:
+        """Mrkdwn: the job's name and place come from the request, so they are escaped."""
         return messages.slack_headline(self.job, self.step)
 
     def pending(self) -> bool:
@@ -64,7 +66,7 @@ class JobThread:
 
     async def flush_one(self, client: AsyncWebClient) -> None:
         headline = self.headline
-        blocks = slack_views.parent(self.job, headline)
+        blocks = views.parent(self.job, headline)
         if self.ts is None:
             answer = await client.chat_postMessage(
                 channel=self.channel, text=headline, blocks=blocks
@@ -92,7 +94,7 @@ def _batch(lines: list[str]) -> list[str]:
     for line in lines:
         if batch and size + len(line) + 1 > REPLY_MAX:
             break
-        batch.append(line if len(line) <= REPLY_MAX else slack_views.fit(line, REPLY_MAX))
+        batch.append(line if len(line) <= REPLY_MAX else views.fit(line, REPLY_MAX))
         size += len(line) + 1
     return batch
 
@@ -105,7 +107,7 @@ class ApprovalCard:
     channel: str
     deployer: Deployer
     ts: str | None = None
-    outcome: str | None = None
+    outcome: str | None = None  # mrkdwn: the decision that replaces the buttons
     shown: str | None = None
     dead: bool = False
 
@@ -115,10 +117,10 @@ class ApprovalCard:
     async def flush_one(self, client: AsyncWebClient) -> None:
         outcome = self.outcome
         if outcome is None:
-            blocks = slack_views.approval_request(self.job)
-            text = f"Approval needed: {self.job.name} {self.job.address} (job {self.job.id})"
+            blocks = views.approval_request(self.job)
+            text = views.mrkdwn(messages.approval_needed(self.job))
         else:
-            blocks = slack_views.approval_decided(self.job, outcome)
+            blocks = views.approval_decided(self.job, outcome)
             text = outcome
         if self.ts is None:
             answer = await client.chat_postMessage(channel=self.channel, text=text, blocks=blocks)
@@ -163,7 +165,7 @@ class SlackThreads:
         if card is not None and card.outcome is None:
             pending = approval is None or approval.state is ApprovalState.PENDING
             if job.state is JobState.CANCELLED and pending:
-                card.outcome = slack_views.mentions(messages.approval_cancelled(note))
+                card.outcome = views.mrkdwn(messages.approval_cancelled(note))
             else:
                 card.outcome = messages.approval_outcome(job, approval)
             card.job = job
@@ -192,9 +194,10 @@ class SlackThreads:
     # --- machinery ----------------------------------------------------------------
 
     def _say(self, job: Job, text: str) -> None:
+        """Add a plain-text line (it may quote a reason or a backend's error) to the thread."""
         thread = self._thread(job)
         if thread is not None:
-            thread.lines.append(slack_views.mentions(text))
+            thread.lines.append(views.mrkdwn(text))
             self.outboxes.touch(thread)
 
     def _thread(self, job: Job) -> JobThread | None:

@@ -1,0 +1,16 @@
+"""The Slack front end: one concern per module.
+
+- `app`: the Bolt app, the `/deploy` listener, answering people (`SlackBot`).
+- `interact`: Approve / Reject buttons, the deploy form and the settings modal.
+- `catalog`: what the backends offer the form for what it has chosen so far.
+- `form`: the deploy form and the settings modal, laid out and read back.
+- `threads`: the core's `Progress` as one channel message and thread per deploy.
+- `outbox`: paced, coalescing delivery of those messages, per channel.
+- `views`: Block Kit and the mrkdwn the bot adds (mentions).
+- `serve`: `deploybot serve` (tokens, Socket Mode, HTTP mode).
+- `manifest`: the Slack app manifest.
+
+Imports point one way: `serve -> app -> interact -> form -> catalog -> views` and
+`app -> threads -> outbox`. This file imports nothing, so `deploybot manifest` (and
+anything else that needs only `manifest`) does not load Bolt.
+"""
