@@ -310,3 +310,41 @@ def _blob_type(blob: bytes) -> str | None:
         return blob[4 : 4 + length].decode("ascii")
     except UnicodeDecodeError:
         return None
+
+
+# --- what a chat front end must still say ----------------------------------------------
+
+
+class NoticeKind(StrEnum):
+    UPDATED = "updated"  # the job was created or changed state (note: why)
+    STEP_STARTED = "step_started"
+    STEP_FINISHED = "step_finished"
+    NOTE = "note"  # waiting for a hypervisor, it is back, wreckage removed
+    FINISHED = "finished"  # a final state after running (rollback: what it undid)
+
+
+# Delivered before progress when a channel is backlogged: the outcome is what people wait for.
+URGENT_NOTICES = frozenset({NoticeKind.FINISHED})
+
+
+class Notice(BaseModel):
+    """One thing a chat front end must tell people about a job: a row of `outbox`.
+
+    The core writes it in the same transaction as the change that causes it, so a crash
+    cannot leave a change that nobody will hear of; a front end delivers it (in any
+    process) and marks it delivered. It carries what the `Progress` calls carry; the job
+    itself is read again at delivery, so the text shows its state then."""
+
+    id: int | None = None
+    job_id: str
+    kind: NoticeKind
+    at: datetime = Field(default_factory=utcnow)
+    step: str | None = None
+    duration_s: float | None = None
+    ok: bool | None = None
+    text: str = ""  # the note, or the step's detail
+    rollback: RollbackReport | None = None
+
+    @property
+    def urgent(self) -> bool:
+        return self.kind in URGENT_NOTICES

@@ -163,7 +163,30 @@ def _v4(db: Database) -> None:
     db.table("jobs").create_index(["state", "lease_until"])
 
 
-MIGRATIONS: list[Callable[[Database], None]] = [_v1, _v2, _v3, _v4]
+def _v5(db: Database) -> None:
+    """The outbox (store/outbox.py): what chat must still be told, and who tells it."""
+    db.table("outbox").create(
+        {
+            "id": int,
+            "job_id": str,
+            "kind": str,
+            "urgent": int,
+            "body": str,
+            "created_at": str,
+            "delivered_at": str,
+        },
+        pk="id",
+        foreign_keys=[("job_id", "jobs", "id")],
+        not_null={"job_id", "kind", "urgent", "body", "created_at"},
+    )
+    db.table("outbox").create_index(["job_id", "id"])
+    db.table("outbox").create_index(["delivered_at", "id"])
+    db.table("outbox_claims").create(
+        {"job_id": str, "holder": str, "until": str}, pk="job_id", not_null={"holder", "until"}
+    )
+
+
+MIGRATIONS: list[Callable[[Database], None]] = [_v1, _v2, _v3, _v4, _v5]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

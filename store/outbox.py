@@ -1,0 +1,127 @@
+"""The outbox: what chat front ends must still say, kept until it has been said.
+
+The core adds a notice inside the transaction of the change that causes it (`add`), so
+after any crash the change and the duty to tell of it exist together or not at all. A
+front end process delivers the notices of the jobs it has claimed (`outbox_claims`, a
+lease per job, so with several processes each job's thread is written by one at a time
+and in order) and marks them delivered once Slack accepted the call that carried them.
+
+Only jobs someone follows in chat get notices: one with an origin (asked in a channel)
+or an approval (its card goes to the approvers). These functions run on the store's
+worker thread (store/db.py).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlite_utils import Database
+
+from bot.models import Notice
+from store.jobs import ts
+from store.tx import immediate
+
+DELIVERED_KEPT_DAYS = 7
+
+
+def add(db: Database, notices: Iterable[Notice]) -> None:
+    """Inside the caller's transaction: keep the notices of jobs followed in chat."""
+    for notice in notices:
+        body = notice.model_dump_json(exclude={"id"})
+        db.execute(
+            "INSERT INTO outbox (job_id, kind, urgent, body, created_at) "
+            "SELECT :job, :kind, :urgent, :body, :at WHERE EXISTS ("
+            "  SELECT 1 FROM jobs WHERE id = :job AND (origin IS NOT NULL"
+            "  OR EXISTS (SELECT 1 FROM approvals WHERE job_id = :job)))",
+            {
+                "job": notice.job_id,
+                "kind": notice.kind.value,
+                "urgent": int(notice.urgent),
+                "body": body,
+                "at": ts(notice.at),
+            },
+        )
+
+
+def _notice(row: Sequence[Any]) -> Notice:
+    return Notice.model_validate({**json.loads(row[1]), "id": row[0]})
+
+
+def new_since(db: Database, after: int, limit: int) -> list[Notice]:
+    """Undelivered notices with ids above `after` (what arrived since the last look)."""
+    rows = db.execute(
+        "SELECT id, body FROM outbox WHERE id > ? AND delivered_at IS NULL ORDER BY id LIMIT ?",
+        [after, limit],
+    ).fetchall()
+    return [_notice(row) for row in rows]
+
+
+def undelivered(db: Database, job_id: str) -> list[Notice]:
+    rows = db.execute(
+        "SELECT id, body FROM outbox WHERE job_id = ? AND delivered_at IS NULL ORDER BY id",
+        [job_id],
+    ).fetchall()
+    return [_notice(row) for row in rows]
+
+
+def claim(
+    db: Database, job_ids: Sequence[str], me: str, now: datetime, until: datetime
+) -> set[str]:
+    """Take (or keep) the delivery lease of these jobs where nobody else holds it; the
+    jobs now ours. One statement per job, each a compare-and-set on the claim row."""
+    won: set[str] = set()
+    params = {"me": me, "now": ts(now), "until": ts(until)}
+    with immediate(db.conn):
+        for job_id in job_ids:
+            cursor = db.execute(
+                "INSERT INTO outbox_claims (job_id, holder, until) VALUES (:job, :me, :until) "
+                "ON CONFLICT(job_id) DO UPDATE SET holder = :me, until = :until "
+                "WHERE outbox_claims.holder = :me OR outbox_claims.until < :now",
+                {**params, "job": job_id},
+            )
+            if cursor.rowcount == 1:
+                won.add(job_id)
+    return won
+
+
+def renew(db: Database, me: str, until: datetime) -> None:
+    with immediate(db.conn):
+        db.execute("UPDATE outbox_claims SET until = ? WHERE holder = ?", [ts(until), me])
+
+
+def orphaned(db: Database, now: datetime, limit: int) -> list[str]:
+    """Jobs with undelivered notices whose deliverer's lease has passed, or that nobody
+    ever claimed: what a process that died left unsaid."""
+    rows = db.execute(
+        "SELECT DISTINCT o.job_id FROM outbox o LEFT JOIN outbox_claims c ON c.job_id = o.job_id "
+        "WHERE o.delivered_at IS NULL AND (c.job_id IS NULL OR c.until < ?) LIMIT ?",
+        [ts(now), limit],
+    ).fetchall()
+    return [str(row[0]) for row in rows]
+
+
+def mark_delivered(db: Database, ids: Sequence[int], now: datetime) -> None:
+    if not ids:
+        return
+    marks = ", ".join("?" for _ in ids)
+    with immediate(db.conn):
+        db.execute(f"UPDATE outbox SET delivered_at = ? WHERE id IN ({marks})", [ts(now), *ids])
+
+
+def release(db: Database, job_id: str, me: str, now: datetime) -> None:
+    """Give up the delivery lease of a job with nothing left to say; forget old rows."""
+    forgotten = ts(now - timedelta(days=DELIVERED_KEPT_DAYS))
+    with immediate(db.conn):
+        db.execute("DELETE FROM outbox_claims WHERE job_id = ? AND holder = ?", [job_id, me])
+        # Never the newest row: ids must keep growing, deliverers read on from the last.
+        db.execute(
+            "DELETE FROM outbox WHERE delivered_at < ? AND id < (SELECT max(id) FROM outbox)",
+            [forgotten],
+        )
+
+
+def pending_count(db: Database) -> int:
+    return int(db.execute("SELECT count(*) FROM outbox WHERE delivered_at IS NULL").fetchone()[0])
