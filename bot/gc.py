@@ -32,7 +32,13 @@ from store.db import Store
 
 log = logging.getLogger(__name__)
 ORPHAN = ("unknown_job", "ended_job")
-KEPT = ("succeeded_job", "job_in_flight")
+# A quarantined job's record is damaged: whether its VM is wanted is for a person to say.
+KEPT = ("succeeded_job", "job_in_flight", "quarantined_job")
+_WHY_KEPT = {
+    "succeeded_job": "its job succeeded",
+    "job_in_flight": "its job is in flight",
+    "quarantined_job": "its job's record is damaged (quarantined): check it by hand",
+}
 
 
 @dataclass(frozen=True)
@@ -80,7 +86,9 @@ async def classify(store: Store, backend_name: str, vm: VMInfo) -> list[Finding]
     findings = []
     for job_id in tagged_job_ids(vm):
         job = await store.get_job(job_id)
-        if job is None:
+        if job is None and await store.quarantined(job_id) is not None:
+            category = "quarantined_job"
+        elif job is None:
             category = "unknown_job"
         elif job.state is JobState.SUCCEEDED:
             category = "succeeded_job"
@@ -146,11 +154,6 @@ async def apply(
         report.removed.append(finding)
     for finding in report.findings:
         if not finding.orphan:
-            why = (
-                "its job succeeded"
-                if finding.category == "succeeded_job"
-                else "its job is in flight"
-            )
-            report.left.append((finding, why))
+            report.left.append((finding, _WHY_KEPT[finding.category]))
     await store.record_gc_run(wanted, [f.key for f in report.removed], applied=True)
     return report

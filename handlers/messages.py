@@ -196,7 +196,7 @@ def history(jobs: Sequence[Job], *, filtered: bool = False) -> list[str]:
     lines = [f"{'job':<8} {'when':<16} {'who':<10} {'name':<14} {'address':<15} state"]
     for job in jobs:
         lines.append(
-            f"{job.id:<8} {job.created_at:%Y-%m-%d %H:%M} {job.requester:<10.10} "
+            f"{job.short_id:<8} {job.created_at:%Y-%m-%d %H:%M} {job.requester:<10.10} "
             f"{job.name:<14.14} {job.address:<15} {STATE_LABELS[job.state]}"
         )
     return lines
@@ -317,6 +317,9 @@ def approval_outcome(job: Job, approval: Approval | None) -> str:
         return f":white_check_mark: Approved by {mention(approval.decided_by)} at {at}"
     if approval.state is ApprovalState.REJECTED and approval.decided_by:
         return f":x: Rejected by {mention(approval.decided_by)}: {approval.note or 'no reason'}"
+    if approval.state is ApprovalState.CANCELLED:
+        by = f" by {mention(approval.decided_by)}" if approval.decided_by else ""
+        return f":no_entry_sign: Cancelled{by} before a decision."
     return f":hourglass: Expired at {at}: nobody approved it in time."
 
 
@@ -413,6 +416,7 @@ GC_CATEGORIES = {
     "ended_job": "job failed or was cancelled",
     "succeeded_job": "job succeeded (kept)",
     "job_in_flight": "job still in flight (kept)",
+    "quarantined_job": "job record damaged, set aside (kept: check it by hand)",
 }
 
 
