@@ -199,7 +199,7 @@ class Deployer:
                 f"{requester} is not on the list of people who may deploy; ask one of "
                 f"{', '.join(policy.approvers) or 'the operators'} to add you."
             )
-        prefs = await self.prefs(requester)
+        prefs = await self._saved_prefs(requester)
         request = build_request(
             args,
             self.settings,
@@ -450,6 +450,16 @@ class Deployer:
     # --- per-user settings and front-end references ----------------------------------
 
     async def prefs(self, user: str) -> UserPrefs:
+        """Saved settings to show or prefill a form with. Unreadable ones (the store has
+        quarantined them) show as none, so the person can save new ones over them."""
+        try:
+            return await self.store.get_prefs(user)
+        except RowUnreadable:
+            return UserPrefs(user=user)
+
+    async def _saved_prefs(self, user: str) -> UserPrefs:
+        """Saved settings for a deploy, which must not go out with other keys than the
+        person saved: unreadable ones are refused, saying how to replace them."""
         try:
             return await self.store.get_prefs(user)
         except RowUnreadable as bad:
@@ -457,7 +467,7 @@ class Deployer:
                 [
                     f"Your saved settings could not be read ({bad.reason}), so they were set "
                     "aside. Save your SSH key again with `/deploy key ssh-ed25519 AAAA... "
-                    "comment`, which replaces them."
+                    "comment` (or in `/deploy settings`); that replaces them."
                 ]
             ) from None
 

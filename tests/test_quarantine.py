@@ -7,6 +7,7 @@ database straight into the SQLite file, then starts a real Deployer on it.
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
 from pathlib import Path
 from typing import Any
@@ -67,7 +68,7 @@ def job_state(settings: Settings, job_id: str) -> str:
 
 
 async def test_a_name_stored_by_unicode_case_folding_no_longer_bricks_the_bot(
-    tmp_path: Path, sim: SimBackend
+    tmp_path: Path, sim: SimBackend, caplog: pytest.LogCaptureFixture
 ) -> None:
     """What `/deploy İnfra 10.0.0.64` left in the database before names had to be ASCII:
     the name lower-cased to "i" and a combining dot, which no longer validates."""
@@ -98,6 +99,9 @@ async def test_a_name_stored_by_unicode_case_folding_no_longer_bricks_the_bot(
         assert (await d.status(again.id)).job.state is JobState.SUCCEEDED
     ((table, key, job_id, reason),) = quarantine_rows(settings)
     assert (table, key, job_id) == ("jobs", bad.id, bad.id)
+    reported = [r for r in caplog.records if r.name == "store.quarantine"]
+    assert len(reported) == 1 and reported[0].levelno == logging.WARNING
+    assert bad.id in reported[0].getMessage()
     assert reason.startswith("request.name: Value error")
     assert job_state(settings, bad.id) == "quarantined"
     raw = json.loads(sql(settings, "SELECT raw FROM quarantine")[0][0])
@@ -216,6 +220,8 @@ async def test_damaged_saved_settings_are_refused_until_replaced(
     async with running_deployer(settings, backends={"sim": sim}) as d:
         with pytest.raises(RequestInvalid, match="Your saved settings could not be read"):
             await d.request_deploy(args("web01 10.0.0.50"), "alice")
+        # Forms and the settings view show none, so new ones can be saved over them.
+        assert (await d.prefs("alice")).ssh_keys == ()
         key = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIGvFv0mBq3ZkBUnh3BwrQ8QlUjcB1uWs6KmRZVb0iCq0"
         assert (await d.save_ssh_key("alice", key)).ssh_keys == (key,)
         job = await d.request_deploy(args("web01 10.0.0.50"), "alice")
