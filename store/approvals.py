@@ -19,13 +19,20 @@ from store.tx import immediate
 
 
 def get_approval(db: Database, job_id: str) -> Approval | None:
-    """None also when the approval row does not validate: then it is quarantined with
-    its job, since nobody can safely decide on a request whose record is damaged."""
+    """None also when the approval row does not validate: then it is quarantined, and so
+    is its job while it awaits approval, since nobody can safely decide on a request whose
+    record is damaged (for a job past that point the approval is only history)."""
     rows = list(db.query("SELECT * FROM approvals WHERE job_id = ?", [job_id]))
 
     def set_aside(row: dict[str, Any], reason: str) -> None:
         quarantine.set_aside_job(
-            db, table="approvals", key=job_id, job_id=job_id, reason=reason, row=row
+            db,
+            table="approvals",
+            key=job_id,
+            job_id=job_id,
+            reason=reason,
+            row=row,
+            only_in=JobState.AWAITING_APPROVAL.value,
         )
 
     found, _bad = quarantine.sift(rows, Approval.model_validate, set_aside)

@@ -127,15 +127,21 @@ def set_aside_job(
     reason: str,
     row: dict[str, Any],
     rowid: int | None = None,
+    only_in: str | None = None,
 ) -> None:
     """Record a bad row of a job (its own, or its approval) and take the job out of every
-    query that runs, recovers, lists or counts it, in one transaction."""
+    query that runs, recovers, lists or counts it, in one transaction; with `only_in`,
+    only while the job is in that state."""
     with _writing(db):
         record(db, table, key, job_id, reason, row)
         if rowid is not None:
             db.execute(f"UPDATE jobs SET state = '{QUARANTINED}' WHERE rowid = ?", [rowid])
         elif job_id is not None:
-            db.execute(f"UPDATE jobs SET state = '{QUARANTINED}' WHERE id = ?", [job_id])
+            db.execute(
+                f"UPDATE jobs SET state = '{QUARANTINED}' "
+                "WHERE id = ? AND state = coalesce(?, state)",
+                [job_id, only_in],
+            )
 
 
 def row_key(value: Any, rowid: int | None) -> str:

@@ -190,6 +190,22 @@ async def test_a_damaged_approval_sets_its_job_aside(tmp_path: Path, sim: SimBac
     assert [r[:3] for r in quarantine_rows(settings)] == [("approvals", job.id, job.id)]
 
 
+async def test_a_damaged_approval_of_a_finished_job_is_only_history(
+    tmp_path: Path, sim: SimBackend
+) -> None:
+    settings = make_settings(tmp_path)
+    job = make_job(settings, "web01 10.0.0.50", JobState.SUCCEEDED)
+    approval = Approval(job_id=job.id, reason_required="always", expires_at=utcnow())
+    await store_jobs(settings, job, approvals=(approval,))
+    sql(settings, "UPDATE approvals SET state = 'maybe' WHERE job_id = ?", [job.id])
+    async with running_deployer(settings, backends={"sim": sim}) as d:
+        info = await d.status(job.id)
+        assert info.job.state is JobState.SUCCEEDED and info.approval is None
+        assert (await d.status(job.id)).approval is None
+    assert [r[:3] for r in quarantine_rows(settings)] == [("approvals", job.id, job.id)]
+    assert job_state(settings, job.id) == "succeeded"  # still holds its name and address
+
+
 async def test_a_damaged_event_is_left_out_of_the_status(tmp_path: Path, sim: SimBackend) -> None:
     settings = make_settings(tmp_path)
     job = make_job(settings, "web01 10.0.0.50", JobState.SUCCEEDED)
