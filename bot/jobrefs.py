@@ -50,11 +50,17 @@ def _which_one(ref: str, matches: list[tuple[str, str, str]]) -> str:
 def _distinct_width(ids: list[str]) -> int:
     """How many leading characters tell these ids (in sorted order) apart, and at least
     as many as a short id has."""
-    width = SHORT_ID_LENGTH
-    for left, right in itertools.pairwise(ids):
-        same = next((i for i, (a, b) in enumerate(zip(left, right, strict=False)) if a != b), None)
-        width = max(width, (same if same is not None else min(len(left), len(right))) + 1)
-    return width
+    shared = [_shared_prefix(left, right) for left, right in itertools.pairwise(ids)]
+    return max([SHORT_ID_LENGTH, *(n + 1 for n in shared)])
+
+
+def _shared_prefix(left: str, right: str) -> int:
+    count = 0
+    for a, b in zip(left, right, strict=False):
+        if a != b:
+            break
+        count += 1
+    return count
 
 
 async def load(store: Store, job_id: str) -> Job:
