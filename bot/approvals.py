@@ -11,7 +11,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from datetime import datetime
 
-from bot.errors import Duplicate, NotAllowed, TransitionRefused
+from bot.errors import DeployBotError, Duplicate, NotAllowed, TransitionRefused
 from bot.models import ApprovalState, DeployRequest, Job, JobState, utcnow
 from bot.progress import Progress
 from bot.settings import ApprovalPolicy, Settings
@@ -148,7 +148,10 @@ class Approvals:
         expired = []
         for job_id in await self.store.expired_approvals(now or utcnow()):
             if await self.store.decide(job_id, ApprovalState.EXPIRED, by=None, at=now):
-                job = await self._job(job_id)
+                try:
+                    job = await self._job(job_id)
+                except DeployBotError:  # its record is damaged (now quarantined): skip it
+                    continue
                 await self.progress.job_updated(job)
                 expired.append(job)
         return expired

@@ -45,6 +45,18 @@ class JobNotFound(DeployBotError):
     pass
 
 
+class AmbiguousJob(DeployBotError):
+    """A typed prefix of a job id matches several jobs; `matches` are their ids."""
+
+    def __init__(self, message: str, matches: list[str]) -> None:
+        super().__init__(message)
+        self.matches = matches
+
+
+class JobUnreadable(DeployBotError):
+    """The job's stored record is damaged: it was set aside (quarantined) and never runs."""
+
+
 class NotAllowed(DeployBotError):
     """The person may not do this (deploy, approve their own request, cancel others' jobs)."""
 

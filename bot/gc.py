@@ -38,13 +38,15 @@ from store.db import Store
 
 log = logging.getLogger(__name__)
 ORPHAN = ("unknown_job", "ended_job")
-KEPT = ("succeeded_job", "job_in_flight", "other_installation", "unknown_legacy")
+# A quarantined job's record is damaged: whether its VM is wanted is for a person to say.
+KEPT = ("succeeded_job", "job_in_flight", "other_installation", "unknown_legacy", "quarantined_job")
 KEPT_WHY = {
     "succeeded_job": "its job succeeded",
     "job_in_flight": "its job is in flight",
     "other_installation": "another installation's VM (never removed here)",
     "unknown_legacy": "an old-style tag this database does not know: remove it by hand if "
     "nobody claims it",
+    "quarantined_job": "its job's record is damaged (quarantined): check it by hand",
 }
 
 
@@ -98,6 +100,8 @@ async def _category(store: Store, mark: JobMark) -> str:
     if mark.installation is not None and mark.installation != store.installation_id:
         return "other_installation"
     job = await store.get_job(mark.job_id)
+    if job is None and await store.quarantined(mark.job_id) is not None:
+        return "quarantined_job"
     if job is None and mark.installation is not None:
         return "unknown_job"  # tagged by this installation: ours to clean
     if job is None or job.installation != mark.installation:

@@ -11,16 +11,37 @@ import struct
 from datetime import UTC, datetime
 from enum import StrEnum
 
+import asyncssh
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+# Both are matched only after the value was found to be ASCII (`not_ascii`): with
+# re.IGNORECASE, U+0130, U+0131, U+017F and U+212A (dotted I, dotless i, long s, Kelvin)
+# match i, i, s and k, and lower() turns U+0130 into "i" plus a combining dot.
 HOSTNAME_RE = re.compile(r"^(?!-)[a-z0-9-]{1,63}(?<!-)$", re.IGNORECASE)
 LOGIN_RE = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
-_ID_ALPHABET = "abcdefghjkmnpqrstuvwxyz23456789"
+_ID_ALPHABET = "abcdefghjkmnpqrstuvwxyz23456789"  # 31 letters: no i, l, o, 0 or 1
+# 31**20 is about 2**99: random enough that ids never collide in practice (the store
+# still retries a clash with a fresh id), too long to type, so people type a prefix.
+JOB_ID_LENGTH = 20
+SHORT_ID_LENGTH = 8  # what headlines and tables show: "j" and 7 random letters
+MIN_JOB_REF = 4  # the shortest prefix a lookup accepts
+# A stored id: "j" and at least 6 characters (ids before the longer ones had 6).
+JOB_ID_RE = re.compile(r"j[a-z0-9]{6,40}")
+# What a person may type for a job: the whole id or a prefix of it.
+JOB_REF_RE = re.compile(rf"j[a-z0-9]{{{MIN_JOB_REF - 1},40}}")
 
 
 def new_job_id() -> str:
-    """Short enough to type in `/deploy status j4k7tq`, random enough never to collide."""
-    return "j" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(6))
+    return "j" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(JOB_ID_LENGTH))
+
+
+def not_ascii(value: str) -> str | None:
+    """The first character of `value` that is not ASCII, described for a person; None
+    when it is all ASCII. U+ notation, because the character may be invisible."""
+    for char in value:
+        if not char.isascii():
+            return f"{char!r} (U+{ord(char):04X})"
+    return None
 
 
 def new_installation_id() -> str:
@@ -88,6 +109,7 @@ class ApprovalState(StrEnum):
     APPROVED = "approved"
     REJECTED = "rejected"
     EXPIRED = "expired"
+    CANCELLED = "cancelled"  # the requester (or an approver) cancelled the job first
 
 
 class DeployRequest(BaseModel):
@@ -116,17 +138,29 @@ class DeployRequest(BaseModel):
     @field_validator("name")
     @classmethod
     def _hostname(cls, value: str) -> str:
-        if not HOSTNAME_RE.match(value):
+        odd = not_ascii(value)
+        if odd is not None:
+            raise ValueError(
+                f"{value!r} is not a valid host name: {odd} is not an ASCII character; "
+                "use ASCII letters a-z, digits and hyphens (e.g. web01)"
+            )
+        if not HOSTNAME_RE.fullmatch(value):
             raise ValueError(
                 f"{value!r} is not a valid host name: use 1-63 letters, digits or hyphens, "
                 "not starting or ending with a hyphen (e.g. web01)"
             )
-        return value.lower()
+        return value.lower()  # only now: lower() of ASCII stays ASCII
 
     @field_validator("user")
     @classmethod
     def _login(cls, value: str) -> str:
-        if not LOGIN_RE.match(value):
+        odd = not_ascii(value)
+        if odd is not None:
+            raise ValueError(
+                f"{value!r} is not a valid login name: {odd} is not an ASCII character; "
+                "use ASCII lower-case letters a-z, digits, _ and - (e.g. ubuntu)"
+            )
+        if not LOGIN_RE.fullmatch(value):
             raise ValueError(
                 f"{value!r} is not a valid login name: start with a lower-case letter or _, "
                 "then up to 31 lower-case letters, digits, _ or - (e.g. ubuntu)"
@@ -180,6 +214,35 @@ class Job(BaseModel):
     installation: str | None = None
     # Who asked to cancel it while another process ran it (that process acts on it).
     cancel_requested: str | None = None
+
+    @field_validator("id")
+    @classmethod
+    def _job_id(cls, value: str) -> str:
+        if not JOB_ID_RE.fullmatch(value):
+            raise ValueError(f"{value[:50]!r} is not a job id (j and 6-40 letters or digits)")
+        return value
+
+    @model_validator(mode="after")
+    def _matches_request(self) -> Job:
+        """The columns the store indexes repeat the request; a row where they disagree
+        was changed behind the bot's back and cannot be trusted."""
+        request = self.request
+        expected = {
+            "name": request.name,
+            "backend": request.backend,
+            "address": str(request.address.ip),
+            "requester": request.requester,
+        }
+        for column, value in expected.items():
+            if getattr(self, column) != value:
+                raise ValueError(f"{column} {getattr(self, column)[:80]!r} is not the request's")
+        return self
+
+    @property
+    def short_id(self) -> str:
+        """The first characters of the id, for headlines and tables; every lookup accepts
+        it (or any other unambiguous prefix)."""
+        return self.id[:SHORT_ID_LENGTH]
 
     @classmethod
     def for_request(cls, request: DeployRequest, state: JobState) -> Job:
@@ -272,9 +335,10 @@ MAX_SSH_KEYS = 10
 def check_ssh_key(text: str) -> str:
     """Validate one OpenSSH public key line; return it normalised as `TYPE BODY [COMMENT]`.
 
-    The body must be base64 and must itself start with the declared type (the wire
-    format repeats it), which catches a key pasted with the wrong prefix or cut short.
-    A private key is refused outright, with a warning, because pasting one is a leak.
+    The body is parsed as the key it claims to be (asyncssh), so a key pasted with the
+    wrong prefix, cut short or damaged is refused here instead of locking its owner out
+    of the VM later. A private key is refused outright, with a warning, because pasting
+    one is a leak.
     """
     words = text.strip().split()
     if not words:
@@ -296,8 +360,21 @@ def check_ssh_key(text: str) -> str:
         raise ValueError(f"the {kind} key's body is not valid base64") from None
     if _blob_type(blob) != kind:
         raise ValueError(f"the key's body does not hold a {kind} key: paste the line unchanged")
+    _parse_key(kind, body)
     comment = " ".join(words[2:])
     return f"{kind} {body}" + (f" {comment}" if comment else "")
+
+
+def _parse_key(kind: str, body: str) -> None:
+    try:
+        key = asyncssh.import_public_key(f"{kind} {body}")
+    except ValueError:  # asyncssh's KeyImportError and the decoders' errors all are
+        key = None
+    if key is None or key.get_algorithm() != kind:
+        raise ValueError(
+            f"the {kind} key is cut short or damaged: copy the whole line from your .pub "
+            "file again (cat ~/.ssh/id_ed25519.pub)"
+        )
 
 
 def _blob_type(blob: bytes) -> str | None:

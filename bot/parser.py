@@ -3,10 +3,13 @@
     NAME [ADDRESS[/PREFIX]] [key=value ...]
     help | status JOB | history [N] | cancel JOB | templates | approve JOB | reject JOB REASON
 
-`parse` turns any text into a command or raises `UsageError` that says what was wrong
-and shows the right form; nothing else escapes it (a hypothesis test holds it to that).
+JOB is a job id or any prefix of it of at least 4 characters (the service resolves it).
+`parse` turns any text into a command or raises `UsageError` that says what was wrong and
+shows the right form; nothing else escapes it (a hypothesis test holds it to that).
 Values are converted here (sizes, booleans), so a typo is reported against the key the
 person typed; rules that need the configuration (subnets, limits) live in bot/requests.py.
+Keywords are recognised only in ASCII, and only ASCII is lower-cased, so no Unicode case
+folding can turn a word into a keyword.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import re
 from dataclasses import dataclass, field
 
 from bot.errors import UsageError
+from bot.models import JOB_REF_RE, MIN_JOB_REF
 
 USAGE = (
     "/deploy NAME [ADDRESS[/PREFIX]] [template=T] [on=BACKEND|NODE] [storage=S] "
@@ -33,10 +37,11 @@ SUBCOMMAND_USAGE = {
     "settings": "/deploy settings",
 }
 KEYS = ("template", "on", "storage", "cpu", "mem", "disk", "user", "upgrade")
-JOB_ID_RE = re.compile(r"^j[a-z0-9]{6}$")
+JOB_ID_RE = JOB_REF_RE  # a whole job id, or the first MIN_JOB_REF or more characters
 HISTORY_MAX = 100
 _SIZE_RE = re.compile(r"^(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?$", re.IGNORECASE)
 _UNIT_MIB = {"m": 1, "g": 1024, "t": 1024 * 1024}
+_EXAMPLE_REF = "j4k7tqa2"
 _YES = {"yes", "y", "true", "on", "1"}
 _NO = {"no", "n", "false", "off", "0"}
 
@@ -121,6 +126,12 @@ Command = (
 )
 
 
+def fold(word: str) -> str:
+    """Lower-case ASCII only: "\u212aey".lower() is "key" and "İ".lower() is "i" plus a
+    combining dot, so a non-ASCII word is left as it is and matches no keyword."""
+    return word.lower() if word.isascii() else word
+
+
 def is_whole(text: str) -> bool:
     """ASCII digits only: str.isdigit() also accepts "²", which int() refuses."""
     return text.isascii() and text.isdigit()
@@ -131,7 +142,7 @@ def parse(text: str) -> Command:
     words = text.split()
     if not words:
         raise UsageError("Tell me what to deploy.", USAGE)
-    head = words[0].lower()
+    head = fold(words[0])
     if head in SUBCOMMAND_USAGE:
         return _subcommand(head, words[1:])
     return _deploy(words)
@@ -158,7 +169,7 @@ def _subcommand(head: str, rest: list[str]) -> Command:
             raise UsageError(f"`{rest[0]}` is not a number from 1 to {HISTORY_MAX}.", usage)
         return History(int(rest[0]))
     if not rest:
-        raise UsageError(f"`{head}` needs a job id (like j4k7tq).", usage)
+        raise UsageError(f"`{head}` needs a job id (like {_EXAMPLE_REF}).", usage)
     job_id = _job_id(rest[0], usage)
     if head == "reject":
         if len(rest) < 2:
@@ -172,9 +183,13 @@ def _subcommand(head: str, rest: list[str]) -> Command:
 
 
 def _job_id(word: str, usage: str) -> str:
-    job_id = word.lower().lstrip("#")
-    if not JOB_ID_RE.match(job_id):
-        raise UsageError(f"`{word}` is not a job id: they look like j4k7tq.", usage)
+    job_id = fold(word).lstrip("#")
+    if not JOB_ID_RE.fullmatch(job_id):
+        raise UsageError(
+            f"`{word}` is not a job id: they look like {_EXAMPLE_REF} (the first "
+            f"{MIN_JOB_REF} or more characters of one are enough).",
+            usage,
+        )
     return job_id
 
 
@@ -189,7 +204,7 @@ def _deploy(words: list[str]) -> DeployArgs:
     values: dict[str, object] = {}
     for word in rest:
         key, sep, value = word.partition("=")
-        key = key.lower()
+        key = fold(key)
         if not sep:
             raise UsageError(
                 f"`{word}` is not an option: options are key=value, after NAME and ADDRESS.", USAGE
@@ -238,7 +253,7 @@ def _convert(key: str, value: str) -> object:
             raise UsageError(f"disk={value}: grow by whole GiB, like disk=+20G.", USAGE)
         return mib // 1024
     if key == "upgrade":
-        lowered = value.lower()
+        lowered = fold(value)
         if lowered in _YES | _NO:
             return lowered in _YES
         raise UsageError(f"upgrade={value}: say upgrade=yes or upgrade=no.", USAGE)
@@ -246,7 +261,7 @@ def _convert(key: str, value: str) -> object:
 
 
 def _mib(text: str, message: str) -> int:
-    match = _SIZE_RE.match(text)
+    match = _SIZE_RE.fullmatch(text) if text.isascii() else None
     if not match or not match.group(2) or match.group(2).lower() == "k":
         raise UsageError(message, USAGE)
     mib = float(match.group(1)) * _UNIT_MIB[match.group(2).lower()]

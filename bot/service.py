@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from backends.base import Backend, BackendError, Network, Storage, Template
+from bot import jobrefs
 from bot.approvals import Approvals, GroupMembers, approval_reason
 from bot.errors import (
     Conflict,
     DeployBotError,
     Duplicate,
-    JobNotFound,
     NotAllowed,
     RequestInvalid,
     TransitionRefused,
@@ -48,7 +48,7 @@ from bot.recovery import recover_interrupted, sweep_wreckage
 from bot.requests import build_request
 from bot.settings import Settings
 from bot.waiting import protected
-from store.db import AlreadyDelivered, DuplicateActive, Store
+from store.db import AlreadyDelivered, DuplicateActive, RowUnreadable, Store
 
 log = logging.getLogger(__name__)
 
@@ -237,7 +237,7 @@ class Deployer:
                 f"{requester} is not on the list of people who may deploy; ask one of "
                 f"{', '.join(policy.approvers) or 'the operators'} to add you."
             )
-        prefs = await self.store.get_prefs(requester)
+        prefs = await self._saved_prefs(requester)
         request = build_request(
             args,
             self.settings,
@@ -282,7 +282,7 @@ class Deployer:
             approval = Approval(job_id=job.id, reason_required=reason, expires_at=expires)
         for attempt in range(3):
             try:
-                await self.store.insert_job(job, approval, dedupe_key=dedupe_key)
+                job = await self.store.insert_job(job, approval, dedupe_key=dedupe_key)
                 break
             except AlreadyDelivered as seen:
                 raise Duplicate(_already_have(seen.job_id), seen.job_id) from None
@@ -406,7 +406,7 @@ class Deployer:
     async def approve(self, job_id: str, approver: str, *, dedupe_key: str | None = None) -> Job:
         async with self._audited(approver, f"approve {job_id}"):
             return await self.approvals.decide(
-                job_id, approver, ApprovalState.APPROVED, None, dedupe_key
+                await self._resolve(job_id), approver, ApprovalState.APPROVED, None, dedupe_key
             )
 
     async def reject(
@@ -414,7 +414,7 @@ class Deployer:
     ) -> Job:
         async with self._audited(approver, f"reject {job_id}"):
             return await self.approvals.decide(
-                job_id, approver, ApprovalState.REJECTED, reason, dedupe_key
+                await self._resolve(job_id), approver, ApprovalState.REJECTED, reason, dedupe_key
             )
 
     async def is_approver(self, user: str) -> bool:
@@ -426,7 +426,7 @@ class Deployer:
     async def may_decide(self, job_id: str, approver: str) -> Job:
         """Refuse now what a decision would refuse (before asking a reason, say)."""
         async with self._audited(approver, f"decide {job_id}"):
-            return await self.approvals.check_decider(job_id, approver)
+            return await self.approvals.check_decider(await self._resolve(job_id), approver)
 
     async def expire_approvals(self, now: datetime | None = None) -> list[Job]:
         return await self.approvals.expire(now)
@@ -443,16 +443,14 @@ class Deployer:
 
     async def cancel(self, job_id: str, user: str) -> Job:
         async with self._audited(user, f"cancel {job_id}"):
-            return await self._cancel(job_id, user)
+            return await self._cancel(await self._resolve(job_id), user)
 
     async def _cancel(self, job_id: str, user: str) -> Job:
         job = await self._job(job_id)
         if user != job.requester and not await self.is_approver(user):
             raise NotAllowed(f"Only {job.requester} or an approver can cancel job {job_id}.")
         if job.state in (JobState.QUEUED, JobState.AWAITING_APPROVAL):
-            if await self.store.transition(
-                job_id, [job.state], JobState.CANCELLED, error="cancelled", finished_at=utcnow()
-            ):
+            if await self._cancel_unstarted(job, user):
                 self.queue.cancel(job_id)
                 cancelled = await self._job(job_id)
                 await self.progress.job_updated(cancelled, f"cancelled by {user}")
@@ -466,11 +464,22 @@ class Deployer:
             return job
         raise TransitionRefused(f"Job {job_id} is {job.state.value}: there is nothing to cancel.")
 
-    async def status(self, job_id: str) -> JobStatus:
-        job = await self._job(job_id)
-        return JobStatus(
-            job, await self.store.events(job_id), await self.store.get_approval(job_id)
+    async def _cancel_unstarted(self, job: Job, user: str) -> bool:
+        """A job awaiting approval has its approval closed in the same transaction, so
+        nobody can approve it afterwards."""
+        if job.state is JobState.AWAITING_APPROVAL:
+            return await self.store.cancel_awaiting(job.id, by=user)
+        return await self.store.transition(
+            job.id, [job.state], JobState.CANCELLED, error="cancelled", finished_at=utcnow()
         )
+
+    async def status(self, job_id: str) -> JobStatus:
+        job_id = await self._resolve(job_id)
+        # The approval first: one that does not validate sets its job aside, which
+        # reading the job then says.
+        approval = await self.store.get_approval(job_id)
+        events = await self.store.events(job_id)
+        return JobStatus(await self._job(job_id), events, approval)
 
     async def history(self, limit: int = 10, requester: str | None = None) -> list[Job]:
         return await self.store.history(requester=requester, limit=limit)
@@ -488,7 +497,26 @@ class Deployer:
     # --- per-user settings and front-end references ----------------------------------
 
     async def prefs(self, user: str) -> UserPrefs:
-        return await self.store.get_prefs(user)
+        """Saved settings to show or prefill a form with. Unreadable ones (the store has
+        quarantined them) show as none, so the person can save new ones over them."""
+        try:
+            return await self.store.get_prefs(user)
+        except RowUnreadable:
+            return UserPrefs(user=user)
+
+    async def _saved_prefs(self, user: str) -> UserPrefs:
+        """Saved settings for a deploy, which must not go out with other keys than the
+        person saved: unreadable ones are refused, saying how to replace them."""
+        try:
+            return await self.store.get_prefs(user)
+        except RowUnreadable as bad:
+            raise RequestInvalid(
+                [
+                    f"Your saved settings could not be read ({bad.reason}), so they were set "
+                    "aside. Save your SSH key again with `/deploy key ssh-ed25519 AAAA... "
+                    "comment` (or in `/deploy settings`); that replaces them."
+                ]
+            ) from None
 
     async def save_ssh_key(self, user: str, text: str) -> UserPrefs:
         """Validate one public key and add it to the user's saved keys."""
@@ -531,11 +559,12 @@ class Deployer:
         fields = {"thread_ref": thread_ref, "approval_ref": approval_ref}
         await self.store.update_job(job_id, **{k: v for k, v in fields.items() if v})
 
+    async def _resolve(self, text: str) -> str:
+        """The id of the job a person named by its id or a prefix of it."""
+        return await jobrefs.resolve(self.store, text)
+
     async def _job(self, job_id: str) -> Job:
-        job = await self.store.get_job(job_id)
-        if job is None:
-            raise JobNotFound(f"There is no job {job_id}; `/deploy history` lists recent ones.")
-        return job
+        return await jobrefs.load(self.store, job_id)
 
 
 def _check_keys(texts: tuple[str, ...]) -> tuple[str, ...]:

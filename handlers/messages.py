@@ -204,7 +204,7 @@ def history(jobs: Sequence[Job], *, filtered: bool = False) -> list[str]:
     lines = [f"{'job':<8} {'when':<16} {'who':<10} {'name':<14} {'address':<15} state"]
     for job in jobs:
         lines.append(
-            f"{job.id:<8} {job.created_at:%Y-%m-%d %H:%M} {job.requester:<10.10} "
+            f"{job.short_id:<8} {job.created_at:%Y-%m-%d %H:%M} {job.requester:<10.10} "
             f"{job.name:<14.14} {job.address:<15} {STATE_LABELS[job.state]}"
         )
     return lines
@@ -353,6 +353,9 @@ def approval_outcome(job: Job, approval: Approval | None) -> str:
     if approval.state is ApprovalState.REJECTED and approval.decided_by:
         reason = escape(approval.note) if approval.note else "no reason"
         return f":x: Rejected by {mention(approval.decided_by)}: {reason}"
+    if approval.state is ApprovalState.CANCELLED:
+        by = f" by {mention(approval.decided_by)}" if approval.decided_by else ""
+        return f":no_entry_sign: Cancelled{by} before a decision."
     return f":hourglass: Expired at {at}: nobody approved it in time."
 
 
@@ -474,6 +477,7 @@ GC_CATEGORIES = {
     "job_in_flight": "job still in flight (kept)",
     "other_installation": "another installation's VM (kept)",
     "unknown_legacy": "old-style tag of a job unknown here (kept)",
+    "quarantined_job": "job record damaged, set aside (kept: check it by hand)",
 }
 
 

@@ -2,7 +2,7 @@
 
 `TerminalThread` is the Progress a terminal shows: every job's lines carry its name and
 id, so concurrent deploys stay readable when they interleave. `Shell` reads lines as a
-chat would (`/deploy ...`, `as bob`, `approve j4k7tq`) and answers through the same
+chat would (`/deploy ...`, `as bob`, `approve j4k7tqa2`) and answers through the same
 parser, service and queue the Slack front end uses.
 """
 
@@ -27,7 +27,7 @@ class TerminalThread:
 
     def _say(self, job: Job, text: str) -> None:
         for line in text.splitlines():
-            self.out.write(f"  [{job.name} {job.id}] {line}\n")
+            self.out.write(f"  [{job.name} {job.short_id}] {line}\n")
         self.out.flush()
 
     async def job_updated(self, job: Job, note: str = "") -> None:

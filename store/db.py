@@ -19,12 +19,22 @@ from typing import Any, ParamSpec, TypeVar
 
 from sqlite_utils import Database
 
-from bot.models import Approval, ApprovalState, AuditEvent, Job, JobEvent, JobState, UserPrefs
-from store import gc, jobs, owners, users
+from bot.models import (
+    Approval,
+    ApprovalState,
+    AuditEvent,
+    Job,
+    JobEvent,
+    JobState,
+    UserPrefs,
+    utcnow,
+)
+from store import approvals, gc, jobs, owners, quarantine, users
 from store.jobs import AlreadyDelivered, DuplicateActive
 from store.migrations import migrate
+from store.quarantine import Quarantined, RowUnreadable
 
-__all__ = ["AlreadyDelivered", "DuplicateActive", "Store"]
+__all__ = ["AlreadyDelivered", "DuplicateActive", "Quarantined", "RowUnreadable", "Store"]
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -39,6 +49,10 @@ def _connect(path: Path) -> Database:
         os.close(fd)
         os.chmod(path, 0o600)
     conn = sqlite3.connect(path, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000)
+    # Text that is not UTF-8 (written by another tool) would fail the whole query that
+    # meets it; decoded with replacement characters, its row fails validation instead and
+    # is quarantined alone (store/quarantine.py).
+    conn.text_factory = _decode
     db = Database(conn)
     db.execute("PRAGMA journal_mode = WAL")
     db.execute("PRAGMA foreign_keys = ON")
@@ -46,6 +60,10 @@ def _connect(path: Path) -> Database:
     db.execute("PRAGMA synchronous = NORMAL")
     migrate(db)
     return db
+
+
+def _decode(data: bytes) -> str:
+    return data.decode("utf-8", errors="replace")
 
 
 class Store:
@@ -89,10 +107,11 @@ class Store:
 
     async def insert_job(
         self, job: Job, approval: Approval | None = None, *, dedupe_key: str | None = None
-    ) -> None:
+    ) -> Job:
         """Raises `DuplicateActive` when a job in flight holds the name or the address,
-        `AlreadyDelivered` when `dedupe_key` was used before (then nothing is written)."""
-        await self._call(jobs.insert_job, self._db, job, approval, dedupe_key)
+        `AlreadyDelivered` when `dedupe_key` was used before (then nothing is written).
+        Returns the job as stored: with a fresh id if its random one was taken."""
+        return await self._call(jobs.insert_job, self._db, job, approval, dedupe_key)
 
     async def delivered(self, dedupe_key: str) -> str | None:
         """The job a dedupe key was used for, or None when it is new."""
@@ -102,7 +121,20 @@ class Store:
         return await self._call(jobs.holder, self._db, backend=backend, name=name, address=address)
 
     async def get_job(self, job_id: str) -> Job | None:
+        """None when there is no such job or it is quarantined (see `quarantined`)."""
         return await self._call(jobs.get_job, self._db, job_id)
+
+    async def match_ids(self, prefix: str, limit: int = 10) -> list[tuple[str, str, str]]:
+        """(id, name, state) of jobs whose id starts with `prefix`; an exact match first."""
+        return await self._call(jobs.match_ids, self._db, prefix, limit)
+
+    async def quarantined(self, job_id: str) -> Quarantined | None:
+        """Why this job was set aside, or None when it was not."""
+        return await self._call(quarantine.find, self._db, job_id)
+
+    async def quarantine_records(self, limit: int = 100) -> list[Quarantined]:
+        """Every row set aside, newest first."""
+        return await self._call(quarantine.records, self._db, limit)
 
     async def transition(
         self,
@@ -223,7 +255,7 @@ class Store:
     # --- approvals ----------------------------------------------------------------
 
     async def get_approval(self, job_id: str) -> Approval | None:
-        return await self._call(jobs.get_approval, self._db, job_id)
+        return await self._call(approvals.get_approval, self._db, job_id)
 
     async def decide(
         self,
@@ -236,7 +268,7 @@ class Store:
         dedupe_key: str | None = None,
     ) -> bool:
         return await self._call(
-            jobs.decide,
+            approvals.decide,
             self._db,
             job_id,
             decision,
@@ -247,7 +279,11 @@ class Store:
         )
 
     async def expired_approvals(self, now: datetime) -> list[str]:
-        return await self._call(jobs.expired_approvals, self._db, now)
+        return await self._call(approvals.expired_approvals, self._db, now)
+
+    async def cancel_awaiting(self, job_id: str, *, by: str) -> bool:
+        """Cancel a job awaiting approval and close its approval in one transaction."""
+        return await self._call(approvals.cancel_awaiting, self._db, job_id, by=by, at=utcnow())
 
     # --- gc runs ------------------------------------------------------------------
 

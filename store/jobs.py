@@ -21,12 +21,14 @@ from bot.models import (
     HOLDING_STATES,
     TRANSITIONS,
     Approval,
-    ApprovalState,
     Job,
     JobEvent,
     JobState,
+    new_job_id,
     utcnow,
 )
+from store import quarantine
+from store.quarantine import QUARANTINED
 from store.tx import immediate
 
 # Columns a transition may set besides state and updated_at.
@@ -65,7 +67,41 @@ def job_row(job: Job) -> dict[str, Any]:
 
 
 def job_from_row(row: dict[str, Any]) -> Job:
-    return Job.model_validate({**row, "request": json.loads(row["request"])})
+    try:
+        request = json.loads(row["request"])
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"request: not valid JSON ({exc})") from None
+    return Job.model_validate({**row, "request": request})
+
+
+# Job rows are read with their rowid, so a row whose id is unusable can still be set aside.
+SELECT_JOBS = "SELECT rowid AS rowid_, * FROM jobs"
+
+
+def _jobs(db: Database, sql: str, params: Any = ()) -> tuple[list[Job], int]:
+    """The jobs a query finds, and how many rows it found that do not validate: those
+    are quarantined (see store/quarantine.py), so no listing or start-up ever fails on
+    them and the next query no longer finds them."""
+    rows = list(db.query(sql, params))
+    return quarantine.sift(rows, _job_from_listed, lambda row, why: _set_aside(db, row, why))
+
+
+def _job_from_listed(row: dict[str, Any]) -> Job:
+    return job_from_row({k: v for k, v in row.items() if k != "rowid_"})
+
+
+def _set_aside(db: Database, row: dict[str, Any], reason: str) -> None:
+    rowid = row.get("rowid_")
+    job_id = row.get("id")
+    quarantine.set_aside_job(
+        db,
+        table="jobs",
+        key=quarantine.row_key(job_id, rowid),
+        job_id=job_id if isinstance(job_id, str) and job_id else None,
+        reason=reason,
+        row={k: v for k, v in row.items() if k != "rowid_"},
+        rowid=rowid,
+    )
 
 
 class AlreadyDelivered(Exception):
@@ -76,7 +112,7 @@ class AlreadyDelivered(Exception):
         self.job_id = job_id
 
 
-def _claim(db: Database, key: str, job_id: str, action: str) -> None:
+def claim(db: Database, key: str, job_id: str, action: str) -> None:
     """Record a delivery inside the caller's transaction; raise if it was seen before.
 
     The primary key decides, not a lookup first: two deliveries racing cannot both pass.
@@ -96,16 +132,41 @@ def delivered(db: Database, key: str) -> str | None:
     return str(rows[0]["job_id"]) if rows else None
 
 
+class _IdTaken(Exception):
+    """The new job's random id is a stored job's; the transaction wrote nothing."""
+
+
+_ID_ATTEMPTS = 5
+
+
 def insert_job(
     db: Database, job: Job, approval: Approval | None = None, dedupe_key: str | None = None
-) -> None:
+) -> Job:
+    """Insert a new job (and its approval) and return it as stored. Its id is random:
+    should it be a stored job's already, the insert is made again with a fresh id, so the
+    job returned may carry another id than the one given."""
+    for _attempt in range(_ID_ATTEMPTS):
+        try:
+            _insert_job(db, job, approval, dedupe_key)
+        except _IdTaken:
+            job = job.model_copy(update={"id": new_job_id()})
+            if approval is not None:
+                approval = approval.model_copy(update={"job_id": job.id})
+            continue
+        return job
+    raise RuntimeError(f"{_ID_ATTEMPTS} random job ids were all taken: is new_job_id broken?")
+
+
+def _insert_job(db: Database, job: Job, approval: Approval | None, dedupe_key: str | None) -> None:
     with immediate(db.conn):
         if dedupe_key is not None:
-            _claim(db, dedupe_key, job.id, "request")
+            claim(db, dedupe_key, job.id, "request")
         try:
             db.table("jobs").insert(job_row(job))
         except sqlite3.IntegrityError as exc:
             text = str(exc)
+            if "jobs.id" in text:
+                raise _IdTaken from None
             if "jobs.address" in text:
                 raise DuplicateActive("address") from None
             if "jobs.backend" in text or "jobs.name" in text:
@@ -116,21 +177,38 @@ def insert_job(
 
 
 def holder(db: Database, *, backend: str, name: str, address: str) -> Job | None:
-    """The job that holds this name on this backend, or this address (see HOLDING_STATES)."""
+    """The job that holds this name on this backend, or this address (see HOLDING_STATES).
+    A holder whose row does not validate is quarantined, which frees what it held."""
     marks = ", ".join(f"'{s.value}'" for s in HOLDING_STATES)
-    rows = list(
-        db.query(
-            f"SELECT * FROM jobs WHERE state IN ({marks}) "
-            "AND ((backend = ? AND name = ?) OR address = ?) LIMIT 1",
-            [backend, name, address],
-        )
+    sql = (
+        f"{SELECT_JOBS} WHERE state IN ({marks}) "
+        "AND ((backend = ? AND name = ?) OR address = ?) LIMIT 1"
     )
-    return job_from_row(rows[0]) if rows else None
+    for _round in range(_REREADS):
+        found, bad = _jobs(db, sql, [backend, name, address])
+        if found or not bad:
+            return found[0] if found else None
+    return None
 
 
 def get_job(db: Database, job_id: str) -> Job | None:
-    rows = list(db.query("SELECT * FROM jobs WHERE id = ?", [job_id]))
-    return job_from_row(rows[0]) if rows else None
+    """None when there is no such job, or it is quarantined (store.quarantine.find says
+    why): a quarantined job is never run, recovered or decided on."""
+    found, _bad = _jobs(db, f"{SELECT_JOBS} WHERE id = ? AND state <> ?", [job_id, QUARANTINED])
+    return found[0] if found else None
+
+
+def match_ids(db: Database, prefix: str, limit: int) -> list[tuple[str, str, str]]:
+    """(id, name, state) of up to `limit` jobs whose id starts with `prefix`, in id order:
+    an exact match comes first. A range on the primary key, so it uses its index."""
+    if not prefix or not prefix.isascii():
+        return []  # job ids are ASCII; this also keeps chr() below in range
+    upper = prefix[:-1] + chr(ord(prefix[-1]) + 1)
+    rows = db.query(
+        "SELECT id, name, state FROM jobs WHERE id >= ? AND id < ? ORDER BY id LIMIT ?",
+        [prefix, upper, limit],
+    )
+    return [(str(r["id"]), str(r["name"]), str(r["state"])) for r in rows]
 
 
 def transition(
@@ -215,12 +293,22 @@ def add_events(db: Database, events: list[JobEvent]) -> list[Exception | None]:
 
 
 def events(db: Database, job_id: str) -> list[JobEvent]:
-    rows = db.query(
-        "SELECT job_id, at, step, phase, duration_s, detail FROM job_events "
-        "WHERE job_id = ? ORDER BY id",
-        [job_id],
+    """The job's step events; one that does not validate is quarantined and left out
+    (the job itself stays: its own row is intact)."""
+    rows = list(
+        db.query(
+            "SELECT id, job_id, at, step, phase, duration_s, detail FROM job_events "
+            "WHERE job_id = ? ORDER BY id",
+            [job_id],
+        )
     )
-    return [JobEvent.model_validate(row) for row in rows]
+
+    def set_aside(row: dict[str, Any], reason: str) -> None:
+        key = quarantine.row_key(str(row["id"]), None)
+        quarantine.record(db, "job_events", key, job_id, reason, row)
+
+    found, _bad = quarantine.sift(rows, JobEvent.model_validate, set_aside)
+    return found
 
 
 def history(
@@ -246,97 +334,41 @@ def history(
     if since is not None:
         where.append("created_at >= :since")
         params["since"] = ts(since)
-    clause = f"WHERE {' AND '.join(where)} " if where else ""
-    sql = f"SELECT * FROM jobs {clause}ORDER BY created_at DESC, rowid DESC LIMIT :limit"
-    return [job_from_row(row) for row in db.query(sql, params)]
+    where.append(f"state <> '{QUARANTINED}'")
+    sql = (
+        f"{SELECT_JOBS} WHERE {' AND '.join(where)} "
+        "ORDER BY created_at DESC, rowid DESC LIMIT :limit"
+    )
+    return listing(db, sql, params)
+
+
+# How often a listing is read again after it met rows that do not validate (each round
+# quarantines them, so the next one fills their places from further down).
+_REREADS = 10
+
+
+def listing(db: Database, sql: str, params: Any = ()) -> list[Job]:
+    found: list[Job] = []
+    for _round in range(_REREADS):
+        found, bad = _jobs(db, sql, params)
+        if not bad:
+            break
+    return found
 
 
 def jobs_with_wreckage(db: Database) -> list[Job]:
     """Finished jobs whose rollback left a VM behind (oldest first)."""
-    sql = "SELECT * FROM jobs WHERE wreckage IS NOT NULL ORDER BY created_at, rowid"
-    return [job_from_row(row) for row in db.query(sql)]
+    sql = (
+        f"{SELECT_JOBS} WHERE wreckage IS NOT NULL AND state <> '{QUARANTINED}' "
+        "ORDER BY created_at, rowid"
+    )
+    return listing(db, sql)
 
 
 def jobs_in(db: Database, states: Iterable[JobState]) -> list[Job]:
-    """Oldest first, so a restart re-queues in the order people asked."""
+    """Oldest first, so a restart re-queues in the order people asked. Jobs whose rows
+    do not validate are quarantined and left out: they are never run or recovered."""
     values = [s.value for s in states]
     marks = ", ".join("?" for _ in values)
-    sql = f"SELECT * FROM jobs WHERE state IN ({marks}) ORDER BY created_at, rowid"
-    return [job_from_row(row) for row in db.query(sql, values)]
-
-
-def get_approval(db: Database, job_id: str) -> Approval | None:
-    rows = list(db.query("SELECT * FROM approvals WHERE job_id = ?", [job_id]))
-    return Approval.model_validate(rows[0]) if rows else None
-
-
-def decide(
-    db: Database,
-    job_id: str,
-    decision: ApprovalState,
-    *,
-    by: str | None,
-    note: str | None = None,
-    at: datetime | None = None,
-    dedupe_key: str | None = None,
-) -> bool:
-    """Approve, reject or expire a pending request: both rows change, or neither does.
-
-    With a `dedupe_key`, a second delivery of the same decision raises `AlreadyDelivered`.
-    """
-    if decision is ApprovalState.PENDING:
-        raise ValueError("a decision cannot be 'pending'")
-    job_state = {
-        ApprovalState.APPROVED: JobState.QUEUED,
-        ApprovalState.REJECTED: JobState.REJECTED,
-        ApprovalState.EXPIRED: JobState.EXPIRED,
-    }[decision]
-    when = ts(at or utcnow())
-    try:
-        _decide(db, job_id, decision.value, job_state, by, note, when, dedupe_key)
-    except _Undecided:
-        return False
-    return True
-
-
-class _Undecided(Exception):
-    pass
-
-
-def _decide(
-    db: Database,
-    job_id: str,
-    decision: str,
-    job_state: JobState,
-    by: str | None,
-    note: str | None,
-    when: str,
-    dedupe_key: str | None,
-) -> None:
-    final = "" if job_state is JobState.QUEUED else ", finished_at = :at"
-    with immediate(db.conn):
-        if dedupe_key is not None:
-            _claim(db, dedupe_key, job_id, decision)
-        decided = db.execute(
-            "UPDATE approvals SET state = :d, decided_by = :by, decided_at = :at, note = :note "
-            "WHERE job_id = :id AND state = 'pending'",
-            {"d": decision, "by": by, "at": when, "note": note, "id": job_id},
-        ).rowcount
-        if decided != 1:
-            raise _Undecided
-        moved = db.execute(
-            f"UPDATE jobs SET state = :s, updated_at = :at{final} "
-            "WHERE id = :id AND state = 'awaiting_approval'",
-            {"s": job_state.value, "at": when, "id": job_id},
-        ).rowcount
-        if moved != 1:
-            raise _Undecided  # rolls the approval row back too
-
-
-def expired_approvals(db: Database, now: datetime) -> list[str]:
-    rows = db.query(
-        "SELECT job_id FROM approvals WHERE state = 'pending' AND expires_at <= ? "
-        "ORDER BY expires_at",
-        [ts(now)],
-    )
-    return [row["job_id"] for row in rows]
+    sql = f"{SELECT_JOBS} WHERE state IN ({marks}) ORDER BY created_at, rowid"
+    return _jobs(db, sql, values)[0]

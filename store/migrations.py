@@ -186,7 +186,34 @@ def _v5(db: Database) -> None:
     )
 
 
-MIGRATIONS: list[Callable[[Database], None]] = [_v1, _v2, _v3, _v4, _v5]
+def _v6(db: Database) -> None:
+    """Rows that failed validation when read (store/quarantine.py), and approvals closed
+    by a cancel."""
+    db.table("quarantine").create(
+        {
+            "id": int,
+            "table_name": str,
+            "row_key": str,
+            "job_id": str,
+            "reason": str,
+            "at": str,
+            "raw": str,
+        },
+        pk="id",
+        not_null={"table_name", "row_key", "reason", "at"},
+    )
+    # One record per row, however often it is read.
+    db.execute("CREATE UNIQUE INDEX quarantine_row ON quarantine(table_name, row_key)")
+    db.table("quarantine").create_index(["job_id"])
+    # A cancel now closes the approval with the job (state 'cancelled'); close those that
+    # earlier versions left pending, so no listing of pending approvals shows them.
+    db.execute(
+        "UPDATE approvals SET state = 'cancelled' WHERE state = 'pending' "
+        "AND job_id IN (SELECT id FROM jobs WHERE state = 'cancelled')"
+    )
+
+
+MIGRATIONS: list[Callable[[Database], None]] = [_v1, _v2, _v3, _v4, _v5, _v6]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

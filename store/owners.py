@@ -20,7 +20,7 @@ from typing import Any
 from sqlite_utils import Database
 
 from bot.models import Job, JobState
-from store.jobs import job_from_row, ts
+from store.jobs import SELECT_JOBS, listing, ts
 from store.tx import immediate
 
 # States in which a job has an owner: reserved by it (queued) or being worked on.
@@ -136,12 +136,12 @@ def claimable(db: Database, now: datetime, limit: int) -> list[tuple[str, str]]:
 
 def abandoned(db: Database, now: datetime) -> list[Job]:
     """Jobs being worked on whose owner's lease has passed (the owner died or hangs)."""
-    rows = db.query(
-        f"SELECT * FROM jobs WHERE state IN ('running', 'rolling_back') AND {_EXPIRED} "
+    return listing(
+        db,
+        f"{SELECT_JOBS} WHERE state IN ('running', 'rolling_back') AND {_EXPIRED} "
         "ORDER BY created_at, rowid",
         {"now": ts(now)},
     )
-    return [job_from_row(row) for row in rows]
 
 
 def release(db: Database, runner_id: str, now: datetime) -> int:

@@ -3,23 +3,45 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from sqlite_utils import Database
 
-from bot.models import AuditEvent, UserPrefs, utcnow
+from bot.models import AuditEvent, UserPrefs, check_ssh_key, utcnow
+from store import quarantine
 from store.jobs import ts
+from store.quarantine import RowUnreadable
 from store.tx import immediate
 
 
 def get_prefs(db: Database, user: str) -> UserPrefs:
+    """The saved settings (empty when there are none). A saved row that does not
+    validate, keys included, is quarantined and raises `RowUnreadable`: deploying with
+    other keys than the person saved would lock them out of the VM without a word."""
     rows = list(db.query("SELECT * FROM user_prefs WHERE user = ?", [user]))
     if not rows:
         return UserPrefs(user=user)
-    row = rows[0]
-    return UserPrefs(
-        user=user,
-        ssh_keys=tuple(json.loads(row["ssh_keys"])),
-        default_template=row["default_template"],
+    reasons: list[str] = []
+
+    def set_aside(row: dict[str, Any], reason: str) -> None:
+        reasons.append(reason)
+        quarantine.record(db, "user_prefs", user, None, reason, row)
+
+    found, _bad = quarantine.sift(rows, _prefs_from_row, set_aside)
+    if not found:
+        raise RowUnreadable("user_prefs", user, reasons[0] if reasons else "unreadable")
+    return found[0]
+
+
+def _prefs_from_row(row: dict[str, Any]) -> UserPrefs:
+    keys = json.loads(row["ssh_keys"])
+    if not isinstance(keys, list):
+        raise ValueError(f"ssh_keys: a list of keys was expected, not {type(keys).__name__}")
+    for key in keys:
+        if not isinstance(key, str) or check_ssh_key(key) != key:
+            raise ValueError(f"ssh_keys: {str(key)[:60]!r} is not a saved public key")
+    return UserPrefs.model_validate(
+        {"user": row["user"], "ssh_keys": keys, "default_template": row["default_template"]}
     )
 
 
@@ -31,7 +53,10 @@ def put_prefs(db: Database, prefs: UserPrefs) -> None:
 def add_key(db: Database, user: str, key: str, max_keys: int) -> UserPrefs | None:
     """Append a key (once) in one transaction; None when the user already has `max_keys`."""
     with immediate(db.conn):
-        prefs = get_prefs(db, user)
+        try:
+            prefs = get_prefs(db, user)
+        except RowUnreadable:  # quarantined with its raw text: the new key replaces it
+            prefs = UserPrefs(user=user)
         if any(_body(k) == _body(key) for k in prefs.ssh_keys):
             return prefs
         if len(prefs.ssh_keys) >= max_keys:

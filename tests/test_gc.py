@@ -31,12 +31,16 @@ async def seeded(tmp_path: Path) -> tuple[Settings, Store, SimBackend, dict[str,
     store = await Store.open(settings.database)
     sim = SimBackend("sim", time_scale=0.001)
     mine = store.installation_id
+    legacy_ids: list[str] = []
 
     async def job(name: str, address: str, state: JobState, *, legacy: bool = False) -> Job:
         args = parse(f"{name} {address}")
         assert isinstance(args, DeployArgs)
         made = Job.for_request(build_request(args, settings, "alice"), JobState.QUEUED)
         made = made.model_copy(update={"installation": None if legacy else mine})
+        if legacy:  # the ids of that time: 'j' and six characters
+            made = made.model_copy(update={"id": f"jold{len(legacy_ids):03d}"})
+            legacy_ids.append(made.id)
         await store.insert_job(made)
         path = {
             JobState.SUCCEEDED: [JobState.RUNNING, JobState.SUCCEEDED],

@@ -72,7 +72,10 @@ from bot.parser import (
         ("templates", Templates()),
         ("history", History(10)),
         ("history 25", History(25)),
-        ("status j4k7tq22", None),
+        ("status j4k", None),  # a prefix needs 4 characters
+        ("status j4k7", Status("j4k7")),
+        ("status J4K7TQA2", Status("j4k7tqa2")),
+        ("status j4k7tqa2bxw9cdn3efhpr", Status("j4k7tqa2bxw9cdn3efhpr")),
         ("status jabcdef", Status("jabcdef")),
         ("status #jabcdef", Status("jabcdef")),
         ("cancel jabcdef", Cancel("jabcdef")),

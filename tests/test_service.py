@@ -276,3 +276,42 @@ async def test_a_succeeded_vm_holds_its_name_until_it_is_gone(
     assert released.events[-1].detail.endswith("its name and address are free again")
     await deployer.drain()
     assert (await deployer.status(again.id)).job.state is JobState.SUCCEEDED
+
+
+async def test_cancel_while_awaiting_approval_closes_the_approval(strict: Deployer) -> None:
+    job = await strict.request_deploy(args("web01 10.0.0.50"), "alice")
+    await strict.cancel(job.id[:6], "alice")
+    info = await strict.status(job.id)
+    assert info.job.state is JobState.CANCELLED and info.approval is not None
+    assert (info.approval.state, info.approval.decided_by) == (ApprovalState.CANCELLED, "alice")
+    with pytest.raises(TransitionRefused, match="alice cancelled it at"):
+        await strict.approve(job.id, "bob")
+    with pytest.raises(TransitionRefused, match="not awaiting approval"):
+        await strict.may_decide(job.id, "carol")
+    # Past its expiry it is not listed as pending, and expiring leaves it cancelled.
+    later = utcnow() + timedelta(days=1)
+    assert await strict.store.expired_approvals(later) == []
+    assert await strict.expire_approvals(later) == []
+    after = await strict.status(job.id)
+    assert after.approval is not None and after.approval.state is ApprovalState.CANCELLED
+    assert after.job.state is JobState.CANCELLED
+
+
+async def test_a_cancel_racing_an_approval_leaves_both_rows_agreeing(strict: Deployer) -> None:
+    for number in range(10):
+        job = await strict.request_deploy(args(f"race{number} 10.0.0.{60 + number}"), "alice")
+        results = await asyncio.gather(
+            strict.cancel(job.id, "alice"), strict.approve(job.id, "bob"), return_exceptions=True
+        )
+        assert sum(not isinstance(r, BaseException) for r in results) >= 1
+        info = await strict.status(job.id)
+        assert info.approval is not None
+        pairs = {
+            (JobState.CANCELLED, ApprovalState.CANCELLED),
+            (JobState.QUEUED, ApprovalState.APPROVED),
+            (JobState.RUNNING, ApprovalState.APPROVED),
+            (JobState.SUCCEEDED, ApprovalState.APPROVED),
+            (JobState.ROLLING_BACK, ApprovalState.APPROVED),
+        }
+        assert (info.job.state, info.approval.state) in pairs
+    await strict.drain()

@@ -19,19 +19,20 @@ async def test_request_approve_and_watch_the_thread(tmp_path: Path) -> None:
         shell = Shell(d, "alice", out)
         await shell.handle("/deploy web01 10.0.0.50")
         job_id = (await d.history(1))[0].id
-        await shell.handle(f"approve {job_id}")
+        short = job_id[:8]  # what the thread shows, and what people type
+        await shell.handle(f"approve {short}")
         assert "You cannot approve or reject your own request" in out.getvalue()
         await shell.handle("as bob")
-        await shell.handle(f"approve {job_id}")
+        await shell.handle(f"approve {short}")
         await d.drain()
-        await shell.handle(f"/deploy status {job_id}")
+        await shell.handle(f"/deploy status {short}")
         await shell.handle("/deploy templates")
         await shell.handle("/deploy web02 10.0.0.500")
         await shell.handle("/deploy")
     text = out.getvalue()
     assert f"┌ web01 10.0.0.50 on sim: awaiting approval (job {job_id})" in text
-    assert f"[web01 {job_id}] approved; queued." in text
-    assert f"[web01 {job_id}]     ssh ubuntu@10.0.0.50" in text
+    assert f"[web01 {short}] approved; queued." in text
+    assert f"[web01 {short}]     ssh ubuntu@10.0.0.50" in text
     assert "└ web01 10.0.0.50 on sim: ready" in text
     assert f"bot: Job {job_id}: web01 10.0.0.50 on sim: ready (requested by alice)" in text
     assert "approved by bob at" in text

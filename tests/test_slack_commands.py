@@ -138,14 +138,14 @@ async def test_subcommands_answer_ephemerally_with_blocks(tmp_path: Path) -> Non
         await h.fake.wait_for(is_reply("ssh ubuntu@10.0.0.50"))
         await h.settle()
         job = (await h.deployer.history(1))[0]
-        for text in (f"status {job.id}", "history", "templates", f"cancel {job.id}"):
+        for text in (f"status {job.short_id}", "history", "templates", f"cancel {job.id[:5]}"):
             await h.command(text)
             await h.settle()
         answers = h.fake.called("chat.postEphemeral", user=ALICE)[-4:]
         status, history, templates, cancel = answers
         assert "ready (requested by <@UALICE001>)" in status.text
         assert status.args["blocks"][0]["text"]["text"].startswith("```")
-        assert job.id in history.text and "ready" in history.text
+        assert job.short_id in history.text and "ready" in history.text
         assert "ubuntu-24.04 (ubuntu)" in templates.text
         assert f"Job {job.id} is succeeded: there is nothing to cancel." in cancel.text
         assert all(a.args["channel"] == CHANNEL for a in answers)

@@ -280,3 +280,38 @@ async def test_processes_opening_a_new_database_together_migrate_it_once(
         finally:
             for store in stores:
                 await store.close()
+
+
+async def test_v6_closes_approvals_that_cancels_left_pending(
+    tmp_path: Path, settings: Settings
+) -> None:
+    """Before v6 a cancel left the job's approval pending; the migration closes those."""
+    from sqlite_utils import Database
+
+    from store.jobs import job_row
+    from store.migrations import MIGRATIONS
+
+    path = tmp_path / "old.db"
+    db = Database(sqlite3.connect(path))
+    for migration in MIGRATIONS[:5]:
+        migration(db)
+    db.execute("PRAGMA user_version = 5")
+    cancelled = make_job(settings, "web01", "10.0.0.50", state=JobState.CANCELLED)
+    waiting = make_job(settings, "web02", "10.0.0.51", state=JobState.AWAITING_APPROVAL)
+    for job in (cancelled, waiting):
+        db.table("jobs").insert(job_row(job))
+        approval = Approval(job_id=job.id, reason_required="x", expires_at=utcnow())
+        db.table("approvals").insert(
+            {k: str(v) if v is not None else None for k, v in approval.model_dump().items()}
+        )
+    db.conn.commit()
+    db.conn.close()
+    store = await Store.open(path)
+    try:
+        first = await store.get_approval(cancelled.id)
+        second = await store.get_approval(waiting.id)
+        assert first is not None and first.state is ApprovalState.CANCELLED
+        assert second is not None and second.state is ApprovalState.PENDING
+        assert await store.quarantine_records() == []
+    finally:
+        await store.close()

@@ -110,7 +110,7 @@ def dicts(blocks: Sequence[Block]) -> list[dict[str, Any]]:
 def parent(job: Job, headline: str) -> list[dict[str, Any]]:
     """The channel message that stands for one deploy; `chat.update` keeps it current.
     `headline` is mrkdwn already (messages.slack_headline)."""
-    context = f"job {job.id} · requested by {messages.mention(job.requester)}"
+    context = f"job {job.short_id} · requested by {messages.mention(job.requester)}"
     return dicts(
         [
             SectionBlock(text=MarkdownTextObject(text=fit(f"*{headline}*", SECTION_MAX))),
