@@ -589,7 +589,10 @@ async def test_the_task_waiter_has_a_timeout(pve: FakePVE) -> None:
     finally:
         await backend.close()
     polls = pve.sent("GET", "/nodes/{node}/tasks/{upid}/status")
-    assert 2 < len(polls) == backend.api.task_polls  # polled, and counted every poll
+    # Polled, and every poll counted. The timeout may cancel the last poll after it was
+    # counted but before the server saw it, so the two may differ by that one.
+    assert len(polls) > 2
+    assert len(polls) <= backend.api.task_polls <= len(polls) + 1
 
 
 async def test_a_clone_whose_answer_was_lost_is_adopted_not_repeated(pve: FakePVE) -> None:
