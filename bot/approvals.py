@@ -11,6 +11,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from datetime import datetime
 
+from bot import progress as tell
 from bot.errors import DeployBotError, Duplicate, NotAllowed, TransitionRefused
 from bot.models import ApprovalState, DeployRequest, Job, JobState, utcnow
 from bot.progress import Progress
@@ -89,7 +90,12 @@ class Approvals:
         await self.check_decider(job_id, approver)
         try:
             decided_now = await self.store.decide(
-                job_id, decision, by=approver, note=note, dedupe_key=dedupe_key
+                job_id,
+                decision,
+                by=approver,
+                note=note,
+                dedupe_key=dedupe_key,
+                notices=[tell.updated(job_id, note or "")],
             )
         except AlreadyDelivered:
             raise Duplicate(f"This decision on job {job_id} was already made.", job_id) from None
@@ -122,7 +128,8 @@ class Approvals:
             return
         if approval.expires_at > utcnow():
             return
-        if await self.store.decide(job.id, ApprovalState.EXPIRED, by=None):
+        told = [tell.updated(job.id)]
+        if await self.store.decide(job.id, ApprovalState.EXPIRED, by=None, notices=told):
             await self.progress.job_updated(await self._job(job.id))
         raise TransitionRefused(await self._undecidable(job.id))
 
@@ -147,7 +154,10 @@ class Approvals:
         """Expire every pending approval past its time; the jobs that expired now."""
         expired = []
         for job_id in await self.store.expired_approvals(now or utcnow()):
-            if await self.store.decide(job_id, ApprovalState.EXPIRED, by=None, at=now):
+            told = [tell.updated(job_id)]
+            if await self.store.decide(
+                job_id, ApprovalState.EXPIRED, by=None, at=now, notices=told
+            ):
                 try:
                     job = await self._job(job_id)
                 except DeployBotError:  # its record is damaged (now quarantined): skip it

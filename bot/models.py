@@ -416,6 +416,7 @@ class Notice(BaseModel):
     job_id: str
     kind: NoticeKind
     at: datetime = Field(default_factory=utcnow)
+    state: JobState | None = None  # the job's state then (the store fills it in)
     step: str | None = None
     duration_s: float | None = None
     ok: bool | None = None

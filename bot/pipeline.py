@@ -31,6 +31,7 @@ from backends.base import (
     Unreachable,
     VMRef,
 )
+from bot import progress as tell
 from bot.models import DeployRequest, Job, JobEvent, JobState, RollbackReport, utcnow
 from bot.progress import Progress
 from bot.settings import Settings
@@ -144,6 +145,7 @@ class Pipeline:
                 [JobState.QUEUED],
                 JobState.RUNNING,
                 held_by=self.owner,
+                notices=[tell.updated(job_id)],
                 started_at=utcnow(),
             )
             job = await self.store.get_job(job_id)
@@ -164,8 +166,9 @@ class Pipeline:
 
     async def _cancel_unstarted(self, job_id: str) -> Job | None:
         """Cancelled while starting: nothing was created, whichever state the job reached."""
+        over = [tell.finished(job_id, RollbackReport())]
         if not await self.store.transition(
-            job_id, [JobState.QUEUED], JobState.CANCELLED, finished_at=utcnow()
+            job_id, [JobState.QUEUED], JobState.CANCELLED, notices=over, finished_at=utcnow()
         ):
             await self.store.transition(
                 job_id, [JobState.RUNNING], JobState.ROLLING_BACK, held_by=self.owner
@@ -175,6 +178,7 @@ class Pipeline:
                 [JobState.ROLLING_BACK],
                 JobState.CANCELLED,
                 held_by=self.owner,
+                notices=over,
                 error="cancelled",
                 finished_at=utcnow(),
             )
@@ -342,7 +346,8 @@ class Pipeline:
     ) -> None:
         job = run.job
         await self.store.add_event(
-            JobEvent(job_id=job.id, step=step, phase="started", detail=detail)
+            JobEvent(job_id=job.id, step=step, phase="started", detail=detail),
+            tell.step_started(job.id, step, detail),
         )
         await self.progress.step_started(job, step, detail)
         loop = asyncio.get_running_loop()
@@ -358,14 +363,16 @@ class Pipeline:
                     phase="failed",
                     duration_s=elapsed,
                     detail=failure.reason,
-                )
+                ),
+                tell.step_finished(job.id, step, elapsed, False, failure.reason),
             )
             await self.progress.step_finished(job, step, elapsed, False, failure.reason)
             raise
         elapsed = loop.time() - began
         done = result if isinstance(result, str) else ""
         await self.store.add_event(
-            JobEvent(job_id=job.id, step=step, phase="finished", duration_s=elapsed, detail=done)
+            JobEvent(job_id=job.id, step=step, phase="finished", duration_s=elapsed, detail=done),
+            tell.step_finished(job.id, step, elapsed, True, done),
         )
         await self.progress.step_finished(job, step, elapsed, True, done)
 
@@ -414,7 +421,9 @@ class Pipeline:
         return result
 
     async def _note(self, job: Job, step: str, text: str) -> None:
-        await self.store.add_event(JobEvent(job_id=job.id, step=step, phase="note", detail=text))
+        await self.store.add_event(
+            JobEvent(job_id=job.id, step=step, phase="note", detail=text), tell.noted(job.id, text)
+        )
         await self.progress.job_note(job, text)
 
     async def _skip(self, run: _Run, step: str, why: str) -> None:
@@ -430,6 +439,7 @@ class Pipeline:
             [JobState.RUNNING],
             JobState.SUCCEEDED,
             held_by=self.owner,
+            notices=[tell.finished(run.job.id, None)],
             final_address=run.address,
             host_key=run.host_key,
             finished_at=utcnow(),
@@ -446,7 +456,11 @@ class Pipeline:
     ) -> Job | None:
         job_id = run.job.id
         if not await self.store.transition(
-            job_id, [JobState.RUNNING], JobState.ROLLING_BACK, held_by=self.owner
+            job_id,
+            [JobState.RUNNING],
+            JobState.ROLLING_BACK,
+            held_by=self.owner,
+            notices=[tell.updated(job_id)],
         ):
             # Not ours any more (taken over after our lease lapsed): the new owner
             # decides about the VM; touching it here could destroy what it resumes.
@@ -461,6 +475,7 @@ class Pipeline:
             [JobState.ROLLING_BACK],
             final,
             held_by=self.owner,
+            notices=[tell.finished(job_id, report)],
             failed_step=failure.step if failure else None,
             error=failure.reason if failure else "cancelled",
             wreckage=", ".join(report.wreckage) or None,

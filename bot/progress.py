@@ -11,7 +11,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
-from bot.models import Job, RollbackReport
+from bot.models import Job, Notice, NoticeKind, RollbackReport
 
 log = logging.getLogger(__name__)
 
@@ -68,3 +68,34 @@ class Fanout:
 
     async def job_note(self, job: Job, text: str) -> None:
         await self._each("job_note", lambda p: p.job_note(job, text))
+
+
+# --- notices: the same news, kept in the store for the chat front ends ------------------
+# Each is written in the transaction of the change it reports (bot.models.Notice).
+
+
+def updated(job_id: str, note: str = "") -> Notice:
+    return Notice(job_id=job_id, kind=NoticeKind.UPDATED, text=note)
+
+
+def step_started(job_id: str, step: str, detail: str) -> Notice:
+    return Notice(job_id=job_id, kind=NoticeKind.STEP_STARTED, step=step, text=detail)
+
+
+def step_finished(job_id: str, step: str, duration_s: float, ok: bool, detail: str) -> Notice:
+    return Notice(
+        job_id=job_id,
+        kind=NoticeKind.STEP_FINISHED,
+        step=step,
+        duration_s=duration_s,
+        ok=ok,
+        text=detail,
+    )
+
+
+def noted(job_id: str, text: str) -> Notice:
+    return Notice(job_id=job_id, kind=NoticeKind.NOTE, text=text)
+
+
+def finished(job_id: str, rollback: RollbackReport | None) -> Notice:
+    return Notice(job_id=job_id, kind=NoticeKind.FINISHED, rollback=rollback)

@@ -16,6 +16,7 @@ import logging
 from collections.abc import Mapping
 
 from backends.base import Backend, BackendError, VMRef
+from bot import progress as tell
 from bot.models import FINAL_STATES, Job, JobEvent, JobState, RollbackReport, utcnow
 from bot.pipeline import Pipeline, Undo, resume_point, vm_ref
 from bot.progress import Progress
@@ -57,6 +58,7 @@ async def recover_interrupted(
         [JobState.ROLLING_BACK],
         JobState.FAILED,
         held_by=me,
+        notices=[tell.finished(job.id, report)],
         error=INTERRUPTED,
         wreckage=", ".join(report.wreckage) or None,
         finished_at=utcnow(),
@@ -115,7 +117,8 @@ async def sweep_wreckage(
             await store.update_job(job.id, wreckage=None)
             text = f"the VM left behind ({ref.vm_id}) has now been removed."
             await store.add_event(
-                JobEvent(job_id=job.id, step="rollback", phase="note", detail=text)
+                JobEvent(job_id=job.id, step="rollback", phase="note", detail=text),
+                tell.noted(job.id, text),
             )
             await progress.job_note(job, text)
             cleaned.append(job.id)

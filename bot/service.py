@@ -17,6 +17,7 @@ from datetime import datetime, timedelta
 
 from backends.base import Backend, BackendError, Network, Storage, Template
 from bot import jobrefs
+from bot import progress as tell
 from bot.approvals import Approvals, GroupMembers, approval_reason
 from bot.errors import (
     Conflict,
@@ -99,6 +100,7 @@ class Deployer:
         self._expiry: asyncio.Task[None] | None = None
         self._sweeper: asyncio.Task[None] | None = None
         self.ready = asyncio.Event()  # set once start() has recovered and claimed
+        self._closed = False
 
     @property
     def group_members(self) -> GroupMembers | None:
@@ -133,7 +135,11 @@ class Deployer:
 
     async def close(self, grace_s: float = 30.0) -> None:
         """Stop taking work, let running jobs finish within `grace_s` (renewing their
-        leases meanwhile), then hand queued jobs back to the other runners."""
+        leases meanwhile), then hand queued jobs back to the other runners. Closing
+        twice does nothing more."""
+        if self._closed:
+            return
+        self._closed = True
         self.ownership.closing = True
         for task in (self._expiry, self._sweeper):
             if task:
@@ -282,7 +288,9 @@ class Deployer:
             approval = Approval(job_id=job.id, reason_required=reason, expires_at=expires)
         for attempt in range(3):
             try:
-                job = await self.store.insert_job(job, approval, dedupe_key=dedupe_key)
+                job = await self.store.insert_job(
+                    job, approval, dedupe_key=dedupe_key, announce=True
+                )
                 break
             except AlreadyDelivered as seen:
                 raise Duplicate(_already_have(seen.job_id), seen.job_id) from None
@@ -467,10 +475,16 @@ class Deployer:
     async def _cancel_unstarted(self, job: Job, user: str) -> bool:
         """A job awaiting approval has its approval closed in the same transaction, so
         nobody can approve it afterwards."""
+        told = [tell.updated(job.id, f"cancelled by {user}")]
         if job.state is JobState.AWAITING_APPROVAL:
-            return await self.store.cancel_awaiting(job.id, by=user)
+            return await self.store.cancel_awaiting(job.id, by=user, notices=told)
         return await self.store.transition(
-            job.id, [job.state], JobState.CANCELLED, error="cancelled", finished_at=utcnow()
+            job.id,
+            [job.state],
+            JobState.CANCELLED,
+            notices=told,
+            error="cancelled",
+            finished_at=utcnow(),
         )
 
     async def status(self, job_id: str) -> JobStatus:

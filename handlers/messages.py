@@ -149,6 +149,17 @@ def finished(job: Job, rollback: RollbackReport | None) -> list[str]:
     return lines
 
 
+def slack_outcome_dm(job: Job) -> str:
+    """Plain: the outcome told to the requester by direct message (escaped by the caller)."""
+    where = f"{job.name} {job.address} (job {job.short_id})"
+    if job.state is JobState.SUCCEEDED:
+        return f"{where} is ready: `{job.ssh_line}`"
+    if job.state is JobState.CANCELLED:
+        return f"{where} was cancelled; its thread says what was removed."
+    step = step_label(job.failed_step) if job.failed_step else "an earlier step"
+    return f"{where} failed at {step}: {job.error}. Its thread says what was rolled back."
+
+
 def _rollback_lines(rollback: RollbackReport | None) -> list[str]:
     if rollback is None:
         return []

@@ -7,15 +7,16 @@ cancelling) exactly one wins. These functions run on the store's worker thread.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
 from sqlite_utils import Database
 
-from bot.models import Approval, ApprovalState, JobState, utcnow
-from store import quarantine
-from store.jobs import claim, ts
-from store.tx import immediate
+from bot.models import Approval, ApprovalState, JobState, Notice, utcnow
+from store import outbox, quarantine
+from store.jobs import claim
+from store.tx import immediate, ts
 
 
 def get_approval(db: Database, job_id: str) -> Approval | None:
@@ -48,8 +49,10 @@ def decide(
     note: str | None = None,
     at: datetime | None = None,
     dedupe_key: str | None = None,
+    notices: Sequence[Notice] = (),
 ) -> bool:
-    """Approve, reject or expire a pending request: both rows change, or neither does.
+    """Approve, reject or expire a pending request: both rows change, or neither does
+    (and the `notices` are kept with them).
 
     With a `dedupe_key`, a second delivery of the same decision raises `AlreadyDelivered`.
     """
@@ -62,7 +65,7 @@ def decide(
     }[decision]
     when = ts(at or utcnow())
     try:
-        _decide(db, job_id, decision.value, job_state, by, note, when, dedupe_key)
+        _decide(db, job_id, decision.value, job_state, by, note, when, dedupe_key, notices)
     except _Undecided:
         return False
     return True
@@ -81,6 +84,7 @@ def _decide(
     note: str | None,
     when: str,
     dedupe_key: str | None,
+    notices: Sequence[Notice],
 ) -> None:
     final = "" if job_state is JobState.QUEUED else ", finished_at = :at"
     with immediate(db.conn):
@@ -100,6 +104,7 @@ def _decide(
         ).rowcount
         if moved != 1:
             raise _Undecided  # rolls the approval row back too
+        outbox.add(db, notices, job_state)
 
 
 def expired_approvals(db: Database, now: datetime) -> list[str]:
@@ -115,7 +120,9 @@ def expired_approvals(db: Database, now: datetime) -> list[str]:
     return [row["job_id"] for row in rows]
 
 
-def cancel_awaiting(db: Database, job_id: str, *, by: str, at: datetime) -> bool:
+def cancel_awaiting(
+    db: Database, job_id: str, *, by: str, at: datetime, notices: Sequence[Notice] = ()
+) -> bool:
     """Cancel a job that awaits approval and close its approval, in one transaction, so
     no approver can approve it afterwards; False when it no longer awaited approval."""
     when = ts(at)
@@ -132,4 +139,5 @@ def cancel_awaiting(db: Database, job_id: str, *, by: str, at: datetime) -> bool
             "WHERE job_id = :id AND state = 'pending'",
             {"by": by, "at": when, "id": job_id},
         )
+        outbox.add(db, notices, JobState.CANCELLED)
     return True

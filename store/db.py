@@ -26,10 +26,11 @@ from bot.models import (
     Job,
     JobEvent,
     JobState,
+    Notice,
     UserPrefs,
     utcnow,
 )
-from store import approvals, gc, jobs, owners, quarantine, users
+from store import approvals, gc, jobs, outbox, owners, quarantine, users
 from store.jobs import AlreadyDelivered, DuplicateActive
 from store.migrations import migrate
 from store.quarantine import Quarantined, RowUnreadable
@@ -77,7 +78,10 @@ class Store:
         self.installation_id = installation_id
         self._executor = executor
         self._db = db
-        self._events: list[tuple[JobEvent, asyncio.Future[None]]] = []
+        self._events: list[tuple[JobEvent, Notice | None, asyncio.Future[None]]] = []
+        # Set by a front end that delivers the outbox: told when this process kept a
+        # notice, so it need not wait for its next look to deliver it.
+        self.on_notice: Callable[[], None] | None = None
         self._writing_events: asyncio.Task[None] | None = None
 
     @classmethod
@@ -106,12 +110,20 @@ class Store:
     # --- jobs ---------------------------------------------------------------------
 
     async def insert_job(
-        self, job: Job, approval: Approval | None = None, *, dedupe_key: str | None = None
+        self,
+        job: Job,
+        approval: Approval | None = None,
+        *,
+        dedupe_key: str | None = None,
+        announce: bool = False,
     ) -> Job:
         """Raises `DuplicateActive` when a job in flight holds the name or the address,
         `AlreadyDelivered` when `dedupe_key` was used before (then nothing is written).
-        Returns the job as stored: with a fresh id if its random one was taken."""
-        return await self._call(jobs.insert_job, self._db, job, approval, dedupe_key)
+        Returns the job as stored: with a fresh id if its random one was taken. With
+        `announce`, chat is told of the new job (a notice in the same transaction)."""
+        stored = await self._call(jobs.insert_job, self._db, job, approval, dedupe_key, announce)
+        self._noticed(announce)
+        return stored
 
     async def delivered(self, dedupe_key: str) -> str | None:
         """The job a dedupe key was used for, or None when it is new."""
@@ -143,12 +155,16 @@ class Store:
         new: JobState,
         *,
         held_by: str | None = None,
+        notices: Sequence[Notice] = (),
         **fields: Any,
     ) -> bool:
-        """Compare-and-set; with `held_by`, only while that runner owns the job."""
-        return await self._call(
-            jobs.transition, self._db, job_id, tuple(expected), new, held_by, **fields
+        """Compare-and-set; with `held_by`, only while that runner owns the job. The
+        `notices` are kept in the same transaction, and only if the job moved."""
+        moved = await self._call(
+            jobs.transition, self._db, job_id, tuple(expected), new, held_by, notices, **fields
         )
+        self._noticed(moved and bool(notices))
+        return moved
 
     async def update_job(self, job_id: str, *, held_by: str | None = None, **fields: Any) -> bool:
         return await self._call(jobs.update_job, self._db, job_id, held_by, **fields)
@@ -191,13 +207,13 @@ class Store:
     async def request_cancel(self, job_id: str, by: str) -> bool:
         return await self._call(owners.request_cancel, self._db, job_id, by)
 
-    async def add_event(self, event: JobEvent) -> None:
+    async def add_event(self, event: JobEvent, notice: Notice | None = None) -> None:
         """Returns once the event is committed. Events added together (fifty deploys
         finishing a step at once) go to the worker thread as one transaction: one hand-
         over instead of fifty, each of which would wait for the GIL while the event loop
         is busy resuming those same deploys."""
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._events.append((event, done))
+        self._events.append((event, notice, done))
         if self._writing_events is None or self._writing_events.done():
             self._writing_events = asyncio.create_task(self._write_events())
         await done
@@ -206,15 +222,17 @@ class Store:
         while self._events:
             batch, self._events = self._events, []
             try:
-                failures = await self._call(jobs.add_events, self._db, [e for e, _ in batch])
+                items = [(event, notice) for event, notice, _done in batch]
+                failures = await self._call(jobs.add_events, self._db, items)
             except Exception as exc:  # the database itself failed: every caller hears it
                 failures = [exc] * len(batch)
             except BaseException:  # cancelled (the loop is going away): nobody may hang
-                for _event, done in batch + self._events:
+                for _event, _notice, done in batch + self._events:
                     done.cancel()
                 self._events = []  # their callers were told; a later writer must not
                 raise
-            for (_event, done), failure in zip(batch, failures, strict=True):
+            self._noticed(any(n is not None for _e, n, _d in batch))
+            for (_event, _notice, done), failure in zip(batch, failures, strict=True):
                 if done.done():  # its caller was cancelled; the event was written anyway
                     continue
                 if failure is None:
@@ -266,8 +284,9 @@ class Store:
         note: str | None = None,
         at: datetime | None = None,
         dedupe_key: str | None = None,
+        notices: Sequence[Notice] = (),
     ) -> bool:
-        return await self._call(
+        decided = await self._call(
             approvals.decide,
             self._db,
             job_id,
@@ -276,14 +295,57 @@ class Store:
             note=note,
             at=at,
             dedupe_key=dedupe_key,
+            notices=notices,
         )
+        self._noticed(decided and bool(notices))
+        return decided
 
     async def expired_approvals(self, now: datetime) -> list[str]:
         return await self._call(approvals.expired_approvals, self._db, now)
 
-    async def cancel_awaiting(self, job_id: str, *, by: str) -> bool:
+    async def cancel_awaiting(
+        self, job_id: str, *, by: str, notices: Sequence[Notice] = ()
+    ) -> bool:
         """Cancel a job awaiting approval and close its approval in one transaction."""
-        return await self._call(approvals.cancel_awaiting, self._db, job_id, by=by, at=utcnow())
+        cancelled = await self._call(
+            approvals.cancel_awaiting, self._db, job_id, by=by, at=utcnow(), notices=notices
+        )
+        self._noticed(cancelled and bool(notices))
+        return cancelled
+
+    # --- the outbox (store/outbox.py) -------------------------------------------------
+
+    def _noticed(self, written: bool) -> None:
+        if written and self.on_notice is not None:
+            self.on_notice()
+
+    async def outbox_new_since(self, after: int, limit: int) -> list[Notice]:
+        return await self._call(outbox.new_since, self._db, after, limit)
+
+    async def outbox_undelivered(self, job_id: str) -> list[Notice]:
+        return await self._call(outbox.undelivered, self._db, job_id)
+
+    async def outbox_claim(
+        self, job_ids: Sequence[str], me: str, now: datetime, until: datetime
+    ) -> set[str]:
+        if not job_ids:
+            return set()
+        return await self._call(outbox.claim, self._db, list(job_ids), me, now, until)
+
+    async def outbox_renew(self, me: str, until: datetime) -> None:
+        await self._call(outbox.renew, self._db, me, until)
+
+    async def outbox_orphaned(self, now: datetime, limit: int) -> list[str]:
+        return await self._call(outbox.orphaned, self._db, now, limit)
+
+    async def outbox_mark_delivered(self, ids: Sequence[int], now: datetime) -> None:
+        await self._call(outbox.mark_delivered, self._db, list(ids), now)
+
+    async def outbox_release(self, job_id: str, me: str, now: datetime) -> None:
+        await self._call(outbox.release, self._db, job_id, me, now)
+
+    async def outbox_pending(self) -> int:
+        return await self._call(outbox.pending_count, self._db)
 
     # --- gc runs ------------------------------------------------------------------
 

@@ -9,8 +9,7 @@ from datetime import datetime
 from sqlite_utils import Database
 
 from bot.models import utcnow
-from store.jobs import ts
-from store.tx import immediate
+from store.tx import immediate, ts
 
 
 def record_gc_run(

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from collections.abc import Iterable
-from datetime import UTC, datetime
+from collections.abc import Iterable, Sequence
+from datetime import datetime
 from enum import Enum
 from typing import Any
 
@@ -24,12 +24,14 @@ from bot.models import (
     Job,
     JobEvent,
     JobState,
+    Notice,
+    NoticeKind,
     new_job_id,
     utcnow,
 )
-from store import quarantine
+from store import outbox, quarantine
 from store.quarantine import QUARANTINED
-from store.tx import immediate
+from store.tx import immediate, ts
 
 # Columns a transition may set besides state and updated_at.
 _JOB_FIELDS = frozenset(Job.model_fields) - {"id", "state", "request", "created_at", "updated_at"}
@@ -41,11 +43,6 @@ class DuplicateActive(Exception):
     def __init__(self, what: str) -> None:
         super().__init__(what)
         self.what = what
-
-
-def ts(moment: datetime) -> str:
-    """One fixed-width UTC format, so text order is time order in every query."""
-    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 def _sql_value(value: Any) -> Any:
@@ -140,14 +137,19 @@ _ID_ATTEMPTS = 5
 
 
 def insert_job(
-    db: Database, job: Job, approval: Approval | None = None, dedupe_key: str | None = None
+    db: Database,
+    job: Job,
+    approval: Approval | None = None,
+    dedupe_key: str | None = None,
+    announce: bool = False,
 ) -> Job:
     """Insert a new job (and its approval) and return it as stored. Its id is random:
     should it be a stored job's already, the insert is made again with a fresh id, so the
-    job returned may carry another id than the one given."""
+    job returned may carry another id than the one given. `announce`: chat must hear of
+    it (a notice in the same transaction)."""
     for _attempt in range(_ID_ATTEMPTS):
         try:
-            _insert_job(db, job, approval, dedupe_key)
+            _insert_job(db, job, approval, dedupe_key, announce)
         except _IdTaken:
             job = job.model_copy(update={"id": new_job_id()})
             if approval is not None:
@@ -157,7 +159,9 @@ def insert_job(
     raise RuntimeError(f"{_ID_ATTEMPTS} random job ids were all taken: is new_job_id broken?")
 
 
-def _insert_job(db: Database, job: Job, approval: Approval | None, dedupe_key: str | None) -> None:
+def _insert_job(
+    db: Database, job: Job, approval: Approval | None, dedupe_key: str | None, announce: bool
+) -> None:
     with immediate(db.conn):
         if dedupe_key is not None:
             claim(db, dedupe_key, job.id, "request")
@@ -174,6 +178,8 @@ def _insert_job(db: Database, job: Job, approval: Approval | None, dedupe_key: s
             raise
         if approval is not None:
             db.table("approvals").insert(_row(approval))
+        if announce:
+            outbox.add(db, [Notice(job_id=job.id, kind=NoticeKind.UPDATED)], job.state)
 
 
 def holder(db: Database, *, backend: str, name: str, address: str) -> Job | None:
@@ -217,11 +223,13 @@ def transition(
     expected: Iterable[JobState],
     new: JobState,
     held_by: str | None = None,
+    notices: Sequence[Notice] = (),
     **fields: Any,
 ) -> bool:
     """Move a job from one of `expected` to `new`; False when it was not in those states
     (or, with `held_by`, when that runner no longer owns it: a runner whose lease lapsed
-    and whose job was taken over must not write over the new owner's work)."""
+    and whose job was taken over must not write over the new owner's work). The
+    `notices` (what chat must be told of it) are kept only if the move happened."""
     expected = tuple(expected)
     for state in expected:
         if new not in TRANSITIONS.get(state, frozenset()):
@@ -243,8 +251,10 @@ def transition(
         f"WHERE id = :id AND state IN ({marks}){fence}"
     )
     with immediate(db.conn):
-        cursor = db.execute(sql, params)
-    return cursor.rowcount == 1
+        moved = db.execute(sql, params).rowcount == 1
+        if moved:
+            outbox.add(db, notices, new)
+    return moved
 
 
 def update_job(db: Database, job_id: str, held_by: str | None = None, **fields: Any) -> bool:
@@ -265,26 +275,30 @@ def update_job(db: Database, job_id: str, held_by: str | None = None, **fields: 
     return cursor.rowcount == 1
 
 
-def add_event(db: Database, event: JobEvent) -> None:
+def add_event(db: Database, event: JobEvent, notice: Notice | None = None) -> None:
     with immediate(db.conn):
         db.table("job_events").insert(_row(event))
+        outbox.add(db, [notice] if notice else [])
 
 
-def add_events(db: Database, events: list[JobEvent]) -> list[Exception | None]:
-    """Write several events in one transaction; what went wrong with each (None: it was
-    written). One that cannot be written (its job is gone) must not lose the others, so
-    a failed batch is written again one by one."""
+def add_events(
+    db: Database, events: list[tuple[JobEvent, Notice | None]]
+) -> list[Exception | None]:
+    """Write several events (each with what chat must be told of it) in one transaction;
+    what went wrong with each (None: it was written). One that cannot be written (its
+    job is gone) must not lose the others, so a failed batch is written again one by one."""
     try:
         with immediate(db.conn):
-            db.table("job_events").insert_all(_row(e) for e in events)
+            db.table("job_events").insert_all(_row(e) for e, _n in events)
+            outbox.add(db, [n for _e, n in events if n is not None])
     except Exception:  # whichever one it was, it fails alone below
         pass
     else:
         return [None] * len(events)
     failures: list[Exception | None] = []
-    for event in events:
+    for event, notice in events:
         try:
-            add_event(db, event)
+            add_event(db, event, notice)
         except Exception as exc:  # handed to that event's caller
             failures.append(exc)
         else:

@@ -20,16 +20,18 @@ from typing import Any
 
 from sqlite_utils import Database
 
-from bot.models import Notice
-from store.jobs import ts
-from store.tx import immediate
+from bot.models import JobState, Notice
+from store.tx import immediate, ts
 
 DELIVERED_KEPT_DAYS = 7
 
 
-def add(db: Database, notices: Iterable[Notice]) -> None:
-    """Inside the caller's transaction: keep the notices of jobs followed in chat."""
+def add(db: Database, notices: Iterable[Notice], state: JobState | None = None) -> None:
+    """Inside the caller's transaction: keep the notices of jobs followed in chat, each
+    with the job's state as the change left it (`state`, unless the notice has one)."""
     for notice in notices:
+        if notice.state is None and state is not None:
+            notice = notice.model_copy(update={"state": state})
         body = notice.model_dump_json(exclude={"id"})
         db.execute(
             "INSERT INTO outbox (job_id, kind, urgent, body, created_at) "

@@ -20,8 +20,8 @@ from typing import Any
 from sqlite_utils import Database
 
 from bot.models import Job, JobState
-from store.jobs import SELECT_JOBS, listing, ts
-from store.tx import immediate
+from store.jobs import SELECT_JOBS, listing
+from store.tx import immediate, ts
 
 # States in which a job has an owner: reserved by it (queued) or being worked on.
 _OWNED = ("queued", "running", "rolling_back")
@@ -157,6 +157,7 @@ def release(db: Database, runner_id: str, now: datetime) -> int:
         db.execute(
             "UPDATE runners SET stopped_at = :now, lease_until = :now WHERE id = :me", params
         )
+        db.execute("DELETE FROM outbox_claims WHERE holder = :me", params)
     return int(handed)
 
 
@@ -182,6 +183,8 @@ def declare_dead(db: Database, runner_id: str, now: datetime) -> None:
             f"UPDATE jobs SET lease_until = NULL WHERE owner = :id AND state IN {_OWNED_SQL}",
             params,
         )
+        # Its chat deliveries too (store/outbox.py): another process tells what it could not.
+        db.execute("UPDATE outbox_claims SET until = '' WHERE holder = :id", params)
 
 
 def request_cancel(db: Database, job_id: str, by: str) -> bool:

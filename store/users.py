@@ -9,9 +9,8 @@ from sqlite_utils import Database
 
 from bot.models import AuditEvent, UserPrefs, check_ssh_key, utcnow
 from store import quarantine
-from store.jobs import ts
 from store.quarantine import RowUnreadable
-from store.tx import immediate
+from store.tx import immediate, ts
 
 
 def get_prefs(db: Database, user: str) -> UserPrefs:

@@ -119,6 +119,15 @@ class FakeSlack:
         assert call is not None
         return call
 
+    async def next_call(self, within: float) -> bool:
+        """Wait until another call is recorded; False if none came within `within` s."""
+        try:
+            async with asyncio.timeout(within), self._changed:
+                await self._changed.wait()
+        except TimeoutError:
+            return False
+        return True
+
     def thread(self, channel: str, ts: str) -> list[str]:
         """The texts of the replies in one thread, in order."""
         return [
@@ -195,8 +204,10 @@ class FakeSlack:
                 "user": "deploybot", "user_id": "UBOT00001", "bot_id": "B0000001"}  # fmt: skip
 
     def _channel(self, args: dict[str, Any]) -> str:
+        """A channel the bot is in, or a member's id: Slack posts that in the app's
+        direct conversation with them."""
         channel = str(args["channel"])
-        if channel not in self.channels:
+        if channel not in self.channels and channel not in self.users:
             raise Refused("channel_not_found")
         return channel
 

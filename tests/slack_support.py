@@ -259,7 +259,7 @@ async def slack_bot(
     threads = SlackThreads(client, settings.slack)
     sim = backend or SimBackend("sim", time_scale=SIM_SCALE)
     try:
-        async with running_deployer(settings, threads, backends={"sim": sim}, grace_s=5) as d:
+        async with running_deployer(settings, backends={"sim": sim}, grace_s=5) as d:
             bot = SlackBot(d, threads, client, signing_secret=SIGNING_SECRET)
             harness = Harness(fake, bot, d, threads)
             try:
@@ -267,7 +267,7 @@ async def slack_bot(
             finally:
                 await bot.settle()
                 await d.drain()
-        await threads.close()
+                await threads.close()
     finally:
         if own:
             await fake.close()

@@ -41,7 +41,11 @@ async def test_deploy_from_command_to_ssh_line(tmp_path: Path) -> None:
         assert time.monotonic() - started < 3
         sim.gate.set()
         parent = await h.fake.wait_for(
-            lambda c: c.method == "chat.postMessage" and "thread_ts" not in c.args
+            lambda c: (
+                c.method == "chat.postMessage"
+                and "thread_ts" not in c.args
+                and c.channel == CHANNEL
+            )
         )
         assert parent.channel == CHANNEL
         assert parent.text.startswith("web01 10.0.0.50 on sim: ")
@@ -101,8 +105,14 @@ async def test_a_redelivered_command_makes_one_job(tmp_path: Path) -> None:
         assert len(jobs) == 1
         answers = [c.text for c in h.fake.called("chat.postEphemeral", user=ALICE)]
         assert any(f"I already have this request as job {jobs[0].id}" in t for t in answers)
-        parents = [c for c in h.fake.called("chat.postMessage") if "thread_ts" not in c.args]
+        parents = [
+            c
+            for c in h.fake.called("chat.postMessage", channel=CHANNEL)
+            if "thread_ts" not in c.args
+        ]
         assert len(parents) == 1
+        (dm,) = h.fake.called("chat.postMessage", channel=ALICE)  # the outcome, told once
+        assert "ssh ubuntu@10.0.0.50" in dm.text
 
 
 async def test_bad_requests_are_told_to_the_user_and_queue_nothing(tmp_path: Path) -> None:

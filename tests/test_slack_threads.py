@@ -10,11 +10,13 @@ from backends.base import CloneSpec, VMRef
 from backends.sim import SimBackend
 from bot.models import JobState
 from tests.conftest import SIM_SCALE
+from tests.fake_slack import Call
 from tests.slack_support import CHANNEL, is_reply, slack_bot
 
 
-def is_parent(c: object) -> bool:
-    return getattr(c, "method", "") == "chat.postMessage" and "thread_ts" not in c.args  # type: ignore[attr-defined]
+def is_parent(c: Call) -> bool:
+    """A deploy's parent message (not a reply, not a direct message)."""
+    return c.method == "chat.postMessage" and "thread_ts" not in c.args and c.channel == CHANNEL
 
 
 class SlowClone(SimBackend):

@@ -9,7 +9,9 @@ something pending. Whatever piled up meanwhile goes out as one reply. The worker
 calls closer than the interval at Slack's end.
 
 A 429 that outlives the SDK's own retry (AsyncRateLimitErrorRetryHandler) puts the item
-back and pauses the channel for Retry-After; nothing pending is lost.
+back and pauses the channel for Retry-After; nothing pending is lost. So does a Slack
+that does not answer, with backoff. An item with an outcome to tell (a job ready or
+failed) goes before items with only progress.
 """
 
 from __future__ import annotations
@@ -20,10 +22,13 @@ import logging
 from collections import deque
 from typing import Protocol
 
+import aiohttp
 from slack_sdk.errors import SlackApiError
 from slack_sdk.web.async_client import AsyncWebClient
 
 log = logging.getLogger(__name__)
+RETRY_INITIAL_S = 1.0
+RETRY_MAX_S = 60.0
 
 
 class Item(Protocol):
@@ -32,6 +37,10 @@ class Item(Protocol):
     channel: str
 
     def pending(self) -> bool: ...
+
+    def urgent(self) -> bool:
+        """An outcome is waiting (a job ready or failed): it goes before progress."""
+        ...
 
     async def flush_one(self, client: AsyncWebClient) -> None:
         """Make exactly one Web API call; update own state only once it succeeded."""
@@ -54,6 +63,7 @@ class ChannelOutbox:
         self._idle = asyncio.Event()
         self._idle.set()
         self._next_at = 0.0
+        self._failures = 0  # calls in a row that Slack did not answer
         self._task: asyncio.Task[None] | None = None
 
     def touch(self, item: Item) -> None:
@@ -82,7 +92,10 @@ class ChannelOutbox:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            item = self._queue.popleft()
+            # Outcomes first: with the channel backlogged, the SSH line must not queue
+            # behind other jobs' step progress (that piles up and goes as one reply).
+            item = next((i for i in self._queue if i.urgent()), self._queue[0])
+            self._queue.remove(item)
             if not item.pending():
                 continue
             delay = self._next_at - loop.time()
@@ -97,6 +110,7 @@ class ChannelOutbox:
         """One call for `item`; returns how long the channel must rest afterwards."""
         try:
             await item.flush_one(self.client)
+            self._failures = 0
         except SlackApiError as exc:
             if exc.response.status_code == 429:
                 retry_after = _retry_after(exc)
@@ -104,6 +118,15 @@ class ChannelOutbox:
                 return retry_after
             log.error("Slack refused a call to %s: %s", self.channel, exc.response.get("error"))
             item.give_up()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            # Slack did not answer: the item keeps what it has to say and tries again;
+            # its notices stay undelivered in the store meanwhile.
+            self._failures += 1
+            pause = min(RETRY_MAX_S, RETRY_INITIAL_S * 2.0 ** (self._failures - 1))
+            log.warning(
+                "Slack did not answer for %s (%s); again in %.1f s", self.channel, exc, pause
+            )
+            return pause
         except Exception:
             log.exception("posting to %s failed; dropping that update", self.channel)
             item.give_up()

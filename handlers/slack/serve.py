@@ -94,7 +94,8 @@ async def serve(
     stop = stop or _stop_on_signals()
     client = make_client(secrets.bot_token, settings.slack.api_base_url)
     threads = SlackThreads(client, settings.slack)
-    async with running_deployer(settings, threads, runner_kind="serve", start=False) as deployer:
+    # Slack hears of jobs through the store's outbox (threads), not as a live listener.
+    async with running_deployer(settings, runner_kind="serve", start=False) as deployer:
         bot = SlackBot(deployer, threads, client, signing_secret=secrets.signing_secret)
         # Only now, with the threads bound: what recovery says must reach Slack. The
         # recoveries themselves go on in the background (`/readyz`).
@@ -107,7 +108,10 @@ async def serve(
                 await run_socket(bot, secrets.app_token, ready, stop)
         finally:
             await bot.settle()
-    await threads.close()
+            # Running jobs finish (or roll back) first, so their outcomes can still be
+            # told; what is not told within the grace period waits in the outbox.
+            await deployer.close()
+            await threads.close()
     return 0
 
 

@@ -1,151 +1,64 @@
-"""Slack threads: the `Progress` the core reports to, shown as one message per deploy.
+"""Slack delivery: what the store's outbox says must be told, told in Slack.
 
-Each deploy gets a parent message in the channel where it was asked for ("web01
-10.0.0.50 on sim: deploying"), kept current with `chat.update`, and a thread with one
-line per step and its duration, ending with `ssh USER@ADDRESS` or with what failed and
-what the rollback did. A request that needs approval also gets a card with Approve /
-Reject buttons in the approvals channel, replaced by the decision once there is one.
-
-Nothing here calls Slack directly: each thread and card only records what is still to
-be said and hands itself to the channel's outbox (handlers/slack/outbox.py), which
-paces and coalesces the calls. Where a thread lives is kept on the job (`thread_ref`,
-`approval_ref`), so after a restart the bot keeps updating the same messages.
+The core writes a notice (bot.models.Notice) in the same transaction as each change a
+person follows in chat (store/outbox.py). `SlackThreads` runs in every process with the
+Slack front end: it claims the jobs whose notices nobody is delivering (a lease per job,
+so one process writes a thread at a time and in order), turns each notice into the
+parts of messages it changes (handlers/slack/items.py), lets the per-channel outboxes
+pace and coalesce the calls (handlers/slack/outbox.py), and marks a notice delivered
+once every part of it is in Slack. A process that dies leaves its notices undelivered;
+once its leases lapse another process (or its restart) claims them, rebuilds each
+thread from the job's stored references, and carries on.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
-from dataclasses import dataclass, field
+from collections import Counter
+from datetime import datetime, timedelta
 
 from slack_sdk.web.async_client import AsyncWebClient
 
-from bot.models import ApprovalState, Job, JobState, RollbackReport
+from bot.models import ApprovalState, Job, JobState, Notice, NoticeKind, utcnow
 from bot.service import Deployer
 from bot.settings import SlackSettings
 from handlers import messages
 from handlers.slack import views
+from handlers.slack.items import ApprovalCard, DirectMessages, JobThread, Line, parse_ref
 from handlers.slack.outbox import Outboxes
 
 log = logging.getLogger(__name__)
-REPLY_MAX = 3500  # characters per coalesced thread reply
-
-
-def ref(channel: str, ts: str) -> str:
-    return f"{channel}/{ts}"
-
-
-def parse_ref(text: str | None) -> tuple[str, str] | None:
-    if not text or "/" not in text:
-        return None
-    channel, ts = text.split("/", 1)
-    return channel, ts
-
-
-@dataclass(eq=False)
-class JobThread:
-    """One deploy's parent message and thread, and what is still to be posted to it."""
-
-    job: Job
-    channel: str
-    deployer: Deployer
-    ts: str | None = None
-    step: str | None = None
-    shown: str | None = None  # the headline Slack currently shows
-    lines: list[str] = field(default_factory=list)
-    dead: bool = False
-
-    @property
-    def headline(self) -> str:
-        """Mrkdwn: the job's name and place come from the request, so they are escaped."""
-        return messages.slack_headline(self.job, self.step)
-
-    def pending(self) -> bool:
-        return not self.dead and (
-            self.ts is None or bool(self.lines) or self.shown != self.headline
-        )
-
-    async def flush_one(self, client: AsyncWebClient) -> None:
-        headline = self.headline
-        blocks = views.parent(self.job, headline)
-        if self.ts is None:
-            answer = await client.chat_postMessage(
-                channel=self.channel, text=headline, blocks=blocks
-            )
-            self.ts, self.shown = str(answer["ts"]), headline
-            await self.deployer.set_refs(self.job.id, thread_ref=ref(self.channel, self.ts))
-        elif self.lines:
-            batch = _batch(self.lines)
-            await client.chat_postMessage(
-                channel=self.channel, thread_ts=self.ts, text="\n".join(batch)
-            )
-            del self.lines[: len(batch)]
-        else:
-            await client.chat_update(channel=self.channel, ts=self.ts, text=headline, blocks=blocks)
-            self.shown = headline
-
-    def give_up(self) -> None:
-        self.dead = True
-
-
-def _batch(lines: list[str]) -> list[str]:
-    """As many pending lines as fit in one reply (at least one, cut if it is huge)."""
-    batch: list[str] = []
-    size = 0
-    for line in lines:
-        if batch and size + len(line) + 1 > REPLY_MAX:
-            break
-        batch.append(line if len(line) <= REPLY_MAX else views.fit(line, REPLY_MAX))
-        size += len(line) + 1
-    return batch
-
-
-@dataclass(eq=False)
-class ApprovalCard:
-    """The approval request with its buttons, and the decision that replaces them."""
-
-    job: Job
-    channel: str
-    deployer: Deployer
-    ts: str | None = None
-    outcome: str | None = None  # mrkdwn: the decision that replaces the buttons
-    shown: str | None = None
-    dead: bool = False
-
-    def pending(self) -> bool:
-        return not self.dead and (self.ts is None or self.outcome != self.shown)
-
-    async def flush_one(self, client: AsyncWebClient) -> None:
-        outcome = self.outcome
-        if outcome is None:
-            blocks = views.approval_request(self.job)
-            text = views.mrkdwn(messages.approval_needed(self.job))
-        else:
-            blocks = views.approval_decided(self.job, outcome)
-            text = outcome
-        if self.ts is None:
-            answer = await client.chat_postMessage(channel=self.channel, text=text, blocks=blocks)
-            self.ts = str(answer["ts"])
-            await self.deployer.set_refs(self.job.id, approval_ref=ref(self.channel, self.ts))
-        else:
-            await client.chat_update(channel=self.channel, ts=self.ts, text=text, blocks=blocks)
-        self.shown = outcome
-
-    def give_up(self) -> None:
-        self.dead = True
+LEASE_S = 30.0  # a delivery lease: another process takes a job's thread over after this
+POLL_S = 0.2  # how often to look for notices written by other processes
+ORPHAN_SCAN_S = 5.0  # how often to look for notices a dead process left
+BATCH = 500
 
 
 class SlackThreads:
-    """The core's `Progress`, shown in Slack. `bind` it to the Deployer before use."""
+    """The Slack side of the outbox. `bind` it to the Deployer; it starts delivering."""
 
     def __init__(self, client: AsyncWebClient, settings: SlackSettings) -> None:
         self.settings = settings
         self.outboxes = Outboxes(client, settings.posts_per_second)
         self.threads: dict[str, JobThread] = {}
         self.cards: dict[str, ApprovalCard] = {}
+        self.dms: dict[str, DirectMessages] = {}
         self._deployer: Deployer | None = None
+        self._parts: Counter[int] = Counter()  # notice id -> parts not yet in Slack
+        self._delivered: list[int] = []  # to mark in the store
+        self._held: set[str] = set()  # jobs whose delivery lease this process holds
+        self._cursor = 0
+        self._orphans_at: datetime | None = None
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._poll_lock = asyncio.Lock()
 
     def bind(self, deployer: Deployer) -> None:
         self._deployer = deployer
+        deployer.store.on_notice = self._wake.set
+        self._task = asyncio.create_task(self._run(), name="slack-delivery")
 
     @property
     def deployer(self) -> Deployer:
@@ -153,13 +66,133 @@ class SlackThreads:
             raise RuntimeError("SlackThreads.bind(deployer) was not called")
         return self._deployer
 
-    # --- Progress -----------------------------------------------------------------
+    @property
+    def me(self) -> str:
+        return self.deployer.runner.id
 
-    async def job_updated(self, job: Job, note: str = "") -> None:
+    # --- the delivery loop -------------------------------------------------------
+
+    async def _run(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), POLL_S)
+            self._wake.clear()
+            try:
+                await self.poll()
+            except Exception:
+                log.exception("Slack delivery: reading the outbox failed; trying again")
+
+    async def poll(self) -> int:
+        """Claim and apply what is new in the outbox; how many notices were applied."""
+        async with self._poll_lock:
+            store, now = self.deployer.store, utcnow()
+            await self._mark()
+            until = now + timedelta(seconds=LEASE_S)
+            await store.outbox_renew(self.me, until)
+            fresh = await store.outbox_new_since(self._cursor, BATCH)
+            if fresh:
+                self._cursor = max(n.id or 0 for n in fresh)
+            jobs = {n.job_id for n in fresh}
+            if self._orphans_at is None or now >= self._orphans_at:
+                self._orphans_at = now + timedelta(seconds=ORPHAN_SCAN_S)
+                jobs.update(await store.outbox_orphaned(now, BATCH))
+            new = [j for j in jobs if j not in self._held]
+            self._held |= await store.outbox_claim(new, self.me, now, until)
+            applied = 0
+            for job_id in sorted(jobs & self._held):
+                if job_id in new:  # newly ours: all it has not said, from the first
+                    notices = await store.outbox_undelivered(job_id)
+                else:
+                    notices = [n for n in fresh if n.job_id == job_id]
+                applied += await self._apply_job(job_id, notices)
+            return applied
+
+    async def _apply_job(self, job_id: str, notices: list[Notice]) -> int:
+        todo = [n for n in notices if n.id is not None and n.id not in self._parts]
+        if not todo:
+            return 0
+        job = await self.deployer.store.get_job(job_id)
+        if job is None:  # gone or quarantined: nothing can be shown
+            self._finish_parts([n.id for n in todo if n.id is not None])
+            return len(todo)
+        for notice in todo:
+            await self._apply(job, notice)
+        return len(todo)
+
+    async def _mark(self) -> None:
+        """Mark the notices whose every part is in Slack; release finished jobs."""
+        if not self._delivered:
+            return
+        ids, self._delivered = self._delivered, []
+        await self.deployer.store.outbox_mark_delivered(ids, utcnow())
+        for job_id in list(self._held):
+            if not self._busy(job_id):
+                job = await self.deployer.store.get_job(job_id)
+                if job is None or job.state.final:
+                    await self.deployer.store.outbox_release(job_id, self.me, utcnow())
+                    self._held.discard(job_id)
+                    self.threads.pop(job_id, None)
+                    self.cards.pop(job_id, None)
+
+    def _busy(self, job_id: str) -> bool:
+        thread, card = self.threads.get(job_id), self.cards.get(job_id)
+        return bool((thread and thread.pending()) or (card and card.pending()))
+
+    # --- parts ------------------------------------------------------------------------
+
+    def _part(self, notice: int) -> int:
+        self._parts[notice] += 1
+        return notice
+
+    def _done(self, ids: list[int]) -> None:
+        for notice in ids:
+            self._parts[notice] -= 1
+            if self._parts[notice] <= 0:
+                self._finish_parts([notice])
+
+    def _finish_parts(self, ids: list[int]) -> None:
+        for notice in ids:
+            self._parts.pop(notice, None)
+            self._delivered.append(notice)
+        self._wake.set()
+
+    # --- from notices to parts ----------------------------------------------------
+
+    async def _apply(self, job: Job, notice: Notice) -> None:
+        assert notice.id is not None
+        nid = notice.id
+        self._part(nid)  # held until every part is queued, so none finishes it early
+        match notice.kind:
+            case NoticeKind.UPDATED:
+                await self._updated(job, notice, nid)
+            case NoticeKind.STEP_STARTED:
+                thread = self._thread(job)
+                if thread is not None:
+                    thread.step = notice.step  # shown in the headline, not as a reply
+                    self._headline(thread, nid)
+            case NoticeKind.STEP_FINISHED:
+                text = messages.slack_step(
+                    notice.step or "", notice.duration_s or 0.0, bool(notice.ok), notice.text
+                )
+                self._say(job, views.mrkdwn(text), nid)
+            case NoticeKind.NOTE:
+                self._say(job, views.mrkdwn(notice.text), nid)
+            case NoticeKind.FINISHED:
+                self._finished(job, notice, nid)
+        self._done([nid])
+
+    async def _updated(self, job: Job, notice: Notice, nid: int) -> None:
+        """The thread says the state the change made ("queued"), even when the job has
+        moved on by the time it is told; the headline and card show the job as it is."""
         approval = await self.deployer.store.get_approval(job.id)
-        self._say(job, messages.slack_thread_update(job, note, approval))
+        then = job.model_copy(update={"state": notice.state}) if notice.state else job
+        note = notice.text
+        self._say(job, views.mrkdwn(messages.slack_thread_update(then, note, approval)), nid)
+        thread = self._thread(job)
+        if thread is not None:
+            self._headline(thread, nid)
         if job.state is JobState.AWAITING_APPROVAL:
-            self._ask_approvers(job)
+            self._ask_approvers(job, nid)
             return
         card = self._card(job)
         if card is not None and card.outcome is None:
@@ -169,35 +202,34 @@ class SlackThreads:
             else:
                 card.outcome = messages.approval_outcome(job, approval)
             card.job = job
+            card.will_show(self._part(nid))
             self.outboxes.touch(card)
 
-    async def step_started(self, job: Job, step: str, detail: str) -> None:
+    def _finished(self, job: Job, notice: Notice, nid: int) -> None:
+        thread = self._thread(job)
+        if thread is None:
+            return
+        thread.step = None
+        self._headline(thread, nid)
+        text = messages.slack_finished(job, notice.rollback)
+        thread.lines.append(Line(views.mrkdwn(text), self._part(nid), urgent=True))
+        self.outboxes.touch(thread)
+        # The requester hears the outcome in their own conversation with the bot too.
+        dm = self.dms.get(job.requester)
+        if dm is None:
+            dm = self.dms[job.requester] = DirectMessages(job.requester, self._done)
+        dm.lines.append(Line(views.mrkdwn(messages.slack_outcome_dm(job)), self._part(nid)))
+        self.outboxes.touch(dm)
+
+    def _headline(self, thread: JobThread, nid: int) -> None:
+        thread.show_headline(self._part(nid))
+        self.outboxes.touch(thread)
+
+    def _say(self, job: Job, text: str, nid: int) -> None:
+        """Add a mrkdwn line to the job's thread."""
         thread = self._thread(job)
         if thread is not None:
-            thread.step = step  # shown in the parent's headline, not as a reply
-            self.outboxes.touch(thread)
-
-    async def step_finished(
-        self, job: Job, step: str, duration_s: float, ok: bool, detail: str
-    ) -> None:
-        self._say(job, messages.slack_step(step, duration_s, ok, detail))
-
-    async def job_finished(self, job: Job, rollback: RollbackReport | None) -> None:
-        thread = self._thread(job)
-        if thread is not None:
-            thread.step = None
-        self._say(job, messages.slack_finished(job, rollback))
-
-    async def job_note(self, job: Job, text: str) -> None:
-        self._say(job, text)
-
-    # --- machinery ----------------------------------------------------------------
-
-    def _say(self, job: Job, text: str) -> None:
-        """Add a plain-text line (it may quote a reason or a backend's error) to the thread."""
-        thread = self._thread(job)
-        if thread is not None:
-            thread.lines.append(views.mrkdwn(text))
+            thread.lines.append(Line(text, self._part(nid)))
             self.outboxes.touch(thread)
 
     def _thread(self, job: Job) -> JobThread | None:
@@ -206,22 +238,23 @@ class SlackThreads:
         if thread is None:
             known = parse_ref(job.thread_ref)
             if known is not None:
-                thread = JobThread(job, known[0], self.deployer, ts=known[1])
+                thread = JobThread(job, known[0], self.deployer, self._done, ts=known[1])
             elif job.origin:
-                thread = JobThread(job, job.origin, self.deployer)
+                thread = JobThread(job, job.origin, self.deployer, self._done)
             else:
                 return None  # asked for elsewhere (the shell, the CLI): no Slack thread
             self.threads[job.id] = thread
         thread.job = job
         return thread
 
-    def _ask_approvers(self, job: Job) -> None:
+    def _ask_approvers(self, job: Job, nid: int) -> None:
         if job.id in self.cards or job.approval_ref:
             return
         channel = self.settings.approvals_channel or job.origin
         if channel is None:
             return
-        card = self.cards[job.id] = ApprovalCard(job, channel, self.deployer)
+        card = self.cards[job.id] = ApprovalCard(job, channel, self.deployer, self._done)
+        card.will_show(self._part(nid))
         self.outboxes.touch(card)
 
     def _card(self, job: Job) -> ApprovalCard | None:
@@ -230,11 +263,27 @@ class SlackThreads:
             known = parse_ref(job.approval_ref)
             if known is None:
                 return None
-            card = self.cards[job.id] = ApprovalCard(job, known[0], self.deployer, ts=known[1])
+            card = ApprovalCard(job, known[0], self.deployer, self._done, ts=known[1])
+            self.cards[job.id] = card
         return card
 
+    # --- waiting and closing ---------------------------------------------------------
+
     async def idle(self) -> None:
-        await self.outboxes.idle()
+        """Wait until every notice this process can deliver is in Slack and marked."""
+        while True:
+            applied = await self.poll()
+            await self.outboxes.idle()
+            await self._mark()
+            if not applied and not self._parts and not self._delivered:
+                return
 
     async def close(self, grace_s: float = 5.0) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
         await self.outboxes.close(grace_s)
+        if self._deployer is not None:
+            with contextlib.suppress(Exception):
+                await self._mark()

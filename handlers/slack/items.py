@@ -1,0 +1,207 @@
+"""What one Slack message (or run of messages) still has to say, and the one call that says it.
+
+Each deploy gets a parent message in the channel where it was asked for ("web01
+10.0.0.50 on sim: deploying"), kept current with `chat.update`, and a thread with one
+line per step and its duration, ending with `ssh USER@ADDRESS` or with what failed and
+what the rollback did. A request that needs approval also gets a card with Approve /
+Reject buttons, replaced by the decision once there is one. A requester whose deploy
+ended also hears it by direct message (another channel, so another rate budget).
+
+Every part an item shows comes from a notice in the store's outbox; once the call that
+carries a part succeeded, the item hands its notice id to `done`, and the notice is
+marked delivered when all its parts are (handlers/slack/threads.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from slack_sdk.web.async_client import AsyncWebClient
+
+from bot.models import Job
+from bot.service import Deployer
+from handlers import messages
+from handlers.slack import views
+
+REPLY_MAX = 3500  # characters per coalesced thread reply
+Done = Callable[[list[int]], None]
+
+
+def ref(channel: str, ts: str) -> str:
+    return f"{channel}/{ts}"
+
+
+def parse_ref(text: str | None) -> tuple[str, str] | None:
+    if not text or "/" not in text:
+        return None
+    channel, ts = text.split("/", 1)
+    return channel, ts
+
+
+@dataclass
+class Line:
+    text: str  # mrkdwn
+    notice: int  # the notice it shows
+    urgent: bool = False
+
+
+def batch(lines: list[Line]) -> list[Line]:
+    """As many pending lines as fit in one message (at least one, cut if it is huge)."""
+    taken: list[Line] = []
+    size = 0
+    for line in lines:
+        if taken and size + len(line.text) + 1 > REPLY_MAX:
+            break
+        if len(line.text) > REPLY_MAX:
+            line = Line(views.fit(line.text, REPLY_MAX), line.notice, line.urgent)
+        taken.append(line)
+        size += len(line.text) + 1
+    return taken
+
+
+@dataclass(eq=False)
+class JobThread:
+    """One deploy's parent message and thread, and what is still to be posted to it."""
+
+    job: Job
+    channel: str
+    deployer: Deployer
+    done: Done
+    ts: str | None = None
+    step: str | None = None
+    shown: str | None = None  # the headline Slack currently shows
+    lines: list[Line] = field(default_factory=list)
+    headline_for: list[int] = field(default_factory=list)  # notices shown by the headline
+    dead: bool = False
+
+    @property
+    def headline(self) -> str:
+        """Mrkdwn: the job's name and place come from the request, so they are escaped."""
+        return messages.slack_headline(self.job, self.step)
+
+    def pending(self) -> bool:
+        return not self.dead and (
+            self.ts is None or bool(self.lines) or self.shown != self.headline
+        )
+
+    def urgent(self) -> bool:
+        return any(line.urgent for line in self.lines)
+
+    def show_headline(self, notice: int) -> None:
+        """The headline must show what `notice` changed (already shown: nothing to do)."""
+        if self.ts is not None and self.shown == self.headline:
+            self.done([notice])
+        else:
+            self.headline_for.append(notice)
+
+    async def flush_one(self, client: AsyncWebClient) -> None:
+        headline = self.headline
+        blocks = views.parent(self.job, headline)
+        if self.ts is None:
+            answer = await client.chat_postMessage(
+                channel=self.channel, text=headline, blocks=blocks
+            )
+            self.ts, self.shown = str(answer["ts"]), headline
+            await self.deployer.set_refs(self.job.id, thread_ref=ref(self.channel, self.ts))
+            self._headline_shown()
+        elif self.lines:
+            sent = batch(self.lines)
+            await client.chat_postMessage(
+                channel=self.channel, thread_ts=self.ts, text="\n".join(s.text for s in sent)
+            )
+            del self.lines[: len(sent)]
+            self.done([s.notice for s in sent])
+        else:
+            await client.chat_update(channel=self.channel, ts=self.ts, text=headline, blocks=blocks)
+            self.shown = headline
+            self._headline_shown()
+
+    def _headline_shown(self) -> None:
+        covered, self.headline_for = self.headline_for, []
+        self.done(covered)
+
+    def give_up(self) -> None:
+        """Slack refused for good (channel gone): what it had to say is dropped."""
+        self.dead = True
+        self.done([*self.headline_for, *(line.notice for line in self.lines)])
+        self.headline_for, self.lines = [], []
+
+
+@dataclass(eq=False)
+class ApprovalCard:
+    """The approval request with its buttons, and the decision that replaces them."""
+
+    job: Job
+    channel: str
+    deployer: Deployer
+    done: Done
+    ts: str | None = None
+    outcome: str | None = None  # mrkdwn: the decision that replaces the buttons
+    shown: str | None = None
+    waiting: list[int] = field(default_factory=list)  # notices shown once flushed
+    dead: bool = False
+
+    def pending(self) -> bool:
+        return not self.dead and (self.ts is None or self.outcome != self.shown)
+
+    def urgent(self) -> bool:
+        return self.ts is None  # approvers are waited for: the card goes first
+
+    def will_show(self, notice: int) -> None:
+        if self.pending():
+            self.waiting.append(notice)
+        else:
+            self.done([notice])
+
+    async def flush_one(self, client: AsyncWebClient) -> None:
+        outcome = self.outcome
+        if outcome is None:
+            blocks = views.approval_request(self.job)
+            text = views.mrkdwn(messages.approval_needed(self.job))
+        else:
+            blocks = views.approval_decided(self.job, outcome)
+            text = outcome
+        if self.ts is None:
+            answer = await client.chat_postMessage(channel=self.channel, text=text, blocks=blocks)
+            self.ts = str(answer["ts"])
+            await self.deployer.set_refs(self.job.id, approval_ref=ref(self.channel, self.ts))
+        else:
+            await client.chat_update(channel=self.channel, ts=self.ts, text=text, blocks=blocks)
+        self.shown = outcome
+        if not self.pending():
+            covered, self.waiting = self.waiting, []
+            self.done(covered)
+
+    def give_up(self) -> None:
+        self.dead = True
+        covered, self.waiting = self.waiting, []
+        self.done(covered)
+
+
+@dataclass(eq=False)
+class DirectMessages:
+    """Outcomes told to one person by direct message, several in one message when they
+    pile up (a person with many deploys must not wait for one message per second)."""
+
+    channel: str  # the user's id: Slack posts it in the app's conversation with them
+    done: Done
+    lines: list[Line] = field(default_factory=list)
+    dead: bool = False
+
+    def pending(self) -> bool:
+        return not self.dead and bool(self.lines)
+
+    def urgent(self) -> bool:
+        return True
+
+    async def flush_one(self, client: AsyncWebClient) -> None:
+        sent = batch(self.lines)
+        await client.chat_postMessage(channel=self.channel, text="\n".join(s.text for s in sent))
+        del self.lines[: len(sent)]
+        self.done([s.notice for s in sent])
+
+    def give_up(self) -> None:
+        self.dead = True
+        covered, self.lines = [s.notice for s in self.lines], []
+        self.done(covered)
