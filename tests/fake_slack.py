@@ -63,11 +63,17 @@ class FakeSlack:
     calls: list[Call] = field(default_factory=list)
     messages: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     views: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Slack's special limit on chat.postMessage: about one per second per channel. When
+    # set, a post closer than this to the channel's last one is refused with a 429 and
+    # counted as a violation (the bot's pacing must never cause one).
+    post_interval_s: float | None = None
+    violations: int = 0
 
     def __post_init__(self) -> None:
         self._ids = itertools.count(1)
         self._triggers: dict[str, float] = {}
         self._limits: dict[str, list[int]] = {}  # method -> [times left, retry_after]
+        self._last_post: dict[str, float] = {}  # channel -> when its last post arrived
         self._changed = asyncio.Condition()
         self._runner: web.AppRunner | None = None
         self.url = ""
@@ -146,10 +152,24 @@ class FakeSlack:
             limit[0] -= 1
             status, answer = 429, {"ok": False, "error": "ratelimited"}
             headers = {"Retry-After": str(limit[1])}
+        elif self._too_soon(method, args):
+            self.violations += 1
+            status, answer = 429, {"ok": False, "error": "ratelimited"}
+            headers = {"Retry-After": "1"}
         else:
             status, headers, answer = 200, {}, self._answer(request, method, args)
         await self._record(Call(method, args, time.monotonic(), status, answer))
         return web.json_response(answer, status=status, headers=headers)
+
+    def _too_soon(self, method: str, args: dict[str, Any]) -> bool:
+        if self.post_interval_s is None or method != "chat.postMessage":
+            return False
+        channel, now = str(args.get("channel")), time.monotonic()
+        last = self._last_post.get(channel)
+        if last is not None and now - last < self.post_interval_s:
+            return True
+        self._last_post[channel] = now
+        return False
 
     async def _record(self, call: Call) -> None:
         async with self._changed:

@@ -47,6 +47,7 @@ from handlers import messages
 from handlers.commands import run_command
 from handlers.slack import interact, views
 from handlers.slack.catalog import Catalog
+from handlers.slack.pacing import TIER_4_PER_MINUTE, Pacer
 from handlers.slack.threads import SlackThreads
 
 log = logging.getLogger(__name__)
@@ -95,6 +96,7 @@ class SlackBot:
         self.directory = GroupDirectory(client, self.settings.slack.group_cache_s)
         deployer.group_members = self.directory.members
         threads.bind(deployer)
+        self.ephemeral = Pacer(TIER_4_PER_MINUTE, burst=20)
         self.tasks: set[asyncio.Task[None]] = set()
         # The last look-up of templates, so external_select can answer inside its ack.
         self.catalog = Catalog()
@@ -134,6 +136,7 @@ class SlackBot:
         are plain text (errors quote what people typed), escaped here before the bot's
         mentions are added."""
         shown = [views.mrkdwn(line) for line in lines] or [" "]
+        await self.ephemeral.wait()  # a workspace-wide limit (Tier 4)
         try:
             await self.client.chat_postEphemeral(
                 channel=channel,
