@@ -24,6 +24,8 @@ from bot.parser import DeployArgs, parse
 from bot.runtime import running_deployer
 from bot.settings import BUNDLED_CONFIG, load_settings
 
+GOALS = {50: "<=1.05", 200: "<=1.05"}  # the ratio wanted at these sizes (issue 10)
+
 
 def critical_path_s(timing: SimTiming, scale: float) -> float:
     t = timing
@@ -31,7 +33,7 @@ def critical_path_s(timing: SimTiming, scale: float) -> float:
 
 
 async def run(count: int, scale: float, tmp: Path) -> tuple[float, float, float, int, int]:
-    settings = load_settings(
+    settings = load_settings(  # the store makes the database's folder
         BUNDLED_CONFIG,
         database=str(tmp / f"bench-{count}.db"),
         log_file=str(tmp / "bench.log"),
@@ -64,22 +66,27 @@ async def run(count: int, scale: float, tmp: Path) -> tuple[float, float, float,
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--time-scale", type=float, default=0.2)
+    parser.add_argument("--counts", type=int, nargs="+", default=[1, 10, 50, 200])
     args = parser.parse_args()
-    tracemalloc.start()
     print(f"simulator time scale {args.time_scale} (1.0 = realistic durations)")
+    print("wall and ratio from a run without tracemalloc; peak memory from a second run")
     print(
         f"{'deploys':>8} {'wall s':>8} {'hv s':>7} {'ratio':>6} {'worst stall ms':>15} "
-        f"{'events/deploy':>14} {'peak MiB':>9}"
+        f"{'goal':>6} {'events/deploy':>14} {'peak MiB':>9}"
     )
     with tempfile.TemporaryDirectory() as tmp:
-        for count in (1, 10, 50):
-            tracemalloc.reset_peak()
-            wall, hv, stall, events, vms = await run(count, args.time_scale, Path(tmp))
+        for count in args.counts:
+            # tracemalloc slows every allocation (at 50 deploys it made the ratio 1.39
+            # instead of 1.12), so time and memory are measured in separate runs.
+            wall, hv, stall, events, vms = await run(count, args.time_scale, Path(tmp) / "t")
             assert vms == count
+            tracemalloc.start()
+            await run(count, args.time_scale, Path(tmp) / "m")
             peak = tracemalloc.get_traced_memory()[1] / 2**20
+            tracemalloc.stop()
             print(
                 f"{count:>8} {wall:>8.2f} {hv:>7.2f} {wall / hv:>6.2f} {stall * 1000:>15.1f} "
-                f"{events:>14} {peak:>9.1f}"
+                f"{GOALS.get(count, ''):>6} {events:>14} {peak:>9.1f}"
             )
 
 

@@ -41,6 +41,7 @@ from store.owners import RunnerRow
 log = logging.getLogger(__name__)
 Clock = Callable[[], datetime]
 WORKING = (JobState.RUNNING, JobState.ROLLING_BACK)
+WAKE_DEBOUNCE_S = 0.05
 
 
 def host_identity() -> str:
@@ -110,7 +111,8 @@ class Ownership:
         self.recovering: dict[str, asyncio.Task[None]] = {}
         self.closing = False
         self._loop: asyncio.Task[None] | None = None
-        # A finished job frees a slot: look for queued work at once, not at the next tick.
+        # A finished job frees a slot: look for queued work soon, not at the next tick
+        # (the loop debounces: fifty jobs ending together make one extra look, not fifty).
         self._wake = asyncio.Event()
         queue.on_room = self._wake.set
 
@@ -134,11 +136,19 @@ class Ownership:
         self._loop = asyncio.create_task(self._every_tick(), name=f"runner-{r.id}")
 
     async def _every_tick(self) -> None:
+        loop = asyncio.get_running_loop()
+        renewed_at = loop.time()
         while True:
+            woken = False
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.settings.tick_s)
+                woken = await asyncio.wait_for(self._wake.wait(), self.settings.tick_s)
+            await asyncio.sleep(WAKE_DEBOUNCE_S if woken else 0)  # pacing, not sync
             self._wake.clear()
             try:
+                if woken and loop.time() - renewed_at < self.settings.tick_s:
+                    await self.claim_queued()  # a slot freed: only look for work
+                    continue
+                renewed_at = loop.time()
                 await self.tick()
             except Exception:
                 log.exception("runner %s: a tick failed; trying again", self.id)

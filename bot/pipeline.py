@@ -32,7 +32,7 @@ from backends.base import (
     VMRef,
 )
 from bot import progress as tell
-from bot.models import DeployRequest, Job, JobEvent, JobState, RollbackReport, utcnow
+from bot.models import DeployRequest, Job, JobEvent, JobState, Notice, RollbackReport, utcnow
 from bot.progress import Progress
 from bot.settings import Settings
 from bot.waiting import protected, retrying
@@ -140,7 +140,7 @@ class Pipeline:
         """Run a queued job to a final state; None if it was no longer queued."""
         run: _Run | None = None
         try:
-            started = await self.store.transition(
+            started, job = await self.store.move(
                 job_id,
                 [JobState.QUEUED],
                 JobState.RUNNING,
@@ -148,9 +148,8 @@ class Pipeline:
                 notices=[tell.updated(job_id)],
                 started_at=utcnow(),
             )
-            job = await self.store.get_job(job_id)
             if not started or job is None:
-                return job
+                return job if started else await self.store.get_job(job_id)
             await self.progress.job_updated(job)
             run = _Run(job, self.backends[job.backend])
             first = await self._resume(run) if job.vm_id is not None else 0
@@ -347,7 +346,7 @@ class Pipeline:
         job = run.job
         await self.store.add_event(
             JobEvent(job_id=job.id, step=step, phase="started", detail=detail),
-            tell.step_started(job.id, step, detail),
+            self._told(job, tell.step_started(job.id, step, detail)),
         )
         await self.progress.step_started(job, step, detail)
         loop = asyncio.get_running_loop()
@@ -364,7 +363,7 @@ class Pipeline:
                     duration_s=elapsed,
                     detail=failure.reason,
                 ),
-                tell.step_finished(job.id, step, elapsed, False, failure.reason),
+                self._told(job, tell.step_finished(job.id, step, elapsed, False, failure.reason)),
             )
             await self.progress.step_finished(job, step, elapsed, False, failure.reason)
             raise
@@ -372,7 +371,7 @@ class Pipeline:
         done = result if isinstance(result, str) else ""
         await self.store.add_event(
             JobEvent(job_id=job.id, step=step, phase="finished", duration_s=elapsed, detail=done),
-            tell.step_finished(job.id, step, elapsed, True, done),
+            self._told(job, tell.step_finished(job.id, step, elapsed, True, done)),
         )
         await self.progress.step_finished(job, step, elapsed, True, done)
 
@@ -422,9 +421,20 @@ class Pipeline:
 
     async def _note(self, job: Job, step: str, text: str) -> None:
         await self.store.add_event(
-            JobEvent(job_id=job.id, step=step, phase="note", detail=text), tell.noted(job.id, text)
+            JobEvent(job_id=job.id, step=step, phase="note", detail=text),
+            self._told(job, tell.noted(job.id, text)),
         )
         await self.progress.job_note(job, text)
+
+    @staticmethod
+    def _told(job: Job, notice: Notice) -> Notice | None:
+        """The notice, if anyone follows this job in chat; a job asked for in the shell
+        or the CLI (no origin, no approval) needs none, so none is written."""
+        return notice if tell.followed(job) else None
+
+    @staticmethod
+    def _tell(job: Job, notice: Notice) -> list[Notice]:
+        return [notice] if tell.followed(job) else []
 
     async def _skip(self, run: _Run, step: str, why: str) -> None:
         await self.store.add_event(
@@ -434,19 +444,19 @@ class Pipeline:
     # --- endings ------------------------------------------------------------------
 
     async def _succeed(self, run: _Run) -> Job | None:
-        if not await self.store.transition(
+        moved, job = await self.store.move(
             run.job.id,
             [JobState.RUNNING],
             JobState.SUCCEEDED,
             held_by=self.owner,
-            notices=[tell.finished(run.job.id, None)],
+            notices=self._tell(run.job, tell.finished(run.job.id, None)),
             final_address=run.address,
             host_key=run.host_key,
             finished_at=utcnow(),
-        ):
+        )
+        if not moved:
             log.warning("job %s: taken over by another runner before it succeeded", run.job.id)
             return await self.store.get_job(run.job.id)
-        job = await self.store.get_job(run.job.id)
         if job is not None:
             await self.progress.job_finished(job, None)
         return job
@@ -455,33 +465,34 @@ class Pipeline:
         self, run: _Run, final: JobState, failure: StepFailed | None
     ) -> Job | None:
         job_id = run.job.id
-        if not await self.store.transition(
+        moved, rolling = await self.store.move(
             job_id,
             [JobState.RUNNING],
             JobState.ROLLING_BACK,
             held_by=self.owner,
-            notices=[tell.updated(job_id)],
-        ):
+            notices=self._tell(run.job, tell.updated(job_id)),
+        )
+        if not moved:
             # Not ours any more (taken over after our lease lapsed): the new owner
             # decides about the VM; touching it here could destroy what it resumes.
             log.warning("job %s: no longer ours; leaving its VM to the new owner", job_id)
             return await self.store.get_job(job_id)
-        rolling = await self.store.get_job(job_id)
         if rolling is not None:
             await self.progress.job_updated(rolling)
         report = await self.undo(run.job, run.backend, run.undo, run.ref)
-        await self.store.transition(
+        moved, job = await self.store.move(
             job_id,
             [JobState.ROLLING_BACK],
             final,
             held_by=self.owner,
-            notices=[tell.finished(job_id, report)],
+            notices=self._tell(run.job, tell.finished(job_id, report)),
             failed_step=failure.step if failure else None,
             error=failure.reason if failure else "cancelled",
             wreckage=", ".join(report.wreckage) or None,
             finished_at=utcnow(),
         )
-        job = await self.store.get_job(job_id)
+        if not moved:
+            job = await self.store.get_job(job_id)
         if job is not None:
             await self.progress.job_finished(job, report)
         return job

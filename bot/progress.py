@@ -74,6 +74,12 @@ class Fanout:
 # Each is written in the transaction of the change it reports (bot.models.Notice).
 
 
+def followed(job: Job) -> bool:
+    """Whether anyone follows this job in chat: asked for in a channel (an origin) or
+    waiting for approvers (a card). Only such jobs get notices (store/outbox.py)."""
+    return job.origin is not None or job.approval_reason is not None
+
+
 def updated(job_id: str, note: str = "") -> Notice:
     return Notice(job_id=job_id, kind=NoticeKind.UPDATED, text=note)
 

@@ -40,6 +40,9 @@ __all__ = ["AlreadyDelivered", "DuplicateActive", "Quarantined", "RowUnreadable"
 P = ParamSpec("P")
 T = TypeVar("T")
 BUSY_TIMEOUT_MS = 10_000
+# Step events: under load a batch waits this long for others of the same moment.
+BUSY_WITHIN_S = 0.02
+COALESCE_S = 0.002
 
 
 def _connect(path: Path) -> Database:
@@ -82,6 +85,7 @@ class Store:
         # Set by a front end that delivers the outbox: told when this process kept a
         # notice, so it need not wait for its next look to deliver it.
         self.on_notice: Callable[[], None] | None = None
+        self._last_write_at = float("-inf")
         self._writing_events: asyncio.Task[None] | None = None
 
     @classmethod
@@ -166,6 +170,23 @@ class Store:
         self._noticed(moved and bool(notices))
         return moved
 
+    async def move(
+        self,
+        job_id: str,
+        expected: Iterable[JobState],
+        new: JobState,
+        *,
+        held_by: str | None = None,
+        notices: Sequence[Notice] = (),
+        **fields: Any,
+    ) -> tuple[bool, Job | None]:
+        """`transition` answering (moved, the job as it now is) in one round trip."""
+        moved, job = await self._call(
+            jobs.move, self._db, job_id, tuple(expected), new, held_by, notices, **fields
+        )
+        self._noticed(moved and bool(notices))
+        return moved, job
+
     async def update_job(self, job_id: str, *, held_by: str | None = None, **fields: Any) -> bool:
         return await self._call(jobs.update_job, self._db, job_id, held_by, **fields)
 
@@ -219,7 +240,12 @@ class Store:
         await done
 
     async def _write_events(self) -> None:
+        loop = asyncio.get_running_loop()
         while self._events:
+            if loop.time() - self._last_write_at < BUSY_WITHIN_S:
+                # Busy (another batch just went): let the deploys whose steps end in this
+                # same moment add theirs, so they share one transaction. Idle, no wait.
+                await asyncio.sleep(COALESCE_S)
             batch, self._events = self._events, []
             try:
                 items = [(event, notice) for event, notice, _done in batch]
@@ -231,6 +257,7 @@ class Store:
                     done.cancel()
                 self._events = []  # their callers were told; a later writer must not
                 raise
+            self._last_write_at = loop.time()
             self._noticed(any(n is not None for _e, n, _d in batch))
             for (_event, _notice, done), failure in zip(batch, failures, strict=True):
                 if done.done():  # its caller was cancelled; the event was written anyway

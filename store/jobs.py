@@ -230,7 +230,41 @@ def transition(
     (or, with `held_by`, when that runner no longer owns it: a runner whose lease lapsed
     and whose job was taken over must not write over the new owner's work). The
     `notices` (what chat must be told of it) are kept only if the move happened."""
-    expected = tuple(expected)
+    return move(db, job_id, expected, new, held_by, notices, **fields)[0]
+
+
+def move(
+    db: Database,
+    job_id: str,
+    expected: Iterable[JobState],
+    new: JobState,
+    held_by: str | None = None,
+    notices: Sequence[Notice] = (),
+    **fields: Any,
+) -> tuple[bool, Job | None]:
+    """`transition` that also answers with the job as it now is, from the same statement
+    (RETURNING), so the pipeline need not read it back: (moved, job). The job is None
+    when it did not move, or when its row no longer validates (then it is set aside)."""
+    sql, params = _move_sql(job_id, tuple(expected), new, held_by, fields)
+    with immediate(db.conn):
+        rows = list(db.query(sql + " RETURNING *", params))
+        if rows:
+            outbox.add(db, notices, new)
+    if not rows:
+        return False, None
+    try:
+        return True, job_from_row(rows[0])
+    except ValueError:  # damaged: read it the careful way, which sets it aside
+        return True, get_job(db, job_id)
+
+
+def _move_sql(
+    job_id: str,
+    expected: tuple[JobState, ...],
+    new: JobState,
+    held_by: str | None,
+    fields: dict[str, Any],
+) -> tuple[str, dict[str, Any]]:
     for state in expected:
         if new not in TRANSITIONS.get(state, frozenset()):
             raise ValueError(f"{state.value} -> {new.value} is not a job transition")
@@ -250,11 +284,7 @@ def transition(
         f"UPDATE jobs SET state = :new, updated_at = :now{sets} "
         f"WHERE id = :id AND state IN ({marks}){fence}"
     )
-    with immediate(db.conn):
-        moved = db.execute(sql, params).rowcount == 1
-        if moved:
-            outbox.add(db, notices, new)
-    return moved
+    return sql, params
 
 
 def update_job(db: Database, job_id: str, held_by: str | None = None, **fields: Any) -> bool:
