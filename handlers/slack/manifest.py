@@ -28,6 +28,13 @@ def manifest(command: str = "/deploy") -> dict[str, Any]:
             "background_color": "#2c3e50",
         },
         "features": {
+            # Outcomes are also told to the requester in the app's Messages tab (a
+            # chat.postMessage to their user id); they read there, they do not type.
+            "app_home": {
+                "home_tab_enabled": False,
+                "messages_tab_enabled": True,
+                "messages_tab_read_only_enabled": True,
+            },
             "bot_user": {"display_name": "deploybot", "always_online": True},
             "slash_commands": [
                 {
