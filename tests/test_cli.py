@@ -99,7 +99,11 @@ def test_a_request_needing_approval_is_refused_by_the_one_shot_cli(tmp_path: Pat
 
 
 def test_a_failed_deploy_exits_1(tmp_path: Path) -> None:
-    config = CONFIG.replace("[timeouts]", "[timeouts]\nssh_s = 0.2\naddress_s = 0.0001")
+    # The guest never reports an address (a fault, not a race against a tiny timeout).
+    faults = 'time_scale = 0.001\nfaults = [{{op = "wait_for_address", kind = "hang"}}]'
+    config = CONFIG.replace("time_scale = 0.001", faults).replace(
+        "[timeouts]", "[timeouts]\naddress_s = 0.2"
+    )
     result = deploybot(tmp_path, "deploy", "web01", "10.0.0.50", config=config)
     assert result.returncode == 1
     assert "failed at wait for address" in result.stdout

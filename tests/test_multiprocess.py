@@ -1,22 +1,26 @@
 """Several real `deploybot` processes on one database and one hypervisor, killed at random.
 
-The hypervisor is the fake Proxmox server in its own process (it outlives every bot).
-Each round starts two `deploybot shell` processes at the same moment and a one-shot
-`deploybot deploy` next to them, each asking for its own VM; one of the three is
-SIGKILLed when its job reaches a chosen line of its thread, the others finish and
-leave, and a fresh shell comes back to pick up what the dead one left. Then, after
-every round:
+The hypervisor is the fake Proxmox server in its own process (it outlives every bot),
+and Slack is the fake Web API (in a thread of this test). Each round starts two
+`deploybot shell` processes at the same moment, a one-shot `deploybot deploy` and a
+`deploybot serve --http` that gets a signed `/deploy`, each asking for its own VM; one
+of the four is SIGKILLed when its job reaches a chosen step, the others finish (the
+server is stopped once its thread has ended), and a fresh shell comes back to pick up
+what the dead one left; if the server was the one killed, a fresh server delivers
+what its thread still had to say. Then, after every round:
 
 * every job is final, and the server's VMs are exactly the succeeded jobs' VMs;
 * every job was cloned at most once (no two processes ran it);
 * no job has a step event after its rollback began (a second process rolling back a
   job that its owner was still building would leave exactly that trace);
 * every job that a live process ran was finished by that process: only the killed
-  process's job may end "interrupted by a restart of the bot".
+  process's job may end "interrupted by a restart of the bot";
+* every Slack thread the fake saw ends with its job's final message.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import signal
@@ -24,16 +28,67 @@ import sqlite3
 import subprocess
 import sys
 import threading
+import urllib.request
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 
+from tests.fake_slack import Call, FakeSlack
+from tests.reference import reference_json
+from tests.slack_support import (
+    ALICE,
+    BOT_TOKEN,
+    CHANNEL,
+    SIGNING_SECRET,
+    command_body,
+    directory,
+    sign,
+)
 from tests.test_crash import SEED, STEP_LINES, restart
 from tests.test_crash_proxmox import FakePVE, check_against, config_env, fake_pve
 
 __all__ = ["fake_pve"]  # the fixture, used by name below
 OWNERSHIP = "\n[ownership]\nlease_s = 3\ntick_s = 0.5\n"
+SLACK = '\n[slack]\napi_base_url = "{url}"\nposts_per_second = 40\n'
+# What the fake Slack shows of a step, to kill the server at: the headline names the
+# step under way, the thread gets a line when it ends.
+SLACK_STEPS = ["copy template", "set identity", "power on", "wait for address", "check SSH"]
+T = TypeVar("T")
+
+
+class SlackThread:
+    """The fake Slack Web API on an event loop of its own: the harness is synchronous."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.fake = self.run(self._start())
+
+    async def _start(self) -> FakeSlack:
+        fake = FakeSlack(reference_json("slack-methods.json"), BOT_TOKEN, {CHANNEL}, directory())
+        await fake.start()
+        return fake
+
+    def run(self, coroutine: Coroutine[Any, Any, T], timeout_s: float = 120) -> T:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout_s)
+
+    def close(self) -> None:
+        self.run(self.fake.close())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join()
+
+
+@pytest.fixture
+def slack() -> Iterator[SlackThread]:
+    running = SlackThread()
+    try:
+        yield running
+    finally:
+        running.close()
 
 
 @dataclass
@@ -45,14 +100,20 @@ class Proc:
     trigger: str | None = None
     lines: list[str] = field(default_factory=list)
     hit: threading.Event = field(default_factory=threading.Event)
+    listening: str = ""  # serve: the URL Slack's events go to
+    up: threading.Event = field(default_factory=threading.Event)
 
     def pump(self) -> None:
         assert self.popen.stdout is not None
         for line in self.popen.stdout:
             self.lines.append(line)
+            if "listening on " in line:
+                self.listening = line.split("listening on ", 1)[1].split()[0]
+                self.up.set()
             if self.trigger and f"[{self.name} " in line and self.trigger in line:
                 self.hit.set()
         self.hit.set()  # ended before its kill point: nothing to wait for
+        self.up.set()
 
 
 def spawn(args: list[str], env: dict[str, str], cwd: Path, name: str) -> Proc:
@@ -70,28 +131,96 @@ def spawn(args: list[str], env: dict[str, str], cwd: Path, name: str) -> Proc:
     return proc
 
 
-def one_round(tmp: Path, env: dict[str, str], number: int, rng: random.Random) -> str:
-    """Three processes, one killed; returns the name of the killed one's VM."""
-    names = [f"m{number:02d}{suffix}" for suffix in "abc"]
-    addresses = [f"127.0.10.{10 + number * 3 + i}" for i in range(3)]
+def serve(env: dict[str, str], cwd: Path, name: str) -> Proc:
+    """`deploybot serve --http` on a free loopback port, once it listens."""
+    slack_env = {**env, "SLACK_BOT_TOKEN": BOT_TOKEN, "SLACK_SIGNING_SECRET": SIGNING_SECRET}
+    proc = spawn(["serve", "--http", "127.0.0.1:0"], slack_env, cwd, name)
+    assert proc.up.wait(60) and proc.listening, "".join(proc.lines)
+    return proc
+
+
+def ask_in_slack(server: Proc, slack: SlackThread, text: str) -> None:
+    body = command_body(text, ALICE, CHANNEL, slack.fake.new_trigger())
+    request = urllib.request.Request(
+        server.listening, data=body.encode(), headers=sign(body), method="POST"
+    )
+    with urllib.request.urlopen(request, timeout=30) as answer:
+        assert answer.status == 200
+
+
+def mentions(name: str, label: str) -> Callable[[Call], bool]:
+    return lambda call: name in call.text and label in call.text
+
+
+def one_round(
+    tmp: Path, env: dict[str, str], number: int, rng: random.Random, slack: SlackThread
+) -> str:
+    """Four processes, one killed; returns the name of the killed one's VM."""
+    names = [f"m{number:02d}{suffix}" for suffix in "abcd"]
+    addresses = [f"127.0.10.{10 + number * 4 + i}" for i in range(4)]
+    server = serve(env, tmp, names[3])
     shells = [spawn(["shell", "--user", "alice"], env, tmp, n) for n in names[:2]]
     for shell, name, address in zip(shells, names, addresses, strict=False):
         assert shell.popen.stdin is not None
         shell.popen.stdin.write(f"/deploy {name} {address}\n")
         shell.popen.stdin.flush()
     one_shot = spawn(["deploy", names[2], addresses[2], "--backend", "pve"], env, tmp, names[2])
-    procs = [*shells, one_shot]
+    ask_in_slack(server, slack, f"{names[3]} {addresses[3]}")
+    procs = [*shells, one_shot, server]
     victim = rng.choice(procs)
-    victim.trigger = rng.choice(STEP_LINES)
-    assert victim.hit.wait(90), f"{victim.name} never reached {victim.trigger!r}"
+    if victim is server:
+        label = rng.choice(SLACK_STEPS)
+        slack.run(slack.fake.wait_for(mentions(server.name, label), within=90))
+    else:
+        victim.trigger = rng.choice(STEP_LINES)
+        assert victim.hit.wait(90), f"{victim.name} never reached {victim.trigger!r}"
     os.kill(victim.popen.pid, signal.SIGKILL)
     for proc in procs:
         if proc is not victim and proc.popen.stdin is not None:
             proc.popen.stdin.close()  # end of input: the shell drains and leaves
-    for proc in procs:
+    for proc in [*shells, one_shot]:
         assert proc.popen.wait(timeout=120) in (0, 1, -signal.SIGKILL), "".join(proc.lines)
+    restart(tmp, env)  # a fresh runner picks up what the dead one held
+    if victim is server:
+        server = serve(env, tmp, names[3])  # it delivers what the dead one had to say
+    wait_for_threads(tmp, slack)
+    server.popen.send_signal(signal.SIGTERM)
+    assert server.popen.wait(timeout=60) == 0, "".join(server.lines)
+    for proc in procs:
         assert "Traceback" not in "".join(proc.lines)
     return victim.name
+
+
+def final_states(tmp: Path) -> dict[str, str]:
+    db = sqlite3.connect(tmp / "jobs.db")
+    try:
+        return dict(db.execute("SELECT name, state FROM jobs").fetchall())
+    finally:
+        db.close()
+
+
+def unended_threads(tmp: Path, fake: FakeSlack) -> list[str]:
+    """The Slack threads that do not (yet) end with their job's final message."""
+    states = final_states(tmp)
+    missing = []
+    for call in fake.called("chat.postMessage", channel=CHANNEL):
+        if "thread_ts" in call.args:
+            continue
+        name = call.text.split()[0]
+        text = "\n".join(fake.thread(CHANNEL, str(call.answer["ts"])))
+        state = states.get(name)
+        ended = {"succeeded": "ready in", "failed": "failed at"}.get(state or "", "\0")
+        if ended not in text:
+            missing.append(f"{name} ({state})")
+    return missing
+
+
+def wait_for_threads(tmp: Path, slack: SlackThread) -> None:
+    for _wait in range(120):  # each a second at most without a call to Slack
+        if not unended_threads(tmp, slack.fake):
+            return
+        slack.run(slack.fake.next_call(within=1.0))
+    pytest.fail(f"threads not ended: {unended_threads(tmp, slack.fake)}")
 
 
 def check_ownership(tmp: Path, killed: set[str]) -> None:
@@ -116,18 +245,28 @@ def check_ownership(tmp: Path, killed: set[str]) -> None:
 
 
 def test_processes_share_one_database_and_survive_kills(
-    tmp_path: Path, fake_pve: FakePVE, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, fake_pve: FakePVE, slack: SlackThread, capsys: pytest.CaptureFixture[str]
 ) -> None:
     rng = random.Random(SEED)
     env = config_env(tmp_path, fake_pve)
     config = Path(env["DEPLOYBOT_CONFIG"])
-    config.write_text(config.read_text() + OWNERSHIP)
+    config.write_text(config.read_text() + OWNERSHIP + SLACK.format(url=slack.fake.url))
     killed: set[str] = set()
-    rounds = 5
+    rounds = 6
     for number in range(rounds):  # the first round also races two migrations
-        killed.add(one_round(tmp_path, env, number, rng))
-        restart(tmp_path, env)  # a fresh runner picks up what the dead one held
+        killed.add(one_round(tmp_path, env, number, rng, slack))
         check_against(tmp_path, fake_pve)
         check_ownership(tmp_path, killed)
+        assert not unended_threads(tmp_path, slack.fake)
+    threads = len(
+        [
+            c
+            for c in slack.fake.called("chat.postMessage", channel=CHANNEL)
+            if "thread_ts" not in c.args
+        ]
+    )
     with capsys.disabled():
-        print(f"\nmulti-process harness: {rounds} rounds, 3 processes each, {len(killed)} kills")
+        print(
+            f"\nmulti-process harness: {rounds} rounds, 4 processes each (serve among them), "
+            f"{len(killed)} kills, {threads} Slack threads ended"
+        )
