@@ -35,6 +35,7 @@ from pathlib import Path
 from bot.models import Job, JobState, new_runner_id, utcnow
 from bot.queue import JobQueue
 from bot.settings import OwnershipSettings
+from bot.waiting import woken
 from store.db import Store
 from store.owners import RunnerRow
 
@@ -139,13 +140,11 @@ class Ownership:
         loop = asyncio.get_running_loop()
         renewed_at = loop.time()
         while True:
-            woken = False
-            with contextlib.suppress(TimeoutError):
-                woken = await asyncio.wait_for(self._wake.wait(), self.settings.tick_s)
-            await asyncio.sleep(WAKE_DEBOUNCE_S if woken else 0)  # pacing, not sync
+            nudged = await woken(self._wake, self.settings.tick_s)
+            await asyncio.sleep(WAKE_DEBOUNCE_S if nudged else 0)  # pacing, not sync
             self._wake.clear()
             try:
-                if woken and loop.time() - renewed_at < self.settings.tick_s:
+                if nudged and loop.time() - renewed_at < self.settings.tick_s:
                     await self.claim_queued()  # a slot freed: only look for work
                     continue
                 renewed_at = loop.time()

@@ -34,6 +34,20 @@ async def protected(awaitable: Awaitable[T]) -> T:
                 raise
 
 
+async def woken(event: asyncio.Event, timeout_s: float) -> bool:
+    """Wait for `event` at most `timeout_s`; say whether it was set.
+
+    Not asyncio.wait_for: on Python 3.11 it runs the wait as a task of its own and loses
+    a cancel that arrives just as the event is set (cpython gh-86296), so a loop built
+    on it may never stop (seen as a hung shutdown under load)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            await event.wait()
+    except TimeoutError:
+        return False
+    return True
+
+
 async def retrying(
     action: Callable[[], Awaitable[T]],
     timeouts: Timeouts,

@@ -24,6 +24,7 @@ from slack_sdk.web.async_client import AsyncWebClient
 from bot.models import ApprovalState, Job, JobState, Notice, NoticeKind, utcnow
 from bot.service import Deployer
 from bot.settings import SlackSettings
+from bot.waiting import woken
 from handlers import messages
 from handlers.slack import views
 from handlers.slack.items import ApprovalCard, DirectMessages, JobThread, Line, parse_ref
@@ -74,8 +75,7 @@ class SlackThreads:
 
     async def _run(self) -> None:
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), POLL_S)
+            await woken(self._wake, POLL_S)
             self._wake.clear()
             try:
                 await self.poll()
