@@ -40,7 +40,7 @@ async def run(count: int, scale: float, tmp: Path) -> tuple[float, float, float,
         limits={"max_running": count, "max_running_per_backend": count},
         approval={},
     )
-    timing = SimTiming(poll_s=0.05)
+    timing = SimTiming()
     sim = SimBackend("sim", time_scale=scale, timing=timing)
     worst = [0.0]
     stop = asyncio.Event()

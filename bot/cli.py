@@ -101,8 +101,22 @@ def configure_logging(path: Path, *, to_stderr: bool = False) -> None:
     root.setLevel(logging.INFO)
 
 
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The command line, with `deploy`'s key=value words allowed anywhere on it:
+    argparse ends a positional list at the first option, so `deploy web01 10.0.0.5
+    --backend pve upgrade=yes` would otherwise be refused."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "deploy":
+        args.words += [word for word in extra if not word.startswith("-")]
+        extra = [word for word in extra if word.startswith("-")]
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def run(argv: Sequence[str] | None, commands: Mapping[str, Command]) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse(argv)
     try:
         settings = load_settings(args.config)
     except DeployBotError as exc:

@@ -369,6 +369,8 @@ class Pipeline:
             raise
         elapsed = loop.time() - began
         done = result if isinstance(result, str) else ""
+        # Awaited before the line is shown: recovery reads these events to know which
+        # steps are done (a resumed job must not redo or lose a finished clone).
         await self.store.add_event(
             JobEvent(job_id=job.id, step=step, phase="finished", duration_s=elapsed, detail=done),
             self._told(job, tell.step_finished(job.id, step, elapsed, True, done)),

@@ -24,7 +24,9 @@ def make_backend(config: BackendConfig, environ: Mapping[str, str] | None = None
     try:
         return factory(config, os.environ if environ is None else environ)
     except BackendError as exc:  # a missing secret, an unreadable CA bundle...
-        raise ConfigError(f"backend {config.name}: {exc.message}") from None
+        prefix = f"backend {config.name}: "
+        message = exc.message if exc.message.startswith(prefix) else prefix + exc.message
+        raise ConfigError(message) from None
 
 
 _heap_frozen = False

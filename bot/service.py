@@ -11,13 +11,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from backends.base import Backend, BackendError, Network, Storage, Template
+from backends.base import Backend, BackendError, Template
 from bot import jobrefs
 from bot import progress as tell
+from bot.admission import check_free, check_on_backend
 from bot.approvals import Approvals, GroupMembers, approval_reason
 from bot.errors import (
     Conflict,
@@ -220,7 +221,7 @@ class Deployer:
             await self._refuse_redelivery(dedupe_key)
             request = await self._validated(args, requester, ssh_keys)
             if check_free_first:
-                await self._check_free(request)
+                await check_free(self.backends, request)
             return await self._record(request, can_wait_for_approval, origin, dedupe_key)
 
     async def _refuse_redelivery(self, dedupe_key: str | None) -> None:
@@ -251,7 +252,7 @@ class Deployer:
             user_keys=ssh_keys or prefs.ssh_keys,
             user_template=prefs.default_template,
         )
-        template = await self._check_on_backend(request)
+        template = await check_on_backend(self.backends, request)
         if args.user is None and template.default_user not in (None, request.user):
             # The image's own login user beats the site default: the SSH line must work.
             request = DeployRequest.model_validate(
@@ -301,73 +302,6 @@ class Deployer:
         if state is JobState.QUEUED:
             self.queue.submit(job.id, job.backend)
         return job
-
-    async def _check_on_backend(self, request: DeployRequest) -> Template:
-        """Refuse unknown templates and placements before anything is recorded; return
-        the template."""
-        backend = self.backends.get(request.backend)
-        if backend is None:
-            raise RequestInvalid([f"No backend called {request.backend!r} is running."])
-        problems = []
-        try:
-            templates = await backend.templates()
-            placements = await backend.placements()
-        except BackendError as exc:
-            raise RequestInvalid(
-                [f"{request.backend} did not answer ({exc.message}); try again in a minute."]
-            ) from None
-        names = [t.name for t in templates]
-        if request.template not in names:
-            problems.append(
-                f"template: {request.template!r} is not a template on {request.backend}; "
-                f"choose one of {', '.join(names)} (see `/deploy templates`)."
-            )
-        places = [p.name for p in placements]
-        if request.placement is not None and request.placement not in places:
-            choices = ", ".join([*places, *(b for b in self.backends)])
-            problems.append(
-                f"on: {request.placement!r} is neither a backend nor a node of "
-                f"{request.backend}; choose one of {choices}."
-            )
-        storages = await self._names(backend.storages(request.placement)) if request.storage else []
-        if request.storage is not None and request.storage not in storages:
-            problems.append(
-                f"storage: {request.storage!r} is not a storage on {request.backend}; "
-                f"choose one of {', '.join(storages)}."
-            )
-        if request.network is not None:
-            networks = await self._names(backend.networks(request.placement))
-            if request.network not in networks:
-                problems.append(
-                    f"network: {request.network!r} is not a network on {request.backend}; "
-                    f"choose one of {', '.join(networks)}."
-                )
-        if problems:
-            raise RequestInvalid(problems)
-        return next(t for t in templates if t.name == request.template)
-
-    async def _names(self, listing: Awaitable[list[Storage] | list[Network]]) -> list[str]:
-        try:
-            return [item.name for item in await listing]
-        except BackendError as exc:
-            raise RequestInvalid([f"The hypervisor did not answer ({exc.message})."]) from None
-
-    async def _check_free(self, request: DeployRequest) -> None:
-        """Refuse a name a VM (ours or not) already has, before anything is recorded.
-
-        The pipeline checks again when the job starts; this answers the requester now.
-        Addresses held by our own jobs are refused by the store's unique index.
-        """
-        backend = self.backends[request.backend]
-        try:
-            taken = await backend.find_by_name(request.name)
-        except BackendError:
-            return  # the pipeline's own check will say it, with retries
-        if taken:
-            raise Conflict(
-                f"A VM named {request.name} already exists on {request.backend} "
-                f"(id {taken[0].vm_id}): pick another name, or remove that VM first."
-            )
 
     async def _release_if_gone(self, request: DeployRequest) -> bool:
         """A succeeded job holds the name or address: if its VM has gone since (deleted

@@ -34,15 +34,13 @@ from store import approvals, gc, jobs, outbox, owners, quarantine, users
 from store.jobs import AlreadyDelivered, DuplicateActive
 from store.migrations import migrate
 from store.quarantine import Quarantined, RowUnreadable
+from store.writer import Writer
 
 __all__ = ["AlreadyDelivered", "DuplicateActive", "Quarantined", "RowUnreadable", "Store"]
 
 P = ParamSpec("P")
 T = TypeVar("T")
 BUSY_TIMEOUT_MS = 10_000
-# Step events: under load a batch waits this long for others of the same moment.
-BUSY_WITHIN_S = 0.02
-COALESCE_S = 0.002
 
 
 def _connect(path: Path) -> Database:
@@ -81,12 +79,10 @@ class Store:
         self.installation_id = installation_id
         self._executor = executor
         self._db = db
-        self._events: list[tuple[JobEvent, Notice | None, asyncio.Future[None]]] = []
+        self._writer = Writer(executor, db.conn)
         # Set by a front end that delivers the outbox: told when this process kept a
         # notice, so it need not wait for its next look to deliver it.
         self.on_notice: Callable[[], None] | None = None
-        self._last_write_at = float("-inf")
-        self._writing_events: asyncio.Task[None] | None = None
 
     @classmethod
     async def open(cls, path: str | Path) -> Store:
@@ -102,14 +98,18 @@ class Store:
         return cls(path, executor, db, installation)
 
     async def close(self) -> None:
-        if self._writing_events is not None:
-            await asyncio.gather(self._writing_events, return_exceptions=True)
+        await self._writer.close()
         await self._call(self._db.conn.close)
         self._executor.shutdown(wait=True)
 
     async def _call(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, lambda: fn(*args, **kwargs))
+        """Reads, and writes that are rare: on the store's thread, alone."""
+        return await self._writer.call(fn, *args, **kwargs)
+
+    async def _write(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """The writes every deploy makes: batched with those made at the same moment
+        (store/writer.py)."""
+        return await self._writer.write(fn, *args, **kwargs)
 
     # --- jobs ---------------------------------------------------------------------
 
@@ -125,7 +125,7 @@ class Store:
         `AlreadyDelivered` when `dedupe_key` was used before (then nothing is written).
         Returns the job as stored: with a fresh id if its random one was taken. With
         `announce`, chat is told of the new job (a notice in the same transaction)."""
-        stored = await self._call(jobs.insert_job, self._db, job, approval, dedupe_key, announce)
+        stored = await self._write(jobs.insert_job, self._db, job, approval, dedupe_key, announce)
         self._noticed(announce)
         return stored
 
@@ -164,7 +164,7 @@ class Store:
     ) -> bool:
         """Compare-and-set; with `held_by`, only while that runner owns the job. The
         `notices` are kept in the same transaction, and only if the job moved."""
-        moved = await self._call(
+        moved = await self._write(
             jobs.transition, self._db, job_id, tuple(expected), new, held_by, notices, **fields
         )
         self._noticed(moved and bool(notices))
@@ -181,14 +181,14 @@ class Store:
         **fields: Any,
     ) -> tuple[bool, Job | None]:
         """`transition` answering (moved, the job as it now is) in one round trip."""
-        moved, job = await self._call(
+        moved, job = await self._write(
             jobs.move, self._db, job_id, tuple(expected), new, held_by, notices, **fields
         )
         self._noticed(moved and bool(notices))
         return moved, job
 
     async def update_job(self, job_id: str, *, held_by: str | None = None, **fields: Any) -> bool:
-        return await self._call(jobs.update_job, self._db, job_id, held_by, **fields)
+        return await self._write(jobs.update_job, self._db, job_id, held_by, **fields)
 
     # --- runners and leases (store/owners.py) ----------------------------------------
 
@@ -211,7 +211,7 @@ class Store:
         )
 
     async def claimable(self, now: datetime, limit: int) -> list[tuple[str, str]]:
-        return await self._call(owners.claimable, self._db, now, limit)
+        return await self._write(owners.claimable, self._db, now, limit)
 
     async def abandoned(self, now: datetime) -> list[Job]:
         return await self._call(owners.abandoned, self._db, now)
@@ -229,43 +229,10 @@ class Store:
         return await self._call(owners.request_cancel, self._db, job_id, by)
 
     async def add_event(self, event: JobEvent, notice: Notice | None = None) -> None:
-        """Returns once the event is committed. Events added together (fifty deploys
-        finishing a step at once) go to the worker thread as one transaction: one hand-
-        over instead of fifty, each of which would wait for the GIL while the event loop
-        is busy resuming those same deploys."""
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._events.append((event, notice, done))
-        if self._writing_events is None or self._writing_events.done():
-            self._writing_events = asyncio.create_task(self._write_events())
-        await done
-
-    async def _write_events(self) -> None:
-        loop = asyncio.get_running_loop()
-        while self._events:
-            if loop.time() - self._last_write_at < BUSY_WITHIN_S:
-                # Busy (another batch just went): let the deploys whose steps end in this
-                # same moment add theirs, so they share one transaction. Idle, no wait.
-                await asyncio.sleep(COALESCE_S)
-            batch, self._events = self._events, []
-            try:
-                items = [(event, notice) for event, notice, _done in batch]
-                failures = await self._call(jobs.add_events, self._db, items)
-            except Exception as exc:  # the database itself failed: every caller hears it
-                failures = [exc] * len(batch)
-            except BaseException:  # cancelled (the loop is going away): nobody may hang
-                for _event, _notice, done in batch + self._events:
-                    done.cancel()
-                self._events = []  # their callers were told; a later writer must not
-                raise
-            self._last_write_at = loop.time()
-            self._noticed(any(n is not None for _e, n, _d in batch))
-            for (_event, _notice, done), failure in zip(batch, failures, strict=True):
-                if done.done():  # its caller was cancelled; the event was written anyway
-                    continue
-                if failure is None:
-                    done.set_result(None)
-                else:
-                    done.set_exception(failure)
+        """Returns once the event is committed; events of deploys that end a step in the
+        same moment share a transaction (store/writer.py)."""
+        await self._write(jobs.add_event, self._db, event, notice)
+        self._noticed(notice is not None)
 
     async def events(self, job_id: str) -> list[JobEvent]:
         return await self._call(jobs.events, self._db, job_id)
@@ -313,7 +280,7 @@ class Store:
         dedupe_key: str | None = None,
         notices: Sequence[Notice] = (),
     ) -> bool:
-        decided = await self._call(
+        decided = await self._write(
             approvals.decide,
             self._db,
             job_id,
@@ -334,7 +301,7 @@ class Store:
         self, job_id: str, *, by: str, notices: Sequence[Notice] = ()
     ) -> bool:
         """Cancel a job awaiting approval and close its approval in one transaction."""
-        cancelled = await self._call(
+        cancelled = await self._write(
             approvals.cancel_awaiting, self._db, job_id, by=by, at=utcnow(), notices=notices
         )
         self._noticed(cancelled and bool(notices))
@@ -357,7 +324,7 @@ class Store:
     ) -> set[str]:
         if not job_ids:
             return set()
-        return await self._call(outbox.claim, self._db, list(job_ids), me, now, until)
+        return await self._write(outbox.claim, self._db, list(job_ids), me, now, until)
 
     async def outbox_renew(self, me: str, until: datetime) -> None:
         await self._call(outbox.renew, self._db, me, until)
@@ -366,10 +333,10 @@ class Store:
         return await self._call(outbox.orphaned, self._db, now, limit)
 
     async def outbox_mark_delivered(self, ids: Sequence[int], now: datetime) -> None:
-        await self._call(outbox.mark_delivered, self._db, list(ids), now)
+        await self._write(outbox.mark_delivered, self._db, list(ids), now)
 
     async def outbox_release(self, job_id: str, me: str, now: datetime) -> None:
-        await self._call(outbox.release, self._db, job_id, me, now)
+        await self._write(outbox.release, self._db, job_id, me, now)
 
     async def outbox_pending(self) -> int:
         return await self._call(outbox.pending_count, self._db)
@@ -396,7 +363,7 @@ class Store:
         return await self._call(users.add_key, self._db, user, key, max_keys)
 
     async def add_audit(self, event: AuditEvent) -> None:
-        await self._call(users.add_audit, self._db, event)
+        await self._write(users.add_audit, self._db, event)
 
     async def audit_events(self, limit: int = 50) -> list[AuditEvent]:
         """Newest first."""

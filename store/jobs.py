@@ -31,7 +31,7 @@ from bot.models import (
 )
 from store import outbox, quarantine
 from store.quarantine import QUARANTINED
-from store.tx import immediate, ts
+from store.tx import immediate, insert, returning, ts
 
 # Columns a transition may set besides state and updated_at.
 _JOB_FIELDS = frozenset(Job.model_fields) - {"id", "state", "request", "created_at", "updated_at"}
@@ -166,7 +166,7 @@ def _insert_job(
         if dedupe_key is not None:
             claim(db, dedupe_key, job.id, "request")
         try:
-            db.table("jobs").insert(job_row(job))
+            insert(db.conn, "jobs", [job_row(job)])
         except sqlite3.IntegrityError as exc:
             text = str(exc)
             if "jobs.id" in text:
@@ -177,7 +177,7 @@ def _insert_job(
                 raise DuplicateActive("name") from None
             raise
         if approval is not None:
-            db.table("approvals").insert(_row(approval))
+            insert(db.conn, "approvals", [_row(approval)])
         if announce:
             outbox.add(db, [Notice(job_id=job.id, kind=NoticeKind.UPDATED)], job.state)
 
@@ -247,7 +247,7 @@ def move(
     when it did not move, or when its row no longer validates (then it is set aside)."""
     sql, params = _move_sql(job_id, tuple(expected), new, held_by, fields)
     with immediate(db.conn):
-        rows = list(db.query(sql + " RETURNING *", params))
+        rows = returning(db.conn, sql + " RETURNING *", params)
         if rows:
             outbox.add(db, notices, new)
     if not rows:
@@ -307,33 +307,8 @@ def update_job(db: Database, job_id: str, held_by: str | None = None, **fields: 
 
 def add_event(db: Database, event: JobEvent, notice: Notice | None = None) -> None:
     with immediate(db.conn):
-        db.table("job_events").insert(_row(event))
+        insert(db.conn, "job_events", [_row(event)])
         outbox.add(db, [notice] if notice else [])
-
-
-def add_events(
-    db: Database, events: list[tuple[JobEvent, Notice | None]]
-) -> list[Exception | None]:
-    """Write several events (each with what chat must be told of it) in one transaction;
-    what went wrong with each (None: it was written). One that cannot be written (its
-    job is gone) must not lose the others, so a failed batch is written again one by one."""
-    try:
-        with immediate(db.conn):
-            db.table("job_events").insert_all(_row(e) for e, _n in events)
-            outbox.add(db, [n for _e, n in events if n is not None])
-    except Exception:  # whichever one it was, it fails alone below
-        pass
-    else:
-        return [None] * len(events)
-    failures: list[Exception | None] = []
-    for event, notice in events:
-        try:
-            add_event(db, event, notice)
-        except Exception as exc:  # handed to that event's caller
-            failures.append(exc)
-        else:
-            failures.append(None)
-    return failures
 
 
 def events(db: Database, job_id: str) -> list[JobEvent]:

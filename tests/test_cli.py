@@ -81,6 +81,14 @@ def test_deploy_prints_the_ssh_line_and_history_remembers(tmp_path: Path) -> Non
     assert bad_state.returncode == 2 and "use one of awaiting_approval" in bad_state.stderr
 
 
+def test_key_value_words_may_follow_an_option(tmp_path: Path) -> None:
+    result = deploybot(tmp_path, "deploy", "web01", "10.0.0.50", "--backend", "sim", "cpu=3")
+    assert result.returncode == 0, result.stderr
+    assert "3 cores" in result.stdout
+    wrong = deploybot(tmp_path, "deploy", "web02", "10.0.0.51", "--colour", "red")
+    assert wrong.returncode == 2 and "unrecognized arguments: --colour" in wrong.stderr
+
+
 def test_a_bad_request_says_why_and_records_nothing(tmp_path: Path) -> None:
     result = deploybot(tmp_path, "deploy", "web_01", "10.0.0.500")
     assert result.returncode == 2

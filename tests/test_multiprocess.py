@@ -4,7 +4,8 @@ The hypervisor is the fake Proxmox server in its own process (it outlives every 
 and Slack is the fake Web API (in a thread of this test). Each round starts two
 `deploybot shell` processes at the same moment, a one-shot `deploybot deploy` and a
 `deploybot serve --http` that gets a signed `/deploy`, each asking for its own VM; one
-of the four is SIGKILLed when its job reaches a chosen step, the others finish (the
+of the four (each kind in turn) is SIGKILLed when its job reaches a randomly chosen
+step, the others finish (the
 server is stopped once its thread has ended), and a fresh shell comes back to pick up
 what the dead one left; if the server was the one killed, a fresh server delivers
 what its thread still had to say. Then, after every round:
@@ -29,6 +30,7 @@ import subprocess
 import sys
 import threading
 import urllib.request
+from collections import Counter
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -116,6 +118,19 @@ class Proc:
         self.up.set()
 
 
+SPAWNED: list[subprocess.Popen[str]] = []  # killed at the end, so a failure leaks none
+
+
+@pytest.fixture(autouse=True)
+def _reap() -> Iterator[None]:
+    yield
+    while SPAWNED:
+        popen = SPAWNED.pop()
+        if popen.poll() is None:
+            popen.kill()
+            popen.wait()
+
+
 def spawn(args: list[str], env: dict[str, str], cwd: Path, name: str) -> Proc:
     popen = subprocess.Popen(
         [sys.executable, "-m", "handlers.entry", *args],
@@ -126,6 +141,7 @@ def spawn(args: list[str], env: dict[str, str], cwd: Path, name: str) -> Proc:
         cwd=cwd,
         env=env,
     )
+    SPAWNED.append(popen)
     proc = Proc(name, popen)
     threading.Thread(target=proc.pump, daemon=True).start()
     return proc
@@ -154,8 +170,8 @@ def mentions(name: str, label: str) -> Callable[[Call], bool]:
 
 def one_round(
     tmp: Path, env: dict[str, str], number: int, rng: random.Random, slack: SlackThread
-) -> str:
-    """Four processes, one killed; returns the name of the killed one's VM."""
+) -> tuple[str, str]:
+    """Four processes, one killed; returns the killed one's command and VM name."""
     names = [f"m{number:02d}{suffix}" for suffix in "abcd"]
     addresses = [f"127.0.10.{10 + number * 4 + i}" for i in range(4)]
     server = serve(env, tmp, names[3])
@@ -167,7 +183,7 @@ def one_round(
     one_shot = spawn(["deploy", names[2], addresses[2], "--backend", "pve"], env, tmp, names[2])
     ask_in_slack(server, slack, f"{names[3]} {addresses[3]}")
     procs = [*shells, one_shot, server]
-    victim = rng.choice(procs)
+    victim = [server, one_shot, *shells][number % 4]  # every kind is killed at least once
     if victim is server:
         label = rng.choice(SLACK_STEPS)
         slack.run(slack.fake.wait_for(mentions(server.name, label), within=90))
@@ -188,7 +204,7 @@ def one_round(
     assert server.popen.wait(timeout=60) == 0, "".join(server.lines)
     for proc in procs:
         assert "Traceback" not in "".join(proc.lines)
-    return victim.name
+    return str(victim.popen.args[3]), victim.name  # type: ignore[index]
 
 
 def final_states(tmp: Path) -> dict[str, str]:
@@ -252,9 +268,12 @@ def test_processes_share_one_database_and_survive_kills(
     config = Path(env["DEPLOYBOT_CONFIG"])
     config.write_text(config.read_text() + OWNERSHIP + SLACK.format(url=slack.fake.url))
     killed: set[str] = set()
+    kinds: Counter[str] = Counter()
     rounds = 6
     for number in range(rounds):  # the first round also races two migrations
-        killed.add(one_round(tmp_path, env, number, rng, slack))
+        kind, name = one_round(tmp_path, env, number, rng, slack)
+        killed.add(name)
+        kinds[kind] += 1
         check_against(tmp_path, fake_pve)
         check_ownership(tmp_path, killed)
         assert not unended_threads(tmp_path, slack.fake)
@@ -268,5 +287,5 @@ def test_processes_share_one_database_and_survive_kills(
     with capsys.disabled():
         print(
             f"\nmulti-process harness: {rounds} rounds, 4 processes each (serve among them), "
-            f"{len(killed)} kills, {threads} Slack threads ended"
+            f"kills: {dict(sorted(kinds.items()))}, {threads} Slack threads ended"
         )

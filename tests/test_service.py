@@ -158,6 +158,26 @@ async def test_unknown_template_or_node_is_refused_before_recording(strict: Depl
     assert await strict.history() == []
 
 
+async def test_request_time_errors_say_what_kind_they_are(tmp_path: Path, sim: SimBackend) -> None:
+    settings = make_settings(tmp_path)
+    async with running_deployer(settings, backends={"sim": sim}) as deployer:
+        sim.inject("templates", "error")  # permanent: waiting would not help
+        with pytest.raises(RequestInvalid) as permanent:
+            await deployer.request_deploy(args("web01 10.0.0.50"), "alice")
+        assert "simulated error" in permanent.value.message
+        assert "try again" not in permanent.value.message
+        sim.inject("templates", "flaky")
+        with pytest.raises(RequestInvalid, match=r"did not answer .*; try again in a minute"):
+            await deployer.request_deploy(args("web01 10.0.0.50"), "alice")
+        assert await deployer.history() == []
+    bare = SimBackend("sim", templates=())
+    async with running_deployer(make_settings(tmp_path / "b"), backends={"sim": bare}) as empty:
+        with pytest.raises(RequestInvalid) as nothing:
+            await empty.request_deploy(args("web01 10.0.0.50"), "alice")
+        assert "it has no templates at all: ask an operator to add one" in nothing.value.message
+        assert "choose one of  " not in nothing.value.message
+
+
 async def test_cancel_permissions_and_states(strict: Deployer) -> None:
     job = await strict.request_deploy(args("web01 10.0.0.50"), "alice")
     with pytest.raises(NotAllowed, match="Only alice or an approver"):

@@ -1,0 +1,96 @@
+"""Checks of a deploy request against the hypervisor, before anything is recorded.
+
+The request is well-formed by now (bot/requests.py); these ask the backend whether
+what it names exists there (template, node, storage, network) and whether the name is
+free, so that the requester hears of a mistake at once, with what to choose instead,
+rather than from a job that fails at its clone step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Mapping
+
+from backends.base import Backend, BackendError, Network, Storage, Template
+from bot.errors import Conflict, RequestInvalid
+from bot.models import DeployRequest
+
+
+async def check_on_backend(backends: Mapping[str, Backend], request: DeployRequest) -> Template:
+    """Refuse unknown templates and placements before anything is recorded; return
+    the template."""
+    backend = backends.get(request.backend)
+    if backend is None:
+        raise RequestInvalid([f"No backend called {request.backend!r} is running."])
+    problems = []
+    try:
+        templates = await backend.templates()
+        placements = await backend.placements()
+    except BackendError as exc:
+        if exc.retryable:
+            raise RequestInvalid(
+                [f"{request.backend} did not answer ({exc.message}); try again in a minute."]
+            ) from None
+        # A wrong password or an untrusted certificate: waiting will not help.
+        raise RequestInvalid([f"{request.backend}: {exc.message}"]) from None
+    names = [t.name for t in templates]
+    if request.template not in names:
+        problems.append(
+            f"template: {request.template!r} is not a template on {request.backend}; "
+            + _choices(names, "templates", "see `/deploy templates`")
+        )
+    places = [p.name for p in placements]
+    if request.placement is not None and request.placement not in places:
+        choices = ", ".join([*places, *backends])
+        problems.append(
+            f"on: {request.placement!r} is neither a backend nor a node of "
+            f"{request.backend}; choose one of {choices}."
+        )
+    storages = await _names(backend.storages(request.placement)) if request.storage else []
+    if request.storage is not None and request.storage not in storages:
+        problems.append(
+            f"storage: {request.storage!r} is not a storage on {request.backend}; "
+            + _choices(storages, "storages for VM disks")
+        )
+    if request.network is not None:
+        networks = await _names(backend.networks(request.placement))
+        if request.network not in networks:
+            problems.append(
+                f"network: {request.network!r} is not a network on {request.backend}; "
+                + _choices(networks, "networks")
+            )
+    if problems:
+        raise RequestInvalid(problems)
+    return next(t for t in templates if t.name == request.template)
+
+
+async def _names(listing: Awaitable[list[Storage] | list[Network]]) -> list[str]:
+    try:
+        return [item.name for item in await listing]
+    except BackendError as exc:
+        raise RequestInvalid([f"The hypervisor did not answer ({exc.message})."]) from None
+
+
+async def check_free(backends: Mapping[str, Backend], request: DeployRequest) -> None:
+    """Refuse a name a VM (ours or not) already has, before anything is recorded.
+
+    The pipeline checks again when the job starts; this answers the requester now.
+    Addresses held by our own jobs are refused by the store's unique index.
+    """
+    backend = backends[request.backend]
+    try:
+        taken = await backend.find_by_name(request.name)
+    except BackendError:
+        return  # the pipeline's own check will say it, with retries
+    if taken:
+        raise Conflict(
+            f"A VM named {request.name} already exists on {request.backend} "
+            f"(id {taken[0].vm_id}): pick another name, or remove that VM first."
+        )
+
+
+def _choices(names: list[str], what: str, see: str = "") -> str:
+    """The end of a "not a ... on ..." message: what to choose instead, or, when there
+    is nothing to choose, who must act (a list that is empty helps nobody)."""
+    if not names:
+        return f"it has no {what} at all: ask an operator to add one."
+    return f"choose one of {', '.join(names)}" + (f" ({see})." if see else ".")
