@@ -60,8 +60,9 @@ def network(identity: Identity, mac: str) -> dict[str, Any]:
     MAC and sets the name, networkd `[Match] MACAddress=` + `Name=`, NetworkManager
     `mac-address=`, sysconfig `HWADDR=` + `DEVICE=`, ENI `iface eth0` + a udev rule.
     A name glob (`e*`) reaches only netplan. The subnet's `gateway` (not a 0.0.0.0/0
-    route) becomes ENI's own `gateway` line; a route there is `post-up route add`,
-    which needs net-tools, absent from Debian's cloud images.
+    route) becomes ENI's own `gateway` line; ENI renders such a route as `post-up route
+    add ... || true`, which needs net-tools (priority optional in Debian 12) and fails
+    silently without it.
     """
     subnet: dict[str, Any] = {
         "type": "static",
@@ -92,7 +93,7 @@ def userdata(identity: Identity, manage_etc_hosts: EtcHosts = True) -> dict[str,
 
     `hostname` and `fqdn` in user-data win over the metadata in cloud-init's
     `get_hostname_fqdn`, so the name does not depend on which one a module reads.
-    `manage_etc_hosts` is the template's policy: true rewrites /etc/hosts from
+    `manage_etc_hosts` is the backend's policy for its guests: true rewrites /etc/hosts from
     cloud-init's template at every boot (`hostname -f` then answers the FQDN),
     "localhost" only keeps the 127.0.1.1 line, false leaves the file alone.
     """
