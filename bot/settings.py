@@ -11,12 +11,20 @@ from __future__ import annotations
 import importlib
 import ipaddress
 import os
+import re
 import tomllib
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import ErrorDetails
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -71,11 +79,31 @@ def _backend_configs(raw: object) -> tuple[list[BackendConfig], list[ErrorDetail
     return configs, errors
 
 
+# One DNS domain (letters, digits, hyphens; dot-separated labels of at most 63).
+_DOMAIN = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)(?:\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*$")
+# An FQDN has at most 253 characters; the host name takes up to 63 of them, and a dot.
+_MAX_DOMAIN = 253 - 64
+
+
 class Subnet(_Section):
+    """`search_domain` is also the guests' domain: web01 in lab.test is web01.lab.test,
+    so it is one domain name (a trailing dot is dropped), not a list."""
+
     cidr: ipaddress.IPv4Network
     gateway: ipaddress.IPv4Address
     dns: tuple[ipaddress.IPv4Address, ...] = ()
     search_domain: str = ""
+
+    @field_validator("search_domain")
+    @classmethod
+    def _one_domain(cls, value: str) -> str:
+        domain = value.strip().removesuffix(".")
+        if domain and (len(domain) > _MAX_DOMAIN or not _DOMAIN.fullmatch(domain)):
+            raise ValueError(
+                f"{value!r} is not one domain name (e.g. lab.example): it becomes the "
+                "guests' domain, so it must be a single name of letters, digits and hyphens"
+            )
+        return domain
 
     @model_validator(mode="after")
     def _gateway_inside(self) -> Subnet:

@@ -307,6 +307,8 @@ async def test_identity_is_one_config_change(backend: ProxmoxBackend, pve: FakeP
     assert sent["ipconfig0"] == "ip=127.0.10.50/24,gw=127.0.10.1"
     assert (sent["nameserver"], sent["searchdomain"]) == ("127.0.10.2 127.0.10.3", "lab.example")
     assert (sent["cores"], sent["memory"], sent["agent"]) == ("2", "2048", "1")
+    # The bare host name and the domain apart: Proxmox's generated user-data then gives
+    # the guest `fqdn: web01.lab.example` (name + searchdomain) and manages /etc/hosts.
     assert (sent["name"], sent["ciuser"], sent["cpu"]) == ("web01", "ubuntu", "x86-64-v2-AES")
     config = config_of(pve, ref)
     assert unquote(config["sshkeys"]) == "\n".join(KEYS)  # two keys and comments, exactly

@@ -40,6 +40,10 @@ def test_config_path_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
             "limits.max_running: Input should be greater than or equal to 1",
         ),
         ({"subnets": [{"cidr": "10.0.0.0/33", "gateway": "10.0.0.1"}]}, "subnets.0.cidr"),
+        (
+            {"subnets": [{"cidr": "10.0.0.0/24", "gateway": "10.0.0.1", "search_domain": "a b"}]},
+            "subnets.0.search_domain: 'a b' is not one domain name",
+        ),
     ],
 )
 def test_bad_settings_name_the_key(overrides: dict[str, object], fragment: str) -> None:
@@ -56,3 +60,10 @@ def test_environment_overrides_are_ignored_for_unknown_variables(
     monkeypatch.setenv("DEPLOYBOT_CONFIG", str(BUNDLED_CONFIG))
     monkeypatch.setenv("DEPLOYBOT_SOMETHING_ELSE", "1")
     assert load_settings().default_backend == "sim"
+
+
+def test_the_search_domain_is_one_domain_without_its_trailing_dot() -> None:
+    """It is the guests' domain too (web01.lab.example): `lab.example.` means the same."""
+    subnet = {"cidr": "10.0.0.0/24", "gateway": "10.0.0.1", "search_domain": "lab.example."}
+    settings = load_settings(BUNDLED_CONFIG, subnets=[subnet])
+    assert settings.subnets[0].search_domain == "lab.example"

@@ -11,7 +11,6 @@ import dataclasses
 import ipaddress
 import logging
 import socket
-from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -23,9 +22,6 @@ from pyVmomi import vim
 
 from backends.base import CloneSpec, Identity, NotOurVM, PermanentError, Unreachable, VMRef
 from backends.vsphere import Config, VSphereBackend, create
-from backends.vsphere.guestinfo import extra_config
-from backends.vsphere.inventory import Plan
-from backends.vsphere.specs import Disks, GuestConfig, clone_spec, create_spec
 from bot.errors import ConfigError
 from bot.settings import BUNDLED_CONFIG, load_settings
 from tests.contract import IDENTITY
@@ -35,7 +31,6 @@ from tests.vcsim_support import (
     TEMPLATE,
     Simulated,
     TlsFiles,
-    decode,
     esxi_fixture,  # noqa: F401
     simulator,
     vcenter_fixture,  # noqa: F401
@@ -217,132 +212,6 @@ async def test_a_standard_network_is_named(vcenter: Simulated) -> None:
     assert backing.network is not None and backing.network.name == "VM Network"
 
 
-async def test_identity_goes_into_guestinfo_cpu_and_memory(
-    vcenter: Simulated, backend: VSphereBackend
-) -> None:
-    """A clone made without the identity gets it from apply_identity, in one task."""
-    first, second = await cloned(backend, "web01"), await cloned(backend, "web02", "jvs0004")
-    before = backend.api_calls()
-    await backend.apply_identity(first, IDENTITY)
-    await backend.apply_identity(second, IDENTITY)
-    assert (backend.api_calls() - before)["ReconfigVM_Task"] == 2
-    # Applied again (a retried step), it is found in place: no second task.
-    before = backend.api_calls()
-    await backend.apply_identity(first, IDENTITY)
-    assert (backend.api_calls() - before)["ReconfigVM_Task"] == 0
-    vm = vcenter.sim.vm(first.vm_id)
-    assert (vm.config.hardware.numCPU, vm.config.hardware.memoryMB) == (2, 2048)
-    extra = vcenter.sim.extra(vm)
-    metadata = decode(extra["guestinfo.metadata"])
-    assert metadata["local-hostname"] == "contract01"
-    assert metadata["network"]["ethernets"]["nic0"]["addresses"] == ["10.0.0.77/24"]
-    assert decode(extra["guestinfo.userdata"])["users"][0]["name"] == "ubuntu"
-    # Every deploy is a new instance for cloud-init, even with the same identity.
-    other = decode(vcenter.sim.extra(vcenter.sim.vm(second.vm_id))["guestinfo.metadata"])
-    assert metadata["instance-id"] == first.vm_id != other["instance-id"] == second.vm_id
-
-
-def reconfigured(sim: Simulated, since: Counter[str]) -> int:
-    """ReconfigVM_Tasks the server ran since `since` (a Counter of its task history)."""
-    return (Counter(sim.sim.task_history()) - since)["VirtualMachine.reconfigVm"]
-
-
-def test_the_clone_and_create_specs_carry_the_identity() -> None:
-    """What is sent, whatever a server keeps of it: CPU, memory, one core per socket when
-    the cores do not fill the template's sockets, and the four guestinfo keys."""
-    hardware = vim.vm.VirtualHardware(numCPU=4, numCoresPerSocket=2, memoryMB=32, device=[])
-    template = vim.vm.ConfigInfo(hardware=hardware, guestId="ubuntu64Guest", version="vmx-19")
-    plan = Plan(None, None, None, "DC0_C0", None, template, None, "LocalDS_0", None)
-    ref, provisioning = VMRef("5029c9f2-0000-4000-8000-000000000001", "jvs0013"), Disks(True, False)
-    spec = CloneSpec("jvs0013", "web01", TEMPLATE)
-    for cores, per_socket in [(3, 1), (6, None)]:
-        guest = GuestConfig.of(ref.vm_id, dataclasses.replace(IDENTITY, cores=cores))
-        cloning = clone_spec(plan, ref, "note", provisioning, guest).config
-        creating = create_spec(spec, ref, plan, "note", "[ds] x/x.vmx", {}, provisioning, guest)
-        for config in (cloning, creating):
-            assert (config.numCPUs, config.memoryMB) == (cores, 2048)
-            extra = {o.key: o.value for o in config.extraConfig}
-            assert extra == extra_config(ref.vm_id, dataclasses.replace(IDENTITY, cores=cores))
-        assert cloning.numCoresPerSocket == per_socket  # None: the clone keeps the template's
-        assert creating.numCoresPerSocket == (per_socket or 2)
-    # Without an identity: the template's hardware, no guestinfo.
-    cloning = clone_spec(plan, ref, "note", provisioning).config
-    creating = create_spec(spec, ref, plan, "note", "[ds] x/x.vmx", {}, provisioning)
-    assert (cloning.numCPUs, cloning.memoryMB, list(cloning.extraConfig)) == (None, None, [])
-    assert (creating.numCPUs, creating.numCoresPerSocket, creating.memoryMB) == (4, 2, 32)
-    assert list(creating.extraConfig) == []
-
-
-@pytest.mark.parametrize("mode", ["vcenter", "esxi"])
-async def test_a_clone_that_carries_the_identity_leaves_apply_identity_one_read(
-    mode: str, request: pytest.FixtureRequest, caplog: pytest.LogCaptureFixture
-) -> None:
-    """CPU, memory and guestinfo travel in CloneVM_Task's (vCenter) or CreateVM_Task's
-    (ESXi) spec; apply_identity then reads the VM once and finds nothing to change."""
-    lab: Simulated = request.getfixturevalue(mode)
-    backend = lab.sim.backend()
-    caplog.set_level(logging.INFO, logger="backends.vsphere")
-    try:
-        ref = await cloned(backend, "web01", "jvs0010", IDENTITY)
-        # vcsim keeps the guestinfo of a clone but drops its annotation, CPU and memory,
-        # which the clone's own check then sets; it keeps all of a created VM's spec.
-        messages = [r.getMessage() for r in caplog.records]
-        settled = [m.rsplit(": ", 1)[1] for m in messages if "left out of the clone" in m]
-        assert settled == ([] if lab.sim.esx else ["job tag, numCPUs, memoryMB"])
-        vm = lab.sim.vm(ref.vm_id)
-        assert (vm.config.hardware.numCPU, vm.config.hardware.memoryMB) == (2, 2048)
-        extra = lab.sim.extra(vm)
-        metadata = decode(extra["guestinfo.metadata"])
-        assert (metadata["instance-id"], metadata["local-hostname"]) == (ref.vm_id, "contract01")
-        assert metadata["network"]["ethernets"]["nic0"]["addresses"] == ["10.0.0.77/24"]
-        assert decode(extra["guestinfo.userdata"])["users"][0]["name"] == "ubuntu"
-        assert extra["guestinfo.metadata.encoding"] == "gzip+base64"
-        # Each key once: the clone/create spec wrote them, nothing after it did again
-        # (vcsim appends extraConfig where vSphere replaces).
-        keys = [o.key for o in vm.config.extraConfig if o.key.startswith("guestinfo.")]
-        assert sorted(keys) == sorted(extra_config(ref.vm_id, IDENTITY))
-
-        before, history = backend.api_calls(), Counter(lab.sim.task_history())
-        await backend.apply_identity(ref, IDENTITY)
-        assert backend.api_calls() - before == Counter(FindByUuid=1, RetrievePropertiesEx=1)
-        assert reconfigured(lab, history) == 0
-
-        # An identity that differs in any part is still applied, in one task.
-        other = dataclasses.replace(IDENTITY, hostname="web01b", memory_mib=1024)
-        before, history = backend.api_calls(), Counter(lab.sim.task_history())
-        await backend.apply_identity(ref, other)
-        assert (backend.api_calls() - before)["ReconfigVM_Task"] == 1
-        assert reconfigured(lab, history) == 1
-        vm = lab.sim.vm(ref.vm_id)
-        assert (vm.config.hardware.numCPU, vm.config.hardware.memoryMB) == (2, 1024)
-        assert decode(lab.sim.extra(vm)["guestinfo.metadata"])["local-hostname"] == "web01b"
-    finally:
-        await backend.close()
-
-
-@pytest.mark.parametrize("mode", ["vcenter", "esxi"])
-async def test_cores_that_do_not_fill_the_templates_sockets_get_one_per_socket(
-    mode: str, request: pytest.FixtureRequest
-) -> None:
-    lab: Simulated = request.getfixturevalue(mode)
-    second = "ha-host_VM1" if lab.sim.esx else "DC0_H0_VM1"
-    vm = next(v for v in lab.sim.datacenter.vmFolder.childEntity if v.name == second)
-    WaitForTask(vm.ReconfigVM_Task(vim.vm.ConfigSpec(numCPUs=4, numCoresPerSocket=2)))
-    lab.sim.make_template(second, "wide", "deploybot template: two cores a socket")
-    backend = lab.sim.backend()
-    try:
-        for job, cores, per_socket in [("jvs0011", 3, 1), ("jvs0012", 6, 2)]:
-            identity = dataclasses.replace(IDENTITY, cores=cores)
-            ref = await cloned(backend, f"w{cores}", job, identity, template="wide")
-            history = Counter(lab.sim.task_history())
-            await backend.apply_identity(ref, identity)
-            assert reconfigured(lab, history) == 0
-            hardware = lab.sim.vm(ref.vm_id).config.hardware
-            assert (hardware.numCPU, hardware.numCoresPerSocket) == (cores, per_socket)
-    finally:
-        await backend.close()
-
-
 async def test_growing_the_disk_twice_for_one_request_grows_it_once(
     vcenter: Simulated, backend: VSphereBackend
 ) -> None:
@@ -462,7 +331,6 @@ async def test_a_caller_that_gives_up_stops_the_wait_and_leaves_no_collector(
 
 
 def _named(hostname: str) -> Any:
-    import dataclasses
 
     return dataclasses.replace(
         IDENTITY, hostname=hostname, address=ipaddress.IPv4Interface("127.0.20.9/24")

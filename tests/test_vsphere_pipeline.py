@@ -154,6 +154,7 @@ def guest_config(sim: Simulated, vm_id: str) -> tuple[int, int, dict[str, Any]]:
 
 
 def nic_of(vm: Any) -> Any:
+    """The VM's one NIC."""
     (nic,) = [
         d for d in vm.config.hardware.device if isinstance(d, vim.vm.device.VirtualEthernetCard)
     ]
@@ -188,7 +189,7 @@ async def test_a_vcenter_deploy_end_to_end(
     assert identity["ReconfigVM_Task"] == 0 and identity["RetrievePropertiesEx"] == 1
     cores, memory, metadata = guest_config(vcenter, str(job.vm_id))
     assert (cores, memory) == (2, 1024)
-    assert metadata["instance-id"] == job.vm_id and metadata["local-hostname"] == "web01"
+    assert metadata["instance-id"] == job.vm_id and metadata["local-hostname"] == "web01.lab.test"
     pg = next(n for n in vcenter.sim.datacenter.network if n.name == "DC0_DVPG0")
     backing = nic_of(vm).backing
     assert isinstance(backing, vim.vm.device.VirtualEthernetCard.DistributedVirtualPortBackingInfo)
@@ -196,16 +197,27 @@ async def test_a_vcenter_deploy_end_to_end(
         pg.config.distributedVirtualSwitch.uuid,
         pg.key,
     )
-    # What the guest read from guestinfo at boot.
+    # What the guest read from guestinfo at boot: its NIC by the MAC the clone's NIC has
+    # (vCenter's to assign; read back after the clone), its name in the subnet's domain.
     booted = vcenter.guests.booted[str(job.vm_id)]
     assert booted.metadata["instance-id"] == job.vm_id
-    assert booted.metadata["local-hostname"] == "web01"
-    nic = booted.metadata["network"]["ethernets"]["nic0"]
-    assert nic["addresses"] == ["127.0.20.50/24"] and nic["match"] == {"name": "e*"}
-    assert nic["routes"] == [{"to": "0.0.0.0/0", "via": "127.0.20.1"}]
-    assert nic["nameservers"] == {"addresses": ["127.0.20.2"], "search": ["lab.test"]}
+    assert (booted.name, booted.fqdn) == ("web01", "web01.lab.test")
+    (nic,) = booted.metadata["network"]["config"]
+    assert nic["mac_address"] == nic_of(vm).macAddress.lower() == booted.mac
+    assert (nic["type"], nic["name"]) == ("physical", "eth0")
+    assert nic["subnets"] == [
+        {
+            "type": "static",
+            "address": "127.0.20.50/24",
+            "gateway": "127.0.20.1",
+            "dns_nameservers": ["127.0.20.2"],
+            "dns_search": ["lab.test"],
+        }
+    ]
     assert booted.userdata["users"][0]["name"] == "ubuntu"
     assert booted.userdata["package_upgrade"] is False
+    assert (booted.userdata["hostname"], booted.userdata["fqdn"]) == ("web01", "web01.lab.test")
+    assert booted.userdata["manage_etc_hosts"] is True
     # Tasks were waited for through collectors, never by reading properties in a loop.
     assert calls["Fetch"] == 0
     assert calls["CloneVM_Task"] == 1 and calls["Login"] == 1
@@ -239,8 +251,14 @@ async def test_an_esxi_deploy_end_to_end_never_clones(
     backing: Any = disk.backing
     assert backing.fileName == f"[LocalDS_0] web01-{str(job.vm_id)[:8]}/web01.vmdk"
     assert (backing.thinProvisioned, backing.eagerlyScrub) == (False, True)
-    assert isinstance(nic_of(vm).backing, vim.vm.device.VirtualEthernetCard.NetworkBackingInfo)
-    assert esxi.guests.booted[str(job.vm_id)].metadata["local-hostname"] == "web01"
+    nic = nic_of(vm)
+    assert isinstance(nic.backing, vim.vm.device.VirtualEthernetCard.NetworkBackingInfo)
+    # The host would generate a MAC only at power-on: the create spec set one, in VMware's
+    # static range, and the metadata in the same spec names it.
+    assert nic.addressType == "manual" and nic.macAddress.startswith("00:50:56:")
+    assert int(nic.macAddress.split(":")[3], 16) <= 0x3F
+    booted = esxi.guests.booted[str(job.vm_id)]
+    assert (booted.fqdn, booted.mac) == ("web01.lab.test", nic.macAddress)
     # CreateVM_Task's spec carried CPU, memory and guestinfo: nothing was reconfigured
     # for them, neither after the create nor by the identity step, which only read them.
     assert creating["CreateVM_Task"] == 1 and creating["ReconfigVM_Task"] == 0
@@ -248,7 +266,7 @@ async def test_an_esxi_deploy_end_to_end_never_clones(
     cores, memory, metadata = guest_config(esxi, str(job.vm_id))
     assert (cores, memory) == (3, 1536)
     assert metadata["instance-id"] == job.vm_id
-    assert metadata["network"]["ethernets"]["nic0"]["addresses"] == ["127.0.20.50/24"]
+    assert metadata["network"]["config"][0]["subnets"][0]["address"] == "127.0.20.50/24"
 
 
 # --- rollback -------------------------------------------------------------------------

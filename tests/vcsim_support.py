@@ -10,8 +10,9 @@ DEPLOYBOT_REQUIRE_VCSIM=1 (CI), where that is a failure.
 
 The test also plays two parts the simulator has no one for, each through a pyvmomi
 connection of its own: the operator (marking a template, listing the inventory) and the
-guests (`GuestAgent`: a guest that boots reads its cloud-init metadata from guestinfo
-and reports its address through VMware Tools, which is vcsim's `SET.guest.ipAddress`).
+guests (`GuestAgent`: a guest that boots reads its cloud-init metadata from guestinfo,
+configures the NIC whose MAC the metadata names, and reports its address through VMware
+Tools, which is vcsim's `SET.guest.ipAddress`).
 """
 
 from __future__ import annotations
@@ -240,7 +241,9 @@ class Vcsim:
 @dataclass
 class Booted:
     name: str
+    fqdn: str
     address: str
+    mac: str
     metadata: dict[str, Any]
     userdata: dict[str, Any]
 
@@ -248,7 +251,9 @@ class Booted:
 @dataclass
 class GuestAgent:
     """Plays every guest: on power-on it reads its cloud-init documents from guestinfo
-    and reports the static address they give, as VMware Tools would after boot.
+    and reports the static address they give, as VMware Tools would after boot. Like
+    cloud-init, it configures only the NIC whose MAC the metadata names: metadata for
+    another MAC leaves the guest without its address, which is reported as an error.
 
     It watches power states through a PropertyCollector of its own (vcsim delivers the
     change), so no test waits by sleeping. `silent` guests never report an address.
@@ -335,11 +340,20 @@ class GuestAgent:
         metadata = decode(extra["guestinfo.metadata"])
         userdata_text = gzip.decompress(base64.b64decode(extra["guestinfo.userdata"])).decode()
         assert userdata_text.startswith("#cloud-config\n")
-        nic = metadata["network"]["ethernets"]["nic0"]
-        address = str(ipaddress.IPv4Interface(nic["addresses"][0]).ip)
-        name = metadata["local-hostname"]
+        (nic,) = metadata["network"]["config"]
+        card = vim.vm.device.VirtualEthernetCard
+        macs = [d.macAddress for d in vm.config.hardware.device if isinstance(d, card)]
+        if nic["mac_address"] not in [str(m).lower() for m in macs]:
+            self.errors.append(
+                f"{vm.name}: the metadata configures MAC {nic['mac_address']}, "
+                f"the VM's NICs have {macs}: the guest would boot without its address"
+            )
+            return
+        address = str(ipaddress.IPv4Interface(nic["subnets"][0]["address"]).ip)
+        fqdn = metadata["local-hostname"]
+        name = fqdn.split(".")[0]  # as cloud-init's datasource splits local-hostname
         self.booted[vm.config.instanceUuid] = Booted(
-            name, address, metadata, yaml.safe_load(userdata_text)
+            name, fqdn, address, nic["mac_address"], metadata, yaml.safe_load(userdata_text)
         )
         if name not in self.silent:
             self.sim.set_guest_address(vm, address)

@@ -381,6 +381,9 @@ class ProxmoxBackend:
         if identity.dns:
             params["nameserver"] = " ".join(str(d) for d in identity.dns)
         if identity.search_domain:
+            # Also the guest's domain: Proxmox's own cloud-init user-data says
+            # `hostname: <name>`, `fqdn: <name>.<searchdomain>`, `manage_etc_hosts: true`
+            # (qemu-server's get_hostname_fqdn), so `name` stays the bare host name.
             params["searchdomain"] = identity.search_domain
         bridge = identity.network or self.config.bridge
         params["net0"] = nic_with(

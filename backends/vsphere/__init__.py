@@ -5,7 +5,8 @@
 `content.about.apiType` decides the path. `VirtualCenter`: `CloneVM_Task` into a resource
 pool (vSphere picks the host under DRS) and datastore. `HostAgent` has no clone: make
 the VM's folder, copy the template's disks (`CopyVirtualDisk_Task`), create a VM from the
-template's hardware around them (`CreateVM_Task`). `CloneVM_Task` is never sent there.
+template's hardware around them (`CreateVM_Task`, in `esxi`). `CloneVM_Task` is never
+sent there.
 
 * Identity: the VM's `config.instanceUuid`, chosen by `prepare_clone`, written into the
   clone/create spec and resolved with `FindByUuid(None, uuid, True, True)` at every
@@ -13,7 +14,9 @@ template's hardware around them (`CreateVM_Task`). `CloneVM_Task` is never sent 
 * The guest's identity travels as cloud-init documents in guestinfo keys
   (`guestinfo`), set with CPU and memory in the clone/create spec when the
   CloneSpec carries it; `apply_identity` then finds them in place (one property read)
-  and reconfigures only a VM that lacks them.
+  and reconfigures only a VM that lacks them. The metadata finds the NIC by its MAC:
+  a created VM's MAC is set in its spec (ESXi generates one only at power-on), a
+  clone's is vCenter's, read back after the clone, when the metadata is added.
 * Session, thread pool, task waiting without polling and fault mapping:
   `session`; inventory lookups: `inventory`; specs: `specs`.
 """
@@ -48,7 +51,8 @@ from backends.base import (
     pick_address,
 )
 from backends.sshcheck import SshCheck
-from backends.vsphere import specs
+from backends.vsphere import esxi, specs
+from backends.vsphere.guestinfo import EtcHosts
 from backends.vsphere.inventory import (
     POWERED_ON,
     Inventory,
@@ -104,6 +108,9 @@ class Config(BackendConfig):
     template_annotation: str | None = None  # templates whose annotation contains this
     thin_provisioned: bool = True
     eagerly_scrub: bool = False
+    # cloud-init's manage_etc_hosts for the guests: true rewrites /etc/hosts (with the
+    # FQDN) at every boot, "localhost" keeps only its own line, false leaves it alone.
+    manage_etc_hosts: EtcHosts = True
     api_threads: int = Field(default=32, ge=4, le=256)
     request_timeout_s: float = Field(default=90, gt=WAIT_SLICE_S)
     cancel_wait_s: float = Field(default=60, gt=0)
@@ -301,7 +308,7 @@ class VSphereBackend:
     async def clone(self, spec: CloneSpec, ref: VMRef) -> str | None:
         plan = self._plans.pop(ref.vm_id, None)
         # Built first: an identity that cannot be written fails before anything exists.
-        guest = specs.GuestConfig.of(ref.vm_id, spec.identity) if spec.identity else None
+        guest = self._guest(ref, spec.identity) if spec.identity else None
 
         def work(op: Op) -> str:
             if self._inventory.ours(op.conn, ref) is not None:
@@ -314,7 +321,7 @@ class VSphereBackend:
                     use.template.CloneVM_Task(folder=use.folder, name=spec.name, spec=clone)
                 )
             else:
-                vm = self._copy_esxi(op, spec, ref, use, guest)
+                vm = esxi.copy_and_create(op, spec, ref, use, guest, self._disks, self._inventory)
             self._settle(op, vm, ref, note, guest)
             how = "cloned" if op.conn.vcenter else "disk copied"
             net = f", NIC on {use.network.name}" if use.network else ""
@@ -322,57 +329,13 @@ class VSphereBackend:
 
         return await self._session.run(work, ref.vm_id)
 
-    def _copy_esxi(
-        self, op: Op, spec: CloneSpec, ref: VMRef, plan: Plan, guest: specs.GuestConfig | None
-    ) -> Any:
-        """A standalone host has no CloneVM_Task: copy the template's disks into a new
-        folder, then create a VM around them from the template's hardware."""
-        content = op.conn.content
-        # The UUID in the folder name keeps it unique and traceable to the VM.
-        folder = f"[{plan.datastore_name}] {spec.name}-{ref.vm_id[:8]}"
-        content.fileManager.MakeDirectory(folder, plan.datacenter, False)
-        try:
-            devices = plan.template_config.hardware.device
-            copies = {}
-            for index, disk in enumerate(disks(devices)):
-                op.check()
-                target = f"{folder}/{spec.name}{f'_{index}' if index else ''}.vmdk"
-                task = content.virtualDiskManager.CopyVirtualDisk_Task(
-                    sourceName=disk.backing.fileName,
-                    sourceDatacenter=plan.datacenter,
-                    destName=target,
-                    destDatacenter=plan.datacenter,
-                    destSpec=self._disks.copy_spec(devices, disk),
-                    force=False,
-                )
-                op.wait(task)
-                copies[disk.key] = target
-            op.check()
-            vmx = f"{folder}/{spec.name}.vmx"
-            note = annotation(spec)
-            config = specs.create_spec(spec, ref, plan, note, vmx, copies, self._disks, guest)
-            return op.wait(plan.folder.CreateVM_Task(config=config, pool=plan.pool))
-        except BaseException:
-            self._remove_folder(op, ref, folder, plan.datacenter)
-            raise
-
-    def _remove_folder(self, op: Op, ref: VMRef, folder: str, datacenter: Any) -> None:
-        """Undo a half-done copy: the folder goes, unless a VM was created in it (the
-        rollback's destroy removes that VM with its files)."""
-        try:
-            if op.conn.find_vm(ref.vm_id) is None:
-                manager = op.conn.content.fileManager
-                # An Op of its own: the clean-up must not be cancelled with the copy.
-                Op(op.conn, op.grace_s).wait(manager.DeleteDatastoreFile_Task(folder, datacenter))
-        except Exception:
-            log.warning("backend %s: could not remove %s", self.name, folder, exc_info=True)
-
     def _settle(
         self, op: Op, vm: Any, ref: VMRef, note: str, guest: specs.GuestConfig | None
     ) -> None:
         """Make sure the new VM carries our instance UUID, job tag and the guest's
-        identity: what a server dropped from the spec (vcsim drops the annotation, and
-        from a clone the CPU and memory) is set now, in one reconfiguration."""
+        identity, in one reconfiguration: what a server dropped from the spec (vcsim
+        drops the annotation, and from a clone the CPU and memory), and after a clone
+        the cloud-init metadata, which names the MAC vCenter gave the clone's NIC."""
         paths = ["config.instanceUuid", "config.annotation"]
         p = op.conn.props(vm, vim.VirtualMachine, [*paths, *(specs.GUEST_PATHS if guest else ())])
         fix = vim.vm.ConfigSpec()
@@ -385,23 +348,23 @@ class VSphereBackend:
             missing.append("job tag")
         for key, value in (guest.missing(p) if guest else {}).items():
             setattr(fix, key, value)
-            missing.append(key)
+            missing += [o.key for o in value] if key == "extraConfig" else [key]
         if missing:
-            log.info(
-                "backend %s: setting what the server left out of the clone: %s",
-                self.name,
-                ", ".join(missing),
-            )
+            log.info("backend %s: completing the new VM: %s", self.name, ", ".join(missing))
             op.wait(vm.ReconfigVM_Task(fix))
 
+    def _guest(self, ref: VMRef, identity: Identity) -> specs.GuestConfig:
+        return specs.GuestConfig.of(ref.vm_id, identity, self.config.manage_etc_hosts)
+
     async def apply_identity(self, ref: VMRef, identity: Identity) -> str | None:
-        guest = specs.GuestConfig.of(ref.vm_id, identity)
+        guest = self._guest(ref, identity)
 
         def work(op: Op) -> None:
             # Read with the lookup: a VM whose clone carried the identity costs no task.
             vm, p = self._existing(op.conn, ref, specs.GUEST_PATHS)
-            if guest.missing(p):
-                op.wait(vm.ReconfigVM_Task(guest.spec(p.get(specs.CORES_PER_SOCKET))))
+            fix = guest.missing(p)
+            if fix:
+                op.wait(vm.ReconfigVM_Task(vim.vm.ConfigSpec(**fix)))
 
         await self._session.run(work, ref.vm_id)
         return None

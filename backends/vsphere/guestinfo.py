@@ -17,13 +17,18 @@ import base64
 import gzip
 import json
 import re
-from typing import Any
+from typing import Any, Literal
 
 from backends.base import Identity, PermanentError
 
 ENCODING = "gzip+base64"
 METADATA_KEY = "guestinfo.metadata"
 USERDATA_KEY = "guestinfo.userdata"
+# The name cloud-init gives the guest's NIC (found by MAC): the kernel's own name for a
+# single NIC, and the one Proxmox's generated cloud-init data uses too.
+NIC_NAME = "eth0"
+# cloud-init's `manage_etc_hosts`: true, false or "localhost".
+EtcHosts = bool | Literal["localhost"]
 
 # What YAML reads differently from JSON inside a double-quoted string (see module doc).
 _YAML_UNSAFE = re.compile("[\x7f-\x9f\u2028\u2029\ufeff\ufffe\uffff]")
@@ -38,35 +43,60 @@ def to_yaml(document: Any) -> str:
     return _YAML_UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 
-def metadata(instance_id: str, identity: Identity) -> dict[str, Any]:
-    """instance-id, local-hostname and a netplan v2 network for the single NIC.
+def fqdn(identity: Identity) -> str:
+    """The guest's fully qualified name: its host name in the subnet's search domain
+    (a trailing dot dropped), or the bare host name when the subnet has none."""
+    domain = identity.search_domain.strip().strip(".")
+    return f"{identity.hostname}.{domain}" if domain else identity.hostname
 
-    `match: {name: "e*"}` finds the NIC whatever the guest calls it (ens192, ens160,
-    eth0); no `set-name`, so nothing is renamed.
+
+def network(identity: Identity, mac: str) -> dict[str, Any]:
+    """cloud-init network config v1 for the one NIC, found by its MAC and named `NIC_NAME`.
+
+    Why this shape (each renderer of cloud-init 22.4 checked by
+    tests/test_cloudinit_renderers.py): a `physical` entry with `mac_address` makes
+    cloud-init rename the NIC with that MAC to `NIC_NAME` at boot, before it writes
+    any config, so every renderer's output names the real device: netplan matches the
+    MAC and sets the name, networkd `[Match] MACAddress=` + `Name=`, NetworkManager
+    `mac-address=`, sysconfig `HWADDR=` + `DEVICE=`, ENI `iface eth0` + a udev rule.
+    A name glob (`e*`) reaches only netplan. The subnet's `gateway` (not a 0.0.0.0/0
+    route) becomes ENI's own `gateway` line; ENI renders such a route as `post-up route
+    add ... || true`, which needs net-tools (priority optional in Debian 12) and fails
+    silently without it.
     """
-    ethernet: dict[str, Any] = {
-        "match": {"name": "e*"},
-        "dhcp4": False,
-        "dhcp6": False,
-        "addresses": [str(identity.address)],
-        "routes": [{"to": "0.0.0.0/0", "via": str(identity.gateway)}],
+    subnet: dict[str, Any] = {
+        "type": "static",
+        "address": identity.address.with_prefixlen,
+        "gateway": str(identity.gateway),
     }
-    nameservers: dict[str, Any] = {}
     if identity.dns:
-        nameservers["addresses"] = [str(ip) for ip in identity.dns]
+        subnet["dns_nameservers"] = [str(ip) for ip in identity.dns]
     if identity.search_domain:
-        nameservers["search"] = [identity.search_domain]
-    if nameservers:
-        ethernet["nameservers"] = nameservers
+        subnet["dns_search"] = [identity.search_domain]
+    nic = {"type": "physical", "name": NIC_NAME, "mac_address": mac.lower(), "subnets": [subnet]}
+    return {"version": 1, "config": [nic]}
+
+
+def metadata(instance_id: str, identity: Identity, mac: str) -> dict[str, Any]:
+    """instance-id, local-hostname (the FQDN: cloud-init's datasource splits it into
+    host name and domain) and the network of the NIC whose MAC is `mac`."""
     return {
         "instance-id": instance_id,
-        "local-hostname": identity.hostname,
-        "network": {"version": 2, "ethernets": {"nic0": ethernet}},
+        "local-hostname": fqdn(identity),
+        "network": network(identity, mac),
     }
 
 
-def userdata(identity: Identity) -> dict[str, Any]:
-    """The login user with its keys and passwordless sudo; packages upgraded only if asked."""
+def userdata(identity: Identity, manage_etc_hosts: EtcHosts = True) -> dict[str, Any]:
+    """The login user with its keys and passwordless sudo; packages upgraded only if
+    asked; host name, FQDN and /etc/hosts as Proxmox's own cloud-init data has them.
+
+    `hostname` and `fqdn` in user-data win over the metadata in cloud-init's
+    `get_hostname_fqdn`, so the name does not depend on which one a module reads.
+    `manage_etc_hosts` is the backend's policy for its guests: true rewrites /etc/hosts from
+    cloud-init's template at every boot (`hostname -f` then answers the FQDN),
+    "localhost" only keeps the 127.0.1.1 line, false leaves the file alone.
+    """
     for key in identity.ssh_keys:
         if _CONTROL.search(key):
             raise PermanentError(
@@ -86,6 +116,9 @@ def userdata(identity: Identity) -> dict[str, Any]:
         "ssh_pwauth": False,
         "package_update": identity.upgrade,
         "package_upgrade": identity.upgrade,
+        "hostname": identity.hostname,
+        "fqdn": fqdn(identity),
+        "manage_etc_hosts": manage_etc_hosts,
     }
 
 
@@ -94,17 +127,27 @@ def encode(text: str) -> str:
     return base64.b64encode(gzip.compress(text.encode("utf-8"), mtime=0)).decode("ascii")
 
 
-def extra_config(instance_id: str, identity: Identity) -> dict[str, str]:
-    """The four guestinfo keys: each document and its `.encoding`.
+def userdata_config(identity: Identity, manage_etc_hosts: EtcHosts = True) -> dict[str, str]:
+    """guestinfo.userdata and its `.encoding`: known before the VM exists."""
+    user = "#cloud-config\n" + to_yaml(userdata(identity, manage_etc_hosts))
+    return {USERDATA_KEY: encode(user), f"{USERDATA_KEY}.encoding": ENCODING}
+
+
+def metadata_config(instance_id: str, identity: Identity, mac: str) -> dict[str, str]:
+    """guestinfo.metadata and its `.encoding`: needs the NIC's MAC.
 
     Without the `.encoding` key cloud-init reads the base64 text as the document itself
     and boots with garbage, silently.
     """
-    meta = to_yaml(metadata(instance_id, identity))
-    user = "#cloud-config\n" + to_yaml(userdata(identity))
+    meta = to_yaml(metadata(instance_id, identity, mac))
+    return {METADATA_KEY: encode(meta), f"{METADATA_KEY}.encoding": ENCODING}
+
+
+def extra_config(
+    instance_id: str, identity: Identity, mac: str, manage_etc_hosts: EtcHosts = True
+) -> dict[str, str]:
+    """The four guestinfo keys: each document and its `.encoding`."""
     return {
-        METADATA_KEY: encode(meta),
-        f"{METADATA_KEY}.encoding": ENCODING,
-        USERDATA_KEY: encode(user),
-        f"{USERDATA_KEY}.encoding": ENCODING,
+        **metadata_config(instance_id, identity, mac),
+        **userdata_config(identity, manage_etc_hosts),
     }

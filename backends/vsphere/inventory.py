@@ -217,6 +217,18 @@ class Inventory:
             dc.obj, folder, pool, placement, template, config, store, store_props["name"], network
         )
 
+    def macs(self, conn: Conn) -> frozenset[str]:
+        """The MAC of every NIC of every VM the session can see (on a standalone host:
+        all of its VMs), so that a MAC set by hand is not one of them."""
+        root, card = conn.content.rootFolder, vim.vm.device.VirtualEthernetCard
+        rows = conn.contained(root, vim.VirtualMachine, ["config.hardware.device"])
+        return frozenset(
+            str(d.macAddress).lower()
+            for _o, p in rows
+            for d in p.get("config.hardware.device") or []
+            if isinstance(d, card) and d.macAddress
+        )
+
     def vms(self, conn: Conn, name: str | None = None) -> list[VMInfo]:
         """Every VM the session can see (or those called `name`), by instance UUID."""
         root, paths = conn.content.rootFolder, [*VM_PATHS, "config.instanceUuid"]

@@ -12,25 +12,31 @@ disk whose file already exists is attached without a file operation.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any
 
 from pyVmomi import vim
 
-from backends.base import CloneSpec, Identity, VMRef
+from backends.base import CloneSpec, Identity, PermanentError, VMRef
 from backends.vsphere import guestinfo
 from backends.vsphere.inventory import Net, Plan, disks
 from backends.vsphere.session import Props
 
 DeviceSpec = vim.vm.device.VirtualDeviceSpec
 CORES_PER_SOCKET = "config.hardware.numCoresPerSocket"
+DEVICES = "config.hardware.device"
 # The properties `GuestConfig.missing` compares.
 GUEST_PATHS = (
     "config.hardware.numCPU",
     CORES_PER_SOCKET,
     "config.hardware.memoryMB",
     "config.extraConfig",
+    DEVICES,
 )
+# VMware's range for MACs set by hand (a host refuses others at power-on), 22 bits wide.
+STATIC_MAC_PREFIX = (0x00, 0x50, 0x56)
+STATIC_MAC_BITS = 22
 
 
 def last_extra(props: Props, key: str) -> str | None:
@@ -39,46 +45,91 @@ def last_extra(props: Props, key: str) -> str | None:
     return str(values[-1]) if values else None
 
 
+def first_nic(devices: list[Any]) -> Any | None:
+    """The NIC deploybot configures: the first one, as `nic_changes` edits it."""
+    return next((d for d in devices if isinstance(d, vim.vm.device.VirtualEthernetCard)), None)
+
+
+def nic_mac(props: Props) -> str | None:
+    """The first NIC's MAC as the VM has it; None without a NIC or before one is assigned."""
+    nic = first_nic(props.get(DEVICES) or [])
+    return str(nic.macAddress).lower() if nic is not None and nic.macAddress else None
+
+
+def static_mac(vm_id: str, taken: frozenset[str] = frozenset()) -> str:
+    """A MAC in VMware's static range, derived from the VM's instance UUID, avoiding `taken`.
+
+    For the ESXi create path: a standalone host assigns a generated MAC only when the VM
+    first powers on, too late for the cloud-init metadata, which must name the MAC
+    before that. Derived rather than random, so that the same VM id gives the same MAC.
+    """
+    for attempt in range(1 << 16):
+        digest = hashlib.sha256(f"{vm_id}/{attempt}".encode()).digest()
+        low = int.from_bytes(digest[:3], "big") & ((1 << STATIC_MAC_BITS) - 1)
+        mac = ":".join(f"{b:02x}" for b in (*STATIC_MAC_PREFIX, *low.to_bytes(3, "big")))
+        if mac not in taken:
+            return mac
+    raise PermanentError("no free MAC address left in VMware's static range")
+
+
 @dataclass(frozen=True)
 class GuestConfig:
     """An `Identity` as a VM's configuration carries it: CPU count, memory and the
     guestinfo keys cloud-init reads.
 
-    Built before anything is sent (`of` refuses an SSH key that would break the
-    documents), written into the clone or create spec, and compared with what a VM has
-    so that `apply_identity` reconfigures only a VM that lacks it.
+    Built before anything is sent (`of` builds the user-data, refusing an SSH key that
+    would break it); the metadata names the NIC's MAC, so it joins once the MAC is
+    known: in a created VM's spec (the MAC is set there), after a clone (vCenter
+    assigns it in the clone). `missing` compares all of it with what a VM has, so that
+    `apply_identity` reconfigures only a VM that lacks some of it.
     """
 
     cores: int
     memory_mib: int
-    extra: tuple[tuple[str, str], ...]
+    instance_id: str
+    identity: Identity
+    userdata: tuple[tuple[str, str], ...]
 
     @classmethod
-    def of(cls, instance_id: str, identity: Identity) -> GuestConfig:
+    def of(
+        cls, instance_id: str, identity: Identity, manage_etc_hosts: guestinfo.EtcHosts = True
+    ) -> GuestConfig:
         # The instance UUID is new for every deploy: cloud-init runs its per-instance
         # setup only when the instance-id differs from the one cached on disk.
-        extra = guestinfo.extra_config(instance_id, identity)
-        return cls(identity.cores, identity.memory_mib, tuple(extra.items()))
+        userdata = guestinfo.userdata_config(identity, manage_etc_hosts)
+        return cls(
+            identity.cores, identity.memory_mib, instance_id, identity, tuple(userdata.items())
+        )
 
-    def fields(self, cores_per_socket: int | None) -> dict[str, Any]:
+    def extra(self, mac: str | None) -> dict[str, str]:
+        """The guestinfo keys: the user-data, and the metadata when the MAC is known."""
+        meta = guestinfo.metadata_config(self.instance_id, self.identity, mac) if mac else {}
+        return {**meta, **dict(self.userdata)}
+
+    def fields(self, cores_per_socket: int | None, mac: str | None) -> dict[str, Any]:
         """ConfigSpec fields; one core per socket when the cores do not fill whole
         sockets of the VM's (the template's) size."""
         found: dict[str, Any] = {
             "numCPUs": self.cores,
             "memoryMB": self.memory_mib,
-            "extraConfig": [vim.option.OptionValue(key=k, value=v) for k, v in self.extra],
+            "extraConfig": [
+                vim.option.OptionValue(key=k, value=v) for k, v in self.extra(mac).items()
+            ],
         }
         if self.cores % (cores_per_socket or 1):
             found["numCoresPerSocket"] = 1
         return found
 
-    def spec(self, cores_per_socket: int | None) -> Any:
-        return vim.vm.ConfigSpec(**self.fields(cores_per_socket))
-
     def missing(self, props: Props) -> dict[str, Any]:
         """The `fields` a VM (its GUEST_PATHS read) lacks, only those; empty when it has
-        them all."""
-        wanted = self.fields(props.get(CORES_PER_SOCKET))
+        them all. A VM without a NIC cannot be given its network: PermanentError."""
+        mac = nic_mac(props)
+        if mac is None:
+            raise PermanentError(
+                "the VM has no network adapter with a MAC address, so cloud-init cannot "
+                "give it its address: give the template a NIC, or set the backend's `network`"
+            )
+        wanted = self.fields(props.get(CORES_PER_SOCKET), mac)
         have = {
             "numCPUs": props.get("config.hardware.numCPU"),
             "memoryMB": props.get("config.hardware.memoryMB"),
@@ -115,10 +166,13 @@ class Disks:
         return vim.VirtualDiskManager.VirtualDiskSpec(diskType=disk_type, adapterType=adapter)
 
 
-def nic_changes(devices: list[Any], network: Net | None, *, edit: bool) -> list[Any]:
-    """The template's first NIC on `network`: edited in place for a clone, added anew
-    (same model, fresh MAC) for a created VM; an e1000e, which every guest drives, when
-    the template has no NIC."""
+def nic_changes(
+    devices: list[Any], network: Net | None, *, edit: bool, mac: str | None = None
+) -> list[Any]:
+    """The template's first NIC on `network`: edited in place for a clone (vCenter gives
+    the clone's NIC a MAC of its own), added anew (same model) for a created VM with
+    the MAC `mac` set by hand (None: left for the host to generate at power-on); an
+    e1000e, which every guest drives, when the template has no NIC."""
     nics = [d for d in devices if isinstance(d, vim.vm.device.VirtualEthernetCard)]
     if network is None and (edit or not nics):
         return []  # a clone keeps the template's NIC as it is
@@ -131,7 +185,8 @@ def nic_changes(devices: list[Any], network: Net | None, *, edit: bool) -> list[
         nic.backing, nic.connectable = backing, connect
         return [DeviceSpec(operation=DeviceSpec.Operation.edit, device=nic)]
     model = type(nics[0]) if nics else vim.vm.device.VirtualE1000e
-    nic = model(key=-300, backing=backing, connectable=connect, addressType="generated")
+    address = {"addressType": "manual", "macAddress": mac} if mac else {"addressType": "generated"}
+    nic = model(key=-300, backing=backing, connectable=connect, **address)
     return [DeviceSpec(operation=DeviceSpec.Operation.add, device=nic)]
 
 
@@ -154,7 +209,8 @@ def clone_spec(
         instanceUuid=ref.vm_id,
         annotation=note,
         deviceChange=nic_changes(devices, plan.network, edit=True),
-        **(guest.fields(hw.numCoresPerSocket) if guest else {}),
+        # The MAC is vCenter's to assign in the clone: the metadata follows it (_settle).
+        **(guest.fields(hw.numCoresPerSocket, None) if guest else {}),
     )
     location = vim.vm.RelocateSpec(pool=plan.pool, datastore=plan.datastore, disk=locators)
     return vim.vm.CloneSpec(location=location, powerOn=False, template=False, config=config)
@@ -169,18 +225,20 @@ def create_spec(
     copies: dict[int, str],
     provisioning: Disks,
     guest: GuestConfig | None = None,
+    mac: str | None = None,
 ) -> Any:
-    """CreateVM_Task's spec from the template's hardware, around the copied disks; the
-    guest's CPU, memory and guestinfo instead of the template's when given."""
+    """CreateVM_Task's spec from the template's hardware, around the copied disks, its
+    NIC with the MAC `mac`; the guest's CPU, memory and guestinfo (its metadata naming
+    that MAC) instead of the template's when given."""
     config = plan.template_config
     hw = config.hardware
-    changes = _disk_changes(hw.device, copies, provisioning)
-    changes += nic_changes(hw.device, plan.network, edit=False)
+    nic = nic_changes(hw.device, plan.network, edit=False, mac=mac)
+    changes = _disk_changes(hw.device, copies, provisioning) + nic
     hardware: dict[str, Any] = {
         "numCPUs": hw.numCPU,
         "numCoresPerSocket": hw.numCoresPerSocket,
         "memoryMB": hw.memoryMB,
-        **(guest.fields(hw.numCoresPerSocket) if guest else {}),
+        **(guest.fields(hw.numCoresPerSocket, mac if nic else None) if guest else {}),
     }
     return vim.vm.ConfigSpec(
         name=spec.name,
