@@ -23,9 +23,10 @@ check it):
   and `power_off` succeed quietly: rollback is idempotent.
 * `destroy` never removes a VM while it runs: it fails, as it does on real hypervisors
   (callers stop first and wait for the stop), or it stops the VM itself and waits for
-  that stop first (Proxmox, so a rollback whose stop failed still ends). The undo moves (`power_off`, `destroy`) are idempotent: when
-  one fails and the VM is not yet in the state it aims at, the failure is retryable
-  (the caller tries again within its timeout), so a rollback ends with the VM gone.
+  that stop first (Proxmox, so a rollback whose stop failed still ends).
+* The undo moves (`power_off`, `destroy`) aim at a state: when one fails and the VM is
+  not yet in that state, the failure is retryable (the caller tries again within its
+  timeout), so a rollback ends with the VM gone.
 * A VM held by another operation (a backup, a snapshot, a migration) is waited for a
   bounded time inside the backend, then `Locked` says which lock and what to do.
 """

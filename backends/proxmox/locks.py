@@ -133,7 +133,7 @@ class TaskRunner:
         while True:
             now = loop.time()
             if deadline is not None and now >= deadline:
-                raise _locked(what, holder, lock, exc, now - first)
+                raise _locked(what, holder, lock, exc, deadline - first)
             await asyncio.sleep(delay if deadline is None else min(delay, deadline - now))
             delay = min(delay * 2, _POLL_MAX_S)
             if lock is None or await self._lock(holder, lock) != lock:
@@ -154,7 +154,7 @@ def _locked(
     what: str, holder: Holder, lock: str | None, exc: LockContention, waited_s: float
 ) -> Locked:
     """What stayed locked, for how long, and what a person can do about it."""
-    node, vmid, waited = holder.node, holder.vmid, f"{waited_s:.1f} s"
+    node, vmid, waited = holder.node, holder.vmid, f"{waited_s:g} s"
     if lock is None:
         return Locked(
             f"{exc.message}; still so after {waited}: another task holds that lock and "
