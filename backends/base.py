@@ -21,8 +21,14 @@ check it):
 * Safety: `power_off` and `destroy` refuse (`NotOurVM`) a VM that does not carry the
   job tag of the `VMRef` they are given. A VM that is already gone makes `destroy`
   and `power_off` succeed quietly: rollback is idempotent.
-* `destroy` of a running VM fails, as it does on real hypervisors; callers stop first
-  and wait for the stop.
+* `destroy` never removes a VM while it runs: it fails, as it does on real hypervisors
+  (callers stop first and wait for the stop), or it stops the VM itself and waits for
+  that stop first (Proxmox, so a rollback whose stop failed still ends).
+* The undo moves (`power_off`, `destroy`) aim at a state: when one fails and the VM is
+  not yet in that state, the failure is retryable (the caller tries again within its
+  timeout), so a rollback ends with the VM gone.
+* A VM held by another operation (a backup, a snapshot, a migration) is waited for a
+  bounded time inside the backend, then `Locked` says which lock and what to do.
 """
 
 from __future__ import annotations
@@ -123,6 +129,16 @@ class IdTaken(RetryableError):
 
 class PermanentError(BackendError):
     """The hypervisor said no for a reason that another attempt will not change."""
+
+
+class Locked(PermanentError):
+    """Another operation holds the VM (its `lock`: backup, snapshot, migrate, ...) and
+    still held it after the backend waited its bounded time. Not retried by callers: the
+    holder may run for hours. The message names the lock and what to do about it."""
+
+    def __init__(self, message: str, *, lock: str, vm_id: str | None = None) -> None:
+        super().__init__(message, vm_id=vm_id)
+        self.lock = lock
 
 
 class VMNotFound(PermanentError):
@@ -230,6 +246,8 @@ class VMInfo:
     running: bool
     tags: frozenset[str] = field(default_factory=frozenset)
     placement: str | None = None
+    # What holds the VM when the hypervisor says (Proxmox `lock: backup`); None: free.
+    lock: str | None = None
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,10 @@ Listed, never removed: the job succeeded (someone's machine) or is in flight;
 next to production); `unknown_legacy`: an old-style tag whose job this store does not
 know, which may be another installation's too. VMs without a tag are never listed.
 
+An orphan that another operation holds (the hypervisor's lock on it: a backup, a
+snapshot, a migration) is not removed: `--apply` lists it as locked, with the lock, so
+the person can wait for that operation or clear a stale lock, then run gc again.
+
 Removal is a two-step rule taken from migrations that must not destroy the wrong
 thing: a dry run first, counted per category, and an `--apply` of the same scope within
 `window_s` that removes only VMs the dry run listed and that are still orphans now.
@@ -75,6 +79,10 @@ class GcReport:
     unreachable: dict[str, str] = field(default_factory=dict)
     removed: list[Finding] = field(default_factory=list)
     left: list[tuple[Finding, str]] = field(default_factory=list)
+    # Orphans another operation holds (`vm.lock`: a backup, a snapshot): left alone.
+    locked: list[Finding] = field(default_factory=list)
+    # Backends that refused to be asked (credentials, TLS): another run alone won't help.
+    refused: dict[str, str] = field(default_factory=dict)
 
     @property
     def orphans(self) -> list[Finding]:
@@ -122,7 +130,7 @@ async def survey(store: Store, backends: Mapping[str, Backend], scope: Sequence[
         try:
             vms = await backends[name].find_tagged()
         except BackendError as exc:
-            report.unreachable[name] = exc.message
+            (report.unreachable if exc.retryable else report.refused)[name] = exc.message
             continue
         for vm in vms:
             report.findings.extend(await classify(store, name, vm))
@@ -157,11 +165,14 @@ async def apply(
         if finding.key not in listed:
             report.left.append((finding, "not in the dry run: run the dry run again"))
             continue
+        if finding.vm.lock:  # removing it would wait for the lock, then fail: say why now
+            report.locked.append(finding)
+            continue
         ref = VMRef(finding.vm.vm_id, finding.job_id, finding.vm.placement, finding.installation)
         try:
             await remove_vm(backends[finding.backend], ref, timeouts)
         except (BackendError, TimeoutError) as exc:
-            reason = exc.message if isinstance(exc, BackendError) else "timed out"
+            reason = exc.message if isinstance(exc, BackendError) else str(exc) or "timed out"
             report.left.append((finding, f"removal failed: {reason}"))
             continue
         except asyncio.CancelledError:

@@ -508,11 +508,15 @@ class Pipeline:
             await self.store.add_event(
                 JobEvent(job_id=job.id, step="rollback", phase="undo", detail=undo.what)
             )
+            seen: list[str] = []  # each undo retries retryable errors within its timeout
             try:
                 async with asyncio.timeout(undo.timeout_s):
-                    await self._waiting_for_backend(job, "rollback", undo.action, [])
+                    await self._waiting_for_backend(job, "rollback", undo.action, seen)
             except Exception as exc:  # every failure is reported, none replaces the original
                 reason = exc.message if isinstance(exc, BackendError) else _describe(exc)
+                if isinstance(exc, TimeoutError):
+                    last = f" (last: {seen[-1]})" if seen else ""
+                    reason = f"timed out after {undo.timeout_s:g} s{last}"
                 if not isinstance(exc, (BackendError, TimeoutError)):
                     log.exception("job %s: undo %r failed", job.id, undo.what)
                 report.failed.append(f"{undo.what}: {reason}")
@@ -527,10 +531,12 @@ class Pipeline:
             else:
                 report.undone.append(undo.what)
         if ref is not None:
-            try:
-                left = await backend.find_vm(ref)
-            except BackendError as exc:
-                report.failed.append(f"check that VM {ref.vm_id} is gone: {exc.message}")
+            try:  # a read, retried like the undo moves: one 500 must not make it "unverified"
+                async with asyncio.timeout(self.timeouts.check_free_s):
+                    left = await retrying(functools.partial(backend.find_vm, ref), self.timeouts)
+            except (BackendError, TimeoutError) as exc:
+                reason = exc.message if isinstance(exc, BackendError) else _describe(exc)
+                report.failed.append(f"check that VM {ref.vm_id} is gone: {reason}")
                 left = None
                 report.wreckage.append(f"VM {ref.vm_id} (unverified)")
             if left is not None:

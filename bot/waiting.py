@@ -8,6 +8,7 @@ way; this module is the one place that says how.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -90,9 +91,19 @@ async def retrying(
 async def remove_vm(backend: Backend, ref: VMRef, timeouts: Timeouts) -> None:
     """Stop (and wait), then destroy (and wait); each under its timeout, with retries.
 
-    Raises the BackendError or TimeoutError of the move that failed.
+    Raises the BackendError of the move that failed, or a TimeoutError that says which
+    move ran out of time and the last error it met (a lock, a refusal) rather than
+    only "timed out".
     """
-    async with asyncio.timeout(timeouts.power_off_s):
-        await retrying(lambda: backend.power_off(ref), timeouts)
-    async with asyncio.timeout(timeouts.destroy_s):
-        await retrying(lambda: backend.destroy(ref), timeouts)
+    moves = (
+        ("stop", backend.power_off, timeouts.power_off_s),
+        ("destroy", backend.destroy, timeouts.destroy_s),
+    )
+    for what, move, limit_s in moves:
+        seen: list[str] = []
+        try:
+            async with asyncio.timeout(limit_s):
+                await retrying(functools.partial(move, ref), timeouts, seen)
+        except TimeoutError:
+            last = f" (last: {seen[-1]})" if seen else ""
+            raise TimeoutError(f"{what} timed out after {limit_s:g} s{last}") from None

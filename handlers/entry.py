@@ -101,7 +101,7 @@ async def gc_command(args: argparse.Namespace, settings: Settings) -> int:
         await store.close()
     print("\n".join(messages.gc_report(report, args.window_minutes)))
     failed = [why for _f, why in report.left if why.startswith("removal failed")]
-    return 1 if failed or report.unreachable else 0
+    return 1 if failed or report.locked or report.unreachable or report.refused else 0
 
 
 async def serve(args: argparse.Namespace, settings: Settings) -> int:

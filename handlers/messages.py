@@ -492,6 +492,16 @@ GC_CATEGORIES = {
 }
 
 
+def gc_locked(vm_id: str, lock: str) -> str:
+    """Why gc leaves an orphan alone: the hypervisor's own lock on it (Proxmox `lock`)."""
+    return (
+        f"VM is locked ({lock}): another operation holds it, and gc removes no VM while it "
+        "is locked. Wait until that operation has finished (the hypervisor's task list "
+        "shows it); a lock left by one that died must be cleared by hand (Proxmox: "
+        f"`qm unlock {vm_id}`). Then run `deploybot gc` again."
+    )
+
+
 def gc_unknown_backends(unknown: list[str], known: list[str]) -> str:
     return f"No backend called {', '.join(unknown)}; the configured ones are {', '.join(known)}."
 
@@ -511,6 +521,12 @@ def gc_report(report: GcReport, window_minutes: float) -> list[str]:
                 f"  {backend}: did not answer ({report.unreachable[backend]}); try again later."
             )
             continue
+        if backend in report.refused:
+            lines.append(
+                f"  {backend}: refused to be asked ({report.refused[backend]}); fix that "
+                "(configuration, credentials, CA bundle), then run gc again."
+            )
+            continue
         parts = [f"{n} {GC_CATEGORIES[c]}" for c, n in sorted(counts.items())] or ["no tagged VMs"]
         lines.append(f"  {backend}: " + "; ".join(parts))
     for finding in report.findings:
@@ -519,6 +535,8 @@ def gc_report(report: GcReport, window_minutes: float) -> list[str]:
                 f"  orphan: VM {finding.vm.vm_id} ({finding.vm.name}) on {finding.backend}, "
                 f"job {finding.job_id}: {GC_CATEGORIES[finding.category]}"
             )
+            if finding.vm.lock:
+                lines.append(f"    {gc_locked(finding.vm.vm_id, finding.vm.lock)}")
         elif finding.category == "other_installation" and not report.applied:
             lines.append(
                 f"  another installation: VM {finding.vm.vm_id} ({finding.vm.name}) on "
@@ -530,13 +548,14 @@ def gc_report(report: GcReport, window_minutes: float) -> list[str]:
             lines.append(
                 f"  removed: VM {finding.vm.vm_id} ({finding.vm.name}) on {finding.backend}"
             )
-        for finding, why in report.left:
+        left = [(f, gc_locked(f.vm.vm_id, f.vm.lock or "?")) for f in report.locked]
+        for finding, why in [*left, *report.left]:
             lines.append(
                 f"  left: VM {finding.vm.vm_id} ({finding.vm.name}) on {finding.backend}: {why}"
             )
         lines.append(
             f"Found {len(report.orphans)} orphan(s), removed {len(report.removed)}, "
-            f"left {len(report.left)}."
+            f"left {len(left) + len(report.left)}."
         )
     elif report.orphans:
         lines.append(

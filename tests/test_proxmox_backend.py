@@ -11,9 +11,17 @@ from urllib.parse import quote, unquote
 
 import pytest
 
-from backends.base import CloneSpec, Identity, NotOurVM, PermanentError, RetryableError, VMRef
+from backends.base import (
+    CloneSpec,
+    Identity,
+    Locked,
+    NotOurVM,
+    PermanentError,
+    RetryableError,
+    VMRef,
+)
 from backends.proxmox import ProxmoxBackend
-from backends.proxmox.api import LockContention, TaskFailed
+from backends.proxmox.api import TaskFailed
 from tests.fakepve import testing
 from tests.fakepve.server import FakePVE, Recorded
 from tests.fakepve.testing import make_backend, start_fake
@@ -263,13 +271,20 @@ async def test_lock_timeouts_are_retried_with_backoff(
     assert len(pve.sent("POST", CLONE)) == 3
 
 
-async def test_a_lock_that_never_comes_free_is_retryable(
+async def test_a_file_lock_that_never_comes_free_fails_within_its_wait(
     backend: ProxmoxBackend, pve: FakePVE
 ) -> None:
-    pve.inject("clone", "lock_timeout", times=10)
-    with pytest.raises(LockContention, match="can't lock file"):
+    pve.inject("clone", "lock_timeout", times=10_000)
+    began = asyncio.get_running_loop().time()
+    with pytest.raises(Locked, match=r"can't lock file .* got timeout; still so after 0\.5 s") as e:
         await cloned(backend)
-    assert len(pve.sent("POST", CLONE)) == 4  # lock_retries = 3
+    took = asyncio.get_running_loop().time() - began
+    assert not e.value.retryable and e.value.lock == "file lock"
+    assert "task list of node pve1" in e.value.message
+    # Sent again after 0.01, 0.02, 0.04 ... s until lock_wait_s (0.5 s) is spent: at
+    # most 2 + log2(0.5 / 0.01) = 7.6 requests, never one more after the wait is over.
+    assert 3 <= len(pve.sent("POST", CLONE)) <= 7
+    assert 0.5 <= took < 2.0
 
 
 async def test_a_failed_task_reports_its_error_and_log(
@@ -508,8 +523,6 @@ async def test_rollback_waits_for_the_stop_before_deleting(
     ref = await cloned(backend)
     await backend.apply_identity(ref, IDENTITY)
     await backend.power_on(ref)
-    with pytest.raises(PermanentError, match="is running - destroy failed"):
-        await backend.destroy(ref)
     await backend.power_off(ref)
     await backend.destroy(ref)
     assert int(ref.vm_id) not in pve.cluster.vms
@@ -543,10 +556,13 @@ async def test_a_destroy_that_fails_names_the_vm_left(
 ) -> None:
     ref = await cloned(backend)
     pve.inject("delete", "task_error", message="volume deactivation failed")
+    # Retryable: the VM is still there, and destroying it is the whole point of a rollback.
     with pytest.raises(
-        PermanentError, match=f"volume deactivation failed.*VM {ref.vm_id} is left on pve1"
+        RetryableError, match=f"volume deactivation failed.*VM {ref.vm_id} is left on pve1"
     ):
         await backend.destroy(ref)
+    await backend.destroy(ref)
+    assert int(ref.vm_id) not in pve.cluster.vms
 
 
 async def test_finding_vms(backend: ProxmoxBackend, pve: FakePVE) -> None:

@@ -3,9 +3,10 @@ cloud-init fields, start it, read its address from the QEMU guest agent, roll ba
 
 The pieces: `config` (the config entry, OS profiles, credentials),
 `api` (proxmoxer on a thread pool, auth, error mapping, the task waiter),
-`inventory` (templates, storages, nodes, what a clone implies) and
-`vmconfig` (reading and writing config values). This module holds the deploy
-moves and their safety rules:
+`inventory` (templates, storages, nodes, what a clone implies),
+`vmconfig` (reading and writing config values), `locks` (running tasks, and waiting
+out the locks in their way) and `rollback` (stop and destroy until done). This module
+holds the deploy moves and their safety rules:
 
 * Nothing touches a VM before its clone task ended (so never `VM is locked (clone)`),
   and every change, stop or destroy first reads the VM's config and checks the job's
@@ -20,12 +21,13 @@ moves and their safety rules:
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
 import logging
 import re
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from typing import Any
 from urllib.parse import quote
 
 from backends.base import (
@@ -48,9 +50,11 @@ from backends.base import (
     job_marks,
     pick_address,
 )
-from backends.proxmox.api import AlreadyExists, Forbidden, LockContention, PveApi, TaskFailed
+from backends.proxmox import rollback
+from backends.proxmox.api import AlreadyExists, Forbidden, PveApi, TaskFailed
 from backends.proxmox.config import Config, OSProfile, credentials
 from backends.proxmox.inventory import LINKED_TYPES, Inventory
+from backends.proxmox.locks import Holder, TaskRunner
 from backends.proxmox.vmconfig import (
     GIB,
     Mark,
@@ -65,7 +69,6 @@ from backends.sshcheck import SshCheck
 
 __all__ = ["Config", "OSProfile", "ProxmoxBackend", "create"]
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 _AGENT_NOT_YET = re.compile(r"guest agent is not running", re.I)
 _CIUPGRADE_SINCE = (8, 0)
 _ID_TAKEN = (
@@ -120,6 +123,7 @@ class ProxmoxBackend:
         self.api = api
         self._ssh = SshCheck(config.ssh_jump)
         self.inventory = Inventory(config, api)
+        self.tasks = TaskRunner(config, api, self.inventory)
         self._reserved: set[int] = set()
         self._resize_targets: dict[str, int] = {}
         self._watches: dict[str, _AgentWatch] = {}
@@ -165,7 +169,11 @@ class ProxmoxBackend:
             return None
         status = await self.api.get(f"nodes/{node}/qemu/{ref.vm_id}/status/current", "VM status")
         running = status.get("status") == "running"
-        return VMInfo(ref.vm_id, str(config.get("name", "")), running, tags_of(config), node)
+        name, lock = (
+            str(config.get("name", "")),
+            str(config["lock"]) if config.get("lock") else None,
+        )
+        return VMInfo(ref.vm_id, name, running, tags_of(config), node, lock)
 
     async def find_by_name(self, name: str) -> list[VMInfo]:
         vms = await self.inventory.vms()
@@ -182,7 +190,7 @@ class ProxmoxBackend:
         )
         for vm, config in zip(bare, configs, strict=True):
             if config is not None and _has_mark(tags_of(config)):
-                tagged.append(VMInfo(vm.vm_id, vm.name, False, tags_of(config), vm.placement))
+                tagged.append(replace(vm, tags=tags_of(config)))
         return tagged
 
     async def _locate(self, ref: VMRef) -> str:
@@ -214,34 +222,6 @@ class ProxmoxBackend:
                 vm_id=ref.vm_id,
             )
         return node, config
-
-    # --- running tasks ----------------------------------------------------------------
-
-    async def _patiently(self, action: Callable[[], Awaitable[T]]) -> T:
-        """Retry lock timeouts with backoff; other errors, and the last one, go up."""
-        delay = self.config.lock_backoff_s
-        attempt = 0
-        while True:
-            try:
-                return await action()
-            except LockContention as exc:
-                if attempt >= self.config.lock_retries:
-                    raise
-                log.info("%s: %s; trying again in %.1f s", self.name, exc.message, delay)
-            await asyncio.sleep(delay)
-            attempt += 1
-            delay *= 2
-
-    async def _task(self, what: str, vm_id: str, start: Callable[[], Awaitable[Any]]) -> str:
-        """Start a task and wait for its end; a lock timeout (nothing done) is retried."""
-
-        async def once() -> str:
-            upid = await start()
-            if upid is None:  # a synchronous answer: resize before PVE 8.0
-                return "OK"
-            return await self.api.wait_task(str(upid), what, vm_id=vm_id)
-
-        return await self._patiently(once)
 
     # --- clone ------------------------------------------------------------------------
 
@@ -309,14 +289,23 @@ class ProxmoxBackend:
             params["target"] = node
         what = f"clone of {template.name} into VM {ref.vm_id}"
         path = f"nodes/{template.node}/qemu/{template.vmid}/clone"
+        # A backup of the template (`lock: backup`) stops every clone of it: wait on it.
+        label = f"template {template.name} (VM {template.vmid})"
+        source = Holder(template.node, str(template.vmid), label, ours=False)
+        post = functools.partial(self.api.post, path, what, **params)
         try:
-            await self._unlost(node, ref, lambda: self.api.post(path, what, **params), what)
+            await self._unlost(node, ref, post, what, source)
         finally:
             self._reserved.discard(int(ref.vm_id))
         return None if mode.linked else f"full copy onto {target}: minutes, not seconds"
 
     async def _unlost(
-        self, node: str, ref: VMRef, post: Callable[[], Awaitable[Any]], what: str
+        self,
+        node: str,
+        ref: VMRef,
+        post: Callable[[], Awaitable[Any]],
+        what: str,
+        source: Holder,
     ) -> None:
         """Clone into the ref's vmid, and only that one. A request whose answer was lost
         may have started the clone: look before sending it again, and adopt what is
@@ -326,7 +315,7 @@ class ProxmoxBackend:
             try:
                 if attempt and await self.inventory.vm_config(node, ref.vm_id) is not None:
                     raise AlreadyExists(f"VM {ref.vm_id} exists")
-                await self._task(what, ref.vm_id, post)
+                await self.tasks.run(what, node, ref.vm_id, post, holder=source)
                 return
             except AlreadyExists:
                 await self._adopt(node, ref)
@@ -401,7 +390,8 @@ class ProxmoxBackend:
         params = {k: v for k, v in params.items() if v is not None}
         what = f"identity of VM {ref.vm_id}"
         path = f"nodes/{node}/qemu/{ref.vm_id}/config"
-        await self._task(what, ref.vm_id, lambda: self.api.post(path, what, **params))
+        start = functools.partial(self.api.post, path, what, **params)
+        await self.tasks.run(what, node, ref.vm_id, start)
         return note
 
     async def grow_disk(self, ref: VMRef, grow_gib: int) -> str | None:
@@ -418,9 +408,8 @@ class ProxmoxBackend:
             what = f"growing {disk.key} of VM {ref.vm_id} to {size_text(target)}"
             path = f"nodes/{node}/qemu/{ref.vm_id}/resize"
             size = size_text(target)
-            await self._task(
-                what, ref.vm_id, lambda: self.api.put(path, what, disk=disk.key, size=size)
-            )
+            start = functools.partial(self.api.put, path, what, disk=disk.key, size=size)
+            await self.tasks.run(what, node, ref.vm_id, start)
         self._resize_targets.pop(ref.vm_id, None)
         return None
 
@@ -430,7 +419,9 @@ class ProxmoxBackend:
         what = f"start of VM {ref.vm_id}"
         path = f"nodes/{node}/qemu/{ref.vm_id}/status/start"
         try:
-            await self._task(what, ref.vm_id, lambda: self.api.post(path, what))
+            await self.tasks.run(
+                what, node, ref.vm_id, functools.partial(self.api.post, path, what)
+            )
         except TaskFailed as exc:
             if "already running" not in exc.exitstatus:  # a retry after a lost answer
                 raise
@@ -473,40 +464,26 @@ class ProxmoxBackend:
     async def probe_ssh(self, ref: VMRef, address: ipaddress.IPv4Address, port: int) -> str | None:
         return await self._ssh.probe(address, port)
 
-    # --- rollback -----------------------------------------------------------------------
+    # --- rollback ----------------------------------------------------------------------
 
     async def power_off(self, ref: VMRef) -> None:
         """Stop (hard) and wait for the stop task: a destroy must not race it."""
         try:
-            node, _config = await self._owned(ref)
+            node = await self._node_of(ref)
         except VMNotFound:
             return
-        status = await self.api.get(f"nodes/{node}/qemu/{ref.vm_id}/status/current", "VM status")
-        if status.get("status") != "running":
-            return
-        what = f"stop of VM {ref.vm_id}"
-        path = f"nodes/{node}/qemu/{ref.vm_id}/status/stop"
-        await self._task(what, ref.vm_id, lambda: self.api.post(path, what))
+        await rollback.stop(self.api, self.tasks, node, ref.vm_id)
 
     async def destroy(self, ref: VMRef) -> None:
-        """Delete with its disks, backup jobs and HA entry, and wait; gone is done."""
-        try:
-            node, _config = await self._owned(ref)
-        except VMNotFound:
-            return
+        """Delete with its disks, backup jobs and HA entry, and wait; gone is done. The
+        job's tag is checked again before each try (see `rollback.destroy`)."""
         self._watches.pop(ref.vm_id, None)
         self._resize_targets.pop(ref.vm_id, None)
-        what = f"destroy of VM {ref.vm_id} on {node}"
-        path = f"nodes/{node}/qemu/{ref.vm_id}"
-        params = {"purge": 1, "destroy-unreferenced-disks": 1}
-        try:
-            await self._task(what, ref.vm_id, lambda: self.api.delete(path, what, **params))
-        except VMNotFound:
-            return
-        except TaskFailed as exc:
-            raise PermanentError(
-                f"{exc.message}; VM {ref.vm_id} is left on {node}", vm_id=ref.vm_id
-            ) from None
+        await rollback.destroy(self.api, self.tasks, lambda: self._node_of(ref), ref.vm_id)
+
+    async def _node_of(self, ref: VMRef) -> str:
+        node, _config = await self._owned(ref)
+        return node
 
     async def close(self) -> None:
         await self._ssh.close()
@@ -516,7 +493,9 @@ class ProxmoxBackend:
 def _info(item: dict[str, Any]) -> VMInfo:
     tags = frozenset(t for t in re.split(r"[;,\s]+", str(item.get("tags", ""))) if t)
     running = item.get("status") == "running"
-    return VMInfo(str(item["vmid"]), str(item.get("name", "")), running, tags, str(item["node"]))
+    lock = str(item["lock"]) if item.get("lock") else None  # backup, snapshot, migrate, ...
+    name = str(item.get("name", ""))
+    return VMInfo(str(item["vmid"]), name, running, tags, str(item["node"]), lock)
 
 
 def _has_mark(tags: frozenset[str]) -> bool:

@@ -44,7 +44,11 @@ log = logging.getLogger(__name__)
 
 # 595-599 are pveproxy's own codes for a node it could not reach (AnyEvent::HTTP).
 _UNREACHABLE_CODES = frozenset({502, 503, 504, 595, 596, 597, 598, 599})
-_LOCKED = re.compile(r"can't lock file|got timeout|VM is locked|is locked \(")
+# A file lock (flock) another task held for too long; and the config's `lock` key, set
+# by an operation that runs for minutes (qemu-server's check_lock: "VM is locked (backup)").
+_LOCKED = re.compile(r"can't lock file|got timeout")
+_HELD = re.compile(r"\bis locked \(([\w-]+)\)")
+_RUNNING = re.compile(r"is running - destroy failed")
 _MISSING = re.compile(r"Configuration file '[^']*' does not exist")
 _EXISTS = re.compile(r"already exists")
 _WARNINGS = re.compile(r"WARNINGS: \d+")
@@ -55,6 +59,19 @@ _NO_PROXIES: dict[str, str | None] = {"http": None, "https": None, "all": None}
 
 class LockContention(RetryableError):
     """Someone else holds the VM's or the storage's lock; a later try may get it."""
+
+
+class ConfigLocked(LockContention):
+    """The VM's config carries a `lock` (backup, snapshot, migrate, clone, ...): nothing
+    will work on it before that operation ends and removes it."""
+
+    def __init__(self, message: str, lock: str, *, vm_id: str | None = None) -> None:
+        super().__init__(message, vm_id=vm_id)
+        self.lock = lock
+
+
+class StillRunning(PermanentError):
+    """`VM <id> is running - destroy failed`: the VM must be stopped first."""
 
 
 class AlreadyExists(PermanentError):
@@ -144,8 +161,12 @@ def map_error(exc: Exception, what: str, endpoint: str) -> BackendError | None:
             return PermanentError(f"{what}: {endpoint} refused our credentials ({reason})")
         if code in _UNREACHABLE_CODES:
             return Unreachable(f"{what}: {endpoint} answered {code} {reason}")
+        if held := _HELD.search(reason):
+            return ConfigLocked(message, held.group(1))
         if _LOCKED.search(reason):
             return LockContention(message)
+        if _RUNNING.search(reason):
+            return StillRunning(message)
         if _MISSING.search(reason):
             return VMNotFound(message)
         if _EXISTS.search(reason):
@@ -302,7 +323,8 @@ class PveApi:
     async def wait_task(self, upid: str, what: str, *, vm_id: str | None = None) -> str:
         """Wait until the task `upid` has stopped; return its exit status on success
         (`OK` or `WARNINGS: N`). A failure raises TaskFailed (TaskLockTimeout when it
-        died waiting for a lock) with the error and the last lines of its log. A poll
+        died waiting for a file lock, ConfigLocked when the VM's config was locked) with
+        the error and the last lines of its log. A poll
         that cannot reach the server is repeated: the task runs on regardless, and no
         caller may act on the VM before it has ended.
 
@@ -335,6 +357,8 @@ class PveApi:
             return exitstatus
         tail = await self._log_tail(node, upid, what)
         message = f"{what} failed: {exitstatus}" + (f" (task log: {tail})" if tail else "")
+        if held := _HELD.search(exitstatus):
+            raise ConfigLocked(message, held.group(1), vm_id=vm_id)
         if _LOCKED.search(exitstatus):
             raise TaskLockTimeout(message, vm_id=vm_id)
         raise TaskFailed(message, exitstatus, vm_id=vm_id)

@@ -70,8 +70,12 @@ class Config(BackendConfig):
     task_poll_max_s: float = Field(default=2.0, gt=0)
     task_timeout_s: float = Field(default=3600.0, gt=0)
     task_log_lines: int = Field(default=5, ge=0)
-    lock_retries: int = Field(default=3, ge=0)
-    lock_backoff_s: float = Field(default=1.0, ge=0)
+    lock_retries: int = Field(default=3, ge=0)  # a clone whose request got no answer
+    lock_backoff_s: float = Field(default=1.0, ge=0)  # first pause; doubles, up to 10 s
+    # How long a lock someone else holds (`lock: backup`, or a file lock that stays taken)
+    # is waited for before the call fails naming it; well within the step timeouts, so
+    # the job says which lock rather than "timed out". Our own clone is waited for longer.
+    lock_wait_s: float = Field(default=60.0, ge=0)
     agent_poll_initial_s: float = Field(default=0.1, gt=0)  # guests take seconds to boot
     # wait_for_address polls this long, then reports how the agent is doing (a
     # RetryableError the pipeline records) and is called again: long against the

@@ -58,8 +58,15 @@ def _size_text(size: int) -> str:
 
 
 def _locked(vm: VM) -> None:
+    """qemu-server's check_lock in the API's early checks: an HTTP 500 at once."""
     if lock := vm.config.get("lock"):
         raise ApiError(500, f"VM is locked ({lock})")
+
+
+def _task_locked(vm: VM) -> None:
+    """The same check_lock inside a task: the task fails with it."""
+    if lock := vm.config.get("lock"):
+        raise TaskError(f"VM is locked ({lock})")
 
 
 # --- reads ------------------------------------------------------------------------------
@@ -320,7 +327,10 @@ async def task_log(c: Call) -> Any:
 
 
 async def clone(c: Call) -> Any:
+    """Early checks at once (the source's config lock among them: a template being
+    backed up cannot be cloned), again in the task, as qemu-server's clone_vm does."""
     cl, src = c.cluster, c.vm()
+    _locked(src)
     newid = int(c.params["newid"])
     if newid in cl.hidden:  # VM.Allocate on /vms/{newid}, which is someone else's
         raise ApiError(403, f"Permission check failed (/vms/{newid}, VM.Allocate)")
@@ -358,6 +368,7 @@ async def clone(c: Call) -> Any:
     cl.vms[newid] = new  # exists (locked) from the start, as the real config file does
 
     def precheck() -> None:
+        _task_locked(src)
         if not full and not linked_ok:
             raise TaskError(f"clone failed: Linked clone feature is not supported for '{volid}'")
 
@@ -520,8 +531,12 @@ def _halt(cl: Cluster, vm: VM) -> Callable[[], Awaitable[None]]:
 def _stopper(kind: str, endpoint: str) -> Handler:
     async def stop(c: Call) -> Any:
         cl, vm = c.cluster, c.vm()
-        if c.params.get("skiplock") != "1":
-            _locked(vm)
+        skiplock = c.params.get("skiplock") == "1"
+
+        def precheck() -> None:  # qemu-server's _do_vm_stop, in the task
+            if vm.running and not skiplock:
+                _task_locked(vm)
+
         return cl.spawn(
             c.node,
             kind,
@@ -529,6 +544,7 @@ def _stopper(kind: str, endpoint: str) -> Handler:
             c.user,
             lock_vmid=vm.vmid,
             duration_s=cl.timings.stop_s,
+            precheck=precheck,
             effect=_halt(cl, vm),
             fault=cl.take(endpoint, TASK_FAULTS),
         )
@@ -537,8 +553,10 @@ def _stopper(kind: str, endpoint: str) -> Handler:
 
 
 async def destroy(c: Call) -> Any:
+    """The API's early checks answer at once (HTTP 500); the config lock is checked in
+    the task (qemu-server's destroy_vm), which tolerates only `suspended`."""
     cl, vm = c.cluster, c.vm()
-    _locked(vm)
+    skiplock = c.params.get("skiplock") == "1"
     if vm.running:
         raise ApiError(500, f"VM {vm.vmid} is running - destroy failed")
     if vm.ha_managed and c.params.get("purge") not in ("1", "true"):
@@ -546,6 +564,12 @@ async def destroy(c: Call) -> Any:
             500,
             f"unable to remove VM {vm.vmid} - used in HA resources and purge parameter not set.",
         )
+
+    def precheck() -> None:
+        if vm.running:  # started again since the request was answered
+            raise TaskError(f"VM {vm.vmid} is running - destroy failed")
+        if not skiplock and vm.config.get("lock") != "suspended":
+            _task_locked(vm)
 
     def remove() -> None:
         if cl.vms.get(vm.vmid) is vm:
@@ -558,6 +582,7 @@ async def destroy(c: Call) -> Any:
         c.user,
         lock_vmid=vm.vmid,
         duration_s=cl.timings.destroy_s,
+        precheck=precheck,
         effect=remove,
         fault=cl.take("delete", TASK_FAULTS),
     )

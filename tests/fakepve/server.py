@@ -18,6 +18,7 @@ import json
 import secrets
 import ssl
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -165,6 +166,12 @@ class FakePVE:
         async with self._idle:
             await self._idle.wait_for(lambda: self._in_flight == 0)
         await asyncio.gather(*(t.done.wait() for t in list(self.cluster.tasks.values())))
+
+    async def answered(self, check: Callable[[], bool]) -> None:
+        """Wait until `check()` holds, looking again after each answered request: a test
+        acts on the server at a moment the client brought about, without sleeping."""
+        async with self._idle:
+            await self._idle.wait_for(check)
 
     def sent(self, method: str, template: str) -> list[Recorded]:
         return [r for r in self.requests if r.method == method and r.template == template]

@@ -68,6 +68,7 @@ def config_data(fake: FakePVE, auth: Auth = "token", **overrides: Any) -> dict[s
         "task_poll_initial_s": 0.005,
         "task_poll_max_s": 0.05,
         "lock_backoff_s": 0.01,
+        "lock_wait_s": 0.5,
         "agent_poll_window_s": 0.2,
     }
     if auth == "token":
