@@ -18,6 +18,7 @@ import tracemalloc
 from pathlib import Path
 
 from backends.sim import SimBackend, SimTiming
+from benchmarks.keys import BENCH_KEY
 from benchmarks.stall import ticker
 from bot.models import JobState
 from bot.parser import DeployArgs, parse
@@ -39,6 +40,7 @@ async def run(count: int, scale: float, tmp: Path) -> tuple[float, float, float,
         log_file=str(tmp / "bench.log"),
         limits={"max_running": count, "max_running_per_backend": count},
         approval={},
+        defaults={"backend": "sim", "ssh_keys": [BENCH_KEY]},
     )
     timing = SimTiming()
     sim = SimBackend("sim", time_scale=scale, timing=timing)

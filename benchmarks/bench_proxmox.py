@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from backends.proxmox import Config, create
+from benchmarks.keys import BENCH_KEY
 from benchmarks.stall import ticker
 from bot.models import JobState
 from bot.parser import DeployArgs, parse
@@ -90,7 +91,12 @@ async def run(
         log_file=str(tmp / "bench.log"),
         backends=[config.model_dump()],
         subnets=[{"cidr": f"{GUESTS}.0/24", "gateway": f"{GUESTS}.1"}],
-        defaults={"backend": "pve", "template": "ubuntu-24.04", "ssh_port": ssh_port},
+        defaults={
+            "backend": "pve",
+            "template": "ubuntu-24.04",
+            "ssh_port": ssh_port,
+            "ssh_keys": [BENCH_KEY],
+        },
         limits={"max_running": count, "max_running_per_backend": count},
         approval={},
     )

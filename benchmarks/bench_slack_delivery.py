@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from backends.sim import SimBackend
+from benchmarks.keys import BENCH_KEY
 from bot.models import Job, JobState, RollbackReport
 from bot.runtime import running_deployer
 from bot.settings import BUNDLED_CONFIG, load_settings
@@ -82,6 +83,7 @@ async def run(count: int, tmp: Path) -> dict[str, float]:
         subnets=[{"cidr": "10.0.0.0/23", "gateway": "10.0.0.1"}],
         limits={"max_running": count, "max_running_per_backend": count},
         approval={},
+        defaults={"backend": "sim", "ssh_keys": [BENCH_KEY]},
         slack={"api_base_url": fake.url, "posts_per_second": 1.0},
     )
     timer = ReadyTimes()

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from backends.vsphere import VSphereBackend
+from benchmarks.keys import BENCH_KEY
 from benchmarks.stall import ticker
 from bot.models import JobState
 from bot.parser import DeployArgs, parse
@@ -64,7 +65,12 @@ async def run(lab: Simulated, tmp: Path) -> tuple[float, Counter[str], float]:
         log_file=str(tmp / "bench.log"),
         backends=[entry],
         subnets=[{"cidr": "127.0.20.0/24", "gateway": "127.0.20.1"}],
-        defaults={"backend": entry["name"], "template": TEMPLATE, "ssh_port": port},
+        defaults={
+            "backend": entry["name"],
+            "template": TEMPLATE,
+            "ssh_port": port,
+            "ssh_keys": [BENCH_KEY],
+        },
         limits={"max_running": COUNT, "max_running_per_backend": COUNT},
         approval={},
     )

@@ -94,3 +94,18 @@ def _choices(names: list[str], what: str, see: str = "") -> str:
     if not names:
         return f"it has no {what} at all: ask an operator to add one."
     return f"choose one of {', '.join(names)}" + (f" ({see})." if see else ".")
+
+
+def check_login(request: DeployRequest) -> None:
+    """Refuse a VM nobody could log in to: the guest gets no password (cloud-init
+    locks it), so without a key the SSH line at the end would be a lie."""
+    if request.ssh_keys:
+        return
+    raise RequestInvalid(
+        [
+            f"No SSH key to log in to {request.name} with, so nobody could use it. Save "
+            "your public key with `/deploy key ssh-ed25519 AAAA... you@laptop` and ask "
+            "again, or ask an operator to set `ssh_keys` under [defaults] in the "
+            "configuration."
+        ]
+    )

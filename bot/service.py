@@ -18,7 +18,7 @@ from datetime import datetime, timedelta
 from backends.base import Backend, BackendError, Template
 from bot import jobrefs
 from bot import progress as tell
-from bot.admission import check_free, check_on_backend
+from bot.admission import check_free, check_login, check_on_backend
 from bot.approvals import Approvals, GroupMembers, approval_reason
 from bot.errors import (
     Conflict,
@@ -252,6 +252,7 @@ class Deployer:
             user_keys=ssh_keys or prefs.ssh_keys,
             user_template=prefs.default_template,
         )
+        check_login(request)
         template = await check_on_backend(self.backends, request)
         if args.user is None and template.default_user not in (None, request.user):
             # The image's own login user beats the site default: the SSH line must work.

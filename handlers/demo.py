@@ -1,6 +1,7 @@
 """`deploybot demo`: a scripted chat on the simulator, start to finish.
 
-Alice asks for web01, Bob approves, the thread shows every step and ends with the SSH
+Alice asks for web01 and is told to save her SSH key first; she does and asks again,
+Bob approves, the thread shows every step and ends with the SSH
 line. Then the simulator is told to fail the next power-on: Alice's second deploy fails,
 is rolled back, and the thread says what was removed. It uses the bundled configuration
 with an approval rule, whatever deploybot.toml says, so it runs the same everywhere.
@@ -18,6 +19,11 @@ from bot.models import JobState
 from bot.runtime import running_deployer
 from bot.settings import BUNDLED_CONFIG, load_settings
 from handlers.terminal import Shell, TerminalThread
+
+# Alice's public key (a public key is no secret; nobody holds its private half).
+DEMO_KEY = (
+    "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIHb2vLw3m3tqB7m4m1Lr2x9n0l3r3x8uGk2ycJ0b1Fq8 alice@laptop"
+)
 
 
 async def run_demo(time_scale: float = 1.0, out: TextIO | None = None) -> int:
@@ -42,6 +48,8 @@ async def run_demo(time_scale: float = 1.0, out: TextIO | None = None) -> int:
             async def latest_job_id() -> str:
                 return (await deployer.history(1))[0].id
 
+            await say("alice", "/deploy web01 10.0.0.50")  # refused: no key to log in with
+            await say("alice", f"/deploy key {DEMO_KEY}")
             await say("alice", "/deploy web01 10.0.0.50")
             first = await latest_job_id()
             await say("bob", f"approve {first}")

@@ -32,6 +32,9 @@ FAST_TIMEOUTS = {
 SIM_SCALE = 0.001
 
 
+TEST_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIHb2vLw3m3tqB7m4m1Lr2x9n0l3r3x8uGk2ycJ0b1Fq8 test"
+
+
 def make_settings(tmp_path: Path, **overrides: Any) -> Settings:
     data: dict[str, Any] = {
         "database": str(tmp_path / "jobs.db"),
@@ -41,6 +44,8 @@ def make_settings(tmp_path: Path, **overrides: Any) -> Settings:
         "approval": {"approvers": ["bob", "carol"]},
     }
     data.update(overrides)
+    # A deploy needs a way to log in (bot.admission.check_login): tests have a key.
+    data["defaults"] = {"ssh_keys": [TEST_KEY], **data.get("defaults", {})}
     return load_settings(BUNDLED_CONFIG, **data)
 
 

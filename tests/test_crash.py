@@ -67,6 +67,9 @@ time_scale = 0.01
 state_file = "{tmp}/sim.json"
 {faults}
 
+[defaults]
+ssh_keys = ["ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIHb2vLw3m3tqB7m4m1Lr2x9n0l3r3x8uGk2ycJ0b1Fq8 test"]
+
 [[subnets]]
 cidr = "10.20.0.0/16"
 gateway = "10.20.0.1"

@@ -54,6 +54,7 @@ cidr = "127.0.10.0/24"
 gateway = "127.0.10.1"
 
 [defaults]
+ssh_keys = ["ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIHb2vLw3m3tqB7m4m1Lr2x9n0l3r3x8uGk2ycJ0b1Fq8 test"]
 backend = "pve"
 ssh_port = {ssh_port}
 

@@ -48,6 +48,9 @@ name = "sim"
 time_scale = 0.1
 state_file = "{tmp}/sim.json"
 
+[defaults]
+ssh_keys = ["ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIHb2vLw3m3tqB7m4m1Lr2x9n0l3r3x8uGk2ycJ0b1Fq8 test"]
+
 [[subnets]]
 cidr = "10.0.0.0/24"
 gateway = "10.0.0.1"

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import TEST_KEY as LOGIN_KEY
 from tests.vcsim_support import PASSWORD_ENV, TEMPLATE, Simulated, build_vcsim, make_tls, simulator
 
 GUESTS = [f"127.0.20.{50 + i}" for i in range(10)]
@@ -48,7 +49,8 @@ def write_config(where: Path, vcenter: Simulated, esxi: Simulated, ca: Path) -> 
         "[[subnets]]\n"
         'cidr = "127.0.20.0/24"\ngateway = "127.0.20.1"\ndns = ["127.0.20.2"]\n'
         'search_domain = "lab.test"\n\n'
-        f'[defaults]\nbackend = "vcenter"\ntemplate = "{TEMPLATE}"\nssh_port = {SSH_PORT}\n\n'
+        f'[defaults]\nbackend = "vcenter"\ntemplate = "{TEMPLATE}"\nssh_port = {SSH_PORT}\n'
+        f'ssh_keys = ["{LOGIN_KEY}"]\n\n'
         '[approval]\napprovers = ["bob"]\n',
         encoding="utf-8",
     )

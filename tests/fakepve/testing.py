@@ -122,6 +122,9 @@ def pve_settings(tmp_path: Path, fake: FakePVE, **overrides: Any) -> Settings:
     return make_settings(tmp_path, **data)
 
 
+DEMO_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIHb2vLw3m3tqB7m4m1Lr2x9n0l3r3x8uGk2ycJ0b1Fq8 test"
+
+
 def config_text(fake: FakePVE, state_dir: Path, ssh_port: int | None) -> str:
     """A deploybot.toml for deploys onto this fake. When the fake runs a jump host, the
     backend's SSH checks all go through it (guests on 10.0.0.0/24 and on 127.0.10.0/24
@@ -162,4 +165,6 @@ search_domain = "lab.example"
 backend = "pve"
 template = "ubuntu-24.04"
 ssh_port = {ssh_port or 22}
+# A public key (no secret): without one a deploy is refused, as nobody could log in.
+ssh_keys = ["{DEMO_KEY}"]
 """
