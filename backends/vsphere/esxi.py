@@ -3,9 +3,10 @@
 """The standalone ESXi path of a clone: a host without vCenter has no CloneVM_Task.
 
 Make the VM's folder, copy the template's disks into it (`CopyVirtualDisk_Task`), then
-create a VM from the template's hardware around the copies (`CreateVM_Task`). The NIC's
-MAC is set in that spec: the host would generate one only at the first power-on, and
-the cloud-init metadata, written in the same spec, must name it before that.
+create a VM around the copies (`CreateVM_Task`) from the template's hardware and the
+settings a clone would keep (`inherit`). The NIC's MAC is set in that spec: the host
+would generate one only at the first power-on, and the cloud-init metadata, written in
+the same spec, must name it before that.
 """
 
 from __future__ import annotations

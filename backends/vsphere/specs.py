@@ -19,7 +19,7 @@ from typing import Any
 from pyVmomi import vim
 
 from backends.base import CloneSpec, Identity, PermanentError, VMRef
-from backends.vsphere import guestinfo
+from backends.vsphere import guestinfo, inherit
 from backends.vsphere.inventory import Net, Plan, disks
 from backends.vsphere.session import Props
 
@@ -227,24 +227,28 @@ def create_spec(
     guest: GuestConfig | None = None,
     mac: str | None = None,
 ) -> Any:
-    """CreateVM_Task's spec from the template's hardware, around the copied disks, its
-    NIC with the MAC `mac`; the guest's CPU, memory and guestinfo (its metadata naming
-    that MAC) instead of the template's when given."""
+    """CreateVM_Task's spec from the template's settings and hardware, around the copied
+    disks, its NIC with the MAC `mac`; the guest's CPU, memory and guestinfo (its
+    metadata naming that MAC) instead of the template's when given."""
     config = plan.template_config
     hw = config.hardware
     nic = nic_changes(hw.device, plan.network, edit=False, mac=mac)
     changes = _disk_changes(hw.device, copies, provisioning) + nic
+    # What a clone would keep of the template: guest OS, version, firmware, boot
+    # options, flags, extraConfig but the template's own keys (`inherit`).
+    fields = inherit.settings(config)
     hardware: dict[str, Any] = {
         "numCPUs": hw.numCPU,
         "numCoresPerSocket": hw.numCoresPerSocket,
         "memoryMB": hw.memoryMB,
-        **(guest.fields(hw.numCoresPerSocket, mac if nic else None) if guest else {}),
     }
+    if guest:
+        identity = guest.fields(hw.numCoresPerSocket, mac if nic else None)
+        identity["extraConfig"] = fields.pop("extraConfig") + identity["extraConfig"]
+        hardware |= identity
     return vim.vm.ConfigSpec(
+        **fields,
         name=spec.name,
-        guestId=config.guestId,
-        version=config.version,
-        firmware=config.firmware,
         instanceUuid=ref.vm_id,
         annotation=note,
         files=vim.vm.FileInfo(vmPathName=vmx_path),
