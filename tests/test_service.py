@@ -19,7 +19,7 @@ from bot.requests import build_request
 from bot.runtime import running_deployer
 from bot.service import Deployer
 from store.db import Store
-from tests.conftest import Recorder, make_settings
+from tests.conftest import TEST_KEY, Recorder, make_settings
 
 
 def args(text: str) -> DeployArgs:
@@ -176,6 +176,19 @@ async def test_request_time_errors_say_what_kind_they_are(tmp_path: Path, sim: S
             await empty.request_deploy(args("web01 10.0.0.50"), "alice")
         assert "it has no templates at all: ask an operator to add one" in nothing.value.message
         assert "choose one of  " not in nothing.value.message
+
+
+async def test_a_deploy_nobody_could_log_in_to_is_refused(tmp_path: Path, sim: SimBackend) -> None:
+    settings = make_settings(tmp_path, defaults={"ssh_keys": []})
+    async with running_deployer(settings, backends={"sim": sim}) as deployer:
+        with pytest.raises(RequestInvalid) as refused:
+            await deployer.request_deploy(args("web01 10.0.0.50"), "alice")
+        assert "No SSH key to log in to web01" in refused.value.message
+        assert "/deploy key" in refused.value.message and "try again" not in refused.value.message
+        assert await deployer.history() == [] and sim.vms == {}
+        await deployer.save_ssh_key("alice", TEST_KEY)
+        job = await deployer.request_deploy(args("web01 10.0.0.50"), "alice")
+        assert job.request.ssh_keys == (TEST_KEY,)
 
 
 async def test_cancel_permissions_and_states(strict: Deployer) -> None:
