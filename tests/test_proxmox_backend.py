@@ -411,6 +411,21 @@ async def test_a_node_without_avx2_is_refused_before_cloning(
     await backend.prepare_clone(CloneSpec("jv3", "db01", "rocky-10", placement="pve1"))
 
 
+async def test_a_baseline_refusal_does_not_send_a_local_template_elsewhere(
+    backend: ProxmoxBackend,
+    pve: FakePVE,
+) -> None:
+    """The template sits on pve2's local storage and pve2 lacks AVX2: "deploy on another
+    node" would be wrong advice, since no other node can clone it."""
+    pve.cluster.add_template(9010, "rocky-10-pve2", node="pve2", tags="os-el10")
+    with pytest.raises(PermanentError) as refused:
+        await backend.prepare_clone(CloneSpec("jv4", "db04", "rocky-10-pve2"))
+    message = refused.value.message
+    assert "needs CPU model x86-64-v3" in message and "node pve2" in message
+    assert "on=NODE" not in message
+    assert "local storage local-lvm, so no other node can clone it" in message
+
+
 async def test_without_cpu_flags_the_offered_models_decide(
     backend: ProxmoxBackend,
     pve: FakePVE,

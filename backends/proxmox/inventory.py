@@ -273,8 +273,19 @@ class Inventory:
             raise PermanentError(
                 f"template {template.name} ({template.family}) needs CPU model "
                 f"{cpu_model(cpu)}, but node {node} ({host.model}) {lacks}: its guest would "
-                "panic at boot. Deploy on another node (on=NODE), or change the OS profile."
+                f"panic at boot. {await self._baseline_advice(template, node)}"
             )
+
+    async def _baseline_advice(self, template: TemplateInfo, node: str) -> str:
+        """What to do instead; "another node" only where the template could go there."""
+        source = (await self._storage_map(template.node)).get(template.disk.storage)
+        if node == template.node and not (source and source.shared):
+            return (
+                f"The template is on {node}'s local storage {template.disk.storage}, so no "
+                "other node can clone it either: copy the template to shared storage or to "
+                "a node with that CPU, or change the OS profile's CPU model."
+            )
+        return "Deploy on another node (on=NODE), or change the OS profile."
 
     async def _cpu(self, node: str) -> NodeCpu:
         if node not in self._cpus:
