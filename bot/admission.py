@@ -48,7 +48,7 @@ async def check_on_backend(backends: Mapping[str, Backend], request: DeployReque
     storages = await _names(backend.storages(request.placement)) if request.storage else []
     if request.storage is not None and request.storage not in storages:
         problems.append(
-            f"storage: {request.storage!r} is not a storage on {request.backend}; "
+            f"storage: {request.storage!r} is not a storage for VM disks on {request.backend}; "
             + _choices(storages, "storages for VM disks")
         )
     if request.network is not None:

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from bot.errors import RequestInvalid
 from bot.models import Job, JobEvent, JobState
 from bot.parser import DeployArgs, parse
 from bot.pipeline import STEPS, vm_ref
@@ -85,6 +86,20 @@ async def test_a_deploy_ends_with_a_reachable_vm(fake: FakePVE, tmp_path: Path) 
         detail(events, "ssh")
         == f"{ADDRESS}:{fake.cluster.guest.ssh_port} answers, host key {job.host_key}"
     )
+
+
+async def test_a_storage_without_vm_disks_is_refused_as_such(fake: FakePVE, tmp_path: Path) -> None:
+    """`local` exists on the node but holds ISOs and backups: not "no such storage"."""
+    backend = make_backend(fake)
+    settings = pve_settings(tmp_path, fake)
+    async with running_deployer(settings, backends={"pve": backend}, grace_s=5) as d:
+        args = parse(f"web01 {ADDRESS} storage=local")
+        assert isinstance(args, DeployArgs)
+        with pytest.raises(RequestInvalid) as refused:
+            await d.request_deploy(args, "alice")
+        assert "'local' is not a storage for VM disks on pve" in refused.value.message
+        assert "local-lvm" in refused.value.message  # what to choose instead
+        assert await d.history() == []
 
 
 async def test_a_7_4_server_says_why_ciupgrade_was_not_sent(

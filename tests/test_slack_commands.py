@@ -126,7 +126,7 @@ async def test_bad_requests_are_told_to_the_user_and_queue_nothing(tmp_path: Pat
             "web02 10.0.0.50": "10.0.0.50 belongs to web01",
             "web03 10.0.0.61 template=windows-95": "'windows-95' is not a template on sim",
             "web04 10.0.0.62 on=node9": "'node9' is neither a backend nor a node",
-            "web05 10.0.0.63 storage=tape": "'tape' is not a storage on sim",
+            "web05 10.0.0.63 storage=tape": "'tape' is not a storage for VM disks on sim",
             "web06 10.0.0.64 cpu=64": "cpu: 64 is over the limit of 16",
         }
         for text in cases:
