@@ -10,6 +10,9 @@ from __future__ import annotations
 import socket
 import ssl
 from pathlib import Path
+from typing import TypeVar
+
+E = TypeVar("E", bound=BaseException)
 
 
 def unresolved(backend: str, host: str, exc: socket.gaierror) -> str:
@@ -29,7 +32,10 @@ def tls_advice(backend: str, where: str, ca_bundle: Path | str | None, exc: ssl.
     `ca_bundle` only helps when none is set or the one set is not the signer; a key too
     small for OpenSSL (vcsim's built-in certificate) is fixed on the server only."""
     reason = str(getattr(exc, "reason", "") or "")
-    if "KEY_TOO_SMALL" in reason or "too small" in str(exc):
+    verify = str(getattr(exc, "verify_message", "") or "")
+    # OpenSSL 3 says "EE certificate key too weak" in verification, "ee key too small"
+    # where it does not verify; either way no CA bundle changes it.
+    if "KEY_TOO_SMALL" in reason or "key too weak" in verify or "too small" in str(exc):
         return (
             f"the certificate of {where} has a key too small for this machine's OpenSSL: "
             "give the server a certificate with a 2048-bit RSA key or larger (see README)"
@@ -47,3 +53,22 @@ def tls_advice(backend: str, where: str, ca_bundle: Path | str | None, exc: ssl.
             f'"/path/to/ca.pem" in [[backends]] {backend} (see README)'
         )
     return f"the TLS handshake with {where} failed ({reason or exc}): check its certificate"
+
+
+def cause(exc: BaseException, kind: type[E]) -> E | None:
+    """The first `kind` among the causes of `exc` (requests wraps urllib3, which wraps
+    the socket's error, and keeps some of them as `.reason` rather than as a cause)."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        item = todo.pop()
+        if item is None or id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, kind):
+            return item
+        reason = getattr(item, "reason", None)
+        todo += [item.__cause__, item.__context__]
+        todo += [reason] if isinstance(reason, BaseException) else []
+        todo += [a for a in item.args if isinstance(a, BaseException)]
+    return None

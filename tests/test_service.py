@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from backends.base import CloneSpec, job_tag
+from backends.base import CloneSpec, PermanentError, Storage, job_tag
 from backends.sim import SimBackend
 from bot.errors import Conflict, JobNotFound, NotAllowed, RequestInvalid, TransitionRefused
 from bot.models import ApprovalState, Job, JobState, utcnow
@@ -19,7 +19,7 @@ from bot.requests import build_request
 from bot.runtime import running_deployer
 from bot.service import Deployer
 from store.db import Store
-from tests.conftest import Recorder, make_settings
+from tests.conftest import SIM_SCALE, Recorder, make_settings
 
 
 def args(text: str) -> DeployArgs:
@@ -176,6 +176,23 @@ async def test_request_time_errors_say_what_kind_they_are(tmp_path: Path, sim: S
             await empty.request_deploy(args("web01 10.0.0.50"), "alice")
         assert "it has no templates at all: ask an operator to add one" in nothing.value.message
         assert "choose one of  " not in nothing.value.message
+
+
+class RefusingStorages(SimBackend):
+    """The simulator, except that its storage list is refused for good (a permission)."""
+
+    async def storages(self, placement: str | None = None) -> list[Storage]:
+        raise PermanentError("storage list: permission check failed (Datastore.Audit)")
+
+
+async def test_a_refused_listing_is_not_called_unanswered(tmp_path: Path) -> None:
+    sim = RefusingStorages("sim", time_scale=SIM_SCALE)
+    async with running_deployer(make_settings(tmp_path), backends={"sim": sim}) as deployer:
+        with pytest.raises(RequestInvalid) as refused:
+            await deployer.request_deploy(args("web01 10.0.0.50 storage=local-lvm"), "alice")
+    assert "sim: storage list: permission check failed" in refused.value.message
+    assert "did not answer" not in refused.value.message
+    assert "try again" not in refused.value.message
 
 
 async def test_cancel_permissions_and_states(strict: Deployer) -> None:

@@ -27,14 +27,14 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import requests
 from proxmoxer import ProxmoxAPI
 from proxmoxer.core import AuthenticationError, ResourceException
 from requests.adapters import HTTPAdapter
 
-from backends.advice import tls_advice, unresolved
+from backends.advice import cause, tls_advice, unresolved
 from backends.base import (
     BackendError,
     PermanentError,
@@ -57,7 +57,6 @@ _EXISTS = re.compile(r"already exists")
 _WARNINGS = re.compile(r"WARNINGS: \d+")
 _LOG_LIMIT = 1000
 _LIST_LIMIT = 1000  # tasks listed per poll (the server's default is 50)
-E = TypeVar("E", bound=BaseException)
 _NO_PROXIES: dict[str, str | None] = {"http": None, "https": None, "all": None}
 
 
@@ -181,7 +180,7 @@ def map_error(
             return AlreadyExists(message)
         return PermanentError(message)
     if isinstance(exc, requests.exceptions.SSLError):
-        tls = _cause(exc, ssl.SSLError)
+        tls = cause(exc, ssl.SSLError)
         if tls is not None and not isinstance(tls, ssl.SSLEOFError):
             advice = tls_advice(ctx.backend, endpoint, ctx.ca_bundle, tls)
             return PermanentError(f"{what}: {advice}")
@@ -193,7 +192,7 @@ def map_error(
         return Unreachable(f"{what}: {endpoint} did not answer in time")
     if isinstance(exc, requests.exceptions.ConnectionError):
         # Permanent: a retry resolves the same name with the same DNS.
-        if (unknown := _cause(exc, socket.gaierror)) is not None:
+        if (unknown := cause(exc, socket.gaierror)) is not None:
             return PermanentError(f"{what}: {unresolved(ctx.backend, ctx.host, unknown)}")
         return Unreachable(f"{what}: cannot reach {endpoint} ({_root_cause(exc)})")
     if isinstance(exc, AuthenticationError):  # proxmoxer's own ticket renewal failed
@@ -226,24 +225,6 @@ class ErrorContext:
             f"the password of {creds.user} was refused by {endpoint}: check "
             f"${creds.secret_source} (and `user` in {where})"
         )
-
-
-def _cause(exc: BaseException, kind: type[E]) -> E | None:
-    """The first `kind` among the causes of `exc`; urllib3 keeps some as `.reason`."""
-    seen: set[int] = set()
-    todo: list[BaseException | None] = [exc]
-    while todo:
-        item = todo.pop()
-        if item is None or id(item) in seen:
-            continue
-        seen.add(id(item))
-        if isinstance(item, kind):
-            return item
-        reason = getattr(item, "reason", None)
-        todo += [item.__cause__, item.__context__]
-        todo += [reason] if isinstance(reason, BaseException) else []
-        todo += [a for a in item.args if isinstance(a, BaseException)]
-    return None
 
 
 def _root_cause(exc: BaseException) -> str:

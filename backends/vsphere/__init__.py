@@ -174,6 +174,7 @@ class VSphereBackend:
 
     def __init__(self, config: Config, password: str) -> None:
         self.name = config.name
+        self.default_network = config.network
         self.config = config
         self._ssh = SshCheck(config.ssh_jump)
         endpoint = Endpoint(
