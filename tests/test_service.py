@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from backends.base import CloneSpec, PermanentError, Storage, job_tag
+from backends.base import CloneSpec, PermanentError, Storage, Template, job_tag
 from backends.sim import SimBackend
 from bot.errors import Conflict, JobNotFound, NotAllowed, RequestInvalid, TransitionRefused
 from bot.models import ApprovalState, Job, JobState, utcnow
@@ -18,6 +18,7 @@ from bot.recovery import INTERRUPTED
 from bot.requests import build_request
 from bot.runtime import running_deployer
 from bot.service import Deployer
+from handlers import messages
 from store.db import Store
 from tests.conftest import SIM_SCALE, Recorder, make_settings
 
@@ -183,6 +184,27 @@ class RefusingStorages(SimBackend):
 
     async def storages(self, placement: str | None = None) -> list[Storage]:
         raise PermanentError("storage list: permission check failed (Datastore.Audit)")
+
+
+class RefusingTemplates(SimBackend):
+    """The simulator, except that it refuses our credentials for good."""
+
+    async def templates(self) -> list[Template]:
+        raise PermanentError("the password of u was refused by sim: check $SIM_PASSWORD")
+
+
+async def test_templates_say_try_again_only_when_waiting_may_help(
+    tmp_path: Path, sim: SimBackend
+) -> None:
+    refusing = RefusingTemplates("refusing", time_scale=SIM_SCALE)
+    settings = make_settings(tmp_path)
+    async with running_deployer(settings, backends={"sim": sim, "refusing": refusing}) as deployer:
+        sim.inject("templates", "flaky")
+        text = "\n".join(messages.templates(await deployer.templates()))
+    (flaky,) = [line for line in text.splitlines() if line.startswith("sim: ")]
+    (refused,) = [line for line in text.splitlines() if line.startswith("refusing: ")]
+    assert flaky.endswith("; try again shortly.")
+    assert "check $SIM_PASSWORD" in refused and "try again" not in refused
 
 
 async def test_a_refused_listing_is_not_called_unanswered(tmp_path: Path) -> None:
