@@ -106,3 +106,26 @@ def _choices(names: list[str], what: str, see: str = "") -> str:
     if not names:
         return f"it has no {what} at all: ask an operator to add one."
     return f"choose one of {', '.join(names)}" + (f" ({see})." if see else ".")
+
+
+async def problems_at_start(backends: Mapping[str, Backend]) -> list[str]:
+    """What an operator must fix before any request to a backend can succeed: it refuses
+    us (password, certificate, host name) or its configured network does not exist. A
+    backend that does not answer yet is no such problem: jobs wait for it."""
+    problems = []
+    for name, backend in backends.items():
+        wanted = backend.default_network
+        try:
+            await backend.templates()
+            networks = [n.name for n in await backend.networks()] if wanted else []
+        except BackendError as exc:
+            if not exc.retryable:
+                problems.append(f"backend {name}: {exc.message}")
+            continue
+        if wanted and wanted not in networks:
+            problems.append(
+                f"backend {name}: its network {wanted!r} does not exist there, so every "
+                f"deploy without network= would be refused: correct it in [[backends]] "
+                f"(networks there: {', '.join(networks) or 'none'})"
+            )
+    return problems

@@ -19,6 +19,7 @@ from cryptography.x509.oid import NameOID
 
 from backends.base import CloneSpec, PermanentError
 from backends.vsphere import Config, create
+from bot.admission import problems_at_start
 from bot.errors import RequestInvalid
 from bot.parser import DeployArgs, parse
 from bot.runtime import make_backend, running_deployer
@@ -191,3 +192,30 @@ async def test_a_key_too_small_gets_its_own_advice_and_no_ca_bundle_advice(
     assert f"the certificate of 127.0.0.1:{port} has a key too small" in message
     assert "ca_bundle" not in message
     never_try_again(message)
+
+
+async def test_what_an_operator_must_fix_is_found_at_start(
+    vcenter: Simulated, vcsim_binary: Path, vcsim_tls: TlsFiles, tmp_path: Path
+) -> None:
+    """`deploybot serve` logs these at start: a misspelt network and a refused password
+    (permanent); a backend that is right says nothing."""
+    strict = Vcsim(vcsim_binary, vcsim_tls, tmp_path, esx=False, login=(USER, PASSWORD))
+    backends = {
+        "good": vcenter.sim.backend(name="good"),
+        "misspelt": vcenter.sim.backend(name="misspelt", network="VM Netwrok"),
+        "refused": create(
+            Config.model_validate(strict.config(name="refused", user=USER)),
+            {PASSWORD_ENV: "not-it-93b1"},
+        ),
+    }
+    try:
+        problems = await problems_at_start(backends)
+    finally:
+        for backend in backends.values():
+            await backend.close()
+        strict.stop()
+    assert len(problems) == 2, problems
+    misspelt, refused = problems
+    assert misspelt.startswith("backend misspelt: its network 'VM Netwrok' does not exist")
+    assert "DC0_DVPG0" in misspelt and "-DVUplinks-" not in misspelt
+    assert refused.startswith(f"backend refused: the password of {USER} was refused")
