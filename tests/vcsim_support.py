@@ -324,7 +324,8 @@ class GuestAgent:
             except vmodl.fault.RequestCanceled:
                 return
             except Exception as exc:  # the simulator went away
-                self.errors.append(repr(exc))
+                if not self._stopping:  # (when stopping, the server may end the poll first)
+                    self.errors.append(repr(exc))
                 return
             version = update.version
             for obj in (o for f in update.filterSet for o in f.objectSet):
