@@ -326,6 +326,9 @@ class Backend(Protocol):
     """One hypervisor endpoint. See the module docstring for the contract."""
 
     name: str
+    # The network a NIC is put on when the request names none (None: the template's),
+    # so that a request can be refused before anything is built if it does not exist.
+    default_network: str | None
 
     async def templates(self) -> list[Template]: ...
 

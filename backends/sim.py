@@ -186,6 +186,7 @@ class SimBackend:
         templates: tuple[Template, ...] = _DEFAULT_TEMPLATES,
     ) -> None:
         self.name = name
+        self.default_network: str | None = None
         self._templates = templates
         self._ssh = SshCheck(ssh_jump)  # for the guests the check really connects to
         self.time_scale = time_scale

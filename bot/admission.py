@@ -26,12 +26,7 @@ async def check_on_backend(backends: Mapping[str, Backend], request: DeployReque
         templates = await backend.templates()
         placements = await backend.placements()
     except BackendError as exc:
-        if exc.retryable:
-            raise RequestInvalid(
-                [f"{request.backend} did not answer ({exc.message}); try again in a minute."]
-            ) from None
-        # A wrong password or an untrusted certificate: waiting will not help.
-        raise RequestInvalid([f"{request.backend}: {exc.message}"]) from None
+        raise RequestInvalid([_unanswered(request.backend, exc)]) from None
     names = [t.name for t in templates]
     if request.template not in names:
         problems.append(
@@ -45,29 +40,46 @@ async def check_on_backend(backends: Mapping[str, Backend], request: DeployReque
             f"on: {request.placement!r} is neither a backend nor a node of "
             f"{request.backend}; choose one of {choices}."
         )
-    storages = await _names(backend.storages(request.placement)) if request.storage else []
+    listing = backend.storages(request.placement) if request.storage else None
+    storages = await _names(request.backend, listing) if listing else []
     if request.storage is not None and request.storage not in storages:
         problems.append(
             f"storage: {request.storage!r} is not a storage for VM disks on {request.backend}; "
             + _choices(storages, "storages for VM disks")
         )
-    if request.network is not None:
-        networks = await _names(backend.networks(request.placement))
-        if request.network not in networks:
+    network = request.network or backend.default_network
+    if network is not None:
+        networks = await _names(request.backend, backend.networks(request.placement))
+        if network not in networks and request.network is not None:
             problems.append(
-                f"network: {request.network!r} is not a network on {request.backend}; "
+                f"network: {network!r} is not a network on {request.backend}; "
                 + _choices(networks, "networks")
+            )
+        elif network not in networks:
+            # The backend's own setting is wrong: the clone step would fail for everyone.
+            problems.append(
+                f"network: {network!r}, the network of [[backends]] {request.backend} in the "
+                "configuration, does not exist there: ask an operator to correct it "
+                f"(networks there: {', '.join(networks) or 'none'})."
             )
     if problems:
         raise RequestInvalid(problems)
     return next(t for t in templates if t.name == request.template)
 
 
-async def _names(listing: Awaitable[list[Storage] | list[Network]]) -> list[str]:
+async def _names(backend: str, listing: Awaitable[list[Storage] | list[Network]]) -> list[str]:
     try:
         return [item.name for item in await listing]
     except BackendError as exc:
-        raise RequestInvalid([f"The hypervisor did not answer ({exc.message})."]) from None
+        raise RequestInvalid([_unanswered(backend, exc)]) from None
+
+
+def _unanswered(backend: str, exc: BackendError) -> str:
+    """Why the backend could not be asked; "try again" only where waiting may help."""
+    if exc.retryable:
+        return f"{backend} did not answer ({exc.message}); try again in a minute."
+    # A wrong password, an untrusted certificate, an unknown host: waiting will not help.
+    return f"{backend}: {exc.message}"
 
 
 async def check_free(backends: Mapping[str, Backend], request: DeployRequest) -> None:
@@ -109,3 +121,26 @@ def check_login(request: DeployRequest) -> None:
             "configuration."
         ]
     )
+
+
+async def problems_at_start(backends: Mapping[str, Backend]) -> list[str]:
+    """What an operator must fix before any request to a backend can succeed: it refuses
+    us (password, certificate, host name) or its configured network does not exist. A
+    backend that does not answer yet is no such problem: jobs wait for it."""
+    problems = []
+    for name, backend in backends.items():
+        wanted = backend.default_network
+        try:
+            await backend.templates()
+            networks = [n.name for n in await backend.networks()] if wanted else []
+        except BackendError as exc:
+            if not exc.retryable:
+                problems.append(f"backend {name}: {exc.message}")
+            continue
+        if wanted and wanted not in networks:
+            problems.append(
+                f"backend {name}: its network {wanted!r} does not exist there, so every "
+                f"deploy without network= would be refused: correct it in [[backends]] "
+                f"(networks there: {', '.join(networks) or 'none'})"
+            )
+    return problems

@@ -434,13 +434,14 @@ class Deployer:
         return await self.store.history(requester=requester, limit=limit)
 
     async def templates(self) -> dict[str, list[Template] | str]:
-        """Templates per backend; a backend that does not answer gets its error text."""
+        """Templates per backend; a backend that fails gets its error text, which says
+        "try again" only when waiting may help (a wrong password will not go away)."""
         found: dict[str, list[Template] | str] = {}
         for name, backend in self.backends.items():
             try:
                 found[name] = await backend.templates()
             except BackendError as exc:
-                found[name] = exc.message
+                found[name] = f"{exc.message}; try again shortly" if exc.retryable else exc.message
         return found
 
     # --- per-user settings and front-end references ----------------------------------

@@ -225,7 +225,7 @@ def templates(found: dict[str, list[Template] | str]) -> list[str]:
     lines = []
     for backend, items in found.items():
         if isinstance(items, str):
-            lines.append(f"{backend}: could not list templates ({items}); try again shortly.")
+            lines.append(f"{backend}: could not list templates: {items}.")
             continue
         names = ", ".join(f"{t.name} ({t.os_family})" for t in items) or "none"
         lines.append(f"{backend}: {names}")

@@ -100,8 +100,12 @@ async def test_bad_credentials_are_a_clear_permanent_error(
     finally:
         await bad_token.close()
         await bad_password.close()
-    assert "refused our credentials" in token_error.value.message
-    assert "check the password in $PVE_PASSWORD" in password_error.value.message
+    token_message, password_message = token_error.value.message, password_error.value.message
+    assert "the API token " in token_message and "was refused by 127.0.0.1:" in token_message
+    assert "check $PVE_TOKEN_SECRET" in token_message
+    assert "the password of " in password_message and "check $PVE_PASSWORD" in password_message
+    for message in (token_message, password_message):
+        assert "try again" not in message and "did not answer" not in message
     for secret in ("wrong-secret-123", "wrong-pass-456"):
         assert secret not in token_error.value.message + password_error.value.message
         assert secret not in caplog.text
@@ -155,8 +159,9 @@ async def test_tls_is_verified_and_turning_it_off_is_logged(
             Config.model_validate(config_data(pve, ca_bundle=None, verify_tls=False)), environ(pve)
         )
     try:
-        with pytest.raises(PermanentError, match=r"TLS verification of 127\.0\.0\.1:\d+ failed"):
+        with pytest.raises(PermanentError, match=r"certificate of 127\.0\.0\.1:\d+ is not tr") as e:
             await untrusted.placements()
+        assert 'set ca_bundle = "/path/to/ca.pem" in [[backends]] pve' in e.value.message
         assert [p.name for p in await insecure.placements()] == ["pve1", "pve2"]
     finally:
         await untrusted.close()

@@ -223,5 +223,5 @@ async def test_gc_never_says_try_again_for_a_refusal(pve: FakePVE, tmp_path: Pat
         await wrong.close()
         await store.close()
     text = "\n".join(messages.gc_report(report, 30))
-    assert "pve: refused to be asked (" in text and "refused our credentials" in text
+    assert "pve: refused to be asked (" in text and "check $PVE_TOKEN_SECRET" in text
     assert "try again" not in text

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from backends.base import CloneSpec, job_tag
+from backends.base import CloneSpec, PermanentError, Storage, Template, job_tag
 from backends.sim import SimBackend
 from bot.errors import Conflict, JobNotFound, NotAllowed, RequestInvalid, TransitionRefused
 from bot.models import ApprovalState, Job, JobState, utcnow
@@ -18,8 +18,9 @@ from bot.recovery import INTERRUPTED
 from bot.requests import build_request
 from bot.runtime import running_deployer
 from bot.service import Deployer
+from handlers import messages
 from store.db import Store
-from tests.conftest import TEST_KEY, Recorder, make_settings
+from tests.conftest import SIM_SCALE, TEST_KEY, Recorder, make_settings
 
 
 def args(text: str) -> DeployArgs:
@@ -189,6 +190,44 @@ async def test_a_deploy_nobody_could_log_in_to_is_refused(tmp_path: Path, sim: S
         await deployer.save_ssh_key("alice", TEST_KEY)
         job = await deployer.request_deploy(args("web01 10.0.0.50"), "alice")
         assert job.request.ssh_keys == (TEST_KEY,)
+
+
+class RefusingStorages(SimBackend):
+    """The simulator, except that its storage list is refused for good (a permission)."""
+
+    async def storages(self, placement: str | None = None) -> list[Storage]:
+        raise PermanentError("storage list: permission check failed (Datastore.Audit)")
+
+
+class RefusingTemplates(SimBackend):
+    """The simulator, except that it refuses our credentials for good."""
+
+    async def templates(self) -> list[Template]:
+        raise PermanentError("the password of u was refused by sim: check $SIM_PASSWORD")
+
+
+async def test_templates_say_try_again_only_when_waiting_may_help(
+    tmp_path: Path, sim: SimBackend
+) -> None:
+    refusing = RefusingTemplates("refusing", time_scale=SIM_SCALE)
+    settings = make_settings(tmp_path)
+    async with running_deployer(settings, backends={"sim": sim, "refusing": refusing}) as deployer:
+        sim.inject("templates", "flaky")
+        text = "\n".join(messages.templates(await deployer.templates()))
+    (flaky,) = [line for line in text.splitlines() if line.startswith("sim: ")]
+    (refused,) = [line for line in text.splitlines() if line.startswith("refusing: ")]
+    assert flaky.endswith("; try again shortly.")
+    assert "check $SIM_PASSWORD" in refused and "try again" not in refused
+
+
+async def test_a_refused_listing_is_not_called_unanswered(tmp_path: Path) -> None:
+    sim = RefusingStorages("sim", time_scale=SIM_SCALE)
+    async with running_deployer(make_settings(tmp_path), backends={"sim": sim}) as deployer:
+        with pytest.raises(RequestInvalid) as refused:
+            await deployer.request_deploy(args("web01 10.0.0.50 storage=local-lvm"), "alice")
+    assert "sim: storage list: permission check failed" in refused.value.message
+    assert "did not answer" not in refused.value.message
+    assert "try again" not in refused.value.message
 
 
 async def test_cancel_permissions_and_states(strict: Deployer) -> None:

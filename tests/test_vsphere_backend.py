@@ -103,8 +103,9 @@ async def test_without_the_ca_the_certificate_is_refused(vcenter: Simulated) -> 
         Config.model_validate(vcenter.sim.config(ca_bundle=None)), {PASSWORD_ENV: "p"}
     )
     try:
-        with pytest.raises(PermanentError, match="TLS certificate is not trusted"):
+        with pytest.raises(PermanentError, match=r"certificate of 127\.0\.0\.1:\d+ is not tr") as e:
             await untrusting.templates()
+        assert 'set ca_bundle = "/path/to/ca.pem" in [[backends]] vcenter' in e.value.message
     finally:
         await untrusting.close()
 

@@ -127,11 +127,22 @@ class Vcsim:
     """One running simulator and the test's own (operator) connection to it."""
 
     def __init__(
-        self, binary: Path, tls: TlsFiles, workdir: Path, *, esx: bool, delay: str = ""
+        self,
+        binary: Path,
+        tls: TlsFiles,
+        workdir: Path,
+        *,
+        esx: bool,
+        delay: str = "",
+        login: tuple[str, str] | None = None,
     ) -> None:
         self.esx = esx
         self.tls = tls
+        # `login`: the only user and password vcsim accepts (the operator's too).
+        self.login = login or ("operator", "x")
         args = [str(binary), "-cert", str(tls.cert), "-key", str(tls.key), "-delay", delay]
+        if login is not None:
+            args += ["-username", login[0], "-password", login[1]]
         self.log = (workdir / f"vcsim-{'esx' if esx else 'vpx'}.log").open("w")
         self.process = subprocess.Popen(
             [*args, "-esx"] if esx else args, stdout=subprocess.PIPE, stderr=self.log, text=True
@@ -149,7 +160,11 @@ class Vcsim:
     def connect(self) -> Any:
         context = ssl.create_default_context(cafile=str(self.tls.ca))
         return SmartConnect(
-            host="127.0.0.1", port=self.port, user="operator", pwd="x", sslContext=context
+            host="127.0.0.1",
+            port=self.port,
+            user=self.login[0],
+            pwd=self.login[1],
+            sslContext=context,
         )
 
     def config(self, **overrides: Any) -> dict[str, Any]:
@@ -188,6 +203,16 @@ class Vcsim:
         )
         try:
             return {vm.config.instanceUuid: vm.name for vm in view.view}
+        finally:
+            view.DestroyView()
+
+    def network_names(self) -> list[str]:
+        """Every network in the inventory as the operator sees it, uplinks included."""
+        view = self.content.viewManager.CreateContainerView(
+            self.content.rootFolder, [vim.Network], True
+        )
+        try:
+            return [net.name for net in view.view]
         finally:
             view.DestroyView()
 
@@ -299,7 +324,8 @@ class GuestAgent:
             except vmodl.fault.RequestCanceled:
                 return
             except Exception as exc:  # the simulator went away
-                self.errors.append(repr(exc))
+                if not self._stopping:  # (when stopping, the server may end the poll first)
+                    self.errors.append(repr(exc))
                 return
             version = update.version
             for obj in (o for f in update.filterSet for o in f.objectSet):

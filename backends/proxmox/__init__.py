@@ -119,6 +119,7 @@ class _AgentWatch:
 class ProxmoxBackend:
     def __init__(self, config: Config, api: PveApi) -> None:
         self.name = config.name
+        self.default_network = config.bridge
         self.config = config
         self.api = api
         self._ssh = SshCheck(config.ssh_jump)

@@ -20,6 +20,8 @@ import functools
 import logging
 import math
 import re
+import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -32,6 +34,7 @@ from proxmoxer import ProxmoxAPI
 from proxmoxer.core import AuthenticationError, ResourceException
 from requests.adapters import HTTPAdapter
 
+from backends.advice import cause, tls_advice, unresolved
 from backends.base import (
     BackendError,
     PermanentError,
@@ -141,9 +144,13 @@ def _param_errors(errors: object) -> str:
     return ""
 
 
-def map_error(exc: Exception, what: str, endpoint: str) -> BackendError | None:
+def map_error(
+    exc: Exception, what: str, endpoint: str, context: ErrorContext | None = None
+) -> BackendError | None:
     """The backends.base error for a proxmoxer/requests failure; None for anything else
-    (a bug, which must surface as one)."""
+    (a bug, which must surface as one). `context` lets the permanent ones (credentials,
+    certificate, host name) say which setting to check."""
+    ctx = context or ErrorContext(endpoint.rsplit(":", 1)[0], endpoint)
     if isinstance(exc, BackendError):
         return exc
     if isinstance(exc, ResourceException):
@@ -158,7 +165,7 @@ def map_error(exc: Exception, what: str, endpoint: str) -> BackendError | None:
         if code in (400, 501):
             return PermanentError(message)
         if code == 401:
-            return PermanentError(f"{what}: {endpoint} refused our credentials ({reason})")
+            return PermanentError(f"{what}: {ctx.refused(endpoint)} ({reason})")
         if code in _UNREACHABLE_CODES:
             return Unreachable(f"{what}: {endpoint} answered {code} {reason}")
         if held := _HELD.search(reason):
@@ -173,6 +180,10 @@ def map_error(exc: Exception, what: str, endpoint: str) -> BackendError | None:
             return AlreadyExists(message)
         return PermanentError(message)
     if isinstance(exc, requests.exceptions.SSLError):
+        tls = cause(exc, ssl.SSLError)
+        if tls is not None and not isinstance(tls, ssl.SSLEOFError):
+            advice = tls_advice(ctx.backend, endpoint, ctx.ca_bundle, tls)
+            return PermanentError(f"{what}: {advice}")
         return PermanentError(
             f"{what}: TLS verification of {endpoint} failed: set ca_bundle to the CA that "
             "signed the Proxmox certificate (or, knowingly, verify_tls = false)"
@@ -180,12 +191,40 @@ def map_error(exc: Exception, what: str, endpoint: str) -> BackendError | None:
     if isinstance(exc, requests.exceptions.Timeout):
         return Unreachable(f"{what}: {endpoint} did not answer in time")
     if isinstance(exc, requests.exceptions.ConnectionError):
+        # Permanent: a retry resolves the same name with the same DNS.
+        if (unknown := cause(exc, socket.gaierror)) is not None:
+            return PermanentError(f"{what}: {unresolved(ctx.backend, ctx.host, unknown)}")
         return Unreachable(f"{what}: cannot reach {endpoint} ({_root_cause(exc)})")
     if isinstance(exc, AuthenticationError):  # proxmoxer's own ticket renewal failed
-        return PermanentError(f"{what}: {endpoint} no longer accepts our login")
+        return PermanentError(f"{what}: {ctx.refused(endpoint)}")
     if isinstance(exc, requests.exceptions.RequestException):
         return Unreachable(f"{what}: talking to {endpoint} failed ({type(exc).__name__})")
     return None
+
+
+@dataclass(frozen=True)
+class ErrorContext:
+    """What an error message needs to name the setting to check."""
+
+    host: str
+    backend: str
+    ca_bundle: str | None = None
+    credentials: Credentials | None = None
+
+    def refused(self, endpoint: str) -> str:
+        creds = self.credentials
+        if creds is None:
+            return f"{endpoint} refused our credentials"
+        where = f"[[backends]] {self.backend}"
+        if creds.uses_token:
+            return (
+                f"the API token {creds.user}!{creds.token_id} was refused by {endpoint}: "
+                f"check ${creds.secret_source} (and `user`, `token_id` in {where})"
+            )
+        return (
+            f"the password of {creds.user} was refused by {endpoint}: check "
+            f"${creds.secret_source} (and `user` in {where})"
+        )
 
 
 def _root_cause(exc: BaseException) -> str:
@@ -215,6 +254,8 @@ class PveApi:
         self.task_polls = 0
         self.logins = 0
         self._credentials = credentials
+        ca_bundle = settings.verify if isinstance(settings.verify, str) else None
+        self._context = ErrorContext(settings.host, name, ca_bundle, credentials)
         self.clock = clock  # injectable: tests move time on to expire tickets
         self._pool = ThreadPoolExecutor(settings.max_parallel, thread_name_prefix=f"pve-{name}")
         self._conn: Any = None
@@ -244,7 +285,8 @@ class PveApi:
         try:
             return await loop.run_in_executor(self._pool, job)
         except Exception as exc:
-            mapped = map_error(exc, what or f"{method} /{path.strip('/')}", self.endpoint)
+            what = what or f"{method} /{path.strip('/')}"
+            mapped = map_error(exc, what, self.endpoint, self._context)
             if mapped is None:
                 raise
             raise mapped from None
@@ -305,8 +347,7 @@ class PveApi:
         except AuthenticationError:
             # proxmoxer's message names user and URL only, but say it in our words.
             raise PermanentError(
-                f"login to {self.endpoint} as {creds.user} failed (HTTP 401): check the "
-                f"password in ${creds.secret_source}"
+                f"login failed (HTTP 401): {self._context.refused(self.endpoint)}"
             ) from None
         # One pooled connection per worker thread, instead of requests' default 10; and no
         # environment lookups per request (proxies, netrc, CA variables: ca_bundle says

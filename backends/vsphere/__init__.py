@@ -174,6 +174,7 @@ class VSphereBackend:
 
     def __init__(self, config: Config, password: str) -> None:
         self.name = config.name
+        self.default_network = config.network
         self.config = config
         self._ssh = SshCheck(config.ssh_jump)
         endpoint = Endpoint(
@@ -241,15 +242,10 @@ class VSphereBackend:
     async def networks(self, placement: str | None = None) -> list[Network]:
         def work(op: Op) -> list[Network]:
             dc = self._inventory.datacenter(op.conn)
-            rows = op.conn.contained(dc.obj, vim.Network, ["name"])
             pg_type = vim.dvs.DistributedVirtualPortgroup
-            pgs = [o for o, _p in rows if isinstance(o, pg_type)]
-            uplink = op.conn.retrieve(pgs, pg_type, ["config.uplink"])
-            skip = {o._moId for o, p in uplink if p.get("config.uplink")}
             return [
                 Network(p["name"], placement, isinstance(o, pg_type))
-                for o, p in rows
-                if o._moId not in skip
+                for o, p in self._inventory.networks(op.conn, dc)
             ]
 
         return await self._session.run(work, changes=False)

@@ -71,6 +71,11 @@ class Datacenter:
     host_folder: Any
 
 
+def _uplink_tag(props: Props) -> bool:
+    # The system tag is the marker some vCenter versions set where config.uplink is unset.
+    return any(getattr(t, "key", "") == "SYSTEM/DVS.UPLINKPG" for t in props.get("tag") or [])
+
+
 def tags(annotation: object) -> frozenset[str]:
     """The job tags on the lines of an annotation."""
     lines = (line.strip() for line in str(annotation or "").splitlines())
@@ -180,7 +185,7 @@ class Inventory:
         return [r for r in rows if r[1].get("summary.accessible", True)]
 
     def network(self, conn: Conn, dc: Datacenter, name: str) -> Net:
-        rows = conn.contained(dc.obj, vim.Network, ["name"])
+        rows = self.networks(conn, dc)
         match = [obj for obj, p in rows if p["name"] == name]
         if not match:
             known = ", ".join(sorted(p["name"] for _o, p in rows))
@@ -193,6 +198,17 @@ class Inventory:
         switch = pg["config.distributedVirtualSwitch"]
         switch_uuid = conn.props(switch, vim.DistributedVirtualSwitch, ["uuid"])["uuid"]
         return Net(name, obj, True, pg["key"], switch_uuid)
+
+    def networks(self, conn: Conn, dc: Datacenter) -> list[Row]:
+        """The networks a NIC may use: every one but the uplink portgroups of distributed
+        switches, which carry the hosts' physical NICs and no VM (vCenter refuses such
+        a NIC only when the VM powers on)."""
+        rows = conn.contained(dc.obj, vim.Network, ["name"])
+        pg_type = vim.dvs.DistributedVirtualPortgroup
+        pgs = [o for o, _p in rows if isinstance(o, pg_type)]
+        uplinks = conn.retrieve(pgs, pg_type, ["config.uplink", "tag"])
+        skip = {o._moId for o, p in uplinks if p.get("config.uplink") or _uplink_tag(p)}
+        return [(o, p) for o, p in rows if o._moId not in skip]
 
     def plan(self, conn: Conn, spec: CloneSpec) -> Plan:
         dc = self.datacenter(conn)

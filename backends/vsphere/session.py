@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import http.client
 import logging
+import socket
 import ssl
 import threading
 import time
@@ -34,6 +35,7 @@ from typing import Any, TypeVar
 from pyVmomi import vim, vmodl
 from pyVmomi.SoapAdapter import SoapStubAdapter, StubAdapterBase
 
+from backends.advice import tls_advice, unresolved
 from backends.base import BackendError, PermanentError, RetryableError, Unreachable
 
 log = logging.getLogger(__name__)
@@ -55,6 +57,8 @@ RETRYABLE_FAULTS = (
     vmodl.fault.RequestCanceled,
 )
 _QUIET = (vmodl.MethodFault, OSError, http.client.HTTPException)
+# TLS errors that mean the connection was cut, not that the certificate is refused.
+_CUT_OFF = (ssl.SSLEOFError, ssl.SSLZeroReturnError, ssl.SSLSyscallError, ssl.SSLWantReadError)
 
 
 @dataclass(frozen=True)
@@ -421,17 +425,18 @@ class Session:
             return exc
         if isinstance(exc, vim.fault.InvalidLogin):
             return PermanentError(
-                f"{ep.where} refused the login of {ep.user}: check the password in "
-                f"${ep.password_env}"
+                f"the password of {ep.user} was refused by {ep.where}: check "
+                f"${ep.password_env} (and `user` in [[backends]] {ep.name})"
             )
         if isinstance(exc, vmodl.MethodFault):
             kind = RetryableError if isinstance(exc, RETRYABLE_FAULTS) else PermanentError
             return kind(f"{ep.name}: {fault_text(exc)}", vm_id=vm_id)
-        if isinstance(exc, ssl.SSLCertVerificationError):
-            return PermanentError(
-                f"{ep.where}: the TLS certificate is not trusted ({exc.verify_message}); "
-                "give its CA as ca_bundle"
-            )
+        if isinstance(exc, ssl.SSLError) and not isinstance(exc, _CUT_OFF):
+            return PermanentError(tls_advice(ep.name, ep.where, ep.ca_bundle, exc))
+        if isinstance(exc, socket.gaierror):
+            # Permanent: a name that does not resolve now will not resolve on a retry
+            # without someone fixing the configuration or the machine's DNS.
+            return PermanentError(unresolved(ep.name, ep.host, exc))
         if isinstance(exc, OSError | http.client.HTTPException):
             # Refused, timed out, cut off or a 5xx: the API does not answer (yet).
             return Unreachable(f"{ep.where} does not answer ({exc})", vm_id=vm_id)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import re
 import signal
 import sys
@@ -19,6 +20,8 @@ from dataclasses import dataclass
 from aiohttp import web
 from slack_bolt.adapter.socket_mode.aiohttp import AsyncSocketModeHandler
 
+from backends.base import Backend
+from bot.admission import problems_at_start
 from bot.errors import ConfigError
 from bot.parser import is_whole
 from bot.runtime import running_deployer
@@ -26,6 +29,8 @@ from bot.settings import Settings, SlackSettings
 from handlers import messages
 from handlers.slack.app import SlackBot, make_client
 from handlers.slack.threads import SlackThreads
+
+log = logging.getLogger(__name__)
 
 _BOT_TOKEN = re.compile(r"^xoxb-[A-Za-z0-9-]{10,}$")
 _APP_TOKEN = re.compile(r"^xapp-[A-Za-z0-9-]{10,}$")
@@ -100,6 +105,10 @@ async def serve(
         # Only now, with the threads bound: what recovery says must reach Slack. The
         # recoveries themselves go on in the background (`/readyz`).
         await deployer.start(settle=False)
+        # Told at start, not at the first request: a wrong password, an untrusted
+        # certificate, a misspelt network. In the background: a slow backend does not
+        # hold up serving the others.
+        checking = asyncio.create_task(_tell_problems(deployer.backends))
         try:
             if address is not None:
                 await run_http(bot, address, ready, stop)
@@ -107,12 +116,21 @@ async def serve(
                 assert secrets.app_token is not None
                 await run_socket(bot, secrets.app_token, ready, stop)
         finally:
+            checking.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await checking
             await bot.settle()
             # Running jobs finish (or roll back) first, so their outcomes can still be
             # told; what is not told within the grace period waits in the outbox.
             await deployer.close()
             await threads.close()
     return 0
+
+
+async def _tell_problems(backends: Mapping[str, Backend]) -> None:
+    """Into the log, which `serve` also writes to stderr."""
+    for problem in await problems_at_start(backends):
+        log.warning("%s", problem)
 
 
 def _stop_on_signals() -> asyncio.Event:

@@ -1,6 +1,7 @@
 // vcsim for deploybot's tests: govmomi's simulator in vCenter (VPX) or ESX mode on
 // 127.0.0.1 with TLS. Prints "URL <url>" once listening, then serves until SIGTERM.
 //
+// -username/-password make it refuse every other login.
 // -cert/-key give it a certificate made by the tests (trustme): the built-in httptest
 // certificate has a 1024-bit key that OpenSSL 3 refuses, and a CA of our own lets the
 // tests keep TLS verification on. -delay Method=ms,... makes those calls slow.
@@ -18,6 +19,7 @@ import (
 	"syscall"
 
 	"github.com/vmware/govmomi/simulator"
+	"github.com/vmware/govmomi/vim25/types"
 )
 
 func fail(err error) {
@@ -30,6 +32,9 @@ func main() {
 	certFile := flag.String("cert", "", "PEM certificate chain for TLS")
 	keyFile := flag.String("key", "", "PEM private key for TLS")
 	delays := flag.String("delay", "", "Method=milliseconds,... to slow those calls down")
+	// Without these vcsim accepts any non-empty user and password.
+	username := flag.String("username", "", "the only user that may log in")
+	password := flag.String("password", "", "that user's password")
 	flag.Parse()
 
 	model := simulator.VPX()
@@ -49,7 +54,11 @@ func main() {
 	if err := model.Create(); err != nil {
 		fail(err)
 	}
+	markUplinks()
 	model.Service.Listen = &url.URL{Host: "127.0.0.1:0"}
+	if *username != "" {
+		model.Service.Listen.User = url.UserPassword(*username, *password)
+	}
 	model.Service.TLS = new(tls.Config)
 	if *certFile != "" {
 		pair, err := tls.LoadX509KeyPair(*certFile, *keyFile)
@@ -65,4 +74,17 @@ func main() {
 	stop := make(chan os.Signal, 1)
 	signal.Notify(stop, syscall.SIGINT, syscall.SIGTERM)
 	<-stop
+}
+
+// markUplinks marks each distributed switch's uplink portgroup as vCenter does
+// (config.uplink, tag SYSTEM/DVS.UPLINKPG): vcsim 0.24 creates it unmarked, which
+// would make it look like a portgroup for VMs.
+func markUplinks() {
+	for _, entity := range simulator.Map.All("DistributedVirtualPortgroup") {
+		pg := entity.(*simulator.DistributedVirtualPortgroup)
+		if strings.Contains(pg.Name, "-DVUplinks") {
+			pg.Config.Uplink = types.NewBool(true)
+			pg.Tag = append(pg.Tag, types.Tag{Key: "SYSTEM/DVS.UPLINKPG"})
+		}
+	}
 }

@@ -1,0 +1,74 @@
+"""What the backends say when their endpoint cannot be used as configured: a name that
+does not resolve, a certificate that is not trusted. Both are permanent (a retry meets
+the same configuration) and both say what to change, in the same words for every
+backend, so that an operator reading the start-up error or a requester reading a refusal
+knows which setting to look at.
+"""
+
+from __future__ import annotations
+
+import socket
+import ssl
+from pathlib import Path
+from typing import TypeVar
+
+E = TypeVar("E", bound=BaseException)
+
+
+def unresolved(backend: str, host: str, exc: socket.gaierror) -> str:
+    """`host` did not resolve. EAI_AGAIN (no DNS server answered) is reported too: it
+    is the machine's DNS that needs fixing then, and the message says so."""
+    if exc.errno == socket.EAI_AGAIN:
+        why = "no DNS server answered"
+        check = f"check `host` in [[backends]] {backend} and this machine's DNS settings"
+    else:
+        why = str(exc.strerror or exc).strip() or "unknown name"
+        check = f"check `host` in [[backends]] {backend}"
+    return f"{host} cannot be resolved ({why}): {check}"
+
+
+def tls_advice(backend: str, where: str, ca_bundle: Path | str | None, exc: ssl.SSLError) -> str:
+    """A refused TLS handshake, with the advice that fits what is configured: setting a
+    `ca_bundle` only helps when none is set or the one set is not the signer; a key too
+    small for OpenSSL (vcsim's built-in certificate) is fixed on the server only."""
+    reason = str(getattr(exc, "reason", "") or "")
+    verify = str(getattr(exc, "verify_message", "") or "")
+    # OpenSSL 3 says "EE certificate key too weak" in verification, "ee key too small"
+    # where it does not verify; either way no CA bundle changes it.
+    if "KEY_TOO_SMALL" in reason or "key too weak" in verify or "too small" in str(exc):
+        return (
+            f"the certificate of {where} has a key too small for this machine's OpenSSL: "
+            "give the server a certificate with a 2048-bit RSA key or larger (see README)"
+        )
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        detail = exc.verify_message or reason or "verification failed"
+        if ca_bundle:
+            return (
+                f"the certificate of {where} is not trusted ({detail}) by ca_bundle "
+                f"{ca_bundle}: check that it holds the CA that signed the server's "
+                f"certificate and that `host` in [[backends]] {backend} is a name in it"
+            )
+        return (
+            f"the certificate of {where} is not trusted ({detail}): set ca_bundle = "
+            f'"/path/to/ca.pem" in [[backends]] {backend} (see README)'
+        )
+    return f"the TLS handshake with {where} failed ({reason or exc}): check its certificate"
+
+
+def cause(exc: BaseException, kind: type[E]) -> E | None:
+    """The first `kind` among the causes of `exc` (requests wraps urllib3, which wraps
+    the socket's error, and keeps some of them as `.reason` rather than as a cause)."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        item = todo.pop()
+        if item is None or id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, kind):
+            return item
+        reason = getattr(item, "reason", None)
+        todo += [item.__cause__, item.__context__]
+        todo += [reason] if isinstance(reason, BaseException) else []
+        todo += [a for a in item.args if isinstance(a, BaseException)]
+    return None
