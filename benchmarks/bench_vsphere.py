@@ -11,6 +11,12 @@ ends its tasks at once) and no Fetch; and when the guests take 2 s longer to boo
 wall time grows by those 2 s while the reads and waits per deploy stay the same (a
 polling client would read more the longer it waits).
 
+Then the inventory scale: SOAP requests and bytes (request bodies sent plus response
+bodies read, counted at the transport) per deploy with 0, 400 and 2,000 VMs more than
+vcsim's default inventory. Neither may grow with the number of VMs; the goal is at most
+25 requests per deploy. The one read that still grows is the name check
+(`find_by_name`: the name of every VM, some 100 bytes each).
+
     .venv/bin/python -m benchmarks.bench_vsphere    # from the checkout: uses tests/
 """
 
@@ -35,6 +41,7 @@ from tests.vcsim_support import (
     PASSWORD_ENV,
     TEMPLATE,
     Simulated,
+    TlsFiles,
     build_vcsim,
     make_tls,
     simulator,
@@ -42,6 +49,9 @@ from tests.vcsim_support import (
 
 COUNT = 20
 GUESTS = [f"127.0.20.{100 + i}" for i in range(COUNT)]
+SCALE_DEPLOYS = 5  # deploys per scale row, one after the other
+EXTRA_VMS = (0, 400, 2000)
+GOAL_REQUESTS = 25
 
 
 async def listen(port: int = 0) -> tuple[list[asyncio.Server], int]:
@@ -56,7 +66,11 @@ async def listen(port: int = 0) -> tuple[list[asyncio.Server], int]:
     return servers, port
 
 
-async def run(lab: Simulated, tmp: Path) -> tuple[float, Counter[str], float]:
+async def run(
+    lab: Simulated, tmp: Path, count: int = COUNT, one_by_one: bool = False
+) -> tuple[float, Counter[str], float, int]:
+    """`count` deploys (concurrent, or `one_by_one`): wall time, SOAP calls, worst
+    stall and SOAP bytes (sent + received)."""
     servers, port = await listen()
     entry = lab.sim.config()
     settings = load_settings(
@@ -79,24 +93,27 @@ async def run(lab: Simulated, tmp: Path) -> tuple[float, Counter[str], float]:
     worst, stop = [0.0], asyncio.Event()
     async with running_deployer(settings, backends={entry["name"]: backend}) as deployer:
         await backend.templates()  # log in before the clock starts
-        before = backend.api_calls()
+        before, bytes_before = backend.api_calls(), backend.api_bytes()
         tick = asyncio.create_task(ticker(worst, stop))
         started = time.perf_counter()
         jobs = []
-        for i, address in enumerate(GUESTS):
+        for i, address in enumerate(GUESTS[:count]):
             args = parse(f"bench{i:02d} {address}")
             assert isinstance(args, DeployArgs)
             jobs.append(await deployer.request_deploy(args, "bench"))
+            if one_by_one:
+                await deployer.drain()
         await deployer.drain()
         wall = time.perf_counter() - started
         stop.set()
         await tick
         calls = backend.api_calls() - before
+        sent = sum((backend.api_bytes() - bytes_before).values())
         states = {(await deployer.status(j.id)).job.state for j in jobs}
     for server in servers:
         server.close()
     assert states == {JobState.SUCCEEDED}, states
-    return wall, calls, worst[0]
+    return wall, calls, worst[0], sent
 
 
 def row(mode: str, boot_s: float, wall: float, calls: Counter[str], stall: float) -> str:
@@ -125,12 +142,37 @@ def main() -> None:
             for boot_s in (0.0, 2.0):
                 mode = "esxi" if esx else "vcenter"
                 with simulator(binary, tls, tmp, esx=esx, boot_s=boot_s) as lab:
-                    wall, calls, stall = asyncio.run(run(lab, tmp))
+                    wall, calls, stall, _bytes = asyncio.run(run(lab, tmp))
                 print(row(mode, boot_s, wall, calls, stall))
                 detail.setdefault(mode, calls)
         for mode, calls in detail.items():
             methods = ", ".join(f"{k} {v / COUNT:g}" for k, v in sorted(calls.items()))
             print(f"\n{mode} calls per deploy: {methods}")
+        scale(binary, tls, tmp)
+
+
+def scale(binary: Path, tls: TlsFiles, tmp: Path) -> None:
+    print(f"\nInventory scale: {SCALE_DEPLOYS} deploys one after the other, per deploy")
+    print(
+        f"{'mode':<8} {'extra VMs':>9} {'requests':>9} {'goal':>5} {'KB':>9} "
+        f"{'goal':>22} {'wall s':>7}"
+    )
+    for esx in (False, True):
+        mode = "esxi" if esx else "vcenter"
+        pools = 1 if esx else 2  # vcsim's model: VMs are made per resource pool
+        for extra in EXTRA_VMS:
+            per_pool = 2 + extra // pools
+            with simulator(binary, tls, tmp, esx=esx, vms_per_pool=per_pool) as lab:
+                wall, calls, _stall, sent = asyncio.run(
+                    run(lab, tmp, SCALE_DEPLOYS, one_by_one=True)
+                )
+            requests = sum(calls.values()) / SCALE_DEPLOYS
+            kb = sent / SCALE_DEPLOYS / 1000
+            goal_kb = "= 0 VMs (+ names only)"
+            print(
+                f"{mode:<8} {extra:>9} {requests:>9.1f} {'<=' + str(GOAL_REQUESTS):>5} "
+                f"{kb:>9.1f} {goal_kb:>22} {wall / SCALE_DEPLOYS:>7.2f}"
+            )
 
 
 if __name__ == "__main__":

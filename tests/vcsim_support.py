@@ -135,6 +135,7 @@ class Vcsim:
         esx: bool,
         delay: str = "",
         login: tuple[str, str] | None = None,
+        vms_per_pool: int = 0,
     ) -> None:
         self.esx = esx
         self.tls = tls
@@ -143,6 +144,8 @@ class Vcsim:
         args = [str(binary), "-cert", str(tls.cert), "-key", str(tls.key), "-delay", delay]
         if login is not None:
             args += ["-username", login[0], "-password", login[1]]
+        if vms_per_pool:
+            args += ["-vm", str(vms_per_pool)]
         self.log = (workdir / f"vcsim-{'esx' if esx else 'vpx'}.log").open("w")
         self.process = subprocess.Popen(
             [*args, "-esx"] if esx else args, stdout=subprocess.PIPE, stderr=self.log, text=True
@@ -410,11 +413,18 @@ class Simulated:
 
 @contextlib.contextmanager
 def simulator(
-    binary: Path, tls: TlsFiles, workdir: Path, *, esx: bool, delay: str = "", boot_s: float = 0
+    binary: Path,
+    tls: TlsFiles,
+    workdir: Path,
+    *,
+    esx: bool,
+    delay: str = "",
+    boot_s: float = 0,
+    vms_per_pool: int = 0,
 ) -> Iterator[Simulated]:
     """A fresh simulator with one template and the guest agent; `delay` ("Method=ms,...")
-    makes those calls slow."""
-    sim = Vcsim(binary, tls, workdir, esx=esx, delay=delay)
+    makes those calls slow; `vms_per_pool` VMs in each resource pool (default 2)."""
+    sim = Vcsim(binary, tls, workdir, esx=esx, delay=delay, vms_per_pool=vms_per_pool)
     guests: GuestAgent | None = None
     try:
         first = "ha-host_VM0" if esx else "DC0_H0_VM0"

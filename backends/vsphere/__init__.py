@@ -198,6 +198,10 @@ class VSphereBackend:
         """SOAP calls so far by method name (`Fetch` is one single property read)."""
         return self._session.api_calls()
 
+    def api_bytes(self) -> Counter[str]:
+        """SOAP bytes so far: request bodies "sent", response bodies "received"."""
+        return self._session.api_bytes()
+
     async def is_vcenter(self) -> bool:
         return (await self._session.connection()).vcenter
 

@@ -33,15 +33,16 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from pyVmomi import vim, vmodl
-from pyVmomi.SoapAdapter import SoapStubAdapter, StubAdapterBase
+from pyVmomi.SoapAdapter import SoapStubAdapter
 
 from backends.advice import tls_advice, unresolved
 from backends.base import BackendError, PermanentError, RetryableError, Unreachable
+from backends.vsphere.conn import QUIET, Conn, Props, Row, Stub
+
+__all__ = ["Conn", "Props", "Row", "Stub"]  # where the rest of the backend imports them
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-Props = dict[str, Any]
-Row = tuple[Any, Props]
 
 # vSphere 6.5: every vCenter and ESXi since speaks it. Pinned rather than negotiated
 # because pyVim's version probe opens a connection without any timeout.
@@ -56,7 +57,6 @@ RETRYABLE_FAULTS = (
     vmodl.fault.HostCommunication,
     vmodl.fault.RequestCanceled,
 )
-_QUIET = (vmodl.MethodFault, OSError, http.client.HTTPException)
 # TLS errors that mean the connection was cut, not that the certificate is refused.
 _CUT_OFF = (ssl.SSLEOFError, ssl.SSLZeroReturnError, ssl.SSLSyscallError, ssl.SSLWantReadError)
 
@@ -79,119 +79,6 @@ class Endpoint:
     @property
     def where(self) -> str:
         return f"{self.host}:{self.port}"
-
-
-class Stub(StubAdapterBase):
-    """The session's SOAP stub: counts calls and logs in again when the session expired.
-
-    A call refused with NotAuthenticated did nothing on the server, so repeating it
-    after a new login is safe; concurrent callers that all saw the expiry log in once.
-    """
-
-    def __init__(self, soap: Any, login: Callable[[Stub], None]) -> None:
-        super().__init__(version=soap.version)
-        self.soap = soap
-        self.calls: Counter[str] = Counter()
-        self.generation = 0
-        self._login = login
-        self._count_lock = threading.Lock()
-        self._login_lock = threading.Lock()  # held while logging in, which makes calls
-
-    def InvokeMethod(self, mo: Any, info: Any, args: Any) -> Any:  # pyvmomi names it
-        for attempt in (1, 2):
-            generation = self.generation
-            with self._count_lock:
-                self.calls[info.wsdlName] += 1
-            status, result = self.soap.InvokeMethod(mo, info, args, self)
-            if status == 200:
-                return result
-            expired = isinstance(result, vim.fault.NotAuthenticated)
-            if attempt == 1 and expired and info.wsdlName != "Login":
-                self.login_again(generation)
-                continue
-            raise result
-        raise AssertionError("unreachable")
-
-    def login_again(self, generation: int) -> None:
-        with self._login_lock:
-            if generation == self.generation:
-                log.info("vSphere session expired; logging in again")
-                self._login(self)
-                self.generation += 1
-
-    def with_session(self, call: Callable[[], T]) -> T:
-        """For answers that report NotAuthenticated inside a result (property reads)."""
-        generation = self.generation
-        try:
-            return call()
-        except vim.fault.NotAuthenticated:
-            self.login_again(generation)
-            return call()
-
-
-@dataclass
-class Conn:
-    """The logged-in session as the blocking code sees it."""
-
-    stub: Stub
-    content: Any
-    vcenter: bool
-
-    def collect(self, spec: Any) -> list[Row]:
-        return self.stub.with_session(lambda: self._collect_once(spec))
-
-    def _collect_once(self, spec: Any) -> list[Row]:
-        pc = self.content.propertyCollector
-        result = pc.RetrievePropertiesEx([spec], vmodl.query.PropertyCollector.RetrieveOptions())
-        rows: dict[str, Row] = {}  # by id: vcsim lists some objects twice
-        while result is not None:
-            for content in result.objects:
-                for missing in content.missingSet or []:
-                    # A property we may not read stays absent; only a lost session is an error.
-                    if isinstance(missing.fault.fault, vim.fault.NotAuthenticated):
-                        raise missing.fault.fault
-                props = {p.name: p.val for p in content.propSet or []}
-                rows[content.obj._moId] = (content.obj, props)
-            token = result.token
-            result = pc.ContinueRetrievePropertiesEx(token) if token else None
-        return list(rows.values())
-
-    def retrieve(self, objs: list[Any], kind: Any, paths: list[str]) -> list[Row]:
-        if not objs:
-            return []
-        query = vmodl.query.PropertyCollector
-        spec = query.FilterSpec(
-            objectSet=[query.ObjectSpec(obj=obj, skip=False) for obj in objs],
-            propSet=[query.PropertySpec(type=kind, pathSet=paths, all=False)],
-        )
-        return self.collect(spec)
-
-    def props(self, obj: Any, kind: Any, paths: list[str]) -> Props:
-        rows = self.retrieve([obj], kind, paths)
-        return rows[0][1] if rows else {}
-
-    def contained(self, root: Any, kind: Any, paths: list[str]) -> list[Row]:
-        """Every object of `kind` under `root`, with `paths`, in one read."""
-        query = vmodl.query.PropertyCollector
-        view = self.content.viewManager.CreateContainerView(root, [kind], True)
-        try:
-            traverse = query.TraversalSpec(
-                name="view", type=vim.view.ContainerView, path="view", skip=False
-            )
-            spec = query.FilterSpec(
-                objectSet=[query.ObjectSpec(obj=view, skip=True, selectSet=[traverse])],
-                propSet=[query.PropertySpec(type=kind, pathSet=paths, all=False)],
-            )
-            return self.collect(spec)
-        finally:
-            with contextlib.suppress(*_QUIET):
-                view.DestroyView()
-
-    def find_vm(self, instance_uuid: str) -> Any | None:
-        return self.content.searchIndex.FindByUuid(None, instance_uuid, True, True)
-
-    def find_path(self, path: str) -> Any | None:
-        return self.content.searchIndex.FindByInventoryPath(path)
 
 
 class Abandoned(Exception):
@@ -225,7 +112,7 @@ class Op:
         if task is not None:
             _cancel_task(task)
         elif collector is not None:
-            with contextlib.suppress(*_QUIET):
+            with contextlib.suppress(*QUIET):
                 collector.CancelWaitForUpdates()
 
     def wait(self, task: Any) -> Any:
@@ -260,7 +147,7 @@ class Op:
         finally:
             with self._lock:
                 self._collector = None
-            with contextlib.suppress(*_QUIET):
+            with contextlib.suppress(*QUIET):
                 pc.DestroyPropertyCollector()
 
     def _updates(self, pc: Any, done: Callable[[Props], T | None]) -> T:
@@ -297,7 +184,7 @@ def _ended(info: Props) -> Props | None:
 
 def _cancel_task(task: Any) -> None:
     # Not every task can be cancelled (a power-on cannot); then it runs to its end.
-    with contextlib.suppress(*_QUIET):
+    with contextlib.suppress(*QUIET):
         task.CancelTask()
 
 
@@ -343,6 +230,10 @@ class Session:
     def api_calls(self) -> Counter[str]:
         """SOAP calls so far by method name (`Fetch` is one single property read)."""
         return Counter(self._conn.stub.calls) if self._conn else Counter()
+
+    def api_bytes(self) -> Counter[str]:
+        """SOAP bytes so far: request bodies "sent", response bodies "received"."""
+        return Counter(self._conn.stub.bytes) if self._conn else Counter()
 
     async def connection(self) -> Conn:
         async with self._connecting:

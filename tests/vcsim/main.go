@@ -35,11 +35,17 @@ func main() {
 	// Without these vcsim accepts any non-empty user and password.
 	username := flag.String("username", "", "the only user that may log in")
 	password := flag.String("password", "", "that user's password")
+	// More VMs per resource pool than the model's 2: an inventory of realistic size
+	// for the benchmark and the tests that check lookups do not grow with it.
+	machines := flag.Int("vm", 0, "VMs per resource pool (0: the model's default)")
 	flag.Parse()
 
 	model := simulator.VPX()
 	if *esx {
 		model = simulator.ESX()
+	}
+	if *machines > 0 {
+		model.Machine = *machines
 	}
 	model.DelayConfig.MethodDelay = map[string]int{}
 	for _, item := range strings.FieldsFunc(*delays, func(r rune) bool { return r == ',' }) {

@@ -1,0 +1,209 @@
+# mypy: disable-error-code="no-untyped-call"
+# (pyvmomi is typed, but the constructors of its data objects are not)
+"""The logged-in connection as the blocking code sees it: the SOAP stub (call and byte
+counts, re-login) and property reads through container views kept for the session.
+
+A container view is a server-side object of the session: creating and destroying one
+per lookup cost two round trips each time, so `Conn.contained` keeps one per (root,
+type) and reads through it with the session's own PropertyCollector. A view belongs to
+the login that made it: after a re-login (or if the server dropped it) it is made
+again.
+"""
+
+from __future__ import annotations
+
+import http.client
+import logging
+import threading
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from pyVmomi import vim, vmodl
+from pyVmomi.SoapAdapter import StubAdapterBase
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+Props = dict[str, Any]
+Row = tuple[Any, Props]
+QUIET = (vmodl.MethodFault, OSError, http.client.HTTPException)
+
+
+class _CountedResponse(http.client.HTTPResponse):
+    """An HTTP response that adds the body bytes read to its stub's count."""
+
+    counter: Callable[[int], None] | None = None
+
+    def read(self, amt: int | None = None) -> bytes:
+        data = super().read(amt)
+        if self.counter is not None:
+            self.counter(len(data))
+        return data
+
+
+class Stub(StubAdapterBase):
+    """The session's SOAP stub: counts calls and bytes, and logs in again when the
+    session expired.
+
+    A call refused with NotAuthenticated did nothing on the server, so repeating it
+    after a new login is safe; concurrent callers that all saw the expiry log in once.
+    Bytes are counted at the transport (request bodies sent, response bodies read), so
+    the benchmark and tests see what a lookup really costs on the wire.
+    """
+
+    def __init__(self, soap: Any, login: Callable[[Stub], None]) -> None:
+        super().__init__(version=soap.version)
+        self.soap = soap
+        self.calls: Counter[str] = Counter()
+        self.bytes = Counter[str]()  # "sent" and "received"
+        self.generation = 0
+        self._login = login
+        self._count_lock = threading.Lock()
+        self._login_lock = threading.Lock()  # held while logging in, which makes calls
+        soap.requestModifierList.append(self._count_request)
+        connection = soap.GetConnection
+
+        def counted_connection() -> Any:
+            conn = connection()
+            conn.response_class = type(
+                "Counted", (_CountedResponse,), {"counter": staticmethod(self._count_response)}
+            )
+            return conn
+
+        soap.GetConnection = counted_connection
+
+    def _count_request(self, body: Any) -> Any:
+        with self._count_lock:
+            self.bytes["sent"] += len(body)
+        return body
+
+    def _count_response(self, size: int) -> None:
+        with self._count_lock:
+            self.bytes["received"] += size
+
+    def InvokeMethod(self, mo: Any, info: Any, args: Any) -> Any:  # pyvmomi names it
+        for attempt in (1, 2):
+            generation = self.generation
+            with self._count_lock:
+                self.calls[info.wsdlName] += 1
+            status, result = self.soap.InvokeMethod(mo, info, args, self)
+            if status == 200:
+                return result
+            expired = isinstance(result, vim.fault.NotAuthenticated)
+            if attempt == 1 and expired and info.wsdlName != "Login":
+                self.login_again(generation)
+                continue
+            raise result
+        raise AssertionError("unreachable")
+
+    def login_again(self, generation: int) -> None:
+        with self._login_lock:
+            if generation == self.generation:
+                log.info("vSphere session expired; logging in again")
+                self._login(self)
+                self.generation += 1
+
+    def with_session(self, call: Callable[[], T]) -> T:
+        """For answers that report NotAuthenticated inside a result (property reads)."""
+        generation = self.generation
+        try:
+            return call()
+        except vim.fault.NotAuthenticated:
+            self.login_again(generation)
+            return call()
+
+
+@dataclass
+class Conn:
+    """The logged-in session as the blocking code sees it."""
+
+    stub: Stub
+    content: Any
+    vcenter: bool
+    _views: dict[tuple[str, str], Any] = field(default_factory=dict)
+    _views_login: int = 0
+    _views_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def collect(self, spec: Any) -> list[Row]:
+        return self.stub.with_session(lambda: self._collect_once(spec))
+
+    def _collect_once(self, spec: Any) -> list[Row]:
+        pc = self.content.propertyCollector
+        result = pc.RetrievePropertiesEx([spec], vmodl.query.PropertyCollector.RetrieveOptions())
+        rows: dict[str, Row] = {}  # by id: vcsim lists some objects twice
+        while result is not None:
+            for content in result.objects:
+                for missing in content.missingSet or []:
+                    # A property we may not read stays absent; only a lost session is an error.
+                    if isinstance(missing.fault.fault, vim.fault.NotAuthenticated):
+                        raise missing.fault.fault
+                props = {p.name: p.val for p in content.propSet or []}
+                rows[content.obj._moId] = (content.obj, props)
+            token = result.token
+            result = pc.ContinueRetrievePropertiesEx(token) if token else None
+        return list(rows.values())
+
+    def retrieve(self, objs: list[Any], kind: Any, paths: list[str]) -> list[Row]:
+        if not objs:
+            return []
+        query = vmodl.query.PropertyCollector
+        spec = query.FilterSpec(
+            objectSet=[query.ObjectSpec(obj=obj, skip=False) for obj in objs],
+            propSet=[query.PropertySpec(type=kind, pathSet=paths, all=False)],
+        )
+        return self.collect(spec)
+
+    def props(self, obj: Any, kind: Any, paths: list[str]) -> Props:
+        rows = self.retrieve([obj], kind, paths)
+        return rows[0][1] if rows else {}
+
+    def contained(self, root: Any, kind: Any, paths: list[str]) -> list[Row]:
+        """Every object of `kind` under `root`, with `paths`, in one read (two when the
+        session's view of them has to be made first)."""
+        for attempt in (1, 2):
+            view = self._view(root, kind)
+            try:
+                return self.collect(_through(view, kind, paths))
+            except vmodl.fault.ManagedObjectNotFound as fault:
+                # The view went with an old login, or the root object went: forget the
+                # view and try once with a new one (which fails if the root is gone).
+                self._forget(root, kind, view)
+                if attempt == 2 or getattr(fault, "obj", None) != view:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _view(self, root: Any, kind: Any) -> Any:
+        key = (root._moId, kind._wsdlName)
+        with self._views_lock:
+            if self._views_login != self.stub.generation:  # a new login: views are gone
+                self._views, self._views_login = {}, self.stub.generation
+            view = self._views.get(key)
+            if view is None:
+                manager = self.content.viewManager
+                view = manager.CreateContainerView(root, [kind], True)
+                self._views[key] = view
+            return view
+
+    def _forget(self, root: Any, kind: Any, view: Any) -> None:
+        with self._views_lock:
+            key = (root._moId, kind._wsdlName)
+            if self._views.get(key) is view:
+                del self._views[key]
+
+    def find_vm(self, instance_uuid: str) -> Any | None:
+        return self.content.searchIndex.FindByUuid(None, instance_uuid, True, True)
+
+    def find_path(self, path: str) -> Any | None:
+        return self.content.searchIndex.FindByInventoryPath(path)
+
+
+def _through(view: Any, kind: Any, paths: list[str]) -> Any:
+    """A filter spec reading `paths` of every object in a container view."""
+    query = vmodl.query.PropertyCollector
+    view_type = vim.view.ContainerView
+    traverse = query.TraversalSpec(name="view", type=view_type, path="view", skip=False)
+    return query.FilterSpec(
+        objectSet=[query.ObjectSpec(obj=view, skip=True, selectSet=[traverse])],
+        propSet=[query.PropertySpec(type=kind, pathSet=paths, all=False)],
+    )
