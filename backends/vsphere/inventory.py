@@ -3,16 +3,18 @@
 """Finding things in a vSphere inventory: datacenter, placement, templates, datastores,
 networks, and our VMs by instance UUID. Blocking; runs inside `Session.run`.
 
-Kept between operations: a clone's plan (from `prepare_clone` to `clone`) and which VM
+Kept between operations: a clone's plan (from `prepare_clone` to `clone`); which VM
 each template name was, checked at every use (its name and template mark are read
-again) so that a deploy reads one template instead of every VM. Anything else is
-looked up again, and VMs are always found by instance UUID: managed object ids belong
+again) so that a deploy reads one template instead of every VM; the datacenter and
+networks, for SHAPE_TTL_S or until a plan fails on them. Anything else is looked up
+again, and VMs are always found by instance UUID: managed object ids belong
 to one server's database.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +28,9 @@ if TYPE_CHECKING:
 
 VM_PATHS = ["name", "config.annotation", "runtime.powerState"]
 POWERED_ON = "poweredOn"
+# How long the datacenter and the networks found are trusted without reading them again
+# (a lookup that fails on them reads them again at once).
+SHAPE_TTL_S = 300.0
 TEMPLATE_PATHS = [
     "name",
     "config.template",
@@ -126,8 +131,29 @@ class Inventory:
         self.config = config
         self._lock = threading.Lock()
         self._templates: dict[str, Any] = {}  # name -> VM, checked at every use
+        # The inventory's shape, which changes rarely: (when read, what).
+        self._dc: tuple[float, Datacenter] | None = None
+        self._nets: dict[str, tuple[float, Net]] = {}
 
     def datacenter(self, conn: Conn) -> Datacenter:
+        """The configured datacenter, read again after SHAPE_TTL_S or a `forget`."""
+        with self._lock:
+            cached = self._dc
+        if cached is not None and time.monotonic() - cached[0] < SHAPE_TTL_S:
+            return cached[1]
+        dc = self._read_datacenter(conn)
+        with self._lock:
+            self._dc = (time.monotonic(), dc)
+        return dc
+
+    def forget(self) -> bool:
+        """Drop the remembered inventory shape; True when there was some."""
+        with self._lock:
+            had = self._dc is not None or bool(self._nets)
+            self._dc, self._nets = None, {}
+        return had
+
+    def _read_datacenter(self, conn: Conn) -> Datacenter:
         paths = ["name", "vmFolder", "hostFolder"]
         rows = conn.contained(conn.content.rootFolder, vim.Datacenter, paths)
         wanted = self.config.datacenter
@@ -218,6 +244,17 @@ class Inventory:
         return [r for r in rows if r[1].get("summary.accessible", True)]
 
     def network(self, conn: Conn, dc: Datacenter, name: str) -> Net:
+        """The network a NIC names, remembered for SHAPE_TTL_S: four reads otherwise."""
+        with self._lock:
+            cached = self._nets.get(name)
+        if cached is not None and time.monotonic() - cached[0] < SHAPE_TTL_S:
+            return cached[1]
+        net = self._read_network(conn, dc, name)
+        with self._lock:
+            self._nets[name] = (time.monotonic(), net)
+        return net
+
+    def _read_network(self, conn: Conn, dc: Datacenter, name: str) -> Net:
         rows = self.networks(conn, dc)
         match = [obj for obj, p in rows if p["name"] == name]
         if not match:
@@ -244,6 +281,16 @@ class Inventory:
         return [(o, p) for o, p in rows if o._moId not in skip]
 
     def plan(self, conn: Conn, spec: CloneSpec) -> Plan:
+        try:
+            return self._plan(conn, spec)
+        except (vmodl.fault.ManagedObjectNotFound, PermanentError):
+            # Perhaps the remembered shape is out of date (a datacenter or portgroup
+            # removed or renamed): once more, with everything read afresh.
+            if not self.forget():
+                raise
+            return self._plan(conn, spec)
+
+    def _plan(self, conn: Conn, spec: CloneSpec) -> Plan:
         dc = self.datacenter(conn)
         template, t_props = self.template(conn, dc, spec.template)
         pool, placement = self.pool(conn, dc, spec.placement)
