@@ -14,7 +14,7 @@ polling client would read more the longer it waits).
 Then the inventory scale: SOAP requests and bytes (request bodies sent plus response
 bodies read, counted at the transport) per deploy with 0, 400 and 2,000 VMs more than
 vcsim's default inventory. Neither may grow with the number of VMs; the goal is at most
-25 requests per deploy. The one read that still grows is the name check
+25 requests per deploy. The reads that still grow: the name check
 (`find_by_name`: the name of every VM, some 100 bytes each), and on ESXi the MAC
 check (`Inventory.macs`: the devices of every VM).
 
