@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import secrets
 import socket
@@ -170,6 +171,7 @@ async def main(runs: int) -> None:
             # then rounds of 1 and 50 concurrent deploys with what was learned.
             sizes = [(1, "cold 1")] + [(c, f"{c}") for _ in range(runs) for c in (1, 50)]
             found: dict[str, list[dict[str, float]]] = {}
+            last_single: list[tuple[str, float]] = []
             for count, label in sizes:
                 result = await run(count, first, port, ssh_port, secret, tmp, pacing)
                 first += count
@@ -182,6 +184,8 @@ async def main(runs: int) -> None:
                 result["hv"] = hv
                 found.setdefault(label, []).append(result)
                 print(row(label, result, hv))
+                if count == 1:
+                    last_single = mine
             print(
                 f"{'':>10} {'':>7} {'':>6} {'goal':>8} {'goal':>8} {'goal':>11}{'':>14} {'goal':>9}"
             )
@@ -201,6 +205,9 @@ async def main(runs: int) -> None:
                     f"requests/deploy {statistics.median(reqs):.1f} "
                     f"(goal <= {GOALS['requests']:g})"
                 )
+            print("requests of the last single deploy, in order of first use:")
+            for route, n in collections.Counter(r for r, _at in last_single).items():
+                print(f"  {n:>3} {route}")
             stalls = [r["stall"] for results in found.values() for r in results]
             print(f"worst stall {max(stalls) * 1000:.1f} ms (goal <= {GOALS['stall_ms']:g} ms)")
         finally:

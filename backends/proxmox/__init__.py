@@ -415,7 +415,7 @@ class ProxmoxBackend:
                 raise
             if ref.vm_id in self.agent.watches:
                 return None  # the boot began with the lost answer: keep its clock
-        self.agent.booted(ref.vm_id, template)  # a new boot: the agent's clock starts
+        self.agent.booted(ref.vm_id, node, template)  # a new boot: the agent's clock starts
         return None
 
     # --- address and SSH ----------------------------------------------------------------
@@ -426,6 +426,9 @@ class ProxmoxBackend:
         """Ask the guest agent (see `agent`) for up to `agent_poll_window_s`, then
         raise a RetryableError saying whether it never answered or answered without a
         usable address; the pipeline calls again until its own timeout."""
+        watch = self.agent.watches.get(ref.vm_id)
+        if watch is not None:  # started by power_on, which checked the tag: only reads follow
+            return await self.agent.address(watch.node, ref.vm_id, watch.template, expected)
         node, config = await self._owned(ref)
         template = mark_field(config, "template") or ""
         return await self.agent.address(node, ref.vm_id, template, expected)

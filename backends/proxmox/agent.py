@@ -30,6 +30,7 @@ class AgentWatch:
     (so the last error says which way it failed)."""
 
     since_s: float
+    node: str
     template: str
     schedule: Schedule
     answered: bool = False
@@ -61,11 +62,11 @@ class AgentWaits:
         self.window_s = window_s
         self.watches: dict[str, AgentWatch] = {}
 
-    def booted(self, vm_id: str, template: str) -> None:
+    def booted(self, vm_id: str, node: str, template: str) -> None:
         """The VM's start task ended: its boot clock starts now."""
         schedule = self.pacing.schedule(BOOT, template, self.polling)
         now = asyncio.get_running_loop().time()
-        self.watches[vm_id] = AgentWatch(now, template, schedule)
+        self.watches[vm_id] = AgentWatch(now, node, template, schedule)
 
     def forget(self, vm_id: str) -> None:
         self.watches.pop(vm_id, None)
@@ -79,7 +80,7 @@ class AgentWaits:
         began = loop.time()
         watch = self.watches.get(vm_id)
         if watch is None:  # started before this process, or by someone else
-            watch = AgentWatch(began, template, Schedule(None, self.polling))
+            watch = AgentWatch(began, node, template, Schedule(None, self.polling))
             self.watches[vm_id] = watch
         base = f"nodes/{node}/qemu/{vm_id}/agent"
         while True:
