@@ -109,3 +109,13 @@ def test_pacing_learns_per_operation_and_key_and_aims_earlier_when_it_was_early(
     pacing.learn("start", "t", early, 1.0)
     estimate = pacing.expected_s("start", "t")
     assert estimate is not None and 0.9 < estimate < 1.0
+
+
+def test_a_look_for_another_wait_does_not_move_this_ones_schedule() -> None:
+    """Fifty waits share one task list: looks before a wait's own time leave it be."""
+    schedule = Schedule(1.0, PollTiming())
+    for age in (0.2, 0.5, 0.9):
+        schedule.saw_running(age)
+    assert (schedule.next_at(), schedule.looks) == (1.0, 0)
+    schedule.saw_running(1.0)
+    assert schedule.looks == 1 and schedule.next_at() == 1.025

@@ -24,7 +24,8 @@ _FIRST_STEP = 0.025  # after the expected time: look again after this share of i
 _MIN_STEP_S = 0.01  # never a busy loop, even for a 0.1 s config task
 # A wait that was already over at its first look says only "at most this long": aim a
 # little earlier next time, so an operation that got faster is noticed.
-_PROBE_EARLIER = 0.95
+_PROBE_EARLIER = 0.98
+_EARLY_S = 0.001  # a look this much before a wait's time still counts as its own
 _WEIGHT = 0.5  # of a new observation in the running estimate: follows change in 2-3 waits
 
 
@@ -43,35 +44,38 @@ class PollTiming:
 
 class Schedule:
     """When to look at one wait, in seconds since it began (its age). `saw_running`
-    records a look that found it not yet done; `learned` turns the looks into an
-    observation of how long it took."""
+    records a look that found it not yet done; `observed_s` turns the looks into an
+    observation of how long it took.
+
+    Waits on one node share their looks (one task list answers for all), so a wait is
+    often seen running before its own time: such a look moves nothing, else fifty
+    deploys' waits would double each other's steps and all look late."""
 
     def __init__(self, expected_s: float | None, timing: PollTiming) -> None:
         self.expected_s = expected_s
         self.timing = timing
-        self.looks = 0
-        self.running_s: float | None = None  # the last look that found it not done
+        self.looks = 0  # its own looks (at or after their time) that found it running
         self._step_s = max(_MIN_STEP_S, (expected_s or 0.0) * _FIRST_STEP)
+        self._next_s = timing.interval_s(0.0) if expected_s is None else expected_s
 
     def next_at(self) -> float:
         """The age at which to look next."""
-        last = self.running_s or 0.0
-        if self.expected_s is None:
-            return last + self.timing.interval_s(last)
-        if self.looks == 0:
-            return self.expected_s
-        return last + self._step_s
+        return self._next_s
 
     def saw_running(self, age_s: float) -> None:
+        if age_s < self._next_s - _EARLY_S:
+            return  # a look for another wait: this one's time has not come
         self.looks += 1
-        self.running_s = age_s
-        if self.expected_s is not None and self.looks > 1:
+        if self.expected_s is None:
+            self._next_s = age_s + self.timing.interval_s(age_s)
+        else:
+            self._next_s = age_s + self._step_s
             self._step_s = min(self._step_s * 2, self.timing.max_s)
 
     def observed_s(self, done_s: float) -> float:
-        """How long the wait took, as best the looks tell: the first look that found
-        it done, or a little earlier when that was the very first look."""
-        if self.running_s is None and self.expected_s is not None:
+        """How long the wait took, as best the looks tell: the look that found it done,
+        or a little earlier when it was done at its first own look (or before)."""
+        if self.looks == 0 and self.expected_s is not None:
             return min(done_s, self.expected_s) * _PROBE_EARLIER
         return done_s
 
