@@ -26,7 +26,7 @@ import ipaddress
 import logging
 import re
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 from urllib.parse import quote
 
@@ -48,13 +48,14 @@ from backends.base import (
     VMNotFound,
     VMRef,
     job_marks,
-    pick_address,
 )
 from backends.proxmox import rollback
+from backends.proxmox.agent import AgentWaits
 from backends.proxmox.api import AlreadyExists, Forbidden, PveApi, TaskFailed
 from backends.proxmox.config import Config, OSProfile, credentials
 from backends.proxmox.inventory import LINKED_TYPES, Inventory
 from backends.proxmox.locks import Holder, TaskRunner
+from backends.proxmox.pacing import Pace, Pacing
 from backends.proxmox.vmconfig import (
     GIB,
     Mark,
@@ -69,15 +70,18 @@ from backends.sshcheck import SshCheck
 
 __all__ = ["Config", "OSProfile", "ProxmoxBackend", "create"]
 log = logging.getLogger(__name__)
-_AGENT_NOT_YET = re.compile(r"guest agent is not running", re.I)
 _CIUPGRADE_SINCE = (8, 0)
 _ID_TAKEN = (
     "VM id {vmid} was taken by another client between choosing and cloning; choosing another id"
 )
 
 
-def create(config: BackendConfig, environ: Mapping[str, str]) -> ProxmoxBackend:
-    """The backend for a `kind = "proxmox"` entry; connects lazily, on the first call."""
+def create(
+    config: BackendConfig, environ: Mapping[str, str], *, pacing: Pacing | None = None
+) -> ProxmoxBackend:
+    """The backend for a `kind = "proxmox"` entry; connects lazily, on the first call.
+    `pacing`: the expected durations to start from (one shared by successive backends
+    of a long-running process keeps what they learned)."""
     assert isinstance(config, Config)
     creds = credentials(config, environ)
     if not config.verify_tls:
@@ -90,34 +94,11 @@ def create(config: BackendConfig, environ: Mapping[str, str]) -> ProxmoxBackend:
         )
     auth = f"token {config.user}!{config.token_id}" if creds.uses_token else f"ticket {config.user}"
     log.info("%s: Proxmox VE at %s:%s, %s", config.name, config.host, config.port, auth)
-    return ProxmoxBackend(config, PveApi(config.name, config.api_settings(), creds))
-
-
-@dataclass
-class _AgentWatch:
-    """What the guest agent did so far, so the last error says which way it failed."""
-
-    since_s: float
-    answered: bool = False
-    seen: str = ""
-
-    def message(self, vm_id: str, now_s: float, expected: ipaddress.IPv4Address | None) -> str:
-        waited = f"{now_s - self.since_s:.0f} s"
-        if not self.answered:
-            return (
-                f"VM {vm_id}: the guest agent has not answered in {waited} "
-                "(does the template have qemu-guest-agent installed and enabled?)"
-            )
-        wanted = f" (expected {expected})" if expected else ""
-        return (
-            f"VM {vm_id}: the guest agent answers but reports no usable address{wanted} "
-            f"after {waited}; it reports {self.seen or 'no addresses'} "
-            "(is cloud-init applying ipconfig0?)"
-        )
+    return ProxmoxBackend(config, PveApi(config.name, config.api_settings(), creds), pacing)
 
 
 class ProxmoxBackend:
-    def __init__(self, config: Config, api: PveApi) -> None:
+    def __init__(self, config: Config, api: PveApi, pacing: Pacing | None = None) -> None:
         self.name = config.name
         self.default_network = config.bridge
         self.config = config
@@ -127,11 +108,12 @@ class ProxmoxBackend:
         self.tasks = TaskRunner(config, api, self.inventory)
         self._reserved: set[int] = set()
         self._resize_targets: dict[str, int] = {}
-        self._watches: dict[str, _AgentWatch] = {}
+        self.pacing = pacing or Pacing(config.expect_s)
         polling = api.settings.polling
-        self._agent_polling = replace(
+        agent_polling = replace(
             polling, initial_s=max(polling.initial_s, config.agent_poll_initial_s)
         )
+        self.agent = AgentWaits(api, self.pacing, agent_polling, config.agent_poll_window_s)
 
     # --- discovery --------------------------------------------------------------------
 
@@ -294,8 +276,10 @@ class ProxmoxBackend:
         label = f"template {template.name} (VM {template.vmid})"
         source = Holder(template.node, str(template.vmid), label, ours=False)
         post = functools.partial(self.api.post, path, what, **params)
+        # Linked clones take about as long each time; full ones scale with the storage.
+        key = f"{template.name}@{'linked' if mode.linked else target}"
         try:
-            await self._unlost(node, ref, post, what, source)
+            await self._unlost(node, ref, post, what, source, Pace(self.pacing, "clone", key))
         finally:
             self._reserved.discard(int(ref.vm_id))
         return None if mode.linked else f"full copy onto {target}: minutes, not seconds"
@@ -307,6 +291,7 @@ class ProxmoxBackend:
         post: Callable[[], Awaitable[Any]],
         what: str,
         source: Holder,
+        pace: Pace,
     ) -> None:
         """Clone into the ref's vmid, and only that one. A request whose answer was lost
         may have started the clone: look before sending it again, and adopt what is
@@ -316,7 +301,7 @@ class ProxmoxBackend:
             try:
                 if attempt and await self.inventory.vm_config(node, ref.vm_id) is not None:
                     raise AlreadyExists(f"VM {ref.vm_id} exists")
-                await self.tasks.run(what, node, ref.vm_id, post, holder=source)
+                await self.tasks.run(what, node, ref.vm_id, post, holder=source, pace=pace)
                 return
             except AlreadyExists:
                 await self._adopt(node, ref)
@@ -392,7 +377,8 @@ class ProxmoxBackend:
         what = f"identity of VM {ref.vm_id}"
         path = f"nodes/{node}/qemu/{ref.vm_id}/config"
         start = functools.partial(self.api.post, path, what, **params)
-        await self.tasks.run(what, node, ref.vm_id, start)
+        pace = Pace(self.pacing, "config", mark_field(config, "template") or "")
+        await self.tasks.run(what, node, ref.vm_id, start, pace=pace)
         return note
 
     async def grow_disk(self, ref: VMRef, grow_gib: int) -> str | None:
@@ -410,22 +396,27 @@ class ProxmoxBackend:
             path = f"nodes/{node}/qemu/{ref.vm_id}/resize"
             size = size_text(target)
             start = functools.partial(self.api.put, path, what, disk=disk.key, size=size)
-            await self.tasks.run(what, node, ref.vm_id, start)
+            pace = Pace(self.pacing, "resize", disk.storage)
+            await self.tasks.run(what, node, ref.vm_id, start, pace=pace)
         self._resize_targets.pop(ref.vm_id, None)
         return None
 
     async def power_on(self, ref: VMRef) -> str | None:
-        node, _config = await self._owned(ref)
-        self._watches.pop(ref.vm_id, None)  # a new boot: the agent's clock starts again
+        node, config = await self._owned(ref)
+        template = mark_field(config, "template") or ""
         what = f"start of VM {ref.vm_id}"
         path = f"nodes/{node}/qemu/{ref.vm_id}/status/start"
+        pace = Pace(self.pacing, "start", template)
         try:
             await self.tasks.run(
-                what, node, ref.vm_id, functools.partial(self.api.post, path, what)
+                what, node, ref.vm_id, functools.partial(self.api.post, path, what), pace=pace
             )
         except TaskFailed as exc:
             if "already running" not in exc.exitstatus:  # a retry after a lost answer
                 raise
+            if ref.vm_id in self.agent.watches:
+                return None  # the boot began with the lost answer: keep its clock
+        self.agent.booted(ref.vm_id, node, template)  # a new boot: the agent's clock starts
         return None
 
     # --- address and SSH ----------------------------------------------------------------
@@ -433,34 +424,15 @@ class ProxmoxBackend:
     async def wait_for_address(
         self, ref: VMRef, expected: ipaddress.IPv4Address | None
     ) -> ipaddress.IPv4Address:
-        """Poll the guest agent for up to `agent_poll_window_s`, then raise a
-        RetryableError saying whether it never answered or answered without a usable
-        address; the pipeline calls again until its own timeout."""
-        node, _config = await self._owned(ref)
-        loop = asyncio.get_running_loop()
-        began = loop.time()
-        watch = self._watches.setdefault(ref.vm_id, _AgentWatch(began))
-        path = f"nodes/{node}/qemu/{ref.vm_id}/agent/network-get-interfaces"
-        while True:
-            try:
-                answer = await self.api.get(path, f"guest agent of VM {ref.vm_id}")
-            except RetryableError:
-                pass  # the API or the agent channel is busy: ask again
-            except PermanentError as exc:
-                if not _AGENT_NOT_YET.search(exc.message):
-                    raise  # not running any more, or no agent configured
-            else:
-                pairs = _interfaces(answer)
-                found = pick_address(pairs, expected)
-                if found is not None:
-                    self._watches.pop(ref.vm_id, None)
-                    return found
-                watch.answered = True
-                watch.seen = ", ".join(f"{name} {ip}" for name, ip in pairs)
-            now = loop.time()
-            if now - began >= self.config.agent_poll_window_s:
-                raise RetryableError(watch.message(ref.vm_id, now, expected), vm_id=ref.vm_id)
-            await asyncio.sleep(self._agent_polling.interval_s(now - watch.since_s))
+        """Ask the guest agent (see `agent`) for up to `agent_poll_window_s`, then
+        raise a RetryableError saying whether it never answered or answered without a
+        usable address; the pipeline calls again until its own timeout."""
+        watch = self.agent.watches.get(ref.vm_id)
+        if watch is not None:  # started by power_on, which checked the tag: only reads follow
+            return await self.agent.address(watch.node, ref.vm_id, watch.template, expected)
+        node, config = await self._owned(ref)
+        template = mark_field(config, "template") or ""
+        return await self.agent.address(node, ref.vm_id, template, expected)
 
     async def probe_ssh(self, ref: VMRef, address: ipaddress.IPv4Address, port: int) -> str | None:
         return await self._ssh.probe(address, port)
@@ -478,7 +450,7 @@ class ProxmoxBackend:
     async def destroy(self, ref: VMRef) -> None:
         """Delete with its disks, backup jobs and HA entry, and wait; gone is done. The
         job's tag is checked again before each try (see `rollback.destroy`)."""
-        self._watches.pop(ref.vm_id, None)
+        self.agent.forget(ref.vm_id)
         self._resize_targets.pop(ref.vm_id, None)
         await rollback.destroy(self.api, self.tasks, lambda: self._node_of(ref), ref.vm_id)
 
@@ -510,13 +482,3 @@ def _described(config: dict[str, Any], identity: Identity) -> str | None:
         return None
     kept = text.split("\naddress: ")[0]
     return f"{kept}\naddress: {identity.address} ({identity.user})"
-
-
-def _interfaces(answer: Any) -> list[tuple[str, str]]:
-    """(interface, address) pairs from `network-get-interfaces`."""
-    result = answer.get("result", []) if isinstance(answer, dict) else []
-    return [
-        (str(iface.get("name", "")), str(ip.get("ip-address", "")))
-        for iface in result
-        for ip in iface.get("ip-addresses") or []
-    ]

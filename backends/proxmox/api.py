@@ -15,10 +15,8 @@ three rules every caller relies on:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
-import math
 import re
 import socket
 import ssl
@@ -42,6 +40,8 @@ from backends.base import (
     Unreachable,
     VMNotFound,
 )
+from backends.proxmox.pacing import Pace, PollTiming
+from backends.proxmox.taskwatch import TaskWatcher
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,6 @@ _MISSING = re.compile(r"Configuration file '[^']*' does not exist")
 _EXISTS = re.compile(r"already exists")
 _WARNINGS = re.compile(r"WARNINGS: \d+")
 _LOG_LIMIT = 1000
-_LIST_LIMIT = 1000  # tasks listed per poll (the server's default is 50)
 _NO_PROXIES: dict[str, str | None] = {"http": None, "https": None, "all": None}
 
 
@@ -113,19 +112,6 @@ class Credentials:
 
 
 @dataclass(frozen=True)
-class PollTiming:
-    """Adaptive polling: fast at first, then a fixed share of the time already waited,
-    capped. Waiting ~10% longer than the task is the most a poll can add."""
-
-    initial_s: float = 0.05
-    ratio: float = 0.1
-    max_s: float = 2.0
-
-    def interval_s(self, elapsed_s: float) -> float:
-        return min(self.max_s, max(self.initial_s, elapsed_s * self.ratio))
-
-
-@dataclass(frozen=True)
 class ApiSettings:
     host: str
     port: int
@@ -133,7 +119,7 @@ class ApiSettings:
     request_timeout_s: float = 15.0
     max_parallel: int = 16
     ticket_renew_s: float = 3600.0
-    polling: PollTiming = PollTiming()
+    polling: PollTiming = field(default_factory=PollTiming)
     task_timeout_s: float = 3600.0
     log_lines: int = 5
 
@@ -262,7 +248,7 @@ class PveApi:
         self._login_at = 0.0
         self._conn_lock = threading.Lock()
         self._sessions: list[requests.Session] = []
-        self._watchers: dict[str, _TaskWatcher] = {}  # node -> its waits' shared poller
+        self._watchers: dict[str, TaskWatcher] = {}  # node -> its waits' shared poller
 
     # --- requests -------------------------------------------------------------------
 
@@ -361,7 +347,9 @@ class PveApi:
 
     # --- tasks ------------------------------------------------------------------------
 
-    async def wait_task(self, upid: str, what: str, *, vm_id: str | None = None) -> str:
+    async def wait_task(
+        self, upid: str, what: str, *, vm_id: str | None = None, pace: Pace | None = None
+    ) -> str:
         """Wait until the task `upid` has stopped; return its exit status on success
         (`OK` or `WARNINGS: N`). A failure raises TaskFailed (TaskLockTimeout when it
         died waiting for a file lock, ConfigLocked when the VM's config was locked) with
@@ -369,8 +357,9 @@ class PveApi:
         that cannot reach the server is repeated: the task runs on regardless, and no
         caller may act on the VM before it has ended.
 
-        The waits on one node share their polling (`_TaskWatcher`): one list of the
-        node's recent tasks serves them all, and says how the finished ones ended."""
+        The waits on one node share their polling (`TaskWatcher`): one list of the
+        node's recent tasks serves them all, and says how the finished ones ended.
+        `pace` names the operation, so the wait looks when such a task usually ends."""
         node = upid_node(upid)
         loop = asyncio.get_running_loop()
         began = loop.time()
@@ -378,7 +367,7 @@ class PveApi:
         while True:
             try:
                 async with asyncio.timeout_at(deadline):
-                    status = await self._watcher(node).wait(upid, what, began)
+                    status = await self._watcher(node).wait(upid, what, began, pace)
             except TimeoutError:
                 raise PermanentError(
                     f"{what}: task {upid} still running after {self.settings.task_timeout_s:g} s",
@@ -418,10 +407,10 @@ class PveApi:
         """The nodes whose task waits are being polled right now."""
         return sorted(node for node, w in self._watchers.items() if w.running)
 
-    def _watcher(self, node: str) -> _TaskWatcher:
+    def _watcher(self, node: str) -> TaskWatcher:
         watcher = self._watchers.get(node)
         if watcher is None:
-            watcher = self._watchers[node] = _TaskWatcher(self, node)
+            watcher = self._watchers[node] = TaskWatcher(self, node)
         return watcher
 
     async def _log_tail(self, node: str, upid: str, what: str) -> str:
@@ -444,137 +433,9 @@ class PveApi:
             session.close()
 
 
-@dataclass(eq=False)
-class _Waiter:
-    upid: str
-    what: str
-    began: float  # when the wait began (its poll interval adapts to that age)
-    # The task's final status, or None: "no longer listed as running, ask it".
-    future: asyncio.Future[dict[str, Any] | None]
-
-
-class _TaskWatcher:
-    """The task waits on one node, polled together. While any wait is pending one loop
-    polls: a lone wait asks for its task's status (as many requests as a wait of its
-    own); two or more share `GET /nodes/{node}/tasks?source=all&since=...`, which lists
-    the node's tasks since the oldest wait's began: running ones as `RUNNING` without an
-    `endtime`, finished ones with their `endtime` and exit status, which ends their
-    waits with no request of their own. A task missing from the list (started too
-    recently to be listed) is resolved with None for its waiter to ask its status once.
-    The interval is the youngest wait's `PollTiming`, halved while two or more waits
-    share the list (still one request for all of them); the loop ends with the last."""
-
-    def __init__(self, api: PveApi, node: str) -> None:
-        self.api = api
-        self.node = node
-        self.waiters: set[_Waiter] = set()
-        self._wake = asyncio.Event()
-        self._last_poll = -math.inf
-        self._loop: asyncio.Task[None] | None = None
-
-    async def wait(self, upid: str, what: str, began: float) -> dict[str, Any] | None:
-        future: asyncio.Future[dict[str, Any] | None] = asyncio.get_running_loop().create_future()
-        waiter = _Waiter(upid, what, began, future)
-        self.waiters.add(waiter)
-        self._wake.set()  # a younger wait may want an earlier poll
-        if self._loop is None or self._loop.done():
-            self._loop = asyncio.create_task(self._run(), name=f"pve-tasks-{self.node}")
-        try:
-            return await future  # cancelling this wait cancels its future only
-        finally:
-            self.waiters.discard(waiter)
-
-    @property
-    def running(self) -> bool:
-        return self._loop is not None and not self._loop.done()
-
-    async def stop(self) -> None:
-        if self._loop is not None:
-            self._loop.cancel()
-            await asyncio.gather(self._loop, return_exceptions=True)
-
-    def _pending(self) -> list[_Waiter]:
-        return [w for w in self.waiters if not w.future.done()]
-
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            while pending := self._pending():
-                youngest = max(w.began for w in pending)
-                now = loop.time()
-                interval = self.api.settings.polling.interval_s(now - youngest)
-                # One list serves them all: it can afford to look twice as often as
-                # a lone wait does, and tasks started together end together.
-                due = self._last_poll + (interval / 2 if len(pending) > 1 else interval)
-                if now < due:
-                    self._wake.clear()
-                    with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(due - now):
-                            await self._wake.wait()
-                    continue
-                try:
-                    await self._poll(pending)
-                except Exception as exc:  # a refusal, or a bug: every wait learns of it
-                    for waiter in pending:
-                        if not waiter.future.done():
-                            waiter.future.set_exception(exc)
-                self._last_poll = loop.time()
-        finally:
-            for waiter in self._pending():  # only when the loop was stopped (close())
-                waiter.future.set_exception(
-                    PermanentError(f"{waiter.what}: the client was closed while waiting")
-                )
-            if self.api._watchers.get(self.node) is self and not self.waiters:
-                del self.api._watchers[self.node]
-
-    async def _poll(self, pending: list[_Waiter]) -> None:
-        api = self.api
-        if len(pending) == 1:
-            (waiter,) = pending
-            status = await api._task_status(self.node, waiter.upid, waiter.what)
-            stopped = status is not None and status.get("status") == "stopped"
-            if stopped and not waiter.future.done():
-                waiter.future.set_result(status)
-            return
-        # The running tasks and the finished ones (with their exit status) since the
-        # oldest wait's task began: one answer ends every wait whose task is over.
-        params: dict[str, Any] = {"source": "all", "limit": _LIST_LIMIT}
-        starts = [upid_starttime(w.upid) for w in pending]
-        if None not in starts:
-            params["since"] = min(s for s in starts if s is not None)
-        try:
-            api.task_polls += 1
-            listed = await api.get(
-                f"nodes/{self.node}/tasks", f"listing the tasks of node {self.node}", **params
-            )
-        except (Unreachable, LockContention) as exc:
-            log.info("%s: polling the tasks of %s: %s", api.name, self.node, exc.message)
-            return
-        items = {str(i.get("upid")): i for i in listed if isinstance(i, dict)}
-        for waiter in pending:
-            if waiter.future.done():
-                continue
-            item = items.get(waiter.upid)
-            if item is None:  # too new to be listed, or past the limit: ask it
-                waiter.future.set_result(None)
-            elif item.get("endtime") is not None:  # over; without a status, ask it
-                exitstatus = str(item.get("status") or "")
-                if exitstatus != "RUNNING":
-                    ended = {"status": "stopped", "exitstatus": exitstatus}
-                    waiter.future.set_result(ended if exitstatus else None)
-
-
 def upid_node(upid: str) -> str:
     """The node a task runs on: `UPID:{node}:{pid}:{pstart}:{starttime}:{type}:{id}:{user}:`."""
     parts = upid.split(":")
     if len(parts) < 9 or parts[0] != "UPID" or not parts[1]:
         raise PermanentError(f"the server answered {upid!r} where a task id (UPID) belongs")
     return parts[1]
-
-
-def upid_starttime(upid: str) -> int | None:
-    """When a task began (UNIX time, the UPID's fifth field in hex); None if unreadable."""
-    try:
-        return int(upid.split(":")[4], 16)
-    except (IndexError, ValueError):
-        return None

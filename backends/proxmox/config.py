@@ -15,7 +15,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from backends.base import BackendConfig, PermanentError
-from backends.proxmox.api import ApiSettings, Credentials, PollTiming
+from backends.proxmox.api import ApiSettings, Credentials
+from backends.proxmox.pacing import PollTiming
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,11 @@ class Config(BackendConfig):
     task_poll_initial_s: float = Field(default=0.1, gt=0)
     task_poll_ratio: float = Field(default=0.05, gt=0, le=1)
     task_poll_max_s: float = Field(default=2.0, gt=0)
+    # Until a kind of wait was seen once in this process, its first look comes at
+    # this many seconds (operations: clone, config, resize, start, stop, delete, boot
+    # = start to the guest agent's first answer); unnamed ones are polled fast.
+    # Afterwards the look comes when the same operation usually ended (see `pacing`).
+    expect_s: dict[str, float] = Field(default_factory=dict)
     task_timeout_s: float = Field(default=3600.0, gt=0)
     task_log_lines: int = Field(default=5, ge=0)
     lock_retries: int = Field(default=3, ge=0)  # a clone whose request got no answer

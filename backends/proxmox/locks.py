@@ -31,6 +31,7 @@ from backends.base import Locked, RetryableError
 from backends.proxmox.api import ConfigLocked, LockContention, PveApi
 from backends.proxmox.config import Config
 from backends.proxmox.inventory import Inventory
+from backends.proxmox.pacing import Pace
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -84,15 +85,17 @@ class TaskRunner:
         start: Callable[[], Awaitable[Any]],
         *,
         holder: Holder | None = None,
+        pace: Pace | None = None,
     ) -> str:
         """Start a task (on VM `vm_id`, whose locks matter unless `holder` says whose
-        do) and return its exit status once it ended."""
+        do) and return its exit status once it ended; `pace` says what the task is, so
+        its status is asked for when such a task usually ends."""
 
         async def once() -> str:
             upid = await start()
             if upid is None:  # a synchronous answer: resize before PVE 8.0
                 return "OK"
-            return await self.api.wait_task(str(upid), what, vm_id=vm_id)
+            return await self.api.wait_task(str(upid), what, vm_id=vm_id, pace=pace)
 
         return await self.patiently(what, holder or vm_holder(node, vm_id), once)
 

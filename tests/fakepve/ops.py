@@ -249,7 +249,8 @@ async def vm_status(c: Call) -> Any:
     return answer
 
 
-async def agent_interfaces(c: Call) -> Any:
+def _agent_of(c: Call) -> VM:
+    """The VM whose agent answers, with the errors qemu-server gives until it does."""
     vm = c.vm()
     if not vm.running:
         raise ApiError(500, f"VM {vm.vmid} is not running")
@@ -257,7 +258,17 @@ async def agent_interfaces(c: Call) -> Any:
         raise ApiError(500, "No QEMU guest agent configured")
     if not vm.agent_up:
         raise ApiError(500, "QEMU guest agent is not running")
+    return vm
+
+
+async def agent_interfaces(c: Call) -> Any:
+    vm = _agent_of(c)
     return {"result": guest.interfaces(vm.config, vm.vmid)}
+
+
+async def agent_ping(c: Call) -> Any:
+    _agent_of(c)
+    return {"result": {}}  # guest-ping returns an empty object
 
 
 async def task_status(c: Call) -> Any:
@@ -613,6 +624,7 @@ ENDPOINTS: dict[tuple[str, str], tuple[str, Handler]] = {
     ),
     ("DELETE", "/nodes/{node}/qemu/{vmid}"): ("delete", destroy),
     ("GET", "/nodes/{node}/qemu/{vmid}/agent/network-get-interfaces"): ("agent", agent_interfaces),
+    ("POST", "/nodes/{node}/qemu/{vmid}/agent/ping"): ("agent_ping", agent_ping),
     ("GET", "/nodes/{node}/tasks"): ("tasks", node_tasks),
     ("GET", "/nodes/{node}/tasks/{upid}/status"): ("task_status", task_status),
     ("GET", "/nodes/{node}/tasks/{upid}/log"): ("task_log", task_log),

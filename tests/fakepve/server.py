@@ -322,7 +322,9 @@ class FakePVE:
             }
             for t in self.cluster.tasks.values()
         ]
-        return web.json_response({"tasks": tasks, "requests": len(self.requests)})
+        # Every request's route and arrival, for the benchmark's breakdown and API span.
+        requests = [[f"{r.method} {r.template or r.path}", r.at_s] for r in self.requests]
+        return web.json_response({"tasks": tasks, "requests": requests})
 
     async def _inject(self, request: web.Request) -> web.Response:
         body = await request.json()

@@ -1,0 +1,166 @@
+"""The task waits on one node, polled together and paced by what each task is expected
+to take (`pacing`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from backends.base import PermanentError, Unreachable
+from backends.proxmox.pacing import Pace, Schedule
+
+if TYPE_CHECKING:
+    from backends.proxmox.api import PveApi
+
+log = logging.getLogger(__name__)
+_LIST_LIMIT = 1000  # tasks listed per poll (the server's default is 50)
+
+
+@dataclass(eq=False)
+class _Waiter:
+    upid: str
+    what: str
+    began: float  # when the wait began: its schedule counts from there
+    schedule: Schedule
+    pace: Pace | None
+    # The task's final status, or None: "no longer listed as running, ask it".
+    future: asyncio.Future[dict[str, Any] | None]
+
+    def due(self) -> float:
+        return self.began + self.schedule.next_at()
+
+    def done(self, status: dict[str, Any] | None, now: float) -> None:
+        if self.future.done():
+            return
+        if status is not None and self.pace is not None:
+            self.pace.learn(self.schedule, now - self.began)
+        self.future.set_result(status)
+
+
+class TaskWatcher:
+    """The task waits on one node, polled together. While any wait is pending one loop
+    polls, when the earliest wait is due (its `Schedule`: at the task's expected end,
+    then geometrically later; fast polling for a task of unknown length). A lone wait
+    asks for its task's status (as many requests as a wait of its own); two or more
+    share `GET /nodes/{node}/tasks?source=all&since=...`, which lists the node's tasks
+    since the oldest wait's began: running ones as `RUNNING` without an `endtime`,
+    finished ones with their `endtime` and exit status, which ends their waits with no
+    request of their own. A task missing from the list (started too recently to be
+    listed) is resolved with None for its waiter to ask its status once. Every look at
+    a wait, its own or shared, counts as a look for its schedule."""
+
+    def __init__(self, api: PveApi, node: str) -> None:
+        self.api = api
+        self.node = node
+        self.waiters: set[_Waiter] = set()
+        self._wake = asyncio.Event()
+        self._loop: asyncio.Task[None] | None = None
+
+    async def wait(
+        self, upid: str, what: str, began: float, pace: Pace | None
+    ) -> dict[str, Any] | None:
+        future: asyncio.Future[dict[str, Any] | None] = asyncio.get_running_loop().create_future()
+        timing = self.api.settings.polling
+        schedule = pace.schedule(timing) if pace else Schedule(None, timing)
+        waiter = _Waiter(upid, what, began, schedule, pace, future)
+        self.waiters.add(waiter)
+        self._wake.set()  # a new wait may be due earlier than the others
+        if self._loop is None or self._loop.done():
+            self._loop = asyncio.create_task(self._run(), name=f"pve-tasks-{self.node}")
+        try:
+            return await future  # cancelling this wait cancels its future only
+        finally:
+            self.waiters.discard(waiter)
+
+    @property
+    def running(self) -> bool:
+        return self._loop is not None and not self._loop.done()
+
+    async def stop(self) -> None:
+        if self._loop is not None:
+            self._loop.cancel()
+            await asyncio.gather(self._loop, return_exceptions=True)
+
+    def _pending(self) -> list[_Waiter]:
+        return [w for w in self.waiters if not w.future.done()]
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while pending := self._pending():
+                due = min(w.due() for w in pending)
+                now = loop.time()
+                if now < due:
+                    self._wake.clear()
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(due - now):
+                            await self._wake.wait()
+                    continue
+                try:
+                    await self._poll(pending, now)
+                except Exception as exc:  # a refusal, or a bug: every wait learns of it
+                    for waiter in pending:
+                        if not waiter.future.done():
+                            waiter.future.set_exception(exc)
+        finally:
+            for waiter in self._pending():  # only when the loop was stopped (close())
+                waiter.future.set_exception(
+                    PermanentError(f"{waiter.what}: the client was closed while waiting")
+                )
+            if self.api._watchers.get(self.node) is self and not self.waiters:
+                del self.api._watchers[self.node]
+
+    async def _poll(self, pending: list[_Waiter], sent: float) -> None:
+        from backends.proxmox.api import LockContention  # api imports this module
+
+        api = self.api
+        loop = asyncio.get_running_loop()
+        if len(pending) == 1:
+            (waiter,) = pending
+            status = await api._task_status(self.node, waiter.upid, waiter.what)
+            if status is not None and status.get("status") == "stopped":
+                waiter.done(status, loop.time())
+            else:
+                waiter.schedule.saw_running(sent - waiter.began)
+            return
+        # The running tasks and the finished ones (with their exit status) since the
+        # oldest wait's task began: one answer ends every wait whose task is over.
+        params: dict[str, Any] = {"source": "all", "limit": _LIST_LIMIT}
+        starts = [upid_starttime(w.upid) for w in pending]
+        if None not in starts:
+            params["since"] = min(s for s in starts if s is not None)
+        try:
+            api.task_polls += 1
+            listed = await api.get(
+                f"nodes/{self.node}/tasks", f"listing the tasks of node {self.node}", **params
+            )
+        except (Unreachable, LockContention) as exc:
+            log.info("%s: polling the tasks of %s: %s", api.name, self.node, exc.message)
+            for waiter in pending:
+                waiter.schedule.saw_running(sent - waiter.began)
+            return
+        items = {str(i.get("upid")): i for i in listed if isinstance(i, dict)}
+        now = loop.time()
+        for waiter in pending:
+            if waiter.future.done():
+                continue
+            item = items.get(waiter.upid)
+            if item is None:  # too new to be listed, or past the limit: ask it
+                waiter.future.set_result(None)
+            elif item.get("endtime") is None or item.get("status") == "RUNNING":
+                waiter.schedule.saw_running(sent - waiter.began)
+            elif exitstatus := str(item.get("status") or ""):
+                waiter.done({"status": "stopped", "exitstatus": exitstatus}, now)
+            else:  # over, but without a status: ask it
+                waiter.future.set_result(None)
+
+
+def upid_starttime(upid: str) -> int | None:
+    """When a task began (UNIX time, the UPID's fifth field in hex); None if unreadable."""
+    try:
+        return int(upid.split(":")[4], 16)
+    except (IndexError, ValueError):
+        return None

@@ -1,0 +1,121 @@
+"""Request economy on Proxmox: waits paced by learned durations, counted in requests
+against the fake (whole deploys through the real pipeline, SSH check included)."""
+
+from __future__ import annotations
+
+import itertools
+import socket
+from collections import Counter
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from backends.proxmox import Config, create
+from backends.proxmox.pacing import Pacing, PollTiming, Schedule
+from bot.models import JobState
+from bot.parser import DeployArgs, parse
+from bot.runtime import running_deployer
+from tests.fakepve import testing
+from tests.fakepve.schema import ApiSchema
+from tests.fakepve.server import FakePVE, Recorded, Tls
+from tests.fakepve.testing import config_data, environ, pve_settings, start_fake
+
+pve_schema = testing.pve_schema
+pve_tls = testing.pve_tls
+
+PING = "/nodes/{node}/qemu/{vmid}/agent/ping"
+INTERFACES = "/nodes/{node}/qemu/{vmid}/agent/network-get-interfaces"
+POLLS = {"/nodes/{node}/tasks/{upid}/status", "/nodes/{node}/tasks", PING}
+
+
+def free_port(address: str) -> int:
+    with socket.socket() as probe:
+        probe.bind((address, 0))
+        port: int = probe.getsockname()[1]
+    return port
+
+
+@pytest.fixture
+async def fake(pve_schema: ApiSchema, pve_tls: Tls) -> AsyncIterator[FakePVE]:
+    async with start_fake(pve_schema, pve_tls, ssh_port=free_port("127.0.10.1")) as server:
+        yield server
+
+
+async def deploy(fake: FakePVE, tmp_path: Path, pacing: Pacing, text: str) -> list[Recorded]:
+    """One deploy with a backend of its own (as after a restart, but for `pacing`, which
+    carries what the earlier ones learned); the requests it sent."""
+    before = len(fake.requests)
+    backend = create(Config.model_validate(config_data(fake)), environ(fake), pacing=pacing)
+    settings = pve_settings(tmp_path, fake)
+    async with running_deployer(settings, backends={"pve": backend}, grace_s=5) as deployer:
+        args = parse(text)
+        assert isinstance(args, DeployArgs)
+        job = await deployer.request_deploy(args, "alice")
+        await deployer.drain()
+        info = await deployer.status(job.id)
+    assert info.job.state is JobState.SUCCEEDED, info.job.error
+    return fake.requests[before:]
+
+
+def polls(sent: list[Recorded]) -> int:
+    return sum(1 for r in sent if r.template in POLLS)
+
+
+async def test_a_learned_deploy_costs_at_most_25_requests_and_polls_less(
+    fake: FakePVE, tmp_path: Path
+) -> None:
+    pacing = Pacing()
+    first = await deploy(fake, tmp_path, pacing, "web01 127.0.10.51")
+    second = await deploy(fake, tmp_path, pacing, "web02 127.0.10.52")
+    routes = Counter(f"{r.method} {r.template}" for r in second)
+    assert len(second) <= 25, routes
+    assert polls(second) < polls(first), (polls(first), polls(second))
+
+
+async def test_the_agent_is_asked_for_interfaces_only_after_it_answered_ping(
+    fake: FakePVE, tmp_path: Path
+) -> None:
+    sent = await deploy(fake, tmp_path, Pacing(), "web01 127.0.10.53")
+    agent = [(r.template, r.status) for r in sent if r.template in (PING, INTERFACES)]
+    first_answer = agent.index((PING, 200))
+    assert all(template == PING for template, _status in agent[:first_answer])
+    assert [s for t, s in agent[first_answer + 1 :] if t == PING] == []
+    assert (INTERFACES, 200) in agent[first_answer:]
+
+
+def test_a_schedule_looks_at_the_expected_end_then_geometrically_later() -> None:
+    timing = PollTiming(initial_s=0.1, ratio=0.1, max_s=2.0)
+    schedule = Schedule(2.0, timing)
+    looks = [schedule.next_at()]
+    for _ in range(4):
+        schedule.saw_running(looks[-1])
+        looks.append(schedule.next_at())
+    gaps = [round(b - a, 3) for a, b in itertools.pairwise(looks)]
+    assert looks[0] == 2.0 and gaps == [0.05, 0.1, 0.2, 0.4]
+
+
+def test_pacing_learns_per_operation_and_key_and_aims_earlier_when_it_was_early() -> None:
+    pacing = Pacing({"clone": 5.0})
+    timing = PollTiming()
+    assert pacing.expected_s("clone", "t@linked") == 5.0  # the configured seed
+    assert pacing.expected_s("start", "t") is None  # unknown: fast polling
+    blind = pacing.schedule("start", "t", timing)
+    blind.saw_running(0.9)
+    pacing.learn("start", "t", blind, 1.0)
+    assert pacing.expected_s("start", "t") == 1.0
+    assert pacing.expected_s("start", "other") is None
+    early = pacing.schedule("start", "t", timing)  # done at its first look: maybe sooner
+    pacing.learn("start", "t", early, 1.0)
+    estimate = pacing.expected_s("start", "t")
+    assert estimate is not None and 0.9 < estimate < 1.0
+
+
+def test_a_look_for_another_wait_does_not_move_this_ones_schedule() -> None:
+    """Fifty waits share one task list: looks before a wait's own time leave it be."""
+    schedule = Schedule(1.0, PollTiming())
+    for age in (0.2, 0.5, 0.9):
+        schedule.saw_running(age)
+    assert (schedule.next_at(), schedule.looks) == (1.0, 0)
+    schedule.saw_running(1.0)
+    assert schedule.looks == 1 and schedule.next_at() == 1.025
