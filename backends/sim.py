@@ -27,16 +27,12 @@ packet ever leaves the machine.
 from __future__ import annotations
 
 import asyncio
-import base64
-import dataclasses
-import hashlib
 import ipaddress
 import json
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field, field_validator
 
@@ -61,10 +57,23 @@ from backends.base import (
     job_marks,
     pick_address,
 )
+from backends.simvm import (
+    DEFAULT_STORAGES,
+    DEFAULT_TEMPLATES,
+    FAULT_KINDS,
+    Fault,
+    FaultKind,
+    SimTiming,
+    SimulatedCrash,
+    SimVM,
+    fake_fingerprint,
+    vm_from_dict,
+    vm_to_dict,
+)
 from backends.sshcheck import SshCheck
 
-FaultKind = Literal["error", "hang", "crash", "flaky"]
-FAULT_KINDS: tuple[FaultKind, ...] = ("error", "hang", "crash")
+__all__ = ["FAULT_KINDS", "Config", "SimBackend", "SimTiming", "SimulatedCrash", "create"]
+
 OPERATIONS = (
     "templates",
     "find_by_name",
@@ -77,14 +86,6 @@ OPERATIONS = (
     "power_off",
     "destroy",
 )
-GIB = 1024**3
-
-
-@dataclass
-class Fault:
-    op: str
-    kind: FaultKind
-    times: int = 1
 
 
 class Config(BackendConfig):
@@ -119,57 +120,6 @@ def create(config: BackendConfig, environ: Mapping[str, str]) -> SimBackend:
     return sim
 
 
-class SimulatedCrash(RuntimeError):
-    """Raised by a ``crash`` fault: deliberately not a BackendError."""
-
-
-@dataclass(frozen=True)
-class SimTiming:
-    """Seconds each hypervisor-side task takes before scaling."""
-
-    clone_linked_s: float = 2.5
-    clone_full_s: float = 8.0
-    config_s: float = 0.3
-    resize_s: float = 0.6
-    start_s: float = 1.0
-    boot_s: float = 3.5
-    sshd_s: float = 0.5
-    stop_s: float = 1.0
-    destroy_s: float = 0.4
-    poll_s: float = 0.5
-
-
-@dataclass
-class SimVM:
-    vm_id: str
-    name: str
-    template: str
-    placement: str
-    storage: str
-    disk_gib: int
-    tags: set[str] = field(default_factory=set)
-    running: bool = False
-    lock: str | None = None
-    identity: Identity | None = None
-    booted: asyncio.Event = field(default_factory=asyncio.Event)
-    stopped: asyncio.Event = field(default_factory=asyncio.Event)  # set by a power-off
-    boot_task: asyncio.Task[None] | None = None
-
-    def info(self) -> VMInfo:
-        return VMInfo(self.vm_id, self.name, self.running, frozenset(self.tags), self.placement)
-
-
-_DEFAULT_TEMPLATES = (
-    Template("ubuntu-24.04", "ubuntu", None, "local-lvm", 4, "ubuntu"),
-    Template("debian-12", "debian", None, "local-lvm", 3, "debian"),
-    Template("rocky-9", "el9", None, "local-lvm", 10, "rocky"),
-)
-_DEFAULT_STORAGES = (
-    ("local-lvm", 512 * GIB, 380 * GIB, True),
-    ("bulk-nfs", 4096 * GIB, 2900 * GIB, False),
-)
-
-
 class SimBackend:
     """A simulated hypervisor. Construct it, optionally inject faults, use it as a Backend."""
 
@@ -183,7 +133,7 @@ class SimBackend:
         ssh_port: int = 22,
         state_file: Path | None = None,
         ssh_jump: SshJump | None = None,
-        templates: tuple[Template, ...] = _DEFAULT_TEMPLATES,
+        templates: tuple[Template, ...] = DEFAULT_TEMPLATES,
     ) -> None:
         self.name = name
         self.default_network: str | None = None
@@ -229,7 +179,7 @@ class SimBackend:
         """
         if self.state_file is None:
             return
-        data = {"next_id": self._next_id, "vms": [_vm_to_dict(vm) for vm in self.vms.values()]}
+        data = {"next_id": self._next_id, "vms": [vm_to_dict(vm) for vm in self.vms.values()]}
         tmp = self.state_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(data, indent=1))
         os.replace(tmp, self.state_file)
@@ -240,7 +190,7 @@ class SimBackend:
         data = json.loads(path.read_text())
         self._next_id = int(data["next_id"])
         for item in data["vms"]:
-            vm = _vm_from_dict(item)
+            vm = vm_from_dict(item)
             if vm.lock == "destroy":
                 continue
             if vm.lock in ("power_on", "power_off"):
@@ -368,7 +318,7 @@ class SimBackend:
 
     async def storages(self, placement: str | None = None) -> list[Storage]:
         self._answer()
-        return [Storage(n, placement, t, f, linked) for n, t, f, linked in _DEFAULT_STORAGES]
+        return [Storage(n, placement, t, f, linked) for n, t, f, linked in DEFAULT_STORAGES]
 
     async def networks(self, placement: str | None = None) -> list[Network]:
         self._answer()
@@ -391,7 +341,7 @@ class SimBackend:
         target = spec.storage or template.storage
         if target != template.storage:
             return CloneMode(False, f"{target} is not the template's storage: full copy")
-        linked = any(n == target and lk for n, _t, _f, lk in _DEFAULT_STORAGES)
+        linked = any(n == target and lk for n, _t, _f, lk in DEFAULT_STORAGES)
         if linked:
             return CloneMode(True, f"linked clone on {target}")
         return CloneMode(False, f"{target} cannot hold linked clones: full copy")
@@ -523,7 +473,7 @@ class SimBackend:
         if not (vm.running and vm.booted.is_set()):
             raise RetryableError(f"{address}:{port} does not answer yet")
         await self._sleep(self.timing.sshd_s)
-        return _fake_fingerprint(vm.vm_id)
+        return fake_fingerprint(vm.vm_id)
 
     async def power_off(self, ref: VMRef) -> None:
         self._answer()
@@ -567,56 +517,6 @@ class SimBackend:
             if vm.boot_task:
                 vm.boot_task.cancel()
         await self._ssh.close()
-
-
-def _fake_fingerprint(vm_id: str) -> str:
-    """A stable, obviously simulated host key fingerprint for a simulated guest."""
-    digest = hashlib.sha256(f"deploybot-sim-{vm_id}".encode()).digest()
-    return "SHA256:" + base64.b64encode(digest).decode().rstrip("=")
-
-
-def _vm_to_dict(vm: SimVM) -> dict[str, Any]:
-    identity = None
-    if vm.identity is not None:
-        identity = {
-            **dataclasses.asdict(vm.identity),
-            "address": str(vm.identity.address),
-            "gateway": str(vm.identity.gateway),
-            "dns": [str(d) for d in vm.identity.dns],
-        }
-    fields = ("vm_id", "name", "template", "placement", "storage", "disk_gib", "running", "lock")
-    return {
-        **{f: getattr(vm, f) for f in fields},
-        "tags": sorted(vm.tags),
-        "identity": identity,
-    }
-
-
-def _vm_from_dict(item: dict[str, Any]) -> SimVM:
-    identity = None
-    if item["identity"] is not None:
-        raw = item["identity"]
-        identity = Identity(
-            **{
-                **raw,
-                "ssh_keys": tuple(raw["ssh_keys"]),
-                "address": ipaddress.IPv4Interface(raw["address"]),
-                "gateway": ipaddress.IPv4Address(raw["gateway"]),
-                "dns": tuple(ipaddress.IPv4Address(d) for d in raw["dns"]),
-            }
-        )
-    return SimVM(
-        item["vm_id"],
-        item["name"],
-        item["template"],
-        item["placement"],
-        item["storage"],
-        item["disk_gib"],
-        set(item["tags"]),
-        item["running"],
-        item["lock"],
-        identity,
-    )
 
 
 class _Effect:
