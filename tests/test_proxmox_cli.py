@@ -4,10 +4,7 @@ writes sends the SSH check through its jump host, for 10.0.0.50 and 127.0.10.50 
 
 from __future__ import annotations
 
-import asyncio
-import os
 import socket
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +12,7 @@ import pytest
 from tests.fakepve import testing
 from tests.fakepve.schema import ApiSchema
 from tests.fakepve.server import FakePVE, Tls
-from tests.fakepve.testing import config_text, start_fake
+from tests.fakepve.testing import config_text, run_deploybot, start_fake
 
 # The fake server's fixtures, shared by the Proxmox test modules.
 pve_schema = testing.pve_schema
@@ -45,22 +42,11 @@ async def test_deploybot_deploy_prints_the_ssh_line(
 ) -> None:
     lab = start_fake(pve_schema, pve_tls, ssh_port=free_port(), jump_dir=tmp_path / "jump")
     async with lab as fake:
-        env = {
-            **os.environ,
-            "DEPLOYBOT_CONFIG": str(config_file(tmp_path, fake)),
-            "PVE_TOKEN_SECRET": fake.token_secret,
-        }
-        process = await asyncio.create_subprocess_exec(
-            str(Path(sys.executable).with_name("deploybot")),
-            *("deploy", "web01", guest, "--backend", "pve", "--user", "alice"),
-            env=env,
-            cwd=tmp_path,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-        )
-        stdout, stderr = await process.communicate()
-    output = stdout.decode() + stderr.decode()
-    assert process.returncode == 0, output
+        returncode, output = await run_deploybot(
+            fake, config_file(tmp_path, fake), tmp_path,
+            "deploy", "web01", guest, "--backend", "pve", "--user", "alice",
+        )  # fmt: skip
+    assert returncode == 0, output
     assert f"ssh ubuntu@{guest}" in output
     assert "VM 101 on pve1@lab" in output
     assert f"host key {fake.cluster.guest.host_keys[101]}" in output

@@ -5,9 +5,6 @@ in process, `deploybot deploy` as its own process."""
 
 from __future__ import annotations
 
-import asyncio
-import os
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -23,7 +20,7 @@ from tests.contract import IDENTITY
 from tests.fakepve import testing
 from tests.fakepve.schema import ApiSchema
 from tests.fakepve.server import FakePVE, Tls
-from tests.fakepve.testing import config_text, make_backend, pve_settings, start_fake
+from tests.fakepve.testing import config_text, make_backend, pve_settings, run_deploybot, start_fake
 from tests.test_proxmox_pipeline import ADDRESS, ORIGINAL, deploy, free_port, ours_left
 
 pve = testing.pve
@@ -150,20 +147,20 @@ async def test_a_cli_deploy_rolled_back_after_a_500_on_its_stop_leaves_nothing(
         text = text.replace('ca_bundle = "', 'task_poll_initial_s = 0.01\nca_bundle = "', 1)
         text += "\n[timeouts]\naddress_s = 1\nretry_initial_s = 0.05\nretry_max_s = 0.2\n"
         config.write_text(text, encoding="utf-8")
-        env = {k: v for k, v in os.environ.items() if not k.startswith("DEPLOYBOT_")}
-        env.update(DEPLOYBOT_CONFIG=str(config), PVE_TOKEN_SECRET=fake.token_secret)
-        process = await asyncio.create_subprocess_exec(
-            str(Path(sys.executable).with_name("deploybot")),
-            *("deploy", "web01", ADDRESS, "--backend", "pve", "--user", "alice"),
-            env=env,
-            cwd=tmp_path,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
+        returncode, output = await run_deploybot(
+            fake,
+            config,
+            tmp_path,
+            "deploy",
+            "web01",
+            ADDRESS,
+            "--backend",
+            "pve",
+            "--user",
+            "alice",
         )
-        stdout, stderr = await process.communicate()
         await fake.settled()
-        output = stdout.decode() + stderr.decode()
-        assert process.returncode == 1, output
+        assert returncode == 1, output
         assert "Rolled back: stop VM 101; destroy VM 101." in output
         assert "Left behind" not in output and "Rollback problem" not in output
         assert set(fake.cluster.vms) == ORIGINAL

@@ -4,7 +4,10 @@ pipeline. Test modules import the fixtures they use by name."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import os
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Literal
@@ -168,3 +171,20 @@ ssh_port = {ssh_port or 22}
 # A public key (no secret): without one a deploy is refused, as nobody could log in.
 ssh_keys = ["{DEMO_KEY}"]
 """
+
+
+async def run_deploybot(fake: FakePVE, config: Path, cwd: Path, *args: str) -> tuple[int, str]:
+    """The real `deploybot` command against this fake: (exit code, stdout + stderr)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DEPLOYBOT_")}
+    env.update(DEPLOYBOT_CONFIG=str(config), PVE_TOKEN_SECRET=fake.token_secret)
+    process = await asyncio.create_subprocess_exec(
+        str(Path(sys.executable).with_name("deploybot")),
+        *args,
+        env=env,
+        cwd=cwd,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    stdout, stderr = await process.communicate()
+    assert process.returncode is not None
+    return process.returncode, stdout.decode() + stderr.decode()
