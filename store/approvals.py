@@ -11,15 +11,14 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlite_utils import Database
-
 from bot.models import Approval, ApprovalState, JobState, Notice, utcnow
 from store import outbox, quarantine
 from store.jobs import claim
-from store.tx import immediate, ts
+from store.sql import Db, immediate
+from store.tx import ts
 
 
-def get_approval(db: Database, job_id: str) -> Approval | None:
+def get_approval(db: Db, job_id: str) -> Approval | None:
     """None also when the approval row does not validate: then it is quarantined, and so
     is its job while it awaits approval, since nobody can safely decide on a request whose
     record is damaged (for a job past that point the approval is only history)."""
@@ -41,7 +40,7 @@ def get_approval(db: Database, job_id: str) -> Approval | None:
 
 
 def decide(
-    db: Database,
+    db: Db,
     job_id: str,
     decision: ApprovalState,
     *,
@@ -76,7 +75,7 @@ class _Undecided(Exception):
 
 
 def _decide(
-    db: Database,
+    db: Db,
     job_id: str,
     decision: str,
     job_state: JobState,
@@ -87,7 +86,7 @@ def _decide(
     notices: Sequence[Notice],
 ) -> None:
     final = "" if job_state is JobState.QUEUED else ", finished_at = :at"
-    with immediate(db.conn):
+    with immediate(db):
         if dedupe_key is not None:
             claim(db, dedupe_key, job_id, decision)
         decided = db.execute(
@@ -107,7 +106,7 @@ def _decide(
         outbox.add(db, notices, job_state)
 
 
-def expired_approvals(db: Database, now: datetime) -> list[str]:
+def expired_approvals(db: Db, now: datetime) -> list[str]:
     """Pending approvals past their time, of jobs still awaiting approval (a job that was
     set aside, or cancelled by an older version that left its approval pending, is not
     listed again and again)."""
@@ -121,12 +120,12 @@ def expired_approvals(db: Database, now: datetime) -> list[str]:
 
 
 def cancel_awaiting(
-    db: Database, job_id: str, *, by: str, at: datetime, notices: Sequence[Notice] = ()
+    db: Db, job_id: str, *, by: str, at: datetime, notices: Sequence[Notice] = ()
 ) -> bool:
     """Cancel a job that awaits approval and close its approval, in one transaction, so
     no approver can approve it afterwards; False when it no longer awaited approval."""
     when = ts(at)
-    with immediate(db.conn):
+    with immediate(db):
         moved = db.execute(
             "UPDATE jobs SET state = 'cancelled', updated_at = :at, finished_at = :at, "
             "error = 'cancelled' WHERE id = :id AND state = 'awaiting_approval'",

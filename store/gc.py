@@ -6,26 +6,23 @@ import json
 from collections.abc import Sequence
 from datetime import datetime
 
-from sqlite_utils import Database
-
 from bot.models import utcnow
-from store.tx import immediate, ts
+from store.sql import Db, immediate
+from store.tx import ts
 
 
-def record_gc_run(
-    db: Database, scope: Sequence[str], vm_keys: Sequence[str], applied: bool
-) -> None:
+def record_gc_run(db: Db, scope: Sequence[str], vm_keys: Sequence[str], applied: bool) -> None:
     row = {
         "at": ts(utcnow()),
         "scope": ",".join(sorted(scope)),
         "applied": int(applied),
         "vm_keys": json.dumps(sorted(vm_keys)),
     }
-    with immediate(db.conn):
-        db.table("gc_runs").insert(row)
+    with immediate(db):
+        db.insert("gc_runs", [row])
 
 
-def last_gc_dry_run(db: Database, scope: Sequence[str], since: datetime) -> set[str] | None:
+def last_gc_dry_run(db: Db, scope: Sequence[str], since: datetime) -> set[str] | None:
     """The VM keys the newest dry run of exactly this scope listed, if it is recent."""
     rows = list(
         db.query(

@@ -1,4 +1,4 @@
-"""Jobs, their events and approvals as rows. Plain functions on a sqlite-utils Database.
+"""Jobs, their events and approvals as rows. Plain functions of a `Db` (store/sql.py).
 
 State changes are compare-and-set: an UPDATE that names the state it expects, so of two
 actors racing (two approvers, a cancel and a finishing worker) exactly one wins and the
@@ -8,14 +8,12 @@ other is told so. These functions run on the store's worker thread (store/db.py)
 from __future__ import annotations
 
 import json
-import sqlite3
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 from enum import Enum
 from typing import Any
 
 from pydantic import BaseModel
-from sqlite_utils import Database
 
 from bot.models import (
     HOLDING_STATES,
@@ -31,7 +29,8 @@ from bot.models import (
 )
 from store import outbox, quarantine
 from store.quarantine import QUARANTINED
-from store.tx import immediate, insert, returning, ts
+from store.sql import Conflict, Db, immediate
+from store.tx import ts
 
 # Columns a transition may set besides state and updated_at.
 _JOB_FIELDS = frozenset(Job.model_fields) - {"id", "state", "request", "created_at", "updated_at"}
@@ -68,26 +67,24 @@ def job_from_row(row: dict[str, Any]) -> Job:
         request = json.loads(row["request"])
     except (TypeError, ValueError) as exc:
         raise ValueError(f"request: not valid JSON ({exc})") from None
-    return Job.model_validate({**row, "request": request})
+    # `rowid` is a real column on PostgreSQL (SQLite has it implicitly): not the job's.
+    fields = {k: v for k, v in row.items() if k not in ("rowid", "rowid_")}
+    return Job.model_validate({**fields, "request": request})
 
 
 # Job rows are read with their rowid, so a row whose id is unusable can still be set aside.
 SELECT_JOBS = "SELECT rowid AS rowid_, * FROM jobs"
 
 
-def _jobs(db: Database, sql: str, params: Any = ()) -> tuple[list[Job], int]:
+def _jobs(db: Db, sql: str, params: Any = ()) -> tuple[list[Job], int]:
     """The jobs a query finds, and how many rows it found that do not validate: those
     are quarantined (see store/quarantine.py), so no listing or start-up ever fails on
     them and the next query no longer finds them."""
     rows = list(db.query(sql, params))
-    return quarantine.sift(rows, _job_from_listed, lambda row, why: _set_aside(db, row, why))
+    return quarantine.sift(rows, job_from_row, lambda row, why: _set_aside(db, row, why))
 
 
-def _job_from_listed(row: dict[str, Any]) -> Job:
-    return job_from_row({k: v for k, v in row.items() if k != "rowid_"})
-
-
-def _set_aside(db: Database, row: dict[str, Any], reason: str) -> None:
+def _set_aside(db: Db, row: dict[str, Any], reason: str) -> None:
     rowid = row.get("rowid_")
     job_id = row.get("id")
     quarantine.set_aside_job(
@@ -96,7 +93,7 @@ def _set_aside(db: Database, row: dict[str, Any], reason: str) -> None:
         key=quarantine.row_key(job_id, rowid),
         job_id=job_id if isinstance(job_id, str) and job_id else None,
         reason=reason,
-        row={k: v for k, v in row.items() if k != "rowid_"},
+        row={k: v for k, v in row.items() if k not in ("rowid", "rowid_")},
         rowid=rowid,
     )
 
@@ -109,22 +106,24 @@ class AlreadyDelivered(Exception):
         self.job_id = job_id
 
 
-def claim(db: Database, key: str, job_id: str, action: str) -> None:
+def claim(db: Db, key: str, job_id: str, action: str) -> None:
     """Record a delivery inside the caller's transaction; raise if it was seen before.
 
     The primary key decides, not a lookup first: two deliveries racing cannot both pass.
     """
-    try:
-        db.execute(
-            "INSERT INTO deliveries (key, job_id, action, at) VALUES (?, ?, ?, ?)",
-            [key, job_id, action, ts(utcnow())],
-        )
-    except sqlite3.IntegrityError:
-        rows = list(db.query("SELECT job_id FROM deliveries WHERE key = ?", [key]))
-        raise AlreadyDelivered(rows[0]["job_id"] if rows else job_id) from None
+    # ON CONFLICT rather than catching the error: on PostgreSQL an error ends the
+    # transaction, and the caller's must go on to read who had the key.
+    inserted = db.execute(
+        "INSERT INTO deliveries (key, job_id, action, at) VALUES (?, ?, ?, ?) "
+        "ON CONFLICT (key) DO NOTHING",
+        [key, job_id, action, ts(utcnow())],
+    ).rowcount
+    if inserted != 1:
+        rows = db.query("SELECT job_id FROM deliveries WHERE key = ?", [key])
+        raise AlreadyDelivered(rows[0]["job_id"] if rows else job_id)
 
 
-def delivered(db: Database, key: str) -> str | None:
+def delivered(db: Db, key: str) -> str | None:
     rows = list(db.query("SELECT job_id FROM deliveries WHERE key = ?", [key]))
     return str(rows[0]["job_id"]) if rows else None
 
@@ -137,7 +136,7 @@ _ID_ATTEMPTS = 5
 
 
 def insert_job(
-    db: Database,
+    db: Db,
     job: Job,
     approval: Approval | None = None,
     dedupe_key: str | None = None,
@@ -160,15 +159,15 @@ def insert_job(
 
 
 def _insert_job(
-    db: Database, job: Job, approval: Approval | None, dedupe_key: str | None, announce: bool
+    db: Db, job: Job, approval: Approval | None, dedupe_key: str | None, announce: bool
 ) -> None:
-    with immediate(db.conn):
+    with immediate(db):
         if dedupe_key is not None:
             claim(db, dedupe_key, job.id, "request")
         try:
-            insert(db.conn, "jobs", [job_row(job)])
-        except sqlite3.IntegrityError as exc:
-            text = str(exc)
+            db.insert("jobs", [job_row(job)])
+        except Conflict as exc:
+            text = exc.what
             if "jobs.id" in text:
                 raise _IdTaken from None
             if "jobs.address" in text:
@@ -177,12 +176,12 @@ def _insert_job(
                 raise DuplicateActive("name") from None
             raise
         if approval is not None:
-            insert(db.conn, "approvals", [_row(approval)])
+            db.insert("approvals", [_row(approval)])
         if announce:
             outbox.add(db, [Notice(job_id=job.id, kind=NoticeKind.UPDATED)], job.state)
 
 
-def holder(db: Database, *, backend: str, name: str, address: str) -> Job | None:
+def holder(db: Db, *, backend: str, name: str, address: str) -> Job | None:
     """The job that holds this name on this backend, or this address (see HOLDING_STATES).
     A holder whose row does not validate is quarantined, which frees what it held."""
     marks = ", ".join(f"'{s.value}'" for s in HOLDING_STATES)
@@ -197,14 +196,14 @@ def holder(db: Database, *, backend: str, name: str, address: str) -> Job | None
     return None
 
 
-def get_job(db: Database, job_id: str) -> Job | None:
+def get_job(db: Db, job_id: str) -> Job | None:
     """None when there is no such job, or it is quarantined (store.quarantine.find says
     why): a quarantined job is never run, recovered or decided on."""
     found, _bad = _jobs(db, f"{SELECT_JOBS} WHERE id = ? AND state <> ?", [job_id, QUARANTINED])
     return found[0] if found else None
 
 
-def match_ids(db: Database, prefix: str, limit: int) -> list[tuple[str, str, str]]:
+def match_ids(db: Db, prefix: str, limit: int) -> list[tuple[str, str, str]]:
     """(id, name, state) of up to `limit` jobs whose id starts with `prefix`, in id order:
     an exact match comes first. A range on the primary key, so it uses its index."""
     if not prefix or not prefix.isascii():
@@ -218,7 +217,8 @@ def match_ids(db: Database, prefix: str, limit: int) -> list[tuple[str, str, str
 
 
 def transition(
-    db: Database,
+    db: Db,
+    /,
     job_id: str,
     expected: Iterable[JobState],
     new: JobState,
@@ -234,7 +234,8 @@ def transition(
 
 
 def move(
-    db: Database,
+    db: Db,
+    /,
     job_id: str,
     expected: Iterable[JobState],
     new: JobState,
@@ -246,8 +247,8 @@ def move(
     (RETURNING), so the pipeline need not read it back: (moved, job). The job is None
     when it did not move, or when its row no longer validates (then it is set aside)."""
     sql, params = _move_sql(job_id, tuple(expected), new, held_by, fields)
-    with immediate(db.conn):
-        rows = returning(db.conn, sql + " RETURNING *", params)
+    with immediate(db):
+        rows = db.query(sql + " RETURNING *", params)
         if rows:
             outbox.add(db, notices, new)
     if not rows:
@@ -287,7 +288,7 @@ def _move_sql(
     return sql, params
 
 
-def update_job(db: Database, job_id: str, held_by: str | None = None, **fields: Any) -> bool:
+def update_job(db: Db, /, job_id: str, held_by: str | None = None, **fields: Any) -> bool:
     """Set columns without a state change (the VM's durable id, the wreckage list);
     with `held_by`, only while that runner owns the job. False when nothing changed."""
     unknown = set(fields) - _JOB_FIELDS
@@ -297,7 +298,7 @@ def update_job(db: Database, job_id: str, held_by: str | None = None, **fields: 
     values["updated_at"] = ts(utcnow())
     sets = ", ".join(f"{column} = :{column}" for column in values)
     fence = " AND owner = :held_by" if held_by is not None else ""
-    with immediate(db.conn):
+    with immediate(db):
         cursor = db.execute(
             f"UPDATE jobs SET {sets} WHERE id = :id{fence}",
             {**values, "id": job_id, "held_by": held_by},
@@ -305,13 +306,13 @@ def update_job(db: Database, job_id: str, held_by: str | None = None, **fields: 
     return cursor.rowcount == 1
 
 
-def add_event(db: Database, event: JobEvent, notice: Notice | None = None) -> None:
-    with immediate(db.conn):
-        insert(db.conn, "job_events", [_row(event)])
+def add_event(db: Db, event: JobEvent, notice: Notice | None = None) -> None:
+    with immediate(db):
+        db.insert("job_events", [_row(event)])
         outbox.add(db, [notice] if notice else [])
 
 
-def events(db: Database, job_id: str) -> list[JobEvent]:
+def events(db: Db, job_id: str) -> list[JobEvent]:
     """The job's step events; one that does not validate is quarantined and left out
     (the job itself stays: its own row is intact)."""
     rows = list(
@@ -331,7 +332,7 @@ def events(db: Database, job_id: str) -> list[JobEvent]:
 
 
 def history(
-    db: Database,
+    db: Db,
     *,
     requester: str | None = None,
     state: JobState | None = None,
@@ -366,7 +367,7 @@ def history(
 _REREADS = 10
 
 
-def listing(db: Database, sql: str, params: Any = ()) -> list[Job]:
+def listing(db: Db, sql: str, params: Any = ()) -> list[Job]:
     found: list[Job] = []
     for _round in range(_REREADS):
         found, bad = _jobs(db, sql, params)
@@ -375,7 +376,7 @@ def listing(db: Database, sql: str, params: Any = ()) -> list[Job]:
     return found
 
 
-def jobs_with_wreckage(db: Database) -> list[Job]:
+def jobs_with_wreckage(db: Db) -> list[Job]:
     """Finished jobs whose rollback left a VM behind (oldest first)."""
     sql = (
         f"{SELECT_JOBS} WHERE wreckage IS NOT NULL AND state <> '{QUARANTINED}' "
@@ -384,7 +385,7 @@ def jobs_with_wreckage(db: Database) -> list[Job]:
     return listing(db, sql)
 
 
-def jobs_in(db: Database, states: Iterable[JobState]) -> list[Job]:
+def jobs_in(db: Db, states: Iterable[JobState]) -> list[Job]:
     """Oldest first, so a restart re-queues in the order people asked. Jobs whose rows
     do not validate are quarantined and left out: they are never run or recovered."""
     values = [s.value for s in states]

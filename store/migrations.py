@@ -11,7 +11,7 @@ from collections.abc import Callable
 from sqlite_utils import Database
 
 from bot.models import new_installation_id
-from store.tx import immediate
+from store.sql import SqliteDb
 
 # Jobs in these states hold their VM name and address (bot.models.HOLDING_STATES).
 _HOLDING = "('awaiting_approval', 'queued', 'running', 'rolling_back', 'succeeded')"
@@ -217,6 +217,14 @@ MIGRATIONS: list[Callable[[Database], None]] = [_v1, _v2, _v3, _v4, _v5, _v6]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
+def newer_schema(version: int) -> RuntimeError:
+    """A database migrated by a newer deploybot: this one must not write to it."""
+    return RuntimeError(
+        f"the database is at schema version {version}, newer than this deploybot "
+        f"({SCHEMA_VERSION}): upgrade deploybot or point it at another database"
+    )
+
+
 def _version(db: Database) -> int:
     return int(db.execute("PRAGMA user_version").fetchone()[0])
 
@@ -229,13 +237,10 @@ def migrate(db: Database) -> int:
     second must then find the step done instead of creating the same table again."""
     start = _version(db)
     if start > SCHEMA_VERSION:
-        raise RuntimeError(
-            f"the database is at schema version {start}, newer than this deploybot "
-            f"({SCHEMA_VERSION}): upgrade deploybot or point it at another database"
-        )
+        raise newer_schema(start)
     ran = 0
     for version in range(start, SCHEMA_VERSION):
-        with immediate(db.conn):
+        with SqliteDb(db.conn).transaction():
             if _version(db) > version:
                 continue  # another process ran it meanwhile
             MIGRATIONS[version](db)

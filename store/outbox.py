@@ -18,15 +18,14 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlite_utils import Database
-
 from bot.models import JobState, Notice
-from store.tx import immediate, ts
+from store.sql import Db, immediate
+from store.tx import ts
 
 DELIVERED_KEPT_DAYS = 7
 
 
-def add(db: Database, notices: Iterable[Notice], state: JobState | None = None) -> None:
+def add(db: Db, notices: Iterable[Notice], state: JobState | None = None) -> None:
     """Inside the caller's transaction: keep the notices of jobs followed in chat, each
     with the job's state as the change left it (`state`, unless the notice has one)."""
     for notice in notices:
@@ -52,7 +51,7 @@ def _notice(row: Sequence[Any]) -> Notice:
     return Notice.model_validate({**json.loads(row[1]), "id": row[0]})
 
 
-def new_since(db: Database, after: int, limit: int) -> list[Notice]:
+def new_since(db: Db, after: int, limit: int) -> list[Notice]:
     """Undelivered notices with ids above `after` (what arrived since the last look)."""
     rows = db.execute(
         "SELECT id, body FROM outbox WHERE id > ? AND delivered_at IS NULL ORDER BY id LIMIT ?",
@@ -61,7 +60,7 @@ def new_since(db: Database, after: int, limit: int) -> list[Notice]:
     return [_notice(row) for row in rows]
 
 
-def undelivered(db: Database, job_id: str) -> list[Notice]:
+def undelivered(db: Db, job_id: str) -> list[Notice]:
     rows = db.execute(
         "SELECT id, body FROM outbox WHERE job_id = ? AND delivered_at IS NULL ORDER BY id",
         [job_id],
@@ -69,14 +68,12 @@ def undelivered(db: Database, job_id: str) -> list[Notice]:
     return [_notice(row) for row in rows]
 
 
-def claim(
-    db: Database, job_ids: Sequence[str], me: str, now: datetime, until: datetime
-) -> set[str]:
+def claim(db: Db, job_ids: Sequence[str], me: str, now: datetime, until: datetime) -> set[str]:
     """Take (or keep) the delivery lease of these jobs where nobody else holds it; the
     jobs now ours. One statement per job, each a compare-and-set on the claim row."""
     won: set[str] = set()
     params = {"me": me, "now": ts(now), "until": ts(until)}
-    with immediate(db.conn):
+    with immediate(db):
         for job_id in job_ids:
             cursor = db.execute(
                 "INSERT INTO outbox_claims (job_id, holder, until) VALUES (:job, :me, :until) "
@@ -89,12 +86,12 @@ def claim(
     return won
 
 
-def renew(db: Database, me: str, until: datetime) -> None:
-    with immediate(db.conn):
+def renew(db: Db, me: str, until: datetime) -> None:
+    with immediate(db):
         db.execute("UPDATE outbox_claims SET until = ? WHERE holder = ?", [ts(until), me])
 
 
-def orphaned(db: Database, now: datetime, limit: int) -> list[str]:
+def orphaned(db: Db, now: datetime, limit: int) -> list[str]:
     """Jobs with undelivered notices whose deliverer's lease has passed, or that nobody
     ever claimed: what a process that died left unsaid."""
     rows = db.execute(
@@ -105,18 +102,18 @@ def orphaned(db: Database, now: datetime, limit: int) -> list[str]:
     return [str(row[0]) for row in rows]
 
 
-def mark_delivered(db: Database, ids: Sequence[int], now: datetime) -> None:
+def mark_delivered(db: Db, ids: Sequence[int], now: datetime) -> None:
     if not ids:
         return
     marks = ", ".join("?" for _ in ids)
-    with immediate(db.conn):
+    with immediate(db):
         db.execute(f"UPDATE outbox SET delivered_at = ? WHERE id IN ({marks})", [ts(now), *ids])
 
 
-def release(db: Database, job_id: str, me: str, now: datetime) -> None:
+def release(db: Db, job_id: str, me: str, now: datetime) -> None:
     """Give up the delivery lease of a job with nothing left to say; forget old rows."""
     forgotten = ts(now - timedelta(days=DELIVERED_KEPT_DAYS))
-    with immediate(db.conn):
+    with immediate(db):
         db.execute("DELETE FROM outbox_claims WHERE job_id = ? AND holder = ?", [job_id, me])
         # Never the newest row: ids must keep growing, deliverers read on from the last.
         db.execute(
@@ -125,5 +122,5 @@ def release(db: Database, job_id: str, me: str, now: datetime) -> None:
         )
 
 
-def pending_count(db: Database) -> int:
+def pending_count(db: Db) -> int:
     return int(db.execute("SELECT count(*) FROM outbox WHERE delivered_at IS NULL").fetchone()[0])

@@ -17,11 +17,10 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlite_utils import Database
-
 from bot.models import Job, JobState
 from store.jobs import SELECT_JOBS, listing
-from store.tx import immediate, ts
+from store.sql import Db, immediate
+from store.tx import ts
 
 # States in which a job has an owner: reserved by it (queued) or being worked on.
 _OWNED = ("queued", "running", "rolling_back")
@@ -51,12 +50,12 @@ class Owned:
     cancel_requested: str | None
 
 
-def installation_id(db: Database) -> str:
+def installation_id(db: Db) -> str:
     rows = list(db.query("SELECT value FROM meta WHERE key = 'installation_id'"))
     return str(rows[0]["value"])
 
 
-def register(db: Database, runner: RunnerRow) -> None:
+def register(db: Db, runner: RunnerRow) -> None:
     row = {
         "id": runner.id,
         "kind": runner.kind,
@@ -69,12 +68,12 @@ def register(db: Database, runner: RunnerRow) -> None:
     }
     # Every CLI run is a runner: forget those long gone, or the table only grows.
     forgotten = ts(runner.started_at - timedelta(days=RUNNERS_KEPT_DAYS))
-    with immediate(db.conn):
+    with immediate(db):
         db.execute("DELETE FROM runners WHERE lease_until < ?", [forgotten])
-        db.table("runners").insert(row)
+        db.insert("runners", [row])
 
 
-def renew(db: Database, runner_id: str, now: datetime, until: datetime) -> list[Owned]:
+def renew(db: Db, runner_id: str, now: datetime, until: datetime) -> list[Owned]:
     """Extend this runner's lease and every lease it holds; what it holds now.
 
     One transaction and two statements whatever the number of jobs: renewal must stay
@@ -82,7 +81,7 @@ def renew(db: Database, runner_id: str, now: datetime, until: datetime) -> list[
     (cancelled while queued, or taken over after our lease lapsed).
     """
     params = {"me": runner_id, "now": ts(now), "until": ts(until)}
-    with immediate(db.conn):
+    with immediate(db):
         db.execute(
             "UPDATE runners SET heartbeat_at = :now, lease_until = :until WHERE id = :me",
             params,
@@ -100,7 +99,7 @@ def renew(db: Database, runner_id: str, now: datetime, until: datetime) -> list[
 
 
 def claim(
-    db: Database,
+    db: Db,
     job_id: str,
     runner_id: str,
     now: datetime,
@@ -113,7 +112,7 @@ def claim(
     marks = ", ".join(f":s{i}" for i in range(len(wanted)))
     params: dict[str, Any] = {"id": job_id, "me": runner_id, "now": ts(now), "until": ts(until)}
     params.update({f"s{i}": s for i, s in enumerate(wanted)})
-    with immediate(db.conn):
+    with immediate(db):
         cursor = db.execute(
             f"UPDATE jobs SET owner = :me, lease_until = :until "
             f"WHERE id = :id AND state IN ({marks}) "
@@ -123,7 +122,7 @@ def claim(
     return cursor.rowcount == 1
 
 
-def claimable(db: Database, now: datetime, limit: int) -> list[tuple[str, str]]:
+def claimable(db: Db, now: datetime, limit: int) -> list[tuple[str, str]]:
     """(id, backend) of queued jobs nobody holds, oldest first: what any runner with
     room may claim."""
     rows = db.execute(
@@ -134,7 +133,7 @@ def claimable(db: Database, now: datetime, limit: int) -> list[tuple[str, str]]:
     return [(str(row[0]), str(row[1])) for row in rows]
 
 
-def abandoned(db: Database, now: datetime) -> list[Job]:
+def abandoned(db: Db, now: datetime) -> list[Job]:
     """Jobs being worked on whose owner's lease has passed (the owner died or hangs)."""
     return listing(
         db,
@@ -144,11 +143,11 @@ def abandoned(db: Database, now: datetime) -> list[Job]:
     )
 
 
-def release(db: Database, runner_id: str, now: datetime) -> int:
+def release(db: Db, runner_id: str, now: datetime) -> int:
     """A runner leaving in good order: its queued jobs go back to anyone; its own row
     says it stopped. Returns how many queued jobs were handed back."""
     params = {"me": runner_id, "now": ts(now)}
-    with immediate(db.conn):
+    with immediate(db):
         handed = db.execute(
             "UPDATE jobs SET owner = NULL, lease_until = NULL "
             "WHERE owner = :me AND state = 'queued'",
@@ -161,21 +160,21 @@ def release(db: Database, runner_id: str, now: datetime) -> int:
     return int(handed)
 
 
-def live_on_host(db: Database, host: str, now: datetime) -> list[tuple[str, int, str]]:
+def live_on_host(db: Db, host: str, now: datetime) -> list[tuple[str, int, str]]:
     """(id, pid, proc_start) of runners on this host whose lease has not passed."""
     rows = db.execute(
         "SELECT id, pid, proc_start FROM runners WHERE host = :host AND stopped_at IS NULL "
         "AND lease_until >= :now",
         {"host": host, "now": ts(now)},
-    )
+    ).fetchall()
     return [(str(r[0]), int(r[1]), str(r[2] or "")) for r in rows]
 
 
-def declare_dead(db: Database, runner_id: str, now: datetime) -> None:
+def declare_dead(db: Db, runner_id: str, now: datetime) -> None:
     """A runner seen to be dead (its process is gone): end its leases now rather than
     let its jobs wait for them to lapse."""
     params = {"id": runner_id, "now": ts(now)}
-    with immediate(db.conn):
+    with immediate(db):
         db.execute(
             "UPDATE runners SET stopped_at = :now, lease_until = :now WHERE id = :id", params
         )
@@ -187,10 +186,10 @@ def declare_dead(db: Database, runner_id: str, now: datetime) -> None:
         db.execute("UPDATE outbox_claims SET until = '' WHERE holder = :id", params)
 
 
-def request_cancel(db: Database, job_id: str, by: str) -> bool:
+def request_cancel(db: Db, job_id: str, by: str) -> bool:
     """Ask the owner of a job being worked on to cancel it (it sees this at its next
     renewal). False when the job is not running or rolling back."""
-    with immediate(db.conn):
+    with immediate(db):
         cursor = db.execute(
             "UPDATE jobs SET cancel_requested = :by "
             "WHERE id = :id AND state IN ('running', 'rolling_back')",

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sqlite3
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -24,10 +23,9 @@ from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from pydantic import ValidationError
-from sqlite_utils import Database
 
 from bot.models import utcnow
-from store.tx import immediate
+from store.sql import Db, immediate
 
 log = logging.getLogger(__name__)
 QUARANTINED = "quarantined"  # the jobs.state of a job set aside
@@ -85,23 +83,23 @@ def sift(
             bad += 1
             try:
                 set_aside(row, describe(exc))
-            except sqlite3.Error:  # cannot write (read-only file...): still skip the row
+            except Exception:  # cannot write (read-only file...): still skip the row
                 log.exception("could not quarantine a row; skipping it anyway")
     return good, bad
 
 
 @contextmanager
-def _writing(db: Database) -> Iterator[None]:
+def _writing(db: Db) -> Iterator[None]:
     """A write transaction, or the caller's when a reader runs inside one."""
-    if db.conn.in_transaction:
+    if db.in_transaction:
         yield
         return
-    with immediate(db.conn):
+    with immediate(db):
         yield
 
 
 def record(
-    db: Database, table: str, key: str, job_id: str | None, reason: str, row: dict[str, Any]
+    db: Db, table: str, key: str, job_id: str | None, reason: str, row: dict[str, Any]
 ) -> bool:
     """Record one unreadable row, once (later reads of the same row add nothing); True,
     and a warning in the log, the first time."""
@@ -119,7 +117,7 @@ def record(
 
 
 def set_aside_job(
-    db: Database,
+    db: Db,
     *,
     table: str,
     key: str,
@@ -151,7 +149,7 @@ def row_key(value: Any, rowid: int | None) -> str:
     return f"rowid {rowid}"
 
 
-def find(db: Database, job_id: str) -> Quarantined | None:
+def find(db: Db, job_id: str) -> Quarantined | None:
     """Why this job was set aside (its first recorded row), or None."""
     rows = list(
         db.query(
@@ -163,7 +161,7 @@ def find(db: Database, job_id: str) -> Quarantined | None:
     return _record(rows[0]) if rows else None
 
 
-def records(db: Database, limit: int = 100) -> list[Quarantined]:
+def records(db: Db, limit: int = 100) -> list[Quarantined]:
     """Newest first."""
     rows = db.query(
         "SELECT table_name, row_key, job_id, reason, at FROM quarantine ORDER BY id DESC LIMIT ?",

@@ -5,19 +5,18 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from sqlite_utils import Database
-
 from bot.models import AuditEvent, UserPrefs, check_ssh_key, utcnow
 from store import quarantine
 from store.quarantine import RowUnreadable
-from store.tx import immediate, ts
+from store.sql import Db, immediate
+from store.tx import ts
 
 
-def get_prefs(db: Database, user: str) -> UserPrefs:
+def get_prefs(db: Db, user: str) -> UserPrefs:
     """The saved settings (empty when there are none). A saved row that does not
     validate, keys included, is quarantined and raises `RowUnreadable`: deploying with
     other keys than the person saved would lock them out of the VM without a word."""
-    rows = list(db.query("SELECT * FROM user_prefs WHERE user = ?", [user]))
+    rows = list(db.query('SELECT * FROM user_prefs WHERE "user" = ?', [user]))
     if not rows:
         return UserPrefs(user=user)
     reasons: list[str] = []
@@ -44,14 +43,14 @@ def _prefs_from_row(row: dict[str, Any]) -> UserPrefs:
     )
 
 
-def put_prefs(db: Database, prefs: UserPrefs) -> None:
-    with immediate(db.conn):
+def put_prefs(db: Db, prefs: UserPrefs) -> None:
+    with immediate(db):
         _write(db, prefs)
 
 
-def add_key(db: Database, user: str, key: str, max_keys: int) -> UserPrefs | None:
+def add_key(db: Db, user: str, key: str, max_keys: int) -> UserPrefs | None:
     """Append a key (once) in one transaction; None when the user already has `max_keys`."""
-    with immediate(db.conn):
+    with immediate(db):
         try:
             prefs = get_prefs(db, user)
         except RowUnreadable:  # quarantined with its raw text: the new key replaces it
@@ -69,11 +68,11 @@ def _body(key: str) -> str:
     return " ".join(key.split()[:2])
 
 
-def _write(db: Database, prefs: UserPrefs) -> None:
+def _write(db: Db, prefs: UserPrefs) -> None:
     db.execute(
-        "INSERT INTO user_prefs (user, ssh_keys, default_template, updated_at) "
+        'INSERT INTO user_prefs ("user", ssh_keys, default_template, updated_at) '
         "VALUES (:user, :keys, :template, :at) "
-        "ON CONFLICT(user) DO UPDATE SET ssh_keys = :keys, "
+        'ON CONFLICT ("user") DO UPDATE SET ssh_keys = :keys, '
         "default_template = :template, updated_at = :at",
         {
             "user": prefs.user,
@@ -84,15 +83,15 @@ def _write(db: Database, prefs: UserPrefs) -> None:
     )
 
 
-def add_audit(db: Database, event: AuditEvent) -> None:
-    with immediate(db.conn):
+def add_audit(db: Db, event: AuditEvent) -> None:
+    with immediate(db):
         db.execute(
             "INSERT INTO audit (at, actor, action, outcome, detail) VALUES (?, ?, ?, ?, ?)",
             [ts(event.at), event.actor, event.action, event.outcome, event.detail],
         )
 
 
-def audit_events(db: Database, limit: int) -> list[AuditEvent]:
+def audit_events(db: Db, limit: int) -> list[AuditEvent]:
     rows = db.query(
         "SELECT at, actor, action, outcome, detail FROM audit ORDER BY id DESC LIMIT ?", [limit]
     )

@@ -15,6 +15,7 @@ from bot.models import Job, JobState, RollbackReport
 from bot.runtime import running_deployer
 from bot.service import Deployer
 from bot.settings import BUNDLED_CONFIG, Settings, load_settings
+from tests.postgres_support import pg_cluster, pg_url  # noqa: F401 (fixtures)
 
 FAST_TIMEOUTS = {
     "check_free_s": 0.5,
@@ -30,7 +31,6 @@ FAST_TIMEOUTS = {
     "retry_max_s": 0.01,
 }
 SIM_SCALE = 0.001
-
 
 TEST_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIHb2vLw3m3tqB7m4m1Lr2x9n0l3r3x8uGk2ycJ0b1Fq8 test"
 

@@ -4,6 +4,7 @@ import asyncio
 import os
 import sqlite3
 import stat
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -15,6 +16,13 @@ from bot.requests import build_request
 from bot.settings import Settings
 from store.db import DuplicateActive, Store
 from store.migrations import SCHEMA_VERSION
+from store.sql import Conflict, Db, SqliteDb
+from tests.postgres_support import PASSWORD_ENV
+
+
+def trace(db: Db, callback: Callable[[str], object] | None) -> None:
+    assert isinstance(db, SqliteDb)
+    db.conn.set_trace_callback(callback)
 
 
 def make_job(
@@ -29,8 +37,21 @@ def make_job(
     return Job.for_request(request, state)
 
 
+@pytest.fixture(params=["sqlite", "postgres"])
+async def store(request: pytest.FixtureRequest, tmp_path: Path):  # type: ignore[no-untyped-def]
+    """The contract runs on both stores: a SQLite file, and a PostgreSQL database."""
+    if request.param == "postgres":
+        url = request.getfixturevalue("pg_url")
+        s = await Store.open(url, password=os.environ[PASSWORD_ENV])
+    else:
+        s = await Store.open(tmp_path / "jobs.db")
+    yield s
+    await s.close()
+
+
 @pytest.fixture
-async def store(tmp_path: Path):  # type: ignore[no-untyped-def]
+async def sqlite_store(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """For what only SQLite does (one writer thread batching the writes of a moment)."""
     s = await Store.open(tmp_path / "jobs.db")
     yield s
     await s.close()
@@ -230,13 +251,15 @@ async def test_expired_approvals_are_found_by_time(store: Store, settings: Setti
     assert await store.expired_approvals(now + timedelta(minutes=2)) == [soon.id]
 
 
-async def test_events_added_together_are_written_together(store: Store, settings: Settings) -> None:
+async def test_events_added_together_are_written_together(
+    sqlite_store: Store, settings: Settings
+) -> None:
+    store = sqlite_store
     jobs = [make_job(settings, f"web{i:02d}", f"10.0.0.{50 + i}") for i in range(20)]
     for job in jobs:
         await store.insert_job(job)
     statements: list[str] = []
-    trace = store._db.conn.set_trace_callback  # SQLite's own account, on the store's thread
-    await store._call(trace, statements.append)
+    await store._call(trace, statements.append)  # SQLite's own account, on its thread
     await asyncio.gather(
         *(store.add_event(JobEvent(job_id=j.id, step="clone", phase="started")) for j in jobs)
     )
@@ -260,7 +283,7 @@ async def test_an_event_that_cannot_be_written_fails_alone(
         return_exceptions=True,
     )
     assert results[0] is None and results[2] is None
-    assert isinstance(results[1], sqlite3.IntegrityError)
+    assert isinstance(results[1], Conflict)
     assert [e.phase for e in await store.events(job.id)] == ["started", "finished"]
     assert await store.events("nosuchjob") == []
 

@@ -5,17 +5,24 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+from collections.abc import Callable
 from pathlib import Path
 
 from bot.models import JobEvent, JobState
 from bot.settings import Settings
 from store.db import DuplicateActive, Store
-from tests.test_store import make_job, store
+from store.sql import Conflict, Db, SqliteDb
+from tests.test_store import make_job, sqlite_store
 
-__all__ = ["store"]  # the fixture, used by name below
+__all__ = ["sqlite_store"]  # the fixture, used by name below
 
 
-def committed(path: Path, sql: str) -> list[tuple[object, ...]]:
+def trace(db: Db, callback: Callable[[str], object] | None) -> None:
+    assert isinstance(db, SqliteDb)
+    db.conn.set_trace_callback(callback)
+
+
+def committed(path: str | Path, sql: str) -> list[tuple[object, ...]]:
     """What another connection (another process) sees: only committed rows."""
     conn = sqlite3.connect(path)
     try:
@@ -25,16 +32,16 @@ def committed(path: Path, sql: str) -> list[tuple[object, ...]]:
 
 
 async def test_writes_of_one_moment_share_a_transaction_and_fail_alone(
-    store: Store, settings: Settings
+    sqlite_store: Store, settings: Settings
 ) -> None:
+    store = sqlite_store
     running = [make_job(settings, f"run{i}", f"10.0.0.{10 + i}") for i in range(5)]
     for job in running:
         await store.insert_job(job)
     fresh = [make_job(settings, f"new{i}", f"10.0.0.{30 + i}") for i in range(5)]
     clash = make_job(settings, "clash", "10.0.0.30")  # fresh[0]'s address
     statements: list[str] = []
-    trace = store._db.conn.set_trace_callback  # SQLite's own account, on the store's thread
-    await store._call(trace, statements.append)
+    await store._call(trace, statements.append)  # SQLite's own account, on its thread
     results = await asyncio.gather(
         *(store.insert_job(job) for job in fresh),
         store.insert_job(clash),
@@ -53,7 +60,7 @@ async def test_writes_of_one_moment_share_a_transaction_and_fail_alone(
         assert isinstance(moved, tuple) and moved[0] and moved[1] is not None
         assert moved[1].state is JobState.RUNNING
     assert lost == (False, None)
-    assert isinstance(orphan, sqlite3.IntegrityError)
-    seen = committed(store.path, "SELECT name, state FROM jobs ORDER BY name")
+    assert isinstance(orphan, Conflict)
+    seen = committed(store.label, "SELECT name, state FROM jobs ORDER BY name")
     assert ("clash", "queued") not in seen and len(seen) == 10
     assert {s for n, s in seen if str(n).startswith("run")} == {"running"}

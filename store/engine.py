@@ -1,0 +1,133 @@
+"""Where the store's functions run: the `Engine` each database provides.
+
+Every store function is a plain function of a `Db` (store/sql.py). An engine runs one on
+a connection of its database, off the event loop: `call` alone, `write` possibly batched
+with the writes of the same moment. SQLite's engine is below; PostgreSQL's is in
+store/postgres/.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sqlite3
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Concatenate, ParamSpec, Protocol, TypeVar
+
+from sqlite_utils import Database
+
+from store.migrations import migrate
+from store.owners import installation_id
+from store.sql import Db, SqliteDb
+from store.writer import Writer
+
+P = ParamSpec("P")
+T = TypeVar("T")
+BUSY_TIMEOUT_MS = 10_000
+
+
+class Engine(Protocol):
+    """Runs store functions on a database. Contract:
+
+    - `call(fn, ...)` runs `fn(db, ...)` on a connection of its own and answers its
+      result or raises its exception; `fn` makes its own transactions (store/sql.py).
+    - `write(fn, ...)` is the same for the writes every deploy makes; an engine may
+      batch those that arrive together, but answers each only once it is committed.
+    - The answer is what the database holds: a write answered is durable.
+    """
+
+    installation_id: str
+    label: str  # the database as people may see it: a path, or a URL without secrets
+
+    async def call(
+        self, fn: Callable[Concatenate[Db, P], T], *args: P.args, **kwargs: P.kwargs
+    ) -> T: ...
+
+    async def write(
+        self, fn: Callable[Concatenate[Db, P], T], *args: P.args, **kwargs: P.kwargs
+    ) -> T: ...
+
+    async def integrity_check(self) -> str:
+        """'ok', or what the database says is wrong with itself."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+def _connect(path: Path) -> sqlite3.Connection:
+    if str(path) != ":memory:":
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Created 0600 before SQLite opens it: the history names people and machines.
+        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+        os.close(fd)
+        os.chmod(path, 0o600)
+    conn = sqlite3.connect(path, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000)
+    # Text that is not UTF-8 (written by another tool) would fail the whole query that
+    # meets it; decoded with replacement characters, its row fails validation instead and
+    # is quarantined alone (store/quarantine.py).
+    conn.text_factory = _decode
+    for pragma in (
+        "journal_mode = WAL",
+        "foreign_keys = ON",
+        f"busy_timeout = {BUSY_TIMEOUT_MS}",
+        "synchronous = NORMAL",
+    ):
+        conn.execute(f"PRAGMA {pragma}")
+    migrate(Database(conn))
+    return conn
+
+
+def _decode(data: bytes) -> str:
+    return data.decode("utf-8", errors="replace")
+
+
+class SqliteEngine:
+    """One SQLite file in WAL mode, owned by one worker thread.
+
+    SQLite calls block, and the bot is one event loop serving many deploys; so every call
+    runs on a single dedicated thread that owns the connection. One thread also means
+    this process never contends with itself for the write lock; other processes on the
+    same file (a CLI next to the server) are handled by SQLite's busy timeout and BEGIN
+    IMMEDIATE."""
+
+    def __init__(self, path: Path, executor: ThreadPoolExecutor, conn: sqlite3.Connection) -> None:
+        self.label = str(path)
+        self.db = SqliteDb(conn)
+        self._executor = executor
+        self._writer = Writer(executor, conn)
+        self.installation_id = ""
+
+    @classmethod
+    async def open(cls, path: Path) -> SqliteEngine:
+        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deploybot-store")
+        loop = asyncio.get_running_loop()
+        try:
+            conn = await loop.run_in_executor(executor, _connect, path)
+        except BaseException:
+            executor.shutdown(wait=False)
+            raise
+        engine = cls(path, executor, conn)
+        engine.installation_id = await engine.call(installation_id)
+        return engine
+
+    async def call(
+        self, fn: Callable[Concatenate[Db, P], T], *args: P.args, **kwargs: P.kwargs
+    ) -> T:
+        """Reads, and writes that are rare: on the store's thread, alone."""
+        return await self._writer.call(fn, self.db, *args, **kwargs)
+
+    async def write(
+        self, fn: Callable[Concatenate[Db, P], T], *args: P.args, **kwargs: P.kwargs
+    ) -> T:
+        """Batched with the writes made at the same moment (store/writer.py)."""
+        return await self._writer.write(fn, self.db, *args, **kwargs)
+
+    async def integrity_check(self) -> str:
+        return await self.call(lambda db: str(db.execute("PRAGMA integrity_check").fetchone()[0]))
+
+    async def close(self) -> None:
+        await self._writer.close()
+        await self._writer.call(self.db.conn.close)
+        self._executor.shutdown(wait=True)

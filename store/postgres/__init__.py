@@ -1,0 +1,128 @@
+"""The store on PostgreSQL, for several replicas sharing one database.
+
+The store's functions are the SQLite store's own (store/sql.py): one copy of every query
+and compare-and-set. They are synchronous, so they run on worker threads, each with a
+connection from psycopg's pool (psycopg_pool.ConnectionPool); the event loop only awaits
+them, as it does SQLite's thread. A function whose SERIALIZABLE transaction lost a race
+to another replica is run again from the start, on fresh reads.
+
+The password comes from the environment (`database_password_env`, or libpq's own
+PGPASSWORD / .pgpass), never from the URL; TLS options in the URL (`sslmode`,
+`sslrootcert` ...) go to libpq as they are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import random
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Concatenate, ParamSpec, TypeVar
+
+from psycopg import errors
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg_pool import ConnectionPool
+
+from store.owners import installation_id
+from store.postgres.db import PgDb
+from store.postgres.schema import migrate
+from store.sql import Db
+
+P = ParamSpec("P")
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+POOL_SIZE = 8
+CONNECT_TIMEOUT_S = 10.0
+# A transaction that lost a race is run again; so many times before its caller hears.
+RACE_RETRIES = 20
+_RACES = (errors.SerializationFailure, errors.DeadlockDetected)
+
+
+def redacted(url: str) -> str:
+    """The URL without a password, for logs and messages."""
+    try:
+        params = conninfo_to_dict(url)
+    except Exception:  # not parseable: show nothing of it
+        return "postgresql://(unreadable URL)"
+    params.pop("password", None)
+    host, db = params.get("host", ""), params.get("dbname", "")
+    user = f"{params['user']}@" if params.get("user") else ""
+    port = f":{params['port']}" if params.get("port") else ""
+    return f"postgresql://{user}{host}{port}/{db}"
+
+
+class PostgresEngine:
+    """An `Engine` (store/engine.py) on a pool of PostgreSQL connections."""
+
+    def __init__(self, url: str, pool: ConnectionPool, executor: ThreadPoolExecutor) -> None:
+        self.label = redacted(url)
+        self.installation_id = ""
+        self._pool = pool
+        self._executor = executor
+
+    @classmethod
+    async def open(
+        cls, url: str, *, password: str | None = None, pool_size: int = POOL_SIZE
+    ) -> PostgresEngine:
+        conninfo = make_conninfo(url, password=password) if password else url
+        pool: ConnectionPool = ConnectionPool(
+            conninfo,
+            min_size=1,
+            max_size=pool_size,
+            kwargs={"autocommit": True},
+            open=False,
+            name="deploybot-store",
+        )
+        executor = ThreadPoolExecutor(max_workers=pool_size, thread_name_prefix="deploybot-pg")
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(executor, _open, pool)
+        except BaseException:
+            executor.shutdown(wait=False)
+            await loop.run_in_executor(None, pool.close)
+            raise
+        engine = cls(url, pool, executor)
+        engine.installation_id = await engine.call(installation_id)
+        return engine
+
+    async def call(
+        self, fn: Callable[Concatenate[Db, P], T], *args: P.args, **kwargs: P.kwargs
+    ) -> T:
+        loop = asyncio.get_running_loop()
+        run = functools.partial(self._run, functools.partial(fn, **kwargs), args)
+        return await loop.run_in_executor(self._executor, run)
+
+    # Every write stands alone: PostgreSQL takes many writers at once.
+    write = call
+
+    def _run(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
+        for attempt in range(RACE_RETRIES):
+            with self._pool.connection() as conn:
+                try:
+                    return fn(PgDb(conn), *args)
+                except _RACES:
+                    if attempt == RACE_RETRIES - 1:
+                        raise
+            # Apart a little, so the replicas that collided do not collide again.
+            time.sleep(random.uniform(0, 0.002 * (attempt + 1)))
+        raise AssertionError("unreachable")
+
+    async def integrity_check(self) -> str:
+        # PostgreSQL checks its pages itself (and amcheck is an extension); what the
+        # store can check is that the database answers.
+        return await self.call(lambda db: "ok" if db.query("SELECT 1 AS one") else "no answer")
+
+    async def close(self) -> None:
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._executor, self._pool.close)
+        self._executor.shutdown(wait=True)
+
+
+def _open(pool: ConnectionPool) -> None:
+    pool.open(wait=True, timeout=CONNECT_TIMEOUT_S)
+    with pool.connection() as conn:
+        migrate(conn)

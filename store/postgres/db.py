@@ -1,0 +1,122 @@
+"""A `Db` (store/sql.py) on a psycopg connection.
+
+The store's SQL is written with SQLite's placeholders; `pg_sql` rewrites them for psycopg
+once per statement text. Transactions are SERIALIZABLE: the same guarantee as SQLite's
+single writer (no read-then-write inside a transaction can be overtaken), without
+stopping every other replica; a transaction that loses a race fails with a
+serialization error, and the engine runs the whole store function again.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
+
+import psycopg
+from psycopg import errors
+from psycopg.pq import TransactionStatus
+from psycopg.rows import dict_row
+
+from store.postgres.schema import CONSTRAINTS
+from store.sql import Conflict, Params, Result, insert_sql
+
+# Quoted text and identifiers pass through; `?`, `:name` and `%` are rewritten.
+_TOKENS = re.compile(r"'(?:[^']|'')*'|\"(?:[^\"]|\"\")*\"|::|\?|:(\w+)|%")
+
+
+@functools.lru_cache(maxsize=1024)
+def pg_sql(sql: str) -> bytes:
+    """SQLite's `?` and `:name` as psycopg's `%s` and `%(name)s` (and `%` as `%%`)."""
+
+    def rewrite(match: re.Match[str]) -> str:
+        token = match.group(0)
+        if token == "?":
+            return "%s"
+        if token == "%":
+            return "%%"
+        if match.group(1):
+            return f"%({match.group(1)})s"
+        return token
+
+    return _TOKENS.sub(rewrite, sql).encode()
+
+
+def _value(value: Any) -> Any:
+    # SQLite keeps booleans as integers, and so do the shared columns here.
+    return int(value) if isinstance(value, bool) else value
+
+
+def _params(params: Params) -> Params:
+    if isinstance(params, Mapping):
+        return {k: _value(v) for k, v in params.items()}
+    return [_value(v) for v in params]
+
+
+class PgDb:
+    dialect = "postgres"
+    Error = psycopg.Error
+
+    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+        self.conn = conn
+
+    @property
+    def in_transaction(self) -> bool:
+        return self.conn.info.transaction_status != TransactionStatus.IDLE
+
+    def execute(self, sql: str, params: Params = ()) -> Result:
+        try:
+            return self.conn.execute(pg_sql(sql), _params(params))
+        except (errors.UniqueViolation, errors.ForeignKeyViolation) as exc:
+            raise _conflict(exc) from exc
+
+    def query(self, sql: str, params: Params = ()) -> list[dict[str, Any]]:
+        with self.conn.cursor(row_factory=dict_row) as cursor:
+            try:
+                cursor.execute(pg_sql(sql), _params(params))
+            except (errors.UniqueViolation, errors.ForeignKeyViolation) as exc:
+                raise _conflict(exc) from exc
+            return cursor.fetchall()
+
+    def insert(self, table: str, rows: Sequence[Mapping[str, Any]]) -> None:
+        if not rows:
+            return
+        with self.conn.cursor() as cursor:
+            try:
+                cursor.executemany(
+                    pg_sql(insert_sql(table, list(rows[0]))), [_params(r) for r in rows]
+                )
+            except (errors.UniqueViolation, errors.ForeignKeyViolation) as exc:
+                raise _conflict(exc) from exc
+
+    def transaction(self) -> AbstractContextManager[None]:
+        return self._transaction()
+
+    @contextmanager
+    def _transaction(self) -> Iterator[None]:
+        if self.in_transaction:
+            self.conn.execute(b"SAVEPOINT tx")
+            try:
+                yield
+            except BaseException:
+                self.conn.execute(b"ROLLBACK TO SAVEPOINT tx")
+                self.conn.execute(b"RELEASE SAVEPOINT tx")
+                raise
+            self.conn.execute(b"RELEASE SAVEPOINT tx")
+            return
+        self.conn.execute(b"BEGIN ISOLATION LEVEL SERIALIZABLE")
+        try:
+            yield
+        except BaseException:
+            self.conn.execute(b"ROLLBACK")
+            raise
+        self.conn.execute(b"COMMIT")
+
+
+def _conflict(exc: psycopg.Error) -> Conflict:
+    if isinstance(exc, errors.ForeignKeyViolation):
+        return Conflict("foreign key")
+    name = exc.diag.constraint_name or ""
+    return Conflict(CONSTRAINTS.get(name, name))
