@@ -75,3 +75,13 @@ class Duplicate(DeployBotError):
     def __init__(self, message: str, job_id: str) -> None:
         super().__init__(message)
         self.job_id = job_id
+
+
+class StoreUnavailable(DeployBotError):
+    """The database cannot be reached or refuses the connection (permanent until fixed)."""
+
+    def __init__(self, detail: str, password_env: str) -> None:
+        super().__init__(
+            f"Cannot open the database {detail}. Check that PostgreSQL runs there and "
+            f"accepts this host, and that {password_env} holds the password."
+        )

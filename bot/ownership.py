@@ -204,12 +204,10 @@ class Ownership:
         room = self.queue.room()
         if room <= 0:
             return 0
-        claimed = 0
-        for job_id, backend in await self.store.claimable(now, room):
-            if await self.store.claim(job_id, self.id, now, self.lease_until(now)):
-                self.queue.submit(job_id, backend)
-                claimed += 1
-        return claimed
+        claimed = await self.store.claim_queued(self.id, now, self.lease_until(now), room)
+        for job_id, backend in claimed:
+            self.queue.submit(job_id, backend)
+        return len(claimed)
 
     async def claim_queued(self) -> int:
         """Claim what queued work there is room for now; how many jobs were claimed."""

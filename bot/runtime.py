@@ -9,11 +9,12 @@ from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 
 from backends.base import Backend, BackendConfig, BackendError, BackendFactory
-from bot.errors import ConfigError
+from bot.errors import ConfigError, StoreUnavailable
 from bot.progress import Progress
 from bot.service import Deployer
 from bot.settings import Settings, backend_module
 from store.db import Store
+from store.engine import Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ async def running_deployer(
     backends = (
         backends if backends is not None else {c.name: make_backend(c) for c in settings.backends}
     )
-    store = await Store.open(settings.database)
+    store = await open_store(settings)
     deployer = Deployer(
         settings, store, backends, progress, runner_kind=runner_kind, takes_over=takes_over
     )
@@ -80,3 +81,11 @@ async def running_deployer(
             except Exception:
                 log.exception("closing backend %s failed", backend.name)
         await store.close()
+
+
+async def open_store(settings: Settings) -> Store:
+    """The configured database, or a `StoreUnavailable` saying which and why."""
+    try:
+        return await Store.open(settings.database, password=settings.database_password)
+    except Unavailable as exc:
+        raise StoreUnavailable(str(exc), settings.database_password_env) from None

@@ -16,6 +16,7 @@ import tomllib
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Literal
+from urllib.parse import parse_qs, urlsplit
 
 from pydantic import (
     BaseModel,
@@ -30,6 +31,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from backends.base import BackendConfig
 from bot.errors import ConfigError
+from store.db import POSTGRES_SCHEMES
 
 BUNDLED_CONFIG = Path(__file__).with_name("deploybot.example.toml")
 
@@ -233,7 +235,10 @@ class SlackSettings(_Section):
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="DEPLOYBOT_", extra="forbid", frozen=True)
 
-    database: Path = Path("deploybot.db")
+    # A SQLite file, or postgresql://user@host:port/dbname?sslmode=... for replicas
+    # (the password is read from the variable named by database_password_env).
+    database: Path | str = Path("deploybot.db")
+    database_password_env: str = "DEPLOYBOT_DATABASE_PASSWORD"
     log_file: Path = Path("deploybot.log")
     backends: tuple[BackendConfig, ...] = Field(min_length=1)
     subnets: tuple[Subnet, ...] = Field(min_length=1)
@@ -244,6 +249,32 @@ class Settings(BaseSettings):
     recovery: Recovery = Recovery()
     ownership: OwnershipSettings = OwnershipSettings()
     slack: SlackSettings = SlackSettings()
+
+    @field_validator("database", mode="before")
+    @classmethod
+    def _database(cls, value: Any) -> Any:
+        if not isinstance(value, str) or not value.startswith(POSTGRES_SCHEMES):
+            return Path(value) if isinstance(value, str) else value
+        parts = urlsplit(value)
+        query = parse_qs(parts.query)
+        if parts.password is not None or "password" in query:
+            raise ValueError(
+                "the URL holds a password: remove it, and put the password in the "
+                "environment variable named by database_password_env "
+                "(DEPLOYBOT_DATABASE_PASSWORD by default); the URL is shown in logs"
+            )
+        if not parts.hostname or not parts.path.strip("/"):
+            raise ValueError(
+                "a PostgreSQL URL names a host and a database, as in "
+                "postgresql://deploybot@db.example.com:5432/deploybot"
+            )
+        return value
+
+    @property
+    def database_password(self) -> str | None:
+        """PostgreSQL's password from the environment (None: libpq's PGPASSWORD or
+        ~/.pgpass may still supply one)."""
+        return os.environ.get(self.database_password_env) or None
 
     @model_validator(mode="after")
     def _references(self) -> Settings:

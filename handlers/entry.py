@@ -11,12 +11,11 @@ from bot import gc
 from bot.cli import run
 from bot.models import JobState
 from bot.parser import DeployArgs, parse
-from bot.runtime import make_backend, running_deployer
+from bot.runtime import make_backend, open_store, running_deployer
 from bot.settings import Settings
 from handlers import messages
 from handlers.demo import run_demo
 from handlers.terminal import Shell, TerminalThread
-from store.db import Store
 
 
 async def demo(args: argparse.Namespace, settings: Settings) -> int:
@@ -60,7 +59,7 @@ async def history(args: argparse.Namespace, settings: Settings) -> int:
             choices = ", ".join(s.value for s in JobState)
             print(f"--state {args.state}: not a job state; use one of {choices}.", file=sys.stderr)
             return 2
-    store = await Store.open(settings.database)
+    store = await open_store(settings)
     try:
         jobs = await store.history(
             requester=args.user, state=state, name=args.name, limit=max(1, args.limit)
@@ -76,7 +75,7 @@ async def check_config(args: argparse.Namespace, settings: Settings) -> int:
     print("The configuration is valid.")
     print(f"  backends: {', '.join(f'{b.name} ({b.kind})' for b in settings.backends)}")
     print(f"  subnets: {', '.join(str(s.cidr) for s in settings.subnets)}")
-    print(f"  database: {settings.database}")
+    print(f"  database: {settings.database}")  # never holds a password (bot/settings.py)
     return 0
 
 
@@ -88,7 +87,7 @@ async def gc_command(args: argparse.Namespace, settings: Settings) -> int:
         print(messages.gc_unknown_backends(unknown, known), file=sys.stderr)
         return 2
     backends = {c.name: make_backend(c) for c in settings.backends if c.name in scope}
-    store = await Store.open(settings.database)
+    store = await open_store(settings)
     try:
         if args.apply:
             window_s = args.window_minutes * 60

@@ -175,8 +175,11 @@ class Store:
     ) -> bool:
         return await self._call(owners.claim, job_id, runner_id, now, until, tuple(states))
 
-    async def claimable(self, now: datetime, limit: int) -> list[tuple[str, str]]:
-        return await self._write(owners.claimable, now, limit)
+    async def claim_queued(
+        self, runner_id: str, now: datetime, until: datetime, limit: int
+    ) -> list[tuple[str, str]]:
+        """Claim up to `limit` unheld queued jobs for this runner: (id, backend) of each."""
+        return await self._write(owners.claim_queued, runner_id, now, until, limit)
 
     async def abandoned(self, now: datetime) -> list[Job]:
         return await self._call(owners.abandoned, now)

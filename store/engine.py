@@ -28,6 +28,10 @@ T = TypeVar("T")
 BUSY_TIMEOUT_MS = 10_000
 
 
+class Unavailable(Exception):
+    """The database cannot be reached or refuses us: the text says which and why."""
+
+
 class Engine(Protocol):
     """Runs store functions on a database. Contract:
 

@@ -122,15 +122,24 @@ def claim(
     return cursor.rowcount == 1
 
 
-def claimable(db: Db, now: datetime, limit: int) -> list[tuple[str, str]]:
-    """(id, backend) of queued jobs nobody holds, oldest first: what any runner with
-    room may claim."""
-    rows = db.execute(
-        f"SELECT id, backend FROM jobs WHERE state = 'queued' AND (owner IS NULL OR {_EXPIRED}) "
-        "ORDER BY created_at, rowid LIMIT :limit",
-        {"now": ts(now), "limit": limit},
-    ).fetchall()
-    return [(str(row[0]), str(row[1])) for row in rows]
+def claim_queued(
+    db: Db, runner_id: str, now: datetime, until: datetime, limit: int
+) -> list[tuple[str, str]]:
+    """Claim up to `limit` queued jobs that nobody holds, oldest first, in one statement;
+    (id, backend) of those now this runner's. On PostgreSQL, rows that another replica
+    is claiming at this moment are skipped rather than waited for (FOR UPDATE SKIP
+    LOCKED): replicas looking together take different jobs. SQLite has one writer at a
+    time, so there nothing is ever being claimed by another at the same moment."""
+    skip = " FOR UPDATE SKIP LOCKED" if db.dialect == "postgres" else ""
+    rows = db.query(
+        "UPDATE jobs SET owner = :me, lease_until = :until WHERE id IN ("
+        f"SELECT id FROM jobs WHERE state = 'queued' AND (owner IS NULL OR {_EXPIRED}) "
+        f"ORDER BY created_at, rowid LIMIT :limit{skip}) "
+        "RETURNING id, backend, created_at, rowid",
+        {"me": runner_id, "now": ts(now), "until": ts(until), "limit": limit},
+    )
+    rows.sort(key=lambda row: (row["created_at"], row["rowid"]))
+    return [(str(row["id"]), str(row["backend"])) for row in rows]
 
 
 def abandoned(db: Db, now: datetime) -> list[Job]:

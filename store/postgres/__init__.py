@@ -22,10 +22,12 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
+import psycopg
 from psycopg import errors
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg_pool import ConnectionPool
 
+from store.engine import Unavailable
 from store.owners import installation_id
 from store.postgres.db import PgDb
 from store.postgres.schema import migrate
@@ -80,7 +82,7 @@ class PostgresEngine:
         executor = ThreadPoolExecutor(max_workers=pool_size, thread_name_prefix="deploybot-pg")
         loop = asyncio.get_running_loop()
         try:
-            await loop.run_in_executor(executor, _open, pool)
+            await loop.run_in_executor(executor, _open, conninfo, redacted(url), pool)
         except BaseException:
             executor.shutdown(wait=False)
             await loop.run_in_executor(None, pool.close)
@@ -122,7 +124,14 @@ class PostgresEngine:
         self._executor.shutdown(wait=True)
 
 
-def _open(pool: ConnectionPool) -> None:
+def _open(conninfo: str, label: str, pool: ConnectionPool) -> None:
+    """Connect once by hand first: the pool only says it timed out, libpq says why
+    (refused, no such host, password authentication failed, certificate ...)."""
+    try:
+        with psycopg.connect(conninfo, connect_timeout=int(CONNECT_TIMEOUT_S)) as conn:
+            conn.autocommit = True
+            migrate(conn)
+    except psycopg.OperationalError as exc:
+        reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        raise Unavailable(f"{label}: {reason}") from exc
     pool.open(wait=True, timeout=CONNECT_TIMEOUT_S)
-    with pool.connection() as conn:
-        migrate(conn)
