@@ -426,3 +426,16 @@ class Notice(BaseModel):
     @property
     def urgent(self) -> bool:
         return self.kind in URGENT_NOTICES
+
+
+class Received(BaseModel):
+    """A command from chat, kept from before it is acknowledged until it has been carried
+    out and answered: a row of `inbox`. Should the process that took it die in between,
+    another one carries it out (its `key` is the delivery's dedupe key, so a command that
+    had already made its job is answered as such, not run twice)."""
+
+    key: str
+    user: str
+    channel: str
+    text: str
+    received_at: datetime

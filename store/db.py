@@ -20,10 +20,11 @@ from bot.models import (
     JobEvent,
     JobState,
     Notice,
+    Received,
     UserPrefs,
     utcnow,
 )
-from store import approvals, gc, jobs, outbox, owners, quarantine, users
+from store import approvals, gc, inbox, jobs, outbox, owners, quarantine, users
 from store.engine import Engine, SqliteEngine
 from store.jobs import AlreadyDelivered, DuplicateActive
 from store.quarantine import Quarantined, RowUnreadable
@@ -306,6 +307,19 @@ class Store:
 
     async def outbox_pending(self) -> int:
         return await self._call(outbox.pending_count)
+
+    # --- the inbox (store/inbox.py) ---------------------------------------------------
+
+    async def inbox_add(self, item: Received, me: str, until: datetime) -> bool:
+        return await self._write(inbox.add, item, me, until)
+
+    async def inbox_done(self, key: str, now: datetime) -> None:
+        await self._write(inbox.done, key, now)
+
+    async def inbox_claim_orphaned(
+        self, me: str, now: datetime, until: datetime, limit: int
+    ) -> list[Received]:
+        return await self._write(inbox.claim_orphaned, me, now, until, limit)
 
     # --- gc runs ------------------------------------------------------------------
 

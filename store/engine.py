@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sqlite3
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,6 +27,7 @@ from store.writer import Writer
 P = ParamSpec("P")
 T = TypeVar("T")
 BUSY_TIMEOUT_MS = 10_000
+WAL_ATTEMPTS = 100
 
 
 class Unavailable(Exception):
@@ -72,8 +74,8 @@ def _connect(path: Path) -> sqlite3.Connection:
     # meets it; decoded with replacement characters, its row fails validation instead and
     # is quarantined alone (store/quarantine.py).
     conn.text_factory = _decode
+    _into_wal(conn)
     for pragma in (
-        "journal_mode = WAL",
         "foreign_keys = ON",
         f"busy_timeout = {BUSY_TIMEOUT_MS}",
         "synchronous = NORMAL",
@@ -81,6 +83,20 @@ def _connect(path: Path) -> sqlite3.Connection:
         conn.execute(f"PRAGMA {pragma}")
     migrate(Database(conn))
     return conn
+
+
+def _into_wal(conn: sqlite3.Connection) -> None:
+    """Switching a new file to WAL needs it to itself for a moment, and SQLite answers
+    "database is locked" without waiting when another process is creating the schema
+    (its busy handler is not used there): try again for a while."""
+    for attempt in range(WAL_ATTEMPTS):
+        try:
+            conn.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or attempt == WAL_ATTEMPTS - 1:
+                raise
+            time.sleep(0.01 * (attempt + 1))  # on the store's thread, before it serves
 
 
 def _decode(data: bytes) -> str:

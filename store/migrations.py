@@ -213,7 +213,26 @@ def _v6(db: Database) -> None:
     )
 
 
-MIGRATIONS: list[Callable[[Database], None]] = [_v1, _v2, _v3, _v4, _v5, _v6]
+def _v7(db: Database) -> None:
+    """Commands received from chat and not yet carried out (store/inbox.py)."""
+    db.table("inbox").create(
+        {
+            "key": str,
+            "user_id": str,
+            "channel": str,
+            "body": str,
+            "received_at": str,
+            "holder": str,
+            "until": str,
+            "done_at": str,
+        },
+        pk="key",
+        not_null={"user_id", "channel", "body", "received_at"},
+    )
+    db.table("inbox").create_index(["done_at", "until"])
+
+
+MIGRATIONS: list[Callable[[Database], None]] = [_v1, _v2, _v3, _v4, _v5, _v6, _v7]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

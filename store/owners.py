@@ -90,6 +90,8 @@ def renew(db: Db, runner_id: str, now: datetime, until: datetime) -> list[Owned]
             f"UPDATE jobs SET lease_until = :until WHERE owner = :me AND state IN {_OWNED_SQL}",
             params,
         )
+        # Commands this runner took from chat and is still carrying out (store/inbox.py).
+        db.execute("UPDATE inbox SET until = :until WHERE holder = :me AND done_at IS NULL", params)
         rows = db.execute(
             f"SELECT id, state, cancel_requested FROM jobs "
             f"WHERE owner = :me AND state IN {_OWNED_SQL}",
@@ -166,6 +168,7 @@ def release(db: Db, runner_id: str, now: datetime) -> int:
             "UPDATE runners SET stopped_at = :now, lease_until = :now WHERE id = :me", params
         )
         db.execute("DELETE FROM outbox_claims WHERE holder = :me", params)
+        db.execute("UPDATE inbox SET until = '' WHERE holder = :me AND done_at IS NULL", params)
     return int(handed)
 
 
@@ -193,6 +196,7 @@ def declare_dead(db: Db, runner_id: str, now: datetime) -> None:
         )
         # Its chat deliveries too (store/outbox.py): another process tells what it could not.
         db.execute("UPDATE outbox_claims SET until = '' WHERE holder = :id", params)
+        db.execute("UPDATE inbox SET until = '' WHERE holder = :id AND done_at IS NULL", params)
 
 
 def request_cancel(db: Db, job_id: str, by: str) -> bool:

@@ -28,6 +28,7 @@ from slack_sdk.errors import SlackApiError
 from slack_sdk.http_retry.builtin_async_handlers import AsyncRateLimitErrorRetryHandler
 from slack_sdk.web.async_client import AsyncWebClient
 
+from bot import inbox
 from bot.errors import DeployBotError, UsageError
 from bot.models import check_ssh_key
 from bot.parser import (
@@ -183,13 +184,52 @@ class SlackBot:
             lines = messages.HELP.splitlines()
             await _answer_in_ack(ack, lines[0], lines)
             return
-        await ack()
         if isinstance(command, ShowSettings):
+            await ack()
             self.spawn(interact.open_settings(self, trigger, user, channel))
             return
+        key = f"command:{trigger}"
+        try:  # kept before the ack: should this process die, another carries it out
+            await inbox.receive(self.deployer, key, user, channel, text)
+        except Exception:
+            log.exception("could not keep a command by %s", user)
+            problem = messages.INTERNAL_ERROR.format(log=self.settings.log_file)
+            await _answer_in_ack(ack, problem, [problem])
+            return
+        await ack()
+        # A redelivery too: its dedupe key makes it answer with the job already made.
+        self.spawn(self.carry_out(key, command, user, channel))
+
+    async def carry_out(self, key: str, command: Command, user: str, channel: str) -> None:
+        """Run a kept command, answer the person, and strike it from the inbox."""
         mono = isinstance(command, Status | History)
-        work = self._run(command, user, channel, f"command:{trigger}")
-        self.spawn(self.answering(channel, user, work, mono=mono))
+        await self.answering(channel, user, self._run(command, user, channel, key), mono=mono)
+        await inbox.done(self.deployer, key)
+
+    async def sweep_inbox(self) -> int:
+        """Carry out the commands that a dead process took and never answered; how many
+        were found (each runs in a task of its own)."""
+        found = await inbox.orphans(self.deployer)
+        for item in found:
+            log.info(
+                "carrying out %s's command %s, left by a process that stopped", item.user, item.key
+            )
+            try:
+                command = parse(item.text)
+            except (UsageError, ValueError):  # it parsed when it came: nothing to redo
+                await inbox.done(self.deployer, item.key)
+                continue
+            self.spawn(self.carry_out(item.key, command, item.user, item.channel))
+        return len(found)
+
+    async def sweeping(self) -> None:
+        """`sweep_inbox` every ownership tick, for as long as the bot serves."""
+        while True:
+            await asyncio.sleep(self.settings.ownership.tick_s)
+            try:
+                await self.sweep_inbox()
+            except Exception:
+                log.exception("looking for commands left by stopped processes failed")
 
     async def _run(self, command: Command, user: str, channel: str, key: str) -> list[str]:
         d = self.deployer

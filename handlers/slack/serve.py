@@ -109,6 +109,8 @@ async def serve(
         # certificate, a misspelt network. In the background: a slow backend does not
         # hold up serving the others.
         checking = asyncio.create_task(_tell_problems(deployer.backends))
+        # Commands a stopped process acknowledged but never answered (bot/inbox.py).
+        sweeping = asyncio.create_task(bot.sweeping(), name="inbox-sweep")
         try:
             if address is not None:
                 await run_http(bot, address, ready, stop)
@@ -116,9 +118,10 @@ async def serve(
                 assert secrets.app_token is not None
                 await run_socket(bot, secrets.app_token, ready, stop)
         finally:
-            checking.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await checking
+            for task in (checking, sweeping):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             await bot.settle()
             # Running jobs finish (or roll back) first, so their outcomes can still be
             # told; what is not told within the grace period waits in the outbox.

@@ -78,8 +78,14 @@ _V6 = [
     "CREATE INDEX idx_quarantine_job_id ON quarantine (job_id)",
 ]
 
+_V7 = [
+    """CREATE TABLE inbox (key TEXT PRIMARY KEY, user_id TEXT NOT NULL, channel TEXT NOT NULL,
+        body TEXT NOT NULL, received_at TEXT NOT NULL, holder TEXT, until TEXT, done_at TEXT)""",
+    "CREATE INDEX idx_inbox_done_at_until ON inbox (done_at, until)",
+]
+
 # version -> the statements that bring the schema from the version before to it.
-STEPS: dict[int, list[str]] = {6: _V6}
+STEPS: dict[int, list[str]] = {6: _V6, 7: _V7}
 
 # What a constraint protects, as SQLite names it in its errors (store/sql.Conflict).
 CONSTRAINTS = {

@@ -1,0 +1,75 @@
+"""The inbox: commands from chat between their acknowledgement and their answer.
+
+Slack gets its acknowledgement within 3 s and never sends the command again; what the
+command asks (a deploy's checks against the hypervisor) often takes longer. So the
+command is written here before it is acknowledged, held by the runner that took it
+(leased like its jobs: renewed every tick, store/owners.py), and marked done once it
+was carried out and answered. A runner that dies in between leaves it undone with a
+lapsing lease, and another process takes it (`claim_orphaned`) and carries it out.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Any
+
+from bot.models import Received
+from store.sql import Db
+from store.tx import ts
+
+DONE_KEPT_DAYS = 7
+
+
+def add(db: Db, item: Received, me: str, until: datetime) -> bool:
+    """Keep a command for this runner; False when its key was received before."""
+    return (
+        db.execute(
+            "INSERT INTO inbox (key, user_id, channel, body, received_at, holder, until) "
+            "VALUES (:key, :user, :channel, :body, :at, :me, :until) "
+            "ON CONFLICT (key) DO NOTHING",
+            {
+                "key": item.key,
+                "user": item.user,
+                "channel": item.channel,
+                "body": item.text,
+                "at": ts(item.received_at),
+                "me": me,
+                "until": ts(until),
+            },
+        ).rowcount
+        == 1
+    )
+
+
+def done(db: Db, key: str, now: datetime) -> None:
+    """The command was carried out and answered; forget those done long ago."""
+    db.execute("UPDATE inbox SET done_at = ?, holder = NULL WHERE key = ?", [ts(now), key])
+    forgotten = ts(now - timedelta(days=DONE_KEPT_DAYS))
+    db.execute("DELETE FROM inbox WHERE done_at < ?", [forgotten])
+
+
+def claim_orphaned(db: Db, me: str, now: datetime, until: datetime, limit: int) -> list[Received]:
+    """Take up to `limit` undone commands whose holder's lease has lapsed, oldest first,
+    in one statement (on PostgreSQL skipping those another replica is taking now)."""
+    skip = " FOR UPDATE SKIP LOCKED" if db.dialect == "postgres" else ""
+    rows = db.query(
+        "UPDATE inbox SET holder = :me, until = :until WHERE key IN ("
+        "SELECT key FROM inbox WHERE done_at IS NULL AND (until IS NULL OR until < :now) "
+        f"ORDER BY received_at LIMIT :limit{skip}) "
+        "RETURNING key, user_id, channel, body, received_at",
+        {"me": me, "now": ts(now), "until": ts(until), "limit": limit},
+    )
+    items = [_item(row) for row in rows]
+    return sorted(items, key=lambda item: item.received_at)
+
+
+def _item(row: dict[str, Any]) -> Received:
+    return Received.model_validate(
+        {
+            "key": row["key"],
+            "user": row["user_id"],
+            "channel": row["channel"],
+            "text": row["body"],
+            "received_at": datetime.strptime(row["received_at"], "%Y-%m-%dT%H:%M:%S.%fZ"),
+        }
+    )
