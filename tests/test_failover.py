@@ -2,10 +2,14 @@
 database, the fake Proxmox server as the hypervisor; thirty deploys asked of them in
 turn, and two of the three SIGKILLed, one after the other, while each runs a deploy.
 
-Then: every job is final and ran once (one clone at most, no step after its rollback
-began), the server's VMs are exactly the succeeded jobs' VMs, and every Slack thread
+Commands acknowledged by a replica that dies before making them into jobs are carried
+out by another (bot/inbox.py). Then: thirty jobs, every one final and run once (one
+clone at most, no step after its rollback began), only the killed replicas' deploys
+failed, the server's VMs are exactly the succeeded jobs' VMs, and every Slack thread
 ends with its outcome. Printed: the time from each kill to the moment no job is held by
-the dead replica any more (its jobs taken over by a live one).
+the dead replica any more (its jobs taken over by a live one). The replicas share one
+machine here, so a live one sees the dead one's process gone and takes over at once;
+on separate machines the takeover waits for the lease (`[ownership] lease_s`).
 """
 
 from __future__ import annotations
@@ -56,10 +60,6 @@ def running_on(url: str, pid: int) -> tuple[str, str] | None:
         (pid,),
     )
     return (str(found[0][0]), str(found[0][1])) if found else None
-
-
-def recorded(url: str, asked: int) -> bool:
-    return int(rows(url, "SELECT count(*) FROM jobs")[0][0]) == asked
 
 
 def released(url: str, runner: str) -> bool:
@@ -131,10 +131,6 @@ def test_failover_replicas_on_postgres_survive_two_kills(
         for _ in range(DEPLOYS // 2):  # half now, half after the first kill
             ask_in_slack(live[asked % len(live)], slack, f"f{asked:02d} 127.0.10.{100 + asked}")
             asked += 1
-        # Every request asked so far is a job before the kill: a command that Slack
-        # has been answered for but that is not yet in the store is not in any
-        # replica's care (see README, "Running highly available").
-        until(partial(recorded, pg_url, asked), slack, f"{asked} jobs recorded")
         runner, name = until(partial(running_on, pg_url, victim.popen.pid), slack, "a deploy")
         os.kill(victim.popen.pid, signal.SIGKILL)
         killed_at = time.monotonic()
@@ -146,11 +142,11 @@ def test_failover_replicas_on_postgres_survive_two_kills(
     jobs = check_runs(pg_url)
     errors = {str(e) for (e,) in rows(pg_url, "SELECT error FROM jobs WHERE state = 'failed'")}
     assert errors <= {"interrupted by a restart of the bot"}, errors  # only the killed ones
-    assert len(jobs) == DEPLOYS, (
-        sorted(set(f"f{i:02d}" for i in range(DEPLOYS)) - set(jobs)),
-        [c.args for c in slack.fake.calls if "f0" in str(c.args) or "f1" in str(c.args)][-8:],
-        [line for r in replicas for line in r.lines if "ERROR" in line or "WARN" in line][:20],
-    )
+    # Commands acknowledged but not yet made into jobs when their replica died were
+    # carried out by another (bot/inbox.py): thirty asked, thirty jobs.
+    assert len(jobs) == DEPLOYS, sorted({f"f{i:02d}" for i in range(DEPLOYS)} - set(jobs))
+    undone = rows(pg_url, "SELECT key FROM inbox WHERE done_at IS NULL")
+    assert not undone, undone
     check_vms(jobs, fake_pve)
     survivor = live[0]
     survivor.popen.send_signal(signal.SIGTERM)
