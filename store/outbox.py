@@ -23,19 +23,18 @@ from store.sql import Db, immediate
 from store.tx import ts
 
 DELIVERED_KEPT_DAYS = 7
-OUTBOX_LOCK = 0x6F75_7462_6F78  # any fixed number: the key of the outbox's turn
 
 
 def add(db: Db, notices: Iterable[Notice], state: JobState | None = None) -> None:
     """Inside the caller's transaction: keep the notices of jobs followed in chat, each
     with the job's state as the change left it (`state`, unless the notice has one)."""
     notices = list(notices)
-    if notices and db.dialect == "postgres":
+    if notices:
         # Deliverers read on from the last id they saw (`new_since`), so ids must become
         # visible in increasing order. SQLite commits one writer at a time; PostgreSQL
         # hands out ids as transactions run and commits them in any order, so the
         # transactions that add notices take turns, until their commit, from here.
-        db.execute("SELECT pg_advisory_xact_lock(?)", [OUTBOX_LOCK])
+        db.lock("outbox")
     for notice in notices:
         if notice.state is None and state is not None:
             notice = notice.model_copy(update={"state": state})

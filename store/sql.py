@@ -69,8 +69,15 @@ class Db(Protocol):
         ...
 
     def transaction(self) -> AbstractContextManager[None]:
-        """All or nothing. A write transaction that no other writer can overtake between
-        its reads and its writes; inside a transaction already, a savepoint."""
+        """All or nothing; inside a transaction already, a savepoint. Every state change
+        is one compare-and-set statement (an UPDATE naming what it expects), which is
+        safe on both databases; a function that reads and then writes what it read
+        takes `lock` first."""
+        ...
+
+    def lock(self, name: str) -> None:
+        """Inside a transaction: wait until no other transaction holds `name`, and hold
+        it until this one ends. (SQLite's BEGIN IMMEDIATE holds the whole database.)"""
         ...
 
 
@@ -122,6 +129,9 @@ class SqliteDb:
 
     def transaction(self) -> AbstractContextManager[None]:
         return _sqlite_transaction(self.conn)
+
+    def lock(self, name: str) -> None:
+        pass  # one writer at a time already
 
 
 def _sqlite_what(exc: sqlite3.IntegrityError) -> str:

@@ -51,6 +51,7 @@ def put_prefs(db: Db, prefs: UserPrefs) -> None:
 def add_key(db: Db, user: str, key: str, max_keys: int) -> UserPrefs | None:
     """Append a key (once) in one transaction; None when the user already has `max_keys`."""
     with immediate(db):
+        db.lock(f"user_prefs:{user}")  # read, then write what was read
         try:
             prefs = get_prefs(db, user)
         except RowUnreadable:  # quarantined with its raw text: the new key replaces it

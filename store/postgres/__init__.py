@@ -3,8 +3,8 @@
 The store's functions are the SQLite store's own (store/sql.py): one copy of every query
 and compare-and-set. They are synchronous, so they run on worker threads, each with a
 connection from psycopg's pool (psycopg_pool.ConnectionPool); the event loop only awaits
-them, as it does SQLite's thread. A function whose SERIALIZABLE transaction lost a race
-to another replica is run again from the start, on fresh reads.
+them, as it does SQLite's thread. A function whose transaction PostgreSQL chose as a
+deadlock's victim is run again from the start, on fresh reads.
 
 The password comes from the environment (`database_password_env`, or libpq's own
 PGPASSWORD / .pgpass), never from the URL; TLS options in the URL (`sslmode`,
@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 POOL_SIZE = 8
 CONNECT_TIMEOUT_S = 10.0
-# A transaction that lost a race is run again; so many times before its caller hears.
+# A deadlock's victim is run again; so many times before its caller hears.
 RACE_RETRIES = 20
 _RACES = (errors.SerializationFailure, errors.DeadlockDetected)
 
