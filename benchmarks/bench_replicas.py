@@ -66,7 +66,6 @@ max_running = {count}
 max_running_per_backend = {count}
 [slack]
 api_base_url = "{slack}"
-posts_per_second = 50
 """
 
 
@@ -143,7 +142,11 @@ async def run(
         for proc, _url in procs:
             proc.terminate()
         for proc, _url in procs:
-            proc.wait(timeout=60)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                print("a replica did not stop within 60 s of SIGTERM")
+                proc.kill()
     ordered = sorted(acks)
     return {
         "p50": statistics.median(ordered),
