@@ -33,6 +33,11 @@ async def check_on_backend(backends: Mapping[str, Backend], request: DeployReque
             f"template: {request.template!r} is not a template on {request.backend}; "
             + _choices(names, "templates", "see `/deploy templates`")
         )
+    # What the backend knows against the template as configured (a NIC its guest has
+    # no driver for): its VM would be built and then never answer.
+    chosen = next((t for t in templates if t.name == request.template), None)
+    if chosen is not None and chosen.problem:
+        problems.append(f"template: {chosen.problem}")
     places = [p.name for p in placements]
     if request.placement is not None and request.placement not in places:
         choices = ", ".join([*places, *backends])
