@@ -134,7 +134,7 @@ def fit(
     own = nics(props.get("config.hardware.device") or [])
     effective: str
     if model is not None:
-        effective, why = model, f"os_profiles.{name}.nic_model of backend {backend}"
+        effective, why = model, f"os_profiles.{name}.nic_model"
     elif own:
         effective, why = model_name(own[0]), "the template's own NIC, kept"
     else:
