@@ -18,6 +18,7 @@ from pyVmomi import vim
 
 from backends.base import CloneSpec, PermanentError
 from backends.vsphere import Config
+from bot.admission import problems_at_start
 from bot.errors import ConfigError, RequestInvalid
 from bot.models import JobState
 from bot.parser import DeployArgs, parse
@@ -171,6 +172,15 @@ async def test_vmxnet3_without_tools_is_refused_before_anything_exists(
     assert 'nic_model = "e1000e" in [backends.os_profiles.lab]' in message
     assert "try again" not in message
     assert vcenter.sim.vms() == before
+
+
+async def test_serve_warns_of_the_template_at_start(vcenter: Simulated) -> None:
+    backends = {"vcenter": vcenter.sim.backend(**profile("vmxnet3"))}
+    try:
+        (problem,) = await problems_at_start(backends)
+    finally:
+        await backends["vcenter"].close()
+    assert problem.startswith(f"backend vcenter: template {TEMPLATE} on vcenter would get")
 
 
 async def test_a_templates_own_vmxnet3_without_tools_is_refused(esxi: Simulated) -> None:
