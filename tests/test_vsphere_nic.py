@@ -8,6 +8,7 @@ Tools is refused before anything exists, at request time too, naming the fix."""
 
 from __future__ import annotations
 
+import tomllib
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -273,3 +274,15 @@ def test_a_family_needs_no_template_os_entry() -> None:
     )
     assert config.os_profiles["ubuntu"].nic_model == "vmxnet3"
     assert Config.model_validate(vsphere_entry()).os_profiles == {}
+
+
+def test_the_examples_profiles_in_the_bundled_config_validate() -> None:
+    """The commented Proxmox and vSphere entries of the example, uncommented."""
+    from backends.proxmox import Config as ProxmoxConfig
+
+    text = BUNDLED_CONFIG.read_text(encoding="utf-8")
+    block = text[text.index('# [[backends]]\n# kind = "vsphere"') : text.index("# Addresses")]
+    lines = [line[2:] if line.startswith("# ") else "" for line in block.splitlines()]
+    vsphere, proxmox = tomllib.loads("\n".join(lines))["backends"]
+    assert Config.model_validate(vsphere).os_profiles["ubuntu"].nic_model == "vmxnet3"
+    assert ProxmoxConfig.model_validate(proxmox).os_profiles["windows"].nic_model == "e1000"
