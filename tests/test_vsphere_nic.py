@@ -17,13 +17,14 @@ import pytest
 from pyVim.task import WaitForTask
 from pyVmomi import vim
 
-from backends.base import CloneSpec, PermanentError
+from backends.base import CloneSpec, PermanentError, Template
 from backends.vsphere import Config
 from bot.admission import problems_at_start
 from bot.errors import ConfigError, RequestInvalid
 from bot.models import JobState
 from bot.parser import DeployArgs, parse
 from bot.settings import BUNDLED_CONFIG, load_settings
+from handlers import messages
 from tests.contract import IDENTITY
 from tests.test_vsphere_pipeline import (
     Sshd,
@@ -286,3 +287,14 @@ def test_the_examples_profiles_in_the_bundled_config_validate() -> None:
     vsphere, proxmox = tomllib.loads("\n".join(lines))["backends"]
     assert Config.model_validate(vsphere).os_profiles["ubuntu"].nic_model == "vmxnet3"
     assert ProxmoxConfig.model_validate(proxmox).os_profiles["windows"].nic_model == "e1000"
+
+
+def test_the_template_list_says_which_are_refused_and_why() -> None:
+    found: dict[str, list[Template] | str] = {
+        "vcenter": [Template("ubuntu", "ubuntu"), Template("old", "other", problem="NO TOOLS")]
+    }
+    lines = messages.templates(found)
+    assert lines[:2] == [
+        "vcenter: ubuntu (ubuntu), old (other, refused)",
+        "vcenter: old is refused: NO TOOLS",
+    ]
