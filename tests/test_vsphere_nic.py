@@ -122,6 +122,30 @@ async def test_a_clone_gets_the_profiles_class_with_its_network_and_mac(
     assert nic.addressType == template_nic.addressType
 
 
+async def test_every_nic_of_a_clone_changes_class_and_the_first_stays_first(
+    vcenter: Simulated,
+) -> None:
+    """A template with two NICs: both are replaced in order, so the metadata still names
+    the first one's MAC and the second keeps its own network."""
+    template = template_vm(vcenter)
+    assert len(nics(template)) == 1
+    second = vim.vm.device.VirtualE1000(
+        key=-5, backing=CARD.NetworkBackingInfo(deviceName="VM Network"), addressType="generated"
+    )
+    host = template.runtime.host
+    template.MarkAsVirtualMachine(pool=host.parent.resourcePool, host=host)
+    add = vim.vm.device.VirtualDeviceSpec(operation="add", device=second)
+    WaitForTask(template.ReconfigVM_Task(vim.vm.ConfigSpec(deviceChange=[add])))
+    template.MarkAsTemplate()
+    vm = await deployed(vcenter, "jnic008", **profile("e1000e"))
+    first, other = nics(vm)
+    assert type(first) is type(other) is vim.vm.device.VirtualE1000e
+    assert isinstance(first.backing, CARD.DistributedVirtualPortBackingInfo)
+    assert isinstance(other.backing, CARD.NetworkBackingInfo)
+    assert other.backing.deviceName == "VM Network"
+    assert metadata_mac(vcenter, vm) == str(first.macAddress).lower()
+
+
 @pytest.mark.parametrize("status", ["", "guestToolsUnmanaged"])
 async def test_vmxnet3_for_a_template_with_tools(vcenter: Simulated, status: str) -> None:
     install_tools(vcenter, status)
