@@ -72,3 +72,34 @@ def cause(exc: BaseException, kind: type[E]) -> E | None:
         todo += [reason] if isinstance(reason, BaseException) else []
         todo += [a for a in item.args if isinstance(a, BaseException)]
     return None
+
+
+def nic_model_choice(value: object, allowed: tuple[str, ...], hypervisor: str) -> str:
+    """A `nic_model` in an OS profile that deploybot cannot set on this hypervisor."""
+    return (
+        f"{value!r} is not a NIC model deploybot sets on {hypervisor}: use one of "
+        f"{', '.join(allowed)}, or leave nic_model out to keep the template's own NIC"
+    )
+
+
+def unknown_profile(template: str, profile: str, profiles: list[str]) -> str:
+    """`template_os` sends a template to a profile that does not exist."""
+    return (
+        f"template_os sends template {template!r} to OS profile {profile!r}, which is "
+        f"neither in os_profiles nor a guest OS family ({', '.join(profiles)}): add "
+        f"[backends.os_profiles.{profile}] or correct the name"
+    )
+
+
+def nic_needs_tools(backend: str, template: str, nic: str, why: str, profile: str) -> str:
+    """A template whose guest has no VMware Tools, deployed with a vmxnet NIC: the guest
+    has no driver for it and boots without network. Permanent: the template must change,
+    or the profile's NIC model."""
+    return (
+        f"template {template} on {backend} would get a {nic} NIC ({why}), which needs "
+        "VMware Tools in the guest, but vSphere reports no Tools installed in the template: "
+        "its VM would boot without network. Install open-vm-tools in the template and boot "
+        "it once, so that vSphere records them (deploybot also needs them to read the "
+        f'guest\'s address), or set nic_model = "e1000e" in [backends.os_profiles.{profile}] '
+        f"of backend {backend}."
+    )

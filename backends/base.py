@@ -160,6 +160,9 @@ class Template:
     storage: str | None = None
     disk_gib: int = 0
     default_user: str | None = None  # the image's login user, when the template knows it
+    # Why no deploy from it can work as configured (e.g. a vmxnet3 NIC for a guest
+    # without VMware Tools), in the backend's words; None: nothing known against it.
+    problem: str | None = None
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,11 @@ async def check_on_backend(backends: Mapping[str, Backend], request: DeployReque
             f"template: {request.template!r} is not a template on {request.backend}; "
             + _choices(names, "templates", "see `/deploy templates`")
         )
+    # What the backend knows against the template as configured (a NIC its guest has
+    # no driver for): its VM would be built and then never answer.
+    chosen = next((t for t in templates if t.name == request.template), None)
+    if chosen is not None and chosen.problem:
+        problems.append(f"template: {chosen.problem}")
     places = [p.name for p in placements]
     if request.placement is not None and request.placement not in places:
         choices = ", ".join([*places, *backends])
@@ -125,18 +130,21 @@ def check_login(request: DeployRequest) -> None:
 
 async def problems_at_start(backends: Mapping[str, Backend]) -> list[str]:
     """What an operator must fix before any request to a backend can succeed: it refuses
-    us (password, certificate, host name) or its configured network does not exist. A
-    backend that does not answer yet is no such problem: jobs wait for it."""
+    us (password, certificate, host name) or its configured network does not exist; and
+    templates no request can use as configured (`Template.problem`). A backend that
+    does not answer yet is no such problem: jobs wait for it."""
     problems = []
     for name, backend in backends.items():
         wanted = backend.default_network
         try:
-            await backend.templates()
+            templates = await backend.templates()
             networks = [n.name for n in await backend.networks()] if wanted else []
         except BackendError as exc:
             if not exc.retryable:
                 problems.append(f"backend {name}: {exc.message}")
             continue
+        # Requests for these are refused (check_on_backend); the operator hears it now.
+        problems += [f"backend {name}: {t.problem}" for t in templates if t.problem]
         if wanted and wanted not in networks:
             problems.append(
                 f"backend {name}: its network {wanted!r} does not exist there, so every "

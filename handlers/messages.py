@@ -227,10 +227,16 @@ def templates(found: dict[str, list[Template] | str]) -> list[str]:
         if isinstance(items, str):
             lines.append(f"{backend}: could not list templates: {items}.")
             continue
-        names = ", ".join(f"{t.name} ({t.os_family})" for t in items) or "none"
+        names = ", ".join(_template(t) for t in items) or "none"
         lines.append(f"{backend}: {names}")
+        lines += [f"{backend}: {t.name} is refused: {t.problem}" for t in items if t.problem]
     lines.append("Use one with template=NAME, e.g. /deploy web01 10.0.0.50 template=debian-12")
     return lines
+
+
+def _template(template: Template) -> str:
+    refused = ", refused" if template.problem else ""  # the reason follows the list
+    return f"{template.name} ({template.os_family}{refused})"
 
 
 def cancelling(job: Job) -> str:

@@ -17,6 +17,7 @@ from backends.vsphere.inherit import inherited_extra
 from tests.contract import IDENTITY
 from tests.vcsim_support import (
     TEMPLATE,
+    TOOLS_VERSION,
     Simulated,
     esxi_fixture,  # noqa: F401
     vcenter_fixture,  # noqa: F401
@@ -50,7 +51,7 @@ VCSIM_CLONE_DROPS = {
 
 def configure_template(lab: Simulated) -> None:
     """Give the template the settings above: extraConfig, EFI with secure boot, version,
-    guest OS, a vmxnet3 NIC and its disk on an LSI Logic SAS controller."""
+    guest OS, a vmxnet3 NIC (and the Tools it needs) and its disk on an LSI Logic SAS controller."""
     template = next(v for v in lab.sim.datacenter.vmFolder.childEntity if v.name == TEMPLATE)
     devices = template.config.hardware.device
     nic = next(d for d in devices if isinstance(d, vim.vm.device.VirtualEthernetCard))
@@ -75,6 +76,9 @@ def configure_template(lab: Simulated) -> None:
         guestId="ubuntu64Guest",
         extraConfig=[vim.option.OptionValue(key=k, value=v) for k, v in {**EXTRA, **OWN}.items()],
         deviceChange=remove + add,
+        # A vmxnet3 template has VMware Tools (else deploybot refuses it): a version
+        # vSphere saw, as a template that ran open-vm-tools keeps while off.
+        tools=vim.vm.ToolsConfigInfo(toolsVersion=TOOLS_VERSION),
     )
     # A template takes only a new name or annotation: back to a VM for the change.
     host = template.runtime.host

@@ -46,6 +46,9 @@ SIMULATOR_SRC = GOPATH_SYSTEM / "src/github.com/vmware/govmomi/simulator"
 TEMPLATE = "ubuntu-24.04"
 PASSWORD_ENV = "VCSIM_PASSWORD"
 PASSWORD = "vcsim-test-Secret-7f3a"  # vcsim takes any; tests check it never shows
+# `config.tools.toolsVersion` of a guest running open-vm-tools (guest-managed Tools report
+# MAXINT); vcsim's VMs have 0, no Tools.
+TOOLS_VERSION = 2147483647
 
 
 def unavailable(reason: str) -> NoReturn:

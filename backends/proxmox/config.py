@@ -14,6 +14,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from backends.advice import nic_model_choice
 from backends.base import BackendConfig, PermanentError
 from backends.proxmox.api import ApiSettings, Credentials
 from backends.proxmox.pacing import PollTiming
@@ -21,14 +22,28 @@ from backends.proxmox.pacing import PollTiming
 log = logging.getLogger(__name__)
 
 
+NIC_MODELS: tuple[str, ...] = ("virtio", "e1000", "vmxnet3", "rtl8139")
+
+
 class OSProfile(BaseModel):
-    """Per guest OS family: CPU baseline (None: the site default), login user, NIC model."""
+    """Per guest OS family: CPU baseline (None: the site default), login user, NIC model
+    (None: the template's own)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     cpu: str | None = None
     user: str = "ubuntu"
-    nic_model: str = "virtio"
+    # Whether the guest has a driver for it cannot be read from the API: virtio is in
+    # every Linux kernel, so it is trusted for Linux profiles; a Windows guest needs the
+    # virtio-win drivers in its template, otherwise its profile must say e1000.
+    nic_model: Literal["virtio", "e1000", "vmxnet3", "rtl8139"] | None = None
+
+    @field_validator("nic_model", mode="before")
+    @classmethod
+    def _known_nic(cls, value: object) -> object:
+        if value is not None and value not in NIC_MODELS:
+            raise ValueError(nic_model_choice(value, NIC_MODELS, "Proxmox"))
+        return value
 
 
 DEFAULT_PROFILES: dict[str, OSProfile] = {

@@ -162,23 +162,28 @@ def size_text(size_bytes: int) -> str:
     return str(size_bytes)
 
 
-def nic_with(net0: str | None, model: str, bridge: str | None) -> str | None:
-    """`net0` with the profile's NIC model and the configured bridge, keeping the MAC
-    and every other option; None when nothing would change."""
+def nic_with(net0: str | None, model: str | None, bridge: str | None) -> str | None:
+    """`net0` with the profile's NIC model (None: the template's) and the configured
+    bridge, keeping the MAC and every other option (tag, firewall, ...); None when
+    nothing would change. Both spellings are read: `virtio=<MAC>,...` (what Proxmox
+    writes) and `model=virtio,macaddr=<MAC>,...`; a changed one is written in the first."""
     if not net0:
         return None
     parts = net0.split(",")
     head, rest = parts[0], parts[1:]
     current, _, mac = head.partition("=")
-    if current not in _NIC_MODELS:
-        return None  # `model=` or `macaddr=` spelling: leave the template's choice alone
     options = dict(p.split("=", 1) for p in rest if "=" in p)
+    if current == "model":
+        current, mac = mac, options.pop("macaddr", "")
+    if current not in _NIC_MODELS:
+        return None  # not a NIC line this reads: leave the template's choice alone
+    new_model = model or current
     new_bridge = bridge or options.get("bridge")
-    if current == model and new_bridge == options.get("bridge"):
+    if new_model == current and new_bridge == options.get("bridge"):
         return None
     if new_bridge:
         options["bridge"] = new_bridge
-    head = f"{model}={mac}" if mac else model
+    head = f"{new_model}={mac}" if mac else new_model
     return ",".join([head, *(f"{k}={v}" for k, v in options.items())])
 
 

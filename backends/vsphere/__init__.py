@@ -63,6 +63,7 @@ from backends.vsphere.inventory import (
     tags,
     vm_info,
 )
+from backends.vsphere.nic import OSProfile, check_template_os
 from backends.vsphere.session import (
     RETRYABLE_FAULTS,
     WAIT_SLICE_S,
@@ -111,6 +112,10 @@ class Config(BackendConfig):
     # cloud-init's manage_etc_hosts for the guests: true rewrites /etc/hosts (with the
     # FQDN) at every boot, "localhost" keeps only its own line, false leaves it alone.
     manage_etc_hosts: EtcHosts = True
+    # NIC model per OS profile (`nic`): a profile is a guest OS family or a name that
+    # template_os gives a template. No profile or no nic_model: the template's NIC.
+    os_profiles: dict[str, OSProfile] = Field(default_factory=dict)
+    template_os: dict[str, str] = Field(default_factory=dict)
     api_threads: int = Field(default=32, ge=4, le=256)
     request_timeout_s: float = Field(default=90, gt=WAIT_SLICE_S)
     cancel_wait_s: float = Field(default=60, gt=0)
@@ -125,6 +130,7 @@ class Config(BackendConfig):
             )
         if self.ca_bundle is not None and not self.verify_tls:
             raise ValueError("ca_bundle is set but verify_tls = false: drop one of the two")
+        check_template_os(self.template_os, self.os_profiles)
         return self
 
     @property
@@ -224,7 +230,9 @@ class VSphereBackend:
                 size_kb = sum(d.capacityInKB for d in disks(p["config.hardware.device"]))
                 family = os_family(str(p.get("config.guestId") or ""))
                 store = next((s for s in stores if s), None)
-                found.append(Template(p["name"], family, None, store, size_kb // KIB_PER_GIB))
+                problem = inv.nic_fit(p["name"], p).problem  # refused at request time
+                gib = size_kb // KIB_PER_GIB
+                found.append(Template(p["name"], family, None, store, gib, problem=problem))
             return sorted(found, key=lambda t: t.name)
 
         return await self._session.run(work, changes=False)

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from pyVmomi import vim, vmodl
 
 from backends.base import CloneSpec, NotOurVM, PermanentError, VMInfo, VMRef, parse_tag
+from backends.vsphere import nic
 from backends.vsphere.session import Conn, Props, Row
 
 if TYPE_CHECKING:
@@ -38,6 +39,7 @@ TEMPLATE_PATHS = [
     "config.guestId",
     "datastore",
     "config.hardware.device",
+    *nic.TOOLS_PATHS,  # whether its guest can drive a vmxnet NIC
 ]
 
 
@@ -77,6 +79,7 @@ class Plan:
     datastore: Any
     datastore_name: str
     network: Net | None
+    nic: nic.NicFit | None = None  # the NIC model a deploy of the template sets
 
 
 @dataclass(frozen=True)
@@ -282,13 +285,16 @@ class Inventory:
 
     def plan(self, conn: Conn, spec: CloneSpec) -> Plan:
         try:
-            return self._plan(conn, spec)
+            found = self._plan(conn, spec)
         except (vmodl.fault.ManagedObjectNotFound, PermanentError):
             # Perhaps the remembered shape is out of date (a datacenter or portgroup
             # removed or renamed): once more, with everything read afresh.
             if not self.forget():
                 raise
-            return self._plan(conn, spec)
+            found = self._plan(conn, spec)
+        if found.nic is not None and found.nic.problem:  # the template's, not a stale shape
+            raise PermanentError(found.nic.problem)
+        return found
 
     def _plan(self, conn: Conn, spec: CloneSpec) -> Plan:
         dc = self.datacenter(conn)
@@ -309,9 +315,16 @@ class Inventory:
         network = self.network(conn, dc, wanted_net) if wanted_net else None
         folder = self.folder(conn, dc, self.config.vm_folder)
         store, store_props = chosen[0]
-        return Plan(
+        plan = Plan(
             dc.obj, folder, pool, placement, template, config, store, store_props["name"], network
         )
+        return replace(plan, nic=self.nic_fit(spec.template, t_props))
+
+    def nic_fit(self, name: str, props: Props) -> nic.NicFit:
+        """The NIC model for template `name` (its TEMPLATE_PATHS) and whether it fits."""
+        family = os_family(str(props.get("config.guestId") or ""))
+        c = self.config
+        return nic.fit(self.name, c.os_profiles, c.template_os, name, family, props)
 
     def macs(self, conn: Conn) -> frozenset[str]:
         """The MAC of every NIC of every VM the session can see (on a standalone host:

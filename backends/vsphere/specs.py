@@ -19,7 +19,7 @@ from typing import Any
 from pyVmomi import vim
 
 from backends.base import CloneSpec, Identity, PermanentError, VMRef
-from backends.vsphere import guestinfo, inherit
+from backends.vsphere import guestinfo, inherit, nic
 from backends.vsphere.inventory import Net, Plan, disks
 from backends.vsphere.session import Props
 
@@ -47,7 +47,7 @@ def last_extra(props: Props, key: str) -> str | None:
 
 def first_nic(devices: list[Any]) -> Any | None:
     """The NIC deploybot configures: the first one, as `nic_changes` edits it."""
-    return next((d for d in devices if isinstance(d, vim.vm.device.VirtualEthernetCard)), None)
+    return next(iter(nic.nics(devices)), None)
 
 
 def nic_mac(props: Props) -> str | None:
@@ -167,13 +167,22 @@ class Disks:
 
 
 def nic_changes(
-    devices: list[Any], network: Net | None, *, edit: bool, mac: str | None = None
+    devices: list[Any],
+    network: Net | None,
+    *,
+    edit: bool,
+    mac: str | None = None,
+    model: str | None = None,
 ) -> list[Any]:
     """The template's first NIC on `network`: edited in place for a clone (vCenter gives
-    the clone's NIC a MAC of its own), added anew (same model) for a created VM with
-    the MAC `mac` set by hand (None: left for the host to generate at power-on); an
-    e1000e, which every guest drives, when the template has no NIC."""
-    nics = [d for d in devices if isinstance(d, vim.vm.device.VirtualEthernetCard)]
+    the clone's NIC a MAC of its own), added anew for a created VM with the MAC `mac` set
+    by hand (None: left for the host to generate at power-on); an e1000e, which every
+    guest drives, when the template has no NIC. `model` (vmxnet3, e1000e, e1000; None:
+    the template's class) is the adapter class: see `_replaced` for a clone."""
+    nics = nic.nics(devices)
+    cls = nic.CLASSES[model] if model else None
+    if edit and nics and cls is not None and any(type(n) is not cls for n in nics):
+        return _replaced(nics, cls, network)
     if network is None and (edit or not nics):
         return []  # a clone keeps the template's NIC as it is
     backing = network.backing() if network else nics[0].backing
@@ -181,13 +190,41 @@ def nic_changes(
         startConnected=True, allowGuestControl=True, connected=False
     )
     if nics and edit:
-        nic = nics[0]
-        nic.backing, nic.connectable = backing, connect
-        return [DeviceSpec(operation=DeviceSpec.Operation.edit, device=nic)]
-    model = type(nics[0]) if nics else vim.vm.device.VirtualE1000e
+        first = nics[0]
+        first.backing, first.connectable = backing, connect
+        return [DeviceSpec(operation=DeviceSpec.Operation.edit, device=first)]
+    card = cls or (type(nics[0]) if nics else nic.CLASSES[nic.FALLBACK])
     address = {"addressType": "manual", "macAddress": mac} if mac else {"addressType": "generated"}
-    nic = model(key=-300, backing=backing, connectable=connect, **address)
-    return [DeviceSpec(operation=DeviceSpec.Operation.add, device=nic)]
+    added = card(key=-300, backing=backing, connectable=connect, **address)
+    return [DeviceSpec(operation=DeviceSpec.Operation.add, device=added)]
+
+
+def _replaced(nics: list[Any], cls: Any, network: Net | None) -> list[Any]:
+    """A clone's NICs in another class. vSphere cannot change a device's class by an
+    edit: each NIC is removed and added again as `cls`, carrying its MAC (address type
+    and address), backing (the first one's: `network` when given), connection settings
+    and PCI slot (the guest names the interface after the slot). All of them, in order,
+    so that the first NIC stays the first (`first_nic`: the one cloud-init configures)
+    and no NIC of the old class is left for a guest that cannot drive it."""
+    changes = [DeviceSpec(operation=DeviceSpec.Operation.remove, device=n) for n in nics]
+    for index, old in enumerate(nics):
+        backing = network.backing() if network and index == 0 else old.backing
+        connect = old.connectable
+        if network and index == 0:
+            connect = vim.vm.device.VirtualDevice.ConnectInfo(
+                startConnected=True, allowGuestControl=True, connected=False
+            )
+        new = cls(
+            key=-300 - index,
+            backing=backing,
+            connectable=connect,
+            addressType=old.addressType,
+            macAddress=old.macAddress,
+            slotInfo=old.slotInfo,
+            wakeOnLanEnabled=old.wakeOnLanEnabled,
+        )
+        changes.append(DeviceSpec(operation=DeviceSpec.Operation.add, device=new))
+    return changes
 
 
 def clone_spec(
@@ -208,7 +245,7 @@ def clone_spec(
     config = vim.vm.ConfigSpec(
         instanceUuid=ref.vm_id,
         annotation=note,
-        deviceChange=nic_changes(devices, plan.network, edit=True),
+        deviceChange=nic_changes(devices, plan.network, edit=True, model=_model(plan)),
         # The MAC is vCenter's to assign in the clone: the metadata follows it (_settle).
         **(guest.fields(hw.numCoresPerSocket, None) if guest else {}),
     )
@@ -232,8 +269,8 @@ def create_spec(
     metadata naming that MAC) instead of the template's when given."""
     config = plan.template_config
     hw = config.hardware
-    nic = nic_changes(hw.device, plan.network, edit=False, mac=mac)
-    changes = _disk_changes(hw.device, copies, provisioning) + nic
+    nic_add = nic_changes(hw.device, plan.network, edit=False, mac=mac, model=_model(plan))
+    changes = _disk_changes(hw.device, copies, provisioning) + nic_add
     # What a clone would keep of the template: guest OS, version, firmware, boot
     # options, flags, extraConfig but the template's own keys (`inherit`).
     fields = inherit.settings(config)
@@ -243,7 +280,7 @@ def create_spec(
         "memoryMB": hw.memoryMB,
     }
     if guest:
-        identity = guest.fields(hw.numCoresPerSocket, mac if nic else None)
+        identity = guest.fields(hw.numCoresPerSocket, mac if nic_add else None)
         identity["extraConfig"] = fields.pop("extraConfig") + identity["extraConfig"]
         hardware |= identity
     return vim.vm.ConfigSpec(
@@ -255,6 +292,10 @@ def create_spec(
         deviceChange=changes,
         **hardware,
     )
+
+
+def _model(plan: Plan) -> str | None:
+    return plan.nic.model if plan.nic is not None else None
 
 
 def _disk_changes(devices: list[Any], copies: dict[int, str], provisioning: Disks) -> list[Any]:
