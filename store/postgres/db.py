@@ -117,7 +117,6 @@ class PgDb:
             raise
         self.conn.execute(b"COMMIT")
 
-
     def lock(self, name: str) -> None:
         self.conn.execute(b"SELECT pg_advisory_xact_lock(hashtext(%s))", [name])
 
