@@ -192,6 +192,10 @@ async def main(count: int) -> None:
         with tempfile.TemporaryDirectory(prefix="bench-replicas-") as name:
             tmp = Path(name)
             rows = [("1 on SQLite", await run("sqlite", f"{tmp}/jobs.db", 1, count, tmp, fake))]
+            # One process on PostgreSQL too: the database's own cost, apart from the
+            # replicas' share of this machine's cores.
+            one = await run("pg1", cluster.new_database(), 1, count, tmp, fake)
+            rows.append(("1 on PostgreSQL", one))
             url = cluster.new_database()
             rows.append(("3 on PostgreSQL", await run("pg", url, 3, count, tmp, fake)))
     finally:
