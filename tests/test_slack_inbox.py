@@ -8,6 +8,9 @@ from datetime import timedelta
 from pathlib import Path
 
 from bot.models import Received, utcnow
+from bot.parser import DeployArgs
+from handlers.slack.interact import form_body
+from tests.conftest import TEST_KEY
 from tests.slack_support import ALICE, CHANNEL, Harness, is_reply, slack_bot
 
 
@@ -68,3 +71,16 @@ async def test_a_left_command_whose_job_exists_is_not_run_twice(tmp_path: Path) 
         jobs = await h.deployer.history()
         assert len(jobs) == 1
         assert any(f"I already have this request as job {jobs[0].id}" in t for t in answers(h))
+
+
+async def test_a_form_left_by_a_dead_process_is_deployed(tmp_path: Path) -> None:
+    args = DeployArgs(name="web04", address="10.0.0.53", cores=2, given=("cores",))
+    async with slack_bot(tmp_path) as h:
+        await leave_behind(h, "view:V-lost", form_body(args, (TEST_KEY,)))
+        assert await h.bot.sweep_inbox() == 1
+        await h.fake.wait_for(is_reply("ssh ubuntu@10.0.0.53"))
+        await h.settle()
+        [job] = await h.deployer.history()
+        assert (job.name, job.request.cores, job.request.ssh_keys) == ("web04", 2, (TEST_KEY,))
+        [(_key, _holder, done_at)] = inbox_rows(h)
+        assert done_at is not None

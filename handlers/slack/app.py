@@ -211,6 +211,8 @@ class SlackBot:
         were found (each runs in a task of its own)."""
         found = await inbox.orphans(self.deployer)
         for item in found:
+            if interact.resume_form(self, item):
+                continue
             log.info(
                 "carrying out %s's command %s, left by a process that stopped", item.user, item.key
             )

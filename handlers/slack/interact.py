@@ -11,6 +11,7 @@ importing app.py, which imports this one to register the listeners.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -22,8 +23,9 @@ from slack_bolt.context.ack.async_ack import AsyncAck
 from slack_sdk.errors import SlackApiError
 from slack_sdk.web.async_client import AsyncWebClient
 
+from bot import inbox
 from bot.errors import DeployBotError, Duplicate
-from bot.models import ACTIVE_STATES
+from bot.models import ACTIVE_STATES, Received
 from bot.parser import DeployArgs
 from bot.service import Deployer
 from bot.settings import Settings
@@ -217,9 +219,32 @@ async def _submit_form(
         await ack(response_action="errors", errors=result.errors)
         bot.spawn(bot.deployer.audit(user, "form", "; ".join(result.errors.values())))
         return
-    await ack()
     channel = str(json.loads(view.get("private_metadata") or "{}").get("channel", ""))
-    bot.spawn(_deploy_from_form(bot, result.args, result.keys, user, channel, str(view["id"])))
+    key = f"view:{view['id']}"
+    # Kept before the ack, as a command is: should this process die, another deploys it.
+    await inbox.receive(bot.deployer, key, user, channel, form_body(result.args, result.keys))
+    await ack()
+    bot.spawn(_deploy_from_form(bot, result.args, result.keys, user, channel, key))
+
+
+FORM = "form:"  # an inbox entry's text that is a submitted form, not a typed command
+
+
+def form_body(args: DeployArgs, keys: tuple[str, ...]) -> str:
+    return FORM + json.dumps({"args": dataclasses.asdict(args), "keys": list(keys)})
+
+
+def resume_form(bot: Host, item: Received) -> bool:
+    """Deploy a kept form submission left by a stopped process; False if `item` is not
+    one (it is a typed command)."""
+    if not item.text.startswith(FORM):
+        return False
+    data = json.loads(item.text.removeprefix(FORM))
+    fields = data["args"]
+    args = DeployArgs(**{**fields, "given": tuple(fields.get("given", ()))})
+    keys = tuple(data["keys"])
+    bot.spawn(_deploy_from_form(bot, args, keys, item.user, item.channel, item.key))
+    return True
 
 
 async def _held(bot: Host, args: DeployArgs, view: dict[str, Any]) -> dict[str, str]:
@@ -235,7 +260,7 @@ async def _held(bot: Host, args: DeployArgs, view: dict[str, Any]) -> dict[str, 
 
 
 async def _deploy_from_form(
-    bot: Host, args: DeployArgs, keys: tuple[str, ...], user: str, channel: str, view_id: str
+    bot: Host, args: DeployArgs, keys: tuple[str, ...], user: str, channel: str, key: str
 ) -> None:
     async def work() -> list[str]:
         job = await bot.deployer.request_deploy(
@@ -243,12 +268,13 @@ async def _deploy_from_form(
             user,
             ssh_keys=keys,
             origin=channel,
-            dedupe_key=f"view:{view_id}",
+            dedupe_key=key,
             check_free_first=True,
         )
         return [messages.accepted(job)]
 
     await bot.answering(channel, user, work())
+    await inbox.done(bot.deployer, key)
 
 
 # --- the settings modal ---------------------------------------------------------------
