@@ -1,4 +1,5 @@
-"""Several runners on one database (real SQLite file, one simulated hypervisor).
+"""Several runners on one database (a real SQLite file, and a real PostgreSQL database:
+each test runs on both), one simulated hypervisor.
 
 Each `Deployer` here is what one process would run: its own store connection, its own
 runner id, its own queue. Time is an injected clock, so a lease lapses when the test
@@ -14,6 +15,8 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from backends.sim import SimBackend
 from bot.models import Job, JobState, utcnow
 from bot.ownership import host_identity
@@ -27,6 +30,14 @@ from store.owners import RunnerRow
 from tests.conftest import Recorder, make_settings
 
 LEASE_S = 30.0
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def database(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """Where the runners keep their state: the ownership protocol holds on both stores."""
+    if request.param == "postgres":
+        return str(request.getfixturevalue("pg_url"))
+    return str(tmp_path / "jobs.db")
 
 
 class Clock:
@@ -55,7 +66,7 @@ async def runner(
     **options: Any,
 ) -> AsyncIterator[Deployer]:
     """One process's Deployer on the shared database and hypervisor."""
-    store = await Store.open(settings.database)
+    store = await Store.open(settings.database, password=settings.database_password)
     deployer = Deployer(
         settings, store, {"sim": sim}, progress or Recorder(), clock=clock, **options
     )
@@ -83,8 +94,14 @@ def destroys(sim: SimBackend) -> list[str]:
     return [vm for op, vm in sim.task_log if op == "destroy"]
 
 
-async def test_a_second_runner_leaves_the_first_ones_running_job_alone(tmp_path: Path) -> None:
-    settings, sim, held = make_settings(tmp_path), SimBackend("sim", time_scale=0.001), Recorder()
+async def test_a_second_runner_leaves_the_first_ones_running_job_alone(
+    tmp_path: Path, database: str
+) -> None:
+    settings, sim, held = (
+        make_settings(tmp_path, database=database),
+        SimBackend("sim", time_scale=0.001),
+        Recorder(),
+    )
     release = gate(held, "power_on")
     async with runner(settings, sim, progress=held) as first:
         job = await first.request_deploy(request("web01 10.0.0.50"), "alice")
@@ -102,8 +119,13 @@ async def test_a_second_runner_leaves_the_first_ones_running_job_alone(tmp_path:
 
 async def test_an_expired_lease_is_taken_over_once_and_the_old_owner_backs_off(
     tmp_path: Path,
+    database: str,
 ) -> None:
-    settings, sim, held = make_settings(tmp_path), SimBackend("sim", time_scale=0.001), Recorder()
+    settings, sim, held = (
+        make_settings(tmp_path, database=database),
+        SimBackend("sim", time_scale=0.001),
+        Recorder(),
+    )
     late = Clock()  # the other runners' clock: the first one's lease has lapsed for them
     release = gate(held, "power_on")
     async with runner(settings, sim, progress=held) as first:
@@ -128,10 +150,12 @@ async def test_an_expired_lease_is_taken_over_once_and_the_old_owner_backs_off(
     assert not interrupted
 
 
-async def test_two_runners_run_each_queued_job_exactly_once(tmp_path: Path) -> None:
-    settings = make_settings(tmp_path, limits={"max_running": 3, "max_running_per_backend": 3})
+async def test_two_runners_run_each_queued_job_exactly_once(tmp_path: Path, database: str) -> None:
+    settings = make_settings(
+        tmp_path, database=database, limits={"max_running": 3, "max_running_per_backend": 3}
+    )
     sim = SimBackend("sim", time_scale=0.001)
-    store = await Store.open(settings.database)
+    store = await Store.open(settings.database, password=settings.database_password)
     ids = []
     for n in range(8):  # queued by a process that is gone: nobody holds them
         made = build_request(request(f"q{n:02d} 10.0.0.{60 + n}"), settings, "alice")
@@ -154,9 +178,9 @@ async def test_two_runners_run_each_queued_job_exactly_once(tmp_path: Path) -> N
     assert len([op for op, _ in sim.task_log if op == "clone"]) == len(ids)
 
 
-async def test_a_graceful_shutdown_hands_queued_jobs_back(tmp_path: Path) -> None:
+async def test_a_graceful_shutdown_hands_queued_jobs_back(tmp_path: Path, database: str) -> None:
     limits = {"max_running": 1, "max_running_per_backend": 1}
-    settings = make_settings(tmp_path, limits=limits)
+    settings = make_settings(tmp_path, database=database, limits=limits)
     sim, held = SimBackend("sim", time_scale=0.001), Recorder()
     release = gate(held, "power_on")
     async with runner(settings, sim, progress=held) as first:
@@ -176,8 +200,13 @@ async def test_a_graceful_shutdown_hands_queued_jobs_back(tmp_path: Path) -> Non
 
 async def test_a_cancel_asked_in_another_process_is_carried_out_by_the_owner(
     tmp_path: Path,
+    database: str,
 ) -> None:
-    settings, sim, held = make_settings(tmp_path), SimBackend("sim", time_scale=0.001), Recorder()
+    settings, sim, held = (
+        make_settings(tmp_path, database=database),
+        SimBackend("sim", time_scale=0.001),
+        Recorder(),
+    )
     release = gate(held, "address")
     async with runner(settings, sim, progress=held) as owner:
         job = await owner.request_deploy(request("web01 10.0.0.50"), "alice")
@@ -193,8 +222,8 @@ async def test_a_cancel_asked_in_another_process_is_carried_out_by_the_owner(
     assert destroys(sim) == [final.vm_id] and not sim.vms
 
 
-async def test_a_one_shot_runner_never_takes_over(tmp_path: Path) -> None:
-    settings, sim = make_settings(tmp_path), SimBackend("sim", time_scale=0.001)
+async def test_a_one_shot_runner_never_takes_over(tmp_path: Path, database: str) -> None:
+    settings, sim = make_settings(tmp_path, database=database), SimBackend("sim", time_scale=0.001)
     late = Clock()
     late.advance(LEASE_S + 1)
     held = Recorder()
@@ -211,13 +240,15 @@ async def test_a_one_shot_runner_never_takes_over(tmp_path: Path) -> None:
         assert (await first.status(job.id)).job.state is JobState.SUCCEEDED
 
 
-async def test_a_dead_runner_on_this_host_frees_its_jobs_without_waiting(tmp_path: Path) -> None:
+async def test_a_dead_runner_on_this_host_frees_its_jobs_without_waiting(
+    tmp_path: Path, database: str
+) -> None:
     """A killed process's leases need not lapse: its pid is gone, so a restart recovers
     at once (the crash harnesses depend on it)."""
-    settings, sim = make_settings(tmp_path), SimBackend("sim", time_scale=0.001)
+    settings, sim = make_settings(tmp_path, database=database), SimBackend("sim", time_scale=0.001)
     gone = await asyncio.create_subprocess_exec("true")
     await gone.wait()  # reaped: its pid names no process now
-    store = await Store.open(settings.database)
+    store = await Store.open(settings.database, password=settings.database_password)
     now = utcnow()
     until = now + timedelta(hours=1)  # a lease far from lapsing
     await store.register_runner(
