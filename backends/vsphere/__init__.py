@@ -217,7 +217,7 @@ class VSphereBackend:
         def work(op: Op) -> list[Template]:
             inv = self._inventory
             dc = inv.datacenter(op.conn)
-            names = {o._moId: p["name"] for o, p in inv.datastores(op.conn, dc.obj)}
+            names = {o._moId: p["name"] for o, p in inv.datastore_names(op.conn, dc)}
             found = []
             for _obj, p in inv.templates(op.conn, dc):
                 stores = [names.get(d._moId) for d in p.get("datastore") or []]
@@ -258,13 +258,15 @@ class VSphereBackend:
         def work(op: Op) -> list[Placement]:
             found = []
             dc = self._inventory.datacenter(op.conn)
+            # Every pool in one read; those whose parent is a compute's root pool count.
+            pools = op.conn.contained(dc.host_folder, vim.ResourcePool, ["name", "parent"])
             for obj, p in self._inventory.computes(op.conn, dc):
                 kind = "cluster" if isinstance(obj, vim.ClusterComputeResource) else "host"
                 found.append(Placement(p["name"], kind))
-                root = op.conn.props(p["resourcePool"], vim.ResourcePool, ["resourcePool"])
-                children = list(root.get("resourcePool") or [])
-                for _c, c in op.conn.retrieve(children, vim.ResourcePool, ["name"]):
-                    found.append(Placement(f"{p['name']}/{c['name']}", "pool"))
+                root = p["resourcePool"]._moId
+                for _c, c in pools:
+                    if getattr(c.get("parent"), "_moId", None) == root:
+                        found.append(Placement(f"{p['name']}/{c['name']}", "pool"))
             return found
 
         return await self._session.run(work, changes=False)
@@ -322,6 +324,7 @@ class VSphereBackend:
                 )
             else:
                 vm = esxi.copy_and_create(op, spec, ref, use, guest, self._disks, self._inventory)
+            self._inventory.remember(ref.vm_id, vm)  # later steps: no FindByUuid
             self._settle(op, vm, ref, note, guest)
             how = "cloned" if op.conn.vcenter else "disk copied"
             net = f", NIC on {use.network.name}" if use.network else ""
@@ -446,6 +449,7 @@ class VSphereBackend:
             left = f"VM {p.get('name')} is still there (instance UUID {ref.vm_id})"
             if p.get("runtime.powerState") == POWERED_ON:
                 raise PermanentError(f"{left}: it is running; stop it first", vm_id=ref.vm_id)
+            self._inventory.remember(ref.vm_id, None)
             try:
                 op.wait(vm.Destroy_Task())
             except vmodl.fault.ManagedObjectNotFound:

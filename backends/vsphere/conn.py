@@ -124,6 +124,8 @@ class Conn:
     _views: dict[tuple[str, str], Any] = field(default_factory=dict)
     _views_login: int = 0
     _views_lock: threading.Lock = field(default_factory=threading.Lock)
+    _idle_collectors: list[Any] = field(default_factory=list)
+    _collectors_login: int = 0
 
     def collect(self, spec: Any) -> list[Row]:
         return self.stub.with_session(lambda: self._collect_once(spec))
@@ -158,13 +160,16 @@ class Conn:
         rows = self.retrieve([obj], kind, paths)
         return rows[0][1] if rows else {}
 
-    def contained(self, root: Any, kind: Any, paths: list[str]) -> list[Row]:
-        """Every object of `kind` under `root`, with `paths`, in one read (two when the
-        session's view of them has to be made first)."""
+    def contained(
+        self, root: Any, kind: Any, paths: list[str], more: tuple[tuple[Any, list[str]], ...] = ()
+    ) -> list[Row]:
+        """Every object of `kind` under `root`, with `paths` (and, for objects of a
+        subtype in `more`, its paths too), in one read (two when the session's view of
+        them has to be made first)."""
         for attempt in (1, 2):
             view = self._view(root, kind)
             try:
-                return self.collect(_through(view, kind, paths))
+                return self.collect(_through(view, ((kind, paths), *more)))
             except vmodl.fault.ManagedObjectNotFound as fault:
                 # The view went with an old login, or the root object went: forget the
                 # view and try once with a new one (which fails if the root is gone).
@@ -191,6 +196,27 @@ class Conn:
             if self._views.get(key) is view:
                 del self._views[key]
 
+    def take_collector(self) -> tuple[Any, int]:
+        """A PropertyCollector for one waiter alone, and the login it belongs to.
+
+        Waiters sharing a collector would steal each other's updates, but a collector
+        whose filter is gone can serve the next waiter: reusing them saves a
+        CreatePropertyCollector and a DestroyPropertyCollector per wait.
+        """
+        with self._views_lock:
+            if self._collectors_login != self.stub.generation:  # gone with the old login
+                self._idle_collectors, self._collectors_login = [], self.stub.generation
+            if self._idle_collectors:
+                return self._idle_collectors.pop(), self._collectors_login
+        collector = self.content.propertyCollector.CreatePropertyCollector()
+        return collector, self.stub.generation
+
+    def give_back(self, collector: Any, login: int) -> None:
+        """Return a collector without filters for the next waiter of the same login."""
+        with self._views_lock:
+            if login == self.stub.generation == self._collectors_login:
+                self._idle_collectors.append(collector)
+
     def find_vm(self, instance_uuid: str) -> Any | None:
         return self.content.searchIndex.FindByUuid(None, instance_uuid, True, True)
 
@@ -198,12 +224,13 @@ class Conn:
         return self.content.searchIndex.FindByInventoryPath(path)
 
 
-def _through(view: Any, kind: Any, paths: list[str]) -> Any:
-    """A filter spec reading `paths` of every object in a container view."""
+def _through(view: Any, props: tuple[tuple[Any, list[str]], ...]) -> Any:
+    """A filter spec reading, of every object in a container view, the paths its type
+    has in `props`."""
     query = vmodl.query.PropertyCollector
     view_type = vim.view.ContainerView
     traverse = query.TraversalSpec(name="view", type=view_type, path="view", skip=False)
     return query.FilterSpec(
         objectSet=[query.ObjectSpec(obj=view, skip=True, selectSet=[traverse])],
-        propSet=[query.PropertySpec(type=kind, pathSet=paths, all=False)],
+        propSet=[query.PropertySpec(type=k, pathSet=p, all=False) for k, p in props],
     )

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +32,8 @@ POWERED_ON = "poweredOn"
 # How long the datacenter and the networks found are trusted without reading them again
 # (a lookup that fails on them reads them again at once).
 SHAPE_TTL_S = 300.0
+# VMs whose object is remembered by instance UUID (oldest forgotten first).
+MAX_FOUND = 1024
 TEMPLATE_PATHS = [
     "name",
     "config.template",
@@ -39,6 +42,24 @@ TEMPLATE_PATHS = [
     "datastore",
     "config.hardware.device",
 ]
+
+# A remembered template is read whole in one request: `config` holds the parts above
+# and is what the clone or create spec copies.
+KNOWN_TEMPLATE_PATHS = ["name", "datastore", "config"]
+
+
+def _with_config_parts(p: Props) -> Props:
+    """TEMPLATE_PATHS' config parts taken from a whole `config`."""
+    config = p.get("config")
+    if config is None:
+        return p
+    parts = {
+        "config.template": config.template,
+        "config.annotation": config.annotation,
+        "config.guestId": config.guestId,
+        "config.hardware.device": config.hardware.device,
+    }
+    return {**p, **parts}
 
 
 @dataclass(frozen=True)
@@ -134,6 +155,8 @@ class Inventory:
         # The inventory's shape, which changes rarely: (when read, what).
         self._dc: tuple[float, Datacenter] | None = None
         self._nets: dict[str, tuple[float, Net]] = {}
+        self._rows: dict[str, tuple[float, list[Row]]] = {}  # computes, datastores
+        self._found: dict[str, Any] = {}  # instance UUID -> VM, checked at every use
 
     def datacenter(self, conn: Conn) -> Datacenter:
         """The configured datacenter, read again after SHAPE_TTL_S or a `forget`."""
@@ -149,8 +172,8 @@ class Inventory:
     def forget(self) -> bool:
         """Drop the remembered inventory shape; True when there was some."""
         with self._lock:
-            had = self._dc is not None or bool(self._nets)
-            self._dc, self._nets = None, {}
+            had = self._dc is not None or bool(self._nets) or bool(self._rows)
+            self._dc, self._nets, self._rows = None, {}, {}
         return had
 
     def _read_datacenter(self, conn: Conn) -> Datacenter:
@@ -166,9 +189,28 @@ class Inventory:
         return Datacenter(obj, p["name"], p["vmFolder"], p["hostFolder"])
 
     def computes(self, conn: Conn, dc: Datacenter) -> list[Row]:
+        """Clusters and hosts, remembered for SHAPE_TTL_S (a plan failing reads again)."""
+        return self._shape("computes", lambda: self._read_computes(conn, dc))
+
+    def _read_computes(self, conn: Conn, dc: Datacenter) -> list[Row]:
         rows = conn.contained(dc.host_folder, vim.ComputeResource, ["name", "resourcePool"])
         # Clusters first: under DRS, vSphere chooses the host.
         return sorted(rows, key=lambda r: not isinstance(r[0], vim.ClusterComputeResource))
+
+    def datastore_names(self, conn: Conn, dc: Datacenter) -> list[Row]:
+        """The datastores a plan chooses from, remembered like `computes` (the space
+        figures in these rows are not kept up to date: `datastores` has fresh ones)."""
+        return self._shape("datastores", lambda: self.datastores(conn, dc.obj))
+
+    def _shape(self, key: str, read: Callable[[], list[Row]]) -> list[Row]:
+        with self._lock:
+            cached = self._rows.get(key)
+        if cached is not None and time.monotonic() - cached[0] < SHAPE_TTL_S:
+            return cached[1]
+        rows = read()
+        with self._lock:
+            self._rows[key] = (time.monotonic(), rows)
+        return rows
 
     def pool(self, conn: Conn, dc: Datacenter, placement: str | None) -> tuple[Any, str]:
         """The resource pool for "COMPUTE" or "COMPUTE/POOL/...", and that name."""
@@ -226,11 +268,12 @@ class Inventory:
             known = self._templates.get(name)
         if known is not None:
             try:
-                rows = conn.retrieve([known], vim.VirtualMachine, TEMPLATE_PATHS)
+                rows = conn.retrieve([known], vim.VirtualMachine, KNOWN_TEMPLATE_PATHS)
             except vmodl.fault.ManagedObjectNotFound:
                 rows = []
-            if rows and rows[0][1].get("name") == name and self._is_template(rows[0][1]):
-                return rows[0]
+            p = _with_config_parts(rows[0][1]) if rows else {}
+            if p.get("name") == name and self._is_template(p):
+                return known, p
         rows = self.templates(conn, dc)
         for obj, p in rows:
             if p["name"] == name:
@@ -273,12 +316,9 @@ class Inventory:
         """The networks a NIC may use: every one but the uplink portgroups of distributed
         switches, which carry the hosts' physical NICs and no VM (vCenter refuses such
         a NIC only when the VM powers on)."""
-        rows = conn.contained(dc.obj, vim.Network, ["name"])
-        pg_type = vim.dvs.DistributedVirtualPortgroup
-        pgs = [o for o, _p in rows if isinstance(o, pg_type)]
-        uplinks = conn.retrieve(pgs, pg_type, ["config.uplink", "tag"])
-        skip = {o._moId for o, p in uplinks if p.get("config.uplink") or _uplink_tag(p)}
-        return [(o, p) for o, p in rows if o._moId not in skip]
+        pg_paths = (vim.dvs.DistributedVirtualPortgroup, ["config.uplink", "tag"])
+        rows = conn.contained(dc.obj, vim.Network, ["name"], (pg_paths,))  # one read
+        return [(o, p) for o, p in rows if not (p.get("config.uplink") or _uplink_tag(p))]
 
     def plan(self, conn: Conn, spec: CloneSpec) -> Plan:
         try:
@@ -294,7 +334,7 @@ class Inventory:
         dc = self.datacenter(conn)
         template, t_props = self.template(conn, dc, spec.template)
         pool, placement = self.pool(conn, dc, spec.placement)
-        stores = self.datastores(conn, dc.obj)
+        stores = self.datastore_names(conn, dc)
         wanted = spec.storage or self.config.datastore
         if wanted:
             chosen = [r for r in stores if r[1]["name"] == wanted]
@@ -304,7 +344,9 @@ class Inventory:
         if not chosen:
             known = ", ".join(sorted(p["name"] for _o, p in stores))
             raise PermanentError(f"no datastore {wanted!r} on {self.name} (have: {known})")
-        config = conn.props(template, vim.VirtualMachine, ["config"])["config"]
+        config = t_props.get("config")
+        if config is None:  # found by a fresh lookup, which does not read it all
+            config = conn.props(template, vim.VirtualMachine, ["config"])["config"]
         wanted_net = spec.network or self.config.network
         network = self.network(conn, dc, wanted_net) if wanted_net else None
         folder = self.folder(conn, dc, self.config.vm_folder)
@@ -337,14 +379,40 @@ class Inventory:
         return [vm_info(str(p.get("config.instanceUuid")), p) for _o, p in rows]
 
     def lookup(self, conn: Conn, vm_id: str, paths: tuple[str, ...] = ()) -> Row | None:
-        """The VM with this instance UUID and its properties; None when there is none."""
+        """The VM with this instance UUID and its properties; None when there is none.
+
+        The object a UUID was last found at is tried first: one read instead of a
+        FindByUuid and a read. It counts only if it still has that instance UUID (a
+        managed object id may name another VM after a database rebuild)."""
+        wanted = [*VM_PATHS, "config.instanceUuid", *paths]
+        with self._lock:
+            known = self._found.get(vm_id)
+        if known is not None:
+            try:
+                p = conn.props(known, vim.VirtualMachine, wanted)
+            except vmodl.fault.ManagedObjectNotFound:
+                p = {}
+            if p.get("config.instanceUuid") == vm_id:
+                return known, p
+            self.remember(vm_id, None)
         vm = conn.find_vm(vm_id)
         if vm is None:
             return None
         try:
-            return vm, conn.props(vm, vim.VirtualMachine, [*VM_PATHS, *paths])
+            found = vm, conn.props(vm, vim.VirtualMachine, wanted)
         except vmodl.fault.ManagedObjectNotFound:
             return None  # removed between the search and the read
+        self.remember(vm_id, vm)
+        return found
+
+    def remember(self, vm_id: str, vm: Any | None) -> None:
+        """Note (or, with None, forget) the object a VM's instance UUID names."""
+        with self._lock:
+            self._found.pop(vm_id, None)
+            if vm is not None:
+                self._found[vm_id] = vm
+                while len(self._found) > MAX_FOUND:
+                    self._found.pop(next(iter(self._found)))
 
     def ours(self, conn: Conn, ref: VMRef, paths: tuple[str, ...] = ()) -> Row | None:
         """Like `lookup`, but NotOurVM when the VM lacks the ref's job tag."""

@@ -4,9 +4,10 @@
 through the PropertyCollector, and the mapping of faults to backend errors.
 
 pyvmomi blocks, so every piece of work is a function run in the session's thread pool
-(`Session.run`). Waiting never polls: `Op.watch` creates a PropertyCollector of its own,
-long-polls `WaitForUpdatesEx` on the watched object and destroys the collector, so any
-number of concurrent waits share the session without stealing each other's updates.
+(`Session.run`). Waiting never polls: `Op.watch` takes a PropertyCollector of its own
+(an idle one of the session, else a new one), long-polls `WaitForUpdatesEx` on the
+watched object and destroys its filter, so any number of concurrent waits share the
+session without stealing each other's updates.
 
 A caller that gives up (a step timeout, a cancel) does not leave a change running
 unseen: the task being waited for is cancelled (or the long poll ended) and
@@ -132,23 +133,36 @@ class Op:
         return info.get("info.result")
 
     def watch(self, obj: Any, kind: Any, paths: list[str], done: Callable[[Props], T | None]) -> T:
-        """Long-poll `paths` of `obj` until `done(properties so far)` answers non-None."""
+        """Long-poll `paths` of `obj` until `done(properties so far)` answers non-None.
+
+        The collector is the session's idle one, if any: it has no filter but ours
+        while we wait, and goes back once our filter is destroyed (3 requests a wait,
+        plus one per further update, instead of 4)."""
         query = vmodl.query.PropertyCollector
-        pc = self.conn.content.propertyCollector.CreatePropertyCollector()
+        pc, login = self.conn.take_collector()
         with self._lock:
             self._collector = pc
+        reusable = False
         try:
             spec = query.FilterSpec(
                 objectSet=[query.ObjectSpec(obj=obj, skip=False)],
                 propSet=[query.PropertySpec(type=kind, pathSet=paths, all=False)],
             )
-            pc.CreateFilter(spec, False)
-            return self._updates(pc, done)
+            pc_filter = pc.CreateFilter(spec, False)
+            try:
+                return self._updates(pc, done)
+            finally:
+                with contextlib.suppress(*QUIET):
+                    pc_filter.DestroyPropertyFilter()
+                    reusable = True
         finally:
             with self._lock:
                 self._collector = None
-            with contextlib.suppress(*QUIET):
-                pc.DestroyPropertyCollector()
+            if reusable:
+                self.conn.give_back(pc, login)
+            else:  # a filter may be left on it: nobody else may use it
+                with contextlib.suppress(*QUIET):
+                    pc.DestroyPropertyCollector()
 
     def _updates(self, pc: Any, done: Callable[[Props], T | None]) -> T:
         options = vmodl.query.PropertyCollector.WaitOptions(maxWaitSeconds=WAIT_SLICE_S)
