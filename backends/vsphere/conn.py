@@ -126,6 +126,7 @@ class Conn:
     _views_lock: threading.Lock = field(default_factory=threading.Lock)
     _idle_collectors: list[Any] = field(default_factory=list)
     _collectors_login: int = 0
+    _trackers: dict[tuple[str, str, tuple[str, ...]], Tracker] = field(default_factory=dict)
 
     def collect(self, spec: Any) -> list[Row]:
         return self.stub.with_session(lambda: self._collect_once(spec))
@@ -217,11 +218,88 @@ class Conn:
             if login == self.stub.generation == self._collectors_login:
                 self._idle_collectors.append(collector)
 
+    def tracked(self, root: Any, kind: Any, paths: list[str]) -> dict[str, Row]:
+        """Every object of `kind` under `root` with `paths`, by id, as a `Tracker` of the
+        session keeps them: one request, whose answer holds only what changed."""
+        key = (root._moId, kind._wsdlName, tuple(paths))
+        with self._views_lock:
+            tracker = self._trackers.setdefault(key, Tracker(self, root, kind, paths))
+        return tracker.sync()
+
     def find_vm(self, instance_uuid: str) -> Any | None:
         return self.content.searchIndex.FindByUuid(None, instance_uuid, True, True)
 
     def find_path(self, path: str) -> Any | None:
         return self.content.searchIndex.FindByInventoryPath(path)
+
+
+class Tracker:
+    """A mirror of some properties of every object of a kind under a root, kept up to
+    date through a PropertyCollector filter of its own on the session's view of them.
+
+    The first `sync` reads them all (once per login); each later one is a single
+    `WaitForUpdatesEx` that returns at once (maxWaitSeconds 0) with the objects that
+    came, went or changed since the last, so a name or MAC check costs the same
+    request and bytes whatever the size of the inventory. vSphere has no server-side
+    filter by name; this is how its own clients keep an inventory without re-reading it.
+    """
+
+    def __init__(self, conn: Conn, root: Any, kind: Any, paths: list[str]) -> None:
+        self.conn, self.root, self.kind, self.paths = conn, root, kind, paths
+        self._lock = threading.Lock()  # one sync at a time: updates follow a version
+        self._collector: Any = None
+        self._login = -1
+        self._version = ""
+        self._rows: dict[str, Row] = {}
+
+    def sync(self) -> dict[str, Row]:
+        with self._lock:
+            for attempt in (1, 2):
+                if self._collector is None or self._login != self.conn.stub.generation:
+                    self._start()
+                try:
+                    self._pull()
+                    return dict(self._rows)
+                except vmodl.fault.ManagedObjectNotFound:
+                    # The collector or view went (with a login, or dropped by the
+                    # server): start again from a full read.
+                    self._collector = None
+                    if attempt == 2:
+                        raise
+            raise AssertionError("unreachable")
+
+    def _start(self) -> None:
+        login = self.conn.stub.generation
+        pc = self.conn.content.propertyCollector.CreatePropertyCollector()
+        view = self.conn._view(self.root, self.kind)
+        pc.CreateFilter(_through(view, ((self.kind, self.paths),)), False)
+        self._collector, self._login, self._version, self._rows = pc, login, "", {}
+
+    def _pull(self) -> None:
+        options = vmodl.query.PropertyCollector.WaitOptions(maxWaitSeconds=0)
+        while True:
+            update = self._collector.WaitForUpdatesEx(self._version, options)
+            if update is None:  # nothing changed since the last version
+                return
+            self._version = update.version
+            for filter_update in update.filterSet or []:
+                for change in filter_update.objectSet or []:
+                    self._apply(change)
+            if not update.truncated:  # a large first answer comes in parts
+                return
+
+    def _apply(self, change: Any) -> None:
+        obj, key = change.obj, change.obj._moId
+        if change.kind == "leave":
+            self._rows.pop(key, None)
+            return
+        props = dict(self._rows[key][1]) if key in self._rows else {}
+        for prop in change.changeSet or []:
+            if prop.op in ("remove", "indirectRemove"):
+                props.pop(prop.name, None)
+            else:
+                props[prop.name] = prop.val
+        self._rows[key] = (obj, props)
 
 
 def _through(view: Any, props: tuple[tuple[Any, list[str]], ...]) -> Any:

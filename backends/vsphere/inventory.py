@@ -32,6 +32,8 @@ POWERED_ON = "poweredOn"
 # How long the datacenter and the networks found are trusted without reading them again
 # (a lookup that fails on them reads them again at once).
 SHAPE_TTL_S = 300.0
+# What the session's tracker keeps of every VM (`tracked_vms`): a few bytes each.
+TRACKED_PATHS = ["name", "config.template"]
 # VMs whose object is remembered by instance UUID (oldest forgotten first).
 MAX_FOUND = 1024
 TEMPLATE_PATHS = [
@@ -157,6 +159,8 @@ class Inventory:
         self._nets: dict[str, tuple[float, Net]] = {}
         self._rows: dict[str, tuple[float, list[Row]]] = {}  # computes, datastores
         self._found: dict[str, Any] = {}  # instance UUID -> VM, checked at every use
+        # The last template list: (when read, which VMs and names it was, rows).
+        self._template_rows: tuple[float, frozenset[tuple[str, str]], list[Row]] | None = None
 
     def datacenter(self, conn: Conn) -> Datacenter:
         """The configured datacenter, read again after SHAPE_TTL_S or a `forget`."""
@@ -174,6 +178,7 @@ class Inventory:
         with self._lock:
             had = self._dc is not None or bool(self._nets) or bool(self._rows)
             self._dc, self._nets, self._rows = None, {}, {}
+            self._template_rows = None
         return had
 
     def _read_datacenter(self, conn: Conn) -> Datacenter:
@@ -247,13 +252,24 @@ class Inventory:
         properties (devices, annotation) of the templates alone. Reading the devices of
         every VM cost megabytes per lookup in an inventory of a few hundred VMs.
         """
-        root = self.folder(conn, dc, self.config.template_folder)
-        marks = conn.contained(root, vim.VirtualMachine, ["config.template"])
+        if self.config.template_folder:
+            root = self.folder(conn, dc, self.config.template_folder)
+            marks = conn.contained(root, vim.VirtualMachine, ["config.template"])
+        else:  # the marks of every VM: what changed since the last look
+            marks = list(self.tracked_vms(conn).values())
         found = [obj for obj, p in marks if p.get("config.template")]
+        # Read again only when the templates changed (one came, went, was renamed,
+        # or was turned into a VM, as editing one needs), or after SHAPE_TTL_S.
+        key = frozenset((o._moId, str(p.get("name"))) for o, p in marks if p.get("config.template"))
+        with self._lock:
+            cached = self._template_rows
+        if cached is not None and cached[1] == key and time.monotonic() - cached[0] < SHAPE_TTL_S:
+            return cached[2]
         rows = conn.retrieve(found, vim.VirtualMachine, TEMPLATE_PATHS)
         chosen = [r for r in rows if self._is_template(r[1])]
         with self._lock:
             self._templates = {p["name"]: obj for obj, p in chosen}
+            self._template_rows = (time.monotonic(), key, chosen)
         return chosen
 
     def _is_template(self, p: Props) -> bool:
@@ -355,14 +371,20 @@ class Inventory:
             dc.obj, folder, pool, placement, template, config, store, store_props["name"], network
         )
 
+    def tracked_vms(self, conn: Conn) -> dict[str, Row]:
+        """Every VM the session can see, with the properties the checks need, kept up
+        to date by one request that returns what changed (`Conn.tracked`): the names
+        and template marks, and on a standalone host the devices (for their MACs)."""
+        paths = TRACKED_PATHS if conn.vcenter else [*TRACKED_PATHS, "config.hardware.device"]
+        return conn.tracked(conn.content.rootFolder, vim.VirtualMachine, paths)
+
     def macs(self, conn: Conn) -> frozenset[str]:
         """The MAC of every NIC of every VM the session can see (on a standalone host:
         all of its VMs), so that a MAC set by hand is not one of them."""
-        root, card = conn.content.rootFolder, vim.vm.device.VirtualEthernetCard
-        rows = conn.contained(root, vim.VirtualMachine, ["config.hardware.device"])
+        card = vim.vm.device.VirtualEthernetCard
         return frozenset(
             str(d.macAddress).lower()
-            for _o, p in rows
+            for _o, p in self.tracked_vms(conn).values()
             for d in p.get("config.hardware.device") or []
             if isinstance(d, card) and d.macAddress
         )
@@ -372,11 +394,17 @@ class Inventory:
         root, paths = conn.content.rootFolder, [*VM_PATHS, "config.instanceUuid"]
         if name is None:
             rows = conn.contained(root, vim.VirtualMachine, paths)
-        else:  # names of all, details of the few that match
-            named = conn.contained(root, vim.VirtualMachine, ["name"])
+        else:  # names of all (what changed since the last look), details of matches
+            named = self.tracked_vms(conn).values()
             matches = [obj for obj, p in named if p.get("name") == name]
-            rows = conn.retrieve(matches, vim.VirtualMachine, paths)
+            try:
+                rows = conn.retrieve(matches, vim.VirtualMachine, paths)
+            except vmodl.fault.ManagedObjectNotFound:  # one went meanwhile: look again
+                rows = conn.retrieve(self._named(conn, name), vim.VirtualMachine, paths)
         return [vm_info(str(p.get("config.instanceUuid")), p) for _o, p in rows]
+
+    def _named(self, conn: Conn, name: str) -> list[Any]:
+        return [o for o, p in self.tracked_vms(conn).values() if p.get("name") == name]
 
     def lookup(self, conn: Conn, vm_id: str, paths: tuple[str, ...] = ()) -> Row | None:
         """The VM with this instance UUID and its properties; None when there is none.
