@@ -24,6 +24,7 @@ check (`Inventory.macs`: the devices of every VM).
 from __future__ import annotations
 
 import asyncio
+import sys
 import tempfile
 import time
 from collections import Counter
@@ -132,6 +133,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as name:
         tmp = Path(name)
         binary, tls = build_vcsim(tmp), make_tls(tmp)
+        if "--scale" in sys.argv[1:]:  # the inventory scale table alone
+            scale(binary, tls, tmp)
+            return
         print(f"{COUNT} concurrent deploys on one session; per deploy: SOAP calls, tasks, ")
         print("WaitForUpdatesEx, property reads (RetrievePropertiesEx + Fetch), Fetch alone\n")
         print(
@@ -158,6 +162,7 @@ def scale(binary: Path, tls: TlsFiles, tmp: Path) -> None:
         f"{'mode':<8} {'extra VMs':>9} {'requests':>9} {'goal':>5} {'KB':>9} "
         f"{'goal':>22} {'wall s':>7}"
     )
+    detail: dict[str, Counter[str]] = {}
     for esx in (False, True):
         mode = "esxi" if esx else "vcenter"
         pools = 1 if esx else 2  # vcsim's model: VMs are made per resource pool
@@ -174,6 +179,10 @@ def scale(binary: Path, tls: TlsFiles, tmp: Path) -> None:
                 f"{mode:<8} {extra:>9} {requests:>9.1f} {'<=' + str(GOAL_REQUESTS):>5} "
                 f"{kb:>9.1f} {goal_kb:>22} {wall / SCALE_DEPLOYS:>7.2f}"
             )
+            detail.setdefault(mode, calls)
+    for mode, calls in detail.items():
+        methods = ", ".join(f"{k} {v / SCALE_DEPLOYS:g}" for k, v in sorted(calls.items()))
+        print(f"\n{mode} requests per deploy, one after the other: {methods}")
 
 
 if __name__ == "__main__":

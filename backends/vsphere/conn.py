@@ -12,6 +12,7 @@ again.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import logging
 import threading
@@ -28,6 +29,9 @@ T = TypeVar("T")
 Props = dict[str, Any]
 Row = tuple[Any, Props]
 QUIET = (vmodl.MethodFault, OSError, http.client.HTTPException)
+# Filters on ended tasks an idle PropertyCollector may keep (see `Conn.take_collector`);
+# a new waiter's first answer repeats their final state, a few hundred bytes each.
+MAX_ENDED_FILTERS = 8
 
 
 class _CountedResponse(http.client.HTTPResponse):
@@ -124,7 +128,7 @@ class Conn:
     _views: dict[tuple[str, str], Any] = field(default_factory=dict)
     _views_login: int = 0
     _views_lock: threading.Lock = field(default_factory=threading.Lock)
-    _idle_collectors: list[Any] = field(default_factory=list)
+    _idle_collectors: list[tuple[Any, int]] = field(default_factory=list)
     _collectors_login: int = 0
     _trackers: dict[tuple[str, str, tuple[str, ...]], Tracker] = field(default_factory=dict)
 
@@ -197,26 +201,35 @@ class Conn:
             if self._views.get(key) is view:
                 del self._views[key]
 
-    def take_collector(self) -> tuple[Any, int]:
-        """A PropertyCollector for one waiter alone, and the login it belongs to.
+    def take_collector(self) -> tuple[Any, int, int]:
+        """A PropertyCollector for one waiter alone, the login it belongs to, and how
+        many filters of ended tasks it holds.
 
-        Waiters sharing a collector would steal each other's updates, but a collector
-        whose filter is gone can serve the next waiter: reusing them saves a
-        CreatePropertyCollector and a DestroyPropertyCollector per wait.
+        Waiters sharing a collector would steal each other's updates, but an idle one
+        can serve the next waiter: reusing them saves a CreatePropertyCollector and a
+        DestroyPropertyCollector per wait. A filter on a task that ended may stay on it
+        (the task changes no more, so it sends nothing): destroying the collector once
+        every MAX_ENDED_FILTERS waits is cheaper than a DestroyPropertyFilter per wait.
         """
         with self._views_lock:
             if self._collectors_login != self.stub.generation:  # gone with the old login
                 self._idle_collectors, self._collectors_login = [], self.stub.generation
             if self._idle_collectors:
-                return self._idle_collectors.pop(), self._collectors_login
+                collector, ended = self._idle_collectors.pop()
+                return collector, self._collectors_login, ended
         collector = self.content.propertyCollector.CreatePropertyCollector()
-        return collector, self.stub.generation
+        return collector, self.stub.generation, 0
 
-    def give_back(self, collector: Any, login: int) -> None:
-        """Return a collector without filters for the next waiter of the same login."""
+    def give_back(self, collector: Any, login: int, ended: int) -> None:
+        """Keep a collector whose only filters are on `ended` tasks for the next waiter
+        of the same login, or destroy it (with them) when they are many."""
         with self._views_lock:
-            if login == self.stub.generation == self._collectors_login:
-                self._idle_collectors.append(collector)
+            keep = ended < MAX_ENDED_FILTERS and login == self.stub.generation
+            if keep and login == self._collectors_login:
+                self._idle_collectors.append((collector, ended))
+                return
+        with contextlib.suppress(*QUIET):
+            collector.DestroyPropertyCollector()
 
     def tracked(self, root: Any, kind: Any, paths: list[str]) -> dict[str, Row]:
         """Every object of `kind` under `root` with `paths`, by id, as a `Tracker` of the

@@ -123,8 +123,9 @@ class Op:
             cancelled = self._cancelled_at is not None
         if cancelled:
             _cancel_task(task)
+        paths = ["info.state", "info.error", "info.result"]
         try:
-            info = self.watch(task, vim.Task, ["info.state", "info.error", "info.result"], _ended)
+            info = self.watch(task, vim.Task, paths, _ended, ends_quiet=True)
         finally:
             with self._lock:
                 self._task = None
@@ -132,39 +133,51 @@ class Op:
             raise task_fault(info.get("info.error"))
         return info.get("info.result")
 
-    def watch(self, obj: Any, kind: Any, paths: list[str], done: Callable[[Props], T | None]) -> T:
+    def watch(
+        self,
+        obj: Any,
+        kind: Any,
+        paths: list[str],
+        done: Callable[[Props], T | None],
+        *,
+        ends_quiet: bool = False,
+    ) -> T:
         """Long-poll `paths` of `obj` until `done(properties so far)` answers non-None.
 
-        The collector is the session's idle one, if any: it has no filter but ours
-        while we wait, and goes back once our filter is destroyed (3 requests a wait,
-        plus one per further update, instead of 4)."""
+        The collector is an idle one of the session, if any (`Conn.take_collector`),
+        which no one else uses while we wait. Our filter is destroyed afterwards unless
+        `ends_quiet` (a task, which changes no more once it ended) and we saw the end:
+        then it may stay on the collector. A task wait costs 2 requests, plus one per
+        further update; any other wait 3."""
         query = vmodl.query.PropertyCollector
-        pc, login = self.conn.take_collector()
+        pc, login, ended = self.conn.take_collector()
         with self._lock:
             self._collector = pc
-        reusable = False
+        reusable, pc_filter = False, None
         try:
             spec = query.FilterSpec(
                 objectSet=[query.ObjectSpec(obj=obj, skip=False)],
                 propSet=[query.PropertySpec(type=kind, pathSet=paths, all=False)],
             )
             pc_filter = pc.CreateFilter(spec, False)
-            try:
-                return self._updates(pc, done)
-            finally:
-                with contextlib.suppress(*QUIET):
-                    pc_filter.DestroyPropertyFilter()
-                    reusable = True
+            answer = self._updates(pc, done, obj)
+            if ends_quiet:
+                ended, reusable = ended + 1, True
+            return answer
         finally:
             with self._lock:
                 self._collector = None
+            if not reusable and pc_filter is not None:
+                with contextlib.suppress(*QUIET):
+                    pc_filter.DestroyPropertyFilter()
+                    reusable = True
             if reusable:
-                self.conn.give_back(pc, login)
-            else:  # a filter may be left on it: nobody else may use it
+                self.conn.give_back(pc, login, ended)
+            else:  # a filter may be left on it that still sends: nobody else may use it
                 with contextlib.suppress(*QUIET):
                     pc.DestroyPropertyCollector()
 
-    def _updates(self, pc: Any, done: Callable[[Props], T | None]) -> T:
+    def _updates(self, pc: Any, done: Callable[[Props], T | None], obj: Any) -> T:
         options = vmodl.query.PropertyCollector.WaitOptions(maxWaitSeconds=WAIT_SLICE_S)
         state: Props = {}
         version = ""
@@ -176,7 +189,7 @@ class Op:
             if update is not None:
                 version = update.version
                 for filter_update in update.filterSet:
-                    for change in (c for o in filter_update.objectSet for c in o.changeSet):
+                    for change in _changes(filter_update, obj):
                         state[change.name] = change.val
                 answer = done(state)
                 if answer is not None:
@@ -189,6 +202,13 @@ class Op:
             return
         if self._task is None or time.monotonic() - cancelled_at > self.grace_s:
             raise Abandoned()
+
+
+def _changes(filter_update: Any, obj: Any) -> list[Any]:
+    """The property changes of `obj` alone: a reused collector may also report the
+    final state of the ended tasks whose filters it keeps."""
+    mine = (o for o in filter_update.objectSet or [] if o.obj._moId == obj._moId)
+    return [c for o in mine for c in o.changeSet or []]
 
 
 def _ended(info: Props) -> Props | None:
