@@ -151,6 +151,14 @@ def create(config: BackendConfig, environ: Mapping[str, str]) -> VSphereBackend:
     return VSphereBackend(config, password)
 
 
+# What the wait for the guest's address watches.
+ADDRESS_PATHS = ["runtime.powerState", "guest.ipAddress", "guest.net"]
+
+
+class _Moved(Exception):
+    """The object remembered for an instance UUID now has another one (or none)."""
+
+
 def _interfaces(props: Props) -> list[tuple[str, str]]:
     """(interface, address) pairs from VMware Tools, for `pick_address`.
 
@@ -411,14 +419,25 @@ class VSphereBackend:
         self, ref: VMRef, expected: ipaddress.IPv4Address | None
     ) -> ipaddress.IPv4Address:
         def found(p: Props) -> ipaddress.IPv4Address | None:
+            if p.get("config.instanceUuid") != ref.vm_id:
+                raise _Moved()
+            self._inventory.check_tag(ref, p)
             if p.get("runtime.powerState") != POWERED_ON:
                 raise PermanentError(f"VM {ref.vm_id} is not running", vm_id=ref.vm_id)
             # Empty means VMware Tools has not said yet, never "no address".
             return pick_address(_interfaces(p), expected)
 
         def work(op: Op) -> ipaddress.IPv4Address:
+            # The VM found by an earlier step is watched at once; the first answer has
+            # its instance UUID and tag, checked before anything else (one read less).
+            vm = self._inventory.remembered(ref.vm_id)
+            paths = [*ADDRESS_PATHS, "config.instanceUuid", "config.annotation", "name"]
+            if vm is not None:
+                try:
+                    return op.watch(vm, vim.VirtualMachine, paths, found)
+                except (_Moved, vmodl.fault.ManagedObjectNotFound):
+                    self._inventory.remember(ref.vm_id, None)  # gone, or another VM now
             vm, _p = self._existing(op.conn, ref)
-            paths = ["runtime.powerState", "guest.ipAddress", "guest.net"]
             return op.watch(vm, vim.VirtualMachine, paths, found)
 
         return await self._session.run(work, ref.vm_id)

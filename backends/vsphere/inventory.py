@@ -433,6 +433,11 @@ class Inventory:
         self.remember(vm_id, vm)
         return found
 
+    def remembered(self, vm_id: str) -> Any | None:
+        """The object last found for this instance UUID, unchecked: the caller checks."""
+        with self._lock:
+            return self._found.get(vm_id)
+
     def remember(self, vm_id: str, vm: Any | None) -> None:
         """Note (or, with None, forget) the object a VM's instance UUID names."""
         with self._lock:
@@ -445,10 +450,16 @@ class Inventory:
     def ours(self, conn: Conn, ref: VMRef, paths: tuple[str, ...] = ()) -> Row | None:
         """Like `lookup`, but NotOurVM when the VM lacks the ref's job tag."""
         found = self.lookup(conn, ref.vm_id, paths)
-        if found is not None and ref.tag not in tags(found[1].get("config.annotation")):
+        if found is not None:
+            self.check_tag(ref, found[1])
+        return found
+
+    @staticmethod
+    def check_tag(ref: VMRef, p: Props) -> None:
+        """NotOurVM unless the VM (its name and annotation in `p`) has the ref's tag."""
+        if ref.tag not in tags(p.get("config.annotation")):
             raise NotOurVM(
-                f"VM {found[1].get('name')} (instance UUID {ref.vm_id}) does not carry tag "
+                f"VM {p.get('name')} (instance UUID {ref.vm_id}) does not carry tag "
                 f"{ref.tag}: deploybot leaves it alone",
                 vm_id=ref.vm_id,
             )
-        return found
