@@ -192,3 +192,18 @@ async def test_an_esxi_mac_check_sees_a_vm_made_since_its_last_look(esxi: Simula
         assert conn.vcenter is False
     finally:
         await backend.close()
+
+
+async def test_only_a_retried_clone_looks_for_its_vm_first(
+    vcenter: Simulated, backend: VSphereBackend
+) -> None:
+    """The first clone after prepare_clone skips the FindByUuid (its UUID was drawn a
+    moment ago); a retry of the step looks, and finds the VM the first attempt made."""
+    spec = CloneSpec("jsc0011", "web11", TEMPLATE)
+    ref = await backend.prepare_clone(spec)
+    before = backend.api_calls()
+    await backend.clone(spec, ref)
+    assert (backend.api_calls() - before)["FindByUuid"] == 0
+    note = await backend.clone(spec, ref)
+    assert note == "the VM was already there (an earlier attempt finished)"
+    assert list(vcenter.sim.vms().values()).count("web11") == 1

@@ -321,7 +321,10 @@ class VSphereBackend:
         guest = self._guest(ref, spec.identity) if spec.identity else None
 
         def work(op: Op) -> str:
-            if self._inventory.ours(op.conn, ref) is not None:
+            # With the plan prepare_clone made, this is the first attempt for a UUID
+            # that prepare_clone has just drawn: no VM can have it yet. A retry (or a
+            # resumed job) looks first.
+            if plan is None and self._inventory.ours(op.conn, ref) is not None:
                 return "the VM was already there (an earlier attempt finished)"
             use = plan or self._inventory.plan(op.conn, spec)
             note = annotation(spec)
