@@ -53,16 +53,7 @@ from backends.base import (
 from backends.sshcheck import SshCheck
 from backends.vsphere import esxi, specs
 from backends.vsphere.guestinfo import EtcHosts
-from backends.vsphere.inventory import (
-    POWERED_ON,
-    Inventory,
-    Plan,
-    annotation,
-    disks,
-    os_family,
-    tags,
-    vm_info,
-)
+from backends.vsphere.inventory import Inventory, Plan, annotation, disks, os_family
 from backends.vsphere.session import (
     RETRYABLE_FAULTS,
     WAIT_SLICE_S,
@@ -74,6 +65,7 @@ from backends.vsphere.session import (
     Session,
     fault_text,
 )
+from backends.vsphere.vms import POWERED_ON, tags, vm_info
 
 log = logging.getLogger(__name__)
 KIB_PER_GIB = 1024 * 1024

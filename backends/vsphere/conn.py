@@ -7,7 +7,10 @@ A container view is a server-side object of the session: creating and destroying
 per lookup cost two round trips each time, so `Conn.contained` keeps one per (root,
 type) and reads through it with the session's own PropertyCollector. A view belongs to
 the login that made it: after a re-login (or if the server dropped it) it is made
-again.
+again. The same goes for the idle PropertyCollectors that waits reuse
+(`Conn.take_collector`) and for `Tracker`s, which mirror a few properties of every VM
+and learn only what changed (`Conn.tracked`), so that checks over every VM cost the
+same whatever the size of the inventory.
 """
 
 from __future__ import annotations
@@ -259,34 +262,60 @@ class Tracker:
 
     def __init__(self, conn: Conn, root: Any, kind: Any, paths: list[str]) -> None:
         self.conn, self.root, self.kind, self.paths = conn, root, kind, paths
-        self._lock = threading.Lock()  # one sync at a time: updates follow a version
+        # One look at a time (updates follow a version); callers that come while one
+        # runs share the next, which starts after they came (`sync`).
+        self._turn = threading.Condition()
+        self._started = self._finished = 0
+        self._running = False
         self._collector: Any = None
         self._login = -1
         self._version = ""
         self._rows: dict[str, Row] = {}
 
     def sync(self) -> dict[str, Row]:
-        with self._lock:
-            for attempt in (1, 2):
-                if self._collector is None or self._login != self.conn.stub.generation:
-                    self._start()
+        """The rows as they are now: after a look that started after this call."""
+        with self._turn:
+            wanted = self._started + 1  # a look already under way may be too early
+            while self._finished < wanted:
+                if self._running:
+                    self._turn.wait()
+                    continue
+                self._running, self._started = True, self._started + 1
+                number = self._started
                 try:
-                    self._pull()
-                    return dict(self._rows)
-                except vmodl.fault.ManagedObjectNotFound:
-                    # The collector or view went (with a login, or dropped by the
-                    # server): start again from a full read.
-                    self._collector = None
-                    if attempt == 2:
-                        raise
-            raise AssertionError("unreachable")
+                    self._turn.release()
+                    try:
+                        self._look()
+                    finally:
+                        self._turn.acquire()
+                    self._finished = number
+                finally:
+                    self._running = False
+                    self._turn.notify_all()
+            return dict(self._rows)
+
+    def _look(self) -> None:
+        for attempt in (1, 2):
+            if self._collector is None or self._login != self.conn.stub.generation:
+                self._start()
+            try:
+                self._pull()
+                return
+            except vmodl.fault.ManagedObjectNotFound:
+                # The collector or view went (with a login, or dropped by the server):
+                # start again from a full read.
+                self._collector = None
+                if attempt == 2:
+                    raise
 
     def _start(self) -> None:
         login = self.conn.stub.generation
         pc = self.conn.content.propertyCollector.CreatePropertyCollector()
         view = self.conn._view(self.root, self.kind)
         pc.CreateFilter(_through(view, ((self.kind, self.paths),)), False)
-        self._collector, self._login, self._version, self._rows = pc, login, "", {}
+        self._collector, self._login, self._version = pc, login, ""
+        with self._turn:
+            self._rows = {}
 
     def _pull(self) -> None:
         options = vmodl.query.PropertyCollector.WaitOptions(maxWaitSeconds=0)
@@ -295,9 +324,10 @@ class Tracker:
             if update is None:  # nothing changed since the last version
                 return
             self._version = update.version
-            for filter_update in update.filterSet or []:
-                for change in filter_update.objectSet or []:
-                    self._apply(change)
+            with self._turn:  # callers served by an earlier look copy the rows meanwhile
+                for filter_update in update.filterSet or []:
+                    for change in filter_update.objectSet or []:
+                        self._apply(change)
             if not update.truncated:  # a large first answer comes in parts
                 return
 

@@ -5,10 +5,14 @@ networks, and our VMs by instance UUID. Blocking; runs inside `Session.run`.
 
 Kept between operations: a clone's plan (from `prepare_clone` to `clone`); which VM
 each template name was, checked at every use (its name and template mark are read
-again) so that a deploy reads one template instead of every VM; the datacenter and
-networks, for SHAPE_TTL_S or until a plan fails on them. Anything else is looked up
-again, and VMs are always found by instance UUID: managed object ids belong
-to one server's database.
+again) so that a deploy reads one template instead of every VM; the template list,
+until the tracker sees a template come, go or change its name; the datacenter,
+networks, clusters/hosts and datastores (the inventory's shape), for SHAPE_TTL_S or
+until a plan fails on them; which object each instance UUID was found at, used only
+while it still has that UUID. The name, template-mark and (ESXi) MAC checks read the
+session's tracker (`Conn.tracked`), which learns only what changed since it last
+looked. VMs are always identified by instance UUID: managed object ids belong to one
+server's database.
 """
 
 from __future__ import annotations
@@ -21,21 +25,17 @@ from typing import TYPE_CHECKING, Any
 
 from pyVmomi import vim, vmodl
 
-from backends.base import CloneSpec, NotOurVM, PermanentError, VMInfo, VMRef, parse_tag
+from backends.base import CloneSpec, PermanentError
 from backends.vsphere.session import Conn, Props, Row
+from backends.vsphere.vms import KnownVMs
 
 if TYPE_CHECKING:
     from backends.vsphere import Config
 
-VM_PATHS = ["name", "config.annotation", "runtime.powerState"]
-POWERED_ON = "poweredOn"
-# How long the datacenter and the networks found are trusted without reading them again
-# (a lookup that fails on them reads them again at once).
+# How long the inventory's shape (datacenter, networks, clusters and hosts, datastores)
+# and the template list are trusted without reading them again (a plan that fails on
+# them reads them again at once).
 SHAPE_TTL_S = 300.0
-# What the session's tracker keeps of every VM (`tracked_vms`): a few bytes each.
-TRACKED_PATHS = ["name", "config.template"]
-# VMs whose object is remembered by instance UUID (oldest forgotten first).
-MAX_FOUND = 1024
 TEMPLATE_PATHS = [
     "name",
     "config.template",
@@ -115,21 +115,8 @@ def _uplink_tag(props: Props) -> bool:
     return any(getattr(t, "key", "") == "SYSTEM/DVS.UPLINKPG" for t in props.get("tag") or [])
 
 
-def tags(annotation: object) -> frozenset[str]:
-    """The job tags on the lines of an annotation."""
-    lines = (line.strip() for line in str(annotation or "").splitlines())
-    return frozenset(line for line in lines if parse_tag(line) is not None)
-
-
 def annotation(spec: CloneSpec) -> str:
     return f"{spec.tag}\nDeployed by deploybot job {spec.job_id} from template {spec.template}."
-
-
-def vm_info(vm_id: str, props: Props, placement: str | None = None) -> VMInfo:
-    running = props.get("runtime.powerState") == POWERED_ON
-    return VMInfo(
-        vm_id, str(props.get("name")), running, tags(props.get("config.annotation")), placement
-    )
 
 
 def disks(devices: list[Any]) -> list[Any]:
@@ -146,10 +133,11 @@ def os_family(guest_id: str) -> str:
     return "other"
 
 
-class Inventory:
+class Inventory(KnownVMs):
     """Lookups under the configured datacenter, folders and filters."""
 
     def __init__(self, name: str, config: Config) -> None:
+        super().__init__()
         self.name = name
         self.config = config
         self._lock = threading.Lock()
@@ -158,7 +146,6 @@ class Inventory:
         self._dc: tuple[float, Datacenter] | None = None
         self._nets: dict[str, tuple[float, Net]] = {}
         self._rows: dict[str, tuple[float, list[Row]]] = {}  # computes, datastores
-        self._found: dict[str, Any] = {}  # instance UUID -> VM, checked at every use
         # The last template list: (when read, which VMs and names it was, rows).
         self._template_rows: tuple[float, frozenset[tuple[str, str]], list[Row]] | None = None
 
@@ -370,96 +357,3 @@ class Inventory:
         return Plan(
             dc.obj, folder, pool, placement, template, config, store, store_props["name"], network
         )
-
-    def tracked_vms(self, conn: Conn) -> dict[str, Row]:
-        """Every VM the session can see, with the properties the checks need, kept up
-        to date by one request that returns what changed (`Conn.tracked`): the names
-        and template marks, and on a standalone host the devices (for their MACs)."""
-        paths = TRACKED_PATHS if conn.vcenter else [*TRACKED_PATHS, "config.hardware.device"]
-        return conn.tracked(conn.content.rootFolder, vim.VirtualMachine, paths)
-
-    def macs(self, conn: Conn) -> frozenset[str]:
-        """The MAC of every NIC of every VM the session can see (on a standalone host:
-        all of its VMs), so that a MAC set by hand is not one of them."""
-        card = vim.vm.device.VirtualEthernetCard
-        return frozenset(
-            str(d.macAddress).lower()
-            for _o, p in self.tracked_vms(conn).values()
-            for d in p.get("config.hardware.device") or []
-            if isinstance(d, card) and d.macAddress
-        )
-
-    def vms(self, conn: Conn, name: str | None = None) -> list[VMInfo]:
-        """Every VM the session can see (or those called `name`), by instance UUID."""
-        root, paths = conn.content.rootFolder, [*VM_PATHS, "config.instanceUuid"]
-        if name is None:
-            rows = conn.contained(root, vim.VirtualMachine, paths)
-        else:  # names of all (what changed since the last look), details of matches
-            named = self.tracked_vms(conn).values()
-            matches = [obj for obj, p in named if p.get("name") == name]
-            try:
-                rows = conn.retrieve(matches, vim.VirtualMachine, paths)
-            except vmodl.fault.ManagedObjectNotFound:  # one went meanwhile: look again
-                rows = conn.retrieve(self._named(conn, name), vim.VirtualMachine, paths)
-        return [vm_info(str(p.get("config.instanceUuid")), p) for _o, p in rows]
-
-    def _named(self, conn: Conn, name: str) -> list[Any]:
-        return [o for o, p in self.tracked_vms(conn).values() if p.get("name") == name]
-
-    def lookup(self, conn: Conn, vm_id: str, paths: tuple[str, ...] = ()) -> Row | None:
-        """The VM with this instance UUID and its properties; None when there is none.
-
-        The object a UUID was last found at is tried first: one read instead of a
-        FindByUuid and a read. It counts only if it still has that instance UUID (a
-        managed object id may name another VM after a database rebuild)."""
-        wanted = [*VM_PATHS, "config.instanceUuid", *paths]
-        with self._lock:
-            known = self._found.get(vm_id)
-        if known is not None:
-            try:
-                p = conn.props(known, vim.VirtualMachine, wanted)
-            except vmodl.fault.ManagedObjectNotFound:
-                p = {}
-            if p.get("config.instanceUuid") == vm_id:
-                return known, p
-            self.remember(vm_id, None)
-        vm = conn.find_vm(vm_id)
-        if vm is None:
-            return None
-        try:
-            found = vm, conn.props(vm, vim.VirtualMachine, wanted)
-        except vmodl.fault.ManagedObjectNotFound:
-            return None  # removed between the search and the read
-        self.remember(vm_id, vm)
-        return found
-
-    def remembered(self, vm_id: str) -> Any | None:
-        """The object last found for this instance UUID, unchecked: the caller checks."""
-        with self._lock:
-            return self._found.get(vm_id)
-
-    def remember(self, vm_id: str, vm: Any | None) -> None:
-        """Note (or, with None, forget) the object a VM's instance UUID names."""
-        with self._lock:
-            self._found.pop(vm_id, None)
-            if vm is not None:
-                self._found[vm_id] = vm
-                while len(self._found) > MAX_FOUND:
-                    self._found.pop(next(iter(self._found)))
-
-    def ours(self, conn: Conn, ref: VMRef, paths: tuple[str, ...] = ()) -> Row | None:
-        """Like `lookup`, but NotOurVM when the VM lacks the ref's job tag."""
-        found = self.lookup(conn, ref.vm_id, paths)
-        if found is not None:
-            self.check_tag(ref, found[1])
-        return found
-
-    @staticmethod
-    def check_tag(ref: VMRef, p: Props) -> None:
-        """NotOurVM unless the VM (its name and annotation in `p`) has the ref's tag."""
-        if ref.tag not in tags(p.get("config.annotation")):
-            raise NotOurVM(
-                f"VM {p.get('name')} (instance UUID {ref.vm_id}) does not carry tag "
-                f"{ref.tag}: deploybot leaves it alone",
-                vm_id=ref.vm_id,
-            )
