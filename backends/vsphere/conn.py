@@ -268,6 +268,7 @@ class Tracker:
         self._started = self._finished = 0
         self._running = False
         self._collector: Any = None
+        self._view: Any = None
         self._login = -1
         self._version = ""
         self._rows: dict[str, Row] = {}
@@ -301,9 +302,12 @@ class Tracker:
             try:
                 self._pull()
                 return
-            except vmodl.fault.ManagedObjectNotFound:
-                # The collector or view went (with a login, or dropped by the server):
-                # start again from a full read.
+            except (vmodl.fault.ManagedObjectNotFound, vmodl.query.InvalidCollectorVersion):
+                # The collector or view went (with a login, or dropped by the server),
+                # or it lost our version: start again from a full read, on a new view.
+                self.conn._forget(self.root, self.kind, self._view)
+                with contextlib.suppress(*QUIET):  # if it is still there at all
+                    self._collector.DestroyPropertyCollector()
                 self._collector = None
                 if attempt == 2:
                     raise
@@ -311,7 +315,7 @@ class Tracker:
     def _start(self) -> None:
         login = self.conn.stub.generation
         pc = self.conn.content.propertyCollector.CreatePropertyCollector()
-        view = self.conn._view(self.root, self.kind)
+        self._view = view = self.conn._view(self.root, self.kind)
         pc.CreateFilter(_through(view, ((self.kind, self.paths),)), False)
         self._collector, self._login, self._version = pc, login, ""
         with self._turn:

@@ -6,8 +6,9 @@ through the PropertyCollector, and the mapping of faults to backend errors.
 pyvmomi blocks, so every piece of work is a function run in the session's thread pool
 (`Session.run`). Waiting never polls: `Op.watch` takes a PropertyCollector of its own
 (an idle one of the session, else a new one), long-polls `WaitForUpdatesEx` on the
-watched object and destroys its filter, so any number of concurrent waits share the
-session without stealing each other's updates.
+watched object and destroys its filter (or, for a task that ended, leaves it: it sends
+nothing more), so any number of concurrent waits share the session without stealing
+each other's updates.
 
 A caller that gives up (a step timeout, a cancel) does not leave a change running
 unseen: the task being waited for is cancelled (or the long poll ended) and
