@@ -14,6 +14,7 @@ that object no longer has it."""
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -207,3 +208,17 @@ async def test_only_a_retried_clone_looks_for_its_vm_first(
     note = await backend.clone(spec, ref)
     assert note == "the VM was already there (an earlier attempt finished)"
     assert list(vcenter.sim.vms().values()).count("web11") == 1
+
+
+async def test_name_checks_at_the_same_time_share_the_trackers_looks(
+    vcenter: Simulated, backend: VSphereBackend
+) -> None:
+    """Each check is answered by a look that started after it was asked (so it sees
+    what was there when it asked), but checks waiting for the same look share it."""
+    assert await backend.find_by_name("web99") == []  # the first, full look
+    before = backend.api_calls()
+    found = await asyncio.gather(*(backend.find_by_name(f"web{i:02d}") for i in range(12)))
+    assert found == [[]] * 12
+    looks = (backend.api_calls() - before)["WaitForUpdatesEx"]
+    print(f"12 checks at once: {looks} looks")
+    assert 1 <= looks < 12, looks
