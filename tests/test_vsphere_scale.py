@@ -222,3 +222,24 @@ async def test_name_checks_at_the_same_time_share_the_trackers_looks(
     looks = (backend.api_calls() - before)["WaitForUpdatesEx"]
     print(f"12 checks at once: {looks} looks")
     assert 1 <= looks < 12, looks
+
+
+async def test_waits_and_the_tracker_outlive_an_expired_session(
+    vcenter: Simulated, backend: VSphereBackend
+) -> None:
+    """Idle collectors and the tracker's belong to the login that made them: after a
+    new login, waits take new ones and the tracker reads again from the start."""
+    spec = CloneSpec("jsc0012", "web12", TEMPLATE)
+    ref = await backend.prepare_clone(spec)
+    await backend.clone(spec, ref)  # leaves idle collectors and the tracker
+    manager = vcenter.sim.content.sessionManager
+    user = vcenter.sim.config()["user"]
+    (session,) = [s.key for s in manager.sessionList if s.userName == user]
+    manager.TerminateSession([session])
+    # The first call after the expiry is a wait's CreateFilter on an idle collector.
+    task = operator_vm(vcenter, "DC0_H0_VM1").Rename_Task("db03")
+    info = await backend._session.run(lambda op: op.wait(task))
+    assert info is None and backend.api_calls()["Login"] == 2
+    await backend.power_on(ref)
+    assert [v.vm_id for v in await backend.find_by_name("web12")] == [ref.vm_id]
+    assert backend.api_calls()["Login"] == 2

@@ -145,9 +145,12 @@ class Conn:
         while result is not None:
             for content in result.objects:
                 for missing in content.missingSet or []:
-                    # A property we may not read stays absent; only a lost session is an error.
-                    if isinstance(missing.fault.fault, vim.fault.NotAuthenticated):
-                        raise missing.fault.fault
+                    # A property we may not read stays absent; only a lost session is an
+                    # error. (pyvmomi gives the MethodFault itself for the
+                    # LocalizedMethodFault of the schema, whose `fault` it would be.)
+                    fault = getattr(missing.fault, "fault", missing.fault)
+                    if isinstance(fault, vim.fault.NotAuthenticated):
+                        raise fault
                 props = {p.name: p.val for p in content.propSet or []}
                 rows[content.obj._moId] = (content.obj, props)
             token = result.token

@@ -151,16 +151,15 @@ class Op:
         then it may stay on the collector. A task wait costs 2 requests, plus one per
         further update; any other wait 3."""
         query = vmodl.query.PropertyCollector
-        pc, login, ended = self.conn.take_collector()
+        spec = query.FilterSpec(
+            objectSet=[query.ObjectSpec(obj=obj, skip=False)],
+            propSet=[query.PropertySpec(type=kind, pathSet=paths, all=False)],
+        )
+        pc, login, ended, pc_filter = self._filtered(spec)
         with self._lock:
             self._collector = pc
-        reusable, pc_filter = False, None
+        reusable = False
         try:
-            spec = query.FilterSpec(
-                objectSet=[query.ObjectSpec(obj=obj, skip=False)],
-                propSet=[query.PropertySpec(type=kind, pathSet=paths, all=False)],
-            )
-            pc_filter = pc.CreateFilter(spec, False)
             answer = self._updates(pc, done, obj)
             if ends_quiet:
                 ended, reusable = ended + 1, True
@@ -168,7 +167,7 @@ class Op:
         finally:
             with self._lock:
                 self._collector = None
-            if not reusable and pc_filter is not None:
+            if not reusable:
                 with contextlib.suppress(*QUIET):
                     pc_filter.DestroyPropertyFilter()
                     reusable = True
@@ -177,6 +176,20 @@ class Op:
             else:  # a filter may be left on it that still sends: nobody else may use it
                 with contextlib.suppress(*QUIET):
                     pc.DestroyPropertyCollector()
+
+    def _filtered(self, spec: Any) -> tuple[Any, int, int, Any]:
+        """A collector for one waiter (`Conn.take_collector`) with our filter on it."""
+        for attempt in (1, 2):
+            pc, login, ended = self.conn.take_collector()
+            try:
+                return pc, login, ended, pc.CreateFilter(spec, False)
+            except vmodl.fault.ManagedObjectNotFound:
+                # An idle collector of a session that expired meanwhile (the call
+                # logged in again, and the next take makes a new one), or one the
+                # server dropped.
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
 
     def _updates(self, pc: Any, done: Callable[[Props], T | None], obj: Any) -> T:
         options = vmodl.query.PropertyCollector.WaitOptions(maxWaitSeconds=WAIT_SLICE_S)
