@@ -24,7 +24,7 @@ import pytest
 from pyVim.task import WaitForTask
 from pyVmomi import vim
 
-from backends.base import CloneSpec, VMNotFound, VMRef
+from backends.base import BackendError, CloneSpec, VMNotFound, VMRef
 from backends.vsphere import VSphereBackend
 from tests.vcsim_support import (
     TEMPLATE,
@@ -243,3 +243,18 @@ async def test_waits_and_the_tracker_outlive_an_expired_session(
     await backend.power_on(ref)
     assert [v.vm_id for v in await backend.find_by_name("web12")] == [ref.vm_id]
     assert backend.api_calls()["Login"] == 2
+
+
+async def test_a_failed_clone_forgets_the_remembered_shape(
+    vcenter: Simulated, backend: VSphereBackend
+) -> None:
+    """A clone refused by the server may have been planned with a pool, datastore or
+    network that went since it was remembered: the retry plans from a fresh read.
+    (Here the template goes between the plan and the clone: vcsim crashes on a clone
+    into a pool that went.)"""
+    clone = CloneSpec("jsc0013", "web13", TEMPLATE)
+    ref = await backend.prepare_clone(clone)
+    WaitForTask(operator_vm(vcenter, TEMPLATE).Destroy_Task())
+    with pytest.raises(BackendError):
+        await backend.clone(clone, ref)
+    assert backend._inventory.forget() is False  # nothing left to forget

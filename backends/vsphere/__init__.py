@@ -320,13 +320,19 @@ class VSphereBackend:
                 return "the VM was already there (an earlier attempt finished)"
             use = plan or self._inventory.plan(op.conn, spec)
             note = annotation(spec)
-            if op.conn.vcenter:
-                clone = specs.clone_spec(use, ref, note, self._disks, guest)
-                vm = op.wait(
-                    use.template.CloneVM_Task(folder=use.folder, name=spec.name, spec=clone)
-                )
-            else:
-                vm = esxi.copy_and_create(op, spec, ref, use, guest, self._disks, self._inventory)
+            try:
+                if op.conn.vcenter:
+                    clone = specs.clone_spec(use, ref, note, self._disks, guest)
+                    task = use.template.CloneVM_Task(folder=use.folder, name=spec.name, spec=clone)
+                    vm = op.wait(task)
+                else:
+                    inv, disks = self._inventory, self._disks
+                    vm = esxi.copy_and_create(op, spec, ref, use, guest, disks, inv)
+            except vmodl.MethodFault:
+                # The plan may have named a pool, datastore or network that went since
+                # the inventory's shape was remembered: a retry plans from a fresh read.
+                self._inventory.forget()
+                raise
             self._inventory.remember(ref.vm_id, vm)  # later steps: no FindByUuid
             self._settle(op, vm, ref, note, guest)
             how = "cloned" if op.conn.vcenter else "disk copied"
