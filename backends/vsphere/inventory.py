@@ -235,9 +235,12 @@ class Inventory(KnownVMs):
         """VMs marked as templates, in `template_folder`, whose annotation contains
         `template_annotation` (each filter only when configured).
 
-        Two reads: `config.template` of every VM (one boolean each), then the heavier
-        properties (devices, annotation) of the templates alone. Reading the devices of
-        every VM cost megabytes per lookup in an inventory of a few hundred VMs.
+        The template marks come from the session's tracker (what changed since its
+        last look; with `template_folder`, a read of that folder's VMs' marks); the
+        heavier properties (devices, annotation) are read for the templates alone, and
+        only when the set of templates or their names changed, or after SHAPE_TTL_S
+        (an annotation edited on a template shows then). Reading the devices of every
+        VM cost megabytes per lookup in an inventory of a few hundred VMs.
         """
         if self.config.template_folder:
             root = self.folder(conn, dc, self.config.template_folder)
