@@ -33,7 +33,8 @@ address in separate updates (the `waits` column; tests/test_vsphere_scale.py cou
 exactly equal requests without that step). Wall time grows on vcsim only: it computes
 every update of the tracker's filter by reading all of its VMs again.
 
-    .venv/bin/python -m benchmarks.bench_vsphere    # from the checkout: uses tests/
+    .venv/bin/python -m benchmarks.bench_vsphere            # from the checkout: uses tests/
+    .venv/bin/python -m benchmarks.bench_vsphere --scale    # the inventory scale alone
 """
 
 from __future__ import annotations
