@@ -21,9 +21,9 @@ vcsim's default inventory. Neither may grow with the number of VMs; the goal is 
 25 requests per deploy. Measured (5 deploys one after the other, per deploy):
 
     extra VMs   vCenter              ESXi
-    0           23.0 req, 63.5 KB    23.2 req, 76.0 KB
-    400         23.4 req, 64.0 KB    23.4 req, 76.3 KB
-    2,000       23.8 req, 64.5 KB    24.0 req, 77.0 KB
+    0           23.2 req, 63.7 KB    23.2 req, 76.0 KB
+    400         23.2 req, 63.8 KB    23.4 req, 76.3 KB
+    2,000       23.8 req, 64.5 KB    23.8 req, 76.7 KB
 
 (before the VM tracker, reused collectors and remembered VMs: 42 requests and 101,
 282, 1,010 KB on vCenter; 40 requests and 116, 2,596, 12,524 KB on ESXi). The one
