@@ -230,8 +230,9 @@ class Conn:
         """Keep a collector whose only filters are on `ended` tasks for the next waiter
         of the same login, or destroy it (with them) when they are many."""
         with self._views_lock:
-            keep = ended < MAX_ENDED_FILTERS and login == self.stub.generation
-            if keep and login == self._collectors_login:
+            if login != self.stub.generation:
+                return  # it went with the login that made it
+            if ended < MAX_ENDED_FILTERS and login == self._collectors_login:
                 self._idle_collectors.append((collector, ended))
                 return
         with contextlib.suppress(*QUIET):
