@@ -282,10 +282,11 @@ def leftovers(sim: Simulated, before: dict[str, str]) -> dict[str, str]:
 # The SOAP call each step waits on, made slower (0.6 s) than the step's timeout (0.3 s),
 # so that the timeout lands while the call is in flight; the address step waits for a
 # guest that never reports, the SSH step for a port where nothing listens. The identity
-# step, whose clone carried the identity, only looks the VM up and reads it.
+# step, whose clone carried the identity, only reads the VM (found by the clone), so
+# every property read is slowed there.
 IN_FLIGHT = {
     "clone": "CloneVM_Task=600,CopyVirtualDisk_Task=600",
-    "identity": "FindByUuid=600",
+    "identity": "RetrievePropertiesEx=600",
     "resize": "ReconfigVM_Task=600",
     "power_on": "PowerOnVM_Task=600",
     "address": "",
@@ -374,8 +375,9 @@ async def test_an_unknown_datastore_fails_the_clone_before_anything_exists(
 async def test_twenty_concurrent_deploys_share_one_session(
     vcenter: Simulated, sshd: Sshd, tmp_path: Path
 ) -> None:
-    """Twenty deploys at once on one session: every task wait gets its own collector,
-    so each deploy sees its own tasks end, and every VM gets its own identity."""
+    """Twenty deploys at once on one session: every task wait gets a collector to
+    itself (reused by later waits, never shared), so each deploy sees its own tasks
+    end, and every VM gets its own identity."""
     addresses = [f"127.0.20.{100 + i}" for i in range(20)]
     await sshd.listen(*addresses)
     async with deployer_for(vsphere_settings(tmp_path, vcenter, sshd)) as (deployer, backend):
@@ -395,6 +397,11 @@ async def test_twenty_concurrent_deploys_share_one_session(
         assert vcenter.sim.vm(str(job.vm_id)).name == job.name
     assert len({j.vm_id for j in jobs}) == 20
     assert calls["Login"] == 1
-    assert calls["CreatePropertyCollector"] == calls["DestroyPropertyCollector"]
     tasks = sum(n for method, n in calls.items() if method.endswith("_Task"))
+    # Only the filters of ended tasks stay (on idle collectors; the VM tracker's is the
+    # other one); every address wait's goes. Collectors are reused: at most one per
+    # concurrent wait (and the tracker's) at a time, not one per wait.
+    assert calls["CreateFilter"] == tasks + calls["DestroyPropertyFilter"] + 1
+    assert calls["DestroyPropertyFilter"] == 20
+    assert calls["CreatePropertyCollector"] - calls["DestroyPropertyCollector"] <= 20 + 1
     assert calls["WaitForUpdatesEx"] >= tasks and calls["Fetch"] == 0

@@ -53,16 +53,7 @@ from backends.base import (
 from backends.sshcheck import SshCheck
 from backends.vsphere import esxi, specs
 from backends.vsphere.guestinfo import EtcHosts
-from backends.vsphere.inventory import (
-    POWERED_ON,
-    Inventory,
-    Plan,
-    annotation,
-    disks,
-    os_family,
-    tags,
-    vm_info,
-)
+from backends.vsphere.inventory import Inventory, Plan, annotation, disks, os_family
 from backends.vsphere.nic import OSProfile, check_template_os
 from backends.vsphere.session import (
     RETRYABLE_FAULTS,
@@ -75,6 +66,7 @@ from backends.vsphere.session import (
     Session,
     fault_text,
 )
+from backends.vsphere.vms import POWERED_ON, tags, vm_info
 
 log = logging.getLogger(__name__)
 KIB_PER_GIB = 1024 * 1024
@@ -157,6 +149,14 @@ def create(config: BackendConfig, environ: Mapping[str, str]) -> VSphereBackend:
     return VSphereBackend(config, password)
 
 
+# What the wait for the guest's address watches.
+ADDRESS_PATHS = ["runtime.powerState", "guest.ipAddress", "guest.net"]
+
+
+class _Moved(Exception):
+    """The object remembered for an instance UUID now has another one (or none)."""
+
+
 def _interfaces(props: Props) -> list[tuple[str, str]]:
     """(interface, address) pairs from VMware Tools, for `pick_address`.
 
@@ -223,7 +223,7 @@ class VSphereBackend:
         def work(op: Op) -> list[Template]:
             inv = self._inventory
             dc = inv.datacenter(op.conn)
-            names = {o._moId: p["name"] for o, p in inv.datastores(op.conn, dc.obj)}
+            names = {o._moId: p["name"] for o, p in inv.datastore_names(op.conn, dc)}
             found = []
             for _obj, p in inv.templates(op.conn, dc):
                 stores = [names.get(d._moId) for d in p.get("datastore") or []]
@@ -266,13 +266,15 @@ class VSphereBackend:
         def work(op: Op) -> list[Placement]:
             found = []
             dc = self._inventory.datacenter(op.conn)
+            # Every pool in one read; those whose parent is a compute's root pool count.
+            pools = op.conn.contained(dc.host_folder, vim.ResourcePool, ["name", "parent"])
             for obj, p in self._inventory.computes(op.conn, dc):
                 kind = "cluster" if isinstance(obj, vim.ClusterComputeResource) else "host"
                 found.append(Placement(p["name"], kind))
-                root = op.conn.props(p["resourcePool"], vim.ResourcePool, ["resourcePool"])
-                children = list(root.get("resourcePool") or [])
-                for _c, c in op.conn.retrieve(children, vim.ResourcePool, ["name"]):
-                    found.append(Placement(f"{p['name']}/{c['name']}", "pool"))
+                root = p["resourcePool"]._moId
+                for _c, c in pools:
+                    if getattr(c.get("parent"), "_moId", None) == root:
+                        found.append(Placement(f"{p['name']}/{c['name']}", "pool"))
             return found
 
         return await self._session.run(work, changes=False)
@@ -319,17 +321,27 @@ class VSphereBackend:
         guest = self._guest(ref, spec.identity) if spec.identity else None
 
         def work(op: Op) -> str:
-            if self._inventory.ours(op.conn, ref) is not None:
+            # With the plan prepare_clone made, this is the first attempt for a UUID
+            # that prepare_clone has just drawn: no VM can have it yet. A retry (or a
+            # resumed job) looks first.
+            if plan is None and self._inventory.ours(op.conn, ref) is not None:
                 return "the VM was already there (an earlier attempt finished)"
             use = plan or self._inventory.plan(op.conn, spec)
             note = annotation(spec)
-            if op.conn.vcenter:
-                clone = specs.clone_spec(use, ref, note, self._disks, guest)
-                vm = op.wait(
-                    use.template.CloneVM_Task(folder=use.folder, name=spec.name, spec=clone)
-                )
-            else:
-                vm = esxi.copy_and_create(op, spec, ref, use, guest, self._disks, self._inventory)
+            try:
+                if op.conn.vcenter:
+                    clone = specs.clone_spec(use, ref, note, self._disks, guest)
+                    task = use.template.CloneVM_Task(folder=use.folder, name=spec.name, spec=clone)
+                    vm = op.wait(task)
+                else:
+                    inv, disks = self._inventory, self._disks
+                    vm = esxi.copy_and_create(op, spec, ref, use, guest, disks, inv)
+            except vmodl.MethodFault:
+                # The plan may have named a pool, datastore or network that went since
+                # the inventory's shape was remembered: a retry plans from a fresh read.
+                self._inventory.forget()
+                raise
+            self._inventory.remember(ref.vm_id, vm)  # later steps: no FindByUuid
             self._settle(op, vm, ref, note, guest)
             how = "cloned" if op.conn.vcenter else "disk copied"
             net = f", NIC on {use.network.name}" if use.network else ""
@@ -416,14 +428,25 @@ class VSphereBackend:
         self, ref: VMRef, expected: ipaddress.IPv4Address | None
     ) -> ipaddress.IPv4Address:
         def found(p: Props) -> ipaddress.IPv4Address | None:
+            if p.get("config.instanceUuid") != ref.vm_id:
+                raise _Moved()
+            self._inventory.check_tag(ref, p)
             if p.get("runtime.powerState") != POWERED_ON:
                 raise PermanentError(f"VM {ref.vm_id} is not running", vm_id=ref.vm_id)
             # Empty means VMware Tools has not said yet, never "no address".
             return pick_address(_interfaces(p), expected)
 
         def work(op: Op) -> ipaddress.IPv4Address:
+            # The VM found by an earlier step is watched at once; the first answer has
+            # its instance UUID and tag, checked before anything else (one read less).
+            vm = self._inventory.remembered(ref.vm_id)
+            paths = [*ADDRESS_PATHS, "config.instanceUuid", "config.annotation", "name"]
+            if vm is not None:
+                try:
+                    return op.watch(vm, vim.VirtualMachine, paths, found)
+                except (_Moved, vmodl.fault.ManagedObjectNotFound):
+                    self._inventory.remember(ref.vm_id, None)  # gone, or another VM now
             vm, _p = self._existing(op.conn, ref)
-            paths = ["runtime.powerState", "guest.ipAddress", "guest.net"]
             return op.watch(vm, vim.VirtualMachine, paths, found)
 
         return await self._session.run(work, ref.vm_id)
@@ -454,6 +477,7 @@ class VSphereBackend:
             left = f"VM {p.get('name')} is still there (instance UUID {ref.vm_id})"
             if p.get("runtime.powerState") == POWERED_ON:
                 raise PermanentError(f"{left}: it is running; stop it first", vm_id=ref.vm_id)
+            self._inventory.remember(ref.vm_id, None)
             try:
                 op.wait(vm.Destroy_Task())
             except vmodl.fault.ManagedObjectNotFound:

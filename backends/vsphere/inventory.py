@@ -5,32 +5,37 @@ networks, and our VMs by instance UUID. Blocking; runs inside `Session.run`.
 
 Kept between operations: a clone's plan (from `prepare_clone` to `clone`); which VM
 each template name was, checked at every use (its name and template mark are read
-again) so that a deploy reads one template instead of every VM; the datacenter and
-networks, for SHAPE_TTL_S or until a plan fails on them. Anything else is looked up
-again, and VMs are always found by instance UUID: managed object ids belong
-to one server's database.
+again) so that a deploy reads one template instead of every VM; the template list,
+until the tracker sees a template come, go or change its name; the datacenter,
+networks, clusters/hosts and datastores (the inventory's shape), for SHAPE_TTL_S or
+until a plan fails on them; which object each instance UUID was found at, used only
+while it still has that UUID. The name, template-mark and (ESXi) MAC checks read the
+session's tracker (`Conn.tracked`), which learns only what changed since it last
+looked. VMs are always identified by instance UUID: managed object ids belong to one
+server's database.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from pyVmomi import vim, vmodl
 
-from backends.base import CloneSpec, NotOurVM, PermanentError, VMInfo, VMRef, parse_tag
+from backends.base import CloneSpec, PermanentError
 from backends.vsphere import nic
 from backends.vsphere.session import Conn, Props, Row
+from backends.vsphere.vms import KnownVMs
 
 if TYPE_CHECKING:
     from backends.vsphere import Config
 
-VM_PATHS = ["name", "config.annotation", "runtime.powerState"]
-POWERED_ON = "poweredOn"
-# How long the datacenter and the networks found are trusted without reading them again
-# (a lookup that fails on them reads them again at once).
+# How long the inventory's shape (datacenter, networks, clusters and hosts, datastores)
+# and the template list are trusted without reading them again (a plan that fails on
+# them reads them again at once).
 SHAPE_TTL_S = 300.0
 TEMPLATE_PATHS = [
     "name",
@@ -41,6 +46,25 @@ TEMPLATE_PATHS = [
     "config.hardware.device",
     *nic.TOOLS_PATHS,  # whether its guest can drive a vmxnet NIC
 ]
+
+# A remembered template is read whole in one request: `config` holds the parts above
+# and is what the clone or create spec copies.
+KNOWN_TEMPLATE_PATHS = ["name", "datastore", "config", "guest.toolsVersionStatus2"]
+
+
+def _with_config_parts(p: Props) -> Props:
+    """TEMPLATE_PATHS' config parts taken from a whole `config`."""
+    config = p.get("config")
+    if config is None:
+        return p
+    parts = {
+        "config.template": config.template,
+        "config.annotation": config.annotation,
+        "config.guestId": config.guestId,
+        "config.hardware.device": config.hardware.device,
+        "config.tools.toolsVersion": config.tools.toolsVersion if config.tools else None,
+    }
+    return {**p, **parts}
 
 
 @dataclass(frozen=True)
@@ -95,21 +119,8 @@ def _uplink_tag(props: Props) -> bool:
     return any(getattr(t, "key", "") == "SYSTEM/DVS.UPLINKPG" for t in props.get("tag") or [])
 
 
-def tags(annotation: object) -> frozenset[str]:
-    """The job tags on the lines of an annotation."""
-    lines = (line.strip() for line in str(annotation or "").splitlines())
-    return frozenset(line for line in lines if parse_tag(line) is not None)
-
-
 def annotation(spec: CloneSpec) -> str:
     return f"{spec.tag}\nDeployed by deploybot job {spec.job_id} from template {spec.template}."
-
-
-def vm_info(vm_id: str, props: Props, placement: str | None = None) -> VMInfo:
-    running = props.get("runtime.powerState") == POWERED_ON
-    return VMInfo(
-        vm_id, str(props.get("name")), running, tags(props.get("config.annotation")), placement
-    )
 
 
 def disks(devices: list[Any]) -> list[Any]:
@@ -126,10 +137,11 @@ def os_family(guest_id: str) -> str:
     return "other"
 
 
-class Inventory:
+class Inventory(KnownVMs):
     """Lookups under the configured datacenter, folders and filters."""
 
     def __init__(self, name: str, config: Config) -> None:
+        super().__init__()
         self.name = name
         self.config = config
         self._lock = threading.Lock()
@@ -137,6 +149,9 @@ class Inventory:
         # The inventory's shape, which changes rarely: (when read, what).
         self._dc: tuple[float, Datacenter] | None = None
         self._nets: dict[str, tuple[float, Net]] = {}
+        self._rows: dict[str, tuple[float, list[Row]]] = {}  # computes, datastores
+        # The last template list: (when read, which VMs and names it was, rows).
+        self._template_rows: tuple[float, frozenset[tuple[str, str]], list[Row]] | None = None
 
     def datacenter(self, conn: Conn) -> Datacenter:
         """The configured datacenter, read again after SHAPE_TTL_S or a `forget`."""
@@ -152,8 +167,9 @@ class Inventory:
     def forget(self) -> bool:
         """Drop the remembered inventory shape; True when there was some."""
         with self._lock:
-            had = self._dc is not None or bool(self._nets)
-            self._dc, self._nets = None, {}
+            had = self._dc is not None or bool(self._nets) or bool(self._rows)
+            self._dc, self._nets, self._rows = None, {}, {}
+            self._template_rows = None
         return had
 
     def _read_datacenter(self, conn: Conn) -> Datacenter:
@@ -169,9 +185,28 @@ class Inventory:
         return Datacenter(obj, p["name"], p["vmFolder"], p["hostFolder"])
 
     def computes(self, conn: Conn, dc: Datacenter) -> list[Row]:
+        """Clusters and hosts, remembered for SHAPE_TTL_S (a plan failing reads again)."""
+        return self._shape("computes", lambda: self._read_computes(conn, dc))
+
+    def _read_computes(self, conn: Conn, dc: Datacenter) -> list[Row]:
         rows = conn.contained(dc.host_folder, vim.ComputeResource, ["name", "resourcePool"])
         # Clusters first: under DRS, vSphere chooses the host.
         return sorted(rows, key=lambda r: not isinstance(r[0], vim.ClusterComputeResource))
+
+    def datastore_names(self, conn: Conn, dc: Datacenter) -> list[Row]:
+        """The datastores a plan chooses from, remembered like `computes` (the space
+        figures in these rows are not kept up to date: `datastores` has fresh ones)."""
+        return self._shape("datastores", lambda: self.datastores(conn, dc.obj))
+
+    def _shape(self, key: str, read: Callable[[], list[Row]]) -> list[Row]:
+        with self._lock:
+            cached = self._rows.get(key)
+        if cached is not None and time.monotonic() - cached[0] < SHAPE_TTL_S:
+            return cached[1]
+        rows = read()
+        with self._lock:
+            self._rows[key] = (time.monotonic(), rows)
+        return rows
 
     def pool(self, conn: Conn, dc: Datacenter, placement: str | None) -> tuple[Any, str]:
         """The resource pool for "COMPUTE" or "COMPUTE/POOL/...", and that name."""
@@ -204,17 +239,31 @@ class Inventory:
         """VMs marked as templates, in `template_folder`, whose annotation contains
         `template_annotation` (each filter only when configured).
 
-        Two reads: `config.template` of every VM (one boolean each), then the heavier
-        properties (devices, annotation) of the templates alone. Reading the devices of
-        every VM cost megabytes per lookup in an inventory of a few hundred VMs.
+        The template marks come from the session's tracker (what changed since its
+        last look; with `template_folder`, a read of that folder's VMs' marks); the
+        heavier properties (devices, annotation) are read for the templates alone, and
+        only when the set of templates or their names changed, or after SHAPE_TTL_S
+        (an annotation edited on a template shows then). Reading the devices of every
+        VM cost megabytes per lookup in an inventory of a few hundred VMs.
         """
-        root = self.folder(conn, dc, self.config.template_folder)
-        marks = conn.contained(root, vim.VirtualMachine, ["config.template"])
+        if self.config.template_folder:
+            root = self.folder(conn, dc, self.config.template_folder)
+            marks = conn.contained(root, vim.VirtualMachine, ["config.template"])
+        else:  # the marks of every VM: what changed since the last look
+            marks = list(self.tracked_vms(conn).values())
         found = [obj for obj, p in marks if p.get("config.template")]
+        # Read again only when the templates changed (one came, went, was renamed,
+        # or was turned into a VM, as editing one needs), or after SHAPE_TTL_S.
+        key = frozenset((o._moId, str(p.get("name"))) for o, p in marks if p.get("config.template"))
+        with self._lock:
+            cached = self._template_rows
+        if cached is not None and cached[1] == key and time.monotonic() - cached[0] < SHAPE_TTL_S:
+            return cached[2]
         rows = conn.retrieve(found, vim.VirtualMachine, TEMPLATE_PATHS)
         chosen = [r for r in rows if self._is_template(r[1])]
         with self._lock:
             self._templates = {p["name"]: obj for obj, p in chosen}
+            self._template_rows = (time.monotonic(), key, chosen)
         return chosen
 
     def _is_template(self, p: Props) -> bool:
@@ -229,11 +278,12 @@ class Inventory:
             known = self._templates.get(name)
         if known is not None:
             try:
-                rows = conn.retrieve([known], vim.VirtualMachine, TEMPLATE_PATHS)
+                rows = conn.retrieve([known], vim.VirtualMachine, KNOWN_TEMPLATE_PATHS)
             except vmodl.fault.ManagedObjectNotFound:
                 rows = []
-            if rows and rows[0][1].get("name") == name and self._is_template(rows[0][1]):
-                return rows[0]
+            p = _with_config_parts(rows[0][1]) if rows else {}
+            if p.get("name") == name and self._is_template(p):
+                return known, p
         rows = self.templates(conn, dc)
         for obj, p in rows:
             if p["name"] == name:
@@ -276,12 +326,9 @@ class Inventory:
         """The networks a NIC may use: every one but the uplink portgroups of distributed
         switches, which carry the hosts' physical NICs and no VM (vCenter refuses such
         a NIC only when the VM powers on)."""
-        rows = conn.contained(dc.obj, vim.Network, ["name"])
-        pg_type = vim.dvs.DistributedVirtualPortgroup
-        pgs = [o for o, _p in rows if isinstance(o, pg_type)]
-        uplinks = conn.retrieve(pgs, pg_type, ["config.uplink", "tag"])
-        skip = {o._moId for o, p in uplinks if p.get("config.uplink") or _uplink_tag(p)}
-        return [(o, p) for o, p in rows if o._moId not in skip]
+        pg_paths = (vim.dvs.DistributedVirtualPortgroup, ["config.uplink", "tag"])
+        rows = conn.contained(dc.obj, vim.Network, ["name"], (pg_paths,))  # one read
+        return [(o, p) for o, p in rows if not (p.get("config.uplink") or _uplink_tag(p))]
 
     def plan(self, conn: Conn, spec: CloneSpec) -> Plan:
         try:
@@ -300,7 +347,7 @@ class Inventory:
         dc = self.datacenter(conn)
         template, t_props = self.template(conn, dc, spec.template)
         pool, placement = self.pool(conn, dc, spec.placement)
-        stores = self.datastores(conn, dc.obj)
+        stores = self.datastore_names(conn, dc)
         wanted = spec.storage or self.config.datastore
         if wanted:
             chosen = [r for r in stores if r[1]["name"] == wanted]
@@ -310,7 +357,9 @@ class Inventory:
         if not chosen:
             known = ", ".join(sorted(p["name"] for _o, p in stores))
             raise PermanentError(f"no datastore {wanted!r} on {self.name} (have: {known})")
-        config = conn.props(template, vim.VirtualMachine, ["config"])["config"]
+        config = t_props.get("config")
+        if config is None:  # found by a fresh lookup, which does not read it all
+            config = conn.props(template, vim.VirtualMachine, ["config"])["config"]
         wanted_net = spec.network or self.config.network
         network = self.network(conn, dc, wanted_net) if wanted_net else None
         folder = self.folder(conn, dc, self.config.vm_folder)
@@ -325,47 +374,3 @@ class Inventory:
         family = os_family(str(props.get("config.guestId") or ""))
         c = self.config
         return nic.fit(self.name, c.os_profiles, c.template_os, name, family, props)
-
-    def macs(self, conn: Conn) -> frozenset[str]:
-        """The MAC of every NIC of every VM the session can see (on a standalone host:
-        all of its VMs), so that a MAC set by hand is not one of them."""
-        root, card = conn.content.rootFolder, vim.vm.device.VirtualEthernetCard
-        rows = conn.contained(root, vim.VirtualMachine, ["config.hardware.device"])
-        return frozenset(
-            str(d.macAddress).lower()
-            for _o, p in rows
-            for d in p.get("config.hardware.device") or []
-            if isinstance(d, card) and d.macAddress
-        )
-
-    def vms(self, conn: Conn, name: str | None = None) -> list[VMInfo]:
-        """Every VM the session can see (or those called `name`), by instance UUID."""
-        root, paths = conn.content.rootFolder, [*VM_PATHS, "config.instanceUuid"]
-        if name is None:
-            rows = conn.contained(root, vim.VirtualMachine, paths)
-        else:  # names of all, details of the few that match
-            named = conn.contained(root, vim.VirtualMachine, ["name"])
-            matches = [obj for obj, p in named if p.get("name") == name]
-            rows = conn.retrieve(matches, vim.VirtualMachine, paths)
-        return [vm_info(str(p.get("config.instanceUuid")), p) for _o, p in rows]
-
-    def lookup(self, conn: Conn, vm_id: str, paths: tuple[str, ...] = ()) -> Row | None:
-        """The VM with this instance UUID and its properties; None when there is none."""
-        vm = conn.find_vm(vm_id)
-        if vm is None:
-            return None
-        try:
-            return vm, conn.props(vm, vim.VirtualMachine, [*VM_PATHS, *paths])
-        except vmodl.fault.ManagedObjectNotFound:
-            return None  # removed between the search and the read
-
-    def ours(self, conn: Conn, ref: VMRef, paths: tuple[str, ...] = ()) -> Row | None:
-        """Like `lookup`, but NotOurVM when the VM lacks the ref's job tag."""
-        found = self.lookup(conn, ref.vm_id, paths)
-        if found is not None and ref.tag not in tags(found[1].get("config.annotation")):
-            raise NotOurVM(
-                f"VM {found[1].get('name')} (instance UUID {ref.vm_id}) does not carry tag "
-                f"{ref.tag}: deploybot leaves it alone",
-                vm_id=ref.vm_id,
-            )
-        return found

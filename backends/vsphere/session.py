@@ -4,9 +4,11 @@
 through the PropertyCollector, and the mapping of faults to backend errors.
 
 pyvmomi blocks, so every piece of work is a function run in the session's thread pool
-(`Session.run`). Waiting never polls: `Op.watch` creates a PropertyCollector of its own,
-long-polls `WaitForUpdatesEx` on the watched object and destroys the collector, so any
-number of concurrent waits share the session without stealing each other's updates.
+(`Session.run`). Waiting never polls: `Op.watch` takes a PropertyCollector of its own
+(an idle one of the session, else a new one), long-polls `WaitForUpdatesEx` on the
+watched object and destroys its filter (or, for a task that ended, leaves it: it sends
+nothing more), so any number of concurrent waits share the session without stealing
+each other's updates.
 
 A caller that gives up (a step timeout, a cancel) does not leave a change running
 unseen: the task being waited for is cancelled (or the long poll ended) and
@@ -122,8 +124,9 @@ class Op:
             cancelled = self._cancelled_at is not None
         if cancelled:
             _cancel_task(task)
+        paths = ["info.state", "info.error", "info.result"]
         try:
-            info = self.watch(task, vim.Task, ["info.state", "info.error", "info.result"], _ended)
+            info = self.watch(task, vim.Task, paths, _ended, ends_quiet=True)
         finally:
             with self._lock:
                 self._task = None
@@ -131,26 +134,64 @@ class Op:
             raise task_fault(info.get("info.error"))
         return info.get("info.result")
 
-    def watch(self, obj: Any, kind: Any, paths: list[str], done: Callable[[Props], T | None]) -> T:
-        """Long-poll `paths` of `obj` until `done(properties so far)` answers non-None."""
+    def watch(
+        self,
+        obj: Any,
+        kind: Any,
+        paths: list[str],
+        done: Callable[[Props], T | None],
+        *,
+        ends_quiet: bool = False,
+    ) -> T:
+        """Long-poll `paths` of `obj` until `done(properties so far)` answers non-None.
+
+        The collector is an idle one of the session, if any (`Conn.take_collector`),
+        which no one else uses while we wait. Our filter is destroyed afterwards unless
+        `ends_quiet` (a task, which changes no more once it ended) and we saw the end:
+        then it may stay on the collector. A task wait costs 2 requests, plus one per
+        further update; any other wait 3."""
         query = vmodl.query.PropertyCollector
-        pc = self.conn.content.propertyCollector.CreatePropertyCollector()
+        spec = query.FilterSpec(
+            objectSet=[query.ObjectSpec(obj=obj, skip=False)],
+            propSet=[query.PropertySpec(type=kind, pathSet=paths, all=False)],
+        )
+        pc, login, ended, pc_filter = self._filtered(spec)
         with self._lock:
             self._collector = pc
+        reusable = False
         try:
-            spec = query.FilterSpec(
-                objectSet=[query.ObjectSpec(obj=obj, skip=False)],
-                propSet=[query.PropertySpec(type=kind, pathSet=paths, all=False)],
-            )
-            pc.CreateFilter(spec, False)
-            return self._updates(pc, done)
+            answer = self._updates(pc, done, obj)
+            if ends_quiet:
+                ended, reusable = ended + 1, True
+            return answer
         finally:
             with self._lock:
                 self._collector = None
-            with contextlib.suppress(*QUIET):
-                pc.DestroyPropertyCollector()
+            if not reusable:
+                with contextlib.suppress(*QUIET):
+                    pc_filter.DestroyPropertyFilter()
+                    reusable = True
+            if reusable:
+                self.conn.give_back(pc, login, ended)
+            else:  # a filter may be left on it that still sends: nobody else may use it
+                with contextlib.suppress(*QUIET):
+                    pc.DestroyPropertyCollector()
 
-    def _updates(self, pc: Any, done: Callable[[Props], T | None]) -> T:
+    def _filtered(self, spec: Any) -> tuple[Any, int, int, Any]:
+        """A collector for one waiter (`Conn.take_collector`) with our filter on it."""
+        for attempt in (1, 2):
+            pc, login, ended = self.conn.take_collector()
+            try:
+                return pc, login, ended, pc.CreateFilter(spec, False)
+            except vmodl.fault.ManagedObjectNotFound:
+                # An idle collector of a session that expired meanwhile (the call
+                # logged in again, and the next take makes a new one), or one the
+                # server dropped.
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _updates(self, pc: Any, done: Callable[[Props], T | None], obj: Any) -> T:
         options = vmodl.query.PropertyCollector.WaitOptions(maxWaitSeconds=WAIT_SLICE_S)
         state: Props = {}
         version = ""
@@ -162,7 +203,7 @@ class Op:
             if update is not None:
                 version = update.version
                 for filter_update in update.filterSet:
-                    for change in (c for o in filter_update.objectSet for c in o.changeSet):
+                    for change in _changes(filter_update, obj):
                         state[change.name] = change.val
                 answer = done(state)
                 if answer is not None:
@@ -175,6 +216,13 @@ class Op:
             return
         if self._task is None or time.monotonic() - cancelled_at > self.grace_s:
             raise Abandoned()
+
+
+def _changes(filter_update: Any, obj: Any) -> list[Any]:
+    """The property changes of `obj` alone: a reused collector may also report the
+    final state of the ended tasks whose filters it keeps."""
+    mine = (o for o in filter_update.objectSet or [] if o.obj._moId == obj._moId)
+    return [c for o in mine for c in o.changeSet or []]
 
 
 def _ended(info: Props) -> Props | None:
