@@ -264,6 +264,16 @@ class CloneMode:
 # --- configuration ------------------------------------------------------------------
 
 
+def readable_file(path: Path) -> Path:
+    """A file named in the configuration (a CA bundle, a key) must be readable at start,
+    not found missing at the first deploy."""
+    if not path.is_file():
+        raise ValueError(f"{path} does not exist or is not a file: give the path of the file")
+    if not os.access(path, os.R_OK):
+        raise ValueError(f"{path} cannot be read by this process: check its permissions")
+    return path
+
+
 class SshJump(BaseModel):
     """A jump host (bastion) for the SSH check, for a bot that cannot reach the guests'
     network itself: the check asks it to open the TCP connection to the guest, as
@@ -281,9 +291,7 @@ class SshJump(BaseModel):
     @field_validator("key_file", "known_hosts")
     @classmethod
     def _readable(cls, path: Path) -> Path:
-        if not path.is_file() or not os.access(path, os.R_OK):
-            raise ValueError(f"{path} is not a file this process can read")
-        return path
+        return readable_file(path)
 
     @field_validator("key_file")
     @classmethod

@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import getpass
 import logging
+import os
 import sys
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
@@ -92,12 +93,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def configure_logging(path: Path, *, to_stderr: bool = False) -> None:
-    handler: logging.Handler = (
-        logging.StreamHandler(sys.stderr) if to_stderr else logging.FileHandler(path)
-    )
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    """Every command logs to `path`, which the messages people see point at; `serve`
+    also to stderr, for the container's log. The file is made 0600 before anything is
+    written to it: it names people, machines and jobs, like the database."""
+    fd = os.open(path, os.O_CREAT | os.O_APPEND | os.O_WRONLY, 0o600)
+    os.close(fd)
+    os.chmod(path, 0o600)
+    handlers: list[logging.Handler] = [logging.FileHandler(path)]
+    if to_stderr:
+        handlers.append(logging.StreamHandler(sys.stderr))
+    formatter = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for handler in handlers:
+        handler.setFormatter(formatter)
     root = logging.getLogger()
-    root.handlers[:] = [handler]
+    root.handlers[:] = handlers
     root.setLevel(logging.INFO)
 
 
@@ -123,7 +132,15 @@ def run(argv: Sequence[str] | None, commands: Mapping[str, Command]) -> int:
         print(exc.message, file=sys.stderr)
         return 2
     if args.command != "demo":
-        configure_logging(settings.log_file, to_stderr=args.command == "serve")
+        try:
+            configure_logging(settings.log_file, to_stderr=args.command == "serve")
+        except OSError as exc:
+            print(
+                f"log_file {settings.log_file}: cannot write it ({exc.strerror}); point "
+                "log_file at a file this user may write.",
+                file=sys.stderr,
+            )
+            return 2
     try:
         return asyncio.run(commands[args.command](args, settings))
     except DeployBotError as exc:

@@ -27,10 +27,11 @@ from pydantic import (
     model_validator,
 )
 from pydantic_core import ErrorDetails
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from backends.base import BackendConfig
 from bot.errors import ConfigError
+from bot.models import check_ssh_key
 from store.db import POSTGRES_SCHEMES
 
 BUNDLED_CONFIG = Path(__file__).with_name("deploybot.example.toml")
@@ -111,6 +112,15 @@ class Subnet(_Section):
     def _gateway_inside(self) -> Subnet:
         if self.gateway not in self.cidr:
             raise ValueError(f"gateway {self.gateway} is outside {self.cidr}")
+        if self.cidr.prefixlen < 31 and self.gateway in (
+            self.cidr.network_address,
+            self.cidr.broadcast_address,
+        ):
+            what = "network" if self.gateway == self.cidr.network_address else "broadcast"
+            raise ValueError(
+                f"gateway {self.gateway} is the {what} address of {self.cidr}: give the "
+                "router's own address"
+            )
         return self
 
 
@@ -123,6 +133,18 @@ class Defaults(_Section):
     user: str = "ubuntu"
     ssh_keys: tuple[str, ...] = ()
     ssh_port: int = Field(default=22, ge=1, le=65535)
+
+    @field_validator("ssh_keys")
+    @classmethod
+    def _public_keys(cls, keys: tuple[str, ...]) -> tuple[str, ...]:
+        """Checked at start: a key that is not one would lock everybody out of every VM."""
+        checked = []
+        for number, key in enumerate(keys, 1):
+            try:
+                checked.append(check_ssh_key(key))
+            except ValueError as exc:
+                raise ValueError(f"key {number}: {exc}") from None
+        return tuple(checked)
 
 
 class Limits(_Section):
@@ -233,7 +255,24 @@ class SlackSettings(_Section):
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="DEPLOYBOT_", extra="forbid", frozen=True)
+    # DEPLOYBOT_LIMITS__MAX_RUNNING=3 sets [limits] max_running, and wins over the file:
+    # container operators set what differs per deployment in the environment.
+    model_config = SettingsConfigDict(
+        env_prefix="DEPLOYBOT_", env_nested_delimiter="__", extra="forbid", frozen=True
+    )
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """The environment first (it wins), then the file's values (passed in by
+        `load_settings`); sections are merged key by key, not replaced whole."""
+        return (env_settings, init_settings)
 
     # A SQLite file, or postgresql://user@host:port/dbname?sslmode=... for replicas
     # (the password is read from the variable named by database_password_env).
@@ -275,6 +314,28 @@ class Settings(BaseSettings):
         """PostgreSQL's password from the environment (None: libpq's PGPASSWORD or
         ~/.pgpass may still supply one)."""
         return os.environ.get(self.database_password_env) or None
+
+    @field_validator("log_file")
+    @classmethod
+    def _log_folder(cls, path: Path) -> Path:
+        if not path.parent.is_dir():
+            raise ValueError(
+                f"the folder {path.parent} does not exist: create it, or point log_file "
+                "at a file in a folder that does"
+            )
+        return path
+
+    @field_validator("subnets")
+    @classmethod
+    def _apart(cls, subnets: tuple[Subnet, ...]) -> tuple[Subnet, ...]:
+        """An address in two subnets would take its gateway and DNS from whichever comes
+        first: the file must say which."""
+        for i, one in enumerate(subnets):
+            for other in subnets[i + 1 :]:
+                if one.cidr.overlaps(other.cidr):
+                    what = "is listed twice" if one.cidr == other.cidr else f"overlaps {other.cidr}"
+                    raise ValueError(f"{one.cidr} {what}: each address must belong to one subnet")
+        return subnets
 
     @model_validator(mode="after")
     def _references(self) -> Settings:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 from typing import Any
 
 import pydantic
@@ -141,10 +142,13 @@ def test_missing_secrets_name_the_variable(pve_tls: Any) -> None:
     assert not fallback.api._credentials.uses_token
 
 
-def test_tls_options_are_checked() -> None:
+def test_tls_options_are_checked(tmp_path: Path) -> None:
     data = {"kind": "proxmox", "name": "pve", "host": "127.0.0.1"}
+    (tmp_path / "ca.pem").write_text("a CA bundle\n")
     with pytest.raises(pydantic.ValidationError, match="choose one"):
-        Config.model_validate({**data, "ca_bundle": "/tmp/ca.pem", "verify_tls": False})
+        Config.model_validate({**data, "ca_bundle": tmp_path / "ca.pem", "verify_tls": False})
+    with pytest.raises(pydantic.ValidationError, match=r"missing\.pem does not exist"):
+        Config.model_validate({**data, "ca_bundle": tmp_path / "missing.pem"})
     assert Config.model_validate(data).verify_tls
 
 

@@ -15,7 +15,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from backends.advice import nic_model_choice
-from backends.base import BackendConfig, PermanentError
+from backends.base import BackendConfig, PermanentError, readable_file
 from backends.proxmox.api import ApiSettings, Credentials
 from backends.proxmox.pacing import PollTiming
 
@@ -103,6 +103,11 @@ class Config(BackendConfig):
     # pipeline's retry pause, so the agent is rarely left unwatched.
     agent_poll_window_s: float = Field(default=30.0, gt=0)
     discovery_cache_s: float = Field(default=60.0, ge=0)
+
+    @field_validator("ca_bundle")
+    @classmethod
+    def _ca_readable(cls, path: Path | None) -> Path | None:
+        return readable_file(path) if path is not None else None
 
     @field_validator("os_profiles")
     @classmethod

@@ -31,7 +31,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pyVmomi import vim, vmodl
 
 from backends.base import (
@@ -49,6 +49,7 @@ from backends.base import (
     VMNotFound,
     VMRef,
     pick_address,
+    readable_file,
 )
 from backends.sshcheck import SshCheck
 from backends.vsphere import esxi, specs
@@ -111,6 +112,11 @@ class Config(BackendConfig):
     api_threads: int = Field(default=32, ge=4, le=256)
     request_timeout_s: float = Field(default=90, gt=WAIT_SLICE_S)
     cancel_wait_s: float = Field(default=60, gt=0)
+
+    @field_validator("ca_bundle")
+    @classmethod
+    def _ca_readable(cls, path: Path | None) -> Path | None:
+        return readable_file(path) if path is not None else None
 
     @model_validator(mode="after")
     def _consistent(self) -> Config:

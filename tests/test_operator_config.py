@@ -1,0 +1,98 @@
+"""What an operator gets wrong is refused at start, with the key and the fix; the
+environment wins over the file; the log file is private (issue 13, items 3-5)."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bot.errors import ConfigError
+from bot.settings import BUNDLED_CONFIG, load_settings
+from tests.conftest import TEST_KEY, make_settings
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def refused(tmp_path: Path, **overrides: Any) -> str:
+    with pytest.raises(ConfigError) as error:
+        make_settings(tmp_path, **overrides)
+    return error.value.message
+
+
+@pytest.mark.parametrize(
+    ("subnets", "said"),
+    [
+        ([{"cidr": "10.0.0.0/24", "gateway": "10.0.0.1"}] * 2, "10.0.0.0/24 is listed twice"),
+        (
+            [
+                {"cidr": "10.0.0.0/24", "gateway": "10.0.0.1"},
+                {"cidr": "10.0.0.128/25", "gateway": "10.0.0.129"},
+            ],
+            "10.0.0.0/24 overlaps 10.0.0.128/25",
+        ),
+        ([{"cidr": "10.0.0.0/24", "gateway": "10.0.0.0"}], "is the network address"),
+        ([{"cidr": "10.0.0.0/24", "gateway": "10.0.0.255"}], "is the broadcast address"),
+    ],
+)
+def test_subnets_that_cannot_work_are_refused(
+    tmp_path: Path, subnets: list[dict[str, str]], said: str
+) -> None:
+    message = refused(tmp_path, subnets=subnets)
+    assert "subnets" in message and said in message
+
+
+def test_a_default_key_that_is_not_a_public_key_is_refused(tmp_path: Path) -> None:
+    message = refused(tmp_path, defaults={"ssh_keys": [TEST_KEY, "ssh-rsa not-a-key"]})
+    assert "defaults.ssh_keys" in message and "key 2" in message
+
+
+def test_a_log_folder_that_does_not_exist_is_refused(tmp_path: Path) -> None:
+    message = refused(tmp_path, log_file=str(tmp_path / "no" / "such" / "bot.log"))
+    assert "log_file" in message and "does not exist" in message
+
+
+def test_a_missing_ca_bundle_is_refused(tmp_path: Path) -> None:
+    backend = {
+        "kind": "proxmox",
+        "name": "pve",
+        "host": "127.0.0.1",
+        "user": "root@pam",
+        "token_id": "deploybot",
+        "ca_bundle": str(tmp_path / "missing.pem"),
+    }
+    message = refused(tmp_path, backends=[backend])
+    assert "backends.0.ca_bundle" in message and "missing.pem does not exist" in message
+
+
+def test_the_environment_wins_over_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DEPLOYBOT_LIMITS__MAX_RUNNING", "3")
+    monkeypatch.setenv("DEPLOYBOT_SLACK__API_BASE_URL", "http://127.0.0.1:9/api/")
+    settings = make_settings(
+        tmp_path, limits={"max_running": 8}, slack={"api_base_url": "http://127.0.0.1:1/"}
+    )
+    assert settings.limits.max_running == 3
+    assert settings.slack.api_base_url == "http://127.0.0.1:9/api/"
+    assert settings.limits.max_running_per_backend == 4  # the rest of the section stays
+
+
+def test_the_log_file_is_private_and_serve_writes_it(tmp_path: Path) -> None:
+    config = tmp_path / "deploybot.toml"
+    text = BUNDLED_CONFIG.read_text().replace('"deploybot.db"', f'"{tmp_path}/jobs.db"')
+    config.write_text(text.replace('"deploybot.log"', f'"{tmp_path}/bot.log"'))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DEPLOYBOT_")}
+    env["DEPLOYBOT_CONFIG"] = str(config)
+    result = subprocess.run(
+        [sys.executable, "-m", "handlers.entry", "history"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert stat.S_IMODE((tmp_path / "bot.log").stat().st_mode) == 0o600
+    assert load_settings(config).log_file == tmp_path / "bot.log"
