@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Mapping
 
-from backends.base import Backend, BackendError, Network, Storage, Template
+from backends.base import Backend, BackendError, NamedTemplates, Network, Storage, Template
 from bot.errors import Conflict, RequestInvalid
 from bot.models import DeployRequest
 
@@ -23,12 +23,13 @@ async def check_on_backend(backends: Mapping[str, Backend], request: DeployReque
         raise RequestInvalid([f"No backend called {request.backend!r} is running."])
     problems = []
     try:
-        templates = await backend.templates()
+        template = await _template(backend, request.template)
         placements = await backend.placements()
+        # Only a refusal lists the others (reading every template costs requests).
+        names = [t.name for t in await backend.templates()] if template is None else []
     except BackendError as exc:
         raise RequestInvalid([_unanswered(request.backend, exc)]) from None
-    names = [t.name for t in templates]
-    if request.template not in names:
+    if template is None:
         problems.append(
             f"template: {request.template!r} is not a template on {request.backend}; "
             + _choices(names, "templates", "see `/deploy templates`")
@@ -64,7 +65,16 @@ async def check_on_backend(backends: Mapping[str, Backend], request: DeployReque
             )
     if problems:
         raise RequestInvalid(problems)
-    return next(t for t in templates if t.name == request.template)
+    assert template is not None  # else a problem was raised
+    return template
+
+
+async def _template(backend: Backend, name: str) -> Template | None:
+    """The named template: looked up alone where the backend can (`NamedTemplates`),
+    else found among all of them."""
+    if isinstance(backend, NamedTemplates):
+        return await backend.template(name)
+    return next((t for t in await backend.templates() if t.name == name), None)
 
 
 async def _names(backend: str, listing: Awaitable[list[Storage] | list[Network]]) -> list[str]:

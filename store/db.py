@@ -30,7 +30,7 @@ from bot.models import (
     UserPrefs,
     utcnow,
 )
-from store import approvals, gc, jobs, outbox, owners, quarantine, users
+from store import approvals, durations, gc, jobs, outbox, owners, quarantine, users
 from store.jobs import AlreadyDelivered, DuplicateActive
 from store.migrations import migrate
 from store.quarantine import Quarantined, RowUnreadable
@@ -236,6 +236,11 @@ class Store:
 
     async def events(self, job_id: str) -> list[JobEvent]:
         return await self._call(jobs.events, self._db, job_id)
+
+    async def step_durations(
+        self, backend: str, steps: Sequence[str], limit: int
+    ) -> list[durations.StepRow]:
+        return await self._call(durations.step_durations, self._db, backend, steps, limit)
 
     async def history(
         self,

@@ -41,6 +41,7 @@ from backends.base import (
     PermanentError,
     Placement,
     RetryableError,
+    StepTime,
     Storage,
     Template,
     Unreachable,
@@ -53,9 +54,9 @@ from backends.proxmox import rollback
 from backends.proxmox.agent import AgentWaits
 from backends.proxmox.api import AlreadyExists, Forbidden, PveApi, TaskFailed
 from backends.proxmox.config import Config, OSProfile, credentials
-from backends.proxmox.inventory import LINKED_TYPES, Inventory
+from backends.proxmox.inventory import LINKED_TYPES, Inventory, NoSuchTemplate
 from backends.proxmox.locks import Holder, TaskRunner
-from backends.proxmox.pacing import Pace, Pacing
+from backends.proxmox.pacing import STEP_OPERATIONS, Pace, Pacing, clone_key, step_key
 from backends.proxmox.vmconfig import (
     GIB,
     Mark,
@@ -115,11 +116,30 @@ class ProxmoxBackend:
         )
         self.agent = AgentWaits(api, self.pacing, agent_polling, config.agent_poll_window_s)
 
+    def remember_steps(self, history: list[StepTime]) -> None:
+        """Expected durations from the job history (newest first), for the waits this
+        process has not timed itself yet (see `pacing`)."""
+        grouped: dict[tuple[str, str], list[float]] = {}
+        for step in history:
+            if operation := STEP_OPERATIONS.get(step.step):
+                key = step_key(step.step, step.template, step.storage)
+                grouped.setdefault((operation, key), []).append(step.duration_s)
+        for (operation, key), durations in grouped.items():
+            self.pacing.remember(operation, key, durations)
+
     # --- discovery --------------------------------------------------------------------
 
     async def templates(self) -> list[Template]:
         found = (await self.inventory.templates()).values()
         return [t.public(self.inventory.profile(t.family).user) for t in found]
+
+    async def template(self, name: str) -> Template | None:
+        """One template by name, reading only its config (`bot.admission` asks this)."""
+        try:
+            found = await self.inventory.template(name)
+        except NoSuchTemplate:
+            return None
+        return found.public(self.inventory.profile(found.family).user)
 
     async def storages(self, placement: str | None = None) -> list[Storage]:
         node = placement or await self.inventory.default_node()
@@ -277,9 +297,9 @@ class ProxmoxBackend:
         source = Holder(template.node, str(template.vmid), label, ours=False)
         post = functools.partial(self.api.post, path, what, **params)
         # Linked clones take about as long each time; full ones scale with the storage.
-        key = f"{template.name}@{'linked' if mode.linked else target}"
+        pace = Pace(self.pacing, "clone", clone_key(template.name, spec.storage))
         try:
-            await self._unlost(node, ref, post, what, source, Pace(self.pacing, "clone", key))
+            await self._unlost(node, ref, post, what, source, pace)
         finally:
             self._reserved.discard(int(ref.vm_id))
         return None if mode.linked else f"full copy onto {target}: minutes, not seconds"
@@ -396,7 +416,7 @@ class ProxmoxBackend:
             path = f"nodes/{node}/qemu/{ref.vm_id}/resize"
             size = size_text(target)
             start = functools.partial(self.api.put, path, what, disk=disk.key, size=size)
-            pace = Pace(self.pacing, "resize", disk.storage)
+            pace = Pace(self.pacing, "resize", mark_field(config, "template") or "")
             await self.tasks.run(what, node, ref.vm_id, start, pace=pace)
         self._resize_targets.pop(ref.vm_id, None)
         return None
@@ -442,21 +462,24 @@ class ProxmoxBackend:
     async def power_off(self, ref: VMRef) -> None:
         """Stop (hard) and wait for the stop task: a destroy must not race it."""
         try:
-            node = await self._node_of(ref)
+            node, template = await self._place_of(ref)
         except VMNotFound:
             return
-        await rollback.stop(self.api, self.tasks, node, ref.vm_id)
+        pace = Pace(self.pacing, "stop", template)
+        await rollback.stop(self.api, self.tasks, node, ref.vm_id, pace)
 
     async def destroy(self, ref: VMRef) -> None:
         """Delete with its disks, backup jobs and HA entry, and wait; gone is done. The
         job's tag is checked again before each try (see `rollback.destroy`)."""
         self.agent.forget(ref.vm_id)
         self._resize_targets.pop(ref.vm_id, None)
-        await rollback.destroy(self.api, self.tasks, lambda: self._node_of(ref), ref.vm_id)
+        owned = functools.partial(self._place_of, ref)
+        await rollback.destroy(self.api, self.tasks, owned, ref.vm_id, self.pacing)
 
-    async def _node_of(self, ref: VMRef) -> str:
-        node, _config = await self._owned(ref)
-        return node
+    async def _place_of(self, ref: VMRef) -> tuple[str, str]:
+        """The node and template of the ref's VM, once its tag was checked."""
+        node, config = await self._owned(ref)
+        return node, mark_field(config, "template") or ""
 
     async def close(self) -> None:
         await self._ssh.close()
