@@ -80,7 +80,7 @@ def fake_record(port: int, ca: Path) -> tuple[list[dict[str, Any]], list[tuple[s
     context = ssl.create_default_context(cafile=str(ca))
     with urllib.request.urlopen(f"https://127.0.0.1:{port}/_fake/tasks", context=context) as r:
         answer = json.load(r)
-    return answer["tasks"], [(str(k), float(t)) for k, t in answer["requests"]]
+    return answer["tasks"], [(str(k), float(t)) for k, t, *_vm in answer["requests"]]
 
 
 async def run(

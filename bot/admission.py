@@ -8,6 +8,7 @@ rather than from a job that fails at its clone step.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Mapping
 
 from backends.base import Backend, BackendError, NamedTemplates, Network, Storage, Template
@@ -22,9 +23,10 @@ async def check_on_backend(backends: Mapping[str, Backend], request: DeployReque
     if backend is None:
         raise RequestInvalid([f"No backend called {request.backend!r} is running."])
     problems = []
-    try:
-        template = await _template(backend, request.template)
-        placements = await backend.placements()
+    try:  # two independent questions: asked together, the requester waits for one
+        template, placements = await asyncio.gather(
+            _template(backend, request.template), backend.placements()
+        )
         # Only a refusal lists the others (reading every template costs requests).
         names = [t.name for t in await backend.templates()] if template is None else []
     except BackendError as exc:

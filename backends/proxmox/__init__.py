@@ -231,15 +231,24 @@ class ProxmoxBackend:
     async def prepare_clone(self, spec: CloneSpec) -> VMRef:
         template = await self.inventory.template(spec.template)
         node = self.inventory.target_node(spec, template)
-        nodes = await self.inventory.online_nodes()
-        if node not in nodes:
+        # The checks do not depend on each other: asked together (each is a round
+        # trip before the clone can start), then judged in order. An id is asked for
+        # only once they pass.
+        nodes, mode, baseline, cluster = await asyncio.gather(
+            self.inventory.online_nodes(),
+            self.inventory.clone_mode(spec, template, node),
+            self.inventory.check_baseline(template, node),
+            self.inventory.cluster_name(),
+            return_exceptions=True,
+        )
+        if isinstance(nodes, list) and node not in nodes:
             raise PermanentError(
                 f"{node!r} is not an online node of {self.name} (have: {', '.join(nodes)})"
             )
-        await self.inventory.clone_mode(spec, template, node)
-        await self.inventory.check_baseline(template, node)
+        for found in (nodes, mode, baseline, cluster):
+            if isinstance(found, BaseException):
+                raise found
         vmid = await self._free_vmid()
-        cluster = await self.inventory.cluster_name()
         placement = f"{node}@{cluster}" if cluster else node
         return VMRef(str(vmid), spec.job_id, placement, spec.installation)
 
@@ -436,7 +445,8 @@ class ProxmoxBackend:
                 raise
             if ref.vm_id in self.agent.watches:
                 return None  # the boot began with the lost answer: keep its clock
-        self.agent.booted(ref.vm_id, node, template)  # a new boot: the agent's clock starts
+        # A new boot: the agent's clock starts when the start task was seen over.
+        self.agent.booted(ref.vm_id, node, template, pace.seen_over_at)
         return None
 
     # --- address and SSH ----------------------------------------------------------------

@@ -117,18 +117,22 @@ class Pacing:
         )
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class Pace:
-    """What a task wait is, for its schedule: the operation and its template/storage."""
+    """What a task wait is, for its schedule: the operation and its template/storage.
+    `seen_over_at`: when the look that found the task over was sent (loop time), for
+    a caller that starts a clock at the task's end (the guest's boot)."""
 
     pacing: Pacing
     operation: str
     key: str
+    seen_over_at: float | None = None
 
     def schedule(self, timing: PollTiming) -> Schedule:
         return self.pacing.schedule(self.operation, self.key, timing)
 
-    def learn(self, schedule: Schedule, done_s: float) -> None:
+    def learn(self, schedule: Schedule, done_s: float, at: float) -> None:
+        self.seen_over_at = at
         self.pacing.learn(self.operation, self.key, schedule, done_s)
 
 
