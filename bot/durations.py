@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 PACED_STEPS = ("clone", "identity", "resize", "power_on", "address")
 # Recent steps read per backend: enough for every template and storage in use, few
 # enough that the read costs nothing at start.
-RECENT = 500
+RECENT = 2000
 
 
 async def teach(store: Store, backends: Mapping[str, Backend]) -> None:

@@ -152,7 +152,7 @@ class Inventory:
 
     async def next_vmid(self) -> int:
         """`/cluster/nextid`: the lowest free id. Callers asking together share one answer
-        (and must not all take it: see ProxmoxBackend._free_vmid)."""
+        (and must not all take it: see Cloning.free_vmid)."""
         answer = await self._shared("nextid", lambda: self.api.get("cluster/nextid", "VM id"))
         return int(answer)
 

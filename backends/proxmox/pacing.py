@@ -29,7 +29,7 @@ _MIN_STEP_S = 0.01  # never a busy loop, even for a 0.1 s config task
 _PROBE_EARLIER = 0.98
 _EARLY_S = 0.001  # a look this much before a wait's time still counts as its own
 _WEIGHT = 0.5  # of a new observation in the running estimate: follows change in 2-3 waits
-_RECORDED = 50  # recorded durations per operation and key that count: the recent ones
+_RECORDED = 200  # recorded durations per operation and key that count: the recent ones
 
 
 @dataclass(frozen=True)
