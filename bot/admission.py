@@ -24,9 +24,14 @@ async def check_on_backend(backends: Mapping[str, Backend], request: DeployReque
         raise RequestInvalid([f"No backend called {request.backend!r} is running."])
     problems = []
     try:  # two independent questions: asked together, the requester waits for one
-        template, placements = await asyncio.gather(
-            _template(backend, request.template), backend.placements()
+        found, placements = await asyncio.gather(
+            _template(backend, request.template), backend.placements(), return_exceptions=True
         )
+        for answer in (found, placements):
+            if isinstance(answer, BaseException):
+                raise answer
+        assert not isinstance(found, BaseException) and isinstance(placements, list)
+        template = found
         # Only a refusal lists the others (reading every template costs requests).
         names = [t.name for t in await backend.templates()] if template is None else []
     except BackendError as exc:
