@@ -10,6 +10,7 @@ ones. The backend decides what they mean for its waits; backends never read the 
 from __future__ import annotations
 
 import logging
+import sqlite3
 from collections.abc import Mapping
 
 from backends.base import Backend, LearnsDurations, StepTime
@@ -29,6 +30,10 @@ async def teach(store: Store, backends: Mapping[str, Backend]) -> None:
     for name, backend in backends.items():
         if not isinstance(backend, LearnsDurations):
             continue
-        rows = await store.step_durations(name, PACED_STEPS, RECENT)
+        try:
+            rows = await store.step_durations(name, PACED_STEPS, RECENT)
+        except sqlite3.Error:  # only an economy: never a reason not to start
+            log.exception("%s: the recorded step durations could not be read", name)
+            continue
         backend.remember_steps([StepTime(*row) for row in rows])
         log.debug("%s: %d recorded step durations handed to the backend", name, len(rows))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import socket
+import sqlite3
 from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -195,3 +196,20 @@ async def test_a_rollback_paces_its_stop_and_destroy_waits(fake: FakePVE) -> Non
         await backend.close()
     assert backend.pacing.expected_s("stop", "ubuntu-24.04") is not None
     assert backend.pacing.expected_s("destroy", "ubuntu-24.04") is not None
+
+
+async def test_a_damaged_job_row_teaches_nothing_and_stops_nothing(
+    fake: FakePVE, tmp_path: Path
+) -> None:
+    """Durations are an economy: a request that is not JSON (another tool wrote it)
+    is left out of them, and the next process still starts and deploys."""
+    await deploy(fake, tmp_path, Pacing(), "web01 127.0.10.57")
+    database = pve_settings(tmp_path, fake).database
+    with sqlite3.connect(database) as db:
+        db.execute("UPDATE jobs SET request = '{\"name\": '")
+    store = await Store.open(database)
+    try:
+        assert await store.step_durations("pve", PACED_STEPS, 100) == []
+    finally:
+        await store.close()
+    await deploy(fake, tmp_path, Pacing(), "web02 127.0.10.58")
