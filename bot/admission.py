@@ -8,9 +8,10 @@ rather than from a job that fails at its clone step.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Mapping
 
-from backends.base import Backend, BackendError, Network, Storage, Template
+from backends.base import Backend, BackendError, NamedTemplates, Network, Storage, Template
 from bot.errors import Conflict, RequestInvalid
 from bot.models import DeployRequest
 
@@ -22,22 +23,28 @@ async def check_on_backend(backends: Mapping[str, Backend], request: DeployReque
     if backend is None:
         raise RequestInvalid([f"No backend called {request.backend!r} is running."])
     problems = []
-    try:
-        templates = await backend.templates()
-        placements = await backend.placements()
+    try:  # two independent questions: asked together, the requester waits for one
+        found, placements = await asyncio.gather(
+            _template(backend, request.template), backend.placements(), return_exceptions=True
+        )
+        for answer in (found, placements):
+            if isinstance(answer, BaseException):
+                raise answer
+        assert not isinstance(found, BaseException) and isinstance(placements, list)
+        template = found
+        # Only a refusal lists the others (reading every template costs requests).
+        names = [t.name for t in await backend.templates()] if template is None else []
     except BackendError as exc:
         raise RequestInvalid([_unanswered(request.backend, exc)]) from None
-    names = [t.name for t in templates]
-    if request.template not in names:
+    if template is None:
         problems.append(
             f"template: {request.template!r} is not a template on {request.backend}; "
             + _choices(names, "templates", "see `/deploy templates`")
         )
     # What the backend knows against the template as configured (a NIC its guest has
     # no driver for): its VM would be built and then never answer.
-    chosen = next((t for t in templates if t.name == request.template), None)
-    if chosen is not None and chosen.problem:
-        problems.append(f"template: {chosen.problem}")
+    if template is not None and template.problem:
+        problems.append(f"template: {template.problem}")
     places = [p.name for p in placements]
     if request.placement is not None and request.placement not in places:
         choices = ", ".join([*places, *backends])
@@ -69,7 +76,16 @@ async def check_on_backend(backends: Mapping[str, Backend], request: DeployReque
             )
     if problems:
         raise RequestInvalid(problems)
-    return next(t for t in templates if t.name == request.template)
+    assert template is not None  # else a problem was raised
+    return template
+
+
+async def _template(backend: Backend, name: str) -> Template | None:
+    """The named template: looked up alone where the backend can (`NamedTemplates`),
+    else found among all of them."""
+    if isinstance(backend, NamedTemplates):
+        return await backend.template(name)
+    return next((t for t in await backend.templates() if t.name == name), None)
 
 
 async def _names(backend: str, listing: Awaitable[list[Storage] | list[Network]]) -> list[str]:

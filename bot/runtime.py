@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 
 from backends.base import Backend, BackendConfig, BackendError, BackendFactory
+from bot.durations import teach
 from bot.errors import ConfigError, StoreUnavailable
 from bot.progress import Progress
 from bot.service import Deployer
@@ -70,6 +71,7 @@ async def running_deployer(
     )
     freeze_startup_heap()  # before start(): the jobs it recovers and queues are not
     try:
+        await teach(store, backends)  # before any job: a fresh process paces from history
         if start:
             await deployer.start()
         yield deployer

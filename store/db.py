@@ -24,7 +24,7 @@ from bot.models import (
     UserPrefs,
     utcnow,
 )
-from store import approvals, gc, inbox, jobs, outbox, owners, quarantine, users
+from store import approvals, durations, gc, inbox, jobs, outbox, owners, quarantine, users
 from store.engine import Engine, SqliteEngine
 from store.jobs import AlreadyDelivered, DuplicateActive
 from store.quarantine import Quarantined, RowUnreadable
@@ -205,6 +205,11 @@ class Store:
 
     async def events(self, job_id: str) -> list[JobEvent]:
         return await self._call(jobs.events, job_id)
+
+    async def step_durations(
+        self, backend: str, steps: Sequence[str], limit: int
+    ) -> list[durations.StepRow]:
+        return await self._call(durations.step_durations, backend, steps, limit)
 
     async def history(
         self,

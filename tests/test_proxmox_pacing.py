@@ -5,17 +5,21 @@ from __future__ import annotations
 
 import itertools
 import socket
+import sqlite3
 from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
+from backends.base import CloneSpec, StepTime
 from backends.proxmox import Config, create
-from backends.proxmox.pacing import Pacing, PollTiming, Schedule
+from backends.proxmox.pacing import Pacing, PollTiming, Schedule, clone_key
+from bot.durations import PACED_STEPS
 from bot.models import JobState
 from bot.parser import DeployArgs, parse
 from bot.runtime import running_deployer
+from store.db import Store
 from tests.fakepve import testing
 from tests.fakepve.schema import ApiSchema
 from tests.fakepve.server import FakePVE, Recorded, Tls
@@ -119,3 +123,93 @@ def test_a_look_for_another_wait_does_not_move_this_ones_schedule() -> None:
     assert (schedule.next_at(), schedule.looks) == (1.0, 0)
     schedule.saw_running(1.0)
     assert schedule.looks == 1 and schedule.next_at() == 1.025
+
+
+async def test_a_fresh_process_starts_from_the_durations_the_history_recorded(
+    fake: FakePVE, tmp_path: Path
+) -> None:
+    """`deploybot deploy` is a new process each time: what it knows of the durations
+    comes from the store (one database for both deploys here), not from memory."""
+    first = await deploy(fake, tmp_path, Pacing(), "web01 127.0.10.54")
+    second = await deploy(fake, tmp_path, Pacing(), "web02 127.0.10.55")  # a new process
+    routes = Counter(f"{r.method} {r.template}" for r in second)
+    assert len(second) <= 25, routes
+    assert polls(second) < polls(first), (polls(first), polls(second))
+    store = await Store.open(pve_settings(tmp_path, fake).database)
+    try:
+        recorded = await store.step_durations("pve", PACED_STEPS, 100)
+    finally:
+        await store.close()
+    assert {step for step, *_rest in recorded} == {"clone", "identity", "power_on", "address"}
+    assert {(template, storage) for _step, template, storage, _s in recorded} == {
+        ("ubuntu-24.04", None)
+    }
+    assert recorded[0][0] == "address"  # newest first
+
+
+async def test_a_request_reads_the_config_of_the_template_it_names_only(
+    fake: FakePVE, tmp_path: Path
+) -> None:
+    sent = await deploy(fake, tmp_path, Pacing(), "web01 127.0.10.56 template=debian-12")
+    templates = {vmid for vmid, vm in fake.cluster.vms.items() if vm.template}
+    read = {
+        int(r.path_params["vmid"])
+        for r in sent
+        if r.method == "GET" and r.template == "/nodes/{node}/qemu/{vmid}/config"
+    }
+    assert read & templates == {9001}  # debian-12; not the five others
+
+
+def test_recorded_steps_seed_the_operations_they_wait_for(fake: FakePVE) -> None:
+    backend = create(Config.model_validate(config_data(fake)), environ(fake), pacing=Pacing())
+    backend.remember_steps(
+        [
+            StepTime("address", "t", None, 3.2),
+            StepTime("clone", "t", "fast", 2.5),
+            StepTime("clone", "t", None, 2.1),
+            StepTime("clone", "t", None, 1.9),  # the quickest recent one: the least overhead
+            StepTime("check_free", "t", None, 0.3),  # not a wait of ours
+        ]
+    )
+    pacing = backend.pacing
+    assert pacing.expected_s("boot", "t") == 3.2
+    assert pacing.expected_s("clone", clone_key("t", None)) == 1.9
+    assert pacing.expected_s("clone", clone_key("t", "fast")) == 2.5
+    assert pacing.expected_s("config", "t") is None
+    own = pacing.schedule("clone", clone_key("t", None), PollTiming())
+    own.saw_running(1.9)
+    pacing.learn("clone", clone_key("t", None), own, 2.0)
+    assert pacing.expected_s("clone", clone_key("t", None)) == 2.0  # its own wait outranks
+
+
+async def test_a_rollback_paces_its_stop_and_destroy_waits(fake: FakePVE) -> None:
+    backend = create(Config.model_validate(config_data(fake)), environ(fake), pacing=Pacing())
+    try:
+        for job in ("jpace01", "jpace02"):
+            spec = CloneSpec(job, f"web-{job}", "ubuntu-24.04")
+            ref = await backend.prepare_clone(spec)
+            await backend.clone(spec, ref)
+            await backend.power_on(ref)
+            await backend.power_off(ref)
+            await backend.destroy(ref)
+    finally:
+        await backend.close()
+    assert backend.pacing.expected_s("stop", "ubuntu-24.04") is not None
+    assert backend.pacing.expected_s("destroy", "ubuntu-24.04") is not None
+
+
+async def test_a_damaged_job_row_teaches_nothing_and_stops_nothing(
+    fake: FakePVE, tmp_path: Path
+) -> None:
+    """Durations are an economy: a request that is not JSON (another tool wrote it)
+    is left out of them, and the next process still starts and deploys."""
+    await deploy(fake, tmp_path, Pacing(), "web01 127.0.10.57")
+    database = pve_settings(tmp_path, fake).database
+    with sqlite3.connect(database) as db:
+        db.execute("UPDATE jobs SET request = '{\"name\": '")
+    store = await Store.open(database)
+    try:
+        assert await store.step_durations("pve", PACED_STEPS, 100) == []
+    finally:
+        await store.close()
+    await deploy(fake, tmp_path, Pacing(), "web02 127.0.10.58")

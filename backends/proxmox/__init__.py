@@ -5,15 +5,17 @@ The pieces: `config` (the config entry, OS profiles, credentials),
 `api` (proxmoxer on a thread pool, auth, error mapping, the task waiter),
 `inventory` (templates, storages, nodes, what a clone implies),
 `vmconfig` (reading and writing config values), `locks` (running tasks, and waiting
-out the locks in their way) and `rollback` (stop and destroy until done). This module
-holds the deploy moves and their safety rules:
+out the locks in their way), `cloning` (the new VM's id, and cloning into it only),
+`pacing`, `taskwatch` and `agent` (when to look whether a wait is over) and `rollback`
+(stop and destroy until done). This module holds the deploy moves and their safety
+rules:
 
 * Nothing touches a VM before its clone task ended (so never `VM is locked (clone)`),
   and every change, stop or destroy first reads the VM's config and checks the job's
   tag: in `tags`, or in the description the clone wrote (tags come only afterwards).
 * The vmid is chosen before anything exists (`prepare_clone`) and reserved in this
   process, so concurrent deploys never pick the same one; a clone that finds it taken
-  by another client raises IdTaken and the pipeline picks a new id.
+  by another client raises IdTaken and the pipeline picks a new id (`cloning`).
 * The CPU model comes from the template's OS profile; a node that cannot provide it is
   refused before cloning, rather than booting a guest that panics.
 """
@@ -25,7 +27,7 @@ import functools
 import ipaddress
 import logging
 import re
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 from urllib.parse import quote
@@ -35,15 +37,13 @@ from backends.base import (
     CloneMode,
     CloneSpec,
     Identity,
-    IdTaken,
     Network,
     NotOurVM,
     PermanentError,
     Placement,
-    RetryableError,
+    StepTime,
     Storage,
     Template,
-    Unreachable,
     VMInfo,
     VMNotFound,
     VMRef,
@@ -51,14 +51,14 @@ from backends.base import (
 )
 from backends.proxmox import rollback
 from backends.proxmox.agent import AgentWaits
-from backends.proxmox.api import AlreadyExists, Forbidden, PveApi, TaskFailed
+from backends.proxmox.api import PveApi, TaskFailed
+from backends.proxmox.cloning import Cloning
 from backends.proxmox.config import Config, OSProfile, credentials
-from backends.proxmox.inventory import LINKED_TYPES, Inventory
-from backends.proxmox.locks import Holder, TaskRunner
-from backends.proxmox.pacing import Pace, Pacing
+from backends.proxmox.inventory import LINKED_TYPES, Inventory, NoSuchTemplate
+from backends.proxmox.locks import TaskRunner
+from backends.proxmox.pacing import STEP_OPERATIONS, Pace, Pacing, step_key
 from backends.proxmox.vmconfig import (
     GIB,
-    Mark,
     boot_disk,
     mark_field,
     merged_tags,
@@ -71,9 +71,6 @@ from backends.sshcheck import SshCheck
 __all__ = ["Config", "OSProfile", "ProxmoxBackend", "create"]
 log = logging.getLogger(__name__)
 _CIUPGRADE_SINCE = (8, 0)
-_ID_TAKEN = (
-    "VM id {vmid} was taken by another client between choosing and cloning; choosing another id"
-)
 
 
 def create(
@@ -106,20 +103,39 @@ class ProxmoxBackend:
         self._ssh = SshCheck(config.ssh_jump)
         self.inventory = Inventory(config, api)
         self.tasks = TaskRunner(config, api, self.inventory)
-        self._reserved: set[int] = set()
         self._resize_targets: dict[str, int] = {}
         self.pacing = pacing or Pacing(config.expect_s)
+        self.cloning = Cloning(config, api, self.inventory, self.tasks, self.pacing)
         polling = api.settings.polling
         agent_polling = replace(
             polling, initial_s=max(polling.initial_s, config.agent_poll_initial_s)
         )
         self.agent = AgentWaits(api, self.pacing, agent_polling, config.agent_poll_window_s)
 
+    def remember_steps(self, history: list[StepTime]) -> None:
+        """Expected durations from the job history (newest first), for the waits this
+        process has not timed itself yet (see `pacing`)."""
+        grouped: dict[tuple[str, str], list[float]] = {}
+        for step in history:
+            if operation := STEP_OPERATIONS.get(step.step):
+                key = step_key(step.step, step.template, step.storage)
+                grouped.setdefault((operation, key), []).append(step.duration_s)
+        for (operation, key), durations in grouped.items():
+            self.pacing.remember(operation, key, durations)
+
     # --- discovery --------------------------------------------------------------------
 
     async def templates(self) -> list[Template]:
         found = (await self.inventory.templates()).values()
         return [t.public(self.inventory.profile(t.family).user) for t in found]
+
+    async def template(self, name: str) -> Template | None:
+        """One template by name, reading only its config (`bot.admission` asks this)."""
+        try:
+            found = await self.inventory.template(name)
+        except NoSuchTemplate:
+            return None
+        return found.public(self.inventory.profile(found.family).user)
 
     async def storages(self, placement: str | None = None) -> list[Storage]:
         node = placement or await self.inventory.default_node()
@@ -211,127 +227,29 @@ class ProxmoxBackend:
     async def prepare_clone(self, spec: CloneSpec) -> VMRef:
         template = await self.inventory.template(spec.template)
         node = self.inventory.target_node(spec, template)
-        nodes = await self.inventory.online_nodes()
-        if node not in nodes:
+        # The checks do not depend on each other: asked together (each is a round
+        # trip before the clone can start), then judged in order. An id is asked for
+        # only once they pass.
+        nodes, mode, baseline, cluster = await asyncio.gather(
+            self.inventory.online_nodes(),
+            self.inventory.clone_mode(spec, template, node),
+            self.inventory.check_baseline(template, node),
+            self.inventory.cluster_name(),
+            return_exceptions=True,
+        )
+        if isinstance(nodes, list) and node not in nodes:
             raise PermanentError(
                 f"{node!r} is not an online node of {self.name} (have: {', '.join(nodes)})"
             )
-        await self.inventory.clone_mode(spec, template, node)
-        await self.inventory.check_baseline(template, node)
-        vmid = await self._free_vmid()
-        cluster = await self.inventory.cluster_name()
+        for found in (nodes, mode, baseline, cluster):
+            if isinstance(found, BaseException):
+                raise found
+        vmid = await self.cloning.free_vmid()
         placement = f"{node}@{cluster}" if cluster else node
         return VMRef(str(vmid), spec.job_id, placement, spec.installation)
 
-    async def _free_vmid(self) -> int:
-        """A vmid the cluster calls free and no deploy of this process holds, reserved
-        before the next await so concurrent deploys cannot pick the same one. Deploys
-        asking together share one `nextid` answer; the ids after it are skipped when the
-        last VM listing showed them in use, and otherwise checked with `nextid?vmid=`,
-        which knows every VM of the cluster, also those this user may not see. If
-        another client takes one meanwhile, the clone says so and the pipeline asks
-        again (IdTaken)."""
-        answer = await self.inventory.next_vmid()
-        candidate = answer
-        for _ in range(1000):
-            used = self.inventory.known_vmids
-            while candidate in self._reserved or (candidate != answer and candidate in used):
-                candidate += 1
-            self._reserved.add(candidate)  # held while the server is asked
-            try:
-                if candidate == answer or not await self._taken(candidate):
-                    return candidate
-            except BaseException:
-                self._reserved.discard(candidate)
-                raise
-            self._reserved.discard(candidate)
-            candidate += 1
-        raise PermanentError(f"{self.name}: found no free VM id")
-
-    async def _taken(self, vmid: int) -> bool:
-        """Whether the cluster has a VM (or container) with this id, visible to us or not."""
-        try:
-            await self.api.get("cluster/nextid", "VM id check", vmid=vmid)
-        except AlreadyExists:
-            return True
-        return False
-
     async def clone(self, spec: CloneSpec, ref: VMRef) -> str | None:
-        template = await self.inventory.template(spec.template)
-        node = await self._locate(ref)
-        mode, target = await self.inventory.clone_mode(spec, template, node)
-        mark = Mark(spec.job_id, spec.tag, template.name, template.family)
-        params: dict[str, Any] = {
-            "newid": int(ref.vm_id),
-            "name": spec.name,
-            "description": mark.text(),  # the job's mark from the first moment on
-        }
-        if not mode.linked:
-            params.update(full=1, storage=target)
-        if node != template.node:
-            params["target"] = node
-        what = f"clone of {template.name} into VM {ref.vm_id}"
-        path = f"nodes/{template.node}/qemu/{template.vmid}/clone"
-        # A backup of the template (`lock: backup`) stops every clone of it: wait on it.
-        label = f"template {template.name} (VM {template.vmid})"
-        source = Holder(template.node, str(template.vmid), label, ours=False)
-        post = functools.partial(self.api.post, path, what, **params)
-        # Linked clones take about as long each time; full ones scale with the storage.
-        key = f"{template.name}@{'linked' if mode.linked else target}"
-        try:
-            await self._unlost(node, ref, post, what, source, Pace(self.pacing, "clone", key))
-        finally:
-            self._reserved.discard(int(ref.vm_id))
-        return None if mode.linked else f"full copy onto {target}: minutes, not seconds"
-
-    async def _unlost(
-        self,
-        node: str,
-        ref: VMRef,
-        post: Callable[[], Awaitable[Any]],
-        what: str,
-        source: Holder,
-        pace: Pace,
-    ) -> None:
-        """Clone into the ref's vmid, and only that one. A request whose answer was lost
-        may have started the clone: look before sending it again, and adopt what is
-        ours, so a retry never leaves a second VM behind under another id."""
-        delay = self.config.lock_backoff_s
-        for attempt in range(self.config.lock_retries + 1):
-            try:
-                if attempt and await self.inventory.vm_config(node, ref.vm_id) is not None:
-                    raise AlreadyExists(f"VM {ref.vm_id} exists")
-                await self.tasks.run(what, node, ref.vm_id, post, holder=source, pace=pace)
-                return
-            except AlreadyExists:
-                await self._adopt(node, ref)
-                return
-            except Forbidden:  # may we not clone at all, or is the id someone else's?
-                if await self._taken(int(ref.vm_id)):
-                    raise IdTaken(_ID_TAKEN.format(vmid=ref.vm_id)) from None
-                raise
-            except Unreachable:
-                if attempt == self.config.lock_retries:
-                    raise
-            await asyncio.sleep(delay)
-            delay *= 2
-
-    async def _adopt(self, node: str, ref: VMRef) -> None:
-        """The vmid exists: ours from an attempt whose answer was lost (wait for its
-        clone to end), or another client's (retryable: the pipeline takes a new id)."""
-        try:
-            config = await self.inventory.vm_config(node, ref.vm_id)
-        except Forbidden:  # a VM we may not even read is not ours
-            config = None
-        if config is None or ref.tag not in tags_of(config):
-            raise IdTaken(_ID_TAKEN.format(vmid=ref.vm_id))
-        began = asyncio.get_running_loop().time()
-        while config.get("lock"):
-            elapsed = asyncio.get_running_loop().time() - began
-            await asyncio.sleep(self.api.settings.polling.interval_s(elapsed))
-            config = await self.inventory.vm_config(node, ref.vm_id)
-            if config is None:
-                raise RetryableError(f"an earlier clone into VM {ref.vm_id} failed; cloning again")
+        return await self.cloning.clone(spec, ref, await self._locate(ref))
 
     # --- identity, disk, power ----------------------------------------------------------
 
@@ -396,7 +314,7 @@ class ProxmoxBackend:
             path = f"nodes/{node}/qemu/{ref.vm_id}/resize"
             size = size_text(target)
             start = functools.partial(self.api.put, path, what, disk=disk.key, size=size)
-            pace = Pace(self.pacing, "resize", disk.storage)
+            pace = Pace(self.pacing, "resize", mark_field(config, "template") or "")
             await self.tasks.run(what, node, ref.vm_id, start, pace=pace)
         self._resize_targets.pop(ref.vm_id, None)
         return None
@@ -416,7 +334,8 @@ class ProxmoxBackend:
                 raise
             if ref.vm_id in self.agent.watches:
                 return None  # the boot began with the lost answer: keep its clock
-        self.agent.booted(ref.vm_id, node, template)  # a new boot: the agent's clock starts
+        # A new boot: the agent's clock starts when the start task was seen over.
+        self.agent.booted(ref.vm_id, node, template, pace.seen_over_at)
         return None
 
     # --- address and SSH ----------------------------------------------------------------
@@ -442,21 +361,24 @@ class ProxmoxBackend:
     async def power_off(self, ref: VMRef) -> None:
         """Stop (hard) and wait for the stop task: a destroy must not race it."""
         try:
-            node = await self._node_of(ref)
+            node, template = await self._place_of(ref)
         except VMNotFound:
             return
-        await rollback.stop(self.api, self.tasks, node, ref.vm_id)
+        pace = Pace(self.pacing, "stop", template)
+        await rollback.stop(self.api, self.tasks, node, ref.vm_id, pace)
 
     async def destroy(self, ref: VMRef) -> None:
         """Delete with its disks, backup jobs and HA entry, and wait; gone is done. The
         job's tag is checked again before each try (see `rollback.destroy`)."""
         self.agent.forget(ref.vm_id)
         self._resize_targets.pop(ref.vm_id, None)
-        await rollback.destroy(self.api, self.tasks, lambda: self._node_of(ref), ref.vm_id)
+        owned = functools.partial(self._place_of, ref)
+        await rollback.destroy(self.api, self.tasks, owned, ref.vm_id, self.pacing)
 
-    async def _node_of(self, ref: VMRef) -> str:
-        node, _config = await self._owned(ref)
-        return node
+    async def _place_of(self, ref: VMRef) -> tuple[str, str]:
+        """The node and template of the ref's VM, once its tag was checked."""
+        node, config = await self._owned(ref)
+        return node, mark_field(config, "template") or ""
 
     async def close(self) -> None:
         await self._ssh.close()

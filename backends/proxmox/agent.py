@@ -62,11 +62,13 @@ class AgentWaits:
         self.window_s = window_s
         self.watches: dict[str, AgentWatch] = {}
 
-    def booted(self, vm_id: str, node: str, template: str) -> None:
-        """The VM's start task ended: its boot clock starts now."""
+    def booted(self, vm_id: str, node: str, template: str, since: float | None = None) -> None:
+        """The VM's start task ended: its boot clock starts `since` (when the look that
+        found the task over was sent), else now. The answer to that look may come late
+        when many requests queue; the boot does not wait for it."""
         schedule = self.pacing.schedule(BOOT, template, self.polling)
         now = asyncio.get_running_loop().time()
-        self.watches[vm_id] = AgentWatch(now, node, template, schedule)
+        self.watches[vm_id] = AgentWatch(min(now, since or now), node, template, schedule)
 
     def forget(self, vm_id: str) -> None:
         self.watches.pop(vm_id, None)
@@ -98,8 +100,8 @@ class AgentWaits:
                 if not await self._ping(base, vm_id, watch):
                     watch.schedule.saw_running(sent)
                     continue
-                watch.answered = True
-                self.pacing.learn(BOOT, watch.template, watch.schedule, loop.time() - watch.since_s)
+                watch.answered = True  # learnt as when the ping was sent (see taskwatch)
+                self.pacing.learn(BOOT, watch.template, watch.schedule, sent)
             found = await self._interfaces(base, vm_id, watch, expected)
             if found is not None:
                 self.forget(vm_id)

@@ -35,6 +35,16 @@ LINKED_TYPES = frozenset({"zfspool", "lvmthin", "rbd", "btrfs", "dir", "nfs", "c
 _FILE_TYPES = frozenset({"dir", "nfs", "cifs", "glusterfs", "btrfs"})
 # Models every QEMU offers whatever the host CPU (`host` is the host CPU itself).
 _ALWAYS = frozenset({"host", "kvm64", "qemu64"})
+_INF = float("inf")
+
+
+def _name(item: dict[str, Any]) -> str:
+    """A listed VM's name as its config would give it (a VM without one: its vmid)."""
+    return str(item.get("name") or item["vmid"])
+
+
+class NoSuchTemplate(PermanentError):
+    """No template has the name asked for."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +102,7 @@ class Inventory:
         self._templates: dict[str, TemplateInfo] = {}
         self._template_configs: dict[tuple[int, str], TemplateInfo] = {}
         self._templates_at = float("-inf")
+        self._named_at: dict[str, float] = {}  # when each template's config was read
         self._storages: dict[str, dict[str, StorageInfo]] = {}
         self._cpus: dict[str, NodeCpu] = {}
         self._shared = _Shared()
@@ -141,7 +152,7 @@ class Inventory:
 
     async def next_vmid(self) -> int:
         """`/cluster/nextid`: the lowest free id. Callers asking together share one answer
-        (and must not all take it: see ProxmoxBackend._free_vmid)."""
+        (and must not all take it: see Cloning.free_vmid)."""
         answer = await self._shared("nextid", lambda: self.api.get("cluster/nextid", "VM id"))
         return int(answer)
 
@@ -172,6 +183,7 @@ class Inventory:
         for key in keys:
             by_name.setdefault(self._template_configs[key].name, self._template_configs[key])
         self._templates, self._templates_at = by_name, self._now()
+        self._named_at = dict.fromkeys(by_name, self._templates_at)
         return by_name
 
     async def _template_config(self, key: tuple[int, str]) -> TemplateInfo:
@@ -184,15 +196,24 @@ class Inventory:
         return TemplateInfo(vmid, name, node, boot_disk(config), family)
 
     async def template(self, name: str) -> TemplateInfo:
-        stale = self._now() - self._templates_at > self.config.discovery_cache_s
-        if name not in self._templates or stale:
-            await self.templates()
-        if name not in self._templates:
-            known = ", ".join(sorted(self._templates)) or "none"
-            raise PermanentError(
+        """The template called `name` (the lowest vmid, when several share it). The VM
+        listing names every template, so only the config of this one is read, not one
+        per template on the cluster."""
+        found = self._templates.get(name)
+        if found is not None and self._now() - self._named_at.get(name, -_INF) <= (
+            self.config.discovery_cache_s
+        ):
+            return found
+        items = [i for i in await self.vms() if i.get("template") in (1, "1", True)]
+        named = sorted((int(i["vmid"]), str(i["node"])) for i in items if _name(i) == name)
+        if not named:
+            known = ", ".join(sorted({_name(i) for i in items})) or "none"
+            raise NoSuchTemplate(
                 f"template {name!r} does not exist on {self.config.name} (have: {known})"
             )
-        return self._templates[name]
+        info = self._template_configs[named[0]] = await self._template_config(named[0])
+        self._templates[name], self._named_at[name] = info, self._now()
+        return info
 
     async def storages(self, node: str) -> list[StorageInfo]:
         """Storages for VM disks on a node, with free and total space from the same call."""

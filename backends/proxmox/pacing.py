@@ -10,14 +10,16 @@ geometrically (2.5% of the expectation, doubling), so a wait that runs a little 
 costs one or two more requests and little time. An operation never seen before is
 polled as before (`PollTiming`: fast at first, then a share of the time waited).
 
-The estimates are learned in the backend from its own waits (the store's step durations
-include the bot's overheads and would teach the backend to look late); a restart starts
-cold, from `Config.expect_s` when configured.
+The estimates are learned in the backend from its own waits. A process starts from what
+the store recorded (`remember`: the bot hands the backend the durations of past deploy
+steps per template and storage, see bot/durations.py); those include a request or two
+besides the task, so the quickest recent one is taken, and the first own wait replaces
+it. Without history, `Config.expect_s` gives first guesses.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 _FIRST_STEP = 0.025  # after the expected time: look again after this share of it, doubling
@@ -27,6 +29,7 @@ _MIN_STEP_S = 0.01  # never a busy loop, even for a 0.1 s config task
 _PROBE_EARLIER = 0.98
 _EARLY_S = 0.001  # a look this much before a wait's time still counts as its own
 _WEIGHT = 0.5  # of a new observation in the running estimate: follows change in 2-3 waits
+_RECORDED = 200  # recorded durations per operation and key that count: the recent ones
 
 
 @dataclass(frozen=True)
@@ -82,14 +85,26 @@ class Schedule:
 
 class Pacing:
     """Expected durations per (operation, key) learned from this process's waits; an
-    operation without one falls back to `seeds` (configured), else to fast polling."""
+    operation without one falls back to what the store recorded (`remember`), then to
+    `seeds` (configured), else to fast polling."""
 
     def __init__(self, seeds: Mapping[str, float] | None = None) -> None:
         self._seeds = dict(seeds or {})
         self._estimates: dict[tuple[str, str], float] = {}
+        self._recorded: dict[tuple[str, str], float] = {}
 
     def expected_s(self, operation: str, key: str) -> float | None:
-        return self._estimates.get((operation, key), self._seeds.get(operation))
+        found = self._estimates.get((operation, key)) or self._recorded.get((operation, key))
+        return found or self._seeds.get(operation)
+
+    def remember(self, operation: str, key: str, durations: Iterable[float]) -> None:
+        """Recorded durations of past steps doing this operation (newest first). A step
+        also spent a request or two around its task, and steps of deploys that ran
+        together took longer than one alone: the quickest recent one is the closest to
+        the task itself. Too early costs a look or two; too late costs time."""
+        recent = [d for d in durations if d > 0][:_RECORDED]
+        if recent:
+            self._recorded[(operation, key)] = max(min(recent), _MIN_STEP_S)
 
     def schedule(self, operation: str, key: str, timing: PollTiming) -> Schedule:
         return Schedule(self.expected_s(operation, key), timing)
@@ -102,16 +117,43 @@ class Pacing:
         )
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class Pace:
-    """What a task wait is, for its schedule: the operation and its template/storage."""
+    """What a task wait is, for its schedule: the operation and its template/storage.
+    `seen_over_at`: when the look that found the task over was sent (loop time), for
+    a caller that starts a clock at the task's end (the guest's boot)."""
 
     pacing: Pacing
     operation: str
     key: str
+    seen_over_at: float | None = None
 
     def schedule(self, timing: PollTiming) -> Schedule:
         return self.pacing.schedule(self.operation, self.key, timing)
 
-    def learn(self, schedule: Schedule, done_s: float) -> None:
+    def learn(self, schedule: Schedule, done_s: float, at: float) -> None:
+        self.seen_over_at = at
         self.pacing.learn(self.operation, self.key, schedule, done_s)
+
+
+# The pipeline's steps whose time is mostly one wait of ours, and that wait's operation.
+STEP_OPERATIONS = {
+    "clone": "clone",
+    "identity": "config",
+    "resize": "resize",
+    "power_on": "start",
+    "address": "boot",
+}
+
+
+def clone_key(template: str, storage: str | None) -> str:
+    """A clone's key: the template and the storage asked for (none: the default), which
+    decide between a linked clone (seconds) and a full copy (minutes). Also what the
+    job history records, so recorded clone steps find their key."""
+    return f"{template}@{storage or ''}"
+
+
+def step_key(step: str, template: str, storage: str | None) -> str:
+    """The key of a step's operation: a clone's depends on the storage too; the other
+    operations are keyed by template (a resize: its disk is the template's copy)."""
+    return clone_key(template, storage) if step == "clone" else template

@@ -10,6 +10,9 @@ success whatever the answer said.
 stop that failed, a person, HA, or a start whose answer was lost): stop it, wait for
 the stop task, destroy again. Errors another try cannot change go up as they are: a
 refused permission, a lock held by someone else past its wait (`Locked`), not our VM.
+
+Both waits are paced like the deploy's (`pacing`): per template, by how long this
+process saw a stop and a destroy take.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from collections.abc import Awaitable, Callable
 from backends.base import BackendError, Locked, NotOurVM, RetryableError, VMNotFound
 from backends.proxmox.api import Forbidden, PveApi, StillRunning
 from backends.proxmox.locks import TaskRunner
+from backends.proxmox.pacing import Pace, Pacing
 
 log = logging.getLogger(__name__)
 # A destroy that finds the VM running again stops it this many times before it hands
@@ -28,18 +32,21 @@ log = logging.getLogger(__name__)
 _RESTOPS = 3
 # Another try cannot change these: say them as they are.
 _FINAL = (Forbidden, Locked, NotOurVM)
-# The node of the VM, once its job tag was checked again (VMNotFound when it is gone).
-Owned = Callable[[], Awaitable[str]]
+# The node and template of the VM, once its job tag was checked again (VMNotFound when
+# it is gone).
+Owned = Callable[[], Awaitable[tuple[str, str]]]
 
 
-async def stop(api: PveApi, tasks: TaskRunner, node: str, vm_id: str) -> None:
+async def stop(
+    api: PveApi, tasks: TaskRunner, node: str, vm_id: str, pace: Pace | None = None
+) -> None:
     """Stop (hard) and wait for the stop task; done when the VM no longer runs."""
     if not await _running(api, node, vm_id):
         return
     what = f"stop of VM {vm_id}"
     path = f"nodes/{node}/qemu/{vm_id}/status/stop"
     try:
-        await tasks.run(what, node, vm_id, functools.partial(api.post, path, what))
+        await tasks.run(what, node, vm_id, functools.partial(api.post, path, what), pace=pace)
     except VMNotFound:
         return
     except _FINAL:
@@ -54,24 +61,27 @@ async def stop(api: PveApi, tasks: TaskRunner, node: str, vm_id: str) -> None:
         ) from None
 
 
-async def destroy(api: PveApi, tasks: TaskRunner, owned: Owned, vm_id: str) -> None:
+async def destroy(
+    api: PveApi, tasks: TaskRunner, owned: Owned, vm_id: str, pacing: Pacing | None = None
+) -> None:
     """Delete with disks, backup jobs and HA entry, and wait; a VM gone is done."""
     params = {"purge": 1, "destroy-unreferenced-disks": 1}
     for _ in range(_RESTOPS):
         try:
-            node = await owned()
+            node, template = await owned()
         except VMNotFound:
             return
         what = f"destroy of VM {vm_id} on {node}"
         path = f"nodes/{node}/qemu/{vm_id}"
+        delete = functools.partial(api.delete, path, what, **params)
         try:
-            await tasks.run(what, node, vm_id, functools.partial(api.delete, path, what, **params))
+            await tasks.run(what, node, vm_id, delete, pace=_pace(pacing, "destroy", template))
             return
         except VMNotFound:
             return
         except StillRunning as exc:
             log.info("%s; stopping it (again) first", exc.message)
-            await stop(api, tasks, node, vm_id)
+            await stop(api, tasks, node, vm_id, _pace(pacing, "stop", template))
             continue
         except _FINAL:
             raise
@@ -91,6 +101,10 @@ async def destroy(api: PveApi, tasks: TaskRunner, owned: Owned, vm_id: str) -> N
         "destroying it again",
         vm_id=vm_id,
     )
+
+
+def _pace(pacing: Pacing | None, operation: str, template: str) -> Pace | None:
+    return Pace(pacing, operation, template) if pacing is not None else None
 
 
 async def _running(api: PveApi, node: str, vm_id: str) -> bool:

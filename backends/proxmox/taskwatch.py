@@ -32,11 +32,15 @@ class _Waiter:
     def due(self) -> float:
         return self.began + self.schedule.next_at()
 
-    def done(self, status: dict[str, Any] | None, now: float) -> None:
+    def done(self, status: dict[str, Any] | None, sent: float) -> None:
+        """The task is over, as the look sent at `sent` found. That send time, not the
+        answer's arrival, is what a schedule can aim at: learning the arrival would add
+        the request's own time to the estimate at every look that came late, and under
+        load (fifty deploys' requests queued) the estimates would creep up."""
         if self.future.done():
             return
         if status is not None and self.pace is not None:
-            self.pace.learn(self.schedule, now - self.began)
+            self.pace.learn(self.schedule, sent - self.began, sent)
         self.future.set_result(status)
 
 
@@ -117,12 +121,11 @@ class TaskWatcher:
         from backends.proxmox.api import LockContention  # api imports this module
 
         api = self.api
-        loop = asyncio.get_running_loop()
         if len(pending) == 1:
             (waiter,) = pending
             status = await api._task_status(self.node, waiter.upid, waiter.what)
             if status is not None and status.get("status") == "stopped":
-                waiter.done(status, loop.time())
+                waiter.done(status, sent)
             else:
                 waiter.schedule.saw_running(sent - waiter.began)
             return
@@ -143,7 +146,6 @@ class TaskWatcher:
                 waiter.schedule.saw_running(sent - waiter.began)
             return
         items = {str(i.get("upid")): i for i in listed if isinstance(i, dict)}
-        now = loop.time()
         for waiter in pending:
             if waiter.future.done():
                 continue
@@ -153,7 +155,7 @@ class TaskWatcher:
             elif item.get("endtime") is None or item.get("status") == "RUNNING":
                 waiter.schedule.saw_running(sent - waiter.began)
             elif exitstatus := str(item.get("status") or ""):
-                waiter.done({"status": "stopped", "exitstatus": exitstatus}, now)
+                waiter.done({"status": "stopped", "exitstatus": exitstatus}, sent)
             else:  # over, but without a status: ask it
                 waiter.future.set_result(None)
 

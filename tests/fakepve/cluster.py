@@ -122,6 +122,7 @@ class Task:
     exitstatus: str | None = None
     log: list[str] = field(default_factory=list)
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    vmid: int | None = None  # the VM whose file lock it holds (a clone: the new VM)
 
     def status(self) -> dict[str, Any]:
         answer: dict[str, Any] = {
@@ -330,7 +331,7 @@ class Cluster:
         pid, now = next(self._pids), int(time.time())
         pstart = int(loop.time() * 100) & 0xFFFFFFFF
         upid = f"UPID:{node}:{pid:08X}:{pstart:08X}:{now:08X}:{kind}:{obj}:{user}:"
-        task = Task(upid, node, kind, obj, user, pid, pstart, now, loop.time())
+        task = Task(upid, node, kind, obj, user, pid, pstart, now, loop.time(), vmid=lock_vmid)
         self.tasks[upid] = task
 
         async def run() -> None:

@@ -319,11 +319,15 @@ class FakePVE:
                 "began_s": t.began_s,
                 "ended_s": t.ended_s,
                 "exitstatus": t.exitstatus,
+                "vmid": t.vmid,
             }
             for t in self.cluster.tasks.values()
         ]
-        # Every request's route and arrival, for the benchmark's breakdown and API span.
-        requests = [[f"{r.method} {r.template or r.path}", r.at_s] for r in self.requests]
+        # Every request's route, arrival and VM, for the benchmark's breakdown and API span.
+        requests = [
+            [f"{r.method} {r.template or r.path}", r.at_s, r.path_params.get("vmid")]
+            for r in self.requests
+        ]
         return web.json_response({"tasks": tasks, "requests": requests})
 
     async def _inject(self, request: web.Request) -> web.Response:
