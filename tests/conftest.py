@@ -36,6 +36,7 @@ TEST_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIHb2vLw3m3tqB7m4m1Lr2x9n0l3r3x8u
 
 
 def make_settings(tmp_path: Path, **overrides: Any) -> Settings:
+    tmp_path.mkdir(parents=True, exist_ok=True)  # the log's folder must exist
     data: dict[str, Any] = {
         "database": str(tmp_path / "jobs.db"),
         "log_file": str(tmp_path / "bot.log"),
