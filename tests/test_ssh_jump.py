@@ -127,7 +127,7 @@ async def test_a_key_file_that_holds_no_key_stops_the_start(jump: JumpHost, tmp_
 def test_an_unreadable_key_file_stops_the_start(tmp_path: Path) -> None:
     known = tmp_path / "known_hosts"
     known.write_text("", encoding="utf-8")
-    with pytest.raises(ValidationError, match="is not a file this process can read"):
+    with pytest.raises(ValidationError, match="does not exist or is not a file"):
         SshJump(host="bastion", user="deploybot", key_file=tmp_path / "nope", known_hosts=known)
     config = tmp_path / "deploybot.toml"
     config.write_text(

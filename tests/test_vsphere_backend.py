@@ -76,9 +76,12 @@ def test_thin_excludes_eager_zeroing() -> None:
         assert config.disk_format == name
 
 
-def test_a_ca_bundle_without_verification_is_a_contradiction() -> None:
+def test_a_ca_bundle_without_verification_is_a_contradiction(tmp_path: Path) -> None:
+    (tmp_path / "ca.pem").write_text("a CA bundle\n")
     with pytest.raises(ValidationError, match="ca_bundle is set but verify_tls = false"):
-        Config.model_validate({**BASE, "verify_tls": False, "ca_bundle": "/etc/ssl/ca.pem"})
+        Config.model_validate({**BASE, "verify_tls": False, "ca_bundle": tmp_path / "ca.pem"})
+    with pytest.raises(ValidationError, match=r"missing\.pem does not exist"):
+        Config.model_validate({**BASE, "ca_bundle": tmp_path / "missing.pem"})
 
 
 def test_the_settings_file_takes_a_vsphere_backend_and_names_a_bad_key(tmp_path: Any) -> None:
