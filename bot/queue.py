@@ -71,6 +71,12 @@ class JobQueue:
     def waiting_count(self) -> int:
         return sum(len(q) for q in self._waiting.values())
 
+    def running_on(self, backend: str) -> int:
+        return self._per_backend.get(backend, 0)
+
+    def waiting_on(self, backend: str) -> int:
+        return len(self._waiting.get(backend, ()))
+
     # --- operations ---------------------------------------------------------------
 
     def submit(self, job_id: str, backend: str) -> None:

@@ -28,6 +28,7 @@ from bot.errors import (
     RequestInvalid,
     TransitionRefused,
 )
+from bot.metrics import Metrics
 from bot.models import (
     MAX_SSH_KEYS,
     Approval,
@@ -80,6 +81,8 @@ class Deployer:
         self.store = store
         self.backends = dict(backends)
         self.progress = Fanout(*([progress] if progress else []))
+        self.metrics = Metrics(self)  # /metrics (bot/metrics.py); it listens like a front end
+        self.progress.listeners.append(self.metrics)
         self.runner = Runner.here(runner_kind)
         self.clock = clock
         self.pipeline = Pipeline(settings, self.backends, store, self.progress, self.runner.id)

@@ -254,6 +254,13 @@ class SlackSettings(_Section):
     group_cache_s: float = Field(default=300, ge=0)
 
 
+class MetricsSettings(_Section):
+    """Prometheus' /metrics: on the HTTP server in HTTP mode; in Socket Mode on a small
+    listener of its own when `listen` ("127.0.0.1:9464") is set."""
+
+    listen: str | None = None
+
+
 class Settings(BaseSettings):
     # DEPLOYBOT_LIMITS__MAX_RUNNING=3 sets [limits] max_running, and wins over the file:
     # container operators set what differs per deployment in the environment.
@@ -288,6 +295,7 @@ class Settings(BaseSettings):
     recovery: Recovery = Recovery()
     ownership: OwnershipSettings = OwnershipSettings()
     slack: SlackSettings = SlackSettings()
+    metrics: MetricsSettings = MetricsSettings()
 
     @field_validator("database", mode="before")
     @classmethod

@@ -231,6 +231,9 @@ class Store:
             limit=limit,
         )
 
+    async def count_by_state(self) -> dict[str, int]:
+        return await self._call(jobs.count_by_state)
+
     async def jobs_with_wreckage(self) -> list[Job]:
         return await self._call(jobs.jobs_with_wreckage)
 

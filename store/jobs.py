@@ -392,3 +392,9 @@ def jobs_in(db: Db, states: Iterable[JobState]) -> list[Job]:
     marks = ", ".join("?" for _ in values)
     sql = f"{SELECT_JOBS} WHERE state IN ({marks}) ORDER BY created_at, rowid"
     return _jobs(db, sql, values)[0]
+
+
+def count_by_state(db: Db) -> dict[str, int]:
+    """How many jobs are in each state (for metrics)."""
+    rows = db.execute("SELECT state, count(*) FROM jobs GROUP BY state").fetchall()
+    return {str(state): int(count) for state, count in rows}

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
+from collections.abc import Callable
 from typing import Protocol
 
 import aiohttp
@@ -58,6 +59,7 @@ class ChannelOutbox:
         self.channel = channel
         self.client = client
         self.interval = 1.0 / rate
+        self.on_throttled: Callable[[], None] | None = None
         self._queue: deque[Item] = deque()
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
@@ -113,6 +115,8 @@ class ChannelOutbox:
             self._failures = 0
         except SlackApiError as exc:
             if exc.response.status_code == 429:
+                if self.on_throttled is not None:
+                    self.on_throttled()
                 retry_after = _retry_after(exc)
                 log.warning("Slack rate-limits %s; waiting %.0f s", self.channel, retry_after)
                 return retry_after
@@ -150,11 +154,13 @@ class Outboxes:
         self.client = client
         self.rate = rate
         self._boxes: dict[str, ChannelOutbox] = {}
+        self.on_throttled: Callable[[], None] | None = None  # a 429 past the SDK's retries
 
     def touch(self, item: Item) -> None:
         box = self._boxes.get(item.channel)
         if box is None:
             box = self._boxes[item.channel] = ChannelOutbox(item.channel, self.client, self.rate)
+            box.on_throttled = self.on_throttled
         box.touch(item)
 
     async def idle(self) -> None:

@@ -14,7 +14,7 @@ import logging
 import re
 import signal
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -23,8 +23,10 @@ from slack_bolt.adapter.socket_mode.aiohttp import AsyncSocketModeHandler
 from backends.base import Backend
 from bot.admission import problems_at_start
 from bot.errors import ConfigError
+from bot.metrics import CONTENT_TYPE
 from bot.parser import is_whole
 from bot.runtime import running_deployer
+from bot.service import Deployer
 from bot.settings import Settings, SlackSettings
 from handlers import messages
 from handlers.slack.app import SlackBot, make_client
@@ -102,6 +104,7 @@ async def serve(
     # Slack hears of jobs through the store's outbox (threads), not as a live listener.
     async with running_deployer(settings, runner_kind="serve", start=False) as deployer:
         bot = SlackBot(deployer, threads, client, signing_secret=secrets.signing_secret)
+        threads.outboxes.on_throttled = deployer.metrics.slack_throttled.inc
         # Only now, with the threads bound: what recovery says must reach Slack. The
         # recoveries themselves go on in the background (`/readyz`).
         await deployer.start(settle=False)
@@ -111,6 +114,8 @@ async def serve(
         checking = asyncio.create_task(_tell_problems(deployer.backends))
         # Commands a stopped process acknowledged but never answered (bot/inbox.py).
         sweeping = asyncio.create_task(bot.sweeping(), name="inbox-sweep")
+        listen = settings.metrics.listen
+        metrics = await serve_metrics(deployer, listen) if listen and address is None else None
         try:
             if address is not None:
                 await run_http(bot, address, ready, stop)
@@ -118,6 +123,8 @@ async def serve(
                 assert secrets.app_token is not None
                 await run_socket(bot, secrets.app_token, ready, stop)
         finally:
+            if metrics is not None:
+                await metrics.cleanup()
             for task in (checking, sweeping):
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -168,7 +175,29 @@ def http_app(bot: SlackBot) -> web.Application:
 
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics_handler(bot.deployer))
     return app
+
+
+def metrics_handler(deployer: Deployer) -> Callable[[web.Request], Awaitable[web.Response]]:
+    """Prometheus' scrape (bot/metrics.py), read from the store at each request."""
+
+    async def scrape(_request: web.Request) -> web.Response:
+        body = await deployer.metrics.render()
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+    return scrape
+
+
+async def serve_metrics(deployer: Deployer, listen: str) -> web.AppRunner:
+    """In Socket Mode there is no HTTP server: `[metrics] listen` starts a small one."""
+    host, port = parse_http(listen)
+    app = web.Application()
+    app.router.add_get("/metrics", metrics_handler(deployer))
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    return runner
 
 
 async def run_http(
