@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from bot.errors import DeployBotError
+from bot.logfields import JsonFormatter
 from bot.settings import Settings, load_settings
 
 Command = Callable[[argparse.Namespace, Settings], Coroutine[Any, Any, int]]
@@ -92,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def configure_logging(path: Path, *, to_stderr: bool = False) -> None:
+def configure_logging(path: Path, *, to_stderr: bool = False, json_lines: bool = False) -> None:
     """Every command logs to `path`, which the messages people see point at; `serve`
     also to stderr, for the container's log. The file is made 0600 before anything is
     written to it: it names people, machines and jobs, like the database."""
@@ -102,7 +103,11 @@ def configure_logging(path: Path, *, to_stderr: bool = False) -> None:
     handlers: list[logging.Handler] = [logging.FileHandler(path)]
     if to_stderr:
         handlers.append(logging.StreamHandler(sys.stderr))
-    formatter = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    formatter = (
+        JsonFormatter()
+        if json_lines
+        else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    )
     for handler in handlers:
         handler.setFormatter(formatter)
     root = logging.getLogger()
@@ -133,7 +138,11 @@ def run(argv: Sequence[str] | None, commands: Mapping[str, Command]) -> int:
         return 2
     if args.command != "demo":
         try:
-            configure_logging(settings.log_file, to_stderr=args.command == "serve")
+            configure_logging(
+                settings.log_file,
+                to_stderr=args.command == "serve",
+                json_lines=settings.log_format == "json",
+            )
         except OSError as exc:
             print(
                 f"log_file {settings.log_file}: cannot write it ({exc.strerror}); point "

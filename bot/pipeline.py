@@ -31,6 +31,7 @@ from backends.base import (
     Unreachable,
     VMRef,
 )
+from bot import logfields
 from bot import progress as tell
 from bot.models import DeployRequest, Job, JobEvent, JobState, Notice, RollbackReport, utcnow
 from bot.progress import Progress
@@ -139,6 +140,7 @@ class Pipeline:
     async def run(self, job_id: str) -> Job | None:
         """Run a queued job to a final state; None if it was no longer queued."""
         run: _Run | None = None
+        logfields.bind(job=job_id)
         try:
             started, job = await self.store.move(
                 job_id,
@@ -151,6 +153,7 @@ class Pipeline:
             if not started or job is None:
                 return job if started else await self.store.get_job(job_id)
             await self.progress.job_updated(job)
+            logfields.bind(backend=job.backend)
             run = _Run(job, self.backends[job.backend])
             first = await self._resume(run) if job.vm_id is not None else 0
             await self._steps(run, first)
@@ -344,6 +347,7 @@ class Pipeline:
         detail: str = "",
     ) -> None:
         job = run.job
+        logfields.bind(step=step)
         await self.store.add_event(
             JobEvent(job_id=job.id, step=step, phase="started", detail=detail),
             self._told(job, tell.step_started(job.id, step, detail)),
@@ -355,6 +359,8 @@ class Pipeline:
             result = await self._call(run, step, timeout_s, action)
         except StepFailed as failure:
             elapsed = loop.time() - began
+            # The operator's record; the person is told through the thread.
+            log.warning("job %s: %s failed after %.1f s: %s", job.id, step, elapsed, failure.reason)
             await self.store.add_event(
                 JobEvent(
                     job_id=job.id,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from backends.base import Backend, BackendError, Template
-from bot import jobrefs
+from bot import jobrefs, logfields
 from bot import progress as tell
 from bot.admission import check_free, check_login, check_on_backend
 from bot.approvals import Approvals, GroupMembers, approval_reason
@@ -84,6 +84,7 @@ class Deployer:
         self.metrics = Metrics(self)  # /metrics (bot/metrics.py); it listens like a front end
         self.progress.listeners.append(self.metrics)
         self.runner = Runner.here(runner_kind)
+        logfields.set_runner(self.runner.id)
         self.clock = clock
         self.pipeline = Pipeline(settings, self.backends, store, self.progress, self.runner.id)
         self.queue = JobQueue(

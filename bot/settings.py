@@ -286,6 +286,7 @@ class Settings(BaseSettings):
     database: Path | str = Path("deploybot.db")
     database_password_env: str = "DEPLOYBOT_DATABASE_PASSWORD"
     log_file: Path = Path("deploybot.log")
+    log_format: Literal["text", "json"] = "text"  # json: one object a line, with job fields
     backends: tuple[BackendConfig, ...] = Field(min_length=1)
     subnets: tuple[Subnet, ...] = Field(min_length=1)
     defaults: Defaults = Defaults()

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from backends.sim import SimBackend
 from bot.errors import ConfigError
 from bot.settings import BUNDLED_CONFIG, load_settings
 from tests.conftest import TEST_KEY, make_settings
@@ -96,3 +97,33 @@ def test_the_log_file_is_private_and_serve_writes_it(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert stat.S_IMODE((tmp_path / "bot.log").stat().st_mode) == 0o600
     assert load_settings(config).log_file == tmp_path / "bot.log"
+
+
+async def test_json_log_lines_carry_the_job_backend_step_and_runner(
+    tmp_path: Path, sim: SimBackend
+) -> None:
+    import json
+    import logging
+
+    from bot.cli import configure_logging
+    from bot.runtime import running_deployer
+    from tests.test_pipeline import deploy
+
+    root = logging.getLogger()
+    saved = (list(root.handlers), root.level)
+    settings = make_settings(tmp_path, log_format="json")
+    try:
+        configure_logging(settings.log_file, json_lines=True)
+        sim.inject("power_on", "error")
+        async with running_deployer(settings, backends={"sim": sim}) as deployer:
+            job = await deploy(deployer)
+            runner = deployer.runner.id
+    finally:
+        root.handlers[:], _ = saved
+        root.setLevel(saved[1])
+    lines = [json.loads(line) for line in settings.log_file.read_text().splitlines()]
+    about = [line for line in lines if line.get("job") == job.id]
+    assert about, lines
+    failed = [line for line in about if line.get("step") == "power_on"]
+    assert failed and all(line["backend"] == "sim" and line["runner"] == runner for line in failed)
+    assert stat.S_IMODE(settings.log_file.stat().st_mode) == 0o600

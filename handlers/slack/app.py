@@ -28,7 +28,7 @@ from slack_sdk.errors import SlackApiError
 from slack_sdk.http_retry.builtin_async_handlers import AsyncRateLimitErrorRetryHandler
 from slack_sdk.web.async_client import AsyncWebClient
 
-from bot import inbox
+from bot import inbox, logfields
 from bot.errors import DeployBotError, UsageError
 from bot.models import check_ssh_key
 from bot.parser import (
@@ -202,6 +202,7 @@ class SlackBot:
 
     async def carry_out(self, key: str, command: Command, user: str, channel: str) -> None:
         """Run a kept command, answer the person, and strike it from the inbox."""
+        logfields.bind(request=key)
         mono = isinstance(command, Status | History)
         await self.answering(channel, user, self._run(command, user, channel, key), mono=mono)
         await inbox.done(self.deployer, key)
