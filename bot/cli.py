@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from bot.errors import DeployBotError
-from bot.logfields import JsonFormatter
+from bot.logfields import JsonFormatter, WithoutBodies
 from bot.settings import Settings, load_settings
 
 Command = Callable[[argparse.Namespace, Settings], Coroutine[Any, Any, int]]
@@ -110,6 +110,8 @@ def configure_logging(path: Path, *, to_stderr: bool = False, json_lines: bool =
     )
     for handler in handlers:
         handler.setFormatter(formatter)
+    for handler in handlers:
+        handler.addFilter(WithoutBodies())  # on the handlers: it sees every logger's records
     root = logging.getLogger()
     root.handlers[:] = handlers
     root.setLevel(logging.INFO)

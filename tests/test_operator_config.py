@@ -127,3 +127,28 @@ async def test_json_log_lines_carry_the_job_backend_step_and_runner(
     failed = [line for line in about if line.get("step") == "power_on"]
     assert failed and all(line["backend"] == "sim" and line["runner"] == runner for line in failed)
     assert stat.S_IMODE(settings.log_file.stat().st_mode) == 0o600
+
+
+def test_bolt_never_logs_a_request_body(tmp_path: Path) -> None:
+    import logging
+
+    from slack_bolt.logger.messages import warning_unhandled_by_global_middleware
+    from slack_bolt.request.async_request import AsyncBoltRequest
+
+    from bot.cli import configure_logging
+
+    root = logging.getLogger()
+    saved = (list(root.handlers), root.level)
+    body = "token=x&user_id=UALICE001&text=web01+secret-words&trigger_id=T123"
+    try:
+        configure_logging(tmp_path / "bot.log")
+        request = AsyncBoltRequest(body=body, headers={})
+        logging.getLogger("slack_bolt.AsyncApp").warning(
+            warning_unhandled_by_global_middleware("verify", request)
+        )
+    finally:
+        root.handlers[:], _ = saved
+        root.setLevel(saved[1])
+    text = (tmp_path / "bot.log").read_text()
+    assert "for the request (body withheld)" in text
+    assert "secret-words" not in text and "UALICE001" not in text
