@@ -5,12 +5,15 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint install clean bench
+.PHONY: demo test lint install clean bench lock
 
-$(STAMP): pyproject.toml
+# Installs exactly what requirements-test.lock names, each file checked by its hash; the
+# ranges in pyproject.toml are what `make lock` resolves the lock files from.
+$(STAMP): pyproject.toml requirements-test.lock
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet --require-hashes -r requirements-test.lock
+	$(BIN)/python -m pip install --quiet --no-deps -e .
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -31,3 +34,14 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis
+
+# Re-resolve the lock files from pyproject.toml's ranges (pip-tools in a throwaway venv).
+lock:
+	$(PYTHON) -m venv .lock-venv && .lock-venv/bin/python -m pip install --quiet pip-tools
+	for extra in "" test; do \
+		out=requirements$${extra:+-$$extra}.lock; \
+		.lock-venv/bin/pip-compile --quiet --generate-hashes --allow-unsafe --strip-extras \
+			--no-emit-index-url --no-emit-find-links $${extra:+--extra $$extra} \
+			-o $$out pyproject.toml; \
+	done
+	rm -rf .lock-venv
