@@ -6,13 +6,16 @@ process). Two kinds of figure:
 - what this process saw, counted as it happens (it listens as a `Progress`): step
   durations per backend, step and outcome; jobs it finished, by state; rollbacks;
   approval waits; Slack calls refused with 429;
-- what is true now, read at each scrape: this process's queue per backend, and from
-  the store (the same for every replica: take `max` across them) jobs by state, jobs
-  with wreckage left, notices still to tell in chat.
+- what is true now, read at each scrape: this process's queue per backend; whether each
+  backend answers (asked at most every 30 s); and from the store (the same for every
+  replica: take `max` across them) jobs by state, jobs with wreckage left, notices
+  still to tell in chat.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -29,6 +32,8 @@ if TYPE_CHECKING:
 STEP_BUCKETS_S = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 1800)
 APPROVAL_BUCKETS_S = (60, 300, 900, 1800, 3600, 4 * 3600, 12 * 3600, 24 * 3600)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+LOOK_EVERY_S = 30.0
+LOOK_TIMEOUT_S = 5.0
 
 
 class Metrics:
@@ -82,6 +87,13 @@ class Metrics:
             "Notices the store still holds for chat, undelivered (all replicas).",
             registry=r,
         )
+        self._up = Gauge(
+            "deploybot_backend_up",
+            "1 when the backend answered its last look (its templates), 0 when not.",
+            ["backend"],
+            registry=r,
+        )
+        self._looked: dict[str, float] = {}  # backend -> when it was last looked at
         r.register(_Queue(deployer))
 
     async def render(self) -> bytes:
@@ -92,7 +104,22 @@ class Metrics:
             self._stored.labels(state.value).set(counts.get(state.value, 0))
         self._wreckage.set(len(await store.jobs_with_wreckage()))
         self._backlog.set(await store.outbox_pending())
+        await asyncio.gather(*(self._look(name) for name in self.deployer.backends))
         return generate_latest(self.registry)
+
+    async def _look(self, name: str) -> None:
+        """Ask the backend something cheap, at most every LOOK_EVERY_S whatever the
+        scrape rate; a slow answer counts as down."""
+        now = time.monotonic()
+        if now - self._looked.get(name, -LOOK_EVERY_S) < LOOK_EVERY_S:
+            return
+        self._looked[name] = now
+        try:
+            async with asyncio.timeout(LOOK_TIMEOUT_S):
+                await self.deployer.backends[name].templates()
+            self._up.labels(name).set(1)
+        except Exception:  # any failure is "down"; the reason is the backend's log's
+            self._up.labels(name).set(0)
 
     # --- as a Progress listener ------------------------------------------------------
 

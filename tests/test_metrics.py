@@ -65,6 +65,13 @@ async def test_metrics_show_a_deploy_and_a_rollback(
     assert after[("deploybot_rollbacks_total", (("backend", "sim"), ("complete", "true")))] == 1
     assert after[("deploybot_running", (("backend", "sim"),))] == 0
     assert after[("deploybot_jobs_with_wreckage", ())] == 0
+    assert after[("deploybot_backend_up", (("backend", "sim"),))] == 1
+
+
+async def test_a_backend_that_does_not_answer_is_down(deployer: Deployer, sim: SimBackend) -> None:
+    sim.inject("templates", "error")
+    found = await scrape(deployer)
+    assert found[("deploybot_backend_up", (("backend", "sim"),))] == 0
 
 
 async def test_serve_answers_a_scrape_over_http(tmp_path: Path) -> None:
