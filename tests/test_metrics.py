@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from backends.sim import SimBackend
 from bot.models import Job, JobState
 from bot.service import Deployer
-from handlers.slack.serve import run_http
+from handlers.slack.serve import run_http, serve_metrics
 from tests.conftest import Recorder
 from tests.slack_support import is_reply, slack_bot
 from tests.test_pipeline import deploy
@@ -95,3 +95,16 @@ async def test_serve_answers_a_scrape_over_http(tmp_path: Path) -> None:
         assert found[("deploybot_chat_backlog", ())] >= 0
         stop.set()
         await server
+
+
+async def test_socket_mode_serves_metrics_on_its_own_listener(deployer: Deployer) -> None:
+    runner = await serve_metrics(deployer, "127.0.0.1:0")
+    try:
+        host, port = runner.addresses[0][:2]
+        url = f"http://{host}:{port}/metrics"
+        async with aiohttp.ClientSession() as http, http.get(url) as answer:
+            assert answer.status == 200
+            found = samples(await answer.text())
+        assert ("deploybot_running", (("backend", "sim"),)) in found
+    finally:
+        await runner.cleanup()
