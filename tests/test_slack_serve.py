@@ -119,7 +119,11 @@ async def test_serve_http_runs_as_a_process_and_keeps_tokens_secret(
     tmp_path: Path, fake: FakeSlack
 ) -> None:
     config = tmp_path / "deploybot.toml"
-    config.write_text(CONFIG.format(tmp=tmp_path) + f'\n[slack]\napi_base_url = "{fake.url}"\n')
+    # JSON log lines and /metrics are outputs too: the tokens stay out of them as well.
+    text = CONFIG.format(tmp=tmp_path).replace(
+        "\n[[backends]]", 'log_format = "json"\n\n[[backends]]', 1
+    )
+    config.write_text(text + f'\n[slack]\napi_base_url = "{fake.url}"\n')
     env = env_without_slack(
         DEPLOYBOT_CONFIG=str(config), SLACK_BOT_TOKEN=BOT_TOKEN, SLACK_SIGNING_SECRET=SIGNING_SECRET
     )
@@ -142,14 +146,19 @@ async def test_serve_http_runs_as_a_process_and_keeps_tokens_secret(
             async with http.post(f"{base}/slack/events", data=body, headers=sign(body)) as r:
                 assert r.status == 200
                 assert "/deploy status JOB" in json.dumps(await r.json())
+            async with http.get(f"{base}/metrics") as scrape:
+                assert scrape.status == 200
+                metrics = await scrape.text()
     finally:
         proc.send_signal(signal.SIGTERM)
         rest = (await proc.communicate())[1].decode()
     assert proc.returncode == 0, "".join(seen) + rest
     assert fake.called("auth.test")
     output = "".join(seen) + rest  # serve logs to stderr
+    log = (tmp_path / "bot.log").read_text()  # and to the log file, one JSON object a line
+    assert all(json.loads(line)["level"] for line in log.splitlines())
     for secret in (BOT_TOKEN, SIGNING_SECRET):
-        assert secret not in output
+        assert secret not in output and secret not in log and secret not in metrics
         assert secret.encode() not in (tmp_path / "jobs.db").read_bytes()
 
 
