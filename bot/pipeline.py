@@ -18,7 +18,6 @@ import functools
 import ipaddress
 import logging
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TypeVar
 
@@ -26,15 +25,24 @@ from backends.base import (
     Backend,
     BackendError,
     CloneSpec,
-    Identity,
     IdTaken,
     Unreachable,
     VMRef,
 )
 from bot import logfields
 from bot import progress as tell
-from bot.models import DeployRequest, Job, JobEvent, JobState, Notice, RollbackReport, utcnow
+from bot.models import Job, JobEvent, JobState, Notice, RollbackReport, utcnow
 from bot.progress import Progress
+from bot.runs import (
+    STEPS,
+    Run,
+    StepFailed,
+    Undo,
+    identity_of,
+    resume_point,
+    run_undo,
+    vm_ref,
+)
 from bot.settings import Settings
 from bot.waiting import protected, retrying
 from store.db import Store
@@ -42,81 +50,9 @@ from store.db import Store
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-STEPS = ("check_free", "clone", "identity", "resize", "power_on", "address", "ssh")
-# After a restart a job may carry on once one of these has finished: each later step is
-# safe to run again, except a disk growth that may or may not have happened.
-RESUMABLE_AFTER = frozenset({"clone", "identity", "resize", "power_on", "address", "ssh"})
 # Steps whose retryable answer means "not yet" rather than "something went wrong": a
 # refused SSH port right after the agent answered is sshd still starting.
 _POLLED_STEPS = frozenset({"ssh"})
-
-
-def resume_point(events: list[JobEvent]) -> int | None:
-    """Where a job interrupted by a restart can carry on (an index into STEPS), or None
-    when only a rollback is safe."""
-    done = [
-        STEPS.index(e.step)
-        for e in events
-        if e.step in STEPS and e.phase in ("finished", "skipped")
-    ]
-    if not done or STEPS[max(done)] not in RESUMABLE_AFTER:
-        return None
-    last = max(done)
-    if (
-        any(e.step == "resize" and e.phase == "started" for e in events)
-        and STEPS.index("resize") > last
-    ):
-        return None
-    # The address is read again rather than remembered: it is cheap and the SSH check needs it.
-    return min(last + 1, STEPS.index("address"))
-
-
-def vm_ref(job: Job) -> VMRef:
-    """The handle of a job's VM, from what the store recorded before the clone."""
-    if job.vm_id is None:
-        raise ValueError(f"job {job.id} has no VM id")
-    return VMRef(job.vm_id, job.id, job.vm_placement, job.installation)
-
-
-def _identity(req: DeployRequest) -> Identity:
-    return Identity(
-        hostname=req.name,
-        user=req.user,
-        ssh_keys=req.ssh_keys,
-        address=req.address,
-        gateway=req.gateway,
-        dns=req.dns,
-        search_domain=req.search_domain,
-        upgrade=req.upgrade,
-        cores=req.cores,
-        memory_mib=req.memory_mib,
-        network=req.network,
-    )
-
-
-class StepFailed(Exception):
-    def __init__(self, step: str, reason: str) -> None:
-        super().__init__(f"{step}: {reason}")
-        self.step = step
-        self.reason = reason
-
-
-@dataclass
-class Undo:
-    what: str
-    action: Callable[[], Awaitable[None]]
-    timeout_s: float
-
-
-@dataclass
-class _Run:
-    job: Job
-    backend: Backend
-    ref: VMRef | None = None
-    undo: list[Undo] = field(default_factory=list)
-    address: str | None = None
-    host_key: str | None = None
-    resumed: bool = False
 
 
 class Pipeline:
@@ -139,7 +75,7 @@ class Pipeline:
 
     async def run(self, job_id: str) -> Job | None:
         """Run a queued job to a final state; None if it was no longer queued."""
-        run: _Run | None = None
+        run: Run | None = None
         logfields.bind(job=job_id)
         try:
             started, job = await self.store.move(
@@ -154,7 +90,7 @@ class Pipeline:
                 return job if started else await self.store.get_job(job_id)
             await self.progress.job_updated(job)
             logfields.bind(backend=job.backend)
-            run = _Run(job, self.backends[job.backend])
+            run = Run(job, self.backends[job.backend])
             first = await self._resume(run) if job.vm_id is not None else 0
             await self._steps(run, first)
         except asyncio.CancelledError:
@@ -189,7 +125,7 @@ class Pipeline:
             await self.progress.job_finished(job, RollbackReport())
         return job
 
-    async def _resume(self, run: _Run) -> int:
+    async def _resume(self, run: Run) -> int:
         """Rebuild what a job interrupted by a restart had: its VM and its undo stack."""
         job = run.job
         assert job.vm_id is not None
@@ -213,12 +149,12 @@ class Pipeline:
         )
         return first
 
-    async def _steps(self, run: _Run, first: int = 0) -> None:
+    async def _steps(self, run: Run, first: int = 0) -> None:
         """Run STEPS from index `first` (0, or later when resuming after a restart)."""
         for step in STEPS[first:]:
             await self._run_step(run, step)
 
-    async def _run_step(self, run: _Run, step: str) -> None:
+    async def _run_step(self, run: Run, step: str) -> None:
         req, backend, t = run.job.request, run.backend, self.timeouts
         if step == "check_free":
             await self._step(run, step, t.check_free_s, lambda: self._check_free(run))
@@ -230,14 +166,14 @@ class Pipeline:
                 req.placement,
                 req.storage,
                 req.network,
-                identity=_identity(req),
+                identity=identity_of(req),
                 installation=run.job.installation,
             )
             mode = await self._call(run, step, t.check_free_s, lambda: backend.clone_mode(spec))
             detail = f"{req.template}, {mode.reason}"
             await self._step(run, step, t.clone_s, lambda: self._clone(run, spec), detail)
         elif step == "identity":
-            ref, identity = self._ref(run), _identity(req)
+            ref, identity = self._ref(run), identity_of(req)
             detail = f"{req.user}@{req.address}, {req.cores} cores, {req.memory_mib} MiB"
             action = functools.partial(backend.apply_identity, ref, identity)
             await self._step(run, step, t.identity_s, action, detail)
@@ -264,14 +200,14 @@ class Pipeline:
         return self.settings.defaults.ssh_port
 
     @staticmethod
-    def _ref(run: _Run) -> VMRef:
+    def _ref(run: Run) -> VMRef:
         if run.ref is None:
             raise StepFailed("clone", "no VM id was recorded")
         return run.ref
 
     # --- steps --------------------------------------------------------------------
 
-    async def _check_free(self, run: _Run) -> str:
+    async def _check_free(self, run: Run) -> str:
         req = run.job.request
         taken = await run.backend.find_by_name(req.name)
         if taken:
@@ -284,7 +220,7 @@ class Pipeline:
         # recorded (unique indexes over jobs in flight or succeeded).
         return f"{req.name} and {req.address.ip} are free"
 
-    async def _clone(self, run: _Run, spec: CloneSpec) -> str:
+    async def _clone(self, run: Run, spec: CloneSpec) -> str:
         backend = run.backend
         if run.ref is None:
             ref = await backend.prepare_clone(spec)
@@ -312,7 +248,7 @@ class Pipeline:
         where = f"VM {ref.vm_id} on {ref.placement or run.job.backend}"
         return f"{where}; {note}" if note else where
 
-    async def _power_on(self, run: _Run) -> str | None:
+    async def _power_on(self, run: Run) -> str | None:
         """Start the VM. A resumed job's VM may be running already (its start outlived
         the restart): ask first then, and only then."""
         ref = self._ref(run)
@@ -322,7 +258,7 @@ class Pipeline:
                 return "already running"
         return await run.backend.power_on(ref)
 
-    async def _address(self, run: _Run) -> str:
+    async def _address(self, run: Run) -> str:
         req = run.job.request
         found = await run.backend.wait_for_address(self._ref(run), req.address.ip)
         run.address = str(found)
@@ -330,7 +266,7 @@ class Pipeline:
             return f"guest reports {found}, not the requested {req.address.ip}"
         return str(found)
 
-    async def _ssh(self, run: _Run) -> str:
+    async def _ssh(self, run: Run) -> str:
         address = ipaddress.IPv4Address(run.address or run.job.address)
         run.host_key = await run.backend.probe_ssh(self._ref(run), address, self._ssh_port)
         answers = f"{address}:{self._ssh_port} answers"
@@ -340,7 +276,7 @@ class Pipeline:
 
     async def _step(
         self,
-        run: _Run,
+        run: Run,
         step: str,
         timeout_s: float,
         action: Callable[[], Awaitable[object]],
@@ -384,7 +320,7 @@ class Pipeline:
         await self.progress.step_finished(job, step, elapsed, True, done)
 
     async def _call(
-        self, run: _Run, step: str, timeout_s: float, action: Callable[[], Awaitable[T]]
+        self, run: Run, step: str, timeout_s: float, action: Callable[[], Awaitable[T]]
     ) -> T:
         """Run one action under the step's timeout, mapping every failure to StepFailed."""
         seen: list[str] = []
@@ -444,14 +380,14 @@ class Pipeline:
     def _tell(job: Job, notice: Notice) -> list[Notice]:
         return [notice] if tell.followed(job) else []
 
-    async def _skip(self, run: _Run, step: str, why: str) -> None:
+    async def _skip(self, run: Run, step: str, why: str) -> None:
         await self.store.add_event(
             JobEvent(job_id=run.job.id, step=step, phase="skipped", detail=why)
         )
 
     # --- endings ------------------------------------------------------------------
 
-    async def _succeed(self, run: _Run) -> Job | None:
+    async def _succeed(self, run: Run) -> Job | None:
         moved, job = await self.store.move(
             run.job.id,
             [JobState.RUNNING],
@@ -469,9 +405,7 @@ class Pipeline:
             await self.progress.job_finished(job, None)
         return job
 
-    async def _roll_back(
-        self, run: _Run, final: JobState, failure: StepFailed | None
-    ) -> Job | None:
+    async def _roll_back(self, run: Run, final: JobState, failure: StepFailed | None) -> Job | None:
         job_id = run.job.id
         moved, rolling = await self.store.move(
             job_id,
@@ -509,48 +443,6 @@ class Pipeline:
         self, job: Job, backend: Backend, stack: list[Undo], ref: VMRef | None
     ) -> RollbackReport:
         """Run the undo stack in reverse, then check nothing of ours is left."""
-        report = RollbackReport()
-        for undo in reversed(stack):
-            await self.store.add_event(
-                JobEvent(job_id=job.id, step="rollback", phase="undo", detail=undo.what)
-            )
-            seen: list[str] = []  # each undo retries retryable errors within its timeout
-            try:
-                async with asyncio.timeout(undo.timeout_s):
-                    await self._waiting_for_backend(job, "rollback", undo.action, seen)
-            except Exception as exc:  # every failure is reported, none replaces the original
-                reason = exc.message if isinstance(exc, BackendError) else _describe(exc)
-                if isinstance(exc, TimeoutError):
-                    last = f" (last: {seen[-1]})" if seen else ""
-                    reason = f"timed out after {undo.timeout_s:g} s{last}"
-                if not isinstance(exc, (BackendError, TimeoutError)):
-                    log.exception("job %s: undo %r failed", job.id, undo.what)
-                report.failed.append(f"{undo.what}: {reason}")
-                await self.store.add_event(
-                    JobEvent(
-                        job_id=job.id,
-                        step="rollback",
-                        phase="undo_failed",
-                        detail=f"{undo.what}: {reason}",
-                    )
-                )
-            else:
-                report.undone.append(undo.what)
-        if ref is not None:
-            try:  # a read, retried like the undo moves: one 500 must not make it "unverified"
-                async with asyncio.timeout(self.timeouts.check_free_s):
-                    left = await retrying(functools.partial(backend.find_vm, ref), self.timeouts)
-            except (BackendError, TimeoutError) as exc:
-                reason = exc.message if isinstance(exc, BackendError) else _describe(exc)
-                report.failed.append(f"check that VM {ref.vm_id} is gone: {reason}")
-                left = None
-                report.wreckage.append(f"VM {ref.vm_id} (unverified)")
-            if left is not None:
-                report.wreckage.append(f"VM {ref.vm_id} ({left.name}) on {job.backend}")
-        return report
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, TimeoutError):
-        return "timed out"
-    return f"internal error ({type(exc).__name__}; details in the bot's log)"
+        return await run_undo(
+            self.store, self.timeouts, self._waiting_for_backend, job, backend, stack, ref
+        )

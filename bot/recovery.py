@@ -18,8 +18,9 @@ from collections.abc import Mapping
 from backends.base import Backend, BackendError, VMRef
 from bot import progress as tell
 from bot.models import FINAL_STATES, Job, JobEvent, JobState, RollbackReport, utcnow
-from bot.pipeline import Pipeline, Undo, resume_point, vm_ref
+from bot.pipeline import Pipeline
 from bot.progress import Progress
+from bot.runs import Undo, resume_point, vm_ref
 from bot.waiting import remove_vm
 from store.db import Store
 

@@ -44,11 +44,12 @@ from bot.models import (
 )
 from bot.ownership import Clock, Ownership, Runner
 from bot.parser import DeployArgs
-from bot.pipeline import Pipeline, vm_ref
+from bot.pipeline import Pipeline
 from bot.progress import Fanout, Progress
 from bot.queue import JobQueue
 from bot.recovery import recover_interrupted, sweep_wreckage
 from bot.requests import build_request
+from bot.runs import vm_ref
 from bot.settings import Settings
 from bot.waiting import protected
 from store.db import AlreadyDelivered, DuplicateActive, RowUnreadable, Store

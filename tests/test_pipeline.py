@@ -9,7 +9,7 @@ from backends.sim import FAULT_KINDS, SimBackend
 from bot.errors import Conflict, RequestInvalid
 from bot.models import Job, JobEvent, JobState
 from bot.parser import parse
-from bot.pipeline import STEPS, resume_point, vm_ref
+from bot.runs import STEPS, resume_point, vm_ref
 from bot.service import Deployer
 from tests.conftest import Recorder
 

@@ -13,7 +13,7 @@ import pytest
 from bot.errors import RequestInvalid
 from bot.models import Job, JobEvent, JobState
 from bot.parser import DeployArgs, parse
-from bot.pipeline import STEPS, vm_ref
+from bot.runs import STEPS, vm_ref
 from bot.runtime import running_deployer
 from bot.settings import Settings
 from tests.conftest import Recorder

@@ -20,7 +20,7 @@ from pyVmomi import vim
 from backends.vsphere import VSphereBackend
 from bot.models import Job, JobState
 from bot.parser import DeployArgs, parse
-from bot.pipeline import STEPS
+from bot.runs import STEPS
 from bot.runtime import make_backend, running_deployer
 from bot.service import Deployer
 from bot.settings import Settings

@@ -1,0 +1,154 @@
+"""The parts of one deploy's run that are plain data and functions: the steps, where a
+job may resume, the undo stack and how it is run (bot/pipeline.py drives them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from backends.base import Backend, BackendError, Identity, VMRef
+from bot.models import DeployRequest, Job, JobEvent, RollbackReport
+from bot.settings import Timeouts
+from bot.waiting import retrying
+from store.db import Store
+
+log = logging.getLogger(__name__)
+
+# Runs one backend call of `job`'s step, retrying what is retryable (the pipeline's
+# `_waiting_for_backend`, which also tells chat while it waits); `seen` collects the
+# errors met on the way.
+Waiting = Callable[[Job, str, Callable[[], Awaitable[None]], list[str]], Awaitable[None]]
+
+STEPS = ("check_free", "clone", "identity", "resize", "power_on", "address", "ssh")
+# After a restart a job may carry on once one of these has finished: each later step is
+# safe to run again, except a disk growth that may or may not have happened.
+RESUMABLE_AFTER = frozenset({"clone", "identity", "resize", "power_on", "address", "ssh"})
+
+
+def resume_point(events: list[JobEvent]) -> int | None:
+    """Where a job interrupted by a restart can carry on (an index into STEPS), or None
+    when only a rollback is safe."""
+    done = [
+        STEPS.index(e.step)
+        for e in events
+        if e.step in STEPS and e.phase in ("finished", "skipped")
+    ]
+    if not done or STEPS[max(done)] not in RESUMABLE_AFTER:
+        return None
+    last = max(done)
+    if (
+        any(e.step == "resize" and e.phase == "started" for e in events)
+        and STEPS.index("resize") > last
+    ):
+        return None
+    # The address is read again rather than remembered: it is cheap and the SSH check needs it.
+    return min(last + 1, STEPS.index("address"))
+
+
+def vm_ref(job: Job) -> VMRef:
+    """The handle of a job's VM, from what the store recorded before the clone."""
+    if job.vm_id is None:
+        raise ValueError(f"job {job.id} has no VM id")
+    return VMRef(job.vm_id, job.id, job.vm_placement, job.installation)
+
+
+def identity_of(req: DeployRequest) -> Identity:
+    return Identity(
+        hostname=req.name,
+        user=req.user,
+        ssh_keys=req.ssh_keys,
+        address=req.address,
+        gateway=req.gateway,
+        dns=req.dns,
+        search_domain=req.search_domain,
+        upgrade=req.upgrade,
+        cores=req.cores,
+        memory_mib=req.memory_mib,
+        network=req.network,
+    )
+
+
+class StepFailed(Exception):
+    def __init__(self, step: str, reason: str) -> None:
+        super().__init__(f"{step}: {reason}")
+        self.step = step
+        self.reason = reason
+
+
+@dataclass
+class Undo:
+    what: str
+    action: Callable[[], Awaitable[None]]
+    timeout_s: float
+
+
+@dataclass
+class Run:
+    job: Job
+    backend: Backend
+    ref: VMRef | None = None
+    undo: list[Undo] = field(default_factory=list)
+    address: str | None = None
+    host_key: str | None = None
+    resumed: bool = False
+
+
+async def run_undo(
+    store: Store,
+    timeouts: Timeouts,
+    waiting: Waiting,
+    job: Job,
+    backend: Backend,
+    stack: list[Undo],
+    ref: VMRef | None,
+) -> RollbackReport:
+    """Run the undo stack in reverse, then check nothing of ours is left."""
+    report = RollbackReport()
+    for undo in reversed(stack):
+        await store.add_event(
+            JobEvent(job_id=job.id, step="rollback", phase="undo", detail=undo.what)
+        )
+        seen: list[str] = []  # each undo retries retryable errors within its timeout
+        try:
+            async with asyncio.timeout(undo.timeout_s):
+                await waiting(job, "rollback", undo.action, seen)
+        except Exception as exc:  # every failure is reported, none replaces the original
+            reason = exc.message if isinstance(exc, BackendError) else describe(exc)
+            if isinstance(exc, TimeoutError):
+                last = f" (last: {seen[-1]})" if seen else ""
+                reason = f"timed out after {undo.timeout_s:g} s{last}"
+            if not isinstance(exc, (BackendError, TimeoutError)):
+                log.exception("job %s: undo %r failed", job.id, undo.what)
+            report.failed.append(f"{undo.what}: {reason}")
+            await store.add_event(
+                JobEvent(
+                    job_id=job.id,
+                    step="rollback",
+                    phase="undo_failed",
+                    detail=f"{undo.what}: {reason}",
+                )
+            )
+        else:
+            report.undone.append(undo.what)
+    if ref is not None:
+        try:  # a read, retried like the undo moves: one 500 must not make it "unverified"
+            async with asyncio.timeout(timeouts.check_free_s):
+                left = await retrying(functools.partial(backend.find_vm, ref), timeouts)
+        except (BackendError, TimeoutError) as exc:
+            reason = exc.message if isinstance(exc, BackendError) else describe(exc)
+            report.failed.append(f"check that VM {ref.vm_id} is gone: {reason}")
+            left = None
+            report.wreckage.append(f"VM {ref.vm_id} (unverified)")
+        if left is not None:
+            report.wreckage.append(f"VM {ref.vm_id} ({left.name}) on {job.backend}")
+    return report
+
+
+def describe(exc: BaseException) -> str:
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    return f"internal error ({type(exc).__name__}; details in the bot's log)"
