@@ -103,3 +103,24 @@ def nic_needs_tools(backend: str, template: str, nic: str, why: str, profile: st
         f'guest\'s address), or set nic_model = "e1000e" in [backends.os_profiles.{profile}] '
         f"of backend {backend}."
     )
+
+
+def privilege_missing(account: str, privilege: str, where: str, step: str) -> str:
+    """A privilege a deploy step needs that the account lacks (`deploybot check`)."""
+    return f"{account} lacks {privilege} on {where}, needed to {step}"
+
+
+def privilege_fix(account: str, privilege: str, where: str) -> str:
+    """How to grant it on Proxmox: a role holding it, on the path, for the token (with
+    privilege separation a token holds at most what its user holds, so both need it)."""
+    if "!" in account:
+        user = account.split("!")[0]
+        return (
+            f"grant a role with {privilege} on {where} to the token and its user, e.g. "
+            f"`pveum acl modify {where} --tokens '{account}' --roles ROLE` and "
+            f"`pveum acl modify {where} --users {user} --roles ROLE`"
+        )
+    return (
+        f"grant a role with {privilege} on {where}: "
+        f"`pveum acl modify {where} --users {account} --roles ROLE`"
+    )

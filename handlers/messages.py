@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from datetime import datetime
 
 from backends.base import Template
+from bot.check import CheckResult
 from bot.gc import GcReport
 from bot.models import Approval, ApprovalState, Job, JobEvent, JobState, RollbackReport, UserPrefs
 from bot.parser import SUBCOMMAND_USAGE, USAGE
@@ -570,4 +571,16 @@ def gc_report(report: GcReport, window_minutes: float) -> list[str]:
         )
     else:
         lines.append("Found no orphans.")
+    return lines
+
+
+def check_lines(results: Sequence[CheckResult]) -> list[str]:
+    """`deploybot check`: one line a check, its fix on the next, and a verdict."""
+    lines = []
+    for result in results:
+        lines.append(f"{'ok' if result.ok else 'PROBLEM':7}  {result.name}: {result.detail}")
+        if result.fix:
+            lines.append(f"         fix: {result.fix}")
+    problems = sum(not r.ok for r in results)
+    lines.append(f"{problems} problem(s)." if problems else "All checks passed.")
     return lines
