@@ -105,9 +105,10 @@ def nic_needs_tools(backend: str, template: str, nic: str, why: str, profile: st
     )
 
 
-def privilege_missing(account: str, privilege: str, where: str, step: str) -> str:
-    """A privilege a deploy step needs that the account lacks (`deploybot check`)."""
-    return f"{account} lacks {privilege} on {where}, needed to {step}"
+def privilege_missing(account: str, step: str) -> str:
+    """A privilege a deploy step needs that the account lacks (`deploybot check` names
+    the privilege and its path before this)."""
+    return f"{account} lacks it, needed to {step}"
 
 
 def privilege_fix(account: str, privilege: str, where: str) -> str:

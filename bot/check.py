@@ -119,7 +119,7 @@ async def _privileges(name: str, backend: Backend, template: str) -> list[CheckR
         CheckResult(
             f"{name}: privilege {m.privilege} on {m.where}",
             False,
-            advice.privilege_missing(m.account, m.privilege, m.where, m.step),
+            advice.privilege_missing(m.account, m.step),
             advice.privilege_fix(m.account, m.privilege, m.where),
         )
         for m in lacking

@@ -6,7 +6,10 @@ are problems too. No output ever holds the token's secret."""
 from __future__ import annotations
 
 import json
+import ssl
 from pathlib import Path
+
+import aiohttp
 
 from tests.fakepve import testing
 from tests.fakepve.schema import ApiSchema
@@ -46,7 +49,7 @@ async def test_a_token_lacking_vm_clone_is_reported_by_name(
     problems = [line for line in output.splitlines() if line.startswith("PROBLEM")]
     assert len(problems) == 1, output
     assert "pve: privilege VM.Clone on /vms/" in problems[0]
-    assert "root@pam!deploybot lacks VM.Clone" in problems[0]
+    assert "root@pam!deploybot lacks it, needed to copy the template" in problems[0]
     assert "fix: grant a role with VM.Clone" in output
     assert "1 problem(s)." in output
     assert fake.sent("GET", "/access/permissions")
@@ -100,3 +103,19 @@ async def test_a_refused_token_and_a_missing_template(
     assert code == 1, output
     assert "PROBLEM  pve: connection: node list: the API token root@pam!other was refused" in output
     assert fake.token_secret not in output
+
+
+async def test_the_fakes_revoke_control(
+    pve_schema: ApiSchema, pve_tls: Tls, tmp_path: Path
+) -> None:
+    """`/_fake/revoke` (for a fake run by hand) takes a privilege away on one path."""
+    context = ssl.create_default_context(cafile=str(pve_tls.ca_path))
+    async with start_fake(pve_schema, pve_tls) as fake, aiohttp.ClientSession() as session:
+        url = f"https://127.0.0.1:{fake.port}/_fake/revoke"
+        body = {"privilege": "VM.Clone", "path": "/"}
+        async with session.post(url, json=body, ssl=context) as answer:
+            assert answer.status == 200
+        async with session.post(url, json={}, ssl=context) as answer:
+            assert answer.status == 400
+    assert "VM.Clone" not in fake.acl.effective("/vms/9000")
+    assert "VM.Allocate" in fake.acl.effective("/vms/9000")
