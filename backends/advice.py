@@ -112,8 +112,14 @@ def privilege_missing(account: str, step: str) -> str:
 
 
 def privilege_fix(account: str, privilege: str, where: str) -> str:
-    """How to grant it on Proxmox: a role holding it, on the path, for the token (with
-    privilege separation a token holds at most what its user holds, so both need it)."""
+    """How to grant it. Proxmox (an ACL path): a role holding it, on the path, for the
+    token and its user (with privilege separation a token holds at most what its user
+    holds). vSphere (an inventory object): the role of the account there."""
+    if not where.startswith("/"):
+        return (
+            f"add {privilege} to the role {account} has on {where} (vSphere Client: "
+            "Administration > Roles; the permission may propagate from the datacenter)"
+        )
     if "!" in account:
         user = account.split("!")[0]
         return (
