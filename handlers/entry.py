@@ -83,7 +83,9 @@ async def check_config(args: argparse.Namespace, settings: Settings) -> int:
 
 
 async def check(args: argparse.Namespace, settings: Settings) -> int:
-    results = await run_checks(settings)
+    from handlers.slack.check import slack_checks  # slack_sdk loads only when needed
+
+    results = await run_checks(settings) + await slack_checks(settings.slack, os.environ)
     ok = all(r.ok for r in results)
     if args.json:
         print(json.dumps({"ok": ok, "checks": [dataclasses.asdict(r) for r in results]}))

@@ -584,3 +584,32 @@ def check_lines(results: Sequence[CheckResult]) -> list[str]:
     problems = sum(not r.ok for r in results)
     lines.append(f"{problems} problem(s)." if problems else "All checks passed.")
     return lines
+
+
+def slack_not_checked(token_env: str) -> str:
+    return f"not checked: ${token_env} is not set (only `deploybot serve` needs it)"
+
+
+def slack_token_fix(token_env: str) -> str:
+    return f"set ${token_env} to the app's bot token (xoxb-...; Slack app > OAuth & Permissions)"
+
+
+def slack_scopes_fix() -> str:
+    return (
+        "add them to the app (`deploybot manifest` prints its manifest) and reinstall it "
+        "to the workspace; the new token has them"
+    )
+
+
+def slack_channel_unreadable(channel: str) -> str:
+    return (
+        f"membership not checked: the token may not read {channel} (channels:read or "
+        "groups:read, which the bot does not otherwise need)"
+    )
+
+
+def slack_channel_fix(bot: str) -> str:
+    return (
+        f"check slack.approvals_channel (a channel id, C... or G...) and invite the bot "
+        f"there: `/invite @{bot}`"
+    )
