@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TypeVar
 
 E = TypeVar("E", bound=BaseException)
+UNTRUSTED = "is not trusted"  # in tls_advice's messages; `deploybot check` looks for it
 
 
 def unresolved(backend: str, host: str, exc: socket.gaierror) -> str:
@@ -44,15 +45,40 @@ def tls_advice(backend: str, where: str, ca_bundle: Path | str | None, exc: ssl.
         detail = exc.verify_message or reason or "verification failed"
         if ca_bundle:
             return (
-                f"the certificate of {where} is not trusted ({detail}) by ca_bundle "
+                f"the certificate of {where} {UNTRUSTED} ({detail}) by ca_bundle "
                 f"{ca_bundle}: check that it holds the CA that signed the server's "
                 f"certificate and that `host` in [[backends]] {backend} is a name in it"
             )
         return (
-            f"the certificate of {where} is not trusted ({detail}): set ca_bundle = "
+            f"the certificate of {where} {UNTRUSTED} ({detail}): set ca_bundle = "
             f'"/path/to/ca.pem" in [[backends]] {backend} (see README)'
         )
     return f"the TLS handshake with {where} failed ({reason or exc}): check its certificate"
+
+
+def presented_certificate(host: str, port: int, timeout_s: float = 10.0) -> str | None:
+    """Whom the certificate `host:port` presents names, and its issuer, read without
+    verifying it (nothing is sent over the connection): what an operator needs to find
+    the CA for `ca_bundle`. None when it cannot be read."""
+    # cryptography comes with asyncssh; ssl alone does not decode an unverified peer.
+    from cryptography import x509
+
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    try:
+        with (
+            socket.create_connection((host, port), timeout=timeout_s) as raw,
+            context.wrap_socket(raw, server_hostname=host) as tls,
+        ):
+            der = tls.getpeercert(binary_form=True)
+        if der is None:
+            return None
+        cert = x509.load_der_x509_certificate(der)
+    except (OSError, ValueError):
+        return None
+    subject, issuer = cert.subject.rfc4514_string(), cert.issuer.rfc4514_string()
+    return f"the server presents a certificate for {subject or '(no subject)'}, issued by {issuer}"
 
 
 def cause(exc: BaseException, kind: type[E]) -> E | None:

@@ -419,6 +419,7 @@ class ChecksPrivileges(Protocol):
     (`deploybot check`), and where its deploys' disks go by default."""
 
     default_storage: str | None
+    endpoint: tuple[str, int]  # host and port of its API, for the certificate's subject
 
     async def missing_privileges(self, template: str) -> list[MissingPrivilege]:
         """Those a deploy of `template` lacks; none when there is no such template."""

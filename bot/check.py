@@ -10,6 +10,7 @@ operator sees everything wrong at once instead of one job failure at a time.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 from backends import advice
@@ -52,7 +53,12 @@ async def check_backend(name: str, backend: Backend, template: str) -> list[Chec
     try:
         await backend.placements()
     except BackendError as exc:
-        return [CheckResult(f"{name}: connection", False, exc.message, _connection_fix(exc))]
+        detail = exc.message
+        if advice.UNTRUSTED in detail and isinstance(backend, ChecksPrivileges):
+            host, port = backend.endpoint
+            presented = await asyncio.to_thread(advice.presented_certificate, host, port)
+            detail += f"; {presented}" if presented else ""
+        return [CheckResult(f"{name}: connection", False, detail, _connection_fix(exc))]
     results = [CheckResult(f"{name}: connection", True, "reached; TLS and credentials accepted")]
     try:
         results.append(await _template(name, backend, template))

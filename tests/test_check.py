@@ -10,6 +10,7 @@ import ssl
 from pathlib import Path
 
 import aiohttp
+import trustme
 
 from tests.fakepve import testing
 from tests.fakepve.schema import ApiSchema
@@ -119,3 +120,22 @@ async def test_the_fakes_revoke_control(
             assert answer.status == 400
     assert "VM.Clone" not in fake.acl.effective("/vms/9000")
     assert "VM.Allocate" in fake.acl.effective("/vms/9000")
+
+
+async def test_an_untrusted_certificate_is_named_with_its_subject(
+    pve_schema: ApiSchema, pve_tls: Tls, tmp_path: Path
+) -> None:
+    other = tmp_path / "other-ca.pem"
+    trustme.CA().cert_pem.write_to_path(str(other))  # a CA that did not sign the fake's
+    async with start_fake(pve_schema, pve_tls) as fake:
+        config = write_config(tmp_path, fake).read_text(encoding="utf-8")
+        (tmp_path / "deploybot.toml").write_text(
+            config.replace(str(fake.tls.ca_path), str(other)), encoding="utf-8"
+        )
+        code, output = await run_deploybot(fake, tmp_path / "deploybot.toml", tmp_path, "check")
+    assert code == 1, output
+    line = next(line for line in output.splitlines() if "pve: connection" in line)
+    assert line.startswith("PROBLEM"), output
+    assert "is not trusted" in line and f"by ca_bundle {other}" in line
+    assert "the server presents a certificate for " in line and ", issued by " in line
+    assert "Traceback" not in output

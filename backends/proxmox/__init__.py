@@ -99,6 +99,7 @@ class ProxmoxBackend:
     def __init__(self, config: Config, api: PveApi, pacing: Pacing | None = None) -> None:
         self.name = config.name
         self.default_network = config.bridge
+        self.endpoint = (config.host, config.port)
         self.default_storage = config.storage
         self.config = config
         self.api = api

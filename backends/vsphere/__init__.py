@@ -188,6 +188,7 @@ class VSphereBackend:
     def __init__(self, config: Config, password: str) -> None:
         self.name = config.name
         self.default_network = config.network
+        self.endpoint = (config.host, config.port)
         self.default_storage = config.datastore
         self.config = config
         self._ssh = SshCheck(config.ssh_jump)
