@@ -139,3 +139,15 @@ async def test_an_untrusted_certificate_is_named_with_its_subject(
     assert "is not trusted" in line and f"by ca_bundle {other}" in line
     assert "the server presents a certificate for " in line and ", issued by " in line
     assert "Traceback" not in output
+
+
+async def test_a_backend_without_its_secret_is_a_problem_not_a_crash(
+    pve_schema: ApiSchema, pve_tls: Tls, tmp_path: Path
+) -> None:
+    extra = 'token_secret_env = "DEPLOYBOT_TEST_UNSET_SECRET"\n'
+    async with start_fake(pve_schema, pve_tls) as fake:
+        code, output = await check(fake, tmp_path, extra=extra)
+    assert code == 1, output
+    assert "PROBLEM  pve: set-up: backend pve: no Proxmox credentials" in output
+    assert "$DEPLOYBOT_TEST_UNSET_SECRET" in output
+    assert not fake.requests  # nothing was asked of the API without credentials
