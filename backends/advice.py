@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TypeVar
 
 E = TypeVar("E", bound=BaseException)
+UNTRUSTED = "is not trusted"  # in tls_advice's messages; `deploybot check` looks for it
 
 
 def unresolved(backend: str, host: str, exc: socket.gaierror) -> str:
@@ -44,15 +45,40 @@ def tls_advice(backend: str, where: str, ca_bundle: Path | str | None, exc: ssl.
         detail = exc.verify_message or reason or "verification failed"
         if ca_bundle:
             return (
-                f"the certificate of {where} is not trusted ({detail}) by ca_bundle "
+                f"the certificate of {where} {UNTRUSTED} ({detail}) by ca_bundle "
                 f"{ca_bundle}: check that it holds the CA that signed the server's "
                 f"certificate and that `host` in [[backends]] {backend} is a name in it"
             )
         return (
-            f"the certificate of {where} is not trusted ({detail}): set ca_bundle = "
+            f"the certificate of {where} {UNTRUSTED} ({detail}): set ca_bundle = "
             f'"/path/to/ca.pem" in [[backends]] {backend} (see README)'
         )
     return f"the TLS handshake with {where} failed ({reason or exc}): check its certificate"
+
+
+def presented_certificate(host: str, port: int, timeout_s: float = 10.0) -> str | None:
+    """Whom the certificate `host:port` presents names, and its issuer, read without
+    verifying it (nothing is sent over the connection): what an operator needs to find
+    the CA for `ca_bundle`. None when it cannot be read."""
+    # cryptography comes with asyncssh; ssl alone does not decode an unverified peer.
+    from cryptography import x509
+
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    try:
+        with (
+            socket.create_connection((host, port), timeout=timeout_s) as raw,
+            context.wrap_socket(raw, server_hostname=host) as tls,
+        ):
+            der = tls.getpeercert(binary_form=True)
+        if der is None:
+            return None
+        cert = x509.load_der_x509_certificate(der)
+    except (OSError, ValueError):
+        return None
+    subject, issuer = cert.subject.rfc4514_string(), cert.issuer.rfc4514_string()
+    return f"the server presents a certificate for {subject or '(no subject)'}, issued by {issuer}"
 
 
 def cause(exc: BaseException, kind: type[E]) -> E | None:
@@ -102,4 +128,32 @@ def nic_needs_tools(backend: str, template: str, nic: str, why: str, profile: st
         "it once, so that vSphere records them (deploybot also needs them to read the "
         f'guest\'s address), or set nic_model = "e1000e" in [backends.os_profiles.{profile}] '
         f"of backend {backend}."
+    )
+
+
+def privilege_missing(account: str, step: str) -> str:
+    """A privilege a deploy step needs that the account lacks (`deploybot check` names
+    the privilege and its path before this)."""
+    return f"{account} lacks it, needed to {step}"
+
+
+def privilege_fix(account: str, privilege: str, where: str) -> str:
+    """How to grant it. Proxmox (an ACL path): a role holding it, on the path, for the
+    token and its user (with privilege separation a token holds at most what its user
+    holds). vSphere (an inventory object): the role of the account there."""
+    if not where.startswith("/"):
+        return (
+            f"add {privilege} to the role {account} has on {where} (vSphere Client: "
+            "Administration > Roles; the permission may propagate from the datacenter)"
+        )
+    if "!" in account:
+        user = account.split("!")[0]
+        return (
+            f"grant a role with {privilege} on {where} to the token and its user, e.g. "
+            f"`pveum acl modify {where} --tokens '{account}' --roles ROLE` and "
+            f"`pveum acl modify {where} --users {user} --roles ROLE`"
+        )
+    return (
+        f"grant a role with {privilege} on {where}: "
+        f"`pveum acl modify {where} --users {account} --roles ROLE`"
     )

@@ -182,6 +182,16 @@ class Network:
 
 
 @dataclass(frozen=True)
+class MissingPrivilege:
+    """A privilege a deploy step needs and the backend's account lacks."""
+
+    privilege: str
+    where: str  # a Proxmox ACL path, a vSphere inventory object
+    step: str  # what the deploy does with it
+    account: str  # the user or token (never a secret)
+
+
+@dataclass(frozen=True)
 class Placement:
     """Where a VM can land: a Proxmox node, a vSphere resource pool, a simulator node."""
 
@@ -401,6 +411,19 @@ class Backend(Protocol):
 
 
 # --- optional abilities: a backend without them is used through the Protocol alone ---
+
+
+@runtime_checkable
+class ChecksPrivileges(Protocol):
+    """A backend that can say which privileges a deploy of `template` lacks
+    (`deploybot check`), and where its deploys' disks go by default."""
+
+    default_storage: str | None
+    endpoint: tuple[str, int]  # host and port of its API, for the certificate's subject
+
+    async def missing_privileges(self, template: str) -> list[MissingPrivilege]:
+        """Those a deploy of `template` lacks; none when there is no such template."""
+        ...
 
 
 @runtime_checkable

@@ -25,7 +25,7 @@ async def check_on_backend(backends: Mapping[str, Backend], request: DeployReque
     problems = []
     try:  # two independent questions: asked together, the requester waits for one
         found, placements = await asyncio.gather(
-            _template(backend, request.template), backend.placements(), return_exceptions=True
+            find_template(backend, request.template), backend.placements(), return_exceptions=True
         )
         for answer in (found, placements):
             if isinstance(answer, BaseException):
@@ -80,7 +80,7 @@ async def check_on_backend(backends: Mapping[str, Backend], request: DeployReque
     return template
 
 
-async def _template(backend: Backend, name: str) -> Template | None:
+async def find_template(backend: Backend, name: str) -> Template | None:
     """The named template: looked up alone where the backend can (`NamedTemplates`),
     else found among all of them."""
     if isinstance(backend, NamedTemplates):

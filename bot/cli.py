@@ -63,6 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
     history.add_argument("--state", help="only jobs in this state (succeeded, failed, ...)")
     history.add_argument("--name", help="only deploys of this VM name")
     sub.add_parser("check-config", help="validate the configuration and summarise it")
+    check = sub.add_parser(
+        "check",
+        help="connect to every backend and check TLS, credentials, privileges, the default "
+        "template, storage and network (exit 1 on any problem)",
+    )
+    check.add_argument("--json", action="store_true", help="one JSON object, for machines")
     serve = sub.add_parser(
         "serve", help="run the Slack bot (Socket Mode; --http HOST:PORT for HTTP mode)"
     )

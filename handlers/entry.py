@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import sys
 from collections.abc import Sequence
 
 from bot import gc
+from bot.check import run_checks
 from bot.cli import run
 from bot.models import JobState
 from bot.parser import DeployArgs, parse
@@ -79,6 +82,18 @@ async def check_config(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+async def check(args: argparse.Namespace, settings: Settings) -> int:
+    from handlers.slack.check import slack_checks  # slack_sdk loads only when needed
+
+    results = await run_checks(settings) + await slack_checks(settings.slack, os.environ)
+    ok = all(r.ok for r in results)
+    if args.json:
+        print(json.dumps({"ok": ok, "checks": [dataclasses.asdict(r) for r in results]}))
+    else:
+        print("\n".join(messages.check_lines(results)))
+    return 0 if ok else 1
+
+
 async def gc_command(args: argparse.Namespace, settings: Settings) -> int:
     known = [b.name for b in settings.backends]
     scope = args.backend or known
@@ -126,6 +141,7 @@ COMMANDS = {
     "deploy": deploy,
     "history": history,
     "check-config": check_config,
+    "check": check,
     "serve": serve,
     "manifest": manifest,
     "gc": gc_command,

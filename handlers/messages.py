@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from datetime import datetime
 
 from backends.base import Template
+from bot.check import CheckResult
 from bot.gc import GcReport
 from bot.models import Approval, ApprovalState, Job, JobEvent, JobState, RollbackReport, UserPrefs
 from bot.parser import SUBCOMMAND_USAGE, USAGE
@@ -571,3 +572,44 @@ def gc_report(report: GcReport, window_minutes: float) -> list[str]:
     else:
         lines.append("Found no orphans.")
     return lines
+
+
+def check_lines(results: Sequence[CheckResult]) -> list[str]:
+    """`deploybot check`: one line a check, its fix on the next, and a verdict."""
+    lines = []
+    for result in results:
+        lines.append(f"{'ok' if result.ok else 'PROBLEM':7}  {result.name}: {result.detail}")
+        if result.fix:
+            lines.append(f"         fix: {result.fix}")
+    problems = sum(not r.ok for r in results)
+    lines.append(f"{problems} problem(s)." if problems else "All checks passed.")
+    return lines
+
+
+def slack_not_checked(token_env: str) -> str:
+    return f"not checked: ${token_env} is not set (only `deploybot serve` needs it)"
+
+
+def slack_token_fix(token_env: str) -> str:
+    return f"set ${token_env} to the app's bot token (xoxb-...; Slack app > OAuth & Permissions)"
+
+
+def slack_scopes_fix() -> str:
+    return (
+        "add them to the app (`deploybot manifest` prints its manifest) and reinstall it "
+        "to the workspace; the new token has them"
+    )
+
+
+def slack_channel_unreadable(channel: str) -> str:
+    return (
+        f"membership not checked: the token may not read {channel} (channels:read or "
+        "groups:read, which the bot does not otherwise need)"
+    )
+
+
+def slack_channel_fix(bot: str) -> str:
+    return (
+        f"check slack.approvals_channel (a channel id, C... or G...) and invite the bot "
+        f"there: `/invite @{bot}`"
+    )

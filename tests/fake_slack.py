@@ -68,6 +68,13 @@ class FakeSlack:
     # counted as a violation (the bot's pacing must never cause one).
     post_interval_s: float | None = None
     violations: int = 0
+    # The token's scopes, sent back in `x-oauth-scopes` on every answer as Slack does;
+    # conversations.info is refused without the read scope of the channel's kind.
+    scopes: list[str] = field(
+        default_factory=lambda: ["commands", "chat:write", "chat:write.public", "usergroups:read"]
+    )
+    # Channels that exist but the bot is not in (conversations.info: is_member false).
+    outside: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self._ids = itertools.count(1)
@@ -157,7 +164,8 @@ class FakeSlack:
             status, answer = 429, {"ok": False, "error": "ratelimited"}
             headers = {"Retry-After": "1"}
         else:
-            status, headers, answer = 200, {}, self._answer(request, method, args)
+            status, answer = 200, self._answer(request, method, args)
+            headers = {"x-oauth-scopes": ",".join(self.scopes)}
         await self._record(Call(method, args, time.monotonic(), status, answer))
         return web.json_response(answer, status=status, headers=headers)
 
@@ -222,6 +230,17 @@ class FakeSlack:
     def _auth_test(self, args: dict[str, Any]) -> dict[str, Any]:
         return {"url": "https://fake.slack/", "team": "Fake", "team_id": "T0000001",
                 "user": "deploybot", "user_id": "UBOT00001", "bot_id": "B0000001"}  # fmt: skip
+
+    def _conversations_info(self, args: dict[str, Any]) -> dict[str, Any]:
+        channel = str(args["channel"])
+        needed = "groups:read" if channel.startswith("G") else "channels:read"
+        if needed not in self.scopes:
+            raise Refused("missing_scope")
+        if channel not in self.channels | self.outside:
+            raise Refused("channel_not_found")
+        member = channel in self.channels
+        return {"channel": {"id": channel, "is_private": channel.startswith("G"),
+                            "is_member": member, "name": channel.lower()}}  # fmt: skip
 
     def _channel(self, args: dict[str, Any]) -> str:
         """A channel the bot is in, or a member's id: Slack posts that in the app's

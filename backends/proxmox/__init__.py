@@ -37,6 +37,7 @@ from backends.base import (
     CloneMode,
     CloneSpec,
     Identity,
+    MissingPrivilege,
     Network,
     NotOurVM,
     PermanentError,
@@ -49,7 +50,7 @@ from backends.base import (
     VMRef,
     job_marks,
 )
-from backends.proxmox import rollback
+from backends.proxmox import privileges, rollback
 from backends.proxmox.agent import AgentWaits
 from backends.proxmox.api import PveApi, TaskFailed
 from backends.proxmox.cloning import Cloning
@@ -98,6 +99,8 @@ class ProxmoxBackend:
     def __init__(self, config: Config, api: PveApi, pacing: Pacing | None = None) -> None:
         self.name = config.name
         self.default_network = config.bridge
+        self.endpoint = (config.host, config.port)
+        self.default_storage = config.storage
         self.config = config
         self.api = api
         self._ssh = SshCheck(config.ssh_jump)
@@ -136,6 +139,15 @@ class ProxmoxBackend:
         except NoSuchTemplate:
             return None
         return found.public(self.inventory.profile(found.family).user)
+
+    async def missing_privileges(self, template: str) -> list[MissingPrivilege]:
+        """What a deploy of `template` needs and this token or user lacks; nothing for
+        a template that does not exist (`deploybot check` reports that on its own)."""
+        try:
+            found = await self.inventory.template(template)
+        except NoSuchTemplate:
+            return []
+        return await privileges.missing(self.api, self.config, found)
 
     async def storages(self, placement: str | None = None) -> list[Storage]:
         node = placement or await self.inventory.default_node()

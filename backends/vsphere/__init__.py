@@ -39,6 +39,7 @@ from backends.base import (
     CloneMode,
     CloneSpec,
     Identity,
+    MissingPrivilege,
     Network,
     PermanentError,
     Placement,
@@ -52,7 +53,7 @@ from backends.base import (
     readable_file,
 )
 from backends.sshcheck import SshCheck
-from backends.vsphere import esxi, specs
+from backends.vsphere import esxi, privileges, specs
 from backends.vsphere.guestinfo import EtcHosts
 from backends.vsphere.inventory import Inventory, Plan, annotation, disks, os_family
 from backends.vsphere.nic import OSProfile, check_template_os
@@ -187,6 +188,8 @@ class VSphereBackend:
     def __init__(self, config: Config, password: str) -> None:
         self.name = config.name
         self.default_network = config.network
+        self.endpoint = (config.host, config.port)
+        self.default_storage = config.datastore
         self.config = config
         self._ssh = SshCheck(config.ssh_jump)
         endpoint = Endpoint(
@@ -240,6 +243,21 @@ class VSphereBackend:
                 gib = size_kb // KIB_PER_GIB
                 found.append(Template(p["name"], family, None, store, gib, problem=problem))
             return sorted(found, key=lambda t: t.name)
+
+        return await self._session.run(work, changes=False)
+
+    async def missing_privileges(self, template: str) -> list[MissingPrivilege]:
+        """What a deploy of `template` needs and this session's user lacks; nothing when
+        the clone cannot be planned (no such template, datastore, network: `deploybot
+        check` reports those on their own)."""
+        spec = CloneSpec("check", "check", template)
+
+        def work(op: Op) -> list[MissingPrivilege]:
+            try:
+                plan = self._inventory.plan(op.conn, spec)
+            except PermanentError:
+                return []
+            return privileges.missing(op.conn, plan)
 
         return await self._session.run(work, changes=False)
 

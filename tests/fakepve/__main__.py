@@ -40,6 +40,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--write-config", type=Path, help="write a deploybot.toml for it here")
     parser.add_argument("--token-secret", help="default: random")
     parser.add_argument("--password", help="root@pam's password (default: random)")
+    parser.add_argument(
+        "--revoke-privilege",
+        action="append",
+        default=[],
+        metavar="PRIV",
+        help="the token lacks this privilege everywhere (repeatable; see `deploybot check`)",
+    )
     parser.add_argument("--auth-fail-delay-s", type=float, default=3.0)
     for name, default in vars(Timings()).items():
         if isinstance(default, float):
@@ -65,6 +72,8 @@ async def serve(args: argparse.Namespace, state_dir: Path) -> None:
         auth_fail_delay_s=args.auth_fail_delay_s,
         record_session=False,
     )
+    for privilege in args.revoke_privilege:
+        fake.acl.revoke(privilege)
     await fake.start(args.host, args.port)
     print(f"fake Proxmox VE {args.release} listening on {fake.url}")
     print(f"  CA bundle:   {fake.tls.ca_path}")

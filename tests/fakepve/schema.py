@@ -9,8 +9,10 @@ one by one. Messages are the server's own, so the fake's 400 answers read like i
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from tests.fakepve.formats import FORMATS, UNKNOWN
@@ -21,6 +23,15 @@ _NUM = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 _ARRAY = re.compile(r"([a-z]+)(\d+)")
 # Parameters that appeared in a release; older servers refuse them as unknown.
 ADDED_IN = {"ciupgrade": (8, 0)}
+# Endpoints the reference subset lacks, taken from the PVE sources (see its `_source`):
+# merged in, never overriding the reference.
+SUPPLEMENT = Path(__file__).with_name("supplement.json")
+
+
+def with_supplement(raw: dict[str, Any]) -> dict[str, Any]:
+    extra = json.loads(SUPPLEMENT.read_text(encoding="utf-8"))
+    added = {k: v for k, v in extra.items() if k.startswith("/") and k not in raw}
+    return {**raw, **added}
 
 
 @dataclass(frozen=True)
@@ -36,6 +47,7 @@ def _perl_regex(pattern: str) -> re.Pattern[str]:
 
 class ApiSchema:
     def __init__(self, raw: dict[str, Any]) -> None:
+        raw = with_supplement(raw)
         self.raw = raw
         self._routes: list[tuple[re.Pattern[str], str]] = []
         for path in raw:

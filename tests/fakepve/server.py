@@ -26,6 +26,7 @@ from typing import Any
 import trustme
 from aiohttp import web
 
+from tests.fakepve.acl import Acl
 from tests.fakepve.cluster import ApiError, Cluster, FaultKind, Timings
 from tests.fakepve.guest import Guest
 from tests.fakepve.ops import ENDPOINTS, Call
@@ -103,6 +104,7 @@ class FakePVE:
         self.ticket_lifetime_s = ticket_lifetime_s
         self.record_session = record_session
         self.requests: list[Recorded] = []
+        self.acl = Acl()  # what GET /access/permissions answers; tests revoke from it
         self.clock_offset_s = 0.0
         self._tickets: dict[str, tuple[str, float, str]] = {}  # ticket -> user, issued, csrf
         self._runner: web.AppRunner | None = None
@@ -119,6 +121,7 @@ class FakePVE:
         app.router.add_route("*", "/api2/json/{tail:.*}", self._api)
         app.router.add_get("/_fake/tasks", self._tasks)
         app.router.add_post("/_fake/inject", self._inject)
+        app.router.add_post("/_fake/revoke", self._revoke)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port, ssl_context=self.tls.server)
@@ -232,6 +235,8 @@ class FakePVE:
             return await self._login(params)
         user = await self._authenticate(request, method, info)
         self._verify(route.template, method, params, route.params)
+        if (method, route.template) == ("GET", "/access/permissions"):
+            return self.acl.answer(params, user)
         if (method, route.template) not in ENDPOINTS:
             raise ApiError(501, f"Method '{method} {path}' not implemented")
         endpoint, handler = ENDPOINTS[(method, route.template)]
@@ -336,4 +341,12 @@ class FakePVE:
             self.inject(body.pop("endpoint"), body.pop("kind"), int(body.pop("times", 1)), **body)
         except (KeyError, TypeError, ValueError) as exc:
             return web.json_response({"error": str(exc)}, status=400)
+        return web.json_response({"ok": True})
+
+    async def _revoke(self, request: web.Request) -> web.Response:
+        """{"privilege": "VM.Clone", "path": "/vms/100"} (no path: everywhere)."""
+        body = await request.json()
+        if not isinstance(body.get("privilege"), str):
+            return web.json_response({"error": "privilege: a string"}, status=400)
+        self.acl.revoke(body["privilege"], body.get("path"))
         return web.json_response({"ok": True})

@@ -1,0 +1,72 @@
+"""The privileges a deploy needs on Proxmox, checked with `GET /access/permissions`
+before the first job finds out at its clone step (`deploybot check`).
+
+The table follows qemu-server's permission checks for the calls the pipeline makes:
+clone (`VM.Clone` on the template, `VM.Allocate` for the new VM, `Datastore.AllocateSpace`
+on the target storage), config (cloud-init, network, CPU, memory, tags), resize, power,
+destroy on rollback. The new VM's id is not known in advance, so its privileges are
+asked on /vms, from which /vms/<id> inherits. PVE 8 checks `SDN.Use` on
+/sdn/zones/localnetwork/<bridge> for a plain bridge too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from backends.base import MissingPrivilege
+from backends.proxmox.api import PveApi
+from backends.proxmox.config import Config
+from backends.proxmox.inventory import TemplateInfo
+
+
+@dataclass(frozen=True)
+class Need:
+    path: str
+    privilege: str
+    step: str  # what the deploy does with it, for the message
+
+
+def needs(config: Config, template: TemplateInfo) -> list[Need]:
+    """What the deploy steps need, on the paths they use for this template."""
+    new = "/vms"
+    storage = config.storage or template.disk.storage
+    found = [
+        Need(f"/vms/{template.vmid}", "VM.Clone", "copy the template"),
+        Need(new, "VM.Allocate", "create the copy (and destroy it on rollback)"),
+        Need(new, "VM.Config.Cloudinit", "set the identity (cloud-init)"),
+        Need(new, "VM.Config.Network", "set the NIC"),
+        Need(new, "VM.Config.CPU", "set the CPU model and cores"),
+        Need(new, "VM.Config.Memory", "set the memory"),
+        Need(new, "VM.Config.Options", "tag the VM with its job"),
+        Need(new, "VM.Config.Disk", "grow the disk"),
+        Need(new, "VM.PowerMgmt", "power on (and off on rollback)"),
+        Need(new, "VM.Audit", "read the VM's state"),
+    ]
+    if storage:
+        found.append(Need(f"/storage/{storage}", "Datastore.AllocateSpace", "copy the disk"))
+    if config.bridge:
+        zone = f"/sdn/zones/localnetwork/{config.bridge}"
+        found.append(Need(zone, "SDN.Use", f"attach the NIC to {config.bridge}"))
+    return found
+
+
+def who(config: Config) -> str:
+    """The user or API token whose permissions are asked (no secret in it)."""
+    return f"{config.user}!{config.token_id}" if config.token_id else config.user
+
+
+async def missing(api: PveApi, config: Config, template: TemplateInfo) -> list[MissingPrivilege]:
+    """The privileges the deploy steps need and the token or user lacks, path by path
+    (each path asked once: PVE computes the inherited set for it)."""
+    wanted = needs(config, template)
+    held: dict[str, set[str]] = {}
+    for path in dict.fromkeys(n.path for n in wanted):
+        answer: Any = await api.call("GET", "access/permissions", "permissions", {"path": path})
+        privileges = answer.get(path, {}) if isinstance(answer, dict) else {}
+        held[path] = set(privileges)
+    return [
+        MissingPrivilege(n.privilege, n.path, n.step, who(config))
+        for n in wanted
+        if n.privilege not in held[n.path]
+    ]
