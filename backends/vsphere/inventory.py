@@ -31,7 +31,7 @@ from backends.vsphere.session import Conn, Props, Row
 from backends.vsphere.vms import KnownVMs
 
 if TYPE_CHECKING:
-    from backends.vsphere import Config
+    from backends.vsphere.config import Config
 
 # How long the inventory's shape (datacenter, networks, clusters and hosts, datastores)
 # and the template list are trusted without reading them again (a plan that fails on
