@@ -157,23 +157,8 @@ async def run(
     }
 
 
-def _final_counter(database: str) -> Callable[[], int]:
-    sql = "SELECT count(*) FROM jobs WHERE state IN ('succeeded', 'failed')"
-
-    def count() -> int:
-        if database.startswith("postgresql://"):
-            with psycopg.connect(database, password=PASSWORD) as conn:
-                row = conn.execute(sql.encode()).fetchone()
-        else:
-            with sqlite3.connect(database) as conn:
-                row = conn.execute(sql).fetchone()
-        return int(row[0]) if row else 0
-
-    return count
-
-
-def _succeeded(database: str) -> int:
-    sql = "SELECT count(*) FROM jobs WHERE state = 'succeeded'"
+def _count(database: str, sql: str) -> int:
+    """One count from either database, the way the replicas reach it."""
     if database.startswith("postgresql://"):
         with psycopg.connect(database, password=PASSWORD) as conn:
             row = conn.execute(sql.encode()).fetchone()
@@ -181,6 +166,15 @@ def _succeeded(database: str) -> int:
         with sqlite3.connect(database) as conn:
             row = conn.execute(sql).fetchone()
     return int(row[0]) if row else 0
+
+
+def _final_counter(database: str) -> Callable[[], int]:
+    sql = "SELECT count(*) FROM jobs WHERE state IN ('succeeded', 'failed')"
+    return lambda: _count(database, sql)
+
+
+def _succeeded(database: str) -> int:
+    return _count(database, "SELECT count(*) FROM jobs WHERE state = 'succeeded'")
 
 
 async def main(count: int) -> None:
