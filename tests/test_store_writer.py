@@ -5,21 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
-from collections.abc import Callable
 from pathlib import Path
 
 from bot.models import JobEvent, JobState
 from bot.settings import Settings
 from store.db import DuplicateActive, Store
-from store.sql import Conflict, Db, SqliteDb
-from tests.test_store import make_job, sqlite_store
+from store.sql import Conflict
+from tests.test_store import make_job, sqlite_store, trace
 
 __all__ = ["sqlite_store"]  # the fixture, used by name below
-
-
-def trace(db: Db, callback: Callable[[str], object] | None) -> None:
-    assert isinstance(db, SqliteDb)
-    db.conn.set_trace_callback(callback)
 
 
 def committed(path: str | Path, sql: str) -> list[tuple[object, ...]]:
