@@ -104,6 +104,12 @@ TRANSITIONS: dict[JobState, frozenset[JobState]] = {
 }
 
 
+class IpamState(StrEnum):
+    RESERVED = "reserved"
+    ACTIVE = "active"
+    RELEASED = "released"
+
+
 class ApprovalState(StrEnum):
     PENDING = "pending"
     APPROVED = "approved"
@@ -134,6 +140,9 @@ class DeployRequest(BaseModel):
     ssh_keys: tuple[str, ...] = ()
     upgrade: bool = False
     requester: str = Field(min_length=1)
+    # The address was not asked for: deploybot took the next free one of `subnet`.
+    picked: bool = False
+    subnet: str = ""
 
     @field_validator("name")
     @classmethod
@@ -214,6 +223,10 @@ class Job(BaseModel):
     installation: str | None = None
     # Who asked to cancel it while another process ran it (that process acts on it).
     cancel_requested: str | None = None
+    # The IPAM's record of its address (NetBox's ip-address id) and where it stands:
+    # reserved -> active when the VM answers; released once the job no longer holds it.
+    ipam_ref: str | None = None
+    ipam_state: IpamState | None = None
 
     @field_validator("id")
     @classmethod

@@ -1,6 +1,6 @@
 """The grammar of the text after `/deploy`.
 
-    NAME [ADDRESS[/PREFIX]] [key=value ...]
+    NAME [ADDRESS[/PREFIX]] [key=value ...]     (no ADDRESS: the next free one)
     help | status JOB | history [N] | cancel JOB | templates | approve JOB | reject JOB REASON
 
 JOB is a job id or any prefix of it of at least 4 characters (the service resolves it).
@@ -23,7 +23,7 @@ from bot.models import JOB_REF_RE, MIN_JOB_REF
 
 USAGE = (
     "/deploy NAME [ADDRESS[/PREFIX]] [template=T] [on=BACKEND|NODE] [storage=S] "
-    "[cpu=N] [mem=4G] [disk=+20G] [user=U] [upgrade=yes|no]"
+    "[subnet=S] [cpu=N] [mem=4G] [disk=+20G] [user=U] [upgrade=yes|no]"
 )
 SUBCOMMAND_USAGE = {
     "help": "/deploy help",
@@ -36,7 +36,7 @@ SUBCOMMAND_USAGE = {
     "key": "/deploy key ssh-ed25519 AAAA... [comment]",
     "settings": "/deploy settings",
 }
-KEYS = ("template", "on", "storage", "cpu", "mem", "disk", "user", "upgrade")
+KEYS = ("template", "on", "storage", "subnet", "cpu", "mem", "disk", "user", "upgrade")
 JOB_ID_RE = JOB_REF_RE  # a whole job id, or the first MIN_JOB_REF or more characters
 HISTORY_MAX = 100
 _SIZE_RE = re.compile(r"^(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?$", re.IGNORECASE)
@@ -62,6 +62,7 @@ class DeployArgs:
     upgrade: bool | None = None
     given: tuple[str, ...] = field(default=())
     network: str | None = None  # only forms set it; the text grammar has no key for it
+    subnet: str | None = None  # where the next free address comes from, without ADDRESS
 
 
 @dataclass(frozen=True)
@@ -227,6 +228,7 @@ def _deploy(words: list[str]) -> DeployArgs:
         disk_grow_gib=_opt_int(values.get("disk")),
         user=_opt_str(values.get("user")),
         upgrade=_opt_bool(values.get("upgrade")),
+        subnet=_opt_str(values.get("subnet")),
         given=tuple(values),
     )
 

@@ -1,6 +1,6 @@
 """One deploy, step by step, with an undo stack.
 
-    check_free -> clone -> identity -> resize -> power_on -> address -> ssh
+    check_free -> clone -> identity -> resize -> power_on -> address -> ssh [-> register]
 
 Each step has a timeout; backend calls that fail with a retryable error are retried
 with backoff inside it. A step that creates something pushes its undo *before* the
@@ -31,6 +31,7 @@ from backends.base import (
 )
 from bot import logfields
 from bot import progress as tell
+from bot.addressing import Addressing
 from bot.models import Job, JobEvent, JobState, Notice, RollbackReport, utcnow
 from bot.progress import Progress
 from bot.runs import (
@@ -62,11 +63,13 @@ class Pipeline:
         backends: Mapping[str, Backend],
         store: Store,
         progress: Progress,
-        owner: str | None = None,
+        owner: str | None,
+        addressing: Addressing,
     ) -> None:
         """`owner` is this process's runner id: every state change of a job names it,
         so a runner that lost a job (its lease lapsed) can no longer change it."""
         self.owner = owner
+        self.addressing = addressing
         self.settings = settings
         self.backends = backends
         self.store = store
@@ -91,6 +94,7 @@ class Pipeline:
             await self.progress.job_updated(job)
             logfields.bind(backend=job.backend)
             run = Run(job, self.backends[job.backend])
+            self._undo_reservation(run)
             first = await self._resume(run) if job.vm_id is not None else 0
             await self._steps(run, first)
         except asyncio.CancelledError:
@@ -153,6 +157,7 @@ class Pipeline:
         """Run STEPS from index `first` (0, or later when resuming after a restart)."""
         for step in STEPS[first:]:
             await self._run_step(run, step)
+        await self._run_step(run, "register")  # only with an IPAM record of the address
 
     async def _run_step(self, run: Run, step: str) -> None:
         req, backend, t = run.job.request, run.backend, self.timeouts
@@ -194,6 +199,18 @@ class Pipeline:
         elif step == "ssh":
             detail = f"port {self._ssh_port}"
             await self._step(run, step, t.ssh_s, lambda: self._ssh(run), detail)
+        elif step == "register" and run.job.ipam_ref is not None:
+            action = functools.partial(self.addressing.activate, run.job)
+            await self._step(run, step, t.check_free_s, action, self.addressing.ipam_name)
+
+    def _undo_reservation(self, run: Run) -> None:
+        """A job whose address the IPAM records gives it back when it rolls back (the
+        first undo pushed, so the last run: after its VM is gone)."""
+        if run.job.ipam_ref is None:
+            return
+        what = f"release {run.job.address} in {self.addressing.ipam_name}"
+        release = functools.partial(self.addressing.release, run.job)
+        run.undo.append(Undo(what, release, self.timeouts.check_free_s, vm=False))
 
     @property
     def _ssh_port(self) -> int:
@@ -217,8 +234,13 @@ class Pipeline:
                 "pick another name, or remove that VM first",
             )
         # Our own jobs' names and addresses were checked by the store when this job was
-        # recorded (unique indexes over jobs in flight or succeeded).
-        return f"{req.name} and {req.address.ip} are free"
+        # recorded (unique indexes over jobs in flight or succeeded); the address is
+        # asked again of every hypervisor and the IPAM: a VM built by hand since then.
+        who, unasked = await self.addressing.conflict(req, run.job.id, required=req.backend)
+        if who is not None:
+            raise StepFailed("check_free", f"{who}: deploy again with another address")
+        free = f"{req.name} and {req.address.ip} are free"
+        return f"{free} (not asked: {', '.join(unasked)})" if unasked else free
 
     async def _clone(self, run: Run, spec: CloneSpec) -> str:
         backend = run.backend
@@ -239,7 +261,7 @@ class Pipeline:
             note = await backend.clone(spec, ref)  # a retry reuses the same id
         except IdTaken:
             # That id names someone else's VM now: never undo it; choose a new one.
-            run.undo.clear()
+            run.undo[:] = [u for u in run.undo if not u.vm]
             run.ref = None
             await self.store.update_job(
                 run.job.id, held_by=self.owner, vm_id=None, vm_placement=None
@@ -353,14 +375,14 @@ class Pipeline:
                 await self._note(
                     job,
                     step,
-                    f"waiting for {job.backend} (unreachable since "
-                    f"{since[0]:%H:%M:%S} UTC: {exc.message})",
+                    f"waiting for {who} (unreachable since {since[0]:%H:%M:%S} UTC: {exc.message})",
                 )
 
         polling = step in _POLLED_STEPS
+        who = self.addressing.ipam_name if step == "register" else job.backend
         result = await retrying(action, self.timeouts, seen, on_retry, polling=polling)
         if since:
-            await self._note(job, step, f"{job.backend} answers again; carrying on.")
+            await self._note(job, step, f"{who} answers again; carrying on.")
         return result
 
     async def _note(self, job: Job, step: str, text: str) -> None:

@@ -65,6 +65,7 @@ async def recover_interrupted(
         finished_at=utcnow(),
     )
     final = await store.get_job(job.id)
+    await pipeline.addressing.release_quietly(final)  # else the reconciler does
     if final is not None:
         await progress.job_finished(final, report)
     return report

@@ -12,9 +12,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from bot import subnets
 from bot.errors import RequestInvalid
 from bot.models import DeployRequest
-from bot.parser import USAGE, DeployArgs
+from bot.parser import DeployArgs
 from bot.settings import Settings
 
 # Request fields as the person typed them, so messages name the key they know.
@@ -57,7 +58,14 @@ def build_request(
         "upgrade": bool(args.upgrade),
         "requester": requester,
     }
-    data.update(_network(args.address, settings, problems))
+    if args.subnet is not None and args.address is not None:
+        problems.append(
+            f"Give {args.address} or subnet={args.subnet}, not both: an address is in one subnet."
+        )
+    elif args.address is None:
+        data.update(_next_free(args, settings, backend, problems))
+    else:
+        data.update(_network(args.address, settings, problems))
     fields = dict.fromkeys(problems[:1], "address")
     _limits(data, settings, problems, fields)
     if problems:
@@ -82,14 +90,31 @@ def _placement(on: str | None, settings: Settings) -> tuple[str, str | None]:
     return settings.default_backend, on
 
 
-def _network(address: str | None, settings: Settings, problems: list[str]) -> dict[str, Any]:
-    subnets = ", ".join(str(s.cidr) for s in settings.subnets)
-    if address is None:
-        problems.append(
-            f"Give the VM an address inside {subnets}, e.g. `{USAGE.split(' [ADDRESS')[0]} "
-            f"{_example_host(settings)}`."
-        )
+def _next_free(
+    args: DeployArgs, settings: Settings, backend: str, problems: list[str]
+) -> dict[str, Any]:
+    """No address asked: the request gets one of its subnet's pool, only a stand-in until
+    bot/addressing.py reserves the next free one (`picked`), before anything is recorded."""
+    subnet = subnets.choose(settings.subnets, args.subnet, backend, args.network)
+    if isinstance(subnet, str):
+        problems.append(subnet)
         return {}
+    pool = subnet.as_pool().hosts()
+    if not pool:
+        problems.append(f"The subnet {subnet.label} has no address to hand out (its pool).")
+        return {}
+    return {
+        "address": ipaddress.IPv4Interface(f"{pool[0]}/{subnet.cidr.prefixlen}"),
+        "gateway": subnet.gateway,
+        "dns": subnet.dns,
+        "search_domain": subnet.search_domain,
+        "picked": True,
+        "subnet": subnet.label,
+    }
+
+
+def _network(address: str, settings: Settings, problems: list[str]) -> dict[str, Any]:
+    subnets = ", ".join(s.label for s in settings.subnets)
     try:
         iface = ipaddress.IPv4Interface(address)
     except ValueError:
@@ -112,12 +137,8 @@ def _network(address: str | None, settings: Settings, problems: list[str]) -> di
         "gateway": subnet.gateway,
         "dns": subnet.dns,
         "search_domain": subnet.search_domain,
+        "subnet": subnet.label,
     }
-
-
-def _example_host(settings: Settings) -> str:
-    net = settings.subnets[0].cidr
-    return str(net.network_address + min(50, max(1, net.num_addresses - 2)))
 
 
 def _limits(

@@ -84,6 +84,7 @@ class Undo:
     what: str
     action: Callable[[], Awaitable[None]]
     timeout_s: float
+    vm: bool = True  # undoes a move on the VM (False: the IPAM's record of its address)
 
 
 @dataclass

@@ -11,13 +11,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from backends.base import Backend, BackendError, Template
+from backends.ipam import open_ipam
+from backends.ipam.base import AddressTaken, Ipam, PoolExhausted, Reservation
 from bot import jobrefs, logfields
 from bot import progress as tell
+from bot.addressing import Addressing
 from bot.admission import check_free, check_login, check_on_backend
 from bot.approvals import Approvals, GroupMembers, approval_reason
 from bot.errors import (
@@ -35,11 +39,13 @@ from bot.models import (
     ApprovalState,
     AuditEvent,
     DeployRequest,
+    IpamState,
     Job,
     JobEvent,
     JobState,
     UserPrefs,
     check_ssh_key,
+    new_job_id,
     utcnow,
 )
 from bot.ownership import Clock, Ownership, Runner
@@ -55,6 +61,17 @@ from bot.waiting import protected
 from store.db import AlreadyDelivered, DuplicateActive, RowUnreadable, Store
 
 log = logging.getLogger(__name__)
+
+
+class _LostRace(Exception):
+    """The next free address was recorded by another job first."""
+
+
+def addressing_lost_race(request: DeployRequest) -> str:
+    return (
+        f"Other deploys kept taking the next free address of {request.subnet}: give an "
+        "address, or ask again."
+    )
 
 
 @dataclass(frozen=True)
@@ -75,9 +92,11 @@ class Deployer:
         runner_kind: str = "shell",
         takes_over: bool = True,
         clock: Clock = utcnow,
+        ipam: Ipam | None = None,
     ) -> None:
         """`takes_over=False` is a short-lived process (the one-shot `deploy`): it runs
-        only the jobs it records, and never recovers or claims other runners' work."""
+        only the jobs it records, and never recovers or claims other runners' work.
+        `ipam` defaults to the configured one (`[ipam]`)."""
         self.settings = settings
         self.store = store
         self.backends = dict(backends)
@@ -87,7 +106,11 @@ class Deployer:
         self.runner = Runner.here(runner_kind)
         logfields.set_runner(self.runner.id)
         self.clock = clock
-        self.pipeline = Pipeline(settings, self.backends, store, self.progress, self.runner.id)
+        ipam = ipam if ipam is not None else open_ipam(settings.ipam, os.environ)
+        self.addressing = Addressing(settings, store, self.backends, ipam)
+        self.pipeline = Pipeline(
+            settings, self.backends, store, self.progress, self.runner.id, self.addressing
+        )
         self.queue = JobQueue(
             self.pipeline.run,
             max_running=settings.limits.max_running,
@@ -128,6 +151,7 @@ class Deployer:
         if settle:
             await self.ownership.settle()
         if self.ownership.takes_over:
+            await self.reconcile_addresses()
             self._expiry = asyncio.create_task(self._expire_loop(expire_every_s))
             self._sweeper = asyncio.create_task(
                 self._sweep_loop(self.settings.timeouts.wreckage_retry_s)
@@ -154,6 +178,7 @@ class Deployer:
                     await task
         await self.queue.shutdown(grace_s)
         await self.ownership.close()
+        await self.addressing.ipam.close()
 
     async def sweep_wreckage(self) -> list[str]:
         """Retry removing what failed rollbacks left; returns the jobs now clean."""
@@ -166,6 +191,16 @@ class Deployer:
                 await self.sweep_wreckage()
             except Exception:
                 log.exception("retrying wreckage removal failed")
+            await self.reconcile_addresses()
+
+    async def reconcile_addresses(self) -> list[str]:
+        """Give back IPAM records no job holds (bot/addressing.py); never raises: an IPAM
+        that does not answer is asked again at the next sweep."""
+        try:
+            return await self.addressing.reconcile()
+        except Exception:
+            log.exception("releasing addresses no job holds failed")
+            return []
 
     async def drain(self) -> None:
         """Wait until this process has nothing left to run or recover, and no queued
@@ -227,7 +262,54 @@ class Deployer:
             request = await self._validated(args, requester, ssh_keys)
             if check_free_first:
                 await check_free(self.backends, request)
-            return await self._record(request, can_wait_for_approval, origin, dedupe_key)
+            for attempt in range(3):
+                job_id = new_job_id()
+                reserved, reservation = await self._reserve(request, job_id)
+                recorded = None
+                try:
+                    recorded = await self._record(
+                        reserved, can_wait_for_approval, origin, dedupe_key, job_id, reservation
+                    )
+                    return recorded
+                except _LostRace:
+                    if attempt == 2:
+                        raise Conflict(addressing_lost_race(reserved)) from None
+                finally:
+                    if recorded is None:  # not recorded: give it back now
+                        await protected(self._unreserve(reservation, job_id, reserved))
+            raise AssertionError("unreachable")
+
+    async def _reserve(
+        self, request: DeployRequest, job_id: str
+    ) -> tuple[DeployRequest, Reservation]:
+        """The request's address reserved for `job_id` (the next free one when none was
+        asked), or a refusal that says who holds it."""
+        try:
+            return await self.addressing.reserve(request, job_id)
+        except AddressTaken as taken:
+            raise Conflict(
+                f"{taken.message}: pick another address, or leave it out to get the next free one."
+            ) from None
+        except PoolExhausted as exc:
+            raise Conflict(
+                f"No free address is left in {request.subnet} ({exc.message}): ask an "
+                "operator to widen its pool, or give another subnet=."
+            ) from None
+        except BackendError as exc:
+            where = self.addressing.ipam_name
+            if exc.retryable:
+                raise RequestInvalid(
+                    [f"{where} did not answer ({exc.message}); try again in a minute."]
+                ) from None
+            raise RequestInvalid([f"{where} refused: {exc.message}"]) from None
+
+    async def _unreserve(
+        self, reservation: Reservation, job_id: str, request: DeployRequest
+    ) -> None:
+        try:
+            await self.addressing.release_ref(reservation, self.addressing.claim(job_id, request))
+        except BackendError as exc:  # the reconciler gives it back later
+            log.warning("could not release %s reserved for %s: %s", request.address, job_id, exc)
 
     async def _refuse_redelivery(self, dedupe_key: str | None) -> None:
         """Answer a redelivery before validating again (by then its own job holds the name).
@@ -272,6 +354,8 @@ class Deployer:
         can_wait_for_approval: bool,
         origin: str | None,
         dedupe_key: str | None,
+        job_id: str,
+        reservation: Reservation,
     ) -> Job:
         policy = self.settings.approval
         reason = approval_reason(policy, request)
@@ -282,9 +366,12 @@ class Deployer:
             )
         state = JobState.AWAITING_APPROVAL if reason else JobState.QUEUED
         update: dict[str, object] = {
+            "id": job_id,
             "approval_reason": reason,
             "origin": origin,
             "installation": self.store.installation_id,
+            "ipam_ref": reservation.ref,
+            "ipam_state": IpamState.RESERVED if reservation.ref else None,
         }
         if state is JobState.QUEUED:  # reserved for this runner: it starts it here
             update.update(owner=self.runner.id, lease_until=self.ownership.lease_until())
@@ -302,6 +389,8 @@ class Deployer:
             except AlreadyDelivered as seen:
                 raise Duplicate(_already_have(seen.job_id), seen.job_id) from None
             except DuplicateActive as dup:
+                if dup.what == "address" and request.picked:
+                    raise _LostRace from None  # another request took it meanwhile: pick again
                 if attempt == 2 or not await self._release_if_gone(request):
                     raise Conflict(await self._conflict_message(request, dup.what)) from None
         await self.progress.job_updated(job)
@@ -361,9 +450,11 @@ class Deployer:
         self, job_id: str, approver: str, reason: str, *, dedupe_key: str | None = None
     ) -> Job:
         async with self._audited(approver, f"reject {job_id}"):
-            return await self.approvals.decide(
+            job = await self.approvals.decide(
                 await self._resolve(job_id), approver, ApprovalState.REJECTED, reason, dedupe_key
             )
+        await self.addressing.release_quietly(job)
+        return job
 
     async def is_approver(self, user: str) -> bool:
         return await self.approvals.is_approver(user)
@@ -377,7 +468,10 @@ class Deployer:
             return await self.approvals.check_decider(await self._resolve(job_id), approver)
 
     async def expire_approvals(self, now: datetime | None = None) -> list[Job]:
-        return await self.approvals.expire(now)
+        expired = await self.approvals.expire(now)
+        for job in expired:
+            await self.addressing.release_quietly(job)
+        return expired
 
     async def _expire_loop(self, every_s: float) -> None:
         while True:
@@ -402,6 +496,7 @@ class Deployer:
                 self.queue.cancel(job_id)
                 cancelled = await self._job(job_id)
                 await self.progress.job_updated(cancelled, f"cancelled by {user}")
+                await self.addressing.release_quietly(cancelled)
                 return cancelled
             job = await self._job(job_id)
         working = job.state in (JobState.RUNNING, JobState.ROLLING_BACK)

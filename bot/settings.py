@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib
 import ipaddress
 import os
-import re
 import tomllib
 from pathlib import Path
 from types import ModuleType
@@ -30,8 +29,10 @@ from pydantic_core import ErrorDetails
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from backends.base import BackendConfig
+from backends.ipam.config import IpamConfig
 from bot.errors import ConfigError
 from bot.models import check_ssh_key
+from bot.subnets import Subnet
 from store.db import POSTGRES_SCHEMES
 
 BUNDLED_CONFIG = Path(__file__).with_name("deploybot.example.toml")
@@ -80,48 +81,6 @@ def _backend_configs(raw: object) -> tuple[list[BackendConfig], list[ErrorDetail
             for error in exc.errors(include_url=False):
                 errors.append({**error, "loc": ("backends", index, *error["loc"])})
     return configs, errors
-
-
-# One DNS domain (letters, digits, hyphens; dot-separated labels of at most 63).
-_DOMAIN = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)(?:\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*$")
-# An FQDN has at most 253 characters; the host name takes up to 63 of them, and a dot.
-_MAX_DOMAIN = 253 - 64
-
-
-class Subnet(_Section):
-    """`search_domain` is also the guests' domain: web01 in lab.test is web01.lab.test,
-    so it is one domain name (a trailing dot is dropped), not a list."""
-
-    cidr: ipaddress.IPv4Network
-    gateway: ipaddress.IPv4Address
-    dns: tuple[ipaddress.IPv4Address, ...] = ()
-    search_domain: str = ""
-
-    @field_validator("search_domain")
-    @classmethod
-    def _one_domain(cls, value: str) -> str:
-        domain = value.strip().removesuffix(".")
-        if domain and (len(domain) > _MAX_DOMAIN or not _DOMAIN.fullmatch(domain)):
-            raise ValueError(
-                f"{value!r} is not one domain name (e.g. lab.example): it becomes the "
-                "guests' domain, so it must be a single name of letters, digits and hyphens"
-            )
-        return domain
-
-    @model_validator(mode="after")
-    def _gateway_inside(self) -> Subnet:
-        if self.gateway not in self.cidr:
-            raise ValueError(f"gateway {self.gateway} is outside {self.cidr}")
-        if self.cidr.prefixlen < 31 and self.gateway in (
-            self.cidr.network_address,
-            self.cidr.broadcast_address,
-        ):
-            what = "network" if self.gateway == self.cidr.network_address else "broadcast"
-            raise ValueError(
-                f"gateway {self.gateway} is the {what} address of {self.cidr}: give the "
-                "router's own address"
-            )
-        return self
 
 
 class Defaults(_Section):
@@ -297,6 +256,7 @@ class Settings(BaseSettings):
     ownership: OwnershipSettings = OwnershipSettings()
     slack: SlackSettings = SlackSettings()
     metrics: MetricsSettings = MetricsSettings()
+    ipam: IpamConfig = IpamConfig()
 
     @field_validator("database", mode="before")
     @classmethod
@@ -344,6 +304,8 @@ class Settings(BaseSettings):
                 if one.cidr.overlaps(other.cidr):
                     what = "is listed twice" if one.cidr == other.cidr else f"overlaps {other.cidr}"
                     raise ValueError(f"{one.cidr} {what}: each address must belong to one subnet")
+                if one.name and one.name == other.name:
+                    raise ValueError(f"two subnets are named {one.name!r}: names must be unique")
         return subnets
 
     @model_validator(mode="after")
@@ -355,6 +317,11 @@ class Settings(BaseSettings):
             raise ValueError(f"defaults.backend {self.defaults.backend!r} is not one of {names}")
         for unknown in set(self.approval.backends) - set(names):
             raise ValueError(f"approval.backends names {unknown!r}, not one of {names}")
+        for subnet in self.subnets:
+            for unknown in set(subnet.backends) - set(names):
+                raise ValueError(
+                    f"subnet {subnet.label} names backend {unknown!r}, not one of {names}"
+                )
         return self
 
     @property

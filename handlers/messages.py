@@ -24,6 +24,7 @@ STEP_LABELS = {
     "power_on": "power on",
     "address": "wait for address",
     "ssh": "check SSH",
+    "register": "mark the address in use (IPAM)",
     "rollback": "roll back",
 }
 

@@ -16,6 +16,7 @@ from bot.models import (
     Approval,
     ApprovalState,
     AuditEvent,
+    IpamState,
     Job,
     JobEvent,
     JobState,
@@ -24,7 +25,18 @@ from bot.models import (
     UserPrefs,
     utcnow,
 )
-from store import approvals, durations, gc, inbox, jobs, outbox, owners, quarantine, users
+from store import (
+    addresses,
+    approvals,
+    durations,
+    gc,
+    inbox,
+    jobs,
+    outbox,
+    owners,
+    quarantine,
+    users,
+)
 from store.engine import Engine, SqliteEngine
 from store.jobs import AlreadyDelivered, DuplicateActive
 from store.quarantine import Quarantined, RowUnreadable
@@ -239,6 +251,21 @@ class Store:
 
     async def jobs_in(self, states: Iterable[JobState]) -> list[Job]:
         return await self._call(jobs.jobs_in, tuple(states))
+
+    # --- addresses (bot/addressing.py) ---------------------------------------------
+
+    async def held_addresses(self) -> dict[str, tuple[str, str, str]]:
+        """address -> (job id, VM name, backend) of each job holding its address."""
+        return await self._call(addresses.held)
+
+    async def unreleased_addresses(self) -> list[Job]:
+        return await self._call(addresses.unreleased)
+
+    async def set_ipam_state(self, job_id: str, expected: list[IpamState], new: IpamState) -> bool:
+        return await self._call(addresses.set_ipam_state, job_id, expected, new)
+
+    async def job_states(self, job_ids: list[str]) -> dict[str, JobState]:
+        return await self._call(addresses.known_ids, job_ids)
 
     # --- approvals ----------------------------------------------------------------
 

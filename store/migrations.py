@@ -232,7 +232,14 @@ def _v7(db: Database) -> None:
     db.table("inbox").create_index(["done_at", "until"])
 
 
-MIGRATIONS: list[Callable[[Database], None]] = [_v1, _v2, _v3, _v4, _v5, _v6, _v7]
+def _v8(db: Database) -> None:
+    """A job's address as the IPAM records it (bot/addressing.py)."""
+    for column in ("ipam_ref", "ipam_state"):
+        db.table("jobs").add_column(column, str)
+    db.table("jobs").create_index(["ipam_state", "state"])
+
+
+MIGRATIONS: list[Callable[[Database], None]] = [_v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

@@ -84,8 +84,14 @@ _V7 = [
     "CREATE INDEX idx_inbox_done_at_until ON inbox (done_at, until)",
 ]
 
+_V8 = [
+    "ALTER TABLE jobs ADD COLUMN ipam_ref TEXT",
+    "ALTER TABLE jobs ADD COLUMN ipam_state TEXT",
+    "CREATE INDEX idx_jobs_ipam_state_state ON jobs (ipam_state, state)",
+]
+
 # version -> the statements that bring the schema from the version before to it.
-STEPS: dict[int, list[str]] = {6: _V6, 7: _V7}
+STEPS: dict[int, list[str]] = {6: _V6, 7: _V7, 8: _V8}
 
 # What a constraint protects, as SQLite names it in its errors (store/sql.Conflict).
 CONSTRAINTS = {

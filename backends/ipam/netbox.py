@@ -1,0 +1,303 @@
+"""NetBox as the address manager, through pynetbox (NetBox's own client).
+
+pynetbox is synchronous (requests): each call runs on a worker thread. A reservation is
+an ip-address object taken with the prefix's (or, for a subnet with a `pool`, the IP
+range's) `available-ips` endpoint, which NetBox serialises itself, so two processes
+never get the same address. Each record says whose it is in its description
+("deploybot <installation> job <id>: <name>"): release and activate refuse a record
+that does not name the job (changed by hand), and reconciliation finds them by it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import ipaddress
+import logging
+import re
+from collections.abc import Callable, Mapping
+from datetime import datetime
+from typing import Any, TypeVar
+
+import pynetbox
+import requests
+
+from backends.base import PermanentError, Unreachable
+from backends.ipam.base import (
+    AddressTaken,
+    Claim,
+    NotOurs,
+    Pool,
+    PoolExhausted,
+    Record,
+    Reservation,
+)
+from backends.ipam.config import IpamConfig
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+_OWNER = re.compile(r"deploybot (?P<inst>[a-z0-9]+) job (?P<job>j[a-z0-9]+)")
+_MAX_SKIPPED = 256  # reservations held back while looking for a free one
+
+
+class _Session(requests.Session):
+    """requests has no default timeout: a NetBox that stops answering must not hang a
+    deploy (the caller retries an `Unreachable`)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__()
+        self.timeout_s = timeout_s
+
+    def request(self, *args: Any, **kwargs: Any) -> requests.Response:
+        kwargs.setdefault("timeout", self.timeout_s)
+        return super().request(*args, **kwargs)
+
+
+def description(claim: Claim) -> str:
+    return f"deploybot {claim.installation} job {claim.job_id}: {claim.name}"
+
+
+class NetBox:
+    name = "NetBox"
+
+    def __init__(self, api: Any, config: IpamConfig) -> None:
+        self.api = api
+        self.config = config
+        self._containers: dict[Pool, tuple[Any, int | None]] = {}
+
+    @classmethod
+    def create(cls, config: IpamConfig, environ: Mapping[str, str]) -> NetBox:
+        token = environ.get(config.token_env, "")
+        if not token:
+            raise PermanentError(
+                f"[ipam] provider = netbox needs the API token in the environment variable "
+                f"{config.token_env}: set it (the token is never read from the file)"
+            )
+        assert config.url is not None  # IpamConfig requires it for netbox
+        api = pynetbox.api(config.url.rstrip("/"), token=token)
+        session = _Session(config.timeout_s)
+        session.verify = str(config.ca_bundle) if config.ca_bundle else config.verify_tls
+        api.http_session = session
+        return cls(api, config)
+
+    async def _call(self, fn: Callable[[], T]) -> T:
+        try:
+            return await asyncio.to_thread(fn)
+        except pynetbox.RequestError as exc:
+            raise self._refused(exc) from None
+        except requests.exceptions.SSLError as exc:
+            raise PermanentError(
+                f"NetBox at {self.config.url}: its certificate is not trusted ({exc}); set "
+                "[ipam] ca_bundle to the CA that signed it"
+            ) from None
+        except (requests.exceptions.RequestException, pynetbox.ContentError) as exc:
+            raise Unreachable(f"NetBox at {self.config.url} did not answer ({exc})") from None
+
+    def _refused(self, exc: Any) -> PermanentError | Unreachable:
+        status = int(getattr(exc.req, "status_code", 0))
+        if status >= 500:
+            return Unreachable(f"NetBox at {self.config.url} answered {status}")
+        if status in (401, 403):
+            return PermanentError(
+                f"NetBox refused the token in {self.config.token_env} ({status}: "
+                f"{_detail(exc)}): check that it is valid and may read prefixes and add, "
+                "change and delete IP addresses (`deploybot check` tests it)"
+            )
+        return PermanentError(f"NetBox refused the request ({status}: {_detail(exc)})")
+
+    # --- lookups --------------------------------------------------------------------
+
+    def _container(self, pool: Pool) -> tuple[Any, int | None]:
+        """The prefix (or IP range, for a pool) that next-free addresses come from, and
+        the VRF id (None: the global table). Looked up once per process."""
+        if pool in self._containers:
+            return self._containers[pool]
+        vrf_id = None
+        if pool.ipam_vrf:
+            vrf = self.api.ipam.vrfs.get(name=pool.ipam_vrf)
+            if vrf is None:
+                raise PermanentError(f"NetBox has no VRF {pool.ipam_vrf!r} (subnet {pool.name})")
+            vrf_id = int(vrf.id)
+        scope: dict[str, Any] = {"vrf_id": vrf_id if vrf_id is not None else "null"}
+        whole = pool.first == pool.cidr.network_address and pool.last == pool.cidr.broadcast_address
+        if whole:
+            prefix = pool.ipam_prefix or str(pool.cidr)
+            found = list(self.api.ipam.prefixes.filter(prefix=prefix, **scope))
+            what = f"prefix {prefix}"
+        else:
+            found = list(
+                self.api.ipam.ip_ranges.filter(
+                    start_address=f"{pool.first}/{pool.cidr.prefixlen}",
+                    end_address=f"{pool.last}/{pool.cidr.prefixlen}",
+                    **scope,
+                )
+            )
+            what = f"IP range {pool.first}-{pool.last}"
+        if not found:
+            where = f" in VRF {pool.ipam_vrf}" if pool.ipam_vrf else ""
+            raise PermanentError(
+                f"NetBox has no {what}{where} for subnet {pool.name}: create it in NetBox "
+                "(or set ipam_prefix/ipam_vrf on the subnet)"
+            )
+        self._containers[pool] = (found[0], vrf_id)
+        return self._containers[pool]
+
+    def _fields(self, claim: Claim, vrf_id: int | None) -> dict[str, Any]:
+        fields: dict[str, Any] = {
+            "status": "reserved",
+            "dns_name": claim.dns_name,
+            "description": description(claim),
+            "tags": [{"slug": tag} for tag in self.config.tags],
+        }
+        if vrf_id is not None:
+            fields["vrf"] = vrf_id
+        return fields
+
+    def _at(self, address: ipaddress.IPv4Address, vrf_id: int | None) -> list[Any]:
+        scope = {"vrf_id": vrf_id if vrf_id is not None else "null"}
+        return list(self.api.ipam.ip_addresses.filter(address=str(address), **scope))
+
+    # --- the contract ---------------------------------------------------------------
+
+    async def reserve(
+        self,
+        pool: Pool,
+        claim: Claim,
+        *,
+        address: ipaddress.IPv4Address | None = None,
+        skip: frozenset[ipaddress.IPv4Address] = frozenset(),
+    ) -> Reservation:
+        return await self._call(lambda: self._reserve(pool, claim, address, skip | pool.excluded))
+
+    def _reserve(
+        self,
+        pool: Pool,
+        claim: Claim,
+        address: ipaddress.IPv4Address | None,
+        skip: frozenset[ipaddress.IPv4Address],
+    ) -> Reservation:
+        container, vrf_id = self._container(pool)
+        fields = self._fields(claim, vrf_id)
+        if address is not None:
+            taken = [r for r in self._at(address, vrf_id) if _job_of(r) != claim.job_id]
+            if taken:
+                who = _who(taken[0])
+                raise AddressTaken(f"{address} is recorded in NetBox as {who}", holder=who)
+            made = self.api.ipam.ip_addresses.create(
+                {**fields, "address": f"{address}/{pool.cidr.prefixlen}"}
+            )
+            return Reservation(address, str(made.id))
+        held_back: list[Any] = []  # taken elsewhere: kept until one is found, then freed
+        try:
+            for _ in range(_MAX_SKIPPED):
+                made = container.available_ips.create(fields)
+                if not made:
+                    break
+                record = made[0] if isinstance(made, list) else made
+                ip = ipaddress.IPv4Interface(record.address).ip
+                if ip not in skip:
+                    return Reservation(ip, str(record.id))
+                held_back.append(record)
+        except pynetbox.RequestError as exc:
+            if int(getattr(exc.req, "status_code", 0)) not in (204, 409):
+                raise
+        finally:
+            for record in held_back:
+                record.delete()
+        raise PoolExhausted(f"NetBox has no free address left in {pool.name}")
+
+    async def holder(self, pool: Pool, address: ipaddress.IPv4Address, job_id: str) -> str | None:
+        def find() -> str | None:
+            _, vrf_id = self._container(pool)
+            others = [r for r in self._at(address, vrf_id) if _job_of(r) != job_id]
+            return _who(others[0]) if others else None
+
+        return await self._call(find)
+
+    def _owned(self, ref: str, claim: Claim) -> Any:
+        record = self.api.ipam.ip_addresses.get(int(ref))
+        if record is not None and _job_of(record) != claim.job_id:
+            raise NotOurs(f"NetBox ip-address {ref} no longer names job {claim.job_id}")
+        return record
+
+    async def activate(self, ref: str, claim: Claim) -> None:
+        def mark() -> None:
+            record = self._owned(ref, claim)
+            if record is None:  # removed by hand: the VM works; say so in the log
+                log.warning("NetBox ip-address %s of job %s is gone", ref, claim.job_id)
+                return
+            record.update({"status": "active"})
+
+        await self._call(mark)
+
+    async def release(self, ref: str, claim: Claim) -> None:
+        def delete() -> None:
+            record = self._owned(ref, claim)
+            if record is not None:
+                record.delete()
+
+        await self._call(delete)
+
+    async def records(self, installation: str) -> list[Record]:
+        def find() -> list[Record]:
+            found = self.api.ipam.ip_addresses.filter(
+                description__ic=f"deploybot {installation} job "
+            )
+            out = []
+            for r in found:
+                match = _OWNER.search(str(r.description or ""))
+                if match is None or match["inst"] != installation:
+                    continue
+                out.append(
+                    Record(
+                        ref=str(r.id),
+                        address=ipaddress.IPv4Interface(r.address).ip,
+                        job_id=match["job"],
+                        status=str(getattr(r.status, "value", r.status)),
+                        created=datetime.fromisoformat(str(r.created).replace("Z", "+00:00")),
+                    )
+                )
+            return out
+
+        return await self._call(find)
+
+    async def problems(self, pools: list[Pool]) -> list[str]:
+        """Each pool's prefix or range exists, the tags exist, and the token may add and
+        delete an address (one is reserved and deleted at once, named as a check)."""
+        out = []
+        for tag in self.config.tags:
+            found = await self._call(functools.partial(self.api.extras.tags.get, slug=tag))
+            if found is None:
+                out.append(f"NetBox has no tag {tag!r}: create it, or set [ipam] tags = []")
+        claim = Claim("jcheck00", "check", "deploybot-check", "deploybot-check")
+        for pool in pools:
+            try:
+                made = await self.reserve(pool, claim)
+                await self.release(str(made.ref), claim)
+            except PoolExhausted:
+                continue  # full, but reachable and writable enough to say so
+            except (PermanentError, Unreachable) as exc:
+                out.append(f"subnet {pool.name}: {exc.message}")
+        return out
+
+    async def close(self) -> None:
+        self.api.http_session.close()
+
+
+def _job_of(record: Any) -> str | None:
+    match = _OWNER.search(str(record.description or ""))
+    return match["job"] if match else None
+
+
+def _who(record: Any) -> str:
+    status = getattr(record.status, "value", record.status)
+    name = record.dns_name or record.description or "no name"
+    return f"{name} ({status}, ip-address {record.id})"
+
+
+def _detail(exc: Any) -> str:
+    try:
+        body = exc.req.json()
+    except ValueError:
+        return str(getattr(exc.req, "reason", "")) or "no detail"
+    return str(body.get("detail", body)) if isinstance(body, dict) else str(body)

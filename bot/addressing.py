@@ -1,0 +1,237 @@
+"""Addresses: the next free one, who holds one, and the IPAM's record of each job's.
+
+Three records can say an address is taken, and a deploy asks all of them before it
+records a job (and again before its clone): deploybot's own jobs (the store), the VMs on
+every hypervisor (`Backend.addresses_in_use`: configured and guest-reported), and the
+IPAM (backends/ipam). With `[ipam] probe` a TCP connection to the address is tried too.
+
+The IPAM's record of a job's address is written before the job (its id is known) and
+named on the job's row in the same insert, so whatever happens next one of three paths
+gives it back: the rollback's undo, the release after a reject/expiry/cancel, or the
+reconciler (`reconcile`, at start and with the wreckage sweep), which also releases
+records whose job was never recorded (a crash between reserve and insert).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+from collections.abc import Mapping
+from datetime import timedelta
+
+from backends.base import Backend, BackendError, PermanentError
+from backends.ipam.base import AddressTaken, Claim, Ipam, NotOurs, Pool, Reservation
+from bot.models import HOLDING_STATES, DeployRequest, IpamState, Job, utcnow
+from bot.settings import Settings
+from store.db import Store
+
+log = logging.getLogger(__name__)
+IPv4 = ipaddress.IPv4Address
+_ATTEMPTS = 8  # picks of a next free address before giving up (each lost a race)
+
+
+class Addressing:
+    def __init__(
+        self, settings: Settings, store: Store, backends: Mapping[str, Backend], ipam: Ipam
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.backends = backends
+        self.ipam = ipam
+        self.config = settings.ipam
+
+    @property
+    def ipam_name(self) -> str:
+        return self.ipam.name or "the IPAM"
+
+    def pool(self, request: DeployRequest) -> Pool:
+        subnet = self.settings.subnet_for(request.address.ip)
+        assert subnet is not None  # bot/requests.py refused addresses outside them
+        return subnet.as_pool()
+
+    def claim(self, job_id: str, request: DeployRequest) -> Claim:
+        domain = request.search_domain
+        return Claim(
+            job_id=job_id,
+            installation=self.store.installation_id,
+            name=request.name,
+            dns_name=f"{request.name}.{domain}" if domain else request.name,
+        )
+
+    # --- who holds an address -----------------------------------------------------
+
+    async def held_by_jobs(self, job_id: str) -> dict[IPv4, str]:
+        """Addresses other jobs hold, with who holds them."""
+        held = await self.store.held_addresses()
+        return {
+            IPv4(address): f"job {holder} ({name} on {backend})"
+            for address, (holder, name, backend) in held.items()
+            if holder != job_id
+        }
+
+    async def in_use(self, required: str | None = None) -> tuple[dict[IPv4, str], list[str]]:
+        """Addresses the VMs of every backend use, with who uses them; and the backends
+        that could not be asked. `required` names the one whose failure is raised."""
+        names = list(self.backends)
+        answers = await asyncio.gather(
+            *(self.backends[n].addresses_in_use() for n in names), return_exceptions=True
+        )
+        found: dict[IPv4, str] = {}
+        unasked = []
+        for name, answer in zip(names, answers, strict=True):
+            if isinstance(answer, BaseException):
+                if name == required or not isinstance(answer, BackendError):
+                    raise answer
+                unasked.append(f"{name} ({answer.message})")
+                continue
+            for use in answer:
+                found.setdefault(
+                    use.address, f"VM {use.vm_name} (id {use.vm_id}) on {name}, {use.source}"
+                )
+        return found, unasked
+
+    async def conflict(
+        self,
+        request: DeployRequest,
+        job_id: str,
+        required: str | None = None,
+        *,
+        jobs: bool = True,
+    ) -> tuple[str | None, list[str]]:
+        """Who, other than `job_id`, holds the request's address (None: nobody), and the
+        backends that could not be asked. With `jobs=False` an address one of our jobs
+        holds is left to the store's insert, which says it better (and frees it when
+        that job's VM was deleted by hand)."""
+        ip = request.address.ip
+        holder = (await self.held_by_jobs(job_id)).get(ip)
+        if holder is not None:
+            return (f"{ip} is held by {holder}" if jobs else None), []
+        vms, unasked = await self.in_use(required)
+        if ip in vms:
+            return f"{ip} is used by {vms[ip]}", unasked
+        recorded = await self.ipam.holder(self.pool(request), ip, job_id)
+        if recorded is not None:
+            return f"{ip} is recorded in {self.ipam_name} as {recorded}", unasked
+        if await self.answers(ip):
+            ports = ", ".join(str(p) for p in self.config.probe_ports)
+            return f"{ip} answers on the network (TCP port {ports})", unasked
+        return None, unasked
+
+    async def answers(self, ip: IPv4) -> bool:
+        """The optional probe: does anything answer a TCP connection? A refusal is an
+        answer (a host sent it). Never outside the configured subnets."""
+        if not self.config.probe or self.settings.subnet_for(ip) is None:
+            return False
+        for port in self.config.probe_ports:
+            try:
+                async with asyncio.timeout(self.config.probe_timeout_s):
+                    _, writer = await asyncio.open_connection(str(ip), port)
+                writer.close()
+                with contextlib.suppress(OSError):
+                    await writer.wait_closed()
+                return True
+            except ConnectionRefusedError:
+                return True
+            except (OSError, TimeoutError):
+                continue
+        return False
+
+    # --- reserve, activate, release -------------------------------------------------
+
+    async def reserve(
+        self, request: DeployRequest, job_id: str
+    ) -> tuple[DeployRequest, Reservation]:
+        """Reserve the request's address (or, when `picked`, the next free one) for
+        `job_id`; the request comes back with the reserved address. Raises `AddressTaken`
+        naming the holder, `PoolExhausted`, or the IPAM's `BackendError`."""
+        pool, claim = self.pool(request), self.claim(job_id, request)
+        if not request.picked:
+            who, _ = await self.conflict(request, job_id, jobs=False)
+            if who is not None:
+                raise AddressTaken(who, holder=who)
+            return request, await self.ipam.reserve(pool, claim, address=request.address.ip)
+        jobs, (vms, _) = await asyncio.gather(self.held_by_jobs(job_id), self.in_use())
+        skip = frozenset(jobs) | frozenset(vms)
+        for _attempt in range(_ATTEMPTS):
+            reservation = await self.ipam.reserve(pool, claim, skip=skip)
+            if not await self.answers(reservation.address):
+                return _with_address(request, reservation.address), reservation
+            await self.release_ref(reservation, claim)
+            skip |= {reservation.address}
+        raise AddressTaken(
+            f"every address tried in {pool.name} answers on the network", holder="the network"
+        )
+
+    async def release_ref(self, reservation: Reservation, claim: Claim) -> None:
+        if reservation.ref is not None:
+            await self.ipam.release(reservation.ref, claim)
+
+    async def activate(self, job: Job) -> str | None:
+        """The VM answers: mark its address in use in the IPAM."""
+        if job.ipam_ref is None:
+            return None
+        await self.ipam.activate(job.ipam_ref, self.claim(job.id, job.request))
+        await self.store.set_ipam_state(job.id, [IpamState.RESERVED], IpamState.ACTIVE)
+        return f"{job.address} active in {self.ipam_name}"
+
+    async def release(self, job: Job) -> None:
+        """Give the job's IPAM record back (idempotent), then say so on its row."""
+        if job.ipam_ref is not None:
+            try:
+                await self.ipam.release(job.ipam_ref, self.claim(job.id, job.request))
+            except NotOurs as exc:  # changed by hand: never touched, but no longer ours
+                log.warning("job %s: IPAM record %s left alone: %s", job.id, job.ipam_ref, exc)
+        await self.store.set_ipam_state(
+            job.id, [IpamState.RESERVED, IpamState.ACTIVE], IpamState.RELEASED
+        )
+
+    async def release_quietly(self, job: Job | None) -> None:
+        """After a reject, expiry or cancel: release now if the IPAM answers; if not,
+        the reconciler does it later."""
+        if job is None or job.ipam_ref is None or job.state in HOLDING_STATES:
+            return
+        try:
+            await self.release(job)
+        except BackendError as exc:
+            log.warning("job %s: releasing its address failed (%s); retried later", job.id, exc)
+
+    async def reconcile(self) -> list[str]:
+        """Release what no job holds any more: records of jobs that ended, and records a
+        crash left with no job at all (once older than `stale_after_s`, since another
+        process may be between reserving and recording). Returns what it released."""
+        done = []
+        for job in await self.store.unreleased_addresses():
+            try:
+                await self.release(job)
+                done.append(f"{job.address} of job {job.id} ({job.state.value})")
+            except BackendError as exc:
+                log.warning("job %s: releasing %s failed: %s", job.id, job.address, exc)
+        records = await self.ipam.records(self.store.installation_id)
+        states = await self.store.job_states(sorted({r.job_id for r in records}))
+        stale = utcnow() - timedelta(seconds=self.config.stale_after_s)
+        for record in records:
+            state = states.get(record.job_id)
+            if state in HOLDING_STATES or record.created > stale:
+                continue
+            if state is not None and await self._is_the_jobs(record.job_id, record.ref):
+                continue  # the job's own record: released above with the job
+            claim = Claim(record.job_id, self.store.installation_id, "", "")
+            try:
+                await self.ipam.release(record.ref, claim)
+                done.append(f"{record.address} left by job {record.job_id}")
+            except (BackendError, PermanentError) as exc:
+                log.warning("IPAM record %s: release failed: %s", record.ref, exc)
+        if done:
+            log.info("released addresses no job holds: %s", "; ".join(done))
+        return done
+
+    async def _is_the_jobs(self, job_id: str, ref: str) -> bool:
+        job = await self.store.get_job(job_id)
+        return job is not None and job.ipam_ref == ref
+
+
+def _with_address(request: DeployRequest, address: IPv4) -> DeployRequest:
+    iface = ipaddress.IPv4Interface(f"{address}/{request.address.network.prefixlen}")
+    return DeployRequest.model_validate({**request.model_dump(), "address": iface})

@@ -1,0 +1,139 @@
+"""The `[[subnets]]` deploybot may hand addresses out of, and which one a request uses.
+
+A request that names its address uses the subnet the address falls in. One that does
+not gets the next free address of a subnet chosen, in order, by `subnet=NAME`, by its
+network (`networks = [...]`), by its backend (`backends = [...]`), or as the only one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import re
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from backends.ipam.base import Pool
+
+# One DNS domain (letters, digits, hyphens; dot-separated labels of at most 63).
+_DOMAIN = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)(?:\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*$")
+# An FQDN has at most 253 characters; the host name takes up to 63 of them, and a dot.
+_MAX_DOMAIN = 253 - 64
+_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
+
+
+class Subnet(BaseModel):
+    """`search_domain` is also the guests' domain: web01 in lab.test is web01.lab.test,
+    so it is one domain name (a trailing dot is dropped), not a list.
+
+    `pool` ("10.0.0.100-10.0.0.199") is the range next-free addresses come from (default:
+    the whole subnet but its gateway and DNS servers); an address typed by hand may be
+    anywhere in the subnet. `ipam_prefix`/`ipam_vrf` name the IPAM's prefix for it when
+    it is not the same CIDR in the global table."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    cidr: ipaddress.IPv4Network
+    gateway: ipaddress.IPv4Address
+    dns: tuple[ipaddress.IPv4Address, ...] = ()
+    search_domain: str = ""
+    name: str = Field(default="", description="what subnet=NAME calls it; default: the CIDR")
+    pool: str | None = None
+    backends: tuple[str, ...] = ()
+    networks: tuple[str, ...] = ()
+    ipam_prefix: str | None = None
+    ipam_vrf: str | None = None
+
+    @field_validator("search_domain")
+    @classmethod
+    def _one_domain(cls, value: str) -> str:
+        domain = value.strip().removesuffix(".")
+        if domain and (len(domain) > _MAX_DOMAIN or not _DOMAIN.fullmatch(domain)):
+            raise ValueError(
+                f"{value!r} is not one domain name (e.g. lab.example): it becomes the "
+                "guests' domain, so it must be a single name of letters, digits and hyphens"
+            )
+        return domain
+
+    @field_validator("name")
+    @classmethod
+    def _a_word(cls, value: str) -> str:
+        if value and not _NAME.fullmatch(value):
+            raise ValueError(
+                f"{value!r} is not a subnet name: use lower-case letters, digits, ., - and _ "
+                "(it is typed as subnet=NAME)"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _gateway_inside(self) -> Subnet:
+        if self.gateway not in self.cidr:
+            raise ValueError(f"gateway {self.gateway} is outside {self.cidr}")
+        if self.cidr.prefixlen < 31 and self.gateway in (
+            self.cidr.network_address,
+            self.cidr.broadcast_address,
+        ):
+            what = "network" if self.gateway == self.cidr.network_address else "broadcast"
+            raise ValueError(
+                f"gateway {self.gateway} is the {what} address of {self.cidr}: give the "
+                "router's own address"
+            )
+        self.bounds()  # a bad pool is reported at start
+        return self
+
+    @property
+    def label(self) -> str:
+        return self.name or str(self.cidr)
+
+    def bounds(self) -> tuple[ipaddress.IPv4Address, ipaddress.IPv4Address]:
+        """The pool's first and last address."""
+        if self.pool is None:
+            return self.cidr.network_address, self.cidr.broadcast_address
+        first, sep, last = self.pool.partition("-")
+        low: ipaddress.IPv4Address | None = None
+        high: ipaddress.IPv4Address | None = None
+        with contextlib.suppress(ValueError):
+            low, high = ipaddress.IPv4Address(first.strip()), ipaddress.IPv4Address(last.strip())
+        if not sep or low is None or high is None or low > high:
+            raise ValueError(
+                f"pool {self.pool!r} is not a range: write FIRST-LAST, e.g. "
+                f"{self.cidr.network_address + 100}-{self.cidr.network_address + 199}"
+            )
+        if low not in self.cidr or high not in self.cidr:
+            raise ValueError(f"pool {self.pool} is not inside {self.cidr}")
+        return low, high
+
+    def as_pool(self) -> Pool:
+        first, last = self.bounds()
+        return Pool(
+            name=self.label,
+            cidr=self.cidr,
+            first=first,
+            last=last,
+            excluded=frozenset({self.gateway, *self.dns}),
+            ipam_prefix=self.ipam_prefix,
+            ipam_vrf=self.ipam_vrf,
+        )
+
+
+def choose(
+    subnets: tuple[Subnet, ...], named: str | None, backend: str, network: str | None
+) -> Subnet | str:
+    """The subnet a request without an address takes its next free address from, or
+    what is wrong (a sentence for the requester)."""
+    names = ", ".join(s.label for s in subnets)
+    if named is not None:
+        found = [s for s in subnets if named in (s.name, str(s.cidr))]
+        return found[0] if found else f"subnet: {named!r} is not a subnet; choose one of {names}."
+    for matches in (
+        [s for s in subnets if network is not None and network in s.networks],
+        [s for s in subnets if backend in s.backends],
+    ):
+        if len(matches) == 1:
+            return matches[0]
+    if len(subnets) == 1:
+        return subnets[0]
+    return (
+        f"Say which subnet to take the next free address from (subnet=NAME, one of "
+        f"{names}), or give the address."
+    )

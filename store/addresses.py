@@ -1,0 +1,54 @@
+"""Which addresses jobs hold, and which IPAM reservations are still to be released.
+
+The unique index over the addresses of jobs in flight or succeeded (HOLDING_STATES) is
+the built-in IPAM: these read it so the next free address skips what jobs hold, and
+find the jobs that ended without giving their IPAM record back (a crash, an IPAM that
+did not answer), which the reconciler releases (bot/addressing.py).
+"""
+
+from __future__ import annotations
+
+from bot.models import HOLDING_STATES, IpamState, Job, JobState, utcnow
+from store.jobs import SELECT_JOBS, _jobs
+from store.sql import Db
+from store.tx import ts
+
+
+def held(db: Db) -> dict[str, tuple[str, str, str]]:
+    """address -> (job id, VM name, backend) of every job that holds its address."""
+    marks = ", ".join(f"'{s.value}'" for s in HOLDING_STATES)
+    rows = db.execute(
+        f"SELECT address, id, name, backend FROM jobs WHERE state IN ({marks})"
+    ).fetchall()
+    return {str(a): (str(i), str(n), str(b)) for a, i, n, b in rows}
+
+
+def unreleased(db: Db) -> list[Job]:
+    """Jobs that no longer hold their address but whose IPAM record is not released."""
+    marks = ", ".join(f"'{s.value}'" for s in HOLDING_STATES)
+    held_marks = f"'{IpamState.RESERVED.value}', '{IpamState.ACTIVE.value}'"
+    sql = (
+        f"{SELECT_JOBS} WHERE ipam_state IN ({held_marks}) AND state NOT IN ({marks}) "
+        "ORDER BY created_at, rowid"
+    )
+    return _jobs(db, sql)[0]
+
+
+def set_ipam_state(db: Db, job_id: str, expected: list[IpamState], new: IpamState) -> bool:
+    """Compare-and-set: of two processes releasing the same record, one records it."""
+    marks = ", ".join("?" for _ in expected)
+
+    cur = db.execute(
+        f"UPDATE jobs SET ipam_state = ?, updated_at = ? WHERE id = ? AND ipam_state IN ({marks})",
+        [new.value, ts(utcnow()), job_id, *[s.value for s in expected]],
+    )
+    return bool(cur.rowcount)
+
+
+def known_ids(db: Db, job_ids: list[str]) -> dict[str, JobState]:
+    """The state of each of these jobs that exists."""
+    if not job_ids:
+        return {}
+    marks = ", ".join("?" for _ in job_ids)
+    rows = db.execute(f"SELECT id, state FROM jobs WHERE id IN ({marks})", job_ids).fetchall()
+    return {str(i): JobState(s) for i, s in rows}
