@@ -114,7 +114,7 @@ def _next_free(
 
 
 def _network(address: str, settings: Settings, problems: list[str]) -> dict[str, Any]:
-    subnets = ", ".join(s.label for s in settings.subnets)
+    subnets = ", ".join(str(s) for s in settings.subnets)
     try:
         iface = ipaddress.IPv4Interface(address)
     except ValueError:

@@ -63,6 +63,9 @@ from store.db import AlreadyDelivered, DuplicateActive, RowUnreadable, Store
 log = logging.getLogger(__name__)
 
 
+_PICKS = 5  # tries at recording a next free address that other processes also picked
+
+
 class _LostRace(Exception):
     """The next free address was recorded by another job first."""
 
@@ -129,6 +132,7 @@ class Deployer:
         self._expiry: asyncio.Task[None] | None = None
         self._sweeper: asyncio.Task[None] | None = None
         self.ready = asyncio.Event()  # set once start() has recovered and claimed
+        self._picking = asyncio.Lock()
         self._closed = False
 
     @property
@@ -262,21 +266,26 @@ class Deployer:
             request = await self._validated(args, requester, ssh_keys)
             if check_free_first:
                 await check_free(self.backends, request)
-            for attempt in range(3):
+            # Picks of the next free address in this process go one at a time (each
+            # sees the last one recorded); another process's pick may still win the
+            # insert, and then this one picks again.
+            picking = self._picking if request.picked else contextlib.nullcontext()
+            for attempt in range(_PICKS):
                 job_id = new_job_id()
-                reserved, reservation = await self._reserve(request, job_id)
-                recorded = None
-                try:
-                    recorded = await self._record(
-                        reserved, can_wait_for_approval, origin, dedupe_key, job_id, reservation
-                    )
-                    return recorded
-                except _LostRace:
-                    if attempt == 2:
-                        raise Conflict(addressing_lost_race(reserved)) from None
-                finally:
-                    if recorded is None:  # not recorded: give it back now
-                        await protected(self._unreserve(reservation, job_id, reserved))
+                async with picking:
+                    reserved, reservation = await self._reserve(request, job_id)
+                    recorded = None
+                    try:
+                        recorded = await self._record(
+                            reserved, can_wait_for_approval, origin, dedupe_key, job_id, reservation
+                        )
+                        return recorded
+                    except _LostRace:
+                        if attempt == _PICKS - 1:
+                            raise Conflict(addressing_lost_race(reserved)) from None
+                    finally:
+                        if recorded is None:  # not recorded: give it back now
+                            await protected(self._unreserve(reservation, job_id, reserved))
             raise AssertionError("unreachable")
 
     async def _reserve(

@@ -85,6 +85,9 @@ class Subnet(BaseModel):
     def label(self) -> str:
         return self.name or str(self.cidr)
 
+    def __str__(self) -> str:
+        return f"{self.name} ({self.cidr})" if self.name else str(self.cidr)
+
     def bounds(self) -> tuple[ipaddress.IPv4Address, ipaddress.IPv4Address]:
         """The pool's first and last address."""
         if self.pool is None:
@@ -121,7 +124,7 @@ def choose(
 ) -> Subnet | str:
     """The subnet a request without an address takes its next free address from, or
     what is wrong (a sentence for the requester)."""
-    names = ", ".join(s.label for s in subnets)
+    names = ", ".join(str(s) for s in subnets)
     if named is not None:
         found = [s for s in subnets if named in (s.name, str(s.cidr))]
         return found[0] if found else f"subnet: {named!r} is not a subnet; choose one of {names}."
