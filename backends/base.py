@@ -264,6 +264,17 @@ class VMInfo:
 
 
 @dataclass(frozen=True)
+class AddressUse:
+    """An IPv4 address a VM on the hypervisor is configured with or reports."""
+
+    address: ipaddress.IPv4Address
+    vm_id: str
+    vm_name: str
+    # Where it was seen, for the refusal message: "ipconfig0", "guest agent", "guest.net", ...
+    source: str
+
+
+@dataclass(frozen=True)
 class CloneMode:
     """Whether a clone request implies a fast linked clone or a full copy, and why."""
 
@@ -407,6 +418,31 @@ class Backend(Protocol):
 
     async def destroy(self, ref: VMRef) -> None: ...
 
+    async def addresses_in_use(self) -> list[AddressUse]:
+        """Every IPv4 address that any VM on this endpoint (ours or not, templates excluded)
+        is configured with or reports, for a conflict check before a clone takes one.
+
+        Configured: what the hypervisor keeps for the guest's boot (Proxmox `ipconfigN`,
+        the simulator's identity), stopped VMs too. Reported: what a running guest says
+        (QEMU guest agent, VMware Tools `guest.net`/`guest.ipAddress`); an address that
+        lives only inside a stopped guest cannot be seen. One entry per VM and address,
+        naming the configured source when it is both. Loopback, link-local, unspecified
+        and multicast addresses, container bridges inside guests and IPv6 are left out.
+
+        Cost: one bulk read where the API has one (vSphere: one PropertyCollector read);
+        Proxmox has none: a config read per VM and an agent read per running VM with an
+        agent, at bounded concurrency. So the answer may be cached briefly (Proxmox:
+        `addresses_cache_s`); a clone, identity change, stop or destroy through this
+        backend object drops the cache (a guest's agent starts reporting only after
+        its boot, which no call of ours ends: its configured address is listed before).
+
+        Errors: the list is complete or the call raises (`Unreachable` or another
+        `RetryableError` when the API, or one VM's read, did not answer; `PermanentError`
+        when it refused): never read a failure as "no conflict". A guest agent that is
+        silent, not running or not configured is no error: that VM reports nothing.
+        """
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -482,3 +518,24 @@ def pick_address(
         if not (ip.is_loopback or ip.is_link_local):
             usable.append(ip)
     return usable[0] if usable else None
+
+
+def listable(ip: ipaddress.IPv4Address) -> bool:
+    """Whether an address can be another machine's on a network (`addresses_in_use`)."""
+    return not (ip.is_loopback or ip.is_link_local or ip.is_unspecified or ip.is_multicast)
+
+
+def reported_addresses(interfaces: list[tuple[str, str]]) -> list[ipaddress.IPv4Address]:
+    """The listable IPv4 addresses among a guest's (interface, address) pairs, without
+    loopback and container-bridge interfaces (as `pick_address` skips them), in order."""
+    found: list[ipaddress.IPv4Address] = []
+    for iface, text in interfaces:
+        if iface == "lo" or iface.startswith(_CONTAINER_IFACES):
+            continue
+        try:
+            ip = ipaddress.ip_address(text.split("/")[0])
+        except ValueError:
+            continue
+        if isinstance(ip, ipaddress.IPv4Address) and listable(ip) and ip not in found:
+            found.append(ip)
+    return found

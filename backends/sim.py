@@ -16,7 +16,8 @@ Faults are injected per operation (the Backend method's name):
 * ``flaky``: the call fails with a retryable error before anything happens (an API
   that is briefly unreachable); the next call works.
 
-Queries (``templates``, ``find_by_name``, ``wait_for_address``, ``probe_ssh``) have no
+Queries (``templates``, ``find_by_name``, ``wait_for_address``, ``probe_ssh``,
+``addresses_in_use``) have no
 work to do, so for them ``hang``, ``error`` and ``crash`` act at once.
 
 A guest whose address is in 127.0.0.0/8 gets a real TCP probe for SSH (tests start a
@@ -37,6 +38,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from backends.base import (
+    AddressUse,
     BackendConfig,
     CloneMode,
     CloneSpec,
@@ -55,6 +57,7 @@ from backends.base import (
     VMNotFound,
     VMRef,
     job_marks,
+    listable,
     pick_address,
 )
 from backends.simvm import (
@@ -85,6 +88,7 @@ OPERATIONS = (
     "probe_ssh",
     "power_off",
     "destroy",
+    "addresses_in_use",
 )
 
 
@@ -208,12 +212,21 @@ class SimBackend:
             raise ValueError(f"unknown operation {op!r}; one of {', '.join(OPERATIONS)}")
         self.faults.append(Fault(op, kind, times))
 
-    def add_vm(self, name: str, *, tags: set[str] | None = None, running: bool = True) -> str:
-        """Put a VM on the simulator that deploybot did not create (or an orphan)."""
+    def add_vm(
+        self,
+        name: str,
+        *,
+        tags: set[str] | None = None,
+        running: bool = True,
+        address: ipaddress.IPv4Address | None = None,
+    ) -> str:
+        """Put a VM on the simulator that deploybot did not create (or an orphan), with
+        the `address` its owner gave it, if any."""
         vm_id = self._new_id()
         self.vms[vm_id] = SimVM(
             vm_id, name, "ubuntu-24.04", self._placements[0], "local-lvm", 4, tags or set(), running
         )
+        self.vms[vm_id].address = address
         if running:
             self.vms[vm_id].booted.set()
         self._save()
@@ -359,6 +372,21 @@ class SimBackend:
     async def find_tagged(self) -> list[VMInfo]:
         self._answer()
         return [vm.info() for vm in self.vms.values() if job_marks(vm.tags)]
+
+    async def addresses_in_use(self) -> list[AddressUse]:
+        """The identity address of each of deploybot's VMs and the address of each VM
+        built by hand, running or not (the simulator has no templates among its VMs)."""
+        self._answer()
+        await self._query_fault("addresses_in_use")
+        found: dict[tuple[str, ipaddress.IPv4Address], AddressUse] = {}
+        for vm in self.vms.values():
+            seen = [(vm.address, "configured")]
+            if vm.identity is not None:
+                seen.insert(0, (vm.identity.address.ip, "identity"))
+            for ip, source in seen:
+                if ip is not None and listable(ip):
+                    found.setdefault((vm.vm_id, ip), AddressUse(ip, vm.vm_id, vm.name, source))
+        return list(found.values())
 
     # --- the deploy moves ---------------------------------------------------------
 

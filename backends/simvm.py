@@ -62,6 +62,9 @@ class SimVM:
     booted: asyncio.Event = field(default_factory=asyncio.Event)
     stopped: asyncio.Event = field(default_factory=asyncio.Event)  # set by a power-off
     boot_task: asyncio.Task[None] | None = None
+    # The address of a VM built by hand (`SimBackend.add_vm`), set in its guest by its
+    # owner: deploybot's VMs have theirs in `identity`.
+    address: ipaddress.IPv4Address | None = None
 
     def info(self) -> VMInfo:
         return VMInfo(self.vm_id, self.name, self.running, frozenset(self.tags), self.placement)
@@ -98,6 +101,7 @@ def vm_to_dict(vm: SimVM) -> dict[str, Any]:
         **{f: getattr(vm, f) for f in fields},
         "tags": sorted(vm.tags),
         "identity": identity,
+        "address": str(vm.address) if vm.address else None,
     }
 
 
@@ -125,4 +129,5 @@ def vm_from_dict(item: dict[str, Any]) -> SimVM:
         item["running"],
         item["lock"],
         identity,
+        address=ipaddress.IPv4Address(item["address"]) if item.get("address") else None,
     )

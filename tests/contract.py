@@ -1,17 +1,21 @@
 """The Backend contract (backends/base.py) as tests that every backend must pass.
 
 Not collected by itself: each backend has a `tests/test_<kind>_contract.py` that
-defines a `backend` fixture (a fresh backend with at least one template) and does
+defines a `backend` fixture (a fresh backend with at least one template) and a
+`hand_built` fixture (`HandBuilt`: make a VM the way someone else would, not through
+deploybot and without a job tag, whose guest uses a given address), and does
 `from tests.contract import *`, so the same tests run against it unchanged.
 """
 
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Awaitable, Callable
 
 import pytest
 
 from backends.base import (
+    AddressUse,
     Backend,
     CloneSpec,
     Identity,
@@ -35,6 +39,10 @@ IDENTITY = Identity(
     cores=2,
     memory_mib=2048,
 )
+
+
+# (name, address) -> the VM's id as the backend names VMs (VMInfo.vm_id).
+HandBuilt = Callable[[str, ipaddress.IPv4Address], Awaitable[str]]
 
 
 async def first_template(backend: Backend) -> str:
@@ -109,3 +117,38 @@ async def test_clone_mode_says_linked_or_full(backend: Backend) -> None:
             CloneSpec("jmode12", "m", template.name, storage=others[0].name)
         )
         assert not full.linked and "full" in full.reason
+
+
+def listed(uses: list[AddressUse], address: ipaddress.IPv4Address) -> list[tuple[str, str]]:
+    return [(u.vm_id, u.vm_name) for u in uses if u.address == address]
+
+
+async def test_addresses_in_use_lists_a_vm_built_by_hand(
+    backend: Backend, hand_built: HandBuilt
+) -> None:
+    address = ipaddress.IPv4Address("10.0.0.91")
+    vm_id = await hand_built("handmade01", address)
+    uses = await backend.addresses_in_use()
+    assert listed(uses, address) == [(vm_id, "handmade01")]
+    assert all(u.source for u in uses if u.address == address)
+    # What a guest has for itself alone is nobody's conflict.
+    assert not [u for u in uses if u.address.is_loopback or u.address.is_link_local]
+    assert ipaddress.IPv4Address("172.17.0.1") not in {u.address for u in uses}  # docker0
+
+
+async def test_addresses_in_use_lists_our_own_vm_and_forgets_it_when_gone(
+    backend: Backend,
+) -> None:
+    address = IDENTITY.address.ip
+    # Asked first: an answer kept for a later call must not hide the new VM.
+    assert listed(await backend.addresses_in_use(), address) == []
+    spec = CloneSpec("jaddr01", IDENTITY.hostname, await first_template(backend))
+    ref = await backend.prepare_clone(spec)
+    await backend.clone(spec, ref)
+    await backend.apply_identity(ref, IDENTITY)
+    await backend.power_on(ref)
+    assert await backend.wait_for_address(ref, address) == address
+    assert listed(await backend.addresses_in_use(), address) == [(ref.vm_id, IDENTITY.hostname)]
+    await backend.power_off(ref)
+    await backend.destroy(ref)
+    assert ref.vm_id not in {u.vm_id for u in await backend.addresses_in_use()}

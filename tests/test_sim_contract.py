@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import AsyncIterator
 
 import pytest
@@ -9,10 +10,24 @@ import pytest
 from backends.base import Backend
 from backends.sim import SimBackend
 from tests.contract import *  # noqa: F403
+from tests.contract import HandBuilt
 
 
 @pytest.fixture
-async def backend() -> AsyncIterator[Backend]:
+async def sim() -> AsyncIterator[SimBackend]:
     sim = SimBackend("sim", time_scale=0.001)
     yield sim
     await sim.close()
+
+
+@pytest.fixture
+def backend(sim: SimBackend) -> Backend:
+    return sim
+
+
+@pytest.fixture
+def hand_built(sim: SimBackend) -> HandBuilt:
+    async def build(name: str, address: ipaddress.IPv4Address) -> str:
+        return sim.add_vm(name, address=address)
+
+    return build
