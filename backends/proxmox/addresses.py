@@ -17,7 +17,10 @@ That is a request or two per VM, so:
 
 A guest agent that is silent, not running or not configured is just "no reported
 addresses" (a guest's business, not an error); the API not answering, or refusing a
-read, fails the whole sweep: a shorter list would read as "no conflict".
+read (403: the agent needs VM.GuestAgent.Audit, before PVE 9 VM.Monitor), fails the
+whole sweep: a shorter list would read as "no conflict". VMs the API user may not
+see at all (a token limited to a pool) are left out of the listing by Proxmox
+itself: a complete check needs VM.Audit on /vms. Containers (LXC) are not read.
 """
 
 from __future__ import annotations
@@ -28,8 +31,14 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from backends.base import AddressUse, PermanentError, RetryableError, Unreachable, listable
-from backends.base import reported_addresses as usable
+from backends.base import (
+    AddressUse,
+    PermanentError,
+    RetryableError,
+    Unreachable,
+    listable,
+    reported_addresses,
+)
 from backends.proxmox.agent import interfaces
 from backends.proxmox.api import Forbidden, PveApi
 from backends.proxmox.inventory import Inventory
@@ -151,4 +160,4 @@ class AddressSweep:
             raise  # the API, or our right to ask: the list would be short
         except (PermanentError, RetryableError):
             return []
-        return usable(interfaces(answer))
+        return reported_addresses(interfaces(answer))
