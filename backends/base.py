@@ -421,6 +421,7 @@ class Backend(Protocol):
     async def addresses_in_use(self) -> list[AddressUse]:
         """Every IPv4 address that any VM on this endpoint (ours or not, templates excluded)
         is configured with or reports, for a conflict check before a clone takes one.
+        Only the VMs this account may see: the hypervisor hides the others.
 
         Configured: what the hypervisor keeps for the guest's boot (Proxmox `ipconfigN`,
         the simulator's identity), stopped VMs too. Reported: what a running guest says

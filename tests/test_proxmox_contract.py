@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import AsyncIterator
 
 import pytest
 
 from backends.base import Backend
 from tests.contract import *  # noqa: F403
+from tests.contract import HandBuilt
 from tests.fakepve import testing
 from tests.fakepve.server import FakePVE
 from tests.fakepve.testing import make_backend
@@ -23,3 +25,15 @@ async def backend(pve: FakePVE) -> AsyncIterator[Backend]:
     proxmox = make_backend(pve)
     yield proxmox
     await proxmox.close()
+
+
+@pytest.fixture
+def hand_built(pve: FakePVE) -> HandBuilt:
+    """A stopped VM made in the web UI with a static cloud-init address."""
+
+    async def build(name: str, address: ipaddress.IPv4Address) -> str:
+        vmid = max(pve.cluster.vms) + 1
+        pve.cluster.add_vm(vmid, name, ipconfig0=f"ip={address}/24,gw=10.0.0.1")
+        return str(vmid)
+
+    return build

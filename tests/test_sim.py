@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from backends.base import CloneSpec, PermanentError, RetryableError, VMRef, pick_address
+from backends.base import (
+    CloneSpec,
+    PermanentError,
+    RetryableError,
+    Unreachable,
+    VMRef,
+    pick_address,
+)
 from backends.sim import SimBackend, SimTiming, SimulatedCrash
 from tests.contract import IDENTITY
 
@@ -127,3 +134,25 @@ async def test_the_inventory_outlives_the_bot_with_a_state_file(tmp_path: Path) 
     fresh = await again.prepare_clone(CloneSpec("jsim004", "vm4", "ubuntu-24.04"))
     assert int(fresh.vm_id) > max(int(reserved.vm_id), int(slow_ref.vm_id))
     assert await again.wait_for_address(ref, None) == IDENTITY.address.ip
+
+
+async def test_addresses_in_use_and_a_hand_built_vm_outlive_the_bot(tmp_path: Path) -> None:
+    state = tmp_path / "sim.json"
+    first = SimBackend(time_scale=0.001, state_file=state)
+    ref = await cloned(first)
+    await first.apply_identity(ref, IDENTITY)
+    by_hand = first.add_vm("printer01", address=ipaddress.IPv4Address("10.0.0.92"), running=False)
+    first.add_vm("nameless01")  # no address: nothing to list
+    await first.close()
+    again = SimBackend(time_scale=0.001, state_file=state)
+    uses = {(str(u.address), u.vm_id, u.source) for u in await again.addresses_in_use()}
+    assert uses == {
+        (str(IDENTITY.address.ip), ref.vm_id, "identity"),
+        ("10.0.0.92", by_hand, "configured"),
+    }
+    again.inject("addresses_in_use", "error")
+    with pytest.raises(PermanentError):
+        await again.addresses_in_use()
+    again.down = True
+    with pytest.raises(Unreachable):
+        await again.addresses_in_use()

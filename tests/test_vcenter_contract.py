@@ -6,12 +6,15 @@ from the VM's cloud-init metadata, so `wait_for_address` returns the identity's 
 
 from __future__ import annotations
 
+import asyncio
+import ipaddress
 from collections.abc import AsyncIterator
 
 import pytest
 
 from backends.base import Backend
 from tests.contract import *  # noqa: F403
+from tests.contract import HandBuilt
 from tests.vcsim_support import Simulated, vcenter_fixture, vcsim_binary_fixture, vcsim_tls_fixture  # noqa: F401
 
 
@@ -20,3 +23,11 @@ async def backend(vcenter: Simulated) -> AsyncIterator[Backend]:
     vsphere = vcenter.sim.backend()
     yield vsphere
     await vsphere.close()
+
+
+@pytest.fixture
+def hand_built(vcenter: Simulated) -> HandBuilt:
+    async def build(name: str, address: ipaddress.IPv4Address) -> str:
+        return await asyncio.to_thread(vcenter.sim.build_by_hand, name, str(address))
+
+    return build

@@ -254,6 +254,22 @@ class Vcsim:
         option = vim.option.OptionValue(key="SET.guest.ipAddress", value=address)
         WaitForTask(vm.ReconfigVM_Task(vim.vm.ConfigSpec(extraConfig=[option])))
 
+    def build_by_hand(self, name: str, address: str) -> str:
+        """A VM someone made without deploybot (no job tag), running, whose Tools report
+        `address`: one of vcsim's own VMs, renamed. Returns its instance UUID."""
+        view = self.content.viewManager.CreateContainerView(
+            self.content.rootFolder, [vim.VirtualMachine], True
+        )
+        try:
+            vm = next(v for v in view.view if v.name.endswith("_VM1") and not v.config.template)
+        finally:
+            view.DestroyView()
+        WaitForTask(vm.Rename_Task(name))
+        if vm.runtime.powerState != "poweredOn":
+            WaitForTask(vm.PowerOnVM_Task())
+        self.set_guest_address(vm, address)
+        return str(vm.config.instanceUuid)
+
     def stop(self) -> None:
         with_si = getattr(self, "si", None)
         if with_si is not None:

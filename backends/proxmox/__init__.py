@@ -33,6 +33,7 @@ from typing import Any
 from urllib.parse import quote
 
 from backends.base import (
+    AddressUse,
     BackendConfig,
     CloneMode,
     CloneSpec,
@@ -51,6 +52,7 @@ from backends.base import (
     job_marks,
 )
 from backends.proxmox import privileges, rollback
+from backends.proxmox.addresses import AddressSweep
 from backends.proxmox.agent import AgentWaits
 from backends.proxmox.api import PveApi, TaskFailed
 from backends.proxmox.cloning import Cloning
@@ -114,6 +116,10 @@ class ProxmoxBackend:
             polling, initial_s=max(polling.initial_s, config.agent_poll_initial_s)
         )
         self.agent = AgentWaits(api, self.pacing, agent_polling, config.agent_poll_window_s)
+        parallel = min(config.addresses_parallel, config.max_parallel_requests)
+        self.address_sweep = AddressSweep(
+            api, self.inventory, cache_s=config.addresses_cache_s, parallel=parallel
+        )
 
     def remember_steps(self, history: list[StepTime]) -> None:
         """Expected durations from the job history (newest first), for the waits this
@@ -204,6 +210,10 @@ class ProxmoxBackend:
                 tagged.append(replace(vm, tags=tags_of(config)))
         return tagged
 
+    async def addresses_in_use(self) -> list[AddressUse]:
+        """See `Backend.addresses_in_use` and `addresses` (a request or two per VM)."""
+        return await self.address_sweep.addresses()
+
     async def _locate(self, ref: VMRef) -> str:
         """The node a ref names, once it is clear the ref was made on this cluster."""
         node, _, cluster = (ref.placement or "").partition("@")
@@ -261,7 +271,11 @@ class ProxmoxBackend:
         return VMRef(str(vmid), spec.job_id, placement, spec.installation)
 
     async def clone(self, spec: CloneSpec, ref: VMRef) -> str | None:
-        return await self.cloning.clone(spec, ref, await self._locate(ref))
+        # Dropped on failure too: a clone that failed may still have left the VM.
+        try:
+            return await self.cloning.clone(spec, ref, await self._locate(ref))
+        finally:
+            self.address_sweep.invalidate()
 
     # --- identity, disk, power ----------------------------------------------------------
 
@@ -308,7 +322,10 @@ class ProxmoxBackend:
         path = f"nodes/{node}/qemu/{ref.vm_id}/config"
         start = functools.partial(self.api.post, path, what, **params)
         pace = Pace(self.pacing, "config", mark_field(config, "template") or "")
-        await self.tasks.run(what, node, ref.vm_id, start, pace=pace)
+        try:
+            await self.tasks.run(what, node, ref.vm_id, start, pace=pace)
+        finally:  # ipconfig0 changed (or may have)
+            self.address_sweep.invalidate()
         return note
 
     async def grow_disk(self, ref: VMRef, grow_gib: int) -> str | None:
@@ -377,7 +394,10 @@ class ProxmoxBackend:
         except VMNotFound:
             return
         pace = Pace(self.pacing, "stop", template)
-        await rollback.stop(self.api, self.tasks, node, ref.vm_id, pace)
+        try:
+            await rollback.stop(self.api, self.tasks, node, ref.vm_id, pace)
+        finally:
+            self.address_sweep.invalidate()
 
     async def destroy(self, ref: VMRef) -> None:
         """Delete with its disks, backup jobs and HA entry, and wait; gone is done. The
@@ -385,7 +405,10 @@ class ProxmoxBackend:
         self.agent.forget(ref.vm_id)
         self._resize_targets.pop(ref.vm_id, None)
         owned = functools.partial(self._place_of, ref)
-        await rollback.destroy(self.api, self.tasks, owned, ref.vm_id, self.pacing)
+        try:
+            await rollback.destroy(self.api, self.tasks, owned, ref.vm_id, self.pacing)
+        finally:
+            self.address_sweep.invalidate()
 
     async def _place_of(self, ref: VMRef) -> tuple[str, str]:
         """The node and template of the ref's VM, once its tag was checked."""

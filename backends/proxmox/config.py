@@ -103,6 +103,10 @@ class Config(BackendConfig):
     # pipeline's retry pause, so the agent is rarely left unwatched.
     agent_poll_window_s: float = Field(default=30.0, gt=0)
     discovery_cache_s: float = Field(default=60.0, ge=0)
+    # addresses_in_use reads every VM's config (and running guests' agents): one sweep
+    # serves the callers of this long, at most this many of its requests at once.
+    addresses_cache_s: float = Field(default=30.0, ge=0)
+    addresses_parallel: int = Field(default=4, ge=1, le=64)
 
     @field_validator("ca_bundle")
     @classmethod

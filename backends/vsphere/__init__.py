@@ -33,6 +33,7 @@ from typing import Any
 from pyVmomi import vim, vmodl
 
 from backends.base import (
+    AddressUse,
     BackendConfig,
     CloneMode,
     CloneSpec,
@@ -50,7 +51,7 @@ from backends.base import (
     pick_address,
 )
 from backends.sshcheck import SshCheck
-from backends.vsphere import esxi, privileges, specs
+from backends.vsphere import addresses, esxi, privileges, specs
 from backends.vsphere.config import Config
 from backends.vsphere.inventory import Inventory, Plan, annotation, disks, os_family
 from backends.vsphere.session import (
@@ -260,6 +261,10 @@ class VSphereBackend:
         return await self._session.run(
             lambda op: [v for v in self._inventory.vms(op.conn) if v.tags], changes=False
         )
+
+    async def addresses_in_use(self) -> list[AddressUse]:
+        """See `Backend.addresses_in_use`: one PropertyCollector read (`addresses`)."""
+        return await self._session.run(lambda op: addresses.in_use(op.conn), changes=False)
 
     # --- the deploy moves -----------------------------------------------------------
 

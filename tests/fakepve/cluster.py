@@ -95,6 +95,9 @@ class VM:
     agent_installed: bool = True
     ha_managed: bool = False
     agent_up: bool = False
+    # Addresses the guest has besides its ipconfig0 one (a DHCP lease, one set by hand
+    # inside it): only its agent reports them.
+    leases: tuple[str, ...] = ()
     started_at: float | None = None
     boot: asyncio.Task[None] | None = None
 
@@ -248,8 +251,14 @@ class Cluster:
         node: str = "pve1",
         running: bool = False,
         tags: str | None = None,
+        ipconfig0: str | None = None,
+        agent: bool = False,
+        agent_up: bool = False,
+        leases: tuple[str, ...] = (),
     ) -> VM:
-        """A VM deploybot did not make (or an intruder that won a vmid race)."""
+        """A VM deploybot did not make (or an intruder that won a vmid race): its
+        cloud-init `ipconfig0`, `agent: 1` with an agent that answers (`agent_up`, a
+        running VM only) or not, and addresses only that agent reports (`leases`)."""
         config = {
             "name": name,
             "scsi0": f"local-lvm:vm-{vmid}-disk-0,size=8G",
@@ -259,8 +268,18 @@ class Cluster:
         }
         if tags:
             config["tags"] = tags
+        if ipconfig0:
+            config["ipconfig0"] = ipconfig0
+        if agent:
+            config["agent"] = "1"
         vm = VM(
-            vmid, node, config, running=running, started_at=time.monotonic() if running else None
+            vmid,
+            node,
+            config,
+            running=running,
+            agent_up=agent_up and running,
+            leases=leases,
+            started_at=time.monotonic() if running else None,
         )
         self.vms[vmid] = vm
         return vm

@@ -25,9 +25,12 @@ def configured_ip(config: dict[str, str]) -> tuple[ipaddress.IPv4Address, int] |
     return ipaddress.IPv4Address(match.group(1)), int(match.group(2))
 
 
-def interfaces(config: dict[str, str], vmid: int) -> list[dict[str, Any]]:
+def interfaces(
+    config: dict[str, str], vmid: int, leases: tuple[str, ...] = ()
+) -> list[dict[str, Any]]:
     """`network-get-interfaces` of a booted cloud image with docker: loopback, the
-    container bridge, then the NIC with its link-local IPv6 before its real address."""
+    container bridge, then the NIC with its link-local IPv6 before its real address
+    and any `leases` (`10.0.0.9/24`: addresses it got otherwise, DHCP or by hand)."""
     mac = config.get("net0", "virtio=BC:24:11:00:00:00").split(",")[0].split("=")[-1]
     nic: list[dict[str, Any]] = [
         {
@@ -39,6 +42,9 @@ def interfaces(config: dict[str, str], vmid: int) -> list[dict[str, Any]]:
     static = configured_ip(config)
     if static is not None:
         nic.append({"ip-address": str(static[0]), "ip-address-type": "ipv4", "prefix": static[1]})
+    for lease in leases:
+        address, _, prefix = lease.partition("/")
+        nic.append({"ip-address": address, "ip-address-type": "ipv4", "prefix": int(prefix or 24)})
     return [
         {
             "name": "lo",

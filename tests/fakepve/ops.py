@@ -263,7 +263,7 @@ def _agent_of(c: Call) -> VM:
 
 async def agent_interfaces(c: Call) -> Any:
     vm = _agent_of(c)
-    return {"result": guest.interfaces(vm.config, vm.vmid)}
+    return {"result": guest.interfaces(vm.config, vm.vmid, vm.leases)}
 
 
 async def agent_ping(c: Call) -> Any:

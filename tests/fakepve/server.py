@@ -110,6 +110,7 @@ class FakePVE:
         self._runner: web.AppRunner | None = None
         self.port = 0
         self._in_flight = 0
+        self.peak_in_flight = 0  # the most requests it answered at once (tests set 0)
         self._idle = asyncio.Condition()
 
     # --- life cycle ---------------------------------------------------------------------
@@ -190,6 +191,7 @@ class FakePVE:
         status = 499  # until answered: a client that gave up (nginx's code for it)
         arrived = asyncio.get_running_loop().time()
         self._in_flight += 1
+        self.peak_in_flight = max(self.peak_in_flight, self._in_flight)
         try:
             data = await self._answer(request, method, path, params, route)
             status = 200

@@ -1,0 +1,163 @@
+"""The IPv4 addresses every VM of the cluster uses (`addresses_in_use`), for IPAM's
+conflict check before a clone.
+
+Proxmox has no bulk read of VM configs or agent answers: after the one VM listing
+(`/cluster/resources?type=vm`, templates left out), each VM's config is read for its
+static `ipconfigN` addresses (`ip=10.0.0.5/24,gw=...`; `dhcp` gives none), and each
+running VM whose config enables the agent is asked `agent/network-get-interfaces`.
+That is a request or two per VM, so:
+
+* At most `addresses_parallel` of them are in flight at once: the API's thread pool
+  (`max_parallel_requests`) is shared with the deploys, which must not queue behind
+  a sweep of hundreds of VMs.
+* One sweep serves every caller for `addresses_cache_s` (a burst of requests checking
+  their addresses costs one sweep), and callers that come while it runs share it.
+  `invalidate` (a clone, identity change, stop or destroy by this process)
+  drops the answer, and a sweep that was running then is not kept.
+
+A guest agent that is silent, not running or not configured is just "no reported
+addresses" (a guest's business, not an error); the API not answering, or refusing a
+read (403: the agent needs VM.GuestAgent.Audit, before PVE 9 VM.Monitor), fails the
+whole sweep: a shorter list would read as "no conflict". VMs the API user may not
+see at all (a token limited to a pool) are left out of the listing by Proxmox
+itself: a complete check needs VM.Audit on /vms. Containers (LXC) are not read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import re
+from collections.abc import Callable
+from typing import Any
+
+from backends.base import (
+    AddressUse,
+    PermanentError,
+    RetryableError,
+    Unreachable,
+    listable,
+    reported_addresses,
+)
+from backends.proxmox.agent import interfaces
+from backends.proxmox.api import Forbidden, PveApi
+from backends.proxmox.inventory import Inventory
+
+_IPCONFIG = re.compile(r"ipconfig\d+")
+AGENT = "guest agent"
+
+
+def configured(config: dict[str, Any]) -> list[tuple[ipaddress.IPv4Address, str]]:
+    """The static IPv4 addresses in a config's `ipconfigN` keys, with the key."""
+    found: list[tuple[ipaddress.IPv4Address, str]] = []
+    for key in sorted(k for k in config if _IPCONFIG.fullmatch(k)):
+        for part in str(config[key]).split(","):
+            name, _, value = part.strip().partition("=")
+            if name != "ip" or value == "dhcp":
+                continue
+            try:
+                ip = ipaddress.IPv4Interface(value).ip
+            except ValueError:  # not something this server would have accepted
+                continue
+            if listable(ip):
+                found.append((ip, key))
+    return found
+
+
+def agent_enabled(config: dict[str, Any]) -> bool:
+    """`agent: [enabled=]<1|0>[,fstrim_cloned_disks=..][,type=..]`."""
+    for part in str(config.get("agent", "0")).split(","):
+        name, _, value = part.partition("=")
+        if not value:  # the default key: `1,type=virtio`
+            name, value = "enabled", name
+        if name == "enabled":
+            return value.strip().lower() in ("1", "true", "yes", "on")
+    return False
+
+
+class AddressSweep:
+    def __init__(
+        self,
+        api: PveApi,
+        inventory: Inventory,
+        *,
+        cache_s: float,
+        parallel: int,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        self.api = api
+        self.inventory = inventory
+        self.cache_s = cache_s
+        self.parallel = parallel
+        # Injectable: tests move time on to expire the cached answer.
+        self.clock = clock or (lambda: asyncio.get_running_loop().time())
+        self.sweeps = 0  # how many were made (tests)
+        self._answer: tuple[float, list[AddressUse]] | None = None
+        self._flight: asyncio.Future[list[AddressUse]] | None = None
+        self._generation = 0
+
+    def invalidate(self) -> None:
+        """Something this process did changed the addresses: the next call sweeps."""
+        self._generation += 1
+        self._answer, self._flight = None, None
+
+    async def addresses(self) -> list[AddressUse]:
+        if self._answer is not None and self.clock() - self._answer[0] < self.cache_s:
+            return list(self._answer[1])
+        if self._flight is None:
+            self._flight = asyncio.ensure_future(self._sweep(self._generation, self.clock()))
+            flight = self._flight
+            flight.add_done_callback(lambda _f: self._landed(flight))
+        # One caller's cancel (a step timeout) is not everyone's.
+        return list(await asyncio.shield(self._flight))
+
+    def _landed(self, flight: asyncio.Future[list[AddressUse]]) -> None:
+        if self._flight is flight:
+            self._flight = None
+        if not flight.cancelled():
+            flight.exception()  # seen here, so never "exception was never retrieved"
+
+    async def _sweep(self, generation: int, began: float) -> list[AddressUse]:
+        self.sweeps += 1
+        vms = [i for i in await self.inventory.vms() if i.get("template") not in (1, "1", True)]
+        limit = asyncio.Semaphore(self.parallel)
+        reads = [asyncio.ensure_future(self._vm(item, limit)) for item in vms]
+        try:
+            found = await asyncio.gather(*reads)
+        except BaseException:
+            for read in reads:  # one failed: the answer is lost, stop asking
+                read.cancel()
+            raise
+        uses = [use for uses in found for use in uses]
+        if generation == self._generation:  # nothing changed it while it ran
+            self._answer = (began, uses)  # as old as the listing it started from
+        return uses
+
+    async def _vm(self, item: dict[str, Any], limit: asyncio.Semaphore) -> list[AddressUse]:
+        vm_id, node = str(item["vmid"]), str(item["node"])
+        async with limit:
+            config = await self.inventory.vm_config(node, vm_id)
+        if config is None:
+            return []  # destroyed since the listing (or migrating: its config moves last)
+        name = str(config.get("name") or item.get("name") or vm_id)
+        uses = {ip: AddressUse(ip, vm_id, name, key) for ip, key in configured(config)}
+        if item.get("status") == "running" and agent_enabled(config):
+            async with limit:
+                reported = await self._agent(node, vm_id)
+            for ip in reported:
+                uses.setdefault(ip, AddressUse(ip, vm_id, name, AGENT))
+        return list(uses.values())
+
+    async def _agent(self, node: str, vm_id: str) -> list[ipaddress.IPv4Address]:
+        """What the guest agent reports; nothing when it does not answer. Proxmox
+        says so with a 500 ("QEMU guest agent is not running", "No QEMU guest agent
+        configured", "VM 104 is not running", a QMP command that "got timeout") that
+        the API maps to a PermanentError or, for the timeout, a RetryableError."""
+        path = f"nodes/{node}/qemu/{vm_id}/agent/network-get-interfaces"
+        try:
+            answer = await self.api.get(path, f"guest agent of VM {vm_id}")
+        except (Unreachable, Forbidden):
+            raise  # the API, or our right to ask: the list would be short
+        except (PermanentError, RetryableError):
+            return []
+        return reported_addresses(interfaces(answer))
