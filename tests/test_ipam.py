@@ -9,13 +9,15 @@ from pathlib import Path
 
 import pytest
 
+from backends.base import Backend
 from backends.sim import SimBackend
 from bot.errors import Conflict, RequestInvalid
 from bot.models import Job, JobState
 from bot.parser import DeployArgs, parse
+from bot.runtime import running_deployer
 from bot.service import Deployer
 from bot.settings import Settings
-from tests.conftest import Recorder, make_settings, running_deployer
+from tests.conftest import Recorder, make_settings
 
 IP = ipaddress.IPv4Address
 
@@ -122,12 +124,12 @@ async def test_the_subnet_follows_from_the_name_or_the_backend(
     tmp_path: Path, recorder: Recorder
 ) -> None:
     settings = two_subnets(tmp_path)
-    backends = {"sim": SimBackend("sim"), "lab2": SimBackend("lab2")}
+    backends: dict[str, Backend] = {"sim": SimBackend("sim"), "lab2": SimBackend("lab2")}
     async with running_deployer(settings, recorder, backends=backends) as deployer:
         assert (await ask(deployer, "a subnet=front")).address == "10.0.0.2"
         assert (await ask(deployer, "b subnet=10.0.1.0/24")).address == "10.0.1.2"
         assert (await ask(deployer, "c on=lab2")).address == "10.0.1.3"
-        with pytest.raises(RequestInvalid, match="Say which subnet .*subnet=NAME, one of front"):
+        with pytest.raises(RequestInvalid, match=r"Say which subnet .*subnet=NAME, one of front"):
             await ask(deployer, "d")
 
 
@@ -136,10 +138,10 @@ async def test_addresses_on_another_backend_count_too(tmp_path: Path, recorder: 
     settings = two_subnets(tmp_path)
     other = SimBackend("lab2")
     other.add_vm("elsewhere", address=IP("10.0.0.2"))
-    backends = {"sim": SimBackend("sim"), "lab2": other}
+    backends: dict[str, Backend] = {"sim": SimBackend("sim"), "lab2": other}
     async with running_deployer(settings, recorder, backends=backends) as deployer:
         assert (await ask(deployer, "a subnet=front")).address == "10.0.0.3"
-        with pytest.raises(Conflict, match="used by VM elsewhere .* on lab2"):
+        with pytest.raises(Conflict, match=r"used by VM elsewhere .* on lab2"):
             await ask(deployer, "b 10.0.0.2")
 
 
