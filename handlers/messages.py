@@ -114,13 +114,21 @@ def reject_answer(job: Job) -> str:
     return f"Job {job.id}: rejected; {job.requester} has been told why."
 
 
+def address_of(job: Job) -> str:
+    """The job's address, and whether deploybot chose it (the requester gave none)."""
+    if job.request.picked:
+        return f"{job.address} (next free in {job.request.subnet})"
+    return job.address
+
+
 def accepted(job: Job) -> str:
+    where = f"{job.name} {address_of(job)}"
     if job.state is JobState.AWAITING_APPROVAL:
         return (
-            f"Job {job.id}: {job.name} {job.address} needs approval ({job.approval_reason}). "
+            f"Job {job.id}: {where} needs approval ({job.approval_reason}). "
             f"I have asked the approvers; follow it with `/deploy status {job.id}`."
         )
-    return f"Job {job.id}: deploying {job.name} {job.address} shortly. Watch the thread."
+    return f"Job {job.id}: deploying {where} shortly. Watch the thread."
 
 
 def step_started(step: str, detail: str) -> str:
@@ -289,7 +297,7 @@ FORM_LABELS = {
     "reason": "Why is it rejected?",
 }
 FORM_HINTS = {
-    "address": "Inside {subnets}, e.g. {example}",
+    "address": "Inside {subnets}, e.g. {example}; empty: the next free address",
     "name": "Letters, digits and hyphens, e.g. web01",
     "keys": "Prefilled from your saved keys (`/deploy key ...` or `/deploy settings`).",
     "storage": "Leave empty to use the template's own storage.",
@@ -352,7 +360,7 @@ def approval_summary(job: Job) -> str:
     """Mrkdwn: the request on the approval card, every value from it escaped."""
     req = job.request
     where = f"{job.backend}/{req.placement}" if req.placement else job.backend
-    asks = escape(f"asks to deploy {job.name} {job.address}")
+    asks = escape(f"asks to deploy {job.name} {address_of(job)}")
     details = escape(
         f"template {req.template}, {req.cores} cores, {req.memory_mib} MiB memory, "
         f"disk +{req.disk_grow_gib} GiB, login {req.user}\n"

@@ -197,3 +197,16 @@ async def test_saved_keys_and_default_template_are_used_when_a_request_names_non
         job = (await h.deployer.history(1))[0]
         assert job.request.ssh_keys == (KEY,) and job.request.template == "debian-12"
         assert any("default template debian-12" in c.text for c in h.fake.calls)
+
+
+async def test_deploy_without_an_address_shows_the_next_free_one_first(tmp_path: Path) -> None:
+    """`/deploy web01`: the thread's first line already has the address deploybot chose
+    (the example's pool starts at 10.0.0.100), and the SSH line uses it."""
+    async with slack_bot(tmp_path, backend=SimBackend("sim", time_scale=SIM_SCALE)) as h:
+        assert (await h.command("web01")).status == 200
+        parent = await h.fake.wait_for(
+            lambda c: c.method == "chat.postMessage" and "thread_ts" not in c.args
+        )
+        assert parent.text.startswith("web01 10.0.0.100 on sim: ")
+        await h.fake.wait_for(is_reply("ssh ubuntu@10.0.0.100"))
+        await h.settle()

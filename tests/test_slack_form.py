@@ -85,7 +85,7 @@ async def test_field_errors_come_back_on_their_blocks(tmp_path: Path) -> None:
         missing = await h.submit(view_id, state(view))
         answer = json.loads(missing.body)
         assert answer["response_action"] == "errors"
-        assert set(answer["errors"]) == {"name", "address"}
+        assert set(answer["errors"]) == {"name"}  # an empty address: the next free one
         assert answer["errors"]["name"] == "VM name is required."
 
         bad = state(view, name="web01", address="10.9.9.9", keys="ssh-rsa notbase64!")
@@ -122,6 +122,17 @@ async def test_a_submitted_form_deploys_with_saved_key_and_an_explicit_no_upgrad
         again = await h.submit(view_id, chosen)  # Slack redelivers the submission
         await h.settle()
         assert again.status == 200 and len(await h.deployer.history()) == 1
+
+
+async def test_a_form_without_an_address_deploys_on_the_next_free_one(tmp_path: Path) -> None:
+    async with slack_bot(tmp_path) as h:
+        view_id = await open_form(h)
+        chosen = state(h.fake.views[view_id], name="web01", keys=KEY)
+        assert (await h.submit(view_id, chosen)).status == 200
+        await h.fake.wait_for(is_reply("ssh ubuntu@10.0.0.100"))
+        await h.settle()
+        job = (await h.deployer.history(1))[0]
+        assert job.address == "10.0.0.100" and job.request.picked
 
 
 async def test_a_name_in_flight_is_a_field_error(tmp_path: Path) -> None:

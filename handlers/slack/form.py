@@ -128,7 +128,7 @@ def _sizes_and_identity(settings: Settings, prefs: UserPrefs) -> list[Block]:
     d, limits = settings.defaults, settings.limits
     cores = [option(str(n), str(n)) for n in range(1, min(limits.max_cores, SELECT_MAX) + 1)]
     memory = [option(_mib_text(m), str(m)) for m in _memory_sizes(limits.max_memory_mib)]
-    subnets = ", ".join(str(s.cidr) for s in settings.subnets)
+    subnets = ", ".join(str(s) for s in settings.subnets)
     example = str(settings.subnets[0].cidr.network_address + 50)
     keys = "\n".join(prefs.ssh_keys)
     upgrade = CheckboxesElement(
@@ -139,6 +139,7 @@ def _sizes_and_identity(settings: Settings, prefs: UserPrefs) -> list[Block]:
         _input(
             "address",
             PlainTextInputElement(action_id="address", max_length=18),
+            optional=True,
             hint=messages.FORM_HINTS["address"].format(subnets=subnets, example=example),
         ),
         _input("cores", select("cores", cores, initial=str(d.cores))),
@@ -227,8 +228,9 @@ def read_form(view: dict[str, Any], settings: Settings, requester: str) -> FormR
     values = state_values(view)
     ids = block_ids(view)
     errors: dict[str, str] = {}
-    required = ("template", "placement", "name", "address", "cores", "memory", "user")
-    got = {key: value(values.get(key)) for key in (*required, "storage", "network", "disk")}
+    required = ("template", "placement", "name", "cores", "memory", "user")
+    optional = ("address", "storage", "network", "disk")
+    got = {key: value(values.get(key)) for key in (*required, *optional)}
     for key in required:
         if got[key] is None:
             errors[key] = messages.missing_field(messages.FORM_LABELS[key])
