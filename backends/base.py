@@ -427,8 +427,9 @@ class Backend(Protocol):
         the simulator's identity), stopped VMs too. Reported: what a running guest says
         (QEMU guest agent, VMware Tools `guest.net`/`guest.ipAddress`); an address that
         lives only inside a stopped guest cannot be seen. One entry per VM and address,
-        naming the configured source when it is both. Loopback, link-local, unspecified
-        and multicast addresses, container bridges inside guests and IPv6 are left out.
+        naming the configured source when it is both. The `lo` interface, link-local,
+        unspecified and multicast addresses, container bridges inside guests and IPv6
+        are left out (other loopback addresses stay: see `listable`).
 
         Cost: one bulk read where the API has one (vSphere: one PropertyCollector read);
         Proxmox has none: a config read per VM and an agent read per running VM with an
@@ -522,8 +523,12 @@ def pick_address(
 
 
 def listable(ip: ipaddress.IPv4Address) -> bool:
-    """Whether an address can be another machine's on a network (`addresses_in_use`)."""
-    return not (ip.is_loopback or ip.is_link_local or ip.is_unspecified or ip.is_multicast)
+    """Whether an address can be another machine's on a network (`addresses_in_use`).
+
+    Loopback is kept (the `lo` interface is left out by name): an address is only ever
+    compared with the configured subnets, and a subnet on 127.0.0.0/8 (the tests' guests)
+    is as real to the conflict check as any other."""
+    return not (ip.is_link_local or ip.is_unspecified or ip.is_multicast)
 
 
 def reported_addresses(interfaces: list[tuple[str, str]]) -> list[ipaddress.IPv4Address]:

@@ -11,10 +11,12 @@ operator sees everything wrong at once instead of one job failure at a time.
 from __future__ import annotations
 
 import asyncio
+import os
 from dataclasses import dataclass
 
 from backends import advice
 from backends.base import Backend, BackendError, ChecksPrivileges
+from backends.ipam import open_ipam
 from bot.admission import find_template
 from bot.errors import DeployBotError
 from bot.runtime import make_backend
@@ -44,7 +46,30 @@ async def run_checks(settings: Settings) -> list[CheckResult]:
     # Overlapping or duplicate subnets stop the configuration from loading at all.
     cidrs = ", ".join(str(s.cidr) for s in settings.subnets) or "none"
     results.append(CheckResult("subnets", True, f"no overlaps ({cidrs})"))
+    results += await check_ipam(settings)
     return results
+
+
+async def check_ipam(settings: Settings) -> list[CheckResult]:
+    """The IPAM: each subnet's prefix (or range) exists, the tags exist, and the token
+    may add and delete an address (one is reserved and deleted per subnet)."""
+    if settings.ipam.provider == "builtin":
+        return [CheckResult("ipam", True, "builtin: deploybot's own database, no server")]
+    try:
+        ipam = open_ipam(settings.ipam, os.environ)
+    except BackendError as exc:  # no token in the environment
+        return [CheckResult("ipam: set-up", False, exc.message)]
+    try:
+        problems = await ipam.problems([s.as_pool() for s in settings.subnets])
+    except BackendError as exc:
+        problems = [exc.message]
+    finally:
+        await ipam.close()
+    if not problems:
+        where = f"NetBox at {settings.ipam.url}"
+        detail = f"{where}: every subnet's prefix found; the token may add and delete addresses"
+        return [CheckResult("ipam", True, detail)]
+    return [CheckResult("ipam", False, problem) for problem in problems]
 
 
 async def check_backend(name: str, backend: Backend, template: str) -> list[CheckResult]:

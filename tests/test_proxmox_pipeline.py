@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from bot.errors import RequestInvalid
+from bot.errors import Conflict, RequestInvalid
 from bot.models import Job, JobEvent, JobState
 from bot.parser import DeployArgs, parse
 from bot.runs import STEPS, vm_ref
@@ -231,3 +231,31 @@ async def test_a_failure_in_any_step_leaves_no_vm_behind(
     for stop in stops:  # the VM was running: the stop task ended before the delete was sent
         delete = fake.sent("DELETE", "/nodes/{node}/qemu/{vmid}")[-1]
         assert stop.ended_s is not None and delete.at_s >= stop.ended_s
+
+
+async def test_an_address_a_vm_built_by_hand_has_is_refused_and_skipped(
+    fake: FakePVE, tmp_path: Path
+) -> None:
+    """A VM made in the web UI with a static cloud-init address (ipconfig0), no tag of
+    ours: asking for its address is refused naming it; the next free address skips it."""
+    fake.cluster.add_vm(4242, "legacy01", ipconfig0=f"ip={ADDRESS}/24,gw=127.0.10.1")
+    subnet = {
+        "name": "lab",
+        "cidr": "127.0.10.0/24",
+        "gateway": "127.0.10.1",
+        "pool": "127.0.10.50-127.0.10.60",
+    }
+    approval = {"approvers": ["bob"], "always": True}  # recorded, not run
+    settings = pve_settings(tmp_path, fake, subnets=[subnet], approval=approval)
+    async with running_deployer(settings, backends={"pve": make_backend(fake)}) as d:
+        asked = parse(f"web01 {ADDRESS}")
+        assert isinstance(asked, DeployArgs)
+        with pytest.raises(Conflict) as refused:
+            await d.request_deploy(asked, "alice")
+        assert f"{ADDRESS} is used by VM legacy01 (id 4242) on pve, ipconfig0" in (
+            refused.value.message
+        )
+        picked = parse("web02")
+        assert isinstance(picked, DeployArgs)
+        job = await d.request_deploy(picked, "alice")
+        assert job.address == "127.0.10.51"

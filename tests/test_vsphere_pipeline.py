@@ -18,6 +18,7 @@ import pytest
 from pyVmomi import vim
 
 from backends.vsphere import VSphereBackend
+from bot.errors import Conflict
 from bot.models import Job, JobState
 from bot.parser import DeployArgs, parse
 from bot.runs import STEPS
@@ -405,3 +406,22 @@ async def test_twenty_concurrent_deploys_share_one_session(
     assert calls["DestroyPropertyFilter"] == 20
     assert calls["CreatePropertyCollector"] - calls["DestroyPropertyCollector"] <= 20 + 1
     assert calls["WaitForUpdatesEx"] >= tasks and calls["Fetch"] == 0
+
+
+async def test_an_address_a_vm_built_by_hand_reports_is_refused_and_skipped(
+    vcenter: Simulated, sshd: Sshd, tmp_path: Path
+) -> None:
+    """A VM someone made without deploybot whose Tools report 127.0.20.50 (guest.net):
+    asking for it is refused naming that VM; the next free address skips it."""
+    await asyncio.to_thread(vcenter.sim.build_by_hand, "legacy01", "127.0.20.50")
+    subnet = {**SUBNET, "name": "lab", "pool": "127.0.20.50-127.0.20.60"}
+    approval = {"approvers": ["bob"], "always": True}  # recorded, not run
+    settings = vsphere_settings(tmp_path, vcenter, sshd, subnets=[subnet], approval=approval)
+    async with deployer_for(settings) as (deployer, _backend):
+        asked = parse("web01 127.0.20.50")
+        assert isinstance(asked, DeployArgs)
+        with pytest.raises(Conflict, match=r"127\.0\.20\.50 is used by VM legacy01 \(id "):
+            await deployer.request_deploy(asked, "alice")
+        picked = parse("web02")
+        assert isinstance(picked, DeployArgs)
+        assert (await deployer.request_deploy(picked, "alice")).address == "127.0.20.51"
