@@ -18,8 +18,8 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
-from collections.abc import Mapping
-from datetime import timedelta
+from collections.abc import Callable, Mapping
+from datetime import datetime, timedelta
 
 from backends.base import Backend, BackendError, PermanentError
 from backends.ipam.base import AddressTaken, Claim, Ipam, NotOurs, Pool, Reservation
@@ -34,8 +34,14 @@ _ATTEMPTS = 8  # picks of a next free address before giving up (each lost a race
 
 class Addressing:
     def __init__(
-        self, settings: Settings, store: Store, backends: Mapping[str, Backend], ipam: Ipam
+        self,
+        settings: Settings,
+        store: Store,
+        backends: Mapping[str, Backend],
+        ipam: Ipam,
+        clock: Callable[[], datetime] = utcnow,
     ) -> None:
+        self.clock = clock  # when a record with no job counts as left by a crash
         self.settings = settings
         self.store = store
         self.backends = backends
@@ -210,7 +216,7 @@ class Addressing:
                 log.warning("job %s: releasing %s failed: %s", job.id, job.address, exc)
         records = await self.ipam.records(self.store.installation_id)
         states = await self.store.job_states(sorted({r.job_id for r in records}))
-        stale = utcnow() - timedelta(seconds=self.config.stale_after_s)
+        stale = self.clock() - timedelta(seconds=self.config.stale_after_s)
         for record in records:
             state = states.get(record.job_id)
             if state in HOLDING_STATES or record.created > stale:

@@ -110,7 +110,7 @@ class Deployer:
         logfields.set_runner(self.runner.id)
         self.clock = clock
         ipam = ipam if ipam is not None else open_ipam(settings.ipam, os.environ)
-        self.addressing = Addressing(settings, store, self.backends, ipam)
+        self.addressing = Addressing(settings, store, self.backends, ipam, clock)
         self.pipeline = Pipeline(
             settings, self.backends, store, self.progress, self.runner.id, self.addressing
         )
