@@ -434,9 +434,10 @@ class Backend(Protocol):
         Cost: one bulk read where the API has one (vSphere: one PropertyCollector read);
         Proxmox has none: a config read per VM and an agent read per running VM with an
         agent, at bounded concurrency. So the answer may be cached briefly (Proxmox:
-        `addresses_cache_s`); a clone, identity change, stop or destroy through this
-        backend object drops the cache (a guest's agent starts reporting only after
-        its boot, which no call of ours ends: its configured address is listed before).
+        `addresses_cache_s`). A kept answer may not yet show a VM this backend object
+        cloned since (its job holds that address in deploybot's store, which callers
+        ask first: 50 deploys at once must not each sweep the cluster), but a VM it
+        destroyed is taken out at once, so its address is free again.
 
         Errors: the list is complete or the call raises (`Unreachable` or another
         `RetryableError` when the API, or one VM's read, did not answer; `PermanentError`

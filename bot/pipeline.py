@@ -125,6 +125,7 @@ class Pipeline:
                 finished_at=utcnow(),
             )
         job = await self.store.get_job(job_id)
+        await self.addressing.release_quietly(job)
         if job is not None:
             await self.progress.job_finished(job, RollbackReport())
         return job

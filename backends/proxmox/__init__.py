@@ -271,11 +271,7 @@ class ProxmoxBackend:
         return VMRef(str(vmid), spec.job_id, placement, spec.installation)
 
     async def clone(self, spec: CloneSpec, ref: VMRef) -> str | None:
-        # Dropped on failure too: a clone that failed may still have left the VM.
-        try:
-            return await self.cloning.clone(spec, ref, await self._locate(ref))
-        finally:
-            self.address_sweep.invalidate()
+        return await self.cloning.clone(spec, ref, await self._locate(ref))
 
     # --- identity, disk, power ----------------------------------------------------------
 
@@ -322,10 +318,7 @@ class ProxmoxBackend:
         path = f"nodes/{node}/qemu/{ref.vm_id}/config"
         start = functools.partial(self.api.post, path, what, **params)
         pace = Pace(self.pacing, "config", mark_field(config, "template") or "")
-        try:
-            await self.tasks.run(what, node, ref.vm_id, start, pace=pace)
-        finally:  # ipconfig0 changed (or may have)
-            self.address_sweep.invalidate()
+        await self.tasks.run(what, node, ref.vm_id, start, pace=pace)
         return note
 
     async def grow_disk(self, ref: VMRef, grow_gib: int) -> str | None:
@@ -394,10 +387,7 @@ class ProxmoxBackend:
         except VMNotFound:
             return
         pace = Pace(self.pacing, "stop", template)
-        try:
-            await rollback.stop(self.api, self.tasks, node, ref.vm_id, pace)
-        finally:
-            self.address_sweep.invalidate()
+        await rollback.stop(self.api, self.tasks, node, ref.vm_id, pace)
 
     async def destroy(self, ref: VMRef) -> None:
         """Delete with its disks, backup jobs and HA entry, and wait; gone is done. The
@@ -407,8 +397,8 @@ class ProxmoxBackend:
         owned = functools.partial(self._place_of, ref)
         try:
             await rollback.destroy(self.api, self.tasks, owned, ref.vm_id, self.pacing)
-        finally:
-            self.address_sweep.invalidate()
+        finally:  # gone, or maybe gone: a false "free" is caught by check_free's store
+            self.address_sweep.forget(ref.vm_id)
 
     async def _place_of(self, ref: VMRef) -> tuple[str, str]:
         """The node and template of the ref's VM, once its tag was checked."""

@@ -12,8 +12,11 @@ That is a request or two per VM, so:
   a sweep of hundreds of VMs.
 * One sweep serves every caller for `addresses_cache_s` (a burst of requests checking
   their addresses costs one sweep), and callers that come while it runs share it.
-  `invalidate` (a clone, identity change, stop or destroy by this process)
-  drops the answer, and a sweep that was running then is not kept.
+  This process's own clones do not drop it: the addresses of deploybot's VMs are held
+  by their jobs in the store, which the caller asks first; 50 deploys at once would
+  otherwise each sweep the whole cluster. A VM this process destroys is `forget`-ten:
+  taken out of the kept answer (and of a sweep running then), so its address is free
+  at once.
 
 A guest agent that is silent, not running or not configured is just "no reported
 addresses" (a guest's business, not an error); the API not answering, or refusing a
@@ -94,18 +97,20 @@ class AddressSweep:
         self.sweeps = 0  # how many were made (tests)
         self._answer: tuple[float, list[AddressUse]] | None = None
         self._flight: asyncio.Future[list[AddressUse]] | None = None
-        self._generation = 0
+        self._forgotten: dict[str, float] = {}  # VM id -> when this process destroyed it
 
-    def invalidate(self) -> None:
-        """Something this process did changed the addresses: the next call sweeps."""
-        self._generation += 1
-        self._answer, self._flight = None, None
+    def forget(self, vm_id: str) -> None:
+        """This process destroyed the VM: its addresses are free now."""
+        self._forgotten[vm_id] = self.clock()
+        if self._answer is not None:
+            began, uses = self._answer
+            self._answer = (began, [u for u in uses if u.vm_id != vm_id])
 
     async def addresses(self) -> list[AddressUse]:
         if self._answer is not None and self.clock() - self._answer[0] < self.cache_s:
             return list(self._answer[1])
         if self._flight is None:
-            self._flight = asyncio.ensure_future(self._sweep(self._generation, self.clock()))
+            self._flight = asyncio.ensure_future(self._sweep(self.clock()))
             flight = self._flight
             flight.add_done_callback(lambda _f: self._landed(flight))
         # One caller's cancel (a step timeout) is not everyone's.
@@ -117,7 +122,7 @@ class AddressSweep:
         if not flight.cancelled():
             flight.exception()  # seen here, so never "exception was never retrieved"
 
-    async def _sweep(self, generation: int, began: float) -> list[AddressUse]:
+    async def _sweep(self, began: float) -> list[AddressUse]:
         self.sweeps += 1
         vms = [i for i in await self.inventory.vms() if i.get("template") not in (1, "1", True)]
         limit = asyncio.Semaphore(self.parallel)
@@ -128,9 +133,11 @@ class AddressSweep:
             for read in reads:  # one failed: the answer is lost, stop asking
                 read.cancel()
             raise
-        uses = [use for uses in found for use in uses]
-        if generation == self._generation:  # nothing changed it while it ran
-            self._answer = (began, uses)  # as old as the listing it started from
+        # A VM destroyed while this ran may be in its listing; a vmid forgotten before
+        # it began may name a new VM now (Proxmox reuses them).
+        self._forgotten = {v: at for v, at in self._forgotten.items() if at >= began}
+        uses = [use for uses in found for use in uses if use.vm_id not in self._forgotten]
+        self._answer = (began, uses)  # as old as the listing it started from
         return uses
 
     async def _vm(self, item: dict[str, Any], limit: asyncio.Semaphore) -> list[AddressUse]:
