@@ -25,6 +25,7 @@ from bot.addressing import Addressing
 from bot.admission import check_free, check_login, check_on_backend
 from bot.approvals import Approvals, GroupMembers, approval_reason
 from bot.errors import (
+    ConfigError,
     Conflict,
     DeployBotError,
     Duplicate,
@@ -61,6 +62,13 @@ from bot.waiting import protected
 from store.db import AlreadyDelivered, DuplicateActive, RowUnreadable, Store
 
 log = logging.getLogger(__name__)
+
+
+def _configured_ipam(settings: Settings) -> Ipam:
+    try:
+        return open_ipam(settings.ipam, os.environ)
+    except BackendError as exc:  # NetBox's token is not in the environment
+        raise ConfigError(f"[ipam]: {exc.message}") from None
 
 
 _PICKS = 5  # tries at recording a next free address that other processes also picked
@@ -109,7 +117,7 @@ class Deployer:
         self.runner = Runner.here(runner_kind)
         logfields.set_runner(self.runner.id)
         self.clock = clock
-        ipam = ipam if ipam is not None else open_ipam(settings.ipam, os.environ)
+        ipam = ipam if ipam is not None else _configured_ipam(settings)
         self.addressing = Addressing(settings, store, self.backends, ipam, clock)
         self.pipeline = Pipeline(
             settings, self.backends, store, self.progress, self.runner.id, self.addressing
