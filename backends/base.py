@@ -418,7 +418,7 @@ class Backend(Protocol):
 
     async def destroy(self, ref: VMRef) -> None: ...
 
-    async def addresses_in_use(self) -> list[AddressUse]:
+    async def addresses_in_use(self, ours: str | None = None) -> list[AddressUse]:
         """Every IPv4 address that any VM on this endpoint (ours or not, templates excluded)
         is configured with or reports, for a conflict check before a clone takes one.
         Only the VMs this account may see: the hypervisor hides the others.
@@ -437,7 +437,9 @@ class Backend(Protocol):
         `addresses_cache_s`). A kept answer may not yet show a VM this backend object
         cloned since (its job holds that address in deploybot's store, which callers
         ask first: 50 deploys at once must not each sweep the cluster), but a VM it
-        destroyed is taken out at once, so its address is free again.
+        destroyed is taken out at once, so its address is free again. `ours` (an
+        installation id): VMs that installation built may be left out where reading
+        them costs requests (Proxmox); the caller knows their addresses from its jobs.
 
         Errors: the list is complete or the call raises (`Unreachable` or another
         `RetryableError` when the API, or one VM's read, did not answer; `PermanentError`

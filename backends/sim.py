@@ -373,7 +373,7 @@ class SimBackend:
         self._answer()
         return [vm.info() for vm in self.vms.values() if job_marks(vm.tags)]
 
-    async def addresses_in_use(self) -> list[AddressUse]:
+    async def addresses_in_use(self, ours: str | None = None) -> list[AddressUse]:
         """The identity address of each of deploybot's VMs and the address of each VM
         built by hand, running or not (the simulator has no templates among its VMs)."""
         self._answer()

@@ -68,21 +68,27 @@ class Addressing:
 
     # --- who holds an address -----------------------------------------------------
 
-    async def held_by_jobs(self, job_id: str) -> dict[IPv4, str]:
-        """Addresses other jobs hold, with who holds them."""
+    async def held_by_jobs(self, job_id: str) -> dict[IPv4, tuple[str, bool]]:
+        """Addresses other jobs hold, with who holds them and whether the store's index
+        guards it (False: a VM a rollback left behind still has it)."""
         held = await self.store.held_addresses()
         return {
-            IPv4(address): f"job {holder} ({name} on {backend})"
-            for address, (holder, name, backend) in held.items()
+            IPv4(address): (
+                f"job {holder} ({name} on {backend})"
+                if holding
+                else f"the VM job {holder} left behind ({name} on {backend})",
+                holding,
+            )
+            for address, (holder, name, backend, holding) in held.items()
             if holder != job_id
         }
 
     async def in_use(self, required: str | None = None) -> tuple[dict[IPv4, str], list[str]]:
         """Addresses the VMs of every backend use, with who uses them; and the backends
         that could not be asked. `required` names the one whose failure is raised."""
-        names = list(self.backends)
+        names, ours = list(self.backends), self.store.installation_id
         answers = await asyncio.gather(
-            *(self.backends[n].addresses_in_use() for n in names), return_exceptions=True
+            *(self.backends[n].addresses_in_use(ours) for n in names), return_exceptions=True
         )
         found: dict[IPv4, str] = {}
         unasked = []
@@ -113,7 +119,8 @@ class Addressing:
         ip = request.address.ip
         holder = (await self.held_by_jobs(job_id)).get(ip)
         if holder is not None:
-            return (f"{ip} is held by {holder}" if jobs else None), []
+            who, guarded = holder
+            return (None if guarded and not jobs else f"{ip} is held by {who}"), []
         vms, unasked = await self.in_use(required)
         if ip in vms:
             return f"{ip} is used by {vms[ip]}", unasked

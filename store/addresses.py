@@ -14,13 +14,21 @@ from store.sql import Db
 from store.tx import ts
 
 
-def held(db: Db) -> dict[str, tuple[str, str, str]]:
-    """address -> (job id, VM name, backend) of every job that holds its address."""
+def held(db: Db) -> dict[str, tuple[str, str, str, bool]]:
+    """address -> (job id, VM name, backend, holding) of every job that holds its
+    address (`holding`), or whose rollback left its VM behind (wreckage: the VM still
+    has the address, though the store's index no longer guards it)."""
     marks = ", ".join(f"'{s.value}'" for s in HOLDING_STATES)
     rows = db.execute(
-        f"SELECT address, id, name, backend FROM jobs WHERE state IN ({marks})"
+        f"SELECT address, id, name, backend, state IN ({marks}) FROM jobs "
+        f"WHERE state IN ({marks}) OR (wreckage IS NOT NULL AND wreckage <> '') "
+        "ORDER BY created_at"
     ).fetchall()
-    return {str(a): (str(i), str(n), str(b)) for a, i, n, b in rows}
+    found: dict[str, tuple[str, str, str, bool]] = {}
+    for address, job_id, name, backend, holding in rows:
+        if not found.get(str(address), ("", "", "", False))[3]:  # a holder wins
+            found[str(address)] = (str(job_id), str(name), str(backend), bool(holding))
+    return found
 
 
 def unreleased(db: Db) -> list[Job]:

@@ -254,8 +254,9 @@ class Store:
 
     # --- addresses (bot/addressing.py) ---------------------------------------------
 
-    async def held_addresses(self) -> dict[str, tuple[str, str, str]]:
-        """address -> (job id, VM name, backend) of each job holding its address."""
+    async def held_addresses(self) -> dict[str, tuple[str, str, str, bool]]:
+        """address -> (job id, VM name, backend, holding) of each job holding its
+        address, or whose VM a rollback left behind (holding False)."""
         return await self._call(addresses.held)
 
     async def unreleased_addresses(self) -> list[Job]:

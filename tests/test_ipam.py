@@ -167,3 +167,19 @@ async def test_the_probe_finds_a_host_that_answers(tmp_path: Path, recorder: Rec
     finally:
         server.close()
         await server.wait_closed()
+
+
+async def test_a_vm_a_rollback_left_behind_keeps_its_address(
+    deployer: Deployer, sim: SimBackend
+) -> None:
+    """The job failed, so the store's index no longer guards its address, but its VM is
+    still there with it: neither picked nor given when asked."""
+    sim.inject("power_on", "error")
+    sim.inject("destroy", "error", times=1000)
+    failed = await ask(deployer, "web01")
+    await deployer.drain()
+    done = (await deployer.status(failed.id)).job
+    assert done.state is JobState.FAILED and done.wreckage
+    assert (await ask(deployer, "web02")).address == "10.0.0.101"
+    with pytest.raises(Conflict, match=f"held by the VM job {failed.id} left behind"):
+        await ask(deployer, "web03 10.0.0.100")

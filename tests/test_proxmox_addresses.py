@@ -210,3 +210,21 @@ def test_ipconfig_and_agent_settings_as_proxmox_writes_them() -> None:
     for disabled in ("0", "enabled=0", "0,type=isa"):
         assert not agent_enabled({"agent": disabled}), disabled
     assert not agent_enabled({})
+
+
+async def test_our_own_installations_vms_cost_no_request(
+    pve: FakePVE, backend: ProxmoxBackend
+) -> None:
+    """Their jobs hold their addresses in the store: only VMs built by hand, or by
+    another installation, are read."""
+    hand_made(pve)
+    ours, theirs = "aaaaaaaaaa", "bbbbbbbbbb"
+    pve.cluster.add_vm(301, "ours01", ipconfig0="ip=10.0.0.51/24")
+    pve.cluster.add_vm(302, "theirs01", ipconfig0="ip=10.0.0.52/24")
+    pve.cluster.vms[301].config["tags"] = f"deploybot-{ours}-jaaaaaaa1"
+    pve.cluster.vms[302].config["tags"] = f"deploybot-{theirs}-jbbbbbbb1"
+    uses = await backend.addresses_in_use(ours)
+    addresses = {str(u.address) for u in uses}
+    assert "10.0.0.52" in addresses and "10.0.0.51" not in addresses
+    read = {r.path_params["vmid"] for r in pve.sent("GET", CONFIG)}
+    assert "301" not in read and "302" in read

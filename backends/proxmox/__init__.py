@@ -210,9 +210,10 @@ class ProxmoxBackend:
                 tagged.append(replace(vm, tags=tags_of(config)))
         return tagged
 
-    async def addresses_in_use(self) -> list[AddressUse]:
-        """See `Backend.addresses_in_use` and `addresses` (a request or two per VM)."""
-        return await self.address_sweep.addresses()
+    async def addresses_in_use(self, ours: str | None = None) -> list[AddressUse]:
+        """See `Backend.addresses_in_use` and `addresses` (a request or two per VM not
+        built by installation `ours`)."""
+        return await self.address_sweep.addresses(ours)
 
     async def _locate(self, ref: VMRef) -> str:
         """The node a ref names, once it is clear the ref was made on this cluster."""

@@ -4,8 +4,13 @@ conflict check before a clone.
 Proxmox has no bulk read of VM configs or agent answers: after the one VM listing
 (`/cluster/resources?type=vm`, templates left out), each VM's config is read for its
 static `ipconfigN` addresses (`ip=10.0.0.5/24,gw=...`; `dhcp` gives none), and each
-running VM whose config enables the agent is asked `agent/network-get-interfaces`.
+running VM whose config enables the agent is asked `agent/network-get-interfaces`
+(a guest may have addresses of its own besides its cloud-init one).
 That is a request or two per VM, so:
+
+* The caller's own installation's VMs (their tags in the listing) are not read at
+  all: their jobs hold their addresses in deploybot's store, which the caller asks
+  first. Only VMs built by hand or by another installation cost requests.
 
 * At most `addresses_parallel` of them are in flight at once: the API's thread pool
   (`max_parallel_requests`) is shared with the deploys, which must not queue behind
@@ -40,6 +45,7 @@ from backends.base import (
     RetryableError,
     Unreachable,
     listable,
+    parse_tag,
     reported_addresses,
 )
 from backends.proxmox.agent import interfaces
@@ -65,6 +71,14 @@ def configured(config: dict[str, Any]) -> list[tuple[ipaddress.IPv4Address, str]
             if listable(ip):
                 found.append((ip, key))
     return found
+
+
+def _built_by(item: dict[str, Any], installation: str | None) -> bool:
+    """Whether the listing's tags say `installation` built this VM."""
+    if installation is None:
+        return False
+    marks = (parse_tag(t.strip()) for t in str(item.get("tags") or "").split(";"))
+    return any(m is not None and m.installation == installation for m in marks)
 
 
 def agent_enabled(config: dict[str, Any]) -> bool:
@@ -98,6 +112,13 @@ class AddressSweep:
         self._answer: tuple[float, list[AddressUse]] | None = None
         self._flight: asyncio.Future[list[AddressUse]] | None = None
         self._forgotten: dict[str, float] = {}  # VM id -> when this process destroyed it
+        self._ours: str | None = None  # the installation whose VMs the kept answer left out
+
+    def _fresh(self, ours: str | None) -> list[AddressUse] | None:
+        if self._answer is None or self._ours != ours:
+            return None
+        began, uses = self._answer
+        return list(uses) if self.clock() - began < self.cache_s else None
 
     def forget(self, vm_id: str) -> None:
         """This process destroyed the VM: its addresses are free now."""
@@ -106,11 +127,13 @@ class AddressSweep:
             began, uses = self._answer
             self._answer = (began, [u for u in uses if u.vm_id != vm_id])
 
-    async def addresses(self) -> list[AddressUse]:
-        if self._answer is not None and self.clock() - self._answer[0] < self.cache_s:
-            return list(self._answer[1])
-        if self._flight is None:
-            self._flight = asyncio.ensure_future(self._sweep(self.clock()))
+    async def addresses(self, ours: str | None = None) -> list[AddressUse]:
+        kept = self._fresh(ours)
+        if kept is not None:
+            return kept
+        if self._flight is None or self._ours != ours:
+            self._ours = ours
+            self._flight = asyncio.ensure_future(self._sweep(self.clock(), ours))
             flight = self._flight
             flight.add_done_callback(lambda _f: self._landed(flight))
         # One caller's cancel (a step timeout) is not everyone's.
@@ -122,9 +145,13 @@ class AddressSweep:
         if not flight.cancelled():
             flight.exception()  # seen here, so never "exception was never retrieved"
 
-    async def _sweep(self, began: float) -> list[AddressUse]:
+    async def _sweep(self, began: float, ours: str | None) -> list[AddressUse]:
         self.sweeps += 1
-        vms = [i for i in await self.inventory.vms() if i.get("template") not in (1, "1", True)]
+        vms = [
+            i
+            for i in await self.inventory.vms()
+            if i.get("template") not in (1, "1", True) and not _built_by(i, ours)
+        ]
         limit = asyncio.Semaphore(self.parallel)
         reads = [asyncio.ensure_future(self._vm(item, limit)) for item in vms]
         try:

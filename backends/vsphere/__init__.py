@@ -262,8 +262,9 @@ class VSphereBackend:
             lambda op: [v for v in self._inventory.vms(op.conn) if v.tags], changes=False
         )
 
-    async def addresses_in_use(self) -> list[AddressUse]:
-        """See `Backend.addresses_in_use`: one PropertyCollector read (`addresses`)."""
+    async def addresses_in_use(self, ours: str | None = None) -> list[AddressUse]:
+        """See `Backend.addresses_in_use`: one PropertyCollector read (`addresses`),
+        whoever built the VMs (leaving ours out would save nothing)."""
         return await self._session.run(lambda op: addresses.in_use(op.conn), changes=False)
 
     # --- the deploy moves -----------------------------------------------------------
