@@ -3,7 +3,8 @@
 Alice asks for web01 and is told to save her SSH key first; she does and asks again,
 Bob approves, the thread shows every step and ends with the SSH
 line. Then the simulator is told to fail the next power-on: Alice's second deploy fails,
-is rolled back, and the thread says what was removed. It uses the bundled configuration
+(asked without an address, it gets the next free one) is rolled back, and the
+thread says what was removed. It uses the bundled configuration
 with an approval rule, whatever deploybot.toml says, so it runs the same everywhere.
 """
 
@@ -57,7 +58,8 @@ async def run_demo(time_scale: float = 1.0, out: TextIO | None = None) -> int:
 
             out.write("\n# The simulator is told to fail the next power-on.\n\n")
             sim.inject("power_on", "error")
-            await say("alice", "/deploy web02 10.0.0.51 mem=4G disk=+10G")
+            # No address: the next free one of the subnet's pool.
+            await say("alice", "/deploy web02 mem=4G disk=+10G")
             second = await latest_job_id()
             await say("bob", f"approve {second}")
             await deployer.drain()
