@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint install clean bench lock
+.PHONY: demo test lint install clean bench lock netbox
 
 # Installs exactly what requirements-test.lock names, each file checked by its hash; the
 # ranges in pyproject.toml are what `make lock` resolves the lock files from.
@@ -28,6 +28,11 @@ lint: $(STAMP)
 
 test: lint
 	$(BIN)/pytest
+
+# Optional, needs the network: the real NetBox (its own Python >= 3.12 venv, in
+# ~/.cache/deploybot/) that tests/test_netbox_*.py run against; without it they skip.
+netbox:
+	$(PYTHON) -m tests.netbox_install
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.bench_pipeline

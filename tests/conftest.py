@@ -15,6 +15,7 @@ from bot.models import Job, JobState, RollbackReport
 from bot.runtime import running_deployer
 from bot.service import Deployer
 from bot.settings import BUNDLED_CONFIG, Settings, load_settings
+from tests.netbox_support import clean_netbox, netbox  # noqa: F401 (fixtures)
 from tests.postgres_support import pg_cluster, pg_url  # noqa: F401 (fixtures)
 
 FAST_TIMEOUTS = {
