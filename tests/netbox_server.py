@@ -200,8 +200,16 @@ class Server:
         dump = self.dump_path()
         if dump.exists():
             restore = [str(bindir / "pg_restore"), *conn, "-d", DATABASE, "--no-owner"]
-            subprocess.run([*restore, "--exit-on-error", "-j", "2", str(dump)], check=True)
-            return
+            restore += ["--exit-on-error", "-j", "2", str(dump)]
+            with self.log.open("ab") as log:
+                done = subprocess.run(restore, stdout=log, stderr=log)
+            if done.returncode == 0:
+                return
+            # A dump this PostgreSQL cannot read is not worth failing for: migrate again.
+            dump.unlink(missing_ok=True)
+            with self.cluster.admin() as admin:
+                admin.execute(f"DROP DATABASE {DATABASE}".encode())
+                admin.execute(f"CREATE DATABASE {DATABASE}".encode())
         self.run("migrate", "--no-input")
         partial = dump.with_suffix(f".{os.getpid()}.partial")
         subprocess.run(
