@@ -167,11 +167,14 @@ class Server:
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
         self.env["NETBOX_ROOT"] = str(self.root)
 
-    def run(self, *args: str) -> str:
-        """A NetBox management command (the `netbox` console script is manage.py)."""
+    def run(self, *args: str, log_output: bool = True) -> str:
+        """A NetBox management command (the `netbox` console script is manage.py); its
+        output goes to the log too unless it holds secrets."""
         argv = [str(self.venv / "bin" / "netbox"), *args]
         with self.log.open("ab") as log:
             done = subprocess.run(argv, env=self.env, stdout=subprocess.PIPE, stderr=log)
+            if log_output:
+                log.write(done.stdout)
         if done.returncode != 0:
             raise RuntimeError(f"netbox {args[0]} failed:\n{log_tail(self.log)}")
         return done.stdout.decode()
@@ -182,7 +185,8 @@ class Server:
         write_configuration(self.root, self.cluster, redis_port)
         self._database()
         password = secrets.token_urlsafe(24)
-        out = self.run("shell", "--no-imports", "-c", MAKE_USERS.format(password=password))
+        make_users = MAKE_USERS.format(password=password)
+        out = self.run("shell", "--no-imports", "-c", make_users, log_output=False)
         tokens: dict[str, str] = json.loads(out.strip().splitlines()[-1])
         return tokens
 
