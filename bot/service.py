@@ -24,6 +24,7 @@ from bot import progress as tell
 from bot.addressing import Addressing
 from bot.admission import check_free, check_login, check_on_backend
 from bot.approvals import Approvals, GroupMembers, approval_reason
+from bot.destroy import Destroyer
 from bot.errors import (
     Conflict,
     DeployBotError,
@@ -78,6 +79,17 @@ def addressing_lost_race(request: DeployRequest) -> str:
 
 
 @dataclass(frozen=True)
+class VMPage:
+    """A page of `/deploy list`: `requester` None lists everyone's."""
+
+    jobs: list[Job]
+    page: int
+    pages: int
+    total: int
+    requester: str | None
+
+
+@dataclass(frozen=True)
 class JobStatus:
     job: Job
     events: list[JobEvent]
@@ -129,6 +141,16 @@ class Deployer:
             clock=clock,
         )
         self.approvals = Approvals(settings, store, self.progress, self.ownership.take, self._job)
+        self.destroyer = Destroyer(
+            settings,
+            store,
+            self.backends,
+            self.progress,
+            self.ownership,
+            self.addressing,
+            self.approvals,
+            clock,
+        )
         self._expiry: asyncio.Task[None] | None = None
         self._sweeper: asyncio.Task[None] | None = None
         self.ready = asyncio.Event()  # set once start() has recovered and claimed
@@ -164,6 +186,9 @@ class Deployer:
 
     async def _recover(self, job: Job) -> bool:
         """Recover a job this runner took over; True when it goes back in the queue."""
+        if job.state is JobState.DESTROYING:  # a destroy: finish it (bot/destroy.py)
+            await protected(self.destroyer.run(job))
+            return False
         report = await protected(recover_interrupted(self.pipeline, self.backends, job))
         return report is None
 
@@ -181,6 +206,9 @@ class Deployer:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         await self.queue.shutdown(grace_s)
+        with contextlib.suppress(TimeoutError):  # one left unfinished is taken over
+            async with asyncio.timeout(grace_s):
+                await self.destroyer.settle()
         await self.ownership.close()
         await self.addressing.ipam.close()
 
@@ -212,6 +240,7 @@ class Deployer:
         while True:
             await self.ownership.settle()
             await self.queue.drain()
+            await self.destroyer.settle()
             if not self.ownership.recovering and not await self.ownership.claim_queued():
                 return
 
@@ -451,16 +480,22 @@ class Deployer:
 
     async def approve(self, job_id: str, approver: str, *, dedupe_key: str | None = None) -> Job:
         async with self._audited(approver, f"approve {job_id}"):
+            job_id = await self._resolve(job_id)
+            if await self._destroy_waits(job_id):
+                return await self.destroyer.decide(job_id, approver, True, None, dedupe_key)
             return await self.approvals.decide(
-                await self._resolve(job_id), approver, ApprovalState.APPROVED, None, dedupe_key
+                job_id, approver, ApprovalState.APPROVED, None, dedupe_key
             )
 
     async def reject(
         self, job_id: str, approver: str, reason: str, *, dedupe_key: str | None = None
     ) -> Job:
         async with self._audited(approver, f"reject {job_id}"):
+            job_id = await self._resolve(job_id)
+            if await self._destroy_waits(job_id):
+                return await self.destroyer.decide(job_id, approver, False, reason, dedupe_key)
             job = await self.approvals.decide(
-                await self._resolve(job_id), approver, ApprovalState.REJECTED, reason, dedupe_key
+                job_id, approver, ApprovalState.REJECTED, reason, dedupe_key
             )
         await self.addressing.release_quietly(job)
         return job
@@ -474,13 +509,20 @@ class Deployer:
     async def may_decide(self, job_id: str, approver: str) -> Job:
         """Refuse now what a decision would refuse (before asking a reason, say)."""
         async with self._audited(approver, f"decide {job_id}"):
-            return await self.approvals.check_decider(await self._resolve(job_id), approver)
+            job_id = await self._resolve(job_id)
+            if await self._destroy_waits(job_id):
+                return await self.destroyer.check_decider(job_id, approver)
+            return await self.approvals.check_decider(job_id, approver)
+
+    async def _destroy_waits(self, job_id: str) -> bool:
+        """Whether approve/reject of this job is about its destroy, not its deploy."""
+        return (await self._job(job_id)).state is JobState.DESTROY_REQUESTED
 
     async def expire_approvals(self, now: datetime | None = None) -> list[Job]:
         expired = await self.approvals.expire(now)
         for job in expired:
             await self.addressing.release_quietly(job)
-        return expired
+        return expired + await self.destroyer.expire(now)
 
     async def _expire_loop(self, every_s: float) -> None:
         while True:
@@ -498,6 +540,8 @@ class Deployer:
 
     async def _cancel(self, job_id: str, user: str) -> Job:
         job = await self._job(job_id)
+        if job.state is JobState.DESTROY_REQUESTED:  # withdraw the destroy, keep the VM
+            return await self.destroyer.cancel(job, user)
         if user != job.requester and not await self.is_approver(user):
             raise NotAllowed(f"Only {job.requester} or an approver can cancel job {job_id}.")
         if job.state in (JobState.QUEUED, JobState.AWAITING_APPROVAL):
@@ -530,6 +574,30 @@ class Deployer:
             error="cancelled",
             finished_at=utcnow(),
         )
+
+    # --- destroy and list (bot/destroy.py) ----------------------------------------------
+
+    async def request_destroy(
+        self,
+        target: str,
+        user: str,
+        *,
+        can_wait_for_approval: bool = True,
+        dedupe_key: str | None = None,
+    ) -> Job:
+        """Destroy the VM `target` names (its name or job id) now, or once approved."""
+        async with self._audited(user, f"destroy {target[:64]}"):
+            return await self.destroyer.request(
+                target, user, can_wait_for_approval=can_wait_for_approval, dedupe_key=dedupe_key
+            )
+
+    async def list_vms(self, requester: str | None, page: int, per_page: int) -> VMPage:
+        """One page of the VMs deploybot holds (one requester's, or everyone's)."""
+        total = await self.store.count_live(requester)
+        pages = max(1, -(-total // per_page))
+        page = min(max(1, page), pages)
+        jobs = await self.store.live_jobs(requester, per_page, (page - 1) * per_page)
+        return VMPage(jobs, page, pages, total, requester)
 
     async def status(self, job_id: str) -> JobStatus:
         job_id = await self._resolve(job_id)
