@@ -680,10 +680,19 @@ class Deployer:
             )
 
     async def set_refs(
-        self, job_id: str, *, thread_ref: str | None = None, approval_ref: str | None = None
+        self,
+        job_id: str,
+        *,
+        thread_ref: str | None = None,
+        approval_ref: str | None = None,
+        destroy_ref: str | None = None,
     ) -> None:
         """Remember where a front end shows this job (kept so a restart can find it)."""
-        fields = {"thread_ref": thread_ref, "approval_ref": approval_ref}
+        fields = {
+            "thread_ref": thread_ref,
+            "approval_ref": approval_ref,
+            "destroy_ref": destroy_ref,
+        }
         await self.store.update_job(job_id, **{k: v for k, v in fields.items() if v})
 
     async def _resolve(self, text: str) -> str:

@@ -336,6 +336,48 @@ def age(job: Job, now: datetime) -> str:
     return f"{seconds // 86400}d"
 
 
+def list_row(job: Job, now: datetime) -> str:
+    """Mrkdwn: one VM of `/deploy list`; what people typed is escaped."""
+    address = job.final_address or job.address
+    where = escape(f"{job.name}")
+    return (
+        f"*{where}* `{address}` on {escape(job.backend)} · {age(job, now)} old · "
+        f"lease end {LEASE_NONE} · {STATE_LABELS[job.state]} · job {job.short_id} · "
+        f"{mention(job.requester)}"
+    )
+
+
+def destroy_confirm(job: Job) -> str:
+    return (
+        f"VM {job.vm_id} on {job.backend} ({job.name}, {job.final_address or job.address}) "
+        "will be stopped and removed for good."
+    )
+
+
+def destroy_needed(job: Job) -> str:
+    """The destroy card's notification text (plain)."""
+    return f"Destroy needs approval: {job.name} {job.address} (job {job.id})"
+
+
+def destroy_summary(job: Job) -> str:
+    """Mrkdwn: the destroy card; every value from the request escaped."""
+    asker = mention(job.destroy_by) if job.destroy_by else "someone"
+    what = escape(f"asks to destroy {job.name} {job.final_address or job.address}")
+    details = escape(
+        f"VM {job.vm_id} on {job.backend}, deployed on {job.created_at:%Y-%m-%d %H:%M} UTC. "
+        f"Job {job.id}."
+    )
+    return f"*{asker} {what}* (deployed by {mention(job.requester)})\n{details}"
+
+
+def destroy_decision(note: str) -> str:
+    """Plain: what replaces the destroy card's buttons (the core's note names people by
+    id; the front end makes them mentions)."""
+    said = note[:1].upper() + note[1:] if note else "Decided"
+    mark = ":white_check_mark:" if "approved" in note else ":no_entry_sign:"
+    return f"{mark} {said}."
+
+
 LEASE_NONE = "—"  # leases come later (issue 15, part B): no VM has an end yet
 
 
@@ -586,7 +628,8 @@ def bad_http_address(text: str) -> str:
 def slack_headline(job: Job, step: str | None) -> str:
     """Mrkdwn: the parent message, the headline plus the step while a deploy runs."""
     text = escape(headline(job))
-    return f"{text} ({step_label(step)})" if step and job.state is JobState.RUNNING else text
+    working = job.state in (JobState.RUNNING, JobState.DESTROYING)
+    return f"{text} ({step_label(step)})" if step and working else text
 
 
 def slack_step(step: str, duration_s: float, ok: bool, detail: str) -> str:
