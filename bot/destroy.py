@@ -341,9 +341,6 @@ class Destroyer:
 
     async def _keep(self, job: Job, why: str) -> Job | None:
         """The VM is still there: back to `succeeded`, saying why and what to do."""
-        await self.store.add_event(
-            JobEvent(job_id=job.id, step="destroy", phase="failed", detail=why)
-        )
         moved, kept = await self.store.move(
             job.id,
             [JobState.DESTROYING],
@@ -351,8 +348,11 @@ class Destroyer:
             held_by=self.ownership.id,
             notices=self._tell(job, tell.updated(job.id, why)),
         )
-        if not moved or kept is None:
+        if not moved or kept is None:  # taken over meanwhile: the new owner decides
             return await self.store.get_job(job.id)
+        await self.store.add_event(
+            JobEvent(job_id=job.id, step="destroy", phase="failed", detail=why)
+        )
         await self._audit(job.destroy_by or "deploybot", kept, "refused", why)
         await self.progress.job_updated(kept, why)
         return kept

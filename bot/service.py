@@ -20,6 +20,7 @@ from backends.base import Backend, BackendError, Template
 from backends.ipam import open_ipam
 from backends.ipam.base import AddressTaken, Ipam, PoolExhausted, Reservation
 from bot import jobrefs, logfields
+from bot import prefs as user_prefs
 from bot import progress as tell
 from bot.addressing import Addressing
 from bot.admission import check_free, check_login, check_on_backend
@@ -35,7 +36,6 @@ from bot.errors import (
 )
 from bot.metrics import Metrics
 from bot.models import (
-    MAX_SSH_KEYS,
     Approval,
     ApprovalState,
     AuditEvent,
@@ -45,7 +45,6 @@ from bot.models import (
     JobEvent,
     JobState,
     UserPrefs,
-    check_ssh_key,
     new_job_id,
     utcnow,
 )
@@ -59,7 +58,7 @@ from bot.requests import build_request
 from bot.runs import vm_ref
 from bot.settings import Settings
 from bot.waiting import protected
-from store.db import AlreadyDelivered, DuplicateActive, RowUnreadable, Store
+from store.db import AlreadyDelivered, DuplicateActive, Store
 
 log = logging.getLogger(__name__)
 
@@ -624,47 +623,23 @@ class Deployer:
     # --- per-user settings and front-end references ----------------------------------
 
     async def prefs(self, user: str) -> UserPrefs:
-        """Saved settings to show or prefill a form with. Unreadable ones (the store has
-        quarantined them) show as none, so the person can save new ones over them."""
-        try:
-            return await self.store.get_prefs(user)
-        except RowUnreadable:
-            return UserPrefs(user=user)
+        """Saved settings to show or prefill a form with (bot/prefs.py)."""
+        return await user_prefs.shown(self.store, user)
 
     async def _saved_prefs(self, user: str) -> UserPrefs:
-        """Saved settings for a deploy, which must not go out with other keys than the
-        person saved: unreadable ones are refused, saying how to replace them."""
-        try:
-            return await self.store.get_prefs(user)
-        except RowUnreadable as bad:
-            raise RequestInvalid(
-                [
-                    f"Your saved settings could not be read ({bad.reason}), so they were set "
-                    "aside. Save your SSH key again with `/deploy key ssh-ed25519 AAAA... "
-                    "comment` (or in `/deploy settings`); that replaces them."
-                ]
-            ) from None
+        return await user_prefs.for_deploy(self.store, user)
 
     async def save_ssh_key(self, user: str, text: str) -> UserPrefs:
         """Validate one public key and add it to the user's saved keys."""
         async with self._audited(user, "save key"):
-            try:
-                key = check_ssh_key(text)
-            except ValueError as exc:
-                raise RequestInvalid([f"SSH key: {exc}."]) from None
-            saved = await self.store.add_ssh_key(user, key, MAX_SSH_KEYS)
-            if saved is None:
-                raise RequestInvalid(
-                    [f"You already have {MAX_SSH_KEYS} keys saved; remove one in the settings."]
-                )
-            return saved
+            return await user_prefs.add_key(self.store, user, text)
 
     async def save_prefs(
         self, user: str, ssh_keys: tuple[str, ...], default_template: str | None
     ) -> UserPrefs:
         """Replace the user's keys and default template, after checking both."""
         async with self._audited(user, "save settings"):
-            keys = _check_keys(ssh_keys)
+            keys = user_prefs.check_keys(ssh_keys)
             if default_template is not None:
                 await self._check_template_somewhere(default_template)
             prefs = UserPrefs(user=user, ssh_keys=keys, default_template=default_template)
@@ -701,21 +676,6 @@ class Deployer:
 
     async def _job(self, job_id: str) -> Job:
         return await jobrefs.load(self.store, job_id)
-
-
-def _check_keys(texts: tuple[str, ...]) -> tuple[str, ...]:
-    keys: list[str] = []
-    problems: list[str] = []
-    for number, text in enumerate(texts, start=1):
-        try:
-            keys.append(check_ssh_key(text))
-        except ValueError as exc:
-            problems.append(f"SSH key {number}: {exc}.")
-    if len(keys) > MAX_SSH_KEYS:
-        problems.append(f"Save at most {MAX_SSH_KEYS} SSH keys.")
-    if problems:
-        raise RequestInvalid(problems)
-    return tuple(keys)
 
 
 def _already_have(job_id: str) -> str:
