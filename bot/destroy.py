@@ -31,6 +31,7 @@ from bot import jobrefs
 from bot import progress as tell
 from bot.addressing import Addressing
 from bot.approvals import Approvals
+from bot.destroyable import check_destroyable, failed, not_ours, unreachable_backend
 from bot.errors import Duplicate, JobNotFound, NotAllowed, RequestInvalid, TransitionRefused
 from bot.models import (
     HOLDING_STATES,
@@ -110,7 +111,7 @@ class Destroyer:
         """Destroy the VM `target` names now, or ask the approvers first (by policy)."""
         job = await self.find(target)
         await self._check_asker(job, user)
-        _check_destroyable(job)
+        check_destroyable(job)
         wait = self.policy.destroy == "always"
         if wait and not can_wait_for_approval:
             raise NotAllowed(
@@ -187,7 +188,7 @@ class Destroyer:
     async def _why_not(self, job_id: str) -> str:
         job = await jobrefs.load(self.store, job_id)
         try:
-            _check_destroyable(job)
+            check_destroyable(job)
         except TransitionRefused as exc:
             return exc.message
         return f"Job {job.id} changed meanwhile; look at it with `/deploy status {job.id}`."
@@ -296,13 +297,13 @@ class Destroyer:
         or that the hypervisor keeps refusing sends the job back to `succeeded`."""
         backend = self.backends.get(job.backend)
         if backend is None or job.vm_id is None:
-            return await self._keep(job, _unreachable_backend(job))
+            return await self._keep(job, unreachable_backend(job))
         try:
             await remove_vm(backend, vm_ref(job), self.settings.timeouts, self._on_move(job))
         except NotOurVM as exc:
-            return await self._keep(job, _not_ours(job, exc))
+            return await self._keep(job, not_ours(job, exc))
         except (BackendError, TimeoutError) as exc:
-            return await self._keep(job, _failed(job, exc))
+            return await self._keep(job, failed(job, exc))
         moved, done = await self.store.move(
             job.id,
             [JobState.DESTROYING],
@@ -376,46 +377,3 @@ class Destroyer:
     def _tell(job: Job, notice: Notice, always: bool = False) -> list[Notice]:
         """Chat hears of it when it follows the job (its thread), or must approve it."""
         return [notice] if always or tell.followed(job) else []
-
-
-def _check_destroyable(job: Job) -> None:
-    """Only a ready VM can be destroyed; anything else says why and what to do."""
-    if job.state is JobState.SUCCEEDED:
-        return
-    what = {
-        JobState.DESTROY_REQUESTED: "its destroy already waits for an approver",
-        JobState.DESTROYING: "it is being destroyed already",
-        JobState.DESTROYED: "it was destroyed already",
-        JobState.RELEASED: "its VM was found gone, so there is nothing to destroy",
-    }.get(job.state)
-    if what is None and job.state in HOLDING_STATES:
-        what = (
-            f"it is still {job.state.value}: wait until it is ready, or stop it with "
-            f"`/deploy cancel {job.id}`"
-        )
-    what = what or f"it {job.state.value}, so it has no VM to destroy"
-    raise TransitionRefused(f"Job {job.id} ({job.name}) cannot be destroyed: {what}.")
-
-
-def _not_ours(job: Job, exc: NotOurVM) -> str:
-    return (
-        f"destroy refused: {exc.message}. Someone changed the VM by hand, so deploybot left "
-        f"it alone (nothing was touched). Put the tag back to let deploybot destroy it, or "
-        "remove the VM by hand."
-    )
-
-
-def _failed(job: Job, exc: BackendError | TimeoutError) -> str:
-    text = exc.message if isinstance(exc, BackendError) else str(exc)
-    return (
-        f"destroy failed: {text}. VM {job.vm_id} is still on {job.backend} (perhaps "
-        f"stopped). Fix the cause (or ask an operator), then ask again: "
-        f"`/deploy destroy {job.name}`."
-    )
-
-
-def _unreachable_backend(job: Job) -> str:
-    return (
-        f"destroy failed: backend {job.backend} is not configured here, so VM {job.vm_id} "
-        "cannot be reached. Ask an operator to add it back to the configuration, then ask again."
-    )
