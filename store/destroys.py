@@ -52,8 +52,18 @@ def transition_once(
     **fields: Any,
 ) -> bool:
     """`jobs.transition` that also claims `dedupe_key` (store/jobs.claim) in the same
-    transaction: `AlreadyDelivered` when it was seen before, and then nothing moved."""
-    with immediate(db):
-        if dedupe_key is not None:
-            claim(db, dedupe_key, job_id, "destroy")
-        return transition(db, job_id, expected, new, None, notices, **fields)
+    transaction: `AlreadyDelivered` when it was seen before, and then nothing moved. A
+    move that does not happen keeps no claim either (the transaction is undone)."""
+    try:
+        with immediate(db):
+            if dedupe_key is not None:
+                claim(db, dedupe_key, job_id, "destroy")
+            if not transition(db, job_id, expected, new, None, notices, **fields):
+                raise _NotMoved
+    except _NotMoved:
+        return False
+    return True
+
+
+class _NotMoved(Exception):
+    """The compare-and-set found another state: undo the delivery's claim with it."""
