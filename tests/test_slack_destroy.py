@@ -178,3 +178,42 @@ async def test_list_pages_with_buttons(tmp_path: Path) -> None:
         await h.settle()
         await h.deployer.drain()
         assert any("Job " in t and "destroying web01" in t for t in told(h, ALICE))
+
+
+async def test_a_rejected_destroy_says_why_and_keeps_the_vm(tmp_path: Path) -> None:
+    sim = SimBackend("sim", time_scale=SIM_SCALE)
+    async with slack_bot(tmp_path, approval=POLICY, backend=sim) as h:
+        job_id = await deploy(h)
+        await h.command("destroy web01", ALICE)
+        card = await h.fake.wait_for(
+            lambda c: c.method == "chat.postMessage" and c.channel == APPROVALS
+        )
+        await h.settle()
+        await h.click(card, "reject", CAROL)
+        opened = await h.fake.wait_for(lambda c: c.method == "views.open" and c.status == 200)
+        view_id = opened.answer["view"]["id"]
+        reason = {"reason": {"reason": {"type": "plain_text_input", "value": "in use <!here>"}}}
+        assert (await h.submit(view_id, reason, CAROL)).status == 200
+        await h.fake.wait_for(is_reply("destroy rejected by"))
+        await h.settle()
+        decided = h.fake.called("chat.update", channel=APPROVALS, ts=card.answer["ts"])
+        assert (
+            decided[-1].text
+            == f":no_entry_sign: Destroy rejected by <@{CAROL}>: in use &lt;!here&gt;."
+        )
+        job = (await h.deployer.status(job_id)).job
+        assert job.state is JobState.SUCCEEDED and sim.vms[job.vm_id or ""].running
+        parent = parent_with_button(h)  # ready again, with its Destroy button
+        assert "ready" in parent.text
+        # Asked again, approved this time: a new card, the old one stays decided.
+        await h.click(parent, "destroy", ALICE)
+        await h.fake.wait_for(
+            lambda c: c.method == "chat.postMessage" and c.channel == APPROVALS and c is not card
+        )
+        await h.settle()
+        cards = h.fake.called("chat.postMessage", channel=APPROVALS)
+        assert len(cards) == 2
+        await h.click(cards[-1], "approve", BOB)
+        await h.fake.wait_for(is_reply("destroyed (asked by"))
+        await h.settle()
+        assert (await h.deployer.status(job_id)).job.state is JobState.DESTROYED
