@@ -300,6 +300,9 @@ class Destroyer:
             return await self._keep(job, unreachable_backend(job))
         try:
             await remove_vm(backend, vm_ref(job), self.settings.timeouts, self._on_move(job))
+        except _Lost:
+            log.warning("job %s: taken over by another runner; its destroy goes on there", job.id)
+            return await self.store.get_job(job.id)
         except NotOurVM as exc:
             return await self._keep(job, not_ours(job, exc))
         except (BackendError, TimeoutError) as exc:
@@ -324,6 +327,7 @@ class Destroyer:
         async def moved(step: str, took_s: float | None) -> None:
             detail = f"VM {job.vm_id} on {job.backend}"
             if took_s is None:
+                await self._still_mine(job.id)
                 event = JobEvent(job_id=job.id, step=step, phase="started", detail=detail)
                 notice = tell.step_started(job.id, step, detail)
             else:
@@ -339,6 +343,13 @@ class Destroyer:
                 await self.progress.step_finished(job, step, took_s, True, detail)
 
         return moved
+
+    async def _still_mine(self, job_id: str) -> None:
+        """Before each move: a runner whose lease lapsed (the job taken over) stops, so
+        two runners do not work one VM at once (their final writes are fenced anyway)."""
+        now = await self.store.get_job(job_id)
+        if now is None or now.state is not JobState.DESTROYING or now.owner != self.ownership.id:
+            raise _Lost
 
     async def _keep(self, job: Job, why: str) -> Job | None:
         """The VM is still there: back to `succeeded`, saying why and what to do."""
@@ -377,3 +388,7 @@ class Destroyer:
     def _tell(job: Job, notice: Notice, always: bool = False) -> list[Notice]:
         """Chat hears of it when it follows the job (its thread), or must approve it."""
         return [notice] if always or tell.followed(job) else []
+
+
+class _Lost(Exception):
+    """This runner no longer holds the destroy (another took it over)."""

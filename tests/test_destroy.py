@@ -250,3 +250,35 @@ async def test_list_pages_mine_all_and_someones(deployer: Deployer) -> None:
     mine = await answer(deployer, "alice", "list")
     assert mine[0] == "Your VMs: 12 (page 1 of 2)" and mine[-1] == "More: add page=2."
     assert job.state is JobState.QUEUED
+
+
+async def test_two_destroys_at_once_destroy_once(deployer: Deployer, sim: SimBackend) -> None:
+    job = await deployed(deployer, "web01 10.0.0.50")
+    results = await asyncio.gather(
+        deployer.request_destroy("web01", "alice"),
+        deployer.request_destroy(job.id, "bob"),
+        return_exceptions=True,
+    )
+    assert sum(isinstance(r, Job) for r in results) == 1
+    refused = [r for r in results if not isinstance(r, Job)]
+    assert isinstance(refused[0], TransitionRefused)
+    assert "being destroyed already" in refused[0].message
+    await deployer.drain()
+    assert (await deployer.status(job.id)).job.state is JobState.DESTROYED
+
+
+async def test_a_runner_that_lost_its_destroy_stops_before_the_next_move(
+    deployer: Deployer, sim: SimBackend, recorder: Recorder
+) -> None:
+    job = await deployed(deployer, "web01 10.0.0.50")
+
+    async def taken_over(current: Job, step: str) -> None:
+        if current.id == job.id and step == "stop":  # another runner took the job over
+            await deployer.store.update_job(job.id, owner="rsomeoneelse1")
+
+    recorder.on_step = taken_over
+    await deployer.request_destroy("web01", "alice")
+    await deployer.drain()
+    left = (await deployer.status(job.id)).job
+    assert left.state is JobState.DESTROYING and left.owner == "rsomeoneelse1"
+    assert job.vm_id in sim.vms  # no destroy from here: the new owner carries on
