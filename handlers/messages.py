@@ -120,8 +120,8 @@ def destroy_update(job: Job, note: str) -> str | None:
     if state is JobState.DESTROYING:
         by = f"{note}; " if note else ""
         return f"{by}destroying: stopping the VM, then removing it."
-    if state is JobState.SUCCEEDED and note:
-        return f"{note}." if not note.endswith(".") else note  # a refused or withdrawn destroy
+    if state is JobState.SUCCEEDED and note:  # a destroy refused, rejected or withdrawn
+        return note if note.endswith(".") else f"{note}."
     return None
 
 
@@ -284,8 +284,9 @@ def _template(template: Template) -> str:
 
 
 def destroyed(job: Job) -> str:
-    by = f" (asked by {job.destroy_by}" if job.destroy_by else ""
-    by += f", approved by {job.destroy_approver})" if job.destroy_approver else (")" if by else "")
+    who = [f"asked by {job.destroy_by}"] if job.destroy_by else []
+    who += [f"approved by {job.destroy_approver}"] if job.destroy_approver else []
+    by = f" ({', '.join(who)})" if who else ""
     return (
         f"destroyed{by}: VM {job.vm_id} is gone from {job.backend}; {job.name} and "
         f"{job.address} are free again."
