@@ -62,6 +62,16 @@ def build_parser() -> argparse.ArgumentParser:
     history.add_argument("--user", help="only this requester's deploys")
     history.add_argument("--state", help="only jobs in this state (succeeded, failed, ...)")
     history.add_argument("--name", help="only deploys of this VM name")
+    listing = sub.add_parser("list", help="the VMs deploybot holds (yours unless --all/--user)")
+    whose = listing.add_mutually_exclusive_group()
+    whose.add_argument("--all", action="store_true", help="everyone's VMs")
+    whose.add_argument("--user", help="this person's VMs (default: you)")
+    listing.add_argument("--page", type=int, default=1, help="which page (10 VMs a page)")
+    destroy = sub.add_parser(
+        "destroy", help="stop and destroy a VM deploybot built, and wait (exit 0 when gone)"
+    )
+    destroy.add_argument("target", metavar="NAME", help="the VM's name, or its job id")
+    destroy.add_argument("--user", default=default_user(), help="who asks")
     sub.add_parser("check-config", help="validate the configuration and summarise it")
     check = sub.add_parser(
         "check",

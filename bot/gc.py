@@ -35,7 +35,7 @@ from datetime import timedelta
 
 from backends.base import Backend, BackendError, JobMark, VMInfo, VMRef, job_marks
 from bot.errors import DeployBotError
-from bot.models import ACTIVE_STATES, JobState, utcnow
+from bot.models import ACTIVE_STATES, DESTROY_STATES, JobState, utcnow
 from bot.settings import Timeouts
 from bot.waiting import remove_vm
 from store.db import Store
@@ -118,8 +118,8 @@ async def _category(store: Store, mark: JobMark) -> str:
         return "unknown_legacy"
     if job.state is JobState.SUCCEEDED:
         return "succeeded_job"
-    if job.state in ACTIVE_STATES:
-        return "job_in_flight"
+    if job.state in ACTIVE_STATES or job.state in DESTROY_STATES:
+        return "job_in_flight"  # a destroy waiting or under way: its own path removes it
     return "ended_job"
 
 

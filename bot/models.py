@@ -69,6 +69,11 @@ class JobState(StrEnum):
     REJECTED = "rejected"
     EXPIRED = "expired"
     RELEASED = "released"  # succeeded, and its VM has since gone: the name is free again
+    # The other half of the life cycle (bot/destroy.py): a destroy that waits for an
+    # approver, one under way (owned and leased like a running deploy), and its end.
+    DESTROY_REQUESTED = "destroy_requested"
+    DESTROYING = "destroying"
+    DESTROYED = "destroyed"
 
     @property
     def final(self) -> bool:
@@ -83,15 +88,18 @@ FINAL_STATES = frozenset(
         JobState.REJECTED,
         JobState.EXPIRED,
         JobState.RELEASED,
+        JobState.DESTROYED,
     }
 )
 # Jobs in flight.
 ACTIVE_STATES = frozenset(
     {JobState.AWAITING_APPROVAL, JobState.QUEUED, JobState.RUNNING, JobState.ROLLING_BACK}
 )
+# A succeeded job's VM on its way out: it still exists, so the job keeps its name and address.
+DESTROY_STATES = frozenset({JobState.DESTROY_REQUESTED, JobState.DESTROYING})
 # The states in which a job holds its VM name (per backend) and its address: the store's
 # unique indexes enforce it (store/migrations.py spells the same list).
-HOLDING_STATES = ACTIVE_STATES | {JobState.SUCCEEDED}
+HOLDING_STATES = ACTIVE_STATES | {JobState.SUCCEEDED} | DESTROY_STATES
 TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     JobState.AWAITING_APPROVAL: frozenset(
         {JobState.QUEUED, JobState.REJECTED, JobState.EXPIRED, JobState.CANCELLED}
@@ -100,7 +108,13 @@ TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     # running -> queued: put back to resume after a restart (settings.recovery).
     JobState.RUNNING: frozenset({JobState.SUCCEEDED, JobState.ROLLING_BACK, JobState.QUEUED}),
     JobState.ROLLING_BACK: frozenset({JobState.FAILED, JobState.CANCELLED}),
-    JobState.SUCCEEDED: frozenset({JobState.RELEASED}),
+    # A destroy: at once, or once approved. A refused or failed one (the VM lost its tag,
+    # the hypervisor said no) leaves the VM there, so the job is back to succeeded.
+    JobState.SUCCEEDED: frozenset(
+        {JobState.RELEASED, JobState.DESTROY_REQUESTED, JobState.DESTROYING}
+    ),
+    JobState.DESTROY_REQUESTED: frozenset({JobState.DESTROYING, JobState.SUCCEEDED}),
+    JobState.DESTROYING: frozenset({JobState.DESTROYED, JobState.SUCCEEDED}),
 }
 
 
@@ -227,6 +241,13 @@ class Job(BaseModel):
     # reserved -> active when the VM answers; released once the job no longer holds it.
     ipam_ref: str | None = None
     ipam_state: IpamState | None = None
+    # Its destroy (bot/destroy.py): who asked and when, who approved it (None: no
+    # approval needed), when the VM was gone, and the approval card a front end posted.
+    destroy_by: str | None = None
+    destroy_asked_at: datetime | None = None
+    destroy_approver: str | None = None
+    destroyed_at: datetime | None = None
+    destroy_ref: str | None = None
 
     @field_validator("id")
     @classmethod

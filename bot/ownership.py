@@ -41,7 +41,8 @@ from store.owners import RunnerRow
 
 log = logging.getLogger(__name__)
 Clock = Callable[[], datetime]
-WORKING = (JobState.RUNNING, JobState.ROLLING_BACK)
+# Being worked on by its owner: taken over (and recovered) once the owner's lease lapses.
+WORKING = (JobState.RUNNING, JobState.ROLLING_BACK, JobState.DESTROYING)
 WAKE_DEBOUNCE_S = 0.05
 
 

@@ -2,6 +2,7 @@
 
     NAME [ADDRESS[/PREFIX]] [key=value ...]     (no ADDRESS: the next free one)
     help | status JOB | history [N] | cancel JOB | templates | approve JOB | reject JOB REASON
+    destroy NAME|JOB | list [mine|all|@USER] [page=N]
 
 JOB is a job id or any prefix of it of at least 4 characters (the service resolves it).
 `parse` turns any text into a command or raises `UsageError` that says what was wrong and
@@ -35,6 +36,8 @@ SUBCOMMAND_USAGE = {
     "reject": "/deploy reject JOB REASON",
     "key": "/deploy key ssh-ed25519 AAAA... [comment]",
     "settings": "/deploy settings",
+    "destroy": "/deploy destroy NAME (or JOB)",
+    "list": "/deploy list [mine|all|@USER] [page=N]",
 }
 KEYS = ("template", "on", "storage", "subnet", "cpu", "mem", "disk", "user", "upgrade")
 JOB_ID_RE = JOB_REF_RE  # a whole job id, or the first MIN_JOB_REF or more characters
@@ -113,6 +116,22 @@ class ShowSettings:
     pass
 
 
+@dataclass(frozen=True)
+class Destroy:
+    """`destroy NAME`: the VM's name, or a job id (the service finds which)."""
+
+    target: str
+
+
+@dataclass(frozen=True)
+class ListVMs:
+    """`list [mine|all|@USER] [page=N]`: `user` None with `everyone` False is "mine"."""
+
+    everyone: bool = False
+    user: str | None = None
+    page: int = 1
+
+
 Command = (
     DeployArgs
     | Help
@@ -124,6 +143,8 @@ Command = (
     | Reject
     | SaveKey
     | ShowSettings
+    | Destroy
+    | ListVMs
 )
 
 
@@ -157,6 +178,12 @@ def _subcommand(head: str, rest: list[str]) -> Command:
         if head == "help":
             return Help()
         return Templates() if head == "templates" else ShowSettings()
+    if head == "list":
+        return _list(rest, usage)
+    if head == "destroy":
+        if len(rest) != 1:
+            raise UsageError("Name one VM to destroy (or its job id), like web01.", usage)
+        return Destroy(rest[0])
     if head == "key":
         if not rest:
             raise UsageError("Paste your public key after `key` (the .pub line).", usage)
@@ -181,6 +208,35 @@ def _subcommand(head: str, rest: list[str]) -> Command:
     if head == "status":
         return Status(job_id)
     return Cancel(job_id) if head == "cancel" else Approve(job_id)
+
+
+# A person: `@U123ABC` or `U123ABC` (a Slack member id, or a shell user name) or a Slack
+# mention `<@U123ABC>` / `<@U123ABC|name>`.
+_PERSON_RE = re.compile(r"^(?:<@([A-Za-z0-9._-]{1,64})(?:\|[^>]*)?>|@([A-Za-z0-9._-]{1,64}))$")
+PAGE_MAX = 10_000
+
+
+def _list(rest: list[str], usage: str) -> ListVMs:
+    everyone, user, page = False, None, 1
+    scoped = False
+    for word in rest:
+        key, sep, value = word.partition("=")
+        if sep and fold(key) == "page":
+            if not is_whole(value) or not 1 <= int(value) <= PAGE_MAX:
+                raise UsageError(f"`{word}`: give a page number, like page=2.", usage)
+            page = int(value)
+            continue
+        if scoped:
+            raise UsageError("Say whose VMs once: mine, all or @someone.", usage)
+        scoped = True
+        person = _PERSON_RE.match(word)
+        if fold(word) in ("mine", "all"):
+            everyone = fold(word) == "all"
+        elif person:
+            user = person.group(1) or person.group(2)
+        else:
+            raise UsageError(f"`{word}`: list mine, all or @someone (a member id).", usage)
+    return ListVMs(everyone, user, page)
 
 
 def _job_id(word: str, usage: str) -> str:

@@ -20,10 +20,12 @@ from backends.base import Backend, BackendError, Template
 from backends.ipam import open_ipam
 from backends.ipam.base import AddressTaken, Ipam, PoolExhausted, Reservation
 from bot import jobrefs, logfields
+from bot import prefs as user_prefs
 from bot import progress as tell
 from bot.addressing import Addressing
 from bot.admission import check_free, check_login, check_on_backend
 from bot.approvals import Approvals, GroupMembers, approval_reason
+from bot.destroy import Destroyer
 from bot.errors import (
     ConfigError,
     Conflict,
@@ -35,7 +37,6 @@ from bot.errors import (
 )
 from bot.metrics import Metrics
 from bot.models import (
-    MAX_SSH_KEYS,
     Approval,
     ApprovalState,
     AuditEvent,
@@ -45,7 +46,6 @@ from bot.models import (
     JobEvent,
     JobState,
     UserPrefs,
-    check_ssh_key,
     new_job_id,
     utcnow,
 )
@@ -59,7 +59,7 @@ from bot.requests import build_request
 from bot.runs import vm_ref
 from bot.settings import Settings
 from bot.waiting import protected
-from store.db import AlreadyDelivered, DuplicateActive, RowUnreadable, Store
+from store.db import AlreadyDelivered, DuplicateActive, Store
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +83,17 @@ def addressing_lost_race(request: DeployRequest) -> str:
         f"Other deploys kept taking the next free address of {request.subnet}: give an "
         "address, or ask again."
     )
+
+
+@dataclass(frozen=True)
+class VMPage:
+    """A page of `/deploy list`: `requester` None lists everyone's."""
+
+    jobs: list[Job]
+    page: int
+    pages: int
+    total: int
+    requester: str | None
 
 
 @dataclass(frozen=True)
@@ -137,6 +148,16 @@ class Deployer:
             clock=clock,
         )
         self.approvals = Approvals(settings, store, self.progress, self.ownership.take, self._job)
+        self.destroyer = Destroyer(
+            settings,
+            store,
+            self.backends,
+            self.progress,
+            self.ownership,
+            self.addressing,
+            self.approvals,
+            clock,
+        )
         self._expiry: asyncio.Task[None] | None = None
         self._sweeper: asyncio.Task[None] | None = None
         self.ready = asyncio.Event()  # set once start() has recovered and claimed
@@ -172,6 +193,9 @@ class Deployer:
 
     async def _recover(self, job: Job) -> bool:
         """Recover a job this runner took over; True when it goes back in the queue."""
+        if job.state is JobState.DESTROYING:  # a destroy: finish it (bot/destroy.py)
+            await protected(self.destroyer.run(job))
+            return False
         report = await protected(recover_interrupted(self.pipeline, self.backends, job))
         return report is None
 
@@ -189,6 +213,9 @@ class Deployer:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         await self.queue.shutdown(grace_s)
+        with contextlib.suppress(TimeoutError):  # one left unfinished is taken over
+            async with asyncio.timeout(grace_s):
+                await self.destroyer.settle()
         await self.ownership.close()
         await self.addressing.ipam.close()
 
@@ -222,6 +249,7 @@ class Deployer:
         while True:
             await self.ownership.settle()
             await self.queue.drain()
+            await self.destroyer.settle()
             if not self.ownership.recovering and not await self.ownership.claim_queued():
                 return
 
@@ -461,16 +489,22 @@ class Deployer:
 
     async def approve(self, job_id: str, approver: str, *, dedupe_key: str | None = None) -> Job:
         async with self._audited(approver, f"approve {job_id}"):
+            job_id = await self._resolve(job_id)
+            if await self._destroy_waits(job_id):
+                return await self.destroyer.decide(job_id, approver, True, None, dedupe_key)
             return await self.approvals.decide(
-                await self._resolve(job_id), approver, ApprovalState.APPROVED, None, dedupe_key
+                job_id, approver, ApprovalState.APPROVED, None, dedupe_key
             )
 
     async def reject(
         self, job_id: str, approver: str, reason: str, *, dedupe_key: str | None = None
     ) -> Job:
         async with self._audited(approver, f"reject {job_id}"):
+            job_id = await self._resolve(job_id)
+            if await self._destroy_waits(job_id):
+                return await self.destroyer.decide(job_id, approver, False, reason, dedupe_key)
             job = await self.approvals.decide(
-                await self._resolve(job_id), approver, ApprovalState.REJECTED, reason, dedupe_key
+                job_id, approver, ApprovalState.REJECTED, reason, dedupe_key
             )
         await self.addressing.release_quietly(job)
         return job
@@ -484,13 +518,20 @@ class Deployer:
     async def may_decide(self, job_id: str, approver: str) -> Job:
         """Refuse now what a decision would refuse (before asking a reason, say)."""
         async with self._audited(approver, f"decide {job_id}"):
-            return await self.approvals.check_decider(await self._resolve(job_id), approver)
+            job_id = await self._resolve(job_id)
+            if await self._destroy_waits(job_id):
+                return await self.destroyer.check_decider(job_id, approver)
+            return await self.approvals.check_decider(job_id, approver)
+
+    async def _destroy_waits(self, job_id: str) -> bool:
+        """Whether approve/reject of this job is about its destroy, not its deploy."""
+        return (await self._job(job_id)).state is JobState.DESTROY_REQUESTED
 
     async def expire_approvals(self, now: datetime | None = None) -> list[Job]:
         expired = await self.approvals.expire(now)
         for job in expired:
             await self.addressing.release_quietly(job)
-        return expired
+        return expired + await self.destroyer.expire(now)
 
     async def _expire_loop(self, every_s: float) -> None:
         while True:
@@ -508,6 +549,8 @@ class Deployer:
 
     async def _cancel(self, job_id: str, user: str) -> Job:
         job = await self._job(job_id)
+        if job.state is JobState.DESTROY_REQUESTED:  # withdraw the destroy, keep the VM
+            return await self.destroyer.cancel(job, user)
         if user != job.requester and not await self.is_approver(user):
             raise NotAllowed(f"Only {job.requester} or an approver can cancel job {job_id}.")
         if job.state in (JobState.QUEUED, JobState.AWAITING_APPROVAL):
@@ -541,6 +584,30 @@ class Deployer:
             finished_at=utcnow(),
         )
 
+    # --- destroy and list (bot/destroy.py) ----------------------------------------------
+
+    async def request_destroy(
+        self,
+        target: str,
+        user: str,
+        *,
+        can_wait_for_approval: bool = True,
+        dedupe_key: str | None = None,
+    ) -> Job:
+        """Destroy the VM `target` names (its name or job id) now, or once approved."""
+        async with self._audited(user, f"destroy {target[:64]}"):
+            return await self.destroyer.request(
+                target, user, can_wait_for_approval=can_wait_for_approval, dedupe_key=dedupe_key
+            )
+
+    async def list_vms(self, requester: str | None, page: int, per_page: int) -> VMPage:
+        """One page of the VMs deploybot holds (one requester's, or everyone's)."""
+        total = await self.store.count_live(requester)
+        pages = max(1, -(-total // per_page))
+        page = min(max(1, page), pages)
+        jobs = await self.store.live_jobs(requester, per_page, (page - 1) * per_page)
+        return VMPage(jobs, page, pages, total, requester)
+
     async def status(self, job_id: str) -> JobStatus:
         job_id = await self._resolve(job_id)
         # The approval first: one that does not validate sets its job aside, which
@@ -566,47 +633,23 @@ class Deployer:
     # --- per-user settings and front-end references ----------------------------------
 
     async def prefs(self, user: str) -> UserPrefs:
-        """Saved settings to show or prefill a form with. Unreadable ones (the store has
-        quarantined them) show as none, so the person can save new ones over them."""
-        try:
-            return await self.store.get_prefs(user)
-        except RowUnreadable:
-            return UserPrefs(user=user)
+        """Saved settings to show or prefill a form with (bot/prefs.py)."""
+        return await user_prefs.shown(self.store, user)
 
     async def _saved_prefs(self, user: str) -> UserPrefs:
-        """Saved settings for a deploy, which must not go out with other keys than the
-        person saved: unreadable ones are refused, saying how to replace them."""
-        try:
-            return await self.store.get_prefs(user)
-        except RowUnreadable as bad:
-            raise RequestInvalid(
-                [
-                    f"Your saved settings could not be read ({bad.reason}), so they were set "
-                    "aside. Save your SSH key again with `/deploy key ssh-ed25519 AAAA... "
-                    "comment` (or in `/deploy settings`); that replaces them."
-                ]
-            ) from None
+        return await user_prefs.for_deploy(self.store, user)
 
     async def save_ssh_key(self, user: str, text: str) -> UserPrefs:
         """Validate one public key and add it to the user's saved keys."""
         async with self._audited(user, "save key"):
-            try:
-                key = check_ssh_key(text)
-            except ValueError as exc:
-                raise RequestInvalid([f"SSH key: {exc}."]) from None
-            saved = await self.store.add_ssh_key(user, key, MAX_SSH_KEYS)
-            if saved is None:
-                raise RequestInvalid(
-                    [f"You already have {MAX_SSH_KEYS} keys saved; remove one in the settings."]
-                )
-            return saved
+            return await user_prefs.add_key(self.store, user, text)
 
     async def save_prefs(
         self, user: str, ssh_keys: tuple[str, ...], default_template: str | None
     ) -> UserPrefs:
         """Replace the user's keys and default template, after checking both."""
         async with self._audited(user, "save settings"):
-            keys = _check_keys(ssh_keys)
+            keys = user_prefs.check_keys(ssh_keys)
             if default_template is not None:
                 await self._check_template_somewhere(default_template)
             prefs = UserPrefs(user=user, ssh_keys=keys, default_template=default_template)
@@ -622,10 +665,19 @@ class Deployer:
             )
 
     async def set_refs(
-        self, job_id: str, *, thread_ref: str | None = None, approval_ref: str | None = None
+        self,
+        job_id: str,
+        *,
+        thread_ref: str | None = None,
+        approval_ref: str | None = None,
+        destroy_ref: str | None = None,
     ) -> None:
         """Remember where a front end shows this job (kept so a restart can find it)."""
-        fields = {"thread_ref": thread_ref, "approval_ref": approval_ref}
+        fields = {
+            "thread_ref": thread_ref,
+            "approval_ref": approval_ref,
+            "destroy_ref": destroy_ref,
+        }
         await self.store.update_job(job_id, **{k: v for k, v in fields.items() if v})
 
     async def _resolve(self, text: str) -> str:
@@ -634,21 +686,6 @@ class Deployer:
 
     async def _job(self, job_id: str) -> Job:
         return await jobrefs.load(self.store, job_id)
-
-
-def _check_keys(texts: tuple[str, ...]) -> tuple[str, ...]:
-    keys: list[str] = []
-    problems: list[str] = []
-    for number, text in enumerate(texts, start=1):
-        try:
-            keys.append(check_ssh_key(text))
-        except ValueError as exc:
-            problems.append(f"SSH key {number}: {exc}.")
-    if len(keys) > MAX_SSH_KEYS:
-        problems.append(f"Save at most {MAX_SSH_KEYS} SSH keys.")
-    if problems:
-        raise RequestInvalid(problems)
-    return tuple(keys)
 
 
 def _already_have(job_id: str) -> str:

@@ -174,6 +174,11 @@ class ApprovalPolicy(_Section):
     memory_mib_over: int | None = None
     disk_grow_gib_over: int | None = None
     expire_after_s: float = Field(default=3600, gt=0)
+    # Destroys (bot/destroy.py): whether one waits for an approver, and who may ask for
+    # one besides the VM's requester and the approvers (people, and chat user groups).
+    destroy: Literal["never", "always"] = "never"
+    destroyers: tuple[str, ...] = ()
+    destroyer_groups: tuple[str, ...] = ()
 
     @property
     def has_rules(self) -> bool:
@@ -184,6 +189,7 @@ class ApprovalPolicy(_Section):
             or self.cores_over is not None
             or self.memory_mib_over is not None
             or self.disk_grow_gib_over is not None
+            or self.destroy == "always"
         )
 
     @model_validator(mode="after")

@@ -88,18 +88,29 @@ async def retrying(
         await asyncio.sleep(pause)
 
 
-async def remove_vm(backend: Backend, ref: VMRef, timeouts: Timeouts) -> None:
+# Told of each move of `remove_vm`: (move, None) before it, (move, seconds) once done.
+OnMove = Callable[[str, float | None], Awaitable[None]]
+
+
+async def remove_vm(
+    backend: Backend, ref: VMRef, timeouts: Timeouts, on_move: OnMove | None = None
+) -> None:
     """Stop (and wait), then destroy (and wait); each under its timeout, with retries.
 
     Raises the BackendError of the move that failed, or a TimeoutError that says which
     move ran out of time and the last error it met (a lock, a refusal) rather than
-    only "timed out".
+    only "timed out". A destroy (bot/destroy.py) follows each move with `on_move`, so
+    its thread shows them and a restart can tell how far it got.
     """
     moves = (
         ("stop", backend.power_off, timeouts.power_off_s),
         ("destroy", backend.destroy, timeouts.destroy_s),
     )
+    loop = asyncio.get_running_loop()
     for what, move, limit_s in moves:
+        if on_move is not None:
+            await on_move(what, None)
+        began = loop.time()
         seen: list[str] = []
         try:
             async with asyncio.timeout(limit_s):
@@ -107,3 +118,5 @@ async def remove_vm(backend: Backend, ref: VMRef, timeouts: Timeouts) -> None:
         except TimeoutError:
             last = f" (last: {seen[-1]})" if seen else ""
             raise TimeoutError(f"{what} timed out after {limit_s:g} s{last}") from None
+        if on_move is not None:
+            await on_move(what, loop.time() - began)

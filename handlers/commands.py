@@ -5,13 +5,16 @@ from __future__ import annotations
 import logging
 
 from bot.errors import DeployBotError
+from bot.models import utcnow
 from bot.parser import (
     Approve,
     Cancel,
     Command,
     DeployArgs,
+    Destroy,
     Help,
     History,
+    ListVMs,
     Reject,
     SaveKey,
     ShowSettings,
@@ -19,7 +22,7 @@ from bot.parser import (
     Templates,
     parse,
 )
-from bot.service import Deployer
+from bot.service import Deployer, VMPage
 from handlers import messages
 
 log = logging.getLogger(__name__)
@@ -63,4 +66,18 @@ async def run_command(deployer: Deployer, user: str, command: Command) -> list[s
             return [messages.key_saved(await deployer.save_ssh_key(user, text))]
         case ShowSettings():
             return messages.user_settings(await deployer.prefs(user))
+        case Destroy(target):
+            return [messages.destroy_answer(await deployer.request_destroy(target, user))]
+        case ListVMs():
+            page = await list_page(deployer, user, command)
+            return messages.list_lines(page, user, utcnow())
     return messages.HELP.splitlines()
+
+
+LIST_PER_PAGE = 10  # rows a page; Slack's Block Kit page stays far under 50 blocks
+
+
+async def list_page(deployer: Deployer, user: str, command: ListVMs) -> VMPage:
+    """The page `/deploy list` asks for: mine (default), all, or one person's."""
+    whose = None if command.everyone else (command.user or user)
+    return await deployer.list_vms(whose, command.page, LIST_PER_PAGE)

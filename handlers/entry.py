@@ -11,12 +11,13 @@ from collections.abc import Sequence
 
 from bot import gc
 from bot.check import run_checks
-from bot.cli import run
-from bot.models import JobState
-from bot.parser import DeployArgs, parse
+from bot.cli import default_user, run
+from bot.models import JobState, utcnow
+from bot.parser import DeployArgs, ListVMs, parse
 from bot.runtime import make_backend, open_store, running_deployer
 from bot.settings import Settings
 from handlers import messages
+from handlers.commands import list_page
 from handlers.demo import run_demo
 from handlers.terminal import Shell, TerminalThread
 
@@ -51,6 +52,31 @@ async def deploy(args: argparse.Namespace, settings: Settings) -> int:
         await deployer.drain()
         final = (await deployer.status(job.id)).job
     return 0 if final.state is JobState.SUCCEEDED else 1
+
+
+async def list_vms(args: argparse.Namespace, settings: Settings) -> int:
+    me = default_user()
+    command = ListVMs(everyone=args.all, user=args.user, page=max(1, args.page))
+    async with running_deployer(
+        settings, TerminalThread(), runner_kind="list", takes_over=False, start=False
+    ) as deployer:  # only reads the store: no runner, no recovery
+        page = await list_page(deployer, me, command)
+    print("\n".join(messages.list_lines(page, me, utcnow())))
+    return 0
+
+
+async def destroy(args: argparse.Namespace, settings: Settings) -> int:
+    # A one-shot runner, like `deploy`: it carries out its own destroy and waits for it.
+    async with running_deployer(
+        settings, TerminalThread(), runner_kind="destroy", takes_over=False
+    ) as deployer:
+        job = await deployer.request_destroy(args.target, args.user, can_wait_for_approval=False)
+        await deployer.drain()
+        final = (await deployer.status(job.id)).job
+    if final.state is not JobState.DESTROYED:
+        print(messages.destroy_answer(final), file=sys.stderr)
+        return 1
+    return 0
 
 
 async def history(args: argparse.Namespace, settings: Settings) -> int:
@@ -140,6 +166,8 @@ COMMANDS = {
     "shell": shell,
     "deploy": deploy,
     "history": history,
+    "list": list_vms,
+    "destroy": destroy,
     "check-config": check_config,
     "check": check,
     "serve": serve,

@@ -14,7 +14,7 @@ from bot.check import CheckResult
 from bot.gc import GcReport
 from bot.models import Approval, ApprovalState, Job, JobEvent, JobState, RollbackReport, UserPrefs
 from bot.parser import SUBCOMMAND_USAGE, USAGE
-from bot.service import JobStatus
+from bot.service import JobStatus, VMPage
 
 STEP_LABELS = {
     "check_free": "check name and address",
@@ -26,6 +26,8 @@ STEP_LABELS = {
     "ssh": "check SSH",
     "register": "mark the address in use (IPAM)",
     "rollback": "roll back",
+    "stop": "stop the VM",
+    "destroy": "destroy the VM",
 }
 
 STATE_LABELS = {
@@ -39,6 +41,9 @@ STATE_LABELS = {
     JobState.REJECTED: "rejected",
     JobState.EXPIRED: "expired",
     JobState.RELEASED: "released (VM gone)",
+    JobState.DESTROY_REQUESTED: "destroy awaiting approval",
+    JobState.DESTROYING: "being destroyed",
+    JobState.DESTROYED: "destroyed",
 }
 
 HELP = "\n".join(
@@ -59,6 +64,8 @@ SHELL_HELP = "\n".join(
         "  as NAME              act as another person (to approve, for instance)",
         "  approve JOB          short for /deploy approve JOB",
         "  reject JOB REASON    short for /deploy reject JOB REASON",
+        "  destroy NAME         short for /deploy destroy NAME",
+        "  list [all|@USER]     short for /deploy list ...",
         "  quit                 leave, once running deploys have finished",
     ]
 )
@@ -99,7 +106,23 @@ def job_update(job: Job, note: str = "") -> str:
         return "nobody approved it in time, so it expired. Ask again when an approver is around."
     if state is JobState.CANCELLED:
         return f"{note or 'cancelled'}. Nothing was built."
-    return STATE_LABELS[state]
+    return destroy_update(job, note) or STATE_LABELS[state]
+
+
+def destroy_update(job: Job, note: str) -> str | None:
+    """A destroy's state change (bot/destroy.py), said with what happens next."""
+    state = job.state
+    if state is JobState.DESTROY_REQUESTED:
+        return (
+            f"{job.destroy_by} asked to destroy it; waiting for approval. An approver "
+            f"answers `approve {job.id}` or `reject {job.id} REASON`."
+        )
+    if state is JobState.DESTROYING:
+        by = f"{note}; " if note else ""
+        return f"{by}destroying: stopping the VM, then removing it."
+    if state is JobState.SUCCEEDED and note:  # a destroy refused, rejected or withdrawn
+        return note if note.endswith(".") else f"{note}."
+    return None
 
 
 def approved(job: Job, approver: str) -> str:
@@ -148,6 +171,8 @@ def finished(job: Job, rollback: RollbackReport | None) -> list[str]:
         if job.host_key:
             lines.append(f"Its host key is {job.host_key}: check that ssh shows the same.")
         return lines
+    if job.state is JobState.DESTROYED:
+        return [destroyed(job)]
     if job.state is JobState.CANCELLED:
         lines = ["cancelled."]
     else:
@@ -166,6 +191,8 @@ def slack_outcome_dm(job: Job) -> str:
         return f"{where} is ready: `{job.ssh_line}`"
     if job.state is JobState.CANCELLED:
         return f"{where} was cancelled; its thread says what was removed."
+    if job.state is JobState.DESTROYED:
+        return f"{where} was destroyed; its name and address are free again."
     step = step_label(job.failed_step) if job.failed_step else "an earlier step"
     return f"{where} failed at {step}: {job.error}. Its thread says what was rolled back."
 
@@ -201,6 +228,13 @@ def status(info: JobStatus) -> list[str]:
     if info.approval and info.approval.decided_by:
         verb = info.approval.state.value
         lines.append(f"  {verb} by {info.approval.decided_by} at {info.approval.decided_at:%H:%M}")
+    if job.destroy_by and job.destroy_asked_at:
+        approved = f", approved by {job.destroy_approver}" if job.destroy_approver else ""
+        gone = f"; gone at {job.destroyed_at:%H:%M} UTC" if job.destroyed_at else ""
+        lines.append(
+            f"  destroy asked by {job.destroy_by} at {job.destroy_asked_at:%Y-%m-%d %H:%M} UTC"
+            f"{approved}{gone}"
+        )
     lines.extend(f"  {_event_line(e)}" for e in info.events)
     if job.ssh_line and job.state is JobState.SUCCEEDED:
         lines.append(f"  {job.ssh_line}")
@@ -249,14 +283,137 @@ def _template(template: Template) -> str:
     return f"{template.name} ({template.os_family}{refused})"
 
 
+def destroyed(job: Job) -> str:
+    who = [f"asked by {job.destroy_by}"] if job.destroy_by else []
+    who += [f"approved by {job.destroy_approver}"] if job.destroy_approver else []
+    by = f" ({', '.join(who)})" if who else ""
+    return (
+        f"destroyed{by}: VM {job.vm_id} is gone from {job.backend}; {job.name} and "
+        f"{job.address} are free again."
+    )
+
+
+def destroy_answer(job: Job) -> str:
+    """The answer to `/deploy destroy`: what happens now."""
+    if job.state is JobState.DESTROY_REQUESTED:
+        return (
+            f"Job {job.id}: destroying {job.name} needs approval; I have asked the "
+            f"approvers. Withdraw it with `/deploy cancel {job.id}`."
+        )
+    if job.state is JobState.DESTROYED:
+        return f"Job {job.id}: {destroyed(job)}"
+    if job.state is JobState.SUCCEEDED:  # refused or failed at once: the VM stays
+        return f"Job {job.id}: {job.name} was not destroyed; `/deploy status {job.id}` says why."
+    return f"Job {job.id}: destroying {job.name} {job.address} on {job.backend}. Watch its thread."
+
+
+def destroy_withdrawn(job: Job) -> str:
+    return f"Job {job.id}: the destroy was withdrawn; {job.name} stays."
+
+
+def list_title(page: VMPage, me: str) -> str:
+    whose = (
+        "Everyone's VMs"
+        if page.requester is None
+        else ("Your VMs" if page.requester == me else f"VMs of {page.requester}")
+    )
+    return f"{whose}: {page.total} (page {page.page} of {page.pages})"
+
+
+def list_empty(page: VMPage, me: str) -> str:
+    if page.requester == me:
+        return "You have no VMs from deploybot. Deploy one with /deploy web01."
+    if page.requester is None:
+        return "deploybot holds no VMs at all. Deploy one with /deploy web01."
+    return f"{page.requester} has no VMs from deploybot. `/deploy list all` shows everyone's."
+
+
+def age(job: Job, now: datetime) -> str:
+    seconds = max(0, int((now - job.created_at).total_seconds()))
+    if seconds < 3600:
+        return f"{seconds // 60}m"
+    if seconds < 86400:
+        return f"{seconds // 3600}h"
+    return f"{seconds // 86400}d"
+
+
+def list_row(job: Job, now: datetime) -> str:
+    """Mrkdwn: one VM of `/deploy list`; what people typed is escaped."""
+    address = job.final_address or job.address
+    where = escape(f"{job.name}")
+    return (
+        f"*{where}* `{address}` on {escape(job.backend)} · {age(job, now)} old · "
+        f"lease end {LEASE_NONE} · {STATE_LABELS[job.state]} · job {job.short_id} · "
+        f"{mention(job.requester)}"
+    )
+
+
+def destroy_confirm(job: Job) -> str:
+    return (
+        f"VM {job.vm_id} on {job.backend} ({job.name}, {job.final_address or job.address}) "
+        "will be stopped and removed for good."
+    )
+
+
+def destroy_needed(job: Job) -> str:
+    """The destroy card's notification text (plain)."""
+    return f"Destroy needs approval: {job.name} {job.address} (job {job.id})"
+
+
+def destroy_summary(job: Job) -> str:
+    """Mrkdwn: the destroy card; every value from the request escaped."""
+    asker = mention(job.destroy_by) if job.destroy_by else "someone"
+    what = escape(f"asks to destroy {job.name} {job.final_address or job.address}")
+    details = escape(
+        f"VM {job.vm_id} on {job.backend}, deployed on {job.created_at:%Y-%m-%d %H:%M} UTC. "
+        f"Job {job.id}."
+    )
+    return f"*{asker} {what}* (deployed by {mention(job.requester)})\n{details}"
+
+
+def destroy_decision(note: str) -> str:
+    """Plain: what replaces the destroy card's buttons (the core's note names people by
+    id; the front end makes them mentions)."""
+    said = note[:1].upper() + note[1:] if note else "Decided"
+    mark = ":white_check_mark:" if "approved" in note else ":no_entry_sign:"
+    return f"{mark} {said}."
+
+
+LEASE_NONE = "—"  # leases come later (issue 15, part B): no VM has an end yet
+
+
+def list_lines(page: VMPage, me: str, now: datetime) -> list[str]:
+    """`/deploy list` as a table (the shell, the CLI)."""
+    if not page.jobs:
+        return [list_empty(page, me)]
+    lines = [
+        list_title(page, me),
+        f"{'name':<16} {'address':<15} {'backend':<10} {'age':>4} {'lease end':<10} "
+        f"{'state':<26} job",
+    ]
+    for job in page.jobs:
+        lines.append(
+            f"{job.name:<16.16} {job.final_address or job.address:<15} {job.backend:<10.10} "
+            f"{age(job, now):>4} {LEASE_NONE:<10} {STATE_LABELS[job.state]:<26} {job.short_id}"
+        )
+    if page.page < page.pages:
+        lines.append(f"More: add page={page.page + 1}.")
+    return lines
+
+
 def cancelling(job: Job) -> str:
+    if job.state is JobState.SUCCEEDED:  # a destroy awaiting approval was withdrawn
+        return destroy_withdrawn(job)
     if job.state is JobState.CANCELLED:
         return f"Job {job.id} cancelled before it started; nothing was built."
     return f"Cancelling job {job.id}: whatever was built is being removed. Watch the thread."
 
 
 def unknown_shell_input() -> str:
-    return "I only understand /deploy ..., as NAME, approve JOB, reject JOB REASON and quit."
+    return (
+        "I only understand /deploy ..., as NAME, approve JOB, reject JOB REASON, destroy NAME, "
+        "list and quit."
+    )
 
 
 def switched_user(user: str) -> str:
@@ -472,7 +629,8 @@ def bad_http_address(text: str) -> str:
 def slack_headline(job: Job, step: str | None) -> str:
     """Mrkdwn: the parent message, the headline plus the step while a deploy runs."""
     text = escape(headline(job))
-    return f"{text} ({step_label(step)})" if step and job.state is JobState.RUNNING else text
+    working = job.state in (JobState.RUNNING, JobState.DESTROYING)
+    return f"{text} ({step_label(step)})" if step and working else text
 
 
 def slack_step(step: str, duration_s: float, ok: bool, detail: str) -> str:

@@ -90,7 +90,7 @@ class Shell:
             return True
         if head == "/deploy":
             command = text[len(words[0]) :]
-        elif head in ("approve", "reject", "status", "cancel", "history"):
+        elif head in ("approve", "reject", "status", "cancel", "history", "destroy", "list"):
             command = text
         else:
             self._reply([messages.unknown_shell_input()])

@@ -28,6 +28,7 @@ from bot.models import (
 from store import (
     addresses,
     approvals,
+    destroys,
     durations,
     gc,
     inbox,
@@ -251,6 +252,31 @@ class Store:
 
     async def jobs_in(self, states: Iterable[JobState]) -> list[Job]:
         return await self._call(jobs.jobs_in, tuple(states))
+
+    async def live_jobs(self, requester: str | None, limit: int, offset: int = 0) -> list[Job]:
+        """Jobs that hold their VM (store/destroys.py), newest first: one page."""
+        return await self._call(destroys.live, requester, limit, offset)
+
+    async def count_live(self, requester: str | None) -> int:
+        return await self._call(destroys.count_live, requester)
+
+    async def transition_once(
+        self,
+        dedupe_key: str | None,
+        job_id: str,
+        expected: Iterable[JobState],
+        new: JobState,
+        *,
+        notices: Sequence[Notice] = (),
+        **fields: Any,
+    ) -> bool:
+        """A compare-and-set that claims a chat delivery with it (a destroy's decision):
+        raises `AlreadyDelivered` for a key seen before."""
+        moved = await self._write(
+            destroys.transition_once, dedupe_key, job_id, tuple(expected), new, notices, **fields
+        )
+        self._noticed(moved and bool(notices))
+        return moved
 
     # --- addresses (bot/addressing.py) ---------------------------------------------
 

@@ -13,7 +13,7 @@ from sqlite_utils import Database
 from bot.models import new_installation_id
 from store.sql import SqliteDb
 
-# Jobs in these states hold their VM name and address (bot.models.HOLDING_STATES).
+# Jobs in these states held their VM name and address up to v8 (HOLDING_V9 since).
 _HOLDING = "('awaiting_approval', 'queued', 'running', 'rolling_back', 'succeeded')"
 
 
@@ -239,7 +239,36 @@ def _v8(db: Database) -> None:
     db.table("jobs").create_index(["ipam_state", "state"])
 
 
-MIGRATIONS: list[Callable[[Database], None]] = [_v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8]
+# From v9 on a job on its way to being destroyed holds its name and address too.
+HOLDING_V9 = (
+    "('awaiting_approval', 'queued', 'running', 'rolling_back', 'succeeded', "
+    "'destroy_requested', 'destroying')"
+)
+DESTROY_COLUMNS = (
+    "destroy_by",
+    "destroy_asked_at",
+    "destroy_approver",
+    "destroyed_at",
+    "destroy_ref",
+)
+
+
+def _v9(db: Database) -> None:
+    """Destroys (bot/destroy.py): who asked, who approved, when it was gone; and the
+    unique indexes widened to the destroy states, whose VMs still exist."""
+    for column in DESTROY_COLUMNS:
+        db.table("jobs").add_column(column, str)
+    db.execute("DROP INDEX jobs_active_name")
+    db.execute("DROP INDEX jobs_active_address")
+    db.execute(
+        f"CREATE UNIQUE INDEX jobs_active_name ON jobs(backend, name) WHERE state IN {HOLDING_V9}"
+    )
+    db.execute(
+        f"CREATE UNIQUE INDEX jobs_active_address ON jobs(address) WHERE state IN {HOLDING_V9}"
+    )
+
+
+MIGRATIONS: list[Callable[[Database], None]] = [_v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

@@ -22,9 +22,10 @@ from store.jobs import SELECT_JOBS, listing
 from store.sql import Db, immediate
 from store.tx import ts
 
-# States in which a job has an owner: reserved by it (queued) or being worked on.
-_OWNED = ("queued", "running", "rolling_back")
-_OWNED_SQL = "('queued', 'running', 'rolling_back')"
+# States in which a job has an owner: reserved by it (queued) or being worked on (a
+# deploy, its rollback, or a destroy: bot/destroy.py).
+_OWNED = ("queued", "running", "rolling_back", "destroying")
+_OWNED_SQL = "('queued', 'running', 'rolling_back', 'destroying')"
 # A lease that is NULL, or before now, has expired; so has one of a dead runner.
 _EXPIRED = "(lease_until IS NULL OR lease_until < :now)"
 RUNNERS_KEPT_DAYS = 7
@@ -148,7 +149,7 @@ def abandoned(db: Db, now: datetime) -> list[Job]:
     """Jobs being worked on whose owner's lease has passed (the owner died or hangs)."""
     return listing(
         db,
-        f"{SELECT_JOBS} WHERE state IN ('running', 'rolling_back') AND {_EXPIRED} "
+        f"{SELECT_JOBS} WHERE state IN ('running', 'rolling_back', 'destroying') AND {_EXPIRED} "
         "ORDER BY created_at, rowid",
         {"now": ts(now)},
     )

@@ -3,7 +3,8 @@
 Not collected by itself: each backend has a `tests/test_<kind>_contract.py` that
 defines a `backend` fixture (a fresh backend with at least one template) and a
 `hand_built` fixture (`HandBuilt`: make a VM the way someone else would, not through
-deploybot and without a job tag, whose guest uses a given address), and does
+deploybot and without a job tag, whose guest uses a given address), an `untag` fixture
+(`Untag`: remove a VM's job tag the way a person would, on the hypervisor), and does
 `from tests.contract import *`, so the same tests run against it unchanged.
 """
 
@@ -24,6 +25,8 @@ from backends.base import (
     VMRef,
     job_tag,
 )
+from bot.settings import Timeouts
+from bot.waiting import remove_vm
 
 IDENTITY = Identity(
     hostname="contract01",
@@ -43,6 +46,9 @@ IDENTITY = Identity(
 
 # (name, address) -> the VM's id as the backend names VMs (VMInfo.vm_id).
 HandBuilt = Callable[[str, ipaddress.IPv4Address], Awaitable[str]]
+# Remove the job tag from a VM by hand (the web UI, govc): deploybot must then refuse it.
+Untag = Callable[[VMRef], Awaitable[None]]
+TIMEOUTS = Timeouts(power_off_s=60, destroy_s=60, retry_initial_s=0.05, retry_max_s=0.5)
 
 
 async def first_template(backend: Backend) -> str:
@@ -153,3 +159,41 @@ async def test_addresses_in_use_lists_our_own_vm_and_forgets_it_when_gone(
     await backend.power_off(ref)
     await backend.destroy(ref)
     assert ref.vm_id not in {u.vm_id for u in await backend.addresses_in_use()}
+
+
+async def running_vm(backend: Backend, job_id: str) -> VMRef:
+    """A deployed VM as a destroy finds it (named IDENTITY.hostname, running)."""
+    spec = CloneSpec(job_id, IDENTITY.hostname, await first_template(backend))
+    ref = await backend.prepare_clone(spec)
+    await backend.clone(spec, ref)
+    await backend.apply_identity(ref, IDENTITY)
+    await backend.power_on(ref)
+    assert (await backend.find_vm(ref)).running  # type: ignore[union-attr]
+    return ref
+
+
+async def test_destroy_stops_and_removes_a_running_vm(backend: Backend) -> None:
+    """`/deploy destroy` takes the rollback's path (bot/waiting.remove_vm): stop and
+    wait, then destroy and wait; done twice (a destroy taken over) it removes once."""
+    ref = await running_vm(backend, "jdestry")
+    moves: list[tuple[str, bool]] = []
+
+    async def on_move(step: str, took_s: float | None) -> None:
+        moves.append((step, took_s is not None))
+
+    await remove_vm(backend, ref, TIMEOUTS, on_move)
+    assert moves == [("stop", False), ("stop", True), ("destroy", False), ("destroy", True)]
+    assert await backend.find_vm(ref) is None
+    assert not await backend.find_by_name(IDENTITY.hostname)
+    await remove_vm(backend, ref, TIMEOUTS)  # gone is gone
+
+
+async def test_destroy_refuses_a_vm_whose_tag_was_removed_by_hand(
+    backend: Backend, untag: Untag
+) -> None:
+    ref = await running_vm(backend, "jkeepme")
+    await untag(ref)
+    with pytest.raises(NotOurVM):
+        await remove_vm(backend, ref, TIMEOUTS)
+    (left,) = await backend.find_by_name(IDENTITY.hostname)
+    assert left.vm_id == ref.vm_id and left.running, "nothing may be touched"

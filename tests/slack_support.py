@@ -114,28 +114,26 @@ class Harness:
     async def click(
         self, card: Call, action_id: str, user: str, *, action_ts: str | None = None
     ) -> BoltResponse:
-        """Press a button of a message the bot posted (`card` is its chat.postMessage)."""
-        button = _button(card.args["blocks"], action_id)
+        """Press a button of a message the bot posted (`card` is its chat.postMessage,
+        chat.update or chat.postEphemeral)."""
+        button, block_id = _button(card.args["blocks"], action_id)
         channel = card.channel
+        ts = card.answer.get("ts") or card.answer["message_ts"]
         payload = {
             "type": "block_actions",
             "team": {"id": "T0000001", "domain": "fake"},
             "user": {"id": user, "username": PEOPLE.get(user, user), "team_id": "T0000001"},
             "api_app_id": "A0000001",
             "token": "legacy-verification-token",
-            "container": {
-                "type": "message",
-                "message_ts": card.answer["ts"],
-                "channel_id": channel,
-            },
+            "container": {"type": "message", "message_ts": ts, "channel_id": channel},
             "trigger_id": self.fake.new_trigger(),
             "channel": {"id": channel, "name": "approvals"},
-            "message": {"ts": card.answer["ts"], "blocks": card.args["blocks"]},
+            "message": {"ts": ts, "blocks": card.args["blocks"]},
             "actions": [
                 {
                     "type": "button",
                     "action_id": button["action_id"],
-                    "block_id": "decision",
+                    "block_id": block_id,
                     "value": button["value"],
                     "action_ts": action_ts or self.action_ts(),
                 }
@@ -211,11 +209,13 @@ class Harness:
         await self.threads.idle()
 
 
-def _button(blocks: list[dict[str, Any]], action_id: str) -> dict[str, Any]:
+def _button(blocks: list[dict[str, Any]], action_id: str) -> tuple[dict[str, Any], str]:
+    """The first button with this action id (in an actions block, or a section's
+    accessory) and its block's id."""
     for block in blocks:
-        for element in block.get("elements", []):
+        for element in [*block.get("elements", []), block.get("accessory") or {}]:
             if element.get("action_id") == action_id:
-                return dict(element)
+                return dict(element), str(block.get("block_id", "decision"))
     raise AssertionError(f"no {action_id} button in {blocks}")
 
 

@@ -196,3 +196,43 @@ def test_serve_without_a_token_says_which_variable(
     monkeypatch.delenv("SLACK_BOT_TOKEN", raising=False)
     result = deploybot(tmp_path, "serve")
     assert result.returncode == 2 and "SLACK_BOT_TOKEN is not set" in result.stderr
+
+
+# The simulator keeps its VMs in a file, so a VM one process made is there for the next.
+KEPT = CONFIG.replace("time_scale = 0.001", 'time_scale = 0.001\nstate_file = "{tmp}/sim.json"')
+
+
+def test_list_and_destroy_from_the_cli(tmp_path: Path) -> None:
+    for name, address in (("web01", "10.0.0.50"), ("web02", "10.0.0.51")):
+        made = deploybot(tmp_path, "deploy", name, address, "--user", "alice", config=KEPT)
+        assert made.returncode == 0, made.stdout + made.stderr
+    listed = deploybot(tmp_path, "list", "--user", "alice", config=KEPT)
+    assert listed.returncode == 0, listed.stderr
+    rows = listed.stdout.splitlines()
+    assert rows[0] == "VMs of alice: 2 (page 1 of 1)"
+    assert rows[1].split() == ["name", "address", "backend", "age", "lease", "end", "state", "job"]
+    assert rows[2].split()[:6] == ["web02", "10.0.0.51", "sim", "0m", "—", "ready"]
+    stranger = deploybot(tmp_path, "destroy", "web01", "--user", "mallory", config=KEPT)
+    assert stranger.returncode == 2 and "Only alice (who deployed web01)" in stranger.stderr
+    no_traceback(stranger)
+    unknown = deploybot(tmp_path, "destroy", "web99", "--user", "alice", config=KEPT)
+    assert unknown.returncode == 2 and "holds no VM called web99" in unknown.stderr
+    gone = deploybot(tmp_path, "destroy", "web01", "--user", "alice", config=KEPT)
+    assert gone.returncode == 0, gone.stdout + gone.stderr
+    assert "✓ stop the VM" in gone.stdout and "✓ destroy the VM" in gone.stdout
+    assert "web01 and 10.0.0.50 are free again" in gone.stdout
+    everyone = deploybot(tmp_path, "list", "--all", config=KEPT)
+    assert "web01" not in everyone.stdout and "web02" in everyone.stdout
+    again = deploybot(tmp_path, "destroy", "web01", "--user", "alice", config=KEPT)
+    assert again.returncode == 2 and "holds no VM called web01" in again.stderr
+    history = deploybot(tmp_path, "history", "--state", "destroyed", config=KEPT)
+    assert "web01" in history.stdout and "destroyed" in history.stdout
+
+
+def test_a_destroy_needing_approval_is_refused_by_the_one_shot_cli(tmp_path: Path) -> None:
+    config = KEPT.replace("cores_over = 8", 'cores_over = 8\ndestroy = "always"')
+    made = deploybot(tmp_path, "deploy", "web01", "10.0.0.50", "--user", "alice", config=config)
+    assert made.returncode == 0, made.stdout + made.stderr
+    refused = deploybot(tmp_path, "destroy", "web01", "--user", "alice", config=config)
+    assert refused.returncode == 2 and "Destroys need approval here" in refused.stderr
+    assert "ready" in deploybot(tmp_path, "list", "--user", "alice", config=config).stdout

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import ipaddress
+import re
 from collections.abc import AsyncIterator
 
 import pytest
 
-from backends.base import Backend
+from backends.base import Backend, VMRef
 from tests.contract import *  # noqa: F403
-from tests.contract import HandBuilt
+from tests.contract import HandBuilt, Untag
 from tests.fakepve import testing
 from tests.fakepve.server import FakePVE
 from tests.fakepve.testing import make_backend
@@ -37,3 +38,16 @@ def hand_built(pve: FakePVE) -> HandBuilt:
         return str(vmid)
 
     return build
+
+
+@pytest.fixture
+def untag(pve: FakePVE) -> Untag:
+    """The tag deleted in the web UI: from `tags`, and the `tag:` line of the notes."""
+
+    async def remove(ref: VMRef) -> None:
+        config = pve.cluster.vms[int(ref.vm_id)].config
+        config.pop("tags", None)
+        notes = re.sub(r"(?m)^tag: \S+\n?", "", str(config.get("description", "")))
+        config["description"] = notes
+
+    return remove

@@ -7,10 +7,10 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from backends.base import Backend
+from backends.base import Backend, VMRef
 from backends.sim import SimBackend
 from tests.contract import *  # noqa: F403
-from tests.contract import HandBuilt
+from tests.contract import HandBuilt, Untag
 
 
 @pytest.fixture
@@ -31,3 +31,11 @@ def hand_built(sim: SimBackend) -> HandBuilt:
         return sim.add_vm(name, address=address)
 
     return build
+
+
+@pytest.fixture
+def untag(sim: SimBackend) -> Untag:
+    async def remove(ref: VMRef) -> None:
+        sim.vms[ref.vm_id].tags.clear()
+
+    return remove

@@ -14,7 +14,7 @@ from bot.models import Approval, ApprovalState, Job, JobEvent, JobState, utcnow
 from bot.parser import parse
 from bot.requests import build_request
 from bot.settings import Settings
-from store.db import DuplicateActive, Store
+from store.db import AlreadyDelivered, DuplicateActive, Store
 from store.migrations import SCHEMA_VERSION
 from store.sql import Conflict, Db, SqliteDb
 from tests.postgres_support import PASSWORD_ENV
@@ -312,7 +312,7 @@ async def test_v6_closes_approvals_that_cancels_left_pending(
     from sqlite_utils import Database
 
     from store.jobs import job_row
-    from store.migrations import MIGRATIONS
+    from store.migrations import DESTROY_COLUMNS, MIGRATIONS
 
     path = tmp_path / "old.db"
     db = Database(sqlite3.connect(path))
@@ -322,7 +322,7 @@ async def test_v6_closes_approvals_that_cancels_left_pending(
     cancelled = make_job(settings, "web01", "10.0.0.50", state=JobState.CANCELLED)
     waiting = make_job(settings, "web02", "10.0.0.51", state=JobState.AWAITING_APPROVAL)
     for job in (cancelled, waiting):
-        later = ("ipam_ref", "ipam_state")  # columns of v8
+        later = ("ipam_ref", "ipam_state", *DESTROY_COLUMNS)  # columns of v8 and v9
         db.table("jobs").insert({k: v for k, v in job_row(job).items() if k not in later})
         approval = Approval(job_id=job.id, reason_required="x", expires_at=utcnow())
         db.table("approvals").insert(
@@ -339,3 +339,56 @@ async def test_v6_closes_approvals_that_cancels_left_pending(
         assert await store.quarantine_records() == []
     finally:
         await store.close()
+
+
+async def test_destroy_states_hold_the_name_and_destroyed_frees_it(
+    store: Store, settings: Settings
+) -> None:
+    """Migration v9 widened the unique indexes: a VM on its way out still holds its
+    name and address; once destroyed, both are free."""
+    job = await store.insert_job(make_job(settings, state=JobState.SUCCEEDED))
+    for state in (JobState.DESTROY_REQUESTED, JobState.DESTROYING):
+        moved = await store.transition(job.id, [JobState.SUCCEEDED, *TRANSITIONS_TO[state]], state)
+        assert moved
+        with pytest.raises(DuplicateActive):
+            await store.insert_job(make_job(settings))
+    assert await store.transition(job.id, [JobState.DESTROYING], JobState.DESTROYED)
+    again = await store.insert_job(make_job(settings))
+    assert again.id != job.id
+
+
+TRANSITIONS_TO = {
+    JobState.DESTROY_REQUESTED: [],
+    JobState.DESTROYING: [JobState.DESTROY_REQUESTED],
+}
+
+
+async def test_a_destroy_decision_claims_its_delivery_once(
+    store: Store, settings: Settings
+) -> None:
+    job = await store.insert_job(make_job(settings, state=JobState.SUCCEEDED))
+    ask = [JobState.SUCCEEDED]
+    assert await store.transition_once("click:1", job.id, ask, JobState.DESTROY_REQUESTED)
+    with pytest.raises(AlreadyDelivered):  # the same click again: nothing moves
+        await store.transition_once(
+            "click:1", job.id, [JobState.DESTROY_REQUESTED], JobState.DESTROYING
+        )
+    got = await store.get_job(job.id)
+    assert got is not None and got.state is JobState.DESTROY_REQUESTED
+    # A losing compare-and-set keeps no delivery: the key may be used for what it asked.
+    assert not await store.transition_once("click:2", job.id, ask, JobState.DESTROYING)
+    assert await store.delivered("click:2") is None
+
+
+async def test_live_jobs_are_listed_a_page_at_a_time(store: Store, settings: Settings) -> None:
+    for number in range(5):
+        await store.insert_job(
+            make_job(settings, f"web{number}", f"10.0.0.{50 + number}", state=JobState.SUCCEEDED)
+        )
+    await store.insert_job(make_job(settings, "db01", "10.0.0.60", requester="bob"))
+    ended = await store.insert_job(make_job(settings, "old01", "10.0.0.61", state=JobState.FAILED))
+    assert await store.count_live("alice") == 5 and await store.count_live(None) == 6
+    first = await store.live_jobs("alice", 2, 0)
+    assert [j.name for j in first] == ["web4", "web3"]
+    assert [j.name for j in await store.live_jobs("alice", 2, 4)] == ["web0"]
+    assert ended.id not in {j.id for j in await store.live_jobs(None, 10, 0)}

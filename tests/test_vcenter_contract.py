@@ -12,9 +12,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from backends.base import Backend
+from backends.base import Backend, VMRef
 from tests.contract import *  # noqa: F403
-from tests.contract import HandBuilt
+from tests.contract import HandBuilt, Untag
 from tests.vcsim_support import Simulated, vcenter_fixture, vcsim_binary_fixture, vcsim_tls_fixture  # noqa: F401
 
 
@@ -31,3 +31,14 @@ def hand_built(vcenter: Simulated) -> HandBuilt:
         return await asyncio.to_thread(vcenter.sim.build_by_hand, name, str(address))
 
     return build
+
+
+@pytest.fixture
+def untag(vcenter: Simulated) -> Untag:
+    """The notes that hold the tag rewritten by hand (vSphere Client, govc; vcsim takes
+    an empty annotation for "unchanged", so they get other words)."""
+
+    async def remove(ref: VMRef) -> None:
+        await asyncio.to_thread(vcenter.sim.set_annotation, ref.vm_id, "web, ask bob")
+
+    return remove

@@ -250,6 +250,10 @@ class Vcsim:
         found = self.content.propertyCollector.RetrieveContents([spec])
         return [str(o.propSet[0].val) for o in found]
 
+    def set_annotation(self, instance_uuid: str, note: str) -> None:
+        """Edit a VM's notes as a person would (deploybot keeps its job tag there)."""
+        WaitForTask(self.vm(instance_uuid).ReconfigVM_Task(vim.vm.ConfigSpec(annotation=note)))
+
     def set_guest_address(self, vm: Any, address: str) -> None:
         option = vim.option.OptionValue(key="SET.guest.ipAddress", value=address)
         WaitForTask(vm.ReconfigVM_Task(vim.vm.ConfigSpec(extraConfig=[option])))

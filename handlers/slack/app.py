@@ -35,8 +35,10 @@ from bot.parser import (
     Approve,
     Command,
     DeployArgs,
+    Destroy,
     Help,
     History,
+    ListVMs,
     Reject,
     SaveKey,
     ShowSettings,
@@ -148,6 +150,16 @@ class SlackBot:
         except SlackApiError as exc:
             log.error("could not answer %s in %s: %s", user, channel, exc.response.get("error"))
 
+    async def show(self, channel: str, user: str, text: str, blocks: list[dict[str, Any]]) -> None:
+        """An ephemeral message of Block Kit (a page of `/deploy list`)."""
+        await self.ephemeral.wait()  # a workspace-wide limit (Tier 4)
+        try:
+            await self.client.chat_postEphemeral(
+                channel=channel, user=user, text=views.fit(text, 3000), blocks=blocks
+            )
+        except SlackApiError as exc:
+            log.error("could not answer %s in %s: %s", user, channel, exc.response.get("error"))
+
     async def answering(
         self, channel: str, user: str, work: Coroutine[Any, Any, list[str]], *, mono: bool = False
     ) -> None:
@@ -187,6 +199,10 @@ class SlackBot:
         if isinstance(command, ShowSettings):
             await ack()
             self.spawn(interact.open_settings(self, trigger, user, channel))
+            return
+        if isinstance(command, ListVMs):  # a read: nothing to keep for another process
+            await ack()
+            self.spawn(interact.show_list(self, channel, user, command))
             return
         key = f"command:{trigger}"
         try:  # kept before the ack: should this process die, another carries it out
@@ -248,6 +264,9 @@ class SlackBot:
             case Reject(job_id, reason):
                 job = await d.reject(job_id, user, reason, dedupe_key=key)
                 return [messages.slack_reject_answer(job)]
+            case Destroy(target):
+                job = await d.request_destroy(target, user, dedupe_key=key)
+                return [messages.destroy_answer(job)]
         return await run_command(d, user, command)
 
 

@@ -25,11 +25,12 @@ from slack_sdk.web.async_client import AsyncWebClient
 
 from bot import inbox
 from bot.errors import DeployBotError, Duplicate
-from bot.models import ACTIVE_STATES, Received
-from bot.parser import DeployArgs
+from bot.models import ACTIVE_STATES, Received, utcnow
+from bot.parser import DeployArgs, ListVMs
 from bot.service import Deployer
 from bot.settings import Settings
 from handlers import messages
+from handlers.commands import list_page
 from handlers.slack import form, views
 from handlers.slack.catalog import Catalog, Choice, discover, initial_choice, template_options
 from handlers.slack.form import FORM_VIEW, SETTINGS_VIEW
@@ -61,6 +62,10 @@ class Host(Protocol):
         self, channel: str, user: str, work: Coroutine[Any, Any, list[str]], *, mono: bool = False
     ) -> None:
         """Run `work` and tell the user its lines, or what went wrong."""
+        ...
+
+    async def show(self, channel: str, user: str, text: str, blocks: list[dict[str, Any]]) -> None:
+        """An ephemeral message of Block Kit to `user` (`text`: its notification)."""
         ...
 
 
@@ -105,6 +110,20 @@ def register(bot: Host) -> None:
         await ack()
         bot.spawn(_save_settings(bot, body, view, keys, template))
 
+    async def on_destroy(ack: AsyncAck, body: dict[str, Any]) -> None:
+        await ack()
+        bot.spawn(_destroy(bot, body))
+
+    async def on_list_page(ack: AsyncAck, body: dict[str, Any]) -> None:
+        await ack()
+        action = body["actions"][0]
+        wanted = json.loads(str(action["value"]))
+        user, channel = _clicker(body)
+        command = ListVMs(everyone=wanted["user"] is None, user=wanted["user"], page=wanted["page"])
+        bot.spawn(show_list(bot, channel, user, command))
+
+    app.action(views.DESTROY)(on_destroy)
+    app.action(re.compile(rf"^{views.LIST_PAGE}_"))(on_list_page)
     app.action(views.APPROVE)(on_approve)
     app.action(views.REJECT)(on_reject)
     app.view(views.REJECT_VIEW)(on_reason)
@@ -117,12 +136,46 @@ def register(bot: Host) -> None:
 # --- approvals ----------------------------------------------------------------------
 
 
+def _clicker(body: dict[str, Any]) -> tuple[str, str]:
+    """(who clicked, the channel of the message)."""
+    container = body.get("container") or {}
+    channel = (body.get("channel") or {}).get("id") or container.get("channel_id", "")
+    return str(body["user"]["id"]), str(channel)
+
+
 def _click(body: dict[str, Any]) -> tuple[str, str, str, str]:
     """(job id, clicker, channel, dedupe key) of a button click."""
     action = body["actions"][0]
-    user = str(body["user"]["id"])
-    channel = str((body.get("channel") or body.get("container") or {}).get("id", ""))
+    user, channel = _clicker(body)
     return str(action["value"]), user, channel, f"click:{action['action_ts']}:{user}"
+
+
+# --- destroy and list -----------------------------------------------------------------
+
+
+async def _destroy(bot: Host, body: dict[str, Any]) -> None:
+    """The Destroy button (a thread's parent, a row of the list): the core decides."""
+    job_id, user, channel, key = _click(body)
+    try:
+        job = await bot.deployer.request_destroy(job_id, user, dedupe_key=key)
+    except Duplicate:
+        log.info("ignored a redelivered destroy click on %s", job_id)
+        return
+    except DeployBotError as exc:
+        await bot.tell(channel, user, [exc.message])
+        return
+    await bot.tell(channel, user, [messages.destroy_answer(job)])
+
+
+async def show_list(bot: Host, channel: str, user: str, command: ListVMs) -> None:
+    """`/deploy list` (and its Previous / Next buttons) as Block Kit, only for `user`."""
+    try:
+        page = await list_page(bot.deployer, user, command)
+    except DeployBotError as exc:
+        await bot.tell(channel, user, [exc.message])
+        return
+    text = messages.list_title(page, user) if page.jobs else messages.list_empty(page, user)
+    await bot.show(channel, user, views.mrkdwn(text), views.vm_list(page, user, utcnow()))
 
 
 async def _approve(bot: Host, body: dict[str, Any]) -> None:

@@ -141,6 +141,7 @@ class ApprovalCard:
     shown: str | None = None
     waiting: list[int] = field(default_factory=list)  # notices shown once flushed
     dead: bool = False
+    destroy: bool = False  # the card asks for a destroy (bot/destroy.py), not a deploy
 
     def pending(self) -> bool:
         return not self.dead and (self.ts is None or self.outcome != self.shown)
@@ -157,15 +158,22 @@ class ApprovalCard:
     async def flush_one(self, client: AsyncWebClient) -> None:
         outcome = self.outcome
         if outcome is None:
-            blocks = views.approval_request(self.job)
-            text = views.mrkdwn(messages.approval_needed(self.job))
+            blocks = (views.destroy_request if self.destroy else views.approval_request)(self.job)
+            needed = messages.destroy_needed if self.destroy else messages.approval_needed
+            text = views.mrkdwn(needed(self.job))
         else:
-            blocks = views.approval_decided(self.job, outcome)
+            blocks = (views.destroy_decided if self.destroy else views.approval_decided)(
+                self.job, outcome
+            )
             text = outcome
         if self.ts is None:
             answer = await client.chat_postMessage(channel=self.channel, text=text, blocks=blocks)
             self.ts = str(answer["ts"])
-            await self.deployer.set_refs(self.job.id, approval_ref=ref(self.channel, self.ts))
+            where = ref(self.channel, self.ts)
+            if self.destroy:
+                await self.deployer.set_refs(self.job.id, destroy_ref=where)
+            else:
+                await self.deployer.set_refs(self.job.id, approval_ref=where)
         else:
             await client.chat_update(channel=self.channel, ts=self.ts, text=text, blocks=blocks)
         self.shown = outcome

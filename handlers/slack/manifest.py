@@ -14,7 +14,9 @@ from typing import Any
 # Slack's rule for a slash command name (the manifest schema's pattern and lengths).
 COMMAND_RE = re.compile(r"^/[a-z0-9_-]{1,31}$")
 
-USAGE_HINT = "web01 10.0.0.50 [mem=4G] [disk=+20G] | status JOB | history | key KEY | help"
+USAGE_HINT = (
+    "web01 10.0.0.50 [mem=4G] [disk=+20G] | status JOB | list | destroy NAME | history | help"
+)
 # Only the scopes the bot uses: answering commands, posting and updating its messages
 # (also in public channels it was not invited to), and reading approver user groups.
 BOT_SCOPES = ["commands", "chat:write", "chat:write.public", "usergroups:read"]

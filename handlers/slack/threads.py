@@ -45,6 +45,7 @@ class SlackThreads:
         self.outboxes = Outboxes(client, settings.posts_per_second)
         self.threads: dict[str, JobThread] = {}
         self.cards: dict[str, ApprovalCard] = {}
+        self.destroy_cards: dict[str, ApprovalCard] = {}
         self.dms: dict[str, DirectMessages] = {}
         self._deployer: Deployer | None = None
         self._parts: Counter[int] = Counter()  # notice id -> parts not yet in Slack
@@ -133,10 +134,12 @@ class SlackThreads:
                     self._held.discard(job_id)
                     self.threads.pop(job_id, None)
                     self.cards.pop(job_id, None)
+                    self.destroy_cards.pop(job_id, None)
 
     def _busy(self, job_id: str) -> bool:
         thread, card = self.threads.get(job_id), self.cards.get(job_id)
-        return bool((thread and thread.pending()) or (card and card.pending()))
+        doomed = self.destroy_cards.get(job_id)
+        return any(part is not None and part.pending() for part in (thread, card, doomed))
 
     # --- parts ------------------------------------------------------------------------
 
@@ -191,6 +194,9 @@ class SlackThreads:
         thread = self._thread(job)
         if thread is not None:
             self._headline(thread, nid)
+        if job.destroy_by is not None:  # a destroy: its own card (the deploy's was decided)
+            self._destroy_card(job, then.state, note, nid)
+            return
         if job.state is JobState.AWAITING_APPROVAL:
             self._ask_approvers(job, nid)
             return
@@ -254,6 +260,32 @@ class SlackThreads:
         if channel is None:
             return
         card = self.cards[job.id] = ApprovalCard(job, channel, self.deployer, self._done)
+        card.will_show(self._part(nid))
+        self.outboxes.touch(card)
+
+    def _destroy_card(self, job: Job, state: JobState, note: str, nid: int) -> None:
+        """Ask the approvers for a destroy, or show their decision on the card."""
+        card = self.destroy_cards.get(job.id)
+        if state is JobState.DESTROY_REQUESTED:
+            if (card is None or card.outcome is not None) and not job.destroy_ref:
+                channel = self.settings.approvals_channel or job.origin
+                if channel is None:
+                    return
+                card = ApprovalCard(job, channel, self.deployer, self._done, destroy=True)
+                self.destroy_cards[job.id] = card
+                card.will_show(self._part(nid))
+                self.outboxes.touch(card)
+            return
+        if card is None:
+            known = parse_ref(job.destroy_ref)
+            if known is None:
+                return  # no card: the destroy needed no approval
+            card = ApprovalCard(job, known[0], self.deployer, self._done, ts=known[1], destroy=True)
+            self.destroy_cards[job.id] = card
+        if card.outcome is not None:
+            return
+        card.outcome = views.mrkdwn(messages.destroy_decision(note))
+        card.job = job
         card.will_show(self._part(nid))
         self.outboxes.touch(card)
 

@@ -11,12 +11,14 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
+from datetime import datetime
 from typing import Any
 
 from slack_sdk.models.blocks import (
     ActionsBlock,
     Block,
     ButtonElement,
+    ConfirmObject,
     ContextBlock,
     HeaderBlock,
     InputBlock,
@@ -29,7 +31,8 @@ from slack_sdk.models.blocks import (
 )
 from slack_sdk.models.views import View
 
-from bot.models import Approval, Job
+from bot.models import Approval, Job, JobState
+from bot.service import VMPage
 from handlers import messages
 
 SECTION_MAX = 3000
@@ -41,6 +44,8 @@ SELECT_MAX = 100  # options in a static select
 APPROVE = "approve"
 REJECT = "reject"
 REJECT_VIEW = "reject_reason"
+DESTROY = "destroy"  # value: the job id (the thread's parent, a row of the list)
+LIST_PAGE = "list_page"  # value: JSON {"user": whose or null, "page": N}
 
 
 _USER_ID = re.compile(r"(?<![<@\w])([UW][A-Z0-9]{8,})\b")
@@ -111,12 +116,55 @@ def parent(job: Job, headline: str) -> list[dict[str, Any]]:
     """The channel message that stands for one deploy; `chat.update` keeps it current.
     `headline` is mrkdwn already (messages.slack_headline)."""
     context = f"job {job.short_id} · requested by {messages.mention(job.requester)}"
-    return dicts(
-        [
-            SectionBlock(text=MarkdownTextObject(text=fit(f"*{headline}*", SECTION_MAX))),
-            ContextBlock(elements=[MarkdownTextObject(text=context)]),
-        ]
+    blocks: list[Block] = [
+        SectionBlock(text=MarkdownTextObject(text=fit(f"*{headline}*", SECTION_MAX))),
+        ContextBlock(elements=[MarkdownTextObject(text=context)]),
+    ]
+    if job.state is JobState.SUCCEEDED:  # ready: it can be destroyed from here
+        blocks.append(ActionsBlock(block_id="vm", elements=[destroy_button(job)]))
+    return dicts(blocks)
+
+
+def destroy_button(job: Job) -> ButtonElement:
+    """Destroy, after Slack asks "are you sure?" (the core checks who may)."""
+    confirm = ConfirmObject(
+        title=fit(f"Destroy {job.name}?", 100),
+        text=fit(messages.destroy_confirm(job), 300),
+        confirm="Destroy",
+        deny="Keep it",
     )
+    return ButtonElement(
+        text="Destroy", action_id=DESTROY, value=job.id, style="danger", confirm=confirm
+    )
+
+
+# --- /deploy list -------------------------------------------------------------------
+
+
+def vm_list(page: VMPage, me: str, now: datetime) -> list[dict[str, Any]]:
+    """One page of VMs: a row each (a Destroy button on the ready ones) and Previous /
+    Next. 10 rows a page keep it far under Slack's 50 blocks."""
+    if not page.jobs:
+        return answer([messages.escape(messages.list_empty(page, me))])
+    title = messages.escape(messages.list_title(page, me))
+    blocks: list[Block] = [SectionBlock(text=MarkdownTextObject(text=f"*{title}*"))]
+    for job in page.jobs:
+        row = fit(messages.list_row(job, now), SECTION_MAX)
+        button = destroy_button(job) if job.state is JobState.SUCCEEDED else None
+        blocks.append(SectionBlock(text=MarkdownTextObject(text=row), accessory=button))
+    turns = [("Previous", page.page - 1), ("Next", page.page + 1)]
+    buttons = [
+        ButtonElement(
+            text=label,
+            action_id=f"{LIST_PAGE}_{label.lower()}",
+            value=json.dumps({"user": page.requester, "page": number}),
+        )
+        for label, number in turns
+        if 1 <= number <= page.pages
+    ]
+    if buttons:
+        blocks.append(ActionsBlock(block_id="pages", elements=buttons))
+    return dicts(blocks[:MESSAGE_BLOCKS_MAX])
 
 
 # --- approvals ----------------------------------------------------------------------
@@ -135,6 +183,30 @@ def approval_request(job: Job) -> list[dict[str, Any]]:
         ],
     )
     return dicts([summary, buttons])
+
+
+def destroy_request(job: Job) -> list[dict[str, Any]]:
+    """The card asking approvers for a destroy: the same buttons as a deploy's."""
+    summary = SectionBlock(
+        block_id="summary",
+        text=MarkdownTextObject(text=fit(messages.destroy_summary(job), SECTION_MAX)),
+    )
+    buttons = ActionsBlock(
+        block_id="decision",
+        elements=[
+            ButtonElement(text="Approve", action_id=APPROVE, value=job.id, style="danger"),
+            ButtonElement(text="Reject", action_id=REJECT, value=job.id),
+        ],
+    )
+    return dicts([summary, buttons])
+
+
+def destroy_decided(job: Job, outcome: str) -> list[dict[str, Any]]:
+    summary = SectionBlock(
+        block_id="summary",
+        text=MarkdownTextObject(text=fit(messages.destroy_summary(job), SECTION_MAX)),
+    )
+    return dicts([summary, ContextBlock(elements=[MarkdownTextObject(text=outcome)])])
 
 
 def approval_decided(job: Job, outcome: str) -> list[dict[str, Any]]:

@@ -1,0 +1,63 @@
+"""Per-user settings (saved SSH keys, a default template): read, checked, kept.
+
+Split out of bot/service.py, which keeps the audited entry points front ends call.
+"""
+
+from __future__ import annotations
+
+from bot.errors import RequestInvalid
+from bot.models import MAX_SSH_KEYS, UserPrefs, check_ssh_key
+from store.db import RowUnreadable, Store
+
+
+async def shown(store: Store, user: str) -> UserPrefs:
+    """Saved settings to show or prefill a form with. Unreadable ones (the store has
+    quarantined them) show as none, so the person can save new ones over them."""
+    try:
+        return await store.get_prefs(user)
+    except RowUnreadable:
+        return UserPrefs(user=user)
+
+
+async def for_deploy(store: Store, user: str) -> UserPrefs:
+    """Saved settings for a deploy, which must not go out with other keys than the
+    person saved: unreadable ones are refused, saying how to replace them."""
+    try:
+        return await store.get_prefs(user)
+    except RowUnreadable as bad:
+        raise RequestInvalid(
+            [
+                f"Your saved settings could not be read ({bad.reason}), so they were set "
+                "aside. Save your SSH key again with `/deploy key ssh-ed25519 AAAA... "
+                "comment` (or in `/deploy settings`); that replaces them."
+            ]
+        ) from None
+
+
+async def add_key(store: Store, user: str, text: str) -> UserPrefs:
+    """Validate one public key and add it to the user's saved keys."""
+    try:
+        key = check_ssh_key(text)
+    except ValueError as exc:
+        raise RequestInvalid([f"SSH key: {exc}."]) from None
+    saved = await store.add_ssh_key(user, key, MAX_SSH_KEYS)
+    if saved is None:
+        raise RequestInvalid(
+            [f"You already have {MAX_SSH_KEYS} keys saved; remove one in the settings."]
+        )
+    return saved
+
+
+def check_keys(texts: tuple[str, ...]) -> tuple[str, ...]:
+    keys: list[str] = []
+    problems: list[str] = []
+    for number, text in enumerate(texts, start=1):
+        try:
+            keys.append(check_ssh_key(text))
+        except ValueError as exc:
+            problems.append(f"SSH key {number}: {exc}.")
+    if len(keys) > MAX_SSH_KEYS:
+        problems.append(f"Save at most {MAX_SSH_KEYS} SSH keys.")
+    if problems:
+        raise RequestInvalid(problems)
+    return tuple(keys)
