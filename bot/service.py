@@ -14,39 +14,35 @@ import logging
 import os
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 
 from backends.base import Backend, BackendError, Template
 from backends.ipam import open_ipam
-from backends.ipam.base import AddressTaken, Ipam, PoolExhausted, Reservation
+from backends.ipam.base import Ipam
 from bot import jobrefs, logfields
 from bot import prefs as user_prefs
 from bot import progress as tell
 from bot.addressing import Addressing
-from bot.admission import check_free, check_login, check_on_backend
-from bot.approvals import Approvals, GroupMembers, approval_reason
+from bot.approvals import Approvals, GroupMembers
 from bot.destroy import Destroyer
 from bot.errors import (
     ConfigError,
-    Conflict,
     DeployBotError,
     Duplicate,
     NotAllowed,
     RequestInvalid,
     TransitionRefused,
 )
+from bot.intake import Intake
 from bot.metrics import Metrics
 from bot.models import (
     Approval,
     ApprovalState,
     AuditEvent,
-    DeployRequest,
-    IpamState,
     Job,
     JobEvent,
     JobState,
     UserPrefs,
-    new_job_id,
     utcnow,
 )
 from bot.ownership import Clock, Ownership, Runner
@@ -55,11 +51,9 @@ from bot.pipeline import Pipeline
 from bot.progress import Fanout, Progress
 from bot.queue import JobQueue
 from bot.recovery import recover_interrupted, sweep_wreckage
-from bot.requests import build_request
-from bot.runs import vm_ref
 from bot.settings import Settings
 from bot.waiting import protected
-from store.db import AlreadyDelivered, DuplicateActive, Store
+from store.db import Store
 
 log = logging.getLogger(__name__)
 
@@ -69,20 +63,6 @@ def _configured_ipam(settings: Settings) -> Ipam:
         return open_ipam(settings.ipam, os.environ)
     except BackendError as exc:  # NetBox's token is not in the environment
         raise ConfigError(f"[ipam]: {exc.message}") from None
-
-
-_PICKS = 5  # tries at recording a next free address that other processes also picked
-
-
-class _LostRace(Exception):
-    """The next free address was recorded by another job first."""
-
-
-def addressing_lost_race(request: DeployRequest) -> str:
-    return (
-        f"Other deploys kept taking the next free address of {request.subnet}: give an "
-        "address, or ask again."
-    )
 
 
 @dataclass(frozen=True)
@@ -148,6 +128,16 @@ class Deployer:
             clock=clock,
         )
         self.approvals = Approvals(settings, store, self.progress, self.ownership.take, self._job)
+        self.intake = Intake(
+            settings,
+            store,
+            self.backends,
+            self.addressing,
+            self.queue,
+            self.progress,
+            self.runner.id,
+            self.ownership.lease_until,
+        )
         self.destroyer = Destroyer(
             settings,
             store,
@@ -161,7 +151,6 @@ class Deployer:
         self._expiry: asyncio.Task[None] | None = None
         self._sweeper: asyncio.Task[None] | None = None
         self.ready = asyncio.Event()  # set once start() has recovered and claimed
-        self._picking = asyncio.Lock()
         self._closed = False
 
     @property
@@ -288,7 +277,7 @@ class Deployer:
         dedupe_key: str | None = None,
         check_free_first: bool = False,
     ) -> Job:
-        """Validate, record and queue (or send for approval) one deploy.
+        """Validate, record and queue (or send for approval) one deploy (bot/intake.py).
 
         A front end where nobody can approve (the one-shot CLI) passes
         `can_wait_for_approval=False`: such a request is refused before it is recorded.
@@ -300,190 +289,15 @@ class Deployer:
         failed job (the pipeline checks again when the job starts).
         """
         async with self._audited(requester, "deploy"):
-            await self._refuse_redelivery(dedupe_key)
-            request = await self._validated(args, requester, ssh_keys)
-            if check_free_first:
-                await check_free(self.backends, request)
-            # Picks of the next free address in this process go one at a time (each
-            # sees the last one recorded); another process's pick may still win the
-            # insert, and then this one picks again.
-            picking = self._picking if request.picked else contextlib.nullcontext()
-            for attempt in range(_PICKS):
-                job_id = new_job_id()
-                async with picking:
-                    reserved, reservation = await self._reserve(request, job_id)
-                    recorded = None
-                    try:
-                        recorded = await self._record(
-                            reserved, can_wait_for_approval, origin, dedupe_key, job_id, reservation
-                        )
-                        return recorded
-                    except _LostRace:
-                        if attempt == _PICKS - 1:
-                            raise Conflict(addressing_lost_race(reserved)) from None
-                    finally:
-                        if recorded is None:  # not recorded: give it back now
-                            await protected(self._unreserve(reservation, job_id, reserved))
-            raise AssertionError("unreachable")
-
-    async def _reserve(
-        self, request: DeployRequest, job_id: str
-    ) -> tuple[DeployRequest, Reservation]:
-        """The request's address reserved for `job_id` (the next free one when none was
-        asked), or a refusal that says who holds it."""
-        try:
-            return await self.addressing.reserve(request, job_id)
-        except AddressTaken as taken:
-            raise Conflict(
-                f"{taken.message}: pick another address, or leave it out to get the next free one."
-            ) from None
-        except PoolExhausted as exc:
-            raise Conflict(
-                f"No free address is left in {request.subnet} ({exc.message}): ask an "
-                "operator to widen its pool, or give another subnet=."
-            ) from None
-        except BackendError as exc:
-            where = self.addressing.ipam_name
-            if exc.retryable:
-                raise RequestInvalid(
-                    [f"{where} did not answer ({exc.message}); try again in a minute."]
-                ) from None
-            raise RequestInvalid([f"{where} refused: {exc.message}"]) from None
-
-    async def _unreserve(
-        self, reservation: Reservation, job_id: str, request: DeployRequest
-    ) -> None:
-        try:
-            await self.addressing.release_ref(reservation, self.addressing.claim(job_id, request))
-        except BackendError as exc:  # the reconciler gives it back later
-            log.warning("could not release %s reserved for %s: %s", request.address, job_id, exc)
-
-    async def _refuse_redelivery(self, dedupe_key: str | None) -> None:
-        """Answer a redelivery before validating again (by then its own job holds the name).
-
-        Only an early answer: the insert's claim on the key is what enforces it.
-        """
-        if dedupe_key is None:
-            return
-        job_id = await self.store.delivered(dedupe_key)
-        if job_id is not None:
-            raise Duplicate(_already_have(job_id), job_id)
-
-    async def _validated(
-        self, args: DeployArgs, requester: str, ssh_keys: tuple[str, ...]
-    ) -> DeployRequest:
-        policy = self.settings.approval
-        if policy.deployers and requester not in policy.deployers:
-            raise NotAllowed(
-                f"{requester} is not on the list of people who may deploy; ask one of "
-                f"{', '.join(policy.approvers) or 'the operators'} to add you."
+            return await self.intake.request(
+                args,
+                requester,
+                ssh_keys=ssh_keys,
+                can_wait_for_approval=can_wait_for_approval,
+                origin=origin,
+                dedupe_key=dedupe_key,
+                check_free_first=check_free_first,
             )
-        prefs = await self._saved_prefs(requester)
-        request = build_request(
-            args,
-            self.settings,
-            requester,
-            user_keys=ssh_keys or prefs.ssh_keys,
-            user_template=prefs.default_template,
-        )
-        check_login(request)
-        template = await check_on_backend(self.backends, request)
-        if args.user is None and template.default_user not in (None, request.user):
-            # The image's own login user beats the site default: the SSH line must work.
-            request = DeployRequest.model_validate(
-                {**request.model_dump(), "user": template.default_user}
-            )
-        return request
-
-    async def _record(
-        self,
-        request: DeployRequest,
-        can_wait_for_approval: bool,
-        origin: str | None,
-        dedupe_key: str | None,
-        job_id: str,
-        reservation: Reservation,
-    ) -> Job:
-        policy = self.settings.approval
-        reason = approval_reason(policy, request)
-        if reason and not can_wait_for_approval:
-            raise NotAllowed(
-                f"This request needs approval ({reason}). Ask in Slack or in `deploybot shell`, "
-                "where an approver can approve it."
-            )
-        state = JobState.AWAITING_APPROVAL if reason else JobState.QUEUED
-        update: dict[str, object] = {
-            "id": job_id,
-            "approval_reason": reason,
-            "origin": origin,
-            "installation": self.store.installation_id,
-            "ipam_ref": reservation.ref,
-            "ipam_state": IpamState.RESERVED if reservation.ref else None,
-        }
-        if state is JobState.QUEUED:  # reserved for this runner: it starts it here
-            update.update(owner=self.runner.id, lease_until=self.ownership.lease_until())
-        job = Job.for_request(request, state).model_copy(update=update)
-        approval = None
-        if reason:
-            expires = job.created_at + timedelta(seconds=policy.expire_after_s)
-            approval = Approval(job_id=job.id, reason_required=reason, expires_at=expires)
-        for attempt in range(3):
-            try:
-                job = await self.store.insert_job(
-                    job, approval, dedupe_key=dedupe_key, announce=True
-                )
-                break
-            except AlreadyDelivered as seen:
-                raise Duplicate(_already_have(seen.job_id), seen.job_id) from None
-            except DuplicateActive as dup:
-                if dup.what == "address" and request.picked:
-                    raise _LostRace from None  # another request took it meanwhile: pick again
-                if attempt == 2 or not await self._release_if_gone(request):
-                    raise Conflict(await self._conflict_message(request, dup.what)) from None
-        await self.progress.job_updated(job)
-        if state is JobState.QUEUED:
-            self.queue.submit(job.id, job.backend)
-        return job
-
-    async def _release_if_gone(self, request: DeployRequest) -> bool:
-        """A succeeded job holds the name or address: if its VM has gone since (deleted
-        by hand), release the job so the name and address can be used again."""
-        held = await self.store.holder(
-            backend=request.backend, name=request.name, address=str(request.address.ip)
-        )
-        if held is None:
-            return True  # released meanwhile: try again
-        backend = self.backends.get(held.backend)
-        if held.state is not JobState.SUCCEEDED or held.vm_id is None or backend is None:
-            return False
-        try:
-            gone = await backend.find_vm(vm_ref(held)) is None
-        except BackendError:
-            return False
-        if gone and await self.store.transition(held.id, [JobState.SUCCEEDED], JobState.RELEASED):
-            detail = f"VM {held.vm_id} no longer exists; its name and address are free again"
-            await self.store.add_event(
-                JobEvent(job_id=held.id, step="release", phase="note", detail=detail)
-            )
-        return gone
-
-    async def _conflict_message(self, request: DeployRequest, what: str) -> str:
-        ip = str(request.address.ip)
-        held = await self.store.holder(backend=request.backend, name=request.name, address=ip)
-        if held is not None and held.state is JobState.SUCCEEDED:
-            if what == "name":
-                return (
-                    f"{request.name} already exists on {request.backend} (job {held.id}, VM "
-                    f"{held.vm_id}): pick another name, or remove that VM first."
-                )
-            return (
-                f"{ip} belongs to {held.name} (job {held.id}), which still exists: "
-                "pick another address."
-            )
-        by = f" by job {held.id} ({held.name}, {held.state.value})" if held else ""
-        if what == "name":
-            return f"{request.name} is already being deployed{by}: pick another name or wait."
-        return f"{ip} is already taken{by}: pick another address or wait."
 
     # --- approvals ----------------------------------------------------------------
 
@@ -686,7 +500,3 @@ class Deployer:
 
     async def _job(self, job_id: str) -> Job:
         return await jobrefs.load(self.store, job_id)
-
-
-def _already_have(job_id: str) -> str:
-    return f"I already have this request as job {job_id}; follow it with `/deploy status {job_id}`."
