@@ -509,6 +509,18 @@ def pick_address(
     requested address wins when present, otherwise the first usable one.
     """
     usable: list[ipaddress.IPv4Address] = []
+    for ip in _outward(interfaces):
+        if ip == expected:
+            return ip
+        if not (ip.is_loopback or ip.is_link_local):
+            usable.append(ip)
+    return usable[0] if usable else None
+
+
+def _outward(interfaces: list[tuple[str, str]]) -> list[ipaddress.IPv4Address]:
+    """The IPv4 addresses of (interface, address) pairs, without the `lo` and
+    container-bridge interfaces, in order."""
+    found = []
     for iface, text in interfaces:
         if iface == "lo" or iface.startswith(_CONTAINER_IFACES):
             continue
@@ -516,13 +528,9 @@ def pick_address(
             ip = ipaddress.ip_address(text.split("/")[0])
         except ValueError:
             continue
-        if not isinstance(ip, ipaddress.IPv4Address):
-            continue
-        if ip == expected:
-            return ip
-        if not (ip.is_loopback or ip.is_link_local):
-            usable.append(ip)
-    return usable[0] if usable else None
+        if isinstance(ip, ipaddress.IPv4Address):
+            found.append(ip)
+    return found
 
 
 def listable(ip: ipaddress.IPv4Address) -> bool:
@@ -538,13 +546,7 @@ def reported_addresses(interfaces: list[tuple[str, str]]) -> list[ipaddress.IPv4
     """The listable IPv4 addresses among a guest's (interface, address) pairs, without
     loopback and container-bridge interfaces (as `pick_address` skips them), in order."""
     found: list[ipaddress.IPv4Address] = []
-    for iface, text in interfaces:
-        if iface == "lo" or iface.startswith(_CONTAINER_IFACES):
-            continue
-        try:
-            ip = ipaddress.ip_address(text.split("/")[0])
-        except ValueError:
-            continue
-        if isinstance(ip, ipaddress.IPv4Address) and listable(ip) and ip not in found:
+    for ip in _outward(interfaces):
+        if listable(ip) and ip not in found:
             found.append(ip)
     return found

@@ -93,17 +93,7 @@ class Intake:
         dedupe_key: str | None = None,
         check_free_first: bool = False,
     ) -> Job:
-        """Validate, record and queue (or send for approval) one deploy.
-
-        A front end where nobody can approve (the one-shot CLI) passes
-        `can_wait_for_approval=False`: such a request is refused before it is recorded.
-        Keys and template the request does not name come from the requester's saved
-        settings. `origin` is kept on the job for the front end; a second request with the
-        same `dedupe_key` (a redelivery) raises `Duplicate` and records nothing.
-        `check_free_first` asks the hypervisor whether the name and address are free
-        before recording, so a chat user hears of a clash at once instead of from a
-        failed job (the pipeline checks again when the job starts).
-        """
+        """`Deployer.request_deploy` says what the arguments mean."""
         await self._refuse_redelivery(dedupe_key)
         request = await self._validated(args, requester, ssh_keys)
         if check_free_first:
