@@ -17,6 +17,7 @@ from datetime import datetime, timedelta
 from backends.base import Backend, BackendError
 from backends.ipam.base import AddressTaken, PoolExhausted, Reservation
 from bot import prefs as user_prefs
+from bot import quotas as quota_rules
 from bot.addressing import Addressing
 from bot.admission import check_free, check_login, check_on_backend
 from bot.approvals import approval_reason
@@ -37,6 +38,7 @@ from bot.requests import build_request
 from bot.runs import vm_ref
 from bot.settings import Settings
 from bot.waiting import protected
+from store import quotas
 from store.db import AlreadyDelivered, DuplicateActive, Store
 
 log = logging.getLogger(__name__)
@@ -52,6 +54,15 @@ def addressing_lost_race(request: DeployRequest) -> str:
         f"Other deploys kept taking the next free address of {request.subnet}: give an "
         "address, or ask again."
     )
+
+
+def _ipam(installation: str, reservation: Reservation) -> dict[str, object]:
+    """The job's fields that tie it to this installation and its address's IPAM record."""
+    return {
+        "installation": installation,
+        "ipam_ref": reservation.ref,
+        "ipam_state": IpamState.RESERVED if reservation.ref else None,
+    }
 
 
 def already_have(job_id: str) -> str:
@@ -81,6 +92,9 @@ class Intake:
         self.runner_id = runner_id
         self.lease_until = lease_until
         self._picking = asyncio.Lock()
+        self.quotas = quota_rules.Quotas(settings.quotas, store, lambda: self.group_members)
+        # A chat front end that can list user groups sets this (Deployer.group_members).
+        self.group_members: quota_rules.Members | None = None
 
     async def request(
         self,
@@ -208,46 +222,80 @@ class Intake:
         job_id: str,
         reservation: Reservation,
     ) -> Job:
+        reason = approval_reason(self.settings.approval, request)
+        wanted = quotas.asked(request)
+        caps = await self.quotas.caps(request.requester)
+        early = await self.quotas.first_over(caps, wanted)
+        if early is not None:
+            reason, caps = self._over_quota(early, wanted, reason)
+        job, approval = self._job_for(request, reason, can_wait_for_approval, origin, job_id)
+        job = job.model_copy(update=_ipam(self.store.installation_id, reservation))
+        attempt = 0
+        while True:
+            try:
+                job = await self.store.insert_job(
+                    job, approval, dedupe_key=dedupe_key, announce=True, caps=caps
+                )
+                break
+            except quotas.OverQuota as lost:  # another request took the room meanwhile
+                reason, caps = self._over_quota(lost, wanted, reason)
+                job, approval = self._job_for(
+                    request, reason, can_wait_for_approval, origin, job.id, job
+                )
+            except AlreadyDelivered as seen:
+                raise Duplicate(already_have(seen.job_id), seen.job_id) from None
+            except DuplicateActive as dup:
+                if dup.what == "address" and request.picked:
+                    raise _LostRace from None  # another request took it meanwhile: pick again
+                attempt += 1
+                if attempt == 3 or not await self._release_if_gone(request):
+                    raise Conflict(await self._conflict_message(request, dup.what)) from None
+        await self.progress.job_updated(job)
+        if job.state is JobState.QUEUED:
+            self.queue.submit(job.id, job.backend)
+        return job
+
+    def _over_quota(
+        self, exc: quotas.OverQuota, wanted: quotas.Usage, reason: str | None
+    ) -> tuple[str, list[quotas.Cap]]:
+        """Refuse a request over quota, or (`over = "approval"`) send it for approval with
+        the numbers as (part of) the reason; no cap is checked at its insert then."""
+        if self.settings.quotas.over == "refuse":
+            raise quota_rules.refusal(exc, wanted)
+        over = quota_rules.over_text(exc.cap, exc.used, wanted)
+        return (f"{reason}; {over}" if reason else over), []
+
+    def _job_for(
+        self,
+        request: DeployRequest,
+        reason: str | None,
+        can_wait_for_approval: bool,
+        origin: str | None,
+        job_id: str,
+        base: Job | None = None,
+    ) -> tuple[Job, Approval | None]:
+        """The job to insert (queued, or awaiting approval when there is a `reason`), and
+        its approval; `base` is a job built before whose other fields stay."""
         policy = self.settings.approval
-        reason = approval_reason(policy, request)
         if reason and not can_wait_for_approval:
             raise NotAllowed(
                 f"This request needs approval ({reason}). Ask in Slack or in `deploybot shell`, "
                 "where an approver can approve it."
             )
         state = JobState.AWAITING_APPROVAL if reason else JobState.QUEUED
-        update: dict[str, object] = {
-            "id": job_id,
-            "approval_reason": reason,
-            "origin": origin,
-            "installation": self.store.installation_id,
-            "ipam_ref": reservation.ref,
-            "ipam_state": IpamState.RESERVED if reservation.ref else None,
-        }
+        update: dict[str, object] = {"id": job_id, "approval_reason": reason, "origin": origin}
         if state is JobState.QUEUED:  # reserved for this runner: it starts it here
             update.update(owner=self.runner_id, lease_until=self.lease_until())
-        job = Job.for_request(request, state).model_copy(update=update)
+        else:
+            update.update(owner=None, lease_until=None)
+        job = (base or Job.for_request(request, state)).model_copy(
+            update={**update, "state": state}
+        )
         approval = None
         if reason:
             expires = job.created_at + timedelta(seconds=policy.expire_after_s)
             approval = Approval(job_id=job.id, reason_required=reason, expires_at=expires)
-        for attempt in range(3):
-            try:
-                job = await self.store.insert_job(
-                    job, approval, dedupe_key=dedupe_key, announce=True
-                )
-                break
-            except AlreadyDelivered as seen:
-                raise Duplicate(already_have(seen.job_id), seen.job_id) from None
-            except DuplicateActive as dup:
-                if dup.what == "address" and request.picked:
-                    raise _LostRace from None  # another request took it meanwhile: pick again
-                if attempt == 2 or not await self._release_if_gone(request):
-                    raise Conflict(await self._conflict_message(request, dup.what)) from None
-        await self.progress.job_updated(job)
-        if state is JobState.QUEUED:
-            self.queue.submit(job.id, job.backend)
-        return job
+        return job, approval
 
     async def _release_if_gone(self, request: DeployRequest) -> bool:
         """A succeeded job holds the name or address: if its VM has gone since (deleted

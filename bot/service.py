@@ -161,6 +161,7 @@ class Deployer:
     def group_members(self, lookup: GroupMembers | None) -> None:
         """A front end that knows chat user groups sets how to list a group's members."""
         self.approvals.group_members = lookup
+        self.intake.group_members = lookup  # quota groups (bot/quotas.py)
 
     # --- life cycle ---------------------------------------------------------------
 
