@@ -65,6 +65,11 @@ def _ipam(installation: str, reservation: Reservation) -> dict[str, object]:
     }
 
 
+def _joined(reason: str | None, more: str | None) -> str | None:
+    """Two reasons to wait for an approver as one (either may be None)."""
+    return "; ".join(r for r in (reason, more) if r) or None
+
+
 def already_have(job_id: str) -> str:
     return f"I already have this request as job {job_id}; follow it with `/deploy status {job_id}`."
 
@@ -120,6 +125,7 @@ class Intake:
         """
         await self._refuse_redelivery(dedupe_key)
         request = await self._validated(args, requester, ssh_keys)
+        caps, over = await self._quota(request)  # before anything is reserved
         if check_free_first:
             await check_free(self.backends, request)
         # Picks of the next free address in this process go one at a time (each
@@ -133,7 +139,13 @@ class Intake:
                 recorded = None
                 try:
                     recorded = await self._record(
-                        reserved, can_wait_for_approval, origin, dedupe_key, job_id, reservation
+                        reserved,
+                        can_wait_for_approval,
+                        origin,
+                        dedupe_key,
+                        job_id,
+                        reservation,
+                        (caps, over),
                     )
                     return recorded
                 except _LostRace:
@@ -221,13 +233,13 @@ class Intake:
         dedupe_key: str | None,
         job_id: str,
         reservation: Reservation,
+        quota: tuple[list[quotas.Cap], str | None],
     ) -> Job:
-        reason = approval_reason(self.settings.approval, request)
+        """`quota`: the caps the insert checks, and why the request is over quota when
+        it goes to an approver for that (`_quota`)."""
+        caps, over = quota
+        reason = _joined(approval_reason(self.settings.approval, request), over)
         wanted = quotas.asked(request)
-        caps = await self.quotas.caps(request.requester)
-        early = await self.quotas.first_over(caps, wanted)
-        if early is not None:
-            reason, caps = self._over_quota(early, wanted, reason)
         job, approval = self._job_for(request, reason, can_wait_for_approval, origin, job_id)
         job = job.model_copy(update=_ipam(self.store.installation_id, reservation))
         attempt = 0
@@ -238,7 +250,8 @@ class Intake:
                 )
                 break
             except quotas.OverQuota as lost:  # another request took the room meanwhile
-                reason, caps = self._over_quota(lost, wanted, reason)
+                over, caps = self._over_quota(lost, wanted)
+                reason = _joined(reason, over)
                 job, approval = self._job_for(
                     request, reason, can_wait_for_approval, origin, job.id, job
                 )
@@ -255,15 +268,25 @@ class Intake:
             self.queue.submit(job.id, job.backend)
         return job
 
+    async def _quota(self, request: DeployRequest) -> tuple[list[quotas.Cap], str | None]:
+        """The requester's quotas (checked again by the insert, under the store's lock),
+        and, when the request is over one and goes to an approver for it, why."""
+        wanted = quotas.asked(request)
+        caps = await self.quotas.caps(request.requester)
+        early = await self.quotas.first_over(caps, wanted)
+        if early is None:
+            return caps, None
+        over, caps = self._over_quota(early, wanted)
+        return caps, over
+
     def _over_quota(
-        self, exc: quotas.OverQuota, wanted: quotas.Usage, reason: str | None
+        self, exc: quotas.OverQuota, wanted: quotas.Usage
     ) -> tuple[str, list[quotas.Cap]]:
-        """Refuse a request over quota, or (`over = "approval"`) send it for approval with
-        the numbers as (part of) the reason; no cap is checked at its insert then."""
+        """Refuse a request over quota, or (`over = "approval"`) say why it must wait for
+        an approver: the approver decides, so no cap is checked at its insert then."""
         if self.settings.quotas.over == "refuse":
             raise quota_rules.refusal(exc, wanted)
-        over = quota_rules.over_text(exc.cap, exc.used, wanted)
-        return (f"{reason}; {over}" if reason else over), []
+        return quota_rules.over_text(exc.cap, exc.used, wanted), []
 
     def _job_for(
         self,

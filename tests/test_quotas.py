@@ -160,6 +160,21 @@ async def test_two_requests_racing_for_the_last_room_in_one_process(
         assert len(held) == 3
 
 
+async def test_racing_requests_under_the_approval_policy_one_runs_one_waits(
+    tmp_path: Path, sim: SimBackend
+) -> None:
+    async with deployer(tmp_path, sim, default={"vms": 1}, over="approval") as d:
+        jobs = await asyncio.gather(
+            d.request_deploy(args("web01 10.0.0.50"), "alice"),
+            d.request_deploy(args("web02 10.0.0.51"), "alice"),
+        )
+        states = sorted(j.state.value for j in jobs)
+        assert states == ["awaiting_approval", "queued"]
+        (waiting,) = [j for j in jobs if j.state is JobState.AWAITING_APPROVAL]
+        assert waiting.approval_reason == "over your quota (VMs: 1 used + 1 asked > 1)"
+        await d.drain()
+
+
 async def test_two_processes_on_one_sqlite_file_cannot_both_take_the_last_vm(
     tmp_path: Path, sim: SimBackend
 ) -> None:
