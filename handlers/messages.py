@@ -788,20 +788,20 @@ def slack_channel_fix(bot: str) -> str:
 # --- quotas (bot/quotas.py) --------------------------------------------------------------
 
 
-def _whose_quota(standing: Standing) -> str:
-    return f"Group {standing.cap.label}" if standing.cap.group else "You"
+def _quantity(resource: str, count: int) -> str:
+    name = "VM" if resource == "vms" and count == 1 else QUOTA_NAMES[resource]
+    return f"{quota_amount(resource, count)} {name}"
 
 
 def quota_left(standings: Sequence[Standing]) -> str | None:
     """Plain: what the person may still ask for under each quota (the deploy form)."""
-    lines = []
+    parts = []
     for one in standings:
         left = ", ".join(
-            f"{quota_amount(r, max(0, limit - one.used.of(r)))} {QUOTA_NAMES[r]}"
-            for r, limit in one.cap.limits.items()
+            _quantity(r, max(0, limit - one.used.of(r))) for r, limit in one.cap.limits.items()
         )
-        lines.append(f"{_whose_quota(one)}: {left} left")
-    return "Quota: " + "; ".join(lines) + "." if lines else None
+        parts.append(f"group {one.cap.label}: {left}" if one.cap.group else f"you: {left}")
+    return "Quota left: " + "; ".join(parts) + "." if parts else None
 
 
 def quota_used(standing: Standing) -> str:

@@ -163,12 +163,12 @@ async def test_the_form_shows_the_quota_left(tmp_path: Path) -> None:
     async with slack_bot(tmp_path, quotas=quotas) as h:
         await deployed(h, "web01 10.0.0.50 cpu=2")
         line = json.dumps(block(await form_as(h, ALICE), "quota"))
-        assert "Quota: You: 2 VMs, 6 cores, 6144 MiB memory left." in line
+        assert "Quota left: you: 2 VMs, 6 cores, 6144 MiB memory." in line
         # dave is in the ops group (the fake's usergroups.users.list): its quota too.
         await deployed(h, "web02 10.0.0.51", user=DAVE)
         h.fake.calls.clear()
         line = json.dumps(block(await form_as(h, DAVE), "quota"))
-        assert "You: 2 VMs, 6 cores, 6144 MiB memory left; Group SOPS00001: 1 VMs left." in line
+        assert "you: 2 VMs, 6 cores, 6144 MiB memory; group SOPS00001: 1 VM." in line
 
 
 async def test_a_request_over_quota_is_refused_with_the_numbers(tmp_path: Path) -> None:

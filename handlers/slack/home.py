@@ -1,8 +1,8 @@
 """The App Home tab: a person's VMs, their quota, what waits for their approval, and
 their recent jobs, published with `views.publish` when they open it.
 
-It is published again when one of their jobs ends in this process (a deploy ready or
-failed, a VM destroyed) and after a click on its own buttons, but only for people who
+It is published again when one of their jobs changes in this process (made, ready,
+failed, destroyed) and after a click on its own buttons, but only for people who
 opened it here since the process started: everyone else sees it fresh when they open
 it. The buttons are the ones messages carry (Destroy, Approve, Reject: same action ids,
 same handlers in interact.py), so the core decides exactly as it does for a message.
@@ -30,7 +30,7 @@ from slack_sdk.models.views import View
 from slack_sdk.web.async_client import AsyncWebClient
 
 from bot.errors import DeployBotError
-from bot.models import DESTROY_STATES, Job, JobState, RollbackReport, utcnow
+from bot.models import Job, JobState, RollbackReport, utcnow
 from bot.quotas import Standing
 from bot.service import Deployer, VMPage
 from handlers import messages
@@ -85,10 +85,10 @@ class HomeTabs:
             log.error("could not publish %s's App Home: %s", user, exc.response.get("error"))
 
     async def job_updated(self, job: Job, note: str = "") -> None:
-        """A job of theirs reached a state the home shows for long (ready, ended, on its
-        way out): its requester's home is stale."""
-        if job.state.final or job.state in DESTROY_STATES:
-            self.refresh(job.requester)
+        """A job of theirs was made or changed state: its requester's home is stale.
+        (Approvers' homes are not: publishing every approver's home on every request
+        would cost more than reopening the tab.)"""
+        self.refresh(job.requester)
 
     async def step_started(self, job: Job, step: str, detail: str) -> None:
         pass
