@@ -89,7 +89,8 @@ def whose(cap: Cap) -> str:
 
 
 def over_text(cap: Cap, used: Usage, wanted: Usage) -> str:
-    """ "cores: 14 used + 4 asked > 16; ...", only the resources that do not fit."""
+    """Why `wanted` does not fit `cap`, with the numbers of only the resources that do
+    not fit: 'over your quota (cores: 14 used + 4 asked > 16)'."""
     parts = [
         f"{NAMES[r]}: {amount(r, used.of(r))} used + {amount(r, wanted.of(r))} asked "
         f"> {amount(r, limit)}"

@@ -74,6 +74,22 @@ async def test_a_destroyed_vm_frees_its_share(tmp_path: Path, sim: SimBackend) -
         assert (await d.request_deploy(args("web02 10.0.0.51"), "alice")).state is (JobState.QUEUED)
 
 
+async def test_a_request_awaiting_approval_counts_and_a_rejected_one_frees(
+    tmp_path: Path, sim: SimBackend
+) -> None:
+    settings = make_settings(
+        tmp_path, approval={"approvers": ["bob"], "always": True}, quotas={"default": {"vms": 1}}
+    )
+    async with running_deployer(settings, Recorder(), backends={"sim": sim}, grace_s=5) as d:
+        waiting = await d.request_deploy(args("web01 10.0.0.50"), "alice")
+        assert waiting.state is JobState.AWAITING_APPROVAL
+        with pytest.raises(QuotaExceeded, match=r"VMs: 1 used \+ 1 asked > 1"):
+            await d.request_deploy(args("web02 10.0.0.51"), "alice")
+        await d.reject(waiting.id, "bob", "not now")
+        second = await d.request_deploy(args("web02 10.0.0.51"), "alice")
+        assert second.state is JobState.AWAITING_APPROVAL
+
+
 async def test_a_person_s_override_keeps_the_default_s_other_limits(
     tmp_path: Path, sim: SimBackend
 ) -> None:

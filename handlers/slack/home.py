@@ -11,6 +11,7 @@ A home view holds at most 100 blocks; longer lists end with "… and N more".
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Coroutine, Sequence
 from datetime import datetime
@@ -60,6 +61,8 @@ class HomeTabs:
         self.spawn = spawn
         self.seen: set[str] = set()
         self._due: set[str] = set()  # publishes started and not yet made: one is enough
+        # One publish at a time per person, so an older read never lands after a newer one.
+        self._turns: dict[str, asyncio.Lock] = {}
 
     def register(self, app: AsyncApp) -> None:
         async def on_home_opened(event: dict[str, Any]) -> None:  # Bolt acks events itself
@@ -77,17 +80,18 @@ class HomeTabs:
             self.spawn(self.publish(user))
 
     async def publish(self, user: str) -> None:
-        self._due.discard(user)  # a change from here on publishes again
-        try:
-            view = await home_view(self.deployer, user, utcnow())
-            await self.client.views_publish(user_id=user, view=view)
-        except SlackApiError as exc:
-            log.error("could not publish %s's App Home: %s", user, exc.response.get("error"))
+        async with self._turns.setdefault(user, asyncio.Lock()):
+            self._due.discard(user)  # a change from here on publishes again
+            try:
+                view = await home_view(self.deployer, user, utcnow())
+                await self.client.views_publish(user_id=user, view=view)
+            except SlackApiError as exc:
+                log.error("could not publish %s's App Home: %s", user, exc.response.get("error"))
 
     async def job_updated(self, job: Job, note: str = "") -> None:
         """A job of theirs was made or changed state: its requester's home is stale.
-        (Approvers' homes are not: publishing every approver's home on every request
-        would cost more than reopening the tab.)"""
+        Approvers' homes wait until they open the tab again: publishing every approver's
+        home on every request would cost more than it helps."""
         self.refresh(job.requester)
 
     async def step_started(self, job: Job, step: str, detail: str) -> None:
