@@ -1,6 +1,6 @@
 """Quotas through the Deployer: the boundary, per person and per group, sending for
-approval, and two requests racing for the last room (in one process, two processes on
-one SQLite file, and the store's insert on SQLite and PostgreSQL)."""
+approval, and requests racing for the last room: in one process, in two processes on
+one database, and at the store's insert (each of the last two on SQLite and PostgreSQL)."""
 
 from __future__ import annotations
 
@@ -191,10 +191,17 @@ async def test_racing_requests_under_the_approval_policy_one_runs_one_waits(
         await d.drain()
 
 
-async def test_two_processes_on_one_sqlite_file_cannot_both_take_the_last_vm(
-    tmp_path: Path, sim: SimBackend
+@pytest.fixture(params=["sqlite", "postgres"])
+def database(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "postgres":
+        return str(request.getfixturevalue("pg_url"))
+    return str(tmp_path / "jobs.db")
+
+
+async def test_two_processes_on_one_database_cannot_both_take_the_last_vm(
+    tmp_path: Path, sim: SimBackend, database: str
 ) -> None:
-    settings = make_settings(tmp_path, quotas={"default": {"vms": 1}})
+    settings = make_settings(tmp_path, database=database, quotas={"default": {"vms": 1}})
     async with (
         running_deployer(settings, Recorder(), backends={"sim": sim}, grace_s=5) as one,
         running_deployer(settings, Recorder(), backends={"sim": sim}, grace_s=5) as two,
@@ -215,13 +222,6 @@ async def test_two_processes_on_one_sqlite_file_cannot_both_take_the_last_vm(
             await owner.request_destroy(won[0].id, "alice")
             await one.drain()
             await two.drain()
-
-
-@pytest.fixture(params=["sqlite", "postgres"])
-def database(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "postgres":
-        return str(request.getfixturevalue("pg_url"))
-    return str(tmp_path / "jobs.db")
 
 
 def _job(settings: Settings, text: str, who: str) -> Job:
