@@ -17,6 +17,7 @@ from datetime import datetime, timedelta
 from backends.base import Backend, BackendError
 from backends.ipam.base import AddressTaken, PoolExhausted, Reservation
 from bot import prefs as user_prefs
+from bot import quotas as quota_rules
 from bot.addressing import Addressing
 from bot.admission import check_free, check_login, check_on_backend
 from bot.approvals import approval_reason
@@ -37,6 +38,7 @@ from bot.requests import build_request
 from bot.runs import vm_ref
 from bot.settings import Settings
 from bot.waiting import protected
+from store import quotas
 from store.db import AlreadyDelivered, DuplicateActive, Store
 
 log = logging.getLogger(__name__)
@@ -52,6 +54,20 @@ def addressing_lost_race(request: DeployRequest) -> str:
         f"Other deploys kept taking the next free address of {request.subnet}: give an "
         "address, or ask again."
     )
+
+
+def _ipam(installation: str, reservation: Reservation) -> dict[str, object]:
+    """The job's fields that tie it to this installation and its address's IPAM record."""
+    return {
+        "installation": installation,
+        "ipam_ref": reservation.ref,
+        "ipam_state": IpamState.RESERVED if reservation.ref else None,
+    }
+
+
+def _joined(reason: str | None, more: str | None) -> str | None:
+    """Two reasons to wait for an approver as one (either may be None)."""
+    return "; ".join(r for r in (reason, more) if r) or None
 
 
 def already_have(job_id: str) -> str:
@@ -81,6 +97,9 @@ class Intake:
         self.runner_id = runner_id
         self.lease_until = lease_until
         self._picking = asyncio.Lock()
+        self.quotas = quota_rules.Quotas(settings.quotas, store, lambda: self.group_members)
+        # A chat front end that can list user groups sets this (Deployer.group_members).
+        self.group_members: quota_rules.Members | None = None
 
     async def request(
         self,
@@ -96,6 +115,7 @@ class Intake:
         """`Deployer.request_deploy` says what the arguments mean."""
         await self._refuse_redelivery(dedupe_key)
         request = await self._validated(args, requester, ssh_keys)
+        caps, over = await self._quota(request)  # before anything is reserved
         if check_free_first:
             await check_free(self.backends, request)
         # Picks of the next free address in this process go one at a time (each
@@ -109,7 +129,13 @@ class Intake:
                 recorded = None
                 try:
                     recorded = await self._record(
-                        reserved, can_wait_for_approval, origin, dedupe_key, job_id, reservation
+                        reserved,
+                        can_wait_for_approval,
+                        origin,
+                        dedupe_key,
+                        job_id,
+                        reservation,
+                        (caps, over),
                     )
                     return recorded
                 except _LostRace:
@@ -197,47 +223,92 @@ class Intake:
         dedupe_key: str | None,
         job_id: str,
         reservation: Reservation,
+        quota: tuple[list[quotas.Cap], str | None],
     ) -> Job:
+        """`quota`: the caps the insert checks, and why the request is over quota when
+        it goes to an approver for that (`_quota`)."""
+        caps, over = quota
+        reason = _joined(approval_reason(self.settings.approval, request), over)
+        wanted = quotas.asked(request)
+        job, approval = self._job_for(request, reason, can_wait_for_approval, origin, job_id)
+        job = job.model_copy(update=_ipam(self.store.installation_id, reservation))
+        attempt = 0
+        while True:
+            try:
+                job = await self.store.insert_job(
+                    job, approval, dedupe_key=dedupe_key, announce=True, caps=caps
+                )
+                break
+            except quotas.OverQuota as lost:  # another request took the room meanwhile
+                over, caps = self._over_quota(lost, wanted)
+                reason = _joined(reason, over)
+                job, approval = self._job_for(
+                    request, reason, can_wait_for_approval, origin, job.id, job
+                )
+            except AlreadyDelivered as seen:
+                raise Duplicate(already_have(seen.job_id), seen.job_id) from None
+            except DuplicateActive as dup:
+                if dup.what == "address" and request.picked:
+                    raise _LostRace from None  # another request took it meanwhile: pick again
+                attempt += 1
+                if attempt == 3 or not await self._release_if_gone(request):
+                    raise Conflict(await self._conflict_message(request, dup.what)) from None
+        await self.progress.job_updated(job)
+        if job.state is JobState.QUEUED:
+            self.queue.submit(job.id, job.backend)
+        return job
+
+    async def _quota(self, request: DeployRequest) -> tuple[list[quotas.Cap], str | None]:
+        """The requester's quotas (checked again by the insert, under the store's lock),
+        and, when the request is over one and goes to an approver for it, why."""
+        wanted = quotas.asked(request)
+        caps = await self.quotas.caps(request.requester)
+        early = await self.quotas.first_over(caps, wanted)
+        if early is None:
+            return caps, None
+        over, caps = self._over_quota(early, wanted)
+        return caps, over
+
+    def _over_quota(
+        self, exc: quotas.OverQuota, wanted: quotas.Usage
+    ) -> tuple[str, list[quotas.Cap]]:
+        """Refuse a request over quota, or (`over = "approval"`) say why it must wait for
+        an approver: the approver decides, so no cap is checked at its insert then."""
+        if self.settings.quotas.over == "refuse":
+            raise quota_rules.refusal(exc, wanted)
+        return quota_rules.over_text(exc.cap, exc.used, wanted), []
+
+    def _job_for(
+        self,
+        request: DeployRequest,
+        reason: str | None,
+        can_wait_for_approval: bool,
+        origin: str | None,
+        job_id: str,
+        base: Job | None = None,
+    ) -> tuple[Job, Approval | None]:
+        """The job to insert (queued, or awaiting approval when there is a `reason`), and
+        its approval; `base` is a job built before whose other fields stay."""
         policy = self.settings.approval
-        reason = approval_reason(policy, request)
         if reason and not can_wait_for_approval:
             raise NotAllowed(
                 f"This request needs approval ({reason}). Ask in Slack or in `deploybot shell`, "
                 "where an approver can approve it."
             )
         state = JobState.AWAITING_APPROVAL if reason else JobState.QUEUED
-        update: dict[str, object] = {
-            "id": job_id,
-            "approval_reason": reason,
-            "origin": origin,
-            "installation": self.store.installation_id,
-            "ipam_ref": reservation.ref,
-            "ipam_state": IpamState.RESERVED if reservation.ref else None,
-        }
+        update: dict[str, object] = {"id": job_id, "approval_reason": reason, "origin": origin}
         if state is JobState.QUEUED:  # reserved for this runner: it starts it here
             update.update(owner=self.runner_id, lease_until=self.lease_until())
-        job = Job.for_request(request, state).model_copy(update=update)
+        else:
+            update.update(owner=None, lease_until=None)
+        job = (base or Job.for_request(request, state)).model_copy(
+            update={**update, "state": state}
+        )
         approval = None
         if reason:
             expires = job.created_at + timedelta(seconds=policy.expire_after_s)
             approval = Approval(job_id=job.id, reason_required=reason, expires_at=expires)
-        for attempt in range(3):
-            try:
-                job = await self.store.insert_job(
-                    job, approval, dedupe_key=dedupe_key, announce=True
-                )
-                break
-            except AlreadyDelivered as seen:
-                raise Duplicate(already_have(seen.job_id), seen.job_id) from None
-            except DuplicateActive as dup:
-                if dup.what == "address" and request.picked:
-                    raise _LostRace from None  # another request took it meanwhile: pick again
-                if attempt == 2 or not await self._release_if_gone(request):
-                    raise Conflict(await self._conflict_message(request, dup.what)) from None
-        await self.progress.job_updated(job)
-        if state is JobState.QUEUED:
-            self.queue.submit(job.id, job.backend)
-        return job
+        return job, approval
 
     async def _release_if_gone(self, request: DeployRequest) -> bool:
         """A succeeded job holds the name or address: if its VM has gone since (deleted

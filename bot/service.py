@@ -50,6 +50,7 @@ from bot.parser import DeployArgs
 from bot.pipeline import Pipeline
 from bot.progress import Fanout, Progress
 from bot.queue import JobQueue
+from bot.quotas import Standing
 from bot.recovery import recover_interrupted, sweep_wreckage
 from bot.settings import Settings
 from bot.waiting import protected
@@ -161,6 +162,7 @@ class Deployer:
     def group_members(self, lookup: GroupMembers | None) -> None:
         """A front end that knows chat user groups sets how to list a group's members."""
         self.approvals.group_members = lookup
+        self.intake.group_members = lookup  # quota groups (bot/quotas.py)
 
     # --- life cycle ---------------------------------------------------------------
 
@@ -421,6 +423,14 @@ class Deployer:
         page = min(max(1, page), pages)
         jobs = await self.store.live_jobs(requester, per_page, (page - 1) * per_page)
         return VMPage(jobs, page, pages, total, requester)
+
+    async def pending_approvals(self) -> list[Job]:
+        """Deploys and destroys waiting for an approver (the App Home)."""
+        return await self.store.jobs_in([JobState.AWAITING_APPROVAL, JobState.DESTROY_REQUESTED])
+
+    async def quota_standing(self, user: str) -> list[Standing]:
+        """Each quota of `user` with what is used now (bot/quotas.py)."""
+        return await self.intake.quotas.standing(user)
 
     async def status(self, job_id: str) -> JobStatus:
         job_id = await self._resolve(job_id)

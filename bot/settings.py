@@ -32,6 +32,7 @@ from backends.base import BackendConfig
 from backends.ipam.config import IpamConfig
 from bot.errors import ConfigError
 from bot.models import check_ssh_key
+from bot.quotas import QuotaSettings
 from bot.subnets import Subnet
 from store.db import POSTGRES_SCHEMES
 
@@ -263,6 +264,7 @@ class Settings(BaseSettings):
     slack: SlackSettings = SlackSettings()
     metrics: MetricsSettings = MetricsSettings()
     ipam: IpamConfig = IpamConfig()
+    quotas: QuotaSettings = QuotaSettings()  # bot/quotas.py
 
     @field_validator("database", mode="before")
     @classmethod
@@ -323,6 +325,13 @@ class Settings(BaseSettings):
             raise ValueError(f"defaults.backend {self.defaults.backend!r} is not one of {names}")
         for unknown in set(self.approval.backends) - set(names):
             raise ValueError(f"approval.backends names {unknown!r}, not one of {names}")
+        if (
+            self.quotas.over == "approval"
+            and not self.approval.approvers + self.approval.approver_groups
+        ):
+            raise ValueError(
+                'quotas.over = "approval" needs approval.approvers (or approver_groups)'
+            )
         for subnet in self.subnets:
             for unknown in set(subnet.backends) - set(names):
                 raise ValueError(

@@ -14,6 +14,9 @@ from bot.check import CheckResult
 from bot.gc import GcReport
 from bot.models import Approval, ApprovalState, Job, JobEvent, JobState, RollbackReport, UserPrefs
 from bot.parser import SUBCOMMAND_USAGE, USAGE
+from bot.quotas import NAMES as QUOTA_NAMES
+from bot.quotas import Standing
+from bot.quotas import amount as quota_amount
 from bot.service import JobStatus, VMPage
 
 STEP_LABELS = {
@@ -779,4 +782,56 @@ def slack_channel_fix(bot: str) -> str:
     return (
         f"check slack.approvals_channel (a channel id, C... or G...) and invite the bot "
         f"there: `/invite @{bot}`"
+    )
+
+
+# --- quotas (bot/quotas.py) --------------------------------------------------------------
+
+
+def _quantity(resource: str, count: int) -> str:
+    name = "VM" if resource == "vms" and count == 1 else QUOTA_NAMES[resource]
+    return f"{quota_amount(resource, count)} {name}"
+
+
+def quota_left(standings: Sequence[Standing]) -> str | None:
+    """Plain: what the person may still ask for under each quota (the deploy form)."""
+    parts = []
+    for one in standings:
+        left = ", ".join(
+            _quantity(r, max(0, limit - one.used.of(r))) for r, limit in one.cap.limits.items()
+        )
+        parts.append(f"group {one.cap.label}: {left}" if one.cap.group else f"you: {left}")
+    return "Quota left: " + "; ".join(parts) + "." if parts else None
+
+
+def quota_used(standing: Standing) -> str:
+    """Plain: "cores 6 of 16 · ..." for one quota (the App Home)."""
+    used = " · ".join(
+        f"{QUOTA_NAMES[r]} {standing.used.of(r)} of {quota_amount(r, limit)}"
+        for r, limit in standing.cap.limits.items()
+    )
+    whose = "Your quota" if not standing.cap.group else f"Quota of group {standing.cap.label}"
+    return f"{whose}: {used}"
+
+
+# --- the App Home (handlers/slack/home.py) -------------------------------------------------
+
+HOME_VMS = "Your VMs"
+HOME_APPROVALS = "Waiting for your approval"
+HOME_RECENT = "Your recent jobs"
+HOME_NO_VMS = "You have no VMs from deploybot. Deploy one with /deploy web01 in any channel."
+HOME_NO_JOBS = "No jobs yet."
+HOME_TEXT = "deploybot: your VMs, approvals and recent jobs"
+
+
+def home_more(count: int, where: str) -> str:
+    """Plain: the rows a full App Home leaves out, and where to see them."""
+    return f"… and {count} more: {where} shows them all."
+
+
+def home_recent_row(job: Job, now: datetime) -> str:
+    """Mrkdwn: one of the person's recent jobs; what they typed is escaped."""
+    return (
+        f"`{job.short_id}` *{escape(job.name)}* on {escape(job.backend)} · "
+        f"{STATE_LABELS[job.state]} · {age(job, now)} ago"
     )

@@ -36,6 +36,7 @@ from store import (
     outbox,
     owners,
     quarantine,
+    quotas,
     users,
 )
 from store.engine import Engine, SqliteEngine
@@ -101,12 +102,15 @@ class Store:
         *,
         dedupe_key: str | None = None,
         announce: bool = False,
+        caps: Sequence[quotas.Cap] = (),
     ) -> Job:
         """Raises `DuplicateActive` when a job in flight holds the name or the address,
-        `AlreadyDelivered` when `dedupe_key` was used before (then nothing is written).
-        Returns the job as stored: with a fresh id if its random one was taken. With
-        `announce`, chat is told of the new job (a notice in the same transaction)."""
-        stored = await self._write(jobs.insert_job, job, approval, dedupe_key, announce)
+        `AlreadyDelivered` when `dedupe_key` was used before (then nothing is written),
+        `quotas.OverQuota` when it does not fit one of `caps` (checked in the insert's
+        transaction). Returns the job as stored: with a fresh id if its random one was
+        taken. With `announce`, chat is told of the new job (a notice in the same
+        transaction)."""
+        stored = await self._write(jobs.insert_job, job, approval, dedupe_key, announce, caps)
         self._noticed(announce)
         return stored
 
@@ -259,6 +263,10 @@ class Store:
 
     async def count_live(self, requester: str | None) -> int:
         return await self._call(destroys.count_live, requester)
+
+    async def quota_usage(self, members: Iterable[str]) -> quotas.Usage:
+        """What the jobs of these requesters hold now (store/quotas.py)."""
+        return await self._call(quotas.usage, frozenset(members))
 
     async def transition_once(
         self,

@@ -27,7 +27,7 @@ from bot.models import (
     new_job_id,
     utcnow,
 )
-from store import outbox, quarantine
+from store import outbox, quarantine, quotas
 from store.quarantine import QUARANTINED
 from store.sql import Conflict, Db, immediate
 from store.tx import ts
@@ -141,14 +141,16 @@ def insert_job(
     approval: Approval | None = None,
     dedupe_key: str | None = None,
     announce: bool = False,
+    caps: Sequence[quotas.Cap] = (),
 ) -> Job:
     """Insert a new job (and its approval) and return it as stored. Its id is random:
     should it be a stored job's already, the insert is made again with a fresh id, so the
     job returned may carry another id than the one given. `announce`: chat must hear of
-    it (a notice in the same transaction)."""
+    it (a notice in the same transaction). `caps`: quotas it must fit (`OverQuota`),
+    checked in the same transaction (store/quotas.py)."""
     for _attempt in range(_ID_ATTEMPTS):
         try:
-            _insert_job(db, job, approval, dedupe_key, announce)
+            _insert_job(db, job, approval, dedupe_key, announce, caps)
         except _IdTaken:
             job = job.model_copy(update={"id": new_job_id()})
             if approval is not None:
@@ -159,11 +161,17 @@ def insert_job(
 
 
 def _insert_job(
-    db: Db, job: Job, approval: Approval | None, dedupe_key: str | None, announce: bool
+    db: Db,
+    job: Job,
+    approval: Approval | None,
+    dedupe_key: str | None,
+    announce: bool,
+    caps: Sequence[quotas.Cap] = (),
 ) -> None:
     with immediate(db):
         if dedupe_key is not None:
             claim(db, dedupe_key, job.id, "request")
+        quotas.check(db, caps, quotas.asked(job.request))
         try:
             db.insert("jobs", [job_row(job)])
         except Conflict as exc:

@@ -63,6 +63,7 @@ class FakeSlack:
     calls: list[Call] = field(default_factory=list)
     messages: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     views: dict[str, dict[str, Any]] = field(default_factory=dict)
+    homes: dict[str, str] = field(default_factory=dict)  # user -> their App Home's view id
     # Slack's special limit on chat.postMessage: about one per second per channel. When
     # set, a post closer than this to the channel's last one is refused with a 429 and
     # counted as a violation (the bot's pacing must never cause one).
@@ -293,6 +294,24 @@ class FakeSlack:
         if args.get("hash") and args["hash"] != current["hash"]:
             raise Refused("hash_conflict")
         return {"view": self._store_view(view_id, args["view"])}
+
+    def _views_publish(self, args: dict[str, Any]) -> dict[str, Any]:
+        """A user's App Home: only a `home` view, to a member; `hash` as views.update."""
+        user = str(args["user_id"])
+        if user not in self.users:
+            raise Refused("invalid_arguments", f"[ERROR] no such user: {user}")
+        view = json.loads(args["view"]) if isinstance(args["view"], str) else args["view"]
+        if view.get("type") != "home":
+            raise Refused("invalid_arguments", "[ERROR] views.publish takes a view of type home")
+        current = self.views.get(self.homes.get(user, ""))
+        if args.get("hash") and (current is None or args["hash"] != current["hash"]):
+            raise Refused("hash_conflict")
+        view_id = self.homes.setdefault(user, f"V{next(self._ids):08d}")
+        return {"view": self._store_view(view_id, view)}
+
+    def home(self, user: str) -> dict[str, Any]:
+        """The App Home last published for `user`."""
+        return self.views[self.homes[user]]
 
     def _store_view(self, view_id: str, view: Any) -> dict[str, Any]:
         view = json.loads(view) if isinstance(view, str) else dict(view)

@@ -141,6 +141,61 @@ class Harness:
         }
         return await self.dispatch(payload_body(payload))
 
+    async def open_home(self, user: str) -> BoltResponse:
+        """The person opens the app's Home tab: an `app_home_opened` event, as Slack
+        sends it (JSON, signed)."""
+        event = {
+            "type": "app_home_opened",
+            "user": user,
+            "channel": "D0000HOME",
+            "tab": "home",
+            "event_ts": self.action_ts(),
+        }
+        body = json.dumps(
+            {
+                "token": "legacy-verification-token",
+                "team_id": "T0000001",
+                "api_app_id": "A0000001",
+                "event": event,
+                "type": "event_callback",
+                "event_id": f"Ev{next(self._ts):08d}",
+                "event_time": int(time.time()),
+            }
+        )
+        return await self.dispatch(body, {"content-type": "application/json"})
+
+    async def click_home(
+        self, user: str, action_id: str, value: str, *, action_ts: str | None = None
+    ) -> BoltResponse:
+        """Press the button `action_id` whose value is `value` on `user`'s App Home."""
+        view = self.fake.home(user)
+        block_id, _element = next(
+            (b.get("block_id", ""), e)
+            for b in view["blocks"]
+            for e in [*b.get("elements", []), b.get("accessory") or {}]
+            if e.get("action_id") == action_id and e.get("value") == value
+        )
+        payload = {
+            "type": "block_actions",
+            "team": {"id": "T0000001", "domain": "fake"},
+            "user": {"id": user, "username": PEOPLE.get(user, user), "team_id": "T0000001"},
+            "api_app_id": "A0000001",
+            "token": "legacy-verification-token",
+            "container": {"type": "view", "view_id": view["id"]},
+            "trigger_id": self.fake.new_trigger(),
+            "view": {**view, "type": "home", "team_id": "T0000001"},
+            "actions": [
+                {
+                    "type": "button",
+                    "action_id": action_id,
+                    "block_id": block_id,
+                    "value": value,
+                    "action_ts": action_ts or self.action_ts(),
+                }
+            ],
+        }
+        return await self.dispatch(payload_body(payload))
+
     async def submit(
         self, view_id: str, values: dict[str, dict[str, Any]], user: str = ALICE
     ) -> BoltResponse:

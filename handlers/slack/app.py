@@ -50,6 +50,7 @@ from handlers import messages
 from handlers.commands import run_command
 from handlers.slack import interact, views
 from handlers.slack.catalog import Catalog
+from handlers.slack.home import HomeTabs
 from handlers.slack.pacing import TIER_4_PER_MINUTE, Pacer
 from handlers.slack.threads import SlackThreads
 
@@ -111,6 +112,9 @@ class SlackBot:
             process_before_response=False,
         )
         self.app.command(self.settings.slack.command)(self.on_command)
+        self.home = HomeTabs(deployer, client, self.spawn)  # the App Home (home.py)
+        self.home.register(self.app)
+        deployer.progress.listeners.append(self.home)
         interact.register(self)
 
     # --- tasks and answers --------------------------------------------------------
@@ -139,13 +143,15 @@ class SlackBot:
         are plain text (errors quote what people typed), escaped here before the bot's
         mentions are added."""
         shown = [views.mrkdwn(line) for line in lines] or [" "]
-        await self.ephemeral.wait()  # a workspace-wide limit (Tier 4)
+        text = views.fit("\n".join(shown), 3000)
+        blocks = views.answer(shown, monospace=monospace)
         try:
+            if channel == user:  # a click in the App Home: their conversation with the app
+                await self.client.chat_postMessage(channel=user, text=text, blocks=blocks)
+                return
+            await self.ephemeral.wait()  # a workspace-wide limit (Tier 4)
             await self.client.chat_postEphemeral(
-                channel=channel,
-                user=user,
-                text=views.fit("\n".join(shown), 3000),
-                blocks=views.answer(shown, monospace=monospace),
+                channel=channel, user=user, text=text, blocks=blocks
             )
         except SlackApiError as exc:
             log.error("could not answer %s in %s: %s", user, channel, exc.response.get("error"))

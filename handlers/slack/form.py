@@ -52,8 +52,14 @@ FIELD_BLOCKS = {
 
 
 def form_view(
-    settings: Settings, catalog: Catalog, choice: Choice, prefs: UserPrefs, metadata: str
+    settings: Settings,
+    catalog: Catalog,
+    choice: Choice,
+    prefs: UserPrefs,
+    metadata: str,
+    quota: str | None = None,
 ) -> View:
+    """`quota`: what the person may still ask for (messages.quota_left), plain text."""
     blocks: list[Block] = [
         _template_block(catalog, choice),
         _input("placement", _placement_select(catalog, choice), dispatch=True),
@@ -76,6 +82,9 @@ def form_view(
     if catalog.problems:
         text = fit(messages.backends_not_answering(catalog.problems), 3000)
         blocks.append(ContextBlock(elements=[MarkdownTextObject(text=text)]))
+    if quota:
+        text = fit(messages.escape(quota), 3000)
+        blocks.append(ContextBlock(block_id="quota", elements=[MarkdownTextObject(text=text)]))
     return View(
         type="modal",
         callback_id=FORM_VIEW,

@@ -34,6 +34,7 @@ from handlers.commands import list_page
 from handlers.slack import form, views
 from handlers.slack.catalog import Catalog, Choice, discover, initial_choice, template_options
 from handlers.slack.form import FORM_VIEW, SETTINGS_VIEW
+from handlers.slack.home import HomeTabs
 
 log = logging.getLogger(__name__)
 FORM_ACTIONS = re.compile(r"^(template|placement|storage)$")
@@ -47,6 +48,7 @@ class Host(Protocol):
     settings: Settings
     client: AsyncWebClient
     catalog: Catalog  # the last look-up of templates, kept for external_select
+    home: HomeTabs  # the App Home, published again after a click on its buttons
 
     def spawn(self, work: Coroutine[Any, Any, None]) -> None:
         """Run `work` after the ack, in a task the host keeps until it is done."""
@@ -137,10 +139,18 @@ def register(bot: Host) -> None:
 
 
 def _clicker(body: dict[str, Any]) -> tuple[str, str]:
-    """(who clicked, the channel of the message)."""
+    """(who clicked, the channel of the message). A click in the App Home has no
+    channel: the answer goes to the person's own conversation with the app."""
     container = body.get("container") or {}
     channel = (body.get("channel") or {}).get("id") or container.get("channel_id", "")
-    return str(body["user"]["id"]), str(channel)
+    user = str(body["user"]["id"])
+    return user, str(channel or user)
+
+
+def _after_home_click(bot: Host, body: dict[str, Any]) -> None:
+    """A button of the App Home was pressed: show the person what it changed."""
+    if (body.get("view") or {}).get("type") == "home":
+        bot.home.refresh(str(body["user"]["id"]), opened=True)
 
 
 def _click(body: dict[str, Any]) -> tuple[str, str, str, str]:
@@ -164,6 +174,8 @@ async def _destroy(bot: Host, body: dict[str, Any]) -> None:
     except DeployBotError as exc:
         await bot.tell(channel, user, [exc.message])
         return
+    finally:
+        _after_home_click(bot, body)
     await bot.tell(channel, user, [messages.destroy_answer(job)])
 
 
@@ -186,6 +198,7 @@ async def _approve(bot: Host, body: dict[str, Any]) -> None:
         log.info("ignored a redelivered approval click on %s", job_id)
     except DeployBotError as exc:
         await bot.tell(channel, user, [exc.message])
+    _after_home_click(bot, body)
 
 
 async def _ask_reason(bot: Host, body: dict[str, Any]) -> None:
@@ -211,6 +224,7 @@ async def _reject(bot: Host, body: dict[str, Any], view: dict[str, Any], reason:
         log.info("ignored a redelivered rejection of %s", meta.get("job_id"))
     except DeployBotError as exc:
         await bot.tell(str(meta.get("channel", "")), user, [exc.message])
+    bot.home.refresh(user)  # the card leaves their App Home, if they use it here
 
 
 # --- the deploy form ------------------------------------------------------------------
@@ -253,12 +267,22 @@ async def _show_form(bot: Host, view: dict[str, Any], choice: Choice, user: str,
     catalog = await discover(bot.deployer, choice)
     bot.catalog = catalog
     prefs = await bot.deployer.prefs(user)
-    modal = form.form_view(bot.settings, catalog, choice, prefs, meta)
+    modal = form.form_view(bot.settings, catalog, choice, prefs, meta, await _quota_left(bot, user))
     try:
         await bot.client.views_update(view_id=view["id"], hash=view.get("hash"), view=modal)
     except SlackApiError as exc:
         # hash_conflict: the person changed something meanwhile; that update wins.
         log.info("views.update skipped: %s", exc.response.get("error"))
+
+
+async def _quota_left(bot: Host, user: str) -> str | None:
+    """The form's quota line; without it when the quota cannot be read now (the
+    request is checked anyway when it is submitted)."""
+    try:
+        return messages.quota_left(await bot.deployer.quota_standing(user))
+    except DeployBotError as exc:
+        log.warning("no quota line in %s's form: %s", user, exc.message)
+        return None
 
 
 async def _submit_form(

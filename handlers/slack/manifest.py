@@ -32,8 +32,9 @@ def manifest(command: str = "/deploy") -> dict[str, Any]:
         "features": {
             # Outcomes are also told to the requester in the app's Messages tab (a
             # chat.postMessage to their user id); they read there, they do not type.
+            # The Home tab shows their VMs, quota and approvals (handlers/slack/home.py).
             "app_home": {
-                "home_tab_enabled": False,
+                "home_tab_enabled": True,
                 "messages_tab_enabled": True,
                 "messages_tab_read_only_enabled": True,
             },
@@ -49,6 +50,7 @@ def manifest(command: str = "/deploy") -> dict[str, Any]:
         },
         "oauth_config": {"scopes": {"bot": BOT_SCOPES}},
         "settings": {
+            "event_subscriptions": {"bot_events": ["app_home_opened"]},
             "interactivity": {"is_enabled": True},
             "org_deploy_enabled": False,
             "socket_mode_enabled": True,
@@ -62,7 +64,7 @@ HEADER = """\
 # Create the app from this file at api.slack.com/apps, then set SLACK_BOT_TOKEN and
 # SLACK_APP_TOKEN in the bot's environment. `deploybot manifest --command /NAME` prints
 # it for another command name. For HTTP mode, set socket_mode_enabled to false and give
-# the slash command and interactivity a url ending in /slack/events.
+# the slash command, interactivity and event subscriptions a url ending in /slack/events.
 """
 
 
