@@ -228,3 +228,18 @@ async def test_our_own_installations_vms_cost_no_request(
     assert "10.0.0.52" in addresses and "10.0.0.51" not in addresses
     read = {r.path_params["vmid"] for r in pve.sent("GET", CONFIG)}
     assert "301" not in read and "302" in read
+
+
+async def test_a_node_that_is_down_leaves_its_vms_out_not_the_sweep(
+    pve: FakePVE, backend: ProxmoxBackend, caplog: pytest.LogCaptureFixture
+) -> None:
+    """pveproxy answers 595 for a node it cannot reach and lists its VMs as unknown:
+    one node down must not fail every deploy's conflict check."""
+    hand_made(pve)
+    pve.cluster.add_vm(401, "onpve2", node="pve2", ipconfig0="ip=10.0.0.71/24")
+    pve.cluster.offline.add("pve2")
+    uses = await backend.addresses_in_use()
+    assert ("10.0.0.91", "201", "static01", "ipconfig0") in seen(uses)
+    assert "401" not in {u.vm_id for u in uses}
+    assert "VM(s) on node(s) pve2 not read: the node is offline" in caplog.text
+    assert not [r for r in pve.sent("GET", CONFIG) if r.path_params["node"] == "pve2"]

@@ -26,7 +26,9 @@ That is a request or two per VM, so:
 A guest agent that is silent, not running or not configured is just "no reported
 addresses" (a guest's business, not an error); the API not answering, or refusing a
 read (403: the agent needs VM.GuestAgent.Audit, before PVE 9 VM.Monitor), fails the
-whole sweep: a shorter list would read as "no conflict". VMs the API user may not
+whole sweep: a shorter list would read as "no conflict" (except the VMs of a node
+that is down, listed with status unknown: left out and logged, so one node down does
+not stop every deploy; they run nothing meanwhile). VMs the API user may not
 see at all (a token limited to a pool) are left out of the listing by Proxmox
 itself: a complete check needs VM.Audit on /vms. Containers (LXC) are not read.
 """
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import logging
 import re
 from collections.abc import Callable
 from typing import Any
@@ -52,6 +55,7 @@ from backends.proxmox.agent import interfaces
 from backends.proxmox.api import Forbidden, PveApi
 from backends.proxmox.inventory import Inventory
 
+log = logging.getLogger(__name__)
 _IPCONFIG = re.compile(r"ipconfig\d+")
 AGENT = "guest agent"
 
@@ -71,6 +75,21 @@ def configured(config: dict[str, Any]) -> list[tuple[ipaddress.IPv4Address, str]
             if listable(ip):
                 found.append((ip, key))
     return found
+
+
+def _reachable(vms: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Leave out the VMs of nodes that are down (listed with status unknown): their
+    configs cannot be read while the node is away, and one node down must not stop every
+    deploy's conflict check. They run nothing now; said in the log, not hidden."""
+    away = [i for i in vms if i.get("status") == "unknown"]
+    if away:
+        nodes = sorted({str(i.get("node")) for i in away})
+        log.warning(
+            "addresses of %d VM(s) on node(s) %s not read: the node is offline",
+            len(away),
+            ", ".join(nodes),
+        )
+    return [i for i in vms if i.get("status") != "unknown"]
 
 
 def _built_by(item: dict[str, Any], installation: str | None) -> bool:
@@ -152,6 +171,7 @@ class AddressSweep:
             for i in await self.inventory.vms()
             if i.get("template") not in (1, "1", True) and not _built_by(i, ours)
         ]
+        vms = _reachable(vms)
         limit = asyncio.Semaphore(self.parallel)
         reads = [asyncio.ensure_future(self._vm(item, limit)) for item in vms]
         try:

@@ -171,6 +171,8 @@ class Cluster:
         # VMs the API user may not see (a token limited to a pool): left out of
         # /cluster/resources, 403 on their paths; `nextid` still knows them.
         self.hidden: set[int] = set()
+        # Nodes that are down: 595 on their paths; their VMs listed with status unknown.
+        self.offline: set[str] = set()
         self.faults: list[Fault] = []
         self._pids = itertools.count(random.randint(0x1000, 0xFFFF))
         self._locks: dict[int, asyncio.Lock] = {}

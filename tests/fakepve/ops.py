@@ -84,7 +84,7 @@ async def cluster_status(c: Call) -> Any:
             "type": "node",
             "name": n,
             "id": f"node/{n}",
-            "online": 1,
+            "online": int(n not in cl.offline),
             "nodeid": i + 1,
             "local": int(i == 0),
         }
@@ -193,7 +193,7 @@ async def resources(c: Call) -> Any:
                 "vmid": vm.vmid,
                 "node": vm.node,
                 "name": vm.config.get("name", ""),
-                "status": "running" if vm.running else "stopped",
+                "status": _vm_status(c.cluster, vm),
                 "template": int(vm.template),
                 "maxmem": int(vm.config.get("memory", "512")) * 1024**2,
                 "maxdisk": _size_bytes(vm.config.get("scsi0", "")),
@@ -204,10 +204,22 @@ async def resources(c: Call) -> Any:
             answer.append(item)
     if kind in (None, "node"):
         answer += [
-            {"id": f"node/{n}", "type": "node", "node": n, "status": "online"}
+            {
+                "id": f"node/{n}",
+                "type": "node",
+                "node": n,
+                "status": "offline" if n in c.cluster.offline else "online",
+            }
             for n in c.cluster.nodes
         ]
     return answer
+
+
+def _vm_status(cluster: Cluster, vm: VM) -> str:
+    """A VM on a node that is down is listed as PVE lists it: status unknown."""
+    if vm.node in cluster.offline:
+        return "unknown"
+    return "running" if vm.running else "stopped"
 
 
 async def nextid(c: Call) -> Any:

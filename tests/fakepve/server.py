@@ -242,6 +242,9 @@ class FakePVE:
         if (method, route.template) not in ENDPOINTS:
             raise ApiError(501, f"Method '{method} {path}' not implemented")
         endpoint, handler = ENDPOINTS[(method, route.template)]
+        if route.params.get("node") in self.cluster.offline:
+            # What pveproxy answers for a node it cannot reach.
+            raise ApiError(595, f"Connection refused (node {route.params['node']} is offline)")
         fault = self.cluster.take(endpoint, ("delay", "error", "lock_timeout"))
         if fault is not None and fault.kind == "delay":
             await asyncio.sleep(fault.delay_s)
