@@ -15,7 +15,6 @@ records whose job was never recorded (a crash between reserve and insert).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ipaddress
 import logging
 from collections.abc import Callable, Mapping
@@ -23,6 +22,7 @@ from datetime import datetime, timedelta
 
 from backends.base import Backend, BackendError, PermanentError
 from backends.ipam.base import AddressTaken, Claim, Ipam, NotOurs, Pool, Reservation
+from bot import probe
 from bot.models import HOLDING_STATES, DeployRequest, IpamState, Job, utcnow
 from bot.settings import Settings
 from store.db import Store
@@ -127,29 +127,20 @@ class Addressing:
         recorded = await self.ipam.holder(self.pool(request), ip, job_id)
         if recorded is not None:
             return f"{ip} is recorded in {self.ipam_name} as {recorded}", unasked
-        if await self.answers(ip):
+        if await self.answers(ip, request.backend):
             ports = ", ".join(str(p) for p in self.config.probe_ports)
             return f"{ip} answers on the network (TCP port {ports})", unasked
         return None, unasked
 
-    async def answers(self, ip: IPv4) -> bool:
-        """The optional probe: does anything answer a TCP connection? A refusal is an
-        answer (a host sent it). Never outside the configured subnets."""
+    async def answers(self, ip: IPv4, backend: str) -> bool:
+        """The optional probe (bot/probe.py), from the bot or the backend's jump host;
+        never outside the configured subnets."""
         if not self.config.probe or self.settings.subnet_for(ip) is None:
             return False
-        for port in self.config.probe_ports:
-            try:
-                async with asyncio.timeout(self.config.probe_timeout_s):
-                    _, writer = await asyncio.open_connection(str(ip), port)
-                writer.close()
-                with contextlib.suppress(OSError):
-                    await writer.wait_closed()
-                return True
-            except ConnectionRefusedError:
-                return True
-            except (OSError, TimeoutError):
-                continue
-        return False
+        config = self.settings.backend(backend)
+        jump = config.ssh_jump if config is not None else None
+        c = self.config
+        return await probe.answers(ip, c.probe_ports, c.probe_timeout_s, jump)
 
     # --- reserve, activate, release -------------------------------------------------
 
@@ -169,7 +160,7 @@ class Addressing:
         skip = frozenset(jobs) | frozenset(vms)
         for _attempt in range(_ATTEMPTS):
             reservation = await self.ipam.reserve(pool, claim, skip=skip)
-            if not await self.answers(reservation.address):
+            if not await self.answers(reservation.address, request.backend):
                 return _with_address(request, reservation.address), reservation
             await self.release_ref(reservation, claim)
             skip |= {reservation.address}

@@ -18,6 +18,7 @@ from bot.runtime import running_deployer
 from bot.service import Deployer
 from bot.settings import Settings
 from tests.conftest import Recorder, make_settings
+from tests.jumphost import JumpHost
 
 IP = ipaddress.IPv4Address
 
@@ -183,3 +184,34 @@ async def test_a_vm_a_rollback_left_behind_keeps_its_address(
     assert (await ask(deployer, "web02")).address == "10.0.0.101"
     with pytest.raises(Conflict, match=f"held by the VM job {failed.id} left behind"):
         await ask(deployer, "web03 10.0.0.100")
+
+
+async def test_the_probe_goes_through_the_backends_jump_host(
+    tmp_path: Path, recorder: Recorder
+) -> None:
+    """A backend whose guests sit behind a jump host is probed from there: the test
+    bastion forwards 10.0.0.60:22 to a loopback listener, refuses the connection for
+    other addresses (a host said no: taken) and will not forward to 10.0.0.62 at all
+    (nothing known: free). No packet leaves loopback."""
+    listener = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
+    port = listener.sockets[0].getsockname()[1]
+
+    def route(host: str, dest_port: int) -> tuple[str, int] | None:
+        return ("127.0.0.1", port) if (host, dest_port) == ("10.0.0.60", 22) else None
+
+    jump = await JumpHost(tmp_path / "jump", route).start()
+    jump.prohibited.add("10.0.0.62")
+    backend = {"kind": "sim", "name": "sim", "time_scale": 0.001, "ssh_jump": jump.config()}
+    settings = make_settings(tmp_path, backends=[backend], ipam={"probe": True})
+    try:
+        async with running_deployer(settings, recorder, backends={"sim": SimBackend("sim")}) as d:
+            with pytest.raises(Conflict, match=r"10\.0\.0\.60 answers on the network"):
+                await ask(d, "web01 10.0.0.60")
+            with pytest.raises(Conflict, match=r"10\.0\.0\.61 answers on the network"):
+                await ask(d, "web02 10.0.0.61")
+            assert (await ask(d, "web03 10.0.0.62")).address == "10.0.0.62"
+        assert ("10.0.0.60", 22) in jump.requests
+    finally:
+        await jump.close()
+        listener.close()
+        await listener.wait_closed()

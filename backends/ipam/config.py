@@ -15,8 +15,8 @@ class IpamConfig(BaseModel):
     its API token is read from the environment variable `token_env`, never from here.
 
     `probe` (off by default) also asks, before a clone, whether something answers on the
-    address (a TCP connection to `probe_ports` from the bot): a host that answers, even
-    with a refusal, holds the address. Only addresses inside the configured subnets are
+    address (a TCP connection to `probe_ports` from the bot, or from the backend's jump
+    host): a host that answers, even with a refusal, holds the address. Only addresses inside the configured subnets are
     ever probed."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
