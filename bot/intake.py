@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from datetime import datetime, timedelta
 
 from backends.base import Backend, BackendError
@@ -40,7 +40,10 @@ from bot.waiting import protected
 from store.db import AlreadyDelivered, DuplicateActive, Store
 
 log = logging.getLogger(__name__)
-_PICKS = 5  # tries at recording a next free address that other processes also picked
+_PICKS = 5
+Grant = Callable[
+    [int | None, bool, DeployRequest, str], Awaitable[int | None]
+]  # tries at recording a next free address that other processes also picked
 
 
 class _LostRace(Exception):
@@ -81,6 +84,8 @@ class Intake:
         self.runner_id = runner_id
         self.lease_until = lease_until
         self._picking = asyncio.Lock()
+        # The VM's lease (bot/leases.Leases.grant), set by the Deployer; None: no lease.
+        self.grant: Grant | None = None
 
     async def request(
         self,
@@ -106,6 +111,9 @@ class Intake:
         """
         await self._refuse_redelivery(dedupe_key)
         request = await self._validated(args, requester, ssh_keys)
+        lease_s = None
+        if self.grant is not None:
+            lease_s = await self.grant(args.lease_s, args.lease_never, request, requester)
         if check_free_first:
             await check_free(self.backends, request)
         # Picks of the next free address in this process go one at a time (each
@@ -119,8 +127,9 @@ class Intake:
                 recorded = None
                 try:
                     recorded = await self._record(
-                        reserved, can_wait_for_approval, origin, dedupe_key, job_id, reservation
-                    )
+                        reserved, can_wait_for_approval, origin, dedupe_key, job_id, reservation,
+                        lease_s,
+                    )  # fmt: skip
                     return recorded
                 except _LostRace:
                     if attempt == _PICKS - 1:
@@ -207,6 +216,7 @@ class Intake:
         dedupe_key: str | None,
         job_id: str,
         reservation: Reservation,
+        lease_s: int | None = None,
     ) -> Job:
         policy = self.settings.approval
         reason = approval_reason(policy, request)
@@ -223,6 +233,7 @@ class Intake:
             "installation": self.store.installation_id,
             "ipam_ref": reservation.ref,
             "ipam_state": IpamState.RESERVED if reservation.ref else None,
+            "lease_s": lease_s,
         }
         if state is JobState.QUEUED:  # reserved for this runner: it starts it here
             update.update(owner=self.runner_id, lease_until=self.lease_until())

@@ -31,6 +31,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from backends.base import BackendConfig
 from backends.ipam.config import IpamConfig
 from bot.errors import ConfigError
+from bot.leaseterms import LeaseSettings
 from bot.models import check_ssh_key
 from bot.subnets import Subnet
 from store.db import POSTGRES_SCHEMES
@@ -263,6 +264,7 @@ class Settings(BaseSettings):
     slack: SlackSettings = SlackSettings()
     metrics: MetricsSettings = MetricsSettings()
     ipam: IpamConfig = IpamConfig()
+    leases: LeaseSettings = LeaseSettings()
 
     @field_validator("database", mode="before")
     @classmethod

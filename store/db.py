@@ -33,6 +33,7 @@ from store import (
     gc,
     inbox,
     jobs,
+    leases,
     outbox,
     owners,
     quarantine,
@@ -259,6 +260,26 @@ class Store:
 
     async def count_live(self, requester: str | None) -> int:
         return await self._call(destroys.count_live, requester)
+
+    # --- leases (store/leases.py) ------------------------------------------------------
+
+    async def lease_watched(self) -> list[Job]:
+        """Ready jobs with a lease, and powered-off ones: what the lease timer looks at."""
+        return await self._call(leases.watched)
+
+    async def lease_write(
+        self,
+        step: str,
+        job: Job,
+        value: str | datetime,
+        notices: Sequence[Notice],
+        audit: AuditEvent,
+        dedupe_key: str | None = None,
+    ) -> Job | None:
+        """One lease step as a compare-and-set against `job` as read (store/leases.write)."""
+        done = await self._call(leases.write, step, job, value, notices, audit, dedupe_key)
+        self._noticed(done is not None and bool(notices))
+        return done
 
     async def transition_once(
         self,
