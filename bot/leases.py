@@ -42,9 +42,10 @@ log = logging.getLogger(__name__)
 BOT = "deploybot"
 
 
-def notice(job: Job, step: str, when: datetime | None, by: str = BOT) -> Notice:
-    """A lease notice: the front end words it (handlers/messages.py) in the reader's zone."""
-    return Notice(job_id=job.id, kind=NoticeKind.LEASE, step=step, when=when, text=by)
+def notice(job: Job, step: str, when: datetime | None, at: datetime, by: str = BOT) -> Notice:
+    """A lease notice: the front end words it (handlers/messages.py) in the reader's zone;
+    `at` is the (injected) clock's now, from which "in 3 days" is counted."""
+    return Notice(job_id=job.id, kind=NoticeKind.LEASE, step=step, when=when, text=by, at=at)
 
 
 class Leases:
@@ -133,7 +134,7 @@ class Leases:
             )
         for _ in range(3):  # another extension or the timer may move it meanwhile
             end = self._new_end(job, length)
-            told = [notice(job, "extended", end, user)]
+            told = [notice(job, "extended", end, self.clock(), user)]
             audit = self._audit(user, job, "extended", f"to {end:%Y-%m-%d %H:%M} UTC")
             try:
                 done = await self.store.lease_write("extend", job, end, told, audit, dedupe_key)
@@ -246,7 +247,7 @@ class Leases:
         record = ",".join(str(o) for o in sorted(sent | due, reverse=True))
         audit = self._audit(BOT, job, "reminded", f"ends {end:%Y-%m-%d %H:%M} UTC")
         done = await self.store.lease_write(
-            "remind", job, record, [notice(job, "remind", end)], audit
+            "remind", job, record, [notice(job, "remind", end, now)], audit
         )
         if done is not None:
             left = show_length(int((end - now).total_seconds()) // 60 * 60)
@@ -267,7 +268,7 @@ class Leases:
             return
         destroy_at = now + timedelta(seconds=self.policy.grace)
         audit = self._audit(BOT, job, "expired", f"powered off; destroyed after {destroy_at}")
-        told = [notice(job, "expired", destroy_at)]
+        told = [notice(job, "expired", destroy_at, now)]
         done = await self.store.lease_write("expire", job, now, told, audit)
         if done is not None:
             await self.progress.job_updated(done, "lease ended: VM powered off, not destroyed")
@@ -277,7 +278,7 @@ class Leases:
             job.id,
             [JobState.EXPIRED_OFF],
             JobState.DESTROYING,
-            notices=[notice(job, "destroying", job.lease_end)],
+            notices=[notice(job, "destroying", job.lease_end, now)],
             owner=self.ownership.id,
             lease_until=self.ownership.lease_until(),
             destroy_by=BOT,

@@ -12,6 +12,7 @@ from datetime import UTC, datetime, tzinfo
 from backends.base import Template
 from bot.check import CheckResult
 from bot.gc import GcReport
+from bot.leaseterms import LeaseSettings, show_length
 from bot.models import Approval, ApprovalState, Job, JobEvent, JobState, RollbackReport, UserPrefs
 from bot.parser import SUBCOMMAND_USAGE, USAGE
 from bot.service import JobStatus, VMPage
@@ -455,6 +456,7 @@ FORM_LABELS = {
     "user": "Login user",
     "keys": "SSH public keys (one per line)",
     "upgrade": "Upgrade packages on first boot",
+    "lease": "Lease (how long the VM lives)",
     "default_template": "Default template",
     "reason": "Why is it rejected?",
 }
@@ -841,3 +843,17 @@ def lease_thread(job: Job, step: str, moment: datetime | None, by: str, zone: tz
     if step == "extended":
         return f"Lease extended by {by}: {job.name} now expires {at}."
     return f"Reminder sent to {job.requester}: the lease of {job.name} ends {at}."
+
+
+def lease_hint(policy: LeaseSettings) -> str:
+    return (
+        f"Like 7d or 12h, up to {show_length(policy.max)}; empty: "
+        f"{show_length(policy.default)} here. Extend it later if you need more."
+    )
+
+
+def lease_field_error(policy: LeaseSettings) -> str:
+    return (
+        f"Give a length from 1m up to {show_length(policy.max)} (the maximum here), like 7d; "
+        "extend it later if you need more."
+    )
