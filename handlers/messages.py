@@ -816,8 +816,14 @@ def lease_extended_answer(job: Job) -> str:
 
 def lease_reminder(job: Job, end: datetime, now: datetime, grace: str, zone: tzinfo) -> str:
     """Plain: the reminder by direct message (the buttons say what to do)."""
-    days = max(0, int((end - now).total_seconds()) // 3600)
-    left = f"{days // 24} days" if days >= 48 else f"{days} hours" if days >= 2 else "an hour"
+    hours = max(0, round((end - now).total_seconds() / 3600))  # "about": rounded
+    left = (
+        f"{round(hours / 24)} days"
+        if hours >= 48
+        else f"{hours} hours"
+        if hours >= 2
+        else "an hour"
+    )
     return (
         f"Your VM {job.name} ({job.final_address or job.address} on {job.backend}) expires "
         f"{when(end, zone)}, in about {left}. Then it is powered off, and destroyed {grace} "
