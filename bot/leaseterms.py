@@ -12,7 +12,8 @@ from typing import Annotated
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 NEVER = "never"
-_LENGTH_RE = re.compile(r"^(\d{1,6})([smhdw])$")
+# [0-9], not \d: \d matches U+FF17 (a full-width 7), which int() then reads as 7.
+_LENGTH_RE = re.compile(r"^([0-9]{1,6})([smhdw])$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 EXAMPLE = "7d"
 
@@ -23,7 +24,7 @@ def parse_length(text: str) -> int | None:
     word = text.strip().lower() if text.isascii() else text
     if word == NEVER:
         return None
-    match = _LENGTH_RE.fullmatch(word)
+    match = _LENGTH_RE.fullmatch(word) if word.isascii() else None
     if not match:
         raise ValueError(
             f"{text[:40]!r} is not a lease length: give a number and a unit (m, h, d or w), "
