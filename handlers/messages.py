@@ -111,6 +111,11 @@ def job_update(job: Job, note: str = "") -> str:
         return "nobody approved it in time, so it expired. Ask again when an approver is around."
     if state is JobState.CANCELLED:
         return f"{note or 'cancelled'}. Nothing was built."
+    if state is JobState.EXPIRED_OFF:
+        return (
+            f"{note or 'lease ended'}; it is destroyed after the grace period unless "
+            f"extended: `/deploy lease extend {job.name} 7d`."
+        )
     return destroy_update(job, note) or STATE_LABELS[state]
 
 
