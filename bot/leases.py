@@ -272,6 +272,12 @@ class Leases:
         done = await self.store.lease_write("expire", job, now, told, audit)
         if done is not None:
             await self.progress.job_updated(done, "lease ended: VM powered off, not destroyed")
+            return
+        # Not recorded: extended (or destroyed) while it was being powered off. A VM
+        # whose lease goes on must run again.
+        again = await self.store.get_job(job.id)
+        if again is not None and again.state is JobState.SUCCEEDED:
+            await self._power_on(again)
 
     async def _destroy(self, job: Job, now: datetime) -> None:
         moved, doomed = await self.store.move(

@@ -118,7 +118,10 @@ TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     JobState.SUCCEEDED: frozenset(
         {JobState.RELEASED, JobState.DESTROY_REQUESTED, JobState.DESTROYING, JobState.EXPIRED_OFF}
     ),
-    JobState.EXPIRED_OFF: frozenset({JobState.DESTROYING, JobState.SUCCEEDED}),
+    # Destroyed by the timer after the grace, or asked for sooner (Destroy now).
+    JobState.EXPIRED_OFF: frozenset(
+        {JobState.DESTROYING, JobState.SUCCEEDED, JobState.DESTROY_REQUESTED}
+    ),
     JobState.DESTROY_REQUESTED: frozenset({JobState.DESTROYING, JobState.SUCCEEDED}),
     JobState.DESTROYING: frozenset({JobState.DESTROYED, JobState.SUCCEEDED}),
 }

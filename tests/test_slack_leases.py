@@ -208,3 +208,35 @@ async def test_never_and_over_the_maximum_are_refused_with_what_to_ask(tmp_path:
         await h.settle()
         listing = h.fake.called("chat.postEphemeral", user=CAROL)[-1]
         assert "lease end never" in json.dumps(listing.args["blocks"])
+
+
+async def test_destroy_now_from_the_reminder_after_the_end(tmp_path: Path) -> None:
+    """Destroy now works on a VM already powered off by its lease; a person whose zone
+    Slack will not say (the token lacks users:read) reads UTC."""
+    clock = SimClock()
+    sim = SimBackend("sim", time_scale=SIM_SCALE)
+    fake = await new_fake()
+    fake.users[ALICE]["tz"] = "Asia/Tokyo"
+    fake.scopes.remove("users:read")
+    try:
+        async with slack_bot(tmp_path, backend=sim, fake=fake, clock=clock) as h:
+            job = await deploy(h, "web01 10.0.0.50 lease=2d")
+            end = job.lease_end
+            assert end is not None
+            clock.now = end - timedelta(hours=12)
+            await h.deployer.leases.step()
+            await h.settle()
+            (card,) = reminders(h)
+            assert f"expires {when(end)}" in card.text and end.tzinfo is not None  # UTC
+            clock.now = end + timedelta(minutes=1)
+            await h.deployer.leases.step()
+            await h.settle()
+            assert (await job_now(h, job.id)).state is JobState.EXPIRED_OFF
+            await h.click(card, "destroy", ALICE)
+            await h.fake.wait_for(is_reply("destroyed (asked by"))
+            await h.deployer.drain()
+            await h.settle()
+            assert (await job_now(h, job.id)).state is JobState.DESTROYED
+            assert (job.vm_id or "") not in sim.vms
+    finally:
+        await fake.close()
