@@ -102,9 +102,11 @@ class Leases:
         if await self.approvals.is_approver(user):
             return True
         lookup = self.approvals.group_members
-        for group in self.policy.never_groups if lookup is not None else ():
+        if lookup is None:  # no chat front end to resolve groups (the shell, the CLI)
+            return False
+        for group in self.policy.never_groups:
             try:
-                if lookup is not None and user in await lookup(group):
+                if user in await lookup(group):
                     return True
             except Exception:
                 log.exception("could not list the members of lease group %s", group)
@@ -258,20 +260,25 @@ class Leases:
         if backend is None or job.vm_id is None:
             log.warning("job %s: its lease ended but backend %s is not here", job.id, job.backend)
             return
+        step = "expired"
         try:
             async with asyncio.timeout(self.settings.timeouts.power_off_s):
                 await backend.power_off(vm_ref(job))
-        except NotOurVM as exc:
+        except NotOurVM as exc:  # changed by hand: left running, and the thread says so
             log.warning("job %s: lease ended; not powered off: %s", job.id, exc.message)
+            step = "untouched"
         except (BackendError, TimeoutError) as exc:
             log.warning("job %s: lease ended; powering off failed (%s); tried again", job.id, exc)
             return
         destroy_at = now + timedelta(seconds=self.policy.grace)
         audit = self._audit(BOT, job, "expired", f"powered off; destroyed after {destroy_at}")
-        told = [notice(job, "expired", destroy_at, now)]
+        told = [notice(job, step, destroy_at, now)]
         done = await self.store.lease_write("expire", job, now, told, audit)
         if done is not None:
-            await self.progress.job_updated(done, "lease ended: VM powered off, not destroyed")
+            said = (
+                "VM powered off, not destroyed" if step == "expired" else "VM not ours, untouched"
+            )
+            await self.progress.job_updated(done, f"lease ended: {said}")
             return
         # Not recorded: extended (or destroyed) while it was being powered off. A VM
         # whose lease goes on must run again.

@@ -846,6 +846,12 @@ def lease_thread(job: Job, step: str, moment: datetime | None, by: str, zone: tz
             f"destroyed. It will be destroyed {at} unless extended: "
             f"`/deploy lease extend {job.name} 7d`."
         )
+    if step == "untouched":
+        return (
+            f"The lease of {job.name} ended, but VM {job.vm_id} no longer carries "
+            "deploybot's tag (changed by hand), so it was left running. Put the tag back "
+            f"to let deploybot power it off and destroy it {at}, or remove it by hand."
+        )
     if step == "destroying":
         return (
             f"The lease of {job.name} ended and its grace period is over: destroying VM "

@@ -240,3 +240,28 @@ async def test_destroy_now_from_the_reminder_after_the_end(tmp_path: Path) -> No
             assert (job.vm_id or "") not in sim.vms
     finally:
         await fake.close()
+
+
+async def test_a_vm_changed_by_hand_is_left_running_and_the_thread_says_why(
+    tmp_path: Path,
+) -> None:
+    clock = SimClock()
+    sim = SimBackend("sim", time_scale=SIM_SCALE)
+    async with slack_bot(tmp_path, backend=sim, clock=clock) as h:
+        job = await deploy(h, "web01 10.0.0.50 lease=1d")
+        vm_id, end = job.vm_id or "", job.lease_end
+        assert end is not None
+        sim.vms[vm_id].tags.clear()  # someone edited the VM on the hypervisor
+        clock.now = end + timedelta(minutes=1)
+        await h.deployer.leases.step()
+        await h.settle()
+        assert sim.vms[vm_id].running
+        assert "no longer carries deploybot's tag (changed by hand)" in thread(h)
+        assert "powered off" not in thread(h)
+        clock.now += timedelta(days=3, minutes=1)
+        await h.deployer.leases.step()
+        await h.deployer.drain()
+        await h.settle()
+        kept = await job_now(h, job.id)
+        assert kept.state is JobState.SUCCEEDED and vm_id in sim.vms  # refused, untouched
+        assert "destroy refused" in thread(h) and "nothing was touched" in thread(h)
