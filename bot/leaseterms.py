@@ -34,10 +34,11 @@ def parse_length(text: str) -> int | None:
 
 
 def show_length(seconds: int | None) -> str:
-    """The shortest exact way to write a length back: 604800 -> "7d"."""
+    """A length written back in the largest exact unit up to days: 1209600 -> "14d"
+    (people count leases in days, so no weeks)."""
     if seconds is None:
         return NEVER
-    for unit in ("w", "d", "h", "m"):
+    for unit in ("d", "h", "m"):
         if seconds and seconds % _UNIT_S[unit] == 0:
             return f"{seconds // _UNIT_S[unit]}{unit}"
     return f"{seconds}s"

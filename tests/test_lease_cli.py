@@ -50,7 +50,7 @@ def test_lengths_read_and_written_back() -> None:
         1209600,
         None,
     ]
-    assert [show_length(s) for s in (1800, 86400 * 14, 90, None)] == ["30m", "2w", "90s", "never"]
+    assert [show_length(s) for s in (1800, 86400 * 14, 90, None)] == ["30m", "14d", "90s", "never"]
 
 
 def test_the_leases_section_is_checked(tmp_path: Path) -> None:

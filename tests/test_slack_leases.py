@@ -33,6 +33,7 @@ from tests.slack_support import (
     new_fake,
     slack_bot,
 )
+from tests.test_slack_form import block, open_form, state
 
 
 @dataclass
@@ -265,3 +266,21 @@ async def test_a_vm_changed_by_hand_is_left_running_and_the_thread_says_why(
         kept = await job_now(h, job.id)
         assert kept.state is JobState.SUCCEEDED and vm_id in sim.vms  # refused, untouched
         assert "destroy refused" in thread(h) and "nothing was touched" in thread(h)
+
+
+async def test_the_form_asks_for_a_lease_and_checks_it(tmp_path: Path) -> None:
+    async with slack_bot(tmp_path) as h:
+        view_id = await open_form(h)
+        view = h.fake.views[view_id]
+        field = block(view, "lease")
+        assert "up to 90d" in field["hint"]["text"] and "14d here" in field["hint"]["text"]
+        for typed, wanted in (("100d", "up to 90d (the maximum here)"), ("7x", "like 7d")):
+            chosen = state(view, name="web01", address="10.0.0.50", lease=typed)
+            errors = json.loads((await h.submit(view_id, chosen)).body)["errors"]
+            assert set(errors) == {"lease"} and wanted in errors["lease"], errors
+        chosen = state(view, name="web01", address="10.0.0.50", lease="3d")
+        assert (await h.submit(view_id, chosen)).status == 200
+        await h.fake.wait_for(is_reply("ssh ubuntu@10.0.0.50"))
+        await h.settle()
+        job = (await h.deployer.history(1))[0]
+        assert job.state is JobState.SUCCEEDED and job.lease_s == 3 * 86400
