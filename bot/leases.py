@@ -40,6 +40,7 @@ from store.db import AlreadyDelivered, Store
 
 log = logging.getLogger(__name__)
 BOT = "deploybot"
+CONCURRENCY = 8  # jobs a timer step works on at once
 
 
 def notice(job: Job, step: str, when: datetime | None, at: datetime, by: str = BOT) -> Notice:
@@ -206,27 +207,35 @@ class Leases:
 
     # --- the timer --------------------------------------------------------------------
 
-    async def loop(self) -> None:
+    async def loop(self, *, at_once: bool = False) -> None:
+        """The timer: a step every `check_every_s` (`at_once`: the first one now)."""
         while True:
-            await asyncio.sleep(self.policy.check_every_s)
+            if not at_once:
+                await asyncio.sleep(self.policy.check_every_s)
+            at_once = False
             try:
                 await self.step()
             except Exception:
                 log.exception("the lease timer's step failed; it runs again shortly")
 
     async def step(self, now: datetime | None = None) -> None:
-        """Send due reminders, power off what ended, destroy what passed its grace."""
+        """Send due reminders, power off what ended, destroy what passed its grace;
+        `CONCURRENCY` jobs at a time (power-offs wait for the hypervisor)."""
         now = now or self.clock()
-        for job in await self.store.lease_watched():
-            if job.id in self._busy:
-                continue
-            self._busy.add(job.id)
-            try:
-                await self._step_one(job, now)
-            except Exception:
-                log.exception("job %s: the lease step failed; it is tried again", job.id)
-            finally:
-                self._busy.discard(job.id)
+        room = asyncio.Semaphore(CONCURRENCY)
+
+        async def one(job: Job) -> None:
+            async with room:
+                try:
+                    await self._step_one(job, now)
+                except Exception:
+                    log.exception("job %s: the lease step failed; it is tried again", job.id)
+                finally:
+                    self._busy.discard(job.id)
+
+        todo = [j for j in await self.store.lease_watched() if j.id not in self._busy]
+        self._busy.update(j.id for j in todo)
+        await asyncio.gather(*(one(job) for job in todo))
 
     async def _step_one(self, job: Job, now: datetime) -> None:
         end = job.lease_end

@@ -182,8 +182,9 @@ class Deployer:
         if self.ownership.takes_over:
             await self.reconcile_addresses()
             self._expiry = asyncio.create_task(self._expire_loop(expire_every_s))
-            await self.leases.step()  # what came due while no process ran (bot/leases.py)
-            self._leasing = asyncio.create_task(self.leases.loop())
+            if settle:  # what came due while no process ran, before the shell reads input
+                await self.leases.step()
+            self._leasing = asyncio.create_task(self.leases.loop(at_once=not settle))
             self._sweeper = asyncio.create_task(
                 self._sweep_loop(self.settings.timeouts.wreckage_retry_s)
             )
