@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from bot.errors import DeployBotError
+from bot.leaseterms import parse_length
 from bot.logfields import JsonFormatter, WithoutBodies
 from bot.settings import Settings, load_settings
 
@@ -72,6 +73,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     destroy.add_argument("target", metavar="NAME", help="the VM's name, or its job id")
     destroy.add_argument("--user", default=default_user(), help="who asks")
+    lease = sub.add_parser("lease", help="a VM's lease: `lease extend NAME 7d`")
+    lease_sub = lease.add_subparsers(dest="lease_command", required=True, metavar="ACTION")
+    extend = lease_sub.add_parser("extend", help="move a VM's lease end later")
+    extend.add_argument("target", metavar="NAME", help="the VM's name, or its job id")
+    extend.add_argument(
+        "length", nargs="?", type=_length, help="how much later, like 7d (default: [leases] step)"
+    )
+    extend.add_argument("--user", default=default_user(), help="who asks")
     sub.add_parser("check-config", help="validate the configuration and summarise it")
     check = sub.add_parser(
         "check",
@@ -107,6 +116,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--command", dest="slash_command", help="the slash command (default: slack.command)"
     )
     return parser
+
+
+def _length(text: str) -> int:
+    """A lease length for argparse: "7d" -> seconds; argparse words the refusal."""
+    try:
+        seconds = parse_length(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not seconds:
+        raise argparse.ArgumentTypeError(f"{text!r}: extend by a length, like 7d")
+    return seconds
 
 
 def configure_logging(path: Path, *, to_stderr: bool = False, json_lines: bool = False) -> None:

@@ -129,7 +129,8 @@ class Destroyer:
             fields.update(owner=self.ownership.id, lease_until=self.ownership.lease_until())
         note = f"destroy asked by {user}"
         told = self._tell(job, tell.updated(job.id, note), wait)
-        moved = await self._once(dedupe_key, job.id, [JobState.SUCCEEDED], new, told, fields)
+        ready = [JobState.SUCCEEDED, JobState.EXPIRED_OFF]  # EXPIRED_OFF: its lease ended
+        moved = await self._once(dedupe_key, job.id, ready, new, told, fields)
         if not moved:
             raise TransitionRefused(await self._why_not(job.id))
         return await self._moved(job.id, user, "requested", note)

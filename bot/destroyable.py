@@ -12,8 +12,9 @@ from bot.models import HOLDING_STATES, Job, JobState
 
 
 def check_destroyable(job: Job) -> None:
-    """Only a ready VM can be destroyed; anything else says why and what to do."""
-    if job.state is JobState.SUCCEEDED:
+    """Only a ready VM (or one powered off at the end of its lease) can be destroyed;
+    anything else says why and what to do."""
+    if job.state in (JobState.SUCCEEDED, JobState.EXPIRED_OFF):
         return
     what = {
         JobState.DESTROY_REQUESTED: "its destroy already waits for an approver",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from datetime import datetime, timedelta
 
 from backends.base import Backend, BackendError
@@ -43,6 +43,9 @@ from store.db import AlreadyDelivered, DuplicateActive, Store
 
 log = logging.getLogger(__name__)
 _PICKS = 5  # tries at recording a next free address that other processes also picked
+# The VM's lease in seconds (bot/leases.Leases.grant): from `lease=`, `never`, the
+# request and the requester; None: no lease. Refuses what the policy does not allow.
+Grant = Callable[[int | None, bool, DeployRequest, str], Awaitable[int | None]]
 
 
 class _LostRace(Exception):
@@ -100,6 +103,8 @@ class Intake:
         self.quotas = quota_rules.Quotas(settings.quotas, store, lambda: self.group_members)
         # A chat front end that can list user groups sets this (Deployer.group_members).
         self.group_members: quota_rules.Members | None = None
+        # The VM's lease (bot/leases.Leases.grant), set by the Deployer; None: no lease.
+        self.grant: Grant | None = None
 
     async def request(
         self,
@@ -115,6 +120,9 @@ class Intake:
         """`Deployer.request_deploy` says what the arguments mean."""
         await self._refuse_redelivery(dedupe_key)
         request = await self._validated(args, requester, ssh_keys)
+        lease_s = None
+        if self.grant is not None:
+            lease_s = await self.grant(args.lease_s, args.lease_never, request, requester)
         caps, over = await self._quota(request)  # before anything is reserved
         if check_free_first:
             await check_free(self.backends, request)
@@ -136,6 +144,7 @@ class Intake:
                         job_id,
                         reservation,
                         (caps, over),
+                        lease_s,
                     )
                     return recorded
                 except _LostRace:
@@ -224,6 +233,7 @@ class Intake:
         job_id: str,
         reservation: Reservation,
         quota: tuple[list[quotas.Cap], str | None],
+        lease_s: int | None = None,
     ) -> Job:
         """`quota`: the caps the insert checks, and why the request is over quota when
         it goes to an approver for that (`_quota`)."""
@@ -231,7 +241,9 @@ class Intake:
         reason = _joined(approval_reason(self.settings.approval, request), over)
         wanted = quotas.asked(request)
         job, approval = self._job_for(request, reason, can_wait_for_approval, origin, job_id)
-        job = job.model_copy(update=_ipam(self.store.installation_id, reservation))
+        job = job.model_copy(
+            update={**_ipam(self.store.installation_id, reservation), "lease_s": lease_s}
+        )
         attempt = 0
         while True:
             try:

@@ -8,7 +8,7 @@ import ipaddress
 import re
 import secrets
 import struct
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 
 import asyncssh
@@ -74,6 +74,9 @@ class JobState(StrEnum):
     DESTROY_REQUESTED = "destroy_requested"
     DESTROYING = "destroying"
     DESTROYED = "destroyed"
+    # A lease that ended (bot/leases.py): the VM is powered off, not destroyed, until
+    # the grace period ends (then destroying) or someone extends it (back to succeeded).
+    EXPIRED_OFF = "expired_off"
 
     @property
     def final(self) -> bool:
@@ -96,7 +99,7 @@ ACTIVE_STATES = frozenset(
     {JobState.AWAITING_APPROVAL, JobState.QUEUED, JobState.RUNNING, JobState.ROLLING_BACK}
 )
 # A succeeded job's VM on its way out: it still exists, so the job keeps its name and address.
-DESTROY_STATES = frozenset({JobState.DESTROY_REQUESTED, JobState.DESTROYING})
+DESTROY_STATES = frozenset({JobState.DESTROY_REQUESTED, JobState.DESTROYING, JobState.EXPIRED_OFF})
 # The states in which a job holds its VM name (per backend) and its address: the store's
 # unique indexes enforce it (store/migrations.py spells the same list).
 HOLDING_STATES = ACTIVE_STATES | {JobState.SUCCEEDED} | DESTROY_STATES
@@ -110,8 +113,14 @@ TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     JobState.ROLLING_BACK: frozenset({JobState.FAILED, JobState.CANCELLED}),
     # A destroy: at once, or once approved. A refused or failed one (the VM lost its tag,
     # the hypervisor said no) leaves the VM there, so the job is back to succeeded.
+    # A lease that ends powers the VM off (expired_off); after the grace period it is
+    # destroyed, unless extended first (back to succeeded, powered on again).
     JobState.SUCCEEDED: frozenset(
-        {JobState.RELEASED, JobState.DESTROY_REQUESTED, JobState.DESTROYING}
+        {JobState.RELEASED, JobState.DESTROY_REQUESTED, JobState.DESTROYING, JobState.EXPIRED_OFF}
+    ),
+    # Destroyed by the timer after the grace, or asked for sooner (Destroy now).
+    JobState.EXPIRED_OFF: frozenset(
+        {JobState.DESTROYING, JobState.SUCCEEDED, JobState.DESTROY_REQUESTED}
     ),
     JobState.DESTROY_REQUESTED: frozenset({JobState.DESTROYING, JobState.SUCCEEDED}),
     JobState.DESTROYING: frozenset({JobState.DESTROYED, JobState.SUCCEEDED}),
@@ -248,6 +257,14 @@ class Job(BaseModel):
     destroy_approver: str | None = None
     destroyed_at: datetime | None = None
     destroy_ref: str | None = None
+    # Its lease (bot/leases.py): how long it was granted from being ready (None: no
+    # lease, it never expires), the end once set or extended, which reminders were
+    # sent for that end (offsets in seconds, "259200,86400"), and when it was powered
+    # off at expiry.
+    lease_s: int | None = None
+    expires_at: datetime | None = None
+    reminders_sent: str | None = None
+    powered_off_at: datetime | None = None
 
     @field_validator("id")
     @classmethod
@@ -271,6 +288,16 @@ class Job(BaseModel):
             if getattr(self, column) != value:
                 raise ValueError(f"{column} {getattr(self, column)[:80]!r} is not the request's")
         return self
+
+    @property
+    def lease_end(self) -> datetime | None:
+        """When its lease ends: the end recorded (extended), else `lease_s` from when it
+        was ready; None for a VM without a lease (or not ready yet)."""
+        if self.expires_at is not None:
+            return self.expires_at
+        if self.lease_s is None or self.finished_at is None:
+            return None
+        return self.finished_at + timedelta(seconds=self.lease_s)
 
     @property
     def short_id(self) -> str:
@@ -432,6 +459,9 @@ class NoticeKind(StrEnum):
     STEP_FINISHED = "step_finished"
     NOTE = "note"  # waiting for a hypervisor, it is back, wreckage removed
     FINISHED = "finished"  # a final state after running (rollback: what it undid)
+    # A lease's step (bot/leases.py): `step` says which (remind, expired, extended,
+    # destroying), `when` the time it names (the end, or the destroy after the grace).
+    LEASE = "lease"
 
 
 # Delivered before progress when a channel is backlogged: the outcome is what people wait for.
@@ -456,6 +486,7 @@ class Notice(BaseModel):
     ok: bool | None = None
     text: str = ""  # the note, or the step's detail
     rollback: RollbackReport | None = None
+    when: datetime | None = None  # a lease notice's time, shown in the reader's zone
 
     @property
     def urgent(self) -> bool:

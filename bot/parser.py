@@ -2,7 +2,7 @@
 
     NAME [ADDRESS[/PREFIX]] [key=value ...]     (no ADDRESS: the next free one)
     help | status JOB | history [N] | cancel JOB | templates | approve JOB | reject JOB REASON
-    destroy NAME|JOB | list [mine|all|@USER] [page=N]
+    destroy NAME|JOB | list [mine|all|@USER] [page=N] | lease extend NAME|JOB [LENGTH]
 
 JOB is a job id or any prefix of it of at least 4 characters (the service resolves it).
 `parse` turns any text into a command or raises `UsageError` that says what was wrong and
@@ -20,11 +20,12 @@ import re
 from dataclasses import dataclass, field
 
 from bot.errors import UsageError
+from bot.leaseterms import parse_length
 from bot.models import JOB_REF_RE, MIN_JOB_REF
 
 USAGE = (
     "/deploy NAME [ADDRESS[/PREFIX]] [template=T] [on=BACKEND|NODE] [storage=S] "
-    "[subnet=S] [cpu=N] [mem=4G] [disk=+20G] [user=U] [upgrade=yes|no]"
+    "[subnet=S] [cpu=N] [mem=4G] [disk=+20G] [user=U] [upgrade=yes|no] [lease=7d|never]"
 )
 SUBCOMMAND_USAGE = {
     "help": "/deploy help",
@@ -38,8 +39,9 @@ SUBCOMMAND_USAGE = {
     "settings": "/deploy settings",
     "destroy": "/deploy destroy NAME (or JOB)",
     "list": "/deploy list [mine|all|@USER] [page=N]",
+    "lease": "/deploy lease extend NAME [7d]",
 }
-KEYS = ("template", "on", "storage", "subnet", "cpu", "mem", "disk", "user", "upgrade")
+KEYS = ("template", "on", "storage", "subnet", "cpu", "mem", "disk", "user", "upgrade", "lease")
 JOB_ID_RE = JOB_REF_RE  # a whole job id, or the first MIN_JOB_REF or more characters
 HISTORY_MAX = 100
 _SIZE_RE = re.compile(r"^(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?$", re.IGNORECASE)
@@ -66,6 +68,8 @@ class DeployArgs:
     given: tuple[str, ...] = field(default=())
     network: str | None = None  # only forms set it; the text grammar has no key for it
     subnet: str | None = None  # where the next free address comes from, without ADDRESS
+    lease_s: int | None = None  # `lease=7d`: how long the VM lives once ready (bot/leases.py)
+    lease_never: bool = False  # `lease=never`: no end (approvers only)
 
 
 @dataclass(frozen=True)
@@ -124,6 +128,14 @@ class Destroy:
 
 
 @dataclass(frozen=True)
+class ExtendLease:
+    """`lease extend NAME [7d]`: move a VM's lease end later (no length: the usual step)."""
+
+    target: str
+    length_s: int | None = None
+
+
+@dataclass(frozen=True)
 class ListVMs:
     """`list [mine|all|@USER] [page=N]`: `user` None with `everyone` False is "mine"."""
 
@@ -145,6 +157,7 @@ Command = (
     | ShowSettings
     | Destroy
     | ListVMs
+    | ExtendLease
 )
 
 
@@ -180,6 +193,8 @@ def _subcommand(head: str, rest: list[str]) -> Command:
         return Templates() if head == "templates" else ShowSettings()
     if head == "list":
         return _list(rest, usage)
+    if head == "lease":
+        return _lease(rest, usage)
     if head == "destroy":
         if len(rest) != 1:
             raise UsageError("Name one VM to destroy (or its job id), like web01.", usage)
@@ -239,6 +254,20 @@ def _list(rest: list[str], usage: str) -> ListVMs:
     return ListVMs(everyone, user, page)
 
 
+def _lease(rest: list[str], usage: str) -> ExtendLease:
+    if not rest or fold(rest[0]) != "extend" or not 2 <= len(rest) <= 3:
+        raise UsageError("Say which VM's lease to extend, and by how much, like web01 7d.", usage)
+    if len(rest) == 2:
+        return ExtendLease(rest[1])
+    try:
+        length = parse_length(rest[2])
+    except ValueError as exc:
+        raise UsageError(f"{exc}.", usage) from None
+    if not length:
+        raise UsageError(f"`{rest[2]}`: extend by a length, like 7d.", usage)
+    return ExtendLease(rest[1], length)
+
+
 def _job_id(word: str, usage: str) -> str:
     job_id = fold(word).lstrip("#")
     if not JOB_ID_RE.fullmatch(job_id):
@@ -285,6 +314,8 @@ def _deploy(words: list[str]) -> DeployArgs:
         user=_opt_str(values.get("user")),
         upgrade=_opt_bool(values.get("upgrade")),
         subnet=_opt_str(values.get("subnet")),
+        lease_s=_opt_int(values.get("lease")),
+        lease_never="lease" in values and values["lease"] is None,
         given=tuple(values),
     )
 
@@ -310,6 +341,11 @@ def _convert(key: str, value: str) -> object:
         if mib % 1024:
             raise UsageError(f"disk={value}: grow by whole GiB, like disk=+20G.", USAGE)
         return mib // 1024
+    if key == "lease":
+        try:
+            return parse_length(value)  # None: never
+        except ValueError as exc:
+            raise UsageError(f"lease={value}: {exc}.", USAGE) from None
     if key == "upgrade":
         lowered = fold(value)
         if lowered in _YES | _NO:

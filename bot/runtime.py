@@ -11,6 +11,8 @@ from contextlib import asynccontextmanager
 from backends.base import Backend, BackendConfig, BackendError, BackendFactory
 from bot.durations import teach
 from bot.errors import ConfigError, StoreUnavailable
+from bot.models import utcnow
+from bot.ownership import Clock
 from bot.progress import Progress
 from bot.service import Deployer
 from bot.settings import Settings, backend_module
@@ -57,6 +59,7 @@ async def running_deployer(
     runner_kind: str = "shell",
     takes_over: bool = True,
     start: bool = True,
+    clock: Clock = utcnow,
 ) -> AsyncIterator[Deployer]:
     """Open the store, start the backends and the queue; shut all down on exit.
 
@@ -67,7 +70,13 @@ async def running_deployer(
     )
     store = await open_store(settings)
     deployer = Deployer(
-        settings, store, backends, progress, runner_kind=runner_kind, takes_over=takes_over
+        settings,
+        store,
+        backends,
+        progress,
+        runner_kind=runner_kind,
+        takes_over=takes_over,
+        clock=clock,  # tests pass a simulated one (leases: days pass in a step)
     )
     freeze_startup_heap()  # before start(): the jobs it recovers and queues are not
     try:

@@ -34,6 +34,7 @@ from bot.errors import (
     TransitionRefused,
 )
 from bot.intake import Intake
+from bot.leases import Leases
 from bot.metrics import Metrics
 from bot.models import (
     Approval,
@@ -149,6 +150,12 @@ class Deployer:
             self.approvals,
             clock,
         )
+        self.leases = Leases(
+            settings, store, self.backends, self.progress, self.ownership, self.approvals,
+            self.destroyer, clock,
+        )  # fmt: skip
+        self.intake.grant = self.leases.grant
+        self._leasing: asyncio.Task[None] | None = None
         self._expiry: asyncio.Task[None] | None = None
         self._sweeper: asyncio.Task[None] | None = None
         self.ready = asyncio.Event()  # set once start() has recovered and claimed
@@ -177,6 +184,9 @@ class Deployer:
         if self.ownership.takes_over:
             await self.reconcile_addresses()
             self._expiry = asyncio.create_task(self._expire_loop(expire_every_s))
+            if settle:  # what came due while no process ran, before the shell reads input
+                await self.leases.step()
+            self._leasing = asyncio.create_task(self.leases.loop(at_once=not settle))
             self._sweeper = asyncio.create_task(
                 self._sweep_loop(self.settings.timeouts.wreckage_retry_s)
             )
@@ -198,7 +208,7 @@ class Deployer:
             return
         self._closed = True
         self.ownership.closing = True
-        for task in (self._expiry, self._sweeper):
+        for task in (self._expiry, self._sweeper, self._leasing):
             if task:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -415,6 +425,13 @@ class Deployer:
             return await self.destroyer.request(
                 target, user, can_wait_for_approval=can_wait_for_approval, dedupe_key=dedupe_key
             )
+
+    async def extend_lease(
+        self, target: str, user: str, length_s: int | None = None, *, dedupe_key: str | None = None
+    ) -> Job:
+        """Move the lease end of the VM `target` names later (bot/leases.py)."""
+        async with self._audited(user, f"extend {target[:64]}"):
+            return await self.leases.extend(target, user, length_s, dedupe_key=dedupe_key)
 
     async def list_vms(self, requester: str | None, page: int, per_page: int) -> VMPage:
         """One page of the VMs deploybot holds (one requester's, or everyone's)."""

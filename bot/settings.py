@@ -31,6 +31,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from backends.base import BackendConfig
 from backends.ipam.config import IpamConfig
 from bot.errors import ConfigError
+from bot.leaseterms import LeaseSettings
 from bot.models import check_ssh_key
 from bot.quotas import QuotaSettings
 from bot.subnets import Subnet
@@ -265,6 +266,7 @@ class Settings(BaseSettings):
     metrics: MetricsSettings = MetricsSettings()
     ipam: IpamConfig = IpamConfig()
     quotas: QuotaSettings = QuotaSettings()  # bot/quotas.py
+    leases: LeaseSettings = LeaseSettings()
 
     @field_validator("database", mode="before")
     @classmethod

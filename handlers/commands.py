@@ -12,6 +12,7 @@ from bot.parser import (
     Command,
     DeployArgs,
     Destroy,
+    ExtendLease,
     Help,
     History,
     ListVMs,
@@ -68,6 +69,9 @@ async def run_command(deployer: Deployer, user: str, command: Command) -> list[s
             return messages.user_settings(await deployer.prefs(user))
         case Destroy(target):
             return [messages.destroy_answer(await deployer.request_destroy(target, user))]
+        case ExtendLease(target, length_s):
+            job = await deployer.extend_lease(target, user, length_s)
+            return [messages.lease_extended_answer(job)]
         case ListVMs():
             page = await list_page(deployer, user, command)
             return messages.list_lines(page, user, utcnow())

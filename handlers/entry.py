@@ -79,6 +79,17 @@ async def destroy(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+async def lease(args: argparse.Namespace, settings: Settings) -> int:
+    # Only `lease extend` so far: a store write (and a power-on of a VM whose lease had
+    # ended), so no runner and no recovery, like `list`.
+    async with running_deployer(
+        settings, TerminalThread(), runner_kind="lease", takes_over=False, start=False
+    ) as deployer:
+        job = await deployer.extend_lease(args.target, args.user, args.length)
+    print(messages.lease_extended_answer(job))
+    return 0
+
+
 async def history(args: argparse.Namespace, settings: Settings) -> int:
     state = None
     if args.state:
@@ -168,6 +179,7 @@ COMMANDS = {
     "history": history,
     "list": list_vms,
     "destroy": destroy,
+    "lease": lease,
     "check-config": check_config,
     "check": check,
     "serve": serve,

@@ -7,11 +7,12 @@ Slack later) only lay these texts out; they never word their own.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import datetime
+from datetime import UTC, datetime, tzinfo
 
 from backends.base import Template
 from bot.check import CheckResult
 from bot.gc import GcReport
+from bot.leaseterms import LeaseSettings, show_length
 from bot.models import Approval, ApprovalState, Job, JobEvent, JobState, RollbackReport, UserPrefs
 from bot.parser import SUBCOMMAND_USAGE, USAGE
 from bot.quotas import NAMES as QUOTA_NAMES
@@ -47,6 +48,7 @@ STATE_LABELS = {
     JobState.DESTROY_REQUESTED: "destroy awaiting approval",
     JobState.DESTROYING: "being destroyed",
     JobState.DESTROYED: "destroyed",
+    JobState.EXPIRED_OFF: "powered off (lease ended)",
 }
 
 HELP = "\n".join(
@@ -58,6 +60,9 @@ HELP = "\n".join(
         *(f"  {usage}" for name, usage in SUBCOMMAND_USAGE.items() if name != "help"),
         "Defaults: template, size and login user come from the configuration; "
         "upgrade=no unless you say upgrade=yes.",
+        "Each VM gets a lease (lease=7d, up to the maximum here): I remind you before it "
+        "ends, power the VM off at the end and destroy it after a grace period, unless "
+        "you extend it.",
     ]
 )
 
@@ -109,6 +114,11 @@ def job_update(job: Job, note: str = "") -> str:
         return "nobody approved it in time, so it expired. Ask again when an approver is around."
     if state is JobState.CANCELLED:
         return f"{note or 'cancelled'}. Nothing was built."
+    if state is JobState.EXPIRED_OFF:
+        return (
+            f"{note or 'lease ended'}; it is destroyed after the grace period unless "
+            f"extended: `/deploy lease extend {job.name} 7d`."
+        )
     return destroy_update(job, note) or STATE_LABELS[state]
 
 
@@ -346,7 +356,7 @@ def list_row(job: Job, now: datetime) -> str:
     where = escape(f"{job.name}")
     return (
         f"*{where}* `{address}` on {escape(job.backend)} · {age(job, now)} old · "
-        f"lease end {LEASE_NONE} · {STATE_LABELS[job.state]} · job {job.short_id} · "
+        f"lease end {lease_cell(job)} · {STATE_LABELS[job.state]} · job {job.short_id} · "
         f"{mention(job.requester)}"
     )
 
@@ -382,7 +392,7 @@ def destroy_decision(note: str) -> str:
     return f"{mark} {said}."
 
 
-LEASE_NONE = "—"  # leases come later (issue 15, part B): no VM has an end yet
+LEASE_NONE = "—"  # not ready yet: its lease starts when the VM is
 
 
 def list_lines(page: VMPage, me: str, now: datetime) -> list[str]:
@@ -391,13 +401,14 @@ def list_lines(page: VMPage, me: str, now: datetime) -> list[str]:
         return [list_empty(page, me)]
     lines = [
         list_title(page, me),
-        f"{'name':<16} {'address':<15} {'backend':<10} {'age':>4} {'lease end':<10} "
+        f"{'name':<16} {'address':<15} {'backend':<10} {'age':>4} {'lease end':<16} "
         f"{'state':<26} job",
     ]
     for job in page.jobs:
         lines.append(
             f"{job.name:<16.16} {job.final_address or job.address:<15} {job.backend:<10.10} "
-            f"{age(job, now):>4} {LEASE_NONE:<10} {STATE_LABELS[job.state]:<26} {job.short_id}"
+            f"{age(job, now):>4} {lease_cell(job):<16} {STATE_LABELS[job.state]:<26} "
+            f"{job.short_id}"
         )
     if page.page < page.pages:
         lines.append(f"More: add page={page.page + 1}.")
@@ -453,6 +464,7 @@ FORM_LABELS = {
     "user": "Login user",
     "keys": "SSH public keys (one per line)",
     "upgrade": "Upgrade packages on first boot",
+    "lease": "Lease (how long the VM lives)",
     "default_template": "Default template",
     "reason": "Why is it rejected?",
 }
@@ -834,4 +846,86 @@ def home_recent_row(job: Job, now: datetime) -> str:
     return (
         f"`{job.short_id}` *{escape(job.name)}* on {escape(job.backend)} · "
         f"{STATE_LABELS[job.state]} · {age(job, now)} ago"
+    )
+
+
+# --- leases (bot/leases.py) ------------------------------------------------------------
+
+
+def when(moment: datetime, zone: tzinfo = UTC) -> str:
+    """A time as people read it in their zone: "Tue 8 Dec 14:00 CET"."""
+    local = moment.astimezone(zone)
+    return f"{local:%a} {local.day} {local:%b %H:%M} {local.tzname() or 'UTC'}"
+
+
+def lease_cell(job: Job) -> str:
+    """`/deploy list`'s lease end (UTC): a time, "never", or LEASE_NONE before ready."""
+    end = job.lease_end
+    if end is not None:
+        return when(end)
+    if job.state in (JobState.SUCCEEDED, JobState.EXPIRED_OFF) and job.lease_s is None:
+        return "never"
+    return LEASE_NONE
+
+
+def lease_extended_answer(job: Job) -> str:
+    end = job.lease_end
+    shown = when(end) if end is not None else "no end"
+    return f"The lease of {job.name} (job {job.short_id}) now ends {shown}."
+
+
+def lease_reminder(job: Job, end: datetime, now: datetime, grace: str, zone: tzinfo) -> str:
+    """Plain: the reminder by direct message (the buttons say what to do)."""
+    hours = max(0, round((end - now).total_seconds() / 3600))  # "about": rounded
+    left = (
+        f"{round(hours / 24)} days"
+        if hours >= 48
+        else f"{hours} hours"
+        if hours >= 2
+        else "an hour"
+    )
+    return (
+        f"Your VM {job.name} ({job.final_address or job.address} on {job.backend}) expires "
+        f"{when(end, zone)}, in about {left}. Then it is powered off, and destroyed {grace} "
+        f"later. Extend it if you still need it (or `/deploy lease extend {job.name} 7d`), "
+        "or destroy it now if you are done."
+    )
+
+
+def lease_thread(job: Job, step: str, moment: datetime | None, by: str, zone: tzinfo) -> str:
+    """Plain: a lease step as a line in the VM's thread (and, when it ended, the DM)."""
+    at = when(moment, zone) if moment is not None else "now"
+    if step == "expired":
+        return (
+            f":zzz: The lease of {job.name} ended: VM {job.vm_id} is powered off, not "
+            f"destroyed. It will be destroyed {at} unless extended: "
+            f"`/deploy lease extend {job.name} 7d`."
+        )
+    if step == "untouched":
+        return (
+            f"The lease of {job.name} ended, but VM {job.vm_id} no longer carries "
+            "deploybot's tag (changed by hand), so it was left running. Put the tag back "
+            f"to let deploybot power it off and destroy it {at}, or remove it by hand."
+        )
+    if step == "destroying":
+        return (
+            f"The lease of {job.name} ended and its grace period is over: destroying VM "
+            f"{job.vm_id}."
+        )
+    if step == "extended":
+        return f"Lease extended by {by}: {job.name} now expires {at}."
+    return f"Reminder sent to {job.requester}: the lease of {job.name} ends {at}."
+
+
+def lease_hint(policy: LeaseSettings) -> str:
+    return (
+        f"Like 7d or 12h, up to {show_length(policy.max)}; empty: "
+        f"{show_length(policy.default)} here. Extend it later if you need more."
+    )
+
+
+def lease_field_error(policy: LeaseSettings) -> str:
+    return (
+        f"Give a length from 1m up to {show_length(policy.max)} (the maximum here), like 7d; "
+        "extend it later if you need more."
     )

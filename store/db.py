@@ -33,6 +33,7 @@ from store import (
     gc,
     inbox,
     jobs,
+    leases,
     outbox,
     owners,
     quarantine,
@@ -267,6 +268,26 @@ class Store:
     async def quota_usage(self, members: Iterable[str]) -> quotas.Usage:
         """What the jobs of these requesters hold now (store/quotas.py)."""
         return await self._call(quotas.usage, frozenset(members))
+
+    # --- leases (store/leases.py) ------------------------------------------------------
+
+    async def lease_watched(self) -> list[Job]:
+        """Ready jobs with a lease, and powered-off ones: what the lease timer looks at."""
+        return await self._call(leases.watched)
+
+    async def lease_write(
+        self,
+        step: str,
+        job: Job,
+        value: str | datetime,
+        notices: Sequence[Notice],
+        audit: AuditEvent,
+        dedupe_key: str | None = None,
+    ) -> Job | None:
+        """One lease step as a compare-and-set against `job` as read (store/leases.write)."""
+        done = await self._call(leases.write, step, job, value, notices, audit, dedupe_key)
+        self._noticed(done is not None and bool(notices))
+        return done
 
     async def transition_once(
         self,

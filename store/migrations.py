@@ -268,7 +268,30 @@ def _v9(db: Database) -> None:
     )
 
 
-MIGRATIONS: list[Callable[[Database], None]] = [_v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9]
+# From v10 on a job whose lease ended holds them too: its VM is powered off, not gone.
+HOLDING_V10 = HOLDING_V9[:-1] + ", 'expired_off')"
+LEASE_COLUMNS = {"lease_s": int, "expires_at": str, "reminders_sent": str, "powered_off_at": str}
+
+
+def _v10(db: Database) -> None:
+    """Leases (bot/leases.py): how long, until when, which reminders went out, when the
+    VM was powered off; the unique indexes widened to `expired_off`."""
+    for column, kind in LEASE_COLUMNS.items():
+        db.table("jobs").add_column(column, kind)
+    db.execute("DROP INDEX jobs_active_name")
+    db.execute("DROP INDEX jobs_active_address")
+    db.execute(
+        f"CREATE UNIQUE INDEX jobs_active_name ON jobs(backend, name) WHERE state IN {HOLDING_V10}"
+    )
+    db.execute(
+        f"CREATE UNIQUE INDEX jobs_active_address ON jobs(address) WHERE state IN {HOLDING_V10}"
+    )
+    db.execute("CREATE INDEX idx_jobs_state_expires_at ON jobs (state, expires_at)")
+
+
+MIGRATIONS: list[Callable[[Database], None]] = [
+    _v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9, _v10
+]  # fmt: skip
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

@@ -72,7 +72,13 @@ class FakeSlack:
     # The token's scopes, sent back in `x-oauth-scopes` on every answer as Slack does;
     # conversations.info is refused without the read scope of the channel's kind.
     scopes: list[str] = field(
-        default_factory=lambda: ["commands", "chat:write", "chat:write.public", "usergroups:read"]
+        default_factory=lambda: [
+            "commands",
+            "chat:write",
+            "chat:write.public",
+            "usergroups:read",
+            "users:read",
+        ]
     )
     # Channels that exist but the bot is not in (conversations.info: is_member false).
     outside: set[str] = field(default_factory=set)
@@ -324,6 +330,8 @@ class FakeSlack:
         return stored
 
     def _users_info(self, args: dict[str, Any]) -> dict[str, Any]:
+        if "users:read" not in self.scopes:
+            raise Refused("missing_scope")
         user = self.users.get(str(args["user"]))
         if user is None:
             raise Refused("user_not_found")

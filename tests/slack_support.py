@@ -23,6 +23,8 @@ from slack_sdk.signature import SignatureVerifier
 
 from backends.base import Backend
 from backends.sim import SimBackend
+from bot.models import utcnow
+from bot.ownership import Clock
 from bot.runtime import running_deployer
 from bot.service import Deployer
 from handlers.slack.app import SlackBot, make_client
@@ -298,6 +300,7 @@ async def slack_bot(
     rate: float = 500.0,
     backend: Backend | None = None,
     fake: FakeSlack | None = None,
+    clock: Clock = utcnow,
     **overrides: Any,
 ) -> AsyncIterator[Harness]:
     """A bot on the simulator; pass `fake` to keep one Slack across a restart of the bot."""
@@ -314,7 +317,7 @@ async def slack_bot(
     threads = SlackThreads(client, settings.slack)
     sim = backend or SimBackend("sim", time_scale=SIM_SCALE)
     try:
-        async with running_deployer(settings, backends={"sim": sim}, grace_s=5) as d:
+        async with running_deployer(settings, backends={"sim": sim}, grace_s=5, clock=clock) as d:
             bot = SlackBot(d, threads, client, signing_secret=SIGNING_SECRET)
             harness = Harness(fake, bot, d, threads)
             try:

@@ -246,7 +246,7 @@ async def test_list_pages_mine_all_and_someones(deployer: Deployer) -> None:
     assert everyone.total == 13 and everyone.jobs[0].name == "db01"
     lines = await answer(deployer, "alice", "list @bob")
     assert lines[0] == "VMs of bob: 1 (page 1 of 1)" and lines[2].startswith("db01 ")
-    assert "—" in lines[2] and "ready" in lines[2]
+    assert "UTC" in lines[2] and "ready" in lines[2]  # the lease end (14 days by default)
     mine = await answer(deployer, "alice", "list")
     assert mine[0] == "Your VMs: 12 (page 1 of 2)" and mine[-1] == "More: add page=2."
     assert job.state is JobState.QUEUED

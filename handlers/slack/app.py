@@ -36,6 +36,7 @@ from bot.parser import (
     Command,
     DeployArgs,
     Destroy,
+    ExtendLease,
     Help,
     History,
     ListVMs,
@@ -273,6 +274,9 @@ class SlackBot:
             case Destroy(target):
                 job = await d.request_destroy(target, user, dedupe_key=key)
                 return [messages.destroy_answer(job)]
+            case ExtendLease(target, length_s):  # a replayed command extends once
+                job = await d.extend_lease(target, user, length_s, dedupe_key=key)
+                return [messages.lease_extended_answer(job)]
         return await run_command(d, user, command)
 
 

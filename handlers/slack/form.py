@@ -7,6 +7,7 @@ so the errors can go back inside the 3 s an `ack` allows.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,7 @@ from slack_sdk.models.blocks import (
 from slack_sdk.models.views import View
 
 from bot.errors import RequestInvalid
+from bot.leaseterms import parse_length
 from bot.models import HOSTNAME_RE, UserPrefs, check_ssh_key
 from bot.parser import DeployArgs, is_whole
 from bot.requests import build_request
@@ -170,6 +172,12 @@ def _sizes_and_identity(settings: Settings, prefs: UserPrefs) -> list[Block]:
             optional=True,
             hint=_hint("keys"),
         ),
+        _input(
+            "lease",
+            PlainTextInputElement(action_id="lease", max_length=12),
+            optional=True,
+            hint=messages.lease_hint(settings.leases),
+        ),
         # Unchecked unless the person ticks it; read back as an explicit "no".
         _input("upgrade", upgrade, optional=True),
     ]
@@ -238,7 +246,7 @@ def read_form(view: dict[str, Any], settings: Settings, requester: str) -> FormR
     ids = block_ids(view)
     errors: dict[str, str] = {}
     required = ("template", "placement", "name", "cores", "memory", "user")
-    optional = ("address", "storage", "network", "disk")
+    optional = ("address", "storage", "network", "disk", "lease")
     got = {key: value(values.get(key)) for key in (*required, *optional)}
     for key in required:
         if got[key] is None:
@@ -252,9 +260,12 @@ def read_form(view: dict[str, Any], settings: Settings, requester: str) -> FormR
             errors[key] = f"{messages.FORM_LABELS[key]}: give a whole number."
     if got["name"] and not HOSTNAME_RE.match(got["name"]):
         errors["name"] = messages.FORM_HINTS["name"] + "."
+    lease = _lease(got["lease"], settings, errors)
     if errors:
         return FormResult(None, keys, _to_blocks(errors, ids))
     args = _args(got, bool((values.get("upgrade") or {}).get("selected_options")))
+    if lease is not None:  # asked: a length, or never (the core decides who may)
+        args = dataclasses.replace(args, lease_s=lease[0], lease_never=lease[0] is None)
     try:
         build_request(args, settings, requester, user_keys=keys)
     except RequestInvalid as exc:
@@ -262,6 +273,22 @@ def read_form(view: dict[str, Any], settings: Settings, requester: str) -> FormR
             errors.setdefault(FIELD_BLOCKS.get(name, "name"), text)
         return FormResult(None, keys, _to_blocks(errors, ids))
     return FormResult(args, keys, {})
+
+
+def _lease(
+    text: str | None, settings: Settings, errors: dict[str, str]
+) -> tuple[int | None] | None:
+    """The lease field: None when empty (the default), else (seconds or None: never)."""
+    if text is None:
+        return None
+    try:
+        seconds = parse_length(text)
+    except ValueError as exc:
+        errors["lease"] = f"{exc}."
+        return None
+    if seconds is not None and not 0 < seconds <= settings.leases.max:
+        errors["lease"] = messages.lease_field_error(settings.leases)
+    return (seconds,)
 
 
 def _check_choice(got: dict[str, str | None], errors: dict[str, str]) -> None:

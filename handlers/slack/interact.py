@@ -116,6 +116,10 @@ def register(bot: Host) -> None:
         await ack()
         bot.spawn(_destroy(bot, body))
 
+    async def on_extend(ack: AsyncAck, body: dict[str, Any]) -> None:
+        await ack()
+        bot.spawn(_extend(bot, body))
+
     async def on_list_page(ack: AsyncAck, body: dict[str, Any]) -> None:
         await ack()
         action = body["actions"][0]
@@ -125,6 +129,7 @@ def register(bot: Host) -> None:
         bot.spawn(show_list(bot, channel, user, command))
 
     app.action(views.DESTROY)(on_destroy)
+    app.action(views.LEASE_EXTEND)(on_extend)
     app.action(re.compile(rf"^{views.LIST_PAGE}_"))(on_list_page)
     app.action(views.APPROVE)(on_approve)
     app.action(views.REJECT)(on_reject)
@@ -177,6 +182,20 @@ async def _destroy(bot: Host, body: dict[str, Any]) -> None:
     finally:
         _after_home_click(bot, body)
     await bot.tell(channel, user, [messages.destroy_answer(job)])
+
+
+async def _extend(bot: Host, body: dict[str, Any]) -> None:
+    """A lease reminder's Extend button: one `[leases] step`, up to the maximum."""
+    job_id, user, channel, key = _click(body)
+    try:
+        job = await bot.deployer.extend_lease(job_id, user, dedupe_key=key)
+    except Duplicate:
+        log.info("ignored a redelivered extend click on %s", job_id)
+        return
+    except DeployBotError as exc:
+        await bot.tell(channel, user, [exc.message])
+        return
+    await bot.tell(channel, user, [messages.lease_extended_answer(job)])
 
 
 async def show_list(bot: Host, channel: str, user: str, command: ListVMs) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from slack_sdk.web.async_client import AsyncWebClient
 
@@ -213,3 +214,32 @@ class DirectMessages:
         self.dead = True
         covered, self.lines = [s.notice for s in self.lines], []
         self.done(covered)
+
+
+@dataclass(eq=False)
+class DirectCard:
+    """One direct message with buttons (a lease reminder: Extend / Destroy now), posted
+    once. Slack posts a message to a member's id in the app's conversation with them."""
+
+    channel: str  # the user's id
+    text: str  # mrkdwn: the notification
+    blocks: list[dict[str, Any]]
+    notice: int
+    done: Done
+    sent: bool = False
+    dead: bool = False
+
+    def pending(self) -> bool:
+        return not self.dead and not self.sent
+
+    def urgent(self) -> bool:
+        return True
+
+    async def flush_one(self, client: AsyncWebClient) -> None:
+        await client.chat_postMessage(channel=self.channel, text=self.text, blocks=self.blocks)
+        self.sent = True
+        self.done([self.notice])
+
+    def give_up(self) -> None:
+        self.dead = True
+        self.done([self.notice])

@@ -18,8 +18,9 @@ USAGE_HINT = (
     "web01 10.0.0.50 [mem=4G] [disk=+20G] | status JOB | list | destroy NAME | history | help"
 )
 # Only the scopes the bot uses: answering commands, posting and updating its messages
-# (also in public channels it was not invited to), and reading approver user groups.
-BOT_SCOPES = ["commands", "chat:write", "chat:write.public", "usergroups:read"]
+# (also in public channels it was not invited to), reading approver user groups, and
+# people's time zones (users.info: lease times in their zone).
+BOT_SCOPES = ["commands", "chat:write", "chat:write.public", "usergroups:read", "users:read"]
 
 
 def manifest(command: str = "/deploy") -> dict[str, Any]:

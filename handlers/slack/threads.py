@@ -21,14 +21,23 @@ from datetime import datetime, timedelta
 
 from slack_sdk.web.async_client import AsyncWebClient
 
+from bot.leaseterms import show_length
 from bot.models import ApprovalState, Job, JobState, Notice, NoticeKind, utcnow
 from bot.service import Deployer
 from bot.settings import SlackSettings
 from bot.waiting import woken
 from handlers import messages
 from handlers.slack import views
-from handlers.slack.items import ApprovalCard, DirectMessages, JobThread, Line, parse_ref
+from handlers.slack.items import (
+    ApprovalCard,
+    DirectCard,
+    DirectMessages,
+    JobThread,
+    Line,
+    parse_ref,
+)
 from handlers.slack.outbox import Outboxes
+from handlers.slack.zones import Zones
 
 log = logging.getLogger(__name__)
 LEASE_S = 30.0  # a delivery lease: another process takes a job's thread over after this
@@ -47,6 +56,7 @@ class SlackThreads:
         self.cards: dict[str, ApprovalCard] = {}
         self.destroy_cards: dict[str, ApprovalCard] = {}
         self.dms: dict[str, DirectMessages] = {}
+        self.zones = Zones(client)  # people's time zones, for lease times
         self._deployer: Deployer | None = None
         self._parts: Counter[int] = Counter()  # notice id -> parts not yet in Slack
         self._delivered: list[int] = []  # to mark in the store
@@ -182,6 +192,8 @@ class SlackThreads:
                 self._say(job, views.mrkdwn(notice.text), nid)
             case NoticeKind.FINISHED:
                 self._finished(job, notice, nid)
+            case NoticeKind.LEASE:
+                await self._lease(job, notice, nid)
         self._done([nid])
 
     async def _updated(self, job: Job, notice: Notice, nid: int) -> None:
@@ -226,6 +238,36 @@ class SlackThreads:
             dm = self.dms[job.requester] = DirectMessages(job.requester, self._done)
         dm.lines.append(Line(views.mrkdwn(messages.slack_outcome_dm(job)), self._part(nid)))
         self.outboxes.touch(dm)
+
+    async def _lease(self, job: Job, notice: Notice, nid: int) -> None:
+        """A lease step (bot/leases.py), its times in the requester's zone: a reminder by
+        direct message with Extend / Destroy now; the others in the thread, and the
+        end by direct message too."""
+        zone = await self.zones.of(job.requester)
+        policy = self.deployer.settings.leases
+        step, when = notice.step or "", notice.when
+        if step == "remind" and when is not None:
+            grace = show_length(policy.grace)
+            text = views.mrkdwn(messages.lease_reminder(job, when, notice.at, grace, zone))
+            blocks = views.lease_reminder(job, text, show_length(policy.step))
+            self.outboxes.touch(
+                DirectCard(job.requester, text, blocks, self._part(nid), self._done)
+            )
+            return
+        text = views.mrkdwn(messages.lease_thread(job, step, when, notice.text, zone))
+        self._say(job, text, nid)
+        thread = self._thread(job)
+        if thread is not None:
+            self._headline(thread, nid)
+        if step == "expired":
+            self._dm(job.requester).lines.append(Line(text, self._part(nid)))
+            self.outboxes.touch(self._dm(job.requester))
+
+    def _dm(self, user: str) -> DirectMessages:
+        dm = self.dms.get(user)
+        if dm is None:
+            dm = self.dms[user] = DirectMessages(user, self._done)
+        return dm
 
     def _headline(self, thread: JobThread, nid: int) -> None:
         thread.show_headline(self._part(nid))

@@ -46,6 +46,7 @@ REJECT = "reject"
 REJECT_VIEW = "reject_reason"
 DESTROY = "destroy"  # value: the job id (the thread's parent, a row of the list)
 LIST_PAGE = "list_page"  # value: JSON {"user": whose or null, "page": N}
+LEASE_EXTEND = "lease_extend"  # value: the job id (a lease reminder's Extend button)
 
 
 _USER_ID = re.compile(r"(?<![<@\w])([UW][A-Z0-9]{8,})\b")
@@ -125,7 +126,7 @@ def parent(job: Job, headline: str) -> list[dict[str, Any]]:
     return dicts(blocks)
 
 
-def destroy_button(job: Job) -> ButtonElement:
+def destroy_button(job: Job, label: str = "Destroy") -> ButtonElement:
     """Destroy, after Slack asks "are you sure?" (the core checks who may)."""
     confirm = ConfirmObject(
         title=fit(f"Destroy {job.name}?", 100),
@@ -134,8 +135,17 @@ def destroy_button(job: Job) -> ButtonElement:
         deny="Keep it",
     )
     return ButtonElement(
-        text="Destroy", action_id=DESTROY, value=job.id, style="danger", confirm=confirm
+        text=label, action_id=DESTROY, value=job.id, style="danger", confirm=confirm
     )
+
+
+def lease_reminder(job: Job, text: str, step: str) -> list[dict[str, Any]]:
+    """A lease reminder by direct message (`text`: mrkdwn) with Extend and Destroy now."""
+    extend = ButtonElement(
+        text=fit(f"Extend by {step}", 75), action_id=LEASE_EXTEND, value=job.id, style="primary"
+    )
+    buttons = ActionsBlock(block_id="lease", elements=[extend, destroy_button(job, "Destroy now")])
+    return dicts([SectionBlock(text=MarkdownTextObject(text=fit(text, SECTION_MAX))), buttons])
 
 
 # --- /deploy list -------------------------------------------------------------------

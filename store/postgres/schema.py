@@ -13,7 +13,14 @@ from __future__ import annotations
 import psycopg
 
 from bot.models import new_installation_id
-from store.migrations import DESTROY_COLUMNS, HOLDING_V9, SCHEMA_VERSION, newer_schema
+from store.migrations import (
+    DESTROY_COLUMNS,
+    HOLDING_V9,
+    HOLDING_V10,
+    LEASE_COLUMNS,
+    SCHEMA_VERSION,
+    newer_schema,
+)
 
 # Any fixed number: the key of the advisory lock that migrations hold.
 MIGRATION_LOCK = 0x6465_706C_6F79
@@ -98,8 +105,20 @@ _V9 = [
     f"CREATE UNIQUE INDEX jobs_active_address ON jobs (address) WHERE state IN {HOLDING_V9}",
 ]
 
+_V10 = [
+    *(
+        f"ALTER TABLE jobs ADD COLUMN {column} {'BIGINT' if kind is int else 'TEXT'}"
+        for column, kind in LEASE_COLUMNS.items()
+    ),
+    "DROP INDEX jobs_active_name",
+    "DROP INDEX jobs_active_address",
+    f"CREATE UNIQUE INDEX jobs_active_name ON jobs (backend, name) WHERE state IN {HOLDING_V10}",
+    f"CREATE UNIQUE INDEX jobs_active_address ON jobs (address) WHERE state IN {HOLDING_V10}",
+    "CREATE INDEX idx_jobs_state_expires_at ON jobs (state, expires_at)",
+]
+
 # version -> the statements that bring the schema from the version before to it.
-STEPS: dict[int, list[str]] = {6: _V6, 7: _V7, 8: _V8, 9: _V9}
+STEPS: dict[int, list[str]] = {6: _V6, 7: _V7, 8: _V8, 9: _V9, 10: _V10}
 
 # What a constraint protects, as SQLite names it in its errors (store/sql.Conflict).
 CONSTRAINTS = {
