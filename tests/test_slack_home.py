@@ -70,7 +70,8 @@ async def test_the_home_shows_my_vms_quota_and_recent_jobs_and_destroys_by_butto
         shown = text_of(home)
         assert home["type"] == "home"
         assert "Your VMs" in shown and "*web01* `10.0.0.50` on sim" in shown
-        assert "lease end \u2014" in shown and "ready" in shown
+        # The default lease (14 days) is shown as its end, not "—".
+        assert "lease end " in shown and "lease end \u2014" not in shown and "ready" in shown
         assert "Your quota: VMs 1 of 3 \u00b7 cores 6 of 8 \u00b7 memory 2048 of 8192 MiB" in shown
         assert f'"value": "{job.id}"' in shown and '"action_id": "destroy"' in shown
         assert "Your recent jobs" in shown and f"`{job.short_id}` *web01*" in shown

@@ -70,7 +70,10 @@ def thread(h: Harness) -> str:
 
 
 def told(h: Harness, user: str) -> list[str]:
-    return [c.text for c in h.fake.called("chat.postEphemeral", user=user)]
+    """Answers only `user` sees: ephemeral in a channel, or in their conversation with
+    the app for a click there (a reminder's buttons)."""
+    direct = [c.text for c in h.fake.called("chat.postMessage") if c.channel == user]
+    return [c.text for c in h.fake.called("chat.postEphemeral", user=user)] + direct
 
 
 async def job_now(h: Harness, job_id: str) -> Job:
