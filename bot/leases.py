@@ -44,7 +44,7 @@ CONCURRENCY = 8  # jobs a timer step works on at once
 
 
 def notice(job: Job, step: str, when: datetime | None, at: datetime, by: str = BOT) -> Notice:
-    """A lease notice: the front end words it (handlers/messages.py) in the reader's zone;
+    """A lease notice: the front end words it (handlers/messages/) in the reader's zone;
     `at` is the (injected) clock's now, from which "in 3 days" is counted."""
     return Notice(job_id=job.id, kind=NoticeKind.LEASE, step=step, when=when, text=by, at=at)
 

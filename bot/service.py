@@ -3,7 +3,7 @@
 `Deployer` owns the store, the backends, the queue and the pipeline. It turns parsed
 commands into jobs, applies the approval policy, and answers status and history. Every
 refusal is a `DeployBotError` whose message says what to do instead; nothing here
-formats chat text (that is handlers/messages.py).
+formats chat text (that is handlers/messages/).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 `to_dict()` on these objects validates the limits (100 options, 75-character option text,
 3000-character sections, 24-character modal titles...), so a payload that Slack would
 refuse fails in our code and our tests, not in a user's channel. Long text is split or
-cut to fit before it is wrapped. Wording comes from handlers/messages.py.
+cut to fit before it is wrapped. Wording comes from handlers/messages/.
 """
 
 from __future__ import annotations

@@ -1,0 +1,374 @@
+"""Texts of the Slack front end (part of `handlers.messages`, which re-exports them)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+
+from bot.check import CheckResult
+from bot.gc import GcReport
+from bot.models import Approval, ApprovalState, Job, JobState, RollbackReport, UserPrefs
+from handlers.messages.core import (
+    STATE_LABELS,
+    address_of,
+    approved,
+    escape,
+    finished,
+    headline,
+    job_update,
+    mention,
+    step_label,
+)
+
+# --- Slack ------------------------------------------------------------------------
+# Slack renders `<@U123>` as the person's name and `<!date^...>` in the reader's time zone.
+# In Slack's mrkdwn `&`, `<` and `>` are markup: `<!channel>` pings everyone, `<@U123>`
+# pings someone and `<https://x|y>` is a link. So text the bot did not write (a reason,
+# a template name, an error that quotes what someone typed) is escaped before the bot
+# adds its own markup. The functions below that add markup (mention, slack_time, bold)
+# escape what they embed and return mrkdwn; the other texts here are plain, and the
+# Slack front end escapes each as a whole (handlers/slack/views.mrkdwn) before turning
+# the user ids in it into mentions.
+
+FULL_COPY = "full copy: minutes, not seconds"
+LINKED_CLONE = "fast linked clone: seconds"
+SLACK_WORKING = "On it…"
+FORM_TITLE = "Deploy a VM"
+FORM_LOADING = "Looking up templates, nodes and storage…"
+SETTINGS_TITLE = "Your deploy settings"
+REJECT_TITLE = "Reject deploy"
+FORM_LABELS = {
+    "template": "Template",
+    "placement": "Where (backend or node)",
+    "storage": "Storage",
+    "network": "Network",
+    "name": "VM name",
+    "address": "Address",
+    "cores": "CPU cores",
+    "memory": "Memory",
+    "disk": "Grow the disk by (GiB)",
+    "user": "Login user",
+    "keys": "SSH public keys (one per line)",
+    "upgrade": "Upgrade packages on first boot",
+    "lease": "Lease (how long the VM lives)",
+    "default_template": "Default template",
+    "reason": "Why is it rejected?",
+}
+FORM_HINTS = {
+    "address": "Inside {subnets}, e.g. {example}; empty: the next free address",
+    "name": "Letters, digits and hyphens, e.g. web01",
+    "keys": "Prefilled from your saved keys (`/deploy key ...` or `/deploy settings`).",
+    "storage": "Leave empty to use the template's own storage.",
+}
+TEMPLATES_OVERFLOW = "There are {count} templates: type part of a name to find one."
+
+
+def slack_time(moment: datetime) -> str:
+    fallback = f"{moment:%Y-%m-%d %H:%M} UTC"
+    return f"<!date^{int(moment.timestamp())}^{{date_short_pretty}} {{time}}|{fallback}>"
+
+
+def clone_mode(linked: bool, reason: str) -> str:
+    """Mrkdwn: the backend's reason may name storage the person chose."""
+    why = escape(reason)
+    return f"{LINKED_CLONE} ({why})" if linked else f"*{FULL_COPY}* ({why})"
+
+
+def backends_not_answering(problems: Sequence[str]) -> str:
+    """Mrkdwn, under the form: the backends' own words, which may quote names."""
+    return escape("Not every backend answered: " + "; ".join(problems))
+
+
+def storage_option(name: str, free_bytes: int) -> str:
+    return f"{name} ({free_bytes / 1024**3:,.0f} GiB free)"
+
+
+def slack_thread_update(job: Job, note: str, approval: Approval | None) -> str:
+    """A state change in the requester's thread; an approval names who decided."""
+    if job.state is JobState.AWAITING_APPROVAL:
+        return (
+            f"waiting for approval ({job.approval_reason}); the approvers have been asked. "
+            f"Cancel with `/deploy cancel {job.id}`."
+        )
+    if approval is not None and approval.decided_by and job.state is JobState.QUEUED:
+        return approved(job, approval.decided_by)  # plain: the front end adds the mention
+    return job_update(job, note)
+
+
+def slack_finished(job: Job, rollback: RollbackReport | None) -> str:
+    lines = finished(job, rollback)
+    return "\n".join(f"`{ln.strip()}`" if ln.startswith("    ") else ln for ln in lines)
+
+
+def approval_needed(job: Job) -> str:
+    """The approval card's notification text (plain)."""
+    return f"Approval needed: {job.name} {job.address} (job {job.id})"
+
+
+def approval_summary(job: Job) -> str:
+    """Mrkdwn: the request on the approval card, every value from it escaped."""
+    req = job.request
+    where = f"{job.backend}/{req.placement}" if req.placement else job.backend
+    asks = escape(f"asks to deploy {job.name} {address_of(job)}")
+    details = escape(
+        f"template {req.template}, {req.cores} cores, {req.memory_mib} MiB memory, "
+        f"disk +{req.disk_grow_gib} GiB, login {req.user}\n"
+        f"Needs approval because {job.approval_reason}. Job {job.id}."
+    )
+    return f"*{mention(job.requester)} {asks}* on {escape(where)}\n{details}"
+
+
+def approval_outcome(job: Job, approval: Approval | None) -> str:
+    """Mrkdwn: what replaces the Approve / Reject buttons once the request is decided;
+    the approver's reason is escaped, so `<!channel>` in it pings nobody."""
+    if approval is None or approval.state is ApprovalState.PENDING:
+        return f"{STATE_LABELS[job.state].capitalize()}: no decision was needed any more."
+    at = slack_time(approval.decided_at) if approval.decided_at else "an unknown time"
+    if approval.state is ApprovalState.APPROVED and approval.decided_by:
+        return f":white_check_mark: Approved by {mention(approval.decided_by)} at {at}"
+    if approval.state is ApprovalState.REJECTED and approval.decided_by:
+        reason = escape(approval.note) if approval.note else "no reason"
+        return f":x: Rejected by {mention(approval.decided_by)}: {reason}"
+    if approval.state is ApprovalState.CANCELLED:
+        by = f" by {mention(approval.decided_by)}" if approval.decided_by else ""
+        return f":no_entry_sign: Cancelled{by} before a decision."
+    return f":hourglass: Expired at {at}: nobody approved it in time."
+
+
+def approval_cancelled(note: str) -> str:
+    """Plain: the core's note names the canceller by id, made a mention by the front end."""
+    said = note[:1].upper() + note[1:] if note else "Cancelled"
+    return f":no_entry_sign: {said} before a decision."
+
+
+def key_saved(prefs: UserPrefs) -> str:
+    count = len(prefs.ssh_keys)
+    return (
+        f"Saved. You have {count} SSH key{'s' if count != 1 else ''}; deploys that name no "
+        "key log in with them. `/deploy settings` shows and edits them."
+    )
+
+
+def settings_saved(prefs: UserPrefs) -> str:
+    template = prefs.default_template or "the configured default"
+    return f"Settings saved: {len(prefs.ssh_keys)} SSH key(s), default template {template}."
+
+
+def duplicate_ignored(job_id: str) -> str:
+    return f"Already handled (job {job_id}); nothing was done twice."
+
+
+def form_opened_elsewhere() -> str:
+    return "The form could not be opened (it took too long); type `/deploy` again."
+
+
+def missing_field(label: str) -> str:
+    return f"{label} is required."
+
+
+def reason_required() -> str:
+    return "Say why, so the requester can fix the request."
+
+
+def reject_question(job_id: str) -> str:
+    """Mrkdwn, atop the modal that asks for the reason."""
+    return f"Reject job {escape(job_id)}?"
+
+
+def slack_reject_answer(job: Job) -> str:
+    """Plain; Slack shows the requester's id as a mention."""
+    return f"Job {job.id}: rejected; {job.requester} is told why."
+
+
+def bad_ssh_key(problem: str) -> str:
+    return f"SSH key: {problem}."
+
+
+def name_in_flight(name: str, job_id: str) -> str:
+    return f"{name} is already being deployed by job {job_id}: pick another name."
+
+
+def address_in_flight(address: str, job_id: str) -> str:
+    return f"{address} is already taken by job {job_id}: pick another address."
+
+
+def token_missing(variable: str, what: str) -> str:
+    return (
+        f"{variable} is not set: put the {what} in the environment (see README, Slack "
+        "set-up); deploybot serve did not start."
+    )
+
+
+def token_malformed(variable: str, what: str, shape: str) -> str:
+    return (
+        f"{variable} does not look like a {what} (it should {shape}); check that the "
+        "right value is in the right variable. deploybot serve did not start."
+    )
+
+
+def serving_socket() -> str:
+    return "deploybot is connected to Slack in Socket Mode. Stop it with Ctrl-C."
+
+
+def serving_http(url: str) -> str:
+    return f"deploybot is listening on {url}/slack/events (health: {url}/healthz)."
+
+
+def bad_http_address(text: str) -> str:
+    return f"--http {text}: give HOST:PORT, e.g. 127.0.0.1:3000."
+
+
+def slack_headline(job: Job, step: str | None) -> str:
+    """Mrkdwn: the parent message, the headline plus the step while a deploy runs."""
+    text = escape(headline(job))
+    working = job.state in (JobState.RUNNING, JobState.DESTROYING)
+    return f"{text} ({step_label(step)})" if step and working else text
+
+
+def slack_step(step: str, duration_s: float, ok: bool, detail: str) -> str:
+    mark = ":white_check_mark:" if ok else ":x:"
+    text = f"{mark} {step_label(step)} — {duration_s:.1f} s"
+    return text + (f" · {detail}" if detail else "")
+
+
+def bad_command_name(command: str) -> str:
+    return (
+        f"{command!r} is not a slash command name: start with /, then 1 to 31 lower-case "
+        "letters, digits, - or _ (e.g. /deploy)."
+    )
+
+
+def user_settings(prefs: UserPrefs) -> list[str]:
+    """The settings as text (the shell; Slack shows them in a modal)."""
+    template = prefs.default_template or "the configured default"
+    lines = [f"Default template: {template}.", f"SSH keys ({len(prefs.ssh_keys)}):"]
+    lines.extend(f"  {' '.join(key.split()[::2])}" for key in prefs.ssh_keys)
+    lines.append("Add a key with /deploy key ssh-ed25519 AAAA... comment.")
+    return lines
+
+
+GC_CATEGORIES = {
+    "unknown_job": "job unknown to this bot",
+    "ended_job": "job failed or was cancelled",
+    "succeeded_job": "job succeeded (kept)",
+    "job_in_flight": "job still in flight (kept)",
+    "other_installation": "another installation's VM (kept)",
+    "unknown_legacy": "old-style tag of a job unknown here (kept)",
+    "quarantined_job": "job record damaged, set aside (kept: check it by hand)",
+}
+
+
+def gc_locked(vm_id: str, lock: str) -> str:
+    """Why gc leaves an orphan alone: the hypervisor's own lock on it (Proxmox `lock`)."""
+    return (
+        f"VM is locked ({lock}): another operation holds it, and gc removes no VM while it "
+        "is locked. Wait until that operation has finished (the hypervisor's task list "
+        "shows it); a lock left by one that died must be cleared by hand (Proxmox: "
+        f"`qm unlock {vm_id}`). Then run `deploybot gc` again."
+    )
+
+
+def gc_unknown_backends(unknown: list[str], known: list[str]) -> str:
+    return f"No backend called {', '.join(unknown)}; the configured ones are {', '.join(known)}."
+
+
+def gc_report(report: GcReport, window_minutes: float) -> list[str]:
+    """What `deploybot gc` found (and, with --apply, did), counted per category."""
+    scope = ", ".join(report.scope)
+    head = (
+        f"gc --apply over {scope}:"
+        if report.applied
+        else f"gc dry run over {scope} (nothing was touched):"
+    )
+    lines = [head]
+    for backend, counts in report.counts().items():
+        if backend in report.unreachable:
+            lines.append(
+                f"  {backend}: did not answer ({report.unreachable[backend]}); try again later."
+            )
+            continue
+        if backend in report.refused:
+            lines.append(
+                f"  {backend}: refused to be asked ({report.refused[backend]}); fix that "
+                "(configuration, credentials, CA bundle), then run gc again."
+            )
+            continue
+        parts = [f"{n} {GC_CATEGORIES[c]}" for c, n in sorted(counts.items())] or ["no tagged VMs"]
+        lines.append(f"  {backend}: " + "; ".join(parts))
+    for finding in report.findings:
+        if finding.orphan and not report.applied:
+            lines.append(
+                f"  orphan: VM {finding.vm.vm_id} ({finding.vm.name}) on {finding.backend}, "
+                f"job {finding.job_id}: {GC_CATEGORIES[finding.category]}"
+            )
+            if finding.vm.lock:
+                lines.append(f"    {gc_locked(finding.vm.vm_id, finding.vm.lock)}")
+        elif finding.category == "other_installation" and not report.applied:
+            lines.append(
+                f"  another installation: VM {finding.vm.vm_id} ({finding.vm.name}) on "
+                f"{finding.backend}, installation {finding.installation}, job "
+                f"{finding.job_id}: never removed by this one"
+            )
+    if report.applied:
+        for finding in report.removed:
+            lines.append(
+                f"  removed: VM {finding.vm.vm_id} ({finding.vm.name}) on {finding.backend}"
+            )
+        left = [(f, gc_locked(f.vm.vm_id, f.vm.lock or "?")) for f in report.locked]
+        for finding, why in [*left, *report.left]:
+            lines.append(
+                f"  left: VM {finding.vm.vm_id} ({finding.vm.name}) on {finding.backend}: {why}"
+            )
+        lines.append(
+            f"Found {len(report.orphans)} orphan(s), removed {len(report.removed)}, "
+            f"left {len(left) + len(report.left)}."
+        )
+    elif report.orphans:
+        lines.append(
+            f"Found {len(report.orphans)} orphan(s). Check them, then remove them with "
+            f"`deploybot gc --apply` (same scope, within {window_minutes:g} minutes)."
+        )
+    else:
+        lines.append("Found no orphans.")
+    return lines
+
+
+def check_lines(results: Sequence[CheckResult]) -> list[str]:
+    """`deploybot check`: one line a check, its fix on the next, and a verdict."""
+    lines = []
+    for result in results:
+        lines.append(f"{'ok' if result.ok else 'PROBLEM':7}  {result.name}: {result.detail}")
+        if result.fix:
+            lines.append(f"         fix: {result.fix}")
+    problems = sum(not r.ok for r in results)
+    lines.append(f"{problems} problem(s)." if problems else "All checks passed.")
+    return lines
+
+
+def slack_not_checked(token_env: str) -> str:
+    return f"not checked: ${token_env} is not set (only `deploybot serve` needs it)"
+
+
+def slack_token_fix(token_env: str) -> str:
+    return f"set ${token_env} to the app's bot token (xoxb-...; Slack app > OAuth & Permissions)"
+
+
+def slack_scopes_fix() -> str:
+    return (
+        "add them to the app (`deploybot manifest` prints its manifest) and reinstall it "
+        "to the workspace; the new token has them"
+    )
+
+
+def slack_channel_unreadable(channel: str) -> str:
+    return (
+        f"membership not checked: the token may not read {channel} (channels:read or "
+        "groups:read, which the bot does not otherwise need)"
+    )
+
+
+def slack_channel_fix(bot: str) -> str:
+    return (
+        f"check slack.approvals_channel (a channel id, C... or G...) and invite the bot "
+        f"there: `/invite @{bot}`"
+    )
