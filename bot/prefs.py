@@ -5,6 +5,9 @@ Split out of bot/service.py, which keeps the audited entry points front ends cal
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+
+from backends.base import Template
 from bot.errors import RequestInvalid
 from bot.models import MAX_SSH_KEYS, UserPrefs, check_ssh_key
 from store.db import RowUnreadable, Store
@@ -61,3 +64,28 @@ def check_keys(texts: tuple[str, ...]) -> tuple[str, ...]:
     if problems:
         raise RequestInvalid(problems)
     return tuple(keys)
+
+
+async def replace(
+    store: Store,
+    user: str,
+    ssh_keys: tuple[str, ...],
+    default_template: str | None,
+    templates: Callable[[], Awaitable[Mapping[str, Sequence[Template] | str]]],
+) -> UserPrefs:
+    """Replace the user's keys and default template, after checking both (the template
+    must exist on some backend: `templates` lists them per backend)."""
+    keys = check_keys(ssh_keys)
+    if default_template is not None:
+        found = await templates()
+        names = {t.name for items in found.values() if not isinstance(items, str) for t in items}
+        if default_template not in names:
+            raise RequestInvalid(
+                [
+                    f"template: {default_template!r} is not a template on any backend; "
+                    "see `/deploy templates`."
+                ]
+            )
+    prefs = UserPrefs(user=user, ssh_keys=keys, default_template=default_template)
+    await store.put_prefs(prefs)
+    return prefs

@@ -19,9 +19,9 @@ from datetime import datetime
 from backends.base import Backend, BackendError, Template
 from backends.ipam import open_ipam
 from backends.ipam.base import Ipam
+from bot import cancel as cancelling
 from bot import jobrefs, logfields
 from bot import prefs as user_prefs
-from bot import progress as tell
 from bot.addressing import Addressing
 from bot.approvals import Approvals, GroupMembers
 from bot.destroy import Destroyer
@@ -29,9 +29,6 @@ from bot.errors import (
     ConfigError,
     DeployBotError,
     Duplicate,
-    NotAllowed,
-    RequestInvalid,
-    TransitionRefused,
 )
 from bot.intake import Intake
 from bot.leases import Leases
@@ -371,44 +368,7 @@ class Deployer:
 
     async def cancel(self, job_id: str, user: str) -> Job:
         async with self._audited(user, f"cancel {job_id}"):
-            return await self._cancel(await self._resolve(job_id), user)
-
-    async def _cancel(self, job_id: str, user: str) -> Job:
-        job = await self._job(job_id)
-        if job.state is JobState.DESTROY_REQUESTED:  # withdraw the destroy, keep the VM
-            return await self.destroyer.cancel(job, user)
-        if user != job.requester and not await self.is_approver(user):
-            raise NotAllowed(f"Only {job.requester} or an approver can cancel job {job_id}.")
-        if job.state in (JobState.QUEUED, JobState.AWAITING_APPROVAL):
-            if await self._cancel_unstarted(job, user):
-                self.queue.cancel(job_id)
-                cancelled = await self._job(job_id)
-                await self.progress.job_updated(cancelled, f"cancelled by {user}")
-                await self.addressing.release_quietly(cancelled)
-                return cancelled
-            job = await self._job(job_id)
-        working = job.state in (JobState.RUNNING, JobState.ROLLING_BACK)
-        if working and self.queue.cancel(job_id):
-            return job
-        # Another process runs it: ask it, through the store (bot/ownership.py).
-        if working and await self.store.request_cancel(job_id, user):
-            return job
-        raise TransitionRefused(f"Job {job_id} is {job.state.value}: there is nothing to cancel.")
-
-    async def _cancel_unstarted(self, job: Job, user: str) -> bool:
-        """A job awaiting approval has its approval closed in the same transaction, so
-        nobody can approve it afterwards."""
-        told = [tell.updated(job.id, f"cancelled by {user}")]
-        if job.state is JobState.AWAITING_APPROVAL:
-            return await self.store.cancel_awaiting(job.id, by=user, notices=told)
-        return await self.store.transition(
-            job.id,
-            [job.state],
-            JobState.CANCELLED,
-            notices=told,
-            error="cancelled",
-            finished_at=utcnow(),
-        )
+            return await cancelling.cancel(self, await self._resolve(job_id), user)
 
     # --- destroy and list (bot/destroy.py) ----------------------------------------------
 
@@ -490,19 +450,8 @@ class Deployer:
     ) -> UserPrefs:
         """Replace the user's keys and default template, after checking both."""
         async with self._audited(user, "save settings"):
-            keys = user_prefs.check_keys(ssh_keys)
-            if default_template is not None:
-                await self._check_template_somewhere(default_template)
-            prefs = UserPrefs(user=user, ssh_keys=keys, default_template=default_template)
-            await self.store.put_prefs(prefs)
-            return prefs
-
-    async def _check_template_somewhere(self, name: str) -> None:
-        found = await self.templates()
-        names = {t.name for items in found.values() if not isinstance(items, str) for t in items}
-        if name not in names:
-            raise RequestInvalid(
-                [f"template: {name!r} is not a template on any backend; see `/deploy templates`."]
+            return await user_prefs.replace(
+                self.store, user, ssh_keys, default_template, self.templates
             )
 
     async def set_refs(
