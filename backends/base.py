@@ -35,15 +35,18 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-import asyncssh
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+# Part of the contract, kept beside it: re-exported for `from backends.base import ...`.
+from backends.config import BackendConfig as BackendConfig
+from backends.config import SshJump as SshJump
+from backends.config import readable_file as readable_file
+from backends.guestaddr import listable as listable
+from backends.guestaddr import pick_address as pick_address
+from backends.guestaddr import reported_addresses as reported_addresses
 
 log = logging.getLogger(__name__)
 
@@ -282,70 +285,6 @@ class CloneMode:
     reason: str
 
 
-# --- configuration ------------------------------------------------------------------
-
-
-def readable_file(path: Path) -> Path:
-    """A file named in the configuration (a CA bundle, a key) must be readable at start,
-    not found missing at the first deploy."""
-    if not path.is_file():
-        raise ValueError(f"{path} does not exist or is not a file: give the path of the file")
-    if not os.access(path, os.R_OK):
-        raise ValueError(f"{path} cannot be read by this process: check its permissions")
-    return path
-
-
-class SshJump(BaseModel):
-    """A jump host (bastion) for the SSH check, for a bot that cannot reach the guests'
-    network itself: the check asks it to open the TCP connection to the guest, as
-    `ssh -J` does. The bot's key is a file it can read (a path, like a CA bundle, never
-    the key itself); the jump host's own key must be in `known_hosts`."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    host: str = Field(min_length=1)
-    port: int = Field(default=22, ge=1, le=65535)
-    user: str = Field(min_length=1)
-    key_file: Path
-    known_hosts: Path
-
-    @field_validator("key_file", "known_hosts")
-    @classmethod
-    def _readable(cls, path: Path) -> Path:
-        return readable_file(path)
-
-    @field_validator("key_file")
-    @classmethod
-    def _a_private_key(cls, path: Path) -> Path:
-        try:
-            asyncssh.read_private_key(path)
-        except (OSError, ValueError) as exc:  # KeyImportError is a ValueError
-            raise ValueError(
-                f"{path} holds no SSH private key deploybot can use ({exc}); "
-                "keys with a passphrase are not supported"
-            ) from None
-        return path
-
-    def __str__(self) -> str:
-        return f"{self.user}@{self.host}:{self.port}"
-
-
-class BackendConfig(BaseModel):
-    """One `[[backends]]` entry. Each backend module subclasses it as `Config`, with
-    `kind` narrowed to its own literal, and offers `create(config, environ)`.
-
-    Secrets are never fields: a config names the environment variable that holds one
-    (e.g. `token_secret_env`), and `create` reads it from `environ`. `ssh_jump` is for
-    every kind: the SSH check of this backend's guests goes through that jump host.
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    kind: str
-    name: str = Field(pattern=r"^[a-z][a-z0-9-]{0,31}$")
-    ssh_jump: SshJump | None = None
-
-
 class BackendFactory(Protocol):
     def __call__(self, config: BackendConfig, environ: Mapping[str, str]) -> Backend: ...
 
@@ -494,59 +433,3 @@ class LearnsDurations(Protocol):
     process does not poll as if it had never deployed."""
 
     def remember_steps(self, history: list[StepTime]) -> None: ...
-
-
-_CONTAINER_IFACES = ("docker", "cni", "veth", "virbr", "br-", "lxc", "flannel", "cali")
-
-
-def pick_address(
-    interfaces: list[tuple[str, str]], expected: ipaddress.IPv4Address | None
-) -> ipaddress.IPv4Address | None:
-    """Choose the guest's address from what its agent reports as (interface, address) pairs.
-
-    Guest agents report everything the kernel has: loopback, link-local, container
-    bridges. None of those reaches the guest from outside, so they are skipped; the
-    requested address wins when present, otherwise the first usable one.
-    """
-    usable: list[ipaddress.IPv4Address] = []
-    for ip in _outward(interfaces):
-        if ip == expected:
-            return ip
-        if not (ip.is_loopback or ip.is_link_local):
-            usable.append(ip)
-    return usable[0] if usable else None
-
-
-def _outward(interfaces: list[tuple[str, str]]) -> list[ipaddress.IPv4Address]:
-    """The IPv4 addresses of (interface, address) pairs, without the `lo` and
-    container-bridge interfaces, in order."""
-    found = []
-    for iface, text in interfaces:
-        if iface == "lo" or iface.startswith(_CONTAINER_IFACES):
-            continue
-        try:
-            ip = ipaddress.ip_address(text.split("/")[0])
-        except ValueError:
-            continue
-        if isinstance(ip, ipaddress.IPv4Address):
-            found.append(ip)
-    return found
-
-
-def listable(ip: ipaddress.IPv4Address) -> bool:
-    """Whether an address can be another machine's on a network (`addresses_in_use`).
-
-    Loopback is kept (the `lo` interface is left out by name): an address is only ever
-    compared with the configured subnets, and a subnet on 127.0.0.0/8 (the tests' guests)
-    is as real to the conflict check as any other."""
-    return not (ip.is_link_local or ip.is_unspecified or ip.is_multicast)
-
-
-def reported_addresses(interfaces: list[tuple[str, str]]) -> list[ipaddress.IPv4Address]:
-    """The listable IPv4 addresses among a guest's (interface, address) pairs, without
-    loopback and container-bridge interfaces (as `pick_address` skips them), in order."""
-    found: list[ipaddress.IPv4Address] = []
-    for ip in _outward(interfaces):
-        if listable(ip) and ip not in found:
-            found.append(ip)
-    return found
