@@ -16,8 +16,8 @@ class IpamConfig(BaseModel):
 
     `probe` (off by default) also asks, before a clone, whether something answers on the
     address (a TCP connection to `probe_ports` from the bot, or from the backend's jump
-    host): a host that answers, even with a refusal, holds the address. Only addresses inside the configured subnets are
-    ever probed."""
+    host): a host that answers, even with a refusal, holds the address. Only addresses
+    inside the configured subnets are ever probed."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
