@@ -1,11 +1,11 @@
 """Build the Debian 12 guest image the real-guest tests boot: `python -m tests.realguest.image`.
 
-It is made once and kept in ~/.cache/deploybot/guest-<key>/ (`disk.qcow2`, `vmlinuz`,
-`initrd.img`); the key hashes everything below that decides the image's content (suite,
-packages, the files written into it), so a change here builds a new one and an unchanged
-one is reused. Needs root (debootstrap creates device nodes and chowns files) and the
-network (Debian's mirror, read from /etc/apt/sources.list*), so CI runs it in the install
-phase, before the tests go offline.
+It is made once and kept in ~/.cache/deploybot/guest-<key>/ ($DEPLOYBOT_CACHE moves it):
+`disk.qcow2`, `vmlinuz`, `initrd.img`. The key hashes everything below that decides the
+image's content (suite, packages, the files written into it), so a change here builds a
+new one and an unchanged one is reused. Needs root (debootstrap creates device nodes and
+chowns files) and the network (Debian's mirror, read from /etc/apt/sources.list*), so CI
+runs it in the install phase, before the tests go offline.
 
 No mounts: debootstrap fills a folder, `mkfs.ext4 -d` turns the folder into a
 filesystem image and `qemu-img convert` makes the sparse qcow2. The filesystem has no
@@ -71,7 +71,11 @@ FILES: dict[str, str] = {
 }
 
 DISK_SIZE = "3G"  # the guest's disk; the qcow2 only holds what is used (~0.8 GiB)
-CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "deploybot"
+# The same cache as the NetBox install's (tests/netbox_install.py).
+CACHE = Path(
+    os.environ.get("DEPLOYBOT_CACHE")
+    or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "deploybot"
+)
 
 
 def cache_key() -> str:
