@@ -96,6 +96,7 @@ async def test_guest_becomes_what_the_seed_says(
         seed=nocloud.write_iso(seed, tmp_path / "seed.iso"),
         mac=MAC,
         address=ADDRESS,
+        gateway=GATEWAY,
         dns=DNS,
     )
     guest.start()
@@ -139,6 +140,7 @@ async def test_guest_becomes_what_the_seed_says(
         assert ADDRESS in addresses
     finally:
         guest.stop()
+    assert not guest.running()
     with capsys.disabled():
         print(
             f"\nreal guest ({guest.accel}): agent up {qga_up:.0f} s, SSH up {ssh_up:.0f} s, "

@@ -94,9 +94,9 @@ def free_port() -> int:
 
 @dataclass
 class Guest:
-    """One guest. `address` lives in QEMU's user-mode network `network`, whose first host
-    is the gateway and whose `dns` address QEMU's resolver answers on (restricted: it
-    resolves nothing outside)."""
+    """One guest. `address` lives in QEMU's user-mode network `network`, where QEMU
+    answers as the `gateway` and as the resolver on `dns` (restricted: it resolves and
+    forwards nothing outside). The qga socket's path must stay under 108 bytes."""
 
     image: Path  # the folder image.build() made
     workdir: Path  # overlay, serial log and sockets go here
@@ -104,6 +104,7 @@ class Guest:
     mac: str
     address: str
     network: str = "10.0.0.0/24"
+    gateway: str = "10.0.0.1"
     dns: str = "10.0.0.3"
     memory_mib: int = 1024
     cpus: int = 2
@@ -127,7 +128,7 @@ class Guest:
     def argv(self, accel: list[str]) -> list[str]:
         net = ipaddress.IPv4Network(self.network)
         netdev = (
-            f"user,id=n0,restrict=on,ipv6=off,net={net},host={next(net.hosts())},"
+            f"user,id=n0,restrict=on,ipv6=off,net={net},host={self.gateway},"
             f"dns={self.dns},hostfwd=tcp:127.0.0.1:{self.ssh_port}-{self.address}:22"
         )
         qga = f"socket,id=qga0,path={self.qga_socket},server=on,wait=off"
