@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint install clean bench lock netbox
+.PHONY: demo test lint install clean bench lock netbox guest-image
 
 # Installs exactly what requirements-test.lock names, each file checked by its hash; the
 # ranges in pyproject.toml are what `make lock` resolves the lock files from.
@@ -33,6 +33,11 @@ test: lint
 # ~/.cache/deploybot/) that tests/test_netbox_*.py run against; without it they skip.
 netbox:
 	$(PYTHON) -m tests.netbox_install
+
+# Optional, needs root and the network: the Debian 12 guest image (~/.cache/deploybot/
+# guest-KEY/) that tests/test_realguest_*.py boot under QEMU; without it they skip.
+guest-image:
+	$(PYTHON) -m tests.realguest.image
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.bench_pipeline
