@@ -8,7 +8,7 @@ approvers at once decide once. Nobody decides on their own request.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime
 
 from bot import progress as tell
@@ -62,14 +62,20 @@ class Approvals:
         policy = self.policy
         if user in policy.approvers:
             return True
+        return await self.in_groups(user, policy.approver_groups, "approver")
+
+    async def in_groups(self, user: str, groups: Sequence[str], kind: str) -> bool:
+        """Whether `user` is a member of one of these chat user groups. Without a front
+        end that can list groups (the shell, the CLI) nobody is; a group that cannot be
+        listed counts for nobody (logged as a `kind` group)."""
         if self.group_members is None:
             return False
-        for group in policy.approver_groups:
+        for group in groups:
             try:
                 if user in await self.group_members(group):
                     return True
             except Exception:
-                log.exception("could not list the members of approver group %s", group)
+                log.exception("could not list the members of %s group %s", kind, group)
         return False
 
     def approvers_text(self) -> str:

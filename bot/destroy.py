@@ -168,16 +168,7 @@ class Destroyer:
             return True
         if await self.approvals.is_approver(user):
             return True
-        lookup = self.approvals.group_members
-        if lookup is None:  # no chat front end to resolve groups (the shell, the CLI)
-            return False
-        for group in self.policy.destroyer_groups:
-            try:
-                if user in await lookup(group):
-                    return True
-            except Exception:
-                log.exception("could not list the members of destroyer group %s", group)
-        return False
+        return await self.approvals.in_groups(user, self.policy.destroyer_groups, "destroyer")
 
     async def _check_asker(self, job: Job, user: str) -> None:
         if not await self.may_destroy(user, job):

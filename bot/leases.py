@@ -102,16 +102,7 @@ class Leases:
         """Approvers, and members of `[leases] never_groups`, may keep a VM forever."""
         if await self.approvals.is_approver(user):
             return True
-        lookup = self.approvals.group_members
-        if lookup is None:  # no chat front end to resolve groups (the shell, the CLI)
-            return False
-        for group in self.policy.never_groups:
-            try:
-                if user in await lookup(group):
-                    return True
-            except Exception:
-                log.exception("could not list the members of lease group %s", group)
-        return False
+        return await self.approvals.in_groups(user, self.policy.never_groups, "lease")
 
     async def _check_never(self, user: str) -> None:
         if not await self.may_never(user):
