@@ -20,7 +20,7 @@ import logging
 from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta
 
-from backends.base import Backend, BackendError, PermanentError
+from backends.base import Backend, BackendError
 from backends.ipam.base import AddressTaken, Claim, Ipam, NotOurs, Pool, Reservation
 from bot import probe
 from bot.models import HOLDING_STATES, DeployRequest, IpamState, Job, utcnow
@@ -225,7 +225,7 @@ class Addressing:
             try:
                 await self.ipam.release(record.ref, claim)
                 done.append(f"{record.address} left by job {record.job_id}")
-            except (BackendError, PermanentError) as exc:
+            except BackendError as exc:
                 log.warning("IPAM record %s: release failed: %s", record.ref, exc)
         if done:
             log.info("released addresses no job holds: %s", "; ".join(done))
