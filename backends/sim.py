@@ -29,13 +29,8 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-import json
-import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
-
-from pydantic import Field, field_validator
 
 from backends.base import (
     AddressUse,
@@ -64,50 +59,21 @@ from backends.simvm import (
     DEFAULT_STORAGES,
     DEFAULT_TEMPLATES,
     FAULT_KINDS,
+    OPERATIONS,
+    Config,
+    Effect,
     Fault,
     FaultKind,
     SimTiming,
     SimulatedCrash,
     SimVM,
     fake_fingerprint,
-    vm_from_dict,
-    vm_to_dict,
+    read_state,
+    write_state,
 )
 from backends.sshcheck import SshCheck
 
 __all__ = ["FAULT_KINDS", "Config", "SimBackend", "SimTiming", "SimulatedCrash", "create"]
-
-OPERATIONS = (
-    "templates",
-    "find_by_name",
-    "clone",
-    "apply_identity",
-    "grow_disk",
-    "power_on",
-    "wait_for_address",
-    "probe_ssh",
-    "power_off",
-    "destroy",
-    "addresses_in_use",
-)
-
-
-class Config(BackendConfig):
-    """`kind = "sim"`: the built-in simulator; `time_scale` multiplies every duration."""
-
-    kind: Literal["sim"]
-    placements: tuple[str, ...] = ("node1", "node2")
-    time_scale: float = Field(default=1.0, gt=0, le=100)
-    state_file: Path | None = None  # keep the inventory across restarts of the bot
-    faults: tuple[Fault, ...] = ()  # e.g. [{op = "power_on", kind = "error"}]
-
-    @field_validator("faults")
-    @classmethod
-    def _known_operations(cls, faults: tuple[Fault, ...]) -> tuple[Fault, ...]:
-        for fault in faults:
-            if fault.op not in OPERATIONS:
-                raise ValueError(f"unknown operation {fault.op!r}; one of {', '.join(OPERATIONS)}")
-        return faults
 
 
 def create(config: BackendConfig, environ: Mapping[str, str]) -> SimBackend:
@@ -183,26 +149,13 @@ class SimBackend:
         """
         if self.state_file is None:
             return
-        data = {"next_id": self._next_id, "vms": [vm_to_dict(vm) for vm in self.vms.values()]}
-        tmp = self.state_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        os.replace(tmp, self.state_file)
+        write_state(self.state_file, self._next_id, self.vms.values())
 
     def _load(self, path: Path) -> None:
         """Read the inventory back; tasks that were running when the bot died finished
         meanwhile, as they would on a real hypervisor."""
-        data = json.loads(path.read_text())
-        self._next_id = int(data["next_id"])
-        for item in data["vms"]:
-            vm = vm_from_dict(item)
-            if vm.lock == "destroy":
-                continue
-            if vm.lock in ("power_on", "power_off"):
-                vm.running = vm.lock == "power_on"
-            vm.lock = None
-            if vm.running:
-                vm.booted.set()
-            self.vms[vm.vm_id] = vm
+        self._next_id, vms = read_state(path)
+        self.vms.update((vm.vm_id, vm) for vm in vms)
         self._save()
 
     # --- test and demo controls ---------------------------------------------------
@@ -276,7 +229,7 @@ class SimBackend:
                 wait.cancel()
 
     async def _run(
-        self, op: str, vm_id: str, seconds: float, effect: _Effect, fault: FaultKind | None
+        self, op: str, vm_id: str, seconds: float, effect: Effect, fault: FaultKind | None
     ) -> None:
         """Run one hypervisor-side task and wait for it the way a real client would.
 
@@ -421,7 +374,7 @@ class SimBackend:
         self.vms[vm.vm_id] = vm
         self._save()
         seconds = self.timing.clone_linked_s if mode.linked else self.timing.clone_full_s
-        await self._run("clone", vm.vm_id, seconds, _Effect(vm, self, remove=True), fault)
+        await self._run("clone", vm.vm_id, seconds, Effect(vm, self.vms, remove=True), fault)
         return None
 
     async def apply_identity(self, ref: VMRef, identity: Identity) -> str | None:
@@ -432,7 +385,7 @@ class SimBackend:
             vm.identity = identity
 
         fault = self._fault("apply_identity", vm.vm_id)
-        effect = _Effect(vm, self, set_identity)
+        effect = Effect(vm, self.vms, set_identity)
         await self._run("apply_identity", vm.vm_id, self.timing.config_s, effect, fault)
         return None
 
@@ -446,7 +399,9 @@ class SimBackend:
             vm.disk_gib += grow_gib
 
         fault = self._fault("grow_disk", vm.vm_id)
-        await self._run("grow_disk", vm.vm_id, self.timing.resize_s, _Effect(vm, self, grow), fault)
+        await self._run(
+            "grow_disk", vm.vm_id, self.timing.resize_s, Effect(vm, self.vms, grow), fault
+        )
         return None
 
     async def power_on(self, ref: VMRef) -> str | None:
@@ -462,7 +417,9 @@ class SimBackend:
             vm.boot_task = asyncio.create_task(self._boot(vm))
 
         fault = self._fault("power_on", vm.vm_id)
-        await self._run("power_on", vm.vm_id, self.timing.start_s, _Effect(vm, self, start), fault)
+        await self._run(
+            "power_on", vm.vm_id, self.timing.start_s, Effect(vm, self.vms, start), fault
+        )
         return None
 
     async def _boot(self, vm: SimVM) -> None:
@@ -520,7 +477,9 @@ class SimBackend:
                 vm.boot_task.cancel()
 
         fault = self._fault("power_off", vm.vm_id)
-        await self._run("power_off", vm.vm_id, self.timing.stop_s, _Effect(vm, self, stop), fault)
+        await self._run(
+            "power_off", vm.vm_id, self.timing.stop_s, Effect(vm, self.vms, stop), fault
+        )
 
     async def destroy(self, ref: VMRef) -> None:
         self._answer()
@@ -535,7 +494,7 @@ class SimBackend:
 
         fault = self._fault("destroy", vm.vm_id)
         await self._run(
-            "destroy", vm.vm_id, self.timing.destroy_s, _Effect(vm, self, remove), fault
+            "destroy", vm.vm_id, self.timing.destroy_s, Effect(vm, self.vms, remove), fault
         )
 
     async def close(self) -> None:
@@ -545,28 +504,3 @@ class SimBackend:
             if vm.boot_task:
                 vm.boot_task.cancel()
         await self._ssh.close()
-
-
-class _Effect:
-    """What a hypervisor task does to the VM when it succeeds, and when it fails."""
-
-    def __init__(
-        self,
-        vm: SimVM,
-        sim: SimBackend,
-        apply: Callable[[], None] | None = None,
-        *,
-        remove: bool = False,
-    ) -> None:
-        self._vm = vm
-        self._sim = sim
-        self._apply = apply
-        self._remove_on_failure = remove
-
-    def apply(self) -> None:
-        if self._apply:
-            self._apply()
-
-    def fail(self) -> None:
-        if self._remove_on_failure:
-            self._sim.vms.pop(self._vm.vm_id, None)

@@ -1,6 +1,7 @@
 """The simulator's data: its VMs, timings and faults, and how its state file keeps them.
 
-Split from backends/sim.py (the simulator's behaviour), which re-exports what tests use.
+Split from backends/sim.py (the simulator's behaviour), which re-exports what tests use;
+its `[[backends]]` model (`Config`) lives here too.
 """
 
 from __future__ import annotations
@@ -10,10 +11,16 @@ import base64
 import dataclasses
 import hashlib
 import ipaddress
+import json
+import os
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
-from backends.base import Identity, Template, VMInfo
+from pydantic import Field, field_validator
+
+from backends.base import BackendConfig, Identity, Template, VMInfo
 
 FaultKind = Literal["error", "hang", "crash", "flaky"]
 FAULT_KINDS: tuple[FaultKind, ...] = ("error", "hang", "crash")
@@ -131,3 +138,88 @@ def vm_from_dict(item: dict[str, Any]) -> SimVM:
         identity,
         address=ipaddress.IPv4Address(item["address"]) if item.get("address") else None,
     )
+
+
+OPERATIONS = (
+    "templates",
+    "find_by_name",
+    "clone",
+    "apply_identity",
+    "grow_disk",
+    "power_on",
+    "wait_for_address",
+    "probe_ssh",
+    "power_off",
+    "destroy",
+    "addresses_in_use",
+)
+
+
+class Config(BackendConfig):
+    """`kind = "sim"`: the built-in simulator; `time_scale` multiplies every duration."""
+
+    kind: Literal["sim"]
+    placements: tuple[str, ...] = ("node1", "node2")
+    time_scale: float = Field(default=1.0, gt=0, le=100)
+    state_file: Path | None = None  # keep the inventory across restarts of the bot
+    faults: tuple[Fault, ...] = ()  # e.g. [{op = "power_on", kind = "error"}]
+
+    @field_validator("faults")
+    @classmethod
+    def _known_operations(cls, faults: tuple[Fault, ...]) -> tuple[Fault, ...]:
+        for fault in faults:
+            if fault.op not in OPERATIONS:
+                raise ValueError(f"unknown operation {fault.op!r}; one of {', '.join(OPERATIONS)}")
+        return faults
+
+
+class Effect:
+    """What a hypervisor task does to the VM when it succeeds, and when it fails (a
+    failed clone leaves no VM: it is taken out of `vms`)."""
+
+    def __init__(
+        self,
+        vm: SimVM,
+        vms: dict[str, SimVM],
+        apply: Callable[[], None] | None = None,
+        *,
+        remove: bool = False,
+    ) -> None:
+        self._vm = vm
+        self._vms = vms
+        self._apply = apply
+        self._remove_on_failure = remove
+
+    def apply(self) -> None:
+        if self._apply:
+            self._apply()
+
+    def fail(self) -> None:
+        if self._remove_on_failure:
+            self._vms.pop(self._vm.vm_id, None)
+
+
+def write_state(path: Path, next_id: int, vms: Iterable[SimVM]) -> None:
+    """The inventory, replaced whole (a reader never sees half a file)."""
+    data = {"next_id": next_id, "vms": [vm_to_dict(vm) for vm in vms]}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+def read_state(path: Path) -> tuple[int, list[SimVM]]:
+    """The inventory as kept; tasks that were running when the bot died finished
+    meanwhile, as they would on a real hypervisor (a destroy removed its VM)."""
+    data = json.loads(path.read_text())
+    vms = []
+    for item in data["vms"]:
+        vm = vm_from_dict(item)
+        if vm.lock == "destroy":
+            continue
+        if vm.lock in ("power_on", "power_off"):
+            vm.running = vm.lock == "power_on"
+        vm.lock = None
+        if vm.running:
+            vm.booted.set()
+        vms.append(vm)
+    return int(data["next_id"]), vms
