@@ -15,7 +15,7 @@ import dataclasses
 import json
 import logging
 import re
-from collections.abc import Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, Protocol
 
 from slack_bolt.async_app import AsyncApp
@@ -25,7 +25,7 @@ from slack_sdk.web.async_client import AsyncWebClient
 
 from bot import inbox
 from bot.errors import DeployBotError, Duplicate
-from bot.models import ACTIVE_STATES, Received, utcnow
+from bot.models import ACTIVE_STATES, Job, Received, utcnow
 from bot.parser import DeployArgs, ListVMs
 from bot.service import Deployer
 from bot.settings import Settings
@@ -170,32 +170,38 @@ def _click(body: dict[str, Any]) -> tuple[str, str, str, str]:
 
 async def _destroy(bot: Host, body: dict[str, Any]) -> None:
     """The Destroy button (a thread's parent, a row of the list): the core decides."""
-    job_id, user, channel, key = _click(body)
     try:
-        job = await bot.deployer.request_destroy(job_id, user, dedupe_key=key)
-    except Duplicate:
-        log.info("ignored a redelivered destroy click on %s", job_id)
-        return
-    except DeployBotError as exc:
-        await bot.tell(channel, user, [exc.message])
-        return
+        await _job_click(
+            bot, body, "destroy", bot.deployer.request_destroy, messages.destroy_answer
+        )
     finally:
         _after_home_click(bot, body)
-    await bot.tell(channel, user, [messages.destroy_answer(job)])
 
 
 async def _extend(bot: Host, body: dict[str, Any]) -> None:
     """A lease reminder's Extend button: one `[leases] step`, up to the maximum."""
+    await _job_click(bot, body, "extend", bot.deployer.extend_lease, messages.lease_extended_answer)
+
+
+async def _job_click(
+    bot: Host,
+    body: dict[str, Any],
+    what: str,
+    act: Callable[..., Awaitable[Job]],
+    answer: Callable[[Job], str],
+) -> None:
+    """A button that acts on its job once (its click is the dedupe key): a redelivery
+    is ignored, a refusal is told to the person who clicked, and so is the outcome."""
     job_id, user, channel, key = _click(body)
     try:
-        job = await bot.deployer.extend_lease(job_id, user, dedupe_key=key)
+        job = await act(job_id, user, dedupe_key=key)
     except Duplicate:
-        log.info("ignored a redelivered extend click on %s", job_id)
+        log.info("ignored a redelivered %s click on %s", what, job_id)
         return
     except DeployBotError as exc:
         await bot.tell(channel, user, [exc.message])
         return
-    await bot.tell(channel, user, [messages.lease_extended_answer(job)])
+    await bot.tell(channel, user, [answer(job)])
 
 
 async def show_list(bot: Host, channel: str, user: str, command: ListVMs) -> None:
