@@ -19,14 +19,22 @@ goal row, the medians, and the requests of the last single deploy by route.
 Goals: requests/deploy <= 25 and span/hv <= 1.05 at 1 and 50; wall/hv <= 1.10; stall
 <= 50 ms.
 
-Where the 50's span/hv (1.08-1.12 here) goes, measured from the fake's records: the
-bot is not busy (0.13 of a core, the fake 0.04), it waits. The clones begin 184-245 ms
-after the first request (23 ms for one deploy): 50 `nextid?vmid=` checks and 50 clone
-POSTs arrive together, and one API server answers them one after another (~2 ms each
-in the fake, which checks every request against the schema; pveproxy is slower). Then
-from each task's end to the VM's next request: after a clone 38 ms median, 85 ms p90
-(14 ms for one deploy), after the config 19/37 ms (5 ms): the status polls of 50 tasks
-share one list poll, whose interval is set for the task expected to end first.
+Where the 50's span/hv (1.10-1.12 here) goes, measured from the fake's records and the
+bot's own request timestamps (2026-12-02): one deploy alone adds ~0.2 s to the 6.2 s
+critical path (clone posted 21 ms after the first request; the agent asked ~0.1 s
+after it is up, the price of not asking early). Fifty add ~0.55 s to the slowest one,
+and the bot's own cost per request is the limit: a request through proxmoxer/requests
+costs the bot 1.0-1.2 ms of CPU (TLS and requests on worker threads, serialised by the
+GIL; the fake answers in 0.3 ms, and 4, 8 or 16 threads change nothing), and the
+fifty move in step, so each phase is a burst: taking in the 50 requests (~140 ms of
+the event loop, store writes and address checks) overlaps the first deploy's
+placement reads, the clones are posted 190-270 ms after the first request (110
+requests: one shared `nextid`, 49 `nextid?vmid=` checks, 50 clone POSTs), and after
+the clones end 100 requests (each VM's ownership check and its config POST) queue for
+~100 ms, again after the config. Looks that count from the coroutine's resumption were
+up to ~55 ms late under this load; a task's wait now counts from the answer's arrival
+(`taskwatch.Upid`). What would close the rest: a transport with a smaller cost per
+request (an async client on the event loop instead of requests on threads).
 
     .venv/bin/python -m benchmarks.bench_proxmox [--runs N]
 """

@@ -12,6 +12,8 @@ import pytest
 
 from backends.proxmox import ProxmoxBackend
 from backends.proxmox.api import PveApi, TaskFailed
+from backends.proxmox.pacing import Pace, Pacing
+from backends.proxmox.taskwatch import Upid
 from tests.fakepve import testing
 from tests.fakepve.server import FakePVE
 from tests.fakepve.testing import make_backend
@@ -201,3 +203,21 @@ async def test_the_fake_lists_tasks_by_source(backend: ProxmoxBackend, pve: Fake
     assert await api.get("nodes/pve1/tasks", source="all", since=began + 1) == []
     assert await api.get("nodes/pve2/tasks", source="all") == []
     await api.wait_task(running, "config")
+
+
+async def test_a_wait_counts_from_the_answer_that_started_the_task(
+    backend: ProxmoxBackend, pve: FakePVE
+) -> None:
+    """A busy event loop may take its time to resume the coroutine that sent a start; the
+    task's clock still starts when the answer arrived, so its looks are not that late."""
+    api = backend.api
+    upid = await api.post(f"nodes/pve1/qemu/{VMIDS[0]}/config", "config", description="x")
+    assert isinstance(upid, Upid) and upid.answered_at <= asyncio.get_running_loop().time()
+    await pve.cluster.tasks[str(upid)].done.wait()
+    # Expected to take 60 s; as if its answer had come 60 s ago: the first look is due
+    # now, not in a minute.
+    pace = Pace(Pacing({"config": 60.0}), "config", "t")
+    late = Upid(str(upid), upid.answered_at - 60.0)
+    async with asyncio.timeout(10):
+        assert await api.wait_task(late, "config", pace=pace) == "OK"
+    assert len(pve.sent("GET", STATUS)) == 1

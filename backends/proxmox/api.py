@@ -41,7 +41,7 @@ from backends.base import (
     VMNotFound,
 )
 from backends.proxmox.pacing import Pace, PollTiming
-from backends.proxmox.taskwatch import TaskWatcher
+from backends.proxmox.taskwatch import TaskWatcher, Upid
 
 log = logging.getLogger(__name__)
 
@@ -267,15 +267,25 @@ class PveApi:
     async def call(self, method: str, path: str, what: str, params: dict[str, Any]) -> Any:
         self.requests_sent += 1
         loop = asyncio.get_running_loop()
-        job = functools.partial(self._blocking, method, path.strip("/"), params)
+        job = functools.partial(self._timed, loop.time, method, path.strip("/"), params)
         try:
-            return await loop.run_in_executor(self._pool, job)
+            answer, answered_at = await loop.run_in_executor(self._pool, job)
         except Exception as exc:
             what = what or f"{method} /{path.strip('/')}"
             mapped = map_error(exc, what, self.endpoint, self._context)
             if mapped is None:
                 raise
             raise mapped from None
+        if isinstance(answer, str) and answer.startswith("UPID:"):
+            return Upid(answer, answered_at)
+        return answer
+
+    def _timed(
+        self, clock: Callable[[], float], method: str, path: str, params: dict[str, Any]
+    ) -> tuple[Any, float]:
+        """The answer and when it arrived, on the loop's clock (a plain read of the
+        monotonic clock for asyncio's loops, safe from a worker thread)."""
+        return self._blocking(method, path, params), clock()
 
     def _blocking(self, method: str, path: str, params: dict[str, Any]) -> Any:
         """Runs on a worker thread. A ticket the server no longer knows (401) is renewed
@@ -362,7 +372,8 @@ class PveApi:
         `pace` names the operation, so the wait looks when such a task usually ends."""
         node = upid_node(upid)
         loop = asyncio.get_running_loop()
-        began = loop.time()
+        # From the answer that started it (Upid), else now; never a time to come.
+        began = min(loop.time(), getattr(upid, "answered_at", float("inf")))
         deadline = began + self.settings.task_timeout_s
         while True:
             try:

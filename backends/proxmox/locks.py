@@ -95,7 +95,8 @@ class TaskRunner:
             upid = await start()
             if upid is None:  # a synchronous answer: resize before PVE 8.0
                 return "OK"
-            return await self.api.wait_task(str(upid), what, vm_id=vm_id, pace=pace)
+            upid = upid if isinstance(upid, str) else str(upid)  # a Upid keeps its arrival
+            return await self.api.wait_task(upid, what, vm_id=vm_id, pace=pace)
 
         return await self.patiently(what, holder or vm_holder(node, vm_id), once)
 

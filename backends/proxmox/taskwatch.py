@@ -160,6 +160,20 @@ class TaskWatcher:
                 waiter.future.set_result(None)
 
 
+class Upid(str):
+    """A task's id as the API answered it, and when that answer arrived (loop time,
+    stamped on the worker thread). The task began just before: its wait counts from
+    there, not from when a busy event loop got round to the answer (up to ~50 ms later
+    with fifty deploys' requests in flight), which would make every look that late."""
+
+    answered_at: float
+
+    def __new__(cls, value: str, answered_at: float) -> Upid:
+        upid = super().__new__(cls, value)
+        upid.answered_at = answered_at
+        return upid
+
+
 def upid_starttime(upid: str) -> int | None:
     """When a task began (UNIX time, the UPID's fifth field in hex); None if unreadable."""
     try:
