@@ -2,7 +2,7 @@
 cloud-init fields, start it, read its address from the QEMU guest agent, roll back.
 
 The pieces: `config` (the config entry, OS profiles, credentials),
-`api` (proxmoxer on a thread pool, auth, error mapping, the task waiter),
+`api` (requests over `http`'s aiohttp transport, auth, error mapping, the task waiter),
 `inventory` (templates, storages, nodes, what a clone implies),
 `vmconfig` (reading and writing config values), `locks` (running tasks, and waiting
 out the locks in their way), `cloning` (the new VM's id, and cloning into it only),

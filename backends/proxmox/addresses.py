@@ -12,8 +12,8 @@ That is a request or two per VM, so:
   all: their jobs hold their addresses in deploybot's store, which the caller asks
   first. Only VMs built by hand or by another installation cost requests.
 
-* At most `addresses_parallel` of them are in flight at once: the API's thread pool
-  (`max_parallel_requests`) is shared with the deploys, which must not queue behind
+* At most `addresses_parallel` of them are in flight at once: the API's connections
+  (`max_parallel_requests`) are shared with the deploys, which must not queue behind
   a sweep of hundreds of VMs.
 * One sweep serves every caller for `addresses_cache_s` (a burst of requests checking
   their addresses costs one sweep), and callers that come while it runs share it.

@@ -1,13 +1,12 @@
-"""The Proxmox VE API as the backend sees it: proxmoxer in a thread pool, auth, errors, tasks.
+"""The Proxmox VE API as the backend sees it: requests, auth, errors, tasks.
 
-proxmoxer is blocking (requests underneath), so every call runs on a small thread pool
-owned by this client; the event loop only awaits futures. This module also keeps the
-three rules every caller relies on:
+The requests go through `http.Transport` (aiohttp, on the event loop). This module keeps
+the three rules every caller relies on:
 
 * Auth: an API token when one is configured (one header, no expiry, no CSRF), else a
   ticket from username/password, renewed well before its 2 h lifetime and once more
   when the server answers 401 (a restarted node forgets its tickets).
-* Errors: every proxmoxer/requests failure becomes a `backends.base` error carrying the
+* Errors: every failure of a request becomes a `backends.base` error carrying the
   server's own message (the HTTP reason phrase, plus the per-parameter `errors` of a 400).
 * Tasks: `wait_task` is the one waiter every mutating call goes through.
 """
@@ -15,22 +14,16 @@ three rules every caller relies on:
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import re
 import socket
 import ssl
-import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import requests
-from proxmoxer import ProxmoxAPI
-from proxmoxer.core import AuthenticationError, ResourceException
-from requests.adapters import HTTPAdapter
+import aiohttp
 
 from backends.advice import cause, tls_advice, unresolved
 from backends.base import (
@@ -40,6 +33,7 @@ from backends.base import (
     Unreachable,
     VMNotFound,
 )
+from backends.proxmox.http import HttpError, LoginRefused, Transport
 from backends.proxmox.pacing import Pace, PollTiming
 from backends.proxmox.taskwatch import TaskWatcher, Upid
 
@@ -56,7 +50,6 @@ _MISSING = re.compile(r"Configuration file '[^']*' does not exist")
 _EXISTS = re.compile(r"already exists")
 _WARNINGS = re.compile(r"WARNINGS: \d+")
 _LOG_LIMIT = 1000
-_NO_PROXIES: dict[str, str | None] = {"http": None, "https": None, "all": None}
 
 
 class LockContention(RetryableError):
@@ -133,59 +126,68 @@ def _param_errors(errors: object) -> str:
 def map_error(
     exc: Exception, what: str, endpoint: str, context: ErrorContext | None = None
 ) -> BackendError | None:
-    """The backends.base error for a proxmoxer/requests failure; None for anything else
+    """The backends.base error for a failed request; None for anything else
     (a bug, which must surface as one). `context` lets the permanent ones (credentials,
     certificate, host name) say which setting to check."""
     ctx = context or ErrorContext(endpoint.rsplit(":", 1)[0], endpoint)
     if isinstance(exc, BackendError):
         return exc
-    if isinstance(exc, ResourceException):
-        code = int(exc.status_code)
-        reason = str(exc.content or exc.status_message or "").strip()
-        detail = _param_errors(exc.errors)
-        message = f"{what}: {reason}" + (f" ({detail})" if detail else "")
-        if code == 400 and _EXISTS.search(detail):
-            return AlreadyExists(message)
-        if code == 403:
-            return Forbidden(message)
-        if code in (400, 501):
-            return PermanentError(message)
-        if code == 401:
-            return PermanentError(f"{what}: {ctx.refused(endpoint)} ({reason})")
-        if code in _UNREACHABLE_CODES:
-            return Unreachable(f"{what}: {endpoint} answered {code} {reason}")
-        if held := _HELD.search(reason):
-            return ConfigLocked(message, held.group(1))
-        if _LOCKED.search(reason):
-            return LockContention(message)
-        if _RUNNING.search(reason):
-            return StillRunning(message)
-        if _MISSING.search(reason):
-            return VMNotFound(message)
-        if _EXISTS.search(reason):
-            return AlreadyExists(message)
-        return PermanentError(message)
-    if isinstance(exc, requests.exceptions.SSLError):
-        tls = cause(exc, ssl.SSLError)
-        if tls is not None and not isinstance(tls, ssl.SSLEOFError):
+    if isinstance(exc, HttpError):
+        return _refusal(exc, what, endpoint, ctx)
+    if isinstance(exc, aiohttp.ClientConnectorCertificateError) and isinstance(
+        exc.certificate_error, ssl.SSLError
+    ):
+        advice = tls_advice(ctx.backend, endpoint, ctx.ca_bundle, exc.certificate_error)
+        return PermanentError(f"{what}: {advice}")
+    if isinstance(exc, aiohttp.ClientSSLError):
+        tls = cause(exc, ssl.SSLError) or getattr(exc, "os_error", None)
+        if isinstance(tls, ssl.SSLError) and not isinstance(tls, ssl.SSLEOFError):
             advice = tls_advice(ctx.backend, endpoint, ctx.ca_bundle, tls)
             return PermanentError(f"{what}: {advice}")
         return PermanentError(
             f"{what}: TLS verification of {endpoint} failed: set ca_bundle to the CA that "
             "signed the Proxmox certificate (or, knowingly, verify_tls = false)"
         )
-    if isinstance(exc, requests.exceptions.Timeout):
+    if isinstance(exc, TimeoutError):  # aiohttp's own timeouts are TimeoutErrors too
         return Unreachable(f"{what}: {endpoint} did not answer in time")
-    if isinstance(exc, requests.exceptions.ConnectionError):
+    if isinstance(exc, aiohttp.ClientConnectorError):
         # Permanent: a retry resolves the same name with the same DNS.
-        if (unknown := cause(exc, socket.gaierror)) is not None:
+        if isinstance(unknown := exc.os_error, socket.gaierror):
             return PermanentError(f"{what}: {unresolved(ctx.backend, ctx.host, unknown)}")
-        return Unreachable(f"{what}: cannot reach {endpoint} ({_root_cause(exc)})")
-    if isinstance(exc, AuthenticationError):  # proxmoxer's own ticket renewal failed
-        return PermanentError(f"{what}: {ctx.refused(endpoint)}")
-    if isinstance(exc, requests.exceptions.RequestException):
+        return Unreachable(f"{what}: cannot reach {endpoint} ({exc.os_error.strerror or exc})")
+    if isinstance(exc, LoginRefused):
+        return PermanentError(f"{what}: login failed ({exc}): {ctx.refused(endpoint)}")
+    if isinstance(exc, aiohttp.ClientError):
         return Unreachable(f"{what}: talking to {endpoint} failed ({type(exc).__name__})")
     return None
+
+
+def _refusal(exc: HttpError, what: str, endpoint: str, ctx: ErrorContext) -> BackendError:
+    """An answer of 400 or more, by its status and Proxmox's message."""
+    code, reason = exc.status, exc.reason.strip()
+    detail = _param_errors(exc.errors)
+    message = f"{what}: {reason}" + (f" ({detail})" if detail else "")
+    if code == 400 and _EXISTS.search(detail):
+        return AlreadyExists(message)
+    if code == 403:
+        return Forbidden(message)
+    if code in (400, 501):
+        return PermanentError(message)
+    if code == 401:
+        return PermanentError(f"{what}: {ctx.refused(endpoint)} ({reason})")
+    if code in _UNREACHABLE_CODES:
+        return Unreachable(f"{what}: {endpoint} answered {code} {reason}")
+    if held := _HELD.search(reason):
+        return ConfigLocked(message, held.group(1))
+    if _LOCKED.search(reason):
+        return LockContention(message)
+    if _RUNNING.search(reason):
+        return StillRunning(message)
+    if _MISSING.search(reason):
+        return VMNotFound(message)
+    if _EXISTS.search(reason):
+        return AlreadyExists(message)
+    return PermanentError(message)
 
 
 @dataclass(frozen=True)
@@ -213,14 +215,6 @@ class ErrorContext:
         )
 
 
-def _root_cause(exc: BaseException) -> str:
-    """The innermost reason of a requests error, without the URL noise around it."""
-    while exc.__cause__ is not None or exc.__context__ is not None:
-        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
-    text = str(exc)
-    return text.split(": ", 1)[-1] if ": " in text else text or type(exc).__name__
-
-
 class PveApi:
     """One Proxmox endpoint. `requests_sent` counts every API request; `task_polls`
     the share of them the task waiter made."""
@@ -238,16 +232,11 @@ class PveApi:
         self.endpoint = f"{settings.host}:{settings.port}"
         self.requests_sent = 0
         self.task_polls = 0
-        self.logins = 0
         self._credentials = credentials
         ca_bundle = settings.verify if isinstance(settings.verify, str) else None
         self._context = ErrorContext(settings.host, name, ca_bundle, credentials)
         self.clock = clock  # injectable: tests move time on to expire tickets
-        self._pool = ThreadPoolExecutor(settings.max_parallel, thread_name_prefix=f"pve-{name}")
-        self._conn: Any = None
-        self._login_at = 0.0
-        self._conn_lock = threading.Lock()
-        self._sessions: list[requests.Session] = []
+        self._http = Transport(settings, credentials, lambda: self.clock())
         self._watchers: dict[str, TaskWatcher] = {}  # node -> its waits' shared poller
 
     # --- requests -------------------------------------------------------------------
@@ -266,10 +255,8 @@ class PveApi:
 
     async def call(self, method: str, path: str, what: str, params: dict[str, Any]) -> Any:
         self.requests_sent += 1
-        loop = asyncio.get_running_loop()
-        job = functools.partial(self._timed, loop.time, method, path.strip("/"), params)
         try:
-            answer, answered_at = await loop.run_in_executor(self._pool, job)
+            answer = await self._http.request(method, path.strip("/"), params)
         except Exception as exc:
             what = what or f"{method} /{path.strip('/')}"
             mapped = map_error(exc, what, self.endpoint, self._context)
@@ -277,83 +264,13 @@ class PveApi:
                 raise
             raise mapped from None
         if isinstance(answer, str) and answer.startswith("UPID:"):
-            return Upid(answer, answered_at)
+            return Upid(answer, asyncio.get_running_loop().time())
         return answer
 
-    def _timed(
-        self, clock: Callable[[], float], method: str, path: str, params: dict[str, Any]
-    ) -> tuple[Any, float]:
-        """The answer and when it arrived, on the loop's clock (a plain read of the
-        monotonic clock for asyncio's loops, safe from a worker thread)."""
-        return self._blocking(method, path, params), clock()
-
-    def _blocking(self, method: str, path: str, params: dict[str, Any]) -> Any:
-        """Runs on a worker thread. A ticket the server no longer knows (401) is renewed
-        once and the request sent again."""
-        try:
-            return self._send(self._connection(), method, path, params)
-        except ResourceException as exc:
-            if exc.status_code != 401 or self._credentials.uses_token:
-                raise
-            log.info("%s: ticket refused; logging in again", self.name)
-            return self._send(self._connection(renew=True), method, path, params)
-
-    @staticmethod
-    def _send(conn: Any, method: str, path: str, params: dict[str, Any]) -> Any:
-        send = {"GET": conn(path).get, "POST": conn(path).post, "PUT": conn(path).put}
-        return send.get(method, conn(path).delete)(**params)
-
-    def _connection(self, *, renew: bool = False) -> Any:
-        with self._conn_lock:
-            creds = self._credentials
-            stale = (
-                not creds.uses_token
-                and self._conn is not None
-                and self.clock() - self._login_at >= self.settings.ticket_renew_s
-            )
-            if self._conn is None or renew or stale:
-                self._conn = self._open()
-                self._login_at = self.clock()
-            return self._conn
-
-    def _open(self) -> Any:
-        """A proxmoxer connection; with a password this logs in (POST /access/ticket)."""
-        creds = self._credentials
-        s = self.settings
-        common: dict[str, Any] = {
-            "port": s.port,
-            "verify_ssl": s.verify,
-            "timeout": s.request_timeout_s,
-            # Straight to the API: no *_PROXY variable may route it (or a test's loopback
-            # traffic) through anything else. The login takes these proxies too.
-            "proxies": _NO_PROXIES,
-        }
-        try:
-            if creds.uses_token:
-                conn = ProxmoxAPI(
-                    s.host,
-                    user=creds.user,
-                    token_name=creds.token_id,
-                    token_value=creds.token_secret,
-                    **common,
-                )
-            else:
-                self.logins += 1
-                conn = ProxmoxAPI(s.host, user=creds.user, password=creds.password, **common)
-        except AuthenticationError:
-            # proxmoxer's message names user and URL only, but say it in our words.
-            raise PermanentError(
-                f"login failed (HTTP 401): {self._context.refused(self.endpoint)}"
-            ) from None
-        # One pooled connection per worker thread, instead of requests' default 10; and no
-        # environment lookups per request (proxies, netrc, CA variables: ca_bundle says
-        # which CA to trust), which cost requests a third of its time.
-        session: requests.Session = conn._store["session"]
-        adapter = HTTPAdapter(pool_connections=1, pool_maxsize=s.max_parallel)
-        session.mount("https://", adapter)
-        session.trust_env = False
-        self._sessions.append(session)
-        return conn
+    @property
+    def logins(self) -> int:
+        """Tickets asked for (`POST /access/ticket`): 0 with an API token."""
+        return self._http.logins
 
     # --- tasks ------------------------------------------------------------------------
 
@@ -439,9 +356,7 @@ class PveApi:
     async def close(self) -> None:
         for watcher in list(self._watchers.values()):
             await watcher.stop()
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        for session in self._sessions:
-            session.close()
+        await self._http.close()
 
 
 def upid_node(upid: str) -> str:

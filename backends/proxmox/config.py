@@ -77,7 +77,7 @@ class Config(BackendConfig):
     os_profiles: dict[str, OSProfile] = Field(default_factory=lambda: dict(DEFAULT_PROFILES))
     template_os: dict[str, str] = Field(default_factory=dict)
     request_timeout_s: float = Field(default=15.0, gt=0)
-    max_parallel_requests: int = Field(default=8, ge=1, le=64)  # more threads, more GIL waits
+    max_parallel_requests: int = Field(default=8, ge=1, le=64)  # connections at once
     ticket_renew_s: float = Field(default=3600.0, gt=0, lt=7200)  # tickets live 2 h
     # Task polls: every initial_s at first, then every `ratio` of the time waited so far
     # (so a poll adds at most ~5% to a task), capped at max_s.

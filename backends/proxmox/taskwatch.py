@@ -161,10 +161,10 @@ class TaskWatcher:
 
 
 class Upid(str):
-    """A task's id as the API answered it, and when that answer arrived (loop time,
-    stamped on the worker thread). The task began just before: its wait counts from
-    there, not from when a busy event loop got round to the answer (up to ~50 ms later
-    with fifty deploys' requests in flight), which would make every look that late."""
+    """A task's id as the API answered it, and when that answer arrived (loop time).
+    The task began just before: its wait counts from there, not from whenever its
+    caller gets round to waiting (after a store write, say), which would make every
+    look that much later."""
 
     answered_at: float
 
