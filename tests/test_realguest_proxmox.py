@@ -9,7 +9,8 @@ three guests at once from one template: two must end with an SSH line that works
 deploy's key logs in through the jump host, the guest is what was asked, its host key
 is the one printed) and are distinct instances; the third is refused by the jump host
 after its guest booted, and its rollback must leave no VM, QEMU process or disk behind.
-Afterwards `deploybot destroy` removes one of the two the same way.
+Afterwards `deploybot destroy` removes one of the two the same way, and a shutdown
+through the API powers the other off by its guest agent.
 
 Skips, saying why, without QEMU or the image; under DEPLOYBOT_REQUIRE_REALGUEST=1 (CI)
 that is a failure. Nothing leaves loopback: 10.0.0.x exist only inside QEMU's
@@ -22,12 +23,14 @@ import asyncio
 import os
 import re
 import shutil
+import ssl
 import tempfile
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import aiohttp
 import asyncssh
 import pytest
 import pytest_asyncio
@@ -249,14 +252,49 @@ async def test_destroy_stops_and_removes_the_real_guest(lab: Lab) -> None:
     assert lab.deploys["web01"].vmid in lab.machines.machines  # the other one runs on
 
 
+async def test_the_agent_answers_and_shutdown_powers_the_guest_off(lab: Lab) -> None:
+    """Through the API: the real agent's interfaces, then a shutdown (the guest agent's
+    guest-shutdown, QEMU exits by itself) that leaves the VM and its disk."""
+    fake, deploy = lab.fake, lab.deploys["web01"]
+    base = f"{fake.url}/nodes/pve1/qemu/{deploy.vmid}"
+    headers = {"Authorization": f"PVEAPIToken={fake.token_id}={fake.token_secret}"}
+    context = ssl.create_default_context(cafile=str(fake.tls.ca_path))
+    async with aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(ssl=context), headers=headers
+    ) as http:
+        async with http.get(f"{base}/agent/network-get-interfaces") as answer:
+            assert answer.status == 200, answer.reason
+            interfaces = (await answer.json())["data"]["result"]
+        mac = fake.cluster.vms[deploy.vmid].config["net0"].split(",")[0].split("=")[1]
+        nic = next(i for i in interfaces if i["hardware-address"] == mac.lower())
+        assert deploy.address in [a["ip-address"] for a in nic["ip-addresses"]]
+
+        pid = lab.machines.pids[deploy.vmid]
+        async with http.post(f"{base}/status/shutdown", data={"timeout": "300"}) as answer:
+            assert answer.status == 200, answer.reason
+            upid = (await answer.json())["data"]
+        async with asyncio.timeout(DEADLINE_S):
+            await fake.cluster.task(upid).done.wait()
+        assert fake.cluster.task(upid).exitstatus == "OK", fake.cluster.task(upid).log
+        async with http.get(f"{base}/status/current") as answer:
+            assert (await answer.json())["data"]["status"] == "stopped"
+    assert deploy.vmid not in lab.machines.machines
+    assert _process_ended(pid)
+    assert lab.machines.disk(deploy.vmid).exists()  # a shutdown keeps the disk
+
+
 def _assert_gone(lab: Lab, vmid: int) -> None:
     """No VM, no QEMU process, no disk or seed left."""
     assert vmid not in lab.fake.cluster.vms
     assert vmid not in lab.machines.machines
-    pid = lab.machines.pids[vmid]  # it did boot
-    stat = Path(f"/proc/{pid}/stat")
-    assert not stat.exists() or stat.read_text().split(") ")[1].startswith(("Z", "X"))
+    assert _process_ended(lab.machines.pids[vmid])  # it did boot
     assert not lab.machines.folder(vmid).exists()
+
+
+def _process_ended(pid: int) -> bool:
+    """Gone, or a zombie nobody reaped yet (QEMU daemonized: init's child)."""
+    stat = Path(f"/proc/{pid}/stat")
+    return not stat.exists() or stat.read_text().split(") ")[1].startswith(("Z", "X"))
 
 
 async def _qemu_img_info(path: Path) -> str:
