@@ -10,6 +10,8 @@ loopback.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import ipaddress
 import os
 from collections.abc import Callable
@@ -22,9 +24,15 @@ Route = Callable[[str, int], tuple[str, int] | None]
 
 
 class JumpHost:
-    def __init__(self, state_dir: Path, route: Route, user: str = "deploybot") -> None:
+    def __init__(
+        self, state_dir: Path, route: Route, user: str = "deploybot", *, await_banner: bool = False
+    ) -> None:
         self.state_dir = state_dir
         self.route = route
+        # Endpoints that accept before the guest listens (QEMU's port forwards): a
+        # forward is opened only once the SSH banner came, else refused as a real
+        # network refuses a port nobody listens on.
+        self.await_banner = await_banner
         self.user = user
         self.port = 0
         self.key_file = state_dir / "jump-client-key"
@@ -105,5 +113,27 @@ class _Server(asyncssh.SSHServer):
         target = self.jump.route(dest_host, dest_port)
         if target is None or not ipaddress.ip_address(target[0]).is_loopback:
             raise asyncssh.ChannelOpenError(asyncssh.OPEN_CONNECT_FAILED, "Connection refused")
+        return self._forward(target)
+
+    async def _forward(self, target: tuple[str, int]) -> asyncssh.SSHForwarder:
+        if self.jump.await_banner and not await _banner(target):
+            raise asyncssh.ChannelOpenError(asyncssh.OPEN_CONNECT_FAILED, "Connection refused")
         assert self.conn is not None
-        return self.conn.forward_connection(*target)
+        return await self.conn.forward_connection(*target)
+
+
+async def _banner(target: tuple[str, int], timeout_s: float = 10.0) -> bool:
+    """Whether an SSH server answers at `target` with its version line (`SSH-2.0-...`)."""
+    try:
+        reader, writer = await asyncio.open_connection(*target)
+    except OSError:
+        return False
+    try:
+        async with asyncio.timeout(timeout_s):
+            return (await reader.readexactly(4)) == b"SSH-"
+    except (OSError, TimeoutError, asyncio.IncompleteReadError):
+        return False
+    finally:
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()

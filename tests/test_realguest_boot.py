@@ -24,6 +24,8 @@ import pytest
 
 from tests.realguest import image, nocloud, qemu
 
+pytestmark = pytest.mark.realguest
+
 NAME, DOMAIN, USER = "web01", "example.test", "deploy"
 ADDRESS, GATEWAY, DNS = "10.0.0.50", "10.0.0.1", "10.0.0.3"
 MAC = "BC:24:11:5E:00:32"

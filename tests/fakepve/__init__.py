@@ -2,8 +2,10 @@
 
     python -m tests.fakepve --port 8006 --ssh-port 2222
 
-See `server.FakePVE` (HTTPS, auth, schema checks, recording), `ops` (the endpoints),
-`cluster` (state, tasks, faults) and `guest` (agent interfaces, sshd on 127.0.0.0/8).
+See `server.FakePVE` (HTTPS, auth, schema checks, recording), `ops` (the endpoint
+table; `reads` and `mutations` answer), `cluster` (state, tasks, faults), `machines`
+(what VMs are: simulated by default, with `guest`'s agent interfaces and sshd on
+127.0.0.0/8) and `realvm` (real QEMU guests instead).
 """
 
 from tests.fakepve.cluster import Cluster, Fault, Timings

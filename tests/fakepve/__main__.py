@@ -5,6 +5,10 @@
 It prints its URL, the CA bundle to trust, the API token and a deploybot config snippet,
 then serves until interrupted. It listens on 127.0.0.0/8 only; guests whose address is in
 127.0.0.0/8 answer SSH on `--ssh-port` once booted.
+
+With `--real-guests` its VMs are real QEMU guests (`realvm`, the image of `make
+guest-image`): deploy to 10.0.0.0/24 with `template=debian-12`; the jump host leads
+ADDRESS:22 to each guest's sshd.
 """
 
 from __future__ import annotations
@@ -13,14 +17,18 @@ import argparse
 import asyncio
 import contextlib
 import json
+import shutil
+import signal
 import sys
 import tempfile
 from pathlib import Path
 
 from tests.fakepve.cluster import Timings
+from tests.fakepve.realvm import RealMachines
 from tests.fakepve.schema import ApiSchema
 from tests.fakepve.server import FakePVE, make_tls
 from tests.fakepve.testing import config_text
+from tests.realguest import image
 from tests.reference import REFERENCE
 
 
@@ -48,6 +56,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the token lacks this privilege everywhere (repeatable; see `deploybot check`)",
     )
     parser.add_argument("--auth-fail-delay-s", type=float, default=3.0)
+    parser.add_argument(
+        "--real-guests",
+        action="store_true",
+        help="VMs are QEMU guests of the `make guest-image` image (needs the jump host)",
+    )
     for name, default in vars(Timings()).items():
         if isinstance(default, float):
             parser.add_argument(f"--{name.replace('_', '-')}", type=float, default=default)
@@ -60,6 +73,14 @@ async def serve(args: argparse.Namespace, state_dir: Path) -> None:
     schema = ApiSchema(json.loads(args.schema.read_text(encoding="utf-8")))
     durations = {k: getattr(args, k) for k, v in vars(Timings()).items() if isinstance(v, float)}
     timings = Timings(**durations)
+    machines, folder = None, None
+    if args.real_guests:
+        disk = image.built()
+        if disk is None or args.no_jump:
+            sys.exit(f"--real-guests needs the jump host and a guest image in {image.image_dir()}")
+        folder = Path(tempfile.mkdtemp(prefix="pvg-"))  # short: QEMU's unix sockets
+        machines = RealMachines.factory(disk, folder)
+        args.ssh_port = 0  # no simulated sshd: the guests' own, through the jump host
     fake = FakePVE(
         schema,
         make_tls(state_dir),
@@ -71,6 +92,7 @@ async def serve(args: argparse.Namespace, state_dir: Path) -> None:
         password=args.password,
         auth_fail_delay_s=args.auth_fail_delay_s,
         record_session=False,
+        machines=machines,
     )
     for privilege in args.revoke_privilege:
         fake.acl.revoke(privilege)
@@ -92,10 +114,14 @@ async def serve(args: argparse.Namespace, state_dir: Path) -> None:
     else:
         print(f"\ndeploybot.toml:\n{config}")
     print(f"\nexport PVE_TOKEN_SECRET={fake.token_secret}", flush=True)
+    stop = asyncio.Event()  # SIGTERM too ends it cleanly: real guests' QEMUs end with it
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     try:
-        await asyncio.Event().wait()
+        await stop.wait()
     finally:
-        await fake.close()
+        await fake.close()  # the real guests' QEMUs end with it
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def main() -> None:

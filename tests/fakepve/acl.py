@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tests.fakepve.cluster import ApiError
+from tests.fakepve.errors import ApiError
 
 # The privileges of PVE 8's built-in Administrator role that matter to deploybot and a
 # few around them (root@pam holds them all on /).

@@ -16,7 +16,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from tests.fakepve.errors import ApiError, TaskError
 from tests.fakepve.guest import Guest
+from tests.fakepve.machines import Machines, Simulated
 
 FaultKind = Literal[
     "error", "task_error", "task_warnings", "lock_timeout", "task_lock_timeout", "delay", "race"
@@ -25,20 +27,6 @@ GIB = 1024**3
 
 
 TASK_FAULTS: tuple[FaultKind, ...] = ("task_error", "task_warnings", "task_lock_timeout")
-
-
-class ApiError(Exception):
-    """An HTTP error answer: status, reason phrase and, for 400, the `errors` map."""
-
-    def __init__(self, status: int, reason: str, errors: dict[str, str] | None = None) -> None:
-        super().__init__(reason)
-        self.status = status
-        self.reason = reason
-        self.errors = errors
-
-
-class TaskError(Exception):
-    """Ends a task with this text as its exit status."""
 
 
 @dataclass
@@ -158,11 +146,14 @@ class Cluster:
         release: str = "8.2",
         cluster_name: str | None = "lab",
         guest: Guest | None = None,
+        machines: Machines | None = None,
     ) -> None:
         self.timings = timings or Timings()
         self.release = release
         self.cluster_name = cluster_name
-        self.guest = guest or Guest(None)
+        self.guest = guest or Guest(None)  # the simulated guests' sshds
+        # What the VMs are: simulated (default) or real guests under QEMU (`realvm`).
+        self.machines: Machines = machines or Simulated(self)
         self.nodes: dict[str, Node] = {}
         self.storages: dict[str, StorageDef] = {}
         self.vms: dict[int, VM] = {}
@@ -392,11 +383,8 @@ class Cluster:
     async def close(self) -> None:
         for runner in list(self._running):
             runner.cancel()
-        for vm in self.vms.values():
-            if vm.boot is not None:
-                vm.boot.cancel()
         await asyncio.gather(*self._running, return_exceptions=True)
-        await self.guest.close()
+        await self.machines.close()
 
 
 class _FileLock:

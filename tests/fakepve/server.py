@@ -27,8 +27,10 @@ import trustme
 from aiohttp import web
 
 from tests.fakepve.acl import Acl
-from tests.fakepve.cluster import ApiError, Cluster, FaultKind, Timings
+from tests.fakepve.cluster import Cluster, FaultKind, Timings
+from tests.fakepve.errors import ApiError
 from tests.fakepve.guest import Guest
+from tests.fakepve.machines import Machines
 from tests.fakepve.ops import ENDPOINTS, Call
 from tests.fakepve.schema import ApiSchema
 from tests.jumphost import JumpHost
@@ -79,6 +81,7 @@ class FakePVE:
         release: str = "8.2",
         cluster_name: str | None = "lab",
         ssh_port: int | None = None,
+        machines: Callable[[Cluster], Machines] | None = None,
         jump_dir: Path | None = None,
         user: str = "root@pam",
         token_name: str = "deploybot",
@@ -94,8 +97,18 @@ class FakePVE:
         self.cluster = cluster or Cluster.standard(
             timings=timings, release=release, cluster_name=cluster_name, guest=guest
         )
+        if machines is not None:  # real guests (`realvm.RealMachines`), say
+            self.cluster.machines = machines(self.cluster)
         # Guests outside 127.0.0.0/8 answer SSH only through this lab's jump host.
-        self.jump = None if jump_dir is None else JumpHost(jump_dir, self.cluster.guest.route)
+        self.jump = (
+            None
+            if jump_dir is None
+            else JumpHost(
+                jump_dir,
+                self.cluster.machines.route,
+                await_banner=self.cluster.machines.accepts_early,
+            )
+        )
         self.user = user
         self.token_id = f"{user}!{token_name}"
         self.token_secret = token_secret or secrets.token_hex(16)

@@ -204,9 +204,15 @@ class Guest:
         return f"QEMU {state}; stderr: {err.strip()!r}\n--- serial (tail) ---\n{tail}"
 
     async def qga(
-        self, command: str, arguments: dict[str, Any] | None = None, wait: float = 5.0
+        self,
+        command: str,
+        arguments: dict[str, Any] | None = None,
+        wait: float = 5.0,
+        *,
+        reply: bool = True,
     ) -> Any:
         """One guest-agent command's `return`, or TimeoutError when no agent answers.
+        With `reply` False, None once the agent took it (guest-shutdown never answers).
 
         The socket holds no framing of its own and a previous client's answer may still
         be in the port, so each call first syncs with a fresh id (guest-sync) and skips
@@ -228,6 +234,8 @@ class Guest:
                     message["arguments"] = arguments
                 writer.write(json.dumps(message).encode() + b"\n")
                 await writer.drain()
+                if not reply:
+                    return None
                 answer = json.loads(await reader.readline())
         finally:
             writer.close()
