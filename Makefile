@@ -34,8 +34,9 @@ test: lint
 netbox:
 	$(PYTHON) -m tests.netbox_install
 
-# Optional, needs root and the network: the Debian 12 guest image (~/.cache/deploybot/
-# guest-KEY/) that tests/test_realguest_*.py boot under QEMU; without it they skip.
+# Optional, needs root and the network: the Debian 12 guest images (~/.cache/deploybot/
+# guest-KEY/: ifupdown; guest-netplan-KEY/: netplan + systemd-networkd) that
+# tests/test_realguest_*.py boot under QEMU; without them they skip.
 guest-image:
 	$(PYTHON) -m tests.realguest.image
 

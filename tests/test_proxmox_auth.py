@@ -217,10 +217,10 @@ async def test_an_api_that_is_down_is_unreachable(pve: FakePVE) -> None:
 
 async def test_the_event_loop_never_waits_for_the_api(pve: FakePVE) -> None:
     """Slow answers never hold up the loop: a 5 ms ticker is never late by anything
-    near the 0.2 s each answer takes (a busy machine may delay it by some ms)."""
+    near the 0.5 s each answer takes (a busy machine may delay it by a hundred ms)."""
     backend = make_backend(pve)
     for _ in range(4):
-        pve.inject("version", "delay", delay_s=0.2)
+        pve.inject("version", "delay", delay_s=0.5)
     loop = asyncio.get_running_loop()
     worst = 0.0
     done = asyncio.Event()
@@ -240,7 +240,7 @@ async def test_the_event_loop_never_waits_for_the_api(pve: FakePVE) -> None:
         await tick
         await backend.close()
     assert {a["release"] for a in answers} == {"8.2"}
-    assert worst < 0.15
+    assert worst < 0.4
 
 
 async def test_proxy_variables_cannot_reroute_the_api(

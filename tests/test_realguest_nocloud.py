@@ -7,6 +7,7 @@ cloud-init takes them.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import shutil
 import subprocess
@@ -127,7 +128,13 @@ def test_mirror_from_either_sources_format() -> None:
         image.mirror(["deb http://m.test/debian trixie main\n"])
 
 
-def test_cache_key_follows_the_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cache_key_follows_the_inputs() -> None:
     key = image.cache_key()
-    monkeypatch.setattr(image, "PACKAGES", (*image.PACKAGES, "vim-tiny"))
-    assert image.cache_key() != key
+    assert image.cache_key(image.ENI) == key
+    more = dataclasses.replace(image.ENI, packages=(*image.ENI.packages, "vim-tiny"))
+    linked = dataclasses.replace(image.ENI, links={"etc/resolv.conf": "elsewhere"})
+    assert len({key, image.cache_key(more), image.cache_key(linked)}) == 3
+    # Each variant is an image of its own, in a folder of its own.
+    assert image.cache_key(image.NETPLAN) != key
+    assert image.image_dir(image.NETPLAN).name.startswith("guest-netplan-")
+    assert image.image_dir().name == f"guest-{key}"

@@ -1,11 +1,15 @@
-"""Build the Debian 12 guest image the real-guest tests boot: `python -m tests.realguest.image`.
+"""Build the Debian 12 guest images the real-guest tests boot: `python -m tests.realguest.image`.
 
-It is made once and kept in ~/.cache/deploybot/guest-<key>/ ($DEPLOYBOT_CACHE moves it):
-`disk.qcow2`, `vmlinuz`, `initrd.img`. The key hashes everything below that decides the
-image's content (suite, packages, the files written into it), so a change here builds a
-new one and an unchanged one is reused. Needs root (debootstrap creates device nodes and
-chowns files) and the network (Debian's mirror, read from /etc/apt/sources.list*), so CI
-runs it in the install phase, before the tests go offline.
+Two variants: `eni` (ifupdown + resolvconf: what Debian's cloud-init renders) and
+`netplan` (netplan.io + systemd-networkd + systemd-resolved, cloud-init told to render
+netplan: the Ubuntu way). Each is made once and kept in ~/.cache/deploybot/guest-<key>/
+or guest-netplan-<key>/ ($DEPLOYBOT_CACHE moves it): `disk.qcow2`, `vmlinuz`,
+`initrd.img`. The netplan build reuses the ENI build's downloaded packages. The key
+hashes everything below that decides an image's content (suite, packages, the files and
+links written into it), so a change here builds a new one and an unchanged one is
+reused. Needs root (debootstrap creates device nodes and chowns files) and the network
+(Debian's mirror, read from /etc/apt/sources.list*), so CI runs it in the install phase,
+before the tests go offline.
 
 No mounts: debootstrap fills a folder, `mkfs.ext4 -d` turns the folder into a
 filesystem image and `qemu-img convert` makes the sparse qcow2. The filesystem has no
@@ -23,6 +27,7 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 SUITE = "bookworm"
@@ -70,6 +75,55 @@ FILES: dict[str, str] = {
     "etc/machine-id": "",
 }
 
+# The netplan variant (`NETPLAN`): an Ubuntu-like guest whose cloud-init renders netplan,
+# which systemd-networkd applies, with systemd-resolved for DNS; no ifupdown/resolvconf
+# (systemd-resolved conflicts with resolvconf, and cloud-init would pick ENI first).
+_NETPLAN_PACKAGES = (
+    *(p for p in PACKAGES if p not in ("ifupdown", "resolvconf")),
+    "netplan.io",
+    "systemd-resolved",
+)
+_NETPLAN_CFG = (
+    FILES["etc/cloud/cloud.cfg.d/90-deploybot.cfg"]
+    + "system_info:\n  network:\n    renderers: [netplan]\n"  # Ubuntu's cloud.cfg has it
+)
+_UNITS = "/lib/systemd/system"
+_WANTS = "etc/systemd/system"
+_MULTI = f"{_WANTS}/multi-user.target.wants"
+# `systemctl enable systemd-networkd systemd-resolved` as links (Debian ships networkd
+# disabled); resolv.conf is resolved's stub, as on Ubuntu.
+_NETPLAN_LINKS = {
+    f"{_MULTI}/systemd-networkd.service": f"{_UNITS}/systemd-networkd.service",
+    f"{_WANTS}/sockets.target.wants/systemd-networkd.socket": f"{_UNITS}/systemd-networkd.socket",
+    f"{_WANTS}/network-online.target.wants/systemd-networkd-wait-online.service": (
+        f"{_UNITS}/systemd-networkd-wait-online.service"
+    ),
+    f"{_WANTS}/dbus-org.freedesktop.network1.service": f"{_UNITS}/systemd-networkd.service",
+    f"{_MULTI}/systemd-resolved.service": f"{_UNITS}/systemd-resolved.service",
+    f"{_WANTS}/dbus-org.freedesktop.resolve1.service": f"{_UNITS}/systemd-resolved.service",
+    "etc/resolv.conf": "../run/systemd/resolve/stub-resolv.conf",
+}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One image: its packages, the files written into it and symlinks (path -> target)."""
+
+    name: str
+    packages: tuple[str, ...]
+    files: dict[str, str]
+    links: dict[str, str] = field(default_factory=dict)
+
+
+ENI = Variant("eni", PACKAGES, FILES)
+NETPLAN = Variant(
+    "netplan",
+    _NETPLAN_PACKAGES,
+    {**FILES, "etc/cloud/cloud.cfg.d/90-deploybot.cfg": _NETPLAN_CFG},
+    _NETPLAN_LINKS,
+)
+VARIANTS = {v.name: v for v in (ENI, NETPLAN)}
+
 DISK_SIZE = "3G"  # the guest's disk; the qcow2 only holds what is used (~0.8 GiB)
 # The same cache as the NetBox install's (tests/netbox_install.py).
 CACHE = Path(
@@ -78,20 +132,29 @@ CACHE = Path(
 )
 
 
-def cache_key() -> str:
+def cache_key(variant: Variant = ENI) -> str:
     """A hash of what decides the image's content (not of this file's wording)."""
-    inputs = {"suite": SUITE, "packages": PACKAGES, "files": FILES, "size": DISK_SIZE, "v": 1}
+    inputs: dict[str, object] = {
+        "suite": SUITE,
+        "packages": variant.packages,
+        "files": variant.files,
+        "size": DISK_SIZE,
+        "v": 1,
+    }
+    if variant.links:  # the ENI image's key is the one it had before variants existed
+        inputs["links"] = variant.links
     blob = json.dumps(inputs, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def image_dir() -> Path:
-    return CACHE / f"guest-{cache_key()}"
+def image_dir(variant: Variant = ENI) -> Path:
+    prefix = "guest" if variant is ENI else f"guest-{variant.name}"
+    return CACHE / f"{prefix}-{cache_key(variant)}"
 
 
-def built() -> Path | None:
+def built(variant: Variant = ENI) -> Path | None:
     """The image's folder when it is complete (the build renames it into place last)."""
-    path = image_dir()
+    path = image_dir(variant)
     names = ("disk.qcow2", "vmlinuz", "initrd.img")
     return path if all((path / name).is_file() for name in names) else None
 
@@ -134,12 +197,17 @@ def _run(*argv: str | Path) -> None:
     subprocess.run([str(a) for a in argv], check=True)
 
 
-def _prepare(root: Path) -> None:
+def _prepare(root: Path, variant: Variant) -> None:
     """Make the debootstrapped tree a template: config in, per-machine state out."""
-    for name, content in FILES.items():
+    for name, content in variant.files.items():
         path = root / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(content)
+    for name, target in variant.links.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.unlink(missing_ok=True)
+        path.symlink_to(target)
     # dbus keeps its own machine-id as a link to /etc/machine-id; a copy would be shared.
     dbus_id = root / "var/lib/dbus/machine-id"
     if dbus_id.exists() and not dbus_id.is_symlink():
@@ -168,15 +236,15 @@ def _kernel(root: Path, out: Path) -> None:
     shutil.copyfile(initrds[0], out / "initrd.img")
 
 
-def build(force: bool = False) -> Path:
+def build(variant: Variant = ENI, force: bool = False) -> Path:
     """Build the image unless it is cached; return its folder."""
-    if not force and (done := built()) is not None:
-        print(f"guest image: cached in {done}")
+    if not force and (done := built(variant)) is not None:
+        print(f"guest image ({variant.name}): cached in {done}")
         return done
     for tool in ("debootstrap", "mkfs.ext4", "qemu-img"):
         if shutil.which(tool) is None:
             raise SystemExit(f"{tool} is missing (apt-get install debootstrap qemu-utils)")
-    final = image_dir()
+    final = image_dir(variant)
     work = final.with_name(final.name + ".partial")
     shutil.rmtree(work, ignore_errors=True)
     root = work / "root"
@@ -188,7 +256,7 @@ def build(force: bool = False) -> Path:
         "debootstrap",
         "--variant=minbase",
         "--components=main",
-        f"--include={','.join(PACKAGES)}",
+        f"--include={','.join(variant.packages)}",
         f"--cache-dir={debs}",
         SUITE,
         root,
@@ -196,7 +264,7 @@ def build(force: bool = False) -> Path:
     )
     bootstrapped = time.monotonic()
     _kernel(root, work)
-    _prepare(root)
+    _prepare(root, variant)
     raw = work / "disk.raw"
     _run("mkfs.ext4", "-q", "-L", "root", "-d", root, raw, DISK_SIZE)
     _run("qemu-img", "convert", "-f", "raw", "-O", "qcow2", raw, work / "disk.qcow2")
@@ -206,11 +274,14 @@ def build(force: bool = False) -> Path:
     work.rename(final)
     size = (final / "disk.qcow2").stat().st_size / 2**20
     print(
-        f"guest image: {final} ({size:.0f} MiB qcow2); debootstrap "
+        f"guest image ({variant.name}): {final} ({size:.0f} MiB qcow2); debootstrap "
         f"{bootstrapped - started:.0f} s, total {time.monotonic() - started:.0f} s"
     )
     return final
 
 
 if __name__ == "__main__":
-    build(force="--force" in sys.argv[1:])
+    # Every variant unless named: `python -m tests.realguest.image [--force] [eni|netplan]`
+    names = [a for a in sys.argv[1:] if not a.startswith("--")] or list(VARIANTS)
+    for name in names:
+        build(VARIANTS[name], force="--force" in sys.argv[1:])

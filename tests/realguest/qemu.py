@@ -2,10 +2,12 @@
 
 Each guest boots the image's own kernel and initrd directly from a qcow2 overlay of the
 image (a linked clone: its writes stay in the overlay), with the NoCloud seed as a
-read-only virtio disk. Its only NIC is QEMU's user-mode network with `restrict=on`, so
-nothing the guest sends leaves QEMU; the guest's SSH port is forwarded from a port on
-127.0.0.1. The serial console is written to a file (what went wrong at boot is there)
-and qemu-guest-agent is reachable on a unix socket (`Guest.qga`).
+read-only virtio disk, or with no seed and its data on the kernel command line
+(`append`: the vSphere test's guestinfo as `systemd.setenv=` variables). Its only NIC
+is QEMU's user-mode network with `restrict=on`, so nothing the guest sends leaves QEMU;
+the guest's SSH port is forwarded from a port on 127.0.0.1. The serial console is
+written to a file (what went wrong at boot is there) and qemu-guest-agent is reachable
+on a unix socket (`Guest.qga`).
 
 KVM is used only where it really runs a Debian kernel (`accelerator`): the machines
 here expose a nested /dev/kvm that cannot, and QEMU does not fall back by itself.
@@ -31,6 +33,8 @@ QEMU = "qemu-system-x86_64"
 TCG = ["-accel", "tcg,tb-size=256"]
 KVM = ["-accel", "kvm"]
 PROBE_SECONDS = 20.0
+# The kernel command line every guest boots with; `Guest.append` comes after it.
+BASE_CMDLINE = "root=/dev/vda rw console=ttyS0 panic=-1"
 
 
 def missing_tools() -> list[str]:
@@ -85,6 +89,16 @@ def accelerator(image: Path, workdir: Path) -> list[str]:
     return _accel
 
 
+def cmdline_size(image: Path) -> int:
+    """The longest kernel command line the image's kernel takes, in bytes without the
+    final NUL: `cmdline_size` of its x86 boot header (boot protocol >= 2.06), which is
+    COMMAND_LINE_SIZE - 1 (2047 for Debian 12's kernel). QEMU refuses a longer one."""
+    header = (image / "vmlinuz").read_bytes()[:0x23C]
+    if header[0x202:0x206] != b"HdrS" or int.from_bytes(header[0x206:0x208], "little") < 0x206:
+        raise ValueError(f"{image / 'vmlinuz'}: no x86 boot header of protocol >= 2.06")
+    return int.from_bytes(header[0x238:0x23C], "little")
+
+
 def free_port() -> int:
     """A port free on 127.0.0.1 now (QEMU fails to start should another take it first)."""
     with socket.socket() as s:
@@ -100,7 +114,7 @@ class Guest:
 
     image: Path  # the folder image.build() made
     workdir: Path  # overlay, serial log and sockets go here
-    seed: Path  # the NoCloud ISO
+    seed: Path | None  # the NoCloud ISO; None: no seed disk
     mac: str
     address: str
     network: str = "10.0.0.0/24"
@@ -108,6 +122,7 @@ class Guest:
     dns: str = "10.0.0.3"
     memory_mib: int = 1024
     cpus: int = 2
+    append: str = ""  # more kernel command line after the root and console settings
     ssh_port: int = field(default_factory=free_port)
     process: subprocess.Popen[bytes] | None = None
     started: float = 0.0
@@ -125,8 +140,17 @@ class Guest:
     def overlay(self) -> Path:
         return self.workdir / "disk.qcow2"
 
+    @property
+    def cmdline(self) -> str:
+        return " ".join(filter(None, [BASE_CMDLINE, self.append]))
+
     def argv(self, accel: list[str]) -> list[str]:
         net = ipaddress.IPv4Network(self.network)
+        seed = (
+            []
+            if self.seed is None
+            else ["-drive", f"file={self.seed},if=virtio,format=raw,readonly=on"]
+        )
         netdev = (
             f"user,id=n0,restrict=on,ipv6=off,net={net},host={self.gateway},"
             f"dns={self.dns},hostfwd=tcp:127.0.0.1:{self.ssh_port}-{self.address}:22"
@@ -143,11 +167,10 @@ class Guest:
             str(self.cpus),
             "-m",
             str(self.memory_mib),
-            *kernel_args(self.image, "root=/dev/vda rw console=ttyS0 panic=-1"),
+            *kernel_args(self.image, self.cmdline),
             "-drive",
             f"file={self.overlay},if=virtio,format=qcow2",
-            "-drive",
-            f"file={self.seed},if=virtio,format=raw,readonly=on",
+            *seed,
             "-netdev",
             netdev,
             "-device",
