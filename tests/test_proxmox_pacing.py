@@ -14,7 +14,7 @@ import pytest
 
 from backends.base import CloneSpec, StepTime
 from backends.proxmox import Config, create
-from backends.proxmox.pacing import Pacing, PollTiming, Schedule, clone_key
+from backends.proxmox.pacing import Pace, Pacing, PollTiming, Schedule, clone_key
 from bot.durations import PACED_STEPS
 from bot.models import JobState
 from bot.parser import DeployArgs, parse
@@ -213,3 +213,16 @@ async def test_a_damaged_job_row_teaches_nothing_and_stops_nothing(
     finally:
         await store.close()
     await deploy(fake, tmp_path, Pacing(), "web02 127.0.10.58")
+
+
+def test_a_tasks_end_is_its_start_plus_its_usual_time_unless_seen_over_sooner() -> None:
+    """The boot clock starts there: a look that found the start task over late (fifty
+    deploys share one poll of the task list) must not make the agent's first ask late."""
+    pace = Pace(Pacing({"start": 1.0}), "start", "t")
+    assert pace.ended_at() is None  # nothing known yet
+    pace.began_at, pace.seen_over_at = 100.0, 101.08  # seen 80 ms after its usual end
+    assert pace.ended_at() == 101.0
+    pace.seen_over_at = 100.9  # over sooner than usual: the look says so
+    assert pace.ended_at() == 100.9
+    unknown = Pace(Pacing(), "start", "t", seen_over_at=5.0, began_at=4.0)
+    assert unknown.ended_at() == 5.0  # no usual time: the look is all there is

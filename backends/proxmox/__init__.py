@@ -357,8 +357,8 @@ class ProxmoxBackend:
                 raise
             if ref.vm_id in self.agent.watches:
                 return None  # the boot began with the lost answer: keep its clock
-        # A new boot: the agent's clock starts when the start task was seen over.
-        self.agent.booted(ref.vm_id, node, template, pace.seen_over_at)
+        # A new boot: the agent's clock starts when the start task ended (Pace.ended_at).
+        self.agent.booted(ref.vm_id, node, template, pace.ended_at())
         return None
 
     # --- address and SSH ----------------------------------------------------------------

@@ -291,6 +291,8 @@ class PveApi:
         loop = asyncio.get_running_loop()
         # From the answer that started it (Upid), else now; never a time to come.
         began = min(loop.time(), getattr(upid, "answered_at", float("inf")))
+        if pace is not None:
+            pace.began_at = began
         deadline = began + self.settings.task_timeout_s
         while True:
             try:

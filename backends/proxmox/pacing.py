@@ -127,9 +127,22 @@ class Pace:
     operation: str
     key: str
     seen_over_at: float | None = None
+    began_at: float | None = None  # when the answer that started the task came (loop time)
 
     def schedule(self, timing: PollTiming) -> Schedule:
         return self.pacing.schedule(self.operation, self.key, timing)
+
+    def ended_at(self) -> float | None:
+        """When the task ended, as best known: its start plus the duration such tasks
+        take, unless a look found it over before that. With fifty deploys the look
+        that finds a start task over comes 20-60 ms late (one shared poll of the task
+        list, a queue of requests); a boot clock started there makes the first ask of
+        the guest agent that late too."""
+        expected = self.pacing.expected_s(self.operation, self.key)
+        if self.began_at is None or expected is None:
+            return self.seen_over_at
+        guess = self.began_at + expected
+        return guess if self.seen_over_at is None else min(self.seen_over_at, guess)
 
     def learn(self, schedule: Schedule, done_s: float, at: float) -> None:
         self.seen_over_at = at
