@@ -4,7 +4,8 @@ cloud-init fields, start it, read its address from the QEMU guest agent, roll ba
 The pieces: `config` (the config entry, OS profiles, credentials),
 `api` (requests over `http`'s aiohttp transport, auth, error mapping, the task waiter),
 `inventory` (templates, storages, nodes, what a clone implies),
-`vmconfig` (reading and writing config values), `locks` (running tasks, and waiting
+`vmconfig` (reading and writing config values), `identity` (the config change that
+gives a clone its identity), `locks` (running tasks, and waiting
 out the locks in their way), `cloning` (the new VM's id, and cloning into it only),
 `pacing`, `taskwatch` and `agent` (when to look whether a wait is over) and `rollback`
 (stop and destroy until done). This module holds the deploy moves and their safety
@@ -30,7 +31,6 @@ import re
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
-from urllib.parse import quote
 
 from backends.base import (
     AddressUse,
@@ -57,6 +57,7 @@ from backends.proxmox.agent import AgentWaits
 from backends.proxmox.api import PveApi, TaskFailed
 from backends.proxmox.cloning import Cloning
 from backends.proxmox.config import Config, OSProfile, credentials
+from backends.proxmox.identity import identity_fields
 from backends.proxmox.inventory import LINKED_TYPES, Inventory, NoSuchTemplate
 from backends.proxmox.locks import TaskRunner
 from backends.proxmox.pacing import STEP_OPERATIONS, Pace, Pacing, step_key
@@ -64,7 +65,6 @@ from backends.proxmox.vmconfig import (
     GIB,
     boot_disk,
     mark_field,
-    merged_tags,
     nic_with,
     size_text,
     tags_of,
@@ -73,7 +73,6 @@ from backends.sshcheck import SshCheck
 
 __all__ = ["Config", "OSProfile", "ProxmoxBackend", "create"]
 log = logging.getLogger(__name__)
-_CIUPGRADE_SINCE = (8, 0)
 
 
 def create(
@@ -280,47 +279,24 @@ class ProxmoxBackend:
         """One config change: cloud-init fields, size, CPU model, tags and description."""
         node, config = await self._owned(ref)
         family = mark_field(config, "os") or "unknown"
-        params: dict[str, Any] = {
-            "name": identity.hostname,
-            "ciuser": identity.user,
-            "ipconfig0": f"ip={identity.address.with_prefixlen},gw={identity.gateway}",
-            "cores": identity.cores,
-            "memory": str(identity.memory_mib),
-            "agent": "1",
-            "cpu": self.inventory.cpu_for(family),
-            "tags": merged_tags(config, ref.tag),
-            "description": _described(config, identity),
-            "digest": config.get("digest"),  # refuse if someone changed it meanwhile
-        }
-        if identity.ssh_keys:  # format `urlencoded`: %20 for spaces, never `+`
-            params["sshkeys"] = quote("\n".join(identity.ssh_keys), safe="")
-        if identity.dns:
-            params["nameserver"] = " ".join(str(d) for d in identity.dns)
-        if identity.search_domain:
-            # Also the guest's domain: Proxmox's own cloud-init user-data says
-            # `hostname: <name>`, `fqdn: <name>.<searchdomain>`, `manage_etc_hosts: true`
-            # (qemu-server's get_hostname_fqdn), so `name` stays the bare host name.
-            params["searchdomain"] = identity.search_domain
-        bridge = identity.network or self.config.bridge
-        params["net0"] = nic_with(
-            config.get("net0"), self.inventory.profile(family).nic_model, bridge
+        fields = identity_fields(
+            config,
+            identity,
+            ref.tag,
+            cpu=self.inventory.cpu_for(family),
+            nic=nic_with(
+                config.get("net0"),
+                self.inventory.profile(family).nic_model,
+                identity.network or self.config.bridge,
+            ),
+            release=await self.inventory.release(),
         )
-        note = None
-        release = await self.inventory.release()
-        if release >= _CIUPGRADE_SINCE:
-            params["ciupgrade"] = 1 if identity.upgrade else 0  # the server's default is 1
-        else:
-            note = (
-                f"server {release[0]}.{release[1]}: ciupgrade not sent (it exists from PVE 8.0); "
-                "this server upgrades packages on first boot whatever was asked"
-            )
-        params = {k: v for k, v in params.items() if v is not None}
         what = f"identity of VM {ref.vm_id}"
         path = f"nodes/{node}/qemu/{ref.vm_id}/config"
-        start = functools.partial(self.api.post, path, what, **params)
+        start = functools.partial(self.api.post, path, what, **fields.params)
         pace = Pace(self.pacing, "config", mark_field(config, "template") or "")
         await self.tasks.run(what, node, ref.vm_id, start, pace=pace)
-        return note
+        return fields.note
 
     async def grow_disk(self, ref: VMRef, grow_gib: int) -> str | None:
         if grow_gib < 0:
@@ -421,12 +397,3 @@ def _info(item: dict[str, Any]) -> VMInfo:
 
 def _has_mark(tags: frozenset[str]) -> bool:
     return bool(job_marks(tags))
-
-
-def _described(config: dict[str, Any], identity: Identity) -> str | None:
-    """The clone's description with the identity appended; None leaves it as it is."""
-    text = str(config.get("description", ""))
-    if not text:
-        return None
-    kept = text.split("\naddress: ")[0]
-    return f"{kept}\naddress: {identity.address} ({identity.user})"

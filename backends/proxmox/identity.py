@@ -1,0 +1,74 @@
+"""A deploy's identity as Proxmox config fields: the one config change that gives a
+clone its name, cloud-init user, key, address, DNS, size, CPU model, NIC and tags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+from backends.base import Identity
+from backends.proxmox.vmconfig import merged_tags
+
+# `ciupgrade` exists from PVE 8.0; older servers upgrade on first boot, always.
+CIUPGRADE_SINCE = (8, 0)
+
+
+@dataclass(frozen=True)
+class IdentityFields:
+    params: dict[str, Any]  # for POST .../config, None values left out
+    note: str | None  # for the job's thread: what this server could not be told
+
+
+def identity_fields(
+    config: dict[str, Any],
+    identity: Identity,
+    tag: str,
+    *,
+    cpu: str | None,
+    nic: str | None,
+    release: tuple[int, int],
+) -> IdentityFields:
+    """The fields for the clone whose current `config` is given (its digest makes the
+    change refuse if someone changed the VM meanwhile); `cpu` and `nic` as the OS
+    profile wants them; `release` the server's (major, minor)."""
+    params: dict[str, Any] = {
+        "name": identity.hostname,
+        "ciuser": identity.user,
+        "ipconfig0": f"ip={identity.address.with_prefixlen},gw={identity.gateway}",
+        "cores": identity.cores,
+        "memory": str(identity.memory_mib),
+        "agent": "1",
+        "cpu": cpu,
+        "tags": merged_tags(config, tag),
+        "description": _described(config, identity),
+        "digest": config.get("digest"),  # refuse if someone changed it meanwhile
+        "net0": nic,
+    }
+    if identity.ssh_keys:  # format `urlencoded`: %20 for spaces, never `+`
+        params["sshkeys"] = quote("\n".join(identity.ssh_keys), safe="")
+    if identity.dns:
+        params["nameserver"] = " ".join(str(d) for d in identity.dns)
+    if identity.search_domain:
+        # Also the guest's domain: Proxmox's own cloud-init user-data says
+        # `hostname: <name>`, `fqdn: <name>.<searchdomain>`, `manage_etc_hosts: true`
+        # (qemu-server's get_hostname_fqdn), so `name` stays the bare host name.
+        params["searchdomain"] = identity.search_domain
+    note = None
+    if release >= CIUPGRADE_SINCE:
+        params["ciupgrade"] = 1 if identity.upgrade else 0  # the server's default is 1
+    else:
+        note = (
+            f"server {release[0]}.{release[1]}: ciupgrade not sent (it exists from PVE 8.0); "
+            "this server upgrades packages on first boot whatever was asked"
+        )
+    return IdentityFields({k: v for k, v in params.items() if v is not None}, note)
+
+
+def _described(config: dict[str, Any], identity: Identity) -> str | None:
+    """The clone's description with the identity appended; None leaves it as it is."""
+    text = str(config.get("description", ""))
+    if not text:
+        return None
+    kept = text.split("\naddress: ")[0]
+    return f"{kept}\naddress: {identity.address} ({identity.user})"
