@@ -12,13 +12,21 @@ import hashlib
 import os
 import subprocess
 import time
+from collections.abc import Awaitable
 from pathlib import Path
 from urllib.parse import unquote
 
 import pytest
 
 from bot.errors import ConfigError
-from bot.images import FetchError, ImagesSettings, PreparedImage, catalogue, prepare_image
+from bot.images import (
+    FetchError,
+    ImagesSettings,
+    PreparedImage,
+    PrepareError,
+    catalogue,
+    prepare_image,
+)
 from bot.images.customize import DATASOURCE_FILE, Accelerator, selinux_state
 from bot.images.fetch import Expected, fetch_verified, parse_sums
 from bot.images.profiles import Platform, Profile, ProfileError, build_profile
@@ -214,6 +222,14 @@ def _dpkg_status(status: str, package: str) -> str:
     return ""
 
 
+async def _refused(work: Awaitable[PreparedImage]) -> PrepareError:
+    try:
+        await work
+    except PrepareError as exc:
+        return exc
+    raise AssertionError("prepare_image did not refuse")
+
+
 async def test_customised_offline(variants: Path, tmp_path: Path) -> None:
     accel = _accelerator(tmp_path)
     cache = tmp_path / "cache"
@@ -241,6 +257,11 @@ async def test_customised_offline(variants: Path, tmp_path: Path) -> None:
         }
         started = time.monotonic()
         async with asyncio.TaskGroup() as group:
+            # The same image with no package files to add: refused once it is read.
+            bare = _profile("noagent", mirror.url).model_copy(update={"name": "test-bare"})
+            refusal = group.create_task(
+                _refused(prepare_image(bare, cache, "proxmox", accelerator=accel))
+            )
             tasks = [
                 group.create_task(prepare_image(p, cache, on, accelerator=accel, progress=progress))
                 for p, on in profiles.values()
@@ -249,6 +270,11 @@ async def test_customised_offline(variants: Path, tmp_path: Path) -> None:
         took = time.monotonic() - started
     done: dict[str, PreparedImage] = dict(zip(profiles, results, strict=True))
     print(f"three images prepared at once in {took:.0f} s ({accel})")
+    assert str(refusal.result()) == (
+        "the test-bare image has no qemu-guest-agent and the profile lists no package files "
+        "to add: set `packages` in [images.profiles.test-bare] to the agent's package file "
+        "and its dependencies (URL and sha256 each)"
+    )
 
     selinux, vmware, noagent = done["selinux"], done["vmware"], done["noagent"]
     assert selinux.selinux_detected and selinux.selinux_relabelled
@@ -284,7 +310,10 @@ async def test_customised_offline(variants: Path, tmp_path: Path) -> None:
             assert original.read(4) == b"QFI\xfb"
         assert result.source_digest.split(":")[1] in (variants / "SHA256SUMS").read_text()
         assert result.path.name.startswith(f"test-{name}-{result.platform}-")
-    assert not list((cache / "prepared").glob(".*"))  # no working folders left
+    # No working folders left, nor anything of the refused build.
+    assert sorted(p.name.split("-")[1] for p in (cache / "prepared").iterdir()) == [
+        "noagent", "selinux", "vmware",
+    ]  # fmt: skip
 
 
 def test_selinux_detection_rules() -> None:
