@@ -36,9 +36,12 @@ netbox:
 
 # Optional, needs root and the network: the Debian 12 guest images (~/.cache/deploybot/
 # guest-KEY/: ifupdown; guest-netplan-KEY/: netplan + systemd-networkd) that
-# tests/test_realguest_*.py boot under QEMU; without them they skip.
+# tests/test_realguest_*.py boot under QEMU; without them they skip. Then, where
+# libguestfs-tools is installed, the "upstream" variants of the eni image that
+# tests/test_template_build_*.py fetch and customise (upstream-KEY/, no network).
 guest-image:
 	$(PYTHON) -m tests.realguest.image
+	if command -v guestfish >/dev/null; then $(PYTHON) -m tests.realguest.upstream; fi
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.bench_pipeline

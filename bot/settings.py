@@ -31,6 +31,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from backends.base import BackendConfig
 from backends.ipam.config import IpamConfig
 from bot.errors import ConfigError
+from bot.images.profiles import ImagesSettings
 from bot.leaseterms import LeaseSettings
 from bot.models import check_ssh_key
 from bot.quotas import QuotaSettings
@@ -267,6 +268,7 @@ class Settings(BaseSettings):
     ipam: IpamConfig = IpamConfig()
     quotas: QuotaSettings = QuotaSettings()  # bot/quotas.py
     leases: LeaseSettings = LeaseSettings()
+    images: ImagesSettings = ImagesSettings()  # bot/images/: template build profiles
 
     @field_validator("database", mode="before")
     @classmethod
