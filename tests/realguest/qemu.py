@@ -112,6 +112,8 @@ class Guest:
     process: subprocess.Popen[bytes] | None = None
     started: float = 0.0
     accel_args: list[str] = field(default_factory=list)
+    # More kernel command line, after the usual (e.g. `systemd.mask=UNIT` for a fault).
+    extra_append: tuple[str, ...] = ()
 
     @property
     def serial_log(self) -> Path:
@@ -143,7 +145,10 @@ class Guest:
             str(self.cpus),
             "-m",
             str(self.memory_mib),
-            *kernel_args(self.image, "root=/dev/vda rw console=ttyS0 panic=-1"),
+            *kernel_args(
+                self.image,
+                " ".join(["root=/dev/vda rw console=ttyS0 panic=-1", *self.extra_append]),
+            ),
             "-drive",
             f"file={self.overlay},if=virtio,format=qcow2",
             "-drive",
