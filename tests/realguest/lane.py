@@ -116,6 +116,7 @@ async def login(
                 username=LOGIN,
                 client_keys=[key],
                 known_hosts=None,  # compared with the printed fingerprint by the caller
+                server_host_key_algs=["ssh-ed25519"],  # what `ssh` shows first
                 connect_timeout=30,
             )
             return bastion, guest
