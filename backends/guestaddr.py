@@ -15,8 +15,11 @@ def pick_address(
     """Choose the guest's address from what its agent reports as (interface, address) pairs.
 
     Guest agents report everything the kernel has: loopback, link-local, container
-    bridges. None of those reaches the guest from outside, so they are skipped; the
-    requested address wins when present, otherwise the first usable one.
+    bridges. None of those reaches the guest from outside, so they are skipped. With an
+    expected address, only that one: a guest on another address did not take its
+    configuration (a real one whose cloud-init seed does not parse falls back to DHCP,
+    without its user or key), so it is not handed over there; the caller keeps waiting
+    and then says what the guest reports. Without one, the first usable address.
     """
     usable: list[ipaddress.IPv4Address] = []
     for ip in _outward(interfaces):
@@ -24,7 +27,7 @@ def pick_address(
             return ip
         if not (ip.is_loopback or ip.is_link_local):
             usable.append(ip)
-    return usable[0] if usable else None
+    return usable[0] if usable and expected is None else None
 
 
 def _outward(interfaces: list[tuple[str, str]]) -> list[ipaddress.IPv4Address]:

@@ -90,6 +90,19 @@ async def tcp_probe(address: ipaddress.IPv4Address, port: int) -> None:
         await writer.wait_closed()
 
 
+# The plain host key algorithms in OpenSSH's default order (`ssh -G HOST`): the printed
+# fingerprint is the one `ssh` shows at first contact (the ed25519 key when the guest has
+# one), not the RSA key that asyncssh's own order would pick.
+OPENSSH_HOST_KEY_ORDER = [
+    "ssh-ed25519",
+    "ecdsa-sha2-nistp256",
+    "ecdsa-sha2-nistp384",
+    "ecdsa-sha2-nistp521",
+    "rsa-sha2-512",
+    "rsa-sha2-256",
+]
+
+
 async def ssh_host_key(
     address: ipaddress.IPv4Address,
     port: int,
@@ -105,7 +118,11 @@ async def ssh_host_key(
     try:
         async with asyncio.timeout(timeout_s):
             key = await asyncssh.get_server_host_key(
-                str(address), port, tunnel=tunnel or (), config=None
+                str(address),
+                port,
+                tunnel=tunnel or (),
+                config=None,
+                server_host_key_algs=OPENSSH_HOST_KEY_ORDER,
             )
     except (OSError, asyncssh.Error, TimeoutError) as exc:
         log.info("no SSH host key from %s:%s: %s", address, port, exc)

@@ -522,6 +522,23 @@ async def test_an_agent_without_the_address_says_what_it_saw(backend: ProxmoxBac
     assert "docker0 172.17.0.1" in message and "eth0 127.0.10.50" in message
 
 
+async def test_a_guest_on_another_address_is_not_taken(backend: ProxmoxBackend) -> None:
+    """A routable address other than the one asked for (a real guest whose cloud-init
+    seed does not parse falls back to DHCP) is no address: the deploy would otherwise be
+    handed over on a guest without its user or key."""
+    ref = await cloned(backend)
+    lease = ipaddress.IPv4Interface("10.9.0.7/24")
+    await backend.apply_identity(
+        ref, Identity(**{**IDENTITY.__dict__, "address": lease, "gateway": lease.ip + 1})
+    )
+    await backend.power_on(ref)
+    with pytest.raises(RetryableError) as failure:
+        await backend.wait_for_address(ref, ipaddress.IPv4Address("10.9.0.60"))
+    message = failure.value.message
+    assert "answers but reports no usable address (expected 10.9.0.60)" in message
+    assert "eth0 10.9.0.7" in message and "(is cloud-init applying ipconfig0?)" in message
+
+
 async def test_a_stopped_vm_has_no_address(backend: ProxmoxBackend) -> None:
     ref = await cloned(backend)
     await backend.apply_identity(ref, IDENTITY)

@@ -98,6 +98,9 @@ async def test_unknown_template_and_node_are_permanent_errors() -> None:
         ),
         ([("ens18", "169.254.3.3"), ("ens18", "10.0.0.5/24")], None, "10.0.0.5"),
         ([("ens18", "10.0.0.9"), ("ens19", "10.0.0.5")], "10.0.0.5", "10.0.0.5"),
+        # Not the expected address: the guest did not take its configuration (cloud-init
+        # fell back to DHCP, as a real guest with an unparsable seed does); keep waiting.
+        ([("ens18", "10.0.0.15")], "10.0.0.60", None),
         ([("cni0", "10.88.0.1"), ("veth1", "10.88.0.2")], None, None),
         ([("lo", "127.0.0.1")], None, None),
         ([("ens18", "not-an-ip")], None, None),

@@ -113,6 +113,24 @@ async def test_the_host_key_fingerprint_comes_from_the_key_exchange() -> None:
     assert fingerprint is not None and fingerprint.startswith("SHA256:")
 
 
+async def test_the_fingerprint_is_the_key_openssh_shows_first() -> None:
+    """A guest with RSA, ECDSA and ed25519 host keys (as cloud-init makes them): the
+    printed fingerprint is the ed25519 key's, the one `ssh` shows at first contact and
+    the message asks to compare with."""
+    keys = [asyncssh.generate_private_key(alg) for alg in ("ssh-rsa", "ecdsa-sha2-nistp256")]
+    ed25519 = asyncssh.generate_private_key("ssh-ed25519")
+    server = await asyncssh.create_server(
+        asyncssh.SSHServer, str(GUEST), 0, server_host_keys=[*keys, ed25519]
+    )
+    port = server.sockets[0].getsockname()[1]
+    try:
+        fingerprint = await SshCheck(None).probe(GUEST, port)
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert fingerprint == ed25519.get_fingerprint("sha256")
+
+
 async def test_a_listener_that_is_not_sshd_proves_reachability_without_a_key(
     listener: tuple[int, list[int]],
 ) -> None:

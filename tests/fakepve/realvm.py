@@ -18,6 +18,10 @@
 * `agent/ping` and `agent/network-get-interfaces` are answered by the real
   qemu-guest-agent; until it answers a guest-ping within 3 s (qemu-server's check),
   "QEMU guest agent is not running", as Proxmox says;
+* `faults` (by VM name) breaks a guest on purpose at its next start: a cloud-init seed
+  whose user-data and network-config do not parse (`broken_cloud_init`), or the guest
+  agent masked inside the guest (`no_agent`: `systemd.mask=` on the kernel command line,
+  as a template without qemu-guest-agent);
 * the jump host leads `ADDRESS:22` to the VM's SSH forward on 127.0.0.1 (QEMU accepts
   there before sshd listens, so the jump host waits for the SSH banner: `accepts_early`).
 
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import ipaddress
 import json
 import os
@@ -91,6 +96,30 @@ def lan(config: dict[str, str]) -> Lan:
     return Lan(str(guest.ip), str(net), str(gateway), str(dns))
 
 
+@dataclass(frozen=True)
+class GuestFault:
+    """What one guest gets wrong on purpose (`RealMachines.faults`)."""
+
+    broken_cloud_init: bool = False  # its seed's user-data and network-config are not YAML
+    no_agent: bool = False  # qemu-guest-agent is masked in the guest: it never answers
+
+
+AGENT_UNIT = "qemu-guest-agent.service"
+# A snippet with a tab in its indentation (YAML forbids tabs there), as a hand-written
+# cicustom file might have: neither file parses.
+_UNPARSABLE = "runcmd:\n\t- [ echo, broken\n"
+
+
+def broken(seed: nocloud.Seed) -> nocloud.Seed:
+    """The seed with user-data and network-config that do not parse; its instance-id
+    stays the one Proxmox derived."""
+    return dataclasses.replace(
+        seed,
+        user_data=seed.user_data + _UNPARSABLE,
+        network_config=seed.network_config + _UNPARSABLE,
+    )
+
+
 @dataclass
 class Machine:
     """One running QEMU: its guest (argv, agent socket, SSH forward), pid and pidfd."""
@@ -124,6 +153,7 @@ class RealMachines:
         self.machines: dict[int, Machine] = {}  # running, by vmid
         self.seeds: dict[int, nocloud.Seed] = {}  # each VM's last boot's seed
         self.pids: dict[int, int] = {}  # each VM's last QEMU process
+        self.faults: dict[str, GuestFault] = {}  # by VM name, applied at its start
         self.accel = ""  # "kvm" or "tcg", once a guest started
         self._probe = asyncio.Lock()  # one KVM probe, not one per concurrent start
 
@@ -177,6 +207,9 @@ class RealMachines:
             accel = await asyncio.to_thread(qemu.accelerator, self.image, self.workdir)
         self.accel = "kvm" if accel == qemu.KVM else "tcg"
         seed = nocloud.render(vm.config, vm.vmid, self.host_dns)
+        fault = self.faults.get(vm.config.get("name", ""), GuestFault())
+        if fault.broken_cloud_init:
+            seed = broken(seed)
         try:
             iso = await asyncio.to_thread(nocloud.write_iso, seed, folder / "seed.iso")
         except (OSError, subprocess.SubprocessError) as exc:
@@ -193,6 +226,7 @@ class RealMachines:
             dns=net.dns,
             memory_mib=min(int(vm.config.get("memory", "1024")), self.memory_mib_max),
             cpus=min(int(vm.config.get("cores", "1")), self.cpus_max),
+            append=f"systemd.mask={AGENT_UNIT}" if fault.no_agent else "",
         )
         pidfile, stderr = folder / "qemu.pid", folder / "qemu.stderr"
         pidfile.unlink(missing_ok=True)

@@ -125,7 +125,9 @@ class Guest:
     dns: str = "10.0.0.3"
     memory_mib: int = 1024
     cpus: int = 2
-    append: str = ""  # more kernel command line after the root and console settings
+    # More kernel command line after the root and console settings (the vSphere test's
+    # guestinfo; `systemd.mask=UNIT` for a fault).
+    append: str = ""
     ssh_port: int = field(default_factory=free_port)
     process: subprocess.Popen[bytes] | None = None
     started: float = 0.0
