@@ -19,22 +19,15 @@ goal row, the medians, and the requests of the last single deploy by route.
 Goals: requests/deploy <= 25 and span/hv <= 1.05 at 1 and 50; wall/hv <= 1.10; stall
 <= 50 ms.
 
-Where the 50's span/hv (1.10-1.12 here) goes, measured from the fake's records and the
-bot's own request timestamps (2026-12-02): one deploy alone adds ~0.2 s to the 6.2 s
-critical path (clone posted 21 ms after the first request; the agent asked ~0.1 s
-after it is up, the price of not asking early). Fifty add ~0.55 s to the slowest one,
-and the bot's own cost per request is the limit: a request through proxmoxer/requests
-costs the bot 1.0-1.2 ms of CPU (TLS and requests on worker threads, serialised by the
-GIL; the fake answers in 0.3 ms, and 4, 8 or 16 threads change nothing), and the
-fifty move in step, so each phase is a burst: taking in the 50 requests (~140 ms of
-the event loop, store writes and address checks) overlaps the first deploy's
-placement reads, the clones are posted 190-270 ms after the first request (110
-requests: one shared `nextid`, 49 `nextid?vmid=` checks, 50 clone POSTs), and after
-the clones end 100 requests (each VM's ownership check and its config POST) queue for
-~100 ms, again after the config. Looks that count from the coroutine's resumption were
-up to ~55 ms late under this load; a task's wait now counts from the answer's arrival
-(`taskwatch.Upid`). What would close the rest: a transport with a smaller cost per
-request (an async client on the event loop instead of requests on threads).
+Where the 50's span/hv goes (1.05-1.07 on a quiet machine, 2026-12-02; it was 1.10-1.12
+before the API moved from proxmoxer/requests on threads to aiohttp on the loop, see
+backends/proxmox/http.py), measured from the fake's records and the bot's own
+timestamps: one deploy alone adds ~0.1-0.2 s to the 6.2 s critical path. Fifty add
+~0.35 s to the slowest one: the clones are posted 90-140 ms after the first request
+(fifty admissions, each ~2 ms of store round trips, then 113 requests), the look that
+finds them over comes a median 56 ms after their end and the agent is first asked
+~110 ms after it is up: estimates learned from waits under load run 2-3% long, and a
+wait first looks at its expected end.
 
     .venv/bin/python -m benchmarks.bench_proxmox [--runs N]
 """
