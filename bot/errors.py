@@ -9,6 +9,12 @@ raw: the pipeline turns them into a failed job with a reason.
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pydantic_core import ErrorDetails
+
 
 class DeployBotError(Exception):
     """A user-facing error; `str(err)` is the whole message."""
@@ -85,3 +91,23 @@ class StoreUnavailable(DeployBotError):
             f"Cannot open the database {detail}. Check that PostgreSQL runs there and "
             f"accepts this host, and that {password_env} holds the password."
         )
+
+
+def format_errors(source: Path, errors: list[ErrorDetails]) -> str:
+    """A ConfigError's text: the file, then one line per problem with its key."""
+    # A container whose items failed also reports itself as empty; the items say it better.
+    locs = [tuple(e["loc"]) for e in errors]
+    errors = [
+        e for e in errors if not any(o != e["loc"] and o[: len(e["loc"])] == e["loc"] for o in locs)
+    ]
+    errors = [
+        e
+        for e in errors
+        if not (e["loc"][:1] == ("backends",) and len(e["loc"]) > 2 and e["type"] == "model_type")
+    ]
+    lines = [f"{source}: the configuration has {len(errors)} problem(s):"]
+    for error in errors:
+        key = ".".join(str(part) for part in error["loc"]) or "(top level)"
+        message = error["msg"].removeprefix("Value error, ")
+        lines.append(f"  {key}: {message}")
+    return "\n".join(lines)

@@ -30,7 +30,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from backends.base import BackendConfig
 from backends.ipam.config import IpamConfig
-from bot.errors import ConfigError
+from bot.errors import ConfigError, format_errors
 from bot.images.profiles import ImagesSettings
 from bot.leaseterms import LeaseSettings
 from bot.models import check_ssh_key
@@ -395,22 +395,3 @@ def load_settings(path: str | Path | None = None, **overrides: Any) -> Settings:
     if errors:
         raise ConfigError(format_errors(source, errors))
     return settings
-
-
-def format_errors(source: Path, errors: list[ErrorDetails]) -> str:
-    # A container whose items failed also reports itself as empty; the items say it better.
-    locs = [tuple(e["loc"]) for e in errors]
-    errors = [
-        e for e in errors if not any(o != e["loc"] and o[: len(e["loc"])] == e["loc"] for o in locs)
-    ]
-    errors = [
-        e
-        for e in errors
-        if not (e["loc"][:1] == ("backends",) and len(e["loc"]) > 2 and e["type"] == "model_type")
-    ]
-    lines = [f"{source}: the configuration has {len(errors)} problem(s):"]
-    for error in errors:
-        key = ".".join(str(part) for part in error["loc"]) or "(top level)"
-        message = error["msg"].removeprefix("Value error, ")
-        lines.append(f"  {key}: {message}")
-    return "\n".join(lines)
