@@ -44,8 +44,8 @@ from tests.fakepve.realvm import GuestFault, RealMachines
 from tests.fakepve.schema import ApiSchema
 from tests.fakepve.server import FakePVE, Tls
 from tests.fakepve.testing import start_fake
-from tests.realguest import image, qemu
-from tests.realguest.lane import Deploy, assert_gone, deploy, unavailable
+from tests.realguest.lane import Deploy, assert_gone, deploy
+from tests.realguest.support import require_image
 
 pytestmark = [pytest.mark.realguest, pytest.mark.asyncio(loop_scope="module")]
 
@@ -72,12 +72,7 @@ class Lab:
 async def lab(
     pve_schema: ApiSchema, pve_tls: Tls, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[Lab]:
-    if missing := qemu.missing_tools():
-        unavailable(f"missing {', '.join(missing)} (apt-get install qemu-system-x86 ...)")
-    disk = image.built()
-    if disk is None:
-        unavailable(f"no guest image in {image.image_dir()}: run `make guest-image`")
-    assert disk is not None
+    disk = require_image()
     root = tmp_path_factory.mktemp("pvfault")
     workdir = Path(tempfile.mkdtemp(prefix="pvf-"))  # short: QEMU's unix sockets
     machines = RealMachines(disk, workdir)

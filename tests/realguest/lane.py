@@ -9,14 +9,12 @@ networks and are reached only through the jump host on 127.0.0.1.
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import asyncssh
-import pytest
 
 from tests.fakepve.realvm import RealMachines
 from tests.fakepve.server import FakePVE
@@ -24,12 +22,6 @@ from tests.fakepve.testing import config_text, run_deploybot
 
 TEMPLATE, LOGIN = "debian-12", "deploy"
 DEADLINE_S = 480.0  # per step that waits for a guest (TCG on 2 busy cores)
-
-
-def unavailable(reason: str) -> None:
-    if os.environ.get("DEPLOYBOT_REQUIRE_REALGUEST") == "1":
-        pytest.fail(f"{reason}; DEPLOYBOT_REQUIRE_REALGUEST=1 forbids skipping this test")
-    pytest.skip(reason)
 
 
 @dataclass
