@@ -97,8 +97,12 @@ def tags_of(config: dict[str, Any]) -> frozenset[str]:
 
 
 def merged_tags(config: dict[str, Any], tag: str) -> str:
-    """The VM's own tags (inherited from its template) plus the job tag, `;`-separated."""
-    own = {t for t in _TAG_SPLIT.split(str(config.get("tags", ""))) if t}
+    """The VM's own tags (inherited from its template) plus the job tag, `;`-separated.
+
+    A job tag inherited from the template (a template deploybot built, or one converted
+    from a deployed VM) is dropped: the clone belongs to its own job only, and gc must
+    not read it as the template's job's VM."""
+    own = {t for t in _TAG_SPLIT.split(str(config.get("tags", ""))) if t and parse_tag(t) is None}
     return ";".join(sorted(own | {tag}))
 
 
