@@ -52,11 +52,12 @@ log = logging.getLogger(__name__)
 
 JOB_TAG_PREFIX = "deploybot-"
 # The tag grammar: `deploybot-<installation>-<job>`, or `deploybot-<job>` as tagged before
-# installations had ids. Ids are lower-case letters and digits (bot/models.py makes
-# them from a smaller alphabet); anything else with the prefix is not a job tag.
+# installations had ids. A job id starts with `j` (a deploy) or `b` (a template build).
+# Ids are lower-case letters and digits (bot/models makes them from a smaller alphabet);
+# anything else with the prefix is not a job tag.
 INSTALLATION_LEN = 10
 _TAG = re.compile(
-    rf"^{JOB_TAG_PREFIX}(?:(?P<inst>[a-z0-9]{{{INSTALLATION_LEN}}})-(?P<job>j[a-z0-9]{{6,24}})"
+    rf"^{JOB_TAG_PREFIX}(?:(?P<inst>[a-z0-9]{{{INSTALLATION_LEN}}})-(?P<job>[jb][a-z0-9]{{6,24}})"
     r"|(?P<legacy>j[a-z0-9]{6}))$"
 )
 

@@ -36,6 +36,7 @@ from datetime import timedelta
 from backends.base import Backend, BackendError, JobMark, VMInfo, VMRef, job_marks
 from bot.errors import DeployBotError
 from bot.models import ACTIVE_STATES, DESTROY_STATES, JobState, utcnow
+from bot.models.builds import ACTIVE_BUILD_STATES, BuildState
 from bot.settings import Timeouts
 from bot.waiting import remove_vm
 from store.db import Store
@@ -43,9 +44,17 @@ from store.db import Store
 log = logging.getLogger(__name__)
 ORPHAN = ("unknown_job", "ended_job")
 # A quarantined job's record is damaged: whether its VM is wanted is for a person to say.
-KEPT = ("succeeded_job", "job_in_flight", "other_installation", "unknown_legacy", "quarantined_job")
+KEPT = (
+    "succeeded_job",
+    "published_build",
+    "job_in_flight",
+    "other_installation",
+    "unknown_legacy",
+    "quarantined_job",
+)
 KEPT_WHY = {
     "succeeded_job": "its job succeeded",
+    "published_build": "a template a build published (`deploybot template gc` retires old ones)",
     "job_in_flight": "its job is in flight",
     "other_installation": "another installation's VM (never removed here)",
     "unknown_legacy": "an old-style tag this database does not know: remove it by hand if "
@@ -107,6 +116,8 @@ async def classify(store: Store, backend_name: str, vm: VMInfo) -> list[Finding]
 async def _category(store: Store, mark: JobMark) -> str:
     if mark.installation is not None and mark.installation != store.installation_id:
         return "other_installation"
+    if mark.job_id.startswith("b"):
+        return await _build_category(store, mark)
     job = await store.get_job(mark.job_id)
     if job is None and await store.quarantined(mark.job_id) is not None:
         return "quarantined_job"
@@ -120,6 +131,20 @@ async def _category(store: Store, mark: JobMark) -> str:
         return "succeeded_job"
     if job.state in ACTIVE_STATES or job.state in DESTROY_STATES:
         return "job_in_flight"  # a destroy waiting or under way: its own path removes it
+    return "ended_job"
+
+
+async def _build_category(store: Store, mark: JobMark) -> str:
+    """A VM a template build made (its half-built VM, or the template where a backend
+    lists templates): the build's own rollback removes what it made, so only a build
+    that ended or that this store never heard of leaves an orphan."""
+    build = await store.builds.get(mark.job_id)
+    if build is None:
+        return "unknown_job" if mark.installation is not None else "unknown_legacy"
+    if build.state is BuildState.PUBLISHED:
+        return "published_build"
+    if build.state in ACTIVE_BUILD_STATES:
+        return "job_in_flight"
     return "ended_job"
 
 

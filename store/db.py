@@ -28,6 +28,7 @@ from bot.models import (
 from store import (
     addresses,
     approvals,
+    builds,
     destroys,
     durations,
     gc,
@@ -67,6 +68,7 @@ class Store:
         # Set by a front end that delivers the outbox: told when this process kept a
         # notice, so it need not wait for its next look to deliver it.
         self.on_notice: Callable[[], None] | None = None
+        self.builds = builds.BuildRecords(engine)  # template builds (store/builds.py)
 
     @classmethod
     async def open(cls, database: str | Path, *, password: str | None = None) -> Store:

@@ -289,8 +289,36 @@ def _v10(db: Database) -> None:
     db.execute("CREATE INDEX idx_jobs_state_expires_at ON jobs (state, expires_at)")
 
 
+# Template builds (bot/builds/): one row per build, its own table since it has no
+# address and no VM of a chat user. `version` is the only integer column.
+BUILD_COLUMNS = [
+    "id", "state", "requester", "profile", "backend", "name", "version", "placement",
+    "storage", "created_at", "updated_at", "started_at", "finished_at", "vm_id",
+    "vm_placement", "cpu", "source_digest", "smoke_job", "step", "failed_step", "error",
+    "wreckage", "notes", "owner", "lease_until", "installation", "origin", "thread_ref",
+    "cancel_requested",
+]  # fmt: skip
+BUILD_NOT_NULL = ("state", "requester", "profile", "backend", "name", "version", "created_at",
+                  "updated_at", "notes")  # fmt: skip
+
+
+def _v11(db: Database) -> None:
+    """Template builds: the table, and the index that lets one build of a name per
+    backend be in flight (which also keeps two from taking one version number)."""
+    from store.builds import ACTIVE_INDEX
+
+    db.table("builds").create(
+        {c: int if c == "version" else str for c in BUILD_COLUMNS},
+        pk="id",
+        not_null=set(BUILD_NOT_NULL),
+    )
+    db.execute("CREATE UNIQUE INDEX builds_version ON builds (backend, name, version)")
+    db.execute(ACTIVE_INDEX)
+    db.execute("CREATE INDEX idx_builds_state ON builds (state, lease_until)")
+
+
 MIGRATIONS: list[Callable[[Database], None]] = [
-    _v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9, _v10
+    _v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9, _v10, _v11
 ]  # fmt: skip
 SCHEMA_VERSION = len(MIGRATIONS)
 

@@ -251,6 +251,7 @@ GC_CATEGORIES = {
     "unknown_job": "job unknown to this bot",
     "ended_job": "job failed or was cancelled",
     "succeeded_job": "job succeeded (kept)",
+    "published_build": "template a build published (kept)",
     "job_in_flight": "job still in flight (kept)",
     "other_installation": "another installation's VM (kept)",
     "unknown_legacy": "old-style tag of a job unknown here (kept)",

@@ -13,7 +13,10 @@ from __future__ import annotations
 import psycopg
 
 from bot.models import new_installation_id
+from store.builds import ACTIVE_INDEX as BUILDS_ACTIVE
 from store.migrations import (
+    BUILD_COLUMNS,
+    BUILD_NOT_NULL,
     DESTROY_COLUMNS,
     HOLDING_V9,
     HOLDING_V10,
@@ -117,8 +120,21 @@ _V10 = [
     "CREATE INDEX idx_jobs_state_expires_at ON jobs (state, expires_at)",
 ]
 
+_V11 = [
+    "CREATE TABLE builds ("
+    + ", ".join(
+        f"{c} {'BIGINT' if c == 'version' else 'TEXT'}"
+        + (" PRIMARY KEY" if c == "id" else " NOT NULL" if c in BUILD_NOT_NULL else "")
+        for c in BUILD_COLUMNS
+    )
+    + ")",
+    "CREATE UNIQUE INDEX builds_version ON builds (backend, name, version)",
+    BUILDS_ACTIVE,
+    "CREATE INDEX idx_builds_state ON builds (state, lease_until)",
+]
+
 # version -> the statements that bring the schema from the version before to it.
-STEPS: dict[int, list[str]] = {6: _V6, 7: _V7, 8: _V8, 9: _V9, 10: _V10}
+STEPS: dict[int, list[str]] = {6: _V6, 7: _V7, 8: _V8, 9: _V9, 10: _V10, 11: _V11}
 
 # What a constraint protects, as SQLite names it in its errors (store/sql.Conflict).
 CONSTRAINTS = {
@@ -127,6 +143,9 @@ CONSTRAINTS = {
     "jobs_active_address": "jobs.address",
     "deliveries_pkey": "deliveries.key",
     "quarantine_row": "quarantine.table_name, quarantine.row_key",
+    "builds_pkey": "builds.id",
+    "builds_active": "builds.backend, builds.name",
+    "builds_version": "builds.backend, builds.name, builds.version",
 }
 
 

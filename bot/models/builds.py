@@ -1,0 +1,113 @@
+"""Template builds as data (issue 17): a row of the `builds` table per build.
+
+A build is a job of its own kind: it has a requester, an owner with a lease, a state
+machine and an undo stack like a deploy, but no address and no chat-visible VM of its
+own, so it lives in its own table. Its id starts with `b` (a deploy's with `j`), so a
+tag on the hypervisor (`deploybot-<installation>-<id>`) says which table to ask.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from datetime import datetime
+from enum import StrEnum
+
+from pydantic import BaseModel, Field, field_validator
+
+from bot.models import _ID_ALPHABET, JOB_ID_LENGTH, SHORT_ID_LENGTH, utcnow
+
+BUILD_ID_RE = re.compile(r"b[a-z0-9]{6,40}")
+
+
+def new_build_id() -> str:
+    return "b" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(JOB_ID_LENGTH))
+
+
+class BuildState(StrEnum):
+    AWAITING_APPROVAL = "awaiting_approval"
+    QUEUED = "queued"
+    RUNNING = "running"
+    ROLLING_BACK = "rolling_back"
+    PUBLISHED = "published"  # the template is the current one of its name (or was)
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    REJECTED = "rejected"
+    EXPIRED = "expired"
+    RETIRED = "retired"  # an older version, removed by `template gc --apply`
+
+    @property
+    def final(self) -> bool:
+        return self not in ACTIVE_BUILD_STATES and self is not BuildState.PUBLISHED
+
+
+# Builds in flight: the store lets one of a name per backend be so at a time, which is
+# also what keeps two builds from taking the same version number.
+ACTIVE_BUILD_STATES = frozenset(
+    {
+        BuildState.AWAITING_APPROVAL,
+        BuildState.QUEUED,
+        BuildState.RUNNING,
+        BuildState.ROLLING_BACK,
+    }
+)
+BUILD_TRANSITIONS: dict[BuildState, frozenset[BuildState]] = {
+    BuildState.AWAITING_APPROVAL: frozenset(
+        {BuildState.QUEUED, BuildState.REJECTED, BuildState.EXPIRED, BuildState.CANCELLED}
+    ),
+    BuildState.QUEUED: frozenset({BuildState.RUNNING, BuildState.CANCELLED}),
+    BuildState.RUNNING: frozenset({BuildState.PUBLISHED, BuildState.ROLLING_BACK}),
+    BuildState.ROLLING_BACK: frozenset({BuildState.FAILED, BuildState.CANCELLED}),
+    BuildState.PUBLISHED: frozenset({BuildState.RETIRED}),
+}
+# The steps of a build, in order (bot/builds/runner.py).
+BUILD_STEPS = ("preflight", "image", "create", "smoke", "publish")
+
+
+class Build(BaseModel):
+    """One template build's life, as stored: a row of the `builds` table."""
+
+    id: str = Field(default_factory=new_build_id)
+    state: BuildState
+    requester: str
+    profile: str
+    backend: str
+    name: str  # the published name (the profile's unless --name)
+    version: int = Field(ge=1)
+    placement: str | None = None  # as asked (None: the backend's choice)
+    storage: str | None = None
+    created_at: datetime = Field(default_factory=utcnow)
+    updated_at: datetime = Field(default_factory=utcnow)
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    vm_id: str | None = None  # the template's durable id, known before it is created
+    vm_placement: str | None = None
+    cpu: str | None = None
+    source_digest: str | None = None
+    smoke_job: str | None = None  # the deploy that proved the template
+    step: str | None = None  # the step under way
+    failed_step: str | None = None
+    error: str | None = None
+    wreckage: str | None = None
+    notes: tuple[str, ...] = ()  # what was found and done, for the person
+    owner: str | None = None
+    lease_until: datetime | None = None
+    installation: str | None = None
+    origin: str | None = None
+    thread_ref: str | None = None
+    cancel_requested: str | None = None
+
+    @field_validator("id")
+    @classmethod
+    def _build_id(cls, value: str) -> str:
+        if not BUILD_ID_RE.fullmatch(value):
+            raise ValueError(f"{value[:50]!r} is not a build id (b and 6-40 letters or digits)")
+        return value
+
+    @property
+    def versioned_name(self) -> str:
+        return f"{self.name}-v{self.version}"
+
+    @property
+    def short_id(self) -> str:
+        return self.id[:SHORT_ID_LENGTH]

@@ -1,0 +1,197 @@
+"""Template builds (bot/builds/): insert, read and compare-and-set moves of `builds` rows.
+
+Like jobs, every move names the states it expects and, with `held_by`, the runner that
+must still own the build, so a runner whose lease lapsed cannot write over the one that
+took the build over. The version number is chosen inside the insert's transaction,
+under the unique index that lets one build of a name per backend be in flight.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from datetime import datetime
+from typing import Any
+
+from bot.models import utcnow
+from bot.models.builds import ACTIVE_BUILD_STATES, BUILD_TRANSITIONS, Build, BuildState
+from store.engine import Engine
+from store.jobs import DuplicateActive, _sql_value
+from store.sql import Conflict, Db, immediate, insert_sql
+from store.tx import ts
+
+_FIELDS = frozenset(Build.model_fields) - {"id", "state", "updated_at"}
+_ACTIVE = ", ".join(f"'{s.value}'" for s in sorted(ACTIVE_BUILD_STATES))
+
+
+def build_row(build: Build) -> dict[str, Any]:
+    row = {k: _sql_value(v) for k, v in build.model_dump(mode="python").items()}
+    row["notes"] = json.dumps(list(build.notes))
+    return row
+
+
+def build_from_row(row: dict[str, Any]) -> Build:
+    fields = {k: v for k, v in row.items() if k not in ("rowid", "rowid_")}
+    fields["notes"] = tuple(json.loads(fields.get("notes") or "[]"))
+    return Build.model_validate(fields)
+
+
+def _highest_version(db: Db, backend: str, name: str) -> int:
+    row = db.execute(
+        "SELECT MAX(version) FROM builds WHERE backend = ? AND name = ?", [backend, name]
+    ).fetchone()
+    return int(row[0] or 0)
+
+
+def insert_build(db: Db, /, build: Build, at_least: int = 1) -> Build:
+    """Record a new build with the next version of its name: one more than any recorded
+    here, and at least `at_least` (what the hypervisor shows, for templates another
+    installation or a lost database built). Raises `DuplicateActive("name")` while
+    another build of that name on that backend is in flight."""
+    with immediate(db):
+        version = max(at_least, _highest_version(db, build.backend, build.name) + 1)
+        stored = build.model_copy(update={"version": version})
+        row = build_row(stored)
+        try:
+            db.execute(insert_sql("builds", list(row)), row)
+        except Conflict as exc:
+            if "builds.id" in exc.what:
+                raise
+            raise DuplicateActive("name") from None
+    return stored
+
+
+def get_build(db: Db, build_id: str) -> Build | None:
+    rows = db.query("SELECT * FROM builds WHERE id = ?", [build_id])
+    return build_from_row(rows[0]) if rows else None
+
+
+def match_builds(db: Db, prefix: str, limit: int = 10) -> list[str]:
+    rows = db.execute(
+        "SELECT id FROM builds WHERE id LIKE ? ORDER BY id LIMIT ?", [prefix + "%", limit]
+    ).fetchall()
+    return [str(r[0]) for r in rows]
+
+
+def _sets(fields: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    unknown = set(fields) - _FIELDS
+    if unknown:
+        raise ValueError(f"not build columns: {sorted(unknown)}")
+    values = {k: json.dumps(list(v)) if k == "notes" else _sql_value(v) for k, v in fields.items()}
+    return "".join(f", {column} = :{column}" for column in values), values
+
+
+def move_build(
+    db: Db,
+    /,
+    build_id: str,
+    expected: Iterable[BuildState],
+    new: BuildState,
+    held_by: str | None = None,
+    **fields: Any,
+) -> Build | None:
+    """Move a build from one of `expected` to `new` (and set `fields`); the build as it
+    now is, or None when it was not in those states (or no longer `held_by`'s)."""
+    expected = tuple(expected)
+    for state in expected:
+        if new not in BUILD_TRANSITIONS.get(state, frozenset()):
+            raise ValueError(f"{state.value} -> {new.value} is not a build transition")
+    sets, params = _sets(fields)
+    marks = ", ".join(f":s{i}" for i in range(len(expected)))
+    params.update({f"s{i}": state.value for i, state in enumerate(expected)})
+    params.update({"new": new.value, "now": ts(utcnow()), "id": build_id})
+    fence = ""
+    if held_by is not None:
+        fence, params["held_by"] = " AND owner = :held_by", held_by
+    with immediate(db):
+        rows = db.query(
+            f"UPDATE builds SET state = :new, updated_at = :now{sets} "
+            f"WHERE id = :id AND state IN ({marks}){fence} RETURNING *",
+            params,
+        )
+    return build_from_row(rows[0]) if rows else None
+
+
+def update_build(db: Db, /, build_id: str, held_by: str | None = None, **fields: Any) -> bool:
+    """Set columns without a state change (the template's id, the step, notes)."""
+    sets, params = _sets(fields)
+    params.update({"now": ts(utcnow()), "id": build_id})
+    fence = ""
+    if held_by is not None:
+        fence, params["held_by"] = " AND owner = :held_by", held_by
+    with immediate(db):
+        done = db.execute(
+            f"UPDATE builds SET updated_at = :now{sets} WHERE id = :id{fence}", params
+        )
+    return done.rowcount == 1
+
+
+def list_builds(
+    db: Db, backend: str | None = None, name: str | None = None, limit: int = 50
+) -> list[Build]:
+    """Newest first."""
+    where, params = ["1 = 1"], []
+    if backend is not None:
+        where.append("backend = ?")
+        params.append(backend)
+    if name is not None:
+        where.append("name = ?")
+        params.append(name)
+    rows = db.query(
+        f"SELECT * FROM builds WHERE {' AND '.join(where)} ORDER BY created_at DESC LIMIT ?",
+        [*params, limit],
+    )
+    return [build_from_row(r) for r in rows]
+
+
+def abandoned_builds(db: Db, now: datetime) -> list[Build]:
+    """Builds running or rolling back whose runner's lease lapsed (it died)."""
+    rows = db.query(
+        "SELECT * FROM builds WHERE state IN ('running', 'rolling_back') "
+        "AND (lease_until IS NULL OR lease_until < ?)",
+        [ts(now)],
+    )
+    return [build_from_row(r) for r in rows]
+
+
+# The unique index, spelled once for both databases' migrations.
+ACTIVE_INDEX = (
+    f"CREATE UNIQUE INDEX builds_active ON builds (backend, name) WHERE state IN ({_ACTIVE})"
+)
+
+
+class BuildRecords:
+    """`Store.builds`: the functions above, run on the store's engine."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    async def insert(self, build: Build, at_least: int = 1) -> Build:
+        return await self._engine.call(insert_build, build, at_least)
+
+    async def get(self, build_id: str) -> Build | None:
+        return await self._engine.call(get_build, build_id)
+
+    async def match(self, prefix: str, limit: int = 10) -> list[str]:
+        return await self._engine.call(match_builds, prefix, limit)
+
+    async def move(
+        self,
+        build_id: str,
+        expected: Iterable[BuildState],
+        new: BuildState,
+        held_by: str | None = None,
+        **fields: Any,
+    ) -> Build | None:
+        return await self._engine.call(move_build, build_id, expected, new, held_by, **fields)
+
+    async def update(self, build_id: str, held_by: str | None = None, **fields: Any) -> bool:
+        return await self._engine.call(update_build, build_id, held_by, **fields)
+
+    async def recent(
+        self, backend: str | None = None, name: str | None = None, limit: int = 50
+    ) -> list[Build]:
+        return await self._engine.call(list_builds, backend, name, limit)
+
+    async def abandoned(self, now: datetime) -> list[Build]:
+        return await self._engine.call(abandoned_builds, now)
