@@ -114,12 +114,16 @@ class TemplateVersion:
 class BuildsTemplates(Protocol):
     """A backend that can build templates. See the module docstring for the contract."""
 
+    # Which image the build prepares for it (bot/images: "proxmox", "vsphere"); None: the
+    # backend takes no image (the simulator), and `create_template` gets None.
+    image_platform: str | None
+
     async def build_preflight(self, plan: BuildPlan) -> BuildTarget: ...
 
     async def prepare_build(self, plan: BuildPlan, target: BuildTarget) -> VMRef: ...
 
     async def create_template(
-        self, plan: BuildPlan, target: BuildTarget, ref: VMRef, image: Path
+        self, plan: BuildPlan, target: BuildTarget, ref: VMRef, image: Path | None
     ) -> str | None: ...
 
     async def publish_template(self, plan: BuildPlan, ref: VMRef) -> str | None: ...

@@ -55,6 +55,7 @@ from backends.base import (
     listable,
     pick_address,
 )
+from backends.simbuild import SimBuilds, _Built
 from backends.simvm import (
     DEFAULT_STORAGES,
     DEFAULT_TEMPLATES,
@@ -90,7 +91,7 @@ def create(config: BackendConfig, environ: Mapping[str, str]) -> SimBackend:
     return sim
 
 
-class SimBackend:
+class SimBackend(SimBuilds):
     """A simulated hypervisor. Construct it, optionally inject faults, use it as a Backend."""
 
     def __init__(
@@ -114,6 +115,8 @@ class SimBackend:
         self.ssh_port = ssh_port
         self._placements = placements
         self.vms: dict[str, SimVM] = {}
+        self.built: dict[str, _Built] = {}  # templates it built (backends/simbuild.py)
+        self.without_avx2: set[str] = set()
         self.faults: list[Fault] = []
         self.task_log: list[tuple[str, str]] = []
         self._next_id = 101

@@ -152,6 +152,8 @@ OPERATIONS = (
     "power_off",
     "destroy",
     "addresses_in_use",
+    "create_template",
+    "publish_template",
 )
 
 

@@ -111,11 +111,32 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="how recent that dry run must be (default 30)",
     )
+    _template_parser(sub)
     manifest = sub.add_parser("manifest", help="print the Slack app manifest")
     manifest.add_argument(
         "--command", dest="slash_command", help="the slash command (default: slack.command)"
     )
     return parser
+
+
+def _template_parser(sub: Any) -> None:
+    """`deploybot template build|list`: golden templates from upstream images (issue 17)."""
+    template = sub.add_parser("template", help="build golden templates: `template build debian-12`")
+    actions = template.add_subparsers(dest="template_command", required=True, metavar="ACTION")
+    build = actions.add_parser(
+        "build",
+        help="build a template from a profile's upstream image, smoke-test it with a deploy, "
+        "publish it (exit 0 when published)",
+    )
+    build.add_argument("profile", metavar="PROFILE", help="a build profile (debian-12, ...)")
+    build.add_argument("--backend", required=True, help="where to build it")
+    build.add_argument("--node", help="the node (Proxmox) or host to build on")
+    build.add_argument("--storage", help="where its disk goes (default: the backend's)")
+    build.add_argument("--name", help="the published name (default: the profile's)")
+    build.add_argument("--user", default=default_user(), help="who asks")
+    listing = actions.add_parser("list", help="built templates and recent builds")
+    listing.add_argument("--backend", help="only this backend")
+    actions.add_parser("profiles", help="the build profiles (shipped and configured)")
 
 
 def _length(text: str) -> int:

@@ -116,14 +116,18 @@ class Intake:
         origin: str | None = None,
         dedupe_key: str | None = None,
         check_free_first: bool = False,
+        smoke: bool = False,
     ) -> Job:
-        """`Deployer.request_deploy` says what the arguments mean."""
+        """`Deployer.request_deploy` says what the arguments mean. `smoke`: the smoke
+        deploy of a template build (bot/builds/), which the build's approval covers: no
+        approval, quota or lease of its own, and the build runs it (it is not queued)."""
         await self._refuse_redelivery(dedupe_key)
         request = await self._validated(args, requester, ssh_keys)
         lease_s = None
-        if self.grant is not None:
+        if self.grant is not None and not smoke:
             lease_s = await self.grant(args.lease_s, args.lease_never, request, requester)
-        caps, over = await self._quota(request)  # before anything is reserved
+        # Before anything is reserved.
+        caps, over = ([], None) if smoke else await self._quota(request)
         if check_free_first:
             await check_free(self.backends, request)
         # Picks of the next free address in this process go one at a time (each
@@ -145,6 +149,7 @@ class Intake:
                         reservation,
                         (caps, over),
                         lease_s,
+                        smoke,
                     )
                     return recorded
                 except _LostRace:
@@ -234,11 +239,12 @@ class Intake:
         reservation: Reservation,
         quota: tuple[list[quotas.Cap], str | None],
         lease_s: int | None = None,
+        smoke: bool = False,
     ) -> Job:
         """`quota`: the caps the insert checks, and why the request is over quota when
         it goes to an approver for that (`_quota`)."""
         caps, over = quota
-        reason = _joined(approval_reason(self.settings.approval, request), over)
+        reason = None if smoke else _joined(approval_reason(self.settings.approval, request), over)
         wanted = quotas.asked(request)
         job, approval = self._job_for(request, reason, can_wait_for_approval, origin, job_id)
         job = job.model_copy(
@@ -266,7 +272,7 @@ class Intake:
                 if attempt == 3 or not await self._release_if_gone(request):
                     raise Conflict(await self._conflict_message(request, dup.what)) from None
         await self.progress.job_updated(job)
-        if job.state is JobState.QUEUED:
+        if job.state is JobState.QUEUED and not smoke:
             self.queue.submit(job.id, job.backend)
         return job
 

@@ -24,6 +24,7 @@ from bot import jobrefs, logfields
 from bot import prefs as user_prefs
 from bot.addressing import Addressing
 from bot.approvals import Approvals, GroupMembers
+from bot.builds import Builds, LoggedBuildNotes
 from bot.destroy import Destroyer
 from bot.errors import (
     ConfigError,
@@ -113,7 +114,7 @@ class Deployer:
             settings, self.backends, store, self.progress, self.runner.id, self.addressing
         )
         self.queue = JobQueue(
-            self.pipeline.run,
+            self._run_queued,
             max_running=settings.limits.max_running,
             max_per_backend=settings.limits.max_running_per_backend,
         )
@@ -152,11 +153,24 @@ class Deployer:
             self.destroyer, clock,
         )  # fmt: skip
         self.intake.grant = self.leases.grant
+        # Template builds share the queue, the store's ownership and the deploy parts
+        # their smoke test uses (bot/builds/).
+        self.builds = Builds(
+            settings, store, self.backends, self.queue, self.runner.id,
+            self.ownership.lease_until, LoggedBuildNotes(),
+        )  # fmt: skip
+        self.builds.wire(self.intake, self.pipeline, self.destroyer)
         self._leasing: asyncio.Task[None] | None = None
         self._expiry: asyncio.Task[None] | None = None
         self._sweeper: asyncio.Task[None] | None = None
         self.ready = asyncio.Event()  # set once start() has recovered and claimed
         self._closed = False
+
+    async def _run_queued(self, job_id: str) -> object:
+        """The queue's runner: a build id (`b...`) is a template build, else a deploy."""
+        if job_id.startswith("b"):
+            return await self.builds.run(job_id)
+        return await self.pipeline.run(job_id)
 
     @property
     def group_members(self) -> GroupMembers | None:
@@ -179,6 +193,7 @@ class Deployer:
         if settle:
             await self.ownership.settle()
         if self.ownership.takes_over:
+            await self.builds.recover()
             await self.reconcile_addresses()
             self._expiry = asyncio.create_task(self._expire_loop(expire_every_s))
             if settle:  # what came due while no process ran, before the shell reads input

@@ -9,17 +9,19 @@ import os
 import sys
 from collections.abc import Sequence
 
+from backends.building import BuildsTemplates
 from bot import gc
 from bot.check import run_checks
 from bot.cli import default_user, run
 from bot.models import JobState, utcnow
+from bot.models.builds import BuildState
 from bot.parser import DeployArgs, ListVMs, parse
 from bot.runtime import make_backend, open_store, running_deployer
 from bot.settings import Settings
 from handlers import messages
 from handlers.commands import list_page
 from handlers.demo import run_demo
-from handlers.terminal import Shell, TerminalThread
+from handlers.terminal import Shell, TerminalBuilds, TerminalThread
 
 
 async def demo(args: argparse.Namespace, settings: Settings) -> int:
@@ -155,6 +157,52 @@ async def gc_command(args: argparse.Namespace, settings: Settings) -> int:
     return 1 if failed or report.locked or report.unreachable or report.refused else 0
 
 
+async def template(args: argparse.Namespace, settings: Settings) -> int:
+    if args.template_command == "profiles":
+        print("\n".join(messages.profiles_table(settings.images.all_profiles())))
+        return 0
+    if args.template_command == "list":
+        return await _template_list(args, settings)
+    # A one-shot runner, like `deploy`: it runs its own build (and its smoke deploy).
+    async with running_deployer(
+        settings, TerminalThread(), runner_kind="build", takes_over=False
+    ) as deployer:
+        deployer.builds.listen(TerminalBuilds())
+        build = await deployer.builds.request(
+            args.profile,
+            args.backend,
+            args.user,
+            placement=args.node,
+            storage=args.storage,
+            name=args.name,
+        )
+        print(f"┌ {messages.build_started(build)}")
+        await deployer.drain()
+        final = await deployer.store.builds.get(build.id)
+    return 0 if final is not None and final.state is BuildState.PUBLISHED else 1
+
+
+async def _template_list(args: argparse.Namespace, settings: Settings) -> int:
+    scope = [c for c in settings.backends if args.backend in (None, c.name)]
+    if not scope:
+        print(f"--backend {args.backend}: no such backend.", file=sys.stderr)
+        return 2
+    store = await open_store(settings)
+    try:
+        for config in scope:
+            backend = make_backend(config)
+            try:
+                if isinstance(backend, BuildsTemplates):
+                    versions = await backend.template_versions()
+                    print("\n".join(messages.template_versions_table(config.name, versions)))
+            finally:
+                await backend.close()
+        print("\n".join(messages.builds_table(await store.builds.recent(args.backend, None, 20))))
+    finally:
+        await store.close()
+    return 0
+
+
 async def serve(args: argparse.Namespace, settings: Settings) -> int:
     from handlers.slack.serve import serve as serve_slack  # Bolt loads only when needed
 
@@ -185,6 +233,7 @@ COMMANDS = {
     "serve": serve,
     "manifest": manifest,
     "gc": gc_command,
+    "template": template,
 }
 
 

@@ -13,6 +13,7 @@ import sys
 from typing import TextIO
 
 from bot.models import Job, JobState, RollbackReport
+from bot.models.builds import Build
 from bot.service import Deployer
 from handlers import messages
 from handlers.commands import answer
@@ -111,3 +112,21 @@ class Shell:
         if self.deployer.queue.running_count or self.deployer.queue.waiting_count:
             self._reply(["Waiting for running deploys to finish..."])
             await self.deployer.drain()
+
+
+class TerminalBuilds:
+    """Build progress (bot/builds/) as a thread of lines, like a deploy's."""
+
+    def __init__(self, out: TextIO | None = None) -> None:
+        self.out = out or sys.stdout
+
+    async def build_note(self, build: Build, text: str) -> None:
+        for line in text.splitlines():
+            self.out.write(f"  [{build.versioned_name} {build.short_id}] {line}\n")
+        self.out.flush()
+
+    async def build_finished(self, build: Build) -> None:
+        for line in messages.build_end(build):
+            self.out.write(f"  [{build.versioned_name} {build.short_id}] {line}\n")
+        self.out.write(f"└ {messages.build_headline(build)}\n")
+        self.out.flush()

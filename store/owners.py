@@ -91,6 +91,12 @@ def renew(db: Db, runner_id: str, now: datetime, until: datetime) -> list[Owned]
             f"UPDATE jobs SET lease_until = :until WHERE owner = :me AND state IN {_OWNED_SQL}",
             params,
         )
+        # Template builds this runner runs (store/builds.py).
+        db.execute(
+            "UPDATE builds SET lease_until = :until WHERE owner = :me "
+            "AND state IN ('queued', 'running', 'rolling_back')",
+            params,
+        )
         # Commands this runner took from chat and is still carrying out (store/inbox.py).
         db.execute("UPDATE inbox SET until = :until WHERE holder = :me AND done_at IS NULL", params)
         rows = db.execute(

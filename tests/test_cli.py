@@ -237,3 +237,19 @@ def test_a_destroy_needing_approval_is_refused_by_the_one_shot_cli(tmp_path: Pat
     refused = deploybot(tmp_path, "destroy", "web01", "--user", "alice", config=config)
     assert refused.returncode == 2 and "Destroys need approval here" in refused.stderr
     assert "ready" in deploybot(tmp_path, "list", "--user", "alice", config=config).stdout
+
+
+def test_template_build_on_the_simulator(tmp_path: Path) -> None:
+    result = deploybot(
+        tmp_path, "template", "build", "debian-12", "--backend", "sim", "--name", "golden"
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "smoke test passed" in result.stdout
+    assert "Published: golden is version 1 (golden-v1)" in result.stdout
+    listing = deploybot(tmp_path, "template", "list")
+    assert "golden-v1" in listing.stdout and "published" in listing.stdout
+    refused = deploybot(tmp_path, "template", "build", "nope", "--backend", "sim")
+    assert refused.returncode == 2 and "no build profile 'nope'" in refused.stderr
+    no_traceback(refused)
+    profiles = deploybot(tmp_path, "template", "profiles")
+    assert "rocky-10" in profiles.stdout and "x86-64-v3" in profiles.stdout

@@ -173,6 +173,12 @@ class ImagesSettings(_Model):
     download_timeout_s: float = Field(default=3600, gt=0)
     connect_timeout_s: float = Field(default=30, gt=0)
     customize_timeout_s: float = Field(default=1800, gt=0)
+    # A build's upload, import and conversion to a template; its smoke deploy, end to end.
+    create_timeout_s: float = Field(default=3600, gt=0)
+    smoke_timeout_s: float = Field(default=1800, gt=0)
+    # Where the smoke deploy's address comes from (a [[subnets]] name or CIDR; None: the
+    # backend's default subnet, as for a deploy without an address).
+    smoke_subnet: str | None = None
     # How libguestfs boots its appliance: "tcg" where /dev/kvm exists but cannot run a
     # kernel (nested virtualisation); "auto" lets libguestfs choose.
     accelerator: Literal["auto", "kvm", "tcg"] = "auto"

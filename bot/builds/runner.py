@@ -1,0 +1,351 @@
+"""One template build, step by step, with an undo stack (issue 17).
+
+    preflight -> image -> create -> smoke -> publish
+
+Like a deploy (bot/pipeline.py): each step has a timeout, a step that creates something
+records its durable id and pushes its undo *before* the call, and a failure or a cancel
+runs the undo stack in reverse, shielded, so nothing a failed build made is left. The
+build's row says who runs it (`owner`, with a lease renewed by bot/ownership.py), so a
+build whose process died is rolled back by the next process that starts.
+
+The smoke step is a real deploy through the normal pipeline (a job of its own, recorded
+by the intake without approval, quota or lease: the build's approval covers it), run in
+the build's own queue slot, then destroyed the way `/deploy destroy` destroys. Only a
+template whose smoke deploy answered on SSH is published.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from backends.base import BackendError, VMRef
+from backends.building import BuildPlan, BuildsTemplates, BuildTarget
+from bot.images import PreparedImage, prepare_image
+from bot.images.customize import CustomizeError
+from bot.images.fetch import FetchError
+from bot.images.profiles import Platform, Profile
+from bot.models import Job, JobState, utcnow
+from bot.models.builds import Build, BuildState
+from bot.runs import describe
+from bot.settings import Settings
+from bot.waiting import protected, retrying
+from store.db import Store
+
+log = logging.getLogger(__name__)
+Prepare = Callable[..., Awaitable[PreparedImage]]
+
+
+class BuildNotes(Protocol):
+    """What a front end hears of a build: a line of progress, and its end."""
+
+    async def build_note(self, build: Build, text: str) -> None: ...
+
+    async def build_finished(self, build: Build) -> None: ...
+
+
+class LoggedBuildNotes:
+    """No front end listening: the runner's log lines are all there is."""
+
+    async def build_note(self, build: Build, text: str) -> None:
+        return None
+
+    async def build_finished(self, build: Build) -> None:
+        log.info("build %s ended %s", build.id, build.state.value)
+
+
+class SmokeDeploys(Protocol):
+    """The deploy machinery the smoke step uses (the Deployer's intake, pipeline and
+    destroyer): record a deploy, run it here, destroy its VM."""
+
+    async def record(self, build: Build, template: str) -> Job: ...
+
+    async def run(self, job_id: str) -> Job | None: ...
+
+    async def destroy(self, job: Job, build: Build) -> Job | None: ...
+
+
+class BuildFailed(Exception):
+    def __init__(self, step: str, reason: str) -> None:
+        super().__init__(f"{step}: {reason}")
+        self.step = step
+        self.reason = reason
+
+
+@dataclass
+class _Undo:
+    what: str
+    action: Callable[[], Awaitable[None]]
+    timeout_s: float
+
+
+@dataclass
+class _Run:
+    build: Build
+    backend: BuildsTemplates
+    profile: Profile
+    plan: BuildPlan
+    target: BuildTarget | None = None
+    ref: VMRef | None = None
+    image: PreparedImage | None = None
+    undo: list[_Undo] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def plan_for(build: Build, profile: Profile, settings: Settings) -> BuildPlan:
+    return BuildPlan(
+        job_id=build.id,
+        profile=profile.name,
+        os_family=profile.os_family,
+        version=build.version,
+        name=build.name,
+        cpu=profile.cpu,
+        ostype=profile.ostype,
+        nic=profile.nic,
+        disk_bus=profile.disk_bus,
+        user=profile.user,
+        built_at=build.created_at,
+        source_digest=build.source_digest or "",
+        placement=build.placement,
+        storage=build.storage,
+        installation=build.installation,
+    )
+
+
+class BuildRunner:
+    def __init__(
+        self,
+        settings: Settings,
+        store: Store,
+        backends: dict[str, Any],
+        owner: str,
+        notes: BuildNotes,
+        smoke: SmokeDeploys,
+        prepare: Prepare = prepare_image,
+    ) -> None:
+        """`prepare` makes the image (bot/images.prepare_image); the demo's simulator
+        takes none, so it is never called for it."""
+        self.settings = settings
+        self.store = store
+        self.backends = backends
+        self.owner = owner
+        self.notes = notes
+        self.smoke = smoke
+        self.prepare = prepare
+
+    async def run(self, build_id: str) -> Build | None:
+        """Run a queued build to published, failed or cancelled."""
+        build = await self.store.builds.move(
+            build_id, [BuildState.QUEUED], BuildState.RUNNING, self.owner, started_at=utcnow()
+        )
+        if build is None:
+            return await self.store.builds.get(build_id)
+        backend = self.backends[build.backend]
+        profile = self.settings.images.profile(build.profile)
+        run = _Run(build, backend, profile, plan_for(build, profile, self.settings))
+        try:
+            await self._steps(run)
+        except asyncio.CancelledError:
+            return await protected(self._roll_back(run, BuildState.CANCELLED, None))
+        except BuildFailed as failure:
+            return await protected(self._roll_back(run, BuildState.FAILED, failure))
+        return await protected(self._publish(run))
+
+    # --- steps ----------------------------------------------------------------------
+
+    async def _steps(self, run: _Run) -> None:
+        t = self.settings.timeouts
+        images = self.settings.images
+        await self._step(run, "preflight", self._preflight, t.check_free_s)
+        await self._step(run, "image", self._image, images.download_timeout_s)
+        await self._step(run, "create", self._create, images.create_timeout_s)
+        await self._step(run, "smoke", self._smoke, images.smoke_timeout_s)
+
+    async def _step(
+        self, run: _Run, step: str, body: Callable[[_Run], Awaitable[None]], timeout_s: float
+    ) -> None:
+        await self._update(run, step=step)
+        try:
+            async with asyncio.timeout(timeout_s):
+                await body(run)
+        except TimeoutError:
+            raise BuildFailed(step, f"did not finish within {timeout_s:g} s") from None
+        except BackendError as exc:
+            raise BuildFailed(step, exc.message) from None
+        except (FetchError, CustomizeError) as exc:
+            raise BuildFailed(step, str(exc)) from None
+
+    async def _retrying(self, action: Callable[[], Awaitable[Any]]) -> Any:
+        return await retrying(action, self.settings.timeouts)
+
+    async def _preflight(self, run: _Run) -> None:
+        run.target = await self._retrying(lambda: run.backend.build_preflight(run.plan))
+        assert run.target is not None
+        await self._update(run, vm_placement=run.target.placement)
+        for line in run.target.notes:
+            await self._say(run, line)
+        await self._say(
+            run,
+            f"pre-flight passed: {run.plan.versioned_name} on {run.target.placement}, "
+            f"storage {run.target.storage}, CPU baseline {run.plan.cpu}",
+        )
+
+    async def _image(self, run: _Run) -> None:
+        platform = run.backend.image_platform
+        if platform is None:
+            await self._say(run, f"{run.build.backend} takes no image: nothing to download")
+            return
+
+        async def progress(line: str) -> None:
+            await self._say(run, line)
+
+        images = self.settings.images
+        run.image = await self.prepare(
+            run.profile,
+            images.cache_dir,
+            _platform(platform),
+            accelerator=images.accelerator,
+            timeouts=images.fetch_timeouts,
+            customize_timeout_s=images.customize_timeout_s,
+            progress=progress,
+        )
+        assert run.image is not None
+        path = run.image.path
+        run.undo.append(_Undo("remove the prepared image", lambda: _unlink(path), 30))
+        await self._update(run, source_digest=run.image.source_digest)
+
+    async def _create(self, run: _Run) -> None:
+        assert run.target is not None
+        target = run.target
+        ref = await self._retrying(lambda: run.backend.prepare_build(run.plan, target))
+        run.ref = ref
+        # Recorded before the template exists: a crash from here on still knows what to remove.
+        await self._update(run, vm_id=ref.vm_id, vm_placement=ref.placement)
+        timeout_s = self.settings.timeouts.destroy_s
+        run.undo.append(
+            _Undo(
+                f"remove template {ref.vm_id}",
+                lambda: self._retrying(lambda: run.backend.destroy_template(ref)),
+                timeout_s,
+            )
+        )
+        image = run.image.path if run.image else None
+        note = await run.backend.create_template(run.plan, target, ref, image)
+        if note:
+            await self._say(run, note)
+        await self._say(run, f"template {run.plan.versioned_name} created (VM {ref.vm_id})")
+
+    async def _smoke(self, run: _Run) -> None:
+        job = await self.smoke.record(run.build, run.plan.versioned_name)
+        await self._update(run, smoke_job=job.id)
+        run.undo.append(
+            _Undo(f"remove smoke VM {job.name}", lambda: self._unsmoke(run, job.id), 600)
+        )
+        await self._say(run, f"smoke test: deploying {job.name} from {run.plan.versioned_name}")
+        done = await self.smoke.run(job.id)
+        if done is None or done.state is not JobState.SUCCEEDED:
+            why = done.error if done is not None and done.error else "it did not succeed"
+            raise BuildFailed("smoke", f"the smoke deploy {job.name} failed: {why}")
+        await self._say(run, f"smoke test passed: {done.ssh_line} answered")
+        gone = await self.smoke.destroy(done, run.build)
+        if gone is None or gone.state is not JobState.DESTROYED:
+            raise BuildFailed("smoke", f"the smoke VM {job.name} could not be destroyed")
+        run.undo.pop()
+
+    async def _unsmoke(self, run: _Run, job_id: str) -> None:
+        """The smoke VM, if its deploy succeeded (a failed one rolled itself back)."""
+        job = await self.store.get_job(job_id)
+        if job is not None and job.state is JobState.SUCCEEDED:
+            await self.smoke.destroy(job, run.build)
+
+    # --- endings --------------------------------------------------------------------
+
+    async def _publish(self, run: _Run) -> Build | None:
+        assert run.ref is not None
+        ref = run.ref
+        try:
+            async with asyncio.timeout(self.settings.timeouts.identity_s):
+                await self._retrying(lambda: run.backend.publish_template(run.plan, ref))
+        except (BackendError, TimeoutError) as exc:
+            reason = exc.message if isinstance(exc, BackendError) else "timed out"
+            return await self._roll_back(run, BuildState.FAILED, BuildFailed("publish", reason))
+        await self._cleanup_image(run)
+        await self._say(run, f"published: {run.plan.name} is now version {run.plan.version}")
+        build = await self.store.builds.move(
+            run.build.id,
+            [BuildState.RUNNING],
+            BuildState.PUBLISHED,
+            self.owner,
+            finished_at=utcnow(),
+            step=None,
+            notes=tuple(run.notes),
+        )
+        if build is not None:
+            await self.notes.build_finished(build)
+        return build
+
+    async def _cleanup_image(self, run: _Run) -> None:
+        for undo in [u for u in run.undo if u.what == "remove the prepared image"]:
+            await undo.action()
+
+    async def _roll_back(
+        self, run: _Run, final: BuildState, failure: BuildFailed | None
+    ) -> Build | None:
+        moved = await self.store.builds.move(
+            run.build.id, [BuildState.RUNNING], BuildState.ROLLING_BACK, self.owner
+        )
+        if moved is None:
+            log.warning("build %s: no longer ours; its rollback goes on elsewhere", run.build.id)
+            return await self.store.builds.get(run.build.id)
+        if failure is not None:
+            await self._say(run, f"{failure.step} failed: {failure.reason}")
+        left = []
+        for undo in reversed(run.undo):
+            try:
+                async with asyncio.timeout(undo.timeout_s):
+                    await undo.action()
+                await self._say(run, f"rollback: {undo.what}")
+            except Exception as exc:  # reported, never raised over the original error
+                reason = exc.message if isinstance(exc, BackendError) else describe(exc)
+                log.warning("build %s: undo %r failed: %s", run.build.id, undo.what, reason)
+                left.append(f"{undo.what}: {reason}")
+        build = await self.store.builds.move(
+            run.build.id,
+            [BuildState.ROLLING_BACK],
+            final,
+            self.owner,
+            finished_at=utcnow(),
+            failed_step=failure.step if failure else run.build.step,
+            error=failure.reason if failure else "cancelled",
+            wreckage="; ".join(left) or None,
+            notes=tuple(run.notes),
+        )
+        if build is not None:
+            await self.notes.build_finished(build)
+        return build
+
+    # --- records --------------------------------------------------------------------
+
+    async def _update(self, run: _Run, **fields: Any) -> None:
+        if not await self.store.builds.update(run.build.id, self.owner, **fields):
+            raise BuildFailed(run.build.step or "build", "another process took this build over")
+        run.build = run.build.model_copy(update=fields)
+
+    async def _say(self, run: _Run, line: str) -> None:
+        run.notes.append(line)
+        log.info("build %s: %s", run.build.id, line)
+        await self.notes.build_note(run.build, line)
+
+
+def _platform(name: str) -> Platform:
+    if name not in ("proxmox", "vsphere"):
+        raise BuildFailed("image", f"no image preparation for platform {name!r}")
+    return "proxmox" if name == "proxmox" else "vsphere"
+
+
+async def _unlink(path: Path) -> None:
+    await asyncio.to_thread(path.unlink, True)

@@ -1,0 +1,162 @@
+"""The build job on the simulator: queue, store, smoke deploy, publish, rollback and
+recovery, through the Deployer as every front end uses it (no libguestfs: the simulator
+takes no image)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import pytest
+
+from backends.sim import SimBackend
+from bot.errors import Conflict, RequestInvalid
+from bot.models import JobState, utcnow
+from bot.models.builds import Build, BuildState
+from bot.parser import DeployArgs
+from bot.service import Deployer
+
+
+@dataclass
+class Heard:
+    notes: list[str] = field(default_factory=list)
+    ended: list[Build] = field(default_factory=list)
+
+    async def build_note(self, build: Build, text: str) -> None:
+        self.notes.append(text)
+
+    async def build_finished(self, build: Build) -> None:
+        self.ended.append(build)
+
+
+async def build(deployer: Deployer, profile: str = "debian-12", **kw: str) -> Build:
+    kw.setdefault("name", "golden-debian")
+    asked = await deployer.builds.request(profile, "sim", "alice", **kw)
+    await deployer.drain()
+    final = await deployer.store.builds.get(asked.id)
+    assert final is not None
+    return final
+
+
+async def test_a_build_is_smoke_tested_then_published(deployer: Deployer, sim: SimBackend) -> None:
+    heard = Heard()
+    deployer.builds.listen(heard)
+    first = await build(deployer)
+    assert first.state is BuildState.PUBLISHED, first.error
+    assert first.version == 1 and first.vm_id is not None and first.smoke_job is not None
+    assert [t.name for t in await sim.templates()][-1] == "golden-debian"
+    assert any("smoke test passed" in n for n in heard.notes)
+    assert heard.ended == [first]
+    # The smoke VM was deployed through the pipeline, then destroyed.
+    smoke = await deployer.store.get_job(first.smoke_job)
+    assert smoke is not None and smoke.state is JobState.DESTROYED
+    assert smoke.request.template == "golden-debian-v1"
+    assert not [vm for vm in sim.vms.values() if vm.name == smoke.name]
+    # A normal deploy uses the published template by its plain name.
+    job = await deployer.request_deploy(
+        DeployArgs(name="web01", template="golden-debian", on="sim"), "alice"
+    )
+    await deployer.drain()
+    done = (await deployer.status(job.id)).job
+    assert done.state is JobState.SUCCEEDED
+    # The clone carries its own job's tag, not the build's.
+    vm = sim.vms[str(done.vm_id)]
+    assert vm.tags == {f"deploybot-{deployer.store.installation_id}-{job.id}"}
+
+
+async def test_a_rebuild_is_a_new_version_and_the_old_one_is_kept(
+    deployer: Deployer, sim: SimBackend
+) -> None:
+    first = await build(deployer)
+    second = await build(deployer)
+    assert second.state is BuildState.PUBLISHED and second.version == 2
+    names = {v.version: v.name for v in await sim.template_versions("golden-debian")}
+    assert names == {1: "golden-debian-v1", 2: "golden-debian"}
+    assert first.vm_id != second.vm_id
+
+
+async def test_a_failed_smoke_deploy_removes_the_template(
+    deployer: Deployer, sim: SimBackend
+) -> None:
+    sim.inject("power_on", "error")
+    failed = await build(deployer)
+    assert failed.state is BuildState.FAILED and failed.failed_step == "smoke"
+    assert "smoke deploy" in (failed.error or "")
+    assert failed.wreckage is None
+    assert await sim.template_versions() == []
+    assert "golden-debian-v1" not in [t.name for t in await sim.templates()]
+    assert sim.vms == {}
+
+
+async def test_a_failed_create_leaves_nothing(deployer: Deployer, sim: SimBackend) -> None:
+    sim.inject("create_template", "error")
+    failed = await build(deployer)
+    assert failed.state is BuildState.FAILED and failed.failed_step == "create"
+    assert sim.vms == {} and await sim.template_versions() == []
+
+
+async def test_pre_flight_refuses_a_v3_profile_on_a_node_without_avx2(
+    deployer: Deployer, sim: SimBackend
+) -> None:
+    sim.without_avx2 = {"node1"}
+    failed = await build(deployer, "rocky-10", name="golden-rocky")
+    assert failed.state is BuildState.FAILED and failed.failed_step == "preflight"
+    assert "avx2" in (failed.error or "") and "--node" in (failed.error or "")
+    assert failed.vm_id is None and sim.vms == {}
+    ok = await build(deployer, "rocky-10", name="golden-rocky", placement="node2")
+    assert ok.state is BuildState.PUBLISHED, ok.error
+
+
+async def test_a_name_held_by_a_hand_made_template_is_refused(deployer: Deployer) -> None:
+    failed = await build(deployer, name="debian-12")  # the simulator ships one by hand
+    assert failed.state is BuildState.FAILED and failed.failed_step == "preflight"
+    assert "did not build" in (failed.error or "")
+
+
+async def test_bad_requests_change_nothing(deployer: Deployer) -> None:
+    with pytest.raises(RequestInvalid, match="no build profile 'nope'"):
+        await deployer.builds.request("nope", "sim", "alice")
+    with pytest.raises(RequestInvalid, match="no backend 'pve'"):
+        await deployer.builds.request("debian-12", "pve", "alice")
+    assert await deployer.store.builds.recent() == []
+
+
+async def test_one_build_of_a_name_at_a_time(deployer: Deployer) -> None:
+    await deployer.builds.request("debian-12", "sim", "alice", name="golden-debian")
+    with pytest.raises(Conflict, match="already under way"):
+        await deployer.builds.request("debian-12", "sim", "bob", name="golden-debian")
+    await deployer.drain()
+
+
+async def test_a_build_whose_runner_died_is_rolled_back(
+    deployer: Deployer, sim: SimBackend
+) -> None:
+    """A row left running by a process that died (its lease lapsed), with the template it
+    had created: the next process's recovery removes the template and fails the build."""
+    from backends.building import BuildTarget
+    from bot.builds.runner import plan_for
+
+    row = Build(
+        state=BuildState.QUEUED,
+        requester="alice",
+        profile="debian-12",
+        backend="sim",
+        name="golden-debian",
+        version=1,
+        owner="rdead",
+        installation=deployer.store.installation_id,
+        lease_until=utcnow() - timedelta(seconds=5),
+    )
+    dead = await deployer.store.builds.insert(row)
+    await deployer.store.builds.move(dead.id, [BuildState.QUEUED], BuildState.RUNNING, "rdead")
+    profile = deployer.settings.images.profile("debian-12")
+    plan = plan_for(dead, profile, deployer.settings)
+    target = BuildTarget("node1", "local-lvm")
+    ref = await sim.prepare_build(plan, target)
+    await deployer.store.builds.update(dead.id, "rdead", vm_id=ref.vm_id, vm_placement="node1")
+    await sim.create_template(plan, target, ref, None)
+    assert len(await sim.template_versions()) == 1
+    [recovered] = await deployer.builds.recover()
+    assert recovered.state is BuildState.FAILED and "interrupted" in (recovered.error or "")
+    assert await sim.template_versions() == []
+    assert await deployer.builds.recover() == []  # done once
