@@ -375,6 +375,8 @@ class SimBackend(SimBuilds):
             lock="clone",
         )
         self.vms[vm.vm_id] = vm
+        if mode.linked:
+            self.note_linked(template.name, vm.vm_id)
         self._save()
         seconds = self.timing.clone_linked_s if mode.linked else self.timing.clone_full_s
         await self._run("clone", vm.vm_id, seconds, Effect(vm, self.vms, remove=True), fault)

@@ -11,7 +11,7 @@ the new one first, then the old one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,6 +25,7 @@ class _Built:
     plan: BuildPlan
     name: str  # as it is called now
     placement: str
+    linked: set[str] = field(default_factory=set)  # linked clones: they need it
 
 
 class SimBuilds:
@@ -48,6 +49,12 @@ class SimBuilds:
         async def _run(
             self, op: str, vm_id: str, seconds: float, effect: Effect, fault: FaultKind | None
         ) -> None: ...
+
+    def note_linked(self, template: str, vm_id: str) -> None:
+        """A linked clone of `template` was made: it needs the template while it lives."""
+        for built in self.built.values():
+            if built.name == template:
+                built.linked.add(vm_id)
 
     def _named(self, name: str) -> list[str]:
         """What holds a name: templates (shipped or built) and VMs."""
@@ -143,6 +150,7 @@ class SimBuilds:
                 b.plan.cpu,
                 parse_tag(b.plan.tag),
                 b.placement,
+                tuple(sorted(v for v in b.linked if v in self.vms)),
             )
             for vm_id, b in sorted(self.built.items())
             if name is None or b.plan.name == name

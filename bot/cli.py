@@ -137,6 +137,12 @@ def _template_parser(sub: Any) -> None:
     listing = actions.add_parser("list", help="built templates and recent builds")
     listing.add_argument("--backend", help="only this backend")
     actions.add_parser("profiles", help="the build profiles (shipped and configured)")
+    gc = actions.add_parser(
+        "gc", help="list template versions nobody needs (--apply retires what a dry run listed)"
+    )
+    gc.add_argument("--backend", action="append", metavar="NAME", help="only this backend")
+    gc.add_argument("--apply", action="store_true", help="retire what a recent dry run listed")
+    gc.add_argument("--window-minutes", type=float, default=30.0, help="(default 30)")
 
 
 def _length(text: str) -> int:

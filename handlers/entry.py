@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from backends.building import BuildsTemplates
 from bot import gc
+from bot.builds import retire
 from bot.check import run_checks
 from bot.cli import default_user, run
 from bot.models import JobState, utcnow
@@ -163,6 +164,8 @@ async def template(args: argparse.Namespace, settings: Settings) -> int:
         return 0
     if args.template_command == "list":
         return await _template_list(args, settings)
+    if args.template_command == "gc":
+        return await _template_gc(args, settings)
     # A one-shot runner, like `deploy`: it runs its own build (and its smoke deploy).
     async with running_deployer(
         settings, TerminalThread(), runner_kind="build", takes_over=False
@@ -201,6 +204,31 @@ async def _template_list(args: argparse.Namespace, settings: Settings) -> int:
     finally:
         await store.close()
     return 0
+
+
+async def _template_gc(args: argparse.Namespace, settings: Settings) -> int:
+    known = [b.name for b in settings.backends]
+    scope = args.backend or known
+    if unknown := sorted(set(scope) - set(known)):
+        print(messages.gc_unknown_backends(unknown, known), file=sys.stderr)
+        return 2
+    backends = {c.name: make_backend(c) for c in settings.backends if c.name in scope}
+    store = await open_store(settings)
+    keep = settings.images.keep_previous
+    try:
+        if args.apply:
+            report = await retire.apply(
+                store, backends, scope, keep, args.window_minutes * 60, settings.timeouts.destroy_s
+            )
+        else:
+            report = await retire.dry_run(store, backends, scope, keep)
+    finally:
+        for backend in backends.values():
+            await backend.close()
+        await store.close()
+    print("\n".join(messages.retire_report(report, args.window_minutes)))
+    failed = [why for _v, why in report.left if why.startswith("removal failed")]
+    return 1 if failed or report.unreachable else 0
 
 
 async def serve(args: argparse.Namespace, settings: Settings) -> int:

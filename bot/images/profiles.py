@@ -179,6 +179,9 @@ class ImagesSettings(_Model):
     # Where the smoke deploy's address comes from (a [[subnets]] name or CIDR; None: the
     # backend's default subnet, as for a deploy without an address).
     smoke_subnet: str | None = None
+    # Older versions of a template `deploybot template gc` keeps (besides those in use):
+    # a way back to the last one that worked.
+    keep_previous: int = Field(default=1, ge=0)
     # How libguestfs boots its appliance: "tcg" where /dev/kvm exists but cannot run a
     # kernel (nested virtualisation); "auto" lets libguestfs choose.
     accelerator: Literal["auto", "kvm", "tcg"] = "auto"

@@ -13,4 +13,5 @@ from __future__ import annotations
 from handlers.messages.builds import *  # noqa: F403
 from handlers.messages.core import *  # noqa: F403
 from handlers.messages.lifecycle import *  # noqa: F403
+from handlers.messages.retire import *  # noqa: F403
 from handlers.messages.slack import *  # noqa: F403
