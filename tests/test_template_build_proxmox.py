@@ -21,7 +21,7 @@ from backends.base import CloneSpec, NotOurVM, PermanentError, VMRef
 from backends.building import BuildPlan, BuildsTemplates
 from backends.proxmox import ProxmoxBackend
 from backends.proxmox.api import TaskFailed
-from backends.proxmox.vmconfig import mark_field, tags_of
+from backends.proxmox.vmconfig import mark_field, merged_tags, tags_of
 from tests.fakepve import testing
 from tests.fakepve.realvm import RealMachines
 from tests.fakepve.schema import ApiSchema
@@ -197,7 +197,13 @@ async def test_publish_renames_the_new_then_the_previous_and_can_run_again(
         two.vm_id
     )
 
+    before = len(pve.requests)
     versions = await backend.template_versions("golden-deb")
+    asked = [r.template for r in pve.requests[before:]]
+    # The VM list, each template's config, one content listing per storage of theirs.
+    assert asked.count("/cluster/resources") == 1
+    assert asked.count("/nodes/{node}/qemu/{vmid}/config") == 8  # 6 hand-made + 2 built
+    assert asked.count("/nodes/{node}/storage/{storage}/content") == 1
     assert [(v.vm_id, v.name, v.version, v.current) for v in versions] == [
         (one.vm_id, "golden-deb-v1", 1, False),
         (two.vm_id, "golden-deb", 2, True),
@@ -239,6 +245,15 @@ async def test_a_deploy_from_a_build_is_linked_and_carries_only_its_own_job_tag(
     await backend.destroy(clone)
     (version,) = await backend.template_versions()
     assert version.used_by == ()
+
+
+def test_a_clone_drops_the_job_tags_it_inherits() -> None:
+    built = {"tags": "deploybot-labinst001-jbuild01;os-debian;profile-golden-deb"}
+    assert merged_tags(built, "deploybot-labinst001-jdeploy1") == (
+        "deploybot-labinst001-jdeploy1;os-debian;profile-golden-deb"
+    )
+    legacy = {"tags": "deploybot-jold001;deploybot-managed"}  # a human's tag stays
+    assert merged_tags(legacy, "deploybot-jnew001") == "deploybot-jnew001;deploybot-managed"
 
 
 # --- destroying -------------------------------------------------------------------------

@@ -12,20 +12,18 @@ A build, as API calls (each mutation waits for its task):
 4. `DELETE /nodes/{node}/storage/{up}/content/{volid}`: the upload, no longer needed.
 
 Publishing renames (`POST .../config name=`) the new template to the plain name, then the
-previous one to `<name>-v<its version>`. Marks and names: `buildmarks`.
+previous one to `<name>-v<its version>`. Marks and names: `buildmarks`; uploads and
+volumes: `uploads`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
 import logging
-import tempfile
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
 
 from backends.base import IdTaken, NotOurVM, PermanentError, VMNotFound, VMRef
 from backends.building import BuildPlan, BuildTarget, TemplateVersion
@@ -35,6 +33,7 @@ from backends.proxmox.cloning import Cloning
 from backends.proxmox.config import Config
 from backends.proxmox.inventory import LINKED_TYPES, Inventory
 from backends.proxmox.locks import TaskRunner
+from backends.proxmox.uploads import StorageContent
 from backends.proxmox.vmconfig import cpu_model, tags_of
 
 log = logging.getLogger(__name__)
@@ -78,6 +77,7 @@ class TemplateBuilds:
         self.inventory = inventory
         self.tasks = tasks
         self.cloning = cloning
+        self.content = StorageContent(api)
 
     # --- before anything is created ---------------------------------------------------
 
@@ -96,7 +96,7 @@ class TemplateBuilds:
                 f"{shortfall}: its guests would panic at boot. Build on a node with that "
                 "CPU (on=NODE), or set the profile's CPU baseline to what the nodes offer."
             )
-        storages = await self._storages(node)
+        storages = await self.content.storages(node)
         storage = plan.storage or self.config.storage or _default_storage(storages)
         if storage is None:
             raise PermanentError(
@@ -170,7 +170,7 @@ class TemplateBuilds:
             if existing is not None and ref.tag not in tags_of(existing):
                 raise IdTaken(f"VM id {ref.vm_id} was taken by another client; choosing another")
             release = await self.inventory.release()
-            storages = await self._storages(node)
+            storages = await self.content.storages(node)
             upload = buildmarks.choose_upload(storages, release, target.storage, plan.job_id)
             if upload is None:
                 raise PermanentError(f"no storage on {node} takes the image upload any more")
@@ -181,38 +181,17 @@ class TemplateBuilds:
                 )
                 existing = None
             if existing is None:
-                if not await self._has_volume(node, upload):
-                    await self._upload(node, upload, image)
+                if not await self.content.has_volume(node, upload):
+                    await self.content.upload(node, upload, image)
                 await self._create_vm(plan, target, ref, node, upload)
                 await self._templatise(node, ref.vm_id)
-            await self._delete_volume(node, upload.storage, upload.volid)
+            await self.content.delete_volume(node, upload.storage, upload.volid)
         finally:
             self.cloning.reserved.discard(int(ref.vm_id))
         return (
             f"VM {ref.vm_id} {plan.versioned_name} on {node}: imported onto {target.storage} "
             f"from an upload to {upload.storage}"
         )
-
-    async def _upload(self, node: str, upload: buildmarks.UploadTarget, image: Path) -> None:
-        with tempfile.TemporaryDirectory(prefix="deploybot-upload-") as folder:
-            source = image
-            if upload.content == "iso":  # counted as raw there: send raw data
-                source = Path(folder) / upload.filename
-                await _to_raw(image, source)
-            digest = await asyncio.to_thread(_sha256, source)
-            what = f"upload of {image.name} to {upload.storage} on {node}"
-            path = f"nodes/{node}/storage/{upload.storage}/upload"
-            upid = await self.api.upload(
-                path,
-                what,
-                source,
-                upload.filename,
-                content=upload.content,
-                checksum=digest,
-                **{"checksum-algorithm": "sha256"},
-            )
-            if upid is not None:
-                await self.api.wait_task(str(upid), what)
 
     async def _create_vm(
         self,
@@ -311,7 +290,7 @@ class TemplateBuilds:
             if version is not None and name in (None, version.base_name):
                 found.append((version, buildmarks.base_volumes(config or {})))
         wanted = {(str(v.placement), store) for v, volumes in found for store, _ in volumes}
-        listings = await asyncio.gather(*(self._volumes(n, s) for n, s in sorted(wanted)))
+        listings = await asyncio.gather(*(self.content.volumes(n, s) for n, s in sorted(wanted)))
         children: dict[buildmarks.Volume, set[str]] = {}
         for listing in listings:
             for volume in listing:
@@ -336,19 +315,7 @@ class TemplateBuilds:
             owned = functools.partial(self._owned, ref)
             await rollback.destroy(self.api, self.tasks, owned, ref.vm_id)
         self.cloning.reserved.discard(int(ref.vm_id))
-        await self._remove_uploads(node, ref.job_id)
-
-    async def _remove_uploads(self, node: str, job_id: str) -> None:
-        """Every upload of this job on the node's import and iso storages."""
-        prefix = buildmarks.upload_prefix(job_id)
-        for storage in await self._storages(node):
-            for kind in ("import", "iso"):
-                if kind not in buildmarks.contents(storage):
-                    continue
-                for volume in await self._volumes(node, str(storage["storage"]), kind):
-                    volid = str(volume.get("volid", ""))
-                    if volid.rsplit("/", 1)[-1].startswith(prefix):
-                        await self._delete_volume(node, str(storage["storage"]), volid)
+        await self.content.remove_uploads(node, ref.job_id)
 
     # --- helpers ----------------------------------------------------------------------
 
@@ -369,39 +336,6 @@ class TemplateBuilds:
             )
         return node, config
 
-    async def _storages(self, node: str) -> list[dict[str, Any]]:
-        """Every enabled storage of the node, with its content types."""
-        items: list[dict[str, Any]] = await self.api.get(
-            f"nodes/{node}/storage", "storage list", enabled=1
-        )
-        return items
-
-    async def _volumes(
-        self, node: str, storage: str, content: str | None = None
-    ) -> list[dict[str, Any]]:
-        items: list[dict[str, Any]] = await self.api.get(
-            f"nodes/{node}/storage/{storage}/content", f"content of {storage}", content=content
-        )
-        return items
-
-    async def _has_volume(self, node: str, upload: buildmarks.UploadTarget) -> bool:
-        """Whether an earlier attempt's upload is there (complete: Proxmox moves a
-        verified upload into place only at the end of its task)."""
-        listing = await self._volumes(node, upload.storage, upload.content)
-        return any(v.get("volid") == upload.volid for v in listing)
-
-    async def _delete_volume(self, node: str, storage: str, volid: str) -> None:
-        what = f"removing {volid}"
-        path = f"nodes/{node}/storage/{storage}/content/{quote(volid, safe='')}"
-        try:
-            upid = await self.api.delete(path, what)
-        except PermanentError as exc:
-            if "does not exist" in exc.message or "no such volume" in exc.message:
-                return
-            raise
-        if upid is not None:
-            await self.api.wait_task(str(upid), what)
-
 
 def node_of(ref: VMRef) -> str:
     node = (ref.placement or "").partition("@")[0]
@@ -419,27 +353,3 @@ def _default_storage(storages: list[dict[str, Any]]) -> str | None:
 
 def _with_users(version: TemplateVersion, users: set[str]) -> TemplateVersion:
     return replace(version, used_by=tuple(sorted(users, key=int)))
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as stream:
-        while chunk := stream.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-async def _to_raw(image: Path, target: Path) -> None:
-    process = await asyncio.create_subprocess_exec(
-        "qemu-img",
-        "convert",
-        "-O",
-        "raw",
-        str(image),
-        str(target),
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    _out, err = await process.communicate()
-    if process.returncode != 0:
-        raise PermanentError(f"converting {image} to raw for the upload failed: {err.decode()}")
