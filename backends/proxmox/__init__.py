@@ -55,6 +55,7 @@ from backends.proxmox import privileges, rollback
 from backends.proxmox.addresses import AddressSweep
 from backends.proxmox.agent import AgentWaits
 from backends.proxmox.api import PveApi, TaskFailed
+from backends.proxmox.building import BuildsOnProxmox, TemplateBuilds
 from backends.proxmox.cloning import Cloning
 from backends.proxmox.config import Config, OSProfile, credentials
 from backends.proxmox.identity import identity_fields
@@ -96,7 +97,7 @@ def create(
     return ProxmoxBackend(config, PveApi(config.name, config.api_settings(), creds), pacing)
 
 
-class ProxmoxBackend:
+class ProxmoxBackend(BuildsOnProxmox):
     def __init__(self, config: Config, api: PveApi, pacing: Pacing | None = None) -> None:
         self.name = config.name
         self.default_network = config.bridge
@@ -110,6 +111,7 @@ class ProxmoxBackend:
         self._resize_targets: dict[str, int] = {}
         self.pacing = pacing or Pacing(config.expect_s)
         self.cloning = Cloning(config, api, self.inventory, self.tasks, self.pacing)
+        self.builds = TemplateBuilds(config, api, self.inventory, self.tasks, self.cloning)
         polling = api.settings.polling
         agent_polling = replace(
             polling, initial_s=max(polling.initial_s, config.agent_poll_initial_s)

@@ -21,6 +21,7 @@ import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -260,6 +261,24 @@ class PveApi:
         except Exception as exc:
             what = what or f"{method} /{path.strip('/')}"
             mapped = map_error(exc, what, self.endpoint, self._context)
+            if mapped is None:
+                raise
+            raise mapped from None
+        if isinstance(answer, str) and answer.startswith("UPID:"):
+            return Upid(answer, asyncio.get_running_loop().time())
+        return answer
+
+    async def upload(self, path: str, what: str, file: Path, filename: str, **params: Any) -> Any:
+        """A file upload (multipart POST); the task's UPID as `call` returns it. The
+        request may take as long as a task (`task_timeout_s`): the file travels in it."""
+        self.requests_sent += 1
+        timeout_s = self.settings.task_timeout_s
+        try:
+            answer = await self._http.upload(path.strip("/"), params, file, filename, timeout_s)
+        except Exception as exc:
+            mapped = map_error(
+                exc, what or f"POST /{path.strip('/')}", self.endpoint, self._context
+            )
             if mapped is None:
                 raise
             raise mapped from None

@@ -18,6 +18,7 @@ import json
 import logging
 import ssl
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -133,6 +134,38 @@ class Transport:
                 if answer.status >= 400:
                     raise HttpError(answer.status, answer.reason or "", _errors(body))
                 return _data(body, answer.status)
+
+    async def upload(
+        self, path: str, params: dict[str, Any], file: Path, filename: str, timeout_s: float
+    ) -> Any:
+        """A multipart POST (`.../storage/{storage}/upload`): the parameters, then the
+        file as the part `filename`, as the web UI sends it. The file is streamed from
+        disk; the whole request may take `timeout_s`. A refused ticket is renewed once
+        and the file sent again."""
+        refused: str | None = None
+        while True:
+            headers, ticket = await self._auth("POST", refused)
+            with file.open("rb") as stream:
+                data = aiohttp.FormData()
+                for key, value in form(params):
+                    data.add_field(key, value)
+                data.add_field(
+                    "filename", stream, filename=filename, content_type="application/octet-stream"
+                )
+                timeout = aiohttp.ClientTimeout(
+                    total=timeout_s, sock_connect=self._settings.request_timeout_s
+                )
+                url = f"{self._base}/{path}"
+                async with self._client().post(
+                    url, headers=headers, data=data, timeout=timeout
+                ) as answer:
+                    body = await answer.read()
+            if answer.status == 401 and ticket is not None and refused is None:
+                refused = ticket
+                continue
+            if answer.status >= 400:
+                raise HttpError(answer.status, answer.reason or "", _errors(body))
+            return _data(body, answer.status)
 
     async def _auth(self, method: str, refused: str | None) -> tuple[dict[str, str], str | None]:
         """The headers that authenticate a request, and the ticket in them (None with a

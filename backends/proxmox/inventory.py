@@ -215,6 +215,12 @@ class Inventory:
         self._templates[name], self._named_at[name] = info, self._now()
         return info
 
+    def forget_templates(self) -> None:
+        """Drop what is known of templates (a build renamed or added one): the next
+        deploy reads them again."""
+        self._templates, self._template_configs, self._named_at = {}, {}, {}
+        self._templates_at = float("-inf")
+
     async def storages(self, node: str) -> list[StorageInfo]:
         """Storages for VM disks on a node, with free and total space from the same call."""
         items = await self.api.get(
@@ -286,16 +292,24 @@ class Inventory:
         """Refuse a node that cannot run the template's CPU model: its guest would die
         at boot ("Fatal glibc error: CPU does not support x86-64-v3")."""
         cpu = self.cpu_for(template.family)
+        shortfall = await self.cpu_shortfall(cpu, node)
+        if shortfall is not None:
+            raise PermanentError(
+                f"template {template.name} ({template.family}) needs CPU model "
+                f"{cpu_model(cpu)}, but {shortfall}: its guest would "
+                f"panic at boot. {await self._baseline_advice(template, node)}"
+            )
+
+    async def cpu_shortfall(self, cpu: str, node: str) -> str | None:
+        """What node `node` lacks to run CPU model `cpu` (`node pve2 (Xeon ...) lacks
+        avx2`); None when it can run it."""
         host = await self._cpu(node)
         missing = missing_cpu_flags(cpu, host.flags) if host.flags is not None else []
         offered = host.flags is not None or cpu_model(cpu) in host.models | _ALWAYS
-        if missing or not offered:
-            lacks = f"lacks {', '.join(missing)}" if missing else f"does not offer {cpu_model(cpu)}"
-            raise PermanentError(
-                f"template {template.name} ({template.family}) needs CPU model "
-                f"{cpu_model(cpu)}, but node {node} ({host.model}) {lacks}: its guest would "
-                f"panic at boot. {await self._baseline_advice(template, node)}"
-            )
+        if not missing and offered:
+            return None
+        lacks = f"lacks {', '.join(missing)}" if missing else f"does not offer {cpu_model(cpu)}"
+        return f"node {node} ({host.model}) {lacks}"
 
     async def _baseline_advice(self, template: TemplateInfo, node: str) -> str:
         """What to do instead; "another node" only where the template could go there."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from tests.fakepve.cluster import GIB, VM, Cluster
@@ -20,6 +21,7 @@ class Call:
     params: dict[str, str]
     path: dict[str, str]
     user: str
+    upload: Path | None = None  # a multipart request's file, saved under the state dir
 
     @property
     def node(self) -> str:

@@ -11,9 +11,11 @@ import asyncio
 import hashlib
 import itertools
 import random
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from tests.fakepve.errors import ApiError, TaskError
@@ -169,6 +171,18 @@ class Cluster:
         self._locks: dict[int, asyncio.Lock] = {}
         self._running: set[asyncio.Task[None]] = set()
         self._macs = itertools.count(0x100)
+        # Uploaded files (`<storage>:import/<name>`, `<storage>:iso/<name>`) -> where they
+        # are, under `state_dir` (FakePVE's, else a temporary folder of its own).
+        self.volumes: dict[str, Path] = {}
+        self.state_dir: Path | None = None
+        self._own_dir: tempfile.TemporaryDirectory[str] | None = None
+
+    def files(self) -> Path:
+        """The folder the fake keeps uploaded files in."""
+        if self.state_dir is None:
+            self._own_dir = tempfile.TemporaryDirectory(prefix="fakepve-files-")
+            self.state_dir = Path(self._own_dir.name)
+        return self.state_dir
 
     @property
     def release_tuple(self) -> tuple[int, int]:
@@ -385,6 +399,8 @@ class Cluster:
             runner.cancel()
         await asyncio.gather(*self._running, return_exceptions=True)
         await self.machines.close()
+        if self._own_dir is not None:
+            self._own_dir.cleanup()
 
 
 class _FileLock:

@@ -199,7 +199,40 @@ def cpu_conf(value: str) -> str | None:
     return None
 
 
+# pve-storage's volume ids (`local-lvm:vm-100-disk-0`, `local:import/x.qcow2`, and the
+# `STORAGE:SIZE` of a disk to allocate), and qemu-server's boot order.
+_VOLUME_ID = re.compile(r"[a-z][a-z0-9\-_.]*[a-z0-9]:.+", re.I)
+_BOOT_DEVICE = re.compile(r"(?:ide|sata|scsi|virtio|net|efidisk|tpmstate)\d+|hostpci\d+|usb\d+")
+
+
+def _volume_or_path(value: str) -> str | None:
+    """`pve-volume-id-or-qm-path` / `-or-absolute-path`: a volume id, an absolute
+    path, or (for drives) `none`/`cdrom`."""
+    if _VOLUME_ID.fullmatch(value) or value.startswith("/") or value in ("none", "cdrom"):
+        return None
+    return f"unable to parse volume ID '{value}'"
+
+
+def _boot(value: str) -> str | None:
+    """`order=scsi0;net0` (or the legacy letters `cdn`)."""
+    if re.fullmatch(r"[acdn]{1,4}", value):
+        return None
+    pairs = _pairs(value, "legacy")
+    if isinstance(pairs, str):
+        return pairs
+    for key, val in pairs.items():
+        if key != "order":
+            return f"{key}: {UNKNOWN}"
+        for device in val.split(";"):
+            if not _BOOT_DEVICE.fullmatch(device):
+                return f"order: invalid boot device '{device}'"
+    return None
+
+
 FORMATS: dict[str, Verifier] = {
+    "pve-volume-id-or-qm-path": _volume_or_path,
+    "pve-volume-id-or-absolute-path": _volume_or_path,
+    "pve-qm-boot": _boot,
     "pve-node": _regex(_NODE, "node name"),
     "pve-vmid": _vmid,
     "dns-name": _regex(_DNS, "DNS name"),

@@ -10,6 +10,7 @@ power and its guest agent, and the default one, which simulates the guests.
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from tests.fakepve import guest
@@ -31,6 +32,10 @@ class Machines(Protocol):
 
     async def cloned(self, source: VM, clone: VM, *, full: bool) -> None:
         """The clone task's end: give `clone` its disk, a linked or a full copy."""
+
+    async def imported(self, vm: VM, disk: str, source: Path) -> None:
+        """The create task's end: `vm`'s drive `disk` is a copy of the file `source`
+        (`import-from`)."""
 
     async def started(self, vm: VM) -> None:
         """The start task's end: power the VM on (sets `vm.running`)."""
@@ -58,6 +63,9 @@ class Simulated:
         self.cluster = cluster
 
     async def cloned(self, source: VM, clone: VM, *, full: bool) -> None:
+        return None
+
+    async def imported(self, vm: VM, disk: str, source: Path) -> None:
         return None
 
     async def started(self, vm: VM) -> None:

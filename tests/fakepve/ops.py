@@ -32,6 +32,7 @@ from tests.fakepve.reads import (
     vm_config,
     vm_status,
 )
+from tests.fakepve.storage import content, create_vm, delete_volume, template, upload
 
 __all__ = ["ENDPOINTS", "Call", "Handler"]
 
@@ -60,6 +61,14 @@ ENDPOINTS: dict[tuple[str, str], tuple[str, Handler]] = {
     ("DELETE", "/nodes/{node}/qemu/{vmid}"): ("delete", destroy),
     ("GET", "/nodes/{node}/qemu/{vmid}/agent/network-get-interfaces"): ("agent", agent_interfaces),
     ("POST", "/nodes/{node}/qemu/{vmid}/agent/ping"): ("agent_ping", agent_ping),
+    ("POST", "/nodes/{node}/qemu"): ("create", create_vm),
+    ("POST", "/nodes/{node}/qemu/{vmid}/template"): ("template", template),
+    ("POST", "/nodes/{node}/storage/{storage}/upload"): ("upload", upload),
+    ("GET", "/nodes/{node}/storage/{storage}/content"): ("content", content),
+    ("DELETE", "/nodes/{node}/storage/{storage}/content/{volume}"): (
+        "volume_delete",
+        delete_volume,
+    ),
     ("GET", "/nodes/{node}/tasks"): ("tasks", node_tasks),
     ("GET", "/nodes/{node}/tasks/{upid}/status"): ("task_status", task_status),
     ("GET", "/nodes/{node}/tasks/{upid}/log"): ("task_log", task_log),

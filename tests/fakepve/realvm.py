@@ -189,6 +189,14 @@ class RealMachines:
             shutil.rmtree(folder, ignore_errors=True)
             raise
 
+    async def imported(self, vm: VM, disk: str, source: Path) -> None:
+        """`import-from`: the VM's disk is a copy of the uploaded file (qcow2, or raw
+        from an ISO store), as qemu-server's import converts it."""
+        folder = self.folder(vm.vmid)
+        folder.mkdir(parents=True, exist_ok=True)
+        argv = ["qemu-img", "convert", "-q", "-O", "qcow2", str(source), str(self.disk(vm.vmid))]
+        await _run(argv, f"import of {disk} failed: ")
+
     async def destroyed(self, vm: VM) -> None:
         machine = self.machines.get(vm.vmid)
         if machine is not None:  # never while running (destroy refuses that), but still

@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 from tests.fakepve.formats import FORMATS, UNKNOWN
 
@@ -58,7 +59,7 @@ class ApiSchema:
         for regex, template in self._routes:
             match = regex.fullmatch(path)
             if match:
-                return Route(template, dict(match.groupdict()))
+                return Route(template, {k: unquote(v) for k, v in match.groupdict().items()})
         return None
 
     def method(self, template: str, method: str) -> dict[str, Any] | None:

@@ -22,9 +22,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 import trustme
-from aiohttp import web
+from aiohttp import BodyPartReader, web
 
 from tests.fakepve.acl import Acl
 from tests.fakepve.cluster import Cluster, FaultKind, Timings
@@ -90,6 +91,7 @@ class FakePVE:
         auth_fail_delay_s: float = 3.0,
         ticket_lifetime_s: float = 7200.0,
         record_session: bool = True,
+        state_dir: Path | None = None,
     ) -> None:
         self.schema = schema
         self.tls = tls
@@ -97,6 +99,8 @@ class FakePVE:
         self.cluster = cluster or Cluster.standard(
             timings=timings, release=release, cluster_name=cluster_name, guest=guest
         )
+        if state_dir is not None:  # uploaded files go there
+            self.cluster.state_dir = state_dir
         if machines is not None:  # real guests (`realvm.RealMachines`), say
             self.cluster.machines = machines(self.cluster)
         # Guests outside 127.0.0.0/8 answer SSH only through this lab's jump host.
@@ -196,17 +200,24 @@ class FakePVE:
     # --- requests -----------------------------------------------------------------------
 
     async def _api(self, request: web.Request) -> web.Response:
-        path = "/" + request.match_info["tail"].rstrip("/")
+        # Routed on the path as sent: a volume id in it (`local%3Aimport%2Fx.qcow2`) is
+        # one segment, decoded once matched.
+        raw_path = "/" + request.rel_url.raw_path.removeprefix("/api2/json/").rstrip("/")
+        path = unquote(raw_path)
         method = request.method
-        raw = request.query if method in ("GET", "DELETE") else await request.post()
-        params = {k: str(v) for k, v in raw.items()}
-        route = self.schema.route(path)
+        upload: Path | None = None
+        if method == "POST" and request.content_type == "multipart/form-data":
+            params, upload = await self._multipart(request)
+        else:
+            raw = request.query if method in ("GET", "DELETE") else await request.post()
+            params = {k: str(v) for k, v in raw.items()}
+        route = self.schema.route(raw_path)
         status = 499  # until answered: a client that gave up (nginx's code for it)
         arrived = asyncio.get_running_loop().time()
         self._in_flight += 1
         self.peak_in_flight = max(self.peak_in_flight, self._in_flight)
         try:
-            data = await self._answer(request, method, path, params, route)
+            data = await self._answer(request, method, path, params, route, upload)
             status = 200
             return web.json_response({"data": data})
         except ApiError as exc:
@@ -219,6 +230,8 @@ class FakePVE:
                 status=status, reason=reason, text=json.dumps(body), content_type="application/json"
             )
         finally:
+            if upload is not None:
+                upload.unlink(missing_ok=True)  # kept only when a task took it
             record = Recorded(
                 method,
                 path,
@@ -234,13 +247,41 @@ class FakePVE:
                 SESSION_REQUESTS.append(record)
             await self._done_one()
 
+    async def _multipart(self, request: web.Request) -> tuple[dict[str, str], Path | None]:
+        """A multipart form as pveproxy reads one (an upload): each field's text, and
+        the file part streamed to `/var/tmp/pveupload-<hex>` (here: under the state
+        dir), its name as the value of its field (`filename`)."""
+        params: dict[str, str] = {}
+        upload: Path | None = None
+        reader = await request.multipart()
+        while (part := await reader.next()) is not None:
+            if not isinstance(part, BodyPartReader) or part.name is None:
+                continue
+            if part.filename is None:
+                params[part.name] = await part.text()
+                continue
+            folder = self.cluster.files() / "tmp"
+            folder.mkdir(parents=True, exist_ok=True)
+            upload = folder / f"pveupload-{secrets.token_hex(8)}"
+            with upload.open("wb") as out:
+                while chunk := await part.read_chunk():
+                    out.write(chunk)
+            params[part.name] = part.filename
+        return params, upload
+
     async def _done_one(self) -> None:
         async with self._idle:
             self._in_flight -= 1
             self._idle.notify_all()
 
     async def _answer(
-        self, request: web.Request, method: str, path: str, params: dict[str, str], route: Any
+        self,
+        request: web.Request,
+        method: str,
+        path: str,
+        params: dict[str, str],
+        route: Any,
+        upload: Path | None = None,
     ) -> Any:
         info = self.schema.method(route.template, method) if route else None
         if route is None or info is None:
@@ -270,7 +311,7 @@ class FakePVE:
                 or f"can't lock file '/var/lock/qemu-server/lock-{vmid}.conf' - got timeout"
             )
             raise ApiError(500, lock)
-        return await handler(Call(self.cluster, params, route.params, user))
+        return await handler(Call(self.cluster, params, route.params, user, upload))
 
     def _verify(
         self, template: str, method: str, params: dict[str, str], path_params: dict[str, str]
