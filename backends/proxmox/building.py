@@ -44,6 +44,7 @@ class BuildsOnProxmox:
     """`BuildsTemplates` for `ProxmoxBackend`, handed on to its `builds`."""
 
     builds: TemplateBuilds
+    image_platform: str | None = "proxmox"  # bot/images prepares a NoCloud-ready qcow2
 
     async def build_preflight(self, plan: BuildPlan) -> BuildTarget:
         return await self.builds.preflight(plan)
@@ -52,8 +53,10 @@ class BuildsOnProxmox:
         return await self.builds.prepare(plan, target)
 
     async def create_template(
-        self, plan: BuildPlan, target: BuildTarget, ref: VMRef, image: Path
+        self, plan: BuildPlan, target: BuildTarget, ref: VMRef, image: Path | None
     ) -> str | None:
+        if image is None:
+            raise PermanentError("a Proxmox template is built from an image: none was prepared")
         return await self.builds.create(plan, target, ref, image)
 
     async def publish_template(self, plan: BuildPlan, ref: VMRef) -> str | None:
