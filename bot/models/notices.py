@@ -1,0 +1,65 @@
+"""What a chat front end must still say about a job (the `outbox`), and the chat
+commands kept until they are answered (the `inbox`): rows the core writes in the same
+transaction as the change that causes them."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+
+from pydantic import BaseModel, Field
+
+from bot.models import JobState, RollbackReport, utcnow
+
+
+class NoticeKind(StrEnum):
+    UPDATED = "updated"  # the job was created or changed state (note: why)
+    STEP_STARTED = "step_started"
+    STEP_FINISHED = "step_finished"
+    NOTE = "note"  # waiting for a hypervisor, it is back, wreckage removed
+    FINISHED = "finished"  # a final state after running (rollback: what it undid)
+    # A lease's step (bot/leases.py): `step` says which (remind, expired, extended,
+    # destroying), `when` the time it names (the end, or the destroy after the grace).
+    LEASE = "lease"
+
+
+# Delivered before progress when a channel is backlogged: the outcome is what people wait for.
+URGENT_NOTICES = frozenset({NoticeKind.FINISHED})
+
+
+class Notice(BaseModel):
+    """One thing a chat front end must tell people about a job: a row of `outbox`.
+
+    The core writes it in the same transaction as the change that causes it, so a crash
+    cannot leave a change that nobody will hear of; a front end delivers it (in any
+    process) and marks it delivered. It carries what the `Progress` calls carry; the job
+    itself is read again at delivery, so the text shows its state then."""
+
+    id: int | None = None
+    job_id: str
+    kind: NoticeKind
+    at: datetime = Field(default_factory=utcnow)
+    state: JobState | None = None  # the job's state then (the store fills it in)
+    step: str | None = None
+    duration_s: float | None = None
+    ok: bool | None = None
+    text: str = ""  # the note, or the step's detail
+    rollback: RollbackReport | None = None
+    when: datetime | None = None  # a lease notice's time, shown in the reader's zone
+
+    @property
+    def urgent(self) -> bool:
+        return self.kind in URGENT_NOTICES
+
+
+class Received(BaseModel):
+    """A command from chat, kept from before it is acknowledged until it has been carried
+    out and answered: a row of `inbox`. Should the process that took it die in between,
+    another one carries it out (its `key` is the delivery's dedupe key, so a command that
+    had already made its job is answered as such, not run twice)."""
+
+    key: str
+    user: str
+    channel: str
+    text: str
+    received_at: datetime
