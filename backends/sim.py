@@ -33,7 +33,6 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from backends.base import (
-    AddressUse,
     BackendConfig,
     CloneMode,
     CloneSpec,
@@ -52,10 +51,10 @@ from backends.base import (
     VMNotFound,
     VMRef,
     job_marks,
-    listable,
-    pick_address,
 )
 from backends.simbuild import SimBuilds, _Built
+from backends.simguest import SimGuests
+from backends.simtasks import SimTasks
 from backends.simvm import (
     DEFAULT_STORAGES,
     DEFAULT_TEMPLATES,
@@ -68,7 +67,6 @@ from backends.simvm import (
     SimTiming,
     SimulatedCrash,
     SimVM,
-    fake_fingerprint,
     read_state,
     write_state,
 )
@@ -91,7 +89,7 @@ def create(config: BackendConfig, environ: Mapping[str, str]) -> SimBackend:
     return sim
 
 
-class SimBackend(SimBuilds):
+class SimBackend(SimTasks, SimGuests, SimBuilds):
     """A simulated hypervisor. Construct it, optionally inject faults, use it as a Backend."""
 
     def __init__(
@@ -188,82 +186,6 @@ class SimBackend(SimBuilds):
         self._save()
         return vm_id
 
-    def _fault(self, op: str, vm_id: str = "") -> FaultKind | None:
-        """Take the fault planned for this call; a flaky one fails it right here."""
-        kind: FaultKind | None = None
-        for fault in self.faults:
-            if fault.op == op and fault.times > 0:
-                fault.times -= 1
-                kind = fault.kind
-                break
-        if kind == "flaky":
-            raise RetryableError(
-                f"{self.name} did not answer {op} (simulated)", vm_id=vm_id or None
-            )
-        return kind
-
-    async def _query_fault(self, op: str, vm_id: str = "") -> None:
-        fault = self._fault(op, vm_id)
-        self.task_log.append((op, vm_id))
-        if fault == "hang":
-            await asyncio.Event().wait()  # the answer never comes; the caller's timeout ends this
-        if fault == "error":
-            raise PermanentError(
-                f"{op} failed: simulated error on {self.name}", vm_id=vm_id or None
-            )
-        if fault == "crash":
-            raise SimulatedCrash(f"simulated crash in {op}")
-
-    async def _sleep(self, seconds: float) -> None:
-        await asyncio.sleep(seconds * self.time_scale)
-
-    async def _either(self, first: asyncio.Event, second: asyncio.Event, seconds: float) -> None:
-        """Until either event is set, or `seconds` (scaled) pass. The guest agent's
-        answer changes only when the guest boots or stops, so the simulator waits for
-        that rather than waking every poll; the timeout still notices an outage. (Polling
-        alone cost the event loop more than the bot at 200 deploys: bench_pipeline.)"""
-        waits = [asyncio.ensure_future(first.wait()), asyncio.ensure_future(second.wait())]
-        try:
-            await asyncio.wait(
-                waits, timeout=seconds * self.time_scale, return_when=asyncio.FIRST_COMPLETED
-            )
-        finally:
-            for wait in waits:
-                wait.cancel()
-
-    async def _run(
-        self, op: str, vm_id: str, seconds: float, effect: Effect, fault: FaultKind | None
-    ) -> None:
-        """Run one hypervisor-side task and wait for it the way a real client would.
-
-        The task holds the VM's lock until it ends, even when nobody waits for it any
-        more: a caller that gave up must not act on the VM until the task is over.
-        """
-        self.task_log.append((op, vm_id))
-        vm = self.vms[vm_id]
-        vm.lock = vm.lock or op
-        self._save()
-
-        async def task() -> None:
-            try:
-                await self._sleep(seconds)
-                if fault == "error":
-                    effect.fail()
-                    raise PermanentError(f"{op} failed: simulated error on VM {vm_id}", vm_id=vm_id)
-                effect.apply()
-            finally:
-                vm.lock = None
-                self._save()
-
-        hv_task = asyncio.create_task(task())
-        self._tasks.add(hv_task)
-        hv_task.add_done_callback(self._tasks.discard)
-        if fault == "hang":
-            await asyncio.Event().wait()
-        await asyncio.shield(hv_task)
-        if fault == "crash":
-            raise SimulatedCrash(f"simulated crash after {op} on VM {vm_id}")
-
     def _vm(self, ref: VMRef, *, change: bool = True) -> SimVM:
         """The VM behind a ref, if it carries the ref's job tag; a change also needs it
         unlocked (every task holds the VM's lock while it runs, as on Proxmox)."""
@@ -328,21 +250,6 @@ class SimBackend(SimBuilds):
     async def find_tagged(self) -> list[VMInfo]:
         self._answer()
         return [vm.info() for vm in self.vms.values() if job_marks(vm.tags)]
-
-    async def addresses_in_use(self, ours: str | None = None) -> list[AddressUse]:
-        """The identity address of each of deploybot's VMs and the address of each VM
-        built by hand, running or not (the simulator has no templates among its VMs)."""
-        self._answer()
-        await self._query_fault("addresses_in_use")
-        found: dict[tuple[str, ipaddress.IPv4Address], AddressUse] = {}
-        for vm in self.vms.values():
-            seen = [(vm.address, "configured")]
-            if vm.identity is not None:
-                seen.insert(0, (vm.identity.address.ip, "identity"))
-            for ip, source in seen:
-                if ip is not None and listable(ip):
-                    found.setdefault((vm.vm_id, ip), AddressUse(ip, vm.vm_id, vm.name, source))
-        return list(found.values())
 
     # --- the deploy moves ---------------------------------------------------------
 
@@ -430,40 +337,6 @@ class SimBackend(SimBuilds):
     async def _boot(self, vm: SimVM) -> None:
         await self._sleep(self.timing.boot_s)
         vm.booted.set()
-
-    def _guest_interfaces(self, vm: SimVM) -> list[tuple[str, str]]:
-        interfaces = [("lo", "127.0.0.1"), ("ens18", "fe80::be24:11ff:fe4c:1a2b")]
-        if vm.identity is not None:
-            interfaces.append(("ens18", str(vm.identity.address.ip)))
-        interfaces.append(("docker0", "172.17.0.1"))
-        return interfaces
-
-    async def wait_for_address(
-        self, ref: VMRef, expected: ipaddress.IPv4Address | None
-    ) -> ipaddress.IPv4Address:
-        self._answer()
-        vm = self._vm(ref, change=False)
-        await self._query_fault("wait_for_address", vm.vm_id)
-        while True:
-            self._answer()
-            if not vm.running:
-                raise PermanentError(f"VM {vm.vm_id} is not running", vm_id=vm.vm_id)
-            if vm.booted.is_set():
-                address = pick_address(self._guest_interfaces(vm), expected)
-                if address is not None:
-                    return address
-            await self._either(vm.booted, vm.stopped, self.timing.poll_s)
-
-    async def probe_ssh(self, ref: VMRef, address: ipaddress.IPv4Address, port: int) -> str | None:
-        self._answer()
-        vm = self._vm(ref, change=False)
-        await self._query_fault("probe_ssh", vm.vm_id)
-        if address.is_loopback:
-            return await self._ssh.probe(address, port)
-        if not (vm.running and vm.booted.is_set()):
-            raise RetryableError(f"{address}:{port} does not answer yet")
-        await self._sleep(self.timing.sshd_s)
-        return fake_fingerprint(vm.vm_id)
 
     async def power_off(self, ref: VMRef) -> None:
         self._answer()
