@@ -17,22 +17,18 @@ import asyncio
 import functools
 import ipaddress
 import logging
-from collections.abc import Awaitable, Callable, Mapping
-from datetime import datetime
-from typing import TypeVar
+from collections.abc import Mapping
 
 from backends.base import (
     Backend,
-    BackendError,
     CloneSpec,
     IdTaken,
-    Unreachable,
     VMRef,
 )
 from bot import logfields
 from bot import progress as tell
 from bot.addressing import Addressing
-from bot.models import Job, JobEvent, JobState, Notice, RollbackReport, utcnow
+from bot.models import Job, JobState, RollbackReport, utcnow
 from bot.progress import Progress
 from bot.runs import (
     STEPS,
@@ -45,18 +41,14 @@ from bot.runs import (
     vm_ref,
 )
 from bot.settings import Settings
-from bot.waiting import protected, retrying
+from bot.steps import Steps
+from bot.waiting import protected
 from store.db import Store
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-
-# Steps whose retryable answer means "not yet" rather than "something went wrong": a
-# refused SSH port right after the agent answered is sshd still starting.
-_POLLED_STEPS = frozenset({"ssh"})
 
 
-class Pipeline:
+class Pipeline(Steps):
     def __init__(
         self,
         settings: Settings,
@@ -296,117 +288,6 @@ class Pipeline:
         return f"{answers}, host key {run.host_key}" if run.host_key else answers
 
     # --- step machinery -----------------------------------------------------------
-
-    async def _step(
-        self,
-        run: Run,
-        step: str,
-        timeout_s: float,
-        action: Callable[[], Awaitable[object]],
-        detail: str = "",
-    ) -> None:
-        job = run.job
-        logfields.bind(step=step)
-        await self.store.add_event(
-            JobEvent(job_id=job.id, step=step, phase="started", detail=detail),
-            self._told(job, tell.step_started(job.id, step, detail)),
-        )
-        await self.progress.step_started(job, step, detail)
-        loop = asyncio.get_running_loop()
-        began = loop.time()
-        try:
-            result = await self._call(run, step, timeout_s, action)
-        except StepFailed as failure:
-            elapsed = loop.time() - began
-            # The operator's record; the person is told through the thread.
-            log.warning("job %s: %s failed after %.1f s: %s", job.id, step, elapsed, failure.reason)
-            await self.store.add_event(
-                JobEvent(
-                    job_id=job.id,
-                    step=step,
-                    phase="failed",
-                    duration_s=elapsed,
-                    detail=failure.reason,
-                ),
-                self._told(job, tell.step_finished(job.id, step, elapsed, False, failure.reason)),
-            )
-            await self.progress.step_finished(job, step, elapsed, False, failure.reason)
-            raise
-        elapsed = loop.time() - began
-        done = result if isinstance(result, str) else ""
-        # Awaited before the line is shown: recovery reads these events to know which
-        # steps are done (a resumed job must not redo or lose a finished clone).
-        await self.store.add_event(
-            JobEvent(job_id=job.id, step=step, phase="finished", duration_s=elapsed, detail=done),
-            self._told(job, tell.step_finished(job.id, step, elapsed, True, done)),
-        )
-        await self.progress.step_finished(job, step, elapsed, True, done)
-
-    async def _call(
-        self, run: Run, step: str, timeout_s: float, action: Callable[[], Awaitable[T]]
-    ) -> T:
-        """Run one action under the step's timeout, mapping every failure to StepFailed."""
-        seen: list[str] = []
-        try:
-            async with asyncio.timeout(timeout_s):
-                return await self._waiting_for_backend(run.job, step, action, seen)
-        except StepFailed:
-            raise
-        except TimeoutError:
-            last = f" (last: {seen[-1]})" if seen else ""
-            raise StepFailed(step, f"timed out after {timeout_s:g} s{last}") from None
-        except BackendError as exc:
-            raise StepFailed(step, exc.message) from None
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("job %s: unexpected error in step %s", run.job.id, step)
-            raise StepFailed(step, "internal error (the details are in the bot's log)") from None
-
-    async def _waiting_for_backend(
-        self, job: Job, step: str, action: Callable[[], Awaitable[T]], seen: list[str]
-    ) -> T:
-        """Retry, telling the thread once when the hypervisor stops answering and once
-        when it is back, instead of failing the job at the first refused connection."""
-        since: list[datetime] = []
-
-        async def on_retry(exc: BackendError) -> None:
-            if isinstance(exc, Unreachable) and not since:
-                since.append(utcnow())
-                await self._note(
-                    job,
-                    step,
-                    f"waiting for {who} (unreachable since {since[0]:%H:%M:%S} UTC: {exc.message})",
-                )
-
-        polling = step in _POLLED_STEPS
-        who = self.addressing.ipam_name if step == "register" else job.backend
-        result = await retrying(action, self.timeouts, seen, on_retry, polling=polling)
-        if since:
-            await self._note(job, step, f"{who} answers again; carrying on.")
-        return result
-
-    async def _note(self, job: Job, step: str, text: str) -> None:
-        await self.store.add_event(
-            JobEvent(job_id=job.id, step=step, phase="note", detail=text),
-            self._told(job, tell.noted(job.id, text)),
-        )
-        await self.progress.job_note(job, text)
-
-    @staticmethod
-    def _told(job: Job, notice: Notice) -> Notice | None:
-        """The notice, if anyone follows this job in chat; a job asked for in the shell
-        or the CLI (no origin, no approval) needs none, so none is written."""
-        return notice if tell.followed(job) else None
-
-    @staticmethod
-    def _tell(job: Job, notice: Notice) -> list[Notice]:
-        return [notice] if tell.followed(job) else []
-
-    async def _skip(self, run: Run, step: str, why: str) -> None:
-        await self.store.add_event(
-            JobEvent(job_id=run.job.id, step=step, phase="skipped", detail=why)
-        )
 
     # --- endings ------------------------------------------------------------------
 
