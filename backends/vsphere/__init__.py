@@ -52,6 +52,7 @@ from backends.base import (
 )
 from backends.sshcheck import SshCheck
 from backends.vsphere import addresses, esxi, privileges, specs
+from backends.vsphere.building import Builds
 from backends.vsphere.config import Config
 from backends.vsphere.inventory import Inventory, Plan, annotation, disks, os_family
 from backends.vsphere.session import (
@@ -119,8 +120,9 @@ def _interfaces(props: Props) -> list[tuple[str, str]]:
     return pairs
 
 
-class VSphereBackend:
-    """A vCenter or a standalone ESXi host behind the Backend Protocol."""
+class VSphereBackend(Builds):
+    """A vCenter or a standalone ESXi host behind the Backend Protocol; it builds
+    templates too (`building`)."""
 
     def __init__(self, config: Config, password: str) -> None:
         self.name = config.name
