@@ -159,10 +159,12 @@ async def test_a_build_imports_a_marked_template(
     assert again is not None and "already" in again
 
 
-async def test_publish_renames_new_then_old_and_finishes_after_a_crash(
-    vc_backend: VSphereBackend, vcenter: Simulated, qcow2: Path
+async def test_publish_renames_and_finishes_after_a_crash(
+    backend: VSphereBackend, simulated: Simulated, qcow2: Path
 ) -> None:
-    sim = vcenter.sim
+    """Both templates are in one folder, where vSphere (and vcsim) refuse a second VM
+    of one name: the previous one is renamed first, then the new one."""
+    sim, vc_backend = simulated.sim, backend
     p1 = plan(1, "jbuild01")
     ref1, _t = await build(vc_backend, p1, qcow2)
     said = await vc_backend.publish_template(p1, ref1)
@@ -190,6 +192,29 @@ async def test_publish_renames_new_then_old_and_finishes_after_a_crash(
     assert any(t.name == "debian-12" for t in await vc_backend.templates())
 
 
+async def test_publish_across_folders_renames_the_new_one_first(
+    vc_backend: VSphereBackend, vcenter: Simulated, qcow2: Path
+) -> None:
+    """With the previous template in another folder the name is never free: the new
+    one takes it first (two of one name for a moment, as on Proxmox)."""
+    sim = vcenter.sim
+    p1, p2 = plan(1, "jbuild01"), plan(2, "jbuild02")
+    ref1, _t = await build(vc_backend, p1, qcow2)
+    await vc_backend.publish_template(p1, ref1)
+    old = sim.datacenter.vmFolder.CreateFolder("retired")
+    await asyncio.to_thread(WaitForTask, old.MoveIntoFolder_Task([sim.vm(ref1.vm_id)]))
+    # A new session: vcsim (0.24) moves a VM by removing and adding it, which the
+    # session's tracker of VM names (a container view) misses; vCenter's views follow.
+    fresh = sim.backend()
+    try:
+        ref2, _t = await build(fresh, p2, qcow2)
+        said = await fresh.publish_template(p2, ref2)
+    finally:
+        await fresh.close()
+    assert said == "debian-12-v2 is now debian-12; debian-12-v1 (was debian-12)"
+    assert (sim.vm(ref2.vm_id).name, sim.vm(ref1.vm_id).name) == ("debian-12", "debian-12-v1")
+
+
 async def test_publish_leaves_a_hand_made_holder_alone(
     vc_backend: VSphereBackend, vcenter: Simulated, qcow2: Path
 ) -> None:
@@ -202,6 +227,40 @@ async def test_publish_leaves_a_hand_made_holder_alone(
         await vc_backend.publish_template(p, ref)
     assert vcenter.sim.vm(ref.vm_id).name == "debian-12-v1"
     assert hand.name == "debian-12"
+
+
+async def test_cpu_baseline_refused_where_the_hosts_lack_avx2(backend: VSphereBackend) -> None:
+    # vcsim's hosts (both modes) are Sandy Bridge Xeons: AES and AVX, no leaf 7.
+    with pytest.raises(PermanentError, match=r"cannot run x86-64-v3: .* lacks .*avx2"):
+        await backend.build_preflight(plan(cpu="x86-64-v3"))
+    assert (await backend.build_preflight(plan())).storage
+
+
+async def test_a_vmxnet3_template_is_refused_for_deploys_until_tools_were_seen(
+    vc_backend: VSphereBackend, qcow2: Path
+) -> None:
+    """What the build job must know: an imported template never ran, so vSphere has not
+    seen VMware Tools in it, and a deploy of a vmxnet3 template is refused (`nic`)."""
+    p = plan(nic="vmxnet3")
+    ref, _t = await build(vc_backend, p, qcow2)
+    await vc_backend.publish_template(p, ref)
+    spec = CloneSpec("jdeploy1", "web01", "debian-12", installation=INSTALLATION)
+    with pytest.raises(PermanentError, match="needs VMware Tools"):
+        await vc_backend.prepare_clone(spec)
+
+
+async def test_built_templates_carry_the_template_annotation_filter(
+    vcenter: Simulated, qcow2: Path
+) -> None:
+    backend = vcenter.sim.backend(template_annotation="golden")
+    try:
+        p = plan(nic="e1000e")
+        ref, _t = await build(backend, p, qcow2)
+        await backend.publish_template(p, ref)
+        assert "debian-12" in [t.name for t in await backend.templates()]
+        assert "golden" in vcenter.sim.vm(ref.vm_id).config.annotation.splitlines()
+    finally:
+        await backend.close()
 
 
 async def test_destroy_template(backend: VSphereBackend, simulated: Simulated, qcow2: Path) -> None:
@@ -272,9 +331,6 @@ async def test_preflight_refusals(vc_backend: VSphereBackend, vcenter: Simulated
     sim = vcenter.sim
     target = await vc_backend.build_preflight(plan())
     assert target.placement == "DC0_C0" and target.storage
-    # vcsim's hosts are Sandy Bridge Xeons: no avx2.
-    with pytest.raises(PermanentError, match=r"cannot run x86-64-v3: .* lacks .*avx2"):
-        await vc_backend.build_preflight(plan(cpu="x86-64-v3"))
     with pytest.raises(PermanentError, match="no datastore 'nope'"):
         await vc_backend.build_preflight(plan(storage="nope"))
     vm1 = named(sim, "DC0_H0_VM1")[0]

@@ -127,7 +127,7 @@ class Builds:
             server,
             self._session.ssl_context(),
         )
-        note = buildmark.annotation(plan)
+        note = buildmark.annotation(plan, self.config.template_annotation)
         config = vim.vm.ConfigSpec(
             instanceUuid=ref.vm_id,
             annotation=note,
@@ -264,7 +264,8 @@ class Builds:
             if not usable:
                 raise PermanentError(f"{self.name}: no accessible datastore; set `datastore`")
             best = max(usable, key=lambda p: p.get("summary.freeSpace") or 0)
-            return best["name"], f"datastore {best['name']} (the most free space)"
+            free = (best.get("summary.freeSpace") or 0) / 1024**3
+            return best["name"], f"datastore {best['name']} (the most free space: {free:.0f} GiB)"
         match = [p for _o, p in rows if p["name"] == wanted]
         if not match:
             known = ", ".join(sorted(p["name"] for p in usable)) or "none"

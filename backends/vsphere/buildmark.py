@@ -21,7 +21,9 @@ MARK = "deploybot-build"
 VERSION_PATHS = ["name", "config.template", "config.annotation", "config.instanceUuid"]
 
 
-def annotation(plan: BuildPlan) -> str:
+def annotation(plan: BuildPlan, needle: str | None = None) -> str:
+    """The built template's annotation; `needle` (the backend's `template_annotation`,
+    the filter that makes a VM one of its templates) is added as a line of its own."""
     fields = {
         "name": plan.name,
         "profile": plan.profile,
@@ -34,6 +36,7 @@ def annotation(plan: BuildPlan) -> str:
     return (
         f"{plan.tag}\n{MARK} {mark}\n"
         f"Built by deploybot job {plan.job_id} from profile {plan.profile}."
+        + (f"\n{needle}" if needle else "")
     )
 
 
