@@ -56,7 +56,7 @@ def import_vm(op: Op, target: Target, name: str, descriptor: str, vmdk: Path, co
     Returns the new VM; on any failure no VM is left."""
     manager = op.conn.content.ovfManager
     params = vim.OvfManager.CreateImportSpecParams(
-        entityName=name, diskProvisioning=target.provisioning, locale="", deploymentOption=""
+        entityName=name, diskProvisioning=target.provisioning, locale="US", deploymentOption=""
     )
     if target.network is not None:
         params.networkMapping = [
