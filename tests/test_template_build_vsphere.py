@@ -154,9 +154,10 @@ async def test_a_build_imports_a_marked_template(
     assert (version.version, version.built_at, version.cpu) == (1, BUILT_AT, "x86-64-v2-AES")
     assert version.mark is not None and version.mark.job_id == p.job_id
     assert not version.current
-    # A second call (a resumed job) finds it done.
+    # A second call (a resumed job) finds it done; the VMDK's folder went each time.
     again = await backend.create_template(p, target, ref, qcow2)
     assert again is not None and "already" in again
+    assert list(qcow2.parent.glob("deploybot-*")) == []
 
 
 async def test_publish_renames_and_finishes_after_a_crash(
@@ -333,6 +334,8 @@ async def test_preflight_refusals(vc_backend: VSphereBackend, vcenter: Simulated
     assert target.placement == "DC0_C0" and target.storage
     with pytest.raises(PermanentError, match="no datastore 'nope'"):
         await vc_backend.build_preflight(plan(storage="nope"))
+    with pytest.raises(PermanentError, match="disk bus 'nvme' has no vSphere equivalent"):
+        await vc_backend.build_preflight(plan(disk_bus="nvme"))
     vm1 = named(sim, "DC0_H0_VM1")[0]
     await asyncio.to_thread(WaitForTask, vm1.Rename_Task("debian-12-v1"))
     with pytest.raises(PermanentError, match="debian-12-v1 exists already"):
@@ -481,7 +484,7 @@ def test_the_descriptor_names_what_vsphere_knows() -> None:
     text = ovf.descriptor(machine)
     assert "t&lt;1&gt;" in text and "VM &amp; Net" in text
     assert 'vmw:osType="rhel7_64Guest"' in text and "<rasd:ResourceSubType>E1000e<" in text
-    with pytest.raises(PermanentError, match="NIC model 'rtl8139'"):
+    with pytest.raises(PermanentError, match="NIC model 'rtl8139' has no vSphere"):
         ovf.descriptor(ovf.Machine("t", "el", 1, 1, "rtl8139", "scsi", "n", "d", 1, 1))
 
 

@@ -6,8 +6,9 @@ The prepared qcow2 becomes a stream-optimized VMDK on the bot host (`ovf`), is i
 with a minimal OVF descriptor (`ovfimport`) under `plan.versioned_name`, carrying the
 instance UUID `prepare_build` chose and an annotation with the job tag and the build
 mark (`buildmark`), and is marked as a template. The VMDK lives in a temporary folder
-named after the job and goes when the call ends; the upload lands in the VM's own disk,
-so nothing else is left on the datastore.
+beside the image, named after the job (`deploybot-JOB-*`), and goes when the call ends
+(a killed process leaves it: remove such folders when their job is over). The upload
+lands in the VM's own disk, so nothing else is left on the datastore.
 
 Publishing renames. vSphere refuses two VMs of one name in one folder (vcsim too), so
 where the previous template shares the new one's folder it is renamed first, and for
@@ -51,6 +52,7 @@ class Builds:
 
     async def build_preflight(self, plan: BuildPlan) -> BuildTarget:
         def work(op: Op) -> BuildTarget:
+            ovf.check_models(plan.nic, plan.disk_bus)
             conn, inv = op.conn, self._inventory
             dc = inv.datacenter(conn)
             _pool, placement = inv.pool(conn, dc, plan.placement)
@@ -75,7 +77,9 @@ class Builds:
     ) -> str | None:
         if not await asyncio.to_thread(image.is_file):
             raise PermanentError(f"the prepared image {image} does not exist")
-        with tempfile.TemporaryDirectory(prefix=f"deploybot-{plan.job_id}-") as tmp:
+        # Beside the image (the image cache has room for one more copy; /tmp may not).
+        folder = tempfile.TemporaryDirectory(prefix=f"deploybot-{plan.job_id}-", dir=image.parent)
+        with folder as tmp:
             vmdk = Path(tmp) / f"{plan.job_id}.vmdk"
             capacity = await ovf.virtual_size(image)
             await ovf.to_stream_vmdk(image, vmdk)

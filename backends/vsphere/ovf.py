@@ -63,12 +63,22 @@ class Machine:
     firmware: str = "bios"  # or "efi"
 
 
+def check_models(nic: str, disk_bus: str) -> None:
+    """PermanentError for a NIC model or disk bus that vSphere has no equivalent of."""
+    if nic not in NIC_TYPES:
+        raise PermanentError(
+            f"NIC model {nic!r} has no vSphere equivalent (choose one of {', '.join(NIC_TYPES)})"
+        )
+    if disk_bus not in CONTROLLERS:
+        raise PermanentError(
+            f"disk bus {disk_bus!r} has no vSphere equivalent "
+            f"(choose one of {', '.join(CONTROLLERS)})"
+        )
+
+
 def descriptor(m: Machine) -> str:
     """A minimal, valid OVF 1.0 envelope for `m`."""
-    if m.nic not in NIC_TYPES:
-        raise PermanentError(f"NIC model {m.nic!r} has no vSphere equivalent")
-    if m.disk_bus not in CONTROLLERS:
-        raise PermanentError(f"disk bus {m.disk_bus!r} has no vSphere equivalent")
+    check_models(m.nic, m.disk_bus)
     kind, subtype = CONTROLLERS[m.disk_bus]
     guest = guest_id(m.os_family)
     name, net = escape(m.name), escape(m.network)
