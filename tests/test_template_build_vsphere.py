@@ -171,7 +171,7 @@ async def test_publish_renames_and_finishes_after_a_crash(
     said = await vc_backend.publish_template(p1, ref1)
     assert said == "debian-12-v1 is now debian-12"
     assert sim.vm(ref1.vm_id).name == "debian-12"
-    assert await vc_backend.publish_template(p1, ref1) == "debian-12 is now debian-12"
+    assert await vc_backend.publish_template(p1, ref1) == "debian-12 was published already"
 
     p2 = plan(2, "jbuild02")
     ref2, _t = await build(vc_backend, p2, qcow2)  # pre-flight: debian-12 is ours, v1
@@ -214,6 +214,19 @@ async def test_publish_across_folders_renames_the_new_one_first(
         await fresh.close()
     assert said == "debian-12-v2 is now debian-12; debian-12-v1 (was debian-12)"
     assert (sim.vm(ref2.vm_id).name, sim.vm(ref1.vm_id).name) == ("debian-12", "debian-12-v1")
+
+
+async def test_template_versions_read_the_marks_in_one_request(
+    vc_backend: VSphereBackend, qcow2: Path
+) -> None:
+    p = plan()
+    ref, _t = await build(vc_backend, p, qcow2)
+    assert [v.vm_id for v in await vc_backend.template_versions("debian-12")] == [ref.vm_id]
+    assert await vc_backend.template_versions("ubuntu-24.04") == []  # no mark: not ours
+    before = vc_backend.api_calls()
+    (version,) = await vc_backend.template_versions()
+    assert vc_backend.api_calls() - before == {"RetrievePropertiesEx": 1}
+    assert version.profile == "debian-12" and version.used_by == ()
 
 
 async def test_publish_leaves_a_hand_made_holder_alone(

@@ -196,6 +196,8 @@ class Builds:
                     op.wait(obj.Rename_Task(versioned))
             finally:
                 inv.forget_templates()
+            if p.get("name") == plan.name and not done:
+                return f"{plan.name} was published already"
             return f"{p.get('name')} is now {plan.name}" + (f"; {', '.join(done)}" if done else "")
 
         return await self._session.run(work, ref.vm_id)
