@@ -172,6 +172,11 @@ class Inventory(KnownVMs):
             self._template_rows = None
         return had
 
+    def forget_templates(self) -> None:
+        """Drop the template list and names: a build added, renamed or removed one."""
+        with self._lock:
+            self._templates, self._template_rows = {}, None
+
     def _read_datacenter(self, conn: Conn) -> Datacenter:
         paths = ["name", "vmFolder", "hostFolder"]
         rows = conn.contained(conn.content.rootFolder, vim.Datacenter, paths)

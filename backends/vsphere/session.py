@@ -299,7 +299,7 @@ class Session:
             host=ep.host,
             port=ep.port,
             version=API_VERSION,
-            sslContext=self._ssl_context(),
+            sslContext=self.ssl_context(),
             poolSize=ep.threads,
             httpConnectionTimeout=ep.request_timeout_s,
         )
@@ -317,7 +317,7 @@ class Session:
         content: Any = vim.ServiceInstance("ServiceInstance", stub).RetrieveContent()
         content.sessionManager.Login(self.endpoint.user, self._password, None)
 
-    def _ssl_context(self) -> ssl.SSLContext:
+    def ssl_context(self) -> ssl.SSLContext:
         if not self.endpoint.verify_tls:
             context = ssl.create_default_context()
             context.check_hostname = False

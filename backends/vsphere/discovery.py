@@ -1,0 +1,118 @@
+# mypy: disable-error-code="no-untyped-call"
+# (pyvmomi is typed, but the constructors of its data objects are not)
+"""What a vSphere backend offers a deploy: templates, datastores, networks, placements,
+the clone mode, and the privileges a deploy of a template lacks (mixed into
+`VSphereBackend`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pyVmomi import vim
+
+from backends.base import (
+    CloneMode,
+    CloneSpec,
+    MissingPrivilege,
+    Network,
+    PermanentError,
+    Placement,
+    Storage,
+    Template,
+)
+from backends.vsphere import privileges
+from backends.vsphere.inventory import Inventory, disks, os_family
+from backends.vsphere.session import Op, Session
+
+if TYPE_CHECKING:
+    from backends.vsphere.config import Config
+
+KIB_PER_GIB = 1024 * 1024
+
+
+class Discovers:
+    """The backend's discovery methods."""
+
+    config: Config
+    _session: Session
+    _inventory: Inventory
+
+    async def templates(self) -> list[Template]:
+        def work(op: Op) -> list[Template]:
+            inv = self._inventory
+            dc = inv.datacenter(op.conn)
+            names = {o._moId: p["name"] for o, p in inv.datastore_names(op.conn, dc)}
+            found = []
+            for _obj, p in inv.templates(op.conn, dc):
+                stores = [names.get(d._moId) for d in p.get("datastore") or []]
+                size_kb = sum(d.capacityInKB for d in disks(p["config.hardware.device"]))
+                family = os_family(str(p.get("config.guestId") or ""))
+                store = next((s for s in stores if s), None)
+                problem = inv.nic_fit(p["name"], p).problem  # refused at request time
+                gib = size_kb // KIB_PER_GIB
+                found.append(Template(p["name"], family, None, store, gib, problem=problem))
+            return sorted(found, key=lambda t: t.name)
+
+        return await self._session.run(work, changes=False)
+
+    async def missing_privileges(self, template: str) -> list[MissingPrivilege]:
+        """What a deploy of `template` needs and this session's user lacks; nothing when
+        the clone cannot be planned (no such template, datastore, network: `deploybot
+        check` reports those on their own)."""
+        spec = CloneSpec("check", "check", template)
+
+        def work(op: Op) -> list[MissingPrivilege]:
+            try:
+                plan = self._inventory.plan(op.conn, spec)
+            except PermanentError:
+                return []
+            return privileges.missing(op.conn, plan)
+
+        return await self._session.run(work, changes=False)
+
+    async def storages(self, placement: str | None = None) -> list[Storage]:
+        def work(op: Op) -> list[Storage]:
+            dc = self._inventory.datacenter(op.conn)
+            root = dc.obj
+            if placement:
+                pool, _name = self._inventory.pool(op.conn, dc, placement)
+                root = op.conn.props(pool, vim.ResourcePool, ["owner"])["owner"]
+            return [
+                Storage(p["name"], placement, p["summary.capacity"], p["summary.freeSpace"])
+                for _o, p in self._inventory.datastores(op.conn, root)
+            ]
+
+        return await self._session.run(work, changes=False)
+
+    async def networks(self, placement: str | None = None) -> list[Network]:
+        def work(op: Op) -> list[Network]:
+            dc = self._inventory.datacenter(op.conn)
+            pg_type = vim.dvs.DistributedVirtualPortgroup
+            return [
+                Network(p["name"], placement, isinstance(o, pg_type))
+                for o, p in self._inventory.networks(op.conn, dc)
+            ]
+
+        return await self._session.run(work, changes=False)
+
+    async def placements(self) -> list[Placement]:
+        def work(op: Op) -> list[Placement]:
+            found = []
+            dc = self._inventory.datacenter(op.conn)
+            # Every pool in one read; those whose parent is a compute's root pool count.
+            pools = op.conn.contained(dc.host_folder, vim.ResourcePool, ["name", "parent"])
+            for obj, p in self._inventory.computes(op.conn, dc):
+                kind = "cluster" if isinstance(obj, vim.ClusterComputeResource) else "host"
+                found.append(Placement(p["name"], kind))
+                root = p["resourcePool"]._moId
+                for _c, c in pools:
+                    if getattr(c.get("parent"), "_moId", None) == root:
+                        found.append(Placement(f"{p['name']}/{c['name']}", "pool"))
+            return found
+
+        return await self._session.run(work, changes=False)
+
+    async def clone_mode(self, spec: CloneSpec) -> CloneMode:
+        # A linked clone needs a snapshot on the template; deploybot always copies.
+        target = spec.storage or self.config.datastore or "the template's datastore"
+        return CloneMode(False, f"full copy to {target}, {self.config.disk_format}")
