@@ -250,8 +250,14 @@ async def test_customised_offline(variants: Path, tmp_path: Path) -> None:
                 {"url": mirror.link(f"debs/{deb.name}"), "checksum": f"sha256:{digest}"}
             )
         # name: (profile, the platform it is prepared for)
+        # The test images carry qemu-guest-agent, not open-vm-tools: the SELinux one is
+        # prepared for vSphere (its datasource) checking for the agent it has; the
+        # default vSphere agent is checked by the refusal below.
+        selinux_on_vsphere = _profile("selinux", mirror.url).model_copy(
+            update={"vsphere_agent_package": "qemu-guest-agent"}
+        )
         profiles: dict[str, tuple[Profile, Platform]] = {
-            "selinux": (_profile("selinux", mirror.url), "vsphere"),
+            "selinux": (selinux_on_vsphere, "vsphere"),
             "vmware": (_profile("vmware", mirror.url), "proxmox"),
             "noagent": (_profile("noagent", mirror.url, packages=packages), "proxmox"),
         }
@@ -261,6 +267,11 @@ async def test_customised_offline(variants: Path, tmp_path: Path) -> None:
             bare = _profile("noagent", mirror.url).model_copy(update={"name": "test-bare"})
             refusal = group.create_task(
                 _refused(prepare_image(bare, cache, "proxmox", accelerator=accel))
+            )
+            # On vSphere the agent is VMware Tools, which none of the images has.
+            tools = _profile("vmware", mirror.url).model_copy(update={"name": "test-tools"})
+            no_tools = group.create_task(
+                _refused(prepare_image(tools, cache, "vsphere", accelerator=accel))
             )
             tasks = [
                 group.create_task(prepare_image(p, cache, on, accelerator=accel, progress=progress))
@@ -274,6 +285,10 @@ async def test_customised_offline(variants: Path, tmp_path: Path) -> None:
         "the test-bare image has no qemu-guest-agent and the profile lists no package files "
         "to add: set `packages` in [images.profiles.test-bare] to the agent's package file "
         "and its dependencies (URL and sha256 each)"
+    )
+    assert str(no_tools.result()).startswith(
+        "the test-tools image has no open-vm-tools and the profile lists no package files "
+        "to add: set `vsphere_packages` in [images.profiles.test-tools]"
     )
 
     selinux, vmware, noagent = done["selinux"], done["vmware"], done["noagent"]

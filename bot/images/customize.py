@@ -40,6 +40,11 @@ PACKAGE_DIR = "/var/tmp/deploybot-packages"
 # its datasource_list is the one cloud-init ends with.
 DATASOURCE_FILE = "/etc/cloud/cloud.cfg.d/zz-deploybot-datasources.cfg"
 AGENT_PATHS = ("/usr/sbin/qemu-ga", "/usr/bin/qemu-ga")
+# The programs that show an agent package is installed.
+AGENT_PROGRAMS = {
+    "qemu-guest-agent": AGENT_PATHS,
+    "open-vm-tools": ("/usr/bin/vmtoolsd", "/usr/sbin/vmtoolsd"),
+}
 
 
 class CustomizeError(DeployBotError):
@@ -112,7 +117,7 @@ class Inspection:
 
     selinux: bool  # SELINUX=enforcing|permissive and the configured policy is there
     selinux_reason: str
-    agent: bool  # qemu-ga is installed
+    agent: bool  # the platform's agent is installed (qemu-ga; vmtoolsd on vSphere)
     datasource_list: tuple[str, ...] | None  # cloud-init's effective list; None: not pinned
     datasource_file: str | None  # the file that sets it last
 
@@ -176,12 +181,17 @@ def datasource_pin(cloud: Path) -> tuple[tuple[str, ...] | None, str | None]:
 
 
 async def inspect(
-    disk: Path, accelerator: Accelerator, timeout_s: float, workdir: Path
+    disk: Path,
+    accelerator: Accelerator,
+    timeout_s: float,
+    workdir: Path,
+    agent_paths: tuple[str, ...] = AGENT_PATHS,
 ) -> Inspection:
-    """Read the image (read-only, one appliance boot)."""
+    """Read the image (read-only, one appliance boot); `agent_paths`: the programs whose
+    presence means the platform's agent is installed."""
     cloud = Path(tempfile.mkdtemp(dir=workdir, prefix="cloud-"))
     try:
-        agent = "\n".join(f"-is-file {path}" for path in AGENT_PATHS)
+        agent = "\n".join(f"-is-file {path}" for path in agent_paths)
         script = _INSPECT_SCRIPT.format(agent=agent, cloud=cloud)
         argv = ["guestfish", "--ro", "-a", str(disk), "-i"]
         out = await run_tool(argv, accelerator, timeout_s, "reading the image", stdin=script)

@@ -132,6 +132,7 @@ async def prepare_image(
     downloads = cache_dir / "downloads"
     source, digest = await _verified_source(profile, downloads, timeouts)
     await _say(progress, notes, f"{profile.file_name} verified ({digest[:19]}…)")
+    agent_package, agent_files, packages_key = profile.agent_for(platform)
     packages = [
         (
             package.file_name,
@@ -139,7 +140,7 @@ async def prepare_image(
                 package.url, Expected.parse(package.checksum), downloads, timeouts
             ),
         )
-        for package in profile.packages
+        for package in agent_files
     ]
     out_dir = cache_dir / "prepared"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -150,7 +151,8 @@ async def prepare_image(
         if fmt == "ova":
             origin, fmt = await asyncio.to_thread(_extract_vmdk, source, work), "vmdk"
         await _convert(origin, fmt, disk, customize_timeout_s)
-        found = await lg.inspect(disk, accelerator, customize_timeout_s, work)
+        agent_paths = lg.AGENT_PROGRAMS[agent_package]
+        found = await lg.inspect(disk, accelerator, customize_timeout_s, work, agent_paths)
         relabel = found.selinux if profile.selinux == "detect" else profile.selinux
         if profile.selinux != "detect" and profile.selinux != found.selinux:
             log.warning(
@@ -165,11 +167,11 @@ async def prepare_image(
             await _say(progress, notes, f"no SELinux policy ({found.selinux_reason})")
         to_install: tuple[Path, ...] = ()
         if found.agent:
-            await _say(progress, notes, f"{profile.agent_package} is already installed")
+            await _say(progress, notes, f"{agent_package} is already installed")
         elif not packages:
             raise PrepareError(
-                f"the {profile.name} image has no {profile.agent_package} and the profile "
-                "lists no package files to add: set `packages` in "
+                f"the {profile.name} image has no {agent_package} and the profile "
+                f"lists no package files to add: set `{packages_key}` in "
                 f"[images.profiles.{profile.name}] to the agent's package file and "
                 "its dependencies (URL and sha256 each)"
             )
@@ -184,7 +186,7 @@ async def prepare_image(
                 _link(path, local / f"{index:02d}-{safe.removesuffix(suffix)}{suffix}")
             to_install = tuple(sorted(local.iterdir()))
             names = ", ".join(p.name for p in to_install)
-            await _say(progress, notes, f"installing {profile.agent_package} offline from {names}")
+            await _say(progress, notes, f"installing {agent_package} offline from {names}")
         wanted = PLATFORM_DATASOURCE[platform]
         pinned = found.datasource_list
         unpin = pinned is not None and wanted not in pinned

@@ -28,6 +28,8 @@ OsType = Literal[
     "other", "wxp", "w2k", "w2k3", "w2k8", "wvista", "win7", "win8", "win10", "win11",
     "l24", "l26", "solaris",
 ]  # fmt: skip
+# The guest agents deploybot can check for in an image (bot/images/customize.AGENT_PROGRAMS).
+AgentPackage = Literal["qemu-guest-agent", "open-vm-tools"]
 # Platforms an image is prepared for, and the cloud-init datasource each gives a guest.
 Platform = Literal["proxmox", "vsphere"]
 PLATFORM_DATASOURCE: dict[str, str] = {"proxmox": "NoCloud", "vsphere": "VMware"}
@@ -82,9 +84,12 @@ class Profile(_Model):
     ostype: OsType = "l26"
     nic: Literal["virtio", "e1000", "vmxnet3"] = "virtio"
     disk_bus: Literal["scsi", "virtio", "sata", "ide"] = "scsi"
-    # The guest agent: present in the image, or installed offline from `packages`.
-    agent_package: str = "qemu-guest-agent"
+    # The guest agent: present in the image, or installed offline from `packages`. On
+    # vSphere the agent is VMware Tools (deploybot reads the guest's address from it).
+    agent_package: AgentPackage = "qemu-guest-agent"
     packages: tuple[PackageFile, ...] = ()
+    vsphere_agent_package: AgentPackage = "open-vm-tools"
+    vsphere_packages: tuple[PackageFile, ...] = ()
     # Datasources cloud-init must be allowed to use; the target platform's is added.
     datasources: tuple[str, ...] = ("NoCloud", "ConfigDrive", "VMware", "None")
 
@@ -118,6 +123,13 @@ class Profile(_Model):
     @property
     def package_format(self) -> Literal["deb", "rpm"]:
         return "rpm" if self.os_family == "el" else "deb"
+
+    def agent_for(self, platform: Platform) -> tuple[str, tuple[PackageFile, ...], str]:
+        """The agent `platform` needs in the guest: its package name, the package files
+        that install it offline, and the profile key that lists them."""
+        if platform == "vsphere":
+            return self.vsphere_agent_package, self.vsphere_packages, "vsphere_packages"
+        return self.agent_package, self.packages, "packages"
 
     def datasources_for(self, platform: Platform) -> tuple[str, ...]:
         """What the image's datasource_list must allow on `platform` (its own first)."""
