@@ -67,6 +67,7 @@ from backends.simvm import (
     SimTiming,
     SimulatedCrash,
     SimVM,
+    read_built,
     read_state,
     write_state,
 )
@@ -150,13 +151,14 @@ class SimBackend(SimTasks, SimGuests, SimBuilds):
         """
         if self.state_file is None:
             return
-        write_state(self.state_file, self._next_id, self.vms.values())
+        write_state(self.state_file, self._next_id, self.vms.values(), self.built_rows())
 
     def _load(self, path: Path) -> None:
         """Read the inventory back; tasks that were running when the bot died finished
         meanwhile, as they would on a real hypervisor."""
         self._next_id, vms = read_state(path)
         self.vms.update((vm.vm_id, vm) for vm in vms)
+        self.restore_built(read_built(path))
         self._save()
 
     # --- test and demo controls ---------------------------------------------------

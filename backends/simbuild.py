@@ -11,9 +11,10 @@ the new one first, then the old one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
+from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from backends.base import NotOurVM, PermanentError, Template, VMRef, parse_tag
 from backends.building import BuildPlan, BuildTarget, TemplateVersion
@@ -26,6 +27,11 @@ class _Built:
     name: str  # as it is called now
     placement: str
     linked: set[str] = field(default_factory=set)  # linked clones: they need it
+    storage: str = "local-lvm"
+
+
+def _template(plan: BuildPlan, name: str, storage: str) -> Template:
+    return Template(name, plan.os_family, None, storage, 4, plan.user)
 
 
 class SimBuilds:
@@ -49,6 +55,26 @@ class SimBuilds:
         async def _run(
             self, op: str, vm_id: str, seconds: float, effect: Effect, fault: FaultKind | None
         ) -> None: ...
+
+    def built_rows(self) -> list[dict[str, Any]]:
+        """The built templates, for the state file."""
+        rows = []
+        for vm_id, b in self.built.items():
+            plan = {**asdict(b.plan), "built_at": b.plan.built_at.isoformat()}
+            rows.append(
+                {"vm_id": vm_id, "plan": plan, "name": b.name, "placement": b.placement,
+                 "linked": sorted(b.linked), "storage": b.storage}
+            )  # fmt: skip
+        return rows
+
+    def restore_built(self, rows: list[dict[str, Any]]) -> None:
+        for row in rows:
+            fields = dict(row["plan"])
+            fields["built_at"] = datetime.fromisoformat(fields["built_at"])
+            plan = BuildPlan(**fields)
+            built = _Built(plan, row["name"], row["placement"], set(row["linked"]), row["storage"])
+            self.built[str(row["vm_id"])] = built
+            self._templates = (*self._templates, _template(plan, built.name, built.storage))
 
     def note_linked(self, template: str, vm_id: str) -> None:
         """A linked clone of `template` was made: it needs the template while it lives."""
@@ -109,10 +135,10 @@ class SimBuilds:
         def convert() -> None:
             # A template is not a VM any more: deploys find it among the templates.
             self.vms.pop(vm.vm_id, None)
-            self.built[vm.vm_id] = _Built(plan, plan.versioned_name, target.placement)
-            template = Template(
-                plan.versioned_name, plan.os_family, None, target.storage, 4, plan.user
+            self.built[vm.vm_id] = _Built(
+                plan, plan.versioned_name, target.placement, storage=target.storage
             )
+            template = _template(plan, plan.versioned_name, target.storage)
             self._templates = (*self._templates, template)
 
         await self._run("create_template", vm.vm_id, 1.0, Effect(vm, self.vms, convert), fault)

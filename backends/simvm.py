@@ -201,12 +201,20 @@ class Effect:
             self._vms.pop(self._vm.vm_id, None)
 
 
-def write_state(path: Path, next_id: int, vms: Iterable[SimVM]) -> None:
-    """The inventory, replaced whole (a reader never sees half a file)."""
-    data = {"next_id": next_id, "vms": [vm_to_dict(vm) for vm in vms]}
+def write_state(
+    path: Path, next_id: int, vms: Iterable[SimVM], built: list[dict[str, Any]] | None = None
+) -> None:
+    """The inventory, replaced whole (a reader never sees half a file); `built`: the
+    templates it built (backends/simbuild.py)."""
+    data = {"next_id": next_id, "vms": [vm_to_dict(vm) for vm in vms], "built": built or []}
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=1))
     os.replace(tmp, path)
+
+
+def read_built(path: Path) -> list[dict[str, Any]]:
+    built = json.loads(path.read_text()).get("built", [])
+    return built if isinstance(built, list) else []
 
 
 def read_state(path: Path) -> tuple[int, list[SimVM]]:

@@ -241,6 +241,7 @@ class Deployer:
             await asyncio.sleep(every_s)
             try:
                 await self.sweep_wreckage()
+                await self.builds.recover()  # builds whose runner died since (a CLI killed)
             except Exception:
                 log.exception("retrying wreckage removal failed")
             await self.reconcile_addresses()

@@ -201,6 +201,11 @@ def declare_dead(db: Db, runner_id: str, now: datetime) -> None:
             f"UPDATE jobs SET lease_until = NULL WHERE owner = :id AND state IN {_OWNED_SQL}",
             params,
         )
+        db.execute(
+            "UPDATE builds SET lease_until = NULL WHERE owner = :id "
+            "AND state IN ('queued', 'running', 'rolling_back')",
+            params,
+        )
         # Its chat deliveries too (store/outbox.py): another process tells what it could not.
         db.execute("UPDATE outbox_claims SET until = '' WHERE holder = :id", params)
         db.execute("UPDATE inbox SET until = '' WHERE holder = :id AND done_at IS NULL", params)
