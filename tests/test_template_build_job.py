@@ -160,3 +160,13 @@ async def test_a_build_whose_runner_died_is_rolled_back(
     assert recovered.state is BuildState.FAILED and "interrupted" in (recovered.error or "")
     assert await sim.template_versions() == []
     assert await deployer.builds.recover() == []  # done once
+
+
+async def test_an_unexpected_error_rolls_back_and_says_where_the_details_are(
+    deployer: Deployer, sim: SimBackend
+) -> None:
+    sim.inject("create_template", "crash")  # the work is done, then the call dies unmapped
+    failed = await build(deployer)
+    assert failed.state is BuildState.FAILED and failed.failed_step == "create"
+    assert failed.error == "internal error (the details are in the bot's log)"
+    assert sim.vms == {} and await sim.template_versions() == []

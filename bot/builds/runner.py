@@ -178,6 +178,11 @@ class BuildRunner:
             raise BuildFailed(step, exc.message) from None
         except (FetchError, CustomizeError) as exc:
             raise BuildFailed(step, str(exc)) from None
+        except (BuildFailed, asyncio.CancelledError):
+            raise
+        except Exception:
+            log.exception("build %s: unexpected error in step %s", run.build.id, step)
+            raise BuildFailed(step, "internal error (the details are in the bot's log)") from None
 
     async def _retrying(self, action: Callable[[], Awaitable[Any]]) -> Any:
         return await retrying(action, self.settings.timeouts)
