@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -50,56 +49,12 @@ from backends.guestaddr import reported_addresses as reported_addresses
 
 log = logging.getLogger(__name__)
 
-JOB_TAG_PREFIX = "deploybot-"
-# The tag grammar: `deploybot-<installation>-<job>`, or `deploybot-<job>` as tagged before
-# installations had ids. A job id starts with `j` (a deploy) or `b` (a template build).
-# Ids are lower-case letters and digits (bot/models makes them from a smaller alphabet);
-# anything else with the prefix is not a job tag.
-INSTALLATION_LEN = 10
-_TAG = re.compile(
-    rf"^{JOB_TAG_PREFIX}(?:(?P<inst>[a-z0-9]{{{INSTALLATION_LEN}}})-(?P<job>[jb][a-z0-9]{{6,24}})"
-    r"|(?P<legacy>j[a-z0-9]{6}))$"
-)
-
-
-@dataclass(frozen=True)
-class JobMark:
-    """What a job tag says: which installation's job built the VM. `installation` is
-    None for a tag from before installations had ids (`deploybot-<job>`)."""
-
-    installation: str | None
-    job_id: str
-
-
-def job_tag(job_id: str, installation: str | None = None) -> str:
-    """The tag that marks a VM as built by one job of one installation.
-
-    Lower-case letters, digits and hyphens only, so it is valid as a Proxmox tag, a
-    vSphere annotation line and a simulator label alike. Jobs recorded before
-    installations had ids keep their old tag (`installation=None`).
-    """
-    if installation is None:
-        return f"{JOB_TAG_PREFIX}{job_id.lower()}"
-    return f"{JOB_TAG_PREFIX}{installation}-{job_id.lower()}"
-
-
-def parse_tag(tag: str) -> JobMark | None:
-    """The one strict reading of a job tag; None for anything else (a human's
-    `deploybot-managed`, a typo): a VM whose tags do not parse is not ours."""
-    match = _TAG.match(tag)
-    if match is None:
-        return None
-    if match["legacy"]:
-        return JobMark(None, match["legacy"])
-    return JobMark(match["inst"], match["job"])
-
-
-def job_marks(tags: frozenset[str] | set[str]) -> list[JobMark]:
-    return sorted(
-        (m for m in map(parse_tag, tags) if m is not None),
-        key=lambda m: (m.installation or "", m.job_id),
-    )
-
+# The job tag grammar lives in backends/tags.py; re-exported, part of the contract.
+from backends.tags import JOB_TAG_PREFIX as JOB_TAG_PREFIX  # noqa: E402
+from backends.tags import JobMark as JobMark  # noqa: E402
+from backends.tags import job_marks as job_marks  # noqa: E402
+from backends.tags import job_tag as job_tag  # noqa: E402
+from backends.tags import parse_tag as parse_tag  # noqa: E402
 
 # --- errors -------------------------------------------------------------------------
 
@@ -391,46 +346,5 @@ class Backend(Protocol):
     async def close(self) -> None: ...
 
 
-# --- optional abilities: a backend without them is used through the Protocol alone ---
-
-
-@runtime_checkable
-class ChecksPrivileges(Protocol):
-    """A backend that can say which privileges a deploy of `template` lacks
-    (`deploybot check`), and where its deploys' disks go by default."""
-
-    default_storage: str | None
-    endpoint: tuple[str, int]  # host and port of its API, for the certificate's subject
-
-    async def missing_privileges(self, template: str) -> list[MissingPrivilege]:
-        """Those a deploy of `template` lacks; none when there is no such template."""
-        ...
-
-
-@runtime_checkable
-class NamedTemplates(Protocol):
-    """A backend that can look up one template by name without reading every one (a
-    request names one: checking it should not cost a request per template)."""
-
-    async def template(self, name: str) -> Template | None:
-        """The template of that name; None when there is none."""
-        ...
-
-
-@dataclass(frozen=True)
-class StepTime:
-    """How long one finished deploy step took, as the job history recorded it."""
-
-    step: str  # a pipeline step: clone, identity, resize, power_on, address
-    template: str
-    storage: str | None  # as requested (None: the default)
-    duration_s: float
-
-
-@runtime_checkable
-class LearnsDurations(Protocol):
-    """A backend that paces its waits by how long such steps took before. The bot
-    hands it the recorded step durations (newest first) when it starts, so a fresh
-    process does not poll as if it had never deployed."""
-
-    def remember_steps(self, history: list[StepTime]) -> None: ...
+# Optional abilities (ChecksPrivileges, NamedTemplates, LearnsDurations) are in
+# backends/abilities.py; template builds (BuildsTemplates) in backends/building.py.

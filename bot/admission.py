@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Mapping
 
-from backends.base import Backend, BackendError, NamedTemplates, Network, Storage, Template
+from backends.abilities import NamedTemplates
+from backends.base import Backend, BackendError, Network, Storage, Template
 from bot.errors import Conflict, RequestInvalid
 from bot.models import DeployRequest
 

@@ -15,7 +15,8 @@ import os
 from dataclasses import dataclass
 
 from backends import advice
-from backends.base import Backend, BackendError, ChecksPrivileges
+from backends.abilities import ChecksPrivileges
+from backends.base import Backend, BackendError
 from backends.ipam import open_ipam
 from bot.admission import find_template
 from bot.errors import DeployBotError

@@ -13,7 +13,8 @@ import logging
 import sqlite3
 from collections.abc import Mapping
 
-from backends.base import Backend, LearnsDurations, StepTime
+from backends.abilities import LearnsDurations, StepTime
+from backends.base import Backend
 from store.db import Store
 
 log = logging.getLogger(__name__)

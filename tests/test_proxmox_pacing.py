@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from backends.base import CloneSpec, StepTime
+from backends.abilities import StepTime
+from backends.base import CloneSpec
 from backends.proxmox import Config, create
 from backends.proxmox.pacing import Pace, Pacing, PollTiming, Schedule, clone_key
 from bot.durations import PACED_STEPS

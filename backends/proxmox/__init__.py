@@ -32,6 +32,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
+from backends.abilities import StepTime
 from backends.base import (
     AddressUse,
     BackendConfig,
@@ -43,7 +44,6 @@ from backends.base import (
     NotOurVM,
     PermanentError,
     Placement,
-    StepTime,
     Storage,
     Template,
     VMInfo,
