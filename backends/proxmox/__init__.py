@@ -27,7 +27,6 @@ import asyncio
 import functools
 import ipaddress
 import logging
-import re
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
@@ -49,7 +48,6 @@ from backends.base import (
     VMInfo,
     VMNotFound,
     VMRef,
-    job_marks,
 )
 from backends.proxmox import privileges, rollback
 from backends.proxmox.addresses import AddressSweep
@@ -65,10 +63,12 @@ from backends.proxmox.pacing import STEP_OPERATIONS, Pace, Pacing, step_key
 from backends.proxmox.vmconfig import (
     GIB,
     boot_disk,
+    has_mark,
     mark_field,
     nic_with,
     size_text,
     tags_of,
+    vm_info,
 )
 from backends.sshcheck import SshCheck
 
@@ -195,19 +195,19 @@ class ProxmoxBackend(BuildsOnProxmox):
 
     async def find_by_name(self, name: str) -> list[VMInfo]:
         vms = await self.inventory.vms()
-        return [_info(i) for i in vms if i.get("name") == name and not i.get("template")]
+        return [vm_info(i) for i in vms if i.get("name") == name and not i.get("template")]
 
     async def find_tagged(self) -> list[VMInfo]:
         """Tagged VMs, plus stopped ones whose description carries a job mark: a clone
         whose identity (and tags) never came, the orphan a crash leaves behind."""
-        vms = [_info(i) for i in await self.inventory.vms() if not i.get("template")]
-        tagged = [v for v in vms if _has_mark(v.tags)]
-        bare = [v for v in vms if not _has_mark(v.tags) and not v.running]
+        vms = [vm_info(i) for i in await self.inventory.vms() if not i.get("template")]
+        tagged = [v for v in vms if has_mark(v.tags)]
+        bare = [v for v in vms if not has_mark(v.tags) and not v.running]
         configs = await asyncio.gather(
             *(self.inventory.vm_config(str(v.placement), v.vm_id) for v in bare)
         )
         for vm, config in zip(bare, configs, strict=True):
-            if config is not None and _has_mark(tags_of(config)):
+            if config is not None and has_mark(tags_of(config)):
                 tagged.append(replace(vm, tags=tags_of(config)))
         return tagged
 
@@ -387,15 +387,3 @@ class ProxmoxBackend(BuildsOnProxmox):
     async def close(self) -> None:
         await self._ssh.close()
         await self.api.close()
-
-
-def _info(item: dict[str, Any]) -> VMInfo:
-    tags = frozenset(t for t in re.split(r"[;,\s]+", str(item.get("tags", ""))) if t)
-    running = item.get("status") == "running"
-    lock = str(item["lock"]) if item.get("lock") else None  # backup, snapshot, migrate, ...
-    name = str(item.get("name", ""))
-    return VMInfo(str(item["vmid"]), name, running, tags, str(item["node"]), lock)
-
-
-def _has_mark(tags: frozenset[str]) -> bool:
-    return bool(job_marks(tags))

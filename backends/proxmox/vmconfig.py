@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from backends.base import PermanentError, parse_tag
+from backends.base import PermanentError, VMInfo, job_marks, parse_tag
 
 GIB = 1024**3
 _UNITS = {"K": 1024, "M": 1024**2, "G": GIB, "T": 1024**4}
@@ -94,6 +94,19 @@ def tags_of(config: dict[str, Any]) -> frozenset[str]:
     if mark is not None and parse_tag(mark) is not None:
         tags.add(mark)
     return frozenset(tags)
+
+
+def vm_info(item: dict[str, Any]) -> VMInfo:
+    """A VM as `/cluster/resources?type=vm` lists it."""
+    tags = frozenset(t for t in _TAG_SPLIT.split(str(item.get("tags", ""))) if t)
+    running = item.get("status") == "running"
+    lock = str(item["lock"]) if item.get("lock") else None  # backup, snapshot, migrate, ...
+    name = str(item.get("name", ""))
+    return VMInfo(str(item["vmid"]), name, running, tags, str(item["node"]), lock)
+
+
+def has_mark(tags: frozenset[str]) -> bool:
+    return bool(job_marks(tags))
 
 
 def merged_tags(config: dict[str, Any], tag: str) -> str:
