@@ -413,12 +413,18 @@ class Deployer:
             )
 
     async def decide_build(
-        self, build_id: str, approver: str, approved: bool, note: str | None = None
+        self,
+        build_id: str,
+        approver: str,
+        approved: bool,
+        note: str | None = None,
+        *,
+        dedupe_key: str | None = None,
     ) -> Build:
         """Approve or reject a template build awaiting approval (its card's buttons)."""
         verb = "approve" if approved else "reject"
         async with self._audited(approver, f"{verb} {build_id[:40]}"):
-            return await self.builds.decide(build_id, approver, approved, note)
+            return await self.builds.decide(build_id, approver, approved, note, dedupe_key)
 
     async def may_decide_build(self, build_id: str, approver: str) -> Build:
         async with self._audited(approver, f"decide {build_id[:40]}"):

@@ -17,7 +17,7 @@ from bot.models import Notice, utcnow
 from bot.models.builds import ACTIVE_BUILD_STATES, BUILD_TRANSITIONS, Build, BuildState
 from store import outbox
 from store.engine import Engine
-from store.jobs import DuplicateActive, _sql_value
+from store.jobs import DuplicateActive, _sql_value, claim
 from store.sql import Conflict, Db, immediate, insert_sql
 from store.tx import ts
 
@@ -94,11 +94,13 @@ def move_build(
     new: BuildState,
     held_by: str | None = None,
     notices: Sequence[Notice] = (),
+    dedupe_key: str | None = None,
     **fields: Any,
 ) -> Build | None:
     """Move a build from one of `expected` to `new` (and set `fields`); the build as it
     now is, or None when it was not in those states (or no longer `held_by`'s). The
-    `notices` are kept with the move, only if it happened."""
+    `notices` are kept with the move, only if it happened. With a `dedupe_key` (a chat
+    click), a second delivery of it raises `AlreadyDelivered` and changes nothing."""
     expected = tuple(expected)
     for state in expected:
         if new not in BUILD_TRANSITIONS.get(state, frozenset()):
@@ -110,15 +112,25 @@ def move_build(
     fence = ""
     if held_by is not None:
         fence, params["held_by"] = " AND owner = :held_by", held_by
-    with immediate(db):
-        rows = db.query(
-            f"UPDATE builds SET state = :new, updated_at = :now{sets} "
-            f"WHERE id = :id AND state IN ({marks}){fence} RETURNING *",
-            params,
-        )
-        if rows:
+    try:
+        with immediate(db):
+            if dedupe_key is not None:
+                claim(db, dedupe_key, build_id, new.value)
+            rows = db.query(
+                f"UPDATE builds SET state = :new, updated_at = :now{sets} "
+                f"WHERE id = :id AND state IN ({marks}){fence} RETURNING *",
+                params,
+            )
+            if not rows:
+                raise _NotMoved  # rolls the delivery's key back too
             outbox.add(db, notices)
-    return build_from_row(rows[0]) if rows else None
+    except _NotMoved:
+        return None
+    return build_from_row(rows[0])
+
+
+class _NotMoved(Exception):
+    pass
 
 
 def update_build(
@@ -216,10 +228,11 @@ class BuildRecords:
         new: BuildState,
         held_by: str | None = None,
         notices: Sequence[Notice] = (),
+        dedupe_key: str | None = None,
         **fields: Any,
     ) -> Build | None:
         moved = await self._engine.call(
-            move_build, build_id, expected, new, held_by, notices, **fields
+            move_build, build_id, expected, new, held_by, notices, dedupe_key, **fields
         )
         self._noticed(moved is not None and bool(notices))
         return moved

@@ -16,14 +16,21 @@ from backends.base import Backend, BackendError, VMRef
 from backends.building import BuildsTemplates
 from bot.approvals import build_approval_reason
 from bot.builds.runner import BuildNotes, BuildRunner, Prepare, build_notice
-from bot.errors import Conflict, JobNotFound, NotAllowed, RequestInvalid, TransitionRefused
+from bot.errors import (
+    Conflict,
+    Duplicate,
+    JobNotFound,
+    NotAllowed,
+    RequestInvalid,
+    TransitionRefused,
+)
 from bot.images import ProfileError, prepare_image
 from bot.models import BUILD_ASKED, BUILD_DECIDED, BUILD_FINISHED, Job, JobState, utcnow
 from bot.models.builds import BUILD_ID_RE, Build, BuildState
 from bot.parser import DeployArgs
 from bot.settings import Settings
 from bot.waiting import protected
-from store.db import DuplicateActive, Store
+from store.db import AlreadyDelivered, DuplicateActive, Store
 
 if TYPE_CHECKING:
     from bot.approvals import Approvals
@@ -237,37 +244,42 @@ class Builds:
         return build
 
     async def decide(
-        self, build_id: str, approver: str, approved: bool, note: str | None = None
+        self,
+        build_id: str,
+        approver: str,
+        approved: bool,
+        note: str | None = None,
+        dedupe_key: str | None = None,
     ) -> Build:
         """Approve (queued, taken by this process's runner) or reject a build awaiting
-        approval: one compare-and-set on its row, with its notice, so of two approvers
-        clicking at once (or one click delivered twice) exactly one decides."""
+        approval: one compare-and-set on its row, with its notice (and the click's
+        `dedupe_key`), so of two approvers clicking at once exactly one decides, and a
+        click delivered twice is recognised (`Duplicate`)."""
+        if dedupe_key is not None and await self.store.delivered(dedupe_key):
+            raise Duplicate(f"This decision on build {build_id} was already made.", build_id)
         await self.check_decider(build_id, approver)
         now = utcnow()
         decided = {"decided_by": approver, "decided_at": now}
         told = [build_notice(build_id, BUILD_DECIDED, note or "")]
         if approved:
-            moved = await self.store.builds.move(
-                build_id,
-                [BuildState.AWAITING_APPROVAL],
-                BuildState.QUEUED,
-                None,
-                told,
-                owner=self.owner,
-                lease_until=self.lease_until(),
-                **decided,
-            )
+            fields: dict[str, object] = {"owner": self.owner, "lease_until": self.lease_until()}
         else:
+            fields = {"finished_at": now, "error": note or "rejected"}
+        try:
             moved = await self.store.builds.move(
                 build_id,
                 [BuildState.AWAITING_APPROVAL],
-                BuildState.REJECTED,
+                BuildState.QUEUED if approved else BuildState.REJECTED,
                 None,
                 told,
-                finished_at=now,
-                error=note or "rejected",
+                dedupe_key,
+                **fields,
                 **decided,
             )
+        except AlreadyDelivered:
+            raise Duplicate(
+                f"This decision on build {build_id} was already made.", build_id
+            ) from None
         if moved is None:  # another approver (or the expiry) was first
             raise TransitionRefused(_undecidable(await self.get(build_id)))
         if moved.state is BuildState.QUEUED:

@@ -14,6 +14,7 @@ __all__ = [
     "build_approval_needed",
     "build_approval_summary",
     "build_card_outcome",
+    "build_context",
     "build_decided_answer",
     "build_end",
     "build_headline",
@@ -186,3 +187,8 @@ def build_decided_answer(build: Build) -> str:
     """The approver's answer after a decision (plain)."""
     verb = "Rejected" if build.state is BuildState.REJECTED else "Approved"
     return f"{verb} build {build.id} of {build.versioned_name}."
+
+
+def build_context(build: Build) -> str:
+    """Mrkdwn: the line under a build's parent message."""
+    return f"build {build.short_id} · asked by {mention(build.requester)}"
