@@ -10,8 +10,10 @@ import json
 from datetime import timedelta
 from pathlib import Path
 
+from backends.sim import SimBackend
 from bot.models import JobState, utcnow
 from bot.models.builds import Build, BuildState
+from tests.conftest import SIM_SCALE
 from tests.fake_slack import Call
 from tests.slack_support import (
     ALICE,
@@ -234,3 +236,24 @@ async def test_templates_show_what_deploybot_built(tmp_path: Path) -> None:
         today = utcnow().strftime("%Y-%m-%d")
         assert rows["golden"][:5] == ["golden", "debian-12", "v1", today, "x86-64-v2-AES"]
         assert rows["ubuntu-24.04"][:5] == ["ubuntu-24.04", "-", "-", "-", "-"]
+
+
+async def test_a_failed_build_ends_its_thread_with_the_cause_and_what_was_removed(
+    tmp_path: Path,
+) -> None:
+    sim = SimBackend("sim", time_scale=SIM_SCALE)
+    sim.inject("power_on", "error")  # the smoke deploy fails
+    async with slack_bot(tmp_path, approval=POLICY, backend=sim) as h:
+        await h.command("template build debian-12 name=golden", user=BOB)
+        parent = await h.fake.wait_for(is_parent)
+        await h.fake.wait_for(is_reply("The build failed at smoke"), within=60)
+        await h.settle()
+        await h.threads.idle()
+        thread = replies(h, parent)
+        assert "rollback: remove template" in thread
+        assert "Everything it made was removed; fix the cause and build again." in thread
+        assert thread.index("rollback: remove template") < thread.index("The build failed")
+        done = await the_build(h)
+        assert done.state is BuildState.FAILED and await sim.template_versions() == []
+        headline = h.fake.called("chat.update", channel=CHANNEL, ts=parent.answer["ts"])
+        assert headline and "failed" in headline[-1].text
