@@ -29,10 +29,14 @@ class Heard:
         self.ended.append(build)
 
 
-async def build(deployer: Deployer, profile: str = "debian-12", **kw: str) -> Build:
-    kw.setdefault("name", "golden-debian")
+async def build(
+    deployer: Deployer,
+    profile: str = "debian-12",
+    name: str = "golden-debian",
+    placement: str | None = None,
+) -> Build:
     # bob approves (tests/conftest.py): his own build needs no approver.
-    asked = await deployer.builds.request(profile, "sim", "bob", **kw)
+    asked = await deployer.builds.request(profile, "sim", "bob", name=name, placement=placement)
     await deployer.drain()
     final = await deployer.store.builds.get(asked.id)
     assert final is not None
