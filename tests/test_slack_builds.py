@@ -24,6 +24,7 @@ from tests.slack_support import (
     MALLORY,
     Harness,
     is_reply,
+    new_fake,
     slack_bot,
 )
 
@@ -257,3 +258,43 @@ async def test_a_failed_build_ends_its_thread_with_the_cause_and_what_was_remove
         assert done.state is BuildState.FAILED and await sim.template_versions() == []
         headline = h.fake.called("chat.update", channel=CHANNEL, ts=parent.answer["ts"])
         assert headline and "failed" in headline[-1].text
+
+
+async def test_after_a_restart_the_same_card_and_thread_are_updated(tmp_path: Path) -> None:
+    fake = await new_fake()  # one Slack, two lives of the bot on one database
+    try:
+        async with slack_bot(tmp_path, approval=POLICY, fake=fake) as first:
+            _build, card = await ask(first)
+            parent = await fake.wait_for(is_parent)
+            await fake.wait_for(is_reply("waiting for approval"))
+            await first.threads.idle()
+        async with slack_bot(tmp_path, approval=POLICY, fake=fake) as second:
+            await second.click(card, "approve", BOB)
+            await fake.wait_for(is_reply("Published:"), within=60)
+            await second.settle()
+            await second.deployer.drain()
+            await second.threads.idle()
+            assert len(card_updates(second, card)) == 1
+            assert len([c for c in fake.calls if is_parent(c)]) == 1  # no second parent
+            thread = "\n".join(fake.thread(CHANNEL, parent.answer["ts"]))
+            assert f"approved by <@{BOB}>" in thread and "Published:" in thread
+            done = await the_build(second)
+            assert done.state is BuildState.PUBLISHED
+            assert done.owner == second.deployer.runner.id  # the approver's process ran it
+    finally:
+        await fake.close()
+
+
+async def test_what_people_typed_is_escaped_on_the_card_and_in_the_thread(
+    tmp_path: Path,
+) -> None:
+    async with slack_bot(tmp_path, approval=POLICY) as h:
+        await h.command("template build debian-12 name=gold<!here> storage=<@U999|x>")
+        card = await h.fake.wait_for(is_card)
+        parent = await h.fake.wait_for(is_parent)
+        await h.settle()
+        await h.threads.idle()
+        shown = json.dumps(card.args["blocks"]) + card.text + parent.text
+        shown += json.dumps(parent.args["blocks"])
+        assert "<!here>" not in shown and "<@U999|x>" not in shown
+        assert "gold&lt;!here&gt;" in shown and "&lt;@U999|x&gt;" in shown
