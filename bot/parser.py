@@ -34,8 +34,8 @@ SUBCOMMAND_USAGE = {
     "history": "/deploy history [N]",
     "cancel": "/deploy cancel JOB",
     "templates": "/deploy templates",
-    "approve": "/deploy approve JOB",
-    "reject": "/deploy reject JOB REASON",
+    "approve": "/deploy approve JOB (or BUILD)",
+    "reject": "/deploy reject JOB (or BUILD) REASON",
     "key": "/deploy key ssh-ed25519 AAAA... [comment]",
     "settings": "/deploy settings",
     "destroy": "/deploy destroy NAME (or JOB)",
@@ -47,6 +47,7 @@ SUBCOMMAND_USAGE = {
 BUILD_KEYS = ("on", "node", "storage", "name")
 KEYS = ("template", "on", "storage", "subnet", "cpu", "mem", "disk", "user", "upgrade", "lease")
 JOB_ID_RE = JOB_REF_RE  # a whole job id, or the first MIN_JOB_REF or more characters
+BUILD_REF_RE = re.compile(rf"b[a-z0-9]{{{MIN_JOB_REF - 1},40}}")  # a template build's, alike
 HISTORY_MAX = 100
 _SIZE_RE = re.compile(r"^(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?$", re.IGNORECASE)
 _UNIT_MIB = {"m": 1, "g": 1024, "t": 1024 * 1024}
@@ -238,7 +239,8 @@ def _subcommand(head: str, rest: list[str]) -> Command:
         return History(int(rest[0]))
     if not rest:
         raise UsageError(f"`{head}` needs a job id (like {_EXAMPLE_REF}).", usage)
-    job_id = _job_id(rest[0], usage)
+    decision = head in ("approve", "reject")
+    job_id = _job_id(rest[0], usage, builds=decision)
     if head == "reject":
         if len(rest) < 2:
             raise UsageError("Say why you reject it, so the requester can fix it.", usage)
@@ -337,8 +339,11 @@ def _template(rest: list[str], usage: str) -> BuildTemplate | TemplateProfiles:
     )
 
 
-def _job_id(word: str, usage: str) -> str:
+def _job_id(word: str, usage: str, *, builds: bool = False) -> str:
+    """A job id or prefix; with `builds`, a template build's too (approve, reject)."""
     job_id = fold(word).lstrip("#")
+    if builds and BUILD_REF_RE.fullmatch(job_id):
+        return job_id
     if not JOB_ID_RE.fullmatch(job_id):
         raise UsageError(
             f"`{word}` is not a job id: they look like {_EXAMPLE_REF} (the first "

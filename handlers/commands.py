@@ -71,6 +71,11 @@ async def run_command(deployer: Deployer, user: str, command: Command) -> list[s
                 name=command.name,
             )
             return [messages.build_accepted(build)]
+        case Approve(job_id) if job_id.startswith("b"):  # a template build
+            return [messages.build_decided_answer(await deployer.decide_build(job_id, user, True))]
+        case Reject(job_id, reason) if job_id.startswith("b"):
+            build = await deployer.decide_build(job_id, user, False, reason)
+            return [messages.build_decided_answer(build)]
         case Approve(job_id):
             job = await deployer.approve(job_id, user)
             return [messages.approve_answer(job, user)]

@@ -298,3 +298,23 @@ async def test_what_people_typed_is_escaped_on_the_card_and_in_the_thread(
         shown += json.dumps(parent.args["blocks"])
         assert "<!here>" not in shown and "<@U999|x>" not in shown
         assert "gold&lt;!here&gt;" in shown and "&lt;@U999|x&gt;" in shown
+
+
+async def test_approvers_can_decide_by_command_with_the_builds_short_id(tmp_path: Path) -> None:
+    async with slack_bot(tmp_path, approval=POLICY) as h:
+        build, card = await ask(h)
+        await h.command(f"approve {build.short_id}", user=ALICE)
+        await h.settle()
+        assert any("may not approve template builds" in t for t in told(h, ALICE))
+        await h.command(f"reject {build.short_id} not this week", user=CAROL)
+        await h.settle()
+        assert any(f"Rejected build {build.id}" in t for t in told(h, CAROL))
+        await h.fake.wait_for(is_reply("rejected by"))
+        done = await the_build(h)
+        assert done.state is BuildState.REJECTED and done.error == "not this week"
+        await h.threads.idle()
+        (update,) = card_updates(h, card)
+        assert update.text == f":x: Rejected by <@{CAROL}>: not this week"
+        await h.command(f"approve {build.short_id}", user=BOB)
+        await h.settle()
+        assert any(f"<@{CAROL}> rejected it" in t for t in told(h, BOB))

@@ -17,6 +17,7 @@ from backends.building import BuildsTemplates
 from bot.approvals import build_approval_reason
 from bot.builds.runner import BuildNotes, BuildRunner, Prepare, build_notice
 from bot.errors import (
+    AmbiguousJob,
     Conflict,
     Duplicate,
     JobNotFound,
@@ -25,7 +26,15 @@ from bot.errors import (
     TransitionRefused,
 )
 from bot.images import ProfileError, prepare_image
-from bot.models import BUILD_ASKED, BUILD_DECIDED, BUILD_FINISHED, Job, JobState, utcnow
+from bot.models import (
+    BUILD_ASKED,
+    BUILD_DECIDED,
+    BUILD_FINISHED,
+    MIN_JOB_REF,
+    Job,
+    JobState,
+    utcnow,
+)
 from bot.models.builds import BUILD_ID_RE, Build, BuildState
 from bot.parser import DeployArgs
 from bot.settings import Settings
@@ -214,7 +223,15 @@ class Builds:
         return self.approvals is not None and await self.approvals.is_approver(user)
 
     async def get(self, build_id: str) -> Build:
+        """The build a person named by its id or a prefix of it (at least 4 characters)."""
         found = await self.store.builds.get(build_id) if BUILD_ID_RE.fullmatch(build_id) else None
+        if found is None and len(build_id) >= MIN_JOB_REF:
+            matches = await self.store.builds.match(build_id, limit=2)
+            if len(matches) > 1:
+                raise AmbiguousJob(
+                    f"{build_id} names more than one build; give more of its id.", matches
+                )
+            found = await self.store.builds.get(matches[0]) if matches else None
         if found is None:
             raise JobNotFound(
                 f"There is no template build {build_id[:40]}; `deploybot template list` "
@@ -238,7 +255,7 @@ class Builds:
             raise NotAllowed("You cannot approve or reject your own build: ask another approver.")
         if build.state is BuildState.AWAITING_APPROVAL and self.expires_at(build) <= utcnow():
             await self._expire(build)
-            build = await self.get(build_id)
+            build = await self.get(build.id)
         if build.state is not BuildState.AWAITING_APPROVAL:
             raise TransitionRefused(_undecidable(build))
         return build
@@ -257,7 +274,7 @@ class Builds:
         click delivered twice is recognised (`Duplicate`)."""
         if dedupe_key is not None and await self.store.delivered(dedupe_key):
             raise Duplicate(f"This decision on build {build_id} was already made.", build_id)
-        await self.check_decider(build_id, approver)
+        build_id = (await self.check_decider(build_id, approver)).id
         now = utcnow()
         decided = {"decided_by": approver, "decided_at": now}
         told = [build_notice(build_id, BUILD_DECIDED, note or "")]

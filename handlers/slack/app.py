@@ -268,6 +268,12 @@ class SlackBot:
                     command, user, origin=channel, dedupe_key=key, check_free_first=True
                 )
                 return [messages.accepted(job)]
+            case Approve(job_id) if job_id.startswith("b"):  # a template build
+                build = await d.decide_build(job_id, user, True, dedupe_key=key)
+                return [messages.build_decided_answer(build)]
+            case Reject(job_id, reason) if job_id.startswith("b"):
+                build = await d.decide_build(job_id, user, False, reason, dedupe_key=key)
+                return [messages.build_decided_answer(build)]
             case Approve(job_id):
                 job = await d.approve(job_id, user, dedupe_key=key)
                 return [messages.approve_answer(job, user)]  # `tell` adds the mention
