@@ -105,7 +105,9 @@ async def test_a_non_approvers_build_waits_then_an_approver_approves_and_it_is_p
         assert "actions" not in json.dumps(update.args["blocks"])  # the buttons are gone
         headline = h.fake.called("chat.update", channel=CHANNEL, ts=parent.answer["ts"])
         assert headline and "published" in headline[-1].text
-        # Every notice was delivered, and the build's delivery lease given back.
+        dm = h.fake.called("chat.postMessage", channel=ALICE)
+        assert dm and "Your template build" in dm[-1].text and "Published:" in dm[-1].text
+        # Every notice was delivered.
         assert await h.deployer.store.outbox_undelivered(done.id) == []
 
 

@@ -18,6 +18,7 @@ __all__ = [
     "build_decided_answer",
     "build_end",
     "build_headline",
+    "build_outcome_dm",
     "build_started",
     "build_thread_update",
     "builds_table",
@@ -192,3 +193,8 @@ def build_decided_answer(build: Build) -> str:
 def build_context(build: Build) -> str:
     """Mrkdwn: the line under a build's parent message."""
     return f"build {build.short_id} · asked by {mention(build.requester)}"
+
+
+def build_outcome_dm(build: Build) -> str:
+    """The requester's direct message when their build ended (plain)."""
+    return f"Your template build {build.id}: {build_headline(build)}. " + build_end(build)[0]

@@ -395,6 +395,11 @@ class SlackThreads:
             elif part == BUILD_FINISHED:
                 text = views.mrkdwn(messages.slack_build_end(build))
                 self._build_say(build, text, nid, urgent=True)
+                if build.origin:  # the requester hears the end by direct message too
+                    dm = self._dm(build.requester)
+                    outcome = messages.build_outcome_dm(build)
+                    dm.lines.append(Line(views.mrkdwn(outcome), self._part(nid)))
+                    self.outboxes.touch(dm)
             else:
                 text = messages.build_thread_update(build, part, notice.text)
                 self._build_say(build, views.mrkdwn(text), nid)
