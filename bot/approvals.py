@@ -42,6 +42,18 @@ def approval_reason(policy: ApprovalPolicy, request: DeployRequest) -> str | Non
     return None
 
 
+def build_approval_reason(policy: ApprovalPolicy, requester_approves: bool) -> str | None:
+    """Why a template build needs an approver (`[approval] builds`), or None. A template
+    is shared: whoever deploys from it gets what the build put in it."""
+    if policy.builds == "never":
+        return None
+    if policy.builds == "always":
+        return "every template build needs approval"
+    if requester_approves or not (policy.approvers or policy.approver_groups):
+        return None  # an approver's own build, or nobody who could approve one
+    return "template builds change templates everyone deploys from"
+
+
 class Approvals:
     def __init__(
         self,

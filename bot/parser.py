@@ -3,6 +3,7 @@
     NAME [ADDRESS[/PREFIX]] [key=value ...]     (no ADDRESS: the next free one)
     help | status JOB | history [N] | cancel JOB | templates | approve JOB | reject JOB REASON
     destroy NAME|JOB | list [mine|all|@USER] [page=N] | lease extend NAME|JOB [LENGTH]
+    template build PROFILE [on=BACKEND] [node=N] [storage=S] [name=X] | template profiles
 
 JOB is a job id or any prefix of it of at least 4 characters (the service resolves it).
 `parse` turns any text into a command or raises `UsageError` that says what was wrong and
@@ -33,16 +34,20 @@ SUBCOMMAND_USAGE = {
     "history": "/deploy history [N]",
     "cancel": "/deploy cancel JOB",
     "templates": "/deploy templates",
-    "approve": "/deploy approve JOB",
-    "reject": "/deploy reject JOB REASON",
+    "approve": "/deploy approve JOB (or BUILD)",
+    "reject": "/deploy reject JOB (or BUILD) REASON",
     "key": "/deploy key ssh-ed25519 AAAA... [comment]",
     "settings": "/deploy settings",
     "destroy": "/deploy destroy NAME (or JOB)",
     "list": "/deploy list [mine|all|@USER] [page=N]",
     "lease": "/deploy lease extend NAME [7d]",
+    "template": "/deploy template build PROFILE [on=BACKEND] [node=N] [storage=S] [name=X] "
+    "| /deploy template profiles",
 }
+BUILD_KEYS = ("on", "node", "storage", "name")
 KEYS = ("template", "on", "storage", "subnet", "cpu", "mem", "disk", "user", "upgrade", "lease")
 JOB_ID_RE = JOB_REF_RE  # a whole job id, or the first MIN_JOB_REF or more characters
+BUILD_REF_RE = re.compile(rf"b[a-z0-9]{{{MIN_JOB_REF - 1},40}}")  # a template build's, alike
 HISTORY_MAX = 100
 _SIZE_RE = re.compile(r"^(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?$", re.IGNORECASE)
 _UNIT_MIB = {"m": 1, "g": 1024, "t": 1024 * 1024}
@@ -136,6 +141,23 @@ class ExtendLease:
 
 
 @dataclass(frozen=True)
+class BuildTemplate:
+    """`template build PROFILE [on=B] [node=N] [storage=S] [name=X]`: a golden template
+    from a build profile (bot/builds/); `on` None is the default backend."""
+
+    profile: str
+    on: str | None = None
+    node: str | None = None
+    storage: str | None = None
+    name: str | None = None
+
+
+@dataclass(frozen=True)
+class TemplateProfiles:
+    """`template profiles`: the build profiles there are."""
+
+
+@dataclass(frozen=True)
 class ListVMs:
     """`list [mine|all|@USER] [page=N]`: `user` None with `everyone` False is "mine"."""
 
@@ -158,6 +180,8 @@ Command = (
     | Destroy
     | ListVMs
     | ExtendLease
+    | BuildTemplate
+    | TemplateProfiles
 )
 
 
@@ -195,6 +219,8 @@ def _subcommand(head: str, rest: list[str]) -> Command:
         return _list(rest, usage)
     if head == "lease":
         return _lease(rest, usage)
+    if head == "template":
+        return _template(rest, usage)
     if head == "destroy":
         if len(rest) != 1:
             raise UsageError("Name one VM to destroy (or its job id), like web01.", usage)
@@ -213,7 +239,8 @@ def _subcommand(head: str, rest: list[str]) -> Command:
         return History(int(rest[0]))
     if not rest:
         raise UsageError(f"`{head}` needs a job id (like {_EXAMPLE_REF}).", usage)
-    job_id = _job_id(rest[0], usage)
+    decision = head in ("approve", "reject")
+    job_id = _job_id(rest[0], usage, builds=decision)
     if head == "reject":
         if len(rest) < 2:
             raise UsageError("Say why you reject it, so the requester can fix it.", usage)
@@ -268,8 +295,55 @@ def _lease(rest: list[str], usage: str) -> ExtendLease:
     return ExtendLease(rest[1], length)
 
 
-def _job_id(word: str, usage: str) -> str:
+def _template(rest: list[str], usage: str) -> BuildTemplate | TemplateProfiles:
+    action = fold(rest[0]) if rest else ""
+    if action == "profiles":
+        if len(rest) > 1:
+            raise UsageError("`template profiles` takes no arguments.", usage)
+        return TemplateProfiles()
+    if action != "build":
+        raise UsageError("Say `template build PROFILE` or `template profiles`.", usage)
+    if len(rest) < 2 or "=" in rest[1]:
+        raise UsageError(
+            "Name the build profile first, like `template build debian-12` "
+            "(`/deploy template profiles` lists them).",
+            usage,
+        )
+    values: dict[str, str] = {}
+    for word in rest[2:]:
+        key, sep, value = word.partition("=")
+        key = fold(key)
+        if not sep:
+            raise UsageError(
+                f"`{word}` is not an option: options are key=value, after the profile.", usage
+            )
+        if key not in BUILD_KEYS:
+            close = difflib.get_close_matches(key, BUILD_KEYS, n=1, cutoff=0.5)
+            hint = f" Did you mean `{close[0]}`?" if close else ""
+            raise UsageError(
+                f"`{key}` is not an option of `template build`.{hint} "
+                f"Options: {', '.join(BUILD_KEYS)}.",
+                usage,
+            )
+        if key in values:
+            raise UsageError(f"`{key}` is given twice: keep one.", usage)
+        if not value:
+            raise UsageError(f"`{key}=` needs a value.", usage)
+        values[key] = value
+    return BuildTemplate(
+        rest[1],
+        on=values.get("on"),
+        node=values.get("node"),
+        storage=values.get("storage"),
+        name=values.get("name"),
+    )
+
+
+def _job_id(word: str, usage: str, *, builds: bool = False) -> str:
+    """A job id or prefix; with `builds`, a template build's too (approve, reject)."""
     job_id = fold(word).lstrip("#")
+    if builds and BUILD_REF_RE.fullmatch(job_id):
+        return job_id
     if not JOB_ID_RE.fullmatch(job_id):
         raise UsageError(
             f"`{word}` is not a job id: they look like {_EXAMPLE_REF} (the first "

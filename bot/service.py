@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from backends.base import Backend, BackendError, Template
+from backends.building import BuildsTemplates, TemplateVersion
 from backends.ipam import open_ipam
 from backends.ipam.base import Ipam
 from bot import cancel as cancelling
@@ -44,6 +45,7 @@ from bot.models import (
     UserPrefs,
     utcnow,
 )
+from bot.models.builds import Build
 from bot.ownership import Clock, Ownership, Runner
 from bot.parser import DeployArgs
 from bot.pipeline import Pipeline
@@ -157,7 +159,7 @@ class Deployer:
         # their smoke test uses (bot/builds/).
         self.builds = Builds(
             settings, store, self.backends, self.queue, self.runner.id,
-            self.ownership.lease_until, LoggedBuildNotes(),
+            self.ownership.lease_until, LoggedBuildNotes(), approvals=self.approvals,
         )  # fmt: skip
         self.builds.wire(self.intake, self.pipeline, self.destroyer)
         self._leasing: asyncio.Task[None] | None = None
@@ -367,6 +369,9 @@ class Deployer:
         return (await self._job(job_id)).state is JobState.DESTROY_REQUESTED
 
     async def expire_approvals(self, now: datetime | None = None) -> list[Job]:
+        """Expire what waited for an approver too long: deploys, destroys (returned) and
+        template builds (their notices tell chat)."""
+        await self.builds.expire(now)
         expired = await self.approvals.expire(now)
         for job in expired:
             await self.addressing.release_quietly(job)
@@ -379,6 +384,74 @@ class Deployer:
                 await self.expire_approvals()
             except Exception:
                 log.exception("expiring approvals failed")
+
+    # --- template builds (bot/builds/) --------------------------------------------------
+
+    async def request_build(
+        self,
+        profile: str,
+        backend: str | None,
+        user: str,
+        *,
+        placement: str | None = None,
+        storage: str | None = None,
+        name: str | None = None,
+        origin: str | None = None,
+        can_wait_for_approval: bool = True,
+    ) -> Build:
+        """Build a template from a profile (on the default backend unless `backend`):
+        queued here, or awaiting an approver (`[approval] builds`)."""
+        async with self._audited(user, f"template build {profile[:64]}"):
+            return await self.builds.request(
+                profile,
+                backend or self.settings.default_backend,
+                user,
+                placement=placement,
+                storage=storage,
+                name=name,
+                origin=origin,
+                can_wait_for_approval=can_wait_for_approval,
+            )
+
+    async def decide_build(
+        self,
+        build_id: str,
+        approver: str,
+        approved: bool,
+        note: str | None = None,
+        *,
+        dedupe_key: str | None = None,
+    ) -> Build:
+        """Approve or reject a template build awaiting approval (its card's buttons)."""
+        verb = "approve" if approved else "reject"
+        async with self._audited(approver, f"{verb} {build_id[:40]}"):
+            return await self.builds.decide(build_id, approver, approved, note, dedupe_key)
+
+    async def may_decide_build(self, build_id: str, approver: str) -> Build:
+        async with self._audited(approver, f"decide {build_id[:40]}"):
+            return await self.builds.check_decider(build_id, approver)
+
+    async def template_builds(self) -> dict[str, dict[str, TemplateVersion]]:
+        """For each backend that builds templates, the current version of each template
+        deploybot built there, by name (a backend that cannot answer is left out)."""
+        found: dict[str, dict[str, TemplateVersion]] = {}
+        for name, backend in self.backends.items():
+            if not isinstance(backend, BuildsTemplates):
+                continue
+            try:
+                versions = await backend.template_versions()
+            except BackendError as exc:
+                log.warning("%s: could not list built templates: %s", name, exc.message)
+                continue
+            found[name] = {v.name: v for v in versions}
+        return found
+
+    async def set_build_refs(
+        self, build_id: str, *, thread_ref: str | None = None, approval_ref: str | None = None
+    ) -> None:
+        """Remember where a front end shows this build (kept so a restart can find it)."""
+        fields = {"thread_ref": thread_ref, "approval_ref": approval_ref}
+        await self.store.builds.update(build_id, None, (), **{k: v for k, v in fields.items() if v})
 
     # --- other commands -----------------------------------------------------------
 

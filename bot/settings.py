@@ -182,6 +182,11 @@ class ApprovalPolicy(_Section):
     destroy: Literal["never", "always"] = "never"
     destroyers: tuple[str, ...] = ()
     destroyer_groups: tuple[str, ...] = ()
+    # Template builds (bot/builds/) change templates everyone deploys from: "approvers_skip"
+    # (the default) lets an approver's build run at once and makes anyone else's wait for
+    # an approver; "always" makes every build wait; "never" none. With no approvers (and
+    # no approver groups) configured nobody could approve, so builds then run at once.
+    builds: Literal["always", "approvers_skip", "never"] = "approvers_skip"
 
     @property
     def has_rules(self) -> bool:
@@ -193,6 +198,7 @@ class ApprovalPolicy(_Section):
             or self.memory_mib_over is not None
             or self.disk_grow_gib_over is not None
             or self.destroy == "always"
+            or self.builds == "always"
         )
 
     @model_validator(mode="after")

@@ -8,6 +8,7 @@ from bot.errors import DeployBotError
 from bot.models import utcnow
 from bot.parser import (
     Approve,
+    BuildTemplate,
     Cancel,
     Command,
     DeployArgs,
@@ -20,6 +21,7 @@ from bot.parser import (
     SaveKey,
     ShowSettings,
     Status,
+    TemplateProfiles,
     Templates,
     parse,
 )
@@ -56,7 +58,24 @@ async def run_command(deployer: Deployer, user: str, command: Command) -> list[s
         case Cancel(job_id):
             return [messages.cancelling(await deployer.cancel(job_id, user))]
         case Templates():
-            return messages.templates(await deployer.templates())
+            return await templates_answer(deployer)
+        case TemplateProfiles():
+            return messages.profiles_table(deployer.settings.images.all_profiles())
+        case BuildTemplate():
+            build = await deployer.request_build(
+                command.profile,
+                command.on,
+                user,
+                placement=command.node,
+                storage=command.storage,
+                name=command.name,
+            )
+            return [messages.build_accepted(build)]
+        case Approve(job_id) if job_id.startswith("b"):  # a template build
+            return [messages.build_decided_answer(await deployer.decide_build(job_id, user, True))]
+        case Reject(job_id, reason) if job_id.startswith("b"):
+            build = await deployer.decide_build(job_id, user, False, reason)
+            return [messages.build_decided_answer(build)]
         case Approve(job_id):
             job = await deployer.approve(job_id, user)
             return [messages.approve_answer(job, user)]
@@ -76,6 +95,12 @@ async def run_command(deployer: Deployer, user: str, command: Command) -> list[s
             page = await list_page(deployer, user, command)
             return messages.list_lines(page, user, utcnow())
     return messages.HELP.splitlines()
+
+
+async def templates_answer(deployer: Deployer) -> list[str]:
+    """`/deploy templates`: every backend's templates, with what deploybot built of them."""
+    found = await deployer.templates()
+    return messages.templates(found, await deployer.template_builds())
 
 
 LIST_PER_PAGE = 10  # rows a page; Slack's Block Kit page stays far under 50 blocks

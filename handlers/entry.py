@@ -178,6 +178,7 @@ async def template(args: argparse.Namespace, settings: Settings) -> int:
             placement=args.node,
             storage=args.storage,
             name=args.name,
+            can_wait_for_approval=False,  # nobody could approve it while this one runs
         )
         print(f"┌ {messages.build_started(build)}")
         await deployer.drain()

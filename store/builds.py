@@ -9,14 +9,15 @@ under the unique index that lets one build of a name per backend be in flight.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
-from bot.models import utcnow
+from bot.models import Notice, utcnow
 from bot.models.builds import ACTIVE_BUILD_STATES, BUILD_TRANSITIONS, Build, BuildState
+from store import outbox
 from store.engine import Engine
-from store.jobs import DuplicateActive, _sql_value
+from store.jobs import DuplicateActive, _sql_value, claim
 from store.sql import Conflict, Db, immediate, insert_sql
 from store.tx import ts
 
@@ -43,11 +44,14 @@ def _highest_version(db: Db, backend: str, name: str) -> int:
     return int(row[0] or 0)
 
 
-def insert_build(db: Db, /, build: Build, at_least: int = 1) -> Build:
+def insert_build(
+    db: Db, /, build: Build, at_least: int = 1, notices: Sequence[Notice] = ()
+) -> Build:
     """Record a new build with the next version of its name: one more than any recorded
     here, and at least `at_least` (what the hypervisor shows, for templates another
     installation or a lost database built). Raises `DuplicateActive("name")` while
-    another build of that name on that backend is in flight."""
+    another build of that name on that backend is in flight. The `notices` (for chat,
+    store/outbox.py) are kept in the same transaction."""
     with immediate(db):
         version = max(at_least, _highest_version(db, build.backend, build.name) + 1)
         stored = build.model_copy(update={"version": version})
@@ -58,6 +62,7 @@ def insert_build(db: Db, /, build: Build, at_least: int = 1) -> Build:
             if "builds.id" in exc.what:
                 raise
             raise DuplicateActive("name") from None
+        outbox.add(db, notices)
     return stored
 
 
@@ -88,10 +93,14 @@ def move_build(
     expected: Iterable[BuildState],
     new: BuildState,
     held_by: str | None = None,
+    notices: Sequence[Notice] = (),
+    dedupe_key: str | None = None,
     **fields: Any,
 ) -> Build | None:
     """Move a build from one of `expected` to `new` (and set `fields`); the build as it
-    now is, or None when it was not in those states (or no longer `held_by`'s)."""
+    now is, or None when it was not in those states (or no longer `held_by`'s). The
+    `notices` are kept with the move, only if it happened. With a `dedupe_key` (a chat
+    click), a second delivery of it raises `AlreadyDelivered` and changes nothing."""
     expected = tuple(expected)
     for state in expected:
         if new not in BUILD_TRANSITIONS.get(state, frozenset()):
@@ -103,17 +112,37 @@ def move_build(
     fence = ""
     if held_by is not None:
         fence, params["held_by"] = " AND owner = :held_by", held_by
-    with immediate(db):
-        rows = db.query(
-            f"UPDATE builds SET state = :new, updated_at = :now{sets} "
-            f"WHERE id = :id AND state IN ({marks}){fence} RETURNING *",
-            params,
-        )
-    return build_from_row(rows[0]) if rows else None
+    try:
+        with immediate(db):
+            if dedupe_key is not None:
+                claim(db, dedupe_key, build_id, new.value)
+            rows = db.query(
+                f"UPDATE builds SET state = :new, updated_at = :now{sets} "
+                f"WHERE id = :id AND state IN ({marks}){fence} RETURNING *",
+                params,
+            )
+            if not rows:
+                raise _NotMoved  # rolls the delivery's key back too
+            outbox.add(db, notices)
+    except _NotMoved:
+        return None
+    return build_from_row(rows[0])
 
 
-def update_build(db: Db, /, build_id: str, held_by: str | None = None, **fields: Any) -> bool:
-    """Set columns without a state change (the template's id, the step, notes)."""
+class _NotMoved(Exception):
+    pass
+
+
+def update_build(
+    db: Db,
+    /,
+    build_id: str,
+    held_by: str | None = None,
+    notices: Sequence[Notice] = (),
+    **fields: Any,
+) -> bool:
+    """Set columns without a state change (the template's id, the step, notes), and keep
+    the `notices` with them (only if the row was ours to change)."""
     sets, params = _sets(fields)
     params.update({"now": ts(utcnow()), "id": build_id})
     fence = ""
@@ -122,8 +151,10 @@ def update_build(db: Db, /, build_id: str, held_by: str | None = None, **fields:
     with immediate(db):
         done = db.execute(
             f"UPDATE builds SET updated_at = :now{sets} WHERE id = :id{fence}", params
-        )
-    return done.rowcount == 1
+        ).rowcount
+        if done == 1:
+            outbox.add(db, notices)
+    return done == 1
 
 
 def list_builds(
@@ -154,6 +185,16 @@ def abandoned_builds(db: Db, now: datetime) -> list[Build]:
     return [build_from_row(r) for r in rows]
 
 
+def awaiting_builds(db: Db, asked_before: datetime) -> list[Build]:
+    """Builds awaiting approval that were asked for before `asked_before` (to expire)."""
+    rows = db.query(
+        "SELECT * FROM builds WHERE state = 'awaiting_approval' AND created_at <= ? "
+        "ORDER BY created_at",
+        [ts(asked_before)],
+    )
+    return [build_from_row(r) for r in rows]
+
+
 # The unique index, spelled once for both databases' migrations.
 ACTIVE_INDEX = (
     f"CREATE UNIQUE INDEX builds_active ON builds (backend, name) WHERE state IN ({_ACTIVE})"
@@ -163,11 +204,16 @@ ACTIVE_INDEX = (
 class BuildRecords:
     """`Store.builds`: the functions above, run on the store's engine."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, noticed: Callable[[bool], None] | None = None) -> None:
         self._engine = engine
+        self._noticed = noticed or (lambda written: None)  # wakes the chat delivery
 
-    async def insert(self, build: Build, at_least: int = 1) -> Build:
-        return await self._engine.call(insert_build, build, at_least)
+    async def insert(
+        self, build: Build, at_least: int = 1, notices: Sequence[Notice] = ()
+    ) -> Build:
+        stored = await self._engine.call(insert_build, build, at_least, notices)
+        self._noticed(bool(notices))
+        return stored
 
     async def get(self, build_id: str) -> Build | None:
         return await self._engine.call(get_build, build_id)
@@ -181,12 +227,26 @@ class BuildRecords:
         expected: Iterable[BuildState],
         new: BuildState,
         held_by: str | None = None,
+        notices: Sequence[Notice] = (),
+        dedupe_key: str | None = None,
         **fields: Any,
     ) -> Build | None:
-        return await self._engine.call(move_build, build_id, expected, new, held_by, **fields)
+        moved = await self._engine.call(
+            move_build, build_id, expected, new, held_by, notices, dedupe_key, **fields
+        )
+        self._noticed(moved is not None and bool(notices))
+        return moved
 
-    async def update(self, build_id: str, held_by: str | None = None, **fields: Any) -> bool:
-        return await self._engine.call(update_build, build_id, held_by, **fields)
+    async def update(
+        self,
+        build_id: str,
+        held_by: str | None = None,
+        notices: Sequence[Notice] = (),
+        **fields: Any,
+    ) -> bool:
+        done = await self._engine.call(update_build, build_id, held_by, notices, **fields)
+        self._noticed(done and bool(notices))
+        return done
 
     async def recent(
         self, backend: str | None = None, name: str | None = None, limit: int = 50
@@ -195,3 +255,6 @@ class BuildRecords:
 
     async def abandoned(self, now: datetime) -> list[Build]:
         return await self._engine.call(abandoned_builds, now)
+
+    async def awaiting(self, asked_before: datetime) -> list[Build]:
+        return await self._engine.call(awaiting_builds, asked_before)

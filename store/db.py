@@ -68,7 +68,8 @@ class Store:
         # Set by a front end that delivers the outbox: told when this process kept a
         # notice, so it need not wait for its next look to deliver it.
         self.on_notice: Callable[[], None] | None = None
-        self.builds = builds.BuildRecords(engine)  # template builds (store/builds.py)
+        # Template builds (store/builds.py); their notices wake the delivery too.
+        self.builds = builds.BuildRecords(engine, self._noticed)
 
     @classmethod
     async def open(cls, database: str | Path, *, password: str | None = None) -> Store:

@@ -317,8 +317,21 @@ def _v11(db: Database) -> None:
     db.execute("CREATE INDEX idx_builds_state ON builds (state, lease_until)")
 
 
+# A build's approval (bot/builds/service.py), kept on its row (schema v12).
+BUILD_APPROVAL_COLUMNS = ("approval_reason", "decided_by", "decided_at", "approval_ref")
+
+
+def _v12(db: Database) -> None:
+    """Template builds from chat: their approval on the build's row, and the outbox
+    without its foreign key to `jobs`, since a build's notices name the build (its id
+    starts with `b`); store/outbox.add checks that the job or build exists instead."""
+    for column in BUILD_APPROVAL_COLUMNS:
+        db.table("builds").add_column(column, str)
+    db.table("outbox").transform(drop_foreign_keys=["job_id"])
+
+
 MIGRATIONS: list[Callable[[Database], None]] = [
-    _v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9, _v10, _v11
+    _v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9, _v10, _v11, _v12
 ]  # fmt: skip
 SCHEMA_VERSION = len(MIGRATIONS)
 

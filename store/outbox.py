@@ -7,8 +7,10 @@ lease per job, so with several processes each job's thread is written by one at 
 and in order) and marks them delivered once Slack accepted the call that carried them.
 
 Only jobs someone follows in chat get notices: one with an origin (asked in a channel)
-or an approval (its card goes to the approvers). These functions run on the store's
-worker thread (store/db.py).
+or an approval (its card goes to the approvers). Template builds (ids starting with `b`)
+get them on the same terms, in the same table: since schema v12 `job_id` names a job
+or a build, and this check, not a foreign key, is what keeps notices of neither out.
+These functions run on the store's worker thread (store/db.py).
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ DELIVERED_KEPT_DAYS = 7
 
 
 def add(db: Db, notices: Iterable[Notice], state: JobState | None = None) -> None:
-    """Inside the caller's transaction: keep the notices of jobs followed in chat, each
-    with the job's state as the change left it (`state`, unless the notice has one)."""
+    """Inside the caller's transaction: keep the notices of jobs (and builds) followed in
+    chat, each with the job's state as the change left it (`state`, unless it has one)."""
     notices = list(notices)
     if notices:
         # Deliverers read on from the last id they saw (`new_since`), so ids must become
@@ -43,7 +45,9 @@ def add(db: Db, notices: Iterable[Notice], state: JobState | None = None) -> Non
             "INSERT INTO outbox (job_id, kind, urgent, body, created_at) "
             "SELECT :job, :kind, :urgent, :body, :at WHERE EXISTS ("
             "  SELECT 1 FROM jobs WHERE id = :job AND (origin IS NOT NULL"
-            "  OR EXISTS (SELECT 1 FROM approvals WHERE job_id = :job)))",
+            "  OR EXISTS (SELECT 1 FROM approvals WHERE job_id = :job)))"
+            " OR EXISTS (SELECT 1 FROM builds WHERE id = :job"
+            "  AND (origin IS NOT NULL OR approval_reason IS NOT NULL))",
             {
                 "job": notice.job_id,
                 "kind": notice.kind.value,

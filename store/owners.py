@@ -140,15 +140,30 @@ def claim_queued(
     LOCKED): replicas looking together take different jobs. SQLite has one writer at a
     time, so there nothing is ever being claimed by another at the same moment."""
     skip = " FOR UPDATE SKIP LOCKED" if db.dialect == "postgres" else ""
-    rows = db.query(
-        "UPDATE jobs SET owner = :me, lease_until = :until WHERE id IN ("
-        f"SELECT id FROM jobs WHERE state = 'queued' AND (owner IS NULL OR {_EXPIRED}) "
-        f"ORDER BY created_at, rowid LIMIT :limit{skip}) "
-        "RETURNING id, backend, created_at, rowid",
-        {"me": runner_id, "now": ts(now), "until": ts(until), "limit": limit},
-    )
-    rows.sort(key=lambda row: (row["created_at"], row["rowid"]))
-    return [(str(row["id"]), str(row["backend"])) for row in rows]
+    params = {"me": runner_id, "now": ts(now), "until": ts(until), "limit": limit}
+    with immediate(db):
+        rows = db.query(
+            "UPDATE jobs SET owner = :me, lease_until = :until WHERE id IN ("
+            f"SELECT id FROM jobs WHERE state = 'queued' AND (owner IS NULL OR {_EXPIRED}) "
+            f"ORDER BY created_at, rowid LIMIT :limit{skip}) "
+            "RETURNING id, backend, created_at, rowid",
+            params,
+        )
+        rows.sort(key=lambda row: (row["created_at"], row["rowid"]))
+        claimed = [(str(row["id"]), str(row["backend"])) for row in rows]
+        # Template builds approved (or handed back) with nobody holding them: a runner
+        # that approved one and died before running it, say (store/builds.py).
+        if len(claimed) < limit:
+            builds = db.query(
+                "UPDATE builds SET owner = :me, lease_until = :until WHERE id IN ("
+                f"SELECT id FROM builds WHERE state = 'queued' AND (owner IS NULL OR {_EXPIRED}) "
+                f"ORDER BY created_at, id LIMIT :limit{skip}) "
+                "RETURNING id, backend, created_at",
+                {**params, "limit": limit - len(claimed)},
+            )
+            builds.sort(key=lambda row: (row["created_at"], row["id"]))
+            claimed += [(str(row["id"]), str(row["backend"])) for row in builds]
+    return claimed
 
 
 def abandoned(db: Db, now: datetime) -> list[Job]:
@@ -168,6 +183,11 @@ def release(db: Db, runner_id: str, now: datetime) -> int:
     with immediate(db):
         handed = db.execute(
             "UPDATE jobs SET owner = NULL, lease_until = NULL "
+            "WHERE owner = :me AND state = 'queued'",
+            params,
+        ).rowcount
+        handed += db.execute(
+            "UPDATE builds SET owner = NULL, lease_until = NULL "
             "WHERE owner = :me AND state = 'queued'",
             params,
         ).rowcount

@@ -240,15 +240,22 @@ def test_a_destroy_needing_approval_is_refused_by_the_one_shot_cli(tmp_path: Pat
 
 
 def test_template_build_on_the_simulator(tmp_path: Path) -> None:
-    result = deploybot(
-        tmp_path, "template", "build", "debian-12", "--backend", "sim", "--name", "golden"
+    # A non-approver's build would wait for an approver: the one-shot CLI refuses it.
+    waits = deploybot(
+        tmp_path, "template", "build", "debian-12", "--backend", "sim", "--user", "alice"
     )
+    assert waits.returncode == 2 and "This build needs approval" in waits.stderr
+    no_traceback(waits)
+    result = deploybot(
+        tmp_path, "template", "build", "debian-12", "--backend", "sim", "--name", "golden",
+        "--user", "bob",
+    )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     assert "smoke test passed" in result.stdout
     assert "Published: golden is version 1 (golden-v1)" in result.stdout
     listing = deploybot(tmp_path, "template", "list")
     assert "golden-v1" in listing.stdout and "published" in listing.stdout
-    refused = deploybot(tmp_path, "template", "build", "nope", "--backend", "sim")
+    refused = deploybot(tmp_path, "template", "build", "nope", "--backend", "sim", "--user", "bob")
     assert refused.returncode == 2 and "no build profile 'nope'" in refused.stderr
     no_traceback(refused)
     profiles = deploybot(tmp_path, "template", "profiles")

@@ -10,7 +10,7 @@ from datetime import timedelta
 import pytest
 
 from backends.sim import SimBackend
-from bot.errors import Conflict, RequestInvalid
+from bot.errors import Conflict, NotAllowed, RequestInvalid
 from bot.models import JobState, utcnow
 from bot.models.builds import Build, BuildState
 from bot.parser import DeployArgs
@@ -29,9 +29,14 @@ class Heard:
         self.ended.append(build)
 
 
-async def build(deployer: Deployer, profile: str = "debian-12", **kw: str) -> Build:
-    kw.setdefault("name", "golden-debian")
-    asked = await deployer.builds.request(profile, "sim", "alice", **kw)
+async def build(
+    deployer: Deployer,
+    profile: str = "debian-12",
+    name: str = "golden-debian",
+    placement: str | None = None,
+) -> Build:
+    # bob approves (tests/conftest.py): his own build needs no approver.
+    asked = await deployer.builds.request(profile, "sim", "bob", name=name, placement=placement)
     await deployer.drain()
     final = await deployer.store.builds.get(asked.id)
     assert final is not None
@@ -170,3 +175,39 @@ async def test_an_unexpected_error_rolls_back_and_says_where_the_details_are(
     assert failed.state is BuildState.FAILED and failed.failed_step == "create"
     assert failed.error == "internal error (the details are in the bot's log)"
     assert sim.vms == {} and await sim.template_versions() == []
+
+
+async def test_a_queued_build_nobody_holds_is_claimed_and_run(deployer: Deployer) -> None:
+    """Approved in a process that died before running it (its lease lapsed): the next
+    runner's claim of queued work takes the build too, and runs it."""
+    row = Build(
+        state=BuildState.QUEUED,
+        requester="alice",
+        profile="debian-12",
+        backend="sim",
+        name="golden-debian",
+        version=1,
+        owner="rdead",
+        installation=deployer.store.installation_id,
+        lease_until=utcnow() - timedelta(seconds=5),
+        decided_by="bob",
+    )
+    left = await deployer.store.builds.insert(row)
+    assert await deployer.ownership.claim_queued() == 1
+    await deployer.drain()
+    done = await deployer.store.builds.get(left.id)
+    assert done is not None and done.state is BuildState.PUBLISHED, done
+    assert done.owner == deployer.runner.id
+
+
+async def test_a_non_approvers_build_waits_and_expires(deployer: Deployer) -> None:
+    waiting = await deployer.builds.request("debian-12", "sim", "alice", name="golden-debian")
+    assert waiting.state is BuildState.AWAITING_APPROVAL and waiting.owner is None
+    assert await deployer.builds.expire(utcnow()) == []  # not yet
+    later = utcnow() + timedelta(seconds=deployer.settings.approval.expire_after_s + 1)
+    [expired] = await deployer.builds.expire(later)
+    assert expired.state is BuildState.EXPIRED and expired.id == waiting.id
+    with pytest.raises(NotAllowed, match="needs approval"):
+        await deployer.builds.request(
+            "debian-12", "sim", "alice", name="golden-debian", can_wait_for_approval=False
+        )

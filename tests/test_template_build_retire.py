@@ -19,7 +19,7 @@ from bot.service import Deployer
 
 
 async def build(deployer: Deployer) -> Build:
-    asked = await deployer.builds.request("debian-12", "sim", "alice", name="golden")
+    asked = await deployer.builds.request("debian-12", "sim", "bob", name="golden")  # an approver
     await deployer.drain()
     done = await deployer.store.builds.get(asked.id)
     assert done is not None and done.state is BuildState.PUBLISHED, done

@@ -29,7 +29,16 @@ from bot.images import PreparedImage, prepare_image
 from bot.images.customize import CustomizeError
 from bot.images.fetch import FetchError
 from bot.images.profiles import Platform, Profile
-from bot.models import Job, JobState, utcnow
+from bot.models import (
+    BUILD_FINISHED,
+    BUILD_NOTE,
+    BUILD_STARTED,
+    Job,
+    JobState,
+    Notice,
+    NoticeKind,
+    utcnow,
+)
 from bot.models.builds import Build, BuildState
 from bot.runs import describe
 from bot.settings import Settings
@@ -140,7 +149,12 @@ class BuildRunner:
     async def run(self, build_id: str) -> Build | None:
         """Run a queued build to published, failed or cancelled."""
         build = await self.store.builds.move(
-            build_id, [BuildState.QUEUED], BuildState.RUNNING, self.owner, started_at=utcnow()
+            build_id,
+            [BuildState.QUEUED],
+            BuildState.RUNNING,
+            self.owner,
+            [build_notice(build_id, BUILD_STARTED)],
+            started_at=utcnow(),
         )
         if build is None:
             return await self.store.builds.get(build_id)
@@ -285,6 +299,7 @@ class BuildRunner:
             [BuildState.RUNNING],
             BuildState.PUBLISHED,
             self.owner,
+            [build_notice(run.build.id, BUILD_FINISHED)],
             finished_at=utcnow(),
             step=None,
             notes=tuple(run.notes),
@@ -323,6 +338,7 @@ class BuildRunner:
             [BuildState.ROLLING_BACK],
             final,
             self.owner,
+            [build_notice(run.build.id, BUILD_FINISHED)],
             finished_at=utcnow(),
             failed_step=failure.step if failure else run.build.step,
             error=failure.reason if failure else "cancelled",
@@ -341,9 +357,23 @@ class BuildRunner:
         run.build = run.build.model_copy(update=fields)
 
     async def _say(self, run: _Run, line: str) -> None:
+        """A line of progress: kept on the build's row with its notice for chat, in one
+        transaction (a runner that lost the build keeps quiet in the store)."""
         run.notes.append(line)
         log.info("build %s: %s", run.build.id, line)
+        await self.store.builds.update(
+            run.build.id,
+            self.owner,
+            [build_notice(run.build.id, BUILD_NOTE, line)],
+            notes=tuple(run.notes),
+        )
         await self.notes.build_note(run.build, line)
+
+
+def build_notice(build_id: str, part: str, text: str = "") -> Notice:
+    """What chat must tell of a build (store/outbox.py keeps it only for builds someone
+    follows there: asked in a channel, or waiting for an approver)."""
+    return Notice(job_id=build_id, kind=NoticeKind.BUILD, step=part, text=text)
 
 
 def _platform(name: str) -> Platform:

@@ -9,22 +9,40 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
 from backends.base import Backend, BackendError, VMRef
 from backends.building import BuildsTemplates
-from bot.builds.runner import BuildNotes, BuildRunner, Prepare
-from bot.errors import Conflict, NotAllowed, RequestInvalid
+from bot.approvals import build_approval_reason
+from bot.builds.runner import BuildNotes, BuildRunner, Prepare, build_notice
+from bot.errors import (
+    AmbiguousJob,
+    Conflict,
+    Duplicate,
+    JobNotFound,
+    NotAllowed,
+    RequestInvalid,
+    TransitionRefused,
+)
 from bot.images import ProfileError, prepare_image
-from bot.models import Job, JobState, utcnow
-from bot.models.builds import Build, BuildState
+from bot.models import (
+    BUILD_ASKED,
+    BUILD_DECIDED,
+    BUILD_FINISHED,
+    MIN_JOB_REF,
+    Job,
+    JobState,
+    utcnow,
+)
+from bot.models.builds import BUILD_ID_RE, Build, BuildState
 from bot.parser import DeployArgs
 from bot.settings import Settings
 from bot.waiting import protected
-from store.db import DuplicateActive, Store
+from store.db import AlreadyDelivered, DuplicateActive, Store
 
 if TYPE_CHECKING:
+    from bot.approvals import Approvals
     from bot.destroy import Destroyer
     from bot.intake import Intake
     from bot.pipeline import Pipeline
@@ -91,11 +109,14 @@ class Builds:
         lease_until: Callable[[], datetime],
         notes: BuildNotes,
         prepare: Prepare = prepare_image,
+        approvals: Approvals | None = None,
     ) -> None:
+        """`approvals` says who approves (bot/approvals.py); without it nobody does."""
         self.settings, self.store, self.backends = settings, store, backends
         self.queue, self.owner, self.lease_until = queue, owner, lease_until
         self.notes = notes
         self.prepare = prepare
+        self.approvals = approvals
         self.runner: BuildRunner | None = None  # set by `wire`, once the deploy parts exist
 
     def listen(self, notes: BuildNotes) -> None:
@@ -137,8 +158,12 @@ class Builds:
         storage: str | None = None,
         name: str | None = None,
         origin: str | None = None,
+        can_wait_for_approval: bool = True,
     ) -> Build:
-        """Validate and record one build, and queue it here."""
+        """Validate and record one build, and queue it here; or, when the approval policy
+        (`[approval] builds`) wants an approver, record it awaiting approval. A caller
+        that cannot wait for one (the one-shot CLI) is refused instead, with nothing
+        recorded."""
         try:
             chosen = self.settings.images.profile(profile)
         except ProfileError as exc:
@@ -148,12 +173,19 @@ class Builds:
             raise NotAllowed(f"{requester} is not on the list of people who may deploy.")
         builder = self.builder(backend)
         name = name or chosen.name
+        reason = build_approval_reason(policy, await self._approves(requester))
+        if reason and not can_wait_for_approval:
+            raise NotAllowed(
+                f"This build needs approval ({reason}). Ask in Slack (`/deploy template "
+                "build`) or in `deploybot shell`, where an approver can approve it; an "
+                "approver's own build needs none."
+            )
         try:
             seen = await builder.template_versions(name)
         except BackendError as exc:
             raise RequestInvalid([f"{backend}: {exc.message}"]) from None
         build = Build(
-            state=BuildState.QUEUED,
+            state=BuildState.AWAITING_APPROVAL if reason else BuildState.QUEUED,
             requester=requester,
             profile=chosen.name,
             backend=backend,
@@ -162,22 +194,136 @@ class Builds:
             placement=placement,
             storage=storage,
             cpu=chosen.cpu,
-            owner=self.owner,
-            lease_until=self.lease_until(),
+            # Queued: reserved for this runner, which starts it here. Awaiting approval:
+            # nobody's, until the approver's process takes it (`decide`).
+            owner=None if reason else self.owner,
+            lease_until=None if reason else self.lease_until(),
             installation=self.store.installation_id,
             origin=origin,
+            approval_reason=reason,
         )
         try:
             stored = await self.store.builds.insert(
-                build, at_least=max((v.version for v in seen), default=0) + 1
+                build,
+                at_least=max((v.version for v in seen), default=0) + 1,
+                notices=[build_notice(build.id, BUILD_ASKED)],
             )
         except DuplicateActive:
             raise Conflict(
                 f"A build of {name} on {backend} is already under way; wait for it to end "
                 "(`deploybot template list`)."
             ) from None
-        self.queue.submit(stored.id, stored.backend)
+        if stored.state is BuildState.QUEUED:
+            self.queue.submit(stored.id, stored.backend)
         return stored
+
+    # --- approval -----------------------------------------------------------------------
+
+    async def _approves(self, user: str) -> bool:
+        return self.approvals is not None and await self.approvals.is_approver(user)
+
+    async def get(self, build_id: str) -> Build:
+        """The build a person named by its id or a prefix of it (at least 4 characters)."""
+        found = await self.store.builds.get(build_id) if BUILD_ID_RE.fullmatch(build_id) else None
+        if found is None and len(build_id) >= MIN_JOB_REF:
+            matches = await self.store.builds.match(build_id, limit=2)
+            if len(matches) > 1:
+                raise AmbiguousJob(
+                    f"{build_id} names more than one build; give more of its id.", matches
+                )
+            found = await self.store.builds.get(matches[0]) if matches else None
+        if found is None:
+            raise JobNotFound(
+                f"There is no template build {build_id[:40]}; `deploybot template list` "
+                "lists recent ones."
+            )
+        return found
+
+    def expires_at(self, build: Build) -> datetime:
+        return build.created_at + timedelta(seconds=self.settings.approval.expire_after_s)
+
+    async def check_decider(self, build_id: str, approver: str) -> Build:
+        """Refuse non-approvers, the requester, and builds no longer awaiting approval
+        (one past its time expires now, even if the sweep has not run yet)."""
+        build = await self.get(build_id)
+        if not await self._approves(approver):
+            who = self.approvals.approvers_text() if self.approvals else "nobody"
+            raise NotAllowed(
+                f"{approver} may not approve template builds; the approvers are {who}."
+            )
+        if approver == build.requester:
+            raise NotAllowed("You cannot approve or reject your own build: ask another approver.")
+        if build.state is BuildState.AWAITING_APPROVAL and self.expires_at(build) <= utcnow():
+            await self._expire(build)
+            build = await self.get(build.id)
+        if build.state is not BuildState.AWAITING_APPROVAL:
+            raise TransitionRefused(_undecidable(build))
+        return build
+
+    async def decide(
+        self,
+        build_id: str,
+        approver: str,
+        approved: bool,
+        note: str | None = None,
+        dedupe_key: str | None = None,
+    ) -> Build:
+        """Approve (queued, taken by this process's runner) or reject a build awaiting
+        approval: one compare-and-set on its row, with its notice (and the click's
+        `dedupe_key`), so of two approvers clicking at once exactly one decides, and a
+        click delivered twice is recognised (`Duplicate`)."""
+        if dedupe_key is not None and await self.store.delivered(dedupe_key):
+            raise Duplicate(f"This decision on build {build_id} was already made.", build_id)
+        build_id = (await self.check_decider(build_id, approver)).id
+        now = utcnow()
+        decided = {"decided_by": approver, "decided_at": now}
+        told = [build_notice(build_id, BUILD_DECIDED, note or "")]
+        if approved:
+            fields: dict[str, object] = {"owner": self.owner, "lease_until": self.lease_until()}
+        else:
+            fields = {"finished_at": now, "error": note or "rejected"}
+        try:
+            moved = await self.store.builds.move(
+                build_id,
+                [BuildState.AWAITING_APPROVAL],
+                BuildState.QUEUED if approved else BuildState.REJECTED,
+                None,
+                told,
+                dedupe_key,
+                **fields,
+                **decided,
+            )
+        except AlreadyDelivered:
+            raise Duplicate(
+                f"This decision on build {build_id} was already made.", build_id
+            ) from None
+        if moved is None:  # another approver (or the expiry) was first
+            raise TransitionRefused(_undecidable(await self.get(build_id)))
+        if moved.state is BuildState.QUEUED:
+            self.queue.submit(moved.id, moved.backend)
+        return moved
+
+    async def _expire(self, build: Build, now: datetime | None = None) -> Build | None:
+        return await self.store.builds.move(
+            build.id,
+            [BuildState.AWAITING_APPROVAL],
+            BuildState.EXPIRED,
+            None,
+            [build_notice(build.id, BUILD_DECIDED)],
+            finished_at=now or utcnow(),
+            error="nobody approved it in time",
+        )
+
+    async def expire(self, now: datetime | None = None) -> list[Build]:
+        """Expire the builds that waited for an approver longer than `expire_after_s`."""
+        now = now or utcnow()
+        cutoff = now - timedelta(seconds=self.settings.approval.expire_after_s)
+        expired = []
+        for build in await self.store.builds.awaiting(cutoff):
+            moved = await self._expire(build, now)
+            if moved is not None:
+                expired.append(moved)
+        return expired
 
     async def run(self, build_id: str) -> Build | None:
         assert self.runner is not None, "Builds.wire() first"
@@ -216,12 +362,30 @@ class Builds:
             [BuildState.ROLLING_BACK],
             BuildState.FAILED,
             self.owner,
+            [build_notice(build.id, BUILD_FINISHED)],
             finished_at=utcnow(),
             failed_step=build.step,
             error="interrupted: the process running it stopped; what it made was removed",
             wreckage="; ".join(left) or None,
         )
         return final or build
+
+
+def _undecidable(build: Build) -> str:
+    """Why a build cannot be decided on: already decided (by whom, when), or expired."""
+    if build.state is BuildState.EXPIRED:
+        return (
+            f"Build {build.id} expired: nobody approved it in time. "
+            f"{build.requester} can ask again."
+        )
+    if build.decided_by:
+        when = f" at {build.decided_at:%H:%M} UTC" if build.decided_at else ""
+        verb = "rejected" if build.state is BuildState.REJECTED else "approved"
+        return (
+            f"Build {build.id} is not awaiting approval any more: {build.decided_by} "
+            f"{verb} it{when}."
+        )
+    return f"Build {build.id} is {build.state.value}, not awaiting approval: nothing to decide."
 
 
 def _template_ref(build: Build) -> VMRef:

@@ -96,6 +96,12 @@ class Build(BaseModel):
     origin: str | None = None
     thread_ref: str | None = None
     cancel_requested: str | None = None
+    # The approval (bot/builds/service.py): why it waits, who decided and when, and where
+    # a chat front end shows the card (schema v12).
+    approval_reason: str | None = None
+    decided_by: str | None = None
+    decided_at: datetime | None = None
+    approval_ref: str | None = None
 
     @field_validator("id")
     @classmethod

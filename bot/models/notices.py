@@ -21,7 +21,17 @@ class NoticeKind(StrEnum):
     # A lease's step (bot/leases.py): `step` says which (remind, expired, extended,
     # destroying), `when` the time it names (the end, or the destroy after the grace).
     LEASE = "lease"
+    # A template build's (its id starts with `b`; bot/builds/): `step` says which part
+    # (BUILD_ASKED, BUILD_DECIDED, BUILD_STARTED, BUILD_NOTE, BUILD_FINISHED), `text` the
+    # line of progress or the reason of a rejection.
+    BUILD = "build"
 
+
+BUILD_ASKED = "asked"  # recorded (queued, or awaiting approval)
+BUILD_DECIDED = "decided"  # approved, rejected or expired
+BUILD_STARTED = "started"
+BUILD_NOTE = "note"
+BUILD_FINISHED = "finished"  # published, failed or cancelled
 
 # Delivered before progress when a channel is backlogged: the outcome is what people wait for.
 URGENT_NOTICES = frozenset({NoticeKind.FINISHED})
@@ -49,6 +59,8 @@ class Notice(BaseModel):
 
     @property
     def urgent(self) -> bool:
+        if self.kind is NoticeKind.BUILD:
+            return self.step == BUILD_FINISHED
         return self.kind in URGENT_NOTICES
 
 

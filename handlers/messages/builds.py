@@ -5,14 +5,25 @@ from __future__ import annotations
 
 from backends.building import TemplateVersion
 from bot.images import Profile
+from bot.models import BUILD_ASKED, BUILD_DECIDED, BUILD_STARTED
 from bot.models.builds import Build, BuildState
+from handlers.messages.core import escape, mention
 
 __all__ = [
+    "build_accepted",
+    "build_approval_needed",
+    "build_approval_summary",
+    "build_card_outcome",
+    "build_context",
+    "build_decided_answer",
     "build_end",
     "build_headline",
+    "build_outcome_dm",
     "build_started",
+    "build_thread_update",
     "builds_table",
     "profiles_table",
+    "slack_build_end",
     "template_versions_table",
 ]
 
@@ -102,3 +113,88 @@ def profiles_table(profiles: dict[str, Profile]) -> list[str]:
             f"{name:<14} {p.os_family + ' ' + p.version:<10} {p.cpu:<14} {p.user:<8} {p.file_name}"
         )
     return lines
+
+
+# --- template builds from chat (`/deploy template build`) ------------------------------
+
+
+def build_accepted(build: Build) -> str:
+    """The answer to `/deploy template build` (plain)."""
+    what = f"Build {build.id} of {build.profile} as {build.versioned_name} on {build.backend}"
+    if build.state is BuildState.AWAITING_APPROVAL:
+        return (
+            f"{what} waits for an approver ({build.approval_reason}); the approvers have "
+            "been asked. Its progress follows in the thread."
+        )
+    return f"{what} is queued; its progress follows in the thread."
+
+
+def build_thread_update(build: Build, part: str, note: str) -> str:
+    """A change of a build's state, in its thread (plain; the front end escapes it and
+    turns member ids into mentions)."""
+    if part == BUILD_ASKED:
+        if build.approval_reason and build.decided_by is None:
+            return f"waiting for approval ({build.approval_reason}); the approvers have been asked."
+        return f"queued: {build_started(build)}"
+    if part == BUILD_DECIDED:
+        if build.state is BuildState.EXPIRED:
+            return "expired: nobody approved it in time. Ask again if it is still needed."
+        if build.state is BuildState.REJECTED:
+            return f"rejected by {build.decided_by}: {note or 'no reason given'}"
+        return f"approved by {build.decided_by}: queued"
+    if part == BUILD_STARTED:
+        return "building"
+    return note
+
+
+def slack_build_end(build: Build) -> str:
+    """The end of a build's thread (plain): published and how to deploy from it, or the
+    cause and what was left."""
+    return "\n".join(build_end(build))
+
+
+def build_approval_needed(build: Build) -> str:
+    """The approval card's notification text (plain)."""
+    return f"Approval needed: template build {build.versioned_name} on {build.backend}"
+
+
+def build_approval_summary(build: Build) -> str:
+    """Mrkdwn: the build on the approval card, every value from the request escaped."""
+    where = f"{build.backend}/{build.placement}" if build.placement else build.backend
+    asks = escape(f"asks to build template {build.versioned_name} from {build.profile}")
+    details = escape(
+        f"storage {build.storage or 'the default'}; published as {build.name}, which "
+        f"later deploys of template={build.name} use.\n"
+        f"Needs approval because {build.approval_reason}. Build {build.id}."
+    )
+    return f"*{mention(build.requester)} {asks}* on {escape(where)}\n{details}"
+
+
+def build_card_outcome(build: Build, note: str) -> str:
+    """Mrkdwn: what replaces the card's buttons once the build is decided (the reason
+    escaped, so `<!channel>` in it pings nobody)."""
+    at = f"{build.decided_at:%H:%M} UTC" if build.decided_at else "an unknown time"
+    if build.state is BuildState.EXPIRED:
+        return ":hourglass: Expired: nobody approved it in time."
+    if build.decided_by is None:
+        return f"{BUILD_LABELS[build.state].capitalize()}: no decision was needed any more."
+    if build.state is BuildState.REJECTED:
+        reason = escape(note or build.error or "no reason")
+        return f":x: Rejected by {mention(build.decided_by)}: {reason}"
+    return f":white_check_mark: Approved by {mention(build.decided_by)} at {at}"
+
+
+def build_decided_answer(build: Build) -> str:
+    """The approver's answer after a decision (plain)."""
+    verb = "Rejected" if build.state is BuildState.REJECTED else "Approved"
+    return f"{verb} build {build.id} of {build.versioned_name}."
+
+
+def build_context(build: Build) -> str:
+    """Mrkdwn: the line under a build's parent message."""
+    return f"build {build.short_id} · asked by {mention(build.requester)}"
+
+
+def build_outcome_dm(build: Build) -> str:
+    """The requester's direct message when their build ended (plain)."""
+    return f"Your template build {build.id}: {build_headline(build)}. " + build_end(build)[0]

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from datetime import UTC, datetime, tzinfo
 
 from backends.base import Template
+from backends.building import TemplateVersion
 from bot.models import Job, JobEvent, JobState, RollbackReport
 from bot.parser import SUBCOMMAND_USAGE, USAGE
 from bot.service import JobStatus, VMPage
@@ -272,7 +273,13 @@ def history(jobs: Sequence[Job], *, filtered: bool = False) -> list[str]:
     return lines
 
 
-def templates(found: dict[str, list[Template] | str]) -> list[str]:
+def templates(
+    found: dict[str, list[Template] | str],
+    built: dict[str, dict[str, TemplateVersion]] | None = None,
+) -> list[str]:
+    """`/deploy templates`: each backend's templates; on a backend that builds templates
+    (`built`: its versions by name), a table of what deploybot built of each, `-` for the
+    templates it did not build."""
     lines = []
     for backend, items in found.items():
         if isinstance(items, str):
@@ -281,8 +288,33 @@ def templates(found: dict[str, list[Template] | str]) -> list[str]:
         names = ", ".join(_template(t) for t in items) or "none"
         lines.append(f"{backend}: {names}")
         lines += [f"{backend}: {t.name} is refused: {t.problem}" for t in items if t.problem]
+        versions = (built or {}).get(backend)
+        if versions is not None and items:
+            lines += _built_table([(t.name, versions.get(t.name)) for t in items])
     lines.append("Use one with template=NAME, e.g. /deploy web01 10.0.0.50 template=debian-12")
     return lines
+
+
+def built_cells(version: TemplateVersion | None) -> tuple[str, str, str, str]:
+    """`/deploy templates`' build columns: profile, version, build date, CPU baseline;
+    `-` for a template deploybot did not build."""
+    if version is None:
+        return ("-", "-", "-", "-")
+    built = version.built_at.strftime("%Y-%m-%d") if version.built_at else "-"
+    return (version.profile, f"v{version.version}", built, version.cpu or "-")
+
+
+def _built_table(rows: list[tuple[str, TemplateVersion | None]]) -> list[str]:
+    table = [("template", "profile", "version", "built", "CPU baseline")]
+    table += [(name, *built_cells(version)) for name, version in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(4)]
+    return [
+        "  "
+        + "  ".join(cell.ljust(w) for cell, w in zip(row[:4], widths, strict=True))
+        + "  "
+        + row[4]
+        for row in table
+    ]
 
 
 def _template(template: Template) -> str:

@@ -172,7 +172,8 @@ def reason_required() -> str:
 
 def reject_question(job_id: str) -> str:
     """Mrkdwn, atop the modal that asks for the reason."""
-    return f"Reject job {escape(job_id)}?"
+    what = "build" if job_id.startswith("b") else "job"
+    return f"Reject {what} {escape(job_id)}?"
 
 
 def slack_reject_answer(job: Job) -> str:

@@ -33,6 +33,7 @@ from bot.errors import DeployBotError, UsageError
 from bot.models import check_ssh_key
 from bot.parser import (
     Approve,
+    BuildTemplate,
     Command,
     DeployArgs,
     Destroy,
@@ -44,6 +45,8 @@ from bot.parser import (
     SaveKey,
     ShowSettings,
     Status,
+    TemplateProfiles,
+    Templates,
     parse,
 )
 from bot.service import Deployer
@@ -226,7 +229,7 @@ class SlackBot:
     async def carry_out(self, key: str, command: Command, user: str, channel: str) -> None:
         """Run a kept command, answer the person, and strike it from the inbox."""
         logfields.bind(request=key)
-        mono = isinstance(command, Status | History)
+        mono = isinstance(command, Status | History | Templates | TemplateProfiles)
         await self.answering(channel, user, self._run(command, user, channel, key), mono=mono)
         await inbox.done(self.deployer, key)
 
@@ -265,6 +268,12 @@ class SlackBot:
                     command, user, origin=channel, dedupe_key=key, check_free_first=True
                 )
                 return [messages.accepted(job)]
+            case Approve(job_id) if job_id.startswith("b"):  # a template build
+                build = await d.decide_build(job_id, user, True, dedupe_key=key)
+                return [messages.build_decided_answer(build)]
+            case Reject(job_id, reason) if job_id.startswith("b"):
+                build = await d.decide_build(job_id, user, False, reason, dedupe_key=key)
+                return [messages.build_decided_answer(build)]
             case Approve(job_id):
                 job = await d.approve(job_id, user, dedupe_key=key)
                 return [messages.approve_answer(job, user)]  # `tell` adds the mention
@@ -274,6 +283,17 @@ class SlackBot:
             case Destroy(target):
                 job = await d.request_destroy(target, user, dedupe_key=key)
                 return [messages.destroy_answer(job)]
+            case BuildTemplate():  # its thread follows in this channel (threads.py)
+                build = await d.request_build(
+                    command.profile,
+                    command.on,
+                    user,
+                    placement=command.node,
+                    storage=command.storage,
+                    name=command.name,
+                    origin=channel,
+                )
+                return [messages.build_accepted(build)]
             case ExtendLease(target, length_s):  # a replayed command extends once
                 job = await d.extend_lease(target, user, length_s, dedupe_key=key)
                 return [messages.lease_extended_answer(job)]

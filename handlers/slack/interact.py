@@ -215,10 +215,18 @@ async def show_list(bot: Host, channel: str, user: str, command: ListVMs) -> Non
     await bot.show(channel, user, views.mrkdwn(text), views.vm_list(page, user, utcnow()))
 
 
+def _is_build(item_id: str) -> bool:
+    """A card's button names a template build (`b...`) or a job (`j...`)."""
+    return item_id.startswith("b")
+
+
 async def _approve(bot: Host, body: dict[str, Any]) -> None:
     job_id, user, channel, key = _click(body)
     try:
-        await bot.deployer.approve(job_id, user, dedupe_key=key)
+        if _is_build(job_id):  # one compare-and-set on the build decides (bot/builds/)
+            await bot.deployer.decide_build(job_id, user, True, dedupe_key=key)
+        else:
+            await bot.deployer.approve(job_id, user, dedupe_key=key)
     except Duplicate:
         log.info("ignored a redelivered approval click on %s", job_id)
     except DeployBotError as exc:
@@ -230,7 +238,10 @@ async def _ask_reason(bot: Host, body: dict[str, Any]) -> None:
     """Refuse at once whoever may not decide; otherwise ask for the reason in a modal."""
     job_id, user, channel, _key = _click(body)
     try:
-        await bot.deployer.may_decide(job_id, user)
+        if _is_build(job_id):
+            await bot.deployer.may_decide_build(job_id, user)
+        else:
+            await bot.deployer.may_decide(job_id, user)
     except DeployBotError as exc:
         await bot.tell(channel, user, [exc.message])
         return
@@ -242,9 +253,14 @@ async def _reject(bot: Host, body: dict[str, Any], view: dict[str, Any], reason:
     meta = json.loads(view.get("private_metadata") or "{}")
     user = str(body["user"]["id"])
     try:
-        await bot.deployer.reject(
-            str(meta["job_id"]), user, reason, dedupe_key=f"view:{view['id']}"
-        )
+        if _is_build(str(meta["job_id"])):
+            await bot.deployer.decide_build(
+                str(meta["job_id"]), user, False, reason, dedupe_key=f"view:{view['id']}"
+            )
+        else:
+            await bot.deployer.reject(
+                str(meta["job_id"]), user, reason, dedupe_key=f"view:{view['id']}"
+            )
     except Duplicate:
         log.info("ignored a redelivered rejection of %s", meta.get("job_id"))
     except DeployBotError as exc:

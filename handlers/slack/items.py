@@ -21,6 +21,7 @@ from typing import Any
 from slack_sdk.web.async_client import AsyncWebClient
 
 from bot.models import Job
+from bot.models.builds import Build
 from bot.service import Deployer
 from handlers import messages
 from handlers.slack import views
@@ -243,3 +244,121 @@ class DirectCard:
     def give_up(self) -> None:
         self.dead = True
         self.done([self.notice])
+
+
+@dataclass(eq=False)
+class BuildThread:
+    """One template build's parent message and thread (`/deploy template build`): its
+    progress lines, and its end (published, or why not and what was removed)."""
+
+    build: Build
+    channel: str
+    deployer: Deployer
+    done: Done
+    ts: str | None = None
+    shown: str | None = None
+    lines: list[Line] = field(default_factory=list)
+    headline_for: list[int] = field(default_factory=list)
+    dead: bool = False
+
+    @property
+    def headline(self) -> str:
+        return views.mrkdwn(messages.build_headline(self.build))
+
+    def pending(self) -> bool:
+        return not self.dead and (
+            self.ts is None or bool(self.lines) or self.shown != self.headline
+        )
+
+    def urgent(self) -> bool:
+        return any(line.urgent for line in self.lines)
+
+    def show_headline(self, notice: int) -> None:
+        if self.ts is not None and self.shown == self.headline:
+            self.done([notice])
+        else:
+            self.headline_for.append(notice)
+
+    async def flush_one(self, client: AsyncWebClient) -> None:
+        headline = self.headline
+        blocks = views.build_parent(self.build, headline)
+        if self.ts is None:
+            answer = await client.chat_postMessage(
+                channel=self.channel, text=headline, blocks=blocks
+            )
+            self.ts, self.shown = str(answer["ts"]), headline
+            await self.deployer.set_build_refs(self.build.id, thread_ref=ref(self.channel, self.ts))
+            self._headline_shown()
+        elif self.lines:
+            sent = batch(self.lines)
+            await client.chat_postMessage(
+                channel=self.channel, thread_ts=self.ts, text="\n".join(s.text for s in sent)
+            )
+            del self.lines[: len(sent)]
+            self.done([s.notice for s in sent])
+        else:
+            await client.chat_update(channel=self.channel, ts=self.ts, text=headline, blocks=blocks)
+            self.shown = headline
+            self._headline_shown()
+
+    def _headline_shown(self) -> None:
+        covered, self.headline_for = self.headline_for, []
+        self.done(covered)
+
+    def give_up(self) -> None:
+        self.dead = True
+        self.done([*self.headline_for, *(line.notice for line in self.lines)])
+        self.headline_for, self.lines = [], []
+
+
+@dataclass(eq=False)
+class BuildCard:
+    """A template build's approval request with its buttons, then its decision."""
+
+    build: Build
+    channel: str
+    deployer: Deployer
+    done: Done
+    ts: str | None = None
+    outcome: str | None = None  # mrkdwn: the decision that replaces the buttons
+    shown: str | None = None
+    waiting: list[int] = field(default_factory=list)
+    dead: bool = False
+
+    def pending(self) -> bool:
+        return not self.dead and (self.ts is None or self.outcome != self.shown)
+
+    def urgent(self) -> bool:
+        return self.ts is None
+
+    def will_show(self, notice: int) -> None:
+        if self.pending():
+            self.waiting.append(notice)
+        else:
+            self.done([notice])
+
+    async def flush_one(self, client: AsyncWebClient) -> None:
+        outcome = self.outcome
+        if outcome is None:
+            blocks = views.build_approval_request(self.build)
+            text = views.mrkdwn(messages.build_approval_needed(self.build))
+        else:
+            blocks = views.build_approval_decided(self.build, outcome)
+            text = outcome
+        if self.ts is None:
+            answer = await client.chat_postMessage(channel=self.channel, text=text, blocks=blocks)
+            self.ts = str(answer["ts"])
+            await self.deployer.set_build_refs(
+                self.build.id, approval_ref=ref(self.channel, self.ts)
+            )
+        else:
+            await client.chat_update(channel=self.channel, ts=self.ts, text=text, blocks=blocks)
+        self.shown = outcome
+        if not self.pending():
+            covered, self.waiting = self.waiting, []
+            self.done(covered)
+
+    def give_up(self) -> None:
+        self.dead = True
+        covered, self.waiting = self.waiting, []
+        self.done(covered)

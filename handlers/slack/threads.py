@@ -22,7 +22,19 @@ from datetime import datetime, timedelta
 from slack_sdk.web.async_client import AsyncWebClient
 
 from bot.leaseterms import show_length
-from bot.models import ApprovalState, Job, JobState, Notice, NoticeKind, utcnow
+from bot.models import (
+    BUILD_ASKED,
+    BUILD_DECIDED,
+    BUILD_FINISHED,
+    BUILD_NOTE,
+    ApprovalState,
+    Job,
+    JobState,
+    Notice,
+    NoticeKind,
+    utcnow,
+)
+from bot.models.builds import Build, BuildState
 from bot.service import Deployer
 from bot.settings import SlackSettings
 from bot.waiting import woken
@@ -30,6 +42,8 @@ from handlers import messages
 from handlers.slack import views
 from handlers.slack.items import (
     ApprovalCard,
+    BuildCard,
+    BuildThread,
     DirectCard,
     DirectMessages,
     JobThread,
@@ -56,6 +70,9 @@ class SlackThreads:
         self.cards: dict[str, ApprovalCard] = {}
         self.destroy_cards: dict[str, ApprovalCard] = {}
         self.dms: dict[str, DirectMessages] = {}
+        # Template builds (ids starting with `b`): their threads and approval cards.
+        self.build_threads: dict[str, BuildThread] = {}
+        self.build_cards: dict[str, BuildCard] = {}
         self.zones = Zones(client)  # people's time zones, for lease times
         self._deployer: Deployer | None = None
         self._parts: Counter[int] = Counter()  # notice id -> parts not yet in Slack
@@ -122,6 +139,14 @@ class SlackThreads:
         todo = [n for n in notices if n.id is not None and n.id not in self._parts]
         if not todo:
             return 0
+        if job_id.startswith("b"):  # a template build's (bot/builds/)
+            build = await self.deployer.store.builds.get(job_id)
+            if build is None:
+                self._finish_parts([n.id for n in todo if n.id is not None])
+                return len(todo)
+            for notice in todo:
+                self._apply_build(build, notice)
+            return len(todo)
         job = await self.deployer.store.get_job(job_id)
         if job is None:  # gone or quarantined: nothing can be shown
             self._finish_parts([n.id for n in todo if n.id is not None])
@@ -137,6 +162,9 @@ class SlackThreads:
         ids, self._delivered = self._delivered, []
         await self.deployer.store.outbox_mark_delivered(ids, utcnow())
         for job_id in list(self._held):
+            if job_id.startswith("b"):
+                await self._release_build(job_id)
+                continue
             if not self._busy(job_id):
                 job = await self.deployer.store.get_job(job_id)
                 if job is None or job.state.final:
@@ -145,6 +173,18 @@ class SlackThreads:
                     self.threads.pop(job_id, None)
                     self.cards.pop(job_id, None)
                     self.destroy_cards.pop(job_id, None)
+
+    async def _release_build(self, build_id: str) -> None:
+        """A build's delivery lease goes once it ended and all of it is in Slack."""
+        parts = (self.build_threads.get(build_id), self.build_cards.get(build_id))
+        if any(part is not None and part.pending() for part in parts):
+            return
+        build = await self.deployer.store.builds.get(build_id)
+        if build is None or build.state.final or build.state is BuildState.PUBLISHED:
+            await self.deployer.store.outbox_release(build_id, self.me, utcnow())
+            self._held.discard(build_id)
+            self.build_threads.pop(build_id, None)
+            self.build_cards.pop(build_id, None)
 
     def _busy(self, job_id: str) -> bool:
         thread, card = self.threads.get(job_id), self.cards.get(job_id)
@@ -340,6 +380,82 @@ class SlackThreads:
             card = ApprovalCard(job, known[0], self.deployer, self._done, ts=known[1])
             self.cards[job.id] = card
         return card
+
+    # --- template builds ----------------------------------------------------------------
+
+    def _apply_build(self, build: Build, notice: Notice) -> None:
+        """A build's notice: a line in its thread (the end, urgent), its headline, and
+        its approval card (asked for, then replaced by the decision)."""
+        assert notice.id is not None
+        nid = self._part(notice.id)
+        part = notice.step or ""
+        if notice.kind is NoticeKind.BUILD:
+            if part == BUILD_NOTE:
+                self._build_say(build, views.mrkdwn(notice.text), nid)
+            elif part == BUILD_FINISHED:
+                text = views.mrkdwn(messages.slack_build_end(build))
+                self._build_say(build, text, nid, urgent=True)
+                if build.origin:  # the requester hears the end by direct message too
+                    dm = self._dm(build.requester)
+                    outcome = messages.build_outcome_dm(build)
+                    dm.lines.append(Line(views.mrkdwn(outcome), self._part(nid)))
+                    self.outboxes.touch(dm)
+            else:
+                text = messages.build_thread_update(build, part, notice.text)
+                self._build_say(build, views.mrkdwn(text), nid)
+            if part == BUILD_ASKED and build.approval_reason:
+                self._ask_build_approvers(build, nid)
+            elif part == BUILD_DECIDED:
+                self._build_decided(build, notice.text, nid)
+        self._done([nid])
+
+    def _build_thread(self, build: Build) -> BuildThread | None:
+        thread = self.build_threads.get(build.id)
+        if thread is None:
+            known = parse_ref(build.thread_ref)
+            if known is not None:
+                thread = BuildThread(build, known[0], self.deployer, self._done, ts=known[1])
+            elif build.origin:
+                thread = BuildThread(build, build.origin, self.deployer, self._done)
+            else:
+                return None  # asked for elsewhere (the shell): no Slack thread
+            self.build_threads[build.id] = thread
+        thread.build = build
+        return thread
+
+    def _build_say(self, build: Build, text: str, nid: int, *, urgent: bool = False) -> None:
+        thread = self._build_thread(build)
+        if thread is None:
+            return
+        thread.lines.append(Line(text, self._part(nid), urgent=urgent))
+        thread.show_headline(self._part(nid))
+        self.outboxes.touch(thread)
+
+    def _ask_build_approvers(self, build: Build, nid: int) -> None:
+        if build.id in self.build_cards or build.approval_ref:
+            return
+        channel = self.settings.approvals_channel or build.origin
+        if channel is None:
+            return
+        card = BuildCard(build, channel, self.deployer, self._done)
+        self.build_cards[build.id] = card
+        if build.state is not BuildState.AWAITING_APPROVAL:  # decided before it was shown
+            card.outcome = messages.build_card_outcome(build, build.error or "")
+        card.will_show(self._part(nid))
+        self.outboxes.touch(card)
+
+    def _build_decided(self, build: Build, note: str, nid: int) -> None:
+        card = self.build_cards.get(build.id)
+        if card is None:
+            known = parse_ref(build.approval_ref)
+            if known is None:
+                return  # never shown (no channel): nothing to replace
+            card = BuildCard(build, known[0], self.deployer, self._done, ts=known[1])
+            self.build_cards[build.id] = card
+        card.build = build
+        card.outcome = messages.build_card_outcome(build, note)
+        card.will_show(self._part(nid))
+        self.outboxes.touch(card)
 
     # --- waiting and closing ---------------------------------------------------------
 

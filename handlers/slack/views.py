@@ -32,6 +32,7 @@ from slack_sdk.models.blocks import (
 from slack_sdk.models.views import View
 
 from bot.models import Approval, Job, JobState
+from bot.models.builds import Build
 from bot.service import VMPage
 from handlers import messages
 
@@ -124,6 +125,41 @@ def parent(job: Job, headline: str) -> list[dict[str, Any]]:
     if job.state is JobState.SUCCEEDED:  # ready: it can be destroyed from here
         blocks.append(ActionsBlock(block_id="vm", elements=[destroy_button(job)]))
     return dicts(blocks)
+
+
+def build_parent(build: Build, headline: str) -> list[dict[str, Any]]:
+    """The channel message that stands for one template build (`headline`: mrkdwn)."""
+    return dicts(
+        [
+            SectionBlock(text=MarkdownTextObject(text=fit(f"*{headline}*", SECTION_MAX))),
+            ContextBlock(elements=[MarkdownTextObject(text=messages.build_context(build))]),
+        ]
+    )
+
+
+def build_approval_request(build: Build) -> list[dict[str, Any]]:
+    """The card asking approvers for a template build: the same buttons as a deploy's
+    (their value is the build's id, which starts with `b`)."""
+    summary = SectionBlock(
+        block_id="summary",
+        text=MarkdownTextObject(text=fit(messages.build_approval_summary(build), SECTION_MAX)),
+    )
+    buttons = ActionsBlock(
+        block_id="decision",
+        elements=[
+            ButtonElement(text="Approve", action_id=APPROVE, value=build.id, style="primary"),
+            ButtonElement(text="Reject", action_id=REJECT, value=build.id, style="danger"),
+        ],
+    )
+    return dicts([summary, buttons])
+
+
+def build_approval_decided(build: Build, outcome: str) -> list[dict[str, Any]]:
+    summary = SectionBlock(
+        block_id="summary",
+        text=MarkdownTextObject(text=fit(messages.build_approval_summary(build), SECTION_MAX)),
+    )
+    return dicts([summary, ContextBlock(elements=[MarkdownTextObject(text=outcome)])])
 
 
 def destroy_button(job: Job, label: str = "Destroy") -> ButtonElement:

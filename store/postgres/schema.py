@@ -15,6 +15,7 @@ import psycopg
 from bot.models import new_installation_id
 from store.builds import ACTIVE_INDEX as BUILDS_ACTIVE
 from store.migrations import (
+    BUILD_APPROVAL_COLUMNS,
     BUILD_COLUMNS,
     BUILD_NOT_NULL,
     DESTROY_COLUMNS,
@@ -133,8 +134,13 @@ _V11 = [
     "CREATE INDEX idx_builds_state ON builds (state, lease_until)",
 ]
 
+_V12 = [
+    *(f"ALTER TABLE builds ADD COLUMN {column} TEXT" for column in BUILD_APPROVAL_COLUMNS),
+    "ALTER TABLE outbox DROP CONSTRAINT IF EXISTS outbox_job_id_fkey",
+]
+
 # version -> the statements that bring the schema from the version before to it.
-STEPS: dict[int, list[str]] = {6: _V6, 7: _V7, 8: _V8, 9: _V9, 10: _V10, 11: _V11}
+STEPS: dict[int, list[str]] = {6: _V6, 7: _V7, 8: _V8, 9: _V9, 10: _V10, 11: _V11, 12: _V12}
 
 # What a constraint protects, as SQLite names it in its errors (store/sql.Conflict).
 CONSTRAINTS = {
