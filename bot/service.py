@@ -12,50 +12,38 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from datetime import datetime
 
-from backends.base import Backend, BackendError, Template
-from backends.building import BuildsTemplates, TemplateVersion
+from backends.base import Backend, BackendError
 from backends.ipam import open_ipam
 from backends.ipam.base import Ipam
 from bot import cancel as cancelling
-from bot import jobrefs, logfields
-from bot import prefs as user_prefs
+from bot import logfields
 from bot.addressing import Addressing
 from bot.approvals import Approvals, GroupMembers
+from bot.buildrequests import BuildRequests
 from bot.builds import Builds, LoggedBuildNotes
 from bot.destroy import Destroyer
-from bot.errors import (
-    ConfigError,
-    DeployBotError,
-    Duplicate,
-)
+from bot.errors import ConfigError
 from bot.intake import Intake
 from bot.leases import Leases
 from bot.metrics import Metrics
-from bot.models import (
-    Approval,
-    ApprovalState,
-    AuditEvent,
-    Job,
-    JobEvent,
-    JobState,
-    UserPrefs,
-    utcnow,
-)
-from bot.models.builds import Build
+from bot.models import ApprovalState, Job, JobState, utcnow
 from bot.ownership import Clock, Ownership, Runner
 from bot.parser import DeployArgs
+from bot.personal import Personal
 from bot.pipeline import Pipeline
 from bot.progress import Fanout, Progress
+from bot.queries import JobStatus, VMPage
 from bot.queue import JobQueue
-from bot.quotas import Standing
 from bot.recovery import recover_interrupted, sweep_wreckage
 from bot.settings import Settings
 from bot.waiting import protected
 from store.db import Store
+
+# VMPage and JobStatus moved to bot/queries.py; importers still find them here.
+__all__ = ["Deployer", "JobStatus", "VMPage"]
 
 log = logging.getLogger(__name__)
 
@@ -67,25 +55,11 @@ def _configured_ipam(settings: Settings) -> Ipam:
         raise ConfigError(f"[ipam]: {exc.message}") from None
 
 
-@dataclass(frozen=True)
-class VMPage:
-    """A page of `/deploy list`: `requester` None lists everyone's."""
+class Deployer(Personal, BuildRequests):
+    """The mixins hold the read-only queries (bot/queries.py), per-user settings and
+    front-end references (bot/personal.py), template-build requests
+    (bot/buildrequests.py) and the audit of refusals (bot/auditing.py)."""
 
-    jobs: list[Job]
-    page: int
-    pages: int
-    total: int
-    requester: str | None
-
-
-@dataclass(frozen=True)
-class JobStatus:
-    job: Job
-    events: list[JobEvent]
-    approval: Approval | None
-
-
-class Deployer:
     def __init__(
         self,
         settings: Settings,
@@ -271,28 +245,6 @@ class Deployer:
 
     # --- deploy -------------------------------------------------------------------
 
-    @contextlib.asynccontextmanager
-    async def _audited(self, actor: str, action: str) -> AsyncIterator[None]:
-        """Record a refusal (the only store change a refused action makes), then re-raise."""
-        try:
-            yield
-        except Duplicate as dup:
-            await self.audit(actor, action, dup.message, outcome="duplicate")
-            raise
-        except DeployBotError as exc:
-            await self.audit(actor, action, exc.message)
-            raise
-
-    async def audit(self, actor: str, action: str, detail: str, outcome: str = "refused") -> None:
-        """Keep a refused or repeated action in the audit log (front ends call it for
-        refusals they decide themselves, such as a command that does not parse)."""
-        try:
-            await self.store.add_audit(
-                AuditEvent(actor=actor, action=action, outcome=outcome, detail=detail[:2000])
-            )
-        except Exception:
-            log.exception("could not write the audit event for %s by %s", action, actor)
-
     async def request_deploy(
         self,
         args: DeployArgs,
@@ -385,74 +337,6 @@ class Deployer:
             except Exception:
                 log.exception("expiring approvals failed")
 
-    # --- template builds (bot/builds/) --------------------------------------------------
-
-    async def request_build(
-        self,
-        profile: str,
-        backend: str | None,
-        user: str,
-        *,
-        placement: str | None = None,
-        storage: str | None = None,
-        name: str | None = None,
-        origin: str | None = None,
-        can_wait_for_approval: bool = True,
-    ) -> Build:
-        """Build a template from a profile (on the default backend unless `backend`):
-        queued here, or awaiting an approver (`[approval] builds`)."""
-        async with self._audited(user, f"template build {profile[:64]}"):
-            return await self.builds.request(
-                profile,
-                backend or self.settings.default_backend,
-                user,
-                placement=placement,
-                storage=storage,
-                name=name,
-                origin=origin,
-                can_wait_for_approval=can_wait_for_approval,
-            )
-
-    async def decide_build(
-        self,
-        build_id: str,
-        approver: str,
-        approved: bool,
-        note: str | None = None,
-        *,
-        dedupe_key: str | None = None,
-    ) -> Build:
-        """Approve or reject a template build awaiting approval (its card's buttons)."""
-        verb = "approve" if approved else "reject"
-        async with self._audited(approver, f"{verb} {build_id[:40]}"):
-            return await self.builds.decide(build_id, approver, approved, note, dedupe_key)
-
-    async def may_decide_build(self, build_id: str, approver: str) -> Build:
-        async with self._audited(approver, f"decide {build_id[:40]}"):
-            return await self.builds.check_decider(build_id, approver)
-
-    async def template_builds(self) -> dict[str, dict[str, TemplateVersion]]:
-        """For each backend that builds templates, the current version of each template
-        deploybot built there, by name (a backend that cannot answer is left out)."""
-        found: dict[str, dict[str, TemplateVersion]] = {}
-        for name, backend in self.backends.items():
-            if not isinstance(backend, BuildsTemplates):
-                continue
-            try:
-                versions = await backend.template_versions()
-            except BackendError as exc:
-                log.warning("%s: could not list built templates: %s", name, exc.message)
-                continue
-            found[name] = {v.name: v for v in versions}
-        return found
-
-    async def set_build_refs(
-        self, build_id: str, *, thread_ref: str | None = None, approval_ref: str | None = None
-    ) -> None:
-        """Remember where a front end shows this build (kept so a restart can find it)."""
-        fields = {"thread_ref": thread_ref, "approval_ref": approval_ref}
-        await self.store.builds.update(build_id, None, (), **{k: v for k, v in fields.items() if v})
-
     # --- other commands -----------------------------------------------------------
 
     async def cancel(self, job_id: str, user: str) -> Job:
@@ -481,87 +365,3 @@ class Deployer:
         """Move the lease end of the VM `target` names later (bot/leases.py)."""
         async with self._audited(user, f"extend {target[:64]}"):
             return await self.leases.extend(target, user, length_s, dedupe_key=dedupe_key)
-
-    async def list_vms(self, requester: str | None, page: int, per_page: int) -> VMPage:
-        """One page of the VMs deploybot holds (one requester's, or everyone's)."""
-        total = await self.store.count_live(requester)
-        pages = max(1, -(-total // per_page))
-        page = min(max(1, page), pages)
-        jobs = await self.store.live_jobs(requester, per_page, (page - 1) * per_page)
-        return VMPage(jobs, page, pages, total, requester)
-
-    async def pending_approvals(self) -> list[Job]:
-        """Deploys and destroys waiting for an approver (the App Home)."""
-        return await self.store.jobs_in([JobState.AWAITING_APPROVAL, JobState.DESTROY_REQUESTED])
-
-    async def quota_standing(self, user: str) -> list[Standing]:
-        """Each quota of `user` with what is used now (bot/quotas.py)."""
-        return await self.intake.quotas.standing(user)
-
-    async def status(self, job_id: str) -> JobStatus:
-        job_id = await self._resolve(job_id)
-        # The approval first: one that does not validate sets its job aside, which
-        # reading the job then says.
-        approval = await self.store.get_approval(job_id)
-        events = await self.store.events(job_id)
-        return JobStatus(await self._job(job_id), events, approval)
-
-    async def history(self, limit: int = 10, requester: str | None = None) -> list[Job]:
-        return await self.store.history(requester=requester, limit=limit)
-
-    async def templates(self) -> dict[str, list[Template] | str]:
-        """Templates per backend; a backend that fails gets its error text, which says
-        "try again" only when waiting may help (a wrong password will not go away)."""
-        found: dict[str, list[Template] | str] = {}
-        for name, backend in self.backends.items():
-            try:
-                found[name] = await backend.templates()
-            except BackendError as exc:
-                found[name] = f"{exc.message}; try again shortly" if exc.retryable else exc.message
-        return found
-
-    # --- per-user settings and front-end references ----------------------------------
-
-    async def prefs(self, user: str) -> UserPrefs:
-        """Saved settings to show or prefill a form with (bot/prefs.py)."""
-        return await user_prefs.shown(self.store, user)
-
-    async def _saved_prefs(self, user: str) -> UserPrefs:
-        return await user_prefs.for_deploy(self.store, user)
-
-    async def save_ssh_key(self, user: str, text: str) -> UserPrefs:
-        """Validate one public key and add it to the user's saved keys."""
-        async with self._audited(user, "save key"):
-            return await user_prefs.add_key(self.store, user, text)
-
-    async def save_prefs(
-        self, user: str, ssh_keys: tuple[str, ...], default_template: str | None
-    ) -> UserPrefs:
-        """Replace the user's keys and default template, after checking both."""
-        async with self._audited(user, "save settings"):
-            return await user_prefs.replace(
-                self.store, user, ssh_keys, default_template, self.templates
-            )
-
-    async def set_refs(
-        self,
-        job_id: str,
-        *,
-        thread_ref: str | None = None,
-        approval_ref: str | None = None,
-        destroy_ref: str | None = None,
-    ) -> None:
-        """Remember where a front end shows this job (kept so a restart can find it)."""
-        fields = {
-            "thread_ref": thread_ref,
-            "approval_ref": approval_ref,
-            "destroy_ref": destroy_ref,
-        }
-        await self.store.update_job(job_id, **{k: v for k, v in fields.items() if v})
-
-    async def _resolve(self, text: str) -> str:
-        """The id of the job a person named by its id or a prefix of it."""
-        return await jobrefs.resolve(self.store, text)
-
-    async def _job(self, job_id: str) -> Job:
-        return await jobrefs.load(self.store, job_id)
