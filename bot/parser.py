@@ -18,11 +18,53 @@ from __future__ import annotations
 
 import difflib
 import re
-from dataclasses import dataclass, field
 
+from bot.commands import (
+    Approve,
+    BuildTemplate,
+    Cancel,
+    Command,
+    DeployArgs,
+    Destroy,
+    ExtendLease,
+    Help,
+    History,
+    ListVMs,
+    Reject,
+    SaveKey,
+    ShowSettings,
+    Status,
+    TemplateProfiles,
+    Templates,
+)
 from bot.errors import UsageError
 from bot.leaseterms import parse_length
 from bot.models import JOB_REF_RE, MIN_JOB_REF
+
+# The commands live in bot/commands.py; they are imported from here too.
+__all__ = [
+    "SUBCOMMAND_USAGE",
+    "USAGE",
+    "Approve",
+    "BuildTemplate",
+    "Cancel",
+    "Command",
+    "DeployArgs",
+    "Destroy",
+    "ExtendLease",
+    "Help",
+    "History",
+    "ListVMs",
+    "Reject",
+    "SaveKey",
+    "ShowSettings",
+    "Status",
+    "TemplateProfiles",
+    "Templates",
+    "fold",
+    "is_whole",
+    "parse",
+]
 
 USAGE = (
     "/deploy NAME [ADDRESS[/PREFIX]] [template=T] [on=BACKEND|NODE] [storage=S] "
@@ -54,135 +96,6 @@ _UNIT_MIB = {"m": 1, "g": 1024, "t": 1024 * 1024}
 _EXAMPLE_REF = "j4k7tqa2"
 _YES = {"yes", "y", "true", "on", "1"}
 _NO = {"no", "n", "false", "off", "0"}
-
-
-@dataclass(frozen=True)
-class DeployArgs:
-    """A deploy as typed: converted values, not yet checked against the configuration."""
-
-    name: str
-    address: str | None = None
-    template: str | None = None
-    on: str | None = None
-    storage: str | None = None
-    cores: int | None = None
-    memory_mib: int | None = None
-    disk_grow_gib: int | None = None
-    user: str | None = None
-    upgrade: bool | None = None
-    given: tuple[str, ...] = field(default=())
-    network: str | None = None  # only forms set it; the text grammar has no key for it
-    subnet: str | None = None  # where the next free address comes from, without ADDRESS
-    lease_s: int | None = None  # `lease=7d`: how long the VM lives once ready (bot/leases.py)
-    lease_never: bool = False  # `lease=never`: no end (approvers only)
-
-
-@dataclass(frozen=True)
-class Help:
-    pass
-
-
-@dataclass(frozen=True)
-class Status:
-    job_id: str
-
-
-@dataclass(frozen=True)
-class History:
-    limit: int = 10
-
-
-@dataclass(frozen=True)
-class Cancel:
-    job_id: str
-
-
-@dataclass(frozen=True)
-class Templates:
-    pass
-
-
-@dataclass(frozen=True)
-class Approve:
-    job_id: str
-
-
-@dataclass(frozen=True)
-class Reject:
-    job_id: str
-    reason: str
-
-
-@dataclass(frozen=True)
-class SaveKey:
-    """`key ssh-ed25519 AAAA... comment`: save a public SSH key for later deploys."""
-
-    text: str
-
-
-@dataclass(frozen=True)
-class ShowSettings:
-    pass
-
-
-@dataclass(frozen=True)
-class Destroy:
-    """`destroy NAME`: the VM's name, or a job id (the service finds which)."""
-
-    target: str
-
-
-@dataclass(frozen=True)
-class ExtendLease:
-    """`lease extend NAME [7d]`: move a VM's lease end later (no length: the usual step)."""
-
-    target: str
-    length_s: int | None = None
-
-
-@dataclass(frozen=True)
-class BuildTemplate:
-    """`template build PROFILE [on=B] [node=N] [storage=S] [name=X]`: a golden template
-    from a build profile (bot/builds/); `on` None is the default backend."""
-
-    profile: str
-    on: str | None = None
-    node: str | None = None
-    storage: str | None = None
-    name: str | None = None
-
-
-@dataclass(frozen=True)
-class TemplateProfiles:
-    """`template profiles`: the build profiles there are."""
-
-
-@dataclass(frozen=True)
-class ListVMs:
-    """`list [mine|all|@USER] [page=N]`: `user` None with `everyone` False is "mine"."""
-
-    everyone: bool = False
-    user: str | None = None
-    page: int = 1
-
-
-Command = (
-    DeployArgs
-    | Help
-    | Status
-    | History
-    | Cancel
-    | Templates
-    | Approve
-    | Reject
-    | SaveKey
-    | ShowSettings
-    | Destroy
-    | ListVMs
-    | ExtendLease
-    | BuildTemplate
-    | TemplateProfiles
-)
 
 
 def fold(word: str) -> str:
