@@ -1,0 +1,167 @@
+"""The configuration's own sections ([defaults], [limits], [timeouts], [recovery],
+[ownership], [approval], [slack], [metrics]) as pydantic models (split from
+bot/settings.py, which assembles them into `Settings` and re-exports them). Sections that
+belong to one feature live with it instead (bot/quotas.py, bot/leaseterms.py,
+backends/ipam/config.py, bot/images/). Each forbids unknown keys, so a typo in the file
+stops the start instead of being ignored."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from bot.models import check_ssh_key
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Defaults(_Section):
+    backend: str | None = None
+    template: str = "ubuntu-24.04"
+    cores: int = Field(default=2, ge=1)
+    memory_mib: int = Field(default=2048, ge=256)
+    disk_grow_gib: int = Field(default=0, ge=0)
+    user: str = "ubuntu"
+    ssh_keys: tuple[str, ...] = ()
+    ssh_port: int = Field(default=22, ge=1, le=65535)
+
+    @field_validator("ssh_keys")
+    @classmethod
+    def _public_keys(cls, keys: tuple[str, ...]) -> tuple[str, ...]:
+        """Checked at start: a key that is not one would lock everybody out of every VM."""
+        checked = []
+        for number, key in enumerate(keys, 1):
+            try:
+                checked.append(check_ssh_key(key))
+            except ValueError as exc:
+                raise ValueError(f"key {number}: {exc}") from None
+        return tuple(checked)
+
+
+class Limits(_Section):
+    max_cores: int = Field(default=16, ge=1)
+    max_memory_mib: int = Field(default=65536, ge=256)
+    max_disk_grow_gib: int = Field(default=1024, ge=0)
+    max_running: int = Field(default=8, ge=1)
+    max_running_per_backend: int = Field(default=4, ge=1)
+
+
+class Timeouts(_Section):
+    """Seconds each pipeline step may take before it counts as failed."""
+
+    check_free_s: float = Field(default=30, gt=0)
+    clone_s: float = Field(default=900, gt=0)
+    identity_s: float = Field(default=120, gt=0)
+    resize_s: float = Field(default=300, gt=0)
+    power_on_s: float = Field(default=120, gt=0)
+    address_s: float = Field(default=300, gt=0)
+    ssh_s: float = Field(default=180, gt=0)
+    power_off_s: float = Field(default=120, gt=0)
+    destroy_s: float = Field(default=300, gt=0)
+    wreckage_retry_s: float = Field(default=300, gt=0)  # how often to retry failed rollbacks
+    retry_initial_s: float = Field(default=0.5, gt=0)  # backoff after a failed call
+    retry_max_s: float = Field(default=10, gt=0)
+    poll_initial_s: float = Field(default=0.1, gt=0)  # the SSH check asking again: see retrying
+
+
+class Recovery(_Section):
+    """What a restart does with a job that was running when the bot died: `roll_back`
+    (the default: remove its VM and fail it) or `resume` (carry on from the last step
+    that finished, when every later step is safe to run again; else roll back)."""
+
+    interrupted: Literal["roll_back", "resume"] = "roll_back"
+
+
+class OwnershipSettings(_Section):
+    """How processes sharing one database share the work (bot/ownership.py).
+
+    A runner renews its leases every `tick_s`; a job whose lease has been unrenewed for
+    `lease_s` is taken over by another runner. A process on the same host that is seen
+    to be gone frees its jobs at once, without waiting for the lease."""
+
+    lease_s: float = Field(default=30, gt=0)
+    tick_s: float = Field(default=2, gt=0)
+
+    @model_validator(mode="after")
+    def _renews_in_time(self) -> OwnershipSettings:
+        if self.tick_s * 3 > self.lease_s:
+            raise ValueError(
+                f"tick_s ({self.tick_s:g}) must be at most a third of lease_s "
+                f"({self.lease_s:g}), so a live runner renews before its lease lapses"
+            )
+        return self
+
+
+class ApprovalPolicy(_Section):
+    """Who may deploy, who approves, and which requests wait for an approver."""
+
+    deployers: tuple[str, ...] = ()  # empty: everyone may deploy
+    approvers: tuple[str, ...] = ()
+    # Groups whose members approve too; a chat front end resolves their members.
+    approver_groups: tuple[str, ...] = ()
+    always: bool = False
+    backends: tuple[str, ...] = ()
+    templates: tuple[str, ...] = ()
+    cores_over: int | None = None
+    memory_mib_over: int | None = None
+    disk_grow_gib_over: int | None = None
+    expire_after_s: float = Field(default=3600, gt=0)
+    # Destroys (bot/destroy.py): whether one waits for an approver, and who may ask for
+    # one besides the VM's requester and the approvers (people, and chat user groups).
+    destroy: Literal["never", "always"] = "never"
+    destroyers: tuple[str, ...] = ()
+    destroyer_groups: tuple[str, ...] = ()
+    # Template builds (bot/builds/) change templates everyone deploys from: "approvers_skip"
+    # (the default) lets an approver's build run at once and makes anyone else's wait for
+    # an approver; "always" makes every build wait; "never" none. With no approvers (and
+    # no approver groups) configured nobody could approve, so builds then run at once.
+    builds: Literal["always", "approvers_skip", "never"] = "approvers_skip"
+
+    @property
+    def has_rules(self) -> bool:
+        return bool(
+            self.always
+            or self.backends
+            or self.templates
+            or self.cores_over is not None
+            or self.memory_mib_over is not None
+            or self.disk_grow_gib_over is not None
+            or self.destroy == "always"
+            or self.builds == "always"
+        )
+
+    @model_validator(mode="after")
+    def _someone_can_approve(self) -> ApprovalPolicy:
+        if self.has_rules and not self.approvers and not self.approver_groups:
+            raise ValueError(
+                "some requests need approval but `approvers` is empty (and so is `approver_groups`)"
+            )
+        return self
+
+
+class SlackSettings(_Section):
+    """The chat front end: where the Web API is, where approvals go, how fast to post.
+
+    Tokens are never here: only the names of the environment variables that hold them.
+    """
+
+    # GovSlack workspaces use https://slack-gov.com/api/; tests point it at a local fake.
+    api_base_url: str = Field(default="https://slack.com/api/", pattern=r"^https?://\S+/$")
+    command: str = Field(default="/deploy", pattern=r"^/[a-z0-9_-]{1,31}$")
+    approvals_channel: str | None = Field(default=None, pattern=r"^[CG][A-Z0-9]{2,}$")
+    bot_token_env: str = "SLACK_BOT_TOKEN"
+    app_token_env: str = "SLACK_APP_TOKEN"
+    signing_secret_env: str = "SLACK_SIGNING_SECRET"
+    # Slack allows about one message per second per channel; keep inside it.
+    posts_per_second: float = Field(default=1.0, gt=0, le=1000)
+    group_cache_s: float = Field(default=300, ge=0)
+
+
+class MetricsSettings(_Section):
+    """Prometheus' /metrics: on the HTTP server in HTTP mode; in Socket Mode on a small
+    listener of its own when `listen` ("127.0.0.1:9464") is set."""
+
+    listen: str | None = None
