@@ -9,7 +9,7 @@ did not answer), which the reconciler releases (bot/addressing.py).
 from __future__ import annotations
 
 from bot.models import HOLDING_STATES, IpamState, Job, JobState, utcnow
-from store.jobs import SELECT_JOBS, _jobs
+from store.jobrows import SELECT_JOBS, _jobs
 from store.sql import Db
 from store.tx import ts
 

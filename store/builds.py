@@ -17,7 +17,8 @@ from bot.models import Notice, utcnow
 from bot.models.builds import ACTIVE_BUILD_STATES, BUILD_TRANSITIONS, Build, BuildState
 from store import outbox
 from store.engine import Engine
-from store.jobs import DuplicateActive, _sql_value, claim
+from store.jobrows import _sql_value
+from store.jobs import DuplicateActive, claim
 from store.sql import Conflict, Db, immediate, insert_sql
 from store.tx import ts
 

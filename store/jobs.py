@@ -7,13 +7,9 @@ other is told so. These functions run on the store's worker thread (store/db.py)
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Sequence
 from datetime import datetime
-from enum import Enum
 from typing import Any
-
-from pydantic import BaseModel
 
 from bot.models import (
     HOLDING_STATES,
@@ -28,9 +24,33 @@ from bot.models import (
     utcnow,
 )
 from store import outbox, quarantine, quotas
+from store.deliveries import AlreadyDelivered, claim, delivered
+from store.jobrows import (
+    _REREADS,
+    SELECT_JOBS,
+    _jobs,
+    _row,
+    _sql_value,
+    job_from_row,
+    job_row,
+    listing,
+)
 from store.quarantine import QUARANTINED
 from store.sql import Conflict, Db, immediate
 from store.tx import ts
+
+# Rows and deliveries are in store/jobrows.py and store/deliveries.py; the names other
+# modules use are imported from here too.
+__all__ = [
+    "SELECT_JOBS",
+    "AlreadyDelivered",
+    "DuplicateActive",
+    "claim",
+    "delivered",
+    "job_from_row",
+    "job_row",
+    "listing",
+]
 
 # Columns a transition may set besides state and updated_at.
 _JOB_FIELDS = frozenset(Job.model_fields) - {"id", "state", "request", "created_at", "updated_at"}
@@ -42,90 +62,6 @@ class DuplicateActive(Exception):
     def __init__(self, what: str) -> None:
         super().__init__(what)
         self.what = what
-
-
-def _sql_value(value: Any) -> Any:
-    if isinstance(value, datetime):
-        return ts(value)
-    if isinstance(value, Enum):
-        return value.value
-    return value
-
-
-def _row(model: BaseModel) -> dict[str, Any]:
-    return {k: _sql_value(v) for k, v in model.model_dump(mode="python").items()}
-
-
-def job_row(job: Job) -> dict[str, Any]:
-    row = _row(job)
-    row["request"] = json.dumps(job.request.model_dump(mode="json"), sort_keys=True)
-    return row
-
-
-def job_from_row(row: dict[str, Any]) -> Job:
-    try:
-        request = json.loads(row["request"])
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"request: not valid JSON ({exc})") from None
-    # `rowid` is a real column on PostgreSQL (SQLite has it implicitly): not the job's.
-    fields = {k: v for k, v in row.items() if k not in ("rowid", "rowid_")}
-    return Job.model_validate({**fields, "request": request})
-
-
-# Job rows are read with their rowid, so a row whose id is unusable can still be set aside.
-SELECT_JOBS = "SELECT rowid AS rowid_, * FROM jobs"
-
-
-def _jobs(db: Db, sql: str, params: Any = ()) -> tuple[list[Job], int]:
-    """The jobs a query finds, and how many rows it found that do not validate: those
-    are quarantined (see store/quarantine.py), so no listing or start-up ever fails on
-    them and the next query no longer finds them."""
-    rows = list(db.query(sql, params))
-    return quarantine.sift(rows, job_from_row, lambda row, why: _set_aside(db, row, why))
-
-
-def _set_aside(db: Db, row: dict[str, Any], reason: str) -> None:
-    rowid = row.get("rowid_")
-    job_id = row.get("id")
-    quarantine.set_aside_job(
-        db,
-        table="jobs",
-        key=quarantine.row_key(job_id, rowid),
-        job_id=job_id if isinstance(job_id, str) and job_id else None,
-        reason=reason,
-        row={k: v for k, v in row.items() if k not in ("rowid", "rowid_")},
-        rowid=rowid,
-    )
-
-
-class AlreadyDelivered(Exception):
-    """This dedupe key was handled before (for `job_id`); the transaction did nothing."""
-
-    def __init__(self, job_id: str) -> None:
-        super().__init__(job_id)
-        self.job_id = job_id
-
-
-def claim(db: Db, key: str, job_id: str, action: str) -> None:
-    """Record a delivery inside the caller's transaction; raise if it was seen before.
-
-    The primary key decides, not a lookup first: two deliveries racing cannot both pass.
-    """
-    # ON CONFLICT rather than catching the error: on PostgreSQL an error ends the
-    # transaction, and the caller's must go on to read who had the key.
-    inserted = db.execute(
-        "INSERT INTO deliveries (key, job_id, action, at) VALUES (?, ?, ?, ?) "
-        "ON CONFLICT (key) DO NOTHING",
-        [key, job_id, action, ts(utcnow())],
-    ).rowcount
-    if inserted != 1:
-        rows = db.query("SELECT job_id FROM deliveries WHERE key = ?", [key])
-        raise AlreadyDelivered(rows[0]["job_id"] if rows else job_id)
-
-
-def delivered(db: Db, key: str) -> str | None:
-    rows = list(db.query("SELECT job_id FROM deliveries WHERE key = ?", [key]))
-    return str(rows[0]["job_id"]) if rows else None
 
 
 class _IdTaken(Exception):
@@ -368,20 +304,6 @@ def history(
         "ORDER BY created_at DESC, rowid DESC LIMIT :limit"
     )
     return listing(db, sql, params)
-
-
-# How often a listing is read again after it met rows that do not validate (each round
-# quarantines them, so the next one fills their places from further down).
-_REREADS = 10
-
-
-def listing(db: Db, sql: str, params: Any = ()) -> list[Job]:
-    found: list[Job] = []
-    for _round in range(_REREADS):
-        found, bad = _jobs(db, sql, params)
-        if not bad:
-            break
-    return found
 
 
 def jobs_with_wreckage(db: Db) -> list[Job]:
