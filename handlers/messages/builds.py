@@ -7,7 +7,7 @@ from backends.building import TemplateVersion
 from bot.images import Profile
 from bot.models import BUILD_ASKED, BUILD_DECIDED, BUILD_STARTED
 from bot.models.builds import Build, BuildState
-from handlers.messages.core import escape, mention
+from handlers.messages.text import escape, mention
 
 __all__ = [
     "build_accepted",

@@ -12,7 +12,8 @@ from bot.models import Job
 from bot.quotas import NAMES as QUOTA_NAMES
 from bot.quotas import Standing
 from bot.quotas import amount as quota_amount
-from handlers.messages.core import STATE_LABELS, age, escape, when
+from handlers.messages.listing import age
+from handlers.messages.text import STATE_LABELS, escape, when
 
 # --- quotas (bot/quotas.py) --------------------------------------------------------------
 

@@ -8,17 +8,8 @@ from datetime import datetime
 from bot.check import CheckResult
 from bot.gc import GcReport
 from bot.models import Approval, ApprovalState, Job, JobState, RollbackReport, UserPrefs
-from handlers.messages.core import (
-    STATE_LABELS,
-    address_of,
-    approved,
-    escape,
-    finished,
-    headline,
-    job_update,
-    mention,
-    step_label,
-)
+from handlers.messages.core import address_of, approved, finished, headline, job_update
+from handlers.messages.text import STATE_LABELS, escape, mention, step_label
 
 # --- Slack ------------------------------------------------------------------------
 # Slack renders `<@U123>` as the person's name and `<!date^...>` in the reader's time zone.
