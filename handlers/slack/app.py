@@ -8,9 +8,10 @@ core's job queue; their threads are handlers/slack/threads.py. Redelivered comma
 clicks are recognised by Slack's own ids (trigger_id, action_ts, view id), which the core
 stores in the same transaction as the job or the decision they would create.
 
-Approvals, the form and the settings modal are in handlers/slack/interact.py, which
-registers its listeners on this bot through the small `interact.Host` protocol (so it
-never imports this module); starting the bot (tokens, Socket Mode, HTTP mode) is in
+Approvals and the other buttons are in handlers/slack/interact.py, the form and the
+settings modal in handlers/slack/modals.py; interact registers their listeners on this
+bot through the small `Host` protocol (handlers/slack/host.py, so neither imports this
+module); starting the bot (tokens, Socket Mode, HTTP mode) is in
 handlers/slack/serve.py.
 """
 

@@ -1,74 +1,59 @@
-"""Buttons and modals: Approve / Reject, the deploy form, the settings modal.
+"""Buttons: Approve / Reject (of deploys, destroys and template builds), Destroy, Extend,
+the list's pages; and the registration of every listener, the form's and the settings
+modal's too (their work is in handlers/slack/modals.py).
 
 Same rule as the command: acknowledge first, with only what needs no hypervisor (the
 form's field errors come from the configuration), then do the work in a kept task. The
 core decides approvals; the buttons only ask it.
 
-Everything here works on a `Host`: the few things of the bot (handlers/slack/app.py)
-these listeners use. `SlackBot` is one; naming only these keeps this module from
-importing app.py, which imports this one to register the listeners.
+Everything here works on a `Host` (handlers/slack/host.py): the few things of the bot
+(handlers/slack/app.py) these listeners use. `SlackBot` is one; naming only these keeps
+this module from importing app.py, which imports this one to register the listeners.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import re
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable
+from typing import Any
 
-from slack_bolt.async_app import AsyncApp
 from slack_bolt.context.ack.async_ack import AsyncAck
-from slack_sdk.errors import SlackApiError
-from slack_sdk.web.async_client import AsyncWebClient
 
-from bot import inbox
 from bot.errors import DeployBotError, Duplicate
-from bot.models import ACTIVE_STATES, Job, Received, utcnow
-from bot.parser import DeployArgs, ListVMs
-from bot.service import Deployer
-from bot.settings import Settings
+from bot.models import Job, utcnow
+from bot.parser import ListVMs
 from handlers import messages
 from handlers.commands import list_page
 from handlers.slack import form, views
-from handlers.slack.catalog import Catalog, Choice, discover, initial_choice, template_options
+from handlers.slack.catalog import template_options
 from handlers.slack.form import FORM_VIEW, SETTINGS_VIEW
-from handlers.slack.home import HomeTabs
+from handlers.slack.host import Host
+from handlers.slack.modals import (
+    form_body,
+    open_form,
+    open_settings,
+    refresh_form,
+    resume_form,
+    save_settings,
+    submit_form,
+)
+
+# The form and the settings modal are in modals.py, `Host` in host.py; app.py and the
+# tests still reach them here.
+__all__ = [
+    "Host",
+    "form_body",
+    "open_form",
+    "open_settings",
+    "register",
+    "resume_form",
+    "show_list",
+]
 
 log = logging.getLogger(__name__)
 FORM_ACTIONS = re.compile(r"^(template|placement|storage)$")
-
-
-class Host(Protocol):
-    """What the listeners need of the bot that registers them."""
-
-    app: AsyncApp
-    deployer: Deployer
-    settings: Settings
-    client: AsyncWebClient
-    catalog: Catalog  # the last look-up of templates, kept for external_select
-    home: HomeTabs  # the App Home, published again after a click on its buttons
-
-    def spawn(self, work: Coroutine[Any, Any, None]) -> None:
-        """Run `work` after the ack, in a task the host keeps until it is done."""
-        ...
-
-    async def tell(
-        self, channel: str, user: str, lines: Sequence[str], *, monospace: bool = False
-    ) -> None:
-        """An ephemeral answer to `user`."""
-        ...
-
-    async def answering(
-        self, channel: str, user: str, work: Coroutine[Any, Any, list[str]], *, mono: bool = False
-    ) -> None:
-        """Run `work` and tell the user its lines, or what went wrong."""
-        ...
-
-    async def show(self, channel: str, user: str, text: str, blocks: list[dict[str, Any]]) -> None:
-        """An ephemeral message of Block Kit to `user` (`text`: its notification)."""
-        ...
 
 
 def register(bot: Host) -> None:
@@ -94,7 +79,7 @@ def register(bot: Host) -> None:
         await ack()
         view = body.get("view") or {}
         if view.get("callback_id") == FORM_VIEW:
-            bot.spawn(_refresh_form(bot, body, view))
+            bot.spawn(refresh_form(bot, body, view))
 
     async def on_template_options(ack: AsyncAck, body: dict[str, Any]) -> None:
         # Answered from what the form already looked up: no hypervisor call before ack.
@@ -102,7 +87,7 @@ def register(bot: Host) -> None:
         await ack(options=template_options(bot.catalog, query))
 
     async def on_form(ack: AsyncAck, body: dict[str, Any], view: dict[str, Any]) -> None:
-        await _submit_form(bot, ack, body, view)
+        await submit_form(bot, ack, body, view)
 
     async def on_settings(ack: AsyncAck, body: dict[str, Any], view: dict[str, Any]) -> None:
         keys, template, errors = form.read_settings(view)
@@ -110,7 +95,7 @@ def register(bot: Host) -> None:
             await ack(response_action="errors", errors=errors)
             return
         await ack()
-        bot.spawn(_save_settings(bot, body, view, keys, template))
+        bot.spawn(save_settings(bot, body, view, keys, template))
 
     async def on_destroy(ack: AsyncAck, body: dict[str, Any]) -> None:
         await ack()
@@ -266,165 +251,3 @@ async def _reject(bot: Host, body: dict[str, Any], view: dict[str, Any], reason:
     except DeployBotError as exc:
         await bot.tell(str(meta.get("channel", "")), user, [exc.message])
     bot.home.refresh(user)  # the card leaves their App Home, if they use it here
-
-
-# --- the deploy form ------------------------------------------------------------------
-
-
-async def _open_loading(
-    bot: Host, trigger: str, user: str, channel: str, callback_id: str, title: str
-) -> Any | None:
-    """Open a "loading" modal at once (trigger ids expire in 3 s and work once); the
-    caller fills it with views.update. None, with the user told, when Slack refused."""
-    meta = form.metadata(channel)
-    loading = views.loading_modal(callback_id, title, meta)
-    try:
-        opened = await bot.client.views_open(trigger_id=trigger, view=loading)
-    except SlackApiError as exc:
-        log.error("views.open failed: %s", exc.response.get("error"))
-        await bot.tell(channel, user, [messages.form_opened_elsewhere()])
-        return None
-    return opened
-
-
-async def open_form(bot: Host, trigger: str, user: str, channel: str) -> None:
-    """Open at once (trigger ids expire in 3 s), then fill in what the backends offer."""
-    meta = form.metadata(channel)
-    opened = await _open_loading(bot, trigger, user, channel, FORM_VIEW, messages.FORM_TITLE)
-    if opened is None:
-        return
-    prefs = await bot.deployer.prefs(user)
-    choice = initial_choice(bot.settings, prefs)
-    await _show_form(bot, opened["view"], choice, user, meta)
-
-
-async def _refresh_form(bot: Host, body: dict[str, Any], view: dict[str, Any]) -> None:
-    """A template, place or storage was chosen: update storage, networks, clone mode."""
-    user = str(body["user"]["id"])
-    await _show_form(bot, view, form.choice_of(view), user, view["private_metadata"])
-
-
-async def _show_form(bot: Host, view: dict[str, Any], choice: Choice, user: str, meta: str) -> None:
-    catalog = await discover(bot.deployer, choice)
-    bot.catalog = catalog
-    prefs = await bot.deployer.prefs(user)
-    modal = form.form_view(bot.settings, catalog, choice, prefs, meta, await _quota_left(bot, user))
-    try:
-        await bot.client.views_update(view_id=view["id"], hash=view.get("hash"), view=modal)
-    except SlackApiError as exc:
-        # hash_conflict: the person changed something meanwhile; that update wins.
-        log.info("views.update skipped: %s", exc.response.get("error"))
-
-
-async def _quota_left(bot: Host, user: str) -> str | None:
-    """The form's quota line; without it when the quota cannot be read now (the
-    request is checked anyway when it is submitted)."""
-    try:
-        return messages.quota_left(await bot.deployer.quota_standing(user))
-    except DeployBotError as exc:
-        log.warning("no quota line in %s's form: %s", user, exc.message)
-        return None
-
-
-async def _submit_form(
-    bot: Host, ack: AsyncAck, body: dict[str, Any], view: dict[str, Any]
-) -> None:
-    user = str(body["user"]["id"])
-    result = form.read_form(view, bot.settings, user)
-    if result.args is not None:
-        result.errors.update(await _held(bot, result.args, view))
-    if result.errors or result.args is None:
-        await ack(response_action="errors", errors=result.errors)
-        bot.spawn(bot.deployer.audit(user, "form", "; ".join(result.errors.values())))
-        return
-    channel = str(json.loads(view.get("private_metadata") or "{}").get("channel", ""))
-    key = f"view:{view['id']}"
-    # Kept before the ack, as a command is: should this process die, another deploys it.
-    await inbox.receive(bot.deployer, key, user, channel, form_body(result.args, result.keys))
-    await ack()
-    bot.spawn(_deploy_from_form(bot, result.args, result.keys, user, channel, key))
-
-
-FORM = "form:"  # an inbox entry's text that is a submitted form, not a typed command
-
-
-def form_body(args: DeployArgs, keys: tuple[str, ...]) -> str:
-    return FORM + json.dumps({"args": dataclasses.asdict(args), "keys": list(keys)})
-
-
-def resume_form(bot: Host, item: Received) -> bool:
-    """Deploy a kept form submission left by a stopped process; False if `item` is not
-    one (it is a typed command)."""
-    if not item.text.startswith(FORM):
-        return False
-    data = json.loads(item.text.removeprefix(FORM))
-    fields = data["args"]
-    args = DeployArgs(**{**fields, "given": tuple(fields.get("given", ()))})
-    keys = tuple(data["keys"])
-    bot.spawn(_deploy_from_form(bot, args, keys, item.user, item.channel, item.key))
-    return True
-
-
-async def _held(bot: Host, args: DeployArgs, view: dict[str, Any]) -> dict[str, str]:
-    """Name or address held by a job in flight: a store read, answered inside the ack."""
-    ids = form.block_ids(view)
-    errors: dict[str, str] = {}
-    for job in await bot.deployer.store.jobs_in(ACTIVE_STATES):
-        if job.name == args.name.lower():
-            errors[ids.get("name", "name")] = messages.name_in_flight(job.name, job.id)
-        if job.address == (args.address or "").split("/")[0]:
-            errors[ids.get("address", "address")] = messages.address_in_flight(job.address, job.id)
-    return errors
-
-
-async def _deploy_from_form(
-    bot: Host, args: DeployArgs, keys: tuple[str, ...], user: str, channel: str, key: str
-) -> None:
-    async def work() -> list[str]:
-        job = await bot.deployer.request_deploy(
-            args,
-            user,
-            ssh_keys=keys,
-            origin=channel,
-            dedupe_key=key,
-            check_free_first=True,
-        )
-        return [messages.accepted(job)]
-
-    await bot.answering(channel, user, work())
-    await inbox.done(bot.deployer, key)
-
-
-# --- the settings modal ---------------------------------------------------------------
-
-
-async def open_settings(bot: Host, trigger: str, user: str, channel: str) -> None:
-    meta = form.metadata(channel)
-    opened = await _open_loading(
-        bot, trigger, user, channel, SETTINGS_VIEW, messages.SETTINGS_TITLE
-    )
-    if opened is None:
-        return
-    catalog = await discover(bot.deployer, Choice())
-    bot.catalog = catalog
-    prefs = await bot.deployer.prefs(user)
-    view = form.settings_view(catalog, prefs, meta)
-    await bot.client.views_update(
-        view_id=opened["view"]["id"], hash=opened["view"].get("hash"), view=view
-    )
-
-
-async def _save_settings(
-    bot: Host,
-    body: dict[str, Any],
-    view: dict[str, Any],
-    keys: tuple[str, ...],
-    template: str | None,
-) -> None:
-    user = str(body["user"]["id"])
-    channel = str(json.loads(view.get("private_metadata") or "{}").get("channel", ""))
-
-    async def work() -> list[str]:
-        return [messages.settings_saved(await bot.deployer.save_prefs(user, keys, template))]
-
-    await bot.answering(channel, user, work())

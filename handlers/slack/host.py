@@ -1,0 +1,47 @@
+"""`Host`: the few things of the bot (handlers/slack/app.py) that the listeners in
+interact.py and modals.py use. `SlackBot` is one; naming only these keeps those modules
+from importing app.py, which imports them to register the listeners."""
+
+from __future__ import annotations
+
+from collections.abc import Coroutine, Sequence
+from typing import Any, Protocol
+
+from slack_bolt.async_app import AsyncApp
+from slack_sdk.web.async_client import AsyncWebClient
+
+from bot.service import Deployer
+from bot.settings import Settings
+from handlers.slack.catalog import Catalog
+from handlers.slack.home import HomeTabs
+
+
+class Host(Protocol):
+    """What the listeners need of the bot that registers them."""
+
+    app: AsyncApp
+    deployer: Deployer
+    settings: Settings
+    client: AsyncWebClient
+    catalog: Catalog  # the last look-up of templates, kept for external_select
+    home: HomeTabs  # the App Home, published again after a click on its buttons
+
+    def spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run `work` after the ack, in a task the host keeps until it is done."""
+        ...
+
+    async def tell(
+        self, channel: str, user: str, lines: Sequence[str], *, monospace: bool = False
+    ) -> None:
+        """An ephemeral answer to `user`."""
+        ...
+
+    async def answering(
+        self, channel: str, user: str, work: Coroutine[Any, Any, list[str]], *, mono: bool = False
+    ) -> None:
+        """Run `work` and tell the user its lines, or what went wrong."""
+        ...
+
+    async def show(self, channel: str, user: str, text: str, blocks: list[dict[str, Any]]) -> None:
+        """An ephemeral message of Block Kit to `user` (`text`: its notification)."""
+        ...
