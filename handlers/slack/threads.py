@@ -16,42 +16,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import Counter
-from datetime import datetime, timedelta
-
-from slack_sdk.web.async_client import AsyncWebClient
+from datetime import timedelta
 
 from bot.leaseterms import show_length
-from bot.models import (
-    BUILD_ASKED,
-    BUILD_DECIDED,
-    BUILD_FINISHED,
-    BUILD_NOTE,
-    ApprovalState,
-    Job,
-    JobState,
-    Notice,
-    NoticeKind,
-    utcnow,
-)
-from bot.models.builds import Build, BuildState
+from bot.models import ApprovalState, Job, JobState, Notice, NoticeKind, utcnow
 from bot.service import Deployer
-from bot.settings import SlackSettings
 from bot.waiting import woken
 from handlers import messages
 from handlers.slack import views
+from handlers.slack.buildthreads import BuildDelivery
 from handlers.slack.items import (
     ApprovalCard,
-    BuildCard,
-    BuildThread,
     DirectCard,
     DirectMessages,
     JobThread,
     Line,
     parse_ref,
 )
-from handlers.slack.outbox import Outboxes
-from handlers.slack.zones import Zones
 
 log = logging.getLogger(__name__)
 LEASE_S = 30.0  # a delivery lease: another process takes a job's thread over after this
@@ -60,44 +41,16 @@ ORPHAN_SCAN_S = 5.0  # how often to look for notices a dead process left
 BATCH = 500
 
 
-class SlackThreads:
-    """The Slack side of the outbox. `bind` it to the Deployer; it starts delivering."""
+class SlackThreads(BuildDelivery):
+    """The Slack side of the outbox. `bind` it to the Deployer; it starts delivering.
 
-    def __init__(self, client: AsyncWebClient, settings: SlackSettings) -> None:
-        self.settings = settings
-        self.outboxes = Outboxes(client, settings.posts_per_second)
-        self.threads: dict[str, JobThread] = {}
-        self.cards: dict[str, ApprovalCard] = {}
-        self.destroy_cards: dict[str, ApprovalCard] = {}
-        self.dms: dict[str, DirectMessages] = {}
-        # Template builds (ids starting with `b`): their threads and approval cards.
-        self.build_threads: dict[str, BuildThread] = {}
-        self.build_cards: dict[str, BuildCard] = {}
-        self.zones = Zones(client)  # people's time zones, for lease times
-        self._deployer: Deployer | None = None
-        self._parts: Counter[int] = Counter()  # notice id -> parts not yet in Slack
-        self._delivered: list[int] = []  # to mark in the store
-        self._held: set[str] = set()  # jobs whose delivery lease this process holds
-        self._cursor = 0
-        self._orphans_at: datetime | None = None
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-        self._poll_lock = asyncio.Lock()
+    Its state and the parts of notices are in handlers/slack/delivery.py, what it does
+    with template builds' notices in handlers/slack/buildthreads.py."""
 
     def bind(self, deployer: Deployer) -> None:
         self._deployer = deployer
         deployer.store.on_notice = self._wake.set
         self._task = asyncio.create_task(self._run(), name="slack-delivery")
-
-    @property
-    def deployer(self) -> Deployer:
-        if self._deployer is None:
-            raise RuntimeError("SlackThreads.bind(deployer) was not called")
-        return self._deployer
-
-    @property
-    def me(self) -> str:
-        return self.deployer.runner.id
 
     # --- the delivery loop -------------------------------------------------------
 
@@ -174,40 +127,10 @@ class SlackThreads:
                     self.cards.pop(job_id, None)
                     self.destroy_cards.pop(job_id, None)
 
-    async def _release_build(self, build_id: str) -> None:
-        """A build's delivery lease goes once it ended and all of it is in Slack."""
-        parts = (self.build_threads.get(build_id), self.build_cards.get(build_id))
-        if any(part is not None and part.pending() for part in parts):
-            return
-        build = await self.deployer.store.builds.get(build_id)
-        if build is None or build.state.final or build.state is BuildState.PUBLISHED:
-            await self.deployer.store.outbox_release(build_id, self.me, utcnow())
-            self._held.discard(build_id)
-            self.build_threads.pop(build_id, None)
-            self.build_cards.pop(build_id, None)
-
     def _busy(self, job_id: str) -> bool:
         thread, card = self.threads.get(job_id), self.cards.get(job_id)
         doomed = self.destroy_cards.get(job_id)
         return any(part is not None and part.pending() for part in (thread, card, doomed))
-
-    # --- parts ------------------------------------------------------------------------
-
-    def _part(self, notice: int) -> int:
-        self._parts[notice] += 1
-        return notice
-
-    def _done(self, ids: list[int]) -> None:
-        for notice in ids:
-            self._parts[notice] -= 1
-            if self._parts[notice] <= 0:
-                self._finish_parts([notice])
-
-    def _finish_parts(self, ids: list[int]) -> None:
-        for notice in ids:
-            self._parts.pop(notice, None)
-            self._delivered.append(notice)
-        self._wake.set()
 
     # --- from notices to parts ----------------------------------------------------
 
@@ -303,12 +226,6 @@ class SlackThreads:
             self._dm(job.requester).lines.append(Line(text, self._part(nid)))
             self.outboxes.touch(self._dm(job.requester))
 
-    def _dm(self, user: str) -> DirectMessages:
-        dm = self.dms.get(user)
-        if dm is None:
-            dm = self.dms[user] = DirectMessages(user, self._done)
-        return dm
-
     def _headline(self, thread: JobThread, nid: int) -> None:
         thread.show_headline(self._part(nid))
         self.outboxes.touch(thread)
@@ -380,82 +297,6 @@ class SlackThreads:
             card = ApprovalCard(job, known[0], self.deployer, self._done, ts=known[1])
             self.cards[job.id] = card
         return card
-
-    # --- template builds ----------------------------------------------------------------
-
-    def _apply_build(self, build: Build, notice: Notice) -> None:
-        """A build's notice: a line in its thread (the end, urgent), its headline, and
-        its approval card (asked for, then replaced by the decision)."""
-        assert notice.id is not None
-        nid = self._part(notice.id)
-        part = notice.step or ""
-        if notice.kind is NoticeKind.BUILD:
-            if part == BUILD_NOTE:
-                self._build_say(build, views.mrkdwn(notice.text), nid)
-            elif part == BUILD_FINISHED:
-                text = views.mrkdwn(messages.slack_build_end(build))
-                self._build_say(build, text, nid, urgent=True)
-                if build.origin:  # the requester hears the end by direct message too
-                    dm = self._dm(build.requester)
-                    outcome = messages.build_outcome_dm(build)
-                    dm.lines.append(Line(views.mrkdwn(outcome), self._part(nid)))
-                    self.outboxes.touch(dm)
-            else:
-                text = messages.build_thread_update(build, part, notice.text)
-                self._build_say(build, views.mrkdwn(text), nid)
-            if part == BUILD_ASKED and build.approval_reason:
-                self._ask_build_approvers(build, nid)
-            elif part == BUILD_DECIDED:
-                self._build_decided(build, notice.text, nid)
-        self._done([nid])
-
-    def _build_thread(self, build: Build) -> BuildThread | None:
-        thread = self.build_threads.get(build.id)
-        if thread is None:
-            known = parse_ref(build.thread_ref)
-            if known is not None:
-                thread = BuildThread(build, known[0], self.deployer, self._done, ts=known[1])
-            elif build.origin:
-                thread = BuildThread(build, build.origin, self.deployer, self._done)
-            else:
-                return None  # asked for elsewhere (the shell): no Slack thread
-            self.build_threads[build.id] = thread
-        thread.build = build
-        return thread
-
-    def _build_say(self, build: Build, text: str, nid: int, *, urgent: bool = False) -> None:
-        thread = self._build_thread(build)
-        if thread is None:
-            return
-        thread.lines.append(Line(text, self._part(nid), urgent=urgent))
-        thread.show_headline(self._part(nid))
-        self.outboxes.touch(thread)
-
-    def _ask_build_approvers(self, build: Build, nid: int) -> None:
-        if build.id in self.build_cards or build.approval_ref:
-            return
-        channel = self.settings.approvals_channel or build.origin
-        if channel is None:
-            return
-        card = BuildCard(build, channel, self.deployer, self._done)
-        self.build_cards[build.id] = card
-        if build.state is not BuildState.AWAITING_APPROVAL:  # decided before it was shown
-            card.outcome = messages.build_card_outcome(build, build.error or "")
-        card.will_show(self._part(nid))
-        self.outboxes.touch(card)
-
-    def _build_decided(self, build: Build, note: str, nid: int) -> None:
-        card = self.build_cards.get(build.id)
-        if card is None:
-            known = parse_ref(build.approval_ref)
-            if known is None:
-                return  # never shown (no channel): nothing to replace
-            card = BuildCard(build, known[0], self.deployer, self._done, ts=known[1])
-            self.build_cards[build.id] = card
-        card.build = build
-        card.outcome = messages.build_card_outcome(build, note)
-        card.will_show(self._part(nid))
-        self.outboxes.touch(card)
 
     # --- waiting and closing ---------------------------------------------------------
 

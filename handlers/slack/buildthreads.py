@@ -1,0 +1,110 @@
+"""Template builds in Slack (split from handlers/slack/threads.py): a build's notices
+(bot/builds/) as lines of its thread, its headline, its approval card and the decision
+that replaces the card's buttons, and the end told to the requester by direct message."""
+
+from __future__ import annotations
+
+from bot.models import (
+    BUILD_ASKED,
+    BUILD_DECIDED,
+    BUILD_FINISHED,
+    BUILD_NOTE,
+    Notice,
+    NoticeKind,
+    utcnow,
+)
+from bot.models.builds import Build, BuildState
+from handlers import messages
+from handlers.slack import views
+from handlers.slack.delivery import Delivery
+from handlers.slack.items import BuildCard, BuildThread, Line, parse_ref
+
+
+class BuildDelivery(Delivery):
+    """Mixed into `SlackThreads`: what it does with a build's (`b...`) notices."""
+
+    async def _release_build(self, build_id: str) -> None:
+        """A build's delivery lease goes once it ended and all of it is in Slack."""
+        parts = (self.build_threads.get(build_id), self.build_cards.get(build_id))
+        if any(part is not None and part.pending() for part in parts):
+            return
+        build = await self.deployer.store.builds.get(build_id)
+        if build is None or build.state.final or build.state is BuildState.PUBLISHED:
+            await self.deployer.store.outbox_release(build_id, self.me, utcnow())
+            self._held.discard(build_id)
+            self.build_threads.pop(build_id, None)
+            self.build_cards.pop(build_id, None)
+
+    def _apply_build(self, build: Build, notice: Notice) -> None:
+        """A build's notice: a line in its thread (the end, urgent), its headline, and
+        its approval card (asked for, then replaced by the decision)."""
+        assert notice.id is not None
+        nid = self._part(notice.id)
+        part = notice.step or ""
+        if notice.kind is NoticeKind.BUILD:
+            if part == BUILD_NOTE:
+                self._build_say(build, views.mrkdwn(notice.text), nid)
+            elif part == BUILD_FINISHED:
+                text = views.mrkdwn(messages.slack_build_end(build))
+                self._build_say(build, text, nid, urgent=True)
+                if build.origin:  # the requester hears the end by direct message too
+                    dm = self._dm(build.requester)
+                    outcome = messages.build_outcome_dm(build)
+                    dm.lines.append(Line(views.mrkdwn(outcome), self._part(nid)))
+                    self.outboxes.touch(dm)
+            else:
+                text = messages.build_thread_update(build, part, notice.text)
+                self._build_say(build, views.mrkdwn(text), nid)
+            if part == BUILD_ASKED and build.approval_reason:
+                self._ask_build_approvers(build, nid)
+            elif part == BUILD_DECIDED:
+                self._build_decided(build, notice.text, nid)
+        self._done([nid])
+
+    def _build_thread(self, build: Build) -> BuildThread | None:
+        thread = self.build_threads.get(build.id)
+        if thread is None:
+            known = parse_ref(build.thread_ref)
+            if known is not None:
+                thread = BuildThread(build, known[0], self.deployer, self._done, ts=known[1])
+            elif build.origin:
+                thread = BuildThread(build, build.origin, self.deployer, self._done)
+            else:
+                return None  # asked for elsewhere (the shell): no Slack thread
+            self.build_threads[build.id] = thread
+        thread.build = build
+        return thread
+
+    def _build_say(self, build: Build, text: str, nid: int, *, urgent: bool = False) -> None:
+        thread = self._build_thread(build)
+        if thread is None:
+            return
+        thread.lines.append(Line(text, self._part(nid), urgent=urgent))
+        thread.show_headline(self._part(nid))
+        self.outboxes.touch(thread)
+
+    def _ask_build_approvers(self, build: Build, nid: int) -> None:
+        if build.id in self.build_cards or build.approval_ref:
+            return
+        channel = self.settings.approvals_channel or build.origin
+        if channel is None:
+            return
+        card = BuildCard(build, channel, self.deployer, self._done)
+        self.build_cards[build.id] = card
+        if build.state is not BuildState.AWAITING_APPROVAL:  # decided before it was shown
+            card.outcome = messages.build_card_outcome(build, build.error or "")
+        card.will_show(self._part(nid))
+        self.outboxes.touch(card)
+
+    def _build_decided(self, build: Build, note: str, nid: int) -> None:
+        card = self.build_cards.get(build.id)
+        if card is None:
+            known = parse_ref(build.approval_ref)
+            if known is None:
+                return  # never shown (no channel): nothing to replace
+            card = BuildCard(build, known[0], self.deployer, self._done, ts=known[1])
+            self.build_cards[build.id] = card
+        card.build = build
+        card.outcome = messages.build_card_outcome(build, note)
+        card.will_show(self._part(nid))
+        self.outboxes.touch(card)
