@@ -343,7 +343,7 @@ class Deployer(Personal, BuildRequests):
         async with self._audited(user, f"cancel {job_id}"):
             return await cancelling.cancel(self, await self._resolve(job_id), user)
 
-    # --- destroy and list (bot/destroy.py) ----------------------------------------------
+    # --- destroy and leases (bot/destroy.py, bot/leases.py) ------------------------------
 
     async def request_destroy(
         self,
