@@ -6,11 +6,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 from backends.sim import SimBackend
 from bot.errors import Conflict, RequestInvalid
+from bot.images import PreparedImage, Profile
 from bot.models import JobState, utcnow
 from bot.models.builds import Build, BuildState
 from bot.parser import DeployArgs
@@ -62,6 +65,31 @@ async def test_a_build_is_smoke_tested_then_published(deployer: Deployer, sim: S
     # The clone carries its own job's tag, not the build's.
     vm = sim.vms[str(done.vm_id)]
     assert vm.tags == {f"deploybot-{deployer.store.installation_id}-{job.id}"}
+
+
+async def test_the_template_is_marked_with_the_verified_source_digest(
+    deployer: Deployer, sim: SimBackend, tmp_path: Path
+) -> None:
+    """The plan is made before the image step; the digest that step verified reaches the
+    template's build mark all the same (here: a simulator that takes an image)."""
+    digest = "sha256:" + "cd" * 32
+    prepared = tmp_path / "prepared.qcow2"
+
+    async def prepare(profile: Profile, cache_dir: Path, platform: Any, **_: Any) -> PreparedImage:
+        prepared.write_bytes(b"QFI\xfb")
+        return PreparedImage(
+            profile.name, platform, prepared, prepared, digest, False, False, True, False,
+            None, None, False, (),
+        )  # fmt: skip
+
+    sim.image_platform = "proxmox"
+    assert deployer.builds.runner is not None
+    deployer.builds.runner.prepare = prepare
+    done = await build(deployer)
+    assert done.state is BuildState.PUBLISHED, done.error
+    assert done.source_digest == digest and done.vm_id is not None
+    assert sim.built[done.vm_id].plan.source_digest == digest
+    assert not prepared.exists()  # removed once published
 
 
 async def test_a_rebuild_is_a_new_version_and_the_old_one_is_kept(
