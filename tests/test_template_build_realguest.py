@@ -48,7 +48,7 @@ from tests.fakepve.testing import config_text, run_deploybot, start_fake
 from tests.images_support import Upstream, require_libguestfs, unavailable, upstream_server
 from tests.realguest import qemu, upstream
 from tests.realguest.guestchecks import check_guest
-from tests.realguest.lane import DEADLINE_S, LOGIN, Deploy, assert_gone
+from tests.realguest.lane import DEADLINE_S, LOGIN, Deploy, process_ended
 from tests.realguest.support import require_image
 
 pytestmark = [pytest.mark.realguest, pytest.mark.asyncio(loop_scope="module")]
@@ -69,6 +69,35 @@ class Run:
     seconds: float
 
 
+@dataclass(frozen=True)
+class AfterBuild:
+    """What the fake and the bot host held when the build's CLI ended (before the
+    deploy, which may take the smoke VM's free id)."""
+
+    vms: dict[int, str]  # name by vmid
+    booted: dict[int, int]  # QEMU's pid by vmid: every guest the build started
+    ended: dict[int, bool]  # by vmid: its QEMU process is gone
+    running: frozenset[int]
+    folders: frozenset[str]  # the VMs' folders (disk, seed, sockets) left in the workdir
+    volumes: tuple[str, ...]  # the storages' uploaded volumes
+    upload_files: tuple[Path, ...]  # the fake's files of uploads
+    prepared: tuple[Path, ...]  # what is left in [images] cache_dir/prepared
+
+    @classmethod
+    def now(cls, fake: FakePVE, machines: RealMachines, cache: Path) -> AfterBuild:
+        files = fake.cluster.files() / "storage"
+        return cls(
+            vms={v.vmid: v.config.get("name", "") for v in fake.cluster.vms.values()},
+            booted=dict(machines.pids),
+            ended={vmid: process_ended(pid) for vmid, pid in machines.pids.items()},
+            running=frozenset(machines.machines),
+            folders=frozenset(p.name for p in machines.workdir.iterdir() if p.is_dir()),
+            volumes=tuple(fake.cluster.volumes),
+            upload_files=tuple(p for p in files.rglob("*") if p.is_file()),
+            prepared=tuple((cache / "prepared").iterdir()),
+        )
+
+
 @dataclass
 class Lab:
     fake: FakePVE
@@ -78,7 +107,7 @@ class Lab:
     state: Path  # the bot's config, database and log (the build's and the deploy's)
     cache: Path  # [images] cache_dir
     build: Run
-    smoke_vmids: list[int]  # the VMs the build booted
+    after_build: AfterBuild
     deploy: Deploy
 
 
@@ -162,7 +191,7 @@ async def lab(
                 del fake.cluster.vms[hand_made.vmid]
                 _config(fake, state, public, mirror, accel)
                 build = await _cli(fake, state, "template", "build", PROFILE, "--backend", "pve")
-                smoke = sorted(machines.pids)
+                after = AfterBuild.now(fake, machines, state / "images")
                 began = time.monotonic()
                 name, address = WEB01
                 returncode, output = await run_deploybot(
@@ -172,7 +201,7 @@ async def lab(
                 )  # fmt: skip
                 deploy = Deploy(name, address, returncode, output, time.monotonic() - began, state)
                 yield Lab(
-                    fake, machines, mirror, key, state, state / "images", build, smoke, deploy
+                    fake, machines, mirror, key, state, state / "images", build, after, deploy
                 )
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -235,18 +264,22 @@ async def test_the_build_publishes_a_smoke_tested_template(
 
 async def test_the_build_leaves_no_smoke_vm_upload_or_prepared_image(lab: Lab) -> None:
     assert lab.build.returncode == 0, lab.build.output
-    (smoke,) = lab.smoke_vmids  # one real boot: the smoke deploy's
-    assert_gone(lab.fake, lab.machines, smoke)
-    assert not [
-        v for v in lab.fake.cluster.vms.values() if v.config.get("name", "").startswith("smoke-")
-    ]
+    after = lab.after_build
+    built, _config = _built(lab.fake)
+    # One real boot, the smoke deploy's: its VM, QEMU process and disk are gone.
+    (smoke,) = after.booted
+    assert smoke != built
+    assert smoke not in after.vms and smoke not in after.running and after.ended[smoke]
+    assert str(smoke) not in after.folders
+    assert not [n for n in after.vms.values() if n.startswith("smoke-")]
+    assert after.folders == {str(built)}  # the template's disk, and nothing else
+    # The upload went to the import storage and was deleted once imported.
     (upload,) = lab.fake.sent("POST", UPLOAD)
     assert upload.params["content"] == "import"
-    assert lab.fake.cluster.volumes == {}  # the upload was deleted
-    uploads = lab.fake.cluster.files() / "storage"
-    assert not [p for p in uploads.rglob("*") if p.is_file()]
-    assert not [p for p in (lab.cache / "prepared").iterdir()]  # nor any working folder
-    assert len(list((lab.cache / "downloads").rglob("*"))) >= 1  # the original, kept
+    assert after.volumes == () and after.upload_files == ()
+    # The customised image was removed from the cache; the verified original is kept.
+    assert after.prepared == ()
+    assert [p for p in (lab.cache / "downloads").rglob("*") if p.is_file()]
 
 
 async def test_a_deploy_from_the_built_template_is_a_real_guest(lab: Lab) -> None:
@@ -264,10 +297,11 @@ async def test_a_deploy_from_the_built_template_is_a_real_guest(lab: Lab) -> Non
     (build_tag,) = {t for t in tags_of(template) if t.startswith("deploybot-")}
     assert len(job_tags) == 1 and build_tag not in job_tags, tags
     assert {"os-debian", "profile-debian-12"} <= tags
-    # `template list` sees the version and the clone using it.
+    # `template list` sees the version, current, and the clone that uses it.
     listed = await _cli(lab.fake, lab.state, "template", "list", "--backend", "pve")
     assert listed.returncode == 0, listed.output
-    assert re.search(rf"debian-12\b.*\b{built}\b", listed.output), listed.output
+    line = rf"debian-12  debian-12  v1  \S+  x86-64-v2-AES  yes  {deploy.vmid}$"
+    assert re.search(line, listed.output, re.M), listed.output
 
 
 async def test_el10_on_a_node_without_avx2_is_refused_before_any_download(lab: Lab) -> None:
