@@ -153,10 +153,15 @@ def _variants() -> Path:
 
 async def _cli(lab_fake: FakePVE, state: Path, *args: str) -> Run:
     began = time.monotonic()
-    returncode, output = await run_deploybot(
-        lab_fake, state / "deploybot.toml", state, *args, "--user", "alice"
-    )
+    returncode, output = await run_deploybot(lab_fake, state / "deploybot.toml", state, *args)
     return Run(returncode, output, time.monotonic() - began)
+
+
+async def _build(fake: FakePVE, state: Path, profile: str, *more: str) -> Run:
+    """`deploybot template build PROFILE --backend pve --user alice MORE...`."""
+    return await _cli(
+        fake, state, "template", "build", profile, "--backend", "pve", "--user", "alice", *more
+    )
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -185,12 +190,10 @@ async def lab(
             async with fake_lab as fake:
                 fake.cluster.storages["local"].content = "iso,vztmpl,backup,import"
                 # The hand-made debian-12 is retired: the name is the build's to take.
-                (hand_made,) = [
-                    v for v in fake.cluster.vms.values() if v.config.get("name") == PROFILE
-                ]
-                del fake.cluster.vms[hand_made.vmid]
+                (hand_made,) = _named(fake, PROFILE)
+                del fake.cluster.vms[hand_made]
                 _config(fake, state, public, mirror, accel)
-                build = await _cli(fake, state, "template", "build", PROFILE, "--backend", "pve")
+                build = await _build(fake, state, PROFILE)
                 after = AfterBuild.now(fake, machines, state / "images")
                 began = time.monotonic()
                 name, address = WEB01
@@ -307,9 +310,7 @@ async def test_a_deploy_from_the_built_template_is_a_real_guest(lab: Lab) -> Non
 async def test_el10_on_a_node_without_avx2_is_refused_before_any_download(lab: Lab) -> None:
     before = dict(lab.fake.cluster.vms)
     writes = [r for r in lab.fake.requests if r.method != "GET"]
-    run = await _cli(
-        lab.fake, lab.state, "template", "build", "alma-10", "--backend", "pve", "--node", "pve2"
-    )
+    run = await _build(lab.fake, lab.state, "alma-10", "--node", "pve2")
     assert run.returncode != 0, run.output
     assert "preflight" in run.output and "avx2" in run.output, run.output
     assert "x86-64-v3" in run.output and "on=NODE" in run.output, run.output
@@ -322,7 +323,7 @@ async def test_a_wrong_checksum_refuses_the_build_before_any_upload(lab: Lab) ->
     before = dict(lab.fake.cluster.vms)
     uploads = len(lab.fake.sent("POST", UPLOAD))
     hits = lab.mirror.hits["vmware.qcow2"]
-    run = await _cli(lab.fake, lab.state, "template", "build", "debian-13", "--backend", "pve")
+    run = await _build(lab.fake, lab.state, "debian-13")
     assert run.returncode != 0, run.output
     assert "vmware.qcow2 does not match its checksum" in run.output, run.output
     assert lab.mirror.hits["vmware.qcow2"] == hits + 1
