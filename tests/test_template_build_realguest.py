@@ -40,6 +40,7 @@ import pytest
 import pytest_asyncio
 
 from backends.proxmox.vmconfig import mark_field, tags_of
+from bot.images.customize import DATASOURCE_FILE
 from tests.fakepve import testing
 from tests.fakepve.realvm import RealMachines
 from tests.fakepve.schema import ApiSchema
@@ -48,7 +49,7 @@ from tests.fakepve.testing import config_text, run_deploybot, start_fake
 from tests.images_support import Upstream, require_libguestfs, unavailable, upstream_server
 from tests.realguest import qemu, upstream
 from tests.realguest.guestchecks import check_guest
-from tests.realguest.lane import DEADLINE_S, LOGIN, Deploy, process_ended
+from tests.realguest.lane import DEADLINE_S, LOGIN, Deploy, login, out, process_ended
 from tests.realguest.support import require_image
 
 pytestmark = [pytest.mark.realguest, pytest.mark.asyncio(loop_scope="module")]
@@ -82,9 +83,12 @@ class AfterBuild:
     volumes: tuple[str, ...]  # the storages' uploaded volumes
     upload_files: tuple[Path, ...]  # the fake's files of uploads
     prepared: tuple[Path, ...]  # what is left in [images] cache_dir/prepared
+    hits: dict[str, int]  # what the mirror was asked for
 
     @classmethod
-    def now(cls, fake: FakePVE, machines: RealMachines, cache: Path) -> AfterBuild:
+    def now(
+        cls, fake: FakePVE, machines: RealMachines, cache: Path, mirror: Upstream
+    ) -> AfterBuild:
         files = fake.cluster.files() / "storage"
         return cls(
             vms={v.vmid: v.config.get("name", "") for v in fake.cluster.vms.values()},
@@ -95,6 +99,7 @@ class AfterBuild:
             volumes=tuple(fake.cluster.volumes),
             upload_files=tuple(p for p in files.rglob("*") if p.is_file()),
             prepared=tuple((cache / "prepared").iterdir()),
+            hits=dict(mirror.hits),
         )
 
 
@@ -194,7 +199,7 @@ async def lab(
                 del fake.cluster.vms[hand_made]
                 _config(fake, state, public, mirror, accel)
                 build = await _build(fake, state, PROFILE)
-                after = AfterBuild.now(fake, machines, state / "images")
+                after = AfterBuild.now(fake, machines, state / "images", mirror)
                 began = time.monotonic()
                 name, address = WEB01
                 returncode, output = await run_deploybot(
@@ -208,6 +213,7 @@ async def lab(
                 )
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+        shutil.rmtree(state / "images", ignore_errors=True)  # ~0.75 GiB of download
 
 
 def _named(fake: FakePVE, name: str) -> list[int]:
@@ -260,8 +266,8 @@ async def test_the_build_publishes_a_smoke_tested_template(
     assert isinstance(sums, Path)
     (digest,) = [ln.split()[0] for ln in sums.read_text().splitlines() if "vmware" in ln]
     assert mark_field(config, "source") == f"sha256:{digest}"
-    assert lab.mirror.hits["vmware.qcow2"] == 1 and lab.mirror.hits["SHA256SUMS"] == 1
-    # The template's disk is the customised upload, not the lane's image.
+    assert lab.after_build.hits == {"SHA256SUMS": 1, "vmware.qcow2": 1}
+    # The template has a disk of its own: the import's copy of the upload.
     assert lab.machines.disk(vmid).exists()
 
 
@@ -289,6 +295,13 @@ async def test_a_deploy_from_the_built_template_is_a_real_guest(lab: Lab) -> Non
     deploy = lab.deploy
     assert deploy.returncode == 0, deploy.output
     await check_guest(lab.fake, lab.machines, lab.key, deploy)
+    # The image said VMware only; the guest came up on Proxmox's NoCloud seed because
+    # the build's last word on the datasources allows it.
+    bastion, conn = await login(lab.fake, lab.key, deploy.address)
+    async with bastion, conn:
+        assert await out(conn, "cloud-id") == "nocloud"
+        allowed = await out(conn, f"cat {DATASOURCE_FILE}")
+        assert "datasource_list: [NoCloud, ConfigDrive, VMware, None]" in allowed, allowed
     built, template = _built(lab.fake)
     # A linked clone of the built template's disk.
     assert lab.fake.cluster.vms[deploy.vmid].config.get("name") == deploy.name
