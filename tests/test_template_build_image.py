@@ -76,6 +76,32 @@ def test_overrides_merge_and_errors_name_the_profile_and_key() -> None:
     assert "profile 'mine': checksum: 'md5:1' is not a digest" in str(digest.value)
 
 
+def test_an_override_replaces_how_a_shipped_profile_is_verified() -> None:
+    """TOML cannot unset `checksum_url`: an override's fixed `checksum` replaces it (and
+    the other way round), instead of the profile having both and failing to load."""
+    fixed = "sha256:" + "ab" * 32
+    settings = load_settings(
+        BUNDLED_CONFIG,
+        images={
+            "profiles": {
+                "debian-12": {"url": "https://mirror.example.org/d12.qcow2", "checksum": fixed},
+                "mine": {**_mine()},
+            }
+        },
+    )
+    pinned = settings.images.profile("debian-12")
+    assert (pinned.checksum, pinned.checksum_url) == (fixed, None)
+    assert pinned.user == "debian"  # the rest kept
+    sums = "https://mirror.example.org/SUMS"
+    with pytest.raises(ValueError, match="exactly one of `checksum`"):
+        ImagesSettings(profiles={"mine": {**_mine(), "checksum_url": sums}})  # both: refused
+    shipped = ImagesSettings(profiles={"debian-12": {"checksum_url": sums}})
+    assert (shipped.profile("debian-12").checksum_url, shipped.profile("debian-12").checksum) == (
+        sums,
+        None,
+    )
+
+
 def _mine() -> dict[str, object]:
     return {
         "os_family": "debian",

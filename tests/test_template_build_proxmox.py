@@ -247,6 +247,33 @@ async def test_a_deploy_from_a_build_is_linked_and_carries_only_its_own_job_tag(
     assert version.used_by == ()
 
 
+async def test_a_build_on_a_file_storage_is_qcow2_and_deploys_link_to_it(
+    pve: FakePVE, backend: ProxmoxBackend, image: Path
+) -> None:
+    """A file storage's default disk format is raw, which no linked clone can use: the
+    build asks for qcow2 there, so deploys from the template take seconds."""
+    p = plan(storage="bulk-nfs")
+    ref = await build(backend, image, p)
+    (create,) = pve.sent("POST", CREATE)
+    assert create.params["scsi0"].endswith(",format=qcow2")
+    config = pve.cluster.vms[int(ref.vm_id)].config
+    base = f"bulk-nfs:{ref.vm_id}/base-{ref.vm_id}-disk-0.qcow2"
+    assert config["scsi0"] == f"{base},size=64M"
+    await backend.publish_template(p, ref)
+    spec = CloneSpec("jdeploy1", "web01", "golden-deb", installation=INSTALLATION)
+    assert (await backend.clone_mode(spec)).linked
+    clone = await backend.prepare_clone(spec)
+    await backend.clone(spec, clone)
+    disk = pve.cluster.vms[int(clone.vm_id)].config["scsi0"]
+    assert disk.startswith(f"{base}/{clone.vm_id}/vm-{clone.vm_id}-disk-0.qcow2,")
+    (version,) = await backend.template_versions()
+    assert version.used_by == (clone.vm_id,)
+    # A block storage takes no format: the build leaves it to the storage.
+    other = plan("jbuild02", name="golden-lvm", storage="local-lvm")
+    await build(backend, image, other)
+    assert "format" not in pve.sent("POST", CREATE)[-1].params["scsi0"]
+
+
 def test_a_clone_drops_the_job_tags_it_inherits() -> None:
     built = {"tags": "deploybot-labinst001-jbuild01;os-debian;profile-golden-deb"}
     assert merged_tags(built, "deploybot-labinst001-jdeploy1") == (

@@ -38,6 +38,9 @@ from backends.proxmox.vmconfig import cpu_model, tags_of
 
 log = logging.getLogger(__name__)
 _TEMPLATE = (1, "1", True)
+# File storages, where a disk is a file whose format the disk spec chooses (raw by
+# default); btrfs keeps raw disks and clones them by snapshot.
+QCOW2_TYPES = frozenset({"dir", "nfs", "cifs", "glusterfs"})
 
 
 class BuildsOnProxmox:
@@ -186,7 +189,9 @@ class TemplateBuilds:
             if existing is None:
                 if not await self.content.has_volume(node, upload):
                     await self.content.upload(node, upload, image)
-                await self._create_vm(plan, target, ref, node, upload)
+                found = [s for s in storages if s["storage"] == target.storage]
+                kind = str(found[0].get("type", "")) if found else ""
+                await self._create_vm(plan, target, ref, node, upload, kind)
                 await self._templatise(node, ref.vm_id)
             await self.content.delete_volume(node, upload.storage, upload.volid)
         finally:
@@ -203,13 +208,19 @@ class TemplateBuilds:
         ref: VMRef,
         node: str,
         upload: buildmarks.UploadTarget,
+        storage_type: str,
     ) -> None:
         disk = f"{plan.disk_bus}0"
+        # A file storage's default format is raw, whose template no linked clone can use:
+        # qcow2 there, as a deploy's clone then takes seconds, not minutes.
+        spec = f"{target.storage}:0,import-from={upload.volid}"
+        if storage_type in QCOW2_TYPES:
+            spec += ",format=qcow2"
         nic = f"{plan.nic},bridge={self.config.bridge}" if self.config.bridge else plan.nic
         params: dict[str, Any] = {
             "vmid": int(ref.vm_id),
             "name": plan.versioned_name,
-            disk: f"{target.storage}:0,import-from={upload.volid}",
+            disk: spec,
             "ide2": f"{target.storage}:cloudinit",
             "serial0": "socket",
             "vga": "serial0",

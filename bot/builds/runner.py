@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -236,6 +236,8 @@ class BuildRunner:
         path = run.image.path
         run.undo.append(_Undo("remove the prepared image", lambda: _unlink(path), 30))
         await self._update(run, source_digest=run.image.source_digest)
+        # The plan was made before the digest was known: the template's mark carries it.
+        run.plan = replace(run.plan, source_digest=run.image.source_digest)
 
     async def _create(self, run: _Run) -> None:
         assert run.target is not None

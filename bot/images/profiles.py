@@ -167,13 +167,21 @@ def _catalogue_raw(path: Path = CATALOGUE) -> dict[str, dict[str, Any]]:
     return profiles
 
 
+_VERIFICATION = ("checksum", "checksum_url")
+
+
 def catalogue(overrides: dict[str, dict[str, Any]] | None = None) -> dict[str, Profile]:
     """The shipped profiles with `overrides` applied key by key (a new name adds one)."""
     raw = {name: dict(data) for name, data in _catalogue_raw().items()}
     for name, changes in (overrides or {}).items():
         if not isinstance(changes, dict):
             raise ProfileError(f"profile {name!r}: must be a table of keys")
-        raw[name] = {**raw.get(name, {}), **changes}
+        base = raw.get(name, {})
+        if any(key in changes for key in _VERIFICATION):
+            # `checksum` and `checksum_url` exclude each other, and TOML cannot unset a
+            # key: an override naming one replaces the shipped profile's way of verifying.
+            base = {k: v for k, v in base.items() if k not in _VERIFICATION}
+        raw[name] = {**base, **changes}
     return {name: build_profile(name, data) for name, data in raw.items()}
 
 

@@ -14,9 +14,9 @@ from tests.fakepve.call import UNITS, Call, Handler, locked, size_bytes, size_te
 from tests.fakepve.cluster import TASK_FAULTS, VM
 from tests.fakepve.errors import ApiError, TaskError
 from tests.fakepve.formats import ssh_keys_problem
+from tests.fakepve.storage import FILE_TYPES as _FILE
 
 _LINKED = frozenset({"zfspool", "lvmthin", "rbd", "btrfs"})
-_FILE = frozenset({"dir", "nfs", "cifs", "glusterfs"})
 _SIZE = re.compile(r"(\+?)(\d+(?:\.\d+)?)([KMGT]?)")
 _NOT_CONFIG = frozenset({"node", "vmid", "digest", "delete", "skiplock", "background_delay"})
 
@@ -54,9 +54,12 @@ async def clone(c: Call) -> Any:
     )
     if "description" in c.params:
         config["description"] = c.params["description"]
-    config[key] = (
-        f"{dest.name}:vm-{newid}-disk-0,{opts}" if full else f"{volid}/vm-{newid}-disk-0,{opts}"
-    )
+    if full:
+        config[key] = f"{dest.name}:vm-{newid}-disk-0,{opts}"
+    elif source.type in _FILE:  # local:9000/base-9000-disk-0.qcow2/101/vm-101-disk-0.qcow2
+        config[key] = f"{volid}/{newid}/vm-{newid}-disk-0.qcow2,{opts}"
+    else:
+        config[key] = f"{volid}/vm-{newid}-disk-0,{opts}"
     config["ide2"] = f"{dest.name}:vm-{newid}-cloudinit,media=cdrom"
     config["net0"] = re.sub(r"=([0-9A-F:]{17})", f"={cl.fresh_mac()}", config.get("net0", ""))
     new = VM(newid, target, config, agent_installed=src.agent_installed)

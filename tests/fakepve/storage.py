@@ -21,6 +21,11 @@ _DISK_KEY = re.compile(r"(?:scsi|virtio|sata|ide)\d+")
 _NEW_DISK = re.compile(r"([^:,]+):(\d+(?:\.\d+)?)(?:,|$)")
 
 
+# File storages: a disk is a file, `VMID/vm-VMID-disk-N.FORMAT` (raw unless asked).
+FILE_TYPES = frozenset({"dir", "nfs", "cifs", "glusterfs"})
+_FILE = FILE_TYPES
+
+
 def _storage(cl: Cluster, name: str) -> StorageDef:
     found = cl.storages.get(name)
     if found is None:
@@ -101,8 +106,13 @@ async def content(c: Call) -> Any:
                     "content": "images",
                 }
                 name = volid.split(":", 1)[1]
-                if "/" in name:  # a linked clone on lvmthin: base-9000-disk-0/vm-101-disk-0
-                    item["parent"] = name.split("/", 1)[0]
+                parts = name.split("/")
+                if storage.type in _FILE:  # 9000/base-9000-disk-0.qcow2[/101/vm-101-disk-0.qcow2]
+                    item["format"] = parts[-1].rsplit(".", 1)[-1]
+                    if len(parts) == 4:
+                        item["parent"] = f"../{parts[0]}/{parts[1]}"
+                elif "/" in name:  # a linked clone on lvmthin: base-9000-disk-0/vm-101-disk-0
+                    item["parent"] = parts[0]
                 answer.append(item)
     return answer
 
@@ -165,8 +175,15 @@ async def create_vm(c: Call) -> Any:
                 raise ApiError(500, f"volume '{source}' does not exist")
             imports[key] = path
             size = _virtual_size(path)
+        fmt = options.pop("format", None)  # pve-storage's: named by the file, not kept
+        if _storage(cl, store).type in _FILE:
+            name = f"{vmid}/vm-{vmid}-disk-{disks}.{fmt or 'raw'}"  # raw: its default
+        elif fmt not in (None, "raw"):
+            raise ApiError(500, f"unsupported format '{fmt}'")
+        else:
+            name = f"vm-{vmid}-disk-{disks}"
         opts = "".join(f",{k}={v}" for k, v in options.items())
-        config[key] = f"{store}:vm-{vmid}-disk-{disks}{opts},size={size_text(size)}"
+        config[key] = f"{store}:{name}{opts},size={size_text(size)}"
         disks += 1
     if "net0" in config and "=" not in config["net0"].split(",")[0]:
         model, _, rest = config["net0"].partition(",")
