@@ -66,6 +66,10 @@ class BuildPlan:
     cores: int = 2
     memory_mib: int = 2048
     installation: str | None = None
+    # Set when the prepared image is the upstream qcow2 unchanged: a backend that can
+    # have the hypervisor fetch and verify it itself (Proxmox `download-url`) may do so
+    # instead of uploading the image from the bot host. `source_digest` verifies it.
+    source_url: str | None = None
 
     @property
     def tag(self) -> str:

@@ -27,6 +27,7 @@ from tests.fakepve.realvm import RealMachines
 from tests.fakepve.schema import ApiSchema
 from tests.fakepve.server import FakePVE, Tls
 from tests.fakepve.testing import make_backend, start_fake
+from tests.images_support import upstream_server
 from tests.test_proxmox_backend import IDENTITY
 
 pve_schema = testing.pve_schema
@@ -37,6 +38,7 @@ UPLOAD = "/nodes/{node}/storage/{storage}/upload"
 CREATE = "/nodes/{node}/qemu"
 TEMPLATE = "/nodes/{node}/qemu/{vmid}/template"
 VOLUME = "/nodes/{node}/storage/{storage}/content/{volume}"
+DOWNLOAD = "/nodes/{node}/storage/{storage}/download-url"
 needs_qemu_img = pytest.mark.skipif(
     shutil.which("qemu-img") is None, reason="qemu-img (qemu-utils) is not installed"
 )
@@ -148,6 +150,46 @@ async def test_a_build_uploads_imports_converts_and_removes_the_upload(
     assert mark_field(config, "job") == "jbuild01"
     # A template is no job's leftover VM: find_tagged (and so gc) skips it.
     assert all(v.vm_id != ref.vm_id for v in await backend.find_tagged())
+
+
+async def test_an_unchanged_image_is_fetched_by_the_node_itself(
+    pve: FakePVE, backend: ProxmoxBackend, image: Path
+) -> None:
+    """An upstream qcow2 that needed no change: the node downloads and verifies it
+    (`download-url`), nothing is uploaded from the bot host."""
+    digest = await asyncio.to_thread(lambda: hashlib.sha256(image.read_bytes()).hexdigest())
+    async with upstream_server() as mirror:
+        mirror.files["golden.qcow2"] = image
+        p = plan(source_url=mirror.link("golden.qcow2"), source_digest=f"sha256:{digest}")
+        target = await backend.build_preflight(p)
+        ref = await backend.prepare_build(p, target)
+        note = await backend.create_template(p, target, ref, image)
+        assert mirror.hits["golden.qcow2"] == 1
+    assert note and "a download by the node to local" in note
+    (download,) = pve.sent("POST", DOWNLOAD)
+    assert download.params["content"] == "import"
+    assert download.params["filename"] == "deploybot-jbuild01.qcow2"
+    assert (download.params["checksum"], download.params["checksum-algorithm"]) == (
+        digest,
+        "sha256",
+    )
+    assert pve.sent("POST", UPLOAD) == []
+    assert pve.cluster.vms[int(ref.vm_id)].config["template"] == "1"
+    assert pve.cluster.volumes == {}  # the download is gone too
+
+
+async def test_a_download_the_node_cannot_verify_falls_back_to_the_upload(
+    pve: FakePVE, backend: ProxmoxBackend, image: Path
+) -> None:
+    """Upstream changed since the bot verified its copy: the node's download fails its
+    checksum and keeps nothing; the verified copy is uploaded instead."""
+    digest = await asyncio.to_thread(lambda: hashlib.sha256(image.read_bytes()).hexdigest())
+    async with upstream_server() as mirror:
+        mirror.files["golden.qcow2"] = b"QFI\xfb a newer upstream file"
+        p = plan(source_url=mirror.link("golden.qcow2"), source_digest=f"sha256:{digest}")
+        ref = await build(backend, image, p)
+    assert len(pve.sent("POST", DOWNLOAD)) == 1 and len(pve.sent("POST", UPLOAD)) == 1
+    assert pve.cluster.vms[int(ref.vm_id)].config["template"] == "1"
 
 
 async def test_an_old_release_uploads_raw_data_to_an_iso_store(

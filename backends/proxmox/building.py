@@ -25,7 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from backends.base import IdTaken, NotOurVM, PermanentError, VMNotFound, VMRef
+from backends.base import BackendError, IdTaken, NotOurVM, PermanentError, VMNotFound, VMRef
 from backends.building import BuildPlan, BuildTarget, TemplateVersion
 from backends.proxmox import buildmarks, rollback
 from backends.proxmox.api import AlreadyExists, PveApi
@@ -84,6 +84,7 @@ class TemplateBuilds:
         self.tasks = tasks
         self.cloning = cloning
         self.content = StorageContent(api)
+        self.fetched_by_node: set[str] = set()  # builds whose image the node downloaded
 
     # --- before anything is created ---------------------------------------------------
 
@@ -188,7 +189,7 @@ class TemplateBuilds:
                 existing = None
             if existing is None:
                 if not await self.content.has_volume(node, upload):
-                    await self.content.upload(node, upload, image)
+                    await self._fetch(node, plan, upload, image)
                 found = [s for s in storages if s["storage"] == target.storage]
                 kind = str(found[0].get("type", "")) if found else ""
                 await self._create_vm(plan, target, ref, node, upload, kind)
@@ -196,10 +197,25 @@ class TemplateBuilds:
             await self.content.delete_volume(node, upload.storage, upload.volid)
         finally:
             self.cloning.reserved.discard(int(ref.vm_id))
+        how = "a download by the node to" if plan.job_id in self.fetched_by_node else "an upload to"
         return (
             f"VM {ref.vm_id} {plan.versioned_name} on {node}: imported onto {target.storage} "
-            f"from an upload to {upload.storage}"
+            f"from {how} {upload.storage}"
         )
+
+    async def _fetch(
+        self, node: str, plan: BuildPlan, upload: buildmarks.UploadTarget, image: Path
+    ) -> None:
+        """The image onto the node: fetched by Proxmox from upstream (`download-url`)
+        when it needs no change and an import storage takes it, else uploaded."""
+        if plan.source_url and plan.source_digest and upload.content == "import":
+            try:
+                await self.content.download(node, upload, plan.source_url, plan.source_digest)
+                self.fetched_by_node.add(plan.job_id)
+                return
+            except BackendError as exc:  # no route, no Sys.AccessNetwork, upstream changed
+                log.warning("node %s could not download the image (%s): uploading it", node, exc)
+        await self.content.upload(node, upload, image)
 
     async def _create_vm(
         self,

@@ -75,6 +75,26 @@ class StorageContent:
             if upid is not None:
                 await self.api.wait_task(str(upid), what)
 
+    async def download(
+        self, node: str, upload: buildmarks.UploadTarget, url: str, digest: str
+    ) -> None:
+        """Have the node fetch `url` into the import storage itself, verifying it against
+        `digest` ("sha256:<hex>" or "sha512:<hex>"): Proxmox keeps only a file that
+        matches, so nothing half-downloaded is ever used."""
+        algorithm, _, hexdigest = digest.partition(":")
+        what = f"download of {url} to {upload.storage} on {node}"
+        upid = await self.api.post(
+            f"nodes/{node}/storage/{upload.storage}/download-url",
+            what,
+            content=upload.content,
+            filename=upload.filename,
+            url=url,
+            checksum=hexdigest,
+            **{"checksum-algorithm": algorithm, "verify-certificates": 1},
+        )
+        if upid is not None:
+            await self.api.wait_task(str(upid), what)
+
     async def remove_uploads(self, node: str, job_id: str) -> None:
         """Every upload of this job on the node's import and iso storages."""
         prefix = buildmarks.upload_prefix(job_id)

@@ -238,6 +238,9 @@ class BuildRunner:
         await self._update(run, source_digest=run.image.source_digest)
         # The plan was made before the digest was known: the template's mark carries it.
         run.plan = replace(run.plan, source_digest=run.image.source_digest)
+        if not run.image.changed and run.profile.format == "qcow2":
+            # Nothing to change: the hypervisor may fetch the upstream file itself.
+            run.plan = replace(run.plan, source_url=run.profile.url)
 
     async def _create(self, run: _Run) -> None:
         assert run.target is not None

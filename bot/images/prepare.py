@@ -51,6 +51,9 @@ class PreparedImage:
     datasource_list: tuple[str, ...] | None  # what cloud-init now ends with
     datasources_unpinned: bool
     notes: tuple[str, ...]  # what was detected and done, in words for a person
+    # Whether the image differs from the upstream file. An unchanged qcow2 need not be
+    # uploaded: the hypervisor may fetch and verify the upstream file itself.
+    changed: bool = True
 
 
 async def _say(progress: Progress | None, notes: list[str], line: str) -> None:
@@ -206,7 +209,10 @@ async def prepare_image(
         await lg.customize(disk, changes, accelerator, customize_timeout_s, work)
         final = out_dir / f"{profile.name}-{platform}-{digest.split(':')[1][:16]}.qcow2"
         os.replace(disk, final)
-        await _say(progress, notes, f"customised image ready: {final.name}")
+        if changes:
+            await _say(progress, notes, f"customised image ready: {final.name}")
+        else:
+            await _say(progress, notes, "the image needs no change")
         return PreparedImage(
             profile=profile.name,
             platform=platform,
@@ -221,6 +227,7 @@ async def prepare_image(
             datasource_list=new_list,
             datasources_unpinned=unpin,
             notes=tuple(notes),
+            changed=bool(changes),
         )
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -5,6 +5,7 @@ what the guests themselves do is `Cluster.machines`' (`machines`, `realvm`)."""
 from __future__ import annotations
 
 from tests.fakepve.call import Call, Handler
+from tests.fakepve.downloads import download_url
 from tests.fakepve.mutations import (
     clone,
     config_async,
@@ -64,6 +65,7 @@ ENDPOINTS: dict[tuple[str, str], tuple[str, Handler]] = {
     ("POST", "/nodes/{node}/qemu"): ("create", create_vm),
     ("POST", "/nodes/{node}/qemu/{vmid}/template"): ("template", template),
     ("POST", "/nodes/{node}/storage/{storage}/upload"): ("upload", upload),
+    ("POST", "/nodes/{node}/storage/{storage}/download-url"): ("download", download_url),
     ("GET", "/nodes/{node}/storage/{storage}/content"): ("content", content),
     ("DELETE", "/nodes/{node}/storage/{storage}/content/{volume}"): (
         "volume_delete",

@@ -26,6 +26,10 @@ FILE_TYPES = frozenset({"dir", "nfs", "cifs", "glusterfs"})
 _FILE = FILE_TYPES
 
 
+def extension_ok(content: str, name: str) -> bool:
+    return bool(re.search(_EXTENSIONS.get(content, r"$^"), name))
+
+
 def _storage(cl: Cluster, name: str) -> StorageDef:
     found = cl.storages.get(name)
     if found is None:
@@ -45,7 +49,7 @@ async def upload(c: Call) -> Any:
         raise ApiError(400, "Parameter verification failed.", {"content": "upload not allowed"})
     if content not in _content(storage):
         raise ApiError(500, f"storage '{storage.name}' does not support '{content}' content")
-    if not re.search(_EXTENSIONS.get(content, r"$^"), name):
+    if not extension_ok(content, name):
         raise ApiError(500, "wrong file extension")
     if c.upload is None:
         raise ApiError(400, "Parameter verification failed.", {"filename": "no file uploaded"})
@@ -258,3 +262,8 @@ def _virtual_size(path: Path) -> int:
     if head[:4] == b"QFI\xfb":
         return int.from_bytes(head[24:32], "big")
     return path.stat().st_size
+
+
+# Shared with tests/fakepve/downloads.py.
+storage_of = _storage
+storage_content = _content
