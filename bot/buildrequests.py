@@ -56,6 +56,11 @@ class BuildRequests(Audited):
         async with self._audited(approver, f"{verb} {build_id[:40]}"):
             return await self.builds.decide(build_id, approver, approved, note, dedupe_key)
 
+    async def cancel_build(self, build_id: str, user: str) -> Build:
+        """Cancel a template build (bot/builds/cancel.py); a running one rolls back."""
+        async with self._audited(user, f"cancel {build_id[:40]}"):
+            return await self.builds.cancel(build_id, user)
+
     async def may_decide_build(self, build_id: str, approver: str) -> Build:
         async with self._audited(approver, f"decide {build_id[:40]}"):
             return await self.builds.check_decider(build_id, approver)

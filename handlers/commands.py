@@ -55,6 +55,8 @@ async def run_command(deployer: Deployer, user: str, command: Command) -> list[s
             return messages.status(await deployer.status(job_id))
         case History(limit):
             return messages.history(await deployer.history(limit))
+        case Cancel(job_id) if job_id.startswith("b"):  # a template build
+            return [messages.build_cancelling(await deployer.cancel_build(job_id, user))]
         case Cancel(job_id):
             return [messages.cancelling(await deployer.cancel(job_id, user))]
         case Templates():

@@ -158,6 +158,18 @@ def update_build(
     return done == 1
 
 
+def request_cancel(db: Db, /, build_id: str, by: str) -> bool:
+    """Ask the runner of a build under way to cancel it (it sees this at its next
+    renewal). False when the build is not running or rolling back."""
+    with immediate(db):
+        done = db.execute(
+            "UPDATE builds SET cancel_requested = :by "
+            "WHERE id = :id AND state IN ('running', 'rolling_back')",
+            {"id": build_id, "by": by},
+        ).rowcount
+    return done == 1
+
+
 def list_builds(
     db: Db, backend: str | None = None, name: str | None = None, limit: int = 50
 ) -> list[Build]:
@@ -248,6 +260,9 @@ class BuildRecords:
         done = await self._engine.call(update_build, build_id, held_by, notices, **fields)
         self._noticed(done and bool(notices))
         return done
+
+    async def request_cancel(self, build_id: str, by: str) -> bool:
+        return await self._engine.call(request_cancel, build_id, by)
 
     async def recent(
         self, backend: str | None = None, name: str | None = None, limit: int = 50

@@ -104,6 +104,12 @@ def renew(db: Db, runner_id: str, now: datetime, until: datetime) -> list[Owned]
             f"WHERE owner = :me AND state IN {_OWNED_SQL}",
             params,
         ).fetchall()
+        # Builds held here (their states are spelled as jobs'): a cancel asked elsewhere.
+        rows += db.execute(
+            "SELECT id, state, cancel_requested FROM builds "
+            "WHERE owner = :me AND state IN ('queued', 'running', 'rolling_back')",
+            params,
+        ).fetchall()
     return [Owned(row[0], JobState(row[1]), row[2]) for row in rows]
 
 

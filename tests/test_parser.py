@@ -79,6 +79,7 @@ from bot.parser import (
         ("status jabcdef", Status("jabcdef")),
         ("status #jabcdef", Status("jabcdef")),
         ("cancel jabcdef", Cancel("jabcdef")),
+        ("cancel bk3m9xq2", Cancel("bk3m9xq2")),  # a template build
         ("approve jabcdef", Approve("jabcdef")),
         ("reject jabcdef too big for a test", Reject("jabcdef", "too big for a test")),
     ],

@@ -4,13 +4,14 @@ takes no image)."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import pytest
 
 from backends.sim import SimBackend
-from bot.errors import Conflict, NotAllowed, RequestInvalid
+from bot.errors import Conflict, NotAllowed, RequestInvalid, TransitionRefused
 from bot.models import JobState, utcnow
 from bot.models.builds import Build, BuildState
 from bot.parser import DeployArgs
@@ -211,3 +212,63 @@ async def test_a_non_approvers_build_waits_and_expires(deployer: Deployer) -> No
         await deployer.builds.request(
             "debian-12", "sim", "alice", name="golden-debian", can_wait_for_approval=False
         )
+
+
+async def test_a_build_awaiting_approval_is_cancelled_and_cannot_be_approved(
+    deployer: Deployer,
+) -> None:
+    waiting = await deployer.builds.request("debian-12", "sim", "alice", name="golden-debian")
+    with pytest.raises(NotAllowed, match="Only alice or an approver"):
+        await deployer.cancel_build(waiting.id, "mallory")
+    cancelled = await deployer.cancel_build(waiting.id[:6], "alice")
+    assert cancelled.state is BuildState.CANCELLED and cancelled.error == "cancelled by alice"
+    with pytest.raises(TransitionRefused):
+        await deployer.decide_build(waiting.id, "bob", True)
+    with pytest.raises(TransitionRefused, match="nothing to cancel"):
+        await deployer.cancel_build(waiting.id, "alice")
+
+
+async def test_a_running_build_cancelled_rolls_back(deployer: Deployer, sim: SimBackend) -> None:
+    """Cancelled while it runs in this process: its task is cancelled, and its rollback
+    removes what it made (the template a hung create call finished on the simulator)."""
+    sim.inject("create_template", "hang")  # the work is done, the answer never comes
+    reached = asyncio.Event()
+
+    class Watching(Heard):
+        async def build_note(self, build: Build, text: str) -> None:
+            await super().build_note(build, text)
+            if "takes no image" in text:
+                reached.set()
+
+    deployer.builds.listen(Watching())
+    asked = await deployer.builds.request("debian-12", "sim", "bob", name="golden-debian")
+    await reached.wait()
+    answer = await deployer.cancel_build(asked.id, "bob")
+    assert answer.state is BuildState.RUNNING
+    await deployer.drain()
+    done = await deployer.store.builds.get(asked.id)
+    assert done is not None and done.state is BuildState.CANCELLED, done
+    assert sim.vms == {} and await sim.template_versions() == []
+
+
+async def test_a_build_running_elsewhere_is_asked_through_the_store(deployer: Deployer) -> None:
+    """Run by another runner: the cancel is written on the row, and that runner's next
+    renewal hands it back with the ask (bot/ownership.py cancels its task then)."""
+    row = Build(
+        state=BuildState.QUEUED,
+        requester="alice",
+        profile="debian-12",
+        backend="sim",
+        name="golden-debian",
+        version=1,
+        owner="rother",
+        installation=deployer.store.installation_id,
+        lease_until=utcnow() + timedelta(minutes=5),
+    )
+    elsewhere = await deployer.store.builds.insert(row)
+    await deployer.store.builds.move(elsewhere.id, [BuildState.QUEUED], BuildState.RUNNING)
+    answer = await deployer.cancel_build(elsewhere.id, "alice")
+    assert answer.state is BuildState.RUNNING
+    now = utcnow()
+    held = await deployer.store.renew("rother", now, now + timedelta(minutes=5))
+    assert [(h.job_id, h.cancel_requested) for h in held] == [(elsewhere.id, "alice")]

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from backends.base import Backend, BackendError, VMRef
 from backends.building import BuildsTemplates
 from bot.approvals import build_approval_reason
+from bot.builds.cancel import cancel_build
 from bot.builds.runner import BuildNotes, BuildRunner, Prepare, build_notice
 from bot.errors import (
     AmbiguousJob,
@@ -324,6 +325,10 @@ class Builds:
             if moved is not None:
                 expired.append(moved)
         return expired
+
+    async def cancel(self, build_id: str, user: str) -> Build:
+        """See bot/builds/cancel.py."""
+        return await cancel_build(self, build_id, user, await self._approves(user))
 
     async def run(self, build_id: str) -> Build | None:
         assert self.runner is not None, "Builds.wire() first"

@@ -13,6 +13,7 @@ __all__ = [
     "build_accepted",
     "build_approval_needed",
     "build_approval_summary",
+    "build_cancelling",
     "build_card_outcome",
     "build_context",
     "build_decided_answer",
@@ -52,6 +53,16 @@ def build_started(build: Build) -> str:
     return (
         f"build {build.id} of {build.profile} as {build.versioned_name} on {build.backend}, "
         f"asked by {build.requester}"
+    )
+
+
+def build_cancelling(build: Build) -> str:
+    """The answer to `/deploy cancel BUILD`."""
+    if build.state is BuildState.CANCELLED:
+        return f"Build {build.short_id} ({build.versioned_name}) is cancelled."
+    return (
+        f"Cancelling build {build.short_id} ({build.versioned_name}): it rolls back what "
+        "it made; its thread says when it is done."
     )
 
 
