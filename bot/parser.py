@@ -152,8 +152,8 @@ def _subcommand(head: str, rest: list[str]) -> Command:
         return History(int(rest[0]))
     if not rest:
         raise UsageError(f"`{head}` needs a job id (like {_EXAMPLE_REF}).", usage)
-    # approve, reject and cancel take a template build's id too.
-    job_id = _job_id(rest[0], usage, builds=head in ("approve", "reject", "cancel"))
+    # approve, reject, cancel and status take a template build's id too.
+    job_id = _job_id(rest[0], usage, builds=head in ("approve", "reject", "cancel", "status"))
     if head == "reject":
         if len(rest) < 2:
             raise UsageError("Say why you reject it, so the requester can fix it.", usage)
@@ -253,7 +253,7 @@ def _template(rest: list[str], usage: str) -> BuildTemplate | TemplateProfiles:
 
 
 def _job_id(word: str, usage: str, *, builds: bool = False) -> str:
-    """A job id or prefix; with `builds`, a template build's too (approve, reject, cancel)."""
+    """A job id or prefix; with `builds`, a template build's too."""
     job_id = fold(word).lstrip("#")
     if builds and BUILD_REF_RE.fullmatch(job_id):
         return job_id

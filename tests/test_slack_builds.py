@@ -291,15 +291,19 @@ async def test_what_people_typed_is_escaped_on_the_card_and_in_the_thread(
     tmp_path: Path,
 ) -> None:
     async with slack_bot(tmp_path, approval=POLICY) as h:
-        await h.command("template build debian-12 name=gold<!here> storage=<@U999|x>")
+        # A name that is no VM name is refused, its text escaped in the answer.
+        await h.command("template build debian-12 name=gold<!here>")
+        await h.settle()
+        refusal = [t for t in told(h, ALICE) if "cannot be a template name" in t]
+        assert refusal and "<!here>" not in refusal[0] and "gold&lt;!here&gt;" in refusal[0]
+        await h.command("template build debian-12 name=gold storage=<@U999|x>")
         card = await h.fake.wait_for(is_card)
         parent = await h.fake.wait_for(is_parent)
         await h.settle()
         await h.threads.idle()
         shown = json.dumps(card.args["blocks"]) + card.text + parent.text
         shown += json.dumps(parent.args["blocks"])
-        assert "<!here>" not in shown and "<@U999|x>" not in shown
-        assert "gold&lt;!here&gt;" in shown and "&lt;@U999|x&gt;" in shown
+        assert "<@U999|x>" not in shown and "&lt;@U999|x&gt;" in shown
 
 
 async def test_approvers_can_decide_by_command_with_the_builds_short_id(tmp_path: Path) -> None:

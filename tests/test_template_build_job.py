@@ -272,3 +272,12 @@ async def test_a_build_running_elsewhere_is_asked_through_the_store(deployer: De
     now = utcnow()
     held = await deployer.store.renew("rother", now, now + timedelta(minutes=5))
     assert [(h.job_id, h.cancel_requested) for h in held] == [(elsewhere.id, "alice")]
+
+
+async def test_a_template_name_must_be_a_vm_name(deployer: Deployer) -> None:
+    for bad in ("<!channel>", "Debian_12", "-x", "a" * 51):
+        with pytest.raises(RequestInvalid, match="cannot be a template name"):
+            await deployer.builds.request("debian-12", "sim", "bob", name=bad)
+    assert await deployer.store.builds.recent() == []
+    status = await deployer.builds.request("debian-12", "sim", "alice", name="golden")
+    assert status.state is BuildState.AWAITING_APPROVAL

@@ -36,7 +36,7 @@ from bot.models import (
     JobState,
     utcnow,
 )
-from bot.models.builds import BUILD_ID_RE, Build, BuildState
+from bot.models.builds import BUILD_ID_RE, Build, BuildState, template_name_problem
 from bot.parser import DeployArgs
 from bot.settings import Settings
 from bot.waiting import protected
@@ -174,6 +174,8 @@ class Builds:
             raise NotAllowed(f"{requester} is not on the list of people who may deploy.")
         builder = self.builder(backend)
         name = name or chosen.name
+        if problem := template_name_problem(name):
+            raise RequestInvalid([f"{problem}."])
         reason = build_approval_reason(policy, await self._approves(requester))
         if reason and not can_wait_for_approval:
             raise NotAllowed(

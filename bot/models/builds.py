@@ -18,6 +18,19 @@ from pydantic import BaseModel, Field, field_validator
 from bot.models import _ID_ALPHABET, JOB_ID_LENGTH, SHORT_ID_LENGTH, utcnow
 
 BUILD_ID_RE = re.compile(r"b[a-z0-9]{6,40}")
+# A template's name: a VM name on every hypervisor (Proxmox wants a DNS name), with room
+# for the `-vN` of its versions.
+TEMPLATE_NAME_RE = re.compile(r"[a-z0-9](?:[a-z0-9.-]{0,48}[a-z0-9])?")
+
+
+def template_name_problem(name: str) -> str | None:
+    """Why `name` cannot be a template's name; None when it can."""
+    if TEMPLATE_NAME_RE.fullmatch(name):
+        return None
+    return (
+        f"{name[:60]!r} cannot be a template name: use 1-50 lower-case letters, digits, "
+        "dots or hyphens, starting and ending with a letter or digit (e.g. debian-12)"
+    )
 
 
 def new_build_id() -> str:
@@ -108,6 +121,14 @@ class Build(BaseModel):
     def _build_id(cls, value: str) -> str:
         if not BUILD_ID_RE.fullmatch(value):
             raise ValueError(f"{value[:50]!r} is not a build id (b and 6-40 letters or digits)")
+        return value
+
+    @field_validator("name")
+    @classmethod
+    def _template_name(cls, value: str) -> str:
+        problem = template_name_problem(value)
+        if problem:
+            raise ValueError(problem)
         return value
 
     @property

@@ -21,6 +21,7 @@ __all__ = [
     "build_headline",
     "build_outcome_dm",
     "build_started",
+    "build_status",
     "build_thread_update",
     "builds_table",
     "profiles_table",
@@ -54,6 +55,15 @@ def build_started(build: Build) -> str:
         f"build {build.id} of {build.profile} as {build.versioned_name} on {build.backend}, "
         f"asked by {build.requester}"
     )
+
+
+def build_status(build: Build) -> list[str]:
+    """`/deploy status BUILD`: the headline, what it did so far, and its end."""
+    lines = [f"{build_headline(build)} (build {build.id}, asked by {build.requester})"]
+    lines += [f"  {escape(note)}" for note in build.notes]
+    if build.state.final or build.state is BuildState.PUBLISHED:
+        lines += build_end(build)
+    return lines
 
 
 def build_cancelling(build: Build) -> str:
