@@ -62,25 +62,28 @@ def batch(lines: list[Line]) -> list[Line]:
     return taken
 
 
-@dataclass(eq=False)
-class JobThread:
-    """One deploy's parent message and thread, and what is still to be posted to it."""
+class _Thread:
+    """What a job's and a build's threads share: the parent message carries the headline
+    (kept current), the thread the lines; each notice is marked done once Slack shows it."""
 
-    job: Job
     channel: str
-    deployer: Deployer
     done: Done
-    ts: str | None = None
-    step: str | None = None
-    shown: str | None = None  # the headline Slack currently shows
-    lines: list[Line] = field(default_factory=list)
-    headline_for: list[int] = field(default_factory=list)  # notices shown by the headline
-    dead: bool = False
+    ts: str | None
+    shown: str | None
+    lines: list[Line]
+    headline_for: list[int]
+    dead: bool
 
     @property
     def headline(self) -> str:
-        """Mrkdwn: the job's name and place come from the request, so they are escaped."""
-        return messages.slack_headline(self.job, self.step)
+        raise NotImplementedError
+
+    def _blocks(self, headline: str) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    async def _keep_ref(self, thread_ref: str) -> None:
+        """Remember where the thread is (kept so a restart can find it)."""
+        raise NotImplementedError
 
     def pending(self) -> bool:
         return not self.dead and (
@@ -99,13 +102,13 @@ class JobThread:
 
     async def flush_one(self, client: AsyncWebClient) -> None:
         headline = self.headline
-        blocks = views.parent(self.job, headline)
+        blocks = self._blocks(headline)
         if self.ts is None:
             answer = await client.chat_postMessage(
                 channel=self.channel, text=headline, blocks=blocks
             )
             self.ts, self.shown = str(answer["ts"]), headline
-            await self.deployer.set_refs(self.job.id, thread_ref=ref(self.channel, self.ts))
+            await self._keep_ref(ref(self.channel, self.ts))
             self._headline_shown()
         elif self.lines:
             sent = batch(self.lines)
@@ -128,6 +131,33 @@ class JobThread:
         self.dead = True
         self.done([*self.headline_for, *(line.notice for line in self.lines)])
         self.headline_for, self.lines = [], []
+
+
+@dataclass(eq=False)
+class JobThread(_Thread):
+    """One deploy's parent message and thread, and what is still to be posted to it."""
+
+    job: Job
+    channel: str
+    deployer: Deployer
+    done: Done
+    ts: str | None = None
+    step: str | None = None
+    shown: str | None = None  # the headline Slack currently shows
+    lines: list[Line] = field(default_factory=list)
+    headline_for: list[int] = field(default_factory=list)  # notices shown by the headline
+    dead: bool = False
+
+    @property
+    def headline(self) -> str:
+        """Mrkdwn: the job's name and place come from the request, so they are escaped."""
+        return messages.slack_headline(self.job, self.step)
+
+    def _blocks(self, headline: str) -> list[dict[str, Any]]:
+        return views.parent(self.job, headline)
+
+    async def _keep_ref(self, thread_ref: str) -> None:
+        await self.deployer.set_refs(self.job.id, thread_ref=thread_ref)
 
 
 @dataclass(eq=False)
@@ -247,7 +277,7 @@ class DirectCard:
 
 
 @dataclass(eq=False)
-class BuildThread:
+class BuildThread(_Thread):
     """One template build's parent message and thread (`/deploy template build`): its
     progress lines, and its end (published, or why not and what was removed)."""
 
@@ -265,50 +295,11 @@ class BuildThread:
     def headline(self) -> str:
         return views.mrkdwn(messages.build_headline(self.build))
 
-    def pending(self) -> bool:
-        return not self.dead and (
-            self.ts is None or bool(self.lines) or self.shown != self.headline
-        )
+    def _blocks(self, headline: str) -> list[dict[str, Any]]:
+        return views.build_parent(self.build, headline)
 
-    def urgent(self) -> bool:
-        return any(line.urgent for line in self.lines)
-
-    def show_headline(self, notice: int) -> None:
-        if self.ts is not None and self.shown == self.headline:
-            self.done([notice])
-        else:
-            self.headline_for.append(notice)
-
-    async def flush_one(self, client: AsyncWebClient) -> None:
-        headline = self.headline
-        blocks = views.build_parent(self.build, headline)
-        if self.ts is None:
-            answer = await client.chat_postMessage(
-                channel=self.channel, text=headline, blocks=blocks
-            )
-            self.ts, self.shown = str(answer["ts"]), headline
-            await self.deployer.set_build_refs(self.build.id, thread_ref=ref(self.channel, self.ts))
-            self._headline_shown()
-        elif self.lines:
-            sent = batch(self.lines)
-            await client.chat_postMessage(
-                channel=self.channel, thread_ts=self.ts, text="\n".join(s.text for s in sent)
-            )
-            del self.lines[: len(sent)]
-            self.done([s.notice for s in sent])
-        else:
-            await client.chat_update(channel=self.channel, ts=self.ts, text=headline, blocks=blocks)
-            self.shown = headline
-            self._headline_shown()
-
-    def _headline_shown(self) -> None:
-        covered, self.headline_for = self.headline_for, []
-        self.done(covered)
-
-    def give_up(self) -> None:
-        self.dead = True
-        self.done([*self.headline_for, *(line.notice for line in self.lines)])
-        self.headline_for, self.lines = [], []
+    async def _keep_ref(self, thread_ref: str) -> None:
+        await self.deployer.set_build_refs(self.build.id, thread_ref=thread_ref)
 
 
 @dataclass(eq=False)
