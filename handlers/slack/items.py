@@ -160,20 +160,27 @@ class JobThread(_Thread):
         await self.deployer.set_refs(self.job.id, thread_ref=thread_ref)
 
 
-@dataclass(eq=False)
-class ApprovalCard:
-    """The approval request with its buttons, and the decision that replaces them."""
+class _Card:
+    """What approval cards share: posted with buttons, then edited to show the decision;
+    the notices it shows are done once it shows its outcome."""
 
-    job: Job
     channel: str
-    deployer: Deployer
     done: Done
-    ts: str | None = None
-    outcome: str | None = None  # mrkdwn: the decision that replaces the buttons
-    shown: str | None = None
-    waiting: list[int] = field(default_factory=list)  # notices shown once flushed
-    dead: bool = False
-    destroy: bool = False  # the card asks for a destroy (bot/destroy.py), not a deploy
+    ts: str | None
+    outcome: str | None
+    shown: str | None
+    waiting: list[int]
+    dead: bool
+
+    def _request(self) -> tuple[list[dict[str, Any]], str]:
+        """The card's blocks and text while it waits for a decision."""
+        raise NotImplementedError
+
+    def _decided(self, outcome: str) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    async def _keep_ref(self, card_ref: str) -> None:
+        raise NotImplementedError
 
     def pending(self) -> bool:
         return not self.dead and (self.ts is None or self.outcome != self.shown)
@@ -190,22 +197,13 @@ class ApprovalCard:
     async def flush_one(self, client: AsyncWebClient) -> None:
         outcome = self.outcome
         if outcome is None:
-            blocks = (views.destroy_request if self.destroy else views.approval_request)(self.job)
-            needed = messages.destroy_needed if self.destroy else messages.approval_needed
-            text = views.mrkdwn(needed(self.job))
+            blocks, text = self._request()
         else:
-            blocks = (views.destroy_decided if self.destroy else views.approval_decided)(
-                self.job, outcome
-            )
-            text = outcome
+            blocks, text = self._decided(outcome), outcome
         if self.ts is None:
             answer = await client.chat_postMessage(channel=self.channel, text=text, blocks=blocks)
             self.ts = str(answer["ts"])
-            where = ref(self.channel, self.ts)
-            if self.destroy:
-                await self.deployer.set_refs(self.job.id, destroy_ref=where)
-            else:
-                await self.deployer.set_refs(self.job.id, approval_ref=where)
+            await self._keep_ref(ref(self.channel, self.ts))
         else:
             await client.chat_update(channel=self.channel, ts=self.ts, text=text, blocks=blocks)
         self.shown = outcome
@@ -217,6 +215,37 @@ class ApprovalCard:
         self.dead = True
         covered, self.waiting = self.waiting, []
         self.done(covered)
+
+
+@dataclass(eq=False)
+class ApprovalCard(_Card):
+    """The approval request with its buttons, and the decision that replaces them."""
+
+    job: Job
+    channel: str
+    deployer: Deployer
+    done: Done
+    ts: str | None = None
+    outcome: str | None = None  # mrkdwn: the decision that replaces the buttons
+    shown: str | None = None
+    waiting: list[int] = field(default_factory=list)  # notices shown once flushed
+    dead: bool = False
+    destroy: bool = False  # the card asks for a destroy (bot/destroy.py), not a deploy
+
+    def _request(self) -> tuple[list[dict[str, Any]], str]:
+        blocks = (views.destroy_request if self.destroy else views.approval_request)(self.job)
+        needed = messages.destroy_needed if self.destroy else messages.approval_needed
+        return blocks, views.mrkdwn(needed(self.job))
+
+    def _decided(self, outcome: str) -> list[dict[str, Any]]:
+        decided = views.destroy_decided if self.destroy else views.approval_decided
+        return decided(self.job, outcome)
+
+    async def _keep_ref(self, card_ref: str) -> None:
+        if self.destroy:
+            await self.deployer.set_refs(self.job.id, destroy_ref=card_ref)
+        else:
+            await self.deployer.set_refs(self.job.id, approval_ref=card_ref)
 
 
 @dataclass(eq=False)
@@ -303,7 +332,7 @@ class BuildThread(_Thread):
 
 
 @dataclass(eq=False)
-class BuildCard:
+class BuildCard(_Card):
     """A template build's approval request with its buttons, then its decision."""
 
     build: Build
@@ -316,40 +345,12 @@ class BuildCard:
     waiting: list[int] = field(default_factory=list)
     dead: bool = False
 
-    def pending(self) -> bool:
-        return not self.dead and (self.ts is None or self.outcome != self.shown)
+    def _request(self) -> tuple[list[dict[str, Any]], str]:
+        blocks = views.build_approval_request(self.build)
+        return blocks, views.mrkdwn(messages.build_approval_needed(self.build))
 
-    def urgent(self) -> bool:
-        return self.ts is None
+    def _decided(self, outcome: str) -> list[dict[str, Any]]:
+        return views.build_approval_decided(self.build, outcome)
 
-    def will_show(self, notice: int) -> None:
-        if self.pending():
-            self.waiting.append(notice)
-        else:
-            self.done([notice])
-
-    async def flush_one(self, client: AsyncWebClient) -> None:
-        outcome = self.outcome
-        if outcome is None:
-            blocks = views.build_approval_request(self.build)
-            text = views.mrkdwn(messages.build_approval_needed(self.build))
-        else:
-            blocks = views.build_approval_decided(self.build, outcome)
-            text = outcome
-        if self.ts is None:
-            answer = await client.chat_postMessage(channel=self.channel, text=text, blocks=blocks)
-            self.ts = str(answer["ts"])
-            await self.deployer.set_build_refs(
-                self.build.id, approval_ref=ref(self.channel, self.ts)
-            )
-        else:
-            await client.chat_update(channel=self.channel, ts=self.ts, text=text, blocks=blocks)
-        self.shown = outcome
-        if not self.pending():
-            covered, self.waiting = self.waiting, []
-            self.done(covered)
-
-    def give_up(self) -> None:
-        self.dead = True
-        covered, self.waiting = self.waiting, []
-        self.done(covered)
+    async def _keep_ref(self, card_ref: str) -> None:
+        await self.deployer.set_build_refs(self.build.id, approval_ref=card_ref)
