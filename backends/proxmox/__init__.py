@@ -66,6 +66,7 @@ from backends.proxmox.vmconfig import (
     has_mark,
     mark_field,
     nic_with,
+    owned,
     size_text,
     tags_of,
     vm_info,
@@ -236,15 +237,7 @@ class ProxmoxBackend(BuildsOnProxmox):
             if moved and str(moved[0]["node"]) != node:
                 node = str(moved[0]["node"])
                 config = await self.inventory.vm_config(node, ref.vm_id)
-        if config is None:
-            raise VMNotFound(f"VM {ref.vm_id} does not exist on {self.name}", vm_id=ref.vm_id)
-        if ref.tag not in tags_of(config):
-            raise NotOurVM(
-                f"VM {ref.vm_id} ({config.get('name', '?')}) on {node} does not carry tag "
-                f"{ref.tag}: deploybot leaves it alone",
-                vm_id=ref.vm_id,
-            )
-        return node, config
+        return node, owned(config, ref, node, self.name)
 
     # --- clone ------------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from backends.base import BackendError, IdTaken, NotOurVM, PermanentError, VMNotFound, VMRef
+from backends.base import BackendError, IdTaken, PermanentError, VMNotFound, VMRef
 from backends.building import BuildPlan, BuildTarget, TemplateVersion
 from backends.proxmox import buildmarks, rollback
 from backends.proxmox.api import AlreadyExists, PveApi
@@ -34,7 +34,7 @@ from backends.proxmox.config import Config
 from backends.proxmox.inventory import LINKED_TYPES, Inventory
 from backends.proxmox.locks import TaskRunner
 from backends.proxmox.uploads import StorageContent
-from backends.proxmox.vmconfig import cpu_model, tags_of
+from backends.proxmox.vmconfig import cpu_model, owned, tags_of
 
 log = logging.getLogger(__name__)
 _TEMPLATE = (1, "1", True)
@@ -355,16 +355,7 @@ class TemplateBuilds:
 
     async def _owned_config(self, ref: VMRef) -> tuple[str, dict[str, Any]]:
         node = node_of(ref)
-        config = await self.inventory.vm_config(node, ref.vm_id)
-        if config is None:
-            raise VMNotFound(f"VM {ref.vm_id} does not exist on {node}", vm_id=ref.vm_id)
-        if ref.tag not in tags_of(config):
-            raise NotOurVM(
-                f"VM {ref.vm_id} ({config.get('name', '?')}) on {node} does not carry tag "
-                f"{ref.tag}: deploybot leaves it alone",
-                vm_id=ref.vm_id,
-            )
-        return node, config
+        return node, owned(await self.inventory.vm_config(node, ref.vm_id), ref, node, node)
 
 
 def node_of(ref: VMRef) -> str:

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from backends.base import PermanentError, VMInfo, job_marks, parse_tag
+from backends.base import NotOurVM, PermanentError, VMInfo, VMNotFound, VMRef, job_marks, parse_tag
 
 GIB = 1024**3
 _UNITS = {"K": 1024, "M": 1024**2, "G": GIB, "T": 1024**4}
@@ -94,6 +94,20 @@ def tags_of(config: dict[str, Any]) -> frozenset[str]:
     if mark is not None and parse_tag(mark) is not None:
         tags.add(mark)
     return frozenset(tags)
+
+
+def owned(config: dict[str, Any] | None, ref: VMRef, node: str, where: str) -> dict[str, Any]:
+    """The ref's VM's config, refusing a VM that is gone (`where`: what was searched)
+    or that does not carry the job's tag: deploybot never touches someone else's VM."""
+    if config is None:
+        raise VMNotFound(f"VM {ref.vm_id} does not exist on {where}", vm_id=ref.vm_id)
+    if ref.tag not in tags_of(config):
+        raise NotOurVM(
+            f"VM {ref.vm_id} ({config.get('name', '?')}) on {node} does not carry tag "
+            f"{ref.tag}: deploybot leaves it alone",
+            vm_id=ref.vm_id,
+        )
+    return config
 
 
 def vm_info(item: dict[str, Any]) -> VMInfo:
