@@ -156,7 +156,7 @@ async def test_a_build_whose_runner_died_is_rolled_back(
     dead = await deployer.store.builds.insert(row)
     await deployer.store.builds.move(dead.id, [BuildState.QUEUED], BuildState.RUNNING, "rdead")
     profile = deployer.settings.images.profile("debian-12")
-    plan = plan_for(dead, profile, deployer.settings)
+    plan = plan_for(dead, profile)
     target = BuildTarget("node1", "local-lvm")
     ref = await sim.prepare_build(plan, target)
     await deployer.store.builds.update(dead.id, "rdead", vm_id=ref.vm_id, vm_placement="node1")
@@ -281,3 +281,23 @@ async def test_a_template_name_must_be_a_vm_name(deployer: Deployer) -> None:
     assert await deployer.store.builds.recent() == []
     status = await deployer.builds.request("debian-12", "sim", "alice", name="golden")
     assert status.state is BuildState.AWAITING_APPROVAL
+
+
+async def test_a_build_whose_profile_left_the_configuration_fails_at_once(
+    deployer: Deployer,
+) -> None:
+    """Approved after the operator removed its profile: it fails saying so, nothing made."""
+    row = Build(
+        state=BuildState.QUEUED,
+        requester="alice",
+        profile="gone-1",
+        backend="sim",
+        name="golden",
+        version=1,
+        owner=deployer.runner.id,
+        installation=deployer.store.installation_id,
+    )
+    queued = await deployer.store.builds.insert(row)
+    done = await deployer.builds.run(queued.id)
+    assert done is not None and done.state is BuildState.FAILED
+    assert done.failed_step == "preflight" and "no build profile 'gone-1'" in (done.error or "")

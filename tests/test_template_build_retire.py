@@ -79,7 +79,7 @@ async def test_a_template_whose_build_is_unknown_or_foreign(
             installation=installation,
             created_at=utcnow() - timedelta(days=1),
         )
-        plan = plan_for(row, profile, deployer.settings)  # never recorded in this store
+        plan = plan_for(row, profile)  # never recorded in this store
         await sim.create_template(plan, target, await sim.prepare_build(plan, target), None)
     report = await retire.dry_run(deployer.store, deployer.backends, ["sim"], keep=1)
     assert categories(report) == {"lost-v1": "failed_build", "theirs-v1": "other_installation"}

@@ -21,22 +21,26 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from backends.base import BackendError, VMRef
 from backends.building import BuildPlan, BuildsTemplates, BuildTarget
+from bot.builds.parts import (
+    BuildFailed,
+    BuildNotes,
+    LoggedBuildNotes,
+    SmokeDeploys,
+    build_notice,
+)
 from bot.images import PreparedImage, prepare_image
 from bot.images.customize import CustomizeError
 from bot.images.fetch import FetchError
-from bot.images.profiles import Platform, Profile
+from bot.images.profiles import Platform, Profile, ProfileError
 from bot.models import (
     BUILD_FINISHED,
     BUILD_NOTE,
     BUILD_STARTED,
-    Job,
     JobState,
-    Notice,
-    NoticeKind,
     utcnow,
 )
 from bot.models.builds import Build, BuildState
@@ -47,42 +51,17 @@ from store.db import Store
 
 log = logging.getLogger(__name__)
 Prepare = Callable[..., Awaitable[PreparedImage]]
-
-
-class BuildNotes(Protocol):
-    """What a front end hears of a build: a line of progress, and its end."""
-
-    async def build_note(self, build: Build, text: str) -> None: ...
-
-    async def build_finished(self, build: Build) -> None: ...
-
-
-class LoggedBuildNotes:
-    """No front end listening: the runner's log lines are all there is."""
-
-    async def build_note(self, build: Build, text: str) -> None:
-        return None
-
-    async def build_finished(self, build: Build) -> None:
-        log.info("build %s ended %s", build.id, build.state.value)
-
-
-class SmokeDeploys(Protocol):
-    """The deploy machinery the smoke step uses (the Deployer's intake, pipeline and
-    destroyer): record a deploy, run it here, destroy its VM."""
-
-    async def record(self, build: Build, template: str) -> Job: ...
-
-    async def run(self, job_id: str) -> Job | None: ...
-
-    async def destroy(self, job: Job, build: Build) -> Job | None: ...
-
-
-class BuildFailed(Exception):
-    def __init__(self, step: str, reason: str) -> None:
-        super().__init__(f"{step}: {reason}")
-        self.step = step
-        self.reason = reason
+# Re-exported: what a build tells and whom (bot/builds/parts.py).
+__all__ = [
+    "BuildFailed",
+    "BuildNotes",
+    "BuildRunner",
+    "LoggedBuildNotes",
+    "Prepare",
+    "SmokeDeploys",
+    "build_notice",
+    "plan_for",
+]
 
 
 @dataclass
@@ -105,7 +84,8 @@ class _Run:
     notes: list[str] = field(default_factory=list)
 
 
-def plan_for(build: Build, profile: Profile, settings: Settings) -> BuildPlan:
+def plan_for(build: Build, profile: Profile) -> BuildPlan:
+    """What the backend is told about a build (the digest joins once the image is verified)."""
     return BuildPlan(
         job_id=build.id,
         profile=profile.name,
@@ -158,9 +138,15 @@ class BuildRunner:
         )
         if build is None:
             return await self.store.builds.get(build_id)
-        backend = self.backends[build.backend]
-        profile = self.settings.images.profile(build.profile)
-        run = _Run(build, backend, profile, plan_for(build, profile, self.settings))
+        backend = self.backends.get(build.backend)
+        try:
+            profile = self.settings.images.profile(build.profile)
+        except ProfileError as exc:  # the configuration changed since it was asked for
+            return await protected(self._unstartable(build, f"{exc}"))
+        if backend is None:
+            why = f"the backend {build.backend} is no longer configured"
+            return await protected(self._unstartable(build, why))
+        run = _Run(build, backend, profile, plan_for(build, profile))
         try:
             await self._steps(run)
         except asyncio.CancelledError:
@@ -288,6 +274,26 @@ class BuildRunner:
 
     # --- endings --------------------------------------------------------------------
 
+    async def _unstartable(self, build: Build, why: str) -> Build | None:
+        """Nothing was made: fail it at once (running -> rolling back -> failed)."""
+        if await self.store.builds.move(
+            build.id, [BuildState.RUNNING], BuildState.ROLLING_BACK, self.owner
+        ):
+            failed = await self.store.builds.move(
+                build.id,
+                [BuildState.ROLLING_BACK],
+                BuildState.FAILED,
+                self.owner,
+                [build_notice(build.id, BUILD_FINISHED)],
+                finished_at=utcnow(),
+                failed_step="preflight",
+                error=why,
+            )
+            if failed is not None:
+                await self.notes.build_finished(failed)
+                return failed
+        return await self.store.builds.get(build.id)
+
     async def _publish(self, run: _Run) -> Build | None:
         assert run.ref is not None
         ref = run.ref
@@ -373,12 +379,6 @@ class BuildRunner:
             notes=tuple(run.notes),
         )
         await self.notes.build_note(run.build, line)
-
-
-def build_notice(build_id: str, part: str, text: str = "") -> Notice:
-    """What chat must tell of a build (store/outbox.py keeps it only for builds someone
-    follows there: asked in a channel, or waiting for an approver)."""
-    return Notice(job_id=build_id, kind=NoticeKind.BUILD, step=part, text=text)
 
 
 def _platform(name: str) -> Platform:
