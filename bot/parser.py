@@ -72,9 +72,9 @@ USAGE = (
 )
 SUBCOMMAND_USAGE = {
     "help": "/deploy help",
-    "status": "/deploy status JOB",
+    "status": "/deploy status JOB (or BUILD)",
     "history": "/deploy history [N]",
-    "cancel": "/deploy cancel JOB",
+    "cancel": "/deploy cancel JOB (or BUILD)",
     "templates": "/deploy templates",
     "approve": "/deploy approve JOB (or BUILD)",
     "reject": "/deploy reject JOB (or BUILD) REASON",
