@@ -30,6 +30,20 @@ class Heard:
         self.ended.append(build)
 
 
+def recorded(deployer: Deployer, **fields: object) -> Build:
+    """A build row as another process (or an earlier life) left it: queued, by alice."""
+    base: dict[str, object] = {
+        "state": BuildState.QUEUED,
+        "requester": "alice",
+        "profile": "debian-12",
+        "backend": "sim",
+        "name": "golden-debian",
+        "version": 1,
+        "installation": deployer.store.installation_id,
+    }
+    return Build.model_validate({**base, **fields})
+
+
 async def build(
     deployer: Deployer,
     profile: str = "debian-12",
@@ -142,17 +156,7 @@ async def test_a_build_whose_runner_died_is_rolled_back(
     from backends.building import BuildTarget
     from bot.builds.runner import plan_for
 
-    row = Build(
-        state=BuildState.QUEUED,
-        requester="alice",
-        profile="debian-12",
-        backend="sim",
-        name="golden-debian",
-        version=1,
-        owner="rdead",
-        installation=deployer.store.installation_id,
-        lease_until=utcnow() - timedelta(seconds=5),
-    )
+    row = recorded(deployer, owner="rdead", lease_until=utcnow() - timedelta(seconds=5))
     dead = await deployer.store.builds.insert(row)
     await deployer.store.builds.move(dead.id, [BuildState.QUEUED], BuildState.RUNNING, "rdead")
     profile = deployer.settings.images.profile("debian-12")
@@ -181,18 +185,8 @@ async def test_an_unexpected_error_rolls_back_and_says_where_the_details_are(
 async def test_a_queued_build_nobody_holds_is_claimed_and_run(deployer: Deployer) -> None:
     """Approved in a process that died before running it (its lease lapsed): the next
     runner's claim of queued work takes the build too, and runs it."""
-    row = Build(
-        state=BuildState.QUEUED,
-        requester="alice",
-        profile="debian-12",
-        backend="sim",
-        name="golden-debian",
-        version=1,
-        owner="rdead",
-        installation=deployer.store.installation_id,
-        lease_until=utcnow() - timedelta(seconds=5),
-        decided_by="bob",
-    )
+    lapsed = utcnow() - timedelta(seconds=5)
+    row = recorded(deployer, owner="rdead", lease_until=lapsed, decided_by="bob")
     left = await deployer.store.builds.insert(row)
     assert await deployer.ownership.claim_queued() == 1
     await deployer.drain()
@@ -254,17 +248,7 @@ async def test_a_running_build_cancelled_rolls_back(deployer: Deployer, sim: Sim
 async def test_a_build_running_elsewhere_is_asked_through_the_store(deployer: Deployer) -> None:
     """Run by another runner: the cancel is written on the row, and that runner's next
     renewal hands it back with the ask (bot/ownership.py cancels its task then)."""
-    row = Build(
-        state=BuildState.QUEUED,
-        requester="alice",
-        profile="debian-12",
-        backend="sim",
-        name="golden-debian",
-        version=1,
-        owner="rother",
-        installation=deployer.store.installation_id,
-        lease_until=utcnow() + timedelta(minutes=5),
-    )
+    row = recorded(deployer, owner="rother", lease_until=utcnow() + timedelta(minutes=5))
     elsewhere = await deployer.store.builds.insert(row)
     await deployer.store.builds.move(elsewhere.id, [BuildState.QUEUED], BuildState.RUNNING)
     answer = await deployer.cancel_build(elsewhere.id, "alice")
@@ -287,16 +271,7 @@ async def test_a_build_whose_profile_left_the_configuration_fails_at_once(
     deployer: Deployer,
 ) -> None:
     """Approved after the operator removed its profile: it fails saying so, nothing made."""
-    row = Build(
-        state=BuildState.QUEUED,
-        requester="alice",
-        profile="gone-1",
-        backend="sim",
-        name="golden",
-        version=1,
-        owner=deployer.runner.id,
-        installation=deployer.store.installation_id,
-    )
+    row = recorded(deployer, profile="gone-1", name="golden", owner=deployer.runner.id)
     queued = await deployer.store.builds.insert(row)
     done = await deployer.builds.run(queued.id)
     assert done is not None and done.state is BuildState.FAILED
