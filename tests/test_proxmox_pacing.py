@@ -97,7 +97,16 @@ def test_a_schedule_looks_at_the_expected_end_then_geometrically_later() -> None
         schedule.saw_running(looks[-1])
         looks.append(schedule.next_at())
     gaps = [round(b - a, 3) for a, b in itertools.pairwise(looks)]
-    assert looks[0] == 2.0 and gaps == [0.05, 0.1, 0.2, 0.4]
+    assert looks[0] == 2.0 and gaps == [0.02, 0.04, 0.08, 0.16]
+
+
+def learnt(pacing: Pacing, truth_s: float, operation: str = "start") -> int:
+    """One wait that ends at `truth_s`, looked at as its schedule says; its misses."""
+    schedule = pacing.schedule(operation, "t", PollTiming())
+    while schedule.next_at() < truth_s:
+        schedule.saw_running(schedule.next_at())
+    pacing.learn(operation, "t", schedule, schedule.next_at())
+    return schedule.looks
 
 
 def test_pacing_learns_per_operation_and_key_and_aims_earlier_when_it_was_early() -> None:
@@ -108,12 +117,70 @@ def test_pacing_learns_per_operation_and_key_and_aims_earlier_when_it_was_early(
     blind = pacing.schedule("start", "t", timing)
     blind.saw_running(0.9)
     pacing.learn("start", "t", blind, 1.0)
-    assert pacing.expected_s("start", "t") == 1.0
+    assert pacing.expected_s("start", "t") == pytest.approx(0.95)  # between the looks
     assert pacing.expected_s("start", "other") is None
+    # The truth is at most 0.05 s above: the look after the first is at the bound.
+    assert pacing.schedule("start", "t", timing).next_at() == pytest.approx(0.95)
+    assert learnt(pacing, 0.99) == 1
+    assert pacing.expected_s("start", "t") == pytest.approx(1.0)
     early = pacing.schedule("start", "t", timing)  # done at its first look: maybe sooner
     pacing.learn("start", "t", early, 1.0)
     estimate = pacing.expected_s("start", "t")
-    assert estimate is not None and 0.9 < estimate < 1.0
+    assert estimate is not None and 0.99 < estimate < 1.0
+
+
+def test_an_estimate_far_too_long_comes_down_in_a_few_waits() -> None:
+    """Each wait over at its first look takes off twice the share the last one did."""
+    pacing = Pacing({"start": 2.0})
+    estimates = []
+    for _ in range(8):
+        assert learnt(pacing, 1.0) == 0
+        estimates.append(pacing.expected_s("start", "t"))
+    assert estimates[0] == pytest.approx(2.0 * 0.9975)
+    assert estimates[-1] is not None and estimates[-1] < 1.6
+
+
+def test_a_wait_seen_running_raises_the_estimate_and_the_cut_starts_small_again() -> None:
+    pacing = Pacing({"start": 2.0})
+    for _ in range(8):
+        learnt(pacing, 1.0)  # down to ~1.43 s, cutting 8% at a time by now
+    before = pacing.expected_s("start", "t")
+    assert before is not None and 1.4 < before < 1.5
+    assert learnt(pacing, 1.46) == 2  # looks at 1.43, 1.445, 1.473: 2 missed
+    raised = pacing.expected_s("start", "t")  # where it was seen over
+    assert raised is not None and raised == pytest.approx(before * (1 + 0.01 + 0.02))
+    assert learnt(pacing, 1.46) == 0
+    assert pacing.expected_s("start", "t") == pytest.approx(raised * 0.9975)  # cut small
+
+
+def test_in_a_steady_state_one_wait_in_several_costs_a_look_and_none_is_late() -> None:
+    """A deploy's waits, again and again: after the first few, the first look comes
+    within ~1% of the end, and a look is missed at most every other wait."""
+    pacing = Pacing({"boot": 3.3})
+    for _ in range(10):
+        learnt(pacing, 3.0, "boot")
+    misses = [learnt(pacing, 3.0, "boot") for _ in range(40)]
+    estimate = pacing.expected_s("boot", "t")
+    assert estimate is not None and 2.97 < estimate < 3.04
+    assert sum(misses) <= 20, misses
+
+
+def test_fifty_waits_from_one_estimate_move_it_once() -> None:
+    """Their looks all say the same: fifty over at their first look cut once, not
+    fifty times; a few not over raise it to the highest bound they saw."""
+    pacing = Pacing({"clone": 2.0})
+    over = [pacing.schedule("clone", "t", PollTiming()) for _ in range(50)]
+    for schedule in over:
+        pacing.learn("clone", "t", schedule, 2.0)
+    assert pacing.expected_s("clone", "t") == pytest.approx(2.0 * 0.9975)
+    late = [pacing.schedule("clone", "t", PollTiming()) for _ in range(50)]
+    for i, schedule in enumerate(late):
+        if i in (10, 20):
+            schedule.saw_running(schedule.next_at())
+            pacing.learn("clone", "t", schedule, schedule.next_at() + 0.01 * i)
+        else:
+            pacing.learn("clone", "t", schedule, schedule.next_at())
+    assert pacing.expected_s("clone", "t") == pytest.approx(2.0 * 0.9975 * 1.01 + 0.2)
 
 
 def test_a_look_for_another_wait_does_not_move_this_ones_schedule() -> None:
@@ -123,7 +190,7 @@ def test_a_look_for_another_wait_does_not_move_this_ones_schedule() -> None:
         schedule.saw_running(age)
     assert (schedule.next_at(), schedule.looks) == (1.0, 0)
     schedule.saw_running(1.0)
-    assert schedule.looks == 1 and schedule.next_at() == 1.025
+    assert schedule.looks == 1 and schedule.next_at() == 1.01
 
 
 async def test_a_fresh_process_starts_from_the_durations_the_history_recorded(

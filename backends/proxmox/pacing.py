@@ -6,9 +6,19 @@ Most waits are predictable, though: a linked clone of the same template onto the
 storage takes about as long as the last one did. So each wait is paced from what this
 process observed before (`Pacing`, one per backend, keyed by operation and
 template/storage): the first look comes at the expected time, and later looks follow
-geometrically (2.5% of the expectation, doubling), so a wait that runs a little over
+geometrically (1% of the expectation, doubling), so a wait that runs a little over
 costs one or two more requests and little time. An operation never seen before is
 polled as before (`PollTiming`: fast at first, then a share of the time waited).
+
+How an estimate moves (`Pacing.learn`). A look that finds a wait over says only "at
+most this long"; one that finds it running, "longer than this". So: a wait that was
+over at its first look lowers the estimate by a small cut, which doubles while waits
+keep being over at their first look (an estimate far too long comes down in a few
+waits, not dozens); a wait that was not over raises it to the look that found it over
+(an upper bound a step past the truth at most) and the cut starts small again. In a
+steady state the first look comes a few milliseconds after the end, and one wait in
+several costs one more look. Waits scheduled from the same estimate (fifty deploys
+at once) move it once, not fifty times: their looks all say the same.
 
 The estimates are learned in the backend from its own waits. A process starts from what
 the store recorded (`remember`: the bot hands the backend the durations of past deploy
@@ -22,13 +32,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-_FIRST_STEP = 0.025  # after the expected time: look again after this share of it, doubling
+_FIRST_STEP = 0.01  # after the expected time: look again after this share of it, doubling
 _MIN_STEP_S = 0.01  # never a busy loop, even for a 0.1 s config task
-# A wait that was already over at its first look says only "at most this long": aim a
-# little earlier next time, so an operation that got faster is noticed.
-_PROBE_EARLIER = 0.98
+# A wait over at its first look: the next one aims this share earlier, doubling while
+# that keeps happening, up to _MAX_CUT (see Pacing.learn).
+_FIRST_CUT = 0.0025
+_MAX_CUT = 0.08
 _EARLY_S = 0.001  # a look this much before a wait's time still counts as its own
-_WEIGHT = 0.5  # of a new observation in the running estimate: follows change in 2-3 waits
 _RECORDED = 200  # recorded durations per operation and key that count: the recent ones
 
 
@@ -54,11 +64,21 @@ class Schedule:
     often seen running before its own time: such a look moves nothing, else fifty
     deploys' waits would double each other's steps and all look late."""
 
-    def __init__(self, expected_s: float | None, timing: PollTiming) -> None:
+    def __init__(
+        self,
+        expected_s: float | None,
+        timing: PollTiming,
+        basis: int = 0,
+        step_s: float | None = None,
+    ) -> None:
+        """`step_s`: the first step after the expected time, when the estimate knows
+        better than 1% of itself how far off it may be (`_Estimate.step_s`)."""
         self.expected_s = expected_s
         self.timing = timing
+        self.basis = basis  # which estimate it was made from (Pacing.learn)
         self.looks = 0  # its own looks (at or after their time) that found it running
-        self._step_s = max(_MIN_STEP_S, (expected_s or 0.0) * _FIRST_STEP)
+        self.running_s: float | None = None  # the age of the last look that found it so
+        self._step_s = max(_MIN_STEP_S, step_s or (expected_s or 0.0) * _FIRST_STEP)
         self._next_s = timing.interval_s(0.0) if expected_s is None else expected_s
 
     def next_at(self) -> float:
@@ -66,6 +86,8 @@ class Schedule:
         return self._next_s
 
     def saw_running(self, age_s: float) -> None:
+        if self.running_s is None or age_s > self.running_s:
+            self.running_s = age_s  # any look that found it running bounds it from below
         if age_s < self._next_s - _EARLY_S:
             return  # a look for another wait: this one's time has not come
         self.looks += 1
@@ -75,12 +97,24 @@ class Schedule:
             self._next_s = age_s + self._step_s
             self._step_s = min(self._step_s * 2, self.timing.max_s)
 
-    def observed_s(self, done_s: float) -> float:
-        """How long the wait took, as best the looks tell: the look that found it done,
-        or a little earlier when it was done at its first own look (or before)."""
-        if self.looks == 0 and self.expected_s is not None:
-            return min(done_s, self.expected_s) * _PROBE_EARLIER
-        return done_s
+    def observed_s(self, done_s: float) -> tuple[float, float | None]:
+        """How long a wait without an expectation took, as best its looks tell: between
+        the last look that found it running and the one that found it over (fast
+        polling's looks are 10% of the time waited apart): the middle, and how far the
+        truth may lie above it."""
+        if self.running_s is None or self.running_s >= done_s:
+            return done_s, None
+        return (self.running_s + done_s) / 2, (done_s - self.running_s) / 2
+
+
+@dataclass
+class _Estimate:
+    seconds: float
+    cut: float = _FIRST_CUT  # the share the next wait over at its first look takes off
+    basis: int = 0  # bumped on every change: schedules made from it carry it
+    # From a blind wait: the truth lies at most this far above `seconds`, so a wait that
+    # is not over at its first look is over at its second (one more request at most).
+    step_s: float | None = None
 
 
 class Pacing:
@@ -90,12 +124,15 @@ class Pacing:
 
     def __init__(self, seeds: Mapping[str, float] | None = None) -> None:
         self._seeds = dict(seeds or {})
-        self._estimates: dict[tuple[str, str], float] = {}
+        self._estimates: dict[tuple[str, str], _Estimate] = {}
         self._recorded: dict[tuple[str, str], float] = {}
+        self._bases = 0
 
     def expected_s(self, operation: str, key: str) -> float | None:
-        found = self._estimates.get((operation, key)) or self._recorded.get((operation, key))
-        return found or self._seeds.get(operation)
+        own = self._estimates.get((operation, key))
+        if own is not None:
+            return own.seconds
+        return self._recorded.get((operation, key)) or self._seeds.get(operation)
 
     def remember(self, operation: str, key: str, durations: Iterable[float]) -> None:
         """Recorded durations of past steps doing this operation (newest first). A step
@@ -107,14 +144,35 @@ class Pacing:
             self._recorded[(operation, key)] = max(min(recent), _MIN_STEP_S)
 
     def schedule(self, operation: str, key: str, timing: PollTiming) -> Schedule:
-        return Schedule(self.expected_s(operation, key), timing)
+        own = self._estimates.get((operation, key))
+        basis = own.basis if own is not None else 0
+        step = own.step_s if own is not None else None
+        return Schedule(self.expected_s(operation, key), timing, basis, step)
 
     def learn(self, operation: str, key: str, schedule: Schedule, done_s: float) -> None:
-        observed = schedule.observed_s(done_s)
-        before = self._estimates.get((operation, key))
-        self._estimates[(operation, key)] = (
-            observed if before is None else before + _WEIGHT * (observed - before)
-        )
+        """Move the estimate by what one wait's looks said (see the module's docstring).
+        A wait made from an estimate that has moved since (a sibling of fifty learnt
+        first) can only raise it, to the highest bound its siblings saw."""
+        own = self._estimates.get((operation, key))
+        expected = schedule.expected_s
+        if expected is None:  # polled blind: the first of its kind (or its siblings)
+            seconds, above = schedule.observed_s(done_s)
+            if own is None or seconds > own.seconds:
+                self._set(operation, key, _Estimate(max(seconds, _MIN_STEP_S), step_s=above))
+            return
+        if own is None:  # the first own wait, from a recorded or configured expectation
+            own = _Estimate(expected, basis=schedule.basis)
+        if schedule.looks == 0:  # over at its first look: it takes at most this long
+            if own.basis == schedule.basis:
+                lowered = max(min(done_s, expected) * (1 - own.cut), _MIN_STEP_S)
+                self._set(operation, key, _Estimate(lowered, min(own.cut * 2, _MAX_CUT)))
+        elif own.basis == schedule.basis or done_s > own.seconds:
+            self._set(operation, key, _Estimate(done_s))  # over later: at most `done_s`
+
+    def _set(self, operation: str, key: str, estimate: _Estimate) -> None:
+        self._bases += 1
+        estimate.basis = self._bases
+        self._estimates[(operation, key)] = estimate
 
 
 @dataclass(eq=False)
