@@ -75,9 +75,9 @@ class Addressing:
         return {IPv4(a): _holder(row) for a, row in held.items() if row[0] != job_id}
 
     async def job_holding(self, ip: IPv4, job_id: str) -> tuple[str, bool] | None:
-        """`held_by_jobs` for one address: a lookup, where parsing every held address
-        for each of fifty requests at once cost the event loop ~50 ms."""
-        row = (await self.store.held_addresses()).get(str(ip))
+        """`held_by_jobs` for one address: one indexed lookup, where parsing every held
+        address for each of fifty requests at once cost the event loop ~50 ms."""
+        row = await self.store.address_holder(str(ip))
         return None if row is None or row[0] == job_id else _holder(row)
 
     async def in_use(self, required: str | None = None) -> tuple[dict[IPv4, str], list[str]]:

@@ -18,11 +18,23 @@ def held(db: Db) -> dict[str, tuple[str, str, str, bool]]:
     """address -> (job id, VM name, backend, holding) of every job that holds its
     address (`holding`), or whose rollback left its VM behind (wreckage: the VM still
     has the address, though the store's index no longer guards it)."""
+    return _held(db, "", [])
+
+
+def holder(db: Db, address: str) -> tuple[str, str, str, bool] | None:
+    """`held` for one address, through the index on it: an admission checks one
+    address, and reading every held one for each of fifty requests at once kept the
+    store's thread (and the GIL) busy while the deploys waited to start."""
+    return _held(db, "address = ? AND ", [address]).get(address)
+
+
+def _held(db: Db, where: str, params: list[str]) -> dict[str, tuple[str, str, str, bool]]:
     marks = ", ".join(f"'{s.value}'" for s in HOLDING_STATES)
     rows = db.execute(
-        f"SELECT address, id, name, backend, state IN ({marks}) FROM jobs "
-        f"WHERE state IN ({marks}) OR (wreckage IS NOT NULL AND wreckage <> '') "
-        "ORDER BY created_at"
+        f"SELECT address, id, name, backend, state IN ({marks}) FROM jobs WHERE {where}"
+        f"(state IN ({marks}) OR (wreckage IS NOT NULL AND wreckage <> '')) "
+        "ORDER BY created_at",
+        params,
     ).fetchall()
     found: dict[str, tuple[str, str, str, bool]] = {}
     for address, job_id, name, backend, holding in rows:

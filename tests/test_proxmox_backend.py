@@ -21,7 +21,7 @@ from backends.base import (
     VMRef,
 )
 from backends.proxmox import ProxmoxBackend
-from backends.proxmox.api import TaskFailed
+from backends.proxmox.apierrors import TaskFailed
 from tests.fakepve import testing
 from tests.fakepve.server import FakePVE, Recorded
 from tests.fakepve.testing import make_backend, start_fake

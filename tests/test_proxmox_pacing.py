@@ -15,6 +15,7 @@ import pytest
 from backends.abilities import StepTime
 from backends.base import CloneSpec
 from backends.proxmox import Config, create
+from backends.proxmox.inventory import LISTING_REUSE_S
 from backends.proxmox.pacing import Pace, Pacing, PollTiming, Schedule, clone_key
 from bot.durations import PACED_STEPS
 from bot.models import JobState
@@ -226,6 +227,36 @@ async def test_a_request_reads_the_config_of_the_template_it_names_only(
         if r.method == "GET" and r.template == "/nodes/{node}/qemu/{vmid}/config"
     }
     assert read & templates == {9001}  # debian-12; not the five others
+
+
+async def test_a_requests_lookups_share_one_vm_listing_until_this_process_changes_one(
+    fake: FakePVE, tmp_path: Path
+) -> None:
+    """The template lookup and the address check of one request list the VMs once; the
+    name check before the clone asks again; a clone by this process makes a kept
+    listing stale (the new VM must be in the next address check)."""
+    backend = create(Config.model_validate(config_data(fake)), environ(fake), pacing=Pacing())
+
+    def listings() -> int:
+        return sum(1 for r in fake.requests if r.template == "/cluster/resources")
+
+    try:
+        before = listings()
+        await backend.inventory.template("ubuntu-24.04")
+        await backend.addresses_in_use("someone-else")
+        assert listings() == before + 1
+        assert await backend.find_by_name("web01") == []
+        assert listings() == before + 2
+        kept = await backend.inventory.vms(LISTING_REUSE_S)
+        assert listings() == before + 2
+        spec = CloneSpec("jlist01", "web-list", "ubuntu-24.04")
+        ref = await backend.prepare_clone(spec)
+        await backend.clone(spec, ref)
+        after = await backend.inventory.vms(LISTING_REUSE_S)
+        assert listings() == before + 3
+        assert {str(i["vmid"]) for i in after} - {str(i["vmid"]) for i in kept} == {ref.vm_id}
+    finally:
+        await backend.close()
 
 
 def test_recorded_steps_seed_the_operations_they_wait_for(fake: FakePVE) -> None:

@@ -11,7 +11,8 @@ from collections.abc import AsyncIterator
 import pytest
 
 from backends.proxmox import ProxmoxBackend
-from backends.proxmox.api import PveApi, TaskFailed
+from backends.proxmox.api import PveApi
+from backends.proxmox.apierrors import TaskFailed
 from backends.proxmox.pacing import Pace, Pacing
 from backends.proxmox.taskwatch import Upid
 from tests.fakepve import testing

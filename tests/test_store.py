@@ -392,3 +392,25 @@ async def test_live_jobs_are_listed_a_page_at_a_time(store: Store, settings: Set
     assert [j.name for j in first] == ["web4", "web3"]
     assert [j.name for j in await store.live_jobs("alice", 2, 4)] == ["web0"]
     assert ended.id not in {j.id for j in await store.live_jobs(None, 10, 0)}
+
+
+async def test_the_holder_of_one_address_is_what_the_list_of_held_ones_says(
+    store: Store, settings: Settings
+) -> None:
+    """An admission asks for one address (an indexed lookup); the next free address
+    reads them all. Both answer alike: a job in flight holds its address, a failed one
+    whose VM a rollback left behind still has it, and a holder wins over such wreckage."""
+    left = make_job(settings, "old01", "10.0.0.61", state=JobState.FAILED)
+    live = make_job(settings, "web01", "10.0.0.61")
+    wreck = make_job(settings, "old02", "10.0.0.62", state=JobState.FAILED)
+    gone = make_job(settings, "old03", "10.0.0.63", state=JobState.FAILED)
+    for job in (left, live, wreck, gone):
+        await store.insert_job(job)
+    for job in (left, wreck):
+        assert await store.update_job(job.id, wreckage="VM 101 still exists")
+    held = await store.held_addresses()
+    assert held["10.0.0.61"] == (live.id, "web01", live.backend, True)
+    assert held["10.0.0.62"] == (wreck.id, "old02", wreck.backend, False)
+    assert "10.0.0.63" not in held
+    for address in ("10.0.0.61", "10.0.0.62", "10.0.0.63", "10.0.0.64"):
+        assert await store.address_holder(address) == held.get(address)

@@ -20,7 +20,7 @@ import pytest
 from backends.base import CloneSpec, NotOurVM, PermanentError, VMRef
 from backends.building import BuildPlan, BuildsTemplates
 from backends.proxmox import ProxmoxBackend
-from backends.proxmox.api import TaskFailed
+from backends.proxmox.apierrors import TaskFailed
 from backends.proxmox.vmconfig import mark_field, merged_tags, tags_of
 from tests.fakepve import testing
 from tests.fakepve.realvm import RealMachines

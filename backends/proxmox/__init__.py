@@ -52,7 +52,8 @@ from backends.base import (
 from backends.proxmox import privileges, rollback
 from backends.proxmox.addresses import AddressSweep
 from backends.proxmox.agent import AgentWaits
-from backends.proxmox.api import PveApi, TaskFailed
+from backends.proxmox.api import PveApi
+from backends.proxmox.apierrors import TaskFailed
 from backends.proxmox.building import BuildsOnProxmox, TemplateBuilds
 from backends.proxmox.cloning import Cloning
 from backends.proxmox.config import Config, OSProfile, credentials
@@ -195,7 +196,7 @@ class ProxmoxBackend(BuildsOnProxmox):
         return VMInfo(ref.vm_id, name, running, tags_of(config), node, lock)
 
     async def find_by_name(self, name: str) -> list[VMInfo]:
-        vms = await self.inventory.vms()
+        vms = await self.inventory.vms()  # the last look before a clone: asked afresh
         return [vm_info(i) for i in vms if i.get("name") == name and not i.get("template")]
 
     async def find_tagged(self) -> list[VMInfo]:

@@ -52,8 +52,9 @@ from backends.base import (
     reported_addresses,
 )
 from backends.proxmox.agent import interfaces
-from backends.proxmox.api import Forbidden, PveApi
-from backends.proxmox.inventory import Inventory
+from backends.proxmox.api import PveApi
+from backends.proxmox.apierrors import Forbidden
+from backends.proxmox.inventory import LISTING_REUSE_S, Inventory
 
 log = logging.getLogger(__name__)
 _IPCONFIG = re.compile(r"ipconfig\d+")
@@ -168,7 +169,7 @@ class AddressSweep:
         self.sweeps += 1
         vms = [
             i
-            for i in await self.inventory.vms()
+            for i in await self.inventory.vms(LISTING_REUSE_S)
             if i.get("template") not in (1, "1", True) and not _built_by(i, ours)
         ]
         vms = _reachable(vms)

@@ -28,7 +28,8 @@ from typing import Any
 from backends.base import BackendError, IdTaken, PermanentError, VMNotFound, VMRef
 from backends.building import BuildPlan, BuildTarget, TemplateVersion
 from backends.proxmox import buildmarks, rollback
-from backends.proxmox.api import AlreadyExists, PveApi
+from backends.proxmox.api import PveApi
+from backends.proxmox.apierrors import AlreadyExists
 from backends.proxmox.cloning import Cloning
 from backends.proxmox.config import Config
 from backends.proxmox.inventory import LINKED_TYPES, Inventory

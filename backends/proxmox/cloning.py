@@ -22,7 +22,8 @@ from backends.base import (
     Unreachable,
     VMRef,
 )
-from backends.proxmox.api import AlreadyExists, Forbidden, PveApi
+from backends.proxmox.api import PveApi
+from backends.proxmox.apierrors import AlreadyExists, Forbidden
 from backends.proxmox.config import Config
 from backends.proxmox.inventory import Inventory
 from backends.proxmox.locks import Holder, TaskRunner

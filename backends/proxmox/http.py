@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 
 if TYPE_CHECKING:
-    from backends.proxmox.api import ApiSettings, Credentials
+    from backends.proxmox.api import ApiSettings
+    from backends.proxmox.apierrors import Credentials
 
 log = logging.getLogger(__name__)
 

@@ -76,6 +76,11 @@ class NodeCpu:
     models: frozenset[str]  # what the node offers; read only when `flags` is missing
 
 
+# How old a VM listing may be for a request's template lookup and address check (see
+# Inventory.vms): they come within milliseconds of each other.
+LISTING_REUSE_S = 1.0
+
+
 class _Shared:
     """Concurrent callers asking the same question share one request: fifty deploys
     arriving together would otherwise read the same template configs fifty times."""
@@ -106,6 +111,9 @@ class Inventory:
         self._storages: dict[str, dict[str, StorageInfo]] = {}
         self._cpus: dict[str, NodeCpu] = {}
         self._shared = _Shared()
+        # The last VM listing: when it was asked for, this process's changes by then
+        # (`PveApi.changes`: a clone or destroy of its own makes it stale), and what.
+        self._listing: tuple[float, int, list[dict[str, Any]]] | None = None
         self.known_vmids: frozenset[int] = frozenset()  # as the last VM listing had them
 
     def _now(self) -> float:
@@ -142,10 +150,22 @@ class Inventory:
             raise PermanentError(f"{self.config.name}: no node is online")
         return nodes[0]
 
-    async def vms(self) -> list[dict[str, Any]]:
+    async def vms(self, reuse_s: float = 0.0) -> list[dict[str, Any]]:
+        """The cluster's VMs and templates (`/cluster/resources?type=vm`). `reuse_s`: a
+        listing asked for at most that long ago does, unless this process changed
+        something since: a request's template lookup and its address check list the
+        VMs within milliseconds of each other. The name check before a clone and
+        callers that decide about a VM (ownership, gc) always ask."""
+        if reuse_s > 0 and self._listing is not None:
+            asked_at, changes, kept = self._listing
+            if self._now() - asked_at <= reuse_s and changes == self.api.changes:
+                return [i for i in kept if i.get("type", "qemu") == "qemu"]
+        asked_at, changes = self._now(), self.api.changes
         items = await self._shared(
             "vms", lambda: self.api.get("cluster/resources", "VM list", type="vm")
         )
+        if self._listing is None or self._listing[0] < asked_at:
+            self._listing = (asked_at, changes, items)
         # VMs and containers share one id space.
         self.known_vmids = frozenset(int(i["vmid"]) for i in items if "vmid" in i)
         return [i for i in items if i.get("type", "qemu") == "qemu"]
@@ -204,7 +224,7 @@ class Inventory:
             self.config.discovery_cache_s
         ):
             return found
-        items = [i for i in await self.vms() if i.get("template") in (1, "1", True)]
+        items = [i for i in await self.vms(LISTING_REUSE_S) if i.get("template") in (1, "1", True)]
         named = sorted((int(i["vmid"]), str(i["node"])) for i in items if _name(i) == name)
         if not named:
             known = ", ".join(sorted({_name(i) for i in items})) or "none"
@@ -220,6 +240,7 @@ class Inventory:
         deploy reads them again."""
         self._templates, self._template_configs, self._named_at = {}, {}, {}
         self._templates_at = float("-inf")
+        self._listing = None
 
     async def storages(self, node: str) -> list[StorageInfo]:
         """Storages for VM disks on a node, with free and total space from the same call."""

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from backends.base import Locked, RetryableError
-from backends.proxmox.api import ConfigLocked, LockContention, PveApi
+from backends.proxmox.api import PveApi
+from backends.proxmox.apierrors import ConfigLocked, LockContention
 from backends.proxmox.config import Config
 from backends.proxmox.inventory import Inventory
 from backends.proxmox.pacing import Pace

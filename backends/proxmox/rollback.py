@@ -22,7 +22,8 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from backends.base import BackendError, Locked, NotOurVM, RetryableError, VMNotFound
-from backends.proxmox.api import Forbidden, PveApi, StillRunning
+from backends.proxmox.api import PveApi
+from backends.proxmox.apierrors import Forbidden, StillRunning
 from backends.proxmox.locks import TaskRunner
 from backends.proxmox.pacing import Pace, Pacing
 

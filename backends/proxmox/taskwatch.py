@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from backends.base import PermanentError, Unreachable
+from backends.proxmox.apierrors import LockContention
 from backends.proxmox.pacing import Pace, Schedule
 
 if TYPE_CHECKING:
@@ -118,8 +119,6 @@ class TaskWatcher:
                 del self.api._watchers[self.node]
 
     async def _poll(self, pending: list[_Waiter], sent: float) -> None:
-        from backends.proxmox.api import LockContention  # api imports this module
-
         api = self.api
         if len(pending) == 1:
             (waiter,) = pending

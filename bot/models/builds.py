@@ -9,13 +9,12 @@ tag on the hypervisor (`deploybot-<installation>-<id>`) says which table to ask.
 from __future__ import annotations
 
 import re
-import secrets
 from datetime import datetime
 from enum import StrEnum
 
 from pydantic import BaseModel, Field, field_validator
 
-from bot.models import _ID_ALPHABET, JOB_ID_LENGTH, SHORT_ID_LENGTH, utcnow
+from bot.models import JOB_ID_LENGTH, SHORT_ID_LENGTH, random_letters, utcnow
 
 BUILD_ID_RE = re.compile(r"b[a-z0-9]{6,40}")
 # A template's name: a VM name on every hypervisor (Proxmox wants a DNS name), with room
@@ -34,7 +33,7 @@ def template_name_problem(name: str) -> str | None:
 
 
 def new_build_id() -> str:
-    return "b" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(JOB_ID_LENGTH))
+    return "b" + random_letters(JOB_ID_LENGTH)
 
 
 class BuildState(StrEnum):

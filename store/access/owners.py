@@ -79,6 +79,10 @@ class OwnerAccess(Access):
         address, or whose VM a rollback left behind (holding False)."""
         return await self._call(addresses.held)
 
+    async def address_holder(self, address: str) -> tuple[str, str, str, bool] | None:
+        """`held_addresses` for one address."""
+        return await self._call(addresses.holder, address)
+
     async def unreleased_addresses(self) -> list[Job]:
         return await self._call(addresses.unreleased)
 
