@@ -19,15 +19,14 @@ goal row, the medians, and the requests of the last single deploy by route.
 Goals: requests/deploy <= 25 and span/hv <= 1.05 at 1 and 50; wall/hv <= 1.10; stall
 <= 50 ms.
 
-Where the 50's span/hv goes (1.05-1.07 on a quiet machine, 2026-12-02; it was 1.10-1.12
-before the API moved from proxmoxer/requests on threads to aiohttp on the loop, see
-backends/proxmox/http.py), measured from the fake's records and the bot's own
-timestamps: one deploy alone adds ~0.1-0.2 s to the 6.2 s critical path. Fifty add
-~0.35 s to the slowest one: the clones are posted 90-140 ms after the first request
-(fifty admissions, each ~2 ms of store round trips, then 113 requests), the look that
-finds them over comes a median 56 ms after their end and the agent is first asked
-~110 ms after it is up: estimates learned from waits under load run 2-3% long, and a
-wait first looks at its expected end.
+Where the 50's span/hv goes (1.03-1.04 on a quiet host, 1.05-1.06 when the host is slow,
+2026-12-02; 1.10-1.12 before the API moved to aiohttp on the loop, see
+backends/proxmox/http.py), from the fake's records and the bot's own timestamps: one
+deploy alone adds ~0.05-0.1 s to the 6.2 s critical path. Fifty add ~0.25 s to the
+slowest one: the last clone is posted 90-140 ms after the first request (fifty
+admissions and preparations, all CPU: the fifty move in step), at each step's end the
+fifty config reads and changes queue through the fake (10-40 ms), and the agent is
+first asked 20-60 ms after it is up.
 
     .venv/bin/python -m benchmarks.bench_proxmox [--runs N]
 """
