@@ -160,15 +160,19 @@ class Inventory:
             asked_at, changes, kept = self._listing
             if self._now() - asked_at <= reuse_s and changes == self.api.changes:
                 return [i for i in kept if i.get("type", "qemu") == "qemu"]
-        asked_at, changes = self._now(), self.api.changes
-        items = await self._shared(
-            "vms", lambda: self.api.get("cluster/resources", "VM list", type="vm")
-        )
-        if self._listing is None or self._listing[0] < asked_at:
-            self._listing = (asked_at, changes, items)
+        items = await self._shared("vms", self._list)
         # VMs and containers share one id space.
         self.known_vmids = frozenset(int(i["vmid"]) for i in items if "vmid" in i)
         return [i for i in items if i.get("type", "qemu") == "qemu"]
+
+    async def _list(self) -> list[dict[str, Any]]:
+        """One listing, kept with when it was asked for and this process's changes by
+        then (callers joining it later share its age, not theirs)."""
+        asked_at, changes = self._now(), self.api.changes
+        items: list[dict[str, Any]] = await self.api.get("cluster/resources", "VM list", type="vm")
+        if self._listing is None or self._listing[0] < asked_at:
+            self._listing = (asked_at, changes, items)
+        return items
 
     async def next_vmid(self) -> int:
         """`/cluster/nextid`: the lowest free id. Callers asking together share one answer
