@@ -15,7 +15,8 @@ most this long"; one that finds it running, "longer than this". So: a wait that 
 over at its first look lowers the estimate by a small cut, which doubles while waits
 keep being over at their first look (an estimate far too long comes down in a few
 waits, not dozens); a wait that was not over raises it to the look that found it over
-(an upper bound a step past the truth at most) and the cut starts small again. In a
+(an upper bound a step past the truth at most; halfway, when it took over half again
+as long: one slow task is not the new normal) and the cut starts small again. In a
 steady state the first look comes a few milliseconds after the end, and one wait in
 several costs one more look. Waits scheduled from the same estimate (fifty deploys
 at once) move it once, not fifty times: their looks all say the same.
@@ -37,7 +38,11 @@ _MIN_STEP_S = 0.01  # never a busy loop, even for a 0.1 s config task
 # A wait over at its first look: the next one aims this share earlier, doubling while
 # that keeps happening, up to _MAX_CUT (see Pacing.learn).
 _FIRST_CUT = 0.0025
-_MAX_CUT = 0.08
+_MAX_CUT = 0.25
+# A wait that took more than this times its estimate moves it only halfway there: one
+# slow clone (a backup holding the storage) must not make the next deploys wait as long;
+# a lasting change shows again in the next wait, which moves it the rest of the way.
+_OUTLIER = 1.5
 _EARLY_S = 0.001  # a look this much before a wait's time still counts as its own
 _RECORDED = 200  # recorded durations per operation and key that count: the recent ones
 
@@ -166,8 +171,10 @@ class Pacing:
             if own.basis == schedule.basis:
                 lowered = max(min(done_s, expected) * (1 - own.cut), _MIN_STEP_S)
                 self._set(operation, key, _Estimate(lowered, min(own.cut * 2, _MAX_CUT)))
-        elif own.basis == schedule.basis or done_s > own.seconds:
-            self._set(operation, key, _Estimate(done_s))  # over later: at most `done_s`
+        else:  # over later: it takes at most `done_s`
+            raised = done_s if done_s <= expected * _OUTLIER else (expected + done_s) / 2
+            if own.basis == schedule.basis or raised > own.seconds:
+                self._set(operation, key, _Estimate(max(raised, expected)))
 
     def _set(self, operation: str, key: str, estimate: _Estimate) -> None:
         self._bases += 1
