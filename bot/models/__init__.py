@@ -4,11 +4,21 @@ from __future__ import annotations
 
 import ipaddress
 import re
-import secrets
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# Re-exported: the ids, as before the split.
+from bot.models.ids import _ID_ALPHABET as _ID_ALPHABET
+from bot.models.ids import JOB_ID_LENGTH as JOB_ID_LENGTH
+from bot.models.ids import JOB_ID_RE as JOB_ID_RE
+from bot.models.ids import JOB_REF_RE as JOB_REF_RE
+from bot.models.ids import MIN_JOB_REF as MIN_JOB_REF
+from bot.models.ids import SHORT_ID_LENGTH as SHORT_ID_LENGTH
+from bot.models.ids import new_installation_id as new_installation_id
+from bot.models.ids import new_job_id as new_job_id
+from bot.models.ids import new_runner_id as new_runner_id
 
 # Re-exported: `from bot.models import check_ssh_key` as before the split.
 from bot.models.keys import MAX_SSH_KEYS as MAX_SSH_KEYS
@@ -20,32 +30,6 @@ from bot.models.keys import check_ssh_key as check_ssh_key
 # match i, i, s and k, and lower() turns U+0130 into "i" plus a combining dot.
 HOSTNAME_RE = re.compile(r"^(?!-)[a-z0-9-]{1,63}(?<!-)$", re.IGNORECASE)
 LOGIN_RE = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
-_ID_ALPHABET = "abcdefghjkmnpqrstuvwxyz23456789"  # 31 letters: no i, l, o, 0 or 1
-# 31**20 is about 2**99: random enough that ids never collide in practice (the store
-# still retries a clash with a fresh id), too long to type, so people type a prefix.
-JOB_ID_LENGTH = 20
-SHORT_ID_LENGTH = 8  # what headlines and tables show: "j" and 7 random letters
-MIN_JOB_REF = 4  # the shortest prefix a lookup accepts
-# A stored id: "j" and at least 6 characters (ids before the longer ones had 6).
-JOB_ID_RE = re.compile(r"j[a-z0-9]{6,40}")
-# What a person may type for a job: the whole id or a prefix of it.
-JOB_REF_RE = re.compile(rf"j[a-z0-9]{{{MIN_JOB_REF - 1},40}}")
-
-
-def random_letters(count: int) -> str:
-    """`count` letters of the id alphabet from one draw of the system's randomness:
-    a draw per letter (`secrets.choice`) was a third of an admission's time when fifty
-    requests came together."""
-    value = secrets.randbelow(len(_ID_ALPHABET) ** count)
-    letters = []
-    for _ in range(count):
-        value, index = divmod(value, len(_ID_ALPHABET))
-        letters.append(_ID_ALPHABET[index])
-    return "".join(letters)
-
-
-def new_job_id() -> str:
-    return "j" + random_letters(JOB_ID_LENGTH)
 
 
 def not_ascii(value: str) -> str | None:
@@ -55,16 +39,6 @@ def not_ascii(value: str) -> str | None:
         if not char.isascii():
             return f"{char!r} (U+{ord(char):04X})"
     return None
-
-
-def new_installation_id() -> str:
-    """One per database, made when it is created; VM tags carry it (about 50 bits)."""
-    return random_letters(10)
-
-
-def new_runner_id() -> str:
-    """One per running process; `r` + 12 letters (about 60 bits), logged at start."""
-    return "r" + random_letters(12)
 
 
 def utcnow() -> datetime:

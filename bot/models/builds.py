@@ -14,7 +14,8 @@ from enum import StrEnum
 
 from pydantic import BaseModel, Field, field_validator
 
-from bot.models import JOB_ID_LENGTH, SHORT_ID_LENGTH, random_letters, utcnow
+from bot.models import utcnow
+from bot.models.ids import JOB_ID_LENGTH, SHORT_ID_LENGTH, random_letters
 
 BUILD_ID_RE = re.compile(r"b[a-z0-9]{6,40}")
 # A template's name: a VM name on every hypervisor (Proxmox wants a DNS name), with room
