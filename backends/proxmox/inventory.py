@@ -156,11 +156,16 @@ class Inventory:
         something since: a request's template lookup and its address check list the
         VMs within milliseconds of each other. The name check before a clone and
         callers that decide about a VM (ownership, gc) always ask."""
-        if reuse_s > 0 and self._listing is not None:
-            asked_at, changes, kept = self._listing
-            if self._now() - asked_at <= reuse_s and changes == self.api.changes:
-                return [i for i in kept if i.get("type", "qemu") == "qemu"]
-        items = await self._shared("vms", self._list)
+        kept = self._listing
+        if (
+            reuse_s > 0
+            and kept
+            and self._now() - kept[0] <= reuse_s
+            and kept[1] == self.api.changes
+        ):
+            items = kept[2]
+        else:
+            items = await self._shared("vms", self._list)
         # VMs and containers share one id space.
         self.known_vmids = frozenset(int(i["vmid"]) for i in items if "vmid" in i)
         return [i for i in items if i.get("type", "qemu") == "qemu"]

@@ -150,9 +150,9 @@ class Pacing:
 
     def schedule(self, operation: str, key: str, timing: PollTiming) -> Schedule:
         own = self._estimates.get((operation, key))
-        basis = own.basis if own is not None else 0
-        step = own.step_s if own is not None else None
-        return Schedule(self.expected_s(operation, key), timing, basis, step)
+        if own is not None:
+            return Schedule(own.seconds, timing, own.basis, own.step_s)
+        return Schedule(self.expected_s(operation, key), timing)
 
     def learn(self, operation: str, key: str, schedule: Schedule, done_s: float) -> None:
         """Move the estimate by what one wait's looks said (see the module's docstring).
