@@ -289,7 +289,15 @@ class Backend(Protocol):
 
     async def apply_identity(self, ref: VMRef, identity: Identity) -> str | None: ...
 
-    async def grow_disk(self, ref: VMRef, grow_gib: int) -> str | None: ...
+    async def grow_disk(self, ref: VMRef, grow_gib: int) -> str | None:
+        """Grow the boot disk by `grow_gib` once per job, whoever asks again.
+
+        The target size is fixed on the hypervisor (a mark on the VM) when it is first
+        known, so a retry after a lost answer, or a job resumed by a new process after
+        a restart (the growth may or may not have happened), finds it done rather than
+        growing the disk twice.
+        """
+        ...
 
     async def power_on(self, ref: VMRef) -> str | None: ...
 

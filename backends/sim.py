@@ -308,9 +308,13 @@ class SimBackend(SimTasks, SimGuests, SimBuilds):
         if grow_gib < 0:
             raise PermanentError("shrinking disks is not supported")
         vm = self._vm(ref)
+        target = vm.grow_target_gib or vm.disk_gib + grow_gib
+        if vm.disk_gib >= target:
+            return None  # grown already, by an attempt whose answer was lost
+        vm.grow_target_gib = target  # saved with the task's lock
 
         def grow() -> None:
-            vm.disk_gib += grow_gib
+            vm.disk_gib = target
 
         fault = self._fault("grow_disk", vm.vm_id)
         await self._run(

@@ -72,6 +72,9 @@ class SimVM:
     # The address of a VM built by hand (`SimBackend.add_vm`), set in its guest by its
     # owner: deploybot's VMs have theirs in `identity`.
     address: ipaddress.IPv4Address | None = None
+    # The size a growth aims at, kept with the VM as vSphere keeps it in extraConfig:
+    # asked again (a retry, a resumed job), the growth finds it reached.
+    grow_target_gib: int | None = None
 
     def info(self) -> VMInfo:
         return VMInfo(self.vm_id, self.name, self.running, frozenset(self.tags), self.placement)
@@ -109,6 +112,7 @@ def vm_to_dict(vm: SimVM) -> dict[str, Any]:
         "tags": sorted(vm.tags),
         "identity": identity,
         "address": str(vm.address) if vm.address else None,
+        "grow_target_gib": vm.grow_target_gib,
     }
 
 
@@ -137,6 +141,7 @@ def vm_from_dict(item: dict[str, Any]) -> SimVM:
         item["lock"],
         identity,
         address=ipaddress.IPv4Address(item["address"]) if item.get("address") else None,
+        grow_target_gib=item.get("grow_target_gib"),
     )
 
 
@@ -228,6 +233,8 @@ def read_state(path: Path) -> tuple[int, list[SimVM]]:
             continue
         if vm.lock in ("power_on", "power_off"):
             vm.running = vm.lock == "power_on"
+        if vm.lock == "grow_disk" and vm.grow_target_gib is not None:
+            vm.disk_gib = max(vm.disk_gib, vm.grow_target_gib)
         vm.lock = None
         if vm.running:
             vm.booted.set()

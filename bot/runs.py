@@ -24,9 +24,11 @@ log = logging.getLogger(__name__)
 Waiting = Callable[[Job, str, Callable[[], Awaitable[None]], list[str]], Awaitable[None]]
 
 STEPS = ("check_free", "clone", "identity", "resize", "power_on", "address", "ssh")
-# After a restart a job may carry on once one of these has finished: each later step is
-# safe to run again, except a disk growth that may or may not have happened.
-RESUMABLE_AFTER = frozenset({"clone", "identity", "resize", "power_on", "address", "ssh"})
+# After a restart a job may carry on once its clone has finished: every later step is
+# safe to run again (the identity is one config change, a disk growth aims at a size
+# the backend marked on the VM, a start finds the VM running, the address and SSH
+# check only look). Before that, only a rollback is safe: the clone may be half made.
+RESUMABLE_AFTER = frozenset(STEPS[STEPS.index("clone") :])
 
 
 def resume_point(events: list[JobEvent]) -> int | None:
@@ -40,11 +42,6 @@ def resume_point(events: list[JobEvent]) -> int | None:
     if not done or STEPS[max(done)] not in RESUMABLE_AFTER:
         return None
     last = max(done)
-    if (
-        any(e.step == "resize" and e.phase == "started" for e in events)
-        and STEPS.index("resize") > last
-    ):
-        return None
     # The address is read again rather than remembered: it is cheap and the SSH check needs it.
     return min(last + 1, STEPS.index("address"))
 

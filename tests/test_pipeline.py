@@ -275,7 +275,7 @@ def _events(*pairs: tuple[str, str]) -> list[JobEvent]:
         ([("check_free", "finished"), ("clone", "started")], None),  # a clone half done
         ([("clone", "finished")], "identity"),
         ([("clone", "finished"), ("identity", "started")], "identity"),
-        ([("identity", "finished"), ("resize", "started")], None),  # grown or not? unknown
+        ([("identity", "finished"), ("resize", "started")], "resize"),  # aims at a marked size
         ([("identity", "finished"), ("resize", "skipped"), ("power_on", "started")], "power_on"),
         ([("power_on", "finished"), ("address", "started")], "address"),
         ([("address", "finished"), ("ssh", "started")], "address"),  # read the address again

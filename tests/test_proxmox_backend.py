@@ -463,6 +463,33 @@ async def test_grow_only_and_never_twice(pve: FakePVE) -> None:
     assert config_of(pve, ref)["scsi0"].endswith("size=14G")
 
 
+async def test_a_growth_asked_again_by_a_new_process_aims_at_the_same_size(
+    pve: FakePVE,
+) -> None:
+    """A job resumed after a restart asks for its growth again, not knowing whether the
+    dead process's resize happened: the size the identity change marked on the VM
+    fixes the target, so the disk grows once."""
+    first = make_backend(pve)
+    try:
+        ref = await cloned(first)
+        await first.apply_identity(ref, IDENTITY)
+        assert "\ndisk-bytes: 4294967296\n" in config_of(pve, ref)["description"]
+        await first.grow_disk(ref, 10)
+    finally:
+        await first.close()
+    for _ in range(2):  # two later lives of the bot, with nothing in memory
+        later = make_backend(pve)
+        try:
+            await later.apply_identity(ref, IDENTITY)  # resumed at the identity: mark kept
+            await later.grow_disk(ref, 10)
+        finally:
+            await later.close()
+    sent = [r.params["size"] for r in pve.sent("PUT", "/nodes/{node}/qemu/{vmid}/resize")]
+    assert sent == ["14G"]  # the later lives found it done
+    assert config_of(pve, ref)["scsi0"].endswith("size=14G")
+    assert config_of(pve, ref)["description"].count("disk-bytes:") == 1
+
+
 async def test_power_on_tolerates_a_retry(backend: ProxmoxBackend, pve: FakePVE) -> None:
     ref = await cloned(backend)
     await backend.power_on(ref)

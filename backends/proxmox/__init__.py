@@ -62,6 +62,7 @@ from backends.proxmox.inventory import LINKED_TYPES, Inventory, NoSuchTemplate
 from backends.proxmox.locks import TaskRunner
 from backends.proxmox.pacing import STEP_OPERATIONS, Pace, Pacing, step_key
 from backends.proxmox.vmconfig import (
+    DISK_MARK,
     GIB,
     boot_disk,
     has_mark,
@@ -301,9 +302,12 @@ class ProxmoxBackend(BuildsOnProxmox):
             return None
         node, config = await self._owned(ref)
         disk = boot_disk(config)
-        # An absolute target, fixed by the first attempt: a retry after a lost answer
-        # must not grow the disk twice.
-        target = self._resize_targets.setdefault(ref.vm_id, disk.size_bytes + grow_gib * GIB)
+        # An absolute target: a retry after a lost answer, or a job resumed after a
+        # restart, must not grow the disk twice. From the size the identity change
+        # marked (durable); a VM without that mark: fixed by this process's first try.
+        cloned = mark_field(config, DISK_MARK)
+        base = int(cloned) if cloned and cloned.isdigit() else disk.size_bytes
+        target = self._resize_targets.setdefault(ref.vm_id, base + grow_gib * GIB)
         if disk.size_bytes < target:
             what = f"growing {disk.key} of VM {ref.vm_id} to {size_text(target)}"
             path = f"nodes/{node}/qemu/{ref.vm_id}/resize"

@@ -3,12 +3,13 @@ clone its name, cloud-init user, key, address, DNS, size, CPU model, NIC and tag
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
-from backends.base import Identity
-from backends.proxmox.vmconfig import merged_tags
+from backends.base import Identity, PermanentError
+from backends.proxmox.vmconfig import DISK_MARK, boot_disk, mark_field, merged_tags
 
 # `ciupgrade` exists from PVE 8.0; older servers upgrade on first boot, always.
 CIUPGRADE_SINCE = (8, 0)
@@ -71,4 +72,9 @@ def _described(config: dict[str, Any], identity: Identity) -> str | None:
     if not text:
         return None
     kept = text.split("\naddress: ")[0]
+    if mark_field(config, DISK_MARK) is None:
+        # The disk's size before any growth: with it a disk growth asked again (a
+        # retry, or a job resumed by a new process) aims at the same size.
+        with contextlib.suppress(PermanentError):  # no disk: a growth asked says so
+            kept += f"\n{DISK_MARK}: {boot_disk(config).size_bytes}"
     return f"{kept}\naddress: {identity.address} ({identity.user})"

@@ -153,6 +153,10 @@ class Mark:
         return "\n".join([*lines, extra] if extra else lines)
 
 
+# The mark line the identity change adds: the boot disk's size in bytes as cloned.
+DISK_MARK = "disk-bytes"
+
+
 def mark_field(config: dict[str, Any], key: str) -> str | None:
     match = re.search(rf"^{key}: (\S+)$", str(config.get("description", "")), re.M)
     return match.group(1) if match else None
