@@ -15,6 +15,9 @@ Faults are injected per operation (the Backend method's name):
   (a bug or a dropped connection), so the caller must clean up without an answer.
 * ``flaky``: the call fails with a retryable error before anything happens (an API
   that is briefly unreachable); the next call works.
+* ``outage``: the hypervisor goes down at that call, before anything happens, and
+  stays down (every call is refused) until the test brings it back: `down` set to
+  False, or the file `<state_file>.down` removed, which the outage creates.
 
 Queries (``templates``, ``find_by_name``, ``wait_for_address``, ``probe_ssh``,
 ``addresses_in_use``) have no

@@ -8,8 +8,9 @@ crash the way the real systems do (see backends/sim.py's docstring).
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
-from backends.base import PermanentError, RetryableError
+from backends.base import PermanentError, RetryableError, Unreachable
 from backends.simvm import Effect, Fault, FaultKind, SimulatedCrash, SimVM
 
 
@@ -18,6 +19,8 @@ class SimTasks:
 
     name: str
     vms: dict[str, SimVM]
+    down: bool
+    state_file: Path | None
     faults: list[Fault]
     task_log: list[tuple[str, str]]
     time_scale: float
@@ -38,6 +41,12 @@ class SimTasks:
             raise RetryableError(
                 f"{self.name} did not answer {op} (simulated)", vm_id=vm_id or None
             )
+        if kind == "outage":  # down from here on, for every call: see _answer
+            if self.state_file is not None:
+                self.state_file.with_suffix(".down").touch()
+            else:
+                self.down = True
+            raise Unreachable(f"{self.name}: connection refused (simulated outage)")
         return kind
 
     async def _query_fault(self, op: str, vm_id: str = "") -> None:

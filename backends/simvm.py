@@ -22,7 +22,7 @@ from pydantic import Field, field_validator
 
 from backends.base import BackendConfig, Identity, Template, VMInfo
 
-FaultKind = Literal["error", "hang", "crash", "flaky"]
+FaultKind = Literal["error", "hang", "crash", "flaky", "outage"]
 FAULT_KINDS: tuple[FaultKind, ...] = ("error", "hang", "crash")
 GIB = 1024**3
 

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import threading
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -93,7 +94,9 @@ destroy_s = 20
 class KillPoint:
     fault: str | None
     trigger: str
-    outage: bool = False  # take the hypervisor down at the trigger; kill once the bot waits
+    # The call at which the hypervisor goes down (the simulator's `outage` fault); the
+    # kill comes once the bot says it waits, and the hypervisor is back for the restart.
+    outage: str | None = None
     resume: bool = False  # restart with recovery.interrupted = "resume"
 
 
@@ -109,14 +112,16 @@ def kill_points() -> list[KillPoint]:
 
 # Outages: the hypervisor stops answering in the middle of a deploy or of a rollback;
 # the bot must wait (and say so) rather than fail, and survive being killed meanwhile.
-OUTAGES = [
-    KillPoint(None, "… copy template", outage=True),
-    KillPoint(None, "… power on", outage=True),
-    KillPoint(None, "… wait for address", outage=True),
-    KillPoint("power_on", "something failed; removing", outage=True),
-    KillPoint("probe_ssh", "something failed; removing", outage=True),
-]
+# The simulator goes down at a chosen call, so the outage meets the bot there whenever
+# the test process gets to read the thread.
 WAITING = "waiting for sim (unreachable since"
+OUTAGES = [
+    KillPoint(None, WAITING, outage="apply_identity"),
+    KillPoint(None, WAITING, outage="power_on"),
+    KillPoint(None, WAITING, outage="wait_for_address"),
+    KillPoint("power_on", WAITING, outage="destroy"),  # the VM never ran: no stop
+    KillPoint("probe_ssh", WAITING, outage="power_off"),
+]
 
 # With recovery.interrupted = "resume", a job killed once its clone had finished carries
 # on after the restart and succeeds (every later step is safe to repeat: a disk growth
@@ -138,8 +143,13 @@ RESUMES = [
 ]
 
 
-def write_config(tmp: Path, fault: str | None, resume: bool = False) -> dict[str, str]:
-    faults = f'faults = [{{op = "{fault}", kind = "error"}}]' if fault else ""
+def write_config(
+    tmp: Path, fault: str | None, resume: bool = False, more: Sequence[tuple[str, str]] = ()
+) -> dict[str, str]:
+    """The bot's config: `fault` (an op) fails with an error; `more`: (op, kind) faults."""
+    planned = [(fault, "error")] if fault else []
+    listed = ", ".join(f'{{op = "{op}", kind = "{kind}"}}' for op, kind in [*planned, *more])
+    faults = f"faults = [{listed}]" if listed else ""
     path = tmp / "deploybot.toml"
     recovery = "resume" if resume else "roll_back"
     path.write_text(CONFIG.format(tmp=tmp, faults=faults, recovery=recovery))
@@ -179,19 +189,10 @@ def run_round(
         if reuse:
             proc.stdin.write(f"/deploy {reuse} {address.rsplit('.', 1)[0]}.250\n")
         proc.stdin.flush()
-        down = tmp / "sim.down"
         for line in proc.stdout:
-            mine = f"[{name} " in line
-            if mine and point.trigger in line and not point.outage:
+            if f"[{name} " in line and point.trigger in line:
                 os.kill(proc.pid, signal.SIGKILL)
                 killed = True
-                break
-            if mine and point.trigger in line and point.outage:
-                down.touch()
-            if mine and WAITING in line:
-                os.kill(proc.pid, signal.SIGKILL)  # killed while it waits for the hypervisor
-                killed = True
-                down.unlink()
                 break
             if f"└ {name} " in line:  # the job ended before the kill point came
                 break
@@ -200,6 +201,7 @@ def run_round(
         proc.wait()
     finally:
         watchdog.cancel()
+        (tmp / "sim.down").unlink(missing_ok=True)  # the hypervisor is back for the restart
     return killed
 
 
@@ -309,10 +311,11 @@ def test_kill_at_random_moments_and_restart(
         name = f"r{number:02d}"
         address = f"10.20.{number // 200 + 1}.{number % 200 + 10}"
         reuse = rng.choice(names) if names and rng.random() < 0.5 else None
-        env = write_config(tmp_path, point.fault)
+        outage = [(point.outage, "outage")] if point.outage else []
+        env = write_config(tmp_path, point.fault, more=outage)
         if run_round(tmp_path, env, point, name, address, reuse):
             kills[point] += 1
-            waits_seen += point.outage
+            waits_seen += point.outage is not None
         names.append(name)
         cloned = clone_finished(tmp_path, name)
         restart(tmp_path, write_config(tmp_path, None, point.resume))

@@ -53,8 +53,9 @@ def build_cli(env: dict[str, str], tmp: Path) -> subprocess.Popen[str]:
 def test_a_build_killed_during_its_smoke_deploy_is_rolled_back_by_the_next_process(
     tmp_path: Path,
 ) -> None:
-    env = write_config(tmp_path, None)
-    proc = build_cli(env, tmp_path)
+    # The smoke VM's address never comes in the first life: however late the kill lands
+    # after the start's line, the build is still in its smoke deploy.
+    proc = build_cli(write_config(tmp_path, None, more=[("wait_for_address", "hang")]), tmp_path)
     watchdog = threading.Timer(60, proc.kill)
     watchdog.start()
     seen: list[str] = []
@@ -75,6 +76,7 @@ def test_a_build_killed_during_its_smoke_deploy_is_rolled_back_by_the_next_proce
     assert [b["vm_id"] for b in state_before["built"]] == [vm_id]
     assert any(str(vm["name"]).startswith("smoke-") for vm in state_before["vms"])
 
+    env = write_config(tmp_path, None)
     after = restart(tmp_path, env)
     _, state, _, _, error = build_row(tmp_path)
     assert state == "failed" and "interrupted" in (error or ""), after

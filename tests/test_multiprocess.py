@@ -104,18 +104,31 @@ class Proc:
     hit: threading.Event = field(default_factory=threading.Event)
     listening: str = ""  # serve: the URL Slack's events go to
     up: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def pump(self) -> None:
         assert self.popen.stdout is not None
         for line in self.popen.stdout:
-            self.lines.append(line)
+            with self.lock:
+                self.lines.append(line)
+                if self._hits(line):
+                    self.hit.set()
             if "listening on " in line:
                 self.listening = line.split("listening on ", 1)[1].split()[0]
                 self.up.set()
-            if self.trigger and f"[{self.name} " in line and self.trigger in line:
-                self.hit.set()
         self.hit.set()  # ended before its kill point: nothing to wait for
         self.up.set()
+
+    def watch(self, trigger: str) -> None:
+        """Set `hit` at the line saying `trigger`, even one printed before this call
+        (the process runs from its spawn on)."""
+        with self.lock:
+            self.trigger = trigger
+            if any(self._hits(line) for line in self.lines):
+                self.hit.set()
+
+    def _hits(self, line: str) -> bool:
+        return bool(self.trigger) and f"[{self.name} " in line and str(self.trigger) in line
 
 
 SPAWNED: list[subprocess.Popen[str]] = []  # killed at the end, so a failure leaks none
@@ -164,8 +177,24 @@ def ask_in_slack(server: Proc, slack: SlackThread, text: str) -> None:
         assert answer.status == 200
 
 
-def mentions(name: str, label: str) -> Callable[[Call], bool]:
-    return lambda call: name in call.text and label in call.text
+def mentions(fake: FakeSlack, name: str, label: str) -> Callable[[Call], bool]:
+    """A call showing `label` for the job deploying `name`: its headline, which names
+    it, or a line in its thread (a step shorter than one headline update shows only
+    there)."""
+
+    def shows(call: Call) -> bool:
+        if label not in call.text:
+            return False
+        thread = call.args.get("thread_ts")
+        if thread is None:
+            return name in call.text
+        return any(
+            parent.answer.get("ts") == thread and parent.text.split()[:1] == [name]
+            for parent in fake.called("chat.postMessage", channel=CHANNEL)
+            if "thread_ts" not in parent.args
+        )
+
+    return shows
 
 
 def one_round(
@@ -186,9 +215,9 @@ def one_round(
     victim = [server, one_shot, *shells][number % 4]  # every kind is killed at least once
     if victim is server:
         label = rng.choice(SLACK_STEPS)
-        slack.run(slack.fake.wait_for(mentions(server.name, label), within=90))
+        slack.run(slack.fake.wait_for(mentions(slack.fake, server.name, label), within=90))
     else:
-        victim.trigger = rng.choice(STEP_LINES)
+        victim.watch(rng.choice(STEP_LINES))
         assert victim.hit.wait(90), f"{victim.name} never reached {victim.trigger!r}"
     os.kill(victim.popen.pid, signal.SIGKILL)
     for proc in procs:

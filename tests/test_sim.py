@@ -139,6 +139,45 @@ async def test_the_inventory_outlives_the_bot_with_a_state_file(tmp_path: Path) 
     assert await again.wait_for_address(ref, None) == IDENTITY.address.ip
 
 
+async def test_a_growth_under_way_at_a_kill_is_done_once(tmp_path: Path) -> None:
+    """The growth finishes on the hypervisor while the bot is dead; the next life asks
+    again (it cannot know) and the disk has grown once."""
+    state = tmp_path / "sim.json"
+    first = SimBackend(time_scale=1.0, state_file=state)
+    ref = await cloned(first)  # ubuntu-24.04: a 4 GiB disk
+    task = asyncio.create_task(first.grow_disk(ref, 3))
+    await asyncio.wait({task}, timeout=0)
+    assert first.vms[ref.vm_id].lock == "grow_disk"
+    task.cancel()
+    await first.close()
+    again = SimBackend(time_scale=0.001, state_file=state)
+    assert again.vms[ref.vm_id].disk_gib == 7
+    await again.grow_disk(ref, 3)
+    assert again.vms[ref.vm_id].disk_gib == 7
+    assert ("grow_disk", ref.vm_id) not in again.task_log
+
+
+async def test_an_outage_fault_takes_the_hypervisor_down_until_it_is_brought_back(
+    tmp_path: Path,
+) -> None:
+    state = tmp_path / "sim.json"
+    sim = SimBackend(time_scale=0.001, state_file=state)
+    ref = await cloned(sim)
+    sim.inject("power_on", "outage")
+    with pytest.raises(Unreachable, match="simulated outage"):
+        await sim.power_on(ref)
+    assert not sim.vms[ref.vm_id].running  # refused before anything happened
+    with pytest.raises(Unreachable):  # every call, not only the one that met it
+        await sim.templates()
+    state.with_suffix(".down").unlink()  # what a crash test does to bring it back
+    await sim.power_on(ref)
+    memory = SimBackend(time_scale=0.001)  # no state file: the flag goes down instead
+    memory.inject("templates", "outage")
+    with pytest.raises(Unreachable):
+        await memory.templates()
+    assert memory.down
+
+
 async def test_addresses_in_use_and_a_hand_built_vm_outlive_the_bot(tmp_path: Path) -> None:
     state = tmp_path / "sim.json"
     first = SimBackend(time_scale=0.001, state_file=state)
