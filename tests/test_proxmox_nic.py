@@ -23,7 +23,7 @@ from tests.fakepve import testing
 from tests.fakepve.schema import ApiSchema
 from tests.fakepve.server import FakePVE, Tls
 from tests.fakepve.testing import config_data, make_backend, pve_settings, start_fake
-from tests.test_proxmox_backend import IDENTITY
+from tests.proxmox_support import IDENTITY
 from tests.test_proxmox_pipeline import free_port
 
 pve = testing.pve

@@ -28,7 +28,7 @@ from tests.fakepve.schema import ApiSchema
 from tests.fakepve.server import FakePVE, Tls
 from tests.fakepve.testing import make_backend, start_fake
 from tests.images_support import upstream_server
-from tests.test_proxmox_backend import IDENTITY
+from tests.proxmox_support import IDENTITY
 
 pve_schema = testing.pve_schema
 pve_tls = testing.pve_tls
