@@ -3,8 +3,9 @@
 * `recover_interrupted`: a job left `running` or `rolling_back` by a dead process has
   its VM (found by the id written before the clone) stopped and destroyed, and ends
   `failed`. When that VM does not exist the job simply fails, with nothing to clean.
-  With `recovery.interrupted = "resume"`, a running job whose VM is there and whose
-  remaining steps are safe to repeat goes back in the queue and carries on instead.
+  With `recovery.interrupted = "resume"`, a running job whose clone had finished and
+  whose VM is there goes back in the queue and carries on instead (every step after
+  the clone is safe to repeat: bot/runs.RESUMABLE_AFTER).
 * `sweep_wreckage`: a rollback that could not reach the hypervisor leaves its VM listed
   as wreckage on the job; a background task retries the removal until the VM is gone
   and then clears the listing, telling the job's thread.

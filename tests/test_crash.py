@@ -116,6 +116,7 @@ def kill_points() -> list[KillPoint]:
 # the test process gets to read the thread.
 WAITING = "waiting for sim (unreachable since"
 OUTAGES = [
+    KillPoint(None, WAITING, outage="clone"),  # refused before the VM exists
     KillPoint(None, WAITING, outage="apply_identity"),
     KillPoint(None, WAITING, outage="power_on"),
     KillPoint(None, WAITING, outage="wait_for_address"),
@@ -229,6 +230,20 @@ def job_state(tmp: Path, name: str) -> str:
         db.close()
 
 
+def resumed(tmp: Path, name: str) -> bool:
+    """Whether the job called `name` carried on after a restart (its note says so)."""
+    db = sqlite3.connect(tmp / "jobs.db")
+    try:
+        row = db.execute(
+            "SELECT 1 FROM job_events WHERE phase = 'note' AND detail LIKE 'resuming after%' "
+            "AND job_id IN (SELECT id FROM jobs WHERE name = ?)",
+            [name],
+        ).fetchone()
+        return row is not None
+    finally:
+        db.close()
+
+
 def clone_finished(tmp: Path, name: str) -> bool:
     """Whether the store recorded the clone of the job called `name` as finished."""
     db = sqlite3.connect(tmp / "jobs.db")
@@ -304,7 +319,8 @@ def test_kill_at_random_moments_and_restart(
     rng.shuffle(points)
     plan = points + OUTAGES + RESUMES  # one round per kill point: about a second each
     kills: Counter[KillPoint] = Counter()
-    resumed: Counter[bool] = Counter()  # resume rounds killed after / before the clone
+    outcomes: Counter[bool] = Counter()  # resume rounds killed after / before the clone
+    carried_on = 0  # resume rounds whose job carried on (not done before the kill landed)
     waits_seen = 0
     names: list[str] = []
     for number, point in enumerate(plan):
@@ -321,13 +337,16 @@ def test_kill_at_random_moments_and_restart(
         restart(tmp_path, write_config(tmp_path, None, point.resume))
         check_invariants(tmp_path)
         if point.resume:
-            resumed[cloned] += 1
+            outcomes[cloned] += 1
+            carried_on += resumed(tmp_path, name)
             assert job_state(tmp_path, name) == ("succeeded" if cloned else "failed"), point
     with capsys.disabled():
         print(
             f"\ncrash harness: {sum(kills.values())} kills at {len(kills)} distinct kill points "
             f"in {len(plan)} rounds, {waits_seen} of them during an outage, "
-            f"{resumed[True]} resumed and {resumed[False]} rolled back (seed {SEED})"
+            f"resume rounds: {outcomes[True]} past the clone ({carried_on} carried on after "
+            f"the restart), {outcomes[False]} rolled back (seed {SEED})"
         )
     assert len(kills) >= 50, f"only {len(kills)} distinct kill points were reached"
     assert waits_seen == len(OUTAGES), "every outage must make the bot wait and say so"
+    assert carried_on > 0, "no job resumed after a restart"

@@ -148,9 +148,11 @@ async def test_a_growth_under_way_at_a_kill_is_done_once(tmp_path: Path) -> None
     task = asyncio.create_task(first.grow_disk(ref, 3))
     await asyncio.wait({task}, timeout=0)
     assert first.vms[ref.vm_id].lock == "grow_disk"
+    at_kill = tmp_path / "at-kill.json"  # the state file as the kill left it
+    at_kill.write_bytes(state.read_bytes())
     task.cancel()
     await first.close()
-    again = SimBackend(time_scale=0.001, state_file=state)
+    again = SimBackend(time_scale=0.001, state_file=at_kill)
     assert again.vms[ref.vm_id].disk_gib == 7
     await again.grow_disk(ref, 3)
     assert again.vms[ref.vm_id].disk_gib == 7

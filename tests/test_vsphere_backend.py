@@ -236,6 +236,22 @@ async def test_growing_the_disk_twice_for_one_request_grows_it_once(
     assert capacity_kb() == before + 3 * 1024 * 1024
 
 
+async def test_a_growth_target_inherited_from_the_template_is_not_this_jobs(
+    vcenter: Simulated, backend: VSphereBackend
+) -> None:
+    """A template converted from a deployed VM hands its clones that VM's growth target
+    (a clone copies extraConfig): the clone's own growth must still happen."""
+    ref = await cloned(backend)
+    vm = vcenter.sim.vm(ref.vm_id)
+    (disk,) = [d for d in vm.config.hardware.device if isinstance(d, vim.vm.device.VirtualDisk)]
+    before = disk.capacityInKB
+    inherited = vim.option.OptionValue(key="deploybot.grow.target_kb", value=f"jold001:{before}")
+    WaitForTask(vm.ReconfigVM_Task(vim.vm.ConfigSpec(extraConfig=[inherited])))
+    await backend.grow_disk(ref, 2)
+    (disk,) = [d for d in vm.config.hardware.device if isinstance(d, vim.vm.device.VirtualDisk)]
+    assert disk.capacityInKB == before + 2 * 1024 * 1024
+
+
 # --- identity and safety -------------------------------------------------------------
 
 

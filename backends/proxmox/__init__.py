@@ -111,7 +111,8 @@ class ProxmoxBackend(BuildsOnProxmox):
         self._ssh = SshCheck(config.ssh_jump)
         self.inventory = Inventory(config, api)
         self.tasks = TaskRunner(config, api, self.inventory)
-        self._resize_targets: dict[str, int] = {}
+        # (vm id, job) -> a growth's absolute target, for a VM without the disk mark.
+        self._resize_targets: dict[tuple[str, str], int] = {}
         self.pacing = pacing or Pacing(config.expect_s)
         self.cloning = Cloning(config, api, self.inventory, self.tasks, self.pacing)
         self.builds = TemplateBuilds(config, api, self.inventory, self.tasks, self.cloning)
@@ -306,8 +307,11 @@ class ProxmoxBackend(BuildsOnProxmox):
         # restart, must not grow the disk twice. From the size the identity change
         # marked (durable); a VM without that mark: fixed by this process's first try.
         cloned = mark_field(config, DISK_MARK)
-        base = int(cloned) if cloned and cloned.isdigit() else disk.size_bytes
-        target = self._resize_targets.setdefault(ref.vm_id, base + grow_gib * GIB)
+        if cloned and cloned.isdigit():
+            target = int(cloned) + grow_gib * GIB
+        else:
+            first = disk.size_bytes + grow_gib * GIB
+            target = self._resize_targets.setdefault((ref.vm_id, ref.job_id), first)
         if disk.size_bytes < target:
             what = f"growing {disk.key} of VM {ref.vm_id} to {size_text(target)}"
             path = f"nodes/{node}/qemu/{ref.vm_id}/resize"
@@ -315,7 +319,7 @@ class ProxmoxBackend(BuildsOnProxmox):
             start = functools.partial(self.api.put, path, what, disk=disk.key, size=size)
             pace = Pace(self.pacing, "resize", mark_field(config, "template") or "")
             await self.tasks.run(what, node, ref.vm_id, start, pace=pace)
-        self._resize_targets.pop(ref.vm_id, None)
+        self._resize_targets.pop((ref.vm_id, ref.job_id), None)
         return None
 
     async def power_on(self, ref: VMRef) -> str | None:
@@ -370,7 +374,7 @@ class ProxmoxBackend(BuildsOnProxmox):
         """Delete with its disks, backup jobs and HA entry, and wait; gone is done. The
         job's tag is checked again before each try (see `rollback.destroy`)."""
         self.agent.forget(ref.vm_id)
-        self._resize_targets.pop(ref.vm_id, None)
+        self._resize_targets.pop((ref.vm_id, ref.job_id), None)
         owned = functools.partial(self._place_of, ref)
         try:
             await rollback.destroy(self.api, self.tasks, owned, ref.vm_id, self.pacing)

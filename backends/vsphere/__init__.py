@@ -284,12 +284,18 @@ class VSphereBackend(Discovers, Builds):
             if not found:
                 raise PermanentError(f"VM {p['name']} has no disk to grow", vm_id=ref.vm_id)
             disk = found[0]
-            recorded = specs.last_extra(p, GROW_TARGET_KEY)
-            target_kb = int(recorded) if recorded else disk.capacityInKB + grow_gib * KIB_PER_GIB
+            # The target this job's first try wrote with its growth; a clone inherits
+            # its template's extraConfig, so one written for another job is not ours.
+            job, _, recorded = (specs.last_extra(p, GROW_TARGET_KEY) or "").partition(":")
+            if job == ref.job_id and recorded.isdigit():
+                target_kb = int(recorded)
+            else:
+                target_kb = disk.capacityInKB + grow_gib * KIB_PER_GIB
             if disk.capacityInKB < target_kb:
                 disk.capacityInKB, disk.capacityInBytes = target_kb, target_kb * 1024
                 edit = vim.vm.device.VirtualDeviceSpec(operation="edit", device=disk)
-                marker = vim.option.OptionValue(key=GROW_TARGET_KEY, value=str(target_kb))
+                mark = f"{ref.job_id}:{target_kb}"
+                marker = vim.option.OptionValue(key=GROW_TARGET_KEY, value=mark)
                 spec = vim.vm.ConfigSpec(deviceChange=[edit], extraConfig=[marker])
                 op.wait(vm.ReconfigVM_Task(spec))
             return f"first disk now {target_kb / KIB_PER_GIB:.1f} GiB"
