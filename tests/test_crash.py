@@ -230,14 +230,16 @@ def job_state(tmp: Path, name: str) -> str:
         db.close()
 
 
-def resumed(tmp: Path, name: str) -> bool:
-    """Whether the job called `name` carried on after a restart (its note says so)."""
+def recorded(tmp: Path, name: str, phase: str, step: str = "%", detail: str = "%") -> bool:
+    """Whether the store holds an event of the job called `name` in `phase` (`step` and
+    `detail` as LIKE patterns)."""
     db = sqlite3.connect(tmp / "jobs.db")
     try:
         row = db.execute(
-            "SELECT 1 FROM job_events WHERE phase = 'note' AND detail LIKE 'resuming after%' "
+            "SELECT 1 FROM job_events WHERE phase = ? AND step LIKE ? "
+            "AND coalesce(detail, '') LIKE ? "
             "AND job_id IN (SELECT id FROM jobs WHERE name = ?)",
-            [name],
+            [phase, step, detail, name],
         ).fetchone()
         return row is not None
     finally:
@@ -245,17 +247,12 @@ def resumed(tmp: Path, name: str) -> bool:
 
 
 def clone_finished(tmp: Path, name: str) -> bool:
-    """Whether the store recorded the clone of the job called `name` as finished."""
-    db = sqlite3.connect(tmp / "jobs.db")
-    try:
-        row = db.execute(
-            "SELECT 1 FROM job_events WHERE step = 'clone' AND phase = 'finished' "
-            "AND job_id IN (SELECT id FROM jobs WHERE name = ?)",
-            [name],
-        ).fetchone()
-        return row is not None
-    finally:
-        db.close()
+    return recorded(tmp, name, "finished", step="clone")
+
+
+def resumed(tmp: Path, name: str) -> bool:
+    """Whether the job carried on after a restart (its note says so)."""
+    return recorded(tmp, name, "note", detail="resuming after%")
 
 
 def settled_jobs(tmp: Path) -> dict[str, tuple[str, str, str, str]]:

@@ -7,32 +7,20 @@ shorter list. (The contract tests cover a VM built by hand and our own VM.)"""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import pytest
 
 from backends.base import AddressUse, CloneSpec, PermanentError, Unreachable
 from backends.proxmox import ProxmoxBackend
 from backends.proxmox.addresses import agent_enabled, configured
-from tests.fakepve import testing
 from tests.fakepve.server import FakePVE
 from tests.fakepve.testing import make_backend
+from tests.proxmox_support import CONFIG, backend, pve, pve_schema, pve_tls
 
-# The fake server's fixtures, shared by the Proxmox test modules.
-pve = testing.pve
-pve_schema = testing.pve_schema
-pve_tls = testing.pve_tls
+__all__ = ["backend", "pve", "pve_schema", "pve_tls"]  # fixtures, used by name
 
-CONFIG = "/nodes/{node}/qemu/{vmid}/config"
 AGENT = "/nodes/{node}/qemu/{vmid}/agent/network-get-interfaces"
 LISTING = "/cluster/resources"
-
-
-@pytest.fixture
-async def backend(pve: FakePVE) -> AsyncIterator[ProxmoxBackend]:
-    proxmox = make_backend(pve)
-    yield proxmox
-    await proxmox.close()
 
 
 def hand_made(pve: FakePVE) -> None:
