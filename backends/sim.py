@@ -49,7 +49,6 @@ from backends.base import (
     SshJump,
     Storage,
     Template,
-    Unreachable,
     VMInfo,
     VMNotFound,
     VMRef,
@@ -127,16 +126,6 @@ class SimBackend(SimTasks, SimGuests, SimBuilds):
         self.down = False
         if state_file is not None and state_file.exists():
             self._load(state_file)
-
-    def _answer(self) -> None:
-        """Every API call starts here: a simulator that is down refuses the connection.
-
-        Tests set `down`; a process outside (the crash tests) creates the file
-        `<state_file>.down`.
-        """
-        down_file = self.state_file.with_suffix(".down") if self.state_file else None
-        if self.down or (down_file is not None and down_file.exists()):
-            raise Unreachable(f"{self.name}: connection refused (simulated outage)")
 
     def _new_id(self) -> str:
         vm_id = str(self._next_id)

@@ -29,6 +29,19 @@ class SimTasks:
     def _save(self) -> None:
         raise NotImplementedError  # SimBackend writes its state file
 
+    def _answer(self) -> None:
+        """Every API call starts here: a simulator that is down refuses the connection.
+
+        Tests set `down`; a process outside (the crash tests) creates the file
+        `<state_file>.down`; an `outage` fault does one or the other.
+        """
+        down_file = self._down_file()
+        if self.down or (down_file is not None and down_file.exists()):
+            raise Unreachable(f"{self.name}: connection refused (simulated outage)")
+
+    def _down_file(self) -> Path | None:
+        return self.state_file.with_suffix(".down") if self.state_file else None
+
     def _fault(self, op: str, vm_id: str = "") -> FaultKind | None:
         """Take the fault planned for this call; a flaky one fails it right here."""
         kind: FaultKind | None = None
@@ -41,12 +54,13 @@ class SimTasks:
             raise RetryableError(
                 f"{self.name} did not answer {op} (simulated)", vm_id=vm_id or None
             )
-        if kind == "outage":  # down from here on, for every call: see _answer
-            if self.state_file is not None:
-                self.state_file.with_suffix(".down").touch()
+        if kind == "outage":  # down from here on, for every call
+            down_file = self._down_file()
+            if down_file is not None:
+                down_file.touch()
             else:
                 self.down = True
-            raise Unreachable(f"{self.name}: connection refused (simulated outage)")
+            self._answer()
         return kind
 
     async def _query_fault(self, op: str, vm_id: str = "") -> None:
