@@ -118,7 +118,7 @@ class Approvals:
         except AlreadyDelivered:
             raise Duplicate(f"This decision on job {job_id} was already made.", job_id) from None
         if not decided_now:
-            raise TransitionRefused(await self._undecidable(job_id))
+            raise await self._undecidable(job_id)
         decided = await self._job(job_id)
         await self.progress.job_updated(decided, note or "")
         if decision is ApprovalState.APPROVED:
@@ -130,13 +130,14 @@ class Approvals:
         job = await self._job(job_id)
         if not await self.is_approver(approver):
             raise NotAllowed(
-                f"{approver} may not approve deploys; the approvers are {self.approvers_text()}."
+                f"{approver} may not approve deploys; the approvers are {self.approvers_text()}.",
+                people=(approver, *self.policy.approvers),
             )
         if approver == job.requester:
             raise NotAllowed("You cannot approve or reject your own request: ask another approver.")
         await self._refuse_if_expired(job)
         if job.state is not JobState.AWAITING_APPROVAL:
-            raise TransitionRefused(await self._undecidable(job_id))
+            raise await self._undecidable(job_id)
         return job
 
     async def _refuse_if_expired(self, job: Job) -> None:
@@ -149,24 +150,28 @@ class Approvals:
         told = [tell.updated(job.id)]
         if await self.store.decide(job.id, ApprovalState.EXPIRED, by=None, notices=told):
             await self.progress.job_updated(await self._job(job.id))
-        raise TransitionRefused(await self._undecidable(job.id))
+        raise await self._undecidable(job.id)
 
-    async def _undecidable(self, job_id: str) -> str:
+    async def _undecidable(self, job_id: str) -> TransitionRefused:
         """Why a job cannot be decided on: already decided (by whom), expired, cancelled."""
         job = await self._job(job_id)
         approval = await self.store.get_approval(job_id)
         if approval is not None and approval.state is ApprovalState.EXPIRED:
-            return (
+            return TransitionRefused(
                 f"Job {job_id} expired at {approval.decided_at or approval.expires_at:%H:%M} UTC: "
-                f"nobody approved it in time. {job.requester} can ask again."
+                f"nobody approved it in time. {job.requester} can ask again.",
+                people=(job.requester,),
             )
         if approval is not None and approval.decided_by:
             when = f" at {approval.decided_at:%H:%M} UTC" if approval.decided_at else ""
-            return (
+            return TransitionRefused(
                 f"Job {job_id} is not awaiting approval any more: {approval.decided_by} "
-                f"{approval.state.value} it{when}."
+                f"{approval.state.value} it{when}.",
+                people=(approval.decided_by,),
             )
-        return f"Job {job_id} is {job.state.value}, not awaiting approval: nothing to decide."
+        return TransitionRefused(
+            f"Job {job_id} is {job.state.value}, not awaiting approval: nothing to decide."
+        )
 
     async def expire(self, now: datetime | None = None) -> list[Job]:
         """Expire every pending approval past its time; the jobs that expired now."""

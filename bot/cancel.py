@@ -21,7 +21,10 @@ async def cancel(deployer: Deployer, job_id: str, user: str) -> Job:
     if job.state is JobState.DESTROY_REQUESTED:  # withdraw the destroy, keep the VM
         return await deployer.destroyer.cancel(job, user)
     if user != job.requester and not await deployer.is_approver(user):
-        raise NotAllowed(f"Only {job.requester} or an approver can cancel job {job_id}.")
+        raise NotAllowed(
+            f"Only {job.requester} or an approver can cancel job {job_id}.",
+            people=(job.requester,),
+        )
     if job.state in (JobState.QUEUED, JobState.AWAITING_APPROVAL):
         if await _unstarted(deployer, job, user):
             deployer.queue.cancel(job_id)
@@ -42,7 +45,7 @@ async def cancel(deployer: Deployer, job_id: str, user: str) -> Job:
 async def _unstarted(deployer: Deployer, job: Job, user: str) -> bool:
     """A job awaiting approval has its approval closed in the same transaction, so
     nobody can approve it afterwards."""
-    told = [tell.updated(job.id, f"cancelled by {user}")]
+    told = [tell.updated(job.id, f"cancelled by {user}", by=user)]
     if job.state is JobState.AWAITING_APPROVAL:
         return await deployer.store.cancel_awaiting(job.id, by=user, notices=told)
     return await deployer.store.transition(

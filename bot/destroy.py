@@ -128,7 +128,7 @@ class Destroyer:
         if not wait:
             fields.update(owner=self.ownership.id, lease_until=self.ownership.lease_until())
         note = f"destroy asked by {user}"
-        told = self._tell(job, tell.updated(job.id, note), wait)
+        told = self._tell(job, tell.updated(job.id, note, by=user), wait)
         ready = [JobState.SUCCEEDED, JobState.EXPIRED_OFF]  # EXPIRED_OFF: its lease ended
         moved = await self._once(dedupe_key, job.id, ready, new, told, fields)
         if not moved:
@@ -172,9 +172,11 @@ class Destroyer:
 
     async def _check_asker(self, job: Job, user: str) -> None:
         if not await self.may_destroy(user, job):
-            raise NotAllowed(
-                f"Only {job.requester} (who deployed {job.name}), an approver or a destroyer "
-                f"may destroy it; ask one of them ({self.approvals.approvers_text()})."
+            raise NotAllowed(  # the people first: a VM's name could look like an id
+                f"Only {job.requester} (who deployed it), an approver "
+                f"({self.approvals.approvers_text()}) or a destroyer may destroy {job.name}; "
+                "ask one of them.",
+                people=(job.requester, *self.approvals.policy.approvers),
             )
 
     async def _why_not(self, job_id: str) -> str:
@@ -209,10 +211,10 @@ class Destroyer:
         else:
             why = reason or "no reason given"
             new, note, fields = JobState.SUCCEEDED, f"destroy rejected by {approver}: {why}", {}
-        told = [tell.updated(job.id, note)]
+        told = [tell.updated(job.id, note, by=approver)]
         expected = [JobState.DESTROY_REQUESTED]
         if not await self._once(dedupe_key, job.id, expected, new, told, fields):
-            raise TransitionRefused(await self._undecidable(job.id))
+            raise await self._undecidable(job.id)
         return await self._moved(job.id, approver, "approved" if approve else "rejected", note)
 
     async def check_decider(self, job_id: str, approver: str) -> Job:
@@ -221,21 +223,25 @@ class Destroyer:
         if not await self.approvals.is_approver(approver):
             raise NotAllowed(
                 f"{approver} may not approve destroys; the approvers are "
-                f"{self.approvals.approvers_text()}."
+                f"{self.approvals.approvers_text()}.",
+                people=(approver, *self.approvals.policy.approvers),
             )
         if approver == job.destroy_by:
             raise NotAllowed(
                 "You cannot approve or reject the destroy you asked for: ask another approver."
             )
         if job.state is not JobState.DESTROY_REQUESTED:
-            raise TransitionRefused(await self._undecidable(job.id))
+            raise await self._undecidable(job.id)
         return job
 
-    async def _undecidable(self, job_id: str) -> str:
+    async def _undecidable(self, job_id: str) -> TransitionRefused:
         job = await jobrefs.load(self.store, job_id)
         if job.state in (JobState.DESTROYING, JobState.DESTROYED) and job.destroy_approver:
-            return f"The destroy of job {job.id} was already approved by {job.destroy_approver}."
-        return (
+            return TransitionRefused(
+                f"The destroy of job {job.id} was already approved by {job.destroy_approver}.",
+                people=(job.destroy_approver,),
+            )
+        return TransitionRefused(
             f"Job {job.id} ({job.name}) is {job.state.value}, not waiting for a destroy "
             "approval: nothing to decide."
         )
@@ -246,13 +252,14 @@ class Destroyer:
         allowed = user in (job.destroy_by, job.requester) or await self.approvals.is_approver(user)
         if not allowed:
             raise NotAllowed(
-                f"Only {job.destroy_by}, {job.requester} or an approver can withdraw this destroy."
+                f"Only {job.destroy_by}, {job.requester} or an approver can withdraw this destroy.",
+                people=tuple(p for p in (job.destroy_by, job.requester) if p),
             )
         note = f"destroy withdrawn by {user}"
-        told = [tell.updated(job.id, note)]
+        told = [tell.updated(job.id, note, by=user)]
         expected = [JobState.DESTROY_REQUESTED]
         if not await self._once(None, job.id, expected, JobState.SUCCEEDED, told, {}):
-            raise TransitionRefused(await self._undecidable(job.id))
+            raise await self._undecidable(job.id)
         return await self._moved(job.id, user, "withdrawn", note)
 
     async def expire(self, now: datetime | None = None) -> list[Job]:

@@ -9,6 +9,7 @@ raw: the pipeline turns them into a failed job with a reason.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -17,11 +18,14 @@ if TYPE_CHECKING:
 
 
 class DeployBotError(Exception):
-    """A user-facing error; `str(err)` is the whole message."""
+    """A user-facing error; `str(err)` is the whole message. `people`: the user ids the
+    message names from the bot's records (requester, approvers), each before anything
+    typed; a chat front end may show these as mentions, and no other id in it."""
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, *, people: Sequence[str] = ()) -> None:
         super().__init__(message)
         self.message = message
+        self.people = tuple(people)
 
 
 class UsageError(DeployBotError):

@@ -210,7 +210,8 @@ class Intake:
         if policy.deployers and requester not in policy.deployers:
             raise NotAllowed(
                 f"{requester} is not on the list of people who may deploy; ask one of "
-                f"{', '.join(policy.approvers) or 'the operators'} to add you."
+                f"{', '.join(policy.approvers) or 'the operators'} to add you.",
+                people=(requester, *policy.approvers),
             )
         prefs = await user_prefs.for_deploy(self.store, requester)
         request = build_request(

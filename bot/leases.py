@@ -110,7 +110,8 @@ class Leases:
             raise NotAllowed(
                 f"lease=never (no end) is only for approvers and their groups; ask for up to "
                 f"lease={most}, extend it before it ends, or ask an approver "
-                f"({self.approvals.approvers_text()}) to deploy it without an end."
+                f"({self.approvals.approvers_text()}) to deploy it without an end.",
+                people=self.approvals.policy.approvers,
             )
 
     # --- extending --------------------------------------------------------------------
@@ -122,9 +123,10 @@ class Leases:
         now); a powered-off VM is powered on again. Refusals say what to ask instead."""
         job = await self._find(target)
         if not await self.destroyer.may_destroy(user, job):
-            raise NotAllowed(
-                f"Only {job.requester} (who deployed {job.name}) or an approver may extend its "
-                f"lease; ask one of them ({self.approvals.approvers_text()})."
+            raise NotAllowed(  # the people first: a VM's name could look like an id
+                f"Only {job.requester} (who deployed it) or an approver may extend the lease "
+                f"of {job.name}; ask one of them ({self.approvals.approvers_text()}).",
+                people=(job.requester, *self.approvals.policy.approvers),
             )
         for _ in range(3):  # another extension or the timer may move it meanwhile
             end = self._new_end(job, length)

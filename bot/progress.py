@@ -80,8 +80,10 @@ def followed(job: Job) -> bool:
     return job.origin is not None or job.approval_reason is not None
 
 
-def updated(job_id: str, note: str = "") -> Notice:
-    return Notice(job_id=job_id, kind=NoticeKind.UPDATED, text=note)
+def updated(job_id: str, note: str = "", by: str | None = None) -> Notice:
+    """`by`: the person `note` names as who acted (the note names them before anything
+    typed, such as a reason)."""
+    return Notice(job_id=job_id, kind=NoticeKind.UPDATED, text=note, by=by)
 
 
 def step_started(job_id: str, step: str, detail: str) -> Notice:

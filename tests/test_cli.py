@@ -214,7 +214,7 @@ def test_list_and_destroy_from_the_cli(tmp_path: Path) -> None:
     assert rows[2].split()[:4] == ["web02", "10.0.0.51", "sim", "0m"]
     assert "UTC" in rows[2] and "ready" in rows[2]  # the lease end, 14 days by default
     stranger = deploybot(tmp_path, "destroy", "web01", "--user", "mallory", config=KEPT)
-    assert stranger.returncode == 2 and "Only alice (who deployed web01)" in stranger.stderr
+    assert stranger.returncode == 2 and "Only alice (who deployed it)" in stranger.stderr
     no_traceback(stranger)
     unknown = deploybot(tmp_path, "destroy", "web99", "--user", "alice", config=KEPT)
     assert unknown.returncode == 2 and "holds no VM called web99" in unknown.stderr

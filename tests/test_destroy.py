@@ -87,7 +87,7 @@ async def test_strangers_unknown_names_and_unfinished_jobs_are_refused(
     deployer: Deployer, sim: SimBackend
 ) -> None:
     job = await deployed(deployer, "web01 10.0.0.50")
-    with pytest.raises(NotAllowed, match=r"Only alice .* may destroy it"):
+    with pytest.raises(NotAllowed, match=r"Only alice .* may destroy web01"):
         await deployer.request_destroy("web01", "mallory")
     with pytest.raises(JobNotFound, match="holds no VM called web99: check the name"):
         await deployer.request_destroy("web99", "alice")
@@ -102,7 +102,7 @@ async def test_strangers_unknown_names_and_unfinished_jobs_are_refused(
         await deployer.request_destroy("web02", "alice")
     await deployer.drain()
     lines = await answer(deployer, "mallory", "destroy web01")
-    assert lines[0].startswith("Only alice (who deployed web01)")
+    assert lines[0].startswith("Only alice (who deployed it), an approver")
 
 
 async def test_approvers_and_destroyers_may_destroy_others_vms(

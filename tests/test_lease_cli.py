@@ -88,7 +88,7 @@ def test_lease_extend_from_the_cli(tmp_path: Path) -> None:
     assert "The lease of web01" in extended.stdout and "now ends" in extended.stdout
     assert lease_end(tmp_path) == before + timedelta(days=7)
     stranger = deploybot(tmp_path, "lease", "extend", "web01", "--user", "mallory", config=KEPT)
-    assert stranger.returncode == 2 and "Only alice (who deployed web01)" in stranger.stderr
+    assert stranger.returncode == 2 and "Only alice (who deployed it)" in stranger.stderr
     too_far = deploybot(tmp_path, "lease", "extend", "web01", "100d", "--user", "alice",
                         config=KEPT)  # fmt: skip
     assert too_far.returncode == 2 and "would pass the maximum lease of 90d" in too_far.stderr

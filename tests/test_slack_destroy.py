@@ -114,7 +114,7 @@ async def test_strangers_are_refused_and_nothing_changes(tmp_path: Path) -> None
         await h.settle()
         refusals = told(h, MALLORY)
         assert len(refusals) == 2
-        assert all(f"Only <@{ALICE}> (who deployed web01)" in t for t in refusals)
+        assert all(f"Only <@{ALICE}> (who deployed it)" in t for t in refusals)
         assert "Name one VM to destroy" in usage.body and "<!channel>" not in usage.body
         assert any("holds no VM called nosuch&lt;!channel&gt;" in t for t in told(h, ALICE))
         job = (await h.deployer.status(job_id)).job

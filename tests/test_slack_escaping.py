@@ -160,18 +160,31 @@ def test_an_approval_card_shows_a_template_name_as_named() -> None:
     assert headline == "web01 10.0.0.50 on vcenter/Cluster&lt;1&gt;: awaiting approval"
 
 
-def test_the_bots_mentions_survive_and_typed_ones_do_not() -> None:
-    text = f"UALICE001 may not approve deploys; {TYPED}"
-    assert views.mrkdwn(text) == f"<@UALICE001> may not approve deploys; {SHOWN}"
+def test_only_the_people_the_bot_names_become_mentions() -> None:
+    text = f"UALICE001 may not approve deploys; ask UBOB00001 or WAREHOUSE42; {TYPED}"
+    assert views.mrkdwn(text) == text.replace(TYPED, SHOWN)  # nobody named: no mention
+    named = views.mrkdwn(text, ["UALICE001"])
+    assert named == f"<@UALICE001> may not approve deploys; ask UBOB00001 or WAREHOUSE42; {SHOWN}"
+    # The bot names a person before anything typed: the typed repeat stays text.
+    said = messages.Said("destroy rejected by UBOB00001: ask UBOB00001", ("UBOB00001",))
+    assert views.mrkdwn(said) == "destroy rejected by <@UBOB00001>: ask UBOB00001"
 
 
 MENTION = re.compile(r"<@([UW][A-Z0-9]{8,})>")
+IDS = ("UW0129ABX", "W01290000")
 
 
-@given(st.text(alphabet=st.sampled_from("<>&@!|:/ UW0129ABXhtps;amlg\n"), max_size=80))
-def test_any_text_reads_back_as_typed_with_only_the_bots_mentions(text: str) -> None:
-    shown = views.mrkdwn(text)
-    plain = MENTION.sub(r"\1", shown)  # the only markup: mentions of bare user ids
+@given(
+    st.text(alphabet=st.sampled_from("<>&@!|:/ UW0129ABXhtps;amlg\n"), max_size=80),
+    st.lists(st.sampled_from(IDS), max_size=2),
+)
+def test_any_text_reads_back_as_typed_with_only_the_named_people(
+    text: str, people: list[str]
+) -> None:
+    shown = views.mrkdwn(text, people)
+    found = MENTION.findall(shown)
+    assert set(found) <= set(people) and len(found) == len(set(found))  # once each
+    plain = MENTION.sub(r"\1", shown)  # the only markup: mentions of the named people
     assert "<" not in plain and ">" not in plain
     back = plain.replace("&lt;", "<").replace("&gt;", ">").replace("&amp;", "&")
     assert back == text

@@ -21,7 +21,10 @@ async def cancel_build(builds: Builds, build_id: str, user: str, approver: bool)
 
     build = await builds.get(build_id)
     if user != build.requester and not approver:
-        raise NotAllowed(f"Only {build.requester} or an approver can cancel build {build.id}.")
+        raise NotAllowed(
+            f"Only {build.requester} or an approver can cancel build {build.id}.",
+            people=(build.requester,),
+        )
     unstarted = [BuildState.AWAITING_APPROVAL, BuildState.QUEUED]
     if build.state in unstarted:
         moved = await builds.store.builds.move(

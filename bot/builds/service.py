@@ -171,7 +171,9 @@ class Builds:
             raise RequestInvalid([f"{exc}."]) from None
         policy = self.settings.approval
         if policy.deployers and requester not in policy.deployers:
-            raise NotAllowed(f"{requester} is not on the list of people who may deploy.")
+            raise NotAllowed(
+                f"{requester} is not on the list of people who may deploy.", people=(requester,)
+            )
         builder = self.builder(backend)
         name = name or chosen.name
         if problem := template_name_problem(name):
@@ -252,7 +254,8 @@ class Builds:
         if not await self._approves(approver):
             who = self.approvals.approvers_text() if self.approvals else "nobody"
             raise NotAllowed(
-                f"{approver} may not approve template builds; the approvers are {who}."
+                f"{approver} may not approve template builds; the approvers are {who}.",
+                people=(approver, *self.settings.approval.approvers),
             )
         if approver == build.requester:
             raise NotAllowed("You cannot approve or reject your own build: ask another approver.")
@@ -260,7 +263,7 @@ class Builds:
             await self._expire(build)
             build = await self.get(build.id)
         if build.state is not BuildState.AWAITING_APPROVAL:
-            raise TransitionRefused(_undecidable(build))
+            raise _undecidable(build)
         return build
 
     async def decide(
@@ -301,7 +304,7 @@ class Builds:
                 f"This decision on build {build_id} was already made.", build_id
             ) from None
         if moved is None:  # another approver (or the expiry) was first
-            raise TransitionRefused(_undecidable(await self.get(build_id)))
+            raise _undecidable(await self.get(build_id))
         if moved.state is BuildState.QUEUED:
             self.queue.submit(moved.id, moved.backend)
         return moved
@@ -378,21 +381,25 @@ class Builds:
         return final or build
 
 
-def _undecidable(build: Build) -> str:
+def _undecidable(build: Build) -> TransitionRefused:
     """Why a build cannot be decided on: already decided (by whom, when), or expired."""
     if build.state is BuildState.EXPIRED:
-        return (
+        return TransitionRefused(
             f"Build {build.id} expired: nobody approved it in time. "
-            f"{build.requester} can ask again."
+            f"{build.requester} can ask again.",
+            people=(build.requester,),
         )
     if build.decided_by:
         when = f" at {build.decided_at:%H:%M} UTC" if build.decided_at else ""
         verb = "rejected" if build.state is BuildState.REJECTED else "approved"
-        return (
+        return TransitionRefused(
             f"Build {build.id} is not awaiting approval any more: {build.decided_by} "
-            f"{verb} it{when}."
+            f"{verb} it{when}.",
+            people=(build.decided_by,),
         )
-    return f"Build {build.id} is {build.state.value}, not awaiting approval: nothing to decide."
+    return TransitionRefused(
+        f"Build {build.id} is {build.state.value}, not awaiting approval: nothing to decide."
+    )
 
 
 def _template_ref(build: Build) -> VMRef:

@@ -56,6 +56,9 @@ class Notice(BaseModel):
     text: str = ""  # the note, or the step's detail
     rollback: RollbackReport | None = None
     when: datetime | None = None  # a lease notice's time, shown in the reader's zone
+    # Who acted, when `text` names them ("cancelled by U123"): a chat front end shows
+    # this id, and only this one, as a mention (an id typed into a reason stays text).
+    by: str | None = None
 
     @property
     def urgent(self) -> bool:

@@ -7,7 +7,7 @@ from backends.building import TemplateVersion
 from bot.images import Profile
 from bot.models import BUILD_ASKED, BUILD_DECIDED, BUILD_STARTED
 from bot.models.builds import Build, BuildState
-from handlers.messages.text import escape, mention
+from handlers.messages.text import Said, escape, mention
 
 __all__ = [
     "build_accepted",
@@ -150,9 +150,14 @@ def build_accepted(build: Build) -> str:
     return f"{what} is queued; its progress follows in the thread."
 
 
-def build_thread_update(build: Build, part: str, note: str) -> str:
-    """A change of a build's state, in its thread (plain; the front end escapes it and
-    turns member ids into mentions)."""
+def build_thread_update(build: Build, part: str, note: str) -> Said:
+    """A change of a build's state, in its thread: a decision names who decided."""
+    text = _build_update(build, part, note)
+    decided = part == BUILD_DECIDED and build.decided_by
+    return Said(text, (build.decided_by,) if decided and build.decided_by else ())
+
+
+def _build_update(build: Build, part: str, note: str) -> str:
     if part == BUILD_ASKED:
         if build.approval_reason and build.decided_by is None:
             return f"waiting for approval ({build.approval_reason}); the approvers have been asked."

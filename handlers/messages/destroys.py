@@ -5,7 +5,7 @@ thread's updates, the answer to `/deploy destroy`, and the destroy card (part of
 from __future__ import annotations
 
 from bot.models import Job, JobState
-from handlers.messages.text import escape, mention
+from handlers.messages.text import Said, escape, mention
 
 
 def destroy_update(job: Job, note: str) -> str | None:
@@ -75,9 +75,9 @@ def destroy_summary(job: Job) -> str:
     return f"*{asker} {what}* (deployed by {mention(job.requester)})\n{details}"
 
 
-def destroy_decision(note: str) -> str:
-    """Plain: what replaces the destroy card's buttons (the core's note names people by
-    id; the front end makes them mentions)."""
+def destroy_decision(note: str, by: str | None) -> Said:
+    """What replaces the destroy card's buttons: the core's note, which names the person
+    `by` who decided or withdrew it (bot.models.Notice.by) before any reason."""
     said = note[:1].upper() + note[1:] if note else "Decided"
     mark = ":white_check_mark:" if "approved" in note else ":no_entry_sign:"
-    return f"{mark} {said}."
+    return Said(f"{mark} {said}.", (by,) if by else ())

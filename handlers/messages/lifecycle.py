@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import datetime, tzinfo
+from datetime import UTC, datetime, timedelta, tzinfo
 
 from bot.leaseterms import LeaseSettings, show_length
 from bot.models import Job
@@ -13,7 +13,7 @@ from bot.quotas import NAMES as QUOTA_NAMES
 from bot.quotas import Standing
 from bot.quotas import amount as quota_amount
 from handlers.messages.listing import age
-from handlers.messages.text import STATE_LABELS, escape, when
+from handlers.messages.text import STATE_LABELS, Said, escape, when
 
 # --- quotas (bot/quotas.py) --------------------------------------------------------------
 
@@ -70,32 +70,54 @@ def home_recent_row(job: Job, now: datetime) -> str:
 # --- leases (bot/leases.py) ------------------------------------------------------------
 
 
-def lease_extended_answer(job: Job) -> str:
+def lease_extended_answer(job: Job, zone: tzinfo = UTC) -> str:
+    """The new end, in the reader's zone (Slack: theirs; the shell and CLI: UTC)."""
     end = job.lease_end
-    shown = when(end) if end is not None else "no end"
+    shown = when(end, zone) if end is not None else "no end"
     return f"The lease of {job.name} (job {job.short_id}) now ends {shown}."
 
 
 def lease_reminder(job: Job, end: datetime, now: datetime, grace: str, zone: tzinfo) -> str:
     """Plain: the reminder by direct message (the buttons say what to do)."""
-    hours = max(0, round((end - now).total_seconds() / 3600))  # "about": rounded
-    left = (
-        f"{round(hours / 24)} days"
-        if hours >= 48
-        else f"{hours} hours"
-        if hours >= 2
-        else "an hour"
-    )
     return (
         f"Your VM {job.name} ({job.final_address or job.address} on {job.backend}) expires "
-        f"{when(end, zone)}, in about {left}. Then it is powered off, and destroyed {grace} "
+        f"{when(end, zone)}, {time_left(end - now)}. Then it is powered off, and destroyed {grace} "
         f"later. Extend it if you still need it (or `/deploy lease extend {job.name} 7d`), "
         "or destroy it now if you are done."
     )
 
 
-def lease_thread(job: Job, step: str, moment: datetime | None, by: str, zone: tzinfo) -> str:
-    """Plain: a lease step as a line in the VM's thread (and, when it ended, the DM)."""
+def time_left(left: timedelta) -> str:
+    """How long until a lease ends, rounded as people say it: "in about 3 days", "in
+    about 20 minutes", "in less than a minute"."""
+    minutes = max(0, round(left.total_seconds() / 60))
+    hours = round(minutes / 60)
+    if hours >= 48:
+        return f"in about {round(hours / 24)} days"
+    if hours >= 2:
+        return f"in about {hours} hours"
+    if minutes >= 45:
+        return "in about an hour"
+    if minutes >= 2:
+        return f"in about {minutes} minutes"
+    return "in about a minute" if minutes == 1 else "in less than a minute"
+
+
+def lease_thread(job: Job, step: str, moment: datetime | None, by: str, zone: tzinfo) -> Said:
+    """A lease step as a line in the VM's thread (and, when it ended, the DM); `by`
+    extended it."""
+    return Said(_lease_line(job, step, moment, by, zone), _lease_people(job, step, by))
+
+
+def _lease_people(job: Job, step: str, by: str) -> tuple[str, ...]:
+    if step == "extended":
+        return (by,)
+    if step in ("expired", "untouched", "destroying"):
+        return ()
+    return (job.requester,)  # "Reminder sent to ..."
+
+
+def _lease_line(job: Job, step: str, moment: datetime | None, by: str, zone: tzinfo) -> str:
     at = when(moment, zone) if moment is not None else "now"
     if step == "expired":
         return (

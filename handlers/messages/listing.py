@@ -4,7 +4,7 @@ as a table for the shell and the CLI, each VM's age and lease end (part of
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime, tzinfo
 
 from bot.models import Job, JobState
 from bot.service import VMPage
@@ -37,13 +37,14 @@ def age(job: Job, now: datetime) -> str:
     return f"{seconds // 86400}d"
 
 
-def list_row(job: Job, now: datetime) -> str:
-    """Mrkdwn: one VM of `/deploy list`; what people typed is escaped."""
+def list_row(job: Job, now: datetime, zone: tzinfo = UTC) -> str:
+    """Mrkdwn: one VM of `/deploy list` (Slack), its lease end in the reader's `zone`;
+    what people typed is escaped."""
     address = job.final_address or job.address
     where = escape(f"{job.name}")
     return (
         f"*{where}* `{address}` on {escape(job.backend)} · {age(job, now)} old · "
-        f"lease end {lease_cell(job)} · {STATE_LABELS[job.state]} · job {job.short_id} · "
+        f"lease end {lease_cell(job, zone)} · {STATE_LABELS[job.state]} · job {job.short_id} · "
         f"{mention(job.requester)}"
     )
 
@@ -71,11 +72,12 @@ def list_lines(page: VMPage, me: str, now: datetime) -> list[str]:
     return lines
 
 
-def lease_cell(job: Job) -> str:
-    """`/deploy list`'s lease end (UTC): a time, "never", or LEASE_NONE before ready."""
+def lease_cell(job: Job, zone: tzinfo = UTC) -> str:
+    """`/deploy list`'s lease end (the shell, the CLI: UTC): a time, "never", or
+    LEASE_NONE before ready."""
     end = job.lease_end
     if end is not None:
-        return when(end)
+        return when(end, zone)
     if job.state in (JobState.SUCCEEDED, JobState.EXPIRED_OFF) and job.lease_s is None:
         return "never"
     return LEASE_NONE

@@ -8,8 +8,10 @@ from datetime import datetime
 from bot.check import CheckResult
 from bot.gc import GcReport
 from bot.models import Approval, ApprovalState, Job, JobState, RollbackReport, UserPrefs
+from bot.service import JobStatus
 from handlers.messages.core import address_of, approved, finished, headline, job_update
-from handlers.messages.text import STATE_LABELS, escape, mention, step_label
+from handlers.messages.reports import status
+from handlers.messages.text import STATE_LABELS, Said, escape, mention, step_label
 
 # --- Slack ------------------------------------------------------------------------
 # Slack renders `<@U123>` as the person's name and `<!date^...>` in the reader's time zone.
@@ -18,8 +20,8 @@ from handlers.messages.text import STATE_LABELS, escape, mention, step_label
 # a template name, an error that quotes what someone typed) is escaped before the bot
 # adds its own markup. The functions below that add markup (mention, slack_time, bold)
 # escape what they embed and return mrkdwn; the other texts here are plain, and the
-# Slack front end escapes each as a whole (handlers/slack/views.mrkdwn) before turning
-# the user ids in it into mentions.
+# Slack front end escapes each as a whole (handlers/slack/views.mrkdwn). Texts that name
+# people return a `Said`: the ids the bot put in, which alone become mentions.
 
 FULL_COPY = "full copy: minutes, not seconds"
 LINKED_CLONE = "fast linked clone: seconds"
@@ -74,21 +76,29 @@ def storage_option(name: str, free_bytes: int) -> str:
     return f"{name} ({free_bytes / 1024**3:,.0f} GiB free)"
 
 
-def slack_thread_update(job: Job, note: str, approval: Approval | None) -> str:
-    """A state change in the requester's thread; an approval names who decided."""
+def slack_thread_update(
+    job: Job, note: str, approval: Approval | None, by: str | None = None
+) -> Said:
+    """A state change in the requester's thread; an approval names who decided, a note
+    the person `by` who acted (bot.models.Notice.by)."""
     if job.state is JobState.AWAITING_APPROVAL:
-        return (
+        return Said(
             f"waiting for approval ({job.approval_reason}); the approvers have been asked. "
             f"Cancel with `/deploy cancel {job.id}`."
         )
     if approval is not None and approval.decided_by and job.state is JobState.QUEUED:
-        return approved(job, approval.decided_by)  # plain: the front end adds the mention
-    return job_update(job, note)
+        return Said(approved(job, approval.decided_by), (approval.decided_by,))
+    asker = job.destroy_by if job.state is JobState.DESTROY_REQUESTED else None
+    return Said(job_update(job, note), tuple(p for p in (asker, by) if p))
 
 
-def slack_finished(job: Job, rollback: RollbackReport | None) -> str:
+def slack_finished(job: Job, rollback: RollbackReport | None) -> Said:
+    """The end of the thread; a destroy's names who asked and who approved it."""
     lines = finished(job, rollback)
-    return "\n".join(f"`{ln.strip()}`" if ln.startswith("    ") else ln for ln in lines)
+    text = "\n".join(f"`{ln.strip()}`" if ln.startswith("    ") else ln for ln in lines)
+    if job.state is not JobState.DESTROYED:
+        return Said(text)
+    return Said(text, tuple(p for p in (job.destroy_by, job.destroy_approver) if p))
 
 
 def approval_needed(job: Job) -> str:
@@ -126,10 +136,10 @@ def approval_outcome(job: Job, approval: Approval | None) -> str:
     return f":hourglass: Expired at {at}: nobody approved it in time."
 
 
-def approval_cancelled(note: str) -> str:
-    """Plain: the core's note names the canceller by id, made a mention by the front end."""
+def approval_cancelled(note: str, by: str | None) -> Said:
+    """The core's note names the canceller `by` (bot.models.Notice.by)."""
     said = note[:1].upper() + note[1:] if note else "Cancelled"
-    return f":no_entry_sign: {said} before a decision."
+    return Said(f":no_entry_sign: {said} before a decision.", (by,) if by else ())
 
 
 def key_saved(prefs: UserPrefs) -> str:
@@ -167,9 +177,22 @@ def reject_question(job_id: str) -> str:
     return f"Reject {what} {escape(job_id)}?"
 
 
-def slack_reject_answer(job: Job) -> str:
-    """Plain; Slack shows the requester's id as a mention."""
-    return f"Job {job.id}: rejected; {job.requester} is told why."
+def slack_status(info: JobStatus) -> list[Said]:
+    """`/deploy status` with the people its first lines name from the records (the
+    requester; who decided; who asked for the destroy and who approved it)."""
+    job, approval = info.job, info.approval
+    named: list[tuple[str, ...]] = [(job.requester,)]
+    if approval and approval.decided_by:
+        named.append((approval.decided_by,))
+    if job.destroy_by and job.destroy_asked_at:
+        named.append(tuple(p for p in (job.destroy_by, job.destroy_approver) if p))
+    lines = status(info)
+    return [Said(line, named[i] if i < len(named) else ()) for i, line in enumerate(lines)]
+
+
+def slack_reject_answer(job: Job) -> Said:
+    """Slack shows the requester's id as a mention."""
+    return Said(f"Job {job.id}: rejected; {job.requester} is told why.", (job.requester,))
 
 
 def bad_ssh_key(problem: str) -> str:

@@ -5,6 +5,7 @@ the names of steps and states, and the mrkdwn escaping, mentions and times (part
 from __future__ import annotations
 
 from datetime import UTC, datetime, tzinfo
+from typing import NamedTuple
 
 from bot.models import JobState
 
@@ -52,6 +53,16 @@ def escape(text: str) -> str:
 
 def mention(user: str) -> str:
     return f"<@{user}>"
+
+
+class Said(NamedTuple):
+    """Plain text and the people the bot itself named in it: user ids it took from its
+    records (requester, approver, who acted), each named before anything typed. A chat
+    front end may show exactly these as mentions (handlers/slack/views.mrkdwn); any
+    other id in the text was typed by someone and stays text."""
+
+    text: str
+    people: tuple[str, ...] = ()
 
 
 def when(moment: datetime, zone: tzinfo = UTC) -> str:

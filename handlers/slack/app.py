@@ -101,6 +101,7 @@ class SlackBot:
         self.deployer = deployer
         self.settings = deployer.settings
         self.threads = threads
+        self.zones = threads.zones  # people's time zones, shared with the threads
         self.client = client
         self.directory = GroupDirectory(client, self.settings.slack.group_cache_s)
         deployer.group_members = self.directory.members
@@ -117,7 +118,7 @@ class SlackBot:
             process_before_response=False,
         )
         self.app.command(self.settings.slack.command)(self.on_command)
-        self.home = HomeTabs(deployer, client, self.spawn)  # the App Home (home.py)
+        self.home = HomeTabs(deployer, client, self.spawn, self.zones)  # the App Home
         self.home.register(self.app)
         deployer.progress.listeners.append(self.home)
         interact.register(self)
@@ -142,11 +143,16 @@ class SlackBot:
             await asyncio.gather(*list(self.tasks), return_exceptions=True)
 
     async def tell(
-        self, channel: str, user: str, lines: Sequence[str], *, monospace: bool = False
+        self,
+        channel: str,
+        user: str,
+        lines: Sequence[str | messages.Said],
+        *,
+        monospace: bool = False,
     ) -> None:
         """An ephemeral answer: only `user` sees it, in the channel they typed in. `lines`
-        are plain text (errors quote what people typed), escaped here before the bot's
-        mentions are added."""
+        are plain text (errors quote what people typed), escaped here; only the people a
+        `Said` names become mentions."""
         shown = [views.mrkdwn(line) for line in lines] or [" "]
         text = views.fit("\n".join(shown), 3000)
         blocks = views.answer(shown, monospace=monospace)
@@ -172,13 +178,19 @@ class SlackBot:
             log.error("could not answer %s in %s: %s", user, channel, exc.response.get("error"))
 
     async def answering(
-        self, channel: str, user: str, work: Coroutine[Any, Any, list[str]], *, mono: bool = False
+        self,
+        channel: str,
+        user: str,
+        work: Coroutine[Any, Any, Sequence[str | messages.Said]],
+        *,
+        mono: bool = False,
     ) -> None:
         """Run `work` and tell the user its lines, or what went wrong."""
+        lines: Sequence[str | messages.Said]
         try:
             lines = await work
         except DeployBotError as exc:
-            lines = exc.message.splitlines()
+            lines = views.refusal(exc)
         except Exception:
             log.exception("a command by %s failed", user)
             lines = [messages.INTERNAL_ERROR.format(log=self.settings.log_file)]
@@ -189,7 +201,8 @@ class SlackBot:
 
     async def on_command(self, ack: AsyncAck, body: dict[str, Any]) -> None:
         user, channel = str(body["user_id"]), str(body["channel_id"])
-        text, trigger = str(body.get("text") or ""), str(body.get("trigger_id") or "")
+        text = views.typed(str(body.get("text") or ""))  # kept and parsed as typed
+        trigger = str(body.get("trigger_id") or "")
         if not text.strip():
             await ack()
             self.spawn(interact.open_form(self, trigger, user, channel))
@@ -261,7 +274,9 @@ class SlackBot:
             except Exception:
                 log.exception("looking for commands left by stopped processes failed")
 
-    async def _run(self, command: Command, user: str, channel: str, key: str) -> list[str]:
+    async def _run(
+        self, command: Command, user: str, channel: str, key: str
+    ) -> Sequence[str | messages.Said]:
         d = self.deployer
         match command:
             case DeployArgs():
@@ -269,6 +284,8 @@ class SlackBot:
                     command, user, origin=channel, dedupe_key=key, check_free_first=True
                 )
                 return [messages.accepted(job)]
+            case Status(job_id) if not job_id.startswith("b"):  # it names people
+                return messages.slack_status(await d.status(job_id))
             case Approve(job_id) if job_id.startswith("b"):  # a template build
                 build = await d.decide_build(job_id, user, True, dedupe_key=key)
                 return [messages.build_decided_answer(build)]
@@ -277,7 +294,7 @@ class SlackBot:
                 return [messages.build_decided_answer(build)]
             case Approve(job_id):
                 job = await d.approve(job_id, user, dedupe_key=key)
-                return [messages.approve_answer(job, user)]  # `tell` adds the mention
+                return [messages.Said(messages.approve_answer(job, user), (user,))]
             case Reject(job_id, reason):
                 job = await d.reject(job_id, user, reason, dedupe_key=key)
                 return [messages.slack_reject_answer(job)]
@@ -297,7 +314,8 @@ class SlackBot:
                 return [messages.build_accepted(build)]
             case ExtendLease(target, length_s):  # a replayed command extends once
                 job = await d.extend_lease(target, user, length_s, dedupe_key=key)
-                return [messages.lease_extended_answer(job)]
+                zone = await self.zones.of(user)  # the end in the reader's zone
+                return [messages.lease_extended_answer(job, zone)]
         return await run_command(d, user, command)
 
 

@@ -53,8 +53,8 @@ class BuildDelivery(Delivery):
                     dm.lines.append(Line(views.mrkdwn(outcome), self._part(nid)))
                     self.outboxes.touch(dm)
             else:
-                text = messages.build_thread_update(build, part, notice.text)
-                self._build_say(build, views.mrkdwn(text), nid)
+                said = messages.build_thread_update(build, part, notice.text)
+                self._build_say(build, views.mrkdwn(said), nid)
             if part == BUILD_ASKED and build.approval_reason:
                 self._ask_build_approvers(build, nid)
             elif part == BUILD_DECIDED:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Coroutine, Sequence
-from datetime import datetime
+from datetime import UTC, datetime, tzinfo
 from typing import Any
 
 from slack_bolt.async_app import AsyncApp
@@ -36,6 +36,7 @@ from bot.quotas import Standing
 from bot.service import Deployer, VMPage
 from handlers import messages
 from handlers.slack import views
+from handlers.slack.zones import Zones
 
 log = logging.getLogger(__name__)
 HOME_BLOCKS_MAX = 100  # Slack's limit for a home view
@@ -55,10 +56,12 @@ class HomeTabs:
         deployer: Deployer,
         client: AsyncWebClient,
         spawn: Callable[[Coroutine[Any, Any, None]], None],
+        zones: Zones,
     ) -> None:
         self.deployer = deployer
         self.client = client
         self.spawn = spawn
+        self.zones = zones  # lease ends in the reader's zone, as in threads and DMs
         self.seen: set[str] = set()
         self._due: set[str] = set()  # publishes started and not yet made: one is enough
         # One publish at a time per person, so an older read never lands after a newer one.
@@ -83,7 +86,8 @@ class HomeTabs:
         async with self._turns.setdefault(user, asyncio.Lock()):
             self._due.discard(user)  # a change from here on publishes again
             try:
-                view = await home_view(self.deployer, user, utcnow())
+                zone = await self.zones.of(user)
+                view = await home_view(self.deployer, user, utcnow(), zone)
                 await self.client.views_publish(user_id=user, view=view)
             except SlackApiError as exc:
                 log.error("could not publish %s's App Home: %s", user, exc.response.get("error"))
@@ -109,7 +113,7 @@ class HomeTabs:
         pass
 
 
-async def home_view(deployer: Deployer, user: str, now: datetime) -> View:
+async def home_view(deployer: Deployer, user: str, now: datetime, zone: tzinfo = UTC) -> View:
     page = await deployer.list_vms(user, 1, VMS_READ)
     pending: list[Job] = []
     if await deployer.is_approver(user):  # never one's own: nobody approves those
@@ -120,7 +124,7 @@ async def home_view(deployer: Deployer, user: str, now: datetime) -> View:
     except DeployBotError as exc:  # a group that cannot be listed: the home still opens
         log.warning("no quota on %s's App Home: %s", user, exc.message)
         standings = []
-    blocks = home_blocks(page, standings, pending, recent, now)
+    blocks = home_blocks(page, standings, pending, recent, now, zone)
     return View(type="home", blocks=blocks)
 
 
@@ -137,13 +141,14 @@ def home_blocks(
     pending: Sequence[Job],
     recent: Sequence[Job],
     now: datetime,
+    zone: tzinfo = UTC,
 ) -> list[Block]:
     blocks: list[Block] = [views.header(messages.HOME_VMS)]
     quota = [messages.quota_used(s) for s in standings]
     if quota:
         blocks.append(_context("\n".join(quota)))
     room = HOME_BLOCKS_MAX - _RESERVED - len(blocks) - (2 * len(pending[:1]))
-    blocks += _vm_rows(page, now, room)
+    blocks += _vm_rows(page, now, room, zone)
     if pending:
         blocks.append(views.header(messages.HOME_APPROVALS))
         room = (HOME_BLOCKS_MAX - len(blocks) - 4) // 2  # 2 blocks each; more, recent
@@ -159,13 +164,13 @@ def home_blocks(
     return blocks
 
 
-def _vm_rows(page: VMPage, now: datetime, room: int) -> list[Block]:
+def _vm_rows(page: VMPage, now: datetime, room: int, zone: tzinfo) -> list[Block]:
     if not page.jobs:
         return [SectionBlock(text=MarkdownTextObject(text=messages.escape(messages.HOME_NO_VMS)))]
     shown = page.jobs[: max(1, room - 1)]
     rows: list[Block] = []
     for job in shown:
-        row = views.fit(messages.list_row(job, now), views.SECTION_MAX)
+        row = views.fit(messages.list_row(job, now, zone), views.SECTION_MAX)
         button = views.destroy_button(job) if job.state is JobState.SUCCEEDED else None
         rows.append(SectionBlock(text=MarkdownTextObject(text=row), accessory=button))
     if page.total > len(shown):

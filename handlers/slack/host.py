@@ -12,8 +12,10 @@ from slack_sdk.web.async_client import AsyncWebClient
 
 from bot.service import Deployer
 from bot.settings import Settings
+from handlers.messages import Said
 from handlers.slack.catalog import Catalog
 from handlers.slack.home import HomeTabs
+from handlers.slack.zones import Zones
 
 
 class Host(Protocol):
@@ -25,19 +27,25 @@ class Host(Protocol):
     client: AsyncWebClient
     catalog: Catalog  # the last look-up of templates, kept for external_select
     home: HomeTabs  # the App Home, published again after a click on its buttons
+    zones: Zones  # people's time zones: times are shown in the reader's
 
     def spawn(self, work: Coroutine[Any, Any, None]) -> None:
         """Run `work` after the ack, in a task the host keeps until it is done."""
         ...
 
     async def tell(
-        self, channel: str, user: str, lines: Sequence[str], *, monospace: bool = False
+        self, channel: str, user: str, lines: Sequence[str | Said], *, monospace: bool = False
     ) -> None:
         """An ephemeral answer to `user`."""
         ...
 
     async def answering(
-        self, channel: str, user: str, work: Coroutine[Any, Any, list[str]], *, mono: bool = False
+        self,
+        channel: str,
+        user: str,
+        work: Coroutine[Any, Any, Sequence[str | Said]],
+        *,
+        mono: bool = False,
     ) -> None:
         """Run `work` and tell the user its lines, or what went wrong."""
         ...

@@ -165,7 +165,14 @@ async def _destroy(bot: Host, body: dict[str, Any]) -> None:
 
 async def _extend(bot: Host, body: dict[str, Any]) -> None:
     """A lease reminder's Extend button: one `[leases] step`, up to the maximum."""
-    await _job_click(bot, body, "extend", bot.deployer.extend_lease, messages.lease_extended_answer)
+    zone = await bot.zones.of(_clicker(body)[0])  # the new end in the clicker's zone
+    await _job_click(
+        bot,
+        body,
+        "extend",
+        bot.deployer.extend_lease,
+        lambda job: messages.lease_extended_answer(job, zone),
+    )
 
 
 async def _job_click(
@@ -184,7 +191,7 @@ async def _job_click(
         log.info("ignored a redelivered %s click on %s", what, job_id)
         return
     except DeployBotError as exc:
-        await bot.tell(channel, user, [exc.message])
+        await bot.tell(channel, user, views.refusal(exc))
         return
     await bot.tell(channel, user, [answer(job)])
 
@@ -194,10 +201,14 @@ async def show_list(bot: Host, channel: str, user: str, command: ListVMs) -> Non
     try:
         page = await list_page(bot.deployer, user, command)
     except DeployBotError as exc:
-        await bot.tell(channel, user, [exc.message])
+        await bot.tell(channel, user, views.refusal(exc))
         return
     text = messages.list_title(page, user) if page.jobs else messages.list_empty(page, user)
-    await bot.show(channel, user, views.mrkdwn(text), views.vm_list(page, user, utcnow()))
+    # Whose VMs: a requester of the jobs shown, so a person; no jobs, no proof of one.
+    people = [page.requester] if page.jobs and page.requester else []
+    zone = await bot.zones.of(user)  # lease ends in the reader's zone
+    shown = views.mrkdwn(text, people)
+    await bot.show(channel, user, shown, views.vm_list(page, user, utcnow(), zone))
 
 
 def _is_build(item_id: str) -> bool:
@@ -215,7 +226,7 @@ async def _approve(bot: Host, body: dict[str, Any]) -> None:
     except Duplicate:
         log.info("ignored a redelivered approval click on %s", job_id)
     except DeployBotError as exc:
-        await bot.tell(channel, user, [exc.message])
+        await bot.tell(channel, user, views.refusal(exc))
     _after_home_click(bot, body)
 
 
@@ -228,7 +239,7 @@ async def _ask_reason(bot: Host, body: dict[str, Any]) -> None:
         else:
             await bot.deployer.may_decide(job_id, user)
     except DeployBotError as exc:
-        await bot.tell(channel, user, [exc.message])
+        await bot.tell(channel, user, views.refusal(exc))
         return
     modal = views.reject_modal(job_id, {"channel": channel})
     await bot.client.views_open(trigger_id=str(body["trigger_id"]), view=modal)
@@ -249,5 +260,5 @@ async def _reject(bot: Host, body: dict[str, Any], view: dict[str, Any], reason:
     except Duplicate:
         log.info("ignored a redelivered rejection of %s", meta.get("job_id"))
     except DeployBotError as exc:
-        await bot.tell(str(meta.get("channel", "")), user, [exc.message])
+        await bot.tell(str(meta.get("channel", "")), user, views.refusal(exc))
     bot.home.refresh(user)  # the card leaves their App Home, if they use it here

@@ -199,7 +199,8 @@ class _Card:
         if outcome is None:
             blocks, text = self._request()
         else:
-            blocks, text = self._decided(outcome), outcome
+            # A decision quotes a reason of any length: its notification text is cut.
+            blocks, text = self._decided(outcome), views.fit(outcome, views.SECTION_MAX)
         if self.ts is None:
             answer = await client.chat_postMessage(channel=self.channel, text=text, blocks=blocks)
             self.ts = str(answer["ts"])

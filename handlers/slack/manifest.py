@@ -15,7 +15,8 @@ from typing import Any
 COMMAND_RE = re.compile(r"^/[a-z0-9_-]{1,31}$")
 
 USAGE_HINT = (
-    "web01 10.0.0.50 [mem=4G] [disk=+20G] | status JOB | list | destroy NAME | history | help"
+    "web01 10.0.0.50 [mem=4G] [disk=+20G] | status JOB | list | destroy NAME | "
+    "lease extend NAME [7d] | template build PROFILE | history | help"
 )
 # Only the scopes the bot uses: answering commands, posting and updating its messages
 # (also in public channels it was not invited to), reading approver user groups, and

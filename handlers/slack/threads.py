@@ -164,13 +164,13 @@ class SlackThreads(BuildDelivery):
         moved on by the time it is told; the headline and card show the job as it is."""
         approval = await self.deployer.store.get_approval(job.id)
         then = job.model_copy(update={"state": notice.state}) if notice.state else job
-        note = notice.text
-        self._say(job, views.mrkdwn(messages.slack_thread_update(then, note, approval)), nid)
+        note, by = notice.text, notice.by  # `by`: the one id in the note made a mention
+        self._say(job, views.mrkdwn(messages.slack_thread_update(then, note, approval, by)), nid)
         thread = self._thread(job)
         if thread is not None:
             self._headline(thread, nid)
         if job.destroy_by is not None:  # a destroy: its own card (the deploy's was decided)
-            self._destroy_card(job, then.state, note, nid)
+            self._destroy_card(job, then.state, note, by, nid)
             return
         if job.state is JobState.AWAITING_APPROVAL:
             self._ask_approvers(job, nid)
@@ -179,7 +179,7 @@ class SlackThreads(BuildDelivery):
         if card is not None and card.outcome is None:
             pending = approval is None or approval.state is ApprovalState.PENDING
             if job.state is JobState.CANCELLED and pending:
-                card.outcome = views.mrkdwn(messages.approval_cancelled(note))
+                card.outcome = views.mrkdwn(messages.approval_cancelled(note, by))
             else:
                 card.outcome = messages.approval_outcome(job, approval)
             card.job = job
@@ -262,7 +262,7 @@ class SlackThreads(BuildDelivery):
         card.will_show(self._part(nid))
         self.outboxes.touch(card)
 
-    def _destroy_card(self, job: Job, state: JobState, note: str, nid: int) -> None:
+    def _destroy_card(self, job: Job, state: JobState, note: str, by: str | None, nid: int) -> None:
         """Ask the approvers for a destroy, or show their decision on the card."""
         card = self.destroy_cards.get(job.id)
         if state is JobState.DESTROY_REQUESTED:
@@ -283,7 +283,7 @@ class SlackThreads(BuildDelivery):
             self.destroy_cards[job.id] = card
         if card.outcome is not None:
             return
-        card.outcome = views.mrkdwn(messages.destroy_decision(note))
+        card.outcome = views.mrkdwn(messages.destroy_decision(note, by))
         card.job = job
         card.will_show(self._part(nid))
         self.outboxes.touch(card)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
-from datetime import datetime
+from datetime import UTC, datetime, tzinfo
 from typing import Any
 
 from slack_sdk.models.blocks import (
@@ -31,6 +31,7 @@ from slack_sdk.models.blocks import (
 )
 from slack_sdk.models.views import View
 
+from bot.errors import DeployBotError
 from bot.models import Approval, Job, JobState
 from bot.models.builds import Build
 from bot.service import VMPage
@@ -50,19 +51,38 @@ LIST_PAGE = "list_page"  # value: JSON {"user": whose or null, "page": N}
 LEASE_EXTEND = "lease_extend"  # value: the job id (a lease reminder's Extend button)
 
 
-_USER_ID = re.compile(r"(?<![<@\w])([UW][A-Z0-9]{8,})\b")
+def mrkdwn(text: str | messages.Said, people: Sequence[str] = ()) -> str:
+    """Plain text as mrkdwn that shows it as typed (`<!channel>` or `<@U123>` typed by
+    someone pings nobody), with the people the bot itself named in it made mentions:
+    `people` (or a `Said`'s) are ids from the bot's records, each shown as a mention
+    where it first appears, since the bot names people before anything typed. Nothing
+    else becomes a mention: an id someone typed (in a reason, a name, a template) is
+    text, even one that looks like a member's."""
+    if isinstance(text, messages.Said):
+        people = (*people, *text.people)
+        text = text.text
+    shown = messages.escape(text)
+    for person in dict.fromkeys(p for p in people if p):
+        shown = _whole(person).sub(lambda m: messages.mention(m[0]), shown, count=1)
+    return shown
 
 
-def mentions(text: str) -> str:
-    """Show Slack user ids in core messages as mentions, which Slack renders as names."""
-    return _USER_ID.sub(r"<@\1>", text)
+def refusal(exc: DeployBotError) -> list[messages.Said]:
+    """An error's lines, with the people the core named in it (bot.errors)."""
+    return [messages.Said(line, exc.people) for line in exc.message.splitlines()]
 
 
-def mrkdwn(text: str) -> str:
-    """Plain text (the core's words, messages.py's plain texts, and whatever a person
-    typed inside them) as mrkdwn: escaped first, so `<!channel>` or `<@U123|x>` typed by
-    someone shows as typed, and only then the bot's own mentions are added."""
-    return mentions(messages.escape(text))
+def typed(text: str) -> str:
+    """Text as the person typed it. Slack escapes `&`, `<` and `>` in the text of a slash
+    command (`R&D <2` arrives as `R&amp;D &lt;2`); undone once here, where it comes in,
+    so the store keeps what was typed and output escapes it exactly once. `&amp;` last,
+    so a typed `&lt;` (sent as `&amp;lt;`) stays `&lt;`."""
+    return text.replace("&lt;", "<").replace("&gt;", ">").replace("&amp;", "&")
+
+
+def _whole(person: str) -> re.Pattern[str]:
+    """The id as a whole word (not inside a longer id, nor a mention already made)."""
+    return re.compile(rf"(?<![\w@]){re.escape(person)}(?!\w)")
 
 
 def fit(text: str, limit: int) -> str:
@@ -159,7 +179,12 @@ def build_approval_decided(build: Build, outcome: str) -> list[dict[str, Any]]:
         block_id="summary",
         text=MarkdownTextObject(text=fit(messages.build_approval_summary(build), SECTION_MAX)),
     )
-    return dicts([summary, ContextBlock(elements=[MarkdownTextObject(text=outcome)])])
+    return dicts([summary, _outcome(outcome)])
+
+
+def _outcome(outcome: str) -> ContextBlock:
+    """The decision under a card (a reason of any length, cut to fit)."""
+    return ContextBlock(elements=[MarkdownTextObject(text=fit(outcome, SECTION_MAX))])
 
 
 def destroy_button(job: Job, label: str = "Destroy") -> ButtonElement:
@@ -187,15 +212,16 @@ def lease_reminder(job: Job, text: str, step: str) -> list[dict[str, Any]]:
 # --- /deploy list -------------------------------------------------------------------
 
 
-def vm_list(page: VMPage, me: str, now: datetime) -> list[dict[str, Any]]:
+def vm_list(page: VMPage, me: str, now: datetime, zone: tzinfo = UTC) -> list[dict[str, Any]]:
     """One page of VMs: a row each (a Destroy button on the ready ones) and Previous /
-    Next. 10 rows a page keep it far under Slack's 50 blocks."""
+    Next, lease ends in the reader's `zone`. 10 rows a page keep it far under Slack's 50
+    blocks."""
     if not page.jobs:
         return answer([messages.escape(messages.list_empty(page, me))])
     title = messages.escape(messages.list_title(page, me))
     blocks: list[Block] = [SectionBlock(text=MarkdownTextObject(text=f"*{title}*"))]
     for job in page.jobs:
-        row = fit(messages.list_row(job, now), SECTION_MAX)
+        row = fit(messages.list_row(job, now, zone), SECTION_MAX)
         button = destroy_button(job) if job.state is JobState.SUCCEEDED else None
         blocks.append(SectionBlock(text=MarkdownTextObject(text=row), accessory=button))
     turns = [("Previous", page.page - 1), ("Next", page.page + 1)]
@@ -252,7 +278,7 @@ def destroy_decided(job: Job, outcome: str) -> list[dict[str, Any]]:
         block_id="summary",
         text=MarkdownTextObject(text=fit(messages.destroy_summary(job), SECTION_MAX)),
     )
-    return dicts([summary, ContextBlock(elements=[MarkdownTextObject(text=outcome)])])
+    return dicts([summary, _outcome(outcome)])
 
 
 def approval_decided(job: Job, outcome: str) -> list[dict[str, Any]]:
@@ -261,7 +287,7 @@ def approval_decided(job: Job, outcome: str) -> list[dict[str, Any]]:
         block_id="summary",
         text=MarkdownTextObject(text=fit(messages.approval_summary(job), SECTION_MAX)),
     )
-    return dicts([summary, ContextBlock(elements=[MarkdownTextObject(text=outcome)])])
+    return dicts([summary, _outcome(outcome)])
 
 
 def reject_modal(job_id: str, metadata: dict[str, str]) -> View:
