@@ -80,10 +80,17 @@ class OwnershipSettings(_Section):
 
     A runner renews its leases every `tick_s`; a job whose lease has been unrenewed for
     `lease_s` is taken over by another runner. A process on the same host that is seen
-    to be gone frees its jobs at once, without waiting for the lease."""
+    to be gone frees its jobs at once, without waiting for the lease.
+
+    `stop_s`: what `deploybot serve` gives its work on SIGTERM/SIGINT. Running deploys
+    and answers to chat may finish for that long; then answers not yet sent are left
+    in the inbox for another process, running deploys are cancelled (they roll back),
+    and what still rolls back after `stop_s` more is left to the runner that takes it
+    over. Queued jobs go back at once. The process exits within about twice `stop_s`."""
 
     lease_s: float = Field(default=30, gt=0)
     tick_s: float = Field(default=2, gt=0)
+    stop_s: float = Field(default=10, gt=0)
 
     @model_validator(mode="after")
     def _renews_in_time(self) -> OwnershipSettings:

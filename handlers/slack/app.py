@@ -136,10 +136,25 @@ class SlackBot:
         except Exception:
             log.exception("a Slack listener task failed")
 
-    async def settle(self) -> None:
-        """Wait until every task started by a listener has finished (tests, shutdown)."""
-        while self.tasks:
-            await asyncio.gather(*list(self.tasks), return_exceptions=True)
+    async def settle(self, within_s: float | None = None) -> int:
+        """Wait until every task started by a listener has finished (tests, shutdown).
+
+        With `within_s` (a stopping server), tasks still going then are cancelled: their
+        commands stay in the inbox (bot/inbox.py), handed to another process when this
+        runner stops. Answers wait for Slack's pace (100 a minute), so two hundred
+        commands take two minutes to answer. Returns how many were cancelled."""
+        try:
+            async with asyncio.timeout(within_s):
+                while self.tasks:
+                    await asyncio.gather(*list(self.tasks), return_exceptions=True)
+            return 0
+        except TimeoutError:
+            left = list(self.tasks)
+            for task in left:
+                task.cancel()
+            await asyncio.gather(*left, return_exceptions=True)
+            log.warning("stopping: %d command(s) left in the inbox for another process", len(left))
+            return len(left)
 
     async def tell(
         self, channel: str, user: str, lines: Sequence[str], *, monospace: bool = False
