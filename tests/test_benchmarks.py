@@ -49,7 +49,7 @@ SMOKES = [
         ),
         "<= 50",
         ("DEPLOYBOT_REQUIRE_REFERENCE",),
-    ),  # fmt: skip
+    ),
     Smoke(
         "bench_proxmox",
         ("--runs", "1", "--concurrent", "2", "--time-scale", "0.05"),
