@@ -251,6 +251,12 @@ GC_CATEGORIES = {
 }
 
 
+def gc_count(n: int, category: str) -> str:
+    """`n` VMs of one category: "1 VM: job succeeded (kept)", "2 VMs: ..." (the labels
+    describe one finding each, so the number counts the VMs, not the jobs)."""
+    return f"{n} {'VM' if n == 1 else 'VMs'}: {GC_CATEGORIES[category]}"
+
+
 def gc_locked(vm_id: str, lock: str) -> str:
     """Why gc leaves an orphan alone: the hypervisor's own lock on it (Proxmox `lock`)."""
     return (
@@ -286,7 +292,7 @@ def gc_report(report: GcReport, window_minutes: float) -> list[str]:
                 "(configuration, credentials, CA bundle), then run gc again."
             )
             continue
-        parts = [f"{n} {GC_CATEGORIES[c]}" for c, n in sorted(counts.items())] or ["no tagged VMs"]
+        parts = [gc_count(n, c) for c, n in sorted(counts.items())] or ["no tagged VMs"]
         lines.append(f"  {backend}: " + "; ".join(parts))
     for finding in report.findings:
         if finding.orphan and not report.applied:
