@@ -251,6 +251,16 @@ GC_CATEGORIES = {
 }
 
 
+# In a deploy's thread when its command was carried out by another process, after the
+# one that received it stopped before answering (bot/inbox.py): Slack may have shown the
+# person an error ("failed with the error ...") while the VM was being built.
+COMMAND_RESUMED = (
+    "This deploy was asked for while deploybot was restarting, and Slack may have shown "
+    "an error then. The command was kept and is being carried out after all: follow it "
+    "here, or cancel it with /deploy cancel JOB if it is no longer wanted."
+)
+
+
 def gc_count(n: int, category: str) -> str:
     """`n` VMs of one category: "1 VM: job succeeded (kept)", "2 VMs: ..." (the labels
     describe one finding each, so the number counts the VMs, not the jobs)."""

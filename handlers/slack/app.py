@@ -242,11 +242,16 @@ class SlackBot:
         # A redelivery too: its dedupe key makes it answer with the job already made.
         self.spawn(self.carry_out(key, command, user, channel))
 
-    async def carry_out(self, key: str, command: Command, user: str, channel: str) -> None:
-        """Run a kept command, answer the person, and strike it from the inbox."""
+    async def carry_out(
+        self, key: str, command: Command, user: str, channel: str, *, resumed: bool = False
+    ) -> None:
+        """Run a kept command, answer the person, and strike it from the inbox. A command
+        `resumed` from a stopped process that made a job also says so in its thread."""
         logfields.bind(request=key)
         mono = isinstance(command, Status | History | Templates | TemplateProfiles)
         await self.answering(channel, user, self._run(command, user, channel, key), mono=mono)
+        if resumed and isinstance(command, DeployArgs):
+            await inbox.tell_resumed(self.deployer, key, messages.COMMAND_RESUMED)
         await inbox.done(self.deployer, key)
 
     async def sweep_inbox(self) -> int:
@@ -264,7 +269,7 @@ class SlackBot:
             except (UsageError, ValueError):  # it parsed when it came: nothing to redo
                 await inbox.done(self.deployer, item.key)
                 continue
-            self.spawn(self.carry_out(item.key, command, item.user, item.channel))
+            self.spawn(self.carry_out(item.key, command, item.user, item.channel, resumed=True))
         return len(found)
 
     async def sweeping(self) -> None:
