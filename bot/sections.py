@@ -42,6 +42,12 @@ class Defaults(_Section):
 
 
 class Limits(_Section):
+    """`max_running` and `max_running_per_backend` bound one process's queue
+    (bot/queue.py), not the installation: each replica claims work up to its own limits,
+    so N replicas may run N times as many jobs on one backend. A per-installation
+    count would have to be taken in the store by every path that starts a job (intake,
+    approval, the claim of queued work, recovery); until then operators divide."""
+
     max_cores: int = Field(default=16, ge=1)
     max_memory_mib: int = Field(default=65536, ge=256)
     max_disk_grow_gib: int = Field(default=1024, ge=0)
