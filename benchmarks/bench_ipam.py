@@ -18,10 +18,15 @@
                                  100   400       102
 
     .venv/bin/python -m benchmarks.bench_ipam          # from the checkout: uses tests/
+
+The sweep runs the fake Proxmox API, which checks every request against the schema in
+../shared/reference/pve-api-subset.json: without that folder beside the checkout the
+benchmark says so and stops before it starts.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import ipaddress
 import statistics
@@ -30,6 +35,7 @@ import time
 from pathlib import Path
 
 from backends.sim import SimBackend
+from benchmarks import needs
 from benchmarks.keys import BENCH_KEY
 from bot.parser import DeployArgs, parse
 from bot.runtime import running_deployer
@@ -41,10 +47,14 @@ from tests.reference import reference_json
 
 PICK_GOAL_MS = 50.0
 HELD = (0, 500, 1000)
+BY_HAND = 1000
+SWEEP_HAND, SWEEP_OURS = 100, 400
 
 
-async def picks(folder: Path) -> list[tuple[int, float]]:
-    """(held, median ms per pick over the next 20 picks) at each level of HELD."""
+async def picks(
+    folder: Path, held: tuple[int, ...] = HELD, by_hand: int = BY_HAND, count: int = 20
+) -> list[tuple[int, float]]:
+    """(held, median ms per pick over the next `count` picks) at each level of `held`."""
     settings = load_settings(
         BUNDLED_CONFIG,
         database=str(folder / "jobs.db"),
@@ -55,17 +65,17 @@ async def picks(folder: Path) -> list[tuple[int, float]]:
         defaults={"ssh_keys": [BENCH_KEY]},
     )
     sim = SimBackend("sim")
-    for n in range(1000):  # built by hand, from the top of the subnet down
+    for n in range(by_hand):  # built by hand, from the top of the subnet down
         sim.add_vm(f"hand{n}", address=ipaddress.IPv4Address("10.8.15.254") - n)
     rows = []
     async with running_deployer(settings, backends={"sim": sim}) as deployer:
         made = 0
-        for level in HELD:
+        for level in held:
             while made < level:
                 await ask(deployer, f"fill{made}")
                 made += 1
             times = []
-            for _ in range(20):
+            for _ in range(count):
                 began = time.perf_counter()
                 await ask(deployer, f"vm{made}")
                 times.append((time.perf_counter() - began) * 1000)
@@ -83,13 +93,15 @@ async def ask(deployer: object, text: str) -> None:
     await deployer.request_deploy(args, "alice")
 
 
-async def sweeps(folder: Path) -> list[tuple[int, int, int]]:
+async def sweeps(
+    folder: Path, by_hand: int = SWEEP_HAND, of_ours: int = SWEEP_OURS
+) -> list[tuple[int, int, int]]:
     """(VMs built by hand, VMs of ours, requests of one sweep)."""
     schema = ApiSchema(reference_json("pve-api-subset.json"))
     rows = []
     (folder / "tls").mkdir()
     tls = make_tls(folder / "tls")
-    for hand, ours in ((0, 0), (100, 0), (0, 400), (100, 400)):
+    for hand, ours in ((0, 0), (by_hand, 0), (0, of_ours), (by_hand, of_ours)):
         async with start_fake(schema, tls) as fake:
             for n in range(hand):
                 fake.cluster.add_vm(1000 + n, f"hand{n}", ipconfig0=f"ip={_nth(9, n)}/16")
@@ -112,12 +124,13 @@ def _nth(second: int, n: int) -> str:
     return f"10.{second}.{n // 250}.{n % 250 + 2}"
 
 
-async def main() -> None:
+async def main(args: argparse.Namespace) -> None:
+    needs.reference("pve-api-subset.json")  # before anything runs, not after part 1
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        picked = await picks(folder)
-        swept = await sweeps(folder)
-    print("next free address (builtin IPAM, 1,000 VMs built by hand on the simulator)")
+        picked = await picks(folder, tuple(args.held), args.by_hand, args.picks)
+        swept = await sweeps(folder, args.sweep_hand, args.sweep_ours)
+    print(f"next free address (builtin IPAM, {args.by_hand:,} VMs built by hand on the simulator)")
     print(f"{'held':>6}  {'ms/pick':>8}  goal")
     for held, ms in picked:
         print(f"{held:>6}  {ms:>8.1f}  <= {PICK_GOAL_MS:g}")
@@ -129,4 +142,11 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--held", type=int, nargs="+", default=list(HELD))
+    parser.add_argument("--by-hand", type=int, default=BY_HAND, help="VMs on the simulator")
+    parser.add_argument("--picks", type=int, default=20, help="picks timed at each level")
+    parser.add_argument("--sweep-hand", type=int, default=SWEEP_HAND)
+    parser.add_argument("--sweep-ours", type=int, default=SWEEP_OURS)
+    arguments = parser.parse_args()
+    needs.run(lambda: asyncio.run(main(arguments)))

@@ -28,7 +28,10 @@ admissions and preparations, all CPU: the fifty move in step), at each step's en
 fifty config reads and changes queue through the fake (10-40 ms), and the agent is
 first asked 20-60 ms after it is up.
 
-    .venv/bin/python -m benchmarks.bench_proxmox [--runs N]
+    .venv/bin/python -m benchmarks.bench_proxmox [--runs N] [--concurrent 50] [--time-scale 1]
+
+The fake checks every request against ../shared/reference/pve-api-subset.json: without
+that folder beside the checkout the benchmark says so and stops before it starts.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from typing import Any
 
 from backends.proxmox import Config, create
 from backends.proxmox.pacing import Pacing
+from benchmarks import needs
 from benchmarks.keys import BENCH_KEY
 from benchmarks.stall import ticker
 from bot.models import JobState
@@ -191,7 +195,8 @@ def agent_asks(requests: list[tuple[str, float]]) -> int:
     return sum(1 for route, _at in requests if "/agent/" in route)
 
 
-async def main(runs: int) -> None:
+async def main(runs: int, concurrent: int = 50) -> None:
+    needs.reference("pve-api-subset.json")
     secret = secrets.token_hex(16)
     port, ssh_port = free_port("127.0.0.1"), free_port(f"{GUESTS}.1")
     pacing = Pacing()  # what a long-running bot learns: shared by the runs of 1 and 50
@@ -211,7 +216,7 @@ async def main(runs: int) -> None:
             sizes = [(1, "blind 1")] + [
                 (c, label)
                 for _ in range(runs)
-                for c, label in ((1, "1"), (50, "50"), (1, "fresh 1"))
+                for c, label in ((1, "1"), (concurrent, str(concurrent)), (1, "fresh 1"))
             ]
             found: dict[str, list[dict[str, float]]] = {}
             last_single: list[tuple[str, float]] = []
@@ -268,4 +273,9 @@ if __name__ == "__main__":
     parser.add_argument(
         "--runs", type=int, default=3, choices=range(1, 5), help="rounds of 1 and 50"
     )
-    asyncio.run(main(parser.parse_args().runs))
+    parser.add_argument("--concurrent", type=int, default=50, choices=range(1, 51))
+    parser.add_argument("--time-scale", type=float, default=1.0, help="of the fake's tasks")
+    arguments = parser.parse_args()
+    for key in TIMINGS:  # the fake's durations, scaled before it starts (a smoke run)
+        TIMINGS[key] *= arguments.time_scale
+    needs.run(lambda: asyncio.run(main(arguments.runs, arguments.concurrent)))

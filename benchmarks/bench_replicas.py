@@ -9,7 +9,11 @@ worst: Slack gives up after 3 s), the time from the first command to the last jo
 that over the hypervisor's time on one deploy's critical path (1.00 = the bot adds
 nothing), and how many jobs succeeded.
 
-    .venv/bin/python -m benchmarks.bench_replicas [--deploys 200]
+    .venv/bin/python -m benchmarks.bench_replicas [--deploys 200] [--time-scale 0.5]
+
+It needs Debian's PostgreSQL server (apt-get install postgresql) and
+../shared/reference (the fake Slack checks calls against slack-methods.json); it says
+so and stops when either is missing.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import aiohttp
 import psycopg
 
 from backends.sim import SimTiming
+from benchmarks import needs
 from benchmarks.bench_pipeline import critical_path_s
 from benchmarks.keys import BENCH_KEY
 from tests.fake_slack import FakeSlack
@@ -106,12 +111,12 @@ async def wait_final(count_final: Callable[[], int], count: int, limit_s: float)
 
 
 async def run(
-    name: str, database: str, replicas: int, count: int, tmp: Path, fake: FakeSlack
+    name: str, database: str, replicas: int, count: int, tmp: Path, fake: FakeSlack, scale: float
 ) -> dict[str, float]:
     config = tmp / f"{name}.toml"
     config.write_text(
         CONFIG.format(
-            database=database, tmp=tmp, name=name, scale=SCALE, key=BENCH_KEY, count=count,
+            database=database, tmp=tmp, name=name, scale=scale, key=BENCH_KEY, count=count,
             slack=fake.url,
         )
     )  # fmt: skip
@@ -142,8 +147,8 @@ async def run(
         for proc, _url in procs:
             proc.terminate()
         for proc, _url in procs:
-            try:
-                proc.wait(timeout=60)
+            try:  # in a thread: the fake Slack on this loop must answer meanwhile
+                await asyncio.to_thread(proc.wait, 60)
             except subprocess.TimeoutExpired:
                 print("a replica did not stop within 60 s of SIGTERM")
                 proc.kill()
@@ -177,21 +182,22 @@ def _succeeded(database: str) -> int:
     return _count(database, "SELECT count(*) FROM jobs WHERE state = 'succeeded'")
 
 
-async def main(count: int) -> None:
-    crit = critical_path_s(SimTiming(), SCALE)
+async def main(count: int, scale: float) -> None:
+    crit = critical_path_s(SimTiming(), scale)
     fake = await new_fake()
     pg_dir = Path(tempfile.mkdtemp(prefix="bench-pg-"))
     try:
         cluster = start_cluster(pg_dir)
         with tempfile.TemporaryDirectory(prefix="bench-replicas-") as name:
             tmp = Path(name)
-            rows = [("1 on SQLite", await run("sqlite", f"{tmp}/jobs.db", 1, count, tmp, fake))]
+            sqlite = await run("sqlite", f"{tmp}/jobs.db", 1, count, tmp, fake, scale)
+            rows = [("1 on SQLite", sqlite)]
             # One process on PostgreSQL too: the database's own cost, apart from the
             # replicas' share of this machine's cores.
-            one = await run("pg1", cluster.new_database(), 1, count, tmp, fake)
+            one = await run("pg1", cluster.new_database(), 1, count, tmp, fake, scale)
             rows.append(("1 on PostgreSQL", one))
             url = cluster.new_database()
-            rows.append(("3 on PostgreSQL", await run("pg", url, 3, count, tmp, fake)))
+            rows.append(("3 on PostgreSQL", await run("pg", url, 3, count, tmp, fake, scale)))
     finally:
         await fake.close()
         stop_cluster(pg_dir)
@@ -210,4 +216,6 @@ async def main(count: int) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--deploys", type=int, default=200)
-    asyncio.run(main(parser.parse_args().deploys))
+    parser.add_argument("--time-scale", type=float, default=SCALE, help="of the simulator")
+    arguments = parser.parse_args()
+    needs.run(lambda: asyncio.run(main(arguments.deploys, arguments.time_scale)))

@@ -35,12 +35,16 @@ every update of the tracker's filter by reading all of its VMs again.
 
     .venv/bin/python -m benchmarks.bench_vsphere            # from the checkout: uses tests/
     .venv/bin/python -m benchmarks.bench_vsphere --scale    # the inventory scale alone
+    (sizes: --deploys 20 --boots 0 2 --extra-vms 0 400 2000 --scale-deploys 5)
+
+It builds vcsim from Debian's govmomi sources (apt-get install golang-go
+golang-github-vmware-govmomi-dev) and says so and stops when they are missing.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -48,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from backends.vsphere import VSphereBackend
+from benchmarks import needs
 from benchmarks.keys import BENCH_KEY
 from benchmarks.stall import ticker
 from bot.models import JobState
@@ -103,7 +108,7 @@ async def run(
             "ssh_port": port,
             "ssh_keys": [BENCH_KEY],
         },
-        limits={"max_running": COUNT, "max_running_per_backend": COUNT},
+        limits={"max_running": count, "max_running_per_backend": count},
         approval={},
     )
     backend = make_backend(settings.backends[0], {PASSWORD_ENV: PASSWORD})
@@ -134,8 +139,10 @@ async def run(
     return wall, calls, worst[0], sent
 
 
-def row(mode: str, boot_s: float, wall: float, calls: Counter[str], stall: float) -> str:
-    per = {k: v / COUNT for k, v in calls.items()}
+def row(
+    mode: str, boot_s: float, wall: float, calls: Counter[str], stall: float, count: int = COUNT
+) -> str:
+    per = {k: v / count for k, v in calls.items()}
     tasks = sum(v for k, v in per.items() if k.endswith("_Task"))
     reads = per.get("RetrievePropertiesEx", 0) + per.get("Fetch", 0)
     return (
@@ -145,14 +152,15 @@ def row(mode: str, boot_s: float, wall: float, calls: Counter[str], stall: float
     )
 
 
-def main() -> None:
+def main(args: argparse.Namespace) -> None:
+    count = args.deploys
     with tempfile.TemporaryDirectory() as name:
         tmp = Path(name)
         binary, tls = build_vcsim(tmp), make_tls(tmp)
-        if "--scale" in sys.argv[1:]:  # the inventory scale table alone
-            scale(binary, tls, tmp)
+        if args.scale:  # the inventory scale table alone
+            scale(binary, tls, tmp, tuple(args.extra_vms), args.scale_deploys)
             return
-        print(f"{COUNT} concurrent deploys on one session; per deploy: SOAP calls, tasks, ")
+        print(f"{count} concurrent deploys on one session; per deploy: SOAP calls, tasks, ")
         print("WaitForUpdatesEx, property reads (RetrievePropertiesEx + Fetch), Fetch alone\n")
         print(
             f"{'mode':<8} {'boot s':>6} {'wall s':>7} {'calls':>8} {'tasks':>6} {'waits':>6} "
@@ -160,20 +168,26 @@ def main() -> None:
         )
         detail: dict[str, Any] = {}
         for esx in (False, True):
-            for boot_s in (0.0, 2.0):
+            for boot_s in args.boots:
                 mode = "esxi" if esx else "vcenter"
                 with simulator(binary, tls, tmp, esx=esx, boot_s=boot_s) as lab:
-                    wall, calls, stall, _bytes = asyncio.run(run(lab, tmp))
-                print(row(mode, boot_s, wall, calls, stall))
+                    wall, calls, stall, _bytes = asyncio.run(run(lab, tmp, count))
+                print(row(mode, boot_s, wall, calls, stall, count))
                 detail.setdefault(mode, calls)
         for mode, calls in detail.items():
-            methods = ", ".join(f"{k} {v / COUNT:g}" for k, v in sorted(calls.items()))
+            methods = ", ".join(f"{k} {v / count:g}" for k, v in sorted(calls.items()))
             print(f"\n{mode} calls per deploy: {methods}")
-        scale(binary, tls, tmp)
+        scale(binary, tls, tmp, tuple(args.extra_vms), args.scale_deploys)
 
 
-def scale(binary: Path, tls: TlsFiles, tmp: Path) -> None:
-    print(f"\nInventory scale: {SCALE_DEPLOYS} deploys one after the other, per deploy")
+def scale(
+    binary: Path,
+    tls: TlsFiles,
+    tmp: Path,
+    extra_vms: tuple[int, ...] = EXTRA_VMS,
+    deploys: int = SCALE_DEPLOYS,
+) -> None:
+    print(f"\nInventory scale: {deploys} deploys one after the other, per deploy")
     print(
         f"{'mode':<8} {'extra VMs':>9} {'requests':>9} {'goal':>5} {'waits':>6} {'KB':>9} "
         f"{'goal':>22} {'wall s':>7}"
@@ -182,27 +196,32 @@ def scale(binary: Path, tls: TlsFiles, tmp: Path) -> None:
     for esx in (False, True):
         mode = "esxi" if esx else "vcenter"
         pools = 1 if esx else 2  # vcsim's model: VMs are made per resource pool
-        for extra in EXTRA_VMS:
+        for extra in extra_vms:
             per_pool = 2 + extra // pools
             with simulator(binary, tls, tmp, esx=esx, vms_per_pool=per_pool) as lab:
-                wall, calls, _stall, sent = asyncio.run(
-                    run(lab, tmp, SCALE_DEPLOYS, one_by_one=True)
-                )
-            requests = sum(calls.values()) / SCALE_DEPLOYS
-            kb = sent / SCALE_DEPLOYS / 1000
+                wall, calls, _stall, sent = asyncio.run(run(lab, tmp, deploys, one_by_one=True))
+            requests = sum(calls.values()) / deploys
+            kb = sent / deploys / 1000
             goal_kb = "same as 0 extra"
             # WaitForUpdatesEx: one per task and tracker look, more when an update
             # comes in parts (vcsim's timing), which is the only variation left.
-            waits = calls["WaitForUpdatesEx"] / SCALE_DEPLOYS
+            waits = calls["WaitForUpdatesEx"] / deploys
             print(
                 f"{mode:<8} {extra:>9} {requests:>9.1f} {'<=' + str(GOAL_REQUESTS):>5} "
-                f"{waits:>6.1f} {kb:>9.1f} {goal_kb:>22} {wall / SCALE_DEPLOYS:>7.2f}"
+                f"{waits:>6.1f} {kb:>9.1f} {goal_kb:>22} {wall / deploys:>7.2f}"
             )
             detail.setdefault(mode, calls)
     for mode, calls in detail.items():
-        methods = ", ".join(f"{k} {v / SCALE_DEPLOYS:g}" for k, v in sorted(calls.items()))
+        methods = ", ".join(f"{k} {v / deploys:g}" for k, v in sorted(calls.items()))
         print(f"\n{mode} requests per deploy, one after the other: {methods}")
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scale", action="store_true", help="the inventory scale table alone")
+    parser.add_argument("--deploys", type=int, default=COUNT, choices=range(1, COUNT + 1))
+    parser.add_argument("--boots", type=float, nargs="+", default=[0.0, 2.0])
+    parser.add_argument("--extra-vms", type=int, nargs="+", default=list(EXTRA_VMS))
+    parser.add_argument("--scale-deploys", type=int, default=SCALE_DEPLOYS)
+    arguments = parser.parse_args()
+    needs.run(lambda: main(arguments))

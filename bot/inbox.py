@@ -10,10 +10,29 @@ already made its job is answered as such rather than run twice.
 
 from __future__ import annotations
 
-from bot.models import Received
+from bot import progress as tell
+from bot.models import JobEvent, Received
 from bot.service import Deployer
 
 ORPHANS_PER_LOOK = 10
+RESUMED_STEP = "inbox"  # the job event that says its command was carried out late
+
+
+async def tell_resumed(deployer: Deployer, key: str, text: str) -> bool:
+    """The command kept under `key`, taken over from a process that stopped before
+    answering, made (or had made) a job: say so in that job's thread (`text`), once,
+    through the outbox. The person may have been shown an error by the chat while the
+    VM was being built; this tells the channel the command is carried out after all.
+    False when the command made no job, or the job was already told."""
+    store = deployer.store
+    job_id = await store.delivered(key)
+    if job_id is None:
+        return False
+    if any(e.step == RESUMED_STEP for e in await store.events(job_id)):
+        return False  # told by a process that stopped before striking the command
+    event = JobEvent(job_id=job_id, step=RESUMED_STEP, phase="note", detail=text)
+    await store.add_event(event, tell.noted(job_id, text))
+    return True
 
 
 async def receive(deployer: Deployer, key: str, user: str, channel: str, text: str) -> bool:

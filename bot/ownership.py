@@ -230,14 +230,21 @@ class Ownership:
         while self.recovering:
             await asyncio.gather(*list(self.recovering.values()), return_exceptions=True)
 
-    async def close(self) -> None:
+    async def close(self, within_s: float | None = None) -> None:
         """Hand queued jobs back and say this runner stopped. Called once the queue has
-        shut down; the caller keeps renewing (`closing`) until then."""
+        shut down; the caller keeps renewing (`closing`) until then. Recoveries still
+        going after `within_s` are left: their jobs' leases lapse and another runner
+        takes them over, as it would from a process that died."""
         if self._loop is not None:
             self._loop.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop
-        await self.settle()
+        try:
+            async with asyncio.timeout(within_s):
+                await self.settle()
+        except TimeoutError:
+            left = len(self.recovering)
+            log.warning("runner %s: leaving %d recoveries unfinished", self.id, left)
         handed = await self.store.release_runner(self.id, self.clock())
         if handed:
             log.info("runner %s: handed %d queued job(s) back", self.id, handed)

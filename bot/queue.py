@@ -104,10 +104,12 @@ class JobQueue:
         """Wait until nothing is waiting or running (tests use this instead of sleeping)."""
         await self._idle.wait()
 
-    async def shutdown(self, grace_s: float) -> None:
+    async def shutdown(self, grace_s: float, rollback_s: float | None = None) -> None:
         """Stop starting jobs; give running ones `grace_s`, then cancel them (they roll back).
 
-        Waiting jobs stay queued in the store and start again on the next run.
+        Waiting jobs stay queued in the store and start again on the next run. With
+        `rollback_s`, rollbacks still going that long after the cancel are left running
+        (a stopping server: the runner that takes the job over finishes it).
         """
         self._closed = True
         self._waiting.clear()
@@ -119,7 +121,9 @@ class JobQueue:
         for task in pending:
             task.cancel()
         if pending:
-            await asyncio.wait(pending)
+            _done, left = await asyncio.wait(pending, timeout=rollback_s)
+            if left:
+                log.warning("leaving %d job(s) still rolling back to another runner", len(left))
         self._idle.set()
 
     # --- machinery ----------------------------------------------------------------

@@ -42,6 +42,12 @@ class Defaults(_Section):
 
 
 class Limits(_Section):
+    """`max_running` and `max_running_per_backend` bound one process's queue
+    (bot/queue.py), not the installation: each replica claims work up to its own limits,
+    so N replicas may run N times as many jobs on one backend. A per-installation
+    count would have to be taken in the store by every path that starts a job (intake,
+    approval, the claim of queued work, recovery); until then operators divide."""
+
     max_cores: int = Field(default=16, ge=1)
     max_memory_mib: int = Field(default=65536, ge=256)
     max_disk_grow_gib: int = Field(default=1024, ge=0)
@@ -80,10 +86,17 @@ class OwnershipSettings(_Section):
 
     A runner renews its leases every `tick_s`; a job whose lease has been unrenewed for
     `lease_s` is taken over by another runner. A process on the same host that is seen
-    to be gone frees its jobs at once, without waiting for the lease."""
+    to be gone frees its jobs at once, without waiting for the lease.
+
+    `stop_s`: what `deploybot serve` gives its work on SIGTERM/SIGINT. Running deploys
+    and answers to chat may finish for that long; then answers not yet sent are left
+    in the inbox for another process, running deploys are cancelled (they roll back),
+    and what still rolls back after `stop_s` more is left to the runner that takes it
+    over. Queued jobs go back at once. The process exits within about twice `stop_s`."""
 
     lease_s: float = Field(default=30, gt=0)
     tick_s: float = Field(default=2, gt=0)
+    stop_s: float = Field(default=10, gt=0)
 
     @model_validator(mode="after")
     def _renews_in_time(self) -> OwnershipSettings:

@@ -188,10 +188,12 @@ class Deployer(Personal, BuildRequests):
         report = await protected(recover_interrupted(self.pipeline, self.backends, job))
         return report is None
 
-    async def close(self, grace_s: float = 30.0) -> None:
+    async def close(self, grace_s: float = 30.0, rollback_s: float | None = None) -> None:
         """Stop taking work, let running jobs finish within `grace_s` (renewing their
         leases meanwhile), then hand queued jobs back to the other runners. Closing
-        twice does nothing more."""
+        twice does nothing more. With `rollback_s` (a stopping server), rollbacks,
+        destroys and recoveries still going that long after the cancel are left to the
+        runner that takes their jobs over; without it they are waited for."""
         if self._closed:
             return
         self._closed = True
@@ -201,11 +203,11 @@ class Deployer(Personal, BuildRequests):
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        await self.queue.shutdown(grace_s)
+        await self.queue.shutdown(grace_s, rollback_s)
         with contextlib.suppress(TimeoutError):  # one left unfinished is taken over
-            async with asyncio.timeout(grace_s):
+            async with asyncio.timeout(grace_s if rollback_s is None else rollback_s):
                 await self.destroyer.settle()
-        await self.ownership.close()
+        await self.ownership.close(rollback_s)
         await self.addressing.ipam.close()
 
     async def sweep_wreckage(self) -> list[str]:

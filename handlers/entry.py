@@ -103,14 +103,19 @@ async def history(args: argparse.Namespace, settings: Settings) -> int:
             print(f"--state {args.state}: not a job state; use one of {choices}.", file=sys.stderr)
             return 2
     store = await open_store(settings)
-    try:
-        jobs = await store.history(
+    shown = 0
+    try:  # a page at a time: `history 100000` holds one page, not a hundred thousand jobs
+        pages = store.history_pages(
             requester=args.user, state=state, name=args.name, limit=max(1, args.limit)
         )
+        async for page in pages:
+            lines = [messages.history_line(job) for job in page]
+            print("\n".join(lines if shown else [messages.HISTORY_HEADER, *lines]))
+            shown += len(page)
     finally:
         await store.close()
-    filtered = bool(args.user or state or args.name)
-    print("\n".join(messages.history(jobs, filtered=filtered)))
+    if not shown:
+        print("\n".join(messages.history([], filtered=bool(args.user or state or args.name))))
     return 0
 
 

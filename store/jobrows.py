@@ -54,7 +54,11 @@ def _jobs(db: Db, sql: str, params: Any = ()) -> tuple[list[Job], int]:
     """The jobs a query finds, and how many rows it found that do not validate: those
     are quarantined (see store/quarantine.py), so no listing or start-up ever fails on
     them and the next query no longer finds them."""
-    rows = list(db.query(sql, params))
+    return sift_rows(db, list(db.query(sql, params)))
+
+
+def sift_rows(db: Db, rows: list[dict[str, Any]]) -> tuple[list[Job], int]:
+    """`_jobs` for rows already read (a page that needs its last row's position)."""
     return quarantine.sift(rows, job_from_row, lambda row, why: _set_aside(db, row, why))
 
 

@@ -34,6 +34,7 @@ from store.jobrows import (
     job_from_row,
     job_row,
     listing,
+    sift_rows,
 )
 from store.quarantine import QUARANTINED
 from store.sql import Conflict, Db, immediate
@@ -286,6 +287,42 @@ def history(
     limit: int = 10,
 ) -> list[Job]:
     """Newest first. Each filter is served by an index on (column, created_at)."""
+    sql, params = _history_query(requester, state, name, address, since, None, limit)
+    return listing(db, sql, params)
+
+
+# A position in the history, newest first: the last row read (created_at, rowid).
+HistoryCursor = tuple[str, int]
+
+
+def history_page(
+    db: Db,
+    *,
+    requester: str | None = None,
+    state: JobState | None = None,
+    name: str | None = None,
+    after: HistoryCursor | None = None,
+    limit: int = 500,
+) -> tuple[list[Job], HistoryCursor | None]:
+    """One page of `history`, read on from `after` (keyset: the page costs the same
+    however deep it is); the cursor of the next page, or None after the last one."""
+    sql, params = _history_query(requester, state, name, None, None, after, limit)
+    rows = list(db.query(sql, params))
+    found, _bad = sift_rows(db, rows)
+    if len(rows) < limit:
+        return found, None
+    return found, (str(rows[-1]["created_at"]), int(rows[-1]["rowid_"]))
+
+
+def _history_query(
+    requester: str | None,
+    state: JobState | None,
+    name: str | None,
+    address: str | None,
+    since: datetime | None,
+    after: HistoryCursor | None,
+    limit: int,
+) -> tuple[str, dict[str, Any]]:
     where: list[str] = []
     params: dict[str, Any] = {"limit": limit}
     for column, value in (("requester", requester), ("name", name), ("address", address)):
@@ -298,12 +335,15 @@ def history(
     if since is not None:
         where.append("created_at >= :since")
         params["since"] = ts(since)
+    if after is not None:
+        where.append("(created_at < :after_at OR (created_at = :after_at AND rowid < :after_row))")
+        params.update(after_at=after[0], after_row=after[1])
     where.append(f"state <> '{QUARANTINED}'")
     sql = (
         f"{SELECT_JOBS} WHERE {' AND '.join(where)} "
         "ORDER BY created_at DESC, rowid DESC LIMIT :limit"
     )
-    return listing(db, sql, params)
+    return sql, params
 
 
 def jobs_with_wreckage(db: Db) -> list[Job]:

@@ -188,7 +188,7 @@ def test_gc_command_dry_run_then_apply(tmp_path: Path) -> None:
     dry = gc_cli()
     assert dry.returncode == 0, dry.stderr
     assert "gc dry run over sim (nothing was touched):" in dry.stdout
-    assert "2 job failed or was cancelled; 1 job still in flight (kept); " in dry.stdout
+    assert "2 VMs: job failed or was cancelled; 1 VM: job still in flight (kept); " in dry.stdout
     assert f"orphan: VM {vms['unknown']} (ghost) on sim, job jghost1" in dry.stdout
     theirs = vms["other-installation"]
     assert f"another installation: VM {theirs} (theirs) on sim, installation " in dry.stdout

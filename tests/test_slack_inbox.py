@@ -84,3 +84,22 @@ async def test_a_form_left_by_a_dead_process_is_deployed(tmp_path: Path) -> None
         assert (job.name, job.request.cores, job.request.ssh_keys) == ("web04", 2, (TEST_KEY,))
         [(_key, _holder, done_at)] = inbox_rows(h)
         assert done_at is not None
+
+
+async def test_a_resumed_deploy_says_in_its_thread_that_it_goes_on_once(tmp_path: Path) -> None:
+    """The person's ack never reached Slack (it showed them an error) while the job was
+    made: the process that carries the command out says so in the job's thread, once,
+    even when it too stops before striking the command and a third one resumes it."""
+    async with slack_bot(tmp_path) as h:
+        await h.command("web05 10.0.0.54", trigger=h.fake.new_trigger())
+        await h.settle()
+        for _resumer in range(2):
+            with sqlite3.connect(h.deployer.settings.database) as db:
+                db.execute("UPDATE inbox SET done_at = NULL, holder = 'gone', until = ''")
+            assert await h.bot.sweep_inbox() == 1
+            await h.settle()
+        told = [c for c in h.fake.calls if is_reply("carried out after all")(c)]
+        assert len(told) == 1, [c.text for c in told]
+        [job] = await h.deployer.history()
+        parent = h.fake.messages[(CHANNEL, str(told[0].args["thread_ts"]))]
+        assert job.name in str(parent.get("text"))  # in the deploy's own thread

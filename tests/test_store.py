@@ -166,6 +166,29 @@ async def test_twenty_simultaneous_inserts_of_one_name_make_one_job(
             await s.close()
 
 
+async def test_history_pages_hold_a_page_each_and_lose_no_tie(
+    store: Store, settings: Settings
+) -> None:
+    """`deploybot history 100000` reads a page per query (keyset on created_at, rowid),
+    so it holds one page, not the whole listing; jobs made in the same instant (ten at
+    each) are neither lost nor repeated across page boundaries."""
+    at = utcnow()
+    for i in range(25):
+        job = make_job(settings, f"page{i}", f"10.0.0.{100 + i}")
+        await store.insert_job(
+            job.model_copy(update={"created_at": at + timedelta(seconds=i // 10)})
+        )
+    whole = await store.history(limit=30)
+    pages = [page async for page in store.history_pages(limit=23, page_size=10)]
+    assert [len(page) for page in pages] == [10, 10, 3]
+    assert [j.id for page in pages for j in page] == [j.id for j in whole[:23]]
+    everything = [page async for page in store.history_pages(limit=1000, page_size=10)]
+    assert [len(page) for page in everything] == [10, 10, 5]
+    assert [j.id for page in everything for j in page] == [j.id for j in whole]
+    alone = [page async for page in store.history_pages(name="page3", limit=5)]
+    assert [[j.name for j in page] for page in alone] == [["page3"]]
+
+
 async def test_history_filters_and_orders_newest_first(store: Store, settings: Settings) -> None:
     jobs = []
     for i, who in enumerate(["alice", "bob", "alice", "carol"]):

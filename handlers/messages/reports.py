@@ -47,13 +47,18 @@ def history(jobs: Sequence[Job], *, filtered: bool = False) -> list[str]:
         return ["No deploys match; drop a filter to see more."]
     if not jobs:
         return ["No deploys yet. Start one with /deploy web01 10.0.0.50."]
-    lines = [f"{'job':<8} {'when':<16} {'who':<10} {'name':<14} {'address':<15} state"]
-    for job in jobs:
-        lines.append(
-            f"{job.short_id:<8} {job.created_at:%Y-%m-%d %H:%M} {job.requester:<10.10} "
-            f"{job.name:<14.14} {job.address:<15} {STATE_LABELS[job.state]}"
-        )
-    return lines
+    return [HISTORY_HEADER, *(history_line(job) for job in jobs)]
+
+
+HISTORY_HEADER = f"{'job':<8} {'when':<16} {'who':<10} {'name':<14} {'address':<15} state"
+
+
+def history_line(job: Job) -> str:
+    """One row of `history` (the CLI prints them a page at a time)."""
+    return (
+        f"{job.short_id:<8} {job.created_at:%Y-%m-%d %H:%M} {job.requester:<10.10} "
+        f"{job.name:<14.14} {job.address:<15} {STATE_LABELS[job.state]}"
+    )
 
 
 def templates(

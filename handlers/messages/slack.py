@@ -274,6 +274,22 @@ GC_CATEGORIES = {
 }
 
 
+# In a deploy's thread when its command was carried out by another process, after the
+# one that received it stopped before answering (bot/inbox.py): Slack may have shown the
+# person an error ("failed with the error ...") while the VM was being built.
+COMMAND_RESUMED = (
+    "This deploy was asked for while deploybot was restarting, and Slack may have shown "
+    "an error then. The command was kept and is being carried out after all: follow it "
+    "here, or cancel it with /deploy cancel JOB if it is no longer wanted."
+)
+
+
+def gc_count(n: int, category: str) -> str:
+    """`n` VMs of one category: "1 VM: job succeeded (kept)", "2 VMs: ..." (the labels
+    describe one finding each, so the number counts the VMs, not the jobs)."""
+    return f"{n} {'VM' if n == 1 else 'VMs'}: {GC_CATEGORIES[category]}"
+
+
 def gc_locked(vm_id: str, lock: str) -> str:
     """Why gc leaves an orphan alone: the hypervisor's own lock on it (Proxmox `lock`)."""
     return (
@@ -309,7 +325,7 @@ def gc_report(report: GcReport, window_minutes: float) -> list[str]:
                 "(configuration, credentials, CA bundle), then run gc again."
             )
             continue
-        parts = [f"{n} {GC_CATEGORIES[c]}" for c, n in sorted(counts.items())] or ["no tagged VMs"]
+        parts = [gc_count(n, c) for c, n in sorted(counts.items())] or ["no tagged VMs"]
         lines.append(f"  {backend}: " + "; ".join(parts))
     for finding in report.findings:
         if finding.orphan and not report.applied:

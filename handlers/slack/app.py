@@ -137,10 +137,25 @@ class SlackBot:
         except Exception:
             log.exception("a Slack listener task failed")
 
-    async def settle(self) -> None:
-        """Wait until every task started by a listener has finished (tests, shutdown)."""
-        while self.tasks:
-            await asyncio.gather(*list(self.tasks), return_exceptions=True)
+    async def settle(self, within_s: float | None = None) -> int:
+        """Wait until every task started by a listener has finished (tests, shutdown).
+
+        With `within_s` (a stopping server), tasks still going then are cancelled: their
+        commands stay in the inbox (bot/inbox.py), handed to another process when this
+        runner stops. Answers wait for Slack's pace (100 a minute), so two hundred
+        commands take two minutes to answer. Returns how many were cancelled."""
+        try:
+            async with asyncio.timeout(within_s):
+                while self.tasks:
+                    await asyncio.gather(*list(self.tasks), return_exceptions=True)
+            return 0
+        except TimeoutError:
+            left = list(self.tasks)
+            for task in left:
+                task.cancel()
+            await asyncio.gather(*left, return_exceptions=True)
+            log.warning("stopping: %d command(s) left in the inbox for another process", len(left))
+            return len(left)
 
     async def tell(
         self,
@@ -240,11 +255,16 @@ class SlackBot:
         # A redelivery too: its dedupe key makes it answer with the job already made.
         self.spawn(self.carry_out(key, command, user, channel))
 
-    async def carry_out(self, key: str, command: Command, user: str, channel: str) -> None:
-        """Run a kept command, answer the person, and strike it from the inbox."""
+    async def carry_out(
+        self, key: str, command: Command, user: str, channel: str, *, resumed: bool = False
+    ) -> None:
+        """Run a kept command, answer the person, and strike it from the inbox. A command
+        `resumed` from a stopped process that made a job also says so in its thread."""
         logfields.bind(request=key)
         mono = isinstance(command, Status | History | Templates | TemplateProfiles)
         await self.answering(channel, user, self._run(command, user, channel, key), mono=mono)
+        if resumed and isinstance(command, DeployArgs):
+            await inbox.tell_resumed(self.deployer, key, messages.COMMAND_RESUMED)
         await inbox.done(self.deployer, key)
 
     async def sweep_inbox(self) -> int:
@@ -262,7 +282,7 @@ class SlackBot:
             except (UsageError, ValueError):  # it parsed when it came: nothing to redo
                 await inbox.done(self.deployer, item.key)
                 continue
-            self.spawn(self.carry_out(item.key, command, item.user, item.channel))
+            self.spawn(self.carry_out(item.key, command, item.user, item.channel, resumed=True))
         return len(found)
 
     async def sweeping(self) -> None:

@@ -123,18 +123,34 @@ async def serve(
                 assert secrets.app_token is not None
                 await run_socket(bot, secrets.app_token, ready, stop)
         finally:
+            await _stop(settings.ownership.stop_s, bot, deployer, threads, checking, sweeping)
             if metrics is not None:
                 await metrics.cleanup()
-            for task in (checking, sweeping):
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-            await bot.settle()
-            # Running jobs finish (or roll back) first, so their outcomes can still be
-            # told; what is not told within the grace period waits in the outbox.
-            await deployer.close()
-            await threads.close()
     return 0
+
+
+async def _stop(
+    stop_s: float,
+    bot: SlackBot,
+    deployer: Deployer,
+    threads: SlackThreads,
+    *tasks: asyncio.Task[None],
+) -> None:
+    """Hand the work back within about twice `stop_s` ([ownership] stop_s): answers and
+    running deploys get `stop_s`; then unsent answers stay in the inbox and running
+    deploys are cancelled, their rollbacks given `stop_s` more; queued jobs go back."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + stop_s
+    for task in tasks:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    await bot.settle(within_s=stop_s)
+    # Running jobs finish (or roll back) first, so their outcomes can still be told;
+    # what is not told by then waits in the outbox for another process.
+    await deployer.close(grace_s=max(0.0, deadline - loop.time()), rollback_s=stop_s)
+    # Then what it has to say, within the rest of the two `stop_s`.
+    await threads.close(grace_s=max(0.5, deadline + stop_s - loop.time()))
 
 
 async def _tell_problems(backends: Mapping[str, Backend]) -> None:
@@ -203,7 +219,9 @@ async def serve_metrics(deployer: Deployer, listen: str) -> web.AppRunner:
 async def run_http(
     bot: SlackBot, address: tuple[str, int], ready: Callable[[str], None], stop: asyncio.Event
 ) -> None:
-    runner = web.AppRunner(http_app(bot), access_log=None)
+    # Requests under way when it stops get a moment (Slack gives up after 3 s anyway),
+    # not aiohttp's default minute.
+    runner = web.AppRunner(http_app(bot), access_log=None, shutdown_timeout=3.0)
     await runner.setup()
     try:
         site = web.TCPSite(runner, address[0], address[1])

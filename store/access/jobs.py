@@ -4,7 +4,7 @@ quarantine.py, destroys.py, durations.py, quotas.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -130,6 +130,34 @@ class JobAccess(Access):
             since=since,
             limit=limit,
         )
+
+    async def history_pages(
+        self,
+        *,
+        requester: str | None = None,
+        state: JobState | None = None,
+        name: str | None = None,
+        limit: int = 10,
+        page_size: int = 500,
+    ) -> AsyncIterator[list[Job]]:
+        """`history`'s first `limit` jobs, newest first, a page of at most `page_size` at
+        a time (one query each): a long listing holds one page in memory, not all."""
+        after: jobs.HistoryCursor | None = None
+        left = limit
+        while left > 0:
+            page, after = await self._call(
+                jobs.history_page,
+                requester=requester,
+                state=state,
+                name=name,
+                after=after,
+                limit=min(page_size, left),
+            )
+            left -= len(page)
+            if page:
+                yield page
+            if after is None:
+                return
 
     async def count_by_state(self) -> dict[str, int]:
         return await self._call(jobs.count_by_state)
