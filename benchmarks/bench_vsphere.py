@@ -10,28 +10,31 @@ Waiting without polling shows in two ways: every task costs one WaitForUpdatesEx
 ends its tasks at once) and no Fetch; and when the guests take 2 s longer to boot, the
 wall time grows by those 2 s while the reads and waits per deploy stay the same (a
 polling client would read more the longer it waits). The other WaitForUpdatesEx are the
-VM tracker's looks (the name check, the template list, the MAC check on ESXi): vcsim
-answers such a look (maxWaitSeconds 0) only at its next 250 ms tick, where vCenter
-answers at once, so on vcsim each costs up to 250 ms of wall time, and the 20 requests,
-validated one after the other, wait about 5 s for theirs.
+VM tracker's looks (the template list, the name and address checks, the MAC check on
+ESXi): vcsim answers such a look (maxWaitSeconds 0) only at its next 250 ms tick, where
+vCenter answers at once, so on vcsim each costs up to 250 ms of wall time, and the 20
+requests, validated one after the other, wait about 5 s for theirs.
 
 Then the inventory scale: SOAP requests and bytes (request bodies sent plus response
 bodies read, counted at the transport) per deploy with 0, 400 and 2,000 VMs more than
-vcsim's default inventory. Neither may grow with the number of VMs; the goal is at most
-25 requests per deploy. Measured (5 deploys one after the other, per deploy):
+vcsim's default inventory, warm (after a first deploy on the session, whose bytes are
+printed apart: the login and the tracker's one read of every VM). Neither may grow with
+the number of VMs: the goal is at most 25 requests per deploy, and bytes within 10% of
+those with no extra VMs. Measured (5 deploys one after the other, per deploy):
 
-    extra VMs   vCenter              ESXi
-    0           23.2 req, 63.7 KB    23.2 req, 76.0 KB
-    400         23.2 req, 63.8 KB    23.4 req, 76.3 KB
-    2,000       23.8 req, 64.5 KB    23.8 req, 76.7 KB
+    extra VMs   vCenter              ESXi                 first deploy (vCenter, ESXi)
+    0           22.8 req, 63.9 KB    23.8 req, 81.4 KB    109 KB, 107 KB
+    400         23.4 req, 64.6 KB    24.2 req, 81.9 KB    536 KB, 2,829 KB
+    2,000       23.6 req, 64.9 KB    24.6 req, 82.4 KB    2,241 KB, 13,715 KB
 
 (before the VM tracker, reused collectors and remembered VMs: 42 requests and 101,
-282, 1,010 KB on vCenter; 40 requests and 116, 2,596, 12,524 KB on ESXi). The one
-variation left is timing, not inventory: the wait for the guest's address takes one
-more WaitForUpdatesEx when vcsim, slower with more VMs, reports the power-on and the
-address in separate updates (the `waits` column; tests/test_vsphere_scale.py counts
-exactly equal requests without that step). Wall time grows on vcsim only: it computes
-every update of the tracker's filter by reading all of its VMs again.
+282, 1,010 KB on vCenter; 40 requests and 116, 2,596, 12,524 KB on ESXi; before the
+address check read the tracker: 61, 780, 3,700 KB on vCenter). The one variation left
+is timing, not inventory: a task, or the wait for the guest's address, takes one more
+WaitForUpdatesEx when vcsim, slower with more VMs, reports in separate updates (the
+`waits` column; tests/test_vsphere_scale.py counts exactly equal requests for the
+backend's own steps). Wall time grows on vcsim only: it computes every update of the
+tracker's filter by reading all of its VMs again.
 
     .venv/bin/python -m benchmarks.bench_vsphere            # from the checkout: uses tests/
     .venv/bin/python -m benchmarks.bench_vsphere --scale    # the inventory scale alone
