@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from backends.base import MissingPrivilege, Template
+from backends.base import AddressUse, MissingPrivilege, Template, VMInfo
 
 
 @runtime_checkable
@@ -29,6 +29,17 @@ class NamedTemplates(Protocol):
 
     async def template(self, name: str) -> Template | None:
         """The template of that name; None when there is none."""
+        ...
+
+
+@runtime_checkable
+class NamesWithAddresses(Protocol):
+    """A backend that answers the name check and `addresses_in_use` from one read of
+    its VMs (vSphere: one look of the session's VM tracker), so that a check of both
+    (at admission, in check_free) asks once: the answer is as of that one read."""
+
+    async def named_with_addresses(self, name: str) -> tuple[list[VMInfo], list[AddressUse]]:
+        """`find_by_name(name)` and `addresses_in_use()`, from the same read."""
         ...
 
 

@@ -2,8 +2,9 @@
 
 Three records can say an address is taken, and a deploy asks all of them before it
 records a job (and again before its clone): deploybot's own jobs (the store), the VMs on
-every hypervisor (`Backend.addresses_in_use`: configured and guest-reported), and the
-IPAM (backends/ipam). With `[ipam] probe` a TCP connection to the address is tried too.
+the hypervisors (`Backend.addresses_in_use`: configured and guest-reported; every
+backend, or those the subnet's `vms_on` names and the request's own), and the IPAM
+(backends/ipam). With `[ipam] probe` a TCP connection to the address is tried too.
 
 The IPAM's record of a job's address is written before the job (its id is known) and
 named on the job's row in the same insert, so whatever happens next one of three paths
@@ -20,7 +21,8 @@ import logging
 from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta
 
-from backends.base import Backend, BackendError
+from backends.abilities import NamesWithAddresses
+from backends.base import AddressUse, Backend, BackendError, VMInfo
 from backends.ipam.base import AddressTaken, Claim, Ipam, NotOurs, Pool, Reservation
 from bot import probe
 from bot.models import HOLDING_STATES, DeployRequest, IpamState, Job, utcnow
@@ -30,6 +32,21 @@ from store.db import Store
 log = logging.getLogger(__name__)
 IPv4 = ipaddress.IPv4Address
 _ATTEMPTS = 8  # picks of a next free address before giving up (each lost a race)
+# Answers of `addresses_in_use` a check already has, by backend (see `named`).
+Known = Mapping[str, list[AddressUse]]
+
+
+async def named(
+    backends: Mapping[str, Backend], request: DeployRequest
+) -> tuple[list[VMInfo], Known]:
+    """The VMs called like the request on its backend; and, where that backend answers
+    its addresses from the same read (`NamesWithAddresses`: vSphere's tracker), those,
+    for the address check that follows (one request for both checks, not two)."""
+    backend = backends[request.backend]
+    if isinstance(backend, NamesWithAddresses):
+        taken, uses = await backend.named_with_addresses(request.name)
+        return taken, {request.backend: uses}
+    return await backend.find_by_name(request.name), {}
 
 
 class Addressing:
@@ -80,12 +97,23 @@ class Addressing:
         row = await self.store.address_holder(str(ip))
         return None if row is None or row[0] == job_id else _holder(row)
 
-    async def in_use(self, required: str | None = None) -> tuple[dict[IPv4, str], list[str]]:
-        """Addresses the VMs of every backend use, with who uses them; and the backends
-        that could not be asked. `required` names the one whose failure is raised."""
-        names, ours = list(self.backends), self.store.installation_id
+    async def in_use(
+        self, request: DeployRequest, required: str | None = None, known: Known | None = None
+    ) -> tuple[dict[IPv4, str], list[str]]:
+        """Addresses the VMs of the backends that may hold the request's subnet use
+        (`Subnet.asked`), with who uses them; and the backends that could not be asked.
+        `required` names the one whose failure is raised; `known`: answers the caller
+        got a moment ago with its name check (`named`), not asked again."""
+        subnet = self.settings.subnet_for(request.address.ip)
+        assert subnet is not None  # bot/requests.py refused addresses outside them
+        names = subnet.asked(list(self.backends), request.backend)
+        ours, known = self.store.installation_id, known or {}
         answers = await asyncio.gather(
-            *(self.backends[n].addresses_in_use(ours) for n in names), return_exceptions=True
+            *(
+                _answer(known[n]) if n in known else self.backends[n].addresses_in_use(ours)
+                for n in names
+            ),
+            return_exceptions=True,
         )
         found: dict[IPv4, str] = {}
         unasked = []
@@ -108,17 +136,18 @@ class Addressing:
         required: str | None = None,
         *,
         jobs: bool = True,
+        known: Known | None = None,
     ) -> tuple[str | None, list[str]]:
         """Who, other than `job_id`, holds the request's address (None: nobody), and the
-        backends that could not be asked. With `jobs=False` an address one of our jobs
-        holds is left to the store's insert, which says it better (and frees it when
-        that job's VM was deleted by hand)."""
+        backends that could not be asked (`known`: see `in_use`). With `jobs=False` an
+        address one of our jobs holds is left to the store's insert, which says it
+        better (and frees it when that job's VM was deleted by hand)."""
         ip = request.address.ip
         holder = await self.job_holding(ip, job_id)
         if holder is not None:
             who, guarded = holder
             return (None if guarded and not jobs else f"{ip} is held by {who}"), []
-        vms, unasked = await self.in_use(required)
+        vms, unasked = await self.in_use(request, required, known)
         if ip in vms:
             return f"{ip} is used by {vms[ip]}", unasked
         recorded = await self.ipam.holder(self.pool(request), ip, job_id)
@@ -142,18 +171,21 @@ class Addressing:
     # --- reserve, activate, release -------------------------------------------------
 
     async def reserve(
-        self, request: DeployRequest, job_id: str
+        self, request: DeployRequest, job_id: str, known: Known | None = None
     ) -> tuple[DeployRequest, Reservation]:
         """Reserve the request's address (or, when `picked`, the next free one) for
         `job_id`; the request comes back with the reserved address. Raises `AddressTaken`
-        naming the holder, `PoolExhausted`, or the IPAM's `BackendError`."""
+        naming the holder, `PoolExhausted`, or the IPAM's `BackendError`. `known`: see
+        `in_use`."""
         pool, claim = self.pool(request), self.claim(job_id, request)
         if not request.picked:
-            who, _ = await self.conflict(request, job_id, jobs=False)
+            who, _ = await self.conflict(request, job_id, jobs=False, known=known)
             if who is not None:
                 raise AddressTaken(who, holder=who)
             return request, await self.ipam.reserve(pool, claim, address=request.address.ip)
-        jobs, (vms, _) = await asyncio.gather(self.held_by_jobs(job_id), self.in_use())
+        jobs, (vms, _) = await asyncio.gather(
+            self.held_by_jobs(job_id), self.in_use(request, None, known)
+        )
         skip = frozenset(jobs) | frozenset(vms)
         for _attempt in range(_ATTEMPTS):
             reservation = await self.ipam.reserve(pool, claim, skip=skip)
@@ -231,6 +263,10 @@ class Addressing:
     async def _is_the_jobs(self, job_id: str, ref: str) -> bool:
         job = await self.store.get_job(job_id)
         return job is not None and job.ipam_ref == ref
+
+
+async def _answer(uses: list[AddressUse]) -> list[AddressUse]:
+    return uses
 
 
 def _with_address(request: DeployRequest, address: IPv4) -> DeployRequest:

@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Mapping
 
 from backends.abilities import NamedTemplates
 from backends.base import Backend, BackendError, Network, Storage, Template
+from bot.addressing import Known, named
 from bot.errors import Conflict, RequestInvalid
 from bot.models import DeployRequest
 
@@ -104,22 +105,24 @@ def _unanswered(backend: str, exc: BackendError) -> str:
     return f"{backend}: {exc.message}"
 
 
-async def check_free(backends: Mapping[str, Backend], request: DeployRequest) -> None:
+async def check_free(backends: Mapping[str, Backend], request: DeployRequest) -> Known:
     """Refuse a name a VM (ours or not) already has, before anything is recorded.
 
     The pipeline checks again when the job starts; this answers the requester now.
-    Addresses held by our own jobs are refused by the store's unique index.
+    Addresses held by our own jobs are refused by the store's unique index. Returns
+    the addresses in use the same read gave (`bot.addressing.named`), for the address
+    check that follows.
     """
-    backend = backends[request.backend]
     try:
-        taken = await backend.find_by_name(request.name)
+        taken, known = await named(backends, request)
     except BackendError:
-        return  # the pipeline's own check will say it, with retries
+        return {}  # the pipeline's own check will say it, with retries
     if taken:
         raise Conflict(
             f"A VM named {request.name} already exists on {request.backend} "
             f"(id {taken[0].vm_id}): pick another name, or remove that VM first."
         )
+    return known
 
 
 def _choices(names: list[str], what: str, see: str = "") -> str:

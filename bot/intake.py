@@ -18,7 +18,7 @@ from backends.base import Backend, BackendError
 from backends.ipam.base import AddressTaken, PoolExhausted, Reservation
 from bot import prefs as user_prefs
 from bot import quotas as quota_rules
-from bot.addressing import Addressing
+from bot.addressing import Addressing, Known
 from bot.admission import check_free, check_login, check_on_backend
 from bot.approvals import approval_reason
 from bot.errors import Conflict, Duplicate, NotAllowed, RequestInvalid
@@ -128,8 +128,8 @@ class Intake:
             lease_s = await self.grant(args.lease_s, args.lease_never, request, requester)
         # Before anything is reserved.
         caps, over = ([], None) if smoke else await self._quota(request)
-        if check_free_first:
-            await check_free(self.backends, request)
+        # The addresses the name check's read gave, for the first address check.
+        known = await check_free(self.backends, request) if check_free_first else {}
         # Picks of the next free address in this process go one at a time (each
         # sees the last one recorded); another process's pick may still win the
         # insert, and then this one picks again.
@@ -137,7 +137,9 @@ class Intake:
         for attempt in range(_PICKS):
             job_id = new_job_id()
             async with picking:
-                reserved, reservation = await self._reserve(request, job_id)
+                reserved, reservation = await self._reserve(
+                    request, job_id, known if attempt == 0 else None
+                )
                 recorded = None
                 try:
                     recorded = await self._record(
@@ -161,12 +163,12 @@ class Intake:
         raise AssertionError("unreachable")
 
     async def _reserve(
-        self, request: DeployRequest, job_id: str
+        self, request: DeployRequest, job_id: str, known: Known | None
     ) -> tuple[DeployRequest, Reservation]:
         """The request's address reserved for `job_id` (the next free one when none was
         asked), or a refusal that says who holds it."""
         try:
-            return await self.addressing.reserve(request, job_id)
+            return await self.addressing.reserve(request, job_id, known)
         except AddressTaken as taken:
             raise Conflict(
                 f"{taken.message}: pick another address, or leave it out to get the next free one."

@@ -27,7 +27,7 @@ from backends.base import (
 )
 from bot import logfields
 from bot import progress as tell
-from bot.addressing import Addressing
+from bot.addressing import Addressing, named
 from bot.models import Job, JobState, RollbackReport, utcnow
 from bot.progress import Progress
 from bot.runs import (
@@ -219,7 +219,8 @@ class Pipeline(Steps):
 
     async def _check_free(self, run: Run) -> str:
         req = run.job.request
-        taken = await run.backend.find_by_name(req.name)
+        # One read for the name and, where the backend can, its VMs' addresses.
+        taken, known = await named({req.backend: run.backend}, req)
         if taken:
             raise StepFailed(
                 "check_free",
@@ -229,7 +230,9 @@ class Pipeline(Steps):
         # Our own jobs' names and addresses were checked by the store when this job was
         # recorded (unique indexes over jobs in flight or succeeded); the address is
         # asked again of every hypervisor and the IPAM: a VM built by hand since then.
-        who, unasked = await self.addressing.conflict(req, run.job.id, required=req.backend)
+        who, unasked = await self.addressing.conflict(
+            req, run.job.id, required=req.backend, known=known
+        )
         if who is not None:
             raise StepFailed("check_free", f"{who}: deploy again with another address")
         free = f"{req.name} and {req.address.ip} are free"

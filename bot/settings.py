@@ -210,7 +210,7 @@ class Settings(BaseSettings):
                 'quotas.over = "approval" needs approval.approvers (or approver_groups)'
             )
         for subnet in self.subnets:
-            for unknown in set(subnet.backends) - set(names):
+            for unknown in set(subnet.backends + subnet.vms_on) - set(names):
                 raise ValueError(
                     f"subnet {subnet.label} names backend {unknown!r}, not one of {names}"
                 )

@@ -29,7 +29,9 @@ class Subnet(BaseModel):
     `pool` ("10.0.0.100-10.0.0.199") is the range next-free addresses come from (default:
     the whole subnet but its gateway and DNS servers); an address typed by hand may be
     anywhere in the subnet. `ipam_prefix`/`ipam_vrf` name the IPAM's prefix for it when
-    it is not the same CIDR in the global table."""
+    it is not the same CIDR in the global table. `vms_on` names the backends whose VMs
+    may hold addresses of the subnet: the conflict check asks only those and the
+    request's own backend (default: every backend)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -41,6 +43,7 @@ class Subnet(BaseModel):
     pool: str | None = None
     backends: tuple[str, ...] = ()
     networks: tuple[str, ...] = ()
+    vms_on: tuple[str, ...] = ()
     ipam_prefix: str | None = None
     ipam_vrf: str | None = None
 
@@ -105,6 +108,13 @@ class Subnet(BaseModel):
         if low not in self.cidr or high not in self.cidr:
             raise ValueError(f"pool {self.pool} is not inside {self.cidr}")
         return low, high
+
+    def asked(self, backends: list[str], own: str) -> list[str]:
+        """Of `backends`, those whose VMs the conflict check asks for an address of
+        this subnet on backend `own`: `vms_on` and `own`, or all when it is unset."""
+        if not self.vms_on:
+            return backends
+        return [b for b in backends if b in self.vms_on or b == own]
 
     def as_pool(self) -> Pool:
         first, last = self.bounds()

@@ -44,6 +44,10 @@ def test_config_path_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
             {"subnets": [{"cidr": "10.0.0.0/24", "gateway": "10.0.0.1", "search_domain": "a b"}]},
             "subnets.0.search_domain: 'a b' is not one domain name",
         ),
+        (
+            {"subnets": [{"cidr": "10.0.0.0/24", "gateway": "10.0.0.1", "vms_on": ["vc9"]}]},
+            "subnet 10.0.0.0/24 names backend 'vc9', not one of ['sim']",
+        ),
     ],
 )
 def test_bad_settings_name_the_key(overrides: dict[str, object], fragment: str) -> None:

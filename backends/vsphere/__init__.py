@@ -179,9 +179,24 @@ class VSphereBackend(Discovers, Builds):
         )
 
     async def addresses_in_use(self, ours: str | None = None) -> list[AddressUse]:
-        """See `Backend.addresses_in_use`: one PropertyCollector read (`addresses`),
-        whoever built the VMs (leaving ours out would save nothing)."""
-        return await self._session.run(lambda op: addresses.in_use(op.conn), changes=False)
+        """See `Backend.addresses_in_use`: one look of the session's VM tracker, which
+        returns only what changed (`addresses`), whoever built the VMs (leaving ours
+        out would save nothing)."""
+        return await self._session.run(
+            lambda op: addresses.in_use(self._inventory.tracked_vms(op.conn).values()),
+            changes=False,
+        )
+
+    async def named_with_addresses(self, name: str) -> tuple[list[VMInfo], list[AddressUse]]:
+        """See `NamesWithAddresses`: the VMs called `name` and every VM's addresses,
+        from one look of the tracker (two checks, one request)."""
+
+        def work(op: Op) -> tuple[list[VMInfo], list[AddressUse]]:
+            tracked = self._inventory.tracked_vms(op.conn)
+            named = self._inventory.vms(op.conn, name, tracked)
+            return named, addresses.in_use(tracked.values())
+
+        return await self._session.run(work, changes=False)
 
     # --- the deploy moves -----------------------------------------------------------
 

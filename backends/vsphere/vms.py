@@ -18,12 +18,16 @@ from typing import Any
 from pyVmomi import vim, vmodl
 
 from backends.base import NotOurVM, VMInfo, VMRef, parse_tag
+from backends.vsphere.addresses import ADDRESS_PATHS
 from backends.vsphere.session import Conn, Props, Row
 
 VM_PATHS = ["name", "config.annotation", "runtime.powerState"]
 POWERED_ON = "poweredOn"
-# What the session's tracker keeps of every VM (`tracked_vms`): a few bytes each.
-TRACKED_PATHS = ["name", "config.template"]
+# What the session's tracker keeps of every VM (`tracked_vms`): the name and template
+# mark (name check, template list), the instance UUID and the addresses Tools reports
+# (the address conflict check, backends/vsphere/addresses.py): a few hundred bytes each.
+# One tracker for all of them: one look per check, not one per check and kind.
+TRACKED_PATHS = ["name", "config.template", "config.instanceUuid", *ADDRESS_PATHS]
 # VMs whose object is remembered by instance UUID (oldest forgotten first).
 MAX_FOUND = 1024
 
@@ -50,8 +54,9 @@ class KnownVMs:
 
     def tracked_vms(self, conn: Conn) -> dict[str, Row]:
         """Every VM the session can see, with the properties the checks need, kept up
-        to date by one request that returns what changed (`Conn.tracked`): the names
-        and template marks, and on a standalone host the devices (for their MACs)."""
+        to date by one request that returns what changed (`Conn.tracked`): the names,
+        template marks, instance UUIDs and reported addresses, and on a standalone host
+        the devices (for their MACs)."""
         paths = TRACKED_PATHS if conn.vcenter else [*TRACKED_PATHS, "config.hardware.device"]
         return conn.tracked(conn.content.rootFolder, vim.VirtualMachine, paths)
 
@@ -66,13 +71,16 @@ class KnownVMs:
             if isinstance(d, card) and d.macAddress
         )
 
-    def vms(self, conn: Conn, name: str | None = None) -> list[VMInfo]:
-        """Every VM the session can see (or those called `name`), by instance UUID."""
+    def vms(
+        self, conn: Conn, name: str | None = None, tracked: dict[str, Row] | None = None
+    ) -> list[VMInfo]:
+        """Every VM the session can see (or those called `name`, found among the
+        `tracked` rows when the caller has them), by instance UUID."""
         root, paths = conn.content.rootFolder, [*VM_PATHS, "config.instanceUuid"]
         if name is None:
             rows = conn.contained(root, vim.VirtualMachine, paths)
         else:  # names of all (what changed since the last look), details of matches
-            named = self.tracked_vms(conn).values()
+            named = (self.tracked_vms(conn) if tracked is None else tracked).values()
             matches = [obj for obj, p in named if p.get("name") == name]
             try:
                 rows = conn.retrieve(matches, vim.VirtualMachine, paths)
