@@ -83,6 +83,7 @@ class Schedule:
         self.basis = basis  # which estimate it was made from (Pacing.learn)
         self.looks = 0  # its own looks (at or after their time) that found it running
         self.running_s: float | None = None  # the age of the last look that found it so
+        self.missed = False  # a look failed (the read did not answer): see `miss`
         self._step_s = max(_MIN_STEP_S, step_s or (expected_s or 0.0) * _FIRST_STEP)
         self._next_s = timing.interval_s(0.0) if expected_s is None else expected_s
 
@@ -93,6 +94,16 @@ class Schedule:
     def saw_running(self, age_s: float) -> None:
         if self.running_s is None or age_s > self.running_s:
             self.running_s = age_s  # any look that found it running bounds it from below
+        self._step(age_s)
+
+    def miss(self, age_s: float) -> None:
+        """A look whose read failed: it says nothing of the wait, so the next look comes
+        as after a look that found it running (the same backoff), and the wait teaches
+        nothing about how long such waits take (`Pacing.learn`): its end was seen late."""
+        self.missed = True
+        self._step(age_s)
+
+    def _step(self, age_s: float) -> None:
         if age_s < self._next_s - _EARLY_S:
             return  # a look for another wait: this one's time has not come
         self.looks += 1
@@ -158,6 +169,8 @@ class Pacing:
         """Move the estimate by what one wait's looks said (see the module's docstring).
         A wait made from an estimate that has moved since (a sibling of fifty learnt
         first) can only raise it, to the highest bound its siblings saw."""
+        if schedule.missed:  # a look in between failed: its end may lie far before
+            return
         own = self._estimates.get((operation, key))
         expected = schedule.expected_s
         if expected is None:  # polled blind: the first of its kind (or its siblings)
