@@ -259,3 +259,69 @@ async def test_an_address_a_vm_built_by_hand_has_is_refused_and_skipped(
         assert isinstance(picked, DeployArgs)
         job = await d.request_deploy(picked, "alice")
         assert job.address == "127.0.10.51"
+
+
+async def deploy_all(
+    fake: FakePVE,
+    settings: Settings,
+    texts: list[str],
+    recorder: Recorder | None = None,
+    **backend: Any,
+) -> list[Job]:
+    """Deploys asked for together, through one backend (`backend`: its config's
+    overrides); their final records."""
+    proxmox = make_backend(fake, **backend)
+    async with running_deployer(settings, recorder, backends={"pve": proxmox}, grace_s=5) as d:
+        asked = [parse(text) for text in texts]
+        jobs = [await d.request_deploy(a, "alice") for a in asked if isinstance(a, DeployArgs)]
+        await d.drain()
+        return [(await d.status(j.id)).job for j in jobs]
+
+
+def at_first(step: str, action: Callable[[], Any]) -> Recorder:
+    """A recorder that runs `action` when `step` first starts."""
+    recorder, done = Recorder(), []
+
+    def on_step(job: Job, started: str) -> None:
+        if started == step and not done:
+            done.append(action())
+
+    recorder.on_step = on_step
+    return recorder
+
+
+async def test_task_reads_answering_500_for_a_while_fail_no_deploy_in_flight(
+    fake: FakePVE, tmp_path: Path
+) -> None:
+    """Issue 25, item 12: the task list and the task status answering 500 ("unable to
+    read task index") while three clones run and end: every deploy goes on."""
+    fake.cluster.timings.clone_s = 0.3
+
+    def outage() -> None:
+        for endpoint in ("tasks", "task_status"):
+            fake.inject(endpoint, "error", for_s=0.6, message="unable to read task index")
+
+    settings = pve_settings(tmp_path, fake, limits={"max_running": 3})
+    texts = [f"web0{i} 127.0.10.{50 + i}" for i in range(3)]
+    jobs = await deploy_all(fake, settings, texts, at_first("clone", outage))
+    assert [j.state for j in jobs] == [JobState.SUCCEEDED] * 3, [j.error for j in jobs]
+    failed = [r for r in fake.requests if r.status == 500 and "/tasks" in (r.template or "")]
+    assert failed, "the reads were meant to fail for a while"
+
+
+async def test_task_reads_failing_past_the_step_timeout_name_the_failure(
+    fake: FakePVE, tmp_path: Path
+) -> None:
+    def outage() -> None:
+        for endpoint in ("tasks", "task_status"):
+            fake.inject(endpoint, "error", for_s=1.5, message="unable to read task index")
+
+    settings = pve_settings(tmp_path, fake)
+    timeouts = {**settings.timeouts.model_dump(), "clone_s": 1.0}
+    settings = pve_settings(tmp_path, fake, timeouts=timeouts)
+    (job,) = await deploy_all(fake, settings, [f"web01 {ADDRESS}"], at_first("clone", outage))
+    assert (job.state, job.failed_step) == (JobState.FAILED, "clone")
+    assert job.error is not None and job.error.startswith("timed out after 1 s (last: "), job.error
+    assert "unable to read task index (asking again" in job.error, job.error
+    await fake.settled()
+    assert ours_left(fake) == []
