@@ -325,3 +325,23 @@ async def test_task_reads_failing_past_the_step_timeout_name_the_failure(
     assert "unable to read task index (asking again" in job.error, job.error
     await fake.settled()
     assert ours_left(fake) == []
+
+
+async def test_a_node_out_of_reach_during_the_boot_wait_is_said_so(
+    fake: FakePVE, tmp_path: Path
+) -> None:
+    """Issue 25, item 13: the node answering 595 to every question of the boot wait."""
+
+    def no_route() -> None:
+        fake.inject("agent_ping", "error", times=10_000, status=595, message="No route to host")
+
+    recorder = at_first("address", no_route)
+    settings = pve_settings(tmp_path, fake)
+    timeouts = {**settings.timeouts.model_dump(), "address_s": 1.0}
+    settings = pve_settings(tmp_path, fake, timeouts=timeouts)
+    (job,) = await deploy_all(fake, settings, [f"web01 {ADDRESS}"], recorder)
+    assert (job.state, job.failed_step) == (JobState.FAILED, "address")
+    assert job.error is not None and "qemu-guest-agent" not in job.error, job.error
+    assert "got no answer from the API (last: guest agent of VM" in job.error, job.error
+    assert "answered 595 No route to host); check that node pve1 is up" in job.error
+    assert any("waiting for pve (unreachable since" in text for _job, text in recorder.notes)
