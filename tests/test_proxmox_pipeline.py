@@ -280,7 +280,7 @@ async def deploy_all(
 
 def at_first(step: str, action: Callable[[], Any]) -> Recorder:
     """A recorder that runs `action` when `step` first starts."""
-    recorder, done = Recorder(), []
+    recorder, done = Recorder(), list[object]()
 
     def on_step(job: Job, started: str) -> None:
         if started == step and not done:
