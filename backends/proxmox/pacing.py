@@ -25,7 +25,9 @@ The estimates are learned in the backend from its own waits. A process starts fr
 the store recorded (`remember`: the bot hands the backend the durations of past deploy
 steps per template and storage, see bot/durations.py); those include a request or two
 besides the task, so the quickest recent one is taken, and the first own wait replaces
-it. Without history, `Config.expect_s` gives first guesses.
+it. A template without history (a new one) starts from its operation's quickest on the
+backend's other templates; with no history at all (a new database), `Config.expect_s`
+gives first guesses: typical durations unless configured (`config.TYPICAL_S`).
 """
 
 from __future__ import annotations
@@ -148,7 +150,24 @@ class Pacing:
         own = self._estimates.get((operation, key))
         if own is not None:
             return own.seconds
-        return self._recorded.get((operation, key)) or self._seeds.get(operation)
+        return (
+            self._recorded.get((operation, key))
+            or self._typical(operation)
+            or self._seeds.get(operation)
+        )
+
+    def _typical(self, operation: str) -> float | None:
+        """For a key never seen (a new template): the same operation's quickest on
+        this backend's other keys, learned or recorded (too early costs a look or two;
+        too late, time)."""
+        known = [e.seconds for (op, _key), e in self._estimates.items() if op == operation]
+        known += [s for (op, _key), s in self._recorded.items() if op == operation]
+        return min(known) if known else None
+
+    def guess(self, seeds: Mapping[str, float]) -> None:
+        """First guesses for the operations this pacing has none for (a backend's
+        `expect_s`, when it was handed a pacing to share)."""
+        self._seeds = {**seeds, **self._seeds}
 
     def remember(self, operation: str, key: str, durations: Iterable[float]) -> None:
         """Recorded durations of past steps doing this operation (newest first). A step
