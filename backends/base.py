@@ -29,6 +29,9 @@ check it):
   timeout), so a rollback ends with the VM gone.
 * A VM held by another operation (a backup, a snapshot, a migration) is waited for a
   bounded time inside the backend, then `Locked` says which lock and what to do.
+  What a call waits out meanwhile (that lock, a read of its task that failed and is
+  asked again) is told to the caller through `backends.troubles`, so a caller whose
+  own timeout comes first can say what the call last met.
 """
 
 from __future__ import annotations

@@ -104,8 +104,12 @@ async def run_undo(
     stack: list[Undo],
     ref: VMRef | None,
 ) -> RollbackReport:
-    """Run the undo stack in reverse, then check nothing of ours is left."""
+    """Run the undo stack in reverse, then check nothing of ours is left. The moves on
+    the VM run even when it was not there to begin with (a clone that failed before
+    creating it; one still being created is caught that way), but only a VM that was
+    there is reported as rolled back."""
     report = RollbackReport()
+    existed = ref is None or not any(u.vm for u in stack) or await _existed(backend, ref, timeouts)
     for undo in reversed(stack):
         await store.add_event(
             JobEvent(job_id=job.id, step="rollback", phase="undo", detail=undo.what)
@@ -131,7 +135,8 @@ async def run_undo(
                 )
             )
         else:
-            report.undone.append(undo.what)
+            if existed or not undo.vm:
+                report.undone.append(undo.what)
     if ref is not None:
         try:  # a read, retried like the undo moves: one 500 must not make it "unverified"
             async with asyncio.timeout(timeouts.check_free_s):
@@ -144,6 +149,17 @@ async def run_undo(
         if left is not None:
             report.wreckage.append(f"VM {ref.vm_id} ({left.name}) on {job.backend}")
     return report
+
+
+async def _existed(backend: Backend, ref: VMRef, timeouts: Timeouts) -> bool:
+    """Whether the VM was there before the rollback; unsure counts as there."""
+    try:
+        async with asyncio.timeout(timeouts.check_free_s):
+            return await retrying(functools.partial(backend.find_vm, ref), timeouts) is not None
+    except (BackendError, TimeoutError) as exc:
+        reason = exc.message if isinstance(exc, BackendError) else describe(exc)
+        log.info("job %s: cannot tell whether VM %s exists (%s)", ref.job_id, ref.vm_id, reason)
+        return True
 
 
 def describe(exc: BaseException) -> str:

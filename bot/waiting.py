@@ -8,11 +8,13 @@ way; this module is the one place that says how.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+from backends import troubles
 from backends.base import Backend, BackendError, Unreachable, VMRef
 from bot.settings import Timeouts
 
@@ -58,7 +60,8 @@ async def retrying(
     polling: bool = False,
 ) -> T:
     """Retry retryable backend errors; the caller's timeout bounds the whole. Each
-    retried error is appended to `seen` and passed to `on_retry`.
+    retried error is appended to `seen` and passed to `on_retry`; so is what the backend
+    tells it waits out within a call (`backends.troubles`).
 
     Errors back off exponentially (`retry_initial_s`, doubling, capped at `retry_max_s`).
     With `polling` a retryable answer is the expected "not yet" (an sshd still starting
@@ -70,7 +73,10 @@ async def retrying(
     delay = timeouts.retry_initial_s
     while True:
         try:
-            return await action()
+            # What the backend waits out inside a call (a lock, a failed read of its
+            # task) joins `seen`: a timeout then names it (backends/troubles.py).
+            with troubles.told(seen) if seen is not None else contextlib.nullcontext():
+                return await action()
         except BackendError as exc:
             if not exc.retryable:
                 raise

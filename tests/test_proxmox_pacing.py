@@ -15,6 +15,7 @@ import pytest
 from backends.abilities import StepTime
 from backends.base import CloneSpec
 from backends.proxmox import Config, create
+from backends.proxmox.config import TYPICAL_S
 from backends.proxmox.inventory import LISTING_REUSE_S
 from backends.proxmox.pacing import Pace, Pacing, PollTiming, Schedule, clone_key
 from bot.durations import PACED_STEPS
@@ -79,6 +80,31 @@ async def test_a_learned_deploy_costs_at_most_25_requests_and_polls_less(
     assert polls(second) < polls(first), (polls(first), polls(second))
 
 
+async def test_a_new_templates_first_deploy_starts_from_the_other_templates(
+    fake: FakePVE, tmp_path: Path
+) -> None:
+    """Issue 25, item 15: a template never deployed starts from what this backend's
+    other templates took, not from fast polling."""
+    pacing = Pacing()
+    first = await deploy(fake, tmp_path, pacing, "web01 127.0.10.51")
+    new = await deploy(fake, tmp_path, pacing, "web02 127.0.10.52 template=debian-12")
+    routes = Counter(f"{r.method} {r.template}" for r in new)
+    assert len(new) <= 25, routes
+    assert polls(new) < polls(first), (polls(first), polls(new))
+    assert pacing.expected_s("clone", clone_key("debian-12", None)) is not None
+
+
+def test_a_first_deploy_starts_from_the_typical_durations(fake: FakePVE) -> None:
+    """With no history and no `expect_s`, the first looks come at typical durations."""
+    data = {k: v for k, v in config_data(fake).items() if k != "expect_s"}
+    backend = create(Config.model_validate(data), environ(fake))
+    assert backend.pacing.expected_s("clone", clone_key("any", None)) == TYPICAL_S["clone"]
+    assert backend.pacing.expected_s("boot", "any") == TYPICAL_S["boot"] == 3.0
+    chosen = create(Config.model_validate({**data, "expect_s": {"boot": 20.0}}), environ(fake))
+    assert chosen.pacing.expected_s("boot", "any") == 20.0
+    assert chosen.pacing.expected_s("clone", "any@") is None  # replaced: polled fast
+
+
 async def test_the_agent_is_asked_for_interfaces_only_after_it_answered_ping(
     fake: FakePVE, tmp_path: Path
 ) -> None:
@@ -119,7 +145,8 @@ def test_pacing_learns_per_operation_and_key_and_aims_earlier_when_it_was_early(
     blind.saw_running(0.9)
     pacing.learn("start", "t", blind, 1.0)
     assert pacing.expected_s("start", "t") == pytest.approx(0.95)  # between the looks
-    assert pacing.expected_s("start", "other") is None
+    # Another key (a new template): the backend's typical, its quickest known.
+    assert pacing.expected_s("start", "other") == pytest.approx(0.95)
     # The truth is at most 0.05 s above: the look after the first is at the bound.
     assert pacing.schedule("start", "t", timing).next_at() == pytest.approx(0.95)
     assert learnt(pacing, 0.99) == 1

@@ -16,6 +16,8 @@ from bot.parser import DeployArgs, parse
 from bot.runs import STEPS, vm_ref
 from bot.runtime import running_deployer
 from bot.settings import Settings
+from handlers.messages.core import finished, slack_outcome_dm
+from handlers.messages.text import step_label
 from tests.conftest import Recorder
 from tests.fakepve import testing
 from tests.fakepve.schema import ApiSchema
@@ -259,3 +261,137 @@ async def test_an_address_a_vm_built_by_hand_has_is_refused_and_skipped(
         assert isinstance(picked, DeployArgs)
         job = await d.request_deploy(picked, "alice")
         assert job.address == "127.0.10.51"
+
+
+async def deploy_all(
+    fake: FakePVE,
+    settings: Settings,
+    texts: list[str],
+    recorder: Recorder | None = None,
+    **backend: Any,
+) -> list[Job]:
+    """Deploys asked for together, through one backend (`backend`: its config's
+    overrides); their final records."""
+    proxmox = make_backend(fake, **backend)
+    async with running_deployer(settings, recorder, backends={"pve": proxmox}, grace_s=5) as d:
+        asked = [parse(text) for text in texts]
+        jobs = [await d.request_deploy(a, "alice") for a in asked if isinstance(a, DeployArgs)]
+        await d.drain()
+        return [(await d.status(j.id)).job for j in jobs]
+
+
+def at_first(step: str, action: Callable[[], Any]) -> Recorder:
+    """A recorder that runs `action` when `step` first starts."""
+    recorder, done = Recorder(), list[object]()
+
+    def on_step(job: Job, started: str) -> None:
+        if started == step and not done:
+            done.append(action())
+
+    recorder.on_step = on_step
+    return recorder
+
+
+async def test_task_reads_answering_500_for_a_while_fail_no_deploy_in_flight(
+    fake: FakePVE, tmp_path: Path
+) -> None:
+    """Issue 25, item 12: the task list and the task status answering 500 ("unable to
+    read task index") while three clones run and end: every deploy goes on."""
+    fake.cluster.timings.clone_s = 0.3
+
+    def outage() -> None:
+        for endpoint in ("tasks", "task_status"):
+            fake.inject(endpoint, "error", for_s=0.6, message="unable to read task index")
+
+    settings = pve_settings(tmp_path, fake, limits={"max_running": 3})
+    texts = [f"web0{i} 127.0.10.{50 + i}" for i in range(3)]
+    jobs = await deploy_all(fake, settings, texts, at_first("clone", outage))
+    assert [j.state for j in jobs] == [JobState.SUCCEEDED] * 3, [j.error for j in jobs]
+    failed = [r for r in fake.requests if r.status == 500 and "/tasks" in (r.template or "")]
+    assert failed, "the reads were meant to fail for a while"
+
+
+async def test_task_reads_failing_past_the_step_timeout_name_the_failure(
+    fake: FakePVE, tmp_path: Path
+) -> None:
+    def outage() -> None:
+        for endpoint in ("tasks", "task_status"):
+            fake.inject(endpoint, "error", for_s=1.5, message="unable to read task index")
+
+    settings = pve_settings(tmp_path, fake)
+    timeouts = {**settings.timeouts.model_dump(), "clone_s": 1.0}
+    settings = pve_settings(tmp_path, fake, timeouts=timeouts)
+    (job,) = await deploy_all(fake, settings, [f"web01 {ADDRESS}"], at_first("clone", outage))
+    assert (job.state, job.failed_step) == (JobState.FAILED, "clone")
+    assert job.error is not None and job.error.startswith("timed out after 1 s (last: "), job.error
+    assert "unable to read task index (asking again" in job.error, job.error
+    await fake.settled()
+    assert ours_left(fake) == []
+
+
+async def test_a_node_out_of_reach_during_the_boot_wait_is_said_so(
+    fake: FakePVE, tmp_path: Path
+) -> None:
+    """Issue 25, item 13: the node answering 595 to every question of the boot wait."""
+
+    def no_route() -> None:
+        fake.inject("agent_ping", "error", times=10_000, status=595, message="No route to host")
+
+    recorder = at_first("address", no_route)
+    settings = pve_settings(tmp_path, fake)
+    timeouts = {**settings.timeouts.model_dump(), "address_s": 1.0}
+    settings = pve_settings(tmp_path, fake, timeouts=timeouts)
+    (job,) = await deploy_all(fake, settings, [f"web01 {ADDRESS}"], recorder)
+    assert (job.state, job.failed_step) == (JobState.FAILED, "address")
+    assert job.error is not None and "qemu-guest-agent" not in job.error, job.error
+    assert "got no answer from the API (last: guest agent of VM" in job.error, job.error
+    assert "answered 595 No route to host); check that node pve1 is up" in job.error
+    assert any("waiting for pve (unreachable since" in text for _job, text in recorder.notes)
+
+
+def clone_lock(fake: FakePVE) -> Callable[[], None]:
+    """The template's file lock held by another task for good."""
+    return lambda: fake.inject("clone", "lock_timeout", times=10_000)
+
+
+async def test_a_lock_outlasting_a_shorter_step_is_named(fake: FakePVE, tmp_path: Path) -> None:
+    """Issue 25, item 14: the step (1 s) ends before lock_wait_s (5 s): its timeout still
+    names the lock and what to do about it."""
+    settings = pve_settings(tmp_path, fake)
+    timeouts = {**settings.timeouts.model_dump(), "clone_s": 1.0}
+    settings = pve_settings(tmp_path, fake, timeouts=timeouts)
+    recorder = at_first("clone", clone_lock(fake))
+    (job,) = await deploy_all(fake, settings, [f"web01 {ADDRESS}"], recorder, lock_wait_s=5.0)
+    assert (job.state, job.failed_step) == (JobState.FAILED, "clone")
+    assert job.error is not None and job.error.startswith("timed out after 1 s (last: clone of ")
+    assert "lock-9000.conf' - got timeout; still so after " in job.error, job.error
+    assert "Find it in the task list of node pve1" in job.error, job.error
+
+
+async def test_a_failure_ends_as_one_sentence_and_claims_no_undo_it_did_not_need(
+    fake: FakePVE, tmp_path: Path
+) -> None:
+    """Issue 25, item 14: a reason ending in its own full stop gets no second one; a
+    clone that never made its VM is not reported as "Rolled back: destroy VM ..."."""
+    recorder = at_first("clone", clone_lock(fake))
+    settings = pve_settings(tmp_path, fake)
+    (job,) = await deploy_all(fake, settings, [f"web01 {ADDRESS}"], recorder, lock_wait_s=0.3)
+    assert (job.state, job.failed_step) == (JobState.FAILED, "clone")
+    assert job.error is not None and job.error.endswith("stop it."), job.error
+    final, report = recorder.finished[job.id]
+    lines = finished(final, report)
+    assert lines[0] == f"failed at {step_label('clone')}: {job.error}", lines
+    assert lines[1:] == [
+        "Nothing had been built, so there was nothing to remove.",
+        "Fix the cause (or ask an operator), then run the same /deploy again.",
+    ], lines
+    assert ".." not in slack_outcome_dm(final)
+
+
+async def test_a_vm_that_was_built_is_reported_rolled_back(fake: FakePVE, tmp_path: Path) -> None:
+    recorder = at_first(
+        "identity", lambda: fake.inject("config", "task_error", message="bad cloud-init drive")
+    )
+    (job,) = await deploy_all(fake, pve_settings(tmp_path, fake), [f"web01 {ADDRESS}"], recorder)
+    final, report = recorder.finished[job.id]
+    assert f"Rolled back: destroy VM {job.vm_id}." in finished(final, report)

@@ -10,9 +10,10 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from backends import troubles
 from backends.proxmox import ProxmoxBackend
 from backends.proxmox.api import PveApi
-from backends.proxmox.apierrors import TaskFailed
+from backends.proxmox.apierrors import Forbidden, TaskFailed
 from backends.proxmox.pacing import Pace, Pacing
 from backends.proxmox.taskwatch import Upid
 from tests.fakepve import testing
@@ -222,3 +223,61 @@ async def test_a_wait_counts_from_the_answer_that_started_the_task(
     async with asyncio.timeout(10):
         assert await api.wait_task(late, "config", pace=pace) == "OK"
     assert len(pve.sent("GET", STATUS)) == 1
+
+
+async def test_a_task_list_answering_500_for_a_while_fails_no_wait(
+    backend: ProxmoxBackend, pve: FakePVE
+) -> None:
+    """Issue 25, item 12: the list answering 500 ("unable to read task index") for a
+    while, and every task ended meanwhile: each wait still ends by its task's status,
+    and its caller is told what the failed reads said."""
+    api = backend.api
+    upids = [await start_config(api, vmid) for vmid in VMIDS[:3]]
+    pve.inject("tasks", "error", for_s=0.5, message="unable to read task index")
+    told: list[str] = []
+    with troubles.told(told):
+        results = await asyncio.gather(*(api.wait_task(u, "copy template") for u in upids))
+    assert results == ["OK"] * 3
+    statuses = [r.status for r in pve.sent("GET", LIST)]
+    assert statuses[0] == 500 and 200 in statuses, statuses
+    assert told and told[-1] == (
+        "listing the tasks of node pve1: unable to read task index "
+        "(asking again: the task runs on regardless)"
+    )
+    # The failed looks teach nothing: the tasks' ends were seen late.
+    assert polling_ended(api)
+
+
+async def test_one_500_on_a_task_status_read_fails_no_wait(
+    backend: ProxmoxBackend, pve: FakePVE
+) -> None:
+    api = backend.api
+    pacing = Pacing()
+    pve.inject("task_status", "error", message="unable to read task index")
+    upid = await start_config(api, VMIDS[0])
+    assert await api.wait_task(upid, "config", pace=Pace(pacing, "config", "t")) == "OK"
+    assert [r.status for r in pve.sent("GET", STATUS)][:2] == [500, 200]
+    assert pacing.expected_s("config", "t") is None  # a missed look: nothing learnt
+
+
+async def test_a_failing_task_still_fails_after_failed_reads(
+    backend: ProxmoxBackend, pve: FakePVE
+) -> None:
+    api = backend.api
+    pve.inject("config", "task_error", message="disk full")
+    upid = await start_config(api, VMIDS[0])
+    pve.inject("task_status", "error", times=2, message="unable to read task index")
+    with pytest.raises(TaskFailed, match="disk full"):
+        await api.wait_task(upid, "config")
+
+
+async def test_a_permanent_refusal_of_the_task_list_still_fails_every_wait(
+    backend: ProxmoxBackend, pve: FakePVE
+) -> None:
+    api = backend.api
+    upids = [await start_config(api, vmid) for vmid in VMIDS[:2]]
+    pve.inject("tasks", "error", status=403, message="Permission check failed (Sys.Audit)")
+    results = await asyncio.gather(
+        *(api.wait_task(u, "config") for u in upids), return_exceptions=True
+    )
+    assert all(isinstance(r, Forbidden) for r in results), results

@@ -4,6 +4,7 @@ address, rollback, ownership, finding VMs, and waits that end."""
 from __future__ import annotations
 
 import ipaddress
+import re
 
 import pytest
 
@@ -12,6 +13,7 @@ from backends.base import (
     NotOurVM,
     PermanentError,
     RetryableError,
+    Unreachable,
     VMRef,
 )
 from backends.proxmox import ProxmoxBackend
@@ -67,6 +69,29 @@ async def test_an_agent_that_never_answers_is_named(backend: ProxmoxBackend) -> 
         RetryableError, match=r"has not answered in \d+ s \(does the template have qemu-guest-agent"
     ):
         await backend.wait_for_address(ref, IDENTITY.address.ip)
+
+
+async def test_a_node_out_of_reach_is_not_blamed_on_the_agent(
+    backend: ProxmoxBackend, pve: FakePVE
+) -> None:
+    """Issue 25, item 13: with the node answering 595 through the boot wait, the wait
+    says the node did not answer (Unreachable, the last error), not that the template
+    may lack qemu-guest-agent."""
+    ref = await cloned(backend)
+    await backend.apply_identity(ref, IDENTITY)
+    await backend.power_on(ref)
+    pve.inject("agent_ping", "error", times=10_000, status=595, message="No route to host")
+    with pytest.raises(Unreachable) as failure:
+        await backend.wait_for_address(ref, IDENTITY.address.ip)
+    message = failure.value.message
+    assert "qemu-guest-agent" not in message
+    assert re.fullmatch(
+        rf"VM {ref.vm_id}: its guest agent could not be asked in \d+ s: the last \d+ "
+        rf"question\(s\) got no answer from the API \(last: guest agent of VM {ref.vm_id}: "
+        r"127\.0\.0\.1:\d+ answered 595 No route to host\); check that node pve1 is up "
+        "and reachable from the API endpoint",
+        message,
+    ), message
 
 
 async def test_an_agent_without_the_address_says_what_it_saw(backend: ProxmoxBackend) -> None:

@@ -113,7 +113,8 @@ class ProxmoxBackend(BuildsOnProxmox):
         self.tasks = TaskRunner(config, api, self.inventory)
         # (vm id, job) -> a growth's absolute target, for a VM without the disk mark.
         self._resize_targets: dict[tuple[str, str], int] = {}
-        self.pacing = pacing or Pacing(config.expect_s)
+        self.pacing = pacing or Pacing()
+        self.pacing.guess(config.expect_s)
         self.cloning = Cloning(config, api, self.inventory, self.tasks, self.pacing)
         self.builds = TemplateBuilds(config, api, self.inventory, self.tasks, self.cloning)
         polling = api.settings.polling

@@ -5,7 +5,9 @@ node's log (HTTP 500 "QEMU guest agent is not running"). So the agent is first a
 once the guest has had its usual boot time (learned per template, `pacing`: from the
 start task's end to the agent's first answer), then geometrically more often, and with
 the light `agent/ping` until it answers; only then `network-get-interfaces`, repeated
-(fast polling) while cloud-init has not applied the address yet.
+(fast polling) while cloud-init has not applied the address yet. A question the API
+does not answer (595: the node out of reach) is no sign of the guest either way: when
+the wait ends so, it says the node did not answer, not that the agent is missing.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from backends.base import PermanentError, RetryableError, pick_address
+from backends.base import PermanentError, RetryableError, Unreachable, pick_address
 from backends.proxmox.api import PveApi
 from backends.proxmox.pacing import Pacing, PollTiming, Schedule
 
@@ -36,6 +38,34 @@ class AgentWatch:
     answered: bool = False
     seen: str = ""
     asked: list[str] = field(default_factory=list)  # what was asked, in order (tests)
+    # The asks in a row that got no answer from the API (the node out of reach, a
+    # busy API), and the last one's error: then the agent was not asked at all.
+    unanswered: int = 0
+    failure: RetryableError | None = None
+
+    def got_no_answer(self, exc: RetryableError) -> None:
+        self.unanswered += 1
+        self.failure = exc
+
+    def got_answer(self) -> None:
+        self.unanswered, self.failure = 0, None
+
+    def error(
+        self, vm_id: str, now_s: float, expected: ipaddress.IPv4Address | None
+    ) -> RetryableError:
+        """What the wait came to: the node not answering (Unreachable: the pipeline says
+        it waits for the hypervisor), else what the agent did, as `message` says."""
+        if self.failure is None:
+            return RetryableError(self.message(vm_id, now_s, expected), vm_id=vm_id)
+        text = (
+            f"VM {vm_id}: its guest agent could not be asked in {now_s - self.since_s:.0f} s: "
+            f"the last {self.unanswered} question(s) got no answer from the API "
+            f"(last: {self.failure.message}); check that node {self.node} is up and "
+            "reachable from the API endpoint"
+        )
+        if isinstance(self.failure, Unreachable):
+            return Unreachable(text, vm_id=vm_id)
+        return RetryableError(text, vm_id=vm_id)
 
     def message(self, vm_id: str, now_s: float, expected: ipaddress.IPv4Address | None) -> str:
         waited = f"{now_s - self.since_s:.0f} s"
@@ -93,11 +123,15 @@ class AgentWaits:
                 at = watch.since_s + watch.schedule.next_at()
             if at - began >= self.window_s:
                 await asyncio.sleep(max(0.0, began + self.window_s - now))
-                raise RetryableError(watch.message(vm_id, loop.time(), expected), vm_id=vm_id)
+                raise watch.error(vm_id, loop.time(), expected)
             await asyncio.sleep(max(0.0, at - now))
             if not watch.answered:
                 sent = loop.time() - watch.since_s
-                if not await self._ping(base, vm_id, watch):
+                up = await self._ping(base, vm_id, watch)
+                if up is None:  # no answer at all: says nothing of the boot
+                    watch.schedule.miss(sent)
+                    continue
+                if not up:
                     watch.schedule.saw_running(sent)
                     continue
                 watch.answered = True  # learnt as when the ping was sent (see taskwatch)
@@ -107,17 +141,21 @@ class AgentWaits:
                 self.forget(vm_id)
                 return found
 
-    async def _ping(self, base: str, vm_id: str, watch: AgentWatch) -> bool:
-        """Whether the agent answers `ping` (POST, as the API defines it)."""
+    async def _ping(self, base: str, vm_id: str, watch: AgentWatch) -> bool | None:
+        """Whether the agent answers `ping` (POST, as the API defines it); None when
+        the API gave no answer (the node out of reach, a lock): the agent was not asked."""
         watch.asked.append("ping")
         try:
             await self.api.post(f"{base}/ping", f"guest agent of VM {vm_id}")
-        except RetryableError:
-            return False  # the API or the agent channel is busy: ask again
+        except RetryableError as exc:
+            watch.got_no_answer(exc)  # kept, to say so if the wait ends like this
+            return None
         except PermanentError as exc:
             if not _AGENT_NOT_YET.search(exc.message):
                 raise  # not running any more, or no agent configured
+            watch.got_answer()
             return False
+        watch.got_answer()
         return True
 
     async def _interfaces(
@@ -128,13 +166,16 @@ class AgentWaits:
             answer = await self.api.get(
                 f"{base}/network-get-interfaces", f"guest agent of VM {vm_id}"
             )
-        except RetryableError:
+        except RetryableError as exc:
+            watch.got_no_answer(exc)
             return None
         except PermanentError as exc:
             if not _AGENT_NOT_YET.search(exc.message):
                 raise
+            watch.got_answer()
             watch.answered = False  # restarted meanwhile: ping it again
             return None
+        watch.got_answer()
         pairs = interfaces(answer)
         found = pick_address(pairs, expected)
         if found is None:

@@ -23,14 +23,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from backends.base import BackendError, PermanentError, Unreachable
+from backends import troubles
+from backends.base import BackendError, PermanentError
 from backends.proxmox.apierrors import (
     HELD,
     LOCKED,
+    READ_AGAIN,
     ConfigLocked,
     Credentials,
     ErrorContext,
-    LockContention,
     TaskFailed,
     TaskLockTimeout,
     map_error,
@@ -148,8 +149,10 @@ class PveApi:
         """Wait until the task `upid` has stopped; return its exit status on success
         (`OK` or `WARNINGS: N`). A failure raises TaskFailed (TaskLockTimeout when it
         died waiting for a file lock, ConfigLocked when the VM's config was locked) with
-        the error and the last lines of its log. A poll
-        that cannot reach the server is repeated: the task runs on regardless, and no
+        the error and the last lines of its log. A poll that fails in a way a later one
+        may not (`READ_AGAIN`: the server out of reach, a lock, a 500 such as "unable to
+        read task index") is repeated, with the polling's backoff, until the task's
+        status is read or the caller's own timeout: the task runs on regardless, and no
         caller may act on the VM before it has ended.
 
         The waits on one node share their polling (`TaskWatcher`): one list of the
@@ -188,7 +191,14 @@ class PveApi:
                     vm_id=vm_id,
                 ) from None
             if status is None:  # no longer listed as running: its own status says how
-                status = await self._task_status(node, upid, what)
+                try:
+                    status = await self._task_status(node, upid, what)
+                except READ_AGAIN as exc:  # decides nothing: asked again after a pause
+                    log.info("%s: polling %s: %s", self.name, upid, exc.message)
+                    troubles.trouble(f"{exc.message} (asking again: the task runs on regardless)")
+                    pause = self.settings.polling.interval_s(loop.time() - began)
+                    await asyncio.sleep(min(pause, max(0.0, deadline - loop.time())))
+                    status = None
             if status is not None and status.get("status") == "stopped":
                 break
             if loop.time() >= deadline:  # listed as gone, yet running: not yet listed
@@ -207,14 +217,11 @@ class PveApi:
             raise TaskLockTimeout(message, vm_id=vm_id)
         raise TaskFailed(message, exitstatus, vm_id=vm_id)
 
-    async def _task_status(self, node: str, upid: str, what: str) -> dict[str, Any] | None:
-        """One task's status; None when the server could not be asked (try again later)."""
-        try:
-            self.task_polls += 1
-            status: dict[str, Any] = await self.get(f"nodes/{node}/tasks/{upid}/status", what)
-        except (Unreachable, LockContention) as exc:
-            log.info("%s: polling %s: %s", self.name, upid, exc.message)
-            return None
+    async def _task_status(self, node: str, upid: str, what: str) -> dict[str, Any]:
+        """One task's status. A failure that asking again may cure is `READ_AGAIN`:
+        the callers ask again (the task runs on whether or not it can be read)."""
+        self.task_polls += 1
+        status: dict[str, Any] = await self.get(f"nodes/{node}/tasks/{upid}/status", what)
         return status
 
     def polling_nodes(self) -> list[str]:

@@ -40,6 +40,12 @@ class ConfigLocked(LockContention):
         self.lock = lock
 
 
+class ServerFailed(PermanentError):
+    """HTTP 500 with a message no rule here knows ("unable to read task index"): the
+    server failed at what it was asked. Final for a change, which it refused; a read of
+    a task's state is asked again (`READ_AGAIN`): the task runs on regardless."""
+
+
 class StillRunning(PermanentError):
     """`VM <id> is running - destroy failed`: the VM must be stopped first."""
 
@@ -62,6 +68,12 @@ class TaskFailed(PermanentError):
 
 class TaskLockTimeout(LockContention):
     """A task that died waiting for a lock: nothing was done, so it can be run again."""
+
+
+# What a read of a task's state may answer and still work when asked again: the node
+# out of reach, a lock, the server failing at the read. Only the task's own exit status
+# decides how the step went (api.wait_task).
+READ_AGAIN: tuple[type[BackendError], ...] = (RetryableError, ServerFailed)
 
 
 @dataclass(frozen=True)
@@ -149,6 +161,8 @@ def _refusal(exc: HttpError, what: str, endpoint: str, ctx: ErrorContext) -> Bac
         return VMNotFound(message)
     if _EXISTS.search(reason):
         return AlreadyExists(message)
+    if code == 500:
+        return ServerFailed(message)
     return PermanentError(message)
 
 

@@ -56,6 +56,21 @@ DEFAULT_PROFILES: dict[str, OSProfile] = {
 }
 
 
+# What a first deploy expects when nothing is recorded (a new database): a linked clone
+# of a cloud image and its first boot on a small cluster (and the fake's defaults).
+# Too short costs a look or two (the looks after it back off geometrically); too long
+# costs time, so these are on the short side of typical.
+TYPICAL_S: dict[str, float] = {
+    "clone": 2.0,
+    "config": 0.2,
+    "resize": 0.3,
+    "start": 1.0,
+    "stop": 0.5,
+    "delete": 0.3,
+    "boot": 3.0,
+}
+
+
 class Config(BackendConfig):
     """`kind = "proxmox"`. An API token (`token_id`, its secret in `$token_secret_env`)
     is used when its secret is set; otherwise a password login (`$password_env`).
@@ -85,11 +100,13 @@ class Config(BackendConfig):
     task_poll_initial_s: float = Field(default=0.1, gt=0)
     task_poll_ratio: float = Field(default=0.05, gt=0, le=1)
     task_poll_max_s: float = Field(default=2.0, gt=0)
-    # Until a kind of wait was seen once in this process, its first look comes at
-    # this many seconds (operations: clone, config, resize, start, stop, delete, boot
-    # = start to the guest agent's first answer); unnamed ones are polled fast.
-    # Afterwards the look comes when the same operation usually ended (see `pacing`).
-    expect_s: dict[str, float] = Field(default_factory=dict)
+    # Until a kind of wait has a history (this template's, else another template's on
+    # this backend), its first look comes at this many seconds (operations: clone,
+    # config, resize, start, stop, delete, boot = start to the guest agent's first
+    # answer); an operation not named is polled fast. Setting it replaces the typical
+    # durations below. Afterwards the look comes when the same operation usually ended
+    # (see `pacing`).
+    expect_s: dict[str, float] = Field(default_factory=lambda: dict(TYPICAL_S))
     task_timeout_s: float = Field(default=3600.0, gt=0)
     task_log_lines: int = Field(default=5, ge=0)
     lock_retries: int = Field(default=3, ge=0)  # a clone whose request got no answer

@@ -27,6 +27,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from backends import troubles
 from backends.base import Locked, RetryableError
 from backends.proxmox.api import PveApi
 from backends.proxmox.apierrors import ConfigLocked, LockContention
@@ -139,6 +140,9 @@ class TaskRunner:
             now = loop.time()
             if deadline is not None and now >= deadline:
                 raise _locked(what, holder, lock, exc, deadline - first)
+            # The caller's own timeout may come first (a step shorter than lock_wait_s):
+            # it then names the lock and what to do, not only "timed out".
+            troubles.trouble(_locked(what, holder, lock, exc, round(now - first, 1)).message)
             await asyncio.sleep(delay if deadline is None else min(delay, deadline - now))
             delay = min(delay * 2, _POLL_MAX_S)
             if lock is None or await self._lock(holder, lock) != lock:

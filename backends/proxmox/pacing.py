@@ -25,7 +25,9 @@ The estimates are learned in the backend from its own waits. A process starts fr
 the store recorded (`remember`: the bot hands the backend the durations of past deploy
 steps per template and storage, see bot/durations.py); those include a request or two
 besides the task, so the quickest recent one is taken, and the first own wait replaces
-it. Without history, `Config.expect_s` gives first guesses.
+it. A template without history (a new one) starts from its operation's quickest on the
+backend's other templates; with no history at all (a new database), `Config.expect_s`
+gives first guesses: typical durations unless configured (`config.TYPICAL_S`).
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ class Schedule:
         self.basis = basis  # which estimate it was made from (Pacing.learn)
         self.looks = 0  # its own looks (at or after their time) that found it running
         self.running_s: float | None = None  # the age of the last look that found it so
+        self.missed = False  # a look failed (the read did not answer): see `miss`
         self._step_s = max(_MIN_STEP_S, step_s or (expected_s or 0.0) * _FIRST_STEP)
         self._next_s = timing.interval_s(0.0) if expected_s is None else expected_s
 
@@ -93,6 +96,16 @@ class Schedule:
     def saw_running(self, age_s: float) -> None:
         if self.running_s is None or age_s > self.running_s:
             self.running_s = age_s  # any look that found it running bounds it from below
+        self._step(age_s)
+
+    def miss(self, age_s: float) -> None:
+        """A look whose read failed: it says nothing of the wait, so the next look comes
+        as after a look that found it running (the same backoff), and the wait teaches
+        nothing about how long such waits take (`Pacing.learn`): its end was seen late."""
+        self.missed = True
+        self._step(age_s)
+
+    def _step(self, age_s: float) -> None:
         if age_s < self._next_s - _EARLY_S:
             return  # a look for another wait: this one's time has not come
         self.looks += 1
@@ -137,7 +150,24 @@ class Pacing:
         own = self._estimates.get((operation, key))
         if own is not None:
             return own.seconds
-        return self._recorded.get((operation, key)) or self._seeds.get(operation)
+        return (
+            self._recorded.get((operation, key))
+            or self._typical(operation)
+            or self._seeds.get(operation)
+        )
+
+    def _typical(self, operation: str) -> float | None:
+        """For a key never seen (a new template): the same operation's quickest on
+        this backend's other keys, learned or recorded (too early costs a look or two;
+        too late, time)."""
+        known = [e.seconds for (op, _key), e in self._estimates.items() if op == operation]
+        known += [s for (op, _key), s in self._recorded.items() if op == operation]
+        return min(known) if known else None
+
+    def guess(self, seeds: Mapping[str, float]) -> None:
+        """First guesses for the operations this pacing has none for (a backend's
+        `expect_s`, when it was handed a pacing to share)."""
+        self._seeds = {**seeds, **self._seeds}
 
     def remember(self, operation: str, key: str, durations: Iterable[float]) -> None:
         """Recorded durations of past steps doing this operation (newest first). A step
@@ -158,6 +188,8 @@ class Pacing:
         """Move the estimate by what one wait's looks said (see the module's docstring).
         A wait made from an estimate that has moved since (a sibling of fifty learnt
         first) can only raise it, to the highest bound its siblings saw."""
+        if schedule.missed:  # a look in between failed: its end may lie far before
+            return
         own = self._estimates.get((operation, key))
         expected = schedule.expected_s
         if expected is None:  # polled blind: the first of its kind (or its siblings)

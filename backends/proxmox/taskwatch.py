@@ -9,8 +9,9 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from backends.base import PermanentError, Unreachable
-from backends.proxmox.apierrors import LockContention
+from backends import troubles
+from backends.base import BackendError, PermanentError
+from backends.proxmox.apierrors import READ_AGAIN
 from backends.proxmox.pacing import Pace, Schedule
 
 if TYPE_CHECKING:
@@ -29,6 +30,13 @@ class _Waiter:
     pace: Pace | None
     # The task's final status, or None: "no longer listed as running, ask it".
     future: asyncio.Future[dict[str, Any] | None]
+    told: list[str] | None = None  # its caller's (backends.troubles): failed looks
+
+    def missed(self, sent: float, exc: BackendError) -> None:
+        """A look at it failed (READ_AGAIN): looked at again later, and its caller told."""
+        self.schedule.miss(sent - self.began)
+        if self.told is not None:
+            self.told.append(f"{exc.message} (asking again: the task runs on regardless)")
 
     def due(self) -> float:
         return self.began + self.schedule.next_at()
@@ -55,7 +63,11 @@ class TaskWatcher:
     finished ones with their `endtime` and exit status, which ends their waits with no
     request of their own. A task missing from the list (started too recently to be
     listed) is resolved with None for its waiter to ask its status once. Every look at
-    a wait, its own or shared, counts as a look for its schedule."""
+    a wait, its own or shared, counts as a look for its schedule. A look that fails in
+    a way a later one may not (`READ_AGAIN`: the node out of reach, a 500) ends no
+    wait: each is looked at again on its schedule's backoff, and its caller is told
+    (`backends.troubles`); only a task's own exit status, or the caller's timeout, ends
+    its wait."""
 
     def __init__(self, api: PveApi, node: str) -> None:
         self.api = api
@@ -70,7 +82,7 @@ class TaskWatcher:
         future: asyncio.Future[dict[str, Any] | None] = asyncio.get_running_loop().create_future()
         timing = self.api.settings.polling
         schedule = pace.schedule(timing) if pace else Schedule(None, timing)
-        waiter = _Waiter(upid, what, began, schedule, pace, future)
+        waiter = _Waiter(upid, what, began, schedule, pace, future, troubles.current())
         self.waiters.add(waiter)
         self._wake.set()  # a new wait may be due earlier than the others
         if self._loop is None or self._loop.done():
@@ -106,7 +118,7 @@ class TaskWatcher:
                     continue
                 try:
                     await self._poll(pending, now)
-                except Exception as exc:  # a refusal, or a bug: every wait learns of it
+                except Exception as exc:  # a permanent refusal, or a bug: every wait learns
                     for waiter in pending:
                         if not waiter.future.done():
                             waiter.future.set_exception(exc)
@@ -122,8 +134,13 @@ class TaskWatcher:
         api = self.api
         if len(pending) == 1:
             (waiter,) = pending
-            status = await api._task_status(self.node, waiter.upid, waiter.what)
-            if status is not None and status.get("status") == "stopped":
+            try:
+                status = await api._task_status(self.node, waiter.upid, waiter.what)
+            except READ_AGAIN as exc:
+                log.info("%s: polling %s: %s", api.name, waiter.upid, exc.message)
+                waiter.missed(sent, exc)
+                return
+            if status.get("status") == "stopped":
                 waiter.done(status, sent)
             else:
                 waiter.schedule.saw_running(sent - waiter.began)
@@ -139,10 +156,10 @@ class TaskWatcher:
             listed = await api.get(
                 f"nodes/{self.node}/tasks", f"listing the tasks of node {self.node}", **params
             )
-        except (Unreachable, LockContention) as exc:
+        except READ_AGAIN as exc:  # one failed read decides nothing: asked again
             log.info("%s: polling the tasks of %s: %s", api.name, self.node, exc.message)
             for waiter in pending:
-                waiter.schedule.saw_running(sent - waiter.began)
+                waiter.missed(sent, exc)
             return
         items = {str(i.get("upid")): i for i in listed if isinstance(i, dict)}
         for waiter in pending:

@@ -130,7 +130,7 @@ def finished(job: Job, rollback: RollbackReport | None) -> list[str]:
         lines = ["cancelled."]
     else:
         step = step_label(job.failed_step) if job.failed_step else "an earlier step"
-        lines = [f"failed at {step}: {job.error}."]
+        lines = [f"failed at {step}: {sentence(job.error or '')}"]
     lines.extend(_rollback_lines(rollback))
     if job.state is JobState.FAILED:
         lines.append("Fix the cause (or ask an operator), then run the same /deploy again.")
@@ -147,7 +147,17 @@ def slack_outcome_dm(job: Job) -> str:
     if job.state is JobState.DESTROYED:
         return f"{where} was destroyed; its name and address are free again."
     step = step_label(job.failed_step) if job.failed_step else "an earlier step"
-    return f"{where} failed at {step}: {job.error}. Its thread says what was rolled back."
+    return (
+        f"{where} failed at {step}: {sentence(job.error or '')} "
+        "Its thread says what was rolled back."
+    )
+
+
+def sentence(text: str) -> str:
+    """`text` ended as a sentence: a reason that ends with its own full stop (a
+    hypervisor's message, "... on pve1.") gets no second one."""
+    text = text.rstrip()
+    return text if text.endswith((".", "!", "?")) else text + "."
 
 
 def _rollback_lines(rollback: RollbackReport | None) -> list[str]:
@@ -159,7 +169,7 @@ def _rollback_lines(rollback: RollbackReport | None) -> list[str]:
     if not rollback.undone and not rollback.failed and not rollback.wreckage:
         lines.append("Nothing had been built, so there was nothing to remove.")
     for failure in rollback.failed:
-        lines.append(f"Rollback problem: {failure}.")
+        lines.append(f"Rollback problem: {sentence(failure)}")
     if rollback.wreckage:
         lines.append(
             "Left behind (remove by hand or with `deploybot gc`): "

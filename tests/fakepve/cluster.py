@@ -56,6 +56,24 @@ class Fault:
     status: int = 500
     delay_s: float = 0.0
     errors: dict[str, str] | None = None  # with status 400: the per-parameter messages
+    # Instead of `times`: every call for this long, from the first one it answered
+    # ("the task list answers 500 for 6 s"; with status 595: the node out of reach).
+    for_s: float | None = None
+    first_s: float | None = None  # loop time of that first call
+
+    def applies(self) -> bool:
+        """Whether it answers this call (and counts it)."""
+        if self.times <= 0:
+            return False
+        if self.for_s is None:
+            self.times -= 1
+            return True
+        now = asyncio.get_running_loop().time()
+        self.first_s = now if self.first_s is None else self.first_s
+        if now - self.first_s < self.for_s:
+            return True
+        self.times = 0  # over
+        return False
 
 
 @dataclass
@@ -307,8 +325,7 @@ class Cluster:
 
     def take(self, endpoint: str, kinds: tuple[FaultKind, ...]) -> Fault | None:
         for fault in self.faults:
-            if fault.endpoint == endpoint and fault.kind in kinds and fault.times > 0:
-                fault.times -= 1
+            if fault.endpoint == endpoint and fault.kind in kinds and fault.applies():
                 return fault
         return None
 

@@ -169,7 +169,8 @@ class FakePVE:
     # --- test controls ------------------------------------------------------------------
 
     def inject(self, endpoint: str, kind: FaultKind, times: int = 1, **options: Any) -> None:
-        """A fault for the next `times` calls of an endpoint (see `ops.ENDPOINTS`)."""
+        """A fault for the next `times` calls of an endpoint (see `ops.ENDPOINTS`), or
+        with `for_s=` for every call during that long from the first one it answers."""
         known = {name for name, _handler in ENDPOINTS.values()} | {"ticket"}
         if endpoint not in known:
             raise ValueError(f"unknown endpoint {endpoint!r}; one of {sorted(known)}")

@@ -73,6 +73,9 @@ def config_data(fake: FakePVE, auth: Auth = "token", **overrides: Any) -> dict[s
         "lock_backoff_s": 0.01,
         "lock_wait_s": 0.5,
         "agent_poll_window_s": 0.2,
+        # No first guesses: the typical durations (seconds) would make these fast
+        # fake tasks wait seconds; the tests of first guesses set their own.
+        "expect_s": {},
     }
     if auth == "token":
         data["token_id"] = fake.token_id.split("!")[1]
