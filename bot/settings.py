@@ -212,8 +212,8 @@ class Settings(BaseSettings):
         self._defaults_within_limits()
         smoke = self.images.smoke_subnet
         if smoke is not None and not any(smoke in (s.name, str(s.cidr)) for s in self.subnets):
-            names = ", ".join(str(s) for s in self.subnets)
-            raise ValueError(f"images.smoke_subnet {smoke!r} is not a subnet; use one of {names}")
+            known = ", ".join(str(s) for s in self.subnets)
+            raise ValueError(f"images.smoke_subnet {smoke!r} is not a subnet; use one of {known}")
         for subnet in self.subnets:
             for unknown in set(subnet.backends) - set(names):
                 raise ValueError(
