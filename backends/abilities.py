@@ -18,7 +18,9 @@ class ChecksPrivileges(Protocol):
     endpoint: tuple[str, int]  # host and port of its API, for the certificate's subject
 
     async def missing_privileges(self, template: str) -> list[MissingPrivilege]:
-        """Those a deploy of `template` lacks; none when there is no such template."""
+        """Those a deploy of `template` lacks. Raises `BackendError` when they cannot be
+        asked (no such template: the places a deploy needs them depend on it); never an
+        empty list for a check that did not run."""
         ...
 
 

@@ -148,11 +148,14 @@ def check_login(request: DeployRequest) -> None:
     )
 
 
-async def problems_at_start(backends: Mapping[str, Backend]) -> list[str]:
+async def problems_at_start(
+    backends: Mapping[str, Backend], default_template: str | None = None
+) -> list[str]:
     """What an operator must fix before any request to a backend can succeed: it refuses
-    us (password, certificate, host name) or its configured network does not exist; and
-    templates no request can use as configured (`Template.problem`). A backend that
-    does not answer yet is no such problem: jobs wait for it."""
+    us (password, certificate, host name), its configured network or the default
+    template (`[defaults] template`) does not exist; and templates no request can use
+    as configured (`Template.problem`). A backend that does not answer yet is no such
+    problem: jobs wait for it."""
     problems = []
     for name, backend in backends.items():
         wanted = backend.default_network
@@ -165,6 +168,13 @@ async def problems_at_start(backends: Mapping[str, Backend]) -> list[str]:
             continue
         # Requests for these are refused (check_on_backend); the operator hears it now.
         problems += [f"backend {name}: {t.problem}" for t in templates if t.problem]
+        names = [t.name for t in templates]
+        if default_template is not None and default_template not in names:
+            problems.append(
+                f"backend {name}: the default template {default_template!r} is not there, "
+                "so every deploy to it without template= would be refused: set [defaults] "
+                f"template to one of {', '.join(names) or 'its templates (it has none)'}"
+            )
         if wanted and wanted not in networks:
             problems.append(
                 f"backend {name}: its network {wanted!r} does not exist there, so every "

@@ -144,7 +144,20 @@ def _exists(name: str, what: str, wanted: str, there: list[str]) -> CheckResult:
 async def _privileges(name: str, backend: Backend, template: str) -> list[CheckResult]:
     if not isinstance(backend, ChecksPrivileges):
         return []
-    lacking = await backend.missing_privileges(template)
+    try:
+        lacking = await backend.missing_privileges(template)
+    except BackendError as exc:  # a check that could not run is no "ok"
+        if exc.retryable:
+            raise  # the backend stopped answering: the inventory line says so
+        return [
+            CheckResult(
+                f"{name}: privileges",
+                False,
+                f"not checked: {exc.message}",
+                "correct what it names, then run `deploybot check` again: the privileges "
+                "are asked on what a deploy of the default template uses",
+            )
+        ]
     if not lacking:
         return [CheckResult(f"{name}: privileges", True, "the deploy steps' privileges are held")]
     return [

@@ -9,7 +9,7 @@ raw: the pipeline turns them into a failed job with a reason.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -97,8 +97,13 @@ class StoreUnavailable(DeployBotError):
         )
 
 
-def format_errors(source: Path, errors: list[ErrorDetails]) -> str:
-    """A ConfigError's text: the file, then one line per problem with its key."""
+def format_errors(
+    source: Path,
+    errors: list[ErrorDetails],
+    from_env: Callable[[tuple[str | int, ...]], str | None] = lambda _loc: None,
+) -> str:
+    """A ConfigError's text: the file, then one line per problem with its key, and, for
+    a value the environment set (`from_env` names its variable), that variable."""
     # A container whose items failed also reports itself as empty; the items say it better.
     locs = [tuple(e["loc"]) for e in errors]
     errors = [
@@ -109,9 +114,14 @@ def format_errors(source: Path, errors: list[ErrorDetails]) -> str:
         for e in errors
         if not (e["loc"][:1] == ("backends",) and len(e["loc"]) > 2 and e["type"] == "model_type")
     ]
-    lines = [f"{source}: the configuration has {len(errors)} problem(s):"]
-    for error in errors:
-        key = ".".join(str(part) for part in error["loc"]) or "(top level)"
+    variables = [from_env(tuple(e["loc"])) for e in errors]
+    where = f"{source} and the environment" if any(variables) else f"{source}"
+    lines = [f"{where}: the configuration has {len(errors)} problem(s):"]
+    for error, variable in zip(errors, variables, strict=True):
+        key = ".".join(str(part) for part in error["loc"])
+        if variable:  # the environment wins over the file: the file is not at fault
+            key = f"{key}, set by the environment variable {variable}"
         message = error["msg"].removeprefix("Value error, ")
-        lines.append(f"  {key}: {message}")
+        # A check across sections names its keys itself.
+        lines.append(f"  {key}: {message}" if key else f"  {message}")
     return "\n".join(lines)

@@ -180,10 +180,9 @@ class Intake:
             ) from None
         except BackendError as exc:
             where = self.addressing.ipam_name
-            if exc.retryable:
-                raise RequestInvalid(
-                    [f"{where} did not answer ({exc.message}); try again in a minute."]
-                ) from None
+            if exc.retryable:  # NetBox's message names it and says what went wrong
+                said = exc.message if exc.message.startswith(where) else f"{where}: {exc.message}"
+                raise RequestInvalid([f"{said}; try again in a minute."]) from None
             raise RequestInvalid([f"{where} refused: {exc.message}"]) from None
 
     async def _unreserve(

@@ -39,7 +39,7 @@ from bot.commands import (
 )
 from bot.errors import UsageError
 from bot.leaseterms import parse_length
-from bot.models import JOB_REF_RE, MIN_JOB_REF
+from bot.models import JOB_REF_RE, MIN_JOB_REF, MIN_MEMORY_MIB
 
 # The commands live in bot/commands.py; they are imported from here too.
 __all__ = [
@@ -319,7 +319,10 @@ def _convert(key: str, value: str) -> object:
             raise UsageError(f"cpu={value}: give a whole number of cores, like cpu=4.", USAGE)
         return int(value)
     if key == "mem":
-        return _mib(value, f"mem={value}: give a size with a unit, like mem=4G or mem=512M.")
+        mib = _mib(value, f"mem={value}: give a size with a unit, like mem=4G or mem=512M.")
+        if mib < MIN_MEMORY_MIB:
+            raise UsageError(_too_little_memory(value), USAGE)
+        return mib
     if key == "disk":
         message = f"disk={value}: disks only grow; give the growth, like disk=+20G."
         if not value.startswith("+"):
@@ -339,6 +342,16 @@ def _convert(key: str, value: str) -> object:
             return lowered in _YES
         raise UsageError(f"upgrade={value}: say upgrade=yes or upgrade=no.", USAGE)
     return value
+
+
+def _too_little_memory(value: str) -> str:
+    """The least a VM gets, in the unit the person typed (mem=0G: in G)."""
+    match = _SIZE_RE.fullmatch(value)
+    unit = match.group(2) if match else "M"
+    least = MIN_MEMORY_MIB / _UNIT_MIB[unit.lower()]
+    shown = f"{least:g}{unit}" + ("" if unit.lower() == "m" else f" ({MIN_MEMORY_MIB}M)")
+    typed = shown.split()[0]
+    return f"mem={value} is too little: a VM needs at least {shown}; ask for mem={typed} or more."
 
 
 def _mib(text: str, message: str) -> int:

@@ -85,6 +85,7 @@ class Pipeline(Steps):
                 return job if started else await self.store.get_job(job_id)
             await self.progress.job_updated(job)
             logfields.bind(backend=job.backend)
+            log.info("job %s: started: %s", job_id, _summary(job))
             run = Run(job, self.backends[job.backend])
             self._undo_reservation(run)
             first = await self._resume(run) if job.vm_id is not None else 0
@@ -309,6 +310,7 @@ class Pipeline(Steps):
             log.warning("job %s: taken over by another runner before it succeeded", run.job.id)
             return await self.store.get_job(run.job.id)
         if job is not None:
+            log.info("job %s: succeeded in %s: %s", job.id, _took(job), job.ssh_line)
             await self.progress.job_finished(job, None)
         return job
 
@@ -343,6 +345,9 @@ class Pipeline(Steps):
         if not moved:
             job = await self.store.get_job(job_id)
         if job is not None:
+            left = f"; left: {job.wreckage}" if job.wreckage else "; nothing left"
+            why = f" at {failure.step}: {failure.reason}" if failure else ""
+            log.info("job %s: %s%s, rolled back%s", job_id, final.value, why, left)
             await self.progress.job_finished(job, report)
         return job
 
@@ -353,3 +358,19 @@ class Pipeline(Steps):
         return await run_undo(
             self.store, self.timeouts, self._waiting_for_backend, job, backend, stack, ref
         )
+
+
+def _summary(job: Job) -> str:
+    """A job's request in one line for the log (no keys: they are not secrets, but long)."""
+    req = job.request
+    return (
+        f"{req.name} {req.address} from {req.template} on {job.backend}"
+        f"{'/' + req.placement if req.placement else ''}, {req.cores} cores, "
+        f"{req.memory_mib} MiB, +{req.disk_grow_gib} GiB, for {job.requester}"
+    )
+
+
+def _took(job: Job) -> str:
+    if job.started_at is None or job.finished_at is None:
+        return "?"
+    return f"{(job.finished_at - job.started_at).total_seconds():.1f} s"

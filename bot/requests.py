@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from bot import subnets
 from bot.errors import RequestInvalid
-from bot.models import DeployRequest
+from bot.models import MIN_MEMORY_MIB, DeployRequest
 from bot.parser import DeployArgs
 from bot.settings import Settings
 
@@ -150,6 +150,12 @@ def _limits(
         ("memory_mib", "mem", limits.max_memory_mib, " MiB"),
         ("disk_grow_gib", "disk", limits.max_disk_grow_gib, " GiB"),
     )
+    if data["memory_mib"] < MIN_MEMORY_MIB:  # a form's value (the text grammar says it)
+        problems.append(
+            f"mem: {data['memory_mib']} MiB is too little: a VM needs at least "
+            f"{MIN_MEMORY_MIB} MiB."
+        )
+        fields[problems[-1]] = "memory_mib"
     for field, key, limit, unit in checks:
         if data[field] > limit:
             problems.append(f"{key}: {data[field]}{unit} is over the limit of {limit}{unit}.")

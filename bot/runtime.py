@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 
 from backends.base import Backend, BackendConfig, BackendError, BackendFactory
+from backends.ipam import open_ipam
 from bot.durations import teach
 from bot.errors import ConfigError, StoreUnavailable
 from bot.models import utcnow
@@ -31,6 +32,47 @@ def make_backend(config: BackendConfig, environ: Mapping[str, str] | None = None
         prefix = f"backend {config.name}: "
         message = exc.message if exc.message.startswith(prefix) else prefix + exc.message
         raise ConfigError(message) from None
+
+
+async def make_backends(
+    settings: Settings, environ: Mapping[str, str] | None = None
+) -> dict[str, Backend]:
+    """Every configured backend, or one `ConfigError` naming each that cannot be built
+    (a secret missing from the environment...), so one start tells the operator all."""
+    built: dict[str, Backend] = {}
+    problems = []
+    for config in settings.backends:
+        try:
+            built[config.name] = make_backend(config, environ)
+        except ConfigError as exc:
+            problems.append(exc.message)
+    if problems:
+        await close_backends(built)
+        raise ConfigError("\n".join(problems))
+    return built
+
+
+async def close_backends(backends: Mapping[str, Backend]) -> None:
+    for backend in backends.values():
+        try:
+            await backend.close()
+        except Exception:
+            log.exception("closing backend %s failed", backend.name)
+
+
+async def secret_problems(settings: Settings, environ: Mapping[str, str]) -> list[str]:
+    """The secrets the configuration names that `environ` lacks (backends' passwords and
+    tokens, NetBox's token), each with its variable; nothing is connected to."""
+    problems = []
+    try:
+        await close_backends(await make_backends(settings, environ))
+    except ConfigError as exc:
+        problems += exc.message.splitlines()
+    try:
+        await open_ipam(settings.ipam, environ).close()
+    except BackendError as exc:
+        problems.append(f"[ipam]: {exc.message}")
+    return problems
 
 
 _heap_frozen = False
@@ -65,9 +107,7 @@ async def running_deployer(
 
     With `start=False` the caller starts the deployer itself (`deploybot serve` binds
     its front end first, so what recovery says reaches Slack)."""
-    backends = (
-        backends if backends is not None else {c.name: make_backend(c) for c in settings.backends}
-    )
+    backends = backends if backends is not None else await make_backends(settings)
     store = await open_store(settings)
     deployer = Deployer(
         settings,
@@ -86,11 +126,7 @@ async def running_deployer(
         yield deployer
     finally:
         await deployer.close(grace_s)
-        for backend in backends.values():
-            try:
-                await backend.close()
-            except Exception:
-                log.exception("closing backend %s failed", backend.name)
+        await close_backends(backends)
         await store.close()
 
 

@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from bot.models import check_ssh_key
+from bot.models import MIN_MEMORY_MIB, check_login_name, check_ssh_key
 
 
 class _Section(BaseModel):
@@ -22,11 +22,17 @@ class Defaults(_Section):
     backend: str | None = None
     template: str = "ubuntu-24.04"
     cores: int = Field(default=2, ge=1)
-    memory_mib: int = Field(default=2048, ge=256)
+    memory_mib: int = Field(default=2048, ge=MIN_MEMORY_MIB)
     disk_grow_gib: int = Field(default=0, ge=0)
     user: str = "ubuntu"
     ssh_keys: tuple[str, ...] = ()
     ssh_port: int = Field(default=22, ge=1, le=65535)
+
+    @field_validator("user")
+    @classmethod
+    def _login(cls, value: str) -> str:
+        """Checked at start: every deploy without user= would be refused."""
+        return check_login_name(value)
 
     @field_validator("ssh_keys")
     @classmethod
@@ -49,7 +55,7 @@ class Limits(_Section):
     approval, the claim of queued work, recovery); until then operators divide."""
 
     max_cores: int = Field(default=16, ge=1)
-    max_memory_mib: int = Field(default=65536, ge=256)
+    max_memory_mib: int = Field(default=65536, ge=MIN_MEMORY_MIB)
     max_disk_grow_gib: int = Field(default=1024, ge=0)
     max_running: int = Field(default=8, ge=1)
     max_running_per_backend: int = Field(default=4, ge=1)

@@ -209,12 +209,32 @@ class Settings(BaseSettings):
             raise ValueError(
                 'quotas.over = "approval" needs approval.approvers (or approver_groups)'
             )
+        self._defaults_within_limits()
+        smoke = self.images.smoke_subnet
+        if smoke is not None and not any(smoke in (s.name, str(s.cidr)) for s in self.subnets):
+            known = ", ".join(str(s) for s in self.subnets)
+            raise ValueError(f"images.smoke_subnet {smoke!r} is not a subnet; use one of {known}")
         for subnet in self.subnets:
             for unknown in set(subnet.backends + subnet.vms_on) - set(names):
                 raise ValueError(
                     f"subnet {subnet.label} names backend {unknown!r}, not one of {names}"
                 )
         return self
+
+    def _defaults_within_limits(self) -> None:
+        """A default over its limit would refuse every deploy that does not set it."""
+        d, limits = self.defaults, self.limits
+        for key, value, limit, unit in (
+            ("cores", d.cores, limits.max_cores, ""),
+            ("memory_mib", d.memory_mib, limits.max_memory_mib, " MiB"),
+            ("disk_grow_gib", d.disk_grow_gib, limits.max_disk_grow_gib, " GiB"),
+        ):
+            if value > limit:
+                raise ValueError(
+                    f"defaults.{key} ({value}{unit}) is over limits.max_{key} ({limit}{unit}), "
+                    f"so every deploy that does not set it would be refused: lower one or "
+                    f"raise the other"
+                )
 
     @property
     def default_backend(self) -> str:
@@ -266,5 +286,17 @@ def load_settings(path: str | Path | None = None, **overrides: Any) -> Settings:
                 continue
             errors.append(error)
     if errors:
-        raise ConfigError(format_errors(source, errors))
+        raise ConfigError(format_errors(source, errors, _env_variable))
     return settings
+
+
+def _env_variable(loc: tuple[str | int, ...]) -> str | None:
+    """The environment variable that set the value at `loc` (or the section holding it),
+    as `Settings` reads them: DEPLOYBOT_ + keys joined by __, in any case."""
+    prefix = Settings.model_config.get("env_prefix", "")
+    names = {name.upper(): name for name in os.environ}
+    for end in range(len(loc), 0, -1):
+        wanted = (prefix + "__".join(str(part) for part in loc[:end])).upper()
+        if wanted in names:
+            return names[wanted]
+    return None

@@ -74,6 +74,9 @@ class Steps:
             raise
         elapsed = loop.time() - began
         done = result if isinstance(result, str) else ""
+        log.info(
+            "job %s: %s finished in %.1f s%s", job.id, step, elapsed, f": {done}" if done else ""
+        )
         # Awaited before the line is shown: recovery reads these events to know which
         # steps are done (a resumed job must not redo or lose a finished clone).
         await self.store.add_event(

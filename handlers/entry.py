@@ -14,10 +14,11 @@ from bot import gc
 from bot.builds import retire
 from bot.check import run_checks
 from bot.cli import default_user, run
+from bot.errors import ConfigError
 from bot.models import JobState, utcnow
 from bot.models.builds import BuildState
 from bot.parser import DeployArgs, ListVMs, parse
-from bot.runtime import make_backend, open_store, running_deployer
+from bot.runtime import make_backend, open_store, running_deployer, secret_problems
 from bot.settings import Settings
 from handlers import messages
 from handlers.commands import list_page
@@ -29,7 +30,15 @@ async def demo(args: argparse.Namespace, settings: Settings) -> int:
     return await run_demo(args.time_scale)
 
 
+async def refuse_missing_secrets(settings: Settings) -> None:
+    """Every secret the configuration names and the environment lacks, named at once
+    before anything starts (`check-config`, `shell`, `serve`)."""
+    if problems := await secret_problems(settings, os.environ):
+        raise ConfigError(messages.secrets_missing(problems))
+
+
 async def shell(args: argparse.Namespace, settings: Settings) -> int:
+    await refuse_missing_secrets(settings)
     async with running_deployer(settings, TerminalThread()) as deployer:
         await Shell(deployer, args.user).run()
     return 0
@@ -120,6 +129,7 @@ async def history(args: argparse.Namespace, settings: Settings) -> int:
 
 
 async def check_config(args: argparse.Namespace, settings: Settings) -> int:
+    await refuse_missing_secrets(settings)
     print("The configuration is valid.")
     print(f"  backends: {', '.join(f'{b.name} ({b.kind})' for b in settings.backends)}")
     print(f"  subnets: {', '.join(str(s.cidr) for s in settings.subnets)}")

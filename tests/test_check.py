@@ -151,3 +151,24 @@ async def test_a_backend_without_its_secret_is_a_problem_not_a_crash(
     assert "PROBLEM  pve: set-up: backend pve: no Proxmox credentials" in output
     assert "$DEPLOYBOT_TEST_UNSET_SECRET" in output
     assert not fake.requests  # nothing was asked of the API without credentials
+
+
+async def test_privileges_that_could_not_be_checked_are_a_problem_not_ok(
+    pve_schema: ApiSchema, pve_tls: Tls, tmp_path: Path
+) -> None:
+    """Issue 25, item 16: with the default template missing, the privileges (VM.Allocate
+    revoked here) cannot be asked; that is said as a problem, never "ok"."""
+    async with start_fake(pve_schema, pve_tls) as fake:
+        fake.acl.revoke("VM.Allocate")
+        config = write_config(tmp_path, fake).read_text(encoding="utf-8")
+        (tmp_path / "deploybot.toml").write_text(
+            config.replace('template = "ubuntu-24.04"', 'template = "no-such"'), encoding="utf-8"
+        )
+        code, output = await run_deploybot(fake, tmp_path / "deploybot.toml", tmp_path, "check")
+    assert code == 1, output
+    assert "ok       pve: privileges" not in output
+    line = next(x for x in output.splitlines() if "pve: privileges" in x)
+    assert line.startswith("PROBLEM  pve: privileges: not checked: template 'no-such' does not")
+    assert "run `deploybot check` again" in output
+    assert "2 problem(s)." in output, output
+    assert fake.token_secret not in output and "Traceback" not in output

@@ -49,6 +49,12 @@ async def test_a_missing_datastore_and_template_are_problems(vcenter: Simulated)
     finally:
         await backend.close()
     failed = {r.name: r for r in results if not r.ok}
-    assert set(failed) == {"vcenter: template no-such", "vcenter: storage nope"}, results
+    # The privileges are asked on the template and the datastore: not checked, not "ok".
+    assert set(failed) == {
+        "vcenter: template no-such",
+        "vcenter: storage nope",
+        "vcenter: privileges",
+    }, results
+    assert failed["vcenter: privileges"].detail.startswith("not checked: ")
     assert "LocalDS_0" in failed["vcenter: storage nope"].detail
     assert TEMPLATE in failed["vcenter: template no-such"].detail

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import os
 from collections.abc import AsyncIterator, Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -290,3 +291,82 @@ async def test_a_reservation_a_crash_left_is_released_once_stale(
     assert await deployer.reconcile_addresses() == [f"{orphan.address} left by job jcrashed01"]
     assert records(nb, str(orphan.address)) == []
     assert records(nb, str(theirs.address))  # never another installation's
+
+
+# --- a NetBox that does not answer, in a sentence (issue 25, item 17) ----------------
+
+
+def closed_port() -> int:
+    """A port on 127.0.0.1 nothing listens on (bound, then let go)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def assert_said_once(message: str) -> None:
+    assert message.count("did not answer") == 1, message
+    for raw in ("HTTPConnectionPool", "NewConnectionError", "MaxRetryError", "Errno", "(("):
+        assert raw not in message, message
+
+
+async def test_a_closed_port_is_said_in_a_few_words(monkeypatch: pytest.MonkeyPatch) -> None:
+    from backends.base import Unreachable
+    from bot.subnets import Subnet
+
+    url = f"http://127.0.0.1:{closed_port()}"
+    monkeypatch.setenv(TOKEN_ENV, "nbt_abc.secret-value-never-shown")
+    ipam = NetBoxIpam.create(IpamConfig(provider="netbox", url=url), dict(os.environ))
+    pool = Subnet.model_validate(SUBNET).as_pool()
+    try:
+        with pytest.raises(Unreachable) as caught:
+            await ipam.reserve(pool, Claim("jabc12345", "inst", "web01", "alice"))
+    finally:
+        await ipam.close()
+    message = caught.value.message
+    assert message == (
+        f"NetBox at {url} did not answer (connection refused: nothing listens at that "
+        "address and port)"
+    )
+    assert "secret-value" not in message
+
+
+async def test_a_request_while_netbox_is_down_says_it_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through the Deployer, as the shell and Slack ask: one sentence, then "try again"."""
+    url = f"http://127.0.0.1:{closed_port()}"
+    monkeypatch.setenv(TOKEN_ENV, "nbt_abc.secret-value-never-shown")
+    settings = make_settings(tmp_path, subnets=[SUBNET], ipam={"provider": "netbox", "url": url})
+    async with running_deployer(
+        settings, backends={"sim": SimBackend("sim", time_scale=SIM_SCALE)}
+    ) as d:
+        with pytest.raises(RequestInvalid) as refused:
+            await ask(d, "web01")
+        assert await d.history() == []
+    message = refused.value.message
+    assert message == (
+        f"NetBox at {url} did not answer (connection refused: nothing listens at that "
+        "address and port); try again in a minute."
+    )
+    assert_said_once(message)
+
+
+async def test_a_stopped_netbox_is_said_once(tmp_path: Path, nb: NetBox) -> None:
+    settings = netbox_settings(tmp_path, nb)
+    try:
+        async with running_deployer(
+            settings, backends={"sim": SimBackend("sim", time_scale=SIM_SCALE)}
+        ) as d:
+            await asyncio.to_thread(nb.stop)
+            with pytest.raises(RequestInvalid) as refused:
+                await ask(d, "web01")
+    finally:
+        if not nb.running:
+            nb.start()
+    message = refused.value.message
+    assert message.startswith(f"NetBox at {nb.url} did not answer (") and message.endswith(
+        "); try again in a minute."
+    ), message
+    assert_said_once(message)

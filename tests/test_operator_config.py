@@ -152,3 +152,123 @@ def test_bolt_never_logs_a_request_body(tmp_path: Path) -> None:
     text = (tmp_path / "bot.log").read_text()
     assert "for the request (body withheld)" in text
     assert "secret-words" not in text and "UALICE001" not in text
+
+
+# --- refused at start, not at the first deploy (issue 25, item 7) -------------------
+
+PVE_AND_VSPHERE = """
+[[backends]]
+kind = "proxmox"
+name = "pve"
+host = "127.0.0.1"
+user = "root@pam"
+token_id = "deploybot"
+token_secret_env = "DEPLOYBOT_TEST_NO_PVE_SECRET"
+password_env = "DEPLOYBOT_TEST_NO_PVE_PASSWORD"
+
+[[backends]]
+kind = "vsphere"
+name = "vc"
+host = "127.0.0.1"
+user = "deploybot@vsphere.local"
+datacenter = "DC0"
+password_env = "DEPLOYBOT_TEST_NO_VC_PASSWORD"
+"""
+
+
+def run_cli(
+    tmp_path: Path, config: str, *args: str, **env: str
+) -> subprocess.CompletedProcess[str]:
+    """`deploybot ARGS` with `config` (the CLI tests' sim configuration, changed)."""
+    from tests.test_cli import CONFIG
+
+    path = tmp_path / "deploybot.toml"
+    path.write_text(CONFIG.format(tmp=tmp_path) + config)
+    base = {k: v for k, v in os.environ.items() if not k.startswith("DEPLOYBOT_")}
+    return subprocess.run(
+        [sys.executable, "-m", "handlers.entry", "--config", str(path), *args],
+        cwd=tmp_path, env={**base, **env}, capture_output=True, text=True, timeout=60,
+        stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("command", [["check-config"], ["shell"], ["serve"]])
+def test_missing_backend_secrets_are_all_named_at_start(tmp_path: Path, command: list[str]) -> None:
+    result = run_cli(
+        tmp_path, PVE_AND_VSPHERE, *command, SLACK_BOT_TOKEN="xoxb-1234567890-abcdefghij"
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    said = result.stderr
+    assert "backend pve: no Proxmox credentials" in said
+    assert "$DEPLOYBOT_TEST_NO_PVE_SECRET or $DEPLOYBOT_TEST_NO_PVE_PASSWORD" in said
+    assert "backend vc:" in said and "DEPLOYBOT_TEST_NO_VC_PASSWORD, which is not set" in said
+    assert "The configuration is valid" not in result.stdout
+    assert "Traceback" not in said
+
+
+def test_serve_names_slacks_token_and_the_backends_secrets_together(tmp_path: Path) -> None:
+    result = run_cli(tmp_path, PVE_AND_VSPHERE, "serve", SLACK_BOT_TOKEN="")
+    assert result.returncode == 2
+    assert "SLACK_BOT_TOKEN is not set" in result.stderr
+    assert "DEPLOYBOT_TEST_NO_PVE_SECRET" in result.stderr
+    assert "DEPLOYBOT_TEST_NO_VC_PASSWORD" in result.stderr
+
+
+def test_check_config_passes_when_the_secrets_are_there(tmp_path: Path) -> None:
+    secrets = {
+        "DEPLOYBOT_TEST_NO_PVE_SECRET": "s3cret-token-value",
+        "DEPLOYBOT_TEST_NO_VC_PASSWORD": "s3cret-password-value",
+    }
+    result = run_cli(tmp_path, PVE_AND_VSPHERE, "check-config", **secrets)
+    assert result.returncode == 0, result.stderr
+    assert "The configuration is valid." in result.stdout
+    log = (tmp_path / "bot.log").read_text()
+    for secret in secrets.values():
+        assert secret not in result.stdout + result.stderr + log
+
+
+@pytest.mark.parametrize(
+    ("defaults", "key", "said"),
+    [
+        ('user = "Root User"', "defaults.user", "'Root User' is not a valid login name"),
+        ("memory_mib = 131072", "defaults.memory_mib (131072 MiB) is over", "65536 MiB"),
+        ("cores = 32", "defaults.cores (32) is over limits.max_cores (16)", "lower one"),
+    ],
+)
+def test_defaults_no_deploy_could_use_stop_the_start(
+    tmp_path: Path, defaults: str, key: str, said: str
+) -> None:
+    from tests.test_cli import CONFIG
+
+    config = CONFIG.replace("[defaults]\n", f"[defaults]\n{defaults}\n")
+    path = tmp_path / "deploybot.toml"
+    path.write_text(config.format(tmp=tmp_path))
+    for command in ("check-config", "shell", "serve"):
+        result = subprocess.run(
+            [sys.executable, "-m", "handlers.entry", "--config", str(path), command],
+            cwd=tmp_path, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+            env={k: v for k, v in os.environ.items() if not k.startswith("DEPLOYBOT_")},
+        )  # fmt: skip
+        assert result.returncode == 2, (command, result.stdout, result.stderr)
+        assert key in result.stderr and said in result.stderr, result.stderr
+        assert "(top level)" not in result.stderr
+
+
+def test_a_bad_value_from_the_environment_names_the_variable(tmp_path: Path) -> None:
+    """Issue 25, item 17: the file says 4; the variable is at fault, and is named."""
+    result = run_cli(
+        tmp_path, "\n[limits]\nmax_running = 4\n", "check-config",
+        DEPLOYBOT_LIMITS__MAX_RUNNING="abc",
+    )  # fmt: skip
+    assert result.returncode == 2
+    said = result.stderr
+    assert "the environment variable DEPLOYBOT_LIMITS__MAX_RUNNING" in said, said
+    assert "limits.max_running" in said and "and the environment:" in said
+
+
+def test_a_bad_value_in_the_file_is_still_the_files(tmp_path: Path) -> None:
+    result = run_cli(tmp_path, "\n[limits]\nmax_running = 0\n", "check-config")
+    assert result.returncode == 2
+    assert "the environment" not in result.stderr
+    assert "deploybot.toml: the configuration has 1 problem(s):" in result.stderr
+    assert "  limits.max_running: Input should be greater than or equal to 1" in result.stderr

@@ -57,3 +57,37 @@ async def test_deploybot_deploy_prints_the_ssh_line(
     assert asked and set(asked) == {guest}
     log = (tmp_path / "deploybot.log").read_text(encoding="utf-8")
     assert fake.token_secret not in output + log
+
+
+async def test_a_successful_deploy_is_in_the_log_step_by_step(
+    pve_schema: ApiSchema, pve_tls: Tls, tmp_path: Path
+) -> None:
+    """Issue 25, item 18: the log receives every detail of a success too: the job's
+    start, each step's end with its duration, the outcome; one line each, with the
+    job's fields in JSON mode, and never the token's secret."""
+    import json
+
+    lab = start_fake(pve_schema, pve_tls, ssh_port=free_port(), jump_dir=tmp_path / "jump")
+    async with lab as fake:
+        config = config_file(tmp_path, fake)
+        config.write_text('log_format = "json"\n' + config.read_text(encoding="utf-8"))
+        returncode, output = await run_deploybot(
+            fake, config, tmp_path,
+            "deploy", "web01", LOOPBACK_GUEST, "--backend", "pve", "--user", "alice",
+        )  # fmt: skip
+    assert returncode == 0, output
+    text = (tmp_path / "deploybot.log").read_text(encoding="utf-8")
+    assert fake.token_secret not in text
+    lines = [json.loads(line) for line in text.splitlines()]
+    jobs = {line["job"] for line in lines if "job" in line}
+    assert len(jobs) == 1, jobs
+    job = jobs.pop()
+    about = [line for line in lines if line.get("job") == job and line["level"] == "INFO"]
+    said = [line["message"] for line in about]
+    assert said[0].startswith(f"job {job}: started: web01 {LOOPBACK_GUEST}/24 from ubuntu-24.04")
+    for step in ("check_free", "clone", "identity", "power_on", "address", "ssh"):
+        (end,) = [line for line in about if line["message"].startswith(f"job {job}: {step} ")]
+        assert " finished in " in end["message"] and " s" in end["message"]
+        assert end["step"] == step and end["backend"] == "pve"
+    assert said[-1].startswith(f"job {job}: succeeded in ")
+    assert said[-1].endswith(f"ssh ubuntu@{LOOPBACK_GUEST}")

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from bot.errors import RequestInvalid
-from bot.parser import parse
+from bot.errors import RequestInvalid, UsageError
+from bot.parser import DeployArgs, parse
 from bot.requests import build_request
 from bot.settings import Settings
 from tests.conftest import make_settings
@@ -83,11 +83,35 @@ def test_on_names_a_backend_or_backend_slash_node(tmp_path: Path) -> None:
         ("web01 10.0.0.50 mem=128G", "mem: 131072 MiB is over the limit of 65536 MiB"),
         ("web01 10.0.0.50 disk=+5000G", "disk: 5000 GiB is over the limit of 1024 GiB"),
         ("web01 10.0.0.50 user=Root", "not a valid login name"),
-        ("web01 10.0.0.50 mem=128M", "mem: Input should be greater than or equal to 256"),
     ],
 )
 def test_bad_requests_say_what_is_wrong(settings: Settings, text: str, fragment: str) -> None:
     assert fragment in problems(text, settings)
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        ("web01 mem=0G", "mem=0G is too little: a VM needs at least 0.25G (256M); ask for"),
+        ("web01 mem=255M", "mem=255M is too little: a VM needs at least 256M; ask for mem=256M"),
+        ("web01 mem=128MiB", "mem=128MiB is too little: a VM needs at least 256M;"),
+    ],
+)
+def test_too_little_memory_is_said_in_the_unit_typed(text: str, said: str) -> None:
+    """Issue 25, item 8: not pydantic's "Input should be greater than or equal to 256"."""
+    with pytest.raises(UsageError) as caught:
+        parse(text)
+    assert said in caught.value.problem
+    assert "greater than or equal" not in str(caught.value)
+
+
+def test_too_little_memory_from_a_form_is_said_in_mib(settings: Settings) -> None:
+    """A form builds `DeployArgs` itself: the request says it, in MiB, with the rest."""
+    with pytest.raises(RequestInvalid) as caught:
+        build_request(DeployArgs("web01", "10.0.0.50", memory_mib=100, cores=99), settings, "al")
+    assert "mem: 100 MiB is too little: a VM needs at least 256 MiB." in caught.value.problems
+    assert caught.value.fields["memory_mib"].startswith("mem: 100 MiB")
+    assert "greater than or equal" not in str(caught.value)
 
 
 def test_every_problem_is_reported_at_once(settings: Settings) -> None:

@@ -7,15 +7,18 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 
 from backends.sim import SimBackend
-from bot.errors import Conflict, NotAllowed, RequestInvalid, TransitionRefused
+from bot.errors import ConfigError, Conflict, NotAllowed, RequestInvalid, TransitionRefused
 from bot.models import JobState, utcnow
 from bot.models.builds import Build, BuildState
 from bot.parser import DeployArgs
+from bot.runtime import running_deployer
 from bot.service import Deployer
+from tests.conftest import make_settings
 
 
 @dataclass
@@ -276,3 +279,67 @@ async def test_a_build_whose_profile_left_the_configuration_fails_at_once(
     done = await deployer.builds.run(queued.id)
     assert done is not None and done.state is BuildState.FAILED
     assert done.failed_step == "preflight" and "no build profile 'gone-1'" in (done.error or "")
+
+
+TWO_SUBNETS = [
+    {"name": "lab-a", "cidr": "10.0.0.0/24", "gateway": "10.0.0.1"},
+    {"name": "lab-b", "cidr": "10.0.1.0/24", "gateway": "10.0.1.1"},
+]
+
+
+async def test_a_smoke_deploy_without_a_subnet_fails_the_build_at_pre_flight(
+    tmp_path: Path, sim: SimBackend
+) -> None:
+    """Issue 25, item 4: refused before anything is made, in the build's own words (not
+    "internal error" after the image, the upload and the template)."""
+    settings = make_settings(tmp_path, subnets=TWO_SUBNETS, approval={"approvers": ["bob"]})
+    heard = Heard()
+    async with running_deployer(settings, backends={"sim": sim}, grace_s=5) as deployer:
+        deployer.builds.listen(heard)
+        failed = await build(deployer)
+        jobs = await deployer.store.history(limit=10)
+    assert failed.state is BuildState.FAILED and failed.failed_step == "preflight"
+    error = failed.error or ""
+    assert "smoke_subnet under [images]" in error and "lab-a (10.0.0.0/24)" in error, error
+    assert "internal error" not in error and "subnet=NAME" not in error
+    # Nothing was downloaded, made or deployed: the image step never ran, no template.
+    assert failed.vm_id is None and failed.smoke_job is None and jobs == []
+    assert heard.notes == [f"preflight failed: {error}"]
+    assert sim.vms == {} and await sim.template_versions() == []
+    assert not settings.images.cache_dir.exists() or not any(settings.images.cache_dir.iterdir())
+
+
+async def test_with_smoke_subnet_set_the_same_build_is_published(
+    tmp_path: Path, sim: SimBackend
+) -> None:
+    settings = make_settings(
+        tmp_path, subnets=TWO_SUBNETS, images={"smoke_subnet": "lab-b"},
+        approval={"approvers": ["bob"]},
+    )  # fmt: skip
+    async with running_deployer(settings, backends={"sim": sim}, grace_s=5) as deployer:
+        done = await build(deployer)
+        smoke = await deployer.store.get_job(done.smoke_job or "")
+    assert done.state is BuildState.PUBLISHED, done.error
+    assert smoke is not None and smoke.address.startswith("10.0.1.")
+
+
+async def test_a_smoke_deploy_refused_later_is_said_not_internal_error(
+    tmp_path: Path, sim: SimBackend
+) -> None:
+    """A refusal the pre-flight cannot foresee (the pool ran out meanwhile) is still the
+    intake's sentence: every `DeployBotError` of a step is its reason."""
+    subnet = {**TWO_SUBNETS[0], "pool": "10.0.0.10-10.0.0.10"}
+    settings = make_settings(tmp_path, subnets=[subnet], approval={"approvers": ["bob"]})
+    async with running_deployer(settings, backends={"sim": sim}, grace_s=5) as deployer:
+        job = await deployer.request_deploy(DeployArgs(name="web01", on="sim"), "bob")
+        await deployer.drain()
+        assert (await deployer.status(job.id)).job.state is JobState.SUCCEEDED
+        failed = await build(deployer)
+    assert failed.state is BuildState.FAILED and failed.failed_step == "smoke"
+    assert "No free address is left in lab-a" in (failed.error or ""), failed.error
+    assert await sim.template_versions() == []  # the template was removed
+
+
+def test_a_smoke_subnet_that_is_not_a_subnet_stops_the_start(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"images\.smoke_subnet 'lab-c' is not a subnet"):
+        make_settings(tmp_path, subnets=TWO_SUBNETS, images={"smoke_subnet": "lab-c"})

@@ -15,6 +15,7 @@ import functools
 import ipaddress
 import logging
 import re
+import socket
 from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any, TypeVar
@@ -91,7 +92,11 @@ class NetBox:
                 "[ipam] ca_bundle to the CA that signed it"
             ) from None
         except (requests.exceptions.RequestException, pynetbox.ContentError) as exc:
-            raise Unreachable(f"NetBox at {self.config.url} did not answer ({exc})") from None
+            # The whole chain (urllib3's pool, its retries, the socket) goes to the log;
+            # the message says only what happened.
+            log.warning("NetBox at %s: %r", self.config.url, exc)
+            why = _why_unanswered(exc, self.config.timeout_s)
+            raise Unreachable(f"NetBox at {self.config.url} did not answer ({why})") from None
 
     def _refused(self, exc: Any) -> PermanentError | Unreachable:
         status = int(getattr(exc.req, "status_code", 0))
@@ -282,6 +287,28 @@ class NetBox:
 
     async def close(self) -> None:
         self.api.http_session.close()
+
+
+def _why_unanswered(exc: BaseException, timeout_s: float) -> str:
+    """What went wrong under requests' and urllib3's wrappers, in a few words: the
+    socket's error, a timeout, or a body that is not NetBox's JSON."""
+    if isinstance(exc, pynetbox.ContentError):
+        return "its answer was not NetBox's JSON: is the URL NetBox's?"
+    if isinstance(exc, requests.exceptions.Timeout):
+        return f"no answer within {timeout_s:g} s"
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        if isinstance(link, socket.gaierror):
+            return "its host name does not resolve"
+        if isinstance(link, ConnectionRefusedError):
+            return "connection refused: nothing listens at that address and port"
+        if isinstance(link, OSError) and link.strerror:
+            return str(link.strerror).lower()
+        reason = getattr(link, "reason", None)  # urllib3's MaxRetryError holds the cause
+        link = reason if isinstance(reason, BaseException) else link.__cause__ or link.__context__
+    return type(exc).__name__
 
 
 def _job_of(record: Any) -> str | None:

@@ -153,12 +153,9 @@ class ProxmoxBackend(BuildsOnProxmox):
         return found.public(self.inventory.profile(found.family).user)
 
     async def missing_privileges(self, template: str) -> list[MissingPrivilege]:
-        """What a deploy of `template` needs and this token or user lacks; nothing for
-        a template that does not exist (`deploybot check` reports that on its own)."""
-        try:
-            found = await self.inventory.template(template)
-        except NoSuchTemplate:
-            return []
+        """What a deploy of `template` needs and this token or user lacks; `NoSuchTemplate`
+        when there is no such template (the paths asked depend on it)."""
+        found = await self.inventory.template(template)
         return await privileges.missing(self.api, self.config, found)
 
     async def storages(self, placement: str | None = None) -> list[Storage]:

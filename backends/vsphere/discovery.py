@@ -15,7 +15,6 @@ from backends.base import (
     CloneSpec,
     MissingPrivilege,
     Network,
-    PermanentError,
     Placement,
     Storage,
     Template,
@@ -56,16 +55,13 @@ class Discovers:
         return await self._session.run(work, changes=False)
 
     async def missing_privileges(self, template: str) -> list[MissingPrivilege]:
-        """What a deploy of `template` needs and this session's user lacks; nothing when
-        the clone cannot be planned (no such template, datastore, network: `deploybot
-        check` reports those on their own)."""
+        """What a deploy of `template` needs and this session's user lacks; a
+        `PermanentError` when the clone cannot be planned (no such template, datastore,
+        network: the objects whose privileges are asked)."""
         spec = CloneSpec("check", "check", template)
 
         def work(op: Op) -> list[MissingPrivilege]:
-            try:
-                plan = self._inventory.plan(op.conn, spec)
-            except PermanentError:
-                return []
+            plan = self._inventory.plan(op.conn, spec)
             return privileges.missing(op.conn, plan)
 
         return await self._session.run(work, changes=False)

@@ -33,7 +33,13 @@ class LoggedBuildNotes:
 
 class SmokeDeploys(Protocol):
     """The deploy machinery the smoke step uses (the Deployer's intake, pipeline and
-    destroyer): record a deploy, run it here, destroy its VM."""
+    destroyer): check what a smoke deploy would be refused for (before anything is made),
+    record a deploy, run it here, destroy its VM."""
+
+    async def check(self, build: Build, template: str) -> None:
+        """Raise the `DeployBotError` the smoke deploy's request would meet, as far as it
+        can be known before its template exists (its subnet, sizes, login)."""
+        ...
 
     async def record(self, build: Build, template: str) -> Job: ...
 

@@ -32,6 +32,7 @@ from bot.builds.parts import (
     SmokeDeploys,
     build_notice,
 )
+from bot.errors import DeployBotError
 from bot.images import PreparedImage, prepare_image
 from bot.images.customize import CustomizeError
 from bot.images.fetch import FetchError
@@ -178,6 +179,8 @@ class BuildRunner:
             raise BuildFailed(step, exc.message) from None
         except (FetchError, CustomizeError) as exc:
             raise BuildFailed(step, str(exc)) from None
+        except DeployBotError as exc:  # the smoke deploy's request refused (bot/intake.py)
+            raise BuildFailed(step, exc.message) from None
         except (BuildFailed, asyncio.CancelledError):
             raise
         except Exception:
@@ -188,6 +191,9 @@ class BuildRunner:
         return await retrying(action, self.settings.timeouts)
 
     async def _preflight(self, run: _Run) -> None:
+        # Before anything is downloaded or made: a smoke deploy that would be refused
+        # fails the build now, not after the image, the upload and the template.
+        await self.smoke.check(run.build, run.plan.versioned_name)
         run.target = await self._retrying(lambda: run.backend.build_preflight(run.plan))
         assert run.target is not None
         await self._update(run, vm_placement=run.target.placement)

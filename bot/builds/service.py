@@ -14,6 +14,9 @@ from typing import TYPE_CHECKING
 
 from backends.base import Backend, BackendError, VMRef
 from backends.building import BuildsTemplates
+from bot import prefs as user_prefs
+from bot import subnets
+from bot.admission import check_login
 from bot.approvals import build_approval_reason
 from bot.builds.cancel import cancel_build
 from bot.builds.runner import BuildNotes, BuildRunner, Prepare, build_notice
@@ -38,6 +41,7 @@ from bot.models import (
 )
 from bot.models.builds import BUILD_ID_RE, Build, BuildState, template_name_problem
 from bot.parser import DeployArgs
+from bot.requests import build_request
 from bot.settings import Settings
 from bot.waiting import protected
 from store.db import AlreadyDelivered, DuplicateActive, Store
@@ -69,15 +73,29 @@ class _Smoke:
         self.pipeline, self.destroyer = pipeline, destroyer
         self.owner, self.lease_until = owner, lease_until
 
-    async def record(self, build: Build, template: str) -> Job:
-        args = DeployArgs(
+    def _args(self, build: Build, template: str) -> DeployArgs:
+        return DeployArgs(
             name=f"smoke-{build.id[1:9]}",
             template=template,
             on=build.backend,
             subnet=self.settings.images.smoke_subnet,
         )
+
+    async def check(self, build: Build, template: str) -> None:
+        """What the intake would refuse of the smoke deploy without asking the backend
+        (its template does not exist yet): its subnet, sizes, login; in the words of a
+        build, whose requester cannot add subnet= to it."""
+        args = self._args(build, template)
+        chosen = subnets.choose(self.settings.subnets, args.subnet, build.backend, None)
+        if isinstance(chosen, str):
+            raise RequestInvalid([smoke_subnet_unknown(self.settings, build.backend)])
+        prefs = await user_prefs.for_deploy(self.store, build.requester)
+        request = build_request(args, self.settings, build.requester, user_keys=prefs.ssh_keys)
+        check_login(request)
+
+    async def record(self, build: Build, template: str) -> Job:
         return await self.intake.request(
-            args, build.requester, can_wait_for_approval=False, smoke=True
+            self._args(build, template), build.requester, can_wait_for_approval=False, smoke=True
         )
 
     async def run(self, job_id: str) -> Job | None:
@@ -379,6 +397,22 @@ class Builds:
             wreckage="; ".join(left) or None,
         )
         return final or build
+
+
+def smoke_subnet_unknown(settings: Settings, backend: str) -> str:
+    """Why the smoke deploy has no subnet to take its address from, and the fix."""
+    names = ", ".join(str(s) for s in settings.subnets)
+    asked = settings.images.smoke_subnet
+    if asked is not None:
+        return (
+            f"[images] smoke_subnet = {asked!r} is not a subnet; set it to one of {names} "
+            "in the configuration"
+        )
+    return (
+        f"the smoke deploy needs an address, and {backend} has no subnet of its own among "
+        f"{names}: set smoke_subnet under [images] in the configuration to one of them (or "
+        f"name {backend} in one subnet's `backends`)"
+    )
 
 
 def _undecidable(build: Build) -> TransitionRefused:

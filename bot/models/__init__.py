@@ -32,6 +32,26 @@ HOSTNAME_RE = re.compile(r"^(?!-)[a-z0-9-]{1,63}(?<!-)$", re.IGNORECASE)
 LOGIN_RE = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
 
 
+# The least memory a VM is given (cloud-init and sshd need about this much to boot).
+MIN_MEMORY_MIB = 256
+
+
+def check_login_name(value: str) -> str:
+    """A login name cloud-init can create (a request's `user=`, and `[defaults] user`)."""
+    odd = not_ascii(value)
+    if odd is not None:
+        raise ValueError(
+            f"{value!r} is not a valid login name: {odd} is not an ASCII character; "
+            "use ASCII lower-case letters a-z, digits, _ and - (e.g. ubuntu)"
+        )
+    if not LOGIN_RE.fullmatch(value):
+        raise ValueError(
+            f"{value!r} is not a valid login name: start with a lower-case letter or _, "
+            "then up to 31 lower-case letters, digits, _ or - (e.g. ubuntu)"
+        )
+    return value
+
+
 def not_ascii(value: str) -> str | None:
     """The first character of `value` that is not ASCII, described for a person; None
     when it is all ASCII. U+ notation, because the character may be invisible."""
@@ -144,7 +164,7 @@ class DeployRequest(BaseModel):
     storage: str | None = None
     network: str | None = None
     cores: int = Field(ge=1)
-    memory_mib: int = Field(ge=256)
+    memory_mib: int = Field(ge=MIN_MEMORY_MIB)
     disk_grow_gib: int = Field(default=0, ge=0)
     user: str
     ssh_keys: tuple[str, ...] = ()
@@ -173,18 +193,7 @@ class DeployRequest(BaseModel):
     @field_validator("user")
     @classmethod
     def _login(cls, value: str) -> str:
-        odd = not_ascii(value)
-        if odd is not None:
-            raise ValueError(
-                f"{value!r} is not a valid login name: {odd} is not an ASCII character; "
-                "use ASCII lower-case letters a-z, digits, _ and - (e.g. ubuntu)"
-            )
-        if not LOGIN_RE.fullmatch(value):
-            raise ValueError(
-                f"{value!r} is not a valid login name: start with a lower-case letter or _, "
-                "then up to 31 lower-case letters, digits, _ or - (e.g. ubuntu)"
-            )
-        return value
+        return check_login_name(value)
 
     @model_validator(mode="after")
     def _address_usable(self) -> DeployRequest:

@@ -6,6 +6,8 @@ Slack later) only lay these texts out; they never word their own.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from bot.models import Job, JobState, RollbackReport
 from bot.parser import SUBCOMMAND_USAGE, USAGE
 from handlers.messages.destroys import destroy_update, destroy_withdrawn, destroyed
@@ -202,3 +204,12 @@ def unknown_shell_input() -> str:
 
 def switched_user(user: str) -> str:
     return f"You are now {user}."
+
+
+def secrets_missing(problems: Sequence[str]) -> str:
+    """Why a command that needs the configuration's secrets does not start."""
+    lines = "\n".join(f"  {problem}" for problem in problems)
+    return (
+        f"The environment lacks {len(problems)} secret(s) the configuration names (secrets "
+        f"are never read from the file):\n{lines}\nSet them, then start again."
+    )

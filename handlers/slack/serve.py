@@ -25,7 +25,7 @@ from bot.admission import problems_at_start
 from bot.errors import ConfigError
 from bot.metrics import CONTENT_TYPE
 from bot.parser import is_whole
-from bot.runtime import running_deployer
+from bot.runtime import running_deployer, secret_problems
 from bot.service import Deployer
 from bot.settings import Settings, SlackSettings
 from handlers import messages
@@ -97,7 +97,7 @@ async def serve(
 ) -> int:
     """Run until SIGINT/SIGTERM (or `stop`); running deploys get their grace period."""
     address = parse_http(http) if http else None
-    secrets = read_secrets(settings.slack, environ, http=address is not None)
+    secrets = await _secrets(settings, environ, http=address is not None)
     stop = stop or _stop_on_signals()
     client = make_client(secrets.bot_token, settings.slack.api_base_url)
     threads = SlackThreads(client, settings.slack)
@@ -111,7 +111,9 @@ async def serve(
         # Told at start, not at the first request: a wrong password, an untrusted
         # certificate, a misspelt network. In the background: a slow backend does not
         # hold up serving the others.
-        checking = asyncio.create_task(_tell_problems(deployer.backends))
+        checking = asyncio.create_task(
+            _tell_problems(deployer.backends, settings.defaults.template)
+        )
         # Commands a stopped process acknowledged but never answered (bot/inbox.py).
         sweeping = asyncio.create_task(bot.sweeping(), name="inbox-sweep")
         listen = settings.metrics.listen
@@ -153,9 +155,24 @@ async def _stop(
     await threads.close(grace_s=max(0.5, deadline + stop_s - loop.time()))
 
 
-async def _tell_problems(backends: Mapping[str, Backend]) -> None:
+async def _secrets(settings: Settings, environ: Mapping[str, str], *, http: bool) -> Secrets:
+    """Slack's tokens; every missing secret (Slack's, the backends', NetBox's) named
+    at once, before anything starts."""
+    problems = await secret_problems(settings, environ)
+    try:
+        secrets = read_secrets(settings.slack, environ, http=http)
+    except ConfigError as exc:
+        if not problems:
+            raise
+        problems.insert(0, exc.message)
+    if problems:
+        raise ConfigError(messages.secrets_missing(problems))
+    return secrets
+
+
+async def _tell_problems(backends: Mapping[str, Backend], default_template: str) -> None:
     """Into the log, which `serve` also writes to stderr."""
-    for problem in await problems_at_start(backends):
+    for problem in await problems_at_start(backends, default_template):
         log.warning("%s", problem)
 
 
