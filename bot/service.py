@@ -39,6 +39,7 @@ from bot.queries import JobStatus, VMPage
 from bot.queue import JobQueue
 from bot.recovery import INTERRUPTED, interrupted_by, recover_interrupted, sweep_wreckage
 from bot.settings import Settings
+from bot.storewatch import StoreWatch
 from bot.waiting import protected
 from store.db import Store
 
@@ -79,6 +80,8 @@ class Deployer(Personal, BuildRequests):
         self.store = store
         self.backends = dict(backends)
         self.progress = Fanout(*([progress] if progress else []))
+        # Whether the store answers (bot/storewatch.py): read by /readyz, /metrics, chat.
+        self.storewatch = StoreWatch(store, settings.ownership.tick_s)
         self.metrics = Metrics(self)  # /metrics (bot/metrics.py); it listens like a front end
         self.progress.listeners.append(self.metrics)
         self.runner = Runner.here(runner_kind)
