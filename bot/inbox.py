@@ -10,9 +10,20 @@ already made its job is answered as such rather than run twice.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+import threading
+
 from bot import progress as tell
 from bot.models import JobEvent, Received
 from bot.service import Deployer
+from store.engine import is_database_error
+
+log = logging.getLogger(__name__)
+# Slack waits 3 s for the acknowledgement: keeping the command gets 2 of them.
+RECEIVE_WITHIN_S = 2.0
+_REFUSING: set[asyncio.Task[None]] = set()  # refusals still to be recorded
 
 ORPHANS_PER_LOOK = 10
 RESUMED_STEP = "inbox"  # the job event that says its command was carried out late
@@ -35,12 +46,63 @@ async def tell_resumed(deployer: Deployer, key: str, text: str) -> bool:
     return True
 
 
-async def receive(deployer: Deployer, key: str, user: str, channel: str, text: str) -> bool:
-    """Keep the command for this runner; False when this delivery was received before."""
-    own = deployer.ownership
+class NotKept(Exception):
+    """The database did not answer in time: the command was not kept, and never runs."""
+
+
+async def receive(
+    deployer: Deployer,
+    key: str,
+    user: str,
+    channel: str,
+    text: str,
+    within_s: float = RECEIVE_WITHIN_S,
+) -> bool:
+    """Keep the command for this runner; False when this delivery was received before.
+
+    Raises `NotKept` at once while the database is known not to answer
+    (bot/storewatch.py), or when keeping it takes longer than `within_s` (the chat waits
+    for its acknowledgement): the person is told it was refused, so it must never run.
+    The write still waiting is told to roll back instead of committing, and once the
+    database answers the command is marked done in any case (should it have committed
+    after all), so neither this process nor another ever carries it out."""
+    own, store = deployer.ownership, deployer.store
+    if not deployer.storewatch.reachable:
+        raise NotKept(deployer.storewatch.problem)
     now = own.clock()
     item = Received(key=key, user=user, channel=channel, text=text, received_at=now)
-    return await deployer.store.inbox_add(item, own.id, own.lease_until(now))
+    gave_up = threading.Event()  # read by the store's thread just before its commit
+    adding = asyncio.ensure_future(
+        store.inbox_add(item, own.id, own.lease_until(now), lambda: not gave_up.is_set())
+    )
+    done, _pending = await asyncio.wait({adding}, timeout=within_s)
+    if adding in done and not _unanswered(adding):
+        return adding.result()
+    gave_up.set()
+    task = asyncio.create_task(_refuse(deployer, item, adding), name=f"refuse-{key}")
+    _REFUSING.add(task)
+    task.add_done_callback(_REFUSING.discard)
+    raise NotKept(deployer.storewatch.problem or "no answer in time")
+
+
+def _unanswered(adding: asyncio.Future[bool]) -> bool:
+    """The write failed because the database did not answer (not a bug: refuse plainly)."""
+    error = adding.exception()
+    return error is not None and is_database_error(error)
+
+
+async def _refuse(deployer: Deployer, item: Received, adding: asyncio.Future[bool]) -> None:
+    """Once the abandoned write has ended, mark the command done, trying again every
+    tick until the database answers."""
+    with contextlib.suppress(Exception):
+        await adding
+    while True:
+        try:
+            await deployer.store.inbox_refuse(item, deployer.ownership.clock())
+            return
+        except Exception as exc:
+            log.info("command %s: cannot mark it refused yet (%s)", item.key, type(exc).__name__)
+        await asyncio.sleep(deployer.settings.ownership.tick_s)  # pacing, not sync
 
 
 async def done(deployer: Deployer, key: str) -> None:

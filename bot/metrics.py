@@ -93,19 +93,36 @@ class Metrics:
             ["backend"],
             registry=r,
         )
+        self._store_up = Gauge(
+            "deploybot_store_up",
+            "1 when the database answered this process's last probe, 0 when not.",
+            registry=r,
+        )
         self._looked: dict[str, float] = {}  # backend -> when it was last looked at
         r.register(_Queue(deployer))
 
     async def render(self) -> bytes:
-        """The exposition text, with the store's figures read now."""
+        """The exposition text, with the store's figures read now; while the database
+        does not answer, its figures are the last ones read, and `deploybot_store_up` 0."""
+        watch = self.deployer.storewatch
+        self._store_up.set(1 if watch.reachable else 0)
+        if watch.reachable:
+            try:
+                async with asyncio.timeout(LOOK_TIMEOUT_S):
+                    await self._read_store()
+            except Exception as exc:  # the scrape still answers: the gauge says why not
+                watch.seen(f"{type(exc).__name__} while reading the figures")
+                self._store_up.set(0)
+        await asyncio.gather(*(self._look(name) for name in self.deployer.backends))
+        return generate_latest(self.registry)
+
+    async def _read_store(self) -> None:
         store = self.deployer.store
         counts = await store.count_by_state()
         for state in JobState:
             self._stored.labels(state.value).set(counts.get(state.value, 0))
         self._wreckage.set(len(await store.jobs_with_wreckage()))
         self._backlog.set(await store.outbox_pending())
-        await asyncio.gather(*(self._look(name) for name in self.deployer.backends))
-        return generate_latest(self.registry)
 
     async def _look(self, name: str) -> None:
         """Ask the backend something cheap, at most every LOOK_EVERY_S whatever the

@@ -8,9 +8,17 @@ no longer change a job that another took over.
 
 `Ownership.tick` is the whole protocol, run every `ownership.tick_s`:
 
-1. renew this runner's lease and all of its jobs' leases (one transaction);
+1. renew this runner's lease and the leases of the jobs and builds a task of this
+   process runs now (named in the renewal: one transaction);
 2. a job it runs locally but no longer owns is dropped without touching its VM (the new
    owner deals with it); a cancel another process asked for is carried out here;
+   a job or build it holds that no local task runs (its task ended on an exception,
+   say a write the database refused, without a final state) is handed back: its lease
+   ends now, and it is taken over and recovered like a dead runner's, here in the same
+   tick (roll back, or resume by `[recovery] interrupted`) or by another runner. One
+   seen held without a task whose task did not end on an exception (a deploy recorded
+   a moment ago, its task about to start) is handed back only if still so at the
+   next tick;
 3. (long-lived runners only) runners on this host whose process is gone are declared
    dead at once, so a restart need not wait for their leases to lapse; jobs whose
    lease has passed are taken over (another compare-and-set) and recovered;
@@ -27,10 +35,11 @@ import contextlib
 import logging
 import os
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 from bot.models import Job, JobState, new_runner_id, utcnow
 from bot.queue import JobQueue
@@ -78,6 +87,14 @@ def process_alive(pid: int, started: str) -> bool:
 
 
 @dataclass(frozen=True)
+class Ended:
+    """A job this runner handed back (`Ownership.tick`): the exception its task ended
+    on, or None when it had none (it ended, or never started, without a final state)."""
+
+    error: Exception | None
+
+
+@dataclass(frozen=True)
 class Runner:
     id: str
     kind: str
@@ -100,7 +117,7 @@ class Ownership:
         runner: Runner,
         *,
         takes_over: bool,
-        recover: Callable[[Job], Awaitable[bool]],
+        recover: Callable[[Job, Ended | None], Awaitable[bool]],
         clock: Clock = utcnow,
     ) -> None:
         self.store = store
@@ -111,6 +128,12 @@ class Ownership:
         self._recover = recover
         self.clock = clock
         self.recovering: dict[str, asyncio.Task[None]] = {}
+        # What else runs jobs or builds here besides the queue and the recoveries (the
+        # destroys, the builds' recoveries): each gives the ids it runs now.
+        self.local_work: list[Callable[[], Iterable[str]]] = []
+        # Builds handed back (`tick`): recover them now rather than at the next sweep.
+        self.recover_builds: Callable[[], Coroutine[Any, Any, object]] | None = None
+        self._unrun: set[str] = set()  # held, no local task, at the last tick
         self.closing = False
         self._loop: asyncio.Task[None] | None = None
         # A finished job frees a slot: look for queued work soon, not at the next tick
@@ -153,18 +176,49 @@ class Ownership:
             except Exception:
                 log.exception("runner %s: a tick failed; trying again", self.id)
 
+    def local_ids(self) -> set[str]:
+        """The jobs and builds a task of this process runs (or will, queued here) now."""
+        ids = {*self.queue.running_ids(), *self.queue.waiting_ids(), *self.recovering}
+        for source in self.local_work:
+            ids.update(source())
+        return ids
+
     async def tick(self) -> None:
         now = self.clock()
-        owned = {o.job_id: o for o in await self.store.renew(self.id, now, self.lease_until(now))}
+        local = self.local_ids()
+        held = await self.store.renew(self.id, now, self.lease_until(now), local, self._unrun)
+        owned = {o.job_id: o for o in held}
         await self._drop_lost(set(owned))
-        for held in owned.values():
-            if held.cancel_requested and self.queue.is_running(held.job_id):
-                log.info("job %s: cancel asked by %s", held.job_id, held.cancel_requested)
-                self.queue.cancel(held.job_id)
+        for held_job in held:
+            if held_job.cancel_requested and self.queue.is_running(held_job.job_id):
+                log.info("job %s: cancel asked by %s", held_job.job_id, held_job.cancel_requested)
+                self.queue.cancel(held_job.job_id)
+        ended = await self._hand_back_unrun({o.job_id for o in held if not o.local})
         if self.takes_over and not self.closing:
             await self._reap_dead_neighbours(now)
-            await self._take_over(now)
+            await self._take_over(now, ended)
             await self._claim_queued(now)
+            if any(i.startswith("b") for i in ended) and self.recover_builds is not None:
+                self._start_recovery("builds", self.recover_builds())
+
+    async def _hand_back_unrun(self, unrun: set[str]) -> dict[str, Ended]:
+        """Hand back what this runner holds and no local task runs (see the module's
+        docstring); what was handed back, with the exception its task ended on."""
+        unrun -= self.local_ids()  # again: a task started during the renewal counts
+        crashed = self.queue.crashed
+        sure = {i for i in unrun if i in self._unrun or i in crashed}
+        self._unrun = unrun - sure
+        ended = {i: Ended(crashed.pop(i, None)) for i in sure}
+        for stale in set(crashed) - unrun:  # ended on an exception after a final state
+            crashed.pop(stale)
+        if not sure:
+            return ended
+        for job_id, end in ended.items():
+            exc = end.error
+            why = f"its task ended on {type(exc).__name__}" if exc else "no task runs it"
+            log.warning("job %s: held by this runner but %s; handing it back", job_id, why)
+        await self.store.hand_back(self.id, sure)
+        return ended
 
     async def _drop_lost(self, owned: set[str]) -> None:
         """Stop local work on jobs another runner now owns (our lease had lapsed)."""
@@ -182,24 +236,35 @@ class Ownership:
                 log.info("runner %s (pid %d) is gone; its jobs are free now", runner_id, pid)
                 await self.store.declare_dead(runner_id, now)
 
-    async def _take_over(self, now: datetime) -> None:
+    async def _take_over(self, now: datetime, ended: Mapping[str, Ended]) -> None:
+        """Recover the jobs whose lease passed; `ended`: those this runner just handed
+        back, with the exception their task ended on (it says why in the job)."""
         for job in await self.store.abandoned(now):
             if job.id in self.recovering or self.queue.is_running(job.id):
                 continue
             if not await self.store.claim(job.id, self.id, now, self.lease_until(now), WORKING):
                 continue  # another runner took it first
             log.info("job %s: taking over from runner %s", job.id, job.owner)
-            task = asyncio.create_task(self._recovered(job), name=f"recover-{job.id}")
-            self.recovering[job.id] = task
+            self._start_recovery(job.id, self._recovered(job, ended.get(job.id)))
 
-    async def _recovered(self, job: Job) -> None:
+    def _start_recovery(self, key: str, work: Coroutine[Any, Any, object]) -> None:
+        if key in self.recovering:
+            work.close()
+            return
+        task = asyncio.create_task(self._guarded(key, work), name=f"recover-{key}")
+        self.recovering[key] = task
+
+    async def _guarded(self, key: str, work: Coroutine[Any, Any, object]) -> None:
         try:
-            if await self._recover(job):  # True: put back in the queue to resume
-                self.queue.submit(job.id, job.backend)
+            await work
         except Exception:
-            log.exception("job %s: recovery failed; it is retried once its lease lapses", job.id)
+            log.exception("recovering %s failed; it is retried once its lease lapses", key)
         finally:
-            self.recovering.pop(job.id, None)
+            self.recovering.pop(key, None)
+
+    async def _recovered(self, job: Job, ended: Ended | None) -> None:
+        if await self._recover(job, ended):  # True: put back in the queue to resume
+            self.queue.submit(job.id, job.backend)
 
     async def _claim_queued(self, now: datetime) -> int:
         room = self.queue.room()

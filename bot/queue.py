@@ -45,6 +45,9 @@ class JobQueue:
         self.peak_per_backend: dict[str, int] = {}
         self.on_room: Callable[[], None] | None = None  # a slot freed: look for work
         self.started_order: list[str] = []
+        # Jobs whose task ended on an exception, with it: such a job may be left without
+        # a final state (a write that failed), and its runner finishes it (bot/ownership.py).
+        self.crashed: dict[str, Exception] = {}
 
     # --- state --------------------------------------------------------------------
 
@@ -56,6 +59,9 @@ class JobQueue:
 
     def running_ids(self) -> list[str]:
         return list(self._running)
+
+    def waiting_ids(self) -> list[str]:
+        return [w.job_id for q in self._waiting.values() for w in q]
 
     def room(self) -> int:
         """How many more jobs this process could start now (claims take no more)."""
@@ -156,8 +162,9 @@ class JobQueue:
             await self._run(job_id)
         except asyncio.CancelledError:
             pass  # the pipeline already recorded the cancel and rolled back
-        except Exception:
+        except Exception as exc:
             log.exception("job %s: the runner failed", job_id)
+            self.crashed[job_id] = exc
 
     def _finished(self, job_id: str) -> None:
         backend, _task = self._running.pop(job_id)

@@ -24,13 +24,30 @@ from bot.progress import Progress
 from bot.runs import Undo, resume_point, vm_ref
 from bot.waiting import remove_vm
 from store.db import Store
+from store.engine import is_database_error
 
 log = logging.getLogger(__name__)
 INTERRUPTED = "interrupted by a restart of the bot"
 
 
+def interrupted_by(error: Exception | None) -> str:
+    """Why a job its own runner handed back (its task ended without a final state)
+    failed: the job's error, shown in its thread and its status."""
+    if error is None:
+        return "interrupted: the bot's run of it ended before the job did"
+    if is_database_error(error):
+        return (
+            "interrupted: the database stopped answering while it ran "
+            f"({type(error).__name__}); what it had made was removed"
+        )
+    return (
+        f"interrupted by an internal error ({type(error).__name__}; details in the bot's "
+        "log); what it had made was removed"
+    )
+
+
 async def recover_interrupted(
-    pipeline: Pipeline, backends: Mapping[str, Backend], job: Job
+    pipeline: Pipeline, backends: Mapping[str, Backend], job: Job, why: str = INTERRUPTED
 ) -> RollbackReport | None:
     """Roll back (or, by policy, put back in the queue to resume) an interrupted job;
     None when it was requeued."""
@@ -61,7 +78,7 @@ async def recover_interrupted(
         JobState.FAILED,
         held_by=me,
         notices=[tell.finished(job.id, report)],
-        error=INTERRUPTED,
+        error=why,
         wreckage=", ".join(report.wreckage) or None,
         finished_at=utcnow(),
     )

@@ -15,6 +15,7 @@ from bot.models import DeployRequest, Job, JobEvent, RollbackReport
 from bot.settings import Timeouts
 from bot.waiting import retrying
 from store.db import Store
+from store.engine import is_database_error
 
 log = logging.getLogger(__name__)
 
@@ -165,4 +166,6 @@ async def _existed(backend: Backend, ref: VMRef, timeouts: Timeouts) -> bool:
 def describe(exc: BaseException) -> str:
     if isinstance(exc, TimeoutError):
         return "timed out"
+    if is_database_error(exc):
+        return f"the database stopped answering ({type(exc).__name__}; details in the bot's log)"
     return f"internal error ({type(exc).__name__}; details in the bot's log)"

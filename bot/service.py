@@ -30,15 +30,16 @@ from bot.intake import Intake
 from bot.leases import Leases
 from bot.metrics import Metrics
 from bot.models import ApprovalState, Job, JobState, utcnow
-from bot.ownership import Clock, Ownership, Runner
+from bot.ownership import Clock, Ended, Ownership, Runner
 from bot.parser import DeployArgs
 from bot.personal import Personal
 from bot.pipeline import Pipeline
 from bot.progress import Fanout, Progress
 from bot.queries import JobStatus, VMPage
 from bot.queue import JobQueue
-from bot.recovery import recover_interrupted, sweep_wreckage
+from bot.recovery import INTERRUPTED, interrupted_by, recover_interrupted, sweep_wreckage
 from bot.settings import Settings
+from bot.storewatch import StoreWatch
 from bot.waiting import protected
 from store.db import Store
 
@@ -79,6 +80,8 @@ class Deployer(Personal, BuildRequests):
         self.store = store
         self.backends = dict(backends)
         self.progress = Fanout(*([progress] if progress else []))
+        # Whether the store answers (bot/storewatch.py): read by /readyz, /metrics, chat.
+        self.storewatch = StoreWatch(store, settings.ownership.tick_s)
         self.metrics = Metrics(self)  # /metrics (bot/metrics.py); it listens like a front end
         self.progress.listeners.append(self.metrics)
         self.runner = Runner.here(runner_kind)
@@ -136,6 +139,9 @@ class Deployer(Personal, BuildRequests):
             self.ownership.lease_until, LoggedBuildNotes(), approvals=self.approvals,
         )  # fmt: skip
         self.builds.wire(self.intake, self.pipeline, self.destroyer)
+        # What runs here besides the queue: a renewal names it (bot/ownership.py).
+        self.ownership.local_work += [self.destroyer.tasks.keys, self.builds.recovering.copy]
+        self.ownership.recover_builds = self.builds.recover
         self._leasing: asyncio.Task[None] | None = None
         self._expiry: asyncio.Task[None] | None = None
         self._sweeper: asyncio.Task[None] | None = None
@@ -180,12 +186,14 @@ class Deployer(Personal, BuildRequests):
             )
         self.ready.set()
 
-    async def _recover(self, job: Job) -> bool:
-        """Recover a job this runner took over; True when it goes back in the queue."""
+    async def _recover(self, job: Job, ended: Ended | None) -> bool:
+        """Recover a job this runner took over (`ended`: handed back by this runner,
+        whose task ended without a final state); True when it goes back in the queue."""
         if job.state is JobState.DESTROYING:  # a destroy: finish it (bot/destroy.py)
             await protected(self.destroyer.run(job))
             return False
-        report = await protected(recover_interrupted(self.pipeline, self.backends, job))
+        why = interrupted_by(ended.error) if ended else INTERRUPTED
+        report = await protected(recover_interrupted(self.pipeline, self.backends, job, why))
         return report is None
 
     async def close(self, grace_s: float = 30.0, rollback_s: float | None = None) -> None:

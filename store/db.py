@@ -61,3 +61,7 @@ class Store(JobAccess, OwnerAccess, ApprovalAccess, MessageAccess, PeopleAccess)
 
     async def integrity_check(self) -> str:
         return await self.engine.integrity_check()
+
+    async def ping(self) -> None:
+        """Ask the database the cheapest question; raises what its driver raises."""
+        await self.engine.call(lambda db: db.query("SELECT 1 AS one"))

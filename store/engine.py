@@ -34,6 +34,13 @@ class Unavailable(Exception):
     """The database cannot be reached or refuses us: the text says which and why."""
 
 
+def is_database_error(exc: BaseException) -> bool:
+    """Whether `exc` came from the database or its driver (SQLite, psycopg, its pool),
+    as when the server stopped answering in the middle of a write."""
+    root = type(exc).__module__.split(".")[0]
+    return isinstance(exc, (Unavailable, sqlite3.Error)) or root in ("psycopg", "psycopg_pool")
+
+
 class Engine(Protocol):
     """Runs store functions on a database. Contract:
 

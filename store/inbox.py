@@ -10,18 +10,53 @@ lapsing lease, and another process takes it (`claim_orphaned`) and carries it ou
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any
 
 from bot.models import Received
-from store.sql import Db
+from store.sql import Db, immediate
 from store.tx import ts
 
 DONE_KEPT_DAYS = 7
 
 
-def add(db: Db, item: Received, me: str, until: datetime) -> bool:
-    """Keep a command for this runner; False when its key was received before."""
+class Abandoned(Exception):
+    """The caller gave up on this write before it could commit (rolled back)."""
+
+
+def add(
+    db: Db, item: Received, me: str, until: datetime, wanted: Callable[[], bool] | None = None
+) -> bool:
+    """Keep a command for this runner; False when its key was received before. With
+    `wanted`, asked just before the commit: when it says no (the caller stopped waiting
+    and told the person the command was refused), nothing is kept (`Abandoned`)."""
+    with immediate(db):
+        kept = _insert(db, item, me, until)
+        if wanted is not None and not wanted():
+            raise Abandoned(item.key)
+    return kept
+
+
+def refuse(db: Db, item: Received, now: datetime) -> None:
+    """Mark a command that was refused as done, whether or not its `add` got through
+    after all: one that did is then never carried out, here or by another process."""
+    db.execute(
+        "INSERT INTO inbox (key, user_id, channel, body, received_at, done_at) "
+        "VALUES (:key, :user, :channel, :body, :at, :now) "
+        "ON CONFLICT (key) DO UPDATE SET done_at = :now, holder = NULL",
+        {
+            "key": item.key,
+            "user": item.user,
+            "channel": item.channel,
+            "body": item.text,
+            "at": ts(item.received_at),
+            "now": ts(now),
+        },
+    )
+
+
+def _insert(db: Db, item: Received, me: str, until: datetime) -> bool:
     return (
         db.execute(
             "INSERT INTO inbox (key, user_id, channel, body, received_at, holder, until) "

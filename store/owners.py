@@ -12,7 +12,7 @@ These functions run on the store's worker thread (store/db.py).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -26,6 +26,7 @@ from store.tx import ts
 # deploy, its rollback, or a destroy: bot/destroy.py).
 _OWNED = ("queued", "running", "rolling_back", "destroying")
 _OWNED_SQL = "('queued', 'running', 'rolling_back', 'destroying')"
+_BUILDS_OWNED_SQL = "('queued', 'running', 'rolling_back')"
 # A lease that is NULL, or before now, has expired; so has one of a dead runner.
 _EXPIRED = "(lease_until IS NULL OR lease_until < :now)"
 RUNNERS_KEPT_DAYS = 7
@@ -49,6 +50,7 @@ class Owned:
     job_id: str
     state: JobState
     cancel_requested: str | None
+    local: bool = True  # run by a task in this process (renew's `local`)
 
 
 def installation_id(db: Db) -> str:
@@ -74,43 +76,98 @@ def register(db: Db, runner: RunnerRow) -> None:
         db.insert("runners", [row])
 
 
-def renew(db: Db, runner_id: str, now: datetime, until: datetime) -> list[Owned]:
-    """Extend this runner's lease and every lease it holds; what it holds now.
+def _ids(prefix: str, ids: Collection[str], params: dict[str, Any]) -> str:
+    """Placeholders for `ids` (added to `params`): "(:p0, :p1 ...)", or "(NULL)" for
+    none, which matches nothing on either database."""
+    marks = []
+    for i, value in enumerate(sorted(ids)):
+        params[f"{prefix}{i}"] = value
+        marks.append(f":{prefix}{i}")
+    return f"({', '.join(marks) or 'NULL'})"
 
-    One transaction and two statements whatever the number of jobs: renewal must stay
-    cheap with hundreds in flight. A job missing from the answer is no longer ours
-    (cancelled while queued, or taken over after our lease lapsed).
+
+def renew(
+    db: Db,
+    runner_id: str,
+    now: datetime,
+    until: datetime,
+    local: Collection[str] = (),
+    pending: Collection[str] = (),
+) -> list[Owned]:
+    """Extend this runner's lease and the leases of the jobs and builds it runs now;
+    everything it holds, each marked whether it runs here.
+
+    `local` names the jobs and builds with a live task in this process (a template
+    build's smoke deploy, run inside the build's task, counts as local with it);
+    `pending` those the caller is still deciding about (held, no task seen yet): their
+    leases are renewed too, but they are not marked local. Any other job or build this
+    runner holds keeps its lease as it is and comes back marked not local, for the
+    caller to finish or `hand_back`. One transaction, a fixed number of statements
+    whatever the number of jobs: renewal must stay cheap with hundreds in flight. A job
+    missing from the answer is no longer ours (cancelled while queued, or taken over
+    after our lease lapsed).
     """
-    params = {"me": runner_id, "now": ts(now), "until": ts(until)}
+    params: dict[str, Any] = {"me": runner_id, "now": ts(now), "until": ts(until)}
+    here = _ids("l", local, params)
+    kept = _ids("p", set(pending) - set(local), params)
+    smoke = (
+        f"SELECT smoke_job FROM builds WHERE owner = :me AND smoke_job IS NOT NULL AND id IN {here}"
+    )
+    runs_here = f"(id IN {here} OR id IN ({smoke}))"
     with immediate(db):
         db.execute(
             "UPDATE runners SET heartbeat_at = :now, lease_until = :until WHERE id = :me",
             params,
         )
         db.execute(
-            f"UPDATE jobs SET lease_until = :until WHERE owner = :me AND state IN {_OWNED_SQL}",
+            f"UPDATE jobs SET lease_until = :until WHERE owner = :me AND state IN {_OWNED_SQL} "
+            f"AND ({runs_here} OR id IN {kept})",
             params,
         )
         # Template builds this runner runs (store/builds.py).
         db.execute(
             "UPDATE builds SET lease_until = :until WHERE owner = :me "
-            "AND state IN ('queued', 'running', 'rolling_back')",
+            f"AND state IN {_BUILDS_OWNED_SQL} AND (id IN {here} OR id IN {kept})",
             params,
         )
         # Commands this runner took from chat and is still carrying out (store/inbox.py).
         db.execute("UPDATE inbox SET until = :until WHERE holder = :me AND done_at IS NULL", params)
         rows = db.execute(
-            f"SELECT id, state, cancel_requested FROM jobs "
-            f"WHERE owner = :me AND state IN {_OWNED_SQL}",
+            f"SELECT id, state, cancel_requested, CASE WHEN {runs_here} THEN 1 ELSE 0 END "
+            f"FROM jobs WHERE owner = :me AND state IN {_OWNED_SQL}",
             params,
         ).fetchall()
         # Builds held here (their states are spelled as jobs'): a cancel asked elsewhere.
         rows += db.execute(
-            "SELECT id, state, cancel_requested FROM builds "
-            "WHERE owner = :me AND state IN ('queued', 'running', 'rolling_back')",
+            "SELECT id, state, cancel_requested, "
+            f"CASE WHEN id IN {here} THEN 1 ELSE 0 END FROM builds "
+            f"WHERE owner = :me AND state IN {_BUILDS_OWNED_SQL}",
             params,
         ).fetchall()
-    return [Owned(row[0], JobState(row[1]), row[2]) for row in rows]
+    return [Owned(row[0], JobState(row[1]), row[2], bool(row[3])) for row in rows]
+
+
+def hand_back(db: Db, runner_id: str, ids: Collection[str]) -> int:
+    """Give up jobs and builds this runner holds but no longer runs (their task ended
+    without a final state): their leases end now, so a runner (this one too) takes
+    them over and recovers them at its next look, as it would a dead runner's; queued
+    ones go back to anyone. Returns how many were handed back."""
+    params: dict[str, Any] = {"me": runner_id}
+    which = _ids("h", ids, params)
+    with immediate(db):
+        handed = db.execute(
+            "UPDATE jobs SET lease_until = NULL, "
+            "owner = CASE WHEN state = 'queued' THEN NULL ELSE owner END "
+            f"WHERE owner = :me AND state IN {_OWNED_SQL} AND id IN {which}",
+            params,
+        ).rowcount
+        handed += db.execute(
+            "UPDATE builds SET lease_until = NULL, "
+            "owner = CASE WHEN state = 'queued' THEN NULL ELSE owner END "
+            f"WHERE owner = :me AND state IN {_BUILDS_OWNED_SQL} AND id IN {which}",
+            params,
+        ).rowcount
+    return int(handed)
 
 
 def claim(

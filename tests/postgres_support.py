@@ -105,11 +105,30 @@ def start_cluster(workdir: Path) -> Cluster:
         f"-c listen_addresses=127.0.0.1 -p {port} -k {sock} -c fsync=off "
         "-c synchronous_commit=off -c full_page_writes=off -c max_connections=300"
     )
+    (workdir / "options").write_text(options)
+    start_again(workdir)
+    return Cluster(port, sock)
+
+
+def start_again(workdir: Path) -> None:
+    """Start the cluster in `workdir` (made by `start_cluster`), waiting until it serves."""
+    bindir = _bindir()
+    assert bindir is not None
+    options = (workdir / "options").read_text()
+    data = workdir / "data"
     start = [str(bindir / "pg_ctl"), "-D", str(data), "-l", str(workdir / "log"), "-w"]
     subprocess.run(
         _as_server_user([*start, "-o", options, "start"]), check=True, capture_output=True
     )
-    return Cluster(port, sock)
+
+
+def stop_fast(workdir: Path) -> None:
+    """`pg_ctl stop -m fast`: clients' sessions are ended (AdminShutdown), as an operator's
+    restart or a failover does."""
+    bindir = _bindir()
+    assert bindir is not None
+    stop = [str(bindir / "pg_ctl"), "-D", str(workdir / "data"), "-m", "fast", "-w", "stop"]
+    subprocess.run(_as_server_user(stop), check=True, capture_output=True)
 
 
 def stop_cluster(workdir: Path) -> None:

@@ -30,6 +30,11 @@ from store.owners import RunnerRow
 from tests.conftest import Recorder, make_settings
 
 LEASE_S = 30.0
+# Every request waits for an approver; ticks only when a test calls them.
+QUIET: dict[str, Any] = {
+    "approval": {"always": True, "approvers": ["bob"]},
+    "ownership": {"tick_s": 100, "lease_s": 300},
+}
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -265,3 +270,58 @@ async def test_a_dead_runner_on_this_host_frees_its_jobs_without_waiting(
         final = (await restarted.status(job.id)).job
     assert final.state is JobState.FAILED and final.error == INTERRUPTED
     assert final.owner == restarted.runner.id
+
+
+async def _held_running(deployer: Deployer, text: str, owner: str, until: datetime) -> Job:
+    """A job in the state a runner's task leaves it in when it ends without a final
+    state: running, held by `owner` (written as the pipeline writes it, through the store)."""
+    job = await deployer.request_deploy(request(text), "alice")
+    assert job.state is JobState.AWAITING_APPROVAL
+    store = deployer.store
+    fields: dict[str, Any] = {"owner": owner, "lease_until": until}
+    assert await store.transition(job.id, [JobState.AWAITING_APPROVAL], JobState.QUEUED, **fields)
+    assert await store.transition(job.id, [JobState.QUEUED], JobState.RUNNING, held_by=owner)
+    return job
+
+
+async def test_a_renewal_extends_only_the_leases_it_names(tmp_path: Path, database: str) -> None:
+    """store/owners.renew: named jobs (local, pending) get the new lease, the others
+    keep theirs and come back marked not local; hand_back ends a lease at once."""
+    settings = make_settings(tmp_path, database=database, **QUIET)
+    clock = Clock()
+    then, later = clock.now + timedelta(seconds=5), clock.now + timedelta(seconds=60)
+    async with runner(settings, SimBackend("sim", time_scale=0.001), clock) as deployer:
+        store = deployer.store
+        a, b, c = [
+            await _held_running(deployer, f"r{n} 10.0.0.{50 + n}", "r-other", then)
+            for n in range(3)
+        ]
+        held = await store.renew("r-other", clock.now, later, local=[a.id], pending=[b.id])
+        assert {(h.job_id, h.local) for h in held} == {(a.id, True), (b.id, False), (c.id, False)}
+        leases = {j: (await store.get_job(j)).lease_until for j in (a.id, b.id, c.id)}  # type: ignore[union-attr]
+        assert leases == {a.id: later, b.id: later, c.id: then}
+        assert await store.hand_back("r-other", [c.id]) == 1
+        gone = await store.get_job(c.id)
+        assert gone is not None and gone.lease_until is None and gone.owner == "r-other"
+        assert [j.id for j in await store.abandoned(clock.now)] == [c.id]  # free to take over
+        assert await store.hand_back("r-else", [a.id]) == 0  # only the holder hands back
+
+
+async def test_a_held_job_that_nothing_runs_is_finished_by_its_runner(
+    tmp_path: Path, database: str
+) -> None:
+    """Its task ended without a final state (a write refused): the runner stops renewing
+    it, hands it back at the next tick and rolls it back itself, saying why."""
+    settings = make_settings(tmp_path, database=database, **QUIET)
+    clock = Clock()
+    async with runner(settings, SimBackend("sim", time_scale=0.001), clock) as deployer:
+        me = deployer.runner.id
+        job = await _held_running(deployer, "web01 10.0.0.50", me, deployer.ownership.lease_until())
+        await deployer.ownership.tick()  # seen held with no task: perhaps one about to start
+        assert (await deployer.status(job.id)).job.state is JobState.RUNNING
+        await deployer.ownership.tick()  # still so: handed back and rolled back here
+        await deployer.drain()
+        done = (await deployer.status(job.id)).job
+    assert done.state is JobState.FAILED, done
+    assert done.error == "interrupted: the bot's run of it ended before the job did"
+    assert done.owner == me

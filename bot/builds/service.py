@@ -133,6 +133,7 @@ class Builds:
         """`approvals` says who approves (bot/approvals.py); without it nobody does."""
         self.settings, self.store, self.backends = settings, store, backends
         self.queue, self.owner, self.lease_until = queue, owner, lease_until
+        self.recovering: set[str] = set()  # builds being rolled back by `recover`
         self.notes = notes
         self.prepare = prepare
         self.approvals = approvals
@@ -362,10 +363,18 @@ class Builds:
         removed, as their own rollback would have."""
         done = []
         for build in await self.store.builds.abandoned(now or utcnow()):
-            taken = await self.store.builds.update(build.id, build.owner, owner=self.owner)
+            if build.id in self.recovering:
+                continue  # being rolled back here already (a sweep and a hand-back)
+            taken = await self.store.builds.update(
+                build.id, build.owner, owner=self.owner, lease_until=self.lease_until()
+            )
             if not taken:
                 continue  # another process took it first
-            done.append(await protected(self._undo_interrupted(build)))
+            self.recovering.add(build.id)  # renewed while it is undone (bot/ownership.py)
+            try:
+                done.append(await protected(self._undo_interrupted(build)))
+            finally:
+                self.recovering.discard(build.id)
         return done
 
     async def _undo_interrupted(self, build: Build) -> Build:

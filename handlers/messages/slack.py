@@ -284,6 +284,15 @@ COMMAND_RESUMED = (
 )
 
 
+# A command that came while the database did not answer (bot/inbox.NotKept): refused
+# within Slack's 3 s, and never carried out later (README: "When the database is not
+# answering").
+STORE_NOT_ANSWERING = (
+    "I can't record requests right now (the database is not answering); try again in a "
+    "minute. Nothing was done with this command."
+)
+
+
 def gc_count(n: int, category: str) -> str:
     """`n` VMs of one category: "1 VM: job succeeded (kept)", "2 VMs: ..." (the labels
     describe one finding each, so the number counts the VMs, not the jobs)."""

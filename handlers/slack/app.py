@@ -246,6 +246,10 @@ class SlackBot:
         key = f"command:{trigger}"
         try:  # kept before the ack: should this process die, another carries it out
             await inbox.receive(self.deployer, key, user, channel, text)
+        except inbox.NotKept as exc:  # refused within Slack's 3 s, and never run later
+            log.warning("refused a command by %s: the database is not answering (%s)", user, exc)
+            await _answer_in_ack(ack, messages.STORE_NOT_ANSWERING, [messages.STORE_NOT_ANSWERING])
+            return
         except Exception:
             log.exception("could not keep a command by %s", user)
             problem = messages.INTERNAL_ERROR.format(log=self.settings.log_file)

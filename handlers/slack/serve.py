@@ -116,6 +116,8 @@ async def serve(
         )
         # Commands a stopped process acknowledged but never answered (bot/inbox.py).
         sweeping = asyncio.create_task(bot.sweeping(), name="inbox-sweep")
+        # Whether the database answers: /readyz, /metrics and the acknowledgements read it.
+        watching = asyncio.create_task(deployer.storewatch.loop(), name="store-watch")
         listen = settings.metrics.listen
         metrics = await serve_metrics(deployer, listen) if listen and address is None else None
         try:
@@ -125,7 +127,9 @@ async def serve(
                 assert secrets.app_token is not None
                 await run_socket(bot, secrets.app_token, ready, stop)
         finally:
-            await _stop(settings.ownership.stop_s, bot, deployer, threads, checking, sweeping)
+            await _stop(
+                settings.ownership.stop_s, bot, deployer, threads, checking, sweeping, watching
+            )
             if metrics is not None:
                 await metrics.cleanup()
     return 0
@@ -196,15 +200,19 @@ def http_app(bot: SlackBot) -> web.Application:
         )
 
     async def readyz(_request: web.Request) -> web.Response:
-        """Ready once this runner has registered and made its first claims; the
-        recoveries it started may still be running (`recovering`)."""
+        """Ready once this runner has registered and made its first claims, and while
+        the database answers (bot/storewatch.py); the recoveries it started may still
+        be running (`recovering`). /healthz stays 200 meanwhile: the process is alive."""
         deployer = bot.deployer
+        watch = deployer.storewatch
+        ready = deployer.ready.is_set() and watch.reachable
         body = {
-            "ready": deployer.ready.is_set(),
+            "ready": ready,
             "runner": deployer.runner.id,
             "recovering": len(deployer.ownership.recovering),
+            "store": "reachable" if watch.reachable else f"not answering: {watch.problem}",
         }
-        return web.json_response(body, status=200 if deployer.ready.is_set() else 503)
+        return web.json_response(body, status=200 if ready else 503)
 
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)

@@ -4,7 +4,7 @@ front end delivers (store/outbox.py) and the inbox of chat deliveries being hand
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime
 
 from bot.models import Notice, Received
@@ -47,8 +47,19 @@ class MessageAccess(Access):
 
     # --- the inbox (store/inbox.py) ---------------------------------------------------
 
-    async def inbox_add(self, item: Received, me: str, until: datetime) -> bool:
-        return await self._write(inbox.add, item, me, until)
+    async def inbox_add(
+        self,
+        item: Received,
+        me: str,
+        until: datetime,
+        wanted: Callable[[], bool] | None = None,
+    ) -> bool:
+        """Keep a command; with `wanted`, only if it still says yes at the commit."""
+        return await self._call(inbox.add, item, me, until, wanted)
+
+    async def inbox_refuse(self, item: Received, now: datetime) -> None:
+        """Mark a refused command done, kept or not (store/inbox.refuse)."""
+        await self._call(inbox.refuse, item, now)
 
     async def inbox_done(self, key: str, now: datetime) -> None:
         await self._write(inbox.done, key, now)

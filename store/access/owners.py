@@ -4,7 +4,7 @@ the IPAM records jobs hold (store/addresses.py, for bot/addressing.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from datetime import datetime
 
 from bot.models import AuditEvent, IpamState, Job, JobState, Notice
@@ -18,8 +18,21 @@ class OwnerAccess(Access):
     async def register_runner(self, runner: owners.RunnerRow) -> None:
         await self._call(owners.register, runner)
 
-    async def renew(self, runner_id: str, now: datetime, until: datetime) -> list[owners.Owned]:
-        return await self._call(owners.renew, runner_id, now, until)
+    async def renew(
+        self,
+        runner_id: str,
+        now: datetime,
+        until: datetime,
+        local: Collection[str],
+        pending: Collection[str] = (),
+    ) -> list[owners.Owned]:
+        """Renew what runs here (`local`) and what is `pending`; all this runner holds,
+        each marked whether it runs here (store/owners.renew)."""
+        return await self._call(owners.renew, runner_id, now, until, local, pending)
+
+    async def hand_back(self, runner_id: str, ids: Collection[str]) -> int:
+        """End the leases of held jobs and builds nothing here runs any more."""
+        return await self._call(owners.hand_back, runner_id, ids)
 
     async def claim(
         self,
