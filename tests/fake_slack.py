@@ -82,6 +82,9 @@ class FakeSlack:
     )
     # Channels that exist but the bot is not in (conversations.info: is_member false).
     outside: set[str] = field(default_factory=set)
+    # Channels Slack holds back for now (a backlogged channel): every post or edit there
+    # is answered 429 with a long Retry-After and changes nothing, until removed.
+    blocked: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self._ids = itertools.count(1)
@@ -166,6 +169,9 @@ class FakeSlack:
             limit[0] -= 1
             status, answer = 429, {"ok": False, "error": "ratelimited"}
             headers = {"Retry-After": str(limit[1])}
+        elif method in ("chat.postMessage", "chat.update") and args.get("channel") in self.blocked:
+            status, answer = 429, {"ok": False, "error": "ratelimited"}
+            headers = {"Retry-After": "30"}
         elif self._too_soon(method, args):
             self.violations += 1
             status, answer = 429, {"ok": False, "error": "ratelimited"}

@@ -56,6 +56,10 @@ class Notice(BaseModel):
     text: str = ""  # the note, or the step's detail
     rollback: RollbackReport | None = None
     when: datetime | None = None  # a lease notice's time, shown in the reader's zone
+    # The parts of it a front end already delivered (a thread line, a direct message...),
+    # by name, kept apart from the body (column `parts_sent`) as each part gets there, so
+    # a deliverer that dies in between repeats only the others. The store fills it in.
+    sent: frozenset[str] = frozenset()
 
     @property
     def urgent(self) -> bool:

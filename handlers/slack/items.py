@@ -8,15 +8,16 @@ Reject buttons, replaced by the decision once there is one. A requester whose de
 ended also hears it by direct message (another channel, so another rate budget).
 
 Every part an item shows comes from a notice in the store's outbox; once the call that
-carries a part succeeded, the item hands its notice id to `done`, and the notice is
-marked delivered when all its parts are (handlers/slack/threads.py).
+carries a part succeeded, the item hands the part to `done`, which records it in the
+store, and the notice is marked delivered when all its parts are
+(handlers/slack/threads.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from slack_sdk.web.async_client import AsyncWebClient
 
@@ -27,7 +28,18 @@ from handlers import messages
 from handlers.slack import views
 
 REPLY_MAX = 3500  # characters per coalesced thread reply
-Done = Callable[[list[int]], None]
+
+
+class Part(NamedTuple):
+    """One part of what a notice changes in Slack: a `line` of a thread, the `headline`
+    of its parent, a direct message (`dm`), an approval `card`. Each is recorded in the
+    store once Slack has it, so a restart repeats only the parts that are not."""
+
+    notice: int
+    name: str
+
+
+Done = Callable[[list[Part]], None]
 
 
 def ref(channel: str, ts: str) -> str:
@@ -44,7 +56,7 @@ def parse_ref(text: str | None) -> tuple[str, str] | None:
 @dataclass
 class Line:
     text: str  # mrkdwn
-    notice: int  # the notice it shows
+    part: Part  # the part of a notice it shows
     urgent: bool = False
 
 
@@ -56,7 +68,7 @@ def batch(lines: list[Line]) -> list[Line]:
         if taken and size + len(line.text) + 1 > REPLY_MAX:
             break
         if len(line.text) > REPLY_MAX:
-            line = Line(views.fit(line.text, REPLY_MAX), line.notice, line.urgent)
+            line = Line(views.fit(line.text, REPLY_MAX), line.part, line.urgent)
         taken.append(line)
         size += len(line.text) + 1
     return taken
@@ -71,7 +83,7 @@ class _Thread:
     ts: str | None
     shown: str | None
     lines: list[Line]
-    headline_for: list[int]
+    headline_for: list[Part]
     dead: bool
 
     @property
@@ -93,12 +105,12 @@ class _Thread:
     def urgent(self) -> bool:
         return any(line.urgent for line in self.lines)
 
-    def show_headline(self, notice: int) -> None:
-        """The headline must show what `notice` changed (already shown: nothing to do)."""
+    def show_headline(self, part: Part) -> None:
+        """The headline must show what `part`'s notice changed (already shown: done)."""
         if self.ts is not None and self.shown == self.headline:
-            self.done([notice])
+            self.done([part])
         else:
-            self.headline_for.append(notice)
+            self.headline_for.append(part)
 
     async def flush_one(self, client: AsyncWebClient) -> None:
         headline = self.headline
@@ -116,7 +128,7 @@ class _Thread:
                 channel=self.channel, thread_ts=self.ts, text="\n".join(s.text for s in sent)
             )
             del self.lines[: len(sent)]
-            self.done([s.notice for s in sent])
+            self.done([s.part for s in sent])
         else:
             await client.chat_update(channel=self.channel, ts=self.ts, text=headline, blocks=blocks)
             self.shown = headline
@@ -129,7 +141,7 @@ class _Thread:
     def give_up(self) -> None:
         """Slack refused for good (channel gone): what it had to say is dropped."""
         self.dead = True
-        self.done([*self.headline_for, *(line.notice for line in self.lines)])
+        self.done([*self.headline_for, *(line.part for line in self.lines)])
         self.headline_for, self.lines = [], []
 
 
@@ -145,7 +157,7 @@ class JobThread(_Thread):
     step: str | None = None
     shown: str | None = None  # the headline Slack currently shows
     lines: list[Line] = field(default_factory=list)
-    headline_for: list[int] = field(default_factory=list)  # notices shown by the headline
+    headline_for: list[Part] = field(default_factory=list)  # parts shown by the headline
     dead: bool = False
 
     @property
@@ -169,7 +181,7 @@ class _Card:
     ts: str | None
     outcome: str | None
     shown: str | None
-    waiting: list[int]
+    waiting: list[Part]
     dead: bool
 
     def _request(self) -> tuple[list[dict[str, Any]], str]:
@@ -188,11 +200,11 @@ class _Card:
     def urgent(self) -> bool:
         return self.ts is None  # approvers are waited for: the card goes first
 
-    def will_show(self, notice: int) -> None:
+    def will_show(self, part: Part) -> None:
         if self.pending():
-            self.waiting.append(notice)
+            self.waiting.append(part)
         else:
-            self.done([notice])
+            self.done([part])
 
     async def flush_one(self, client: AsyncWebClient) -> None:
         outcome = self.outcome
@@ -228,7 +240,7 @@ class ApprovalCard(_Card):
     ts: str | None = None
     outcome: str | None = None  # mrkdwn: the decision that replaces the buttons
     shown: str | None = None
-    waiting: list[int] = field(default_factory=list)  # notices shown once flushed
+    waiting: list[Part] = field(default_factory=list)  # parts shown once flushed
     dead: bool = False
     destroy: bool = False  # the card asks for a destroy (bot/destroy.py), not a deploy
 
@@ -268,11 +280,11 @@ class DirectMessages:
         sent = batch(self.lines)
         await client.chat_postMessage(channel=self.channel, text="\n".join(s.text for s in sent))
         del self.lines[: len(sent)]
-        self.done([s.notice for s in sent])
+        self.done([s.part for s in sent])
 
     def give_up(self) -> None:
         self.dead = True
-        covered, self.lines = [s.notice for s in self.lines], []
+        covered, self.lines = [s.part for s in self.lines], []
         self.done(covered)
 
 
@@ -284,7 +296,7 @@ class DirectCard:
     channel: str  # the user's id
     text: str  # mrkdwn: the notification
     blocks: list[dict[str, Any]]
-    notice: int
+    part: Part
     done: Done
     sent: bool = False
     dead: bool = False
@@ -298,11 +310,11 @@ class DirectCard:
     async def flush_one(self, client: AsyncWebClient) -> None:
         await client.chat_postMessage(channel=self.channel, text=self.text, blocks=self.blocks)
         self.sent = True
-        self.done([self.notice])
+        self.done([self.part])
 
     def give_up(self) -> None:
         self.dead = True
-        self.done([self.notice])
+        self.done([self.part])
 
 
 @dataclass(eq=False)
@@ -317,7 +329,7 @@ class BuildThread(_Thread):
     ts: str | None = None
     shown: str | None = None
     lines: list[Line] = field(default_factory=list)
-    headline_for: list[int] = field(default_factory=list)
+    headline_for: list[Part] = field(default_factory=list)
     dead: bool = False
 
     @property
@@ -342,7 +354,7 @@ class BuildCard(_Card):
     ts: str | None = None
     outcome: str | None = None  # mrkdwn: the decision that replaces the buttons
     shown: str | None = None
-    waiting: list[int] = field(default_factory=list)
+    waiting: list[Part] = field(default_factory=list)
     dead: bool = False
 
     def _request(self) -> tuple[list[dict[str, Any]], str]:
