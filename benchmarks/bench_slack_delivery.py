@@ -33,7 +33,9 @@ from tests.fake_slack import FakeSlack
 from tests.slack_support import ALICE, BOT_TOKEN, CHANNEL, SIGNING_SECRET, Harness, new_fake
 
 GOAL_P99_S = 10.0  # ready -> SSH line by direct message
-GOAL_THREAD_P99_S = 60.0  # ready -> SSH line in the channel
+# ready -> SSH line in the channel: the channel takes one post a second, so the best
+# there is one post per deploy (a parent that carries the outcome), N seconds for N.
+THREAD_SLACK_S = 10.0
 GOAL_ANSWER_P99_S = 3.0  # command -> its ephemeral answer
 
 
@@ -174,7 +176,7 @@ def main() -> None:
     print(f"{'what':<34} {'seen':>5} {'p50 s':>7} {'p99 s':>7} {'goal':>6} {'worst s':>8}")
     for what, label, goal in (
         ("dm", "ready -> SSH line, direct message", GOAL_P99_S),
-        ("thread", "ready -> SSH line, in the channel", GOAL_THREAD_P99_S),
+        ("thread", "ready -> SSH line, in the channel", r["deploys"] + THREAD_SLACK_S),
         ("answer", "command -> its answer", GOAL_ANSWER_P99_S),
     ):
         print(

@@ -83,8 +83,9 @@ class FakeSlack:
     # Channels that exist but the bot is not in (conversations.info: is_member false).
     outside: set[str] = field(default_factory=set)
     # Channels Slack holds back for now (a backlogged channel): every post or edit there
-    # is answered 429 with a long Retry-After and changes nothing, until removed.
+    # is answered 429 with `blocked_retry_after_s` and changes nothing, until removed.
     blocked: set[str] = field(default_factory=set)
+    blocked_retry_after_s: int = 30
 
     def __post_init__(self) -> None:
         self._ids = itertools.count(1)
@@ -171,7 +172,7 @@ class FakeSlack:
             headers = {"Retry-After": str(limit[1])}
         elif method in ("chat.postMessage", "chat.update") and args.get("channel") in self.blocked:
             status, answer = 429, {"ok": False, "error": "ratelimited"}
-            headers = {"Retry-After": "30"}
+            headers = {"Retry-After": str(self.blocked_retry_after_s)}
         elif self._too_soon(method, args):
             self.violations += 1
             status, answer = 429, {"ok": False, "error": "ratelimited"}

@@ -125,7 +125,8 @@ def parents(fake: FakeSlack) -> dict[str, list[str]]:
 
 
 def ended(fake: FakeSlack, ts: str) -> bool:
-    text = "\n".join(fake.thread(CHANNEL, ts))
+    """The thread, or its parent (posted once the job had ended), shows the outcome."""
+    text = "\n".join([fake.messages[(CHANNEL, ts)]["text"], *fake.thread(CHANNEL, ts)])
     return "ready in" in text or "failed at" in text or "cancelled." in text
 
 

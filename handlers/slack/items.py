@@ -76,7 +76,12 @@ def batch(lines: list[Line]) -> list[Line]:
 
 class _Thread:
     """What a job's and a build's threads share: the parent message carries the headline
-    (kept current), the thread the lines; each notice is marked done once Slack shows it."""
+    (kept current), the thread the lines; each notice is marked done once Slack shows it.
+
+    A parent posted only once the outcome is known (a backlogged channel reaches it
+    late) carries the outcome itself, below the headline, and the progress that was
+    waiting to be said before it is dropped: one post instead of a parent and a reply
+    of steps nobody needs any more."""
 
     channel: str
     done: Done
@@ -85,6 +90,7 @@ class _Thread:
     lines: list[Line]
     headline_for: list[Part]
     dead: bool
+    carried: list[str]  # mrkdwn: the outcome the parent shows below its headline
 
     @property
     def headline(self) -> str:
@@ -112,16 +118,30 @@ class _Thread:
         else:
             self.headline_for.append(part)
 
+    def _message(self, headline: str, carried: list[str]) -> tuple[str, list[dict[str, Any]]]:
+        """The parent's text and blocks: the headline, and the outcome it carries."""
+        if not carried:
+            return headline, self._blocks(headline)
+        outcome = views.fit("\n".join(carried), REPLY_MAX)
+        return f"{headline}\n{outcome}", [*self._blocks(headline), *views.answer([outcome])]
+
+    def _late(self) -> list[Line]:
+        """The lines up to the last outcome among them (none without an outcome)."""
+        last = max((n for n, line in enumerate(self.lines) if line.urgent), default=-1)
+        return self.lines[: last + 1]
+
     async def flush_one(self, client: AsyncWebClient) -> None:
         headline = self.headline
-        blocks = self._blocks(headline)
         if self.ts is None:
-            answer = await client.chat_postMessage(
-                channel=self.channel, text=headline, blocks=blocks
-            )
-            self.ts, self.shown = str(answer["ts"]), headline
+            late = self._late()
+            carried = [line.text for line in late if line.urgent]
+            text, blocks = self._message(headline, carried)
+            answer = await client.chat_postMessage(channel=self.channel, text=text, blocks=blocks)
+            self.ts, self.shown, self.carried = str(answer["ts"]), headline, carried
             await self._keep_ref(ref(self.channel, self.ts))
             self._headline_shown()
+            del self.lines[: len(late)]  # said by the parent, or progress it supersedes
+            self.done([line.part for line in late])
         elif self.lines:
             sent = batch(self.lines)
             await client.chat_postMessage(
@@ -130,7 +150,8 @@ class _Thread:
             del self.lines[: len(sent)]
             self.done([s.part for s in sent])
         else:
-            await client.chat_update(channel=self.channel, ts=self.ts, text=headline, blocks=blocks)
+            text, blocks = self._message(headline, self.carried)
+            await client.chat_update(channel=self.channel, ts=self.ts, text=text, blocks=blocks)
             self.shown = headline
             self._headline_shown()
 
@@ -159,6 +180,7 @@ class JobThread(_Thread):
     lines: list[Line] = field(default_factory=list)
     headline_for: list[Part] = field(default_factory=list)  # parts shown by the headline
     dead: bool = False
+    carried: list[str] = field(default_factory=list)
 
     @property
     def headline(self) -> str:
@@ -331,6 +353,7 @@ class BuildThread(_Thread):
     lines: list[Line] = field(default_factory=list)
     headline_for: list[Part] = field(default_factory=list)
     dead: bool = False
+    carried: list[str] = field(default_factory=list)
 
     @property
     def headline(self) -> str:
