@@ -104,7 +104,11 @@ async def run(count: int, tmp: Path) -> dict[str, float]:
             asked: dict[str, float] = {}
             for n in range(count):
                 asked[f"b{n:03d}"] = time.monotonic()
-                await harness.command(f"b{n:03d} 10.0.{n // 200}.{n % 200 + 10}", ALICE, CHANNEL)
+                text, url = (
+                    f"b{n:03d} 10.0.{n // 200}.{n % 200 + 10}",
+                    fake.response_url(ALICE, CHANNEL),
+                )
+                await harness.command(text, ALICE, CHANNEL, response_url=url)
             dm, thread = await watch(fake, timer, count)
             elapsed = time.monotonic() - started
             await bot.settle()

@@ -57,6 +57,7 @@ from handlers.slack import interact, views
 from handlers.slack.catalog import Catalog
 from handlers.slack.home import HomeTabs
 from handlers.slack.pacing import TIER_4_PER_MINUTE, Pacer
+from handlers.slack.respond import ResponseUrls
 from handlers.slack.threads import SlackThreads
 
 log = logging.getLogger(__name__)
@@ -106,6 +107,7 @@ class SlackBot:
         deployer.group_members = self.directory.members
         threads.bind(deployer)
         self.ephemeral = Pacer(TIER_4_PER_MINUTE, burst=20)
+        self.response_urls = ResponseUrls()  # a command's own way to answer (respond.py)
         self.tasks: set[asyncio.Task[None]] = set()
         # The last look-up of templates, so external_select can answer inside its ack.
         self.catalog = Catalog()
@@ -142,17 +144,25 @@ class SlackBot:
             await asyncio.gather(*list(self.tasks), return_exceptions=True)
 
     async def tell(
-        self, channel: str, user: str, lines: Sequence[str], *, monospace: bool = False
+        self,
+        channel: str,
+        user: str,
+        lines: Sequence[str],
+        *,
+        monospace: bool = False,
+        reply_url: str | None = None,
     ) -> None:
         """An ephemeral answer: only `user` sees it, in the channel they typed in. `lines`
         are plain text (errors quote what people typed), escaped here before the bot's
-        mentions are added."""
+        mentions are added. `reply_url`: the command's response_url, tried first."""
         shown = [views.mrkdwn(line) for line in lines] or [" "]
         text = views.fit("\n".join(shown), 3000)
         blocks = views.answer(shown, monospace=monospace)
         try:
             if channel == user:  # a click in the App Home: their conversation with the app
                 await self.client.chat_postMessage(channel=user, text=text, blocks=blocks)
+                return
+            if reply_url and await self.response_urls.send(reply_url, text, blocks):
                 return
             await self.ephemeral.wait()  # a workspace-wide limit (Tier 4)
             await self.client.chat_postEphemeral(
@@ -161,8 +171,18 @@ class SlackBot:
         except SlackApiError as exc:
             log.error("could not answer %s in %s: %s", user, channel, exc.response.get("error"))
 
-    async def show(self, channel: str, user: str, text: str, blocks: list[dict[str, Any]]) -> None:
+    async def show(
+        self,
+        channel: str,
+        user: str,
+        text: str,
+        blocks: list[dict[str, Any]],
+        *,
+        reply_url: str | None = None,
+    ) -> None:
         """An ephemeral message of Block Kit (a page of `/deploy list`)."""
+        if reply_url and await self.response_urls.send(reply_url, views.fit(text, 3000), blocks):
+            return
         await self.ephemeral.wait()  # a workspace-wide limit (Tier 4)
         try:
             await self.client.chat_postEphemeral(
@@ -172,7 +192,13 @@ class SlackBot:
             log.error("could not answer %s in %s: %s", user, channel, exc.response.get("error"))
 
     async def answering(
-        self, channel: str, user: str, work: Coroutine[Any, Any, list[str]], *, mono: bool = False
+        self,
+        channel: str,
+        user: str,
+        work: Coroutine[Any, Any, list[str]],
+        *,
+        mono: bool = False,
+        reply_url: str | None = None,
     ) -> None:
         """Run `work` and tell the user its lines, or what went wrong."""
         try:
@@ -183,13 +209,16 @@ class SlackBot:
             log.exception("a command by %s failed", user)
             lines = [messages.INTERNAL_ERROR.format(log=self.settings.log_file)]
             mono = False
-        await self.tell(channel, user, lines, monospace=mono)
+        await self.tell(channel, user, lines, monospace=mono, reply_url=reply_url)
 
     # --- /deploy ------------------------------------------------------------------
 
     async def on_command(self, ack: AsyncAck, body: dict[str, Any]) -> None:
         user, channel = str(body["user_id"]), str(body["channel_id"])
         text, trigger = str(body.get("text") or ""), str(body.get("trigger_id") or "")
+        reply_url = str(body.get("response_url") or "") or None
+        if reply_url:
+            self.response_urls.note(reply_url)
         if not text.strip():
             await ack()
             self.spawn(interact.open_form(self, trigger, user, channel))
@@ -213,7 +242,7 @@ class SlackBot:
             return
         if isinstance(command, ListVMs):  # a read: nothing to keep for another process
             await ack()
-            self.spawn(interact.show_list(self, channel, user, command))
+            self.spawn(interact.show_list(self, channel, user, command, reply_url=reply_url))
             return
         key = f"command:{trigger}"
         try:  # kept before the ack: should this process die, another carries it out
@@ -225,13 +254,17 @@ class SlackBot:
             return
         await ack()
         # A redelivery too: its dedupe key makes it answer with the job already made.
-        self.spawn(self.carry_out(key, command, user, channel))
+        self.spawn(self.carry_out(key, command, user, channel, reply_url=reply_url))
 
-    async def carry_out(self, key: str, command: Command, user: str, channel: str) -> None:
-        """Run a kept command, answer the person, and strike it from the inbox."""
+    async def carry_out(
+        self, key: str, command: Command, user: str, channel: str, *, reply_url: str | None = None
+    ) -> None:
+        """Run a kept command, answer the person (through `reply_url`, the command's
+        response_url, when it still takes one), and strike it from the inbox."""
         logfields.bind(request=key)
         mono = isinstance(command, Status | History | Templates | TemplateProfiles)
-        await self.answering(channel, user, self._run(command, user, channel, key), mono=mono)
+        work = self._run(command, user, channel, key)
+        await self.answering(channel, user, work, mono=mono, reply_url=reply_url)
         await inbox.done(self.deployer, key)
 
     async def sweep_inbox(self) -> int:

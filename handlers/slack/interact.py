@@ -189,15 +189,19 @@ async def _job_click(
     await bot.tell(channel, user, [answer(job)])
 
 
-async def show_list(bot: Host, channel: str, user: str, command: ListVMs) -> None:
-    """`/deploy list` (and its Previous / Next buttons) as Block Kit, only for `user`."""
+async def show_list(
+    bot: Host, channel: str, user: str, command: ListVMs, *, reply_url: str | None = None
+) -> None:
+    """`/deploy list` (and its Previous / Next buttons) as Block Kit, only for `user`;
+    `reply_url`: the command's response_url, tried first."""
     try:
         page = await list_page(bot.deployer, user, command)
     except DeployBotError as exc:
-        await bot.tell(channel, user, [exc.message])
+        await bot.tell(channel, user, [exc.message], reply_url=reply_url)
         return
     text = messages.list_title(page, user) if page.jobs else messages.list_empty(page, user)
-    await bot.show(channel, user, views.mrkdwn(text), views.vm_list(page, user, utcnow()))
+    blocks = views.vm_list(page, user, utcnow())
+    await bot.show(channel, user, views.mrkdwn(text), blocks, reply_url=reply_url)
 
 
 def _is_build(item_id: str) -> bool:
