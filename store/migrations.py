@@ -330,8 +330,14 @@ def _v12(db: Database) -> None:
     db.table("outbox").transform(drop_foreign_keys=["job_id"])
 
 
+def _v13(db: Database) -> None:
+    """Each part of a notice recorded as it reaches chat (store/outbox.py): its names,
+    space-separated, so a restart repeats only the parts not yet delivered."""
+    db.table("outbox").add_column("parts_sent", str)
+
+
 MIGRATIONS: list[Callable[[Database], None]] = [
-    _v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9, _v10, _v11, _v12
+    _v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9, _v10, _v11, _v12, _v13
 ]  # fmt: skip
 SCHEMA_VERSION = len(MIGRATIONS)
 

@@ -5,6 +5,9 @@ after any crash the change and the duty to tell of it exist together or not at a
 front end process delivers the notices of the jobs it has claimed (`outbox_claims`, a
 lease per job, so with several processes each job's thread is written by one at a time
 and in order) and marks them delivered once Slack accepted the call that carried them.
+A notice told in several messages (a thread line, its headline, a direct message) has
+each part recorded as it gets there (`parts_sent`, schema v13), so a deliverer that
+dies between them leaves only the rest to say.
 
 Only jobs someone follows in chat get notices: one with an origin (asked in a channel)
 or an approval (its card goes to the approvers). Template builds (ids starting with `b`)
@@ -40,7 +43,7 @@ def add(db: Db, notices: Iterable[Notice], state: JobState | None = None) -> Non
     for notice in notices:
         if notice.state is None and state is not None:
             notice = notice.model_copy(update={"state": state})
-        body = notice.model_dump_json(exclude={"id"})
+        body = notice.model_dump_json(exclude={"id", "sent"})
         db.execute(
             "INSERT INTO outbox (job_id, kind, urgent, body, created_at) "
             "SELECT :job, :kind, :urgent, :body, :at WHERE EXISTS ("
@@ -59,13 +62,15 @@ def add(db: Db, notices: Iterable[Notice], state: JobState | None = None) -> Non
 
 
 def _notice(row: Sequence[Any]) -> Notice:
-    return Notice.model_validate({**json.loads(row[1]), "id": row[0]})
+    sent = frozenset(str(row[2] or "").split())
+    return Notice.model_validate({**json.loads(row[1]), "id": row[0], "sent": sent})
 
 
 def new_since(db: Db, after: int, limit: int) -> list[Notice]:
     """Undelivered notices with ids above `after` (what arrived since the last look)."""
     rows = db.execute(
-        "SELECT id, body FROM outbox WHERE id > ? AND delivered_at IS NULL ORDER BY id LIMIT ?",
+        "SELECT id, body, parts_sent FROM outbox WHERE id > ? AND delivered_at IS NULL "
+        "ORDER BY id LIMIT ?",
         [after, limit],
     ).fetchall()
     return [_notice(row) for row in rows]
@@ -73,7 +78,8 @@ def new_since(db: Db, after: int, limit: int) -> list[Notice]:
 
 def undelivered(db: Db, job_id: str) -> list[Notice]:
     rows = db.execute(
-        "SELECT id, body FROM outbox WHERE job_id = ? AND delivered_at IS NULL ORDER BY id",
+        "SELECT id, body, parts_sent FROM outbox WHERE job_id = ? AND delivered_at IS NULL "
+        "ORDER BY id",
         [job_id],
     ).fetchall()
     return [_notice(row) for row in rows]
@@ -113,12 +119,22 @@ def orphaned(db: Db, now: datetime, limit: int) -> list[str]:
     return [str(row[0]) for row in rows]
 
 
-def mark_delivered(db: Db, ids: Sequence[int], now: datetime) -> None:
-    if not ids:
+def mark_delivered(
+    db: Db, ids: Sequence[int], now: datetime, parts: Sequence[tuple[int, str]] = ()
+) -> None:
+    """Record the `parts` (notice id, part name) now in chat, and the notices `ids`
+    whose every part is; one transaction."""
+    if not ids and not parts:
         return
-    marks = ", ".join("?" for _ in ids)
     with immediate(db):
-        db.execute(f"UPDATE outbox SET delivered_at = ? WHERE id IN ({marks})", [ts(now), *ids])
+        for notice, part in parts:  # appended, not read and rewritten: no lost update
+            db.execute(
+                "UPDATE outbox SET parts_sent = COALESCE(parts_sent, '') || ? WHERE id = ?",
+                [f"{part} ", notice],
+            )
+        if ids:
+            marks = ", ".join("?" for _ in ids)
+            db.execute(f"UPDATE outbox SET delivered_at = ? WHERE id IN ({marks})", [ts(now), *ids])
 
 
 def release(db: Db, job_id: str, me: str, now: datetime) -> None:

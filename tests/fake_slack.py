@@ -5,8 +5,11 @@ string, a form or JSON; the token comes in the Authorization header; arguments a
 checked against `slack-methods.json` (an argument the method does not take, or a
 missing required one, gets `invalid_arguments`); blocks and views are checked with
 `slack_sdk.models`; trigger ids work once and for 3 s; `views.update` honours `hash`.
-It can answer 429 with Retry-After, and it records every call with the time it arrived,
-so tests wait for "a call matching X" instead of sleeping.
+Each slash command can carry a `response_url` on the fake (`response_url`) that takes
+an ephemeral answer as Slack's does: 5 messages within 30 minutes, then refused.
+It can answer 429 with Retry-After, and it records every call with the time it arrived
+(an answer through a response_url as the method "response_url"), so tests wait for "a
+call matching X" instead of sleeping.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from slack_sdk.models.blocks import Block
 from slack_sdk.models.views import View
 
 TRIGGER_TTL_S = 3.0
+RESPONSE_URL_TTL_S = 30 * 60.0  # a command's response_url: 30 minutes, 5 messages
+RESPONSE_URL_USES = 5
 # Slack takes these on every method: the token (old style) and, for org-wide apps, the
 # workspace. Bolt's per-request client adds team_id to each call it makes (auth.test).
 ANY_METHOD = frozenset({"token", "team_id"})
@@ -82,12 +87,19 @@ class FakeSlack:
     )
     # Channels that exist but the bot is not in (conversations.info: is_member false).
     outside: set[str] = field(default_factory=set)
+    # Channels Slack holds back for now (a backlogged channel): every post or edit there
+    # is answered 429 with `blocked_retry_after_s` and changes nothing, until removed.
+    blocked: set[str] = field(default_factory=set)
+    blocked_retry_after_s: int = 30
+    # The clock response URLs age by (tests move it instead of waiting 30 minutes).
+    clock: Callable[[], float] = time.monotonic
 
     def __post_init__(self) -> None:
         self._ids = itertools.count(1)
         self._triggers: dict[str, float] = {}
         self._limits: dict[str, list[int]] = {}  # method -> [times left, retry_after]
         self._last_post: dict[str, float] = {}  # channel -> when its last post arrived
+        self._responses: dict[str, dict[str, Any]] = {}  # response_url id -> its state
         self._changed = asyncio.Condition()
         self._runner: web.AppRunner | None = None
         self.url = ""
@@ -97,12 +109,14 @@ class FakeSlack:
     async def start(self) -> None:
         app = web.Application()
         app.router.add_route("*", "/api/{method}", self._handle)
+        app.router.add_post("/response/{id}", self._respond)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
         port = self._runner.addresses[0][1]
         self.url = f"http://127.0.0.1:{port}/api/"
+        self._base = f"http://127.0.0.1:{port}"
 
     async def close(self) -> None:
         if self._runner is not None:
@@ -114,6 +128,12 @@ class FakeSlack:
         trigger = f"{next(self._ids)}.{int(time.time())}.trigger"
         self._triggers[trigger] = time.monotonic()
         return trigger
+
+    def response_url(self, user: str, channel: str) -> str:
+        """A new command's response_url: it answers `user` in `channel` from now on."""
+        key = f"{next(self._ids)}{int(time.time())}"
+        self._responses[key] = {"user": user, "channel": channel, "at": self.clock(), "uses": 0}
+        return f"{self._base}/response/{key}"
 
     def rate_limit(self, method: str, times: int = 1, retry_after: int = 0) -> None:
         """Answer the next `times` calls of `method` with 429 and Retry-After."""
@@ -166,6 +186,9 @@ class FakeSlack:
             limit[0] -= 1
             status, answer = 429, {"ok": False, "error": "ratelimited"}
             headers = {"Retry-After": str(limit[1])}
+        elif method in ("chat.postMessage", "chat.update") and args.get("channel") in self.blocked:
+            status, answer = 429, {"ok": False, "error": "ratelimited"}
+            headers = {"Retry-After": str(self.blocked_retry_after_s)}
         elif self._too_soon(method, args):
             self.violations += 1
             status, answer = 429, {"ok": False, "error": "ratelimited"}
@@ -175,6 +198,36 @@ class FakeSlack:
             headers = {"x-oauth-scopes": ",".join(self.scopes)}
         await self._record(Call(method, args, time.monotonic(), status, answer))
         return web.json_response(answer, status=status, headers=headers)
+
+    async def _respond(self, request: web.Request) -> web.Response:
+        """A message to a response_url (JSON). Slack takes 5 within 30 minutes; after that,
+        and for a URL it never issued, it answers 404 with the reason."""
+        state = self._responses.get(request.match_info["id"])
+        try:
+            body = await request.json()
+        except ValueError:
+            body = {}
+        args = dict(body) if isinstance(body, dict) else {}
+        answer: dict[str, Any] = {"ok": True}
+        status = 200
+        if state is None:
+            status, answer = 404, {"ok": False, "error": "invalid_url"}
+        elif self.clock() - state["at"] > RESPONSE_URL_TTL_S:
+            status, answer = 404, {"ok": False, "error": "expired_url"}
+        elif state["uses"] >= RESPONSE_URL_USES:
+            status, answer = 404, {"ok": False, "error": "used_url"}
+        elif not args.get("text") and not args.get("blocks"):
+            status, answer = 400, {"ok": False, "error": "no_text"}
+        else:
+            try:
+                if "blocks" in args:
+                    _check_blocks(args["blocks"])
+                state["uses"] += 1
+                args.update(channel=state["channel"], user=state["user"])
+            except Refused as refused:
+                status, answer = 400, {"ok": False, "error": refused.error}
+        await self._record(Call("response_url", args, time.monotonic(), status, answer))
+        return web.json_response(answer, status=status)
 
     def _too_soon(self, method: str, args: dict[str, Any]) -> bool:
         if self.post_interval_s is None or method != "chat.postMessage":

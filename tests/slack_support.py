@@ -59,7 +59,14 @@ def sign(body: str, secret: str = SIGNING_SECRET, at: int | None = None) -> dict
     }
 
 
-def command_body(text: str, user: str, channel: str, trigger: str) -> str:
+# Where a command's answers go unless a test hands it a response_url on the fake
+# (FakeSlack.response_url): nothing listens there, so the bot answers by the Web API.
+UNUSED_RESPONSE_URL = "http://127.0.0.1:9/response-url-unused"
+
+
+def command_body(
+    text: str, user: str, channel: str, trigger: str, response_url: str = UNUSED_RESPONSE_URL
+) -> str:
     return urlencode(
         {
             "token": "legacy-verification-token",
@@ -73,7 +80,7 @@ def command_body(text: str, user: str, channel: str, trigger: str) -> str:
             "text": text,
             "api_app_id": "A0000001",
             "is_enterprise_install": "false",
-            "response_url": "http://127.0.0.1:9/response-url-unused",
+            "response_url": response_url,
             "trigger_id": trigger,
         }
     )
@@ -103,11 +110,12 @@ class Harness:
         *,
         trigger: str | None = None,
         retry: int = 0,
+        response_url: str = UNUSED_RESPONSE_URL,
     ) -> BoltResponse:
         trigger = trigger or self.fake.new_trigger()
         extra = {"x-slack-retry-num": str(retry), "x-slack-retry-reason": "timeout"}
         return await self.dispatch(
-            command_body(text, user, channel, trigger), extra if retry else {}
+            command_body(text, user, channel, trigger, response_url), extra if retry else {}
         )
 
     def action_ts(self) -> str:

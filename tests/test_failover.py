@@ -96,7 +96,10 @@ def unended(url: str, slack: SlackThread) -> list[str]:
     states = {str(n): str(s) for n, s in rows(url, "SELECT name, state FROM jobs")}
     missing = [f"{name} ({state})" for name, state in states.items() if state not in FINAL]
     for name, threads in parents(slack).items():
-        text = "\n".join(slack.fake.thread(CHANNEL, threads[-1]))
+        ts = threads[-1]  # a parent posted once its job ended carries the end itself
+        text = "\n".join(
+            [slack.fake.messages[(CHANNEL, ts)]["text"], *slack.fake.thread(CHANNEL, ts)]
+        )
         ended = {"succeeded": "ready in", "failed": "failed at"}.get(states.get(name, ""), "\0")
         if ended not in text:
             missing.append(f"thread of {name}")

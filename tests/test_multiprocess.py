@@ -252,7 +252,8 @@ def unended_threads(tmp: Path, fake: FakeSlack) -> list[str]:
         if "thread_ts" in call.args:
             continue
         name = call.text.split()[0]
-        text = "\n".join(fake.thread(CHANNEL, str(call.answer["ts"])))
+        ts = str(call.answer["ts"])  # a parent posted once its job ended carries the end
+        text = "\n".join([fake.messages[(CHANNEL, ts)]["text"], *fake.thread(CHANNEL, ts)])
         state = states.get(name)
         ended = {"succeeded": "ready in", "failed": "failed at"}.get(state or "", "\0")
         if ended not in text:

@@ -125,7 +125,8 @@ def parents(fake: FakeSlack) -> dict[str, list[str]]:
 
 
 def ended(fake: FakeSlack, ts: str) -> bool:
-    text = "\n".join(fake.thread(CHANNEL, ts))
+    """The thread, or its parent (posted once the job had ended), shows the outcome."""
+    text = "\n".join([fake.messages[(CHANNEL, ts)]["text"], *fake.thread(CHANNEL, ts)])
     return "ready in" in text or "failed at" in text or "cancelled." in text
 
 
@@ -192,3 +193,64 @@ def report(tmp: Path, fake: FakeSlack) -> list[str]:
         elif f"{name(n)} " not in dm_text:
             missing.append(f"{name(n)}: no direct message")
     return missing
+
+
+def outbox(tmp: Path, job_id: str) -> dict[str, tuple[str, bool]]:
+    """kind -> (the parts recorded as sent, delivered) for one job's notices (the last
+    of each kind)."""
+    db = sqlite3.connect(tmp / "jobs.db")
+    try:
+        rows = db.execute(
+            "SELECT kind, parts_sent, delivered_at FROM outbox WHERE job_id = ? ORDER BY id",
+            [job_id],
+        ).fetchall()
+        return {str(kind): (str(sent or ""), at is not None) for kind, sent, at in rows}
+    finally:
+        db.close()
+
+
+async def test_a_kill_between_the_parts_of_a_notice_repeats_none(
+    tmp_path: Path, fake: FakeSlack
+) -> None:
+    """A finished deploy is told in three parts: its thread's line, its headline, and the
+    requester's direct message. The DM goes out at once while the channel is held back
+    (Slack answers 429 there); the process is SIGKILLed once the store recorded the DM,
+    and started again with the channel free: each part reaches Slack exactly once."""
+    proc, base = await start_serve(tmp_path, fake)
+    try:
+        async with aiohttp.ClientSession() as http:
+            body = command_body("p00 10.0.0.60", ALICE, CHANNEL, fake.new_trigger())
+            async with http.post(f"{base}/slack/events", data=body, headers=sign(body)) as r:
+                assert r.status == 200
+        await fake.wait_for(lambda c: c.channel == CHANNEL and c.text.startswith("p00"), 60)
+        fake.blocked.add(CHANNEL)  # from now on the thread waits; the DM does not
+        await fake.wait_for(lambda c: c.channel == ALICE and "p00 " in c.text, within=120)
+        job_id = jobs(tmp_path)["p00"][1]
+        for _wait in range(60):  # until the store has the DM (each a call or 0.5 s)
+            if "dm" in outbox(tmp_path, job_id).get("finished", ("", False))[0]:
+                break
+            await fake.next_call(within=0.5)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        await proc.wait()
+    sent, delivered = outbox(tmp_path, job_id)["finished"]
+    assert sent.split() == ["dm"] and not delivered, sent  # killed between the parts
+    fake.blocked.clear()
+    proc, _base = await start_serve(tmp_path, fake)
+    try:
+        for _wait in range(120):  # each a second at most without a call to Slack
+            if all(done for _sent, done in outbox(tmp_path, job_id).values()):
+                break
+            await fake.next_call(within=1.0)
+        else:
+            pytest.fail(f"not all told: {outbox(tmp_path, job_id)}")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        await proc.wait()
+    (ts,) = parents(fake)["p00"]
+    replies = fake.thread(CHANNEL, ts)
+    assert sum("ready in" in text for text in replies) == 1, replies
+    dms = [c.text for c in fake.called("chat.postMessage", channel=ALICE)]
+    assert sum("p00 " in text for text in dms) == 1, dms
+    headline = fake.messages[(CHANNEL, ts)]["text"]
+    assert "ready" in headline, headline

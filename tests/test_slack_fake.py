@@ -8,11 +8,12 @@ from typing import Any
 import pytest
 from slack_sdk.errors import SlackApiError
 from slack_sdk.web.async_client import AsyncWebClient
+from slack_sdk.webhook.async_client import AsyncWebhookClient
 
 from handlers.slack.app import make_client
-from tests.fake_slack import FakeSlack
+from tests.fake_slack import RESPONSE_URL_TTL_S, FakeSlack
 from tests.reference import reference_json
-from tests.slack_support import BOT_TOKEN, CHANNEL, directory
+from tests.slack_support import ALICE, BOT_TOKEN, CHANNEL, directory
 
 
 @pytest.fixture
@@ -73,3 +74,17 @@ async def test_429_carries_retry_after_and_the_bots_client_waits_it_out(fake: Fa
     answer = await make_client(BOT_TOKEN, fake.url).chat_postMessage(channel=CHANNEL, text="y")
     assert answer["ok"] is True
     assert [c.status for c in fake.calls if c.method == "chat.postMessage"] == [429, 429, 429, 200]
+
+
+async def test_a_response_url_takes_five_messages_within_thirty_minutes(fake: FakeSlack) -> None:
+    hook = AsyncWebhookClient(fake.response_url(ALICE, CHANNEL))
+    statuses = [(await hook.send(text=f"answer {n}")).status_code for n in range(6)]
+    assert statuses == [200] * 5 + [404]
+    assert [c.answer.get("error") for c in fake.calls][-1] == "used_url"
+    assert [c.args["user"] for c in fake.called("response_url")] == [ALICE] * 5
+    assert (await AsyncWebhookClient(fake.response_url(ALICE, CHANNEL)).send()).status_code == 400
+    late = AsyncWebhookClient(fake.response_url(ALICE, CHANNEL))
+    now = fake.clock()
+    fake.clock = lambda: now + RESPONSE_URL_TTL_S + 1
+    assert (await late.send(text="too late")).status_code == 404
+    assert fake.calls[-1].answer["error"] == "expired_url"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 from pathlib import Path
 
 from backends.base import CloneSpec, VMRef
@@ -11,7 +12,7 @@ from backends.sim import SimBackend
 from bot.models import JobState
 from tests.conftest import SIM_SCALE
 from tests.fake_slack import Call
-from tests.slack_support import CHANNEL, is_reply, slack_bot
+from tests.slack_support import ALICE, CHANNEL, is_reply, slack_bot
 
 
 def is_parent(c: Call) -> bool:
@@ -70,4 +71,30 @@ async def test_fifty_deploys_stay_inside_the_channel_rate(tmp_path: Path) -> Non
         for job in jobs:
             assert job.thread_ref is not None
             ts = job.thread_ref.split("/")[1]
-            assert f"ssh ubuntu@{job.address}" in "\n".join(h.fake.thread(CHANNEL, ts))
+            parent = h.fake.messages[(CHANNEL, ts)]["text"]  # a late parent carries it
+            thread = "\n".join([parent, *h.fake.thread(CHANNEL, ts)])
+            assert f"ssh ubuntu@{job.address}" in thread
+
+
+async def test_a_parent_posted_after_the_outcome_carries_it_and_no_steps(tmp_path: Path) -> None:
+    """Slack holds the channel back (429) until the deploy is ready and its requester
+    told; the parent posted then shows the outcome and the SSH line itself, and the
+    progress that waited for it (queued, every step) is dropped, not sent late."""
+    async with slack_bot(tmp_path) as h:
+        h.fake.blocked.add(CHANNEL)
+        h.fake.blocked_retry_after_s = 1  # the SDK retries twice, then the outbox again
+        await h.command("web01 10.0.0.50")
+        await h.fake.wait_for(lambda c: c.channel == ALICE and "ssh ubuntu@10.0.0.50" in c.text)
+        assert not h.fake.called("chat.postMessage", channel=CHANNEL)
+        # The outbox's next try is composed now: the parent, with the outcome in it.
+        await h.fake.wait_for(lambda c: c.channel == CHANNEL and "ssh ubuntu@" in c.text)
+        h.fake.blocked.clear()
+        await h.settle()
+        (parent,) = [c for c in h.fake.calls if is_parent(c) and c.status == 200]
+        for shown in (parent.text, json.dumps(parent.args["blocks"])):
+            assert "ssh ubuntu@10.0.0.50" in shown and "ready in" in shown
+        ts = parent.answer["ts"]
+        assert h.fake.thread(CHANNEL, ts) == []  # no step replies after the fact
+        assert "ssh ubuntu@10.0.0.50" in h.fake.messages[(CHANNEL, ts)]["text"]  # kept
+        (job,) = await h.deployer.history(1)
+        assert await h.deployer.store.outbox_undelivered(job.id) == []

@@ -59,6 +59,10 @@ class Notice(BaseModel):
     # Who acted, when `text` names them ("cancelled by U123"): a chat front end shows
     # this id, and only this one, as a mention (an id typed into a reason stays text).
     by: str | None = None
+    # The parts of it a front end already delivered (a thread line, a direct message...),
+    # by name, kept apart from the body (column `parts_sent`) as each part gets there, so
+    # a deliverer that dies in between repeats only the others. The store fills it in.
+    sent: frozenset[str] = frozenset()
 
     @property
     def urgent(self) -> bool:

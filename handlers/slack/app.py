@@ -57,6 +57,7 @@ from handlers.slack import interact, views
 from handlers.slack.catalog import Catalog
 from handlers.slack.home import HomeTabs
 from handlers.slack.pacing import TIER_4_PER_MINUTE, Pacer
+from handlers.slack.respond import ResponseUrls
 from handlers.slack.threads import SlackThreads
 
 log = logging.getLogger(__name__)
@@ -107,6 +108,7 @@ class SlackBot:
         deployer.group_members = self.directory.members
         threads.bind(deployer)
         self.ephemeral = Pacer(TIER_4_PER_MINUTE, burst=20)
+        self.response_urls = ResponseUrls()  # a command's own way to answer (respond.py)
         self.tasks: set[asyncio.Task[None]] = set()
         # The last look-up of templates, so external_select can answer inside its ack.
         self.catalog = Catalog()
@@ -164,16 +166,19 @@ class SlackBot:
         lines: Sequence[str | messages.Said],
         *,
         monospace: bool = False,
+        reply_url: str | None = None,
     ) -> None:
         """An ephemeral answer: only `user` sees it, in the channel they typed in. `lines`
         are plain text (errors quote what people typed), escaped here; only the people a
-        `Said` names become mentions."""
+        `Said` names become mentions. `reply_url`: the command's response_url, tried first."""
         shown = [views.mrkdwn(line) for line in lines] or [" "]
         text = views.fit("\n".join(shown), 3000)
         blocks = views.answer(shown, monospace=monospace)
         try:
             if channel == user:  # a click in the App Home: their conversation with the app
                 await self.client.chat_postMessage(channel=user, text=text, blocks=blocks)
+                return
+            if reply_url and await self.response_urls.send(reply_url, text, blocks):
                 return
             await self.ephemeral.wait()  # a workspace-wide limit (Tier 4)
             await self.client.chat_postEphemeral(
@@ -182,8 +187,18 @@ class SlackBot:
         except SlackApiError as exc:
             log.error("could not answer %s in %s: %s", user, channel, exc.response.get("error"))
 
-    async def show(self, channel: str, user: str, text: str, blocks: list[dict[str, Any]]) -> None:
+    async def show(
+        self,
+        channel: str,
+        user: str,
+        text: str,
+        blocks: list[dict[str, Any]],
+        *,
+        reply_url: str | None = None,
+    ) -> None:
         """An ephemeral message of Block Kit (a page of `/deploy list`)."""
+        if reply_url and await self.response_urls.send(reply_url, views.fit(text, 3000), blocks):
+            return
         await self.ephemeral.wait()  # a workspace-wide limit (Tier 4)
         try:
             await self.client.chat_postEphemeral(
@@ -199,6 +214,7 @@ class SlackBot:
         work: Coroutine[Any, Any, Sequence[str | messages.Said]],
         *,
         mono: bool = False,
+        reply_url: str | None = None,
     ) -> None:
         """Run `work` and tell the user its lines, or what went wrong."""
         lines: Sequence[str | messages.Said]
@@ -210,7 +226,7 @@ class SlackBot:
             log.exception("a command by %s failed", user)
             lines = [messages.INTERNAL_ERROR.format(log=self.settings.log_file)]
             mono = False
-        await self.tell(channel, user, lines, monospace=mono)
+        await self.tell(channel, user, lines, monospace=mono, reply_url=reply_url)
 
     # --- /deploy ------------------------------------------------------------------
 
@@ -218,6 +234,9 @@ class SlackBot:
         user, channel = str(body["user_id"]), str(body["channel_id"])
         text = views.typed(str(body.get("text") or ""))  # kept and parsed as typed
         trigger = str(body.get("trigger_id") or "")
+        reply_url = str(body.get("response_url") or "") or None
+        if reply_url:
+            self.response_urls.note(reply_url)
         if not text.strip():
             await ack()
             self.spawn(interact.open_form(self, trigger, user, channel))
@@ -241,7 +260,7 @@ class SlackBot:
             return
         if isinstance(command, ListVMs):  # a read: nothing to keep for another process
             await ack()
-            self.spawn(interact.show_list(self, channel, user, command))
+            self.spawn(interact.show_list(self, channel, user, command, reply_url=reply_url))
             return
         key = f"command:{trigger}"
         try:  # kept before the ack: should this process die, another carries it out
@@ -257,16 +276,25 @@ class SlackBot:
             return
         await ack()
         # A redelivery too: its dedupe key makes it answer with the job already made.
-        self.spawn(self.carry_out(key, command, user, channel))
+        self.spawn(self.carry_out(key, command, user, channel, reply_url=reply_url))
 
     async def carry_out(
-        self, key: str, command: Command, user: str, channel: str, *, resumed: bool = False
+        self,
+        key: str,
+        command: Command,
+        user: str,
+        channel: str,
+        *,
+        resumed: bool = False,
+        reply_url: str | None = None,
     ) -> None:
-        """Run a kept command, answer the person, and strike it from the inbox. A command
+        """Run a kept command, answer the person (through `reply_url`, the command's
+        response_url, when it still takes one), and strike it from the inbox. A command
         `resumed` from a stopped process that made a job also says so in its thread."""
         logfields.bind(request=key)
         mono = isinstance(command, Status | History | Templates | TemplateProfiles)
-        await self.answering(channel, user, self._run(command, user, channel, key), mono=mono)
+        work = self._run(command, user, channel, key)
+        await self.answering(channel, user, work, mono=mono, reply_url=reply_url)
         if resumed and isinstance(command, DeployArgs):
             await inbox.tell_resumed(self.deployer, key, messages.COMMAND_RESUMED)
         await inbox.done(self.deployer, key)

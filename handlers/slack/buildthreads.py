@@ -38,8 +38,7 @@ class BuildDelivery(Delivery):
     def _apply_build(self, build: Build, notice: Notice) -> None:
         """A build's notice: a line in its thread (the end, urgent), its headline, and
         its approval card (asked for, then replaced by the decision)."""
-        assert notice.id is not None
-        nid = self._part(notice.id)
+        nid = self._hold(notice)
         part = notice.step or ""
         if notice.kind is NoticeKind.BUILD:
             if part == BUILD_NOTE:
@@ -47,11 +46,11 @@ class BuildDelivery(Delivery):
             elif part == BUILD_FINISHED:
                 text = views.mrkdwn(messages.slack_build_end(build))
                 self._build_say(build, text, nid, urgent=True)
-                if build.origin:  # the requester hears the end by direct message too
-                    dm = self._dm(build.requester)
+                dm = self._part(nid, "dm") if build.origin else None
+                if dm is not None:  # the requester hears the end by direct message too
                     outcome = messages.build_outcome_dm(build)
-                    dm.lines.append(Line(views.mrkdwn(outcome), self._part(nid)))
-                    self.outboxes.touch(dm)
+                    self._dm(build.requester).lines.append(Line(views.mrkdwn(outcome), dm))
+                    self.outboxes.touch(self._dm(build.requester))
             else:
                 said = messages.build_thread_update(build, part, notice.text)
                 self._build_say(build, views.mrkdwn(said), nid)
@@ -59,7 +58,7 @@ class BuildDelivery(Delivery):
                 self._ask_build_approvers(build, nid)
             elif part == BUILD_DECIDED:
                 self._build_decided(build, notice.text, nid)
-        self._done([nid])
+        self._release(nid)
 
     def _build_thread(self, build: Build) -> BuildThread | None:
         thread = self.build_threads.get(build.id)
@@ -79,8 +78,11 @@ class BuildDelivery(Delivery):
         thread = self._build_thread(build)
         if thread is None:
             return
-        thread.lines.append(Line(text, self._part(nid), urgent=urgent))
-        thread.show_headline(self._part(nid))
+        line, headline = self._part(nid, "line"), self._part(nid, "headline")
+        if line is not None:
+            thread.lines.append(Line(text, line, urgent=urgent))
+        if headline is not None:
+            thread.show_headline(headline)
         self.outboxes.touch(thread)
 
     def _ask_build_approvers(self, build: Build, nid: int) -> None:
@@ -93,8 +95,7 @@ class BuildDelivery(Delivery):
         self.build_cards[build.id] = card
         if build.state is not BuildState.AWAITING_APPROVAL:  # decided before it was shown
             card.outcome = messages.build_card_outcome(build, build.error or "")
-        card.will_show(self._part(nid))
-        self.outboxes.touch(card)
+        self._show_build_card(card, nid)
 
     def _build_decided(self, build: Build, note: str, nid: int) -> None:
         card = self.build_cards.get(build.id)
@@ -106,5 +107,10 @@ class BuildDelivery(Delivery):
             self.build_cards[build.id] = card
         card.build = build
         card.outcome = messages.build_card_outcome(build, note)
-        card.will_show(self._part(nid))
-        self.outboxes.touch(card)
+        self._show_build_card(card, nid)
+
+    def _show_build_card(self, card: BuildCard, nid: int) -> None:
+        part = self._part(nid, "card")
+        if part is not None:
+            card.will_show(part)
+            self.outboxes.touch(card)

@@ -1,6 +1,7 @@
 """What every part of Slack delivery shares (split from handlers/slack/threads.py): the
 threads, cards and direct messages this process writes, and the count of parts each
-notice still waits for; a notice is marked delivered once every part of it is in Slack.
+notice still waits for. Each part is recorded in the store as it reaches Slack, so a
+restart repeats only the others; a notice is marked delivered once every part is.
 `SlackThreads` (threads.py) builds on this, through `BuildDelivery` (buildthreads.py)."""
 
 from __future__ import annotations
@@ -11,9 +12,17 @@ from datetime import datetime
 
 from slack_sdk.web.async_client import AsyncWebClient
 
+from bot.models import Notice
 from bot.service import Deployer
 from bot.settings import SlackSettings
-from handlers.slack.items import ApprovalCard, BuildCard, BuildThread, DirectMessages, JobThread
+from handlers.slack.items import (
+    ApprovalCard,
+    BuildCard,
+    BuildThread,
+    DirectMessages,
+    JobThread,
+    Part,
+)
 from handlers.slack.outbox import Outboxes
 from handlers.slack.zones import Zones
 
@@ -34,6 +43,8 @@ class Delivery:
         self.zones = Zones(client)  # people's time zones, for lease times
         self._deployer: Deployer | None = None
         self._parts: Counter[int] = Counter()  # notice id -> parts not yet in Slack
+        self._sent_before: dict[int, frozenset[str]] = {}  # parts a restart must not repeat
+        self._sent: list[tuple[int, str]] = []  # parts in Slack, to record in the store
         self._delivered: list[int] = []  # to mark in the store
         self._held: set[str] = set()  # jobs whose delivery lease this process holds
         self._cursor = 0
@@ -54,15 +65,35 @@ class Delivery:
 
     # --- parts ------------------------------------------------------------------------
 
-    def _part(self, notice: int) -> int:
-        self._parts[notice] += 1
-        return notice
+    def _hold(self, notice: Notice) -> int:
+        """While a notice's parts are being queued, none may finish it early."""
+        assert notice.id is not None
+        self._parts[notice.id] += 1
+        self._sent_before[notice.id] = notice.sent
+        return notice.id
 
-    def _done(self, ids: list[int]) -> None:
-        for notice in ids:
-            self._parts[notice] -= 1
-            if self._parts[notice] <= 0:
-                self._finish_parts([notice])
+    def _release(self, notice: int) -> None:
+        self._sent_before.pop(notice, None)
+        self._settle(notice)
+
+    def _part(self, notice: int, name: str) -> Part | None:
+        """A part of `notice` to put in Slack; None when Slack has it already (an earlier
+        process delivered it before it stopped)."""
+        if name in self._sent_before.get(notice, ()):
+            return None
+        self._parts[notice] += 1
+        return Part(notice, name)
+
+    def _done(self, parts: list[Part]) -> None:
+        for part in parts:
+            self._sent.append((part.notice, part.name))
+            self._settle(part.notice)
+        self._wake.set()  # recorded at once: a kill now must not repeat it
+
+    def _settle(self, notice: int) -> None:
+        self._parts[notice] -= 1
+        if self._parts[notice] <= 0:
+            self._finish_parts([notice])
 
     def _finish_parts(self, ids: list[int]) -> None:
         for notice in ids:

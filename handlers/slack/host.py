@@ -34,9 +34,15 @@ class Host(Protocol):
         ...
 
     async def tell(
-        self, channel: str, user: str, lines: Sequence[str | Said], *, monospace: bool = False
+        self,
+        channel: str,
+        user: str,
+        lines: Sequence[str | Said],
+        *,
+        monospace: bool = False,
+        reply_url: str | None = None,
     ) -> None:
-        """An ephemeral answer to `user`."""
+        """An ephemeral answer to `user` (through `reply_url`, a response_url, if it can)."""
         ...
 
     async def answering(
@@ -46,10 +52,19 @@ class Host(Protocol):
         work: Coroutine[Any, Any, Sequence[str | Said]],
         *,
         mono: bool = False,
+        reply_url: str | None = None,
     ) -> None:
         """Run `work` and tell the user its lines, or what went wrong."""
         ...
 
-    async def show(self, channel: str, user: str, text: str, blocks: list[dict[str, Any]]) -> None:
+    async def show(
+        self,
+        channel: str,
+        user: str,
+        text: str,
+        blocks: list[dict[str, Any]],
+        *,
+        reply_url: str | None = None,
+    ) -> None:
         """An ephemeral message of Block Kit to `user` (`text`: its notification)."""
         ...

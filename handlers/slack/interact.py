@@ -196,19 +196,24 @@ async def _job_click(
     await bot.tell(channel, user, [answer(job)])
 
 
-async def show_list(bot: Host, channel: str, user: str, command: ListVMs) -> None:
-    """`/deploy list` (and its Previous / Next buttons) as Block Kit, only for `user`."""
+async def show_list(
+    bot: Host, channel: str, user: str, command: ListVMs, *, reply_url: str | None = None
+) -> None:
+    """`/deploy list` (and its Previous / Next buttons) as Block Kit, only for `user`;
+    `reply_url`: the command's response_url, tried first."""
     try:
         page = await list_page(bot.deployer, user, command)
     except DeployBotError as exc:
-        await bot.tell(channel, user, views.refusal(exc))
+        await bot.tell(channel, user, views.refusal(exc), reply_url=reply_url)
         return
     text = messages.list_title(page, user) if page.jobs else messages.list_empty(page, user)
     # Whose VMs: a requester of the jobs shown, so a person; no jobs, no proof of one.
     people = [page.requester] if page.jobs and page.requester else []
     zone = await bot.zones.of(user)  # lease ends in the reader's zone
     shown = views.mrkdwn(text, people)
-    await bot.show(channel, user, shown, views.vm_list(page, user, utcnow(), zone))
+    await bot.show(
+        channel, user, shown, views.vm_list(page, user, utcnow(), zone), reply_url=reply_url
+    )
 
 
 def _is_build(item_id: str) -> bool:

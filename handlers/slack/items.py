@@ -8,15 +8,16 @@ Reject buttons, replaced by the decision once there is one. A requester whose de
 ended also hears it by direct message (another channel, so another rate budget).
 
 Every part an item shows comes from a notice in the store's outbox; once the call that
-carries a part succeeded, the item hands its notice id to `done`, and the notice is
-marked delivered when all its parts are (handlers/slack/threads.py).
+carries a part succeeded, the item hands the part to `done`, which records it in the
+store, and the notice is marked delivered when all its parts are
+(handlers/slack/threads.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from slack_sdk.web.async_client import AsyncWebClient
 
@@ -27,7 +28,18 @@ from handlers import messages
 from handlers.slack import views
 
 REPLY_MAX = 3500  # characters per coalesced thread reply
-Done = Callable[[list[int]], None]
+
+
+class Part(NamedTuple):
+    """One part of what a notice changes in Slack: a `line` of a thread, the `headline`
+    of its parent, a direct message (`dm`), an approval `card`. Each is recorded in the
+    store once Slack has it, so a restart repeats only the parts that are not."""
+
+    notice: int
+    name: str
+
+
+Done = Callable[[list[Part]], None]
 
 
 def ref(channel: str, ts: str) -> str:
@@ -44,7 +56,7 @@ def parse_ref(text: str | None) -> tuple[str, str] | None:
 @dataclass
 class Line:
     text: str  # mrkdwn
-    notice: int  # the notice it shows
+    part: Part  # the part of a notice it shows
     urgent: bool = False
 
 
@@ -56,7 +68,7 @@ def batch(lines: list[Line]) -> list[Line]:
         if taken and size + len(line.text) + 1 > REPLY_MAX:
             break
         if len(line.text) > REPLY_MAX:
-            line = Line(views.fit(line.text, REPLY_MAX), line.notice, line.urgent)
+            line = Line(views.fit(line.text, REPLY_MAX), line.part, line.urgent)
         taken.append(line)
         size += len(line.text) + 1
     return taken
@@ -64,15 +76,21 @@ def batch(lines: list[Line]) -> list[Line]:
 
 class _Thread:
     """What a job's and a build's threads share: the parent message carries the headline
-    (kept current), the thread the lines; each notice is marked done once Slack shows it."""
+    (kept current), the thread the lines; each notice is marked done once Slack shows it.
+
+    A parent posted only once the outcome is known (a backlogged channel reaches it
+    late) carries the outcome itself, below the headline, and the progress that was
+    waiting to be said before it is dropped: one post instead of a parent and a reply
+    of steps nobody needs any more."""
 
     channel: str
     done: Done
     ts: str | None
     shown: str | None
     lines: list[Line]
-    headline_for: list[int]
+    headline_for: list[Part]
     dead: bool
+    carried: list[str]  # mrkdwn: the outcome the parent shows below its headline
 
     @property
     def headline(self) -> str:
@@ -93,32 +111,47 @@ class _Thread:
     def urgent(self) -> bool:
         return any(line.urgent for line in self.lines)
 
-    def show_headline(self, notice: int) -> None:
-        """The headline must show what `notice` changed (already shown: nothing to do)."""
+    def show_headline(self, part: Part) -> None:
+        """The headline must show what `part`'s notice changed (already shown: done)."""
         if self.ts is not None and self.shown == self.headline:
-            self.done([notice])
+            self.done([part])
         else:
-            self.headline_for.append(notice)
+            self.headline_for.append(part)
+
+    def _message(self, headline: str, carried: list[str]) -> tuple[str, list[dict[str, Any]]]:
+        """The parent's text and blocks: the headline, and the outcome it carries."""
+        if not carried:
+            return headline, self._blocks(headline)
+        outcome = views.fit("\n".join(carried), REPLY_MAX)
+        return f"{headline}\n{outcome}", [*self._blocks(headline), *views.answer([outcome])]
+
+    def _late(self) -> list[Line]:
+        """The lines up to the last outcome among them (none without an outcome)."""
+        last = max((n for n, line in enumerate(self.lines) if line.urgent), default=-1)
+        return self.lines[: last + 1]
 
     async def flush_one(self, client: AsyncWebClient) -> None:
         headline = self.headline
-        blocks = self._blocks(headline)
         if self.ts is None:
-            answer = await client.chat_postMessage(
-                channel=self.channel, text=headline, blocks=blocks
-            )
-            self.ts, self.shown = str(answer["ts"]), headline
+            late = self._late()
+            carried = [line.text for line in late if line.urgent]
+            text, blocks = self._message(headline, carried)
+            answer = await client.chat_postMessage(channel=self.channel, text=text, blocks=blocks)
+            self.ts, self.shown, self.carried = str(answer["ts"]), headline, carried
             await self._keep_ref(ref(self.channel, self.ts))
             self._headline_shown()
+            del self.lines[: len(late)]  # said by the parent, or progress it supersedes
+            self.done([line.part for line in late])
         elif self.lines:
             sent = batch(self.lines)
             await client.chat_postMessage(
                 channel=self.channel, thread_ts=self.ts, text="\n".join(s.text for s in sent)
             )
             del self.lines[: len(sent)]
-            self.done([s.notice for s in sent])
+            self.done([s.part for s in sent])
         else:
-            await client.chat_update(channel=self.channel, ts=self.ts, text=headline, blocks=blocks)
+            text, blocks = self._message(headline, self.carried)
+            await client.chat_update(channel=self.channel, ts=self.ts, text=text, blocks=blocks)
             self.shown = headline
             self._headline_shown()
 
@@ -129,7 +162,7 @@ class _Thread:
     def give_up(self) -> None:
         """Slack refused for good (channel gone): what it had to say is dropped."""
         self.dead = True
-        self.done([*self.headline_for, *(line.notice for line in self.lines)])
+        self.done([*self.headline_for, *(line.part for line in self.lines)])
         self.headline_for, self.lines = [], []
 
 
@@ -145,8 +178,9 @@ class JobThread(_Thread):
     step: str | None = None
     shown: str | None = None  # the headline Slack currently shows
     lines: list[Line] = field(default_factory=list)
-    headline_for: list[int] = field(default_factory=list)  # notices shown by the headline
+    headline_for: list[Part] = field(default_factory=list)  # parts shown by the headline
     dead: bool = False
+    carried: list[str] = field(default_factory=list)
 
     @property
     def headline(self) -> str:
@@ -169,7 +203,7 @@ class _Card:
     ts: str | None
     outcome: str | None
     shown: str | None
-    waiting: list[int]
+    waiting: list[Part]
     dead: bool
 
     def _request(self) -> tuple[list[dict[str, Any]], str]:
@@ -188,11 +222,11 @@ class _Card:
     def urgent(self) -> bool:
         return self.ts is None  # approvers are waited for: the card goes first
 
-    def will_show(self, notice: int) -> None:
+    def will_show(self, part: Part) -> None:
         if self.pending():
-            self.waiting.append(notice)
+            self.waiting.append(part)
         else:
-            self.done([notice])
+            self.done([part])
 
     async def flush_one(self, client: AsyncWebClient) -> None:
         outcome = self.outcome
@@ -229,7 +263,7 @@ class ApprovalCard(_Card):
     ts: str | None = None
     outcome: str | None = None  # mrkdwn: the decision that replaces the buttons
     shown: str | None = None
-    waiting: list[int] = field(default_factory=list)  # notices shown once flushed
+    waiting: list[Part] = field(default_factory=list)  # parts shown once flushed
     dead: bool = False
     destroy: bool = False  # the card asks for a destroy (bot/destroy.py), not a deploy
 
@@ -269,11 +303,11 @@ class DirectMessages:
         sent = batch(self.lines)
         await client.chat_postMessage(channel=self.channel, text="\n".join(s.text for s in sent))
         del self.lines[: len(sent)]
-        self.done([s.notice for s in sent])
+        self.done([s.part for s in sent])
 
     def give_up(self) -> None:
         self.dead = True
-        covered, self.lines = [s.notice for s in self.lines], []
+        covered, self.lines = [s.part for s in self.lines], []
         self.done(covered)
 
 
@@ -285,7 +319,7 @@ class DirectCard:
     channel: str  # the user's id
     text: str  # mrkdwn: the notification
     blocks: list[dict[str, Any]]
-    notice: int
+    part: Part
     done: Done
     sent: bool = False
     dead: bool = False
@@ -299,11 +333,11 @@ class DirectCard:
     async def flush_one(self, client: AsyncWebClient) -> None:
         await client.chat_postMessage(channel=self.channel, text=self.text, blocks=self.blocks)
         self.sent = True
-        self.done([self.notice])
+        self.done([self.part])
 
     def give_up(self) -> None:
         self.dead = True
-        self.done([self.notice])
+        self.done([self.part])
 
 
 @dataclass(eq=False)
@@ -318,8 +352,9 @@ class BuildThread(_Thread):
     ts: str | None = None
     shown: str | None = None
     lines: list[Line] = field(default_factory=list)
-    headline_for: list[int] = field(default_factory=list)
+    headline_for: list[Part] = field(default_factory=list)
     dead: bool = False
+    carried: list[str] = field(default_factory=list)
 
     @property
     def headline(self) -> str:
@@ -343,7 +378,7 @@ class BuildCard(_Card):
     ts: str | None = None
     outcome: str | None = None  # mrkdwn: the decision that replaces the buttons
     shown: str | None = None
-    waiting: list[int] = field(default_factory=list)
+    waiting: list[Part] = field(default_factory=list)
     dead: bool = False
 
     def _request(self) -> tuple[list[dict[str, Any]], str]:

@@ -5,10 +5,11 @@ person follows in chat (store/outbox.py). `SlackThreads` runs in every process w
 Slack front end: it claims the jobs whose notices nobody is delivering (a lease per job,
 so one process writes a thread at a time and in order), turns each notice into the
 parts of messages it changes (handlers/slack/items.py), lets the per-channel outboxes
-pace and coalesce the calls (handlers/slack/outbox.py), and marks a notice delivered
-once every part of it is in Slack. A process that dies leaves its notices undelivered;
-once its leases lapse another process (or its restart) claims them, rebuilds each
-thread from the job's stored references, and carries on.
+pace and coalesce the calls (handlers/slack/outbox.py), records each part in the store
+as Slack takes it, and marks a notice delivered once every part of it is in Slack. A
+process that dies leaves its notices undelivered; once its leases lapse another process
+(or its restart) claims them, rebuilds each thread from the job's stored references,
+and says the parts not yet said.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from handlers.slack.buildthreads import BuildDelivery
 from handlers.slack.items import (
     ApprovalCard,
     DirectCard,
-    DirectMessages,
     JobThread,
     Line,
     parse_ref,
@@ -109,11 +109,13 @@ class SlackThreads(BuildDelivery):
         return len(todo)
 
     async def _mark(self) -> None:
-        """Mark the notices whose every part is in Slack; release finished jobs."""
-        if not self._delivered:
+        """Record the parts now in Slack and mark the notices whose every part is;
+        release finished jobs."""
+        if not self._delivered and not self._sent:
             return
         ids, self._delivered = self._delivered, []
-        await self.deployer.store.outbox_mark_delivered(ids, utcnow())
+        parts, self._sent = self._sent, []
+        await self.deployer.store.outbox_mark_delivered(ids, utcnow(), parts)
         for job_id in list(self._held):
             if job_id.startswith("b"):
                 await self._release_build(job_id)
@@ -135,9 +137,7 @@ class SlackThreads(BuildDelivery):
     # --- from notices to parts ----------------------------------------------------
 
     async def _apply(self, job: Job, notice: Notice) -> None:
-        assert notice.id is not None
-        nid = notice.id
-        self._part(nid)  # held until every part is queued, so none finishes it early
+        nid = self._hold(notice)
         match notice.kind:
             case NoticeKind.UPDATED:
                 await self._updated(job, notice, nid)
@@ -157,7 +157,7 @@ class SlackThreads(BuildDelivery):
                 self._finished(job, notice, nid)
             case NoticeKind.LEASE:
                 await self._lease(job, notice, nid)
-        self._done([nid])
+        self._release(nid)
 
     async def _updated(self, job: Job, notice: Notice, nid: int) -> None:
         """The thread says the state the change made ("queued"), even when the job has
@@ -183,8 +183,7 @@ class SlackThreads(BuildDelivery):
             else:
                 card.outcome = messages.approval_outcome(job, approval)
             card.job = job
-            card.will_show(self._part(nid))
-            self.outboxes.touch(card)
+            self._show_card(card, nid)
 
     def _finished(self, job: Job, notice: Notice, nid: int) -> None:
         thread = self._thread(job)
@@ -193,14 +192,17 @@ class SlackThreads(BuildDelivery):
         thread.step = None
         self._headline(thread, nid)
         text = messages.slack_finished(job, notice.rollback)
-        thread.lines.append(Line(views.mrkdwn(text), self._part(nid), urgent=True))
-        self.outboxes.touch(thread)
+        line = self._part(nid, "line")
+        if line is not None:
+            thread.lines.append(Line(views.mrkdwn(text), line, urgent=True))
+            self.outboxes.touch(thread)
         # The requester hears the outcome in their own conversation with the bot too.
-        dm = self.dms.get(job.requester)
-        if dm is None:
-            dm = self.dms[job.requester] = DirectMessages(job.requester, self._done)
-        dm.lines.append(Line(views.mrkdwn(messages.slack_outcome_dm(job)), self._part(nid)))
-        self.outboxes.touch(dm)
+        dm = self._part(nid, "dm")
+        if dm is not None:
+            self._dm(job.requester).lines.append(
+                Line(views.mrkdwn(messages.slack_outcome_dm(job)), dm)
+            )
+            self.outboxes.touch(self._dm(job.requester))
 
     async def _lease(self, job: Job, notice: Notice, nid: int) -> None:
         """A lease step (bot/leases.py), its times in the requester's zone: a reminder by
@@ -213,29 +215,39 @@ class SlackThreads(BuildDelivery):
             grace = show_length(policy.grace)
             text = views.mrkdwn(messages.lease_reminder(job, when, notice.at, grace, zone))
             blocks = views.lease_reminder(job, text, show_length(policy.step))
-            self.outboxes.touch(
-                DirectCard(job.requester, text, blocks, self._part(nid), self._done)
-            )
+            part = self._part(nid, "dm")
+            if part is not None:
+                self.outboxes.touch(DirectCard(job.requester, text, blocks, part, self._done))
             return
         text = views.mrkdwn(messages.lease_thread(job, step, when, notice.text, zone))
         self._say(job, text, nid)
         thread = self._thread(job)
         if thread is not None:
             self._headline(thread, nid)
-        if step == "expired":
-            self._dm(job.requester).lines.append(Line(text, self._part(nid)))
+        part = self._part(nid, "dm") if step == "expired" else None
+        if part is not None:
+            self._dm(job.requester).lines.append(Line(text, part))
             self.outboxes.touch(self._dm(job.requester))
 
     def _headline(self, thread: JobThread, nid: int) -> None:
-        thread.show_headline(self._part(nid))
-        self.outboxes.touch(thread)
+        part = self._part(nid, "headline")
+        if part is not None:
+            thread.show_headline(part)
+            self.outboxes.touch(thread)
 
     def _say(self, job: Job, text: str, nid: int) -> None:
         """Add a mrkdwn line to the job's thread."""
         thread = self._thread(job)
-        if thread is not None:
-            thread.lines.append(Line(text, self._part(nid)))
+        part = self._part(nid, "line") if thread is not None else None
+        if thread is not None and part is not None:
+            thread.lines.append(Line(text, part))
             self.outboxes.touch(thread)
+
+    def _show_card(self, card: ApprovalCard, nid: int) -> None:
+        part = self._part(nid, "card")
+        if part is not None:
+            card.will_show(part)
+            self.outboxes.touch(card)
 
     def _thread(self, job: Job) -> JobThread | None:
         """This job's thread: known, found again from the job's refs, or new."""
@@ -259,8 +271,7 @@ class SlackThreads(BuildDelivery):
         if channel is None:
             return
         card = self.cards[job.id] = ApprovalCard(job, channel, self.deployer, self._done)
-        card.will_show(self._part(nid))
-        self.outboxes.touch(card)
+        self._show_card(card, nid)
 
     def _destroy_card(self, job: Job, state: JobState, note: str, by: str | None, nid: int) -> None:
         """Ask the approvers for a destroy, or show their decision on the card."""
@@ -272,8 +283,7 @@ class SlackThreads(BuildDelivery):
                     return
                 card = ApprovalCard(job, channel, self.deployer, self._done, destroy=True)
                 self.destroy_cards[job.id] = card
-                card.will_show(self._part(nid))
-                self.outboxes.touch(card)
+                self._show_card(card, nid)
             return
         if card is None:
             known = parse_ref(job.destroy_ref)
@@ -285,8 +295,7 @@ class SlackThreads(BuildDelivery):
             return
         card.outcome = views.mrkdwn(messages.destroy_decision(note, by))
         card.job = job
-        card.will_show(self._part(nid))
-        self.outboxes.touch(card)
+        self._show_card(card, nid)
 
     def _card(self, job: Job) -> ApprovalCard | None:
         card = self.cards.get(job.id)

@@ -36,8 +36,10 @@ class MessageAccess(Access):
     async def outbox_orphaned(self, now: datetime, limit: int) -> list[str]:
         return await self._call(outbox.orphaned, now, limit)
 
-    async def outbox_mark_delivered(self, ids: Sequence[int], now: datetime) -> None:
-        await self._write(outbox.mark_delivered, list(ids), now)
+    async def outbox_mark_delivered(
+        self, ids: Sequence[int], now: datetime, parts: Sequence[tuple[int, str]] = ()
+    ) -> None:
+        await self._write(outbox.mark_delivered, list(ids), now, list(parts))
 
     async def outbox_release(self, job_id: str, me: str, now: datetime) -> None:
         await self._write(outbox.release, job_id, me, now)

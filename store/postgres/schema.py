@@ -139,8 +139,12 @@ _V12 = [
     "ALTER TABLE outbox DROP CONSTRAINT IF EXISTS outbox_job_id_fkey",
 ]
 
+_V13 = ["ALTER TABLE outbox ADD COLUMN parts_sent TEXT"]
+
 # version -> the statements that bring the schema from the version before to it.
-STEPS: dict[int, list[str]] = {6: _V6, 7: _V7, 8: _V8, 9: _V9, 10: _V10, 11: _V11, 12: _V12}
+STEPS: dict[int, list[str]] = {
+    6: _V6, 7: _V7, 8: _V8, 9: _V9, 10: _V10, 11: _V11, 12: _V12, 13: _V13
+}  # fmt: skip
 
 # What a constraint protects, as SQLite names it in its errors (store/sql.Conflict).
 CONSTRAINTS = {
