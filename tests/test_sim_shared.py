@@ -12,12 +12,21 @@ import os
 import random
 import subprocess
 import sys
+import threading
 from collections import Counter
 from pathlib import Path
 
 from backends.sim import SimBackend
 from tests.test_cli import KEPT, no_traceback
-from tests.test_crash import SEED
+from tests.test_crash import (
+    SEED,
+    KillPoint,
+    check_invariants,
+    job_state,
+    run_round,
+    start_shell,
+    write_config,
+)
 
 COUNT = 10  # VMs each churning process makes
 
@@ -105,3 +114,41 @@ def test_deploy_and_destroy_processes_at_once_on_one_simulator(tmp_path: Path) -
     vms = json.loads((tmp_path / "sim.json").read_text())["vms"]
     assert sorted(vm["name"] for vm in vms) == ["web03", "web04", "web05"]
     assert len({vm["vm_id"] for vm in vms}) == 3
+
+
+def test_a_shell_takes_over_a_killed_shells_deploy_on_the_shared_simulator(
+    tmp_path: Path,
+) -> None:
+    """The failover the state file is shared for: a long-lived shell is up when another
+    shell starts a deploy and is SIGKILLed once its clone is made; the first takes the
+    job over and rolls it back, which it can do only on a VM it sees (one another
+    process made after it started)."""
+    env = write_config(tmp_path, None)
+    config = Path(env["DEPLOYBOT_CONFIG"])
+    config.write_text(config.read_text() + "\n[ownership]\ntick_s = 0.2\n")
+    survivor = start_shell(env, tmp_path)
+    assert survivor.stdin is not None and survivor.stdout is not None
+    watchdog = threading.Timer(120, survivor.kill)
+    watchdog.start()
+    try:
+        for line in survivor.stdout:  # up, with the simulator loaded, before the deploy
+            if "You are alice" in line:
+                break
+        killed = run_round(tmp_path, env, KillPoint(None, "✓ copy template"), "web01", "10.20.0.5")
+        assert killed
+        seen = []
+        for line in survivor.stdout:
+            seen.append(line)
+            if "[web01 " in line and "run the same /deploy again" in line:
+                break  # the last line of its failure
+        survivor.stdin.close()
+        rest = survivor.stdout.read()
+        assert survivor.wait() == 0, "".join(seen) + rest
+    finally:
+        watchdog.cancel()
+    told = "".join(seen)
+    assert "Traceback" not in told + rest
+    assert "destroy VM" in told, told  # it found the VM the dead shell made
+    assert job_state(tmp_path, "web01") == "failed"
+    assert json.loads((tmp_path / "sim.json").read_text())["vms"] == []
+    check_invariants(tmp_path)
