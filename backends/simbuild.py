@@ -41,6 +41,8 @@ class SimBuilds:
     name: str
     vms: dict[str, SimVM]
     _templates: tuple[Template, ...]
+    _shipped: tuple[Template, ...]  # the templates it started with
+    _owner: str
     _placements: tuple[str, ...]
     # Nodes whose CPU lacks avx2 (an x86-64-v3 template cannot run there).
     without_avx2: set[str]
@@ -68,13 +70,16 @@ class SimBuilds:
         return rows
 
     def restore_built(self, rows: list[dict[str, Any]]) -> None:
-        for row in rows:
+        """The built templates as the state file has them, in place of those known."""
+        self.built.clear()
+        for row in sorted(rows, key=lambda r: int(r["vm_id"])):
             fields = dict(row["plan"])
             fields["built_at"] = datetime.fromisoformat(fields["built_at"])
             plan = BuildPlan(**fields)
             built = _Built(plan, row["name"], row["placement"], set(row["linked"]), row["storage"])
             self.built[str(row["vm_id"])] = built
-            self._templates = (*self._templates, _template(plan, built.name, built.storage))
+        made = (_template(b.plan, b.name, b.storage) for b in self.built.values())
+        self._templates = (*self._shipped, *made)
 
     def note_linked(self, template: str, vm_id: str) -> None:
         """A linked clone of `template` was made: it needs the template while it lives."""
@@ -127,7 +132,7 @@ class SimBuilds:
         fault = self._fault("create_template", ref.vm_id)
         vm = SimVM(
             ref.vm_id, plan.versioned_name, plan.profile, target.placement, target.storage, 4,
-            {plan.tag}, lock="create",
+            {plan.tag}, lock="create", lock_owner=self._owner,
         )  # fmt: skip
         self.vms[vm.vm_id] = vm
         self._save()
@@ -161,6 +166,7 @@ class SimBuilds:
         for old in before:
             self._rename(old.name, old.plan.versioned_name)
             old.name = old.plan.versioned_name
+        self._save()  # the other processes on the state file see the new names
         return None
 
     async def template_versions(self, name: str | None = None) -> list[TemplateVersion]:

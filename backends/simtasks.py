@@ -8,9 +8,11 @@ crash the way the real systems do (see backends/sim.py's docstring).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
-from backends.base import PermanentError, RetryableError, Unreachable
+from backends.base import PermanentError, RetryableError, Unreachable, VMNotFound
 from backends.simvm import Effect, Fault, FaultKind, SimulatedCrash, SimVM
 
 
@@ -25,9 +27,18 @@ class SimTasks:
     task_log: list[tuple[str, str]]
     time_scale: float
     _tasks: set[asyncio.Task[None]]
+    _owner: str
 
     def _save(self) -> None:
         raise NotImplementedError  # SimBackend writes its state file
+
+    def _pull(self) -> None:
+        raise NotImplementedError  # SimBackend reads its state file
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[None]:
+        raise NotImplementedError  # SimBackend changes its state file
+        yield
 
     def _answer(self) -> None:
         """Every API call starts here: a simulator that is down refuses the connection.
@@ -38,6 +49,7 @@ class SimTasks:
         down_file = self._down_file()
         if self.down or (down_file is not None and down_file.exists()):
             raise Unreachable(f"{self.name}: connection refused (simulated outage)")
+        self._pull()  # what other processes on the state file did
 
     def _down_file(self) -> Path | None:
         return self.state_file.with_suffix(".down") if self.state_file else None
@@ -101,9 +113,14 @@ class SimTasks:
         more: a caller that gave up must not act on the VM until the task is over.
         """
         self.task_log.append((op, vm_id))
-        vm = self.vms[vm_id]
-        vm.lock = vm.lock or op
-        self._save()
+        with self._transaction():  # the lock taken on the VM as the file has it now
+            vm = self.vms.get(vm_id)
+            if vm is None:
+                raise VMNotFound(f"VM {vm_id} does not exist", vm_id=vm_id)
+            if vm.lock and vm.lock_owner != self._owner:  # another process's task
+                raise RetryableError(f"VM {vm_id} is locked ({vm.lock})", vm_id=vm_id)
+            if not vm.lock:
+                vm.lock, vm.lock_owner = op, self._owner
 
         async def task() -> None:
             try:
@@ -113,7 +130,7 @@ class SimTasks:
                     raise PermanentError(f"{op} failed: simulated error on VM {vm_id}", vm_id=vm_id)
                 effect.apply()
             finally:
-                vm.lock = None
+                vm.lock = vm.lock_owner = None
                 self._save()
 
         hv_task = asyncio.create_task(task())

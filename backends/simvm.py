@@ -11,9 +11,7 @@ import base64
 import dataclasses
 import hashlib
 import ipaddress
-import json
-import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -75,6 +73,9 @@ class SimVM:
     # The size a growth aims at, kept with the VM as vSphere keeps it in extraConfig:
     # asked again (a retry, a resumed job), the growth finds it reached.
     grow_target_gib: int | None = None
+    # Who runs the task holding `lock` (backends/simstate.py): a lock whose owner is
+    # gone is a task that finished meanwhile.
+    lock_owner: str | None = None
 
     def info(self) -> VMInfo:
         return VMInfo(self.vm_id, self.name, self.running, frozenset(self.tags), self.placement)
@@ -106,7 +107,10 @@ def vm_to_dict(vm: SimVM) -> dict[str, Any]:
             "gateway": str(vm.identity.gateway),
             "dns": [str(d) for d in vm.identity.dns],
         }
-    fields = ("vm_id", "name", "template", "placement", "storage", "disk_gib", "running", "lock")
+    fields = (
+        "vm_id", "name", "template", "placement", "storage", "disk_gib", "running", "lock",
+        "lock_owner",
+    )  # fmt: skip
     return {
         **{f: getattr(vm, f) for f in fields},
         "tags": sorted(vm.tags),
@@ -142,7 +146,31 @@ def vm_from_dict(item: dict[str, Any]) -> SimVM:
         identity,
         address=ipaddress.IPv4Address(item["address"]) if item.get("address") else None,
         grow_target_gib=item.get("grow_target_gib"),
+        lock_owner=item.get("lock_owner"),
     )
+
+
+def update_vm(vm: SimVM, item: dict[str, Any]) -> None:
+    """`vm` as another process left it, changed in place: tasks and waiters hold it."""
+    fresh = vm_from_dict(item)
+    was_running = vm.running
+    for name in (f.name for f in dataclasses.fields(SimVM)):
+        if name not in ("booted", "stopped", "boot_task"):
+            setattr(vm, name, getattr(fresh, name))
+    if vm.running and not was_running:
+        vm.stopped.clear()
+        vm.booted.set()  # it booted in the process that started it
+    elif was_running and not vm.running:
+        gone(vm)
+
+
+def gone(vm: SimVM) -> None:
+    """Stopped, or removed by another process: its waiters stop waiting."""
+    vm.running = False
+    vm.booted.clear()
+    vm.stopped.set()
+    if vm.boot_task:
+        vm.boot_task.cancel()
 
 
 OPERATIONS = (
@@ -204,39 +232,3 @@ class Effect:
     def fail(self) -> None:
         if self._remove_on_failure:
             self._vms.pop(self._vm.vm_id, None)
-
-
-def write_state(
-    path: Path, next_id: int, vms: Iterable[SimVM], built: list[dict[str, Any]] | None = None
-) -> None:
-    """The inventory, replaced whole (a reader never sees half a file); `built`: the
-    templates it built (backends/simbuild.py)."""
-    data = {"next_id": next_id, "vms": [vm_to_dict(vm) for vm in vms], "built": built or []}
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
-
-
-def read_built(path: Path) -> list[dict[str, Any]]:
-    built = json.loads(path.read_text()).get("built", [])
-    return built if isinstance(built, list) else []
-
-
-def read_state(path: Path) -> tuple[int, list[SimVM]]:
-    """The inventory as kept; tasks that were running when the bot died finished
-    meanwhile, as they would on a real hypervisor (a destroy removed its VM)."""
-    data = json.loads(path.read_text())
-    vms = []
-    for item in data["vms"]:
-        vm = vm_from_dict(item)
-        if vm.lock == "destroy":
-            continue
-        if vm.lock in ("power_on", "power_off"):
-            vm.running = vm.lock == "power_on"
-        if vm.lock == "grow_disk" and vm.grow_target_gib is not None:
-            vm.disk_gib = max(vm.disk_gib, vm.grow_target_gib)
-        vm.lock = None
-        if vm.running:
-            vm.booted.set()
-        vms.append(vm)
-    return int(data["next_id"]), vms

@@ -91,10 +91,52 @@ class StoreUnavailable(DeployBotError):
     """The database cannot be reached or refuses the connection (permanent until fixed)."""
 
     def __init__(self, detail: str, password_env: str) -> None:
+        # `detail`: the URL without its password, then libpq's whole reason.
+        end = "" if detail.endswith((".", "?", "!")) else "."
         super().__init__(
-            f"Cannot open the database {detail}. Check that PostgreSQL runs there and "
-            f"accepts this host, and that {password_env} holds the password."
+            f"Cannot open the database {detail}{end} {_store_fix(detail, password_env)}"
         )
+
+
+_URL_FORM = "postgresql://USER@HOST:PORT/DBNAME"
+
+
+def _store_fix(detail: str, password_env: str) -> str:
+    """What to check for libpq's reason, naming the setting that holds it. libpq's
+    texts are English unless its messages are translated; the last answer covers any."""
+    reason = detail.lower()
+    if "password" in reason:
+        return (
+            f"The password is read from the environment variable {password_env} (the "
+            "setting `database_password_env` names it): set it to this user's password, "
+            "and check the user in the setting `database`."
+        )
+    if 'role "' in reason and "does not exist" in reason:
+        return (
+            f"Check the user in the setting `database` ({_URL_FORM}), or create that "
+            "role in PostgreSQL."
+        )
+    if 'database "' in reason and "does not exist" in reason:
+        return (
+            f"Check the database name in the setting `database` ({_URL_FORM}), or "
+            "create that database (createdb)."
+        )
+    if "pg_hba.conf" in reason:
+        return (
+            "PostgreSQL does not admit this host, user or database: add a line for them "
+            "to its pg_hba.conf, or check the setting `database`."
+        )
+    if "ssl" in reason or "certificate" in reason:
+        return (
+            "Check the TLS options in the setting `database` (sslmode, sslrootcert) and "
+            "the server's certificate."
+        )
+    return (
+        f"Check the host and port in the setting `database` ({_URL_FORM}) and that "
+        "PostgreSQL runs there and listens on that address for this host; the password "
+        f"is read from the environment variable {password_env} (setting "
+        "`database_password_env`)."
+    )
 
 
 def format_errors(

@@ -132,6 +132,18 @@ def _open(conninfo: str, label: str, pool: ConnectionPool) -> None:
             conn.autocommit = True
             migrate(conn)
     except psycopg.OperationalError as exc:
-        reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-        raise Unavailable(f"{label}: {reason}") from exc
+        raise Unavailable(f"{label}: {libpq_reason(exc)}") from exc
     pool.open(wait=True, timeout=CONNECT_TIMEOUT_S)
+
+
+def libpq_reason(exc: psycopg.Error) -> str:
+    """libpq's whole reason on one line: its first line says what failed ("Connection
+    refused", "database ... does not exist"), the next ones add hints, and with several
+    addresses for a host each address has its own lines. No password is ever in it."""
+    lines: list[str] = []
+    for line in str(exc).splitlines():
+        line = " ".join(line.split()).removeprefix("connection failed: ")
+        if line and line not in lines:
+            lines.append(line)
+    ends = [line if line.endswith((".", "?", "!")) else line + "." for line in lines[:-1]]
+    return " ".join([*ends, *lines[-1:]]) or type(exc).__name__
