@@ -15,6 +15,7 @@ process). Two kinds of figure:
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -28,6 +29,7 @@ from bot.models import Job, JobState, RollbackReport, utcnow
 if TYPE_CHECKING:
     from bot.service import Deployer
 
+log = logging.getLogger(__name__)
 # Steps take from a second (config) to many minutes (a full clone on slow storage).
 STEP_BUCKETS_S = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 1800)
 APPROVAL_BUCKETS_S = (60, 300, 900, 1800, 3600, 4 * 3600, 12 * 3600, 24 * 3600)
@@ -110,6 +112,8 @@ class Metrics:
             try:
                 async with asyncio.timeout(LOOK_TIMEOUT_S):
                     await self._read_store()
+            except TimeoutError:  # slow is not down (a burst): the last figures stand
+                log.info("metrics: the store's figures took over %g s", LOOK_TIMEOUT_S)
             except Exception as exc:  # the scrape still answers: the gauge says why not
                 watch.seen(f"{type(exc).__name__} while reading the figures")
                 self._store_up.set(0)
