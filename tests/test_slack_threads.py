@@ -98,3 +98,10 @@ async def test_a_parent_posted_after_the_outcome_carries_it_and_no_steps(tmp_pat
         assert "ssh ubuntu@10.0.0.50" in h.fake.messages[(CHANNEL, ts)]["text"]  # kept
         (job,) = await h.deployer.history(1)
         assert await h.deployer.store.outbox_undelivered(job.id) == []
+        # Later news of the running VM edits the parent again, from a thread found
+        # again in the store (the finished job's was let go): the outcome stays on it.
+        edits = len(h.fake.called("chat.update", channel=CHANNEL))
+        await h.command("lease extend web01 7d")
+        await h.settle()
+        assert len(h.fake.called("chat.update", channel=CHANNEL)) > edits
+        assert "ssh ubuntu@10.0.0.50" in h.fake.messages[(CHANNEL, ts)]["text"]

@@ -42,15 +42,24 @@ class Part(NamedTuple):
 Done = Callable[[list[Part]], None]
 
 
-def ref(channel: str, ts: str) -> str:
-    return f"{channel}/{ts}"
+CARRIES = "outcome"  # a parent posted after its job ended: it shows the outcome itself
+
+
+def ref(channel: str, ts: str, *, carries: bool = False) -> str:
+    """Where a message is, kept in the store: `channel/ts`, and `/outcome` when it is a
+    parent that carries its job's outcome (so an edit by a later process keeps it)."""
+    return f"{channel}/{ts}/{CARRIES}" if carries else f"{channel}/{ts}"
 
 
 def parse_ref(text: str | None) -> tuple[str, str] | None:
     if not text or "/" not in text:
         return None
-    channel, ts = text.split("/", 1)
+    channel, ts = text.split("/")[:2]
     return channel, ts
+
+
+def carries_outcome(text: str | None) -> bool:
+    return text is not None and text.endswith(f"/{CARRIES}")
 
 
 @dataclass
@@ -138,7 +147,7 @@ class _Thread:
             text, blocks = self._message(headline, carried)
             answer = await client.chat_postMessage(channel=self.channel, text=text, blocks=blocks)
             self.ts, self.shown, self.carried = str(answer["ts"]), headline, carried
-            await self._keep_ref(ref(self.channel, self.ts))
+            await self._keep_ref(ref(self.channel, self.ts, carries=bool(carried)))
             self._headline_shown()
             del self.lines[: len(late)]  # said by the parent, or progress it supersedes
             self.done([line.part for line in late])

@@ -31,6 +31,7 @@ from handlers.slack.items import (
     DirectCard,
     JobThread,
     Line,
+    carries_outcome,
     parse_ref,
 )
 
@@ -256,6 +257,9 @@ class SlackThreads(BuildDelivery):
             known = parse_ref(job.thread_ref)
             if known is not None:
                 thread = JobThread(job, known[0], self.deployer, self._done, ts=known[1])
+                if job.state.final and carries_outcome(job.thread_ref):
+                    # Its parent shows the outcome: an edit must keep showing it.
+                    thread.carried = [views.mrkdwn(messages.slack_finished(job, None))]
             elif job.origin:
                 thread = JobThread(job, job.origin, self.deployer, self._done)
             else:
