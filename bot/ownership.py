@@ -300,16 +300,16 @@ class Ownership:
         shut down; the caller keeps renewing (`closing`) until then. Recoveries still
         going after `within_s` are left: their jobs' leases lapse and another runner
         takes them over, as it would from a process that died."""
-        if self._loop is not None:
-            self._loop.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._loop
-        try:
+        try:  # still renewing: a recovery under way stays this runner's while it runs
             async with asyncio.timeout(within_s):
                 await self.settle()
         except TimeoutError:
             left = len(self.recovering)
             log.warning("runner %s: leaving %d recoveries unfinished", self.id, left)
+        if self._loop is not None:
+            self._loop.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop
         handed = await self.store.release_runner(self.id, self.clock())
         if handed:
             log.info("runner %s: handed %d queued job(s) back", self.id, handed)

@@ -98,7 +98,9 @@ class OwnershipSettings(_Section):
     and answers to chat may finish for that long; then answers not yet sent are left
     in the inbox for another process, running deploys are cancelled (they roll back),
     and what still rolls back after `stop_s` more is left to the runner that takes it
-    over. Queued jobs go back at once. The process exits within about twice `stop_s`."""
+    over. Queued jobs go back at once. The process exits within about twice `stop_s`
+    (one budget shared by the rollbacks, destroys and recoveries still going, whose
+    leases are renewed meanwhile)."""
 
     lease_s: float = Field(default=30, gt=0)
     tick_s: float = Field(default=2, gt=0)

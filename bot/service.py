@@ -211,11 +211,16 @@ class Deployer(Personal, BuildRequests):
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+        loop = asyncio.get_running_loop()
+        # With `rollback_s`, one budget for all that is left after the grace: the queue's
+        # rollbacks, destroys and recoveries share it rather than each taking it anew.
+        ends = None if rollback_s is None else loop.time() + grace_s + rollback_s
         await self.queue.shutdown(grace_s, rollback_s)
+        left = None if ends is None else max(0.0, ends - loop.time())
         with contextlib.suppress(TimeoutError):  # one left unfinished is taken over
-            async with asyncio.timeout(grace_s if rollback_s is None else rollback_s):
+            async with asyncio.timeout(grace_s if left is None else left):
                 await self.destroyer.settle()
-        await self.ownership.close(rollback_s)
+        await self.ownership.close(None if ends is None else max(0.0, ends - loop.time()))
         await self.addressing.ipam.close()
 
     async def sweep_wreckage(self) -> list[str]:
