@@ -105,6 +105,16 @@ async def _refuse(deployer: Deployer, item: Received, adding: asyncio.Future[boo
         await asyncio.sleep(deployer.settings.ownership.tick_s)  # pacing, not sync
 
 
+async def settle_refusals(within_s: float) -> None:
+    """At stop, before this runner's commands go back to the others: record the
+    refusals still pending (a refused command must never be carried out by another
+    process), for as long as `within_s` allows."""
+    if _REFUSING:
+        await asyncio.wait(set(_REFUSING), timeout=within_s)
+    if _REFUSING:
+        log.warning("%d refused command(s) not yet recorded as refused", len(_REFUSING))
+
+
 async def done(deployer: Deployer, key: str) -> None:
     await deployer.store.inbox_done(key, deployer.ownership.clock())
 

@@ -21,6 +21,7 @@ from aiohttp import web
 from slack_bolt.adapter.socket_mode.aiohttp import AsyncSocketModeHandler
 
 from backends.base import Backend
+from bot import inbox
 from bot.admission import problems_at_start
 from bot.errors import ConfigError
 from bot.metrics import CONTENT_TYPE
@@ -152,6 +153,7 @@ async def _stop(
         with contextlib.suppress(asyncio.CancelledError):
             await task
     await bot.settle(within_s=stop_s)
+    await inbox.settle_refusals(within_s=max(0.0, deadline - loop.time()))
     # Running jobs finish (or roll back) first, so their outcomes can still be told;
     # what is not told by then waits in the outbox for another process.
     await deployer.close(grace_s=max(0.0, deadline - loop.time()), rollback_s=stop_s)
