@@ -207,6 +207,21 @@ class Intake:
     async def _validated(
         self, args: DeployArgs, requester: str, ssh_keys: tuple[str, ...]
     ) -> DeployRequest:
+        request = await self.offline_request(args, requester, ssh_keys)
+        template = await check_on_backend(self.backends, request)
+        if args.user is None and template.default_user not in (None, request.user):
+            # The image's own login user beats the site default: the SSH line must work.
+            request = DeployRequest.model_validate(
+                {**request.model_dump(), "user": template.default_user}
+            )
+        return request
+
+    async def offline_request(
+        self, args: DeployArgs, requester: str, ssh_keys: tuple[str, ...] = ()
+    ) -> DeployRequest:
+        """The request as the intake would take it, refused for what needs no backend
+        (who may deploy, sizes, subnet, login); a template build checks its smoke
+        deploy with it before its template exists."""
         policy = self.settings.approval
         if policy.deployers and requester not in policy.deployers:
             raise NotAllowed(
@@ -223,12 +238,6 @@ class Intake:
             user_template=prefs.default_template,
         )
         check_login(request)
-        template = await check_on_backend(self.backends, request)
-        if args.user is None and template.default_user not in (None, request.user):
-            # The image's own login user beats the site default: the SSH line must work.
-            request = DeployRequest.model_validate(
-                {**request.model_dump(), "user": template.default_user}
-            )
         return request
 
     async def _record(
