@@ -10,29 +10,37 @@ from backends.building import TemplateVersion
 from bot.models import Job, JobEvent, JobState
 from bot.service import JobStatus
 from handlers.messages.core import headline
-from handlers.messages.text import STATE_LABELS, step_label
+from handlers.messages.text import STATE_LABELS, Said, step_label
 
 
 def status(info: JobStatus) -> list[str]:
-    job = info.job
-    lines = [f"Job {job.id}: {headline(job)} (requested by {job.requester})"]
-    if info.approval and info.approval.decided_by:
-        verb = info.approval.state.value
-        lines.append(f"  {verb} by {info.approval.decided_by} at {info.approval.decided_at:%H:%M}")
+    return [said.text for said in status_said(info)]
+
+
+def status_said(info: JobStatus) -> list[Said]:
+    """`status`, each line with the people it names from the records (the requester;
+    who decided; who asked for the destroy and who approved it)."""
+    job, approval = info.job, info.approval
+    lines = [
+        Said(f"Job {job.id}: {headline(job)} (requested by {job.requester})", (job.requester,))
+    ]
+    if approval and approval.decided_by:
+        verb = approval.state.value
+        when = f"{approval.decided_at:%H:%M}"
+        lines.append(Said(f"  {verb} by {approval.decided_by} at {when}", (approval.decided_by,)))
     if job.destroy_by and job.destroy_asked_at:
         approved = f", approved by {job.destroy_approver}" if job.destroy_approver else ""
         gone = f"; gone at {job.destroyed_at:%H:%M} UTC" if job.destroyed_at else ""
-        lines.append(
-            f"  destroy asked by {job.destroy_by} at {job.destroy_asked_at:%Y-%m-%d %H:%M} UTC"
-            f"{approved}{gone}"
-        )
-    lines.extend(f"  {_event_line(e)}" for e in info.events)
+        asked = f"  destroy asked by {job.destroy_by} at {job.destroy_asked_at:%Y-%m-%d %H:%M} UTC"
+        people = tuple(p for p in (job.destroy_by, job.destroy_approver) if p)
+        lines.append(Said(f"{asked}{approved}{gone}", people))
+    lines.extend(Said(f"  {_event_line(e)}") for e in info.events)
     if job.ssh_line and job.state is JobState.SUCCEEDED:
-        lines.append(f"  {job.ssh_line}")
+        lines.append(Said(f"  {job.ssh_line}"))
     if job.error and job.state is not JobState.SUCCEEDED:
-        lines.append(f"  reason: {job.error}")
+        lines.append(Said(f"  reason: {job.error}"))
     if job.wreckage:
-        lines.append(f"  left behind: {job.wreckage}")
+        lines.append(Said(f"  left behind: {job.wreckage}"))
     return lines
 
 

@@ -8,9 +8,7 @@ from datetime import datetime
 from bot.check import CheckResult
 from bot.gc import GcReport
 from bot.models import Approval, ApprovalState, Job, JobState, RollbackReport, UserPrefs
-from bot.service import JobStatus
 from handlers.messages.core import address_of, approved, finished, headline, job_update
-from handlers.messages.reports import status
 from handlers.messages.text import STATE_LABELS, Said, escape, mention, step_label
 
 # --- Slack ------------------------------------------------------------------------
@@ -175,19 +173,6 @@ def reject_question(job_id: str) -> str:
     """Mrkdwn, atop the modal that asks for the reason."""
     what = "build" if job_id.startswith("b") else "job"
     return f"Reject {what} {escape(job_id)}?"
-
-
-def slack_status(info: JobStatus) -> list[Said]:
-    """`/deploy status` with the people its first lines name from the records (the
-    requester; who decided; who asked for the destroy and who approved it)."""
-    job, approval = info.job, info.approval
-    named: list[tuple[str, ...]] = [(job.requester,)]
-    if approval and approval.decided_by:
-        named.append((approval.decided_by,))
-    if job.destroy_by and job.destroy_asked_at:
-        named.append(tuple(p for p in (job.destroy_by, job.destroy_approver) if p))
-    lines = status(info)
-    return [Said(line, named[i] if i < len(named) else ()) for i, line in enumerate(lines)]
 
 
 def slack_reject_answer(job: Job) -> Said:

@@ -337,7 +337,7 @@ class SlackBot:
                 )
                 return [messages.accepted(job)]
             case Status(job_id) if not job_id.startswith("b"):  # it names people
-                return messages.slack_status(await d.status(job_id))
+                return messages.status_said(await d.status(job_id))
             case Approve(job_id) if job_id.startswith("b"):  # a template build
                 build = await d.decide_build(job_id, user, True, dedupe_key=key)
                 return [messages.build_decided_answer(build)]
