@@ -86,6 +86,11 @@ def process_alive(pid: int, started: str) -> bool:
     return not started or process_start(pid) in ("", started)
 
 
+# The recovery slot of the sweep that rolls back builds whose runner is gone (Builds.recover
+# keeps the build ids it works on itself): a key among `recovering`, not a job's id.
+BUILD_SWEEP = "sweep:builds"
+
+
 @dataclass(frozen=True)
 class Ended:
     """A job this runner handed back (`Ownership.tick`): the exception its task ended
@@ -178,7 +183,8 @@ class Ownership:
 
     def local_ids(self) -> set[str]:
         """The jobs and builds a task of this process runs (or will, queued here) now."""
-        ids = {*self.queue.running_ids(), *self.queue.waiting_ids(), *self.recovering}
+        recovering = (key for key in self.recovering if key != BUILD_SWEEP)  # ids only
+        ids = {*self.queue.running_ids(), *self.queue.waiting_ids(), *recovering}
         for source in self.local_work:
             ids.update(source())
         return ids
@@ -199,7 +205,7 @@ class Ownership:
             await self._take_over(now, ended)
             await self._claim_queued(now)
             if any(i.startswith("b") for i in ended) and self.recover_builds is not None:
-                self._start_recovery("builds", self.recover_builds())
+                self._start_recovery(BUILD_SWEEP, self.recover_builds())
 
     async def _hand_back_unrun(self, unrun: set[str]) -> dict[str, Ended]:
         """Hand back what this runner holds and no local task runs (see the module's
