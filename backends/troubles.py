@@ -4,7 +4,7 @@ A call may spend its time inside the backend without failing: waiting for a lock
 someone else holds (until `lock_wait_s`), or asking again for the state of its task
 when a read of it failed. When the caller's own timeout ends the call first, "timed out
 after 45 s" alone hides why; so the backend says what it met (`trouble`) into the list
-the caller handed in (`told`), and the caller's timeout names the last of it, as it
+the caller handed in (`told`, which keeps the last), and the caller's timeout names it, as it
 does for the retryable errors it saw itself (bot/waiting.py `retrying`).
 
 The list travels in a context variable: a call's coroutines share their task's context,
@@ -41,4 +41,4 @@ def trouble(message: str) -> None:
     """Say what the call is waiting out (the whole sentence: what, and what was met)."""
     into = _TOLD.get()
     if into is not None:
-        into.append(message)
+        into[:] = [message]  # the caller names the last; a wait of hours keeps one

@@ -59,9 +59,9 @@ async def retrying(
     *,
     polling: bool = False,
 ) -> T:
-    """Retry retryable backend errors; the caller's timeout bounds the whole. Each
-    retried error is appended to `seen` and passed to `on_retry`; so is what the backend
-    tells it waits out within a call (`backends.troubles`).
+    """Retry retryable backend errors; the caller's timeout bounds the whole. The last
+    retried error is kept in `seen` and each is passed to `on_retry`; so is what the
+    backend tells it waits out within a call (`backends.troubles`).
 
     Errors back off exponentially (`retry_initial_s`, doubling, capped at `retry_max_s`).
     With `polling` a retryable answer is the expected "not yet" (an sshd still starting
@@ -83,7 +83,7 @@ async def retrying(
             not_yet = polling and not isinstance(exc, Unreachable)
             log.info("retrying after %s", exc.message)
             if seen is not None:
-                seen.append(exc.message)
+                seen[:] = [exc.message]  # only the last is read; a long wait keeps one
             if on_retry is not None:
                 await on_retry(exc)
         if not_yet:

@@ -36,7 +36,7 @@ class _Waiter:
         """A look at it failed (READ_AGAIN): looked at again later, and its caller told."""
         self.schedule.miss(sent - self.began)
         if self.told is not None:
-            self.told.append(f"{exc.message} (asking again: the task runs on regardless)")
+            self.told[:] = [f"{exc.message} (asking again: the task runs on regardless)"]
 
     def due(self) -> float:
         return self.began + self.schedule.next_at()
