@@ -214,7 +214,7 @@ def scale(
     for esx in (False, True):
         mode = "esxi" if esx else "vcenter"
         pools = 1 if esx else 2  # vcsim's model: VMs are made per resource pool
-        for extra in extra_vms:
+        for extra in (0, *(e for e in extra_vms if e)):  # the goal's base is at 0
             per_pool = 2 + extra // pools
             with simulator(binary, tls, tmp, esx=esx, vms_per_pool=per_pool) as lab:
                 wall, calls, _stall, sent, cold = asyncio.run(
