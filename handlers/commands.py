@@ -52,7 +52,7 @@ async def run_command(deployer: Deployer, user: str, command: Command) -> list[s
         case Help():
             return messages.HELP.splitlines()
         case Status(job_id) if job_id.startswith("b"):  # a template build
-            return messages.build_status(await deployer.builds.get(job_id))
+            return [said.text for said in messages.build_status(await deployer.builds.get(job_id))]
         case Status(job_id):
             return messages.status(await deployer.status(job_id))
         case History(limit):

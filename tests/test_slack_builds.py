@@ -324,3 +324,20 @@ async def test_approvers_can_decide_by_command_with_the_builds_short_id(tmp_path
         await h.command(f"approve {build.short_id}", user=BOB)
         await h.settle()
         assert any(f"<@{CAROL}> rejected it" in t for t in told(h, BOB))
+
+
+async def test_a_builds_status_names_its_requester_and_shows_typed_text_once_escaped(
+    tmp_path: Path,
+) -> None:
+    """`/deploy status BUILD` in Slack: the requester (from the record) is a mention; a
+    reason typed with `&`, `<` and an id-like word is shown as typed, escaped once."""
+    async with slack_bot(tmp_path, approval=POLICY) as h:
+        build, _card = await ask(h)
+        await h.command(f"reject {build.id} R&amp;D &lt;2 ask WAREHOUSE42", BOB)
+        await h.settle()
+        await h.command(f"status {build.id}", ALICE)
+        await h.settle()
+        (answer,) = [t for t in told(h, ALICE) if build.id in t and "asked by" in t]
+        assert f"asked by <@{ALICE}>" in answer
+        assert "R&amp;D &lt;2 ask WAREHOUSE42" in answer
+        assert "&amp;amp;" not in answer and "<@WAREHOUSE42>" not in answer

@@ -57,12 +57,14 @@ def build_started(build: Build) -> str:
     )
 
 
-def build_status(build: Build) -> list[str]:
-    """`/deploy status BUILD`: the headline, what it did so far, and its end."""
-    lines = [f"{build_headline(build)} (build {build.id}, asked by {build.requester})"]
-    lines += [f"  {escape(note)}" for note in build.notes]
+def build_status(build: Build) -> list[Said]:
+    """`/deploy status BUILD`: the headline (naming its requester), what it did so far,
+    and its end; plain text, escaped by the front end that shows it."""
+    first = f"{build_headline(build)} (build {build.id}, asked by {build.requester})"
+    lines = [Said(first, (build.requester,))]
+    lines += [Said(f"  {note}") for note in build.notes]
     if build.state.final or build.state is BuildState.PUBLISHED:
-        lines += build_end(build)
+        lines += [Said(line) for line in build_end(build)]
     return lines
 
 

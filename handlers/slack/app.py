@@ -336,7 +336,9 @@ class SlackBot:
                     command, user, origin=channel, dedupe_key=key, check_free_first=True
                 )
                 return [messages.accepted(job)]
-            case Status(job_id) if not job_id.startswith("b"):  # it names people
+            case Status(job_id) if job_id.startswith("b"):  # a build; both name people
+                return messages.build_status(await d.builds.get(job_id))
+            case Status(job_id):
                 return messages.status_said(await d.status(job_id))
             case Approve(job_id) if job_id.startswith("b"):  # a template build
                 build = await d.decide_build(job_id, user, True, dedupe_key=key)
