@@ -358,12 +358,10 @@ class Destroyer:
             JobState.SUCCEEDED,
             held_by=self.ownership.id,
             notices=self._tell(job, tell.updated(job.id, why)),
+            events=[JobEvent(job_id=job.id, step="destroy", phase="failed", detail=why)],
         )
         if not moved or kept is None:  # taken over meanwhile: the new owner decides
             return await self.store.get_job(job.id)
-        await self.store.add_event(
-            JobEvent(job_id=job.id, step="destroy", phase="failed", detail=why)
-        )
         await self._audit(job.destroy_by or "deploybot", kept, "refused", why)
         await self.progress.job_updated(kept, why)
         return kept

@@ -354,10 +354,12 @@ class Intake:
             gone = await backend.find_vm(vm_ref(held)) is None
         except BackendError:
             return False
-        if gone and await self.store.transition(held.id, [JobState.SUCCEEDED], JobState.RELEASED):
+        if gone:
             detail = f"VM {held.vm_id} no longer exists; its name and address are free again"
-            await self.store.add_event(
-                JobEvent(job_id=held.id, step="release", phase="note", detail=detail)
+            event = JobEvent(job_id=held.id, step="release", phase="note", detail=detail)
+            # The event in the move's transaction: both land, or neither.
+            await self.store.transition(
+                held.id, [JobState.SUCCEEDED], JobState.RELEASED, events=[event]
             )
         return gone
 

@@ -5,6 +5,8 @@ restart can find them."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from bot import prefs as user_prefs
 from bot.auditing import Audited
 from bot.models import UserPrefs
@@ -49,4 +51,5 @@ class Personal(Audited, Queries):
             "approval_ref": approval_ref,
             "destroy_ref": destroy_ref,
         }
-        await self.store.update_job(job_id, **{k: v for k, v in fields.items() if v})
+        given: dict[str, Any] = {k: v for k, v in fields.items() if v}  # columns only
+        await self.store.update_job(job_id, **given)

@@ -134,11 +134,12 @@ async def sweep_wreckage(
             log.info("job %s: wreckage VM %s still there (%s)", job.id, ref.vm_id, exc)
             continue
         if gone:
-            await store.update_job(job.id, wreckage=None)
             text = f"the VM left behind ({ref.vm_id}) has now been removed."
-            await store.add_event(
-                JobEvent(job_id=job.id, step="rollback", phase="note", detail=text),
-                tell.noted(job.id, text),
+            await store.update_job(  # the note and the change land together, or neither
+                job.id,
+                wreckage=None,
+                events=[JobEvent(job_id=job.id, step="rollback", phase="note", detail=text)],
+                notices=[tell.noted(job.id, text)],
             )
             await progress.job_note(job, text)
             cleaned.append(job.id)

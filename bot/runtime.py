@@ -18,7 +18,7 @@ from bot.progress import Progress
 from bot.service import Deployer
 from bot.settings import Settings, backend_module
 from store.db import Store
-from store.engine import Unavailable
+from store.retry import RetryPolicy, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +133,10 @@ async def running_deployer(
 async def open_store(settings: Settings) -> Store:
     """The configured database, or a `StoreUnavailable` saying which and why."""
     try:
-        return await Store.open(settings.database, password=settings.database_password)
+        return await Store.open(
+            settings.database,
+            password=settings.database_password,
+            retry=RetryPolicy(window_s=settings.store.write_retry_s),
+        )
     except Unavailable as exc:
         raise StoreUnavailable(str(exc), settings.database_password_env) from None

@@ -1,5 +1,5 @@
 """The configuration's own sections ([defaults], [limits], [timeouts], [recovery],
-[ownership], [approval], [slack], [metrics]) as pydantic models (split from
+[ownership], [approval], [slack], [metrics], [store]) as pydantic models (split from
 bot/settings.py, which assembles them into `Settings` and re-exports them). Sections that
 belong to one feature live with it instead (bot/quotas.py, bot/leaseterms.py,
 backends/ipam/config.py, bot/images/). Each forbids unknown keys, so a typo in the file
@@ -179,6 +179,15 @@ class SlackSettings(_Section):
     # Slack allows about one message per second per channel; keep inside it.
     posts_per_second: float = Field(default=1.0, gt=0, le=1000)
     group_cache_s: float = Field(default=300, ge=0)
+
+
+class StoreSettings(_Section):
+    """The database's side of an outage (store/retry.py): a write that cannot reach it
+    (a restart, a failover, SQLite's file locked past its busy timeout) is run again
+    from the start for up to `write_retry_s`; then the deploy hears that the database is
+    not answering."""
+
+    write_retry_s: float = Field(default=30.0, ge=0)
 
 
 class MetricsSettings(_Section):

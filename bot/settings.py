@@ -35,6 +35,7 @@ from bot.sections import (
     OwnershipSettings,
     Recovery,
     SlackSettings,
+    StoreSettings,
     Timeouts,
 )
 from bot.subnets import Subnet
@@ -52,6 +53,7 @@ __all__ = [
     "Recovery",
     "Settings",
     "SlackSettings",
+    "StoreSettings",
     "Timeouts",
     "backend_module",
     "config_path",
@@ -138,6 +140,7 @@ class Settings(BaseSettings):
     ownership: OwnershipSettings = OwnershipSettings()
     slack: SlackSettings = SlackSettings()
     metrics: MetricsSettings = MetricsSettings()
+    store: StoreSettings = StoreSettings()
     ipam: IpamConfig = IpamConfig()
     quotas: QuotaSettings = QuotaSettings()  # bot/quotas.py
     leases: LeaseSettings = LeaseSettings()

@@ -16,9 +16,10 @@ from store.access.jobs import JobAccess
 from store.access.messages import MessageAccess
 from store.access.owners import OwnerAccess
 from store.access.people import PeopleAccess
-from store.engine import Engine, SqliteEngine
+from store.engine import BUSY_TIMEOUT_MS, Engine, SqliteEngine
 from store.jobs import AlreadyDelivered, DuplicateActive
 from store.quarantine import Quarantined, RowUnreadable
+from store.retry import RetryPolicy
 
 __all__ = ["AlreadyDelivered", "DuplicateActive", "Quarantined", "RowUnreadable", "Store"]
 
@@ -47,14 +48,26 @@ class Store(JobAccess, OwnerAccess, ApprovalAccess, MessageAccess, PeopleAccess)
         self.builds = builds.BuildRecords(engine, self._noticed)
 
     @classmethod
-    async def open(cls, database: str | Path, *, password: str | None = None) -> Store:
+    async def open(
+        cls,
+        database: str | Path,
+        *,
+        password: str | None = None,
+        retry: RetryPolicy | None = None,
+        busy_timeout_ms: int = BUSY_TIMEOUT_MS,
+    ) -> Store:
         """A path (or ":memory:") opens SQLite; a postgresql:// URL opens PostgreSQL, with
-        `password` (from the environment: never in the URL, the config or a log)."""
+        `password` (from the environment: never in the URL, the config or a log).
+        `retry`: how long a write that could not reach the database is run again
+        (store/retry.py); `busy_timeout_ms`: SQLite's wait for another process's lock."""
         if is_postgres(database):
             from store.postgres import PostgresEngine  # psycopg only when it is used
 
-            return cls(await PostgresEngine.open(str(database), password=password))
-        return cls(await SqliteEngine.open(Path(database)))
+            return cls(await PostgresEngine.open(str(database), password=password, retry=retry))
+        engine = await SqliteEngine.open(
+            Path(database), retry=retry, busy_timeout_ms=busy_timeout_ms
+        )
+        return cls(engine)
 
     async def close(self) -> None:
         await self.engine.close()

@@ -58,7 +58,7 @@ def transition_once(
         with immediate(db):
             if dedupe_key is not None:
                 claim(db, dedupe_key, job_id, "destroy")
-            if not transition(db, job_id, expected, new, None, notices, **fields):
+            if not transition(db, job_id, expected, new, None, notices, (), **fields):
                 raise _NotMoved
     except _NotMoved:
         return False

@@ -21,6 +21,7 @@ from sqlite_utils import Database
 
 from store.migrations import migrate
 from store.owners import installation_id
+from store.retry import RetryPolicy, Unavailable, retrying
 from store.sql import Db, SqliteDb
 from store.writer import Writer
 
@@ -28,10 +29,6 @@ P = ParamSpec("P")
 T = TypeVar("T")
 BUSY_TIMEOUT_MS = 10_000
 WAL_ATTEMPTS = 100
-
-
-class Unavailable(Exception):
-    """The database cannot be reached or refuses us: the text says which and why."""
 
 
 def is_database_error(exc: BaseException) -> bool:
@@ -48,6 +45,9 @@ class Engine(Protocol):
       result or raises its exception; `fn` makes its own transactions (store/sql.py).
     - `write(fn, ...)` is the same for the writes every deploy makes; an engine may
       batch those that arrive together, but answers each only once it is committed.
+      A write that failed because the database could not be reached is run again from
+      the start for up to its `RetryPolicy`'s window (store/retry.py); `call` is not
+      (reads, renewals and probes must fail fast: their loops ask again anyway).
     - The answer is what the database holds: a write answered is durable.
     """
 
@@ -69,14 +69,14 @@ class Engine(Protocol):
     async def close(self) -> None: ...
 
 
-def _connect(path: Path) -> sqlite3.Connection:
+def _connect(path: Path, busy_timeout_ms: int) -> sqlite3.Connection:
     if str(path) != ":memory:":
         path.parent.mkdir(parents=True, exist_ok=True)
         # Created 0600 before SQLite opens it: the history names people and machines.
         fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
         os.close(fd)
         os.chmod(path, 0o600)
-    conn = sqlite3.connect(path, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000)
+    conn = sqlite3.connect(path, isolation_level=None, timeout=busy_timeout_ms / 1000)
     # Text that is not UTF-8 (written by another tool) would fail the whole query that
     # meets it; decoded with replacement characters, its row fails validation instead and
     # is quarantined alone (store/quarantine.py).
@@ -84,7 +84,7 @@ def _connect(path: Path) -> sqlite3.Connection:
     _into_wal(conn)
     for pragma in (
         "foreign_keys = ON",
-        f"busy_timeout = {BUSY_TIMEOUT_MS}",
+        f"busy_timeout = {busy_timeout_ms}",
         "synchronous = NORMAL",
     ):
         conn.execute(f"PRAGMA {pragma}")
@@ -119,23 +119,36 @@ class SqliteEngine:
     same file (a CLI next to the server) are handled by SQLite's busy timeout and BEGIN
     IMMEDIATE."""
 
-    def __init__(self, path: Path, executor: ThreadPoolExecutor, conn: sqlite3.Connection) -> None:
+    def __init__(
+        self,
+        path: Path,
+        executor: ThreadPoolExecutor,
+        conn: sqlite3.Connection,
+        retry: RetryPolicy,
+    ) -> None:
         self.label = str(path)
         self.db = SqliteDb(conn)
         self._executor = executor
         self._writer = Writer(executor, conn)
+        self._retry = retry
         self.installation_id = ""
 
     @classmethod
-    async def open(cls, path: Path) -> SqliteEngine:
+    async def open(
+        cls,
+        path: Path,
+        *,
+        retry: RetryPolicy | None = None,
+        busy_timeout_ms: int = BUSY_TIMEOUT_MS,
+    ) -> SqliteEngine:
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deploybot-store")
         loop = asyncio.get_running_loop()
         try:
-            conn = await loop.run_in_executor(executor, _connect, path)
+            conn = await loop.run_in_executor(executor, _connect, path, busy_timeout_ms)
         except BaseException:
             executor.shutdown(wait=False)
             raise
-        engine = cls(path, executor, conn)
+        engine = cls(path, executor, conn, retry or RetryPolicy())
         engine.installation_id = await engine.call(installation_id)
         return engine
 
@@ -148,8 +161,14 @@ class SqliteEngine:
     async def write(
         self, fn: Callable[Concatenate[Db, P], T], *args: P.args, **kwargs: P.kwargs
     ) -> T:
-        """Batched with the writes made at the same moment (store/writer.py)."""
-        return await self._writer.write(fn, self.db, *args, **kwargs)
+        """Batched with the writes made at the same moment (store/writer.py); run again
+        in a later batch while the file is locked past the busy timeout (store/retry.py).
+        A failed batch rolled back whole, so each of its writes is run again alone."""
+
+        async def attempt(_left_s: float) -> T:
+            return await self._writer.write(fn, self.db, *args, **kwargs)
+
+        return await retrying(attempt, self._retry, self.label)
 
     async def integrity_check(self) -> str:
         return await self.call(lambda db: str(db.execute("PRAGMA integrity_check").fetchone()[0]))

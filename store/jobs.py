@@ -169,13 +169,15 @@ def transition(
     new: JobState,
     held_by: str | None = None,
     notices: Sequence[Notice] = (),
+    events: Sequence[JobEvent] = (),
     **fields: Any,
 ) -> bool:
     """Move a job from one of `expected` to `new`; False when it was not in those states
     (or, with `held_by`, when that runner no longer owns it: a runner whose lease lapsed
     and whose job was taken over must not write over the new owner's work). The
-    `notices` (what chat must be told of it) are kept only if the move happened."""
-    return move(db, job_id, expected, new, held_by, notices, **fields)[0]
+    `notices` (what chat must be told of it) and `events` (its history) are kept only if
+    the move happened, in its transaction: all land, or none."""
+    return move(db, job_id, expected, new, held_by, notices, events, **fields)[0]
 
 
 def move(
@@ -186,6 +188,7 @@ def move(
     new: JobState,
     held_by: str | None = None,
     notices: Sequence[Notice] = (),
+    events: Sequence[JobEvent] = (),
     **fields: Any,
 ) -> tuple[bool, Job | None]:
     """`transition` that also answers with the job as it now is, from the same statement
@@ -196,6 +199,7 @@ def move(
         rows = db.query(sql + " RETURNING *", params)
         if rows:
             outbox.add(db, notices, new)
+            db.insert("job_events", [_row(event) for event in events])
     if not rows:
         return False, None
     try:
@@ -233,9 +237,18 @@ def _move_sql(
     return sql, params
 
 
-def update_job(db: Db, /, job_id: str, held_by: str | None = None, **fields: Any) -> bool:
+def update_job(
+    db: Db,
+    /,
+    job_id: str,
+    held_by: str | None = None,
+    notices: Sequence[Notice] = (),
+    events: Sequence[JobEvent] = (),
+    **fields: Any,
+) -> bool:
     """Set columns without a state change (the VM's durable id, the wreckage list);
-    with `held_by`, only while that runner owns the job. False when nothing changed."""
+    with `held_by`, only while that runner owns the job. False when nothing changed.
+    `notices` and `events` are kept in its transaction, only if the row changed."""
     unknown = set(fields) - _JOB_FIELDS
     if unknown:
         raise ValueError(f"not job columns: {sorted(unknown)}")
@@ -248,6 +261,9 @@ def update_job(db: Db, /, job_id: str, held_by: str | None = None, **fields: Any
             f"UPDATE jobs SET {sets} WHERE id = :id{fence}",
             {**values, "id": job_id, "held_by": held_by},
         )
+        if cursor.rowcount == 1:
+            outbox.add(db, notices)
+            db.insert("job_events", [_row(event) for event in events])
     return cursor.rowcount == 1
 
 

@@ -67,12 +67,14 @@ class JobAccess(Access):
         *,
         held_by: str | None = None,
         notices: Sequence[Notice] = (),
+        events: Sequence[JobEvent] = (),
         **fields: Any,
     ) -> bool:
         """Compare-and-set; with `held_by`, only while that runner owns the job. The
-        `notices` are kept in the same transaction, and only if the job moved."""
+        `notices` and `events` are kept in the same transaction, and only if the job
+        moved."""
         moved = await self._write(
-            jobs.transition, job_id, tuple(expected), new, held_by, notices, **fields
+            jobs.transition, job_id, tuple(expected), new, held_by, notices, events, **fields
         )
         self._noticed(moved and bool(notices))
         return moved
@@ -85,17 +87,29 @@ class JobAccess(Access):
         *,
         held_by: str | None = None,
         notices: Sequence[Notice] = (),
+        events: Sequence[JobEvent] = (),
         **fields: Any,
     ) -> tuple[bool, Job | None]:
         """`transition` answering (moved, the job as it now is) in one round trip."""
         moved, job = await self._write(
-            jobs.move, job_id, tuple(expected), new, held_by, notices, **fields
+            jobs.move, job_id, tuple(expected), new, held_by, notices, events, **fields
         )
         self._noticed(moved and bool(notices))
         return moved, job
 
-    async def update_job(self, job_id: str, *, held_by: str | None = None, **fields: Any) -> bool:
-        return await self._write(jobs.update_job, job_id, held_by, **fields)
+    async def update_job(
+        self,
+        job_id: str,
+        *,
+        held_by: str | None = None,
+        notices: Sequence[Notice] = (),
+        events: Sequence[JobEvent] = (),
+        **fields: Any,
+    ) -> bool:
+        """Set columns; `notices` and `events` in the same transaction, if it changed."""
+        changed = await self._write(jobs.update_job, job_id, held_by, notices, events, **fields)
+        self._noticed(changed and bool(notices))
+        return changed
 
     async def add_event(self, event: JobEvent, notice: Notice | None = None) -> None:
         """Returns once the event is committed; events of deploys that end a step in the

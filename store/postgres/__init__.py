@@ -4,7 +4,9 @@ The store's functions are the SQLite store's own (store/sql.py): one copy of eve
 and compare-and-set. They are synchronous, so they run on worker threads, each with a
 connection from psycopg's pool (psycopg_pool.ConnectionPool); the event loop only awaits
 them, as it does SQLite's thread. A function whose transaction PostgreSQL chose as a
-deadlock's victim is run again from the start, on fresh reads.
+deadlock's victim is run again from the start, on fresh reads; so is a write whose
+connection failed (the server restarting, a failover), for up to `[store]
+write_retry_s` (store/retry.py).
 
 The password comes from the environment (`database_password_env`, or libpq's own
 PGPASSWORD / .pgpass), never from the URL; TLS options in the URL (`sslmode`,
@@ -27,10 +29,10 @@ from psycopg import errors
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg_pool import ConnectionPool
 
-from store.engine import Unavailable
 from store.owners import installation_id
 from store.postgres.db import PgDb
 from store.postgres.schema import migrate
+from store.retry import RetryPolicy, Unavailable, retrying
 from store.sql import Db
 
 P = ParamSpec("P")
@@ -39,6 +41,9 @@ log = logging.getLogger(__name__)
 
 POOL_SIZE = 8
 CONNECT_TIMEOUT_S = 10.0
+# While the server is away, how long one attempt of a write waits for the pool to hand
+# it a connection (the pool reconnects in the background) before it is retried.
+POOL_WAIT_S = 5.0
 # A deadlock's victim is run again; so many times before its caller hears.
 RACE_RETRIES = 20
 _RACES = (errors.SerializationFailure, errors.DeadlockDetected)
@@ -60,15 +65,23 @@ def redacted(url: str) -> str:
 class PostgresEngine:
     """An `Engine` (store/engine.py) on a pool of PostgreSQL connections."""
 
-    def __init__(self, url: str, pool: ConnectionPool, executor: ThreadPoolExecutor) -> None:
+    def __init__(
+        self, url: str, pool: ConnectionPool, executor: ThreadPoolExecutor, retry: RetryPolicy
+    ) -> None:
         self.label = redacted(url)
         self.installation_id = ""
         self._pool = pool
         self._executor = executor
+        self._retry = retry
 
     @classmethod
     async def open(
-        cls, url: str, *, password: str | None = None, pool_size: int = POOL_SIZE
+        cls,
+        url: str,
+        *,
+        password: str | None = None,
+        pool_size: int = POOL_SIZE,
+        retry: RetryPolicy | None = None,
     ) -> PostgresEngine:
         conninfo = make_conninfo(url, password=password) if password else url
         pool: ConnectionPool = ConnectionPool(
@@ -87,23 +100,36 @@ class PostgresEngine:
             executor.shutdown(wait=False)
             await loop.run_in_executor(None, pool.close)
             raise
-        engine = cls(url, pool, executor)
+        engine = cls(url, pool, executor, retry or RetryPolicy())
         engine.installation_id = await engine.call(installation_id)
         return engine
 
     async def call(
         self, fn: Callable[Concatenate[Db, P], T], *args: P.args, **kwargs: P.kwargs
     ) -> T:
+        """Reads, probes and renewals: once (their loops ask again anyway)."""
         loop = asyncio.get_running_loop()
-        run = functools.partial(self._run, functools.partial(fn, **kwargs), args)
+        run = functools.partial(self._run, functools.partial(fn, **kwargs), args, None)
         return await loop.run_in_executor(self._executor, run)
 
-    # Every write stands alone: PostgreSQL takes many writers at once.
-    write = call
+    async def write(
+        self, fn: Callable[Concatenate[Db, P], T], *args: P.args, **kwargs: P.kwargs
+    ) -> T:
+        """Every write stands alone (PostgreSQL takes many writers at once), and is run
+        again from the start while the server cannot be reached (store/retry.py)."""
+        loop = asyncio.get_running_loop()
+        bound = functools.partial(fn, **kwargs)
 
-    def _run(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
+        async def attempt(left_s: float) -> T:
+            wait_s = max(0.1, min(left_s, POOL_WAIT_S))
+            run = functools.partial(self._run, bound, args, wait_s)
+            return await loop.run_in_executor(self._executor, run)
+
+        return await retrying(attempt, self._retry, self.label)
+
+    def _run(self, fn: Callable[..., T], args: tuple[Any, ...], wait_s: float | None) -> T:
         for attempt in range(RACE_RETRIES):
-            with self._pool.connection() as conn:
+            with self._pool.connection(timeout=wait_s) as conn:
                 try:
                     return fn(PgDb(conn), *args)
                 except _RACES:

@@ -24,6 +24,7 @@ from psycopg.pq import TransactionStatus
 from psycopg.rows import dict_row
 
 from store.postgres.schema import CONSTRAINTS
+from store.retry import Unavailable
 from store.sql import Conflict, Params, Result, insert_sql
 
 # Quoted text and identifiers pass through; `?`, `:name` and `%` are rewritten.
@@ -113,9 +114,24 @@ class PgDb:
         try:
             yield
         except BaseException:
-            self.conn.execute(b"ROLLBACK")
+            if not self.conn.closed:
+                self.conn.execute(b"ROLLBACK")
             raise
-        self.conn.execute(b"COMMIT")
+        self._commit()
+
+    def _commit(self) -> None:
+        """A connection lost with no word from the server while COMMIT was on its way
+        leaves the outcome unknown: it may have landed, so it must not be run again
+        (store/retry.py); the server saying it shut the session down means it did not."""
+        try:
+            self.conn.execute(b"COMMIT")
+        except psycopg.OperationalError as exc:
+            if exc.sqlstate is not None:
+                raise
+            raise Unavailable(
+                "the connection to PostgreSQL was lost while a write was being committed: "
+                "it may or may not have been recorded"
+            ) from exc
 
     def lock(self, name: str) -> None:
         self.conn.execute(b"SELECT pg_advisory_xact_lock(hashtext(%s))", [name])
