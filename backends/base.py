@@ -37,7 +37,6 @@ check it):
 from __future__ import annotations
 
 import ipaddress
-import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -50,14 +49,12 @@ from backends.guestaddr import listable as listable
 from backends.guestaddr import pick_address as pick_address
 from backends.guestaddr import reported_addresses as reported_addresses
 
-log = logging.getLogger(__name__)
-
 # The job tag grammar lives in backends/tags.py; re-exported, part of the contract.
-from backends.tags import JOB_TAG_PREFIX as JOB_TAG_PREFIX  # noqa: E402
-from backends.tags import JobMark as JobMark  # noqa: E402
-from backends.tags import job_marks as job_marks  # noqa: E402
-from backends.tags import job_tag as job_tag  # noqa: E402
-from backends.tags import parse_tag as parse_tag  # noqa: E402
+from backends.tags import JOB_TAG_PREFIX as JOB_TAG_PREFIX
+from backends.tags import JobMark as JobMark
+from backends.tags import job_marks as job_marks
+from backends.tags import job_tag as job_tag
+from backends.tags import parse_tag as parse_tag
 
 # --- errors -------------------------------------------------------------------------
 

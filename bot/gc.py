@@ -27,7 +27,6 @@ thing: a dry run first, counted per category, and an `--apply` of the same scope
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -41,7 +40,6 @@ from bot.settings import Timeouts
 from bot.waiting import remove_vm
 from store.db import Store
 
-log = logging.getLogger(__name__)
 ORPHAN = ("unknown_job", "ended_job")
 # A quarantined job's record is damaged: whether its VM is wanted is for a person to say.
 KEPT = (

@@ -20,9 +20,6 @@ class Personal(Audited, Queries):
         """Saved settings to show or prefill a form with (bot/prefs.py)."""
         return await user_prefs.shown(self.store, user)
 
-    async def _saved_prefs(self, user: str) -> UserPrefs:
-        return await user_prefs.for_deploy(self.store, user)
-
     async def save_ssh_key(self, user: str, text: str) -> UserPrefs:
         """Validate one public key and add it to the user's saved keys."""
         async with self._audited(user, "save key"):

@@ -291,8 +291,6 @@ class Pipeline(Steps):
         answers = f"{address}:{self._ssh_port} answers"
         return f"{answers}, host key {run.host_key}" if run.host_key else answers
 
-    # --- step machinery -----------------------------------------------------------
-
     # --- endings ------------------------------------------------------------------
 
     async def _succeed(self, run: Run) -> Job | None:

@@ -18,7 +18,6 @@ the moment of one rename no template has the name; elsewhere the new one goes fi
 from __future__ import annotations
 
 import asyncio
-import logging
 import tempfile
 import uuid
 from pathlib import Path
@@ -36,7 +35,6 @@ from backends.vsphere.vms import POWERED_ON, tags
 if TYPE_CHECKING:
     from backends.vsphere.config import Config
 
-log = logging.getLogger(__name__)
 FIRMWARE = "bios"  # cloud images boot either way; Proxmox's default is SeaBIOS too
 DEFAULT_NETWORK = "VM Network"  # a NIC needs one; ESXi and vcsim have this one
 

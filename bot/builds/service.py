@@ -7,7 +7,6 @@ and a build whose runner died is rolled back by the next process that takes over
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
@@ -49,8 +48,6 @@ if TYPE_CHECKING:
     from bot.intake import Intake
     from bot.pipeline import Pipeline
     from bot.queue import JobQueue
-
-log = logging.getLogger(__name__)
 
 
 class _Smoke:

@@ -153,10 +153,6 @@ def settings_saved(prefs: UserPrefs) -> str:
     return f"Settings saved: {len(prefs.ssh_keys)} SSH key(s), default template {template}."
 
 
-def duplicate_ignored(job_id: str) -> str:
-    return f"Already handled (job {job_id}); nothing was done twice."
-
-
 def form_opened_elsewhere() -> str:
     return "The form could not be opened (it took too long); type `/deploy` again."
 

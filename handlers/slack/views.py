@@ -32,7 +32,7 @@ from slack_sdk.models.blocks import (
 from slack_sdk.models.views import View
 
 from bot.errors import DeployBotError
-from bot.models import Approval, Job, JobState
+from bot.models import Job, JobState
 from bot.models.builds import Build
 from bot.service import VMPage
 from handlers import messages
@@ -308,10 +308,6 @@ def reject_modal(job_id: str, metadata: dict[str, str]) -> View:
             reason,
         ],
     )
-
-
-def approval_outcome_text(job: Job, approval: Approval | None) -> str:
-    return messages.approval_outcome(job, approval)
 
 
 # --- simple modals --------------------------------------------------------------------

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import logging
 import random
 import time
 from collections.abc import Callable
@@ -37,7 +36,6 @@ from store.sql import Db
 
 P = ParamSpec("P")
 T = TypeVar("T")
-log = logging.getLogger(__name__)
 
 POOL_SIZE = 8
 CONNECT_TIMEOUT_S = 10.0
