@@ -32,6 +32,7 @@ class Smoke:
 
 SMOKES = [
     Smoke("bench_pipeline", ("--counts", "1", "2", "--time-scale", "0.01"), "goal"),
+    Smoke("bench_history", ("--jobs", "1200", "--large", "1100"), "goal <="),
     Smoke(
         "bench_ipam",
         (
