@@ -16,7 +16,12 @@ from bot.runtime import running_deployer
 from bot.service import Deployer
 from bot.settings import BUNDLED_CONFIG, Settings, load_settings
 from tests.netbox_support import clean_netbox, netbox  # noqa: F401 (fixtures)
-from tests.postgres_support import pg_cluster, pg_url  # noqa: F401 (fixtures)
+from tests.postgres_support import (  # noqa: F401 (fixtures)
+    pg_cluster,
+    pg_url,
+    stoppable_cluster,
+    stoppable_pg,
+)
 
 FAST_TIMEOUTS = {
     "check_free_s": 0.5,

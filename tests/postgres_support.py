@@ -157,3 +157,29 @@ def pg_url(pg_cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> str:
     """A new database's URL, with its password in the environment as deploybot reads it."""
     monkeypatch.setenv(PASSWORD_ENV, PASSWORD)
     return pg_cluster.new_database()
+
+
+@pytest.fixture(scope="session")
+def stoppable_cluster() -> Iterator[tuple[Cluster, Path]]:
+    """A second cluster, once per run, for the tests that stop the database (outages):
+    stopping it disturbs none of the tests on `pg_cluster`."""
+    workdir = Path(tempfile.mkdtemp(prefix="deploybot-pg-stoppable-"))
+    try:
+        try:
+            cluster = start_cluster(workdir)
+        except subprocess.CalledProcessError as exc:
+            unavailable(f"PostgreSQL did not start: {exc.stderr or exc.stdout}")
+        yield cluster, workdir
+    finally:
+        stop_cluster(workdir)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture
+def stoppable_pg(stoppable_cluster: tuple[Cluster, Path]) -> Iterator[tuple[str, Path]]:
+    """A new database's URL on the stoppable cluster, and that cluster's folder (for
+    `stop_fast` and `start_again`); a test that failed mid-outage leaves it running."""
+    cluster, workdir = stoppable_cluster
+    yield cluster.new_database(), workdir
+    if not (workdir / "data" / "postmaster.pid").exists():
+        start_again(workdir)

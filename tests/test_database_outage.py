@@ -16,12 +16,9 @@ The cluster here is this module's own, so stopping it disturbs no other test.
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,12 +27,8 @@ from handlers import messages
 from tests.postgres_support import (
     PASSWORD,
     PASSWORD_ENV,
-    Cluster,
     start_again,
-    start_cluster,
-    stop_cluster,
     stop_fast,
-    unavailable,
 )
 from tests.slack_support import ALICE, CHANNEL, command_body, sign
 from tests.test_crash_proxmox import FakePVE, config_env, fake_pve
@@ -47,29 +40,6 @@ DEPLOYS = 12
 OUTAGE_S = 4.0  # the scenario: shorter than the lease, longer than a tick and Slack's 3 s
 LEASE = "\n[ownership]\nlease_s = 20\ntick_s = 0.5\n"
 FINAL = ("succeeded", "failed")
-
-
-@pytest.fixture(scope="module")
-def own_cluster() -> Iterator[tuple[Cluster, Path]]:
-    workdir = Path(tempfile.mkdtemp(prefix="deploybot-pg-outage-"))
-    try:
-        try:
-            cluster = start_cluster(workdir)
-        except Exception as exc:
-            unavailable(f"PostgreSQL did not start: {exc}")
-        yield cluster, workdir
-    finally:
-        stop_cluster(workdir)
-        shutil.rmtree(workdir, ignore_errors=True)
-
-
-@pytest.fixture
-def outage(own_cluster: tuple[Cluster, Path]) -> Iterator[tuple[str, Path]]:
-    """A new database's URL on the module's cluster, and that cluster's folder."""
-    cluster, workdir = own_cluster
-    yield cluster.new_database(), workdir
-    if not (workdir / "data" / "postmaster.pid").exists():  # a test failed mid-outage
-        start_again(workdir)
 
 
 def replica(tmp: Path, fake: FakePVE, slack: SlackThread, url: str) -> Proc:
@@ -112,9 +82,9 @@ def states(url: str) -> dict[str, tuple[str, str]]:
 
 
 def test_deploys_running_through_a_database_outage_all_end(
-    tmp_path: Path, fake_pve: FakePVE, slack: SlackThread, outage: tuple[str, Path]
+    tmp_path: Path, fake_pve: FakePVE, slack: SlackThread, stoppable_pg: tuple[str, Path]
 ) -> None:
-    url, workdir = outage
+    url, workdir = stoppable_pg
     server = replica(tmp_path, fake_pve, slack, url)
     for n in range(DEPLOYS):
         status, _body, _s = command(server, slack, f"o{n:02d} 127.0.10.{100 + n}")
@@ -147,9 +117,9 @@ def test_deploys_running_through_a_database_outage_all_end(
 
 
 def test_a_command_during_an_outage_is_refused_at_once_and_never_run(
-    tmp_path: Path, fake_pve: FakePVE, slack: SlackThread, outage: tuple[str, Path]
+    tmp_path: Path, fake_pve: FakePVE, slack: SlackThread, stoppable_pg: tuple[str, Path]
 ) -> None:
-    url, workdir = outage
+    url, workdir = stoppable_pg
     server = replica(tmp_path, fake_pve, slack, url)
     assert get(server, "/readyz")[0] == 200
     stop_fast(workdir)

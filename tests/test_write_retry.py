@@ -11,11 +11,8 @@ after a sleep; the window's end is met with an injected clock.
 from __future__ import annotations
 
 import asyncio
-import shutil
 import sqlite3
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
@@ -29,37 +26,10 @@ from store.db import DuplicateActive, Store
 from store.retry import RetryPolicy, Unavailable, transient
 from tests.postgres_support import (
     PASSWORD,
-    Cluster,
     start_again,
-    start_cluster,
-    stop_cluster,
     stop_fast,
-    unavailable,
 )
 from tests.test_store import make_job
-
-
-@pytest.fixture(scope="module")
-def own_cluster() -> Iterator[tuple[Cluster, Path]]:
-    """A cluster of this module's own: stopping it disturbs no other test."""
-    workdir = Path(tempfile.mkdtemp(prefix="deploybot-pg-retry-"))
-    try:
-        try:
-            cluster = start_cluster(workdir)
-        except Exception as exc:
-            unavailable(f"PostgreSQL did not start: {exc}")
-        yield cluster, workdir
-    finally:
-        stop_cluster(workdir)
-        shutil.rmtree(workdir, ignore_errors=True)
-
-
-@pytest.fixture
-def pg(own_cluster: tuple[Cluster, Path]) -> Iterator[tuple[str, Path]]:
-    cluster, workdir = own_cluster
-    yield cluster.new_database(), workdir
-    if not (workdir / "data" / "postmaster.pid").exists():  # a test failed mid-outage
-        start_again(workdir)
 
 
 class Retries:
@@ -135,9 +105,9 @@ def counts_sqlite(path: Path, job_id: str) -> tuple[str, int, int]:
 
 
 async def test_a_write_during_a_postgres_outage_lands_once_when_it_is_back(
-    pg: tuple[str, Path], settings: Settings
+    stoppable_pg: tuple[str, Path], settings: Settings
 ) -> None:
-    url, workdir = pg
+    url, workdir = stoppable_pg
     retries = Retries()
     store = await Store.open(url, password=PASSWORD, retry=RetryPolicy(on_retry=retries))
     try:
@@ -157,9 +127,9 @@ async def test_a_write_during_a_postgres_outage_lands_once_when_it_is_back(
 
 
 async def test_a_postgres_outage_longer_than_the_window_fails_naming_the_database(
-    pg: tuple[str, Path], settings: Settings
+    stoppable_pg: tuple[str, Path], settings: Settings
 ) -> None:
-    url, workdir = pg
+    url, workdir = stoppable_pg
     clock, retries = SkippedClock(), Retries()
     policy = RetryPolicy(window_s=2.0, clock=clock, sleep=clock.sleep, on_retry=retries)
     store = await Store.open(url, password=PASSWORD, retry=policy)
@@ -179,9 +149,9 @@ async def test_a_postgres_outage_longer_than_the_window_fails_naming_the_databas
 
 
 async def test_a_unique_constraint_is_an_answer_not_retried(
-    pg: tuple[str, Path], settings: Settings
+    stoppable_pg: tuple[str, Path], settings: Settings
 ) -> None:
-    url, _workdir = pg
+    url, _workdir = stoppable_pg
     retries = Retries()
     store = await Store.open(url, password=PASSWORD, retry=RetryPolicy(on_retry=retries))
     try:
