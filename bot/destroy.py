@@ -42,7 +42,7 @@ from bot.models import (
     JobState,
     Notice,
 )
-from bot.ownership import Clock, Ownership
+from bot.ownership import Clock, Lost, Ownership
 from bot.progress import Progress
 from bot.runs import vm_ref
 from bot.settings import Settings
@@ -310,7 +310,7 @@ class Destroyer:
             job.id,
             [JobState.DESTROYING],
             JobState.DESTROYED,
-            held_by=self.ownership.id,
+            held_by=job.claim(self.ownership.id),
             notices=self._tell(job, tell.finished(job.id, None)),
             destroyed_at=self.clock(),
         )
@@ -326,7 +326,7 @@ class Destroyer:
         async def moved(step: str, took_s: float | None) -> None:
             detail = f"VM {job.vm_id} on {job.backend}"
             if took_s is None:
-                await self._still_mine(job.id)
+                await self._still_mine(job)
                 event = JobEvent(job_id=job.id, step=step, phase="started", detail=detail)
                 notice = tell.step_started(job.id, step, detail)
             else:
@@ -343,11 +343,19 @@ class Destroyer:
 
         return moved
 
-    async def _still_mine(self, job_id: str) -> None:
+    async def _still_mine(self, job: Job) -> None:
         """Before each move: a runner whose lease lapsed (the job taken over) stops, so
         two runners do not work one VM at once (their final writes are fenced anyway)."""
-        now = await self.store.get_job(job_id)
-        if now is None or now.state is not JobState.DESTROYING or now.owner != self.ownership.id:
+        try:
+            await self.ownership.hold(job.id, job.claim_epoch)  # paused while unproven
+        except Lost:
+            raise _Lost from None
+        now = await self.store.get_job(job.id)
+        if (
+            now is None
+            or now.state is not JobState.DESTROYING
+            or (now.owner, now.claim_epoch) != (self.ownership.id, job.claim_epoch)
+        ):
             raise _Lost
 
     async def _keep(self, job: Job, why: str) -> Job | None:
@@ -356,7 +364,7 @@ class Destroyer:
             job.id,
             [JobState.DESTROYING],
             JobState.SUCCEEDED,
-            held_by=self.ownership.id,
+            held_by=job.claim(self.ownership.id),
             notices=self._tell(job, tell.updated(job.id, why)),
             events=[JobEvent(job_id=job.id, step="destroy", phase="failed", detail=why)],
         )

@@ -26,6 +26,25 @@ no longer change a job that another took over.
    room for, and started here.
 
 A one-shot `deploybot deploy` runs only its own job: it renews, it never takes over.
+
+Fencing, for when the database goes away (a failover, a restart, a network cut):
+
+* every write a task makes to its job names its claim (`bot.models.Claim`: the owner
+  and the job's claim epoch, one more at every claim), so a task of a claim that has
+  been superseded changes nothing;
+* before each step a task asks `hold`: while this runner's last renewal succeeded and
+  its lease has not run out, it goes on at once; otherwise it pauses (touches no
+  hypervisor) until a renewal succeeds, and then goes on only if that renewal shows the
+  job still held under the same epoch; if not, `Lost`: it stops without touching the
+  VM or the job (the new owner deals with both). A step already under way when the
+  lease runs out runs to its end: a hypervisor task cannot be taken back half-way;
+* a lease that merely ran out is taken over only by a runner that has itself renewed
+  without a break for a whole `lease_s` (`watched_a_lease`): after an outage every
+  runner's leases have run out together, and a live owner renews within a tick of the
+  database coming back, so it keeps its work; a runner that was cut off alone is then
+  the one whose jobs are taken over, after it has paused them. Leases ended on purpose
+  (a runner seen dead on this host, a job handed back) and those of a runner whose row
+  is gone or says it stopped are taken at once.
 """
 
 from __future__ import annotations
@@ -46,7 +65,7 @@ from bot.queue import JobQueue
 from bot.settings import OwnershipSettings
 from bot.waiting import woken
 from store.db import Store
-from store.owners import RunnerRow
+from store.owners import Owned, RunnerRow
 
 log = logging.getLogger(__name__)
 Clock = Callable[[], datetime]
@@ -111,6 +130,11 @@ class Runner:
         return cls(new_runner_id(), kind, host_identity(), os.getpid())
 
 
+class Lost(Exception):
+    """This runner no longer holds the job (another took it over while this one could
+    not renew): its task stops without touching the VM or the job."""
+
+
 class Ownership:
     """This process's runner: its lease, its claims, and what it takes over."""
 
@@ -139,6 +163,15 @@ class Ownership:
         # Builds handed back (`tick`): recover them now rather than at the next sweep.
         self.recover_builds: Callable[[], Coroutine[Any, Any, object]] | None = None
         self._unrun: set[str] = set()  # held, no local task, at the last tick
+        # Fencing (see the module's docstring). Until when the last renewal proves this
+        # runner's leases (None: none succeeded yet, or the last one failed); the jobs
+        # that renewal found held, with their claim epochs; since when renewals have
+        # succeeded without a break; each successful renewal sets (and replaces) the event.
+        self.proven_until: datetime | None = None
+        self.renewed_at: datetime | None = None
+        self.held: dict[str, int] = {}
+        self.watching_since: datetime | None = None
+        self._renewed = asyncio.Event()
         self.closing = False
         self._loop: asyncio.Task[None] | None = None
         # A finished job frees a slot: look for queued work soon, not at the next tick
@@ -192,7 +225,7 @@ class Ownership:
     async def tick(self) -> None:
         now = self.clock()
         local = self.local_ids()
-        held = await self.store.renew(self.id, now, self.lease_until(now), local, self._unrun)
+        held = await self._renew(now, local)
         owned = {o.job_id: o for o in held}
         await self._drop_lost(set(owned))
         for held_job in held:
@@ -206,6 +239,69 @@ class Ownership:
             await self._claim_queued(now)
             if any(i.startswith("b") for i in ended) and self.recover_builds is not None:
                 self._start_recovery(BUILD_SWEEP, self.recover_builds())
+
+    async def _renew(self, now: datetime, local: set[str]) -> list[Owned]:
+        """Renew, and record what the renewal proves (see `hold`)."""
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        try:
+            held = await self.store.renew(self.id, now, self.lease_until(now), local, self._unrun)
+        except Exception:
+            self.proven_until = self.watching_since = None
+            raise
+        if loop.time() - began > self.settings.tick_s:
+            # As slow as a tick: a live owner elsewhere may have missed its renewals
+            # meanwhile, so this runner has not watched the database without a break.
+            self.watching_since = None
+        self.proven_until, self.renewed_at = self.lease_until(now), now
+        self.held = {o.job_id: o.epoch for o in held}
+        if self.watching_since is None:
+            self.watching_since = self.clock()
+        self._renewed.set()
+        self._renewed = asyncio.Event()
+        return held
+
+    def watched_a_lease(self, now: datetime) -> bool:
+        """Whether this runner has renewed without a break for a whole lease: only then
+        may it judge another runner's lapsed lease to mean that runner is gone."""
+        since = self.watching_since
+        return since is not None and now - since >= timedelta(seconds=self.settings.lease_s)
+
+    def proven(self, job_id: str, epoch: int | None, after: datetime | None = None) -> bool:
+        """Whether the last renewal (one begun after `after`, if given) proves this
+        runner still holds the job under `epoch`: its lease has not run out, and the
+        renewal did not find the job gone or claimed again. A job claimed since that
+        renewal is not in it, and is held by the claim's own lease."""
+        now, until, at = self.clock(), self.proven_until, self.renewed_at
+        if until is None or at is None or now >= until or (after is not None and at <= after):
+            return False
+        found = self.held.get(job_id)
+        return found is None or epoch is None or found == epoch
+
+    async def hold(self, job_id: str, epoch: int | None, after: datetime | None = None) -> float:
+        """Return once this runner can prove it holds the job under `epoch` (before a
+        step, or before writing again after the database did not answer: `after`, when
+        that was); meanwhile pause: touch nothing. Raises `Lost` when a renewal shows
+        the job is no longer this claim's. Returns how long it paused (s)."""
+        began: float | None = None
+        loop = asyncio.get_running_loop()
+        while not self.proven(job_id, epoch, after):
+            if began is None:
+                began = loop.time()
+                log.warning(
+                    "job %s: paused: this runner cannot prove it still holds the job "
+                    "(its lease is not renewed: the database is not answering)",
+                    job_id,
+                )
+            await self._renewed.wait()
+            found = self.held.get(job_id)
+            if found is None or (epoch is not None and found != epoch):
+                raise Lost(job_id)
+        if began is None:
+            return 0.0
+        paused_s = loop.time() - began
+        log.warning("job %s: held again after a pause of %.1f s; going on", job_id, paused_s)
+        return paused_s
 
     async def _hand_back_unrun(self, unrun: set[str]) -> dict[str, Ended]:
         """Hand back what this runner holds and no local task runs (see the module's
@@ -245,12 +341,19 @@ class Ownership:
     async def _take_over(self, now: datetime, ended: Mapping[str, Ended]) -> None:
         """Recover the jobs whose lease passed; `ended`: those this runner just handed
         back, with the exception their task ended on (it says why in the job)."""
-        for job in await self.store.abandoned(now):
-            if job.id in self.recovering or self.queue.is_running(job.id):
+        local, found = self.local_ids(), await self.store.abandoned(now)
+        alive: set[str] = set()  # owners that may be alive, paused by an outage
+        if not self.watched_a_lease(now):
+            lapsed = {j.owner for j in found if j.lease_until is not None and j.owner}
+            alive = await self.store.registered_runners(lapsed) if lapsed else set()
+        for job in found:
+            if job.id in local or job.owner in alive:
                 continue
-            if not await self.store.claim(job.id, self.id, now, self.lease_until(now), WORKING):
+            epoch = await self.store.claim(job.id, self.id, now, self.lease_until(now), WORKING)
+            if epoch is None:
                 continue  # another runner took it first
             log.info("job %s: taking over from runner %s", job.id, job.owner)
+            job = job.model_copy(update={"owner": self.id, "claim_epoch": epoch})
             self._start_recovery(job.id, self._recovered(job, ended.get(job.id)))
 
     def _start_recovery(self, key: str, work: Coroutine[Any, Any, object]) -> None:
@@ -291,7 +394,7 @@ class Ownership:
         """Claim a queued job this process just made runnable (approved it) and start it
         here; False when another runner was faster."""
         now = self.clock()
-        if not await self.store.claim(job.id, self.id, now, self.lease_until(now)):
+        if await self.store.claim(job.id, self.id, now, self.lease_until(now)) is None:
             return False
         self.queue.submit(job.id, job.backend)
         return True

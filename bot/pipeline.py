@@ -2,6 +2,11 @@
 
     check_free -> clone -> identity -> resize -> power_on -> address -> ssh [-> register]
 
+Before each step the job's runner proves it still holds the job (bot/ownership.py:
+`hold` pauses while the database does not answer, and stops the job where another
+runner took it over); every write names the job's claim (owner and epoch), so a run
+that lost its job changes nothing; a write of the job's progress that the database
+did not take within `[store] write_retry_s` waits the same way and is made again.
 Each step has a timeout; backend calls that fail with a retryable error are retried
 with backoff inside it. A step that creates something pushes its undo *before* the
 call, so a call that dies after the hypervisor acted (a crash, a lost answer) is still
@@ -17,7 +22,8 @@ import asyncio
 import functools
 import ipaddress
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TypeVar
 
 from backends.base import (
     Backend,
@@ -28,10 +34,12 @@ from backends.base import (
 from bot import logfields
 from bot import progress as tell
 from bot.addressing import Addressing, named
-from bot.models import Job, JobState, RollbackReport, utcnow
+from bot.models import Claim, Job, JobState, RollbackReport, utcnow
+from bot.ownership import Lost
 from bot.progress import Progress
 from bot.runs import (
     STEPS,
+    Fence,
     Run,
     StepFailed,
     Undo,
@@ -44,8 +52,11 @@ from bot.settings import Settings
 from bot.steps import Steps
 from bot.waiting import protected
 from store.db import Store
+from store.retry import Unavailable
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+Moved = tuple[bool, Job | None]  # a move's answer: whether it moved, the job as it is now
 
 
 class Pipeline(Steps):
@@ -55,12 +66,15 @@ class Pipeline(Steps):
         backends: Mapping[str, Backend],
         store: Store,
         progress: Progress,
-        owner: str | None,
+        fence: Fence,
         addressing: Addressing,
     ) -> None:
-        """`owner` is this process's runner id: every state change of a job names it,
-        so a runner that lost a job (its lease lapsed) can no longer change it."""
-        self.owner = owner
+        """`fence` is this process's runner (bot/ownership.Ownership): every state
+        change of a job names its claim, so a runner that lost a job (its lease lapsed)
+        can no longer change it, and every step waits until the runner proves it holds
+        the job."""
+        self.fence = fence
+        self.owner = fence.id
         self.addressing = addressing
         self.settings = settings
         self.backends = backends
@@ -77,7 +91,7 @@ class Pipeline(Steps):
                 job_id,
                 [JobState.QUEUED],
                 JobState.RUNNING,
-                held_by=self.owner,
+                held_by=Claim(runner=self.owner),  # its epoch is read from the answer
                 notices=[tell.updated(job_id)],
                 started_at=utcnow(),
             )
@@ -86,10 +100,14 @@ class Pipeline(Steps):
             await self.progress.job_updated(job)
             logfields.bind(backend=job.backend)
             log.info("job %s: started: %s", job_id, _summary(job))
-            run = Run(job, self.backends[job.backend])
+            run = Run(job, self.backends[job.backend], job.claim(self.owner))
             self._undo_reservation(run)
             first = await self._resume(run) if job.vm_id is not None else 0
             await self._steps(run, first)
+        except Lost:
+            # Taken over while this runner could not renew: the new owner has the VM.
+            log.warning("job %s: another runner holds it now; stopping here untouched", job_id)
+            return await self.store.get_job(job_id)
         except asyncio.CancelledError:
             if run is None:
                 return await protected(self._cancel_unstarted(job_id))
@@ -102,17 +120,18 @@ class Pipeline(Steps):
     async def _cancel_unstarted(self, job_id: str) -> Job | None:
         """Cancelled while starting: nothing was created, whichever state the job reached."""
         over = [tell.finished(job_id, RollbackReport())]
+        mine = Claim(runner=self.owner)  # started here a moment ago, if at all
         if not await self.store.transition(
             job_id, [JobState.QUEUED], JobState.CANCELLED, notices=over, finished_at=utcnow()
         ):
             await self.store.transition(
-                job_id, [JobState.RUNNING], JobState.ROLLING_BACK, held_by=self.owner
+                job_id, [JobState.RUNNING], JobState.ROLLING_BACK, held_by=mine
             )
             await self.store.transition(
                 job_id,
                 [JobState.ROLLING_BACK],
                 JobState.CANCELLED,
-                held_by=self.owner,
+                held_by=mine,
                 notices=over,
                 error="cancelled",
                 finished_at=utcnow(),
@@ -148,10 +167,30 @@ class Pipeline(Steps):
         return first
 
     async def _steps(self, run: Run, first: int = 0) -> None:
-        """Run STEPS from index `first` (0, or later when resuming after a restart)."""
-        for step in STEPS[first:]:
+        """Run STEPS from index `first` (0, or later when resuming after a restart),
+        each once the runner proves it still holds the job."""
+        for step in (*STEPS[first:], "register"):  # register: only with an IPAM record
+            paused_s = await self.fence.hold(run.job.id, run.claim.epoch)
+            if paused_s >= 1:
+                why = "the database did not answer, so this runner could not prove the job"
+                text = f"paused {paused_s:.0f} s before {step}: {why} was still its own; it is"
+                await self._recorded(run, functools.partial(self._note, run.job, step, text))
             await self._run_step(run, step)
-        await self._run_step(run, "register")  # only with an IPAM record of the address
+
+    async def _recorded(self, run: Run, write: Callable[[], Awaitable[T]]) -> T:
+        """A write of this run's progress. When the database does not take it within
+        `[store] write_retry_s`, wait as at a step boundary (paused, touching nothing)
+        until the runner proves it still holds the job, then write it again: an outage
+        of any length costs the job nothing; `Lost` if the job was taken over."""
+        while True:
+            failed_at = self.fence.clock()
+            try:
+                return await write()
+            except Unavailable as exc:
+                log.warning(
+                    "job %s: not recorded yet (%s); waiting for the database", run.job.id, exc
+                )
+                await self.fence.hold(run.job.id, run.claim.epoch, after=failed_at)
 
     async def _run_step(self, run: Run, step: str) -> None:
         req, backend, t = run.job.request, run.backend, self.timeouts
@@ -244,9 +283,14 @@ class Pipeline(Steps):
         if run.ref is None:
             ref = await backend.prepare_clone(spec)
             # Write-ahead: the id is stored and its undo pushed before anything exists.
-            if not await self.store.update_job(
-                run.job.id, held_by=self.owner, vm_id=ref.vm_id, vm_placement=ref.placement
-            ):
+            recorded = functools.partial(
+                self.store.update_job,
+                run.job.id,
+                held_by=run.claim,
+                vm_id=ref.vm_id,
+                vm_placement=ref.placement,
+            )
+            if not await self._recorded(run, recorded):
                 raise StepFailed("clone", "another process took this job over")
             run.ref = ref
             destroy = Undo(
@@ -261,7 +305,7 @@ class Pipeline(Steps):
             run.undo[:] = [u for u in run.undo if not u.vm]
             run.ref = None
             await self.store.update_job(
-                run.job.id, held_by=self.owner, vm_id=None, vm_placement=None
+                run.job.id, held_by=run.claim, vm_id=None, vm_placement=None
             )
             raise
         where = f"VM {ref.vm_id} on {ref.placement or run.job.backend}"
@@ -293,16 +337,28 @@ class Pipeline(Steps):
 
     # --- endings ------------------------------------------------------------------
 
+    async def _moved(self, run: Run, move: Callable[[], Awaitable[Moved]]) -> Moved:
+        """One of the run's moves to a new state (`_recorded`); not moved when the job
+        turned out to be another runner's while the database did not answer."""
+        try:
+            return await self._recorded(run, move)
+        except Lost:
+            return False, None
+
     async def _succeed(self, run: Run) -> Job | None:
-        moved, job = await self.store.move(
-            run.job.id,
-            [JobState.RUNNING],
-            JobState.SUCCEEDED,
-            held_by=self.owner,
-            notices=self._tell(run.job, tell.finished(run.job.id, None)),
-            final_address=run.address,
-            host_key=run.host_key,
-            finished_at=utcnow(),
+        moved, job = await self._moved(
+            run,
+            functools.partial(
+                self.store.move,
+                run.job.id,
+                [JobState.RUNNING],
+                JobState.SUCCEEDED,
+                held_by=run.claim,
+                notices=self._tell(run.job, tell.finished(run.job.id, None)),
+                final_address=run.address,
+                host_key=run.host_key,
+                finished_at=utcnow(),
+            ),
         )
         if not moved:
             log.warning("job %s: taken over by another runner before it succeeded", run.job.id)
@@ -314,12 +370,16 @@ class Pipeline(Steps):
 
     async def _roll_back(self, run: Run, final: JobState, failure: StepFailed | None) -> Job | None:
         job_id = run.job.id
-        moved, rolling = await self.store.move(
-            job_id,
-            [JobState.RUNNING],
-            JobState.ROLLING_BACK,
-            held_by=self.owner,
-            notices=self._tell(run.job, tell.updated(job_id)),
+        moved, rolling = await self._moved(
+            run,
+            functools.partial(
+                self.store.move,
+                job_id,
+                [JobState.RUNNING],
+                JobState.ROLLING_BACK,
+                held_by=run.claim,
+                notices=self._tell(run.job, tell.updated(job_id)),
+            ),
         )
         if not moved:
             # Not ours any more (taken over after our lease lapsed): the new owner
@@ -329,16 +389,20 @@ class Pipeline(Steps):
         if rolling is not None:
             await self.progress.job_updated(rolling)
         report = await self.undo(run.job, run.backend, run.undo, run.ref)
-        moved, job = await self.store.move(
-            job_id,
-            [JobState.ROLLING_BACK],
-            final,
-            held_by=self.owner,
-            notices=self._tell(run.job, tell.finished(job_id, report)),
-            failed_step=failure.step if failure else None,
-            error=failure.reason if failure else "cancelled",
-            wreckage=", ".join(report.wreckage) or None,
-            finished_at=utcnow(),
+        moved, job = await self._moved(
+            run,
+            functools.partial(
+                self.store.move,
+                job_id,
+                [JobState.ROLLING_BACK],
+                final,
+                held_by=run.claim,
+                notices=self._tell(run.job, tell.finished(job_id, report)),
+                failed_step=failure.step if failure else None,
+                error=failure.reason if failure else "cancelled",
+                wreckage=", ".join(report.wreckage) or None,
+                finished_at=utcnow(),
+            ),
         )
         if not moved:
             job = await self.store.get_job(job_id)

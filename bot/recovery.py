@@ -54,7 +54,7 @@ async def recover_interrupted(
     store, progress = pipeline.store, pipeline.progress
     if await _requeue_to_resume(pipeline, backends, job):
         return None
-    me = pipeline.owner
+    me = job.claim(pipeline.owner)  # the claim its taking over made
     if job.state is JobState.RUNNING and not await store.transition(
         job.id, [JobState.RUNNING], JobState.ROLLING_BACK, held_by=me
     ):
@@ -104,7 +104,7 @@ async def _requeue_to_resume(pipeline: Pipeline, backends: Mapping[str, Backend]
     if found is None or vm_ref(job).tag not in found.tags:
         return False
     return await pipeline.store.transition(
-        job.id, [JobState.RUNNING], JobState.QUEUED, held_by=pipeline.owner
+        job.id, [JobState.RUNNING], JobState.QUEUED, held_by=job.claim(pipeline.owner)
     )
 
 

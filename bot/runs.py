@@ -9,9 +9,11 @@ import functools
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Protocol
 
 from backends.base import Backend, BackendError, Identity, VMRef
-from bot.models import DeployRequest, Job, JobEvent, RollbackReport
+from bot.models import Claim, DeployRequest, Job, JobEvent, RollbackReport
 from bot.settings import Timeouts
 from bot.waiting import retrying
 from store.db import Store
@@ -85,10 +87,28 @@ class Undo:
     vm: bool = True  # undoes a move on the VM (False: the IPAM's record of its address)
 
 
+class Fence(Protocol):
+    """What a job's task asks its runner (bot/ownership.Ownership) before each step."""
+
+    @property
+    def id(self) -> str:
+        """The runner's id: the owner every claim of this process names."""
+        ...
+
+    clock: Callable[[], datetime]
+
+    async def hold(self, job_id: str, epoch: int | None, after: datetime | None = None) -> float:
+        """Return once the runner proves it still holds the job under `epoch` (a renewal
+        begun after `after`, if given), pausing meanwhile; raise `Lost` when it does not;
+        how long it paused (s)."""
+        ...
+
+
 @dataclass
 class Run:
     job: Job
     backend: Backend
+    claim: Claim  # what every write of this run names (the job's owner and epoch)
     ref: VMRef | None = None
     undo: list[Undo] = field(default_factory=list)
     address: str | None = None

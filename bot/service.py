@@ -89,9 +89,6 @@ class Deployer(Personal, BuildRequests):
         self.clock = clock
         ipam = ipam if ipam is not None else _configured_ipam(settings)
         self.addressing = Addressing(settings, store, self.backends, ipam, clock)
-        self.pipeline = Pipeline(
-            settings, self.backends, store, self.progress, self.runner.id, self.addressing
-        )
         self.queue = JobQueue(
             self._run_queued,
             max_running=settings.limits.max_running,
@@ -105,6 +102,9 @@ class Deployer(Personal, BuildRequests):
             takes_over=takes_over,
             recover=self._recover,
             clock=clock,
+        )
+        self.pipeline = Pipeline(
+            settings, self.backends, store, self.progress, self.ownership, self.addressing
         )
         self.approvals = Approvals(settings, store, self.progress, self.ownership.take, self._job)
         self.intake = Intake(

@@ -15,6 +15,7 @@ from bot.models import (
     HOLDING_STATES,
     TRANSITIONS,
     Approval,
+    Claim,
     Job,
     JobEvent,
     JobState,
@@ -167,13 +168,13 @@ def transition(
     job_id: str,
     expected: Iterable[JobState],
     new: JobState,
-    held_by: str | None = None,
+    held_by: Claim | None = None,
     notices: Sequence[Notice] = (),
     events: Sequence[JobEvent] = (),
     **fields: Any,
 ) -> bool:
     """Move a job from one of `expected` to `new`; False when it was not in those states
-    (or, with `held_by`, when that runner no longer owns it: a runner whose lease lapsed
+    (or, with `held_by`, when that claim no longer holds it: a runner whose lease lapsed
     and whose job was taken over must not write over the new owner's work). The
     `notices` (what chat must be told of it) and `events` (its history) are kept only if
     the move happened, in its transaction: all land, or none."""
@@ -186,7 +187,7 @@ def move(
     job_id: str,
     expected: Iterable[JobState],
     new: JobState,
-    held_by: str | None = None,
+    held_by: Claim | None = None,
     notices: Sequence[Notice] = (),
     events: Sequence[JobEvent] = (),
     **fields: Any,
@@ -212,7 +213,7 @@ def _move_sql(
     job_id: str,
     expected: tuple[JobState, ...],
     new: JobState,
-    held_by: str | None,
+    held_by: Claim | None,
     fields: dict[str, Any],
 ) -> tuple[str, dict[str, Any]]:
     for state in expected:
@@ -226,41 +227,53 @@ def _move_sql(
     marks = ", ".join(f":s{i}" for i in range(len(expected)))
     params = {**values, "new": new.value, "now": ts(utcnow()), "id": job_id}
     params.update({f"s{i}": state.value for i, state in enumerate(expected)})
-    fence = ""
-    if held_by is not None:
-        fence = " AND owner = :held_by"
-        params["held_by"] = held_by
+    sets += _new_claim(fields)
     sql = (
         f"UPDATE jobs SET state = :new, updated_at = :now{sets} "
-        f"WHERE id = :id AND state IN ({marks}){fence}"
+        f"WHERE id = :id AND state IN ({marks}){_fence(held_by, params)}"
     )
     return sql, params
+
+
+def _fence(held_by: Claim | None, params: dict[str, Any]) -> str:
+    """The condition that makes a write land only under `held_by`'s claim (the fencing
+    token: the owner, and its claim epoch when known)."""
+    if held_by is None:
+        return ""
+    params["held_by"] = held_by.runner
+    if held_by.epoch is None:
+        return " AND owner = :held_by"
+    params["held_epoch"] = held_by.epoch
+    return " AND owner = :held_by AND claim_epoch = :held_epoch"
+
+
+def _new_claim(fields: dict[str, Any]) -> str:
+    """A write that sets the owner is a new claim: its epoch goes up by one."""
+    return ", claim_epoch = claim_epoch + 1" if "owner" in fields else ""
 
 
 def update_job(
     db: Db,
     /,
     job_id: str,
-    held_by: str | None = None,
+    held_by: Claim | None = None,
     notices: Sequence[Notice] = (),
     events: Sequence[JobEvent] = (),
     **fields: Any,
 ) -> bool:
     """Set columns without a state change (the VM's durable id, the wreckage list);
-    with `held_by`, only while that runner owns the job. False when nothing changed.
+    with `held_by`, only while that claim holds the job. False when nothing changed.
     `notices` and `events` are kept in its transaction, only if the row changed."""
     unknown = set(fields) - _JOB_FIELDS
     if unknown:
         raise ValueError(f"not job columns: {sorted(unknown)}")
     values = {k: _sql_value(v) for k, v in fields.items()}
     values["updated_at"] = ts(utcnow())
-    sets = ", ".join(f"{column} = :{column}" for column in values)
-    fence = " AND owner = :held_by" if held_by is not None else ""
+    sets = ", ".join(f"{column} = :{column}" for column in values) + _new_claim(fields)
+    params = {**values, "id": job_id}
+    fence = _fence(held_by, params)
     with immediate(db):
-        cursor = db.execute(
-            f"UPDATE jobs SET {sets} WHERE id = :id{fence}",
-            {**values, "id": job_id, "held_by": held_by},
-        )
+        cursor = db.execute(f"UPDATE jobs SET {sets} WHERE id = :id{fence}", params)
         if cursor.rowcount == 1:
             outbox.add(db, notices)
             db.insert("job_events", [_row(event) for event in events])

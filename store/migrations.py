@@ -336,8 +336,13 @@ def _v13(db: Database) -> None:
     db.table("outbox").add_column("parts_sent", str)
 
 
+def _v14(db: Database) -> None:
+    """Each job's claim epoch, its fencing token (bot/models.Claim, store/owners.py)."""
+    db.execute("ALTER TABLE jobs ADD COLUMN claim_epoch INTEGER NOT NULL DEFAULT 0")
+
+
 MIGRATIONS: list[Callable[[Database], None]] = [
-    _v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9, _v10, _v11, _v12, _v13
+    _v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9, _v10, _v11, _v12, _v13, _v14
 ]  # fmt: skip
 SCHEMA_VERSION = len(MIGRATIONS)
 

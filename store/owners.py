@@ -51,6 +51,7 @@ class Owned:
     state: JobState
     cancel_requested: str | None
     local: bool = True  # run by a task in this process (renew's `local`)
+    epoch: int = 0  # its claim epoch (jobs; a build's is always 0): still this claim?
 
 
 def installation_id(db: Db) -> str:
@@ -133,18 +134,18 @@ def renew(
         # Commands this runner took from chat and is still carrying out (store/inbox.py).
         db.execute("UPDATE inbox SET until = :until WHERE holder = :me AND done_at IS NULL", params)
         rows = db.execute(
-            f"SELECT id, state, cancel_requested, CASE WHEN {runs_here} THEN 1 ELSE 0 END "
-            f"FROM jobs WHERE owner = :me AND state IN {_OWNED_SQL}",
+            f"SELECT id, state, cancel_requested, CASE WHEN {runs_here} THEN 1 ELSE 0 END, "
+            f"claim_epoch FROM jobs WHERE owner = :me AND state IN {_OWNED_SQL}",
             params,
         ).fetchall()
         # Builds held here (their states are spelled as jobs'): a cancel asked elsewhere.
         rows += db.execute(
             "SELECT id, state, cancel_requested, "
-            f"CASE WHEN id IN {here} THEN 1 ELSE 0 END FROM builds "
+            f"CASE WHEN id IN {here} THEN 1 ELSE 0 END, 0 FROM builds "
             f"WHERE owner = :me AND state IN {_BUILDS_OWNED_SQL}",
             params,
         ).fetchall()
-    return [Owned(row[0], JobState(row[1]), row[2], bool(row[3])) for row in rows]
+    return [Owned(row[0], JobState(row[1]), row[2], bool(row[3]), int(row[4])) for row in rows]
 
 
 def hand_back(db: Db, runner_id: str, ids: Collection[str]) -> int:
@@ -177,21 +178,22 @@ def claim(
     now: datetime,
     until: datetime,
     states: Iterable[JobState],
-) -> bool:
+) -> int | None:
     """Make this runner the job's owner if it is in `states` and nobody else holds it
-    (no owner, or an expired lease). One statement: two claimers, one winner."""
+    (no owner, or an expired lease); the claim's epoch (one more than the last claim's),
+    or None when it was not claimed. One statement: two claimers, one winner."""
     wanted = tuple(s.value for s in states)
     marks = ", ".join(f":s{i}" for i in range(len(wanted)))
     params: dict[str, Any] = {"id": job_id, "me": runner_id, "now": ts(now), "until": ts(until)}
     params.update({f"s{i}": s for i, s in enumerate(wanted)})
     with immediate(db):
-        cursor = db.execute(
-            f"UPDATE jobs SET owner = :me, lease_until = :until "
+        rows = db.query(
+            "UPDATE jobs SET owner = :me, lease_until = :until, claim_epoch = claim_epoch + 1 "
             f"WHERE id = :id AND state IN ({marks}) "
-            f"AND (owner IS NULL OR owner = :me OR {_EXPIRED})",
+            f"AND (owner IS NULL OR owner = :me OR {_EXPIRED}) RETURNING claim_epoch",
             params,
         )
-    return cursor.rowcount == 1
+    return int(rows[0]["claim_epoch"]) if rows else None
 
 
 def claim_queued(
@@ -206,8 +208,8 @@ def claim_queued(
     params = {"me": runner_id, "now": ts(now), "until": ts(until), "limit": limit}
     with immediate(db):
         rows = db.query(
-            "UPDATE jobs SET owner = :me, lease_until = :until WHERE id IN ("
-            f"SELECT id FROM jobs WHERE state = 'queued' AND (owner IS NULL OR {_EXPIRED}) "
+            "UPDATE jobs SET owner = :me, lease_until = :until, claim_epoch = claim_epoch + 1 "
+            f"WHERE id IN (SELECT id FROM jobs WHERE state = 'queued' AND (owner IS NULL OR {_EXPIRED}) "
             f"ORDER BY created_at, rowid LIMIT :limit{skip}) "
             "RETURNING id, backend, created_at, rowid",
             params,
@@ -237,6 +239,17 @@ def abandoned(db: Db, now: datetime) -> list[Job]:
         "ORDER BY created_at, rowid",
         {"now": ts(now)},
     )
+
+
+def registered(db: Db, runner_ids: Collection[str]) -> set[str]:
+    """Which of these runners have a row that does not say they stopped: those that may
+    be alive (a runner with no row, or one that stopped or was declared dead, is not)."""
+    params: dict[str, Any] = {}
+    which = _ids("r", runner_ids, params)
+    rows = db.execute(
+        f"SELECT id FROM runners WHERE stopped_at IS NULL AND id IN {which}", params
+    ).fetchall()
+    return {str(row[0]) for row in rows}
 
 
 def release(db: Db, runner_id: str, now: datetime) -> int:

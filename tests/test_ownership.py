@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from backends.sim import SimBackend
-from bot.models import Job, JobState, utcnow
+from bot.models import Claim, Job, JobState, utcnow
 from bot.ownership import host_identity
 from bot.parser import DeployArgs, parse
 from bot.recovery import INTERRUPTED
@@ -138,6 +138,11 @@ async def test_an_expired_lease_is_taken_over_once_and_the_old_owner_backs_off(
         await held.seen("power_on").wait()
         late.advance(LEASE_S + 1)
         async with runner(settings, sim, late) as b, runner(settings, sim, late) as c:
+            # A lapsed lease is taken over only by a runner that has renewed without a
+            # break for a whole lease itself (its owner may be alive and paused)...
+            await asyncio.gather(b.ownership.tick(), c.ownership.tick())
+            assert not (b.ownership.recovering or c.ownership.recovering)
+            late.advance(LEASE_S)  # ...as these now have
             await asyncio.gather(b.ownership.tick(), c.ownership.tick())
             await asyncio.gather(b.drain(), c.drain())
         taken = (await first.status(job.id)).job
@@ -264,7 +269,9 @@ async def test_a_dead_runner_on_this_host_frees_its_jobs_without_waiting(
         update={"owner": "rdead", "lease_until": until, "installation": store.installation_id}
     )
     await store.insert_job(job)
-    assert await store.transition(job.id, [JobState.QUEUED], JobState.RUNNING, held_by="rdead")
+    assert await store.transition(
+        job.id, [JobState.QUEUED], JobState.RUNNING, held_by=Claim(runner="rdead")
+    )
     await store.close()
     async with runner(settings, sim) as restarted:
         final = (await restarted.status(job.id)).job
@@ -280,7 +287,9 @@ async def _held_running(deployer: Deployer, text: str, owner: str, until: dateti
     store = deployer.store
     fields: dict[str, Any] = {"owner": owner, "lease_until": until}
     assert await store.transition(job.id, [JobState.AWAITING_APPROVAL], JobState.QUEUED, **fields)
-    assert await store.transition(job.id, [JobState.QUEUED], JobState.RUNNING, held_by=owner)
+    assert await store.transition(
+        job.id, [JobState.QUEUED], JobState.RUNNING, held_by=Claim(runner=owner)
+    )
     return job
 
 

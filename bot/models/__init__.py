@@ -238,6 +238,10 @@ class Job(BaseModel):
     # while the runner lives). Another process takes a job over only once that passed.
     owner: str | None = None
     lease_until: datetime | None = None
+    # Its fencing token: one more at every claim (store/owners.py, and any write that sets
+    # `owner`), so a runner's writes name the claim they act under (`Claim`), not only
+    # the runner: a task of an older claim can change nothing.
+    claim_epoch: int = 0
     # The installation whose tag its VM carries (None: a job from before tags had one).
     installation: str | None = None
     # Who asked to cancel it while another process ran it (that process acts on it).
@@ -317,6 +321,24 @@ class Job(BaseModel):
         if self.final_address is None:
             return None
         return f"ssh {self.request.user}@{self.final_address}"
+
+    def claim(self, runner: str) -> Claim:
+        """The claim `runner` acts under on this job as read (its owner, its epoch)."""
+        return Claim(runner=runner, epoch=self.claim_epoch)
+
+
+class Claim(BaseModel):
+    """A runner's hold on a job, named by every write it makes to it (the fencing
+    token): the write lands only while the job's owner is `runner` and its claim epoch
+    is `epoch`. A runner that lost the job (its lease lapsed and another took it) or a
+    task of an older claim of the same runner changes nothing. `epoch` None: any claim
+    of this runner's, only for the move that starts a queued job it claimed (its epoch is
+    read from that move's answer)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    runner: str
+    epoch: int | None = None
 
 
 class JobEvent(BaseModel):

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
-from bot.models import Approval, Job, JobEvent, JobState, Notice
+from bot.models import Approval, Claim, Job, JobEvent, JobState, Notice
 from store import destroys, durations, jobs, quarantine, quotas
 from store.access.base import Access
 from store.quarantine import Quarantined
@@ -65,12 +65,12 @@ class JobAccess(Access):
         expected: Iterable[JobState],
         new: JobState,
         *,
-        held_by: str | None = None,
+        held_by: Claim | None = None,
         notices: Sequence[Notice] = (),
         events: Sequence[JobEvent] = (),
         **fields: Any,
     ) -> bool:
-        """Compare-and-set; with `held_by`, only while that runner owns the job. The
+        """Compare-and-set; with `held_by`, only while that claim holds the job. The
         `notices` and `events` are kept in the same transaction, and only if the job
         moved."""
         moved = await self._write(
@@ -85,7 +85,7 @@ class JobAccess(Access):
         expected: Iterable[JobState],
         new: JobState,
         *,
-        held_by: str | None = None,
+        held_by: Claim | None = None,
         notices: Sequence[Notice] = (),
         events: Sequence[JobEvent] = (),
         **fields: Any,
@@ -101,7 +101,7 @@ class JobAccess(Access):
         self,
         job_id: str,
         *,
-        held_by: str | None = None,
+        held_by: Claim | None = None,
         notices: Sequence[Notice] = (),
         events: Sequence[JobEvent] = (),
         **fields: Any,

@@ -41,7 +41,8 @@ class OwnerAccess(Access):
         now: datetime,
         until: datetime,
         states: Iterable[JobState] = (JobState.QUEUED,),
-    ) -> bool:
+    ) -> int | None:
+        """The claim's epoch, or None when another holds the job (store/owners.claim)."""
         return await self._call(owners.claim, job_id, runner_id, now, until, tuple(states))
 
     async def claim_queued(
@@ -52,6 +53,10 @@ class OwnerAccess(Access):
 
     async def abandoned(self, now: datetime) -> list[Job]:
         return await self._call(owners.abandoned, now)
+
+    async def registered_runners(self, runner_ids: Collection[str]) -> set[str]:
+        """Those of these runners that may be alive (store/owners.registered)."""
+        return await self._call(owners.registered, frozenset(runner_ids))
 
     async def release_runner(self, runner_id: str, now: datetime) -> int:
         return await self._call(owners.release, runner_id, now)

@@ -141,9 +141,11 @@ _V12 = [
 
 _V13 = ["ALTER TABLE outbox ADD COLUMN parts_sent TEXT"]
 
+_V14 = ["ALTER TABLE jobs ADD COLUMN claim_epoch BIGINT NOT NULL DEFAULT 0"]
+
 # version -> the statements that bring the schema from the version before to it.
 STEPS: dict[int, list[str]] = {
-    6: _V6, 7: _V7, 8: _V8, 9: _V9, 10: _V10, 11: _V11, 12: _V12, 13: _V13
+    6: _V6, 7: _V7, 8: _V8, 9: _V9, 10: _V10, 11: _V11, 12: _V12, 13: _V13, 14: _V14
 }  # fmt: skip
 
 # What a constraint protects, as SQLite names it in its errors (store/sql.Conflict).
