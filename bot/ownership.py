@@ -172,6 +172,8 @@ class Ownership:
         self.held: dict[str, int] = {}
         self.watching_since: datetime | None = None
         self._renewed = asyncio.Event()
+        self.paused: set[str] = set()  # jobs waiting in `hold` now (tests, operators' log)
+        self.on_pause = asyncio.Event()  # set when a job pauses (tests wait for it)
         self.closing = False
         self._loop: asyncio.Task[None] | None = None
         # A finished job frees a slot: look for queued work soon, not at the next tick
@@ -283,22 +285,26 @@ class Ownership:
         step, or before writing again after the database did not answer: `after`, when
         that was); meanwhile pause: touch nothing. Raises `Lost` when a renewal shows
         the job is no longer this claim's. Returns how long it paused (s)."""
-        began: float | None = None
-        loop = asyncio.get_running_loop()
-        while not self.proven(job_id, epoch, after):
-            if began is None:
-                began = loop.time()
-                log.warning(
-                    "job %s: paused: this runner cannot prove it still holds the job "
-                    "(its lease is not renewed: the database is not answering)",
-                    job_id,
-                )
-            await self._renewed.wait()
-            found = self.held.get(job_id)
-            if found is None or (epoch is not None and found != epoch):
-                raise Lost(job_id)
-        if began is None:
+        if self.proven(job_id, epoch, after):
             return 0.0
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        log.warning(
+            "job %s: paused: this runner cannot prove it still holds the job (its lease "
+            "is not renewed: the database is not answering)",
+            job_id,
+        )
+        self.paused.add(job_id)
+        self.on_pause.set()
+        try:
+            while not self.proven(job_id, epoch, after):
+                await self._renewed.wait()
+                found = self.held.get(job_id)
+                if found is None or (epoch is not None and found != epoch):
+                    log.warning("job %s: another runner holds it now (lost while paused)", job_id)
+                    raise Lost(job_id)
+        finally:
+            self.paused.discard(job_id)
         paused_s = loop.time() - began
         log.warning("job %s: held again after a pause of %.1f s; going on", job_id, paused_s)
         return paused_s

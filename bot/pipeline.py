@@ -52,7 +52,6 @@ from bot.settings import Settings
 from bot.steps import Steps
 from bot.waiting import protected
 from store.db import Store
-from store.retry import Unavailable
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -171,26 +170,11 @@ class Pipeline(Steps):
         each once the runner proves it still holds the job."""
         for step in (*STEPS[first:], "register"):  # register: only with an IPAM record
             paused_s = await self.fence.hold(run.job.id, run.claim.epoch)
-            if paused_s >= 1:
-                why = "the database did not answer, so this runner could not prove the job"
-                text = f"paused {paused_s:.0f} s before {step}: {why} was still its own; it is"
+            if paused_s:
+                why = "the database did not answer, so the bot could not prove the job"
+                text = f"paused {paused_s:.1f} s before {step}: {why} was still its own; it is"
                 await self._recorded(run, functools.partial(self._note, run.job, step, text))
             await self._run_step(run, step)
-
-    async def _recorded(self, run: Run, write: Callable[[], Awaitable[T]]) -> T:
-        """A write of this run's progress. When the database does not take it within
-        `[store] write_retry_s`, wait as at a step boundary (paused, touching nothing)
-        until the runner proves it still holds the job, then write it again: an outage
-        of any length costs the job nothing; `Lost` if the job was taken over."""
-        while True:
-            failed_at = self.fence.clock()
-            try:
-                return await write()
-            except Unavailable as exc:
-                log.warning(
-                    "job %s: not recorded yet (%s); waiting for the database", run.job.id, exc
-                )
-                await self.fence.hold(run.job.id, run.claim.epoch, after=failed_at)
 
     async def _run_step(self, run: Run, step: str) -> None:
         req, backend, t = run.job.request, run.backend, self.timeouts

@@ -5,6 +5,7 @@ thread, and once more when it is back), every failure mapped to `StepFailed`."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 from datetime import datetime
@@ -16,10 +17,11 @@ from bot import progress as tell
 from bot.addressing import Addressing
 from bot.models import Job, JobEvent, Notice, utcnow
 from bot.progress import Progress
-from bot.runs import Run, StepFailed
+from bot.runs import Fence, Run, StepFailed
 from bot.settings import Timeouts
 from bot.waiting import retrying
 from store.db import Store
+from store.retry import Unavailable
 
 log = logging.getLogger("bot.pipeline")
 T = TypeVar("T")
@@ -36,6 +38,7 @@ class Steps:
     progress: Progress
     timeouts: Timeouts
     addressing: Addressing
+    fence: Fence
 
     async def _step(
         self,
@@ -47,10 +50,9 @@ class Steps:
     ) -> None:
         job = run.job
         logfields.bind(step=step)
-        await self.store.add_event(
-            JobEvent(job_id=job.id, step=step, phase="started", detail=detail),
-            self._told(job, tell.step_started(job.id, step, detail)),
-        )
+        started = JobEvent(job_id=job.id, step=step, phase="started", detail=detail)
+        told = self._told(job, tell.step_started(job.id, step, detail))
+        await self._recorded(run, functools.partial(self.store.add_event, started, told))
         await self.progress.step_started(job, step, detail)
         loop = asyncio.get_running_loop()
         began = loop.time()
@@ -60,16 +62,11 @@ class Steps:
             elapsed = loop.time() - began
             # The operator's record; the person is told through the thread.
             log.warning("job %s: %s failed after %.1f s: %s", job.id, step, elapsed, failure.reason)
-            await self.store.add_event(
-                JobEvent(
-                    job_id=job.id,
-                    step=step,
-                    phase="failed",
-                    duration_s=elapsed,
-                    detail=failure.reason,
-                ),
-                self._told(job, tell.step_finished(job.id, step, elapsed, False, failure.reason)),
+            event = JobEvent(
+                job_id=job.id, step=step, phase="failed", duration_s=elapsed, detail=failure.reason
             )
+            told = self._told(job, tell.step_finished(job.id, step, elapsed, False, failure.reason))
+            await self._recorded(run, functools.partial(self.store.add_event, event, told))
             await self.progress.step_finished(job, step, elapsed, False, failure.reason)
             raise
         elapsed = loop.time() - began
@@ -79,11 +76,27 @@ class Steps:
         )
         # Awaited before the line is shown: recovery reads these events to know which
         # steps are done (a resumed job must not redo or lose a finished clone).
-        await self.store.add_event(
-            JobEvent(job_id=job.id, step=step, phase="finished", duration_s=elapsed, detail=done),
-            self._told(job, tell.step_finished(job.id, step, elapsed, True, done)),
+        event = JobEvent(
+            job_id=job.id, step=step, phase="finished", duration_s=elapsed, detail=done
         )
+        told = self._told(job, tell.step_finished(job.id, step, elapsed, True, done))
+        await self._recorded(run, functools.partial(self.store.add_event, event, told))
         await self.progress.step_finished(job, step, elapsed, True, done)
+
+    async def _recorded(self, run: Run, write: Callable[[], Awaitable[T]]) -> T:
+        """A write of this run's progress. When the database does not take it within
+        `[store] write_retry_s`, wait as at a step boundary (paused, touching nothing)
+        until the runner proves it still holds the job, then write it again: an outage
+        of any length costs the job nothing; `Lost` if the job was taken over."""
+        while True:
+            failed_at = self.fence.clock()
+            try:
+                return await write()
+            except Unavailable as exc:
+                log.warning(
+                    "job %s: not recorded yet (%s); waiting for the database", run.job.id, exc
+                )
+                await self.fence.hold(run.job.id, run.claim.epoch, after=failed_at)
 
     async def _call(
         self, run: Run, step: str, timeout_s: float, action: Callable[[], Awaitable[T]]

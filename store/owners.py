@@ -209,8 +209,8 @@ def claim_queued(
     with immediate(db):
         rows = db.query(
             "UPDATE jobs SET owner = :me, lease_until = :until, claim_epoch = claim_epoch + 1 "
-            f"WHERE id IN (SELECT id FROM jobs WHERE state = 'queued' AND (owner IS NULL OR {_EXPIRED}) "
-            f"ORDER BY created_at, rowid LIMIT :limit{skip}) "
+            "WHERE id IN (SELECT id FROM jobs WHERE state = 'queued' "
+            f"AND (owner IS NULL OR {_EXPIRED}) ORDER BY created_at, rowid LIMIT :limit{skip}) "
             "RETURNING id, backend, created_at, rowid",
             params,
         )
