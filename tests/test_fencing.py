@@ -161,7 +161,7 @@ async def test_a_lapsed_lease_of_a_runner_that_stopped_is_taken_at_once(
     store = await Store.open(settings.database, password=settings.database_password)
     try:
         lapsed = clock.now - timedelta(seconds=1)
-        jobs = {}
+        jobs: dict[str, str] = {}
         for name, (runner_id, stopped) in {
             "s01": ("r-stopped", True),
             "a01": ("r-alive", False),
