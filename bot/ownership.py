@@ -65,6 +65,7 @@ from bot.queue import JobQueue
 from bot.settings import OwnershipSettings
 from bot.waiting import woken
 from store.db import Store
+from store.engine import is_database_error
 from store.owners import Owned, RunnerRow
 
 log = logging.getLogger(__name__)
@@ -203,6 +204,7 @@ class Ownership:
     async def _every_tick(self) -> None:
         loop = asyncio.get_running_loop()
         renewed_at = loop.time()
+        failing = False
         while True:
             nudged = await woken(self._wake, self.settings.tick_s)
             await asyncio.sleep(WAKE_DEBOUNCE_S if nudged else 0)  # pacing, not sync
@@ -213,8 +215,15 @@ class Ownership:
                     continue
                 renewed_at = loop.time()
                 await self.tick()
-            except Exception:
-                log.exception("runner %s: a tick failed; trying again", self.id)
+                if failing:
+                    log.warning("runner %s: renewing again", self.id)
+                failing = False
+            except Exception as exc:
+                if not is_database_error(exc):
+                    log.exception("runner %s: a tick failed; trying again", self.id)
+                elif not failing:  # once per outage, not every tick_s while it lasts
+                    log.warning("runner %s: cannot renew (%s); jobs pause", self.id, exc)
+                    failing = True
 
     def local_ids(self) -> set[str]:
         """The jobs and builds a task of this process runs (or will, queued here) now."""
