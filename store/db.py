@@ -20,6 +20,7 @@ from store.engine import BUSY_TIMEOUT_MS, Engine, SqliteEngine
 from store.jobs import AlreadyDelivered, DuplicateActive
 from store.quarantine import Quarantined, RowUnreadable
 from store.retry import RetryPolicy
+from store.sql import Db
 
 __all__ = ["AlreadyDelivered", "DuplicateActive", "Quarantined", "RowUnreadable", "Store"]
 
@@ -75,6 +76,25 @@ class Store(JobAccess, OwnerAccess, ApprovalAccess, MessageAccess, PeopleAccess)
     async def integrity_check(self) -> str:
         return await self.engine.integrity_check()
 
-    async def ping(self) -> None:
-        """Ask the database the cheapest question; raises what its driver raises."""
-        await self.engine.call(lambda db: db.query("SELECT 1 AS one"))
+    async def ping(self, wait_s: float = 1.0) -> None:
+        """Whether the database could record something now; raises what its driver
+        raises. Asked inside a write transaction: on SQLite that takes the file's write
+        lock (BEGIN IMMEDIATE, then rolled back, nothing written), so a file another
+        process holds locked answers "database is locked" after `wait_s`, where a bare
+        SELECT 1 (which reads no page) would answer at once."""
+        await self.engine.call(_can_write, wait_s)
+
+
+def _can_write(db: Db, wait_s: float) -> None:
+    if db.dialect != "sqlite":
+        with db.transaction():
+            db.query("SELECT 1 AS one")
+        return
+    # Waiting no longer than `wait_s`: the store's one thread is not held by a probe.
+    (usual_ms,) = db.execute("PRAGMA busy_timeout").fetchone()
+    db.execute(f"PRAGMA busy_timeout = {int(wait_s * 1000)}")
+    try:
+        with db.transaction():
+            db.query("SELECT 1 AS one")
+    finally:
+        db.execute(f"PRAGMA busy_timeout = {int(usual_ms)}")

@@ -165,8 +165,11 @@ class SqliteEngine:
         in a later batch while the file is locked past the busy timeout (store/retry.py).
         A failed batch rolled back whole, so each of its writes is run again alone."""
 
-        async def attempt(_left_s: float) -> T:
-            return await self._writer.write(fn, self.db, *args, **kwargs)
+        async def attempt(left_s: float) -> T:
+            # The wait for another process's lock is part of the window, not added to it
+            # (a window of 0, no retries, keeps the busy timeout).
+            wait_s = left_s if self._retry.window_s > 0 else None
+            return await self._writer.write_within(wait_s, fn, self.db, *args, **kwargs)
 
         return await retrying(attempt, self._retry, self.label)
 

@@ -5,7 +5,9 @@ if the connection fails under it, the database rolled it back, so running the wh
 function again from the start (fresh reads, the same compare-and-set) lands its state
 change, its events and its notices once, or not at all. What is retried is only what
 says the database could not be reached: a lost or refused connection, a server
-shutting down, SQLite's lock held past its busy timeout, a transient I/O error. A
+shutting down, SQLite's lock held past its busy timeout, a transient I/O error, a file
+that became read-only (an operator can make it writable again within the window; until
+then nothing can be recorded, as when the server is down). A
 constraint that refused a write (`Conflict`) or a compare-and-set that found another
 state are answers, and are never retried. Nor is a connection lost during COMMIT: the
 transaction may have landed, and running it again could land it twice (`Unavailable`
@@ -30,7 +32,19 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 # SQLite's result codes (extended ones start with these) that mean "not now".
-_SQLITE_TRANSIENT = ("SQLITE_BUSY", "SQLITE_LOCKED", "SQLITE_IOERR")
+_SQLITE_LOCKED = ("SQLITE_BUSY", "SQLITE_LOCKED")
+_SQLITE_TRANSIENT = (*_SQLITE_LOCKED, "SQLITE_IOERR", "SQLITE_READONLY")
+# What an operator should look at, by SQLite's result code.
+_SQLITE_HINTS = {
+    "SQLITE_BUSY": "another process holds the file's write lock (a sqlite3 shell or a "
+    "backup in a transaction?)",
+    "SQLITE_LOCKED": "another process holds the file's write lock",
+    "SQLITE_READONLY": "the file, its -wal and -shm files or their directory are not "
+    "writable by this process: check their owner and mode, and whether the filesystem "
+    "is mounted read-only",
+    "SQLITE_IOERR": "the disk refused a read or write: check the filesystem (mounted "
+    "read-only after errors? full? an immutable file, lsattr?)",
+}
 # PostgreSQL's SQLSTATEs of a server going away: class 08 (connection exception),
 # admin_shutdown, crash_shutdown, cannot_connect_now. A client-side failure (refused,
 # closed, lost) has no SQLSTATE at all.
@@ -70,6 +84,19 @@ def transient(exc: BaseException) -> bool:
     return state is None or state.startswith("08") or state in _PG_SHUTDOWN
 
 
+def locked(exc: BaseException) -> bool:
+    """Whether `exc` is SQLite's "database is locked": another process's write lock was
+    held for as long as we waited. Contention, not yet an outage."""
+    name = getattr(exc, "sqlite_errorname", "") or ""
+    return isinstance(exc, sqlite3.OperationalError) and name.startswith(_SQLITE_LOCKED)
+
+
+def hint(exc: BaseException) -> str:
+    """What to check, for the log, when SQLite says why it cannot write; else ""."""
+    name = getattr(exc, "sqlite_errorname", "") or ""
+    return next((text for code, text in _SQLITE_HINTS.items() if name.startswith(code)), "")
+
+
 async def retrying(attempt: Callable[[float], Awaitable[T]], policy: RetryPolicy, label: str) -> T:
     """`attempt(seconds_left)` until it answers, raises what is not `transient`, or the
     window ends (then `Unavailable` naming `label`, the database)."""
@@ -92,7 +119,11 @@ async def retrying(attempt: Callable[[float], Awaitable[T]], policy: RetryPolicy
                     f"error: {_reason(exc)}"
                 ) from exc
             log.warning(
-                "%s: a write failed (%s); running it again in %.2f s", label, _reason(exc), delay
+                "%s: a write failed (%s%s); running it again in %.2f s",
+                label,
+                _reason(exc),
+                f"; {hint(exc)}" if hint(exc) else "",
+                delay,
             )
             if policy.on_retry is not None:
                 policy.on_retry(exc)

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import functools
 import sqlite3
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ParamSpec, TypeVar
@@ -32,7 +33,9 @@ class Writer:
     def __init__(self, executor: ThreadPoolExecutor, conn: sqlite3.Connection) -> None:
         self._executor = executor
         self._conn = conn
-        self._pending: list[tuple[Callable[[], Any], asyncio.Future[Any]]] = []
+        # Each write with its deadline (time.monotonic()), or None: the connection's own
+        # busy timeout.
+        self._pending: list[tuple[Callable[[], Any], asyncio.Future[Any], float | None]] = []
         self._draining: asyncio.Task[None] | None = None
 
     async def call(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
@@ -43,8 +46,16 @@ class Writer:
     async def write(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """Run `fn` in the next batch of writes; its result once the batch is committed.
         A cancelled caller stops waiting, not the write (as with any thread call)."""
+        return await self.write_within(None, fn, *args, **kwargs)
+
+    async def write_within(
+        self, wait_s: float | None, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs
+    ) -> T:
+        """`write`, waiting for another process's lock no longer than `wait_s` from now
+        (queued behind other calls included): then SQLite's "database is locked"."""
         done: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-        self._pending.append((functools.partial(fn, *args, **kwargs), done))
+        deadline = None if wait_s is None else time.monotonic() + wait_s
+        self._pending.append((functools.partial(fn, *args, **kwargs), done, deadline))
         if self._draining is None or self._draining.done():
             self._draining = asyncio.create_task(self._drain(), name="store-writes")
         return await done
@@ -57,23 +68,44 @@ class Writer:
         loop = asyncio.get_running_loop()
         while self._pending:
             batch, self._pending = self._pending, []
-            calls = [fn for fn, _done in batch]
+            calls = [fn for fn, _done, _deadline in batch]
+            deadlines = [d for _fn, _done, d in batch]
+            deadline = None if None in deadlines else max(d for d in deadlines if d is not None)
             try:
-                outcomes = await loop.run_in_executor(self._executor, _together, self._conn, calls)
+                outcomes = await loop.run_in_executor(
+                    self._executor, _waiting_until, deadline, self._conn, calls
+                )
             except Exception as exc:  # not from SQLite: still every caller hears it
                 outcomes = [(None, exc)] * len(batch)
             except BaseException:  # cancelled (the loop is going away): nobody may hang
-                for _fn, done in batch + self._pending:
+                for _fn, done, _deadline in batch + self._pending:
                     done.cancel()
                 self._pending = []
                 raise
-            for (_fn, done), (value, error) in zip(batch, outcomes, strict=True):
+            for (_fn, done, _deadline), (value, error) in zip(batch, outcomes, strict=True):
                 if done.done():  # its caller was cancelled; the write stands
                     continue
                 if error is None:
                     done.set_result(value)
                 else:
                     done.set_exception(error)
+
+
+def _waiting_until(
+    deadline: float | None, conn: sqlite3.Connection, calls: list[Callable[[], Any]]
+) -> list[Outcome]:
+    """`_together`, with SQLite's busy timeout cut to what is left before `deadline`
+    (counted here, on the thread: time spent queued behind other calls is spent), so a
+    write waits for another process's lock no longer than its retry window allows."""
+    if deadline is None:
+        return _together(conn, calls)
+    (usual_ms,) = conn.execute("PRAGMA busy_timeout").fetchone()
+    left_ms = max(0, int((deadline - time.monotonic()) * 1000))
+    conn.execute(f"PRAGMA busy_timeout = {min(int(usual_ms), left_ms)}")
+    try:
+        return _together(conn, calls)
+    finally:
+        conn.execute(f"PRAGMA busy_timeout = {int(usual_ms)}")
 
 
 def _together(conn: sqlite3.Connection, calls: list[Callable[[], Any]]) -> list[Outcome]:
