@@ -26,6 +26,7 @@ from tests.test_sqlite_locked import held
 SETTINGS = "\n[store]\nwrite_retry_s = 6\n[ownership]\nlease_s = 20\ntick_s = 0.5\n"
 DEPLOYS = 4
 SHORT_S = 2.0  # the scenario: a lock shorter than write_retry_s, not a synchronisation
+LONG_S = 9.0  # and one longer than write_retry_s (6 s)
 Served = tuple[Proc, Path, SlackThread]
 
 
@@ -85,5 +86,23 @@ def test_deploys_under_a_lock_shorter_than_the_window_wait_and_land(served: Serv
         time.sleep(SHORT_S)  # the lock's length: the scenario
     settled = ("succeeded", "failed")
     until(lambda: all(jobs(path).get(n, ("",))[0] in settled for n in names), slack, "final", 60)
+    found = {n: jobs(path)[n] for n in names}
+    assert all(state == "succeeded" for state, _e in found.values()), found
+
+
+def test_deploys_under_a_lock_longer_than_the_window_pause_and_land(served: Served) -> None:
+    """Past `write_retry_s` a deploy's progress write is not lost and the deploy is not
+    rolled back: its runner cannot renew either, so the deploy pauses (bot/ownership.py
+    `hold`) and carries on once the file is free. Before fencing, each ended `failed`
+    ("interrupted: the database stopped answering")."""
+    server, path, slack = served
+    names = [f"l{n:02d}" for n in range(DEPLOYS)]
+    for n, name in enumerate(names):
+        assert command(server, slack, f"{name} 10.20.3.{100 + n}")[0] == 200
+    until(lambda: any(jobs(path).get(n, ("",))[0] == "running" for n in names), slack, "running")
+    with held(path):
+        time.sleep(LONG_S)  # the lock's length: the scenario
+    settled = ("succeeded", "failed")
+    until(lambda: all(jobs(path).get(n, ("",))[0] in settled for n in names), slack, "final", 90)
     found = {n: jobs(path)[n] for n in names}
     assert all(state == "succeeded" for state, _e in found.values()), found
