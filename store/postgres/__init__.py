@@ -42,6 +42,7 @@ CONNECT_TIMEOUT_S = 10.0
 # While the server is away, how long one attempt of a write waits for the pool to hand
 # it a connection (the pool reconnects in the background) before it is retried.
 POOL_WAIT_S = 5.0
+RECONNECT_S = 2.0  # how long the pool keeps reconnecting with backoff before starting over
 # A deadlock's victim is run again; so many times before its caller hears.
 RACE_RETRIES = 20
 _RACES = (errors.SerializationFailure, errors.DeadlockDetected)
@@ -89,6 +90,12 @@ class PostgresEngine:
             kwargs={"autocommit": True},
             open=False,
             name="deploybot-store",
+            # After the server went away the pool reconnects with a doubling backoff
+            # (1, 2, 4 ... s) for up to this long, then starts again when a caller
+            # waits: without a bound, a runner could stay cut off for as long as its
+            # outage lasted again after the server is back, and lose its jobs to a
+            # runner whose pool happened to retry sooner (bot/ownership.py fencing).
+            reconnect_timeout=RECONNECT_S,
         )
         executor = ThreadPoolExecutor(max_workers=pool_size, thread_name_prefix="deploybot-pg")
         loop = asyncio.get_running_loop()
