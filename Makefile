@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint install clean bench lock netbox guest-image
+.PHONY: demo test lint docs install clean bench lock netbox guest-image
 
 # Installs exactly what requirements-test.lock names, each file checked by its hash; the
 # ranges in pyproject.toml are what `make lock` resolves the lock files from.
@@ -26,7 +26,14 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-test: lint
+# The documentation site (mkdocs.yml, docs/), built strict into a folder thrown away
+# afterwards: a link to a page or an anchor that does not exist fails it. (Not --quiet:
+# mkdocs 1.6 then drops the warnings before --strict counts them, and passes.)
+docs: $(STAMP)
+	site=$$(mktemp -d) && $(BIN)/mkdocs build --strict --site-dir "$$site"; \
+		status=$$?; rm -rf "$$site"; exit $$status
+
+test: lint docs
 	$(BIN)/pytest
 
 # Optional, needs the network: the real NetBox (its own Python >= 3.12 venv, in

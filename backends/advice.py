@@ -39,7 +39,8 @@ def tls_advice(backend: str, where: str, ca_bundle: Path | str | None, exc: ssl.
     if "KEY_TOO_SMALL" in reason or "key too weak" in verify or "too small" in str(exc):
         return (
             f"the certificate of {where} has a key too small for this machine's OpenSSL: "
-            "give the server a certificate with a 2048-bit RSA key or larger (see README)"
+            "give the server a certificate with a 2048-bit RSA key or larger "
+            "(see docs/backends.md)"
         )
     if isinstance(exc, ssl.SSLCertVerificationError):
         detail = exc.verify_message or reason or "verification failed"
@@ -51,7 +52,7 @@ def tls_advice(backend: str, where: str, ca_bundle: Path | str | None, exc: ssl.
             )
         return (
             f"the certificate of {where} {UNTRUSTED} ({detail}): set ca_bundle = "
-            f'"/path/to/ca.pem" in [[backends]] {backend} (see README)'
+            f'"/path/to/ca.pem" in [[backends]] {backend} (see docs/backends.md)'
         )
     return f"the TLS handshake with {where} failed ({reason or exc}): check its certificate"
 

@@ -1,6 +1,7 @@
-"""The README's demo as a test: `deploybot deploy web01 10.0.0.50 --backend pve` against
-the fake Proxmox API, as a separate process, prints the SSH line. The config the fake
-writes sends the SSH check through its jump host, for 10.0.0.50 and 127.0.10.50 alike."""
+"""The demo of docs/backends.md ("Trying the real backends locally") as a test:
+`deploybot deploy web01 10.0.0.50 --backend pve` against the fake Proxmox API, as a
+separate process, prints the SSH line. The config the fake writes sends the SSH check
+through its jump host, for 10.0.0.50 and 127.0.10.50 alike."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def free_port() -> int:
 
 
 def config_file(tmp_path: Path, fake: FakePVE) -> Path:
-    """The config the fake writes for the README's demo, with roomier timeouts."""
+    """The config the fake writes for the docs' demo, with roomier timeouts."""
     path = tmp_path / "deploybot.toml"
     text = config_text(fake, tmp_path, fake.cluster.guest.ssh_port)
     path.write_text(text + "\n[timeouts]\naddress_s = 30\nssh_s = 30\n", encoding="utf-8")

@@ -1,6 +1,8 @@
-"""The README's configuration examples load: a reader who copies one gets a valid file.
+"""The documentation's configuration examples load: a reader who copies one gets a valid
+file.
 
-Each ```toml block of README.md that sets `[images]` is loaded on top of the bundled
+Each ```toml block of README.md and the pages in docs/ (the [images] recipes are in
+docs/templates.md) that sets `[images]` is loaded on top of the bundled
 example configuration, through the same `load_settings` the bot starts with. A
 placeholder digest (`sha256:...`) is the one thing a reader must fill in, so it is
 replaced by a well-formed digest first; anything else wrong in a block fails here.
@@ -15,12 +17,20 @@ from typing import Any
 
 from bot.settings import BUNDLED_CONFIG, load_settings
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+TEMPLATES_PAGE = ROOT / "docs" / "templates.md"
 PLACEHOLDER_DIGEST = re.compile(r"sha256:\.\.\.|sha256:<[^>]*>")
 
 
 def _toml_blocks() -> list[str]:
-    return re.findall(r"^```toml\n(.*?)^```", README.read_text(encoding="utf-8"), re.M | re.S)
+    return [
+        block
+        for page in PAGES
+        for block in re.findall(
+            r"^```toml\n(.*?)^```", page.read_text(encoding="utf-8"), re.M | re.S
+        )
+    ]
 
 
 def _images_blocks() -> list[dict[str, Any]]:
@@ -35,7 +45,7 @@ def _images_blocks() -> list[dict[str, Any]]:
 
 def test_every_images_example_in_the_readme_loads(tmp_path: Path) -> None:
     blocks = _images_blocks()
-    assert len(blocks) >= 2, "the README's [images] examples are gone"
+    assert len(blocks) >= 2, "the docs' [images] examples are gone"
     for data in blocks:
         # smoke_subnet must name a configured subnet: give the examples the one they name.
         subnets = [{"name": "lab", "cidr": "10.0.0.0/24", "gateway": "10.0.0.1"}]
@@ -53,7 +63,7 @@ def test_the_local_mirror_recipe_sets_what_a_debian_build_needs(tmp_path: Path) 
     """The offline recipe: a local image and checksum file, and the agent's packages
     (a Debian cloud image ships without qemu-guest-agent)."""
     mirror = [d for d in _images_blocks() if "debian-12" in d["images"].get("profiles", {})]
-    assert mirror, "the README has no local-mirror recipe for debian-12"
+    assert mirror, "the docs have no local-mirror recipe for debian-12"
     settings = load_settings(
         BUNDLED_CONFIG, images=mirror[0]["images"], log_file=str(tmp_path / "bot.log")
     )
@@ -67,6 +77,7 @@ def test_the_local_mirror_recipe_sets_what_a_debian_build_needs(tmp_path: Path) 
 
 def test_the_readme_build_example_does_not_collide_with_the_fakes_templates() -> None:
     """The fake Proxmox seeds `debian-12`, a template deploybot did not build, so the
-    README's build example passes another `--name`."""
-    example = re.search(r"\$ deploybot template build .*", README.read_text(encoding="utf-8"))
+    build example of docs/templates.md passes another `--name`."""
+    text = TEMPLATES_PAGE.read_text(encoding="utf-8")
+    example = re.search(r"\$ deploybot template build .*", text)
     assert example is not None and "--name debian-12-gold" in example.group(0)

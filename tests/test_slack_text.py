@@ -244,7 +244,7 @@ def test_the_usage_hint_names_every_kind_of_command() -> None:
 
 
 def test_the_readme_set_up_lists_the_scopes_once() -> None:
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "slack.md").read_text()
     step = readme[readme.index("1. **Create the app from") : readme.index("2. **Install it**")]
     assert step.count("the bot uses:") == 1
     for scope in BOT_SCOPES:

@@ -190,8 +190,8 @@ def address_in_flight(address: str, job_id: str) -> str:
 
 def token_missing(variable: str, what: str) -> str:
     return (
-        f"{variable} is not set: put the {what} in the environment (see README, Slack "
-        "set-up); deploybot serve did not start."
+        f"{variable} is not set: put the {what} in the environment (see docs/slack.md, "
+        "Slack set-up); deploybot serve did not start."
     )
 
 
@@ -266,8 +266,8 @@ COMMAND_RESUMED = (
 
 
 # A command that came while the database did not answer (bot/inbox.NotKept): refused
-# within Slack's 3 s, and never carried out later (README: "When the database is not
-# answering").
+# within Slack's 3 s, and never carried out later (docs/operations.md: "When the database
+# goes away").
 STORE_NOT_ANSWERING = (
     "I can't record requests right now (the database is not answering); try again in a "
     "minute. Nothing was done with this command."

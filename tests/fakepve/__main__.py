@@ -1,4 +1,5 @@
-"""Run the fake Proxmox VE API on its own, for the README demo and the benchmark.
+"""Run the fake Proxmox VE API on its own, for the demo in docs/backends.md and the
+benchmark.
 
     .venv/bin/python -m tests.fakepve --port 8006 --ssh-port 2222
 

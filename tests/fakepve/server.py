@@ -1,5 +1,5 @@
 """The fake Proxmox VE API over HTTPS on 127.0.0.1 (aiohttp), for tests, the benchmark
-and the README's demo.
+and the docs' demo (docs/backends.md).
 
 Every request is authenticated (API token, or ticket cookie with the CSRF header on
 writes), checked against the real schema (400 `Parameter verification failed.` with the
