@@ -289,11 +289,20 @@ async def answer(deployer: Deployer, user: str, text: str) -> list[str]:
     """Run the text after `/deploy` for `user` (the shell); always returns reply lines,
     never raises."""
     try:
-        return plain(await COMMANDS.reply(Invocation(deployer, user), parse(text)))
+        command = parse(text)
+    except DeployBotError as exc:
+        return exc.message.splitlines()
+    return await answer_command(deployer, user, command)
+
+
+async def answer_command(deployer: Deployer, user: str, command: object) -> list[str]:
+    """Carry out a parsed command (the shell); reply lines, never an exception."""
+    try:
+        return plain(await COMMANDS.reply(Invocation(deployer, user), command))
     except DeployBotError as exc:
         return exc.message.splitlines()
     except Exception:
-        log.exception("command %r by %s failed", text, user)
+        log.exception("command %r by %s failed", command, user)
         return [messages.INTERNAL_ERROR.format(log=deployer.settings.log_file)]
 
 

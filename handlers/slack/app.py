@@ -31,7 +31,7 @@ from slack_sdk.web.async_client import AsyncWebClient
 
 from bot import inbox, logfields
 from bot.errors import DeployBotError, UsageError
-from bot.parser import Command, DeployArgs, ListVMs, ShowSettings, parse
+from bot.parser import DeployArgs, ListVMs, ShowSettings, parse
 from bot.service import Deployer
 from handlers import messages
 from handlers.commands import COMMANDS, Invocation, SlackWay, plain
@@ -279,7 +279,7 @@ class SlackBot:
     async def carry_out(
         self,
         key: str,
-        command: Command,
+        command: object,  # a Command; one nobody registered is refused (handlers/commands.py)
         user: str,
         channel: str,
         *,
