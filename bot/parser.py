@@ -45,6 +45,7 @@ from bot.models import JOB_REF_RE, MIN_JOB_REF, MIN_MEMORY_MIB
 __all__ = [
     "SUBCOMMAND_USAGE",
     "USAGE",
+    "USAGES",
     "Approve",
     "BuildTemplate",
     "Cancel",
@@ -70,7 +71,10 @@ USAGE = (
     "/deploy NAME [ADDRESS[/PREFIX]] [template=T] [on=BACKEND|NODE] [storage=S] "
     "[subnet=S] [cpu=N] [mem=4G] [disk=+20G] [user=U] [upgrade=yes|no] [lease=7d|never]"
 )
-SUBCOMMAND_USAGE = {
+# Each command's usage line, by the command's words (handlers/commands.py registers the
+# commands under these names, and `help` lists these lines).
+USAGES = {
+    "deploy": USAGE,
     "help": "/deploy help",
     "status": "/deploy status JOB (or BUILD)",
     "history": "/deploy history [N]",
@@ -82,10 +86,23 @@ SUBCOMMAND_USAGE = {
     "settings": "/deploy settings",
     "destroy": "/deploy destroy NAME (or JOB)",
     "list": "/deploy list [mine|all|@USER] [page=N]",
-    "lease": "/deploy lease extend NAME [7d]",
-    "template": "/deploy template build PROFILE [on=BACKEND] [node=N] [storage=S] [name=X] "
-    "| /deploy template profiles",
+    "lease extend": "/deploy lease extend NAME [7d]",
+    "template build": "/deploy template build PROFILE [on=BACKEND] [node=N] [storage=S] [name=X]",
+    "template profiles": "/deploy template profiles",
 }
+
+
+def _by_first_word(usages: dict[str, str]) -> dict[str, str]:
+    """The usage a mistake after a first word shows: every command that starts with it."""
+    shown: dict[str, str] = {}
+    for words, usage in usages.items():
+        if words != "deploy":  # the deploy starts with the VM's name, not a keyword
+            head = words.split()[0]
+            shown[head] = f"{shown[head]} | {usage}" if head in shown else usage
+    return shown
+
+
+SUBCOMMAND_USAGE = _by_first_word(USAGES)
 BUILD_KEYS = ("on", "node", "storage", "name")
 KEYS = ("template", "on", "storage", "subnet", "cpu", "mem", "disk", "user", "upgrade", "lease")
 JOB_ID_RE = JOB_REF_RE  # a whole job id, or the first MIN_JOB_REF or more characters

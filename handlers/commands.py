@@ -1,16 +1,32 @@
-"""Text commands to replies: the dispatch every text front end shares."""
+"""The command registry: every `/deploy` command, declared once, for every front end.
+
+A command is its words and arguments (the dataclass in bot/commands.py, parsed by
+bot/parser.py, whose usage line is `USAGES[words]`), and here one `Spec`: who may run
+it, its handler, and how Slack shows it. The shell (handlers/terminal.py), Slack
+(handlers/slack/app.py) and the CLI where it offers the same command (handlers/entry.py:
+`list`, `lease extend`) all dispatch through `COMMANDS`, and `help` is generated from
+it; a command missing here is answered with the same message everywhere.
+
+Who may run a command is declared for `help`; the core enforces it (bot/approvals.py,
+bot/destroy.py, bot/leases.py, ...), because most rules need the job (its requester).
+"""
 
 from __future__ import annotations
 
+import enum
 import logging
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from datetime import UTC, tzinfo
+from typing import Any, Generic, TypeVar
 
 from bot.errors import DeployBotError
-from bot.models import utcnow
+from bot.models import check_ssh_key, utcnow
 from bot.parser import (
+    USAGES,
     Approve,
     BuildTemplate,
     Cancel,
-    Command,
     DeployArgs,
     Destroy,
     ExtendLease,
@@ -27,84 +43,185 @@ from bot.parser import (
 )
 from bot.service import Deployer, VMPage
 from handlers import messages
+from handlers.messages import usage
 
 log = logging.getLogger(__name__)
 
+Reply = Sequence[str | messages.Said]
 
-async def answer(deployer: Deployer, user: str, text: str) -> list[str]:
-    """Run the text after `/deploy` for `user`; always returns reply lines, never raises."""
+
+class Who(enum.Enum):
+    """Who may run a command, as the core decides it."""
+
+    ANYONE = "anyone"
+    DEPLOYERS = "deployers"  # everyone unless approval.deployers names them
+    APPROVERS = "approvers"  # never on their own request
+    REQUESTER_OR_APPROVERS = "requester or approvers"
+    OWNER_APPROVERS_DESTROYERS = "owner, approvers or destroyers"
+
+
+class SlackWay(enum.Enum):
+    """How Slack answers a command (it must acknowledge within 3 s)."""
+
+    KEPT = "kept"  # kept in the inbox before the ack, carried out after it, answered
+    IN_ACK = "in_ack"  # answered inside the ack: it needs no look-up
+    VIEW = "view"  # Slack's own view of it, not kept (SlackBot.views: a form, a page)
+
+
+async def _utc() -> tzinfo:
+    return UTC
+
+
+@dataclass(frozen=True)
+class Invocation:
+    """One person running one command, and what their front end adds to it."""
+
+    deployer: Deployer
+    user: str
+    key: str | None = None  # Slack: the command's inbox key; a redelivery dedupes on it
+    origin: str | None = None  # Slack: the channel a new job's thread goes to
+    slack: bool = False  # Slack: check the name and address first; people as mentions
+    zone: Callable[[], Awaitable[tzinfo]] = _utc  # the reader's time zone, asked if needed
+
+
+C = TypeVar("C")
+
+
+@dataclass(frozen=True)
+class Spec(Generic[C]):
+    """One command: the type `parse` returns for it, its words (`USAGES`' key), who may
+    run it, and its handler, which returns the reply lines."""
+
+    type: type[C]
+    words: str
+    who: Who
+    run: Callable[[Invocation, C], Awaitable[Reply]]
+    slack: SlackWay = SlackWay.KEPT
+    table: bool = False  # its reply is a table: Slack sets it in monospace
+    # A problem found without any look-up (Slack says it inside the ack), or None.
+    check: Callable[[C], str | None] | None = None
+
+    @property
+    def usage(self) -> str:
+        return USAGES[self.words]
+
+    @property
+    def keyword(self) -> str | None:
+        """The first word a person types for it; None for the deploy (NAME first)."""
+        return None if self.type is DeployArgs else self.words.split()[0]
+
+
+class Registry:
+    """The commands, in the order `help` lists them (the deploy first)."""
+
+    def __init__(self, specs: Sequence[Spec[Any]]) -> None:
+        self._specs = tuple(specs)
+        self._by_type = {spec.type: spec for spec in specs}
+        if len(self._by_type) != len(self._specs):
+            raise ValueError("a command type is registered twice")
+
+    def __iter__(self) -> Iterator[Spec[Any]]:
+        return iter(self._specs)
+
+    def find(self, command: object) -> Spec[Any] | None:
+        return self._by_type.get(type(command))
+
+    def of(self, command: object) -> Spec[Any]:
+        """The spec of a parsed command; a command nobody registered is refused with
+        the same message in every front end."""
+        spec = self.find(command)
+        if spec is None:
+            log.error("no command registered for %s", type(command).__name__)
+            raise DeployBotError(usage.unknown_command())
+        return spec
+
+    async def reply(self, invocation: Invocation, command: object) -> Reply:
+        return await self.of(command).run(invocation, command)
+
+    def keywords(self) -> list[str]:
+        """The first words of the commands, once each, in `help`'s order."""
+        words = [spec.keyword for spec in self._specs if spec.keyword]
+        return list(dict.fromkeys(words))
+
+    def help(self) -> list[str]:
+        return usage.help_lines([(s.words, s.usage, s.who.value) for s in self._specs])
+
+
+# --- the handlers ---------------------------------------------------------------------
+
+
+async def _deploy(inv: Invocation, command: DeployArgs) -> Reply:
+    job = await inv.deployer.request_deploy(
+        command, inv.user, origin=inv.origin, dedupe_key=inv.key, check_free_first=inv.slack
+    )
+    return [messages.accepted(job)]
+
+
+async def _help(inv: Invocation, command: Help) -> Reply:
+    return COMMANDS.help()
+
+
+async def _status(inv: Invocation, command: Status) -> Reply:
+    d = inv.deployer
+    if command.job_id.startswith("b"):  # a template build
+        return messages.build_status(await d.builds.get(command.job_id))
+    return messages.status_said(await d.status(command.job_id))
+
+
+async def _history(inv: Invocation, command: History) -> Reply:
+    return messages.history(await inv.deployer.history(command.limit))
+
+
+async def _cancel(inv: Invocation, command: Cancel) -> Reply:
+    d = inv.deployer
+    if command.job_id.startswith("b"):  # a template build
+        return [messages.build_cancelling(await d.cancel_build(command.job_id, inv.user))]
+    return [messages.cancelling(await d.cancel(command.job_id, inv.user))]
+
+
+async def _templates(inv: Invocation, command: Templates) -> Reply:
+    """Every backend's templates, with what deploybot built of them."""
+    found = await inv.deployer.templates()
+    return messages.templates(found, await inv.deployer.template_builds())
+
+
+async def _approve(inv: Invocation, command: Approve) -> Reply:
+    d, user = inv.deployer, inv.user
+    if command.job_id.startswith("b"):  # a template build
+        build = await d.decide_build(command.job_id, user, True, dedupe_key=inv.key)
+        return [messages.build_decided_answer(build)]
+    job = await d.approve(command.job_id, user, dedupe_key=inv.key)
+    return [messages.Said(messages.approve_answer(job, user), (user,))]
+
+
+async def _reject(inv: Invocation, command: Reject) -> Reply:
+    d, user, reason = inv.deployer, inv.user, command.reason
+    if command.job_id.startswith("b"):  # a template build
+        build = await d.decide_build(command.job_id, user, False, reason, dedupe_key=inv.key)
+        return [messages.build_decided_answer(build)]
+    job = await d.reject(command.job_id, user, reason, dedupe_key=inv.key)
+    return [messages.slack_reject_answer(job) if inv.slack else messages.reject_answer(job)]
+
+
+async def _key(inv: Invocation, command: SaveKey) -> Reply:
+    return [messages.key_saved(await inv.deployer.save_ssh_key(inv.user, command.text))]
+
+
+def _key_problem(command: SaveKey) -> str | None:
     try:
-        return await run_command(deployer, user, parse(text))
-    except DeployBotError as exc:
-        return exc.message.splitlines()
-    except Exception:
-        log.exception("command %r by %s failed", text, user)
-        return [messages.INTERNAL_ERROR.format(log=deployer.settings.log_file)]
+        check_ssh_key(command.text)
+    except ValueError as exc:
+        return messages.bad_ssh_key(str(exc))
+    return None
 
 
-async def run_command(deployer: Deployer, user: str, command: Command) -> list[str]:
-    """Carry out a parsed command and word the reply; front ends that need more (Slack's
-    delivery keys and mentions) handle those commands first and pass on the rest."""
-    match command:
-        case DeployArgs():
-            job = await deployer.request_deploy(command, user)
-            return [messages.accepted(job)]
-        case Help():
-            return messages.HELP.splitlines()
-        case Status(job_id) if job_id.startswith("b"):  # a template build
-            return [said.text for said in messages.build_status(await deployer.builds.get(job_id))]
-        case Status(job_id):
-            return messages.status(await deployer.status(job_id))
-        case History(limit):
-            return messages.history(await deployer.history(limit))
-        case Cancel(job_id) if job_id.startswith("b"):  # a template build
-            return [messages.build_cancelling(await deployer.cancel_build(job_id, user))]
-        case Cancel(job_id):
-            return [messages.cancelling(await deployer.cancel(job_id, user))]
-        case Templates():
-            return await templates_answer(deployer)
-        case TemplateProfiles():
-            return messages.profiles_table(deployer.settings.images.all_profiles())
-        case BuildTemplate():
-            build = await deployer.request_build(
-                command.profile,
-                command.on,
-                user,
-                placement=command.node,
-                storage=command.storage,
-                name=command.name,
-            )
-            return [messages.build_accepted(build)]
-        case Approve(job_id) if job_id.startswith("b"):  # a template build
-            return [messages.build_decided_answer(await deployer.decide_build(job_id, user, True))]
-        case Reject(job_id, reason) if job_id.startswith("b"):
-            build = await deployer.decide_build(job_id, user, False, reason)
-            return [messages.build_decided_answer(build)]
-        case Approve(job_id):
-            job = await deployer.approve(job_id, user)
-            return [messages.approve_answer(job, user)]
-        case Reject(job_id, reason):
-            job = await deployer.reject(job_id, user, reason)
-            return [messages.reject_answer(job)]
-        case SaveKey(text):
-            return [messages.key_saved(await deployer.save_ssh_key(user, text))]
-        case ShowSettings():
-            return messages.user_settings(await deployer.prefs(user))
-        case Destroy(target):
-            return [messages.destroy_answer(await deployer.request_destroy(target, user))]
-        case ExtendLease(target, length_s):
-            job = await deployer.extend_lease(target, user, length_s)
-            return [messages.lease_extended_answer(job)]
-        case ListVMs():
-            page = await list_page(deployer, user, command)
-            return messages.list_lines(page, user, utcnow())
-    return messages.HELP.splitlines()
+async def _settings(inv: Invocation, command: ShowSettings) -> Reply:
+    return messages.user_settings(await inv.deployer.prefs(inv.user))
 
 
-async def templates_answer(deployer: Deployer) -> list[str]:
-    """`/deploy templates`: every backend's templates, with what deploybot built of them."""
-    found = await deployer.templates()
-    return messages.templates(found, await deployer.template_builds())
+async def _destroy(inv: Invocation, command: Destroy) -> Reply:
+    job = await inv.deployer.request_destroy(command.target, inv.user, dedupe_key=inv.key)
+    return [messages.destroy_answer(job)]
 
 
 LIST_PER_PAGE = 10  # rows a page; Slack's Block Kit page stays far under 50 blocks
@@ -114,3 +231,86 @@ async def list_page(deployer: Deployer, user: str, command: ListVMs) -> VMPage:
     """The page `/deploy list` asks for: mine (default), all, or one person's."""
     whose = None if command.everyone else (command.user or user)
     return await deployer.list_vms(whose, command.page, LIST_PER_PAGE)
+
+
+async def _list(inv: Invocation, command: ListVMs) -> Reply:
+    page = await list_page(inv.deployer, inv.user, command)
+    return messages.list_lines(page, inv.user, utcnow())
+
+
+async def _extend(inv: Invocation, command: ExtendLease) -> Reply:
+    # A replayed command extends once (its key).
+    job = await inv.deployer.extend_lease(
+        command.target, inv.user, command.length_s, dedupe_key=inv.key
+    )
+    return [messages.lease_extended_answer(job, await inv.zone())]
+
+
+async def _build(inv: Invocation, command: BuildTemplate) -> Reply:
+    build = await inv.deployer.request_build(
+        command.profile,
+        command.on,
+        inv.user,
+        placement=command.node,
+        storage=command.storage,
+        name=command.name,
+        origin=inv.origin,  # Slack: its thread follows in this channel (threads.py)
+    )
+    return [messages.build_accepted(build)]
+
+
+async def _profiles(inv: Invocation, command: TemplateProfiles) -> Reply:
+    return messages.profiles_table(inv.deployer.settings.images.all_profiles())
+
+
+ANYONE, IN_ACK, VIEW = Who.ANYONE, SlackWay.IN_ACK, SlackWay.VIEW
+COMMANDS = Registry(
+    [
+        Spec(DeployArgs, "deploy", Who.DEPLOYERS, _deploy),
+        Spec(Help, "help", ANYONE, _help, slack=IN_ACK),
+        Spec(Status, "status", ANYONE, _status, table=True),
+        Spec(History, "history", ANYONE, _history, table=True),
+        Spec(Cancel, "cancel", Who.REQUESTER_OR_APPROVERS, _cancel),
+        Spec(Templates, "templates", ANYONE, _templates, table=True),
+        Spec(Approve, "approve", Who.APPROVERS, _approve),
+        Spec(Reject, "reject", Who.APPROVERS, _reject),
+        Spec(SaveKey, "key", ANYONE, _key, check=_key_problem),
+        Spec(ShowSettings, "settings", ANYONE, _settings, slack=VIEW),
+        Spec(Destroy, "destroy", Who.OWNER_APPROVERS_DESTROYERS, _destroy),
+        Spec(ListVMs, "list", ANYONE, _list, slack=VIEW),
+        Spec(ExtendLease, "lease extend", Who.REQUESTER_OR_APPROVERS, _extend),
+        Spec(BuildTemplate, "template build", Who.DEPLOYERS, _build),
+        Spec(TemplateProfiles, "template profiles", ANYONE, _profiles, table=True),
+    ]
+)
+
+
+async def answer(deployer: Deployer, user: str, text: str) -> list[str]:
+    """Run the text after `/deploy` for `user` (the shell); always returns reply lines,
+    never raises."""
+    try:
+        command = parse(text)
+    except DeployBotError as exc:
+        return exc.message.splitlines()
+    return await answer_command(deployer, user, command)
+
+
+async def answer_command(deployer: Deployer, user: str, command: object) -> list[str]:
+    """Carry out a parsed command (the shell); reply lines, never an exception."""
+    try:
+        return plain(await COMMANDS.reply(Invocation(deployer, user), command))
+    except DeployBotError as exc:
+        return exc.message.splitlines()
+    except Exception:
+        log.exception("command %r by %s failed", command, user)
+        return [messages.INTERNAL_ERROR.format(log=deployer.settings.log_file)]
+
+
+async def reply_text(deployer: Deployer, user: str, command: object) -> list[str]:
+    """A command's reply as text lines (the CLI); errors propagate to its exit codes."""
+    return plain(await COMMANDS.reply(Invocation(deployer, user), command))
+
+
+def plain(lines: Reply) -> list[str]:
+    """Reply lines as text, for a front end that shows no mentions."""
+    return [line.text if isinstance(line, messages.Said) else line for line in lines]

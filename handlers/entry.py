@@ -15,13 +15,12 @@ from bot.builds import retire
 from bot.check import run_checks
 from bot.cli import default_user, run
 from bot.errors import ConfigError
-from bot.models import JobState, utcnow
+from bot.models import JobState
 from bot.models.builds import BuildState
-from bot.parser import DeployArgs, ListVMs, parse
+from bot.parser import DeployArgs, ExtendLease, ListVMs, parse
 from bot.runtime import make_backend, open_store, running_deployer, secret_problems
 from bot.settings import Settings
-from handlers import messages
-from handlers.commands import list_page
+from handlers import commands, messages
 from handlers.demo import run_demo
 from handlers.terminal import Shell, TerminalBuilds, TerminalThread
 
@@ -72,8 +71,8 @@ async def list_vms(args: argparse.Namespace, settings: Settings) -> int:
     async with running_deployer(
         settings, TerminalThread(), runner_kind="list", takes_over=False, start=False
     ) as deployer:  # only reads the store: no runner, no recovery
-        page = await list_page(deployer, me, command)
-    print("\n".join(messages.list_lines(page, me, utcnow())))
+        lines = await commands.reply_text(deployer, me, command)
+    print("\n".join(lines))
     return 0
 
 
@@ -97,8 +96,9 @@ async def lease(args: argparse.Namespace, settings: Settings) -> int:
     async with running_deployer(
         settings, TerminalThread(), runner_kind="lease", takes_over=False, start=False
     ) as deployer:
-        job = await deployer.extend_lease(args.target, args.user, args.length)
-    print(messages.lease_extended_answer(job))
+        command = ExtendLease(args.target, args.length)
+        lines = await commands.reply_text(deployer, args.user, command)
+    print("\n".join(lines))
     return 0
 
 

@@ -16,7 +16,8 @@ from bot.models import Job, JobState, RollbackReport
 from bot.models.builds import Build
 from bot.service import Deployer
 from handlers import messages
-from handlers.commands import answer
+from handlers.commands import COMMANDS, answer
+from handlers.messages import usage
 
 
 class TerminalThread:
@@ -86,15 +87,16 @@ class Shell:
                 self.user = words[1]
                 self._reply([messages.switched_user(self.user)])
             return True
+        shortcuts = [word for word in COMMANDS.keywords() if word != "help"]
         if head in ("help", "/help"):
-            self._reply(messages.SHELL_HELP.splitlines())
+            self._reply(usage.shell_help(shortcuts))
             return True
         if head == "/deploy":
             command = text[len(words[0]) :]
-        elif head in ("approve", "reject", "status", "cancel", "history", "destroy", "list"):
+        elif head in shortcuts:  # every command of the registry, without /deploy
             command = text
         else:
-            self._reply([messages.unknown_shell_input()])
+            self._reply([usage.unknown_shell_input(shortcuts)])
             return True
         self._reply(await answer(self.deployer, self.user, command))
         return True

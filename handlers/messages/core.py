@@ -9,36 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from bot.models import Job, JobState, RollbackReport
-from bot.parser import SUBCOMMAND_USAGE, USAGE
 from handlers.messages.destroys import destroy_update, destroy_withdrawn, destroyed
 from handlers.messages.text import STATE_LABELS, step_label
-
-HELP = "\n".join(
-    [
-        "Deploy a VM from a template:",
-        f"  {USAGE}",
-        "  e.g. /deploy web01 10.0.0.50 mem=4G disk=+20G",
-        "Other commands:",
-        *(f"  {usage}" for name, usage in SUBCOMMAND_USAGE.items() if name != "help"),
-        "Defaults: template, size and login user come from the configuration; "
-        "upgrade=no unless you say upgrade=yes.",
-        "Each VM gets a lease (lease=7d, up to the maximum here): I remind you before it "
-        "ends, power the VM off at the end and destroy it after a grace period, unless "
-        "you extend it.",
-    ]
-)
-
-SHELL_HELP = "\n".join(
-    [
-        "Type what you would type in Slack: /deploy help, /deploy web01 10.0.0.50, ...",
-        "  as NAME              act as another person (to approve, for instance)",
-        "  approve JOB          short for /deploy approve JOB",
-        "  reject JOB REASON    short for /deploy reject JOB REASON",
-        "  destroy NAME         short for /deploy destroy NAME",
-        "  list [all|@USER]     short for /deploy list ...",
-        "  quit                 leave, once running deploys have finished",
-    ]
-)
 
 INTERNAL_ERROR = (
     "Sorry, something went wrong on my side and nothing was changed. "
@@ -193,13 +165,6 @@ def cancelling(job: Job) -> str:
     if job.state is JobState.CANCELLED:
         return f"Job {job.id} cancelled before it started; nothing was built."
     return f"Cancelling job {job.id}: whatever was built is being removed. Watch the thread."
-
-
-def unknown_shell_input() -> str:
-    return (
-        "I only understand /deploy ..., as NAME, approve JOB, reject JOB REASON, destroy NAME, "
-        "list and quit."
-    )
 
 
 def switched_user(user: str) -> str:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from slack_bolt.async_app import AsyncApp
@@ -31,28 +31,10 @@ from slack_sdk.web.async_client import AsyncWebClient
 
 from bot import inbox, logfields
 from bot.errors import DeployBotError, UsageError
-from bot.models import check_ssh_key
-from bot.parser import (
-    Approve,
-    BuildTemplate,
-    Command,
-    DeployArgs,
-    Destroy,
-    ExtendLease,
-    Help,
-    History,
-    ListVMs,
-    Reject,
-    SaveKey,
-    ShowSettings,
-    Status,
-    TemplateProfiles,
-    Templates,
-    parse,
-)
+from bot.parser import DeployArgs, ListVMs, ShowSettings, parse
 from bot.service import Deployer
 from handlers import messages
-from handlers.commands import run_command
+from handlers.commands import COMMANDS, Invocation, SlackWay, plain
 from handlers.slack import interact, views
 from handlers.slack.catalog import Catalog
 from handlers.slack.home import HomeTabs
@@ -61,6 +43,9 @@ from handlers.slack.respond import ResponseUrls
 from handlers.slack.threads import SlackThreads
 
 log = logging.getLogger(__name__)
+
+# Slack's own view of a command: (command, user, channel, trigger_id, response_url).
+OwnView = Callable[[Any, str, str, str, str | None], Coroutine[Any, Any, None]]
 
 
 def make_client(token: str, base_url: str) -> AsyncWebClient:
@@ -124,6 +109,11 @@ class SlackBot:
         self.home.register(self.app)
         deployer.progress.listeners.append(self.home)
         interact.register(self)
+        # The commands the registry says Slack shows in a view of its own (SlackWay.VIEW).
+        self.own_views: dict[type[Any], OwnView] = {
+            ShowSettings: self._settings_form,
+            ListVMs: self._list_page,
+        }
 
     # --- tasks and answers --------------------------------------------------------
 
@@ -230,6 +220,16 @@ class SlackBot:
 
     # --- /deploy ------------------------------------------------------------------
 
+    async def _settings_form(
+        self, command: ShowSettings, user: str, channel: str, trigger: str, reply_url: str | None
+    ) -> None:
+        await interact.open_settings(self, trigger, user, channel)
+
+    async def _list_page(
+        self, command: ListVMs, user: str, channel: str, trigger: str, reply_url: str | None
+    ) -> None:
+        await interact.show_list(self, channel, user, command, reply_url=reply_url)
+
     async def on_command(self, ack: AsyncAck, body: dict[str, Any]) -> None:
         user, channel = str(body["user_id"]), str(body["channel_id"])
         text = views.typed(str(body.get("text") or ""))  # kept and parsed as typed
@@ -243,24 +243,22 @@ class SlackBot:
             return
         try:
             command = parse(text)
-            if isinstance(command, SaveKey):
-                check_ssh_key(command.text)  # answered at once: it needs no look-up
-        except (UsageError, ValueError) as exc:
-            problem = exc.message if isinstance(exc, UsageError) else messages.bad_ssh_key(str(exc))
+            spec = COMMANDS.of(command)
+        except DeployBotError as exc:  # the grammar's, or a command nobody registered
+            problem: str | None = exc.message
+        else:
+            problem = spec.check(command) if spec.check else None
+        if problem:  # answered at once: it needs no look-up
             await _answer_in_ack(ack, problem, [problem])
             self.spawn(self.deployer.audit(user, "command", problem))
             return
-        if isinstance(command, Help):
-            lines = messages.HELP.splitlines()
+        if spec.slack is SlackWay.IN_ACK:
+            lines = plain(await spec.run(Invocation(self.deployer, user), command))
             await _answer_in_ack(ack, lines[0], lines)
             return
-        if isinstance(command, ShowSettings):
+        if spec.slack is SlackWay.VIEW:  # a form or a page: nothing to keep for another process
             await ack()
-            self.spawn(interact.open_settings(self, trigger, user, channel))
-            return
-        if isinstance(command, ListVMs):  # a read: nothing to keep for another process
-            await ack()
-            self.spawn(interact.show_list(self, channel, user, command, reply_url=reply_url))
+            self.spawn(self.own_views[spec.type](command, user, channel, trigger, reply_url))
             return
         key = f"command:{trigger}"
         try:  # kept before the ack: should this process die, another carries it out
@@ -281,7 +279,7 @@ class SlackBot:
     async def carry_out(
         self,
         key: str,
-        command: Command,
+        command: object,  # a Command; one nobody registered is refused (handlers/commands.py)
         user: str,
         channel: str,
         *,
@@ -292,8 +290,17 @@ class SlackBot:
         response_url, when it still takes one), and strike it from the inbox. A command
         `resumed` from a stopped process that made a job also says so in its thread."""
         logfields.bind(request=key)
-        mono = isinstance(command, Status | History | Templates | TemplateProfiles)
-        work = self._run(command, user, channel, key)
+        invocation = Invocation(
+            self.deployer,
+            user,
+            key=key,
+            origin=channel,
+            slack=True,
+            zone=lambda: self.zones.of(user),  # lease ends in the reader's zone
+        )
+        spec = COMMANDS.find(command)
+        work = COMMANDS.reply(invocation, command)  # a command nobody registered: refused
+        mono = spec is not None and spec.table
         await self.answering(channel, user, work, mono=mono, reply_url=reply_url)
         if resumed and isinstance(command, DeployArgs):
             await inbox.tell_resumed(self.deployer, key, messages.COMMAND_RESUMED)
@@ -325,52 +332,6 @@ class SlackBot:
                 await self.sweep_inbox()
             except Exception:
                 log.exception("looking for commands left by stopped processes failed")
-
-    async def _run(
-        self, command: Command, user: str, channel: str, key: str
-    ) -> Sequence[str | messages.Said]:
-        d = self.deployer
-        match command:
-            case DeployArgs():
-                job = await d.request_deploy(
-                    command, user, origin=channel, dedupe_key=key, check_free_first=True
-                )
-                return [messages.accepted(job)]
-            case Status(job_id) if job_id.startswith("b"):  # a build; both name people
-                return messages.build_status(await d.builds.get(job_id))
-            case Status(job_id):
-                return messages.status_said(await d.status(job_id))
-            case Approve(job_id) if job_id.startswith("b"):  # a template build
-                build = await d.decide_build(job_id, user, True, dedupe_key=key)
-                return [messages.build_decided_answer(build)]
-            case Reject(job_id, reason) if job_id.startswith("b"):
-                build = await d.decide_build(job_id, user, False, reason, dedupe_key=key)
-                return [messages.build_decided_answer(build)]
-            case Approve(job_id):
-                job = await d.approve(job_id, user, dedupe_key=key)
-                return [messages.Said(messages.approve_answer(job, user), (user,))]
-            case Reject(job_id, reason):
-                job = await d.reject(job_id, user, reason, dedupe_key=key)
-                return [messages.slack_reject_answer(job)]
-            case Destroy(target):
-                job = await d.request_destroy(target, user, dedupe_key=key)
-                return [messages.destroy_answer(job)]
-            case BuildTemplate():  # its thread follows in this channel (threads.py)
-                build = await d.request_build(
-                    command.profile,
-                    command.on,
-                    user,
-                    placement=command.node,
-                    storage=command.storage,
-                    name=command.name,
-                    origin=channel,
-                )
-                return [messages.build_accepted(build)]
-            case ExtendLease(target, length_s):  # a replayed command extends once
-                job = await d.extend_lease(target, user, length_s, dedupe_key=key)
-                zone = await self.zones.of(user)  # the end in the reader's zone
-                return [messages.lease_extended_answer(job, zone)]
-        return await run_command(d, user, command)
 
 
 async def _answer_in_ack(ack: AsyncAck, text: str, lines: Sequence[str]) -> None:
