@@ -57,6 +57,7 @@ import socket
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +132,15 @@ class Runner:
         return cls(new_runner_id(), kind, host_identity(), os.getpid())
 
 
+class Proof(Enum):
+    """What this runner can show about its claim on a job (`Ownership.proven`)."""
+
+    HELD = "held"
+    LOST = "lost"
+    ABSENT = "absent"
+    UNPROVEN = "unproven"
+
+
 class Lost(Exception):
     """This runner no longer holds the job (another took it over while this one could
     not renew): its task stops without touching the VM or the job."""
@@ -172,6 +182,7 @@ class Ownership:
         self.renewed_at: datetime | None = None
         self.held: dict[str, int] = {}
         self.watching_since: datetime | None = None
+        self._renewed_mono: float | None = None  # loop time the last renewal began
         self._renewed = asyncio.Event()
         self.paused: set[str] = set()  # jobs waiting in `hold` now (tests, operators' log)
         self.on_pause = asyncio.Event()  # set when a job pauses (tests wait for it)
@@ -260,10 +271,14 @@ class Ownership:
         except Exception:
             self.proven_until = self.watching_since = None
             raise
-        if loop.time() - began > self.settings.tick_s:
-            # As slow as a tick: a live owner elsewhere may have missed its renewals
-            # meanwhile, so this runner has not watched the database without a break.
+        gap = began - self._renewed_mono if self._renewed_mono is not None else 0.0
+        if loop.time() - began > self.settings.tick_s or gap > 3 * self.settings.tick_s:
+            # As slow as a tick, or long since the last renewal (this process stalled,
+            # or a tick hung on another call): a live owner elsewhere may have missed
+            # its renewals meanwhile unseen, so this runner has not watched the
+            # database without a break.
             self.watching_since = None
+        self._renewed_mono = began
         self.proven_until, self.renewed_at = self.lease_until(now), now
         self.held = {o.job_id: o.epoch for o in held}
         if self.watching_since is None:
@@ -278,42 +293,68 @@ class Ownership:
         since = self.watching_since
         return since is not None and now - since >= timedelta(seconds=self.settings.lease_s)
 
-    def proven(self, job_id: str, epoch: int | None, after: datetime | None = None) -> bool:
-        """Whether the last renewal (one begun after `after`, if given) proves this
-        runner still holds the job under `epoch`: its lease has not run out, and the
-        renewal did not find the job gone or claimed again. A job claimed since that
-        renewal is not in it, and is held by the claim's own lease."""
+    def proven(self, job_id: str, epoch: int | None, after: datetime | None = None) -> Proof:
+        """What the last renewal (one begun after `after`, if given) proves about this
+        runner's claim on the job: HELD (its lease has at least a tick left and the
+        renewal found the job under `epoch`), LOST (found under another epoch),
+        ABSENT (its lease holds, but the renewal did not list the job: claimed since,
+        or taken over; `hold` asks the store which) or UNPROVEN (no renewal, or its
+        lease has run out or is about to)."""
         now, until, at = self.clock(), self.proven_until, self.renewed_at
-        if until is None or at is None or now >= until or (after is not None and at <= after):
-            return False
+        margin = timedelta(seconds=self.settings.tick_s)  # a tick's room for the step
+        if until is None or at is None or now >= until - margin:
+            return Proof.UNPROVEN
+        if after is not None and at <= after:
+            return Proof.UNPROVEN
         found = self.held.get(job_id)
-        return found is None or epoch is None or found == epoch
+        if found is None:
+            return Proof.ABSENT
+        return Proof.HELD if epoch is None or found == epoch else Proof.LOST
+
+    async def _still_mine(self, job_id: str, epoch: int | None) -> Proof:
+        """Ask the store about a job the last renewal did not list: HELD or LOST, or
+        UNPROVEN when the store does not answer."""
+        try:
+            job = await self.store.get_job(job_id)
+        except Exception as exc:
+            if not is_database_error(exc):
+                raise
+            return Proof.UNPROVEN
+        if job is None or job.owner != self.id:
+            return Proof.LOST
+        return Proof.HELD if epoch is None or job.claim_epoch == epoch else Proof.LOST
+
+    async def _proof(self, job_id: str, epoch: int | None, after: datetime | None) -> Proof:
+        proof = self.proven(job_id, epoch, after)
+        return await self._still_mine(job_id, epoch) if proof is Proof.ABSENT else proof
 
     async def hold(self, job_id: str, epoch: int | None, after: datetime | None = None) -> float:
         """Return once this runner can prove it holds the job under `epoch` (before a
         step, or before writing again after the database did not answer: `after`, when
-        that was); meanwhile pause: touch nothing. Raises `Lost` when a renewal shows
-        the job is no longer this claim's. Returns how long it paused (s)."""
-        if self.proven(job_id, epoch, after):
+        that was); meanwhile pause: touch nothing. Raises `Lost` once it is another
+        claim's. Returns how long it paused (s)."""
+        proof = await self._proof(job_id, epoch, after)
+        if proof is Proof.HELD:
             return 0.0
         loop = asyncio.get_running_loop()
         began = loop.time()
-        log.warning(
-            "job %s: paused: this runner cannot prove it still holds the job (its lease "
-            "is not renewed: the database is not answering)",
-            job_id,
-        )
+        if proof is Proof.UNPROVEN:
+            log.warning(
+                "job %s: paused: this runner cannot prove it still holds the job (its lease "
+                "is not renewed: the database is not answering)",
+                job_id,
+            )
         self.paused.add(job_id)
         self.on_pause.set()
         try:
-            while not self.proven(job_id, epoch, after):
+            while proof is Proof.UNPROVEN:
                 await self._renewed.wait()
-                found = self.held.get(job_id)
-                if found is None or (epoch is not None and found != epoch):
-                    log.warning("job %s: another runner holds it now (lost while paused)", job_id)
-                    raise Lost(job_id)
+                proof = await self._proof(job_id, epoch, after)
         finally:
             self.paused.discard(job_id)
+        if proof is Proof.LOST:
+            log.warning("job %s: another runner holds it now; this runner stops", job_id)
+            raise Lost(job_id)
         paused_s = loop.time() - began
         log.warning("job %s: held again after a pause of %.1f s; going on", job_id, paused_s)
         return paused_s

@@ -160,8 +160,8 @@ class Pipeline(Steps):
             run.undo.append(
                 Undo(f"stop VM {ref.vm_id}", lambda: backend.power_off(ref), t.power_off_s)
             )
-        await self._note(
-            job, STEPS[first], f"resuming after a restart of the bot, at {STEPS[first]}"
+        await self._run_note(
+            run, STEPS[first], f"resuming after a restart of the bot, at {STEPS[first]}"
         )
         return first
 
@@ -173,7 +173,7 @@ class Pipeline(Steps):
             if paused_s:
                 why = "the database did not answer, so the bot could not prove the job"
                 text = f"paused {paused_s:.1f} s before {step}: {why} was still its own; it is"
-                await self._recorded(run, functools.partial(self._note, run.job, step, text))
+                await self._run_note(run, step, text)
             await self._run_step(run, step)
 
     async def _run_step(self, run: Run, step: str) -> None:

@@ -16,6 +16,7 @@ from bot import logfields
 from bot import progress as tell
 from bot.addressing import Addressing
 from bot.models import Job, JobEvent, Notice, utcnow
+from bot.ownership import Lost
 from bot.progress import Progress
 from bot.runs import Fence, Run, StepFailed
 from bot.settings import Timeouts
@@ -51,8 +52,7 @@ class Steps:
         job = run.job
         logfields.bind(step=step)
         started = JobEvent(job_id=job.id, step=step, phase="started", detail=detail)
-        told = self._told(job, tell.step_started(job.id, step, detail))
-        await self._recorded(run, functools.partial(self.store.add_event, started, told))
+        await self._event(run, started, tell.step_started(job.id, step, detail))
         await self.progress.step_started(job, step, detail)
         loop = asyncio.get_running_loop()
         began = loop.time()
@@ -65,8 +65,8 @@ class Steps:
             event = JobEvent(
                 job_id=job.id, step=step, phase="failed", duration_s=elapsed, detail=failure.reason
             )
-            told = self._told(job, tell.step_finished(job.id, step, elapsed, False, failure.reason))
-            await self._recorded(run, functools.partial(self.store.add_event, event, told))
+            told = tell.step_finished(job.id, step, elapsed, False, failure.reason)
+            await self._event(run, event, told)
             await self.progress.step_finished(job, step, elapsed, False, failure.reason)
             raise
         elapsed = loop.time() - began
@@ -79,9 +79,22 @@ class Steps:
         event = JobEvent(
             job_id=job.id, step=step, phase="finished", duration_s=elapsed, detail=done
         )
-        told = self._told(job, tell.step_finished(job.id, step, elapsed, True, done))
-        await self._recorded(run, functools.partial(self.store.add_event, event, told))
+        await self._event(run, event, tell.step_finished(job.id, step, elapsed, True, done))
         await self.progress.step_finished(job, step, elapsed, True, done)
+
+    async def _event(self, run: Run, event: JobEvent, notice: Notice) -> None:
+        """Record one of the run's events (and its notice, if anyone follows the job),
+        only under the run's claim: `Lost` when another claim holds the job now."""
+        told = self._told(run.job, notice)
+        write = functools.partial(self.store.add_event, event, told, run.claim)
+        if not await self._recorded(run, write):
+            raise Lost(run.job.id)
+
+    async def _run_note(self, run: Run, step: str, text: str) -> None:
+        """A note in the run's thread and history, written as its events are."""
+        event = JobEvent(job_id=run.job.id, step=step, phase="note", detail=text)
+        await self._event(run, event, tell.noted(run.job.id, text))
+        await self.progress.job_note(run.job, text)
 
     async def _recorded(self, run: Run, write: Callable[[], Awaitable[T]]) -> T:
         """A write of this run's progress. When the database does not take it within
@@ -113,7 +126,7 @@ class Steps:
             raise StepFailed(step, f"timed out after {timeout_s:g} s{last}") from None
         except BackendError as exc:
             raise StepFailed(step, exc.message) from None
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, Lost):
             raise
         except Exception:
             log.exception("job %s: unexpected error in step %s", run.job.id, step)
@@ -143,10 +156,16 @@ class Steps:
         return result
 
     async def _note(self, job: Job, step: str, text: str) -> None:
-        await self.store.add_event(
-            JobEvent(job_id=job.id, step=step, phase="note", detail=text),
-            self._told(job, tell.noted(job.id, text)),
-        )
+        """A note from a wait (a hypervisor that does not answer, also in a rollback):
+        told, and kept when the database takes it; one it does not is only logged (it
+        changes nothing the job's state depends on)."""
+        try:
+            await self.store.add_event(
+                JobEvent(job_id=job.id, step=step, phase="note", detail=text),
+                self._told(job, tell.noted(job.id, text)),
+            )
+        except Unavailable as exc:
+            log.warning("job %s: note not recorded (%s): %s", job.id, exc, text)
         await self.progress.job_note(job, text)
 
     @staticmethod
@@ -160,6 +179,7 @@ class Steps:
         return [notice] if tell.followed(job) else []
 
     async def _skip(self, run: Run, step: str, why: str) -> None:
-        await self.store.add_event(
-            JobEvent(job_id=run.job.id, step=step, phase="skipped", detail=why)
-        )
+        event = JobEvent(job_id=run.job.id, step=step, phase="skipped", detail=why)
+        write = functools.partial(self.store.add_event, event, None, run.claim)
+        if not await self._recorded(run, write):
+            raise Lost(run.job.id)

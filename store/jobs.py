@@ -280,10 +280,20 @@ def update_job(
     return cursor.rowcount == 1
 
 
-def add_event(db: Db, event: JobEvent, notice: Notice | None = None) -> None:
+def add_event(
+    db: Db, event: JobEvent, notice: Notice | None = None, held_by: Claim | None = None
+) -> bool:
+    """Record a step event (and what chat must be told of it); with `held_by`, only
+    while that claim holds the job (False, and nothing written, once it does not)."""
     with immediate(db):
+        if held_by is not None:
+            params: dict[str, Any] = {"id": event.job_id}
+            fence = _fence(held_by, params)
+            if not db.query(f"SELECT 1 AS held FROM jobs WHERE id = :id{fence}", params):
+                return False
         db.insert("job_events", [_row(event)])
         outbox.add(db, [notice] if notice else [])
+    return True
 
 
 def events(db: Db, job_id: str) -> list[JobEvent]:

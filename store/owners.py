@@ -276,11 +276,13 @@ def release(db: Db, runner_id: str, now: datetime) -> int:
 
 
 def live_on_host(db: Db, host: str, now: datetime) -> list[tuple[str, int, str]]:
-    """(id, pid, proc_start) of runners on this host whose lease has not passed."""
+    """(id, pid, proc_start) of runners on this host not known to have stopped, whatever
+    their lease: one whose lease lapsed may still be alive (paused by an outage), and
+    one that is gone must be declared so (else its jobs wait a lease for a taker that
+    has watched the database for one: bot/ownership.py)."""
     rows = db.execute(
-        "SELECT id, pid, proc_start FROM runners WHERE host = :host AND stopped_at IS NULL "
-        "AND lease_until >= :now",
-        {"host": host, "now": ts(now)},
+        "SELECT id, pid, proc_start FROM runners WHERE host = :host AND stopped_at IS NULL",
+        {"host": host},
     ).fetchall()
     return [(str(r[0]), int(r[1]), str(r[2] or "")) for r in rows]
 

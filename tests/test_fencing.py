@@ -243,3 +243,58 @@ async def test_a_write_the_database_refused_waits_and_lands_when_it_is_back(
         await first.drain()
         done = (await first.status(job.id)).job
     assert done.state is JobState.SUCCEEDED, (done.state, done.error)
+
+
+async def test_a_job_taken_over_while_its_runner_renews_on_is_lost_at_once(
+    tmp_path: Path, database: str
+) -> None:
+    """The last renewal did not list the job (claimed since, or taken over since): the
+    store says which, so a lost job is not carried on just because the lease holds."""
+    settings, sim, clock = (
+        fenced_settings(tmp_path, database),
+        SimBackend("sim", time_scale=0.001),
+        Clock(),
+    )
+    async with runner(settings, sim, clock) as first:
+        store, me = first.store, first.runner.id
+        job = await queued_job(settings, store, "t01", "10.0.0.61")
+        epoch = await store.claim(job.id, me, clock.now, first.ownership.lease_until())
+        assert epoch is not None and job.id not in first.ownership.held  # claimed since
+        assert await first.ownership.hold(job.id, epoch) == 0.0  # the store says: ours
+        later = clock.now + timedelta(seconds=LEASE_S + 1)  # its lease, to another runner
+        assert await store.claim(job.id, "r-other", later, later + timedelta(seconds=9))
+        with pytest.raises(Lost):
+            await first.ownership.hold(job.id, epoch)  # no pause: the lease still holds
+        assert job.id not in first.ownership.paused
+
+
+async def test_a_step_that_ends_after_its_job_was_taken_over_writes_nothing(
+    tmp_path: Path, database: str
+) -> None:
+    """The old owner's step ends (here: fails on the VM the taker removed); its event
+    would land in the taker's history and thread: it is fenced by the claim too, and
+    the old owner stops there instead of rolling back."""
+    settings, sim, held = (
+        fenced_settings(tmp_path, database),
+        SimBackend("sim", time_scale=0.001),
+        Recorder(),
+    )
+    late = Clock()
+    release = gate(held, "identity")
+    async with runner(settings, sim, progress=held) as first:
+        job = await first.request_deploy(request("web01 10.0.0.50"), "alice")
+        await held.seen("identity").wait()
+        late.advance(LEASE_S + 1)
+        async with runner(settings, sim, late) as taker:
+            late.advance(LEASE_S)  # it has watched a whole lease
+            await taker.ownership.tick()
+            await taker.ownership.settle()
+            taken = (await taker.status(job.id)).job
+            assert taken.state is JobState.FAILED and not sim.vms
+            before = [(e.step, e.phase) for e in await taker.store.events(job.id)]
+            release.set()
+            await first.drain()
+            after = [(e.step, e.phase) for e in await taker.store.events(job.id)]
+    assert after == before  # no "identity failed" from the old owner
+    rolling = [u for u in held.updates if u[0] == job.id and u[1] is JobState.ROLLING_BACK]
+    assert not rolling

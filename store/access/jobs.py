@@ -111,11 +111,15 @@ class JobAccess(Access):
         self._noticed(changed and bool(notices))
         return changed
 
-    async def add_event(self, event: JobEvent, notice: Notice | None = None) -> None:
+    async def add_event(
+        self, event: JobEvent, notice: Notice | None = None, held_by: Claim | None = None
+    ) -> bool:
         """Returns once the event is committed; events of deploys that end a step in the
-        same moment share a transaction (store/writer.py)."""
-        await self._write(jobs.add_event, event, notice)
-        self._noticed(notice is not None)
+        same moment share a transaction (store/writer.py). With `held_by`, written only
+        while that claim holds the job: False when it did not."""
+        added = await self._write(jobs.add_event, event, notice, held_by)
+        self._noticed(added and notice is not None)
+        return added
 
     async def events(self, job_id: str) -> list[JobEvent]:
         return await self._call(jobs.events, job_id)
