@@ -23,7 +23,7 @@ from datetime import datetime, timedelta
 
 from backends.abilities import NamesWithAddresses
 from backends.base import AddressUse, Backend, BackendError, VMInfo
-from backends.ipam.base import AddressTaken, Claim, Ipam, NotOurs, Pool, Reservation
+from backends.ipam.base import AddressTaken, Ipam, NotOurs, Pool, Reservation, ReservedFor
 from bot import probe
 from bot.models import HOLDING_STATES, DeployRequest, IpamState, Job, utcnow
 from bot.settings import Settings
@@ -74,9 +74,9 @@ class Addressing:
         assert subnet is not None  # bot/requests.py refused addresses outside them
         return subnet.as_pool()
 
-    def claim(self, job_id: str, request: DeployRequest) -> Claim:
+    def reserved_for(self, job_id: str, request: DeployRequest) -> ReservedFor:
         domain = request.search_domain
-        return Claim(
+        return ReservedFor(
             job_id=job_id,
             installation=self.store.installation_id,
             name=request.name,
@@ -177,35 +177,35 @@ class Addressing:
         `job_id`; the request comes back with the reserved address. Raises `AddressTaken`
         naming the holder, `PoolExhausted`, or the IPAM's `BackendError`. `known`: see
         `in_use`."""
-        pool, claim = self.pool(request), self.claim(job_id, request)
+        pool, reserved_for = self.pool(request), self.reserved_for(job_id, request)
         if not request.picked:
             who, _ = await self.conflict(request, job_id, jobs=False, known=known)
             if who is not None:
                 raise AddressTaken(who, holder=who)
-            return request, await self.ipam.reserve(pool, claim, address=request.address.ip)
+            return request, await self.ipam.reserve(pool, reserved_for, address=request.address.ip)
         jobs, (vms, _) = await asyncio.gather(
             self.held_by_jobs(job_id), self.in_use(request, None, known)
         )
         skip = frozenset(jobs) | frozenset(vms)
         for _attempt in range(_ATTEMPTS):
-            reservation = await self.ipam.reserve(pool, claim, skip=skip)
+            reservation = await self.ipam.reserve(pool, reserved_for, skip=skip)
             if not await self.answers(reservation.address, request.backend):
                 return _with_address(request, reservation.address), reservation
-            await self.release_ref(reservation, claim)
+            await self.release_ref(reservation, reserved_for)
             skip |= {reservation.address}
         raise AddressTaken(
             f"every address tried in {pool.name} answers on the network", holder="the network"
         )
 
-    async def release_ref(self, reservation: Reservation, claim: Claim) -> None:
+    async def release_ref(self, reservation: Reservation, reserved_for: ReservedFor) -> None:
         if reservation.ref is not None:
-            await self.ipam.release(reservation.ref, claim)
+            await self.ipam.release(reservation.ref, reserved_for)
 
     async def activate(self, job: Job) -> str | None:
         """The VM answers: mark its address in use in the IPAM."""
         if job.ipam_ref is None:
             return None
-        await self.ipam.activate(job.ipam_ref, self.claim(job.id, job.request))
+        await self.ipam.activate(job.ipam_ref, self.reserved_for(job.id, job.request))
         await self.store.set_ipam_state(job.id, [IpamState.RESERVED], IpamState.ACTIVE)
         return f"{job.address} active in {self.ipam_name}"
 
@@ -213,7 +213,7 @@ class Addressing:
         """Give the job's IPAM record back (idempotent), then say so on its row."""
         if job.ipam_ref is not None:
             try:
-                await self.ipam.release(job.ipam_ref, self.claim(job.id, job.request))
+                await self.ipam.release(job.ipam_ref, self.reserved_for(job.id, job.request))
             except NotOurs as exc:  # changed by hand: never touched, but no longer ours
                 log.warning("job %s: IPAM record %s left alone: %s", job.id, job.ipam_ref, exc)
         await self.store.set_ipam_state(
@@ -250,9 +250,9 @@ class Addressing:
                 continue
             if state is not None and await self._is_the_jobs(record.job_id, record.ref):
                 continue  # the job's own record: released above with the job
-            claim = Claim(record.job_id, self.store.installation_id, "", "")
+            reserved_for = ReservedFor(record.job_id, self.store.installation_id, "", "")
             try:
-                await self.ipam.release(record.ref, claim)
+                await self.ipam.release(record.ref, reserved_for)
                 done.append(f"{record.address} left by job {record.job_id}")
             except BackendError as exc:
                 log.warning("IPAM record %s: release failed: %s", record.ref, exc)

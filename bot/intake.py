@@ -189,7 +189,9 @@ class Intake:
         self, reservation: Reservation, job_id: str, request: DeployRequest
     ) -> None:
         try:
-            await self.addressing.release_ref(reservation, self.addressing.claim(job_id, request))
+            await self.addressing.release_ref(
+                reservation, self.addressing.reserved_for(job_id, request)
+            )
         except BackendError as exc:  # the reconciler gives it back later
             log.warning("could not release %s reserved for %s: %s", request.address, job_id, exc)
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from backends.ipam.base import Claim
+from backends.ipam.base import ReservedFor
 from backends.ipam.config import IpamConfig
 from backends.ipam.netbox import NetBox as NetBoxIpam
 from backends.sim import SimBackend
@@ -274,12 +274,14 @@ async def test_a_reservation_a_crash_left_is_released_once_stale(
     config = IpamConfig(provider="netbox", url=nb.url)
     ipam = NetBoxIpam.create(config, {TOKEN_ENV: nb.token})
     pool = deployer.settings.subnets[0].as_pool()
-    claim = Claim("jcrashed01", deployer.store.installation_id, "lost01", "lost01.lab.example")
+    reserved_for = ReservedFor(
+        "jcrashed01", deployer.store.installation_id, "lost01", "lost01.lab.example"
+    )
     try:
-        orphan = await ipam.reserve(pool, claim)
+        orphan = await ipam.reserve(pool, reserved_for)
     finally:
         await ipam.close()
-    other = Claim("jother0001", "otherinst1", "theirs", "theirs")  # another installation's
+    other = ReservedFor("jother0001", "otherinst1", "theirs", "theirs")  # another installation's
     ipam = NetBoxIpam.create(config, {TOKEN_ENV: nb.token})
     try:
         theirs = await ipam.reserve(pool, other)
@@ -321,7 +323,7 @@ async def test_a_closed_port_is_said_in_a_few_words(monkeypatch: pytest.MonkeyPa
     pool = Subnet.model_validate(SUBNET).as_pool()
     try:
         with pytest.raises(Unreachable) as caught:
-            await ipam.reserve(pool, Claim("jabc12345", "inst", "web01", "alice"))
+            await ipam.reserve(pool, ReservedFor("jabc12345", "inst", "web01", "alice"))
     finally:
         await ipam.close()
     message = caught.value.message

@@ -73,7 +73,7 @@ def _host(cidr: ipaddress.IPv4Network, ip: ipaddress.IPv4Address) -> bool:
 
 
 @dataclass(frozen=True)
-class Claim:
+class ReservedFor:
     """Who a reservation is for: written into the IPAM's record of it."""
 
     job_id: str
@@ -108,7 +108,7 @@ class Ipam(Protocol):
     async def reserve(
         self,
         pool: Pool,
-        claim: Claim,
+        reserved_for: ReservedFor,
         *,
         address: ipaddress.IPv4Address | None = None,
         skip: frozenset[ipaddress.IPv4Address] = frozenset(),
@@ -118,11 +118,11 @@ class Ipam(Protocol):
         """Who the IPAM says holds `address`, when not `job_id`: None if it is free."""
         ...
 
-    async def activate(self, ref: str, claim: Claim) -> None:
+    async def activate(self, ref: str, reserved_for: ReservedFor) -> None:
         """The VM answers: its address is in use now (from reserved to active)."""
         ...
 
-    async def release(self, ref: str, claim: Claim) -> None: ...
+    async def release(self, ref: str, reserved_for: ReservedFor) -> None: ...
 
     async def records(self, installation: str) -> list[Record]: ...
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 
-from backends.ipam.base import Claim, Pool, PoolExhausted, Record, Reservation
+from backends.ipam.base import Pool, PoolExhausted, Record, Reservation, ReservedFor
 
 
 class Builtin:
@@ -19,7 +19,7 @@ class Builtin:
     async def reserve(
         self,
         pool: Pool,
-        claim: Claim,
+        reserved_for: ReservedFor,
         *,
         address: ipaddress.IPv4Address | None = None,
         skip: frozenset[ipaddress.IPv4Address] = frozenset(),
@@ -34,10 +34,10 @@ class Builtin:
     async def holder(self, pool: Pool, address: ipaddress.IPv4Address, job_id: str) -> str | None:
         return None  # the store's own jobs are checked by the caller
 
-    async def activate(self, ref: str, claim: Claim) -> None:
+    async def activate(self, ref: str, reserved_for: ReservedFor) -> None:
         return None
 
-    async def release(self, ref: str, claim: Claim) -> None:
+    async def release(self, ref: str, reserved_for: ReservedFor) -> None:
         return None
 
     async def records(self, installation: str) -> list[Record]:

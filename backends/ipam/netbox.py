@@ -26,12 +26,12 @@ import requests
 from backends.base import PermanentError, Unreachable
 from backends.ipam.base import (
     AddressTaken,
-    Claim,
     NotOurs,
     Pool,
     PoolExhausted,
     Record,
     Reservation,
+    ReservedFor,
 )
 from backends.ipam.config import IpamConfig
 
@@ -54,8 +54,8 @@ class _Session(requests.Session):
         return super().request(*args, **kwargs)
 
 
-def description(claim: Claim) -> str:
-    return f"deploybot {claim.installation} job {claim.job_id}: {claim.name}"
+def description(reserved_for: ReservedFor) -> str:
+    return f"deploybot {reserved_for.installation} job {reserved_for.job_id}: {reserved_for.name}"
 
 
 class NetBox:
@@ -147,11 +147,11 @@ class NetBox:
         self._containers[pool] = (found[0], vrf_id)
         return self._containers[pool]
 
-    def _fields(self, claim: Claim, vrf_id: int | None) -> dict[str, Any]:
+    def _fields(self, reserved_for: ReservedFor, vrf_id: int | None) -> dict[str, Any]:
         fields: dict[str, Any] = {
             "status": "reserved",
-            "dns_name": claim.dns_name,
-            "description": description(claim),
+            "dns_name": reserved_for.dns_name,
+            "description": description(reserved_for),
             "tags": [{"slug": tag} for tag in self.config.tags],
         }
         if vrf_id is not None:
@@ -167,24 +167,26 @@ class NetBox:
     async def reserve(
         self,
         pool: Pool,
-        claim: Claim,
+        reserved_for: ReservedFor,
         *,
         address: ipaddress.IPv4Address | None = None,
         skip: frozenset[ipaddress.IPv4Address] = frozenset(),
     ) -> Reservation:
-        return await self._call(lambda: self._reserve(pool, claim, address, skip | pool.excluded))
+        return await self._call(
+            lambda: self._reserve(pool, reserved_for, address, skip | pool.excluded)
+        )
 
     def _reserve(
         self,
         pool: Pool,
-        claim: Claim,
+        reserved_for: ReservedFor,
         address: ipaddress.IPv4Address | None,
         skip: frozenset[ipaddress.IPv4Address],
     ) -> Reservation:
         container, vrf_id = self._container(pool)
-        fields = self._fields(claim, vrf_id)
+        fields = self._fields(reserved_for, vrf_id)
         if address is not None:
-            taken = [r for r in self._at(address, vrf_id) if _job_of(r) != claim.job_id]
+            taken = [r for r in self._at(address, vrf_id) if _job_of(r) != reserved_for.job_id]
             if taken:
                 who = _who(taken[0])
                 raise AddressTaken(f"{address} is recorded in NetBox as {who}", holder=who)
@@ -219,25 +221,25 @@ class NetBox:
 
         return await self._call(find)
 
-    def _owned(self, ref: str, claim: Claim) -> Any:
+    def _owned(self, ref: str, reserved_for: ReservedFor) -> Any:
         record = self.api.ipam.ip_addresses.get(int(ref))
-        if record is not None and _job_of(record) != claim.job_id:
-            raise NotOurs(f"NetBox ip-address {ref} no longer names job {claim.job_id}")
+        if record is not None and _job_of(record) != reserved_for.job_id:
+            raise NotOurs(f"NetBox ip-address {ref} no longer names job {reserved_for.job_id}")
         return record
 
-    async def activate(self, ref: str, claim: Claim) -> None:
+    async def activate(self, ref: str, reserved_for: ReservedFor) -> None:
         def mark() -> None:
-            record = self._owned(ref, claim)
+            record = self._owned(ref, reserved_for)
             if record is None:  # removed by hand: the VM works; say so in the log
-                log.warning("NetBox ip-address %s of job %s is gone", ref, claim.job_id)
+                log.warning("NetBox ip-address %s of job %s is gone", ref, reserved_for.job_id)
                 return
             record.update({"status": "active"})
 
         await self._call(mark)
 
-    async def release(self, ref: str, claim: Claim) -> None:
+    async def release(self, ref: str, reserved_for: ReservedFor) -> None:
         def delete() -> None:
-            record = self._owned(ref, claim)
+            record = self._owned(ref, reserved_for)
             if record is not None:
                 record.delete()
 
@@ -274,11 +276,11 @@ class NetBox:
             found = await self._call(functools.partial(self.api.extras.tags.get, slug=tag))
             if found is None:
                 out.append(f"NetBox has no tag {tag!r}: create it, or set [ipam] tags = []")
-        claim = Claim("jcheck00", "check", "deploybot-check", "deploybot-check")
+        reserved_for = ReservedFor("jcheck00", "check", "deploybot-check", "deploybot-check")
         for pool in pools:
             try:
-                made = await self.reserve(pool, claim)
-                await self.release(str(made.ref), claim)
+                made = await self.reserve(pool, reserved_for)
+                await self.release(str(made.ref), reserved_for)
             except PoolExhausted:
                 continue  # full, but reachable and writable enough to say so
             except (PermanentError, Unreachable) as exc:
