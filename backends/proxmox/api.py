@@ -19,7 +19,6 @@ import logging
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,33 +29,19 @@ from backends.proxmox.apierrors import (
     LOCKED,
     READ_AGAIN,
     ConfigLocked,
-    Credentials,
     ErrorContext,
     TaskFailed,
     TaskLockTimeout,
     map_error,
 )
-from backends.proxmox.http import Transport
-from backends.proxmox.pacing import Pace, PollTiming
+from backends.proxmox.http import ApiSettings, Credentials, Transport
+from backends.proxmox.pacing import Pace
 from backends.proxmox.taskwatch import TaskWatcher, Upid
 
 log = logging.getLogger(__name__)
 
 _WARNINGS = re.compile(r"WARNINGS: \d+")
 _LOG_LIMIT = 1000
-
-
-@dataclass(frozen=True)
-class ApiSettings:
-    host: str
-    port: int
-    verify: bool | str  # False, True (system CAs) or a CA bundle path
-    request_timeout_s: float = 15.0
-    max_parallel: int = 16
-    ticket_renew_s: float = 3600.0
-    polling: PollTiming = field(default_factory=PollTiming)
-    task_timeout_s: float = 3600.0
-    log_lines: int = 5
 
 
 class PveApi:
@@ -192,7 +177,7 @@ class PveApi:
                 ) from None
             if status is None:  # no longer listed as running: its own status says how
                 try:
-                    status = await self._task_status(node, upid, what)
+                    status = await self.task_status(node, upid, what)
                 except READ_AGAIN as exc:  # decides nothing: asked again after a pause
                     log.info("%s: polling %s: %s", self.name, upid, exc.message)
                     troubles.trouble(f"{exc.message} (asking again: the task runs on regardless)")
@@ -217,7 +202,7 @@ class PveApi:
             raise TaskLockTimeout(message, vm_id=vm_id)
         raise TaskFailed(message, exitstatus, vm_id=vm_id)
 
-    async def _task_status(self, node: str, upid: str, what: str) -> dict[str, Any]:
+    async def task_status(self, node: str, upid: str, what: str) -> dict[str, Any]:
         """One task's status. A failure that asking again may cure is `READ_AGAIN`:
         the callers ask again (the task runs on whether or not it can be read)."""
         self.task_polls += 1
@@ -227,6 +212,10 @@ class PveApi:
     def polling_nodes(self) -> list[str]:
         """The nodes whose task waits are being polled right now."""
         return sorted(node for node, w in self._watchers.items() if w.running)
+
+    def forget_watcher(self, node: str, watcher: TaskWatcher) -> None:
+        if self._watchers.get(node) is watcher:
+            del self._watchers[node]
 
     def _watcher(self, node: str) -> TaskWatcher:
         watcher = self._watchers.get(node)

@@ -8,13 +8,13 @@ from __future__ import annotations
 import re
 import socket
 import ssl
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import aiohttp
 
 from backends.advice import cause, tls_advice, unresolved
 from backends.base import BackendError, PermanentError, RetryableError, Unreachable, VMNotFound
-from backends.proxmox.http import HttpError, LoginRefused
+from backends.proxmox.http import Credentials, HttpError, LoginRefused
 
 # 595-599 are pveproxy's own codes for a node it could not reach (AnyEvent::HTTP).
 _UNREACHABLE_CODES = frozenset({502, 503, 504, 595, 596, 597, 598, 599})
@@ -74,21 +74,6 @@ class TaskLockTimeout(LockContention):
 # out of reach, a lock, the server failing at the read. Only the task's own exit status
 # decides how the step went (api.wait_task).
 READ_AGAIN: tuple[type[BackendError], ...] = (RetryableError, ServerFailed)
-
-
-@dataclass(frozen=True)
-class Credentials:
-    """Who we are. The secrets never appear in repr, logs or messages."""
-
-    user: str
-    token_id: str | None = None
-    token_secret: str | None = field(default=None, repr=False)
-    password: str | None = field(default=None, repr=False)
-    secret_source: str = ""  # the environment variable it came from, for messages
-
-    @property
-    def uses_token(self) -> bool:
-        return self.token_id is not None
 
 
 def _param_errors(errors: object) -> str:

@@ -16,8 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from backends.advice import nic_model_choice
 from backends.base import BackendConfig, PermanentError, readable_file
-from backends.proxmox.api import ApiSettings
-from backends.proxmox.apierrors import Credentials
+from backends.proxmox.http import ApiSettings, Credentials
 from backends.proxmox.pacing import PollTiming
 
 log = logging.getLogger(__name__)

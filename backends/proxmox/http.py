@@ -18,16 +18,43 @@ import json
 import logging
 import ssl
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiohttp
 
-if TYPE_CHECKING:
-    from backends.proxmox.api import ApiSettings
-    from backends.proxmox.apierrors import Credentials
+from backends.proxmox.pacing import PollTiming
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """Who we are. The secrets never appear in repr, logs or messages."""
+
+    user: str
+    token_id: str | None = None
+    token_secret: str | None = field(default=None, repr=False)
+    password: str | None = field(default=None, repr=False)
+    secret_source: str = ""  # the environment variable it came from, for messages
+
+    @property
+    def uses_token(self) -> bool:
+        return self.token_id is not None
+
+
+@dataclass(frozen=True)
+class ApiSettings:
+    host: str
+    port: int
+    verify: bool | str  # False, True (system CAs) or a CA bundle path
+    request_timeout_s: float = 15.0
+    max_parallel: int = 16
+    ticket_renew_s: float = 3600.0
+    polling: PollTiming = field(default_factory=PollTiming)
+    task_timeout_s: float = 3600.0
+    log_lines: int = 5
 
 
 class HttpError(Exception):

@@ -7,18 +7,32 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from backends import troubles
 from backends.base import BackendError, PermanentError
 from backends.proxmox.apierrors import READ_AGAIN
+from backends.proxmox.http import ApiSettings
 from backends.proxmox.pacing import Pace, Schedule
-
-if TYPE_CHECKING:
-    from backends.proxmox.api import PveApi
 
 log = logging.getLogger(__name__)
 _LIST_LIMIT = 1000  # tasks listed per poll (the server's default is 50)
+
+
+class TaskSource(Protocol):
+    """What a watcher asks of its endpoint (backends/proxmox/api.PveApi)."""
+
+    name: str
+    settings: ApiSettings
+    task_polls: int  # every look at a task, counted by whoever makes it
+
+    async def get(self, path: str, what: str = "", **params: Any) -> Any: ...
+
+    async def task_status(self, node: str, upid: str, what: str) -> dict[str, Any]: ...
+
+    def forget_watcher(self, node: str, watcher: TaskWatcher) -> None:
+        """The watcher of `node` has no waits left and stopped: start a new one next."""
+        ...
 
 
 @dataclass(eq=False)
@@ -69,7 +83,7 @@ class TaskWatcher:
     (`backends.troubles`); only a task's own exit status, or the caller's timeout, ends
     its wait."""
 
-    def __init__(self, api: PveApi, node: str) -> None:
+    def __init__(self, api: TaskSource, node: str) -> None:
         self.api = api
         self.node = node
         self.waiters: set[_Waiter] = set()
@@ -127,15 +141,15 @@ class TaskWatcher:
                 waiter.future.set_exception(
                     PermanentError(f"{waiter.what}: the client was closed while waiting")
                 )
-            if self.api._watchers.get(self.node) is self and not self.waiters:
-                del self.api._watchers[self.node]
+            if not self.waiters:
+                self.api.forget_watcher(self.node, self)
 
     async def _poll(self, pending: list[_Waiter], sent: float) -> None:
         api = self.api
         if len(pending) == 1:
             (waiter,) = pending
             try:
-                status = await api._task_status(self.node, waiter.upid, waiter.what)
+                status = await api.task_status(self.node, waiter.upid, waiter.what)
             except READ_AGAIN as exc:
                 log.info("%s: polling %s: %s", api.name, waiter.upid, exc.message)
                 waiter.missed(sent, exc)
