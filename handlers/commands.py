@@ -51,13 +51,13 @@ async def run_command(deployer: Deployer, user: str, command: Command) -> list[s
             return [messages.accepted(job)]
         case Help():
             return messages.HELP.splitlines()
-        case Status(job_id) if job_id.startswith("b"):  # a template build
+        case Status(job_id) if await deployer.rows_of(job_id) == "builds":  # a template build
             return [said.text for said in messages.build_status(await deployer.builds.get(job_id))]
         case Status(job_id):
             return messages.status(await deployer.status(job_id))
         case History(limit):
             return messages.history(await deployer.history(limit))
-        case Cancel(job_id) if job_id.startswith("b"):  # a template build
+        case Cancel(job_id) if await deployer.rows_of(job_id) == "builds":  # a template build
             return [messages.build_cancelling(await deployer.cancel_build(job_id, user))]
         case Cancel(job_id):
             return [messages.cancelling(await deployer.cancel(job_id, user))]
@@ -75,9 +75,9 @@ async def run_command(deployer: Deployer, user: str, command: Command) -> list[s
                 name=command.name,
             )
             return [messages.build_accepted(build)]
-        case Approve(job_id) if job_id.startswith("b"):  # a template build
+        case Approve(job_id) if await deployer.rows_of(job_id) == "builds":  # a template build
             return [messages.build_decided_answer(await deployer.decide_build(job_id, user, True))]
-        case Reject(job_id, reason) if job_id.startswith("b"):
+        case Reject(job_id, reason) if await deployer.rows_of(job_id) == "builds":
             build = await deployer.decide_build(job_id, user, False, reason)
             return [messages.build_decided_answer(build)]
         case Approve(job_id):

@@ -17,6 +17,8 @@ from pydantic import BaseModel, Field, field_validator
 from bot.models import utcnow
 from bot.models.ids import JOB_ID_LENGTH, SHORT_ID_LENGTH, random_letters
 
+# The kind of every build (bot/kinds/build.py): the store answers it for a `builds` row.
+BUILD_KIND = "build"
 BUILD_ID_RE = re.compile(r"b[a-z0-9]{6,40}")
 # A template's name: a VM name on every hypervisor (Proxmox wants a DNS name), with room
 # for the `-vN` of its versions.

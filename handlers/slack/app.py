@@ -336,14 +336,14 @@ class SlackBot:
                     command, user, origin=channel, dedupe_key=key, check_free_first=True
                 )
                 return [messages.accepted(job)]
-            case Status(job_id) if job_id.startswith("b"):  # a build; both name people
+            case Status(job_id) if await d.rows_of(job_id) == "builds":  # a build; both name people
                 return messages.build_status(await d.builds.get(job_id))
             case Status(job_id):
                 return messages.status_said(await d.status(job_id))
-            case Approve(job_id) if job_id.startswith("b"):  # a template build
+            case Approve(job_id) if await d.rows_of(job_id) == "builds":  # a template build
                 build = await d.decide_build(job_id, user, True, dedupe_key=key)
                 return [messages.build_decided_answer(build)]
-            case Reject(job_id, reason) if job_id.startswith("b"):
+            case Reject(job_id, reason) if await d.rows_of(job_id) == "builds":
                 build = await d.decide_build(job_id, user, False, reason, dedupe_key=key)
                 return [messages.build_decided_answer(build)]
             case Approve(job_id):

@@ -290,7 +290,7 @@ def approval_decided(job: Job, outcome: str) -> list[dict[str, Any]]:
     return dicts([summary, _outcome(outcome)])
 
 
-def reject_modal(job_id: str, metadata: dict[str, str]) -> View:
+def reject_modal(job_id: str, noun: str, metadata: dict[str, str]) -> View:
     reason = InputBlock(
         block_id="reason",
         label=messages.FORM_LABELS["reason"],
@@ -304,7 +304,7 @@ def reject_modal(job_id: str, metadata: dict[str, str]) -> View:
         close="Cancel",
         private_metadata=json.dumps({**metadata, "job_id": job_id}),
         blocks=[
-            SectionBlock(text=MarkdownTextObject(text=messages.reject_question(job_id))),
+            SectionBlock(text=MarkdownTextObject(text=messages.reject_question(job_id, noun))),
             reason,
         ],
     )
