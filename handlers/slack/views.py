@@ -159,7 +159,7 @@ def build_parent(build: Build, headline: str) -> list[dict[str, Any]]:
 
 def build_approval_request(build: Build) -> list[dict[str, Any]]:
     """The card asking approvers for a template build: the same buttons as a deploy's
-    (their value is the build's id, which starts with `b`)."""
+    (their value is the build's id; the click looks its kind up: bot/kinds/)."""
     summary = SectionBlock(
         block_id="summary",
         text=MarkdownTextObject(text=fit(messages.build_approval_summary(build), SECTION_MAX)),
