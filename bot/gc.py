@@ -35,7 +35,7 @@ from datetime import timedelta
 from backends.base import Backend, BackendError, JobMark, VMInfo, VMRef, job_marks
 from bot.errors import DeployBotError
 from bot.models import ACTIVE_STATES, DESTROY_STATES, JobState, utcnow
-from bot.models.builds import ACTIVE_BUILD_STATES, BuildState
+from bot.models.builds import ACTIVE_BUILD_STATES, Build, BuildState
 from bot.settings import Timeouts
 from bot.waiting import remove_vm
 from store.db import Store
@@ -114,9 +114,9 @@ async def classify(store: Store, backend_name: str, vm: VMInfo) -> list[Finding]
 async def _category(store: Store, mark: JobMark) -> str:
     if mark.installation is not None and mark.installation != store.installation_id:
         return "other_installation"
-    if mark.job_id.startswith("b"):
-        return await _build_category(store, mark)
     job = await store.get_job(mark.job_id)
+    if job is None and (build := await store.builds.get(mark.job_id)) is not None:
+        return _build_category(build)  # the tag names a template build's row
     if job is None and await store.quarantined(mark.job_id) is not None:
         return "quarantined_job"
     if job is None and mark.installation is not None:
@@ -132,13 +132,10 @@ async def _category(store: Store, mark: JobMark) -> str:
     return "ended_job"
 
 
-async def _build_category(store: Store, mark: JobMark) -> str:
+def _build_category(build: Build) -> str:
     """A VM a template build made (its half-built VM, or the template where a backend
     lists templates): the build's own rollback removes what it made, so only a build
-    that ended or that this store never heard of leaves an orphan."""
-    build = await store.builds.get(mark.job_id)
-    if build is None:
-        return "unknown_job" if mark.installation is not None else "unknown_legacy"
+    that ended leaves an orphan (one this store never heard of is an unknown job's)."""
     if build.state is BuildState.PUBLISHED:
         return "published_build"
     if build.state in ACTIVE_BUILD_STATES:

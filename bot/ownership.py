@@ -107,9 +107,10 @@ def process_alive(pid: int, started: str) -> bool:
     return not started or process_start(pid) in ("", started)
 
 
-# The recovery slot of the sweep that rolls back builds whose runner is gone (Builds.recover
-# keeps the build ids it works on itself): a key among `recovering`, not a job's id.
-BUILD_SWEEP = "sweep:builds"
+# The recovery slots of the sweeps that recover a kind's rows kept outside `jobs` (a
+# build's: bot/kinds/build.py, which keeps the ids it works on itself): keys among
+# `recovering` ("sweep:" and the kind's name), not jobs' ids.
+SWEEP = "sweep:"
 
 
 @dataclass(frozen=True)
@@ -158,21 +159,23 @@ class Ownership:
         *,
         takes_over: bool,
         recover: Callable[[Job, Ended | None], Awaitable[bool]],
+        sweep: Callable[[str], Coroutine[Any, Any, object] | None] = lambda _kind: None,
         clock: Clock = utcnow,
     ) -> None:
+        """`recover`: a `jobs` row taken over; `sweep`: given a kind's name, the work
+        that recovers what that kind keeps outside `jobs` (bot/kinds/ `Kind.sweep`)."""
         self.store = store
         self.queue = queue
         self.settings = settings
         self.runner = runner
         self.takes_over = takes_over
         self._recover = recover
+        self._sweep = sweep
         self.clock = clock
         self.recovering: dict[str, asyncio.Task[None]] = {}
         # What else runs jobs or builds here besides the queue and the recoveries (the
         # destroys, the builds' recoveries): each gives the ids it runs now.
         self.local_work: list[Callable[[], Iterable[str]]] = []
-        # Builds handed back (`tick`): recover them now rather than at the next sweep.
-        self.recover_builds: Callable[[], Coroutine[Any, Any, object]] | None = None
         self._unrun: set[str] = set()  # held, no local task, at the last tick
         # Fencing (see the module's docstring). Until when the last renewal proves this
         # runner's leases (None: none succeeded yet, or the last one failed); the jobs
@@ -238,7 +241,7 @@ class Ownership:
 
     def local_ids(self) -> set[str]:
         """The jobs and builds a task of this process runs (or will, queued here) now."""
-        recovering = (key for key in self.recovering if key != BUILD_SWEEP)  # ids only
+        recovering = (key for key in self.recovering if not key.startswith(SWEEP))  # ids only
         ids = {*self.queue.running_ids(), *self.queue.waiting_ids(), *recovering}
         for source in self.local_work:
             ids.update(source())
@@ -259,8 +262,12 @@ class Ownership:
             await self._reap_dead_neighbours(now)
             await self._take_over(now, ended)
             await self._claim_queued(now)
-            if any(i.startswith("b") for i in ended) and self.recover_builds is not None:
-                self._start_recovery(BUILD_SWEEP, self.recover_builds())
+            # Rows handed back that are not `jobs` rows (a build's): their kind's sweep
+            # recovers them now rather than at the next sweep.
+            for kind in sorted({o.kind for o in held if o.job_id in ended}):
+                work = self._sweep(kind)
+                if work is not None:
+                    self._start_recovery(SWEEP + kind, work)
 
     async def _renew(self, now: datetime, local: set[str]) -> list[Owned]:
         """Renew, and record what the renewal proves (see `hold`)."""

@@ -27,9 +27,12 @@ from bot.builds import Builds, LoggedBuildNotes
 from bot.destroy import Destroyer
 from bot.errors import ConfigError
 from bot.intake import Intake
+from bot.kinds import Kind, Kinds, Record, Rows
+from bot.kinds.build import BuildKind
+from bot.kinds.deploy import DeployKind
 from bot.leases import Leases
 from bot.metrics import Metrics
-from bot.models import ApprovalState, Job, JobState, utcnow
+from bot.models import Job, utcnow
 from bot.ownership import Clock, Ended, Ownership, Runner
 from bot.parser import DeployArgs
 from bot.personal import Personal
@@ -37,10 +40,9 @@ from bot.pipeline import Pipeline
 from bot.progress import Fanout, Progress
 from bot.queries import JobStatus, VMPage
 from bot.queue import JobQueue
-from bot.recovery import INTERRUPTED, interrupted_by, recover_interrupted, sweep_wreckage
+from bot.recovery import sweep_wreckage
 from bot.settings import Settings
 from bot.storewatch import StoreWatch
-from bot.waiting import protected
 from store.db import Store
 
 # VMPage and JobStatus moved to bot/queries.py; importers still find them here.
@@ -89,6 +91,8 @@ class Deployer(Personal, BuildRequests):
         self.clock = clock
         ipam = ipam if ipam is not None else _configured_ipam(settings)
         self.addressing = Addressing(settings, store, self.backends, ipam, clock)
+        # The job kinds (bot/kinds/): what runs, recovers and decides each job.
+        self.kinds = Kinds()
         self.queue = JobQueue(
             self._run_queued,
             max_running=settings.limits.max_running,
@@ -101,6 +105,7 @@ class Deployer(Personal, BuildRequests):
             self.runner,
             takes_over=takes_over,
             recover=self._recover,
+            sweep=self.kinds.sweep,
             clock=clock,
         )
         self.pipeline = Pipeline(
@@ -141,7 +146,13 @@ class Deployer(Personal, BuildRequests):
         self.builds.wire(self.intake, self.pipeline, self.destroyer)
         # What runs here besides the queue: a renewal names it (bot/ownership.py).
         self.ownership.local_work += [self.destroyer.tasks.keys, self.builds.recovering.copy]
-        self.ownership.recover_builds = self.builds.recover
+        self.kinds.register(
+            DeployKind(
+                self.pipeline, self.backends, self.approvals, self.destroyer, self.addressing,
+                self._resolve, self._job, self._cancel_job,
+            )
+        )  # fmt: skip
+        self.kinds.register(BuildKind(self.builds))
         self._leasing: asyncio.Task[None] | None = None
         self._expiry: asyncio.Task[None] | None = None
         self._sweeper: asyncio.Task[None] | None = None
@@ -149,10 +160,27 @@ class Deployer(Personal, BuildRequests):
         self._closed = False
 
     async def _run_queued(self, job_id: str) -> object:
-        """The queue's runner: a build id (`b...`) is a template build, else a deploy."""
-        if job_id.startswith("b"):
-            return await self.builds.run(job_id)
-        return await self.pipeline.run(job_id)
+        """The queue's runner: the job's kind runs it (looked up in the store)."""
+        return await self.kinds.named(await self.store.kind_of(job_id)).run(job_id)
+
+    async def _cancel_job(self, job_id: str, user: str) -> Job:
+        return await cancelling.cancel(self, job_id, user)
+
+    async def kind_of(self, ref: str) -> Kind:
+        """The kind of the job or build `ref` (an id or a prefix) names; the deploy kind
+        when it names none (its lookup then says so)."""
+        return self.kinds.named(await self.store.kind_of(ref))
+
+    async def rows_of(self, ref: str) -> Rows:
+        """Which record the job `ref` names is: a `Job` or a `Build` (its kind's rows)."""
+        return (await self.kind_of(ref)).rows
+
+    async def _sweep_kinds(self) -> None:
+        """Recover what the kinds keep outside `jobs` whose runner died (builds)."""
+        for kind in self.kinds:
+            work = kind.sweep()
+            if work is not None:
+                await work
 
     @property
     def group_members(self) -> GroupMembers | None:
@@ -175,7 +203,7 @@ class Deployer(Personal, BuildRequests):
         if settle:
             await self.ownership.settle()
         if self.ownership.takes_over:
-            await self.builds.recover()
+            await self._sweep_kinds()
             await self.reconcile_addresses()
             self._expiry = asyncio.create_task(self._expire_loop(expire_every_s))
             if settle:  # what came due while no process ran, before the shell reads input
@@ -188,13 +216,9 @@ class Deployer(Personal, BuildRequests):
 
     async def _recover(self, job: Job, ended: Ended | None) -> bool:
         """Recover a job this runner took over (`ended`: handed back by this runner,
-        whose task ended without a final state); True when it goes back in the queue."""
-        if job.state is JobState.DESTROYING:  # a destroy: finish it (bot/destroy.py)
-            await protected(self.destroyer.run(job))
-            return False
-        why = interrupted_by(ended.error) if ended else INTERRUPTED
-        report = await protected(recover_interrupted(self.pipeline, self.backends, job, why))
-        return report is None
+        whose task ended without a final state); True when it goes back in the queue.
+        Its kind does it (bot/kinds/)."""
+        return await self.kinds[job.kind].recover(job, ended)
 
     async def close(self, grace_s: float = 30.0, rollback_s: float | None = None) -> None:
         """Stop taking work, let running jobs finish within `grace_s` (renewing their
@@ -232,7 +256,7 @@ class Deployer(Personal, BuildRequests):
             await asyncio.sleep(every_s)
             try:
                 await self.sweep_wreckage()
-                await self.builds.recover()  # builds whose runner died since (a CLI killed)
+                await self._sweep_kinds()  # builds whose runner died since (a CLI killed)
             except Exception:
                 log.exception("retrying wreckage removal failed")
             await self.reconcile_addresses()
@@ -295,27 +319,43 @@ class Deployer(Personal, BuildRequests):
 
     # --- approvals ----------------------------------------------------------------
 
+    async def decide(
+        self,
+        ref: str,
+        approver: str,
+        approved: bool,
+        reason: str | None = None,
+        *,
+        dedupe_key: str | None = None,
+    ) -> Record:
+        """Approve or reject what `ref` names, whatever its kind (its approval hook)."""
+        verb = "approve" if approved else "reject"
+        async with self._audited(approver, f"{verb} {ref[:40]}"):
+            kind = await self.kind_of(ref)
+            return await kind.decide(ref, approver, approved, reason, dedupe_key)
+
+    async def may_decide_any(self, ref: str, approver: str) -> Record:
+        """Refuse now what a decision on `ref`, whatever its kind, would refuse."""
+        async with self._audited(approver, f"decide {ref[:40]}"):
+            return await (await self.kind_of(ref)).may_decide(ref, approver)
+
+    async def _job_kind(self, ref: str) -> Kind:
+        """The kind of the job `ref` names, for what answers with a `Job`: one whose
+        rows are not `jobs` rows is looked up as a deploy (which says there is no job)."""
+        kind = await self.kind_of(ref)
+        return kind if kind.rows == "jobs" else self.kinds.named(None)
+
     async def approve(self, job_id: str, approver: str, *, dedupe_key: str | None = None) -> Job:
         async with self._audited(approver, f"approve {job_id}"):
-            job_id = await self._resolve(job_id)
-            if await self._destroy_waits(job_id):
-                return await self.destroyer.decide(job_id, approver, True, None, dedupe_key)
-            return await self.approvals.decide(
-                job_id, approver, ApprovalState.APPROVED, None, dedupe_key
-            )
+            kind = await self._job_kind(job_id)
+            return _job(await kind.decide(job_id, approver, True, None, dedupe_key))
 
     async def reject(
         self, job_id: str, approver: str, reason: str, *, dedupe_key: str | None = None
     ) -> Job:
         async with self._audited(approver, f"reject {job_id}"):
-            job_id = await self._resolve(job_id)
-            if await self._destroy_waits(job_id):
-                return await self.destroyer.decide(job_id, approver, False, reason, dedupe_key)
-            job = await self.approvals.decide(
-                job_id, approver, ApprovalState.REJECTED, reason, dedupe_key
-            )
-        await self.addressing.release_quietly(job)
-        return job
+            kind = await self._job_kind(job_id)
+            return _job(await kind.decide(job_id, approver, False, reason, dedupe_key))
 
     async def is_approver(self, user: str) -> bool:
         return await self.approvals.is_approver(user)
@@ -326,14 +366,7 @@ class Deployer(Personal, BuildRequests):
     async def may_decide(self, job_id: str, approver: str) -> Job:
         """Refuse now what a decision would refuse (before asking a reason, say)."""
         async with self._audited(approver, f"decide {job_id}"):
-            job_id = await self._resolve(job_id)
-            if await self._destroy_waits(job_id):
-                return await self.destroyer.check_decider(job_id, approver)
-            return await self.approvals.check_decider(job_id, approver)
-
-    async def _destroy_waits(self, job_id: str) -> bool:
-        """Whether approve/reject of this job is about its destroy, not its deploy."""
-        return (await self._job(job_id)).state is JobState.DESTROY_REQUESTED
+            return _job(await (await self._job_kind(job_id)).may_decide(job_id, approver))
 
     async def expire_approvals(self, now: datetime | None = None) -> list[Job]:
         """Expire what waited for an approver too long: deploys, destroys (returned) and
@@ -356,7 +389,7 @@ class Deployer(Personal, BuildRequests):
 
     async def cancel(self, job_id: str, user: str) -> Job:
         async with self._audited(user, f"cancel {job_id}"):
-            return await cancelling.cancel(self, await self._resolve(job_id), user)
+            return _job(await (await self._job_kind(job_id)).cancel(job_id, user))
 
     # --- destroy and leases (bot/destroy.py, bot/leases.py) ------------------------------
 
@@ -380,3 +413,9 @@ class Deployer(Personal, BuildRequests):
         """Move the lease end of the VM `target` names later (bot/leases.py)."""
         async with self._audited(user, f"extend {target[:64]}"):
             return await self.leases.extend(target, user, length_s, dedupe_key=dedupe_key)
+
+
+def _job(record: Record) -> Job:
+    """What a `jobs` kind answered (a `Job`, by `Kind.rows`)."""
+    assert isinstance(record, Job), f"{record.id}: a jobs kind answered a {type(record).__name__}"
+    return record

@@ -163,7 +163,7 @@ async def _help(inv: Invocation, command: Help) -> Reply:
 
 async def _status(inv: Invocation, command: Status) -> Reply:
     d = inv.deployer
-    if command.job_id.startswith("b"):  # a template build
+    if await d.rows_of(command.job_id) == "builds":  # a template build (its own table)
         return messages.build_status(await d.builds.get(command.job_id))
     return messages.status_said(await d.status(command.job_id))
 
@@ -174,7 +174,7 @@ async def _history(inv: Invocation, command: History) -> Reply:
 
 async def _cancel(inv: Invocation, command: Cancel) -> Reply:
     d = inv.deployer
-    if command.job_id.startswith("b"):  # a template build
+    if await d.rows_of(command.job_id) == "builds":  # a template build (its own table)
         return [messages.build_cancelling(await d.cancel_build(command.job_id, inv.user))]
     return [messages.cancelling(await d.cancel(command.job_id, inv.user))]
 
@@ -187,7 +187,7 @@ async def _templates(inv: Invocation, command: Templates) -> Reply:
 
 async def _approve(inv: Invocation, command: Approve) -> Reply:
     d, user = inv.deployer, inv.user
-    if command.job_id.startswith("b"):  # a template build
+    if await d.rows_of(command.job_id) == "builds":  # a template build (its own table)
         build = await d.decide_build(command.job_id, user, True, dedupe_key=inv.key)
         return [messages.build_decided_answer(build)]
     job = await d.approve(command.job_id, user, dedupe_key=inv.key)
@@ -196,7 +196,7 @@ async def _approve(inv: Invocation, command: Approve) -> Reply:
 
 async def _reject(inv: Invocation, command: Reject) -> Reply:
     d, user, reason = inv.deployer, inv.user, command.reason
-    if command.job_id.startswith("b"):  # a template build
+    if await d.rows_of(command.job_id) == "builds":  # a template build (its own table)
         build = await d.decide_build(command.job_id, user, False, reason, dedupe_key=inv.key)
         return [messages.build_decided_answer(build)]
     job = await d.reject(command.job_id, user, reason, dedupe_key=inv.key)

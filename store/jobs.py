@@ -24,6 +24,7 @@ from bot.models import (
     new_job_id,
     utcnow,
 )
+from bot.models.builds import BUILD_KIND
 from store import outbox, quarantine, quotas
 from store.deliveries import AlreadyDelivered, claim, delivered
 from store.jobrows import (
@@ -160,6 +161,29 @@ def match_ids(db: Db, prefix: str, limit: int) -> list[tuple[str, str, str]]:
         [prefix, upper, limit],
     )
     return [(str(r["id"]), str(r["name"]), str(r["state"])) for r in rows]
+
+
+def kind_of(db: Db, ref: str) -> str | None:
+    """The kind of the job or template build `ref` names: its whole id, or a prefix of
+    ids that are all of one kind; None when it names none (or jobs of several kinds).
+    Jobs keep their kind in a column; a build's is its table's. Ranges on both primary
+    keys, so it uses their indexes; nothing is read from the id itself."""
+    if not ref or not ref.isascii():
+        return None
+    upper = ref[:-1] + chr(ord(ref[-1]) + 1)
+    rows = db.query(
+        "SELECT kind, id FROM jobs WHERE id = :ref UNION ALL "
+        f"SELECT '{BUILD_KIND}', id FROM builds WHERE id = :ref",
+        {"ref": ref},
+    )
+    if not rows:
+        rows = db.query(
+            "SELECT kind, id FROM jobs WHERE id >= :ref AND id < :upper UNION ALL "
+            f"SELECT '{BUILD_KIND}', id FROM builds WHERE id >= :ref AND id < :upper",
+            {"ref": ref, "upper": upper},
+        )
+    kinds = {str(row["kind"]) for row in rows}
+    return kinds.pop() if len(kinds) == 1 else None
 
 
 def transition(

@@ -341,8 +341,20 @@ def _v14(db: Database) -> None:
     db.execute("ALTER TABLE jobs ADD COLUMN claim_epoch INTEGER NOT NULL DEFAULT 0")
 
 
+# Each job's kind (bot/kinds/): rows from before kinds were data are deploys (their
+# destroys are a phase of the deploy kind). Builds keep their own table: their kind is
+# the table's (store/jobs.kind_of).
+KIND_COLUMN = "ALTER TABLE jobs ADD COLUMN kind TEXT NOT NULL DEFAULT 'deploy'"
+
+
+def _v15(db: Database) -> None:
+    """Each job's kind as a column: what runs and recovers it is looked up, never read
+    from its id."""
+    db.execute(KIND_COLUMN)
+
+
 MIGRATIONS: list[Callable[[Database], None]] = [
-    _v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9, _v10, _v11, _v12, _v13, _v14
+    _v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9, _v10, _v11, _v12, _v13, _v14, _v15
 ]  # fmt: skip
 SCHEMA_VERSION = len(MIGRATIONS)
 

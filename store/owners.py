@@ -18,6 +18,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from bot.models import Job, JobState
+from bot.models.builds import BUILD_KIND
 from store.jobs import SELECT_JOBS, listing
 from store.sql import Db, immediate
 from store.tx import ts
@@ -52,6 +53,7 @@ class Owned:
     cancel_requested: str | None
     local: bool = True  # run by a task in this process (renew's `local`)
     epoch: int = 0  # its claim epoch (jobs; a build's is always 0): still this claim?
+    kind: str = "deploy"  # its kind (bot/kinds/): a job's column, or its table's
 
 
 def installation_id(db: Db) -> str:
@@ -135,17 +137,20 @@ def renew(
         db.execute("UPDATE inbox SET until = :until WHERE holder = :me AND done_at IS NULL", params)
         rows = db.execute(
             f"SELECT id, state, cancel_requested, CASE WHEN {runs_here} THEN 1 ELSE 0 END, "
-            f"claim_epoch FROM jobs WHERE owner = :me AND state IN {_OWNED_SQL}",
+            f"claim_epoch, kind FROM jobs WHERE owner = :me AND state IN {_OWNED_SQL}",
             params,
         ).fetchall()
         # Builds held here (their states are spelled as jobs'): a cancel asked elsewhere.
         rows += db.execute(
             "SELECT id, state, cancel_requested, "
-            f"CASE WHEN id IN {here} THEN 1 ELSE 0 END, 0 FROM builds "
+            f"CASE WHEN id IN {here} THEN 1 ELSE 0 END, 0, '{BUILD_KIND}' FROM builds "
             f"WHERE owner = :me AND state IN {_BUILDS_OWNED_SQL}",
             params,
         ).fetchall()
-    return [Owned(row[0], JobState(row[1]), row[2], bool(row[3]), int(row[4])) for row in rows]
+    return [
+        Owned(row[0], JobState(row[1]), row[2], bool(row[3]), int(row[4]), str(row[5]))
+        for row in rows
+    ]
 
 
 def hand_back(db: Db, runner_id: str, ids: Collection[str]) -> int:

@@ -345,13 +345,8 @@ async def test_v6_closes_approvals_that_cancels_left_pending(
     cancelled = make_job(settings, "web01", "10.0.0.50", state=JobState.CANCELLED)
     waiting = make_job(settings, "web02", "10.0.0.51", state=JobState.AWAITING_APPROVAL)
     for job in (cancelled, waiting):
-        later = (
-            "ipam_ref",
-            "ipam_state",
-            *DESTROY_COLUMNS,
-            *LEASE_COLUMNS,
-            "claim_epoch",
-        )  # v8-v14
+        later = ("ipam_ref", "ipam_state", *DESTROY_COLUMNS, *LEASE_COLUMNS)  # v8, v9, v10
+        later += ("claim_epoch", "kind")  # v14, v15
         db.table("jobs").insert({k: v for k, v in job_row(job).items() if k not in later})
         approval = Approval(job_id=job.id, reason_required="x", expires_at=utcnow())
         db.table("approvals").insert(

@@ -1,8 +1,9 @@
 """The Deployer's template builds: asked for, queued, run, and recovered after a crash.
 
-A build goes through the same job queue as deploys (its id starts with `b`, so the
-queue's runner hands it to `BuildRunner`), is owned by a runner with a lease like a job,
-and a build whose runner died is rolled back by the next process that takes over work.
+A build goes through the same job queue as deploys (the queue's runner looks its kind
+up and the build kind, bot/kinds/build.py, hands it to `BuildRunner`), is owned by a
+runner with a lease like a job, and a build whose runner died is rolled back by the next
+process that takes over work.
 """
 
 from __future__ import annotations

@@ -211,6 +211,9 @@ class Job(BaseModel):
     """One deploy's life, as stored: a row of the `jobs` table."""
 
     id: str = Field(default_factory=new_job_id)
+    # What runs and recovers it (bot/kinds/): a deploy (its destroy is a phase of it),
+    # or a kind registered beside it. Never read from the id.
+    kind: str = "deploy"
     state: JobState
     requester: str
     name: str

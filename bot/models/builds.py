@@ -2,8 +2,9 @@
 
 A build is a job of its own kind: it has a requester, an owner with a lease, a state
 machine and an undo stack like a deploy, but no address and no chat-visible VM of its
-own, so it lives in its own table. Its id starts with `b` (a deploy's with `j`), so a
-tag on the hypervisor (`deploybot-<installation>-<id>`) says which table to ask.
+own, so it lives in its own table, and its kind is the table's (bot/kinds/build.py).
+Its id starts with `b` (a deploy's with `j`) only to tell them apart when read; no code
+decides anything by it: the store looks the id up (store/jobs.kind_of).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from pydantic import BaseModel, Field, field_validator
 from bot.models import utcnow
 from bot.models.ids import JOB_ID_LENGTH, SHORT_ID_LENGTH, random_letters
 
+# The kind of every build (bot/kinds/build.py): the store answers it for a `builds` row.
+BUILD_KIND = "build"
 BUILD_ID_RE = re.compile(r"b[a-z0-9]{6,40}")
 # A template's name: a VM name on every hypervisor (Proxmox wants a DNS name), with room
 # for the `-vN` of its versions.

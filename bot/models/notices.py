@@ -21,7 +21,7 @@ class NoticeKind(StrEnum):
     # A lease's step (bot/leases.py): `step` says which (remind, expired, extended,
     # destroying), `when` the time it names (the end, or the destroy after the grace).
     LEASE = "lease"
-    # A template build's (its id starts with `b`; bot/builds/): `step` says which part
+    # A template build's (a `builds` row; bot/builds/): `step` says which part
     # (BUILD_ASKED, BUILD_DECIDED, BUILD_STARTED, BUILD_NOTE, BUILD_FINISHED), `text` the
     # line of progress or the reason of a rejection.
     BUILD = "build"

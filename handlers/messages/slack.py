@@ -165,10 +165,10 @@ def reason_required() -> str:
     return "Say why, so the requester can fix the request."
 
 
-def reject_question(job_id: str) -> str:
-    """Mrkdwn, atop the modal that asks for the reason."""
-    what = "build" if job_id.startswith("b") else "job"
-    return f"Reject {what} {escape(job_id)}?"
+def reject_question(job_id: str, noun: str) -> str:
+    """Mrkdwn, atop the modal that asks for the reason; `noun`: what its kind calls
+    one ("job", "build": bot/kinds/)."""
+    return f"Reject {noun} {escape(job_id)}?"
 
 
 def slack_reject_answer(job: Job) -> Said:

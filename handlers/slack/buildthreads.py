@@ -21,7 +21,7 @@ from handlers.slack.items import BuildCard, BuildThread, Line, parse_ref
 
 
 class BuildDelivery(Delivery):
-    """Mixed into `SlackThreads`: what it does with a build's (`b...`) notices."""
+    """Mixed into `SlackThreads`: what it does with a build's notices."""
 
     async def _release_build(self, build_id: str) -> None:
         """A build's delivery lease goes once it ended and all of it is in Slack."""

@@ -12,6 +12,7 @@ from datetime import datetime
 
 from slack_sdk.web.async_client import AsyncWebClient
 
+from bot.kinds import Rows
 from bot.models import Notice
 from bot.service import Deployer
 from bot.settings import SlackSettings
@@ -47,6 +48,9 @@ class Delivery:
         self._sent: list[tuple[int, str]] = []  # parts in Slack, to record in the store
         self._delivered: list[int] = []  # to mark in the store
         self._held: set[str] = set()  # jobs whose delivery lease this process holds
+        # What record each held id's notices follow: its kind's rows (bot/kinds/), looked
+        # up once: a job's kind never changes.
+        self._rows: dict[str, Rows] = {}
         self._cursor = 0
         self._orphans_at: datetime | None = None
         self._wake = asyncio.Event()

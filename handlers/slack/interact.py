@@ -216,18 +216,10 @@ async def show_list(
     )
 
 
-def _is_build(item_id: str) -> bool:
-    """A card's button names a template build (`b...`) or a job (`j...`)."""
-    return item_id.startswith("b")
-
-
 async def _approve(bot: Host, body: dict[str, Any]) -> None:
     job_id, user, channel, key = _click(body)
-    try:
-        if _is_build(job_id):  # one compare-and-set on the build decides (bot/builds/)
-            await bot.deployer.decide_build(job_id, user, True, dedupe_key=key)
-        else:
-            await bot.deployer.approve(job_id, user, dedupe_key=key)
+    try:  # the job's kind decides (bot/kinds/): a deploy, its destroy, a build
+        await bot.deployer.decide(job_id, user, True, dedupe_key=key)
     except Duplicate:
         log.info("ignored a redelivered approval click on %s", job_id)
     except DeployBotError as exc:
@@ -239,14 +231,12 @@ async def _ask_reason(bot: Host, body: dict[str, Any]) -> None:
     """Refuse at once whoever may not decide; otherwise ask for the reason in a modal."""
     job_id, user, channel, _key = _click(body)
     try:
-        if _is_build(job_id):
-            await bot.deployer.may_decide_build(job_id, user)
-        else:
-            await bot.deployer.may_decide(job_id, user)
+        kind = await bot.deployer.kind_of(job_id)
+        await bot.deployer.may_decide_any(job_id, user)
     except DeployBotError as exc:
         await bot.tell(channel, user, views.refusal(exc))
         return
-    modal = views.reject_modal(job_id, {"channel": channel})
+    modal = views.reject_modal(job_id, kind.noun, {"channel": channel})
     await bot.client.views_open(trigger_id=str(body["trigger_id"]), view=modal)
 
 
@@ -254,14 +244,9 @@ async def _reject(bot: Host, body: dict[str, Any], view: dict[str, Any], reason:
     meta = json.loads(view.get("private_metadata") or "{}")
     user = str(body["user"]["id"])
     try:
-        if _is_build(str(meta["job_id"])):
-            await bot.deployer.decide_build(
-                str(meta["job_id"]), user, False, reason, dedupe_key=f"view:{view['id']}"
-            )
-        else:
-            await bot.deployer.reject(
-                str(meta["job_id"]), user, reason, dedupe_key=f"view:{view['id']}"
-            )
+        await bot.deployer.decide(
+            str(meta["job_id"]), user, False, reason, dedupe_key=f"view:{view['id']}"
+        )
     except Duplicate:
         log.info("ignored a redelivered rejection of %s", meta.get("job_id"))
     except DeployBotError as exc:

@@ -19,6 +19,7 @@ import contextlib
 import logging
 from datetime import timedelta
 
+from bot.kinds import Rows
 from bot.leaseterms import show_length
 from bot.models import ApprovalState, Job, JobState, Notice, NoticeKind, utcnow
 from bot.service import Deployer
@@ -93,7 +94,7 @@ class SlackThreads(BuildDelivery):
         todo = [n for n in notices if n.id is not None and n.id not in self._parts]
         if not todo:
             return 0
-        if job_id.startswith("b"):  # a template build's (bot/builds/)
+        if await self._rows_of(job_id) == "builds":  # a template build's (bot/builds/)
             build = await self.deployer.store.builds.get(job_id)
             if build is None:
                 self._finish_parts([n.id for n in todo if n.id is not None])
@@ -118,17 +119,27 @@ class SlackThreads(BuildDelivery):
         parts, self._sent = self._sent, []
         await self.deployer.store.outbox_mark_delivered(ids, utcnow(), parts)
         for job_id in list(self._held):
-            if job_id.startswith("b"):
+            if await self._rows_of(job_id) == "builds":
                 await self._release_build(job_id)
+                if job_id not in self._held:
+                    self._rows.pop(job_id, None)
                 continue
             if not self._busy(job_id):
                 job = await self.deployer.store.get_job(job_id)
                 if job is None or job.state.final:
                     await self.deployer.store.outbox_release(job_id, self.me, utcnow())
                     self._held.discard(job_id)
+                    self._rows.pop(job_id, None)
                     self.threads.pop(job_id, None)
                     self.cards.pop(job_id, None)
                     self.destroy_cards.pop(job_id, None)
+
+    async def _rows_of(self, job_id: str) -> Rows:
+        """Which record this id's notices follow: its kind's rows (a `Job` or a `Build`)."""
+        rows = self._rows.get(job_id)
+        if rows is None:
+            rows = self._rows[job_id] = (await self.deployer.kind_of(job_id)).rows
+        return rows
 
     def _busy(self, job_id: str) -> bool:
         thread, card = self.threads.get(job_id), self.cards.get(job_id)

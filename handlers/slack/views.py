@@ -159,7 +159,7 @@ def build_parent(build: Build, headline: str) -> list[dict[str, Any]]:
 
 def build_approval_request(build: Build) -> list[dict[str, Any]]:
     """The card asking approvers for a template build: the same buttons as a deploy's
-    (their value is the build's id, which starts with `b`)."""
+    (their value is the build's id; the click looks its kind up: bot/kinds/)."""
     summary = SectionBlock(
         block_id="summary",
         text=MarkdownTextObject(text=fit(messages.build_approval_summary(build), SECTION_MAX)),
@@ -290,7 +290,7 @@ def approval_decided(job: Job, outcome: str) -> list[dict[str, Any]]:
     return dicts([summary, _outcome(outcome)])
 
 
-def reject_modal(job_id: str, metadata: dict[str, str]) -> View:
+def reject_modal(job_id: str, noun: str, metadata: dict[str, str]) -> View:
     reason = InputBlock(
         block_id="reason",
         label=messages.FORM_LABELS["reason"],
@@ -304,7 +304,7 @@ def reject_modal(job_id: str, metadata: dict[str, str]) -> View:
         close="Cancel",
         private_metadata=json.dumps({**metadata, "job_id": job_id}),
         blocks=[
-            SectionBlock(text=MarkdownTextObject(text=messages.reject_question(job_id))),
+            SectionBlock(text=MarkdownTextObject(text=messages.reject_question(job_id, noun))),
             reason,
         ],
     )

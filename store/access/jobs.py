@@ -51,6 +51,10 @@ class JobAccess(Access):
         """(id, name, state) of jobs whose id starts with `prefix`; an exact match first."""
         return await self._call(jobs.match_ids, prefix, limit)
 
+    async def kind_of(self, ref: str) -> str | None:
+        """The kind of the job or build `ref` (an id or a prefix) names (bot/kinds/)."""
+        return await self._call(jobs.kind_of, ref)
+
     async def quarantined(self, job_id: str) -> Quarantined | None:
         """Why this job was set aside, or None when it was not."""
         return await self._call(quarantine.find, job_id)
