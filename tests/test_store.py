@@ -305,7 +305,7 @@ async def test_an_event_that_cannot_be_written_fails_alone(
         store.add_event(good[1]),
         return_exceptions=True,
     )
-    assert results[0] is None and results[2] is None
+    assert results[0] is True and results[2] is True
     assert isinstance(results[1], Conflict)
     assert [e.phase for e in await store.events(job.id)] == ["started", "finished"]
     assert await store.events("nosuchjob") == []

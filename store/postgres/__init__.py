@@ -16,17 +16,18 @@ PGPASSWORD / .pgpass), never from the URL; TLS options in the URL (`sslmode`,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import psycopg
 from psycopg import errors
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
-from psycopg_pool import ConnectionPool
+from psycopg_pool import ConnectionPool, PoolTimeout
 
 from store.owners import installation_id
 from store.postgres.db import PgDb
@@ -43,6 +44,7 @@ CONNECT_TIMEOUT_S = 10.0
 # it a connection (the pool reconnects in the background) before it is retried.
 POOL_WAIT_S = 5.0
 RECONNECT_S = 2.0  # how long the pool keeps reconnecting with backoff before starting over
+ASK_AGAIN_S = 0.5  # a wait for a connection is asked anew this often (`_connection`)
 # A deadlock's victim is run again; so many times before its caller hears.
 RACE_RETRIES = 20
 _RACES = (errors.SerializationFailure, errors.DeadlockDetected)
@@ -134,7 +136,7 @@ class PostgresEngine:
 
     def _run(self, fn: Callable[..., T], args: tuple[Any, ...], wait_s: float | None) -> T:
         for attempt in range(RACE_RETRIES):
-            with self._pool.connection(timeout=wait_s) as conn:
+            with self._connection(wait_s) as conn:
                 try:
                     return fn(PgDb(conn), *args)
                 except _RACES:
@@ -143,6 +145,28 @@ class PostgresEngine:
             # Apart a little, so the replicas that collided do not collide again.
             time.sleep(random.uniform(0, 0.002 * (attempt + 1)))
         raise AssertionError("unreachable")
+
+    @contextlib.contextmanager
+    def _connection(self, wait_s: float | None) -> Iterator[psycopg.Connection[Any]]:
+        """A pooled connection, waited for up to `wait_s` (None: the pool's timeout) in
+        short asks: after the server went away, the pool tries to reconnect only for a
+        caller that asks anew once its reconnect attempts gave up (`RECONNECT_S`), so a
+        caller waiting in one long ask could stay without a connection long after the
+        server is back (a runner then misses its renewals: bot/ownership.py)."""
+        deadline = time.monotonic() + (self._pool.timeout if wait_s is None else wait_s)
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                conn = self._pool.getconn(timeout=max(0.01, min(ASK_AGAIN_S, left)))
+                break
+            except PoolTimeout:
+                if left <= ASK_AGAIN_S:
+                    raise
+        try:
+            with conn:  # as the pool's own connection(): ends what the call left open
+                yield conn
+        finally:
+            self._pool.putconn(conn)
 
     async def integrity_check(self) -> str:
         # PostgreSQL checks its pages itself (and amcheck is an extension); what the
