@@ -1,15 +1,16 @@
 """Twenty database outages under two live `deploybot serve --http` replicas.
 
-Two replicas on one PostgreSQL (the tests' stoppable cluster), behind the fake Slack, on
-the fake Proxmox server, with a short lease (`[ownership] lease_s = 3`), started once
-and kept for every round. Each round asks a few deploys of them in turn, and at a
-random moment while they run (when a randomly chosen one of them reaches a randomly
-chosen step, as its Slack headline shows) stops PostgreSQL (`pg_ctl stop -m fast`) for
-a random length: half the rounds shorter than the lease, half longer. A /deploy sent
-during the outage is answered within Slack's 3 s: in a long round (once /readyz says
-not ready) refused and never carried out; in a short one refused, or acknowledged and
-then carried out like the others (see `outage`). Then the database comes back, and
-once every job of the round is final:
+Two replicas on one PostgreSQL (the tests' stoppable cluster), behind the fake Slack,
+with a short lease (`[ownership] lease_s = 3`), started once and kept for every round;
+on either hypervisor (the test's parameter): the fake Proxmox server, or the built-in
+simulator, both replicas sharing one `state_file` (backends/simstate.py). Each round
+asks a few deploys of them in turn, and at a random moment while they run (when a
+randomly chosen one of them reaches a randomly chosen step, as its Slack headline shows)
+stops PostgreSQL (`pg_ctl stop -m fast`) for a random length: half the rounds shorter
+than the lease, half longer. A /deploy sent during the outage is answered within Slack's
+3 s: in a long round (once /readyz says not ready) refused and never carried out; in a
+short one refused, or acknowledged and then carried out like the others (see `outage`).
+Then the database comes back, and once every job of the round is final:
 
 * every job ended exactly once: final, cloned at most once, no step after its rollback
   began, one outcome in its Slack thread and one by direct message; a failed one names
@@ -18,21 +19,26 @@ once every job of the round is final:
 * no takeover of a live runner's work (both replicas live throughout, so none is
   allowed): a job whose owner changed from one replica to the other, when the first
   did not hand it back (see `takeovers`);
-* no orphan VM: the server's VMs of ours are exactly the succeeded jobs' VMs;
+* no orphan VM: the hypervisor's VMs of ours (tagged `deploybot-...`: by the fake
+  Proxmox's API, or in the simulator's state file) are exactly the succeeded jobs' VMs;
 * every deploy acknowledged with 200 became one job; every refused one none.
 
 The test goes through every round and then fails with what each round broke (a table
-and the details), so one run shows the whole picture. DEPLOYBOT_OUTAGE_ROUNDS runs
-fewer rounds (default 20), DEPLOYBOT_OUTAGE_SEED replays a run (its seed is printed).
+and the details), so one run shows the whole picture. DEPLOYBOT_OUTAGE_ROUNDS sets the
+rounds on the fake Proxmox (default 20), DEPLOYBOT_OUTAGE_SIM_ROUNDS on the simulator
+(default 6: the same rounds, to keep CI short), DEPLOYBOT_OUTAGE_SEED replays a run (its
+seed is printed).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
 import signal
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +47,7 @@ import pytest
 
 from bot.models import SHORT_ID_LENGTH
 from handlers import messages
+from tests.conftest import TEST_KEY
 from tests.postgres_support import PASSWORD, PASSWORD_ENV, start_again, stop_fast
 from tests.slack_support import CHANNEL
 from tests.test_crash_proxmox import FakePVE, config_env, fake_pve
@@ -58,7 +65,10 @@ from tests.test_multiprocess import (
 )
 
 __all__ = ["_reap", "fake_pve", "slack"]  # fixtures, used by name
-ROUNDS = int(os.environ.get("DEPLOYBOT_OUTAGE_ROUNDS", "20"))
+ROUNDS = {
+    "proxmox": int(os.environ.get("DEPLOYBOT_OUTAGE_ROUNDS", "20")),
+    "sim": int(os.environ.get("DEPLOYBOT_OUTAGE_SIM_ROUNDS", "6")),
+}
 SEED = int(os.environ.get("DEPLOYBOT_OUTAGE_SEED", "20260126"))
 LEASE_S = 3.0
 LEASE = f"\n[ownership]\nlease_s = {LEASE_S:g}\ntick_s = 0.5\n"  # tick_s * 3 <= lease_s
@@ -71,12 +81,77 @@ WORKING = ("running", "rolling_back")
 STARTED = re.compile(r"runner (\S+) \(\w+, pid (\d+)\) started")
 TAKING = re.compile(r"job (\S+): taking over from runner (\S+)")
 HANDING = re.compile(r"job (\S+): held by this runner but .*; handing it back")
+# The simulator's deploys take about as long as the fake Proxmox's (~2 s); its guests'
+# addresses are outside 127.0.0.0/8, so it answers their SSH probe itself (backends/sim.py).
+SIM_CONFIG = """
+database = "{tmp}/jobs.db"
+log_file = "{tmp}/bot.log"
+
+[[backends]]
+kind = "sim"
+name = "sim"
+time_scale = 0.2
+state_file = "{state}"
+
+[[subnets]]
+cidr = "10.20.0.0/24"
+gateway = "10.20.0.1"
+
+[defaults]
+ssh_keys = ["{key}"]
+backend = "sim"
+
+[timeouts]
+retry_initial_s = 0.01
+retry_max_s = 0.1
+"""
 
 
-def replica(tmp: Path, fake: FakePVE, slack: SlackThread, url: str, name: str) -> Proc:
+@dataclass
+class Hypervisor:
+    """What the replicas deploy on, as the test sees it."""
+
+    kind: str
+    config_env: Callable[[Path], dict[str, str]]  # a replica's env, its config written
+    subnet: str  # the round's addresses: this and a host number
+    ours: Callable[[], dict[str, str]]  # id -> name of every VM tagged as deploybot's
+
+
+def on_proxmox(fake: FakePVE) -> Hypervisor:
+    def ours() -> dict[str, str]:
+        tagged = [vm for vm in fake.vms() if "deploybot-" in str(vm.get("tags"))]
+        return {str(vm["vmid"]): str(vm["name"]) for vm in tagged}
+
+    return Hypervisor("proxmox", lambda tmp: config_env(tmp, fake), "127.0.10.", ours)
+
+
+def on_sim(state: Path) -> Hypervisor:
+    def env(tmp: Path) -> dict[str, str]:
+        path = tmp / "deploybot.toml"
+        path.write_text(SIM_CONFIG.format(tmp=tmp, state=state, key=TEST_KEY))
+        env = {k: v for k, v in os.environ.items() if not k.startswith("DEPLOYBOT_")}
+        return {**env, "DEPLOYBOT_CONFIG": str(path)}
+
+    def ours() -> dict[str, str]:
+        """The VMs the file holds (both replicas live: no task of a dead one to settle)."""
+        vms = json.loads(state.read_text())["vms"] if state.exists() else []
+        tagged = [vm for vm in vms if any(t.startswith("deploybot-") for t in vm["tags"])]
+        return {str(vm["vm_id"]): str(vm["name"]) for vm in tagged}
+
+    return Hypervisor("sim", env, "10.20.0.", ours)
+
+
+@pytest.fixture(params=["proxmox", "sim"])
+def hypervisor(request: pytest.FixtureRequest, tmp_path: Path) -> Hypervisor:
+    if request.param == "proxmox":
+        return on_proxmox(request.getfixturevalue("fake_pve"))
+    return on_sim(tmp_path / "sim.json")
+
+
+def replica(tmp: Path, hv: Hypervisor, slack: SlackThread, url: str, name: str) -> Proc:
     """A `serve --http` replica on `url` with the short lease (test_database_outage's
     `replica`, whose lease is long)."""
-    env = {**config_env(tmp, fake), PASSWORD_ENV: PASSWORD}
+    env = {**hv.config_env(tmp), PASSWORD_ENV: PASSWORD}
     config = Path(env["DEPLOYBOT_CONFIG"])
     text = config.read_text().replace(f'"{tmp}/jobs.db"', f'"{url}"')
     config.write_text(text + LEASE + SLACK.format(url=slack.fake.url))
@@ -190,7 +265,7 @@ def takeovers(
     return found
 
 
-def judge(url: str, slack: SlackThread, fake: FakePVE, r: Round) -> None:
+def judge(url: str, slack: SlackThread, hv: Hypervisor, r: Round) -> None:
     """Check the round's invariants, recording what is broken in `r`."""
     jobs = {
         str(n): (str(i), str(s), str(e or ""), str(v or ""))
@@ -229,8 +304,7 @@ def judge(url: str, slack: SlackThread, fake: FakePVE, r: Round) -> None:
     working = rows(url, "SELECT name, state FROM jobs WHERE state = ANY(%s)", (list(WORKING),))
     for name, state in working:
         r.fail("left working", f"{name} {state}")
-    vms = fake.vms()
-    ours = {str(vm["vmid"]): str(vm["name"]) for vm in vms if "deploybot-" in str(vm.get("tags"))}
+    ours = hv.ours()
     succeeded = {str(v) for (v,) in rows(url, "SELECT vm_id FROM jobs WHERE state = 'succeeded'")}
     for vm in sorted(set(ours) - succeeded):
         r.fail("orphan VM", f"{vm} ({ours[vm]})")
@@ -238,12 +312,12 @@ def judge(url: str, slack: SlackThread, fake: FakePVE, r: Round) -> None:
         r.fail("VM lost", vm)
 
 
-def address(r: Round, i: int) -> str:
-    """The i-th address of round r in the fake's subnet (127.0.10.0/24), each used once."""
-    return f"127.0.10.{10 + r.number * (DEPLOYS + 1) + i}"
+def address(hv: Hypervisor, r: Round, i: int) -> str:
+    """The i-th address of round r in the hypervisor's subnet, each used once."""
+    return f"{hv.subnet}{10 + r.number * (DEPLOYS + 1) + i}"
 
 
-def outage(r: Round, workdir: Path, watched: Proc, slack: SlackThread) -> None:
+def outage(r: Round, hv: Hypervisor, workdir: Path, watched: Proc, slack: SlackThread) -> None:
     """PostgreSQL stopped for the round's length, a /deploy sent to `watched` meanwhile.
 
     /readyz notices an outage only after a few seconds (`readyz_s` says how many), more
@@ -258,7 +332,7 @@ def outage(r: Round, workdir: Path, watched: Proc, slack: SlackThread) -> None:
     try:
         with ThreadPoolExecutor(1) as pool:
             if r.kind == "short":
-                asked = pool.submit(command, watched, slack, f"{extra} {address(r, DEPLOYS)}")
+                asked = pool.submit(command, watched, slack, f"{extra} {address(hv, r, DEPLOYS)}")
 
             def not_ready() -> bool:
                 return get(watched, "/readyz")[0] == 503
@@ -266,7 +340,7 @@ def outage(r: Round, workdir: Path, watched: Proc, slack: SlackThread) -> None:
             if r.kind == "long" and not until_or_none(not_ready, slack, within_s=15):
                 r.fail("/readyz ready during the outage", watched.name)
             if r.kind == "long":
-                asked = pool.submit(command, watched, slack, f"{extra} {address(r, DEPLOYS)}")
+                asked = pool.submit(command, watched, slack, f"{extra} {address(hv, r, DEPLOYS)}")
             while time.monotonic() - stopped < r.planned_s:  # the outage's length
                 if not r.readyz_s and not_ready():
                     r.readyz_s = time.monotonic() - stopped
@@ -290,13 +364,19 @@ def outage(r: Round, workdir: Path, watched: Proc, slack: SlackThread) -> None:
 
 
 def one_round(
-    r: Round, url: str, workdir: Path, procs: list[Proc], slack: SlackThread, rng: random.Random
+    r: Round,
+    hv: Hypervisor,
+    url: str,
+    workdir: Path,
+    procs: list[Proc],
+    slack: SlackThread,
+    rng: random.Random,
 ) -> dict[str, str]:
     """Deploys, an outage at a random moment, the database back, every job final; the
     owners of the round's jobs just before the outage."""
     for i in range(DEPLOYS):
         name = f"r{r.number:02d}{'abcdefgh'[i]}"
-        status, body, _s = command(procs[i % 2], slack, f"{name} {address(r, i)}")
+        status, body, _s = command(procs[i % 2], slack, f"{name} {address(hv, r, i)}")
         if status == 200 and not body:  # acknowledged; the answer comes by response_url
             r.names.append(name)
         else:
@@ -306,7 +386,7 @@ def one_round(
     shows = mentions(slack.fake, target, label)
     until_or_none(lambda: any(shows(c) for c in slack.fake.calls), slack, within_s=30)
     before = owners(url, r.names)
-    outage(r, workdir, procs[rng.randrange(2)], slack)
+    outage(r, hv, workdir, procs[rng.randrange(2)], slack)
     back = time.monotonic()
 
     def settled() -> bool:
@@ -340,28 +420,29 @@ def table(done: list[Round]) -> str:
     return "\n".join(lines)
 
 
-def test_twenty_outages_under_two_live_replicas(
+def test_outages_under_two_live_replicas(
     tmp_path: Path,
-    fake_pve: FakePVE,
+    hypervisor: Hypervisor,
     slack: SlackThread,
     stoppable_pg: tuple[str, Path],
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     url, workdir = stoppable_pg
-    assert 10 + ROUNDS * (DEPLOYS + 1) < 255, "more rounds than addresses in 127.0.10.0/24"
+    hv, rounds = hypervisor, ROUNDS[hypervisor.kind]
+    assert 10 + rounds * (DEPLOYS + 1) < 255, f"more rounds than addresses in {hv.subnet}0/24"
     rng = random.Random(SEED)
     began = time.monotonic()
-    procs = [replica(tmp_path, fake_pve, slack, url, f"replica{i}") for i in range(2)]
+    procs = [replica(tmp_path, hv, slack, url, f"replica{i}") for i in range(2)]
     runners = {proc.name: runner_id(proc, slack) for proc in procs}
-    kinds = ["short", "long"] * (ROUNDS // 2) + ["short"] * (ROUNDS % 2)
+    kinds = ["short", "long"] * (rounds // 2) + ["short"] * (rounds % 2)
     rng.shuffle(kinds)
     done: list[Round] = []
     for number, kind in enumerate(kinds):
         low, high = SHORT_S if kind == "short" else LONG_S
         r = Round(number, kind, rng.uniform(low, high))
         start = time.monotonic()
-        before = one_round(r, url, workdir, procs, slack, rng)
-        judge(url, slack, fake_pve, r)
+        before = one_round(r, hv, url, workdir, procs, slack, rng)
+        judge(url, slack, hv, r)
         found = rows(url, "SELECT id, name FROM jobs WHERE name = ANY(%s)", (r.names,))
         ids = {str(i): str(n) for i, n in found}  # this round's jobs only
         for taken in takeovers(procs, runners, ids, before, owners(url, r.names)):
@@ -376,7 +457,7 @@ def test_twenty_outages_under_two_live_replicas(
     report = table(done)
     with capsys.disabled():
         print(
-            f"\noutages under two live replicas: {len(done)} rounds, seed {SEED} "
+            f"\noutages under two live replicas on {hv.kind}: {len(done)} rounds, seed {SEED} "
             f"(DEPLOYBOT_OUTAGE_SEED), lease {LEASE_S:g} s, {DEPLOYS} deploys a round, "
             f"{time.monotonic() - began:.0f} s in all\n{report}"
         )
