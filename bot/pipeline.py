@@ -263,9 +263,6 @@ class Pipeline:
             return f"guest reports {found}, not the requested {req.address.ip}"
         return str(found)
 
-    async def _address_detail(self, run: Run) -> str:
-        return "guest agent"
-
     async def _ssh_detail(self, run: Run) -> str:
         return f"port {self._ssh_port}"
 
@@ -294,7 +291,7 @@ class Pipeline:
     # --- endings ------------------------------------------------------------------
 
     async def _moved(self, run: Run, move: Callable[[], Awaitable[Moved]]) -> Moved:
-        """One of the run's moves to a new state (`_recorded`); not moved when the job
+        """One of the run's moves to a new state (`Engine.recorded`); not moved when the job
         turned out to be another runner's while the database did not answer."""
         try:
             return await self.engine.recorded(run, move)
@@ -433,12 +430,18 @@ STEPS: tuple[Step[Pipeline], ...] = (
         undo_from=UndoFrom.ACTION,  # write-ahead: once the VM's id is recorded
         resumable=True,
     ),
-    Step("identity", Pipeline._identity, "identity_s", Pipeline._identity_detail, resumable=True),
+    Step(
+        "identity",
+        Pipeline._identity,
+        "identity_s",
+        detail=Pipeline._identity_detail,
+        resumable=True,
+    ),
     Step(
         "resize",
         Pipeline._resize,
         "resize_s",
-        Pipeline._resize_detail,
+        detail=Pipeline._resize_detail,
         when=_grows,
         skipped="no growth asked",
         resumable=True,
@@ -448,7 +451,7 @@ STEPS: tuple[Step[Pipeline], ...] = (
         "address",
         Pipeline._address,
         "address_s",
-        Pipeline._address_detail,
+        detail="guest agent",
         resumable=True,
         read_again=True,
     ),
@@ -456,7 +459,7 @@ STEPS: tuple[Step[Pipeline], ...] = (
         "ssh",
         Pipeline._ssh,
         "ssh_s",
-        Pipeline._ssh_detail,
+        detail=Pipeline._ssh_detail,
         polled=True,  # a refused port right after the agent answered: sshd still starting
         resumable=True,
         read_again=True,
@@ -465,7 +468,7 @@ STEPS: tuple[Step[Pipeline], ...] = (
         "register",
         Pipeline._register,
         "check_free_s",
-        Pipeline._register_detail,
+        detail=Pipeline._register_detail,
         undo=Pipeline._release,
         undo_from=UndoFrom.START,  # the address was reserved when the job was recorded
         when=_has_ipam_record,

@@ -53,8 +53,9 @@ class Step(Generic[C]):
     name: str  # as events, notices, metrics and the thread name it
     action: Callable[[C, Run], Awaitable[str | None]]  # what it did, shown when it ends
     timeout: str  # the `[timeouts]` setting it runs under, e.g. "clone_s"
-    # Shown when it starts; asked before the started event, so it may ask the backend.
-    detail: Callable[[C, Run], Awaitable[str]] | None = None
+    # Shown when it starts; a function is asked before the started event (it may ask
+    # the backend: through `Engine.call`, under the step's name).
+    detail: str | Callable[[C, Run], Awaitable[str]] = ""
     undo: Callable[[C, Run], Undo] | None = None
     undo_from: UndoFrom = UndoFrom.CALL
     when: Callable[[Job], bool] | None = None  # whether it applies to the job
@@ -126,7 +127,8 @@ class Engine(Generic[C]):
             return
         if step.undo is not None and step.undo_from is UndoFrom.CALL:
             run.undo.append(step.undo(self.service, run))
-        detail = await step.detail(self.service, run) if step.detail is not None else ""
+        shown = step.detail
+        detail = shown if isinstance(shown, str) else await shown(self.service, run)
         timeout_s: float = getattr(self.timeouts, step.timeout)
         action = functools.partial(step.action, self.service, run)
         await self._step(run, step.name, timeout_s, action, detail)
