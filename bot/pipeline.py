@@ -2,6 +2,9 @@
 
     check_free -> clone -> identity -> resize -> power_on -> address -> ssh [-> register]
 
+The steps are declared as data at the end of this module (`STEPS`: one `Step` record
+each, with its action, undo, timeout and what a restart may do after it); the engine in
+bot/steps.py runs them, the same way for every step.
 Before each step the job's runner proves it still holds the job (bot/ownership.py:
 `hold` pauses while the database does not answer, and stops the job where another
 runner took it over); every write names the job's claim (owner and epoch), so a run
@@ -23,7 +26,6 @@ import functools
 import ipaddress
 import logging
 from collections.abc import Awaitable, Callable, Mapping
-from typing import TypeVar
 
 from backends.base import (
     Backend,
@@ -37,28 +39,19 @@ from bot.addressing import Addressing, named
 from bot.models import Claim, Job, JobState, RollbackReport, utcnow
 from bot.ownership import Lost
 from bot.progress import Progress
-from bot.runs import (
-    STEPS,
-    Fence,
-    Run,
-    StepFailed,
-    Undo,
-    identity_of,
-    resume_point,
-    run_undo,
-    vm_ref,
-)
+from bot.runs import Fence, Run, StepFailed, Undo, identity_of, run_undo, vm_ref
 from bot.settings import Settings
-from bot.steps import Steps
+from bot.steps import Engine, Step, UndoFrom, notices_for
 from bot.waiting import protected
 from store.db import Store
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 Moved = tuple[bool, Job | None]  # a move's answer: whether it moved, the job as it is now
 
 
-class Pipeline(Steps):
+class Pipeline:
+    """The deploy: its steps (`STEPS`, below), run by an `Engine`, and its endings."""
+
     def __init__(
         self,
         settings: Settings,
@@ -80,6 +73,7 @@ class Pipeline(Steps):
         self.store = store
         self.progress = progress
         self.timeouts = settings.timeouts
+        self.engine = Engine(self, STEPS, store, progress, settings.timeouts, fence)
 
     async def run(self, job_id: str) -> Job | None:
         """Run a queued job to a final state; None if it was no longer queued."""
@@ -100,9 +94,9 @@ class Pipeline(Steps):
             logfields.bind(backend=job.backend)
             log.info("job %s: started: %s", job_id, _summary(job))
             run = Run(job, self.backends[job.backend], job.claim(self.owner))
-            self._undo_reservation(run)
+            self.engine.arm(run)
             first = await self._resume(run) if job.vm_id is not None else 0
-            await self._steps(run, first)
+            await self.engine.run(run, first)
         except Lost:
             # Taken over while this runner could not renew: the new owner has the VM.
             log.warning("job %s: another runner holds it now; stopping here untouched", job_id)
@@ -144,90 +138,18 @@ class Pipeline(Steps):
     async def _resume(self, run: Run) -> int:
         """Rebuild what a job interrupted by a restart had: its VM and its undo stack."""
         job = run.job
-        assert job.vm_id is not None
-        ref = vm_ref(job)
-        run.ref = ref
+        run.ref = vm_ref(job)
         run.resumed = True
-        t, backend = self.timeouts, run.backend
-        run.undo.append(Undo(f"destroy VM {ref.vm_id}", lambda: backend.destroy(ref), t.destroy_s))
         events = await self.store.events(job.id)
-        first = resume_point(events)
+        first = self.engine.resume_point(events)
+        # The undo of every step it will not run again (of all that began when it cannot
+        # carry on: the rollback then needs them).
+        self.engine.rearm(run, {e.step for e in events if e.phase == "started"}, first)
         if first is None:  # recovery checks first; if it changed meanwhile, roll back
             raise StepFailed("clone", "interrupted by a restart at a point that cannot be resumed")
-        if any(
-            e.step == "power_on" and e.phase == "started" for e in events
-        ) and first > STEPS.index("power_on"):
-            run.undo.append(
-                Undo(f"stop VM {ref.vm_id}", lambda: backend.power_off(ref), t.power_off_s)
-            )
-        await self._run_note(
-            run, STEPS[first], f"resuming after a restart of the bot, at {STEPS[first]}"
-        )
+        at = STEPS[first].name
+        await self.engine.run_note(run, at, f"resuming after a restart of the bot, at {at}")
         return first
-
-    async def _steps(self, run: Run, first: int = 0) -> None:
-        """Run STEPS from index `first` (0, or later when resuming after a restart),
-        each once the runner proves it still holds the job."""
-        for step in (*STEPS[first:], "register"):  # register: only with an IPAM record
-            paused_s = await self.fence.hold(run.job.id, run.claim.epoch)
-            if paused_s:
-                why = "the database did not answer, so the bot could not prove the job"
-                text = f"paused {paused_s:.1f} s before {step}: {why} was still its own; it is"
-                await self._run_note(run, step, text)
-            await self._run_step(run, step)
-
-    async def _run_step(self, run: Run, step: str) -> None:
-        req, backend, t = run.job.request, run.backend, self.timeouts
-        if step == "check_free":
-            await self._step(run, step, t.check_free_s, lambda: self._check_free(run))
-        elif step == "clone":
-            spec = CloneSpec(
-                run.job.id,
-                req.name,
-                req.template,
-                req.placement,
-                req.storage,
-                req.network,
-                identity=identity_of(req),
-                installation=run.job.installation,
-            )
-            mode = await self._call(run, step, t.check_free_s, lambda: backend.clone_mode(spec))
-            detail = f"{req.template}, {mode.reason}"
-            await self._step(run, step, t.clone_s, lambda: self._clone(run, spec), detail)
-        elif step == "identity":
-            ref, identity = self._ref(run), identity_of(req)
-            detail = f"{req.user}@{req.address}, {req.cores} cores, {req.memory_mib} MiB"
-            action = functools.partial(backend.apply_identity, ref, identity)
-            await self._step(run, step, t.identity_s, action, detail)
-        elif step == "resize" and req.disk_grow_gib:
-            ref, grow = self._ref(run), req.disk_grow_gib
-            action = functools.partial(backend.grow_disk, ref, grow)
-            await self._step(run, step, t.resize_s, action, f"+{grow} GiB")
-        elif step == "resize":
-            await self._skip(run, step, "no growth asked")
-        elif step == "power_on":
-            ref = self._ref(run)
-            run.undo.append(
-                Undo(f"stop VM {ref.vm_id}", lambda: backend.power_off(ref), t.power_off_s)
-            )
-            await self._step(run, step, t.power_on_s, lambda: self._power_on(run))
-        elif step == "address":
-            await self._step(run, step, t.address_s, lambda: self._address(run), "guest agent")
-        elif step == "ssh":
-            detail = f"port {self._ssh_port}"
-            await self._step(run, step, t.ssh_s, lambda: self._ssh(run), detail)
-        elif step == "register" and run.job.ipam_ref is not None:
-            action = functools.partial(self.addressing.activate, run.job)
-            await self._step(run, step, t.check_free_s, action, self.addressing.ipam_name)
-
-    def _undo_reservation(self, run: Run) -> None:
-        """A job whose address the IPAM records gives it back when it rolls back (the
-        first undo pushed, so the last run: after its VM is gone)."""
-        if run.job.ipam_ref is None:
-            return
-        what = f"release {run.job.address} in {self.addressing.ipam_name}"
-        release = functools.partial(self.addressing.release, run.job)
-        run.undo.append(Undo(what, release, self.timeouts.check_free_s, vm=False))
 
     @property
     def _ssh_port(self) -> int:
@@ -239,7 +161,7 @@ class Pipeline(Steps):
             raise StepFailed("clone", "no VM id was recorded")
         return run.ref
 
-    # --- steps --------------------------------------------------------------------
+    # --- the steps' actions, undos and details (declared in STEPS below) -------------
 
     async def _check_free(self, run: Run) -> str:
         req = run.job.request
@@ -262,8 +184,14 @@ class Pipeline(Steps):
         free = f"{req.name} and {req.address.ip} are free"
         return f"{free} (not asked: {', '.join(unasked)})" if unasked else free
 
-    async def _clone(self, run: Run, spec: CloneSpec) -> str:
-        backend = run.backend
+    async def _clone_detail(self, run: Run) -> str:
+        spec, backend = _clone_spec(run.job), run.backend
+        t = self.timeouts.check_free_s
+        mode = await self.engine.call(run, "clone", t, lambda: backend.clone_mode(spec))
+        return f"{run.job.request.template}, {mode.reason}"
+
+    async def _clone(self, run: Run) -> str:
+        spec, backend = _clone_spec(run.job), run.backend
         if run.ref is None:
             ref = await backend.prepare_clone(spec)
             # Write-ahead: the id is stored and its undo pushed before anything exists.
@@ -274,13 +202,10 @@ class Pipeline(Steps):
                 vm_id=ref.vm_id,
                 vm_placement=ref.placement,
             )
-            if not await self._recorded(run, recorded):
+            if not await self.engine.recorded(run, recorded):
                 raise StepFailed("clone", "another process took this job over")
             run.ref = ref
-            destroy = Undo(
-                f"destroy VM {ref.vm_id}", lambda: backend.destroy(ref), self.timeouts.destroy_s
-            )
-            run.undo.append(destroy)
+            run.undo.append(self._destroy(run))
         ref = run.ref
         try:
             note = await backend.clone(spec, ref)  # a retry reuses the same id
@@ -294,6 +219,31 @@ class Pipeline(Steps):
             raise
         where = f"VM {ref.vm_id} on {ref.placement or run.job.backend}"
         return f"{where}; {note}" if note else where
+
+    def _destroy(self, run: Run) -> Undo:
+        ref, backend = self._ref(run), run.backend
+        return Undo(
+            f"destroy VM {ref.vm_id}", lambda: backend.destroy(ref), self.timeouts.destroy_s
+        )
+
+    async def _identity_detail(self, run: Run) -> str:
+        req = run.job.request
+        return f"{req.user}@{req.address}, {req.cores} cores, {req.memory_mib} MiB"
+
+    async def _identity(self, run: Run) -> str | None:
+        return await run.backend.apply_identity(self._ref(run), identity_of(run.job.request))
+
+    async def _resize_detail(self, run: Run) -> str:
+        return f"+{run.job.request.disk_grow_gib} GiB"
+
+    async def _resize(self, run: Run) -> str | None:
+        return await run.backend.grow_disk(self._ref(run), run.job.request.disk_grow_gib)
+
+    def _stop(self, run: Run) -> Undo:
+        ref, backend = self._ref(run), run.backend
+        return Undo(
+            f"stop VM {ref.vm_id}", lambda: backend.power_off(ref), self.timeouts.power_off_s
+        )
 
     async def _power_on(self, run: Run) -> str | None:
         """Start the VM. A resumed job's VM may be running already (its start outlived
@@ -313,19 +263,38 @@ class Pipeline(Steps):
             return f"guest reports {found}, not the requested {req.address.ip}"
         return str(found)
 
+    async def _ssh_detail(self, run: Run) -> str:
+        return f"port {self._ssh_port}"
+
     async def _ssh(self, run: Run) -> str:
         address = ipaddress.IPv4Address(run.address or run.job.address)
         run.host_key = await run.backend.probe_ssh(self._ref(run), address, self._ssh_port)
         answers = f"{address}:{self._ssh_port} answers"
         return f"{answers}, host key {run.host_key}" if run.host_key else answers
 
+    async def _register_detail(self, run: Run) -> str:
+        return self.addressing.ipam_name
+
+    async def _register(self, run: Run) -> str | None:
+        return await self.addressing.activate(run.job)
+
+    def _release(self, run: Run) -> Undo:
+        """A job whose address the IPAM records gives it back when it rolls back (pushed
+        at the start, so run last: after its VM is gone)."""
+        what = f"release {run.job.address} in {self.addressing.ipam_name}"
+        release = functools.partial(self.addressing.release, run.job)
+        return Undo(what, release, self.timeouts.check_free_s, vm=False)
+
+    def _ipam(self, job: Job) -> str:
+        return self.addressing.ipam_name
+
     # --- endings ------------------------------------------------------------------
 
     async def _moved(self, run: Run, move: Callable[[], Awaitable[Moved]]) -> Moved:
-        """One of the run's moves to a new state (`_recorded`); not moved when the job
+        """One of the run's moves to a new state (`Engine.recorded`); not moved when the job
         turned out to be another runner's while the database did not answer."""
         try:
-            return await self._recorded(run, move)
+            return await self.engine.recorded(run, move)
         except Lost:
             return False, None
 
@@ -338,7 +307,7 @@ class Pipeline(Steps):
                 [JobState.RUNNING],
                 JobState.SUCCEEDED,
                 held_by=run.claim,
-                notices=self._tell(run.job, tell.finished(run.job.id, None)),
+                notices=notices_for(run.job, tell.finished(run.job.id, None)),
                 final_address=run.address,
                 host_key=run.host_key,
                 finished_at=utcnow(),
@@ -362,7 +331,7 @@ class Pipeline(Steps):
                 [JobState.RUNNING],
                 JobState.ROLLING_BACK,
                 held_by=run.claim,
-                notices=self._tell(run.job, tell.updated(job_id)),
+                notices=notices_for(run.job, tell.updated(job_id)),
             ),
         )
         if not moved:
@@ -381,7 +350,7 @@ class Pipeline(Steps):
                 [JobState.ROLLING_BACK],
                 final,
                 held_by=run.claim,
-                notices=self._tell(run.job, tell.finished(job_id, report)),
+                notices=notices_for(run.job, tell.finished(job_id, report)),
                 failed_step=failure.step if failure else None,
                 error=failure.reason if failure else "cancelled",
                 wreckage=", ".join(report.wreckage) or None,
@@ -402,7 +371,7 @@ class Pipeline(Steps):
     ) -> RollbackReport:
         """Run the undo stack in reverse, then check nothing of ours is left."""
         return await run_undo(
-            self.store, self.timeouts, self._waiting_for_backend, job, backend, stack, ref
+            self.store, self.timeouts, self.engine.waiting, job, backend, stack, ref
         )
 
 
@@ -420,3 +389,90 @@ def _took(job: Job) -> str:
     if job.started_at is None or job.finished_at is None:
         return "?"
     return f"{(job.finished_at - job.started_at).total_seconds():.1f} s"
+
+
+def _clone_spec(job: Job) -> CloneSpec:
+    req = job.request
+    return CloneSpec(
+        job.id,
+        req.name,
+        req.template,
+        req.placement,
+        req.storage,
+        req.network,
+        identity=identity_of(req),
+        installation=job.installation,
+    )
+
+
+def _grows(job: Job) -> bool:
+    return bool(job.request.disk_grow_gib)
+
+
+def _has_ipam_record(job: Job) -> bool:
+    return job.ipam_ref is not None
+
+
+# The deploy, one record per step, in order. After a restart a job may carry on once
+# its clone has finished: every later step is safe to run again (the identity is one
+# config change, a disk growth aims at a size the backend marked on the VM, a start
+# finds the VM running, the address and SSH check only look, the IPAM record is
+# activated again). Before that, only a rollback is safe: the clone may be half made.
+# The address is read again rather than remembered: it is cheap and the SSH check needs it.
+STEPS: tuple[Step[Pipeline], ...] = (
+    Step("check_free", Pipeline._check_free, "check_free_s"),
+    Step(
+        "clone",
+        Pipeline._clone,
+        "clone_s",
+        detail=Pipeline._clone_detail,
+        undo=Pipeline._destroy,
+        undo_from=UndoFrom.ACTION,  # write-ahead: once the VM's id is recorded
+        resumable=True,
+    ),
+    Step(
+        "identity",
+        Pipeline._identity,
+        "identity_s",
+        detail=Pipeline._identity_detail,
+        resumable=True,
+    ),
+    Step(
+        "resize",
+        Pipeline._resize,
+        "resize_s",
+        detail=Pipeline._resize_detail,
+        when=_grows,
+        skipped="no growth asked",
+        resumable=True,
+    ),
+    Step("power_on", Pipeline._power_on, "power_on_s", undo=Pipeline._stop, resumable=True),
+    Step(
+        "address",
+        Pipeline._address,
+        "address_s",
+        detail="guest agent",
+        resumable=True,
+        read_again=True,
+    ),
+    Step(
+        "ssh",
+        Pipeline._ssh,
+        "ssh_s",
+        detail=Pipeline._ssh_detail,
+        polled=True,  # a refused port right after the agent answered: sshd still starting
+        resumable=True,
+        read_again=True,
+    ),
+    Step(
+        "register",
+        Pipeline._register,
+        "check_free_s",
+        detail=Pipeline._register_detail,
+        undo=Pipeline._release,
+        undo_from=UndoFrom.START,  # the address was reserved when the job was recorded
+        when=_has_ipam_record,
+        resumable=True,
+        waits_for=Pipeline._ipam,
+    ),
+)

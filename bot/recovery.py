@@ -5,7 +5,7 @@
   `failed`. When that VM does not exist the job simply fails, with nothing to clean.
   With `recovery.interrupted = "resume"`, a running job whose clone had finished and
   whose VM is there goes back in the queue and carries on instead (every step after
-  the clone is safe to repeat: bot/runs.RESUMABLE_AFTER).
+  the clone is safe to repeat: the `resumable` steps of bot/pipeline.STEPS).
 * `sweep_wreckage`: a rollback that could not reach the hypervisor leaves its VM listed
   as wreckage on the job; a background task retries the removal until the VM is gone
   and then clears the listing, telling the job's thread.
@@ -21,7 +21,7 @@ from bot import progress as tell
 from bot.models import FINAL_STATES, Job, JobEvent, JobState, RollbackReport, utcnow
 from bot.pipeline import Pipeline
 from bot.progress import Progress
-from bot.runs import Undo, resume_point, vm_ref
+from bot.runs import Run, vm_ref
 from bot.waiting import remove_vm
 from store.db import Store
 from store.engine import is_database_error
@@ -64,11 +64,10 @@ async def recover_interrupted(
     if backend is not None and job.vm_id is not None:
         ref = vm_ref(job)
         if await _may_exist(backend, ref):
-            t = pipeline.timeouts
-            stack = [
-                Undo(f"destroy VM {ref.vm_id}", lambda: backend.destroy(ref), t.destroy_s),
-                Undo(f"stop VM {ref.vm_id}", lambda: backend.power_off(ref), t.power_off_s),
-            ]
+            # The undo of every step that acts on the VM (destroy, stop), as declared.
+            run = Run(job, backend, me, ref=ref)
+            pipeline.engine.rearm(run, {step.name for step in pipeline.engine.steps})
+            stack = [undo for undo in run.undo if undo.vm]
             report = await pipeline.undo(job, backend, stack, ref)
     elif backend is None and job.vm_id is not None:
         report.wreckage.append(f"VM {job.vm_id} on {job.backend} (backend not configured)")
@@ -95,7 +94,7 @@ async def _requeue_to_resume(pipeline: Pipeline, backends: Mapping[str, Backend]
     backend = backends.get(job.backend)
     if backend is None or job.vm_id is None:
         return False
-    if resume_point(await pipeline.store.events(job.id)) is None:
+    if pipeline.engine.resume_point(await pipeline.store.events(job.id)) is None:
         return False
     try:
         found = await backend.find_vm(vm_ref(job))

@@ -1,5 +1,5 @@
-"""The parts of one deploy's run that are plain data and functions: the steps, where a
-job may resume, the undo stack and how it is run (bot/pipeline.py drives them).
+"""The parts of one deploy's run that are plain data and functions: the run, its undo
+stack and how it is run (bot/pipeline.py declares the steps, bot/steps.py runs them).
 """
 
 from __future__ import annotations
@@ -21,32 +21,10 @@ from store.engine import is_database_error
 
 log = logging.getLogger(__name__)
 
-# Runs one backend call of `job`'s step, retrying what is retryable (the pipeline's
-# `_waiting_for_backend`, which also tells chat while it waits); `seen` collects the
+# Runs one backend call of `job`'s step, retrying what is retryable (the step engine's
+# `waiting`, which also tells chat while it waits); `seen` collects the
 # errors met on the way.
 Waiting = Callable[[Job, str, Callable[[], Awaitable[None]], list[str]], Awaitable[None]]
-
-STEPS = ("check_free", "clone", "identity", "resize", "power_on", "address", "ssh")
-# After a restart a job may carry on once its clone has finished: every later step is
-# safe to run again (the identity is one config change, a disk growth aims at a size
-# the backend marked on the VM, a start finds the VM running, the address and SSH
-# check only look). Before that, only a rollback is safe: the clone may be half made.
-RESUMABLE_AFTER = frozenset(STEPS[STEPS.index("clone") :])
-
-
-def resume_point(events: list[JobEvent]) -> int | None:
-    """Where a job interrupted by a restart can carry on (an index into STEPS), or None
-    when only a rollback is safe."""
-    done = [
-        STEPS.index(e.step)
-        for e in events
-        if e.step in STEPS and e.phase in ("finished", "skipped")
-    ]
-    if not done or STEPS[max(done)] not in RESUMABLE_AFTER:
-        return None
-    last = max(done)
-    # The address is read again rather than remembered: it is cheap and the SSH check needs it.
-    return min(last + 1, STEPS.index("address"))
 
 
 def vm_ref(job: Job) -> VMRef:

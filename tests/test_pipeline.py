@@ -9,9 +9,14 @@ from backends.sim import FAULT_KINDS, SimBackend
 from bot.errors import Conflict, RequestInvalid
 from bot.models import Job, JobEvent, JobState
 from bot.parser import parse
-from bot.runs import STEPS, resume_point, vm_ref
+from bot.pipeline import STEPS as DEPLOY_STEPS
+from bot.runs import vm_ref
 from bot.service import Deployer
+from bot.steps import Step, resume_point
 from tests.conftest import Recorder
+
+# The steps every deploy walks (register: only with an IPAM record).
+STEPS = tuple(step.name for step in DEPLOY_STEPS if step.name != "register")
 
 # Which simulator operation each step calls.
 STEP_OPS = {
@@ -280,11 +285,30 @@ def _events(*pairs: tuple[str, str]) -> list[JobEvent]:
         ([("power_on", "finished"), ("address", "started")], "address"),
         ([("address", "finished"), ("ssh", "started")], "address"),  # read the address again
         ([("ssh", "finished")], "address"),  # the success write was lost
+        ([("ssh", "finished"), ("register", "finished")], "address"),
+        ([("power_on", "finished"), ("note", "note")], "address"),  # not a step: ignored
     ],
 )
 def test_resume_point(pairs: list[tuple[str, str]], expected: str | None) -> None:
-    point = resume_point(_events(*pairs))
-    assert (STEPS[point] if point is not None else None) == expected
+    point = resume_point(DEPLOY_STEPS, _events(*pairs))
+    assert (DEPLOY_STEPS[point].name if point is not None else None) == expected
+
+
+def test_the_deploy_declares_each_step_once_with_its_undo() -> None:
+    names = [step.name for step in DEPLOY_STEPS]
+    assert names == [*STEPS, "register"] and len(set(names)) == len(names)
+    assert [s.name for s in DEPLOY_STEPS if s.undo is not None] == ["clone", "power_on", "register"]
+    assert [s.name for s in DEPLOY_STEPS if s.polled] == ["ssh"]
+    assert [s.name for s in DEPLOY_STEPS if not s.resumable] == ["check_free"]
+
+
+async def _nothing(service: object, run: object) -> None:
+    return None
+
+
+def test_a_step_naming_no_timeout_setting_is_refused_where_it_is_declared() -> None:
+    with pytest.raises(ValueError, match=r"step clone: no \[timeouts\] setting clone"):
+        Step("clone", _nothing, "clone")
 
 
 async def test_an_id_taken_by_another_client_is_chosen_anew_and_theirs_is_untouched(

@@ -13,7 +13,8 @@ import pytest
 from bot.errors import Conflict, RequestInvalid
 from bot.models import Job, JobEvent, JobState
 from bot.parser import DeployArgs, parse
-from bot.runs import STEPS, vm_ref
+from bot.pipeline import STEPS as DEPLOY_STEPS
+from bot.runs import vm_ref
 from bot.runtime import running_deployer
 from bot.settings import Settings
 from handlers.messages.core import finished, slack_outcome_dm
@@ -23,6 +24,9 @@ from tests.fakepve import testing
 from tests.fakepve.schema import ApiSchema
 from tests.fakepve.server import FakePVE, Tls
 from tests.fakepve.testing import make_backend, pve_settings, start_fake
+
+# The steps every deploy walks (register: only with an IPAM record).
+STEPS = tuple(step.name for step in DEPLOY_STEPS if step.name != "register")
 
 # The fake server's fixtures, shared by the Proxmox test modules.
 pve_schema = testing.pve_schema
