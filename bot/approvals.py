@@ -19,8 +19,17 @@ from bot.settings import ApprovalPolicy, Settings
 from store.db import AlreadyDelivered, Store
 
 log = logging.getLogger(__name__)
-# A front end that knows the members of an approver group (a chat user group) sets this.
+# How to list the members of a chat user group (an approver or quota group).
 GroupMembers = Callable[[str], Awaitable[frozenset[str]]]
+
+
+class Groups:
+    """Chat user groups, for approver groups and quota groups (bot/quotas.py). A chat
+    front end that can list a group's members sets `members` when it starts; without
+    one (the shell, the CLI) nobody is in a group."""
+
+    def __init__(self) -> None:
+        self.members: GroupMembers | None = None
 
 
 def approval_reason(policy: ApprovalPolicy, request: DeployRequest) -> str | None:
@@ -62,13 +71,14 @@ class Approvals:
         progress: Progress,
         start: Callable[[Job], Awaitable[bool]],
         job: Callable[[str], Awaitable[Job]],
+        groups: Groups,
     ) -> None:
         self.policy = settings.approval
         self.store = store
         self.progress = progress
         self._start = start  # claims an approved job for this runner and queues it
         self._job = job
-        self.group_members: GroupMembers | None = None
+        self.groups = groups
 
     async def is_approver(self, user: str) -> bool:
         policy = self.policy
@@ -80,11 +90,12 @@ class Approvals:
         """Whether `user` is a member of one of these chat user groups. Without a front
         end that can list groups (the shell, the CLI) nobody is; a group that cannot be
         listed counts for nobody (logged as a `kind` group)."""
-        if self.group_members is None:
+        members = self.groups.members
+        if members is None:
             return False
         for group in groups:
             try:
-                if user in await self.group_members(group):
+                if user in await members(group):
                     return True
             except Exception:
                 log.exception("could not list the members of %s group %s", kind, group)

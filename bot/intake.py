@@ -88,9 +88,12 @@ class Intake:
         progress: Progress,
         runner_id: str,
         lease_until: Callable[[], datetime],
+        quotas: quota_rules.Quotas,
+        grant: Grant | None,
     ) -> None:
         """`runner_id` and `lease_until`: a queued job is inserted already held by this
-        process's runner, which starts it here."""
+        process's runner, which starts it here. `grant`: the VM's lease
+        (bot/leases.Leases.grant); None: no lease."""
         self.settings = settings
         self.store = store
         self.backends = backends
@@ -100,11 +103,8 @@ class Intake:
         self.runner_id = runner_id
         self.lease_until = lease_until
         self._picking = asyncio.Lock()
-        self.quotas = quota_rules.Quotas(settings.quotas, store, lambda: self.group_members)
-        # A chat front end that can list user groups sets this (Deployer.group_members).
-        self.group_members: quota_rules.Members | None = None
-        # The VM's lease (bot/leases.Leases.grant), set by the Deployer; None: no lease.
-        self.grant: Grant | None = None
+        self.quotas = quotas
+        self.grant = grant
 
     async def request(
         self,

@@ -31,7 +31,8 @@ from bot.approvals import Approvals
 from bot.destroy import Destroyer
 from bot.errors import Duplicate, NotAllowed, RequestInvalid, TransitionRefused
 from bot.leaseterms import LeaseSettings, show_length
-from bot.models import AuditEvent, DeployRequest, Job, JobState, Notice, NoticeKind
+from bot.models import AuditEvent, DeployRequest, Job, JobState
+from bot.models.notices import Notice, NoticeKind
 from bot.ownership import Clock, Ownership
 from bot.progress import Progress
 from bot.runs import vm_ref

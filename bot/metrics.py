@@ -1,7 +1,7 @@
 """Prometheus metrics: what operators put on dashboards and alert on.
 
-One `Metrics` per Deployer, on a registry of its own (several Deployers share a test
-process). Two kinds of figure:
+One `Metrics` per core (bot/app.py), on a registry of its own (several cores share a
+test process). Two kinds of figure:
 
 - what this process saw, counted as it happens (it listens as a `Progress`): step
   durations per backend, step and outcome; jobs it finished, by state; rollbacks;
@@ -17,17 +17,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from backends.base import Backend
 from bot.models import Job, JobState, RollbackReport, utcnow
-
-if TYPE_CHECKING:
-    from bot.service import Deployer
+from bot.queue import JobQueue
+from bot.storewatch import StoreWatch
+from store.db import Store
 
 log = logging.getLogger(__name__)
 # Steps take from a second (config) to many minutes (a full clone on slow storage).
@@ -41,8 +41,14 @@ LOOK_TIMEOUT_S = 5.0
 class Metrics:
     """A `Progress` listener that counts, and the scrape of what is true now."""
 
-    def __init__(self, deployer: Deployer) -> None:
-        self.deployer = deployer
+    def __init__(
+        self,
+        store: Store,
+        storewatch: StoreWatch,
+        backends: Mapping[str, Backend],
+        queue: JobQueue,
+    ) -> None:
+        self.store, self.storewatch, self.backends = store, storewatch, backends
         self.registry = CollectorRegistry()
         r = self.registry
         self.steps = Histogram(
@@ -101,12 +107,12 @@ class Metrics:
             registry=r,
         )
         self._looked: dict[str, float] = {}  # backend -> when it was last looked at
-        r.register(_Queue(deployer))
+        r.register(_Queue(queue, backends))
 
     async def render(self) -> bytes:
         """The exposition text, with the store's figures read now; while the database
         does not answer, its figures are the last ones read, and `deploybot_store_up` 0."""
-        watch = self.deployer.storewatch
+        watch = self.storewatch
         self._store_up.set(1 if watch.reachable else 0)
         if watch.reachable:
             try:
@@ -117,11 +123,11 @@ class Metrics:
             except Exception as exc:  # the scrape still answers: the gauge says why not
                 watch.seen(f"{type(exc).__name__} while reading the figures")
                 self._store_up.set(0)
-        await asyncio.gather(*(self._look(name) for name in self.deployer.backends))
+        await asyncio.gather(*(self._look(name) for name in self.backends))
         return generate_latest(self.registry)
 
     async def _read_store(self) -> None:
-        store = self.deployer.store
+        store = self.store
         counts = await store.count_by_state()
         for state in JobState:
             self._stored.labels(state.value).set(counts.get(state.value, 0))
@@ -137,7 +143,7 @@ class Metrics:
         self._looked[name] = now
         try:
             async with asyncio.timeout(LOOK_TIMEOUT_S):
-                await self.deployer.backends[name].templates()
+                await self.backends[name].templates()
             self._up.labels(name).set(1)
         except Exception:  # any failure is "down"; the reason is the backend's log's
             self._up.labels(name).set(0)
@@ -172,11 +178,11 @@ class Metrics:
 class _Queue(Collector):
     """This process's queue, read at scrape time."""
 
-    def __init__(self, deployer: Deployer) -> None:
-        self.deployer = deployer
+    def __init__(self, queue: JobQueue, backends: Mapping[str, Backend]) -> None:
+        self.queue, self.backends = queue, backends
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        queue = self.deployer.queue
+        queue = self.queue
         running = GaugeMetricFamily(
             "deploybot_running", "Jobs this process runs now, by backend.", labels=["backend"]
         )
@@ -185,7 +191,7 @@ class _Queue(Collector):
             "Jobs waiting in this process's queue for a slot, by backend.",
             labels=["backend"],
         )
-        for backend in self.deployer.backends:
+        for backend in self.backends:
             running.add_metric([backend], queue.running_on(backend))
             waiting.add_metric([backend], queue.waiting_on(backend))
         yield running

@@ -160,10 +160,13 @@ class Ownership:
         takes_over: bool,
         recover: Callable[[Job, Ended | None], Awaitable[bool]],
         sweep: Callable[[str], Coroutine[Any, Any, object] | None] = lambda _kind: None,
+        local_work: Callable[[], Iterable[str]] = tuple,
         clock: Clock = utcnow,
     ) -> None:
         """`recover`: a `jobs` row taken over; `sweep`: given a kind's name, the work
-        that recovers what that kind keeps outside `jobs` (bot/kinds/ `Kind.sweep`)."""
+        that recovers what that kind keeps outside `jobs` (bot/kinds/ `Kind.sweep`);
+        `local_work`: the ids of what else runs jobs or builds here besides the queue and
+        the recoveries (the destroys, the builds' recoveries), asked at each renewal."""
         self.store = store
         self.queue = queue
         self.settings = settings
@@ -173,9 +176,7 @@ class Ownership:
         self._sweep = sweep
         self.clock = clock
         self.recovering: dict[str, asyncio.Task[None]] = {}
-        # What else runs jobs or builds here besides the queue and the recoveries (the
-        # destroys, the builds' recoveries): each gives the ids it runs now.
-        self.local_work: list[Callable[[], Iterable[str]]] = []
+        self._local_work = local_work
         self._unrun: set[str] = set()  # held, no local task, at the last tick
         # Fencing (see the module's docstring). Until when the last renewal proves this
         # runner's leases (None: none succeeded yet, or the last one failed); the jobs
@@ -242,10 +243,12 @@ class Ownership:
     def local_ids(self) -> set[str]:
         """The jobs and builds a task of this process runs (or will, queued here) now."""
         recovering = (key for key in self.recovering if not key.startswith(SWEEP))  # ids only
-        ids = {*self.queue.running_ids(), *self.queue.waiting_ids(), *recovering}
-        for source in self.local_work:
-            ids.update(source())
-        return ids
+        return {
+            *self.queue.running_ids(),
+            *self.queue.waiting_ids(),
+            *recovering,
+            *self._local_work(),
+        }
 
     async def tick(self) -> None:
         now = self.clock()

@@ -11,7 +11,8 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
-from bot.models import Job, Notice, NoticeKind, RollbackReport
+from bot.models import Job, RollbackReport
+from bot.models.notices import Notice, NoticeKind
 
 log = logging.getLogger(__name__)
 

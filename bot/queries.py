@@ -1,19 +1,20 @@
-"""The read-only questions front ends ask `Deployer` (split from bot/service.py): the VMs
+"""The read-only questions front ends ask (through `Deployer`, bot/service.py): the VMs
 deploybot holds a page at a time, a job's status and history, what waits for an
-approver, quotas, and the templates each backend offers or deploybot built there. None of
-them changes the store."""
+approver, quotas, the jobs in flight, and the templates each backend offers or deploybot
+built there. None of them changes the store."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from backends.base import Backend, BackendError, Template
 from backends.building import BuildsTemplates, TemplateVersion
 from bot import jobrefs
-from bot.intake import Intake
-from bot.models import Approval, Job, JobEvent, JobState
-from bot.quotas import Standing
+from bot.models import ACTIVE_STATES, Approval, Job, JobEvent, JobState
+from bot.models.builds import Build
+from bot.quotas import Quotas, Standing
 from store.db import Store
 
 log = logging.getLogger("bot.service")
@@ -38,11 +39,8 @@ class JobStatus:
 
 
 class Queries:
-    """Mixed into `Deployer`: the attributes below are the deployer's."""
-
-    store: Store
-    backends: dict[str, Backend]
-    intake: Intake
+    def __init__(self, store: Store, backends: Mapping[str, Backend], quotas: Quotas) -> None:
+        self.store, self.backends, self.quotas = store, backends, quotas
 
     async def list_vms(self, requester: str | None, page: int, per_page: int) -> VMPage:
         """One page of the VMs deploybot holds (one requester's, or everyone's)."""
@@ -58,7 +56,7 @@ class Queries:
 
     async def quota_standing(self, user: str) -> list[Standing]:
         """Each quota of `user` with what is used now (bot/quotas.py)."""
-        return await self.intake.quotas.standing(user)
+        return await self.quotas.standing(user)
 
     async def status(self, job_id: str) -> JobStatus:
         job_id = await self._resolve(job_id)
@@ -96,6 +94,22 @@ class Queries:
                 continue
             found[name] = {v.name: v for v in versions}
         return found
+
+    async def job(self, job_id: str) -> Job | None:
+        """The job of this exact id as stored now; None when there is none (or it was
+        set aside)."""
+        return await self.store.get_job(job_id)
+
+    async def build(self, build_id: str) -> Build | None:
+        """The template build of this exact id as stored now; None when there is none."""
+        return await self.store.builds.get(build_id)
+
+    async def approval(self, job_id: str) -> Approval | None:
+        return await self.store.get_approval(job_id)
+
+    async def in_flight(self) -> list[Job]:
+        """The jobs still in flight (their names and addresses are taken)."""
+        return await self.store.jobs_in(ACTIVE_STATES)
 
     async def _resolve(self, text: str) -> str:
         """The id of the job a person named by its id or a prefix of it."""

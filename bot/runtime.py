@@ -1,4 +1,5 @@
-"""Wiring: build the backends named in the configuration and a running `Deployer`."""
+"""Running the core: build the backends named in the configuration, open the store, and
+run the `Deployer` the composition root (bot/app.py) builds on them."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from contextlib import asynccontextmanager
 
 from backends.base import Backend, BackendConfig, BackendError, BackendFactory
 from backends.ipam import open_ipam
+from bot.app import compose
+from bot.builds import BuildNotes
 from bot.durations import teach
 from bot.errors import ConfigError, StoreUnavailable
 from bot.models import utcnow
@@ -102,14 +105,16 @@ async def running_deployer(
     takes_over: bool = True,
     start: bool = True,
     clock: Clock = utcnow,
+    build_notes: BuildNotes | None = None,
 ) -> AsyncIterator[Deployer]:
     """Open the store, start the backends and the queue; shut all down on exit.
 
     With `start=False` the caller starts the deployer itself (`deploybot serve` binds
-    its front end first, so what recovery says reaches Slack)."""
+    its front end first, so what recovery says reaches Slack). `build_notes`: where
+    template builds' progress goes (the CLI's terminal; a log by default)."""
     backends = backends if backends is not None else await make_backends(settings)
     store = await open_store(settings)
-    deployer = Deployer(
+    deployer = compose(
         settings,
         store,
         backends,
@@ -117,6 +122,7 @@ async def running_deployer(
         runner_kind=runner_kind,
         takes_over=takes_over,
         clock=clock,  # tests pass a simulated one (leases: days pass in a step)
+        build_notes=build_notes,
     )
     freeze_startup_heap()  # before start(): the jobs it recovers and queues are not
     try:

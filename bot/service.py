@@ -1,7 +1,10 @@
 """The core's front door: what every front end (shell, Slack) calls.
 
-`Deployer` owns the store, the backends, the queue and the pipeline. It turns parsed
-commands into jobs, applies the approval policy, and answers status and history. Every
+`Deployer` holds the core's services, built and wired once by the composition root
+(bot/app.py `compose`). Each action a front end asks for runs here inside the audit of
+refusals (bot/auditing.py) and is done by the service that owns it: deploys by the
+intake, decisions and cancels by the job's kind (bot/kinds/), destroys, leases, builds,
+the read-only questions (bot/queries.py) and per-user settings (bot/personal.py). Every
 refusal is a `DeployBotError` whose message says what to do instead; nothing here
 formats chat text (that is handlers/messages/).
 """
@@ -11,160 +14,75 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-from collections.abc import Mapping
+from dataclasses import dataclass, field
 from datetime import datetime
 
-from backends.base import Backend, BackendError
-from backends.ipam import open_ipam
-from backends.ipam.base import Ipam
-from bot import cancel as cancelling
-from bot import logfields
+from backends.base import Backend, BackendError, Template
+from backends.building import TemplateVersion
 from bot.addressing import Addressing
-from bot.approvals import Approvals, GroupMembers
-from bot.buildrequests import BuildRequests
-from bot.builds import Builds, LoggedBuildNotes
+from bot.approvals import Approvals, Groups
+from bot.auditing import Audit
+from bot.builds import Builds
+from bot.chatoutbox import ChatOutbox
 from bot.destroy import Destroyer
-from bot.errors import ConfigError
+from bot.inbox import Inbox
 from bot.intake import Intake
 from bot.kinds import Kind, Kinds, Record, Rows
-from bot.kinds.build import BuildKind
-from bot.kinds.deploy import DeployKind
 from bot.leases import Leases
 from bot.metrics import Metrics
-from bot.models import Job, utcnow
-from bot.ownership import Clock, Ended, Ownership, Runner
+from bot.models import Job, UserPrefs
+from bot.models.builds import Build
+from bot.ownership import Clock, Ownership, Runner
 from bot.parser import DeployArgs
 from bot.personal import Personal
 from bot.pipeline import Pipeline
-from bot.progress import Fanout, Progress
-from bot.queries import JobStatus, VMPage
+from bot.progress import Fanout
+from bot.queries import JobStatus, Queries, VMPage
 from bot.queue import JobQueue
+from bot.quotas import Standing
 from bot.recovery import sweep_wreckage
 from bot.settings import Settings
 from bot.storewatch import StoreWatch
 from store.db import Store
 
-# VMPage and JobStatus moved to bot/queries.py; importers still find them here.
-__all__ = ["Deployer", "JobStatus", "VMPage"]
-
 log = logging.getLogger(__name__)
 
 
-def _configured_ipam(settings: Settings) -> Ipam:
-    try:
-        return open_ipam(settings.ipam, os.environ)
-    except BackendError as exc:  # NetBox's token is not in the environment
-        raise ConfigError(f"[ipam]: {exc.message}") from None
+@dataclass(eq=False, kw_only=True)
+class Deployer:
+    """The services, each built once by `bot.app.compose`; front ends read the ones
+    they show (settings, backends, metrics, storewatch, the queue) and ask the rest
+    through the methods below."""
 
-
-class Deployer(Personal, BuildRequests):
-    """The mixins hold the read-only queries (bot/queries.py), per-user settings and
-    front-end references (bot/personal.py), template-build requests
-    (bot/buildrequests.py) and the audit of refusals (bot/auditing.py)."""
-
-    def __init__(
-        self,
-        settings: Settings,
-        store: Store,
-        backends: Mapping[str, Backend],
-        progress: Progress | None = None,
-        *,
-        runner_kind: str = "shell",
-        takes_over: bool = True,
-        clock: Clock = utcnow,
-        ipam: Ipam | None = None,
-    ) -> None:
-        """`takes_over=False` is a short-lived process (the one-shot `deploy`): it runs
-        only the jobs it records, and never recovers or claims other runners' work.
-        `ipam` defaults to the configured one (`[ipam]`)."""
-        self.settings = settings
-        self.store = store
-        self.backends = dict(backends)
-        self.progress = Fanout(*([progress] if progress else []))
-        # Whether the store answers (bot/storewatch.py): read by /readyz, /metrics, chat.
-        self.storewatch = StoreWatch(store, settings.ownership.tick_s)
-        self.metrics = Metrics(self)  # /metrics (bot/metrics.py); it listens like a front end
-        self.progress.listeners.append(self.metrics)
-        self.runner = Runner.here(runner_kind)
-        logfields.set_runner(self.runner.id)
-        self.clock = clock
-        ipam = ipam if ipam is not None else _configured_ipam(settings)
-        self.addressing = Addressing(settings, store, self.backends, ipam, clock)
-        # The job kinds (bot/kinds/): what runs, recovers and decides each job.
-        self.kinds = Kinds()
-        self.queue = JobQueue(
-            self._run_queued,
-            max_running=settings.limits.max_running,
-            max_per_backend=settings.limits.max_running_per_backend,
-        )
-        self.ownership = Ownership(
-            store,
-            self.queue,
-            settings.ownership,
-            self.runner,
-            takes_over=takes_over,
-            recover=self._recover,
-            sweep=self.kinds.sweep,
-            clock=clock,
-        )
-        self.pipeline = Pipeline(
-            settings, self.backends, store, self.progress, self.ownership, self.addressing
-        )
-        self.approvals = Approvals(settings, store, self.progress, self.ownership.take, self._job)
-        self.intake = Intake(
-            settings,
-            store,
-            self.backends,
-            self.addressing,
-            self.queue,
-            self.progress,
-            self.runner.id,
-            self.ownership.lease_until,
-        )
-        self.destroyer = Destroyer(
-            settings,
-            store,
-            self.backends,
-            self.progress,
-            self.ownership,
-            self.addressing,
-            self.approvals,
-            clock,
-        )
-        self.leases = Leases(
-            settings, store, self.backends, self.progress, self.ownership, self.approvals,
-            self.destroyer, clock,
-        )  # fmt: skip
-        self.intake.grant = self.leases.grant
-        # Template builds share the queue, the store's ownership and the deploy parts
-        # their smoke test uses (bot/builds/).
-        self.builds = Builds(
-            settings, store, self.backends, self.queue, self.runner.id,
-            self.ownership.lease_until, LoggedBuildNotes(), approvals=self.approvals,
-        )  # fmt: skip
-        self.builds.wire(self.intake, self.pipeline, self.destroyer)
-        # What runs here besides the queue: a renewal names it (bot/ownership.py).
-        self.ownership.local_work += [self.destroyer.tasks.keys, self.builds.recovering.copy]
-        self.kinds.register(
-            DeployKind(
-                self.pipeline, self.backends, self.approvals, self.destroyer, self.addressing,
-                self._resolve, self._job, self._cancel_job,
-            )
-        )  # fmt: skip
-        self.kinds.register(BuildKind(self.builds))
-        self._leasing: asyncio.Task[None] | None = None
-        self._expiry: asyncio.Task[None] | None = None
-        self._sweeper: asyncio.Task[None] | None = None
-        self.ready = asyncio.Event()  # set once start() has recovered and claimed
-        self._closed = False
-
-    async def _run_queued(self, job_id: str) -> object:
-        """The queue's runner: the job's kind runs it (looked up in the store)."""
-        return await self.kinds.named(await self.store.kind_of(job_id)).run(job_id)
-
-    async def _cancel_job(self, job_id: str, user: str) -> Job:
-        return await cancelling.cancel(self, job_id, user)
+    settings: Settings
+    store: Store
+    backends: dict[str, Backend]
+    progress: Fanout
+    clock: Clock
+    runner: Runner
+    storewatch: StoreWatch
+    metrics: Metrics  # /metrics (bot/metrics.py)
+    kinds: Kinds
+    queue: JobQueue
+    ownership: Ownership
+    addressing: Addressing
+    pipeline: Pipeline
+    groups: Groups  # a chat front end that can list user groups sets `groups.members`
+    approvals: Approvals
+    destroyer: Destroyer
+    leases: Leases
+    intake: Intake
+    builds: Builds
+    audit_log: Audit
+    queries: Queries
+    personal: Personal
+    inbox: Inbox  # commands from chat, kept until answered (bot/inbox.py)
+    chat_outbox: ChatOutbox  # notices chat must still be told (bot/chatoutbox.py)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)  # set once started
+    _leasing: asyncio.Task[None] | None = None
+    _expiry: asyncio.Task[None] | None = None
+    _sweeper: asyncio.Task[None] | None = None
+    _closed: bool = False
 
     async def kind_of(self, ref: str) -> Kind:
         """The kind of the job or build `ref` (an id or a prefix) names; the deploy kind
@@ -181,16 +99,6 @@ class Deployer(Personal, BuildRequests):
             work = kind.sweep()
             if work is not None:
                 await work
-
-    @property
-    def group_members(self) -> GroupMembers | None:
-        return self.approvals.group_members
-
-    @group_members.setter
-    def group_members(self, lookup: GroupMembers | None) -> None:
-        """A front end that knows chat user groups sets how to list a group's members."""
-        self.approvals.group_members = lookup
-        self.intake.group_members = lookup  # quota groups (bot/quotas.py)
 
     # --- life cycle ---------------------------------------------------------------
 
@@ -213,12 +121,6 @@ class Deployer(Personal, BuildRequests):
                 self._sweep_loop(self.settings.timeouts.wreckage_retry_s)
             )
         self.ready.set()
-
-    async def _recover(self, job: Job, ended: Ended | None) -> bool:
-        """Recover a job this runner took over (`ended`: handed back by this runner,
-        whose task ended without a final state); True when it goes back in the queue.
-        Its kind does it (bot/kinds/)."""
-        return await self.kinds[job.kind].recover(job, ended)
 
     async def close(self, grace_s: float = 30.0, rollback_s: float | None = None) -> None:
         """Stop taking work, let running jobs finish within `grace_s` (renewing their
@@ -306,7 +208,7 @@ class Deployer(Personal, BuildRequests):
         before recording, so a chat user hears of a clash at once instead of from a
         failed job (the pipeline checks again when the job starts).
         """
-        async with self._audited(requester, "deploy"):
+        async with self.audit_log.audited(requester, "deploy"):
             return await self.intake.request(
                 args,
                 requester,
@@ -330,13 +232,13 @@ class Deployer(Personal, BuildRequests):
     ) -> Record:
         """Approve or reject what `ref` names, whatever its kind (its approval hook)."""
         verb = "approve" if approved else "reject"
-        async with self._audited(approver, f"{verb} {ref[:40]}"):
+        async with self.audit_log.audited(approver, f"{verb} {ref[:40]}"):
             kind = await self.kind_of(ref)
             return await kind.decide(ref, approver, approved, reason, dedupe_key)
 
     async def may_decide_any(self, ref: str, approver: str) -> Record:
         """Refuse now what a decision on `ref`, whatever its kind, would refuse."""
-        async with self._audited(approver, f"decide {ref[:40]}"):
+        async with self.audit_log.audited(approver, f"decide {ref[:40]}"):
             return await (await self.kind_of(ref)).may_decide(ref, approver)
 
     async def _job_kind(self, ref: str) -> Kind:
@@ -346,26 +248,23 @@ class Deployer(Personal, BuildRequests):
         return kind if kind.rows == "jobs" else self.kinds.named(None)
 
     async def approve(self, job_id: str, approver: str, *, dedupe_key: str | None = None) -> Job:
-        async with self._audited(approver, f"approve {job_id}"):
+        async with self.audit_log.audited(approver, f"approve {job_id}"):
             kind = await self._job_kind(job_id)
             return _job(await kind.decide(job_id, approver, True, None, dedupe_key))
 
     async def reject(
         self, job_id: str, approver: str, reason: str, *, dedupe_key: str | None = None
     ) -> Job:
-        async with self._audited(approver, f"reject {job_id}"):
+        async with self.audit_log.audited(approver, f"reject {job_id}"):
             kind = await self._job_kind(job_id)
             return _job(await kind.decide(job_id, approver, False, reason, dedupe_key))
 
     async def is_approver(self, user: str) -> bool:
         return await self.approvals.is_approver(user)
 
-    def approvers_text(self) -> str:
-        return self.approvals.approvers_text()
-
     async def may_decide(self, job_id: str, approver: str) -> Job:
         """Refuse now what a decision would refuse (before asking a reason, say)."""
-        async with self._audited(approver, f"decide {job_id}"):
+        async with self.audit_log.audited(approver, f"decide {job_id}"):
             return _job(await (await self._job_kind(job_id)).may_decide(job_id, approver))
 
     async def expire_approvals(self, now: datetime | None = None) -> list[Job]:
@@ -388,7 +287,7 @@ class Deployer(Personal, BuildRequests):
     # --- other commands -----------------------------------------------------------
 
     async def cancel(self, job_id: str, user: str) -> Job:
-        async with self._audited(user, f"cancel {job_id}"):
+        async with self.audit_log.audited(user, f"cancel {job_id}"):
             return _job(await (await self._job_kind(job_id)).cancel(job_id, user))
 
     # --- destroy and leases (bot/destroy.py, bot/leases.py) ------------------------------
@@ -402,7 +301,7 @@ class Deployer(Personal, BuildRequests):
         dedupe_key: str | None = None,
     ) -> Job:
         """Destroy the VM `target` names (its name or job id) now, or once approved."""
-        async with self._audited(user, f"destroy {target[:64]}"):
+        async with self.audit_log.audited(user, f"destroy {target[:64]}"):
             return await self.destroyer.request(
                 target, user, can_wait_for_approval=can_wait_for_approval, dedupe_key=dedupe_key
             )
@@ -411,8 +310,97 @@ class Deployer(Personal, BuildRequests):
         self, target: str, user: str, length_s: int | None = None, *, dedupe_key: str | None = None
     ) -> Job:
         """Move the lease end of the VM `target` names later (bot/leases.py)."""
-        async with self._audited(user, f"extend {target[:64]}"):
+        async with self.audit_log.audited(user, f"extend {target[:64]}"):
             return await self.leases.extend(target, user, length_s, dedupe_key=dedupe_key)
+
+    # --- template builds (bot/builds/) --------------------------------------------------
+
+    async def request_build(
+        self,
+        profile: str,
+        backend: str | None,
+        user: str,
+        *,
+        placement: str | None = None,
+        storage: str | None = None,
+        name: str | None = None,
+        origin: str | None = None,
+        can_wait_for_approval: bool = True,
+    ) -> Build:
+        """Build a template from a profile (on the default backend unless `backend`):
+        queued here, or awaiting an approver (`[approval] builds`)."""
+        async with self.audit_log.audited(user, f"template build {profile[:64]}"):
+            return await self.builds.request(
+                profile,
+                backend or self.settings.default_backend,
+                user,
+                placement=placement,
+                storage=storage,
+                name=name,
+                origin=origin,
+                can_wait_for_approval=can_wait_for_approval,
+            )
+
+    async def decide_build(
+        self,
+        build_id: str,
+        approver: str,
+        approved: bool,
+        note: str | None = None,
+        *,
+        dedupe_key: str | None = None,
+    ) -> Build:
+        """Approve or reject a template build awaiting approval (its card's buttons)."""
+        verb = "approve" if approved else "reject"
+        async with self.audit_log.audited(approver, f"{verb} {build_id[:40]}"):
+            return await self.builds.decide(build_id, approver, approved, note, dedupe_key)
+
+    async def cancel_build(self, build_id: str, user: str) -> Build:
+        """Cancel a template build (bot/builds/cancel.py); a running one rolls back."""
+        async with self.audit_log.audited(user, f"cancel {build_id[:40]}"):
+            return await self.builds.cancel(build_id, user)
+
+    # --- per-user settings and front-end references (bot/personal.py) -----------------
+
+    async def prefs(self, user: str) -> UserPrefs:
+        return await self.personal.prefs(user)
+
+    async def save_ssh_key(self, user: str, text: str) -> UserPrefs:
+        async with self.audit_log.audited(user, "save key"):
+            return await self.personal.add_key(user, text)
+
+    async def save_prefs(
+        self, user: str, ssh_keys: tuple[str, ...], default_template: str | None
+    ) -> UserPrefs:
+        async with self.audit_log.audited(user, "save settings"):
+            return await self.personal.replace(user, ssh_keys, default_template)
+
+    async def audit(self, actor: str, action: str, detail: str, outcome: str = "refused") -> None:
+        """Keep a refusal a front end decided itself (a command that does not parse)."""
+        await self.audit_log.record(actor, action, detail, outcome)
+
+    # --- read-only questions (bot/queries.py) ----------------------------------------
+
+    async def status(self, job_id: str) -> JobStatus:
+        return await self.queries.status(job_id)
+
+    async def history(self, limit: int = 10, requester: str | None = None) -> list[Job]:
+        return await self.queries.history(limit, requester)
+
+    async def list_vms(self, requester: str | None, page: int, per_page: int) -> VMPage:
+        return await self.queries.list_vms(requester, page, per_page)
+
+    async def templates(self) -> dict[str, list[Template] | str]:
+        return await self.queries.templates()
+
+    async def template_builds(self) -> dict[str, dict[str, TemplateVersion]]:
+        return await self.queries.template_builds()
+
+    async def pending_approvals(self) -> list[Job]:
+        return await self.queries.pending_approvals()
+
+    async def quota_standing(self, user: str) -> list[Standing]:
+        return await self.queries.quota_standing(user)
 
 
 def _job(record: Record) -> Job:

@@ -25,7 +25,8 @@ from typing import Generic, TypeVar
 from backends.base import BackendError, Unreachable
 from bot import logfields
 from bot import progress as tell
-from bot.models import Job, JobEvent, Notice, utcnow
+from bot.models import Job, JobEvent, utcnow
+from bot.models.notices import Notice
 from bot.ownership import Lost
 from bot.progress import Progress
 from bot.runs import Fence, Run, StepFailed, Undo

@@ -41,7 +41,8 @@ from bot.parser import (
     Templates,
     parse,
 )
-from bot.service import Deployer, VMPage
+from bot.queries import VMPage
+from bot.service import Deployer
 from handlers import messages
 from handlers.messages import usage
 

@@ -183,9 +183,12 @@ async def template(args: argparse.Namespace, settings: Settings) -> int:
         return await _template_gc(args, settings)
     # A one-shot runner, like `deploy`: it runs its own build (and its smoke deploy).
     async with running_deployer(
-        settings, TerminalThread(), runner_kind="build", takes_over=False
+        settings,
+        TerminalThread(),
+        runner_kind="build",
+        takes_over=False,
+        build_notes=TerminalBuilds(),
     ) as deployer:
-        deployer.builds.listen(TerminalBuilds())
         build = await deployer.builds.request(
             args.profile,
             args.backend,
@@ -197,7 +200,7 @@ async def template(args: argparse.Namespace, settings: Settings) -> int:
         )
         print(f"┌ {messages.build_started(build)}")
         await deployer.drain()
-        final = await deployer.store.builds.get(build.id)
+        final = await deployer.queries.build(build.id)
     return 0 if final is not None and final.state is BuildState.PUBLISHED else 1
 
 

@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from bot.models import Approval, ApprovalState, JobState, Notice, utcnow
+from bot.models import Approval, ApprovalState, JobState, utcnow
+from bot.models.notices import Notice
 from store import outbox, quarantine
 from store.jobs import claim
 from store.sql import Db, immediate

@@ -13,8 +13,9 @@ from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
-from bot.models import Notice, utcnow
-from bot.models.builds import ACTIVE_BUILD_STATES, BUILD_TRANSITIONS, Build, BuildState
+from bot.models import utcnow
+from bot.models.builds import BUILD_TRANSITIONS, Build, BuildState
+from bot.models.notices import Notice
 from store import outbox
 from store.engine import Engine
 from store.jobrows import _sql_value
@@ -23,7 +24,6 @@ from store.sql import Conflict, Db, immediate, insert_sql
 from store.tx import ts
 
 _FIELDS = frozenset(Build.model_fields) - {"id", "state", "updated_at"}
-_ACTIVE = ", ".join(f"'{s.value}'" for s in sorted(ACTIVE_BUILD_STATES))
 
 
 def build_row(build: Build) -> dict[str, Any]:
@@ -206,12 +206,6 @@ def awaiting_builds(db: Db, asked_before: datetime) -> list[Build]:
         [ts(asked_before)],
     )
     return [build_from_row(r) for r in rows]
-
-
-# The unique index, spelled once for both databases' migrations.
-ACTIVE_INDEX = (
-    f"CREATE UNIQUE INDEX builds_active ON builds (backend, name) WHERE state IN ({_ACTIVE})"
-)
 
 
 class BuildRecords:

@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from bot.models import HOLDING_STATES, Job, JobState, Notice
+from bot.models import HOLDING_STATES, Job, JobState
+from bot.models.notices import Notice
 from store.jobs import SELECT_JOBS, claim, listing, transition
 from store.sql import Db, immediate
 

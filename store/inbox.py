@@ -14,7 +14,7 @@ from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any
 
-from bot.models import Received
+from bot.models.notices import Received
 from store.sql import Db, immediate
 from store.tx import ts
 

@@ -19,12 +19,11 @@ from bot.models import (
     Job,
     JobEvent,
     JobState,
-    Notice,
-    NoticeKind,
     new_job_id,
     utcnow,
 )
 from bot.models.builds import BUILD_KIND
+from bot.models.notices import Notice, NoticeKind
 from store import outbox, quarantine, quotas
 from store.deliveries import AlreadyDelivered, claim, delivered
 from store.jobrows import (

@@ -13,7 +13,8 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from bot.models import AuditEvent, Job, JobState, Notice
+from bot.models import AuditEvent, Job, JobState
+from bot.models.notices import Notice
 from store import outbox
 from store.jobs import SELECT_JOBS, claim, job_from_row, listing
 from store.sql import Db, immediate

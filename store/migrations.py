@@ -11,6 +11,7 @@ from collections.abc import Callable
 from sqlite_utils import Database
 
 from bot.models import new_installation_id
+from bot.models.builds import ACTIVE_BUILD_STATES
 from store.sql import SqliteDb
 
 # Jobs in these states held their VM name and address up to v8 (HOLDING_V9 since).
@@ -298,6 +299,13 @@ BUILD_COLUMNS = [
     "wreckage", "notes", "owner", "lease_until", "installation", "origin", "thread_ref",
     "cancel_requested",
 ]  # fmt: skip
+# The index that lets one build of a name per backend be in flight (and keeps two from
+# taking one version number), spelled once for both databases' migrations.
+_BUILDS_IN_FLIGHT = ", ".join(f"'{s.value}'" for s in sorted(ACTIVE_BUILD_STATES))
+BUILDS_ACTIVE_INDEX = (
+    "CREATE UNIQUE INDEX builds_active ON builds (backend, name) "
+    f"WHERE state IN ({_BUILDS_IN_FLIGHT})"
+)
 BUILD_NOT_NULL = ("state", "requester", "profile", "backend", "name", "version", "created_at",
                   "updated_at", "notes")  # fmt: skip
 
@@ -305,15 +313,13 @@ BUILD_NOT_NULL = ("state", "requester", "profile", "backend", "name", "version",
 def _v11(db: Database) -> None:
     """Template builds: the table, and the index that lets one build of a name per
     backend be in flight (which also keeps two from taking one version number)."""
-    from store.builds import ACTIVE_INDEX
-
     db.table("builds").create(
         {c: int if c == "version" else str for c in BUILD_COLUMNS},
         pk="id",
         not_null=set(BUILD_NOT_NULL),
     )
     db.execute("CREATE UNIQUE INDEX builds_version ON builds (backend, name, version)")
-    db.execute(ACTIVE_INDEX)
+    db.execute(BUILDS_ACTIVE_INDEX)
     db.execute("CREATE INDEX idx_builds_state ON builds (state, lease_until)")
 
 

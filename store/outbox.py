@@ -23,7 +23,8 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from bot.models import JobState, Notice
+from bot.models import JobState
+from bot.models.notices import Notice
 from store.sql import Db, immediate
 from store.tx import ts
 

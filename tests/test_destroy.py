@@ -116,7 +116,7 @@ async def test_approvers_and_destroyers_may_destroy_others_vms(
         async def members(group: str) -> frozenset[str]:
             return frozenset({"erin"}) if group == "S0TEAM" else frozenset()
 
-        d.group_members = members
+        d.groups.members = members
         first = await deployed(d, "web01 10.0.0.50")
         second = await deployed(d, "web02 10.0.0.51")
         await d.request_destroy("web01", "bob")  # an approver

@@ -19,6 +19,7 @@ from typing import Any
 
 from backends.sim import SimBackend
 from bot import progress as tell
+from bot.app import compose
 from bot.errors import NotAllowed
 from bot.kinds import Rows
 from bot.models import Approval, ApprovalState, Job, JobState, utcnow
@@ -133,7 +134,7 @@ def settings_for(tmp_path: Path) -> Settings:
 async def test_a_noop_job_waits_for_approval_then_runs_through_the_queue(tmp_path: Path) -> None:
     settings = settings_for(tmp_path)
     store = await Store.open(settings.database)
-    deployer = Deployer(settings, store, {"sim": SimBackend("sim", time_scale=0.001)}, Recorder())
+    deployer = compose(settings, store, {"sim": SimBackend("sim", time_scale=0.001)}, Recorder())
     noop = NoopKind(deployer)
     deployer.kinds.register(noop)
     await deployer.start()
@@ -189,7 +190,7 @@ async def test_a_noop_job_whose_runner_was_killed_is_recovered_by_its_kind(
     await store.insert_job(job)
     os.kill(pid, signal.SIGKILL)
     await victim.wait()
-    deployer = Deployer(settings, store, {"sim": SimBackend("sim", time_scale=0.001)}, Recorder())
+    deployer = compose(settings, store, {"sim": SimBackend("sim", time_scale=0.001)}, Recorder())
     noop = NoopKind(deployer)
     deployer.kinds.register(noop)
     await deployer.start()  # its first tick reaps the dead runner and takes over

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from backends.sim import SimBackend
+from bot.app import compose
 from bot.models import Claim, Job, JobState, utcnow
 from bot.ownership import host_identity
 from bot.parser import DeployArgs, parse
@@ -72,7 +73,7 @@ async def runner(
 ) -> AsyncIterator[Deployer]:
     """One process's Deployer on the shared database and hypervisor."""
     store = await Store.open(settings.database, password=settings.database_password)
-    deployer = Deployer(
+    deployer = compose(
         settings, store, {"sim": sim}, progress or Recorder(), clock=clock, **options
     )
     await deployer.start()

@@ -123,7 +123,7 @@ async def test_group_members_come_from_the_front_end_s_look_up(
         async def members(group: str) -> frozenset[str]:  # what Slack's usergroups answer
             return frozenset({"alice", "bob"}) if group == "STEAM0001" else frozenset()
 
-        d.group_members = members
+        d.groups.members = members
         await d.request_deploy(args("web01 10.0.0.50"), "alice")
         with pytest.raises(QuotaExceeded, match="group STEAM0001"):
             await d.request_deploy(args("web02 10.0.0.51"), "bob")
@@ -131,7 +131,7 @@ async def test_group_members_come_from_the_front_end_s_look_up(
         async def broken(group: str) -> frozenset[str]:
             raise ConnectionError("slack is away")
 
-        d.group_members = broken  # a quota that cannot be counted is not skipped
+        d.groups.members = broken  # a quota that cannot be counted is not skipped
         with pytest.raises(DeployBotError, match="could not list the members of group"):
             await d.request_deploy(args("web02 10.0.0.51"), "carol")
 

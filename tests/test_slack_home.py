@@ -17,7 +17,7 @@ from slack_sdk.errors import SlackApiError
 from backends.sim import SimBackend
 from backends.simvm import DEFAULT_TEMPLATES
 from bot.models import DeployRequest, Job, JobState, utcnow
-from bot.service import VMPage
+from bot.queries import VMPage
 from handlers.slack import views
 from handlers.slack.home import HOME_BLOCKS_MAX, home_blocks
 from tests.conftest import SIM_SCALE

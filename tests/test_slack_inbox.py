@@ -7,7 +7,8 @@ import sqlite3
 from datetime import timedelta
 from pathlib import Path
 
-from bot.models import Received, utcnow
+from bot.models import utcnow
+from bot.models.notices import Received
 from bot.parser import DeployArgs
 from handlers.slack.interact import form_body
 from tests.conftest import TEST_KEY

@@ -6,20 +6,19 @@ rollback removes what it made; while another process does, asked through the sto
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from bot.builds.runner import build_notice
 from bot.errors import NotAllowed, TransitionRefused
-from bot.models import BUILD_FINISHED, utcnow
+from bot.models import utcnow
 from bot.models.builds import Build, BuildState
+from bot.models.notices import BUILD_FINISHED
+from bot.queue import JobQueue
+from store.db import Store
 
-if TYPE_CHECKING:
-    from bot.builds.service import Builds
 
-
-async def cancel_build(builds: Builds, build_id: str, user: str, approver: bool) -> Build:
-    from bot.builds.runner import build_notice  # the runner's notices, one definition
-
-    build = await builds.get(build_id)
+async def cancel_build(
+    store: Store, queue: JobQueue, build: Build, user: str, approver: bool
+) -> Build:
+    """Cancel `build` for `user` (`approver`: whether they approve builds)."""
     if user != build.requester and not approver:
         raise NotAllowed(
             f"Only {build.requester} or an approver can cancel build {build.id}.",
@@ -27,7 +26,7 @@ async def cancel_build(builds: Builds, build_id: str, user: str, approver: bool)
         )
     unstarted = [BuildState.AWAITING_APPROVAL, BuildState.QUEUED]
     if build.state in unstarted:
-        moved = await builds.store.builds.move(
+        moved = await store.builds.move(
             build.id,
             [build.state],
             BuildState.CANCELLED,
@@ -37,14 +36,12 @@ async def cancel_build(builds: Builds, build_id: str, user: str, approver: bool)
             error=f"cancelled by {user}",
         )
         if moved is not None:
-            builds.queue.cancel(build.id)
+            queue.cancel(build.id)
             return moved
-        build = await builds.get(build.id)
+        build = await store.builds.get(build.id) or build  # it moved on meanwhile
     working = build.state in (BuildState.RUNNING, BuildState.ROLLING_BACK)
     # Here: the queue cancels its task. Elsewhere: its runner reads the ask at its tick.
-    if working and (
-        builds.queue.cancel(build.id) or await builds.store.builds.request_cancel(build.id, user)
-    ):
+    if working and (queue.cancel(build.id) or await store.builds.request_cancel(build.id, user)):
         return build
     raise TransitionRefused(
         f"Build {build.short_id} is {build.state.value}: there is nothing to cancel."

@@ -7,8 +7,9 @@ from __future__ import annotations
 import logging
 from typing import Protocol
 
-from bot.models import Job, Notice, NoticeKind
+from bot.models import Job
 from bot.models.builds import Build
+from bot.models.notices import Notice, NoticeKind
 
 log = logging.getLogger("bot.builds.runner")
 

@@ -37,14 +37,9 @@ from bot.images import PreparedImage, prepare_image
 from bot.images.customize import CustomizeError
 from bot.images.fetch import FetchError
 from bot.images.profiles import Platform, Profile, ProfileError
-from bot.models import (
-    BUILD_FINISHED,
-    BUILD_NOTE,
-    BUILD_STARTED,
-    JobState,
-    utcnow,
-)
+from bot.models import JobState, utcnow
 from bot.models.builds import Build, BuildState
+from bot.models.notices import BUILD_FINISHED, BUILD_NOTE, BUILD_STARTED
 from bot.runs import describe
 from bot.settings import Settings
 from bot.waiting import protected, retrying

@@ -17,7 +17,7 @@ from backends.building import BuildsTemplates
 from bot import subnets
 from bot.approvals import build_approval_reason
 from bot.builds.cancel import cancel_build
-from bot.builds.runner import BuildNotes, BuildRunner, Prepare, build_notice
+from bot.builds.runner import BuildNotes, BuildRunner, Prepare, SmokeDeploys, build_notice
 from bot.errors import (
     AmbiguousJob,
     Conflict,
@@ -28,16 +28,9 @@ from bot.errors import (
     TransitionRefused,
 )
 from bot.images import ProfileError, prepare_image
-from bot.models import (
-    BUILD_ASKED,
-    BUILD_DECIDED,
-    BUILD_FINISHED,
-    MIN_JOB_REF,
-    Job,
-    JobState,
-    utcnow,
-)
+from bot.models import MIN_JOB_REF, Job, JobState, utcnow
 from bot.models.builds import BUILD_ID_RE, Build, BuildState, template_name_problem
+from bot.models.notices import BUILD_ASKED, BUILD_DECIDED, BUILD_FINISHED
 from bot.parser import DeployArgs
 from bot.settings import Settings
 from bot.waiting import protected
@@ -51,8 +44,9 @@ if TYPE_CHECKING:
     from bot.queue import JobQueue
 
 
-class _Smoke:
-    """`SmokeDeploys` on the Deployer's own intake, pipeline and destroyer."""
+class DeploySmoke:
+    """`SmokeDeploys` on the core's own intake, pipeline and destroyer (the composition
+    root, bot/app.py, builds one and hands it to `Builds`)."""
 
     def __init__(
         self,
@@ -119,33 +113,22 @@ class Builds:
         queue: JobQueue,
         owner: str,
         lease_until: Callable[[], datetime],
+        smoke: SmokeDeploys,
         notes: BuildNotes,
         prepare: Prepare = prepare_image,
         approvals: Approvals | None = None,
     ) -> None:
-        """`approvals` says who approves (bot/approvals.py); without it nobody does."""
+        """`approvals` says who approves (bot/approvals.py); without it nobody does.
+        `smoke` deploys and destroys each build's smoke test."""
         self.settings, self.store, self.backends = settings, store, backends
         self.queue, self.owner, self.lease_until = queue, owner, lease_until
         self.recovering: set[str] = set()  # builds being rolled back by `recover`
-        self.notes = notes
-        self.prepare = prepare
         self.approvals = approvals
-        self.runner: BuildRunner | None = None  # set by `wire`, once the deploy parts exist
+        self.runner = BuildRunner(settings, store, dict(backends), owner, notes, smoke, prepare)
 
     def listen(self, notes: BuildNotes) -> None:
         """Where builds' progress goes from now on (a front end, the CLI's terminal)."""
-        self.notes = notes
-        if self.runner is not None:
-            self.runner.notes = notes
-
-    def wire(self, intake: Intake, pipeline: Pipeline, destroyer: Destroyer) -> None:
-        smoke = _Smoke(
-            self.settings, self.store, intake, pipeline, destroyer, self.owner, self.lease_until
-        )
-        self.runner = BuildRunner(
-            self.settings, self.store, dict(self.backends), self.owner, self.notes, smoke,
-            self.prepare,
-        )  # fmt: skip
+        self.runner.notes = notes
 
     def builder(self, backend: str) -> BuildsTemplates:
         found = self.backends.get(backend)
@@ -345,10 +328,10 @@ class Builds:
 
     async def cancel(self, build_id: str, user: str) -> Build:
         """See bot/builds/cancel.py."""
-        return await cancel_build(self, build_id, user, await self._approves(user))
+        build = await self.get(build_id)
+        return await cancel_build(self.store, self.queue, build, user, await self._approves(user))
 
     async def run(self, build_id: str) -> Build | None:
-        assert self.runner is not None, "Builds.wire() first"
         return await self.runner.run(build_id)
 
     async def recover(self, now: datetime | None = None) -> list[Build]:
@@ -374,7 +357,7 @@ class Builds:
         left: list[str] = []
         if build.smoke_job:
             job = await self.store.get_job(build.smoke_job)
-            if job is not None and job.state is JobState.SUCCEEDED and self.runner:
+            if job is not None and job.state is JobState.SUCCEEDED:
                 await self.runner.smoke.destroy(job, build)
         backend = self.backends.get(build.backend)
         if build.vm_id is not None and isinstance(backend, BuildsTemplates):

@@ -396,15 +396,3 @@ class AuditEvent(BaseModel):
     action: str
     outcome: str  # refused | duplicate
     detail: str = ""
-
-
-# Re-exported: what a chat front end must still say (bot/models/notices.py).
-from bot.models.notices import BUILD_ASKED as BUILD_ASKED  # noqa: E402
-from bot.models.notices import BUILD_DECIDED as BUILD_DECIDED  # noqa: E402
-from bot.models.notices import BUILD_FINISHED as BUILD_FINISHED  # noqa: E402
-from bot.models.notices import BUILD_NOTE as BUILD_NOTE  # noqa: E402
-from bot.models.notices import BUILD_STARTED as BUILD_STARTED  # noqa: E402
-from bot.models.notices import URGENT_NOTICES as URGENT_NOTICES  # noqa: E402
-from bot.models.notices import Notice as Notice  # noqa: E402
-from bot.models.notices import NoticeKind as NoticeKind  # noqa: E402
-from bot.models.notices import Received as Received  # noqa: E402

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from backends.building import TemplateVersion
 from bot.images import Profile
-from bot.models import BUILD_ASKED, BUILD_DECIDED, BUILD_STARTED
 from bot.models.builds import Build, BuildState
+from bot.models.notices import BUILD_ASKED, BUILD_DECIDED, BUILD_STARTED
 from handlers.messages.text import Said, escape, mention
 
 __all__ = [

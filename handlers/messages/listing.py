@@ -7,7 +7,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, tzinfo
 
 from bot.models import Job, JobState
-from bot.service import VMPage
+from bot.queries import VMPage
 from handlers.messages.text import STATE_LABELS, escape, mention, when
 
 

@@ -90,7 +90,7 @@ class SlackBot:
         self.zones = threads.zones  # people's time zones, shared with the threads
         self.client = client
         self.directory = GroupDirectory(client, self.settings.slack.group_cache_s)
-        deployer.group_members = self.directory.members
+        deployer.groups.members = self.directory.members
         threads.bind(deployer)
         self.ephemeral = Pacer(TIER_4_PER_MINUTE, burst=20)
         self.response_urls = ResponseUrls()  # a command's own way to answer (respond.py)
@@ -262,7 +262,7 @@ class SlackBot:
             return
         key = f"command:{trigger}"
         try:  # kept before the ack: should this process die, another carries it out
-            await inbox.receive(self.deployer, key, user, channel, text)
+            await self.deployer.inbox.receive(key, user, channel, text)
         except inbox.NotKept as exc:  # refused within Slack's 3 s, and never run later
             log.warning("refused a command by %s: the database is not answering (%s)", user, exc)
             await _answer_in_ack(ack, messages.STORE_NOT_ANSWERING, [messages.STORE_NOT_ANSWERING])
@@ -303,13 +303,13 @@ class SlackBot:
         mono = spec is not None and spec.table
         await self.answering(channel, user, work, mono=mono, reply_url=reply_url)
         if resumed and isinstance(command, DeployArgs):
-            await inbox.tell_resumed(self.deployer, key, messages.COMMAND_RESUMED)
-        await inbox.done(self.deployer, key)
+            await self.deployer.inbox.tell_resumed(key, messages.COMMAND_RESUMED)
+        await self.deployer.inbox.done(key)
 
     async def sweep_inbox(self) -> int:
         """Carry out the commands that a dead process took and never answered; how many
         were found (each runs in a task of its own)."""
-        found = await inbox.orphans(self.deployer)
+        found = await self.deployer.inbox.orphans()
         for item in found:
             if interact.resume_form(self, item):
                 continue
@@ -319,7 +319,7 @@ class SlackBot:
             try:
                 command = parse(item.text)
             except (UsageError, ValueError):  # it parsed when it came: nothing to redo
-                await inbox.done(self.deployer, item.key)
+                await self.deployer.inbox.done(item.key)
                 continue
             self.spawn(self.carry_out(item.key, command, item.user, item.channel, resumed=True))
         return len(found)

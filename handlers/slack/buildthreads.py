@@ -4,16 +4,16 @@ that replaces the card's buttons, and the end told to the requester by direct me
 
 from __future__ import annotations
 
-from bot.models import (
+from bot.models import utcnow
+from bot.models.builds import Build, BuildState
+from bot.models.notices import (
     BUILD_ASKED,
     BUILD_DECIDED,
     BUILD_FINISHED,
     BUILD_NOTE,
     Notice,
     NoticeKind,
-    utcnow,
 )
-from bot.models.builds import Build, BuildState
 from handlers import messages
 from handlers.slack import views
 from handlers.slack.delivery import Delivery
@@ -28,9 +28,9 @@ class BuildDelivery(Delivery):
         parts = (self.build_threads.get(build_id), self.build_cards.get(build_id))
         if any(part is not None and part.pending() for part in parts):
             return
-        build = await self.deployer.store.builds.get(build_id)
+        build = await self.deployer.queries.build(build_id)
         if build is None or build.state.final or build.state is BuildState.PUBLISHED:
-            await self.deployer.store.outbox_release(build_id, self.me, utcnow())
+            await self.deployer.chat_outbox.release(build_id, self.me, utcnow())
             self._held.discard(build_id)
             self.build_threads.pop(build_id, None)
             self.build_cards.pop(build_id, None)

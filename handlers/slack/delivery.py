@@ -13,7 +13,7 @@ from datetime import datetime
 from slack_sdk.web.async_client import AsyncWebClient
 
 from bot.kinds import Rows
-from bot.models import Notice
+from bot.models.notices import Notice
 from bot.service import Deployer
 from bot.settings import SlackSettings
 from handlers.slack.items import (

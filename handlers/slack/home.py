@@ -32,8 +32,9 @@ from slack_sdk.web.async_client import AsyncWebClient
 
 from bot.errors import DeployBotError
 from bot.models import Job, JobState, RollbackReport, utcnow
+from bot.queries import VMPage
 from bot.quotas import Standing
-from bot.service import Deployer, VMPage
+from bot.service import Deployer
 from handlers import messages
 from handlers.slack import views
 from handlers.slack.zones import Zones

@@ -200,7 +200,7 @@ class JobThread(_Thread):
         return views.parent(self.job, headline)
 
     async def _keep_ref(self, thread_ref: str) -> None:
-        await self.deployer.set_refs(self.job.id, thread_ref=thread_ref)
+        await self.deployer.personal.set_refs(self.job.id, thread_ref=thread_ref)
 
 
 class _Card:
@@ -287,9 +287,9 @@ class ApprovalCard(_Card):
 
     async def _keep_ref(self, card_ref: str) -> None:
         if self.destroy:
-            await self.deployer.set_refs(self.job.id, destroy_ref=card_ref)
+            await self.deployer.personal.set_refs(self.job.id, destroy_ref=card_ref)
         else:
-            await self.deployer.set_refs(self.job.id, approval_ref=card_ref)
+            await self.deployer.personal.set_refs(self.job.id, approval_ref=card_ref)
 
 
 @dataclass(eq=False)
@@ -373,7 +373,7 @@ class BuildThread(_Thread):
         return views.build_parent(self.build, headline)
 
     async def _keep_ref(self, thread_ref: str) -> None:
-        await self.deployer.set_build_refs(self.build.id, thread_ref=thread_ref)
+        await self.deployer.personal.set_build_refs(self.build.id, thread_ref=thread_ref)
 
 
 @dataclass(eq=False)
@@ -398,4 +398,4 @@ class BuildCard(_Card):
         return views.build_approval_decided(self.build, outcome)
 
     async def _keep_ref(self, card_ref: str) -> None:
-        await self.deployer.set_build_refs(self.build.id, approval_ref=card_ref)
+        await self.deployer.personal.set_build_refs(self.build.id, approval_ref=card_ref)

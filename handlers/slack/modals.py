@@ -16,9 +16,8 @@ from typing import Any
 from slack_bolt.context.ack.async_ack import AsyncAck
 from slack_sdk.errors import SlackApiError
 
-from bot import inbox
 from bot.errors import DeployBotError
-from bot.models import ACTIVE_STATES, Received
+from bot.models.notices import Received
 from bot.parser import DeployArgs
 from handlers import messages
 from handlers.slack import form, views
@@ -99,7 +98,7 @@ async def submit_form(bot: Host, ack: AsyncAck, body: dict[str, Any], view: dict
     channel = str(json.loads(view.get("private_metadata") or "{}").get("channel", ""))
     key = f"view:{view['id']}"
     # Kept before the ack, as a command is: should this process die, another deploys it.
-    await inbox.receive(bot.deployer, key, user, channel, form_body(result.args, result.keys))
+    await bot.deployer.inbox.receive(key, user, channel, form_body(result.args, result.keys))
     await ack()
     bot.spawn(_deploy_from_form(bot, result.args, result.keys, user, channel, key))
 
@@ -128,7 +127,7 @@ async def _held(bot: Host, args: DeployArgs, view: dict[str, Any]) -> dict[str, 
     """Name or address held by a job in flight: a store read, answered inside the ack."""
     ids = form.block_ids(view)
     errors: dict[str, str] = {}
-    for job in await bot.deployer.store.jobs_in(ACTIVE_STATES):
+    for job in await bot.deployer.queries.in_flight():
         if job.name == args.name.lower():
             errors[ids.get("name", "name")] = messages.name_in_flight(job.name, job.id)
         if job.address == (args.address or "").split("/")[0]:
@@ -151,7 +150,7 @@ async def _deploy_from_form(
         return [messages.accepted(job)]
 
     await bot.answering(channel, user, work())
-    await inbox.done(bot.deployer, key)
+    await bot.deployer.inbox.done(key)
 
 
 # --- the settings modal ---------------------------------------------------------------

@@ -21,7 +21,8 @@ from datetime import timedelta
 
 from bot.kinds import Rows
 from bot.leaseterms import show_length
-from bot.models import ApprovalState, Job, JobState, Notice, NoticeKind, utcnow
+from bot.models import ApprovalState, Job, JobState, utcnow
+from bot.models.notices import Notice, NoticeKind
 from bot.service import Deployer
 from bot.waiting import woken
 from handlers import messages
@@ -51,7 +52,7 @@ class SlackThreads(BuildDelivery):
 
     def bind(self, deployer: Deployer) -> None:
         self._deployer = deployer
-        deployer.store.on_notice = self._wake.set
+        deployer.chat_outbox.wake_on_notice(self._wake.set)
         self._task = asyncio.create_task(self._run(), name="slack-delivery")
 
     # --- the delivery loop -------------------------------------------------------
@@ -68,23 +69,23 @@ class SlackThreads(BuildDelivery):
     async def poll(self) -> int:
         """Claim and apply what is new in the outbox; how many notices were applied."""
         async with self._poll_lock:
-            store, now = self.deployer.store, utcnow()
+            outbox, now = self.deployer.chat_outbox, utcnow()
             await self._mark()
             until = now + timedelta(seconds=LEASE_S)
-            await store.outbox_renew(self.me, until)
-            fresh = await store.outbox_new_since(self._cursor, BATCH)
+            await outbox.renew(self.me, until)
+            fresh = await outbox.new_since(self._cursor, BATCH)
             if fresh:
                 self._cursor = max(n.id or 0 for n in fresh)
             jobs = {n.job_id for n in fresh}
             if self._orphans_at is None or now >= self._orphans_at:
                 self._orphans_at = now + timedelta(seconds=ORPHAN_SCAN_S)
-                jobs.update(await store.outbox_orphaned(now, BATCH))
+                jobs.update(await outbox.orphaned(now, BATCH))
             new = [j for j in jobs if j not in self._held]
-            self._held |= await store.outbox_claim(new, self.me, now, until)
+            self._held |= await outbox.claim(new, self.me, now, until)
             applied = 0
             for job_id in sorted(jobs & self._held):
                 if job_id in new:  # newly ours: all it has not said, from the first
-                    notices = await store.outbox_undelivered(job_id)
+                    notices = await outbox.undelivered(job_id)
                 else:
                     notices = [n for n in fresh if n.job_id == job_id]
                 applied += await self._apply_job(job_id, notices)
@@ -95,14 +96,14 @@ class SlackThreads(BuildDelivery):
         if not todo:
             return 0
         if await self._rows_of(job_id) == "builds":  # a template build's (bot/builds/)
-            build = await self.deployer.store.builds.get(job_id)
+            build = await self.deployer.queries.build(job_id)
             if build is None:
                 self._finish_parts([n.id for n in todo if n.id is not None])
                 return len(todo)
             for notice in todo:
                 self._apply_build(build, notice)
             return len(todo)
-        job = await self.deployer.store.get_job(job_id)
+        job = await self.deployer.queries.job(job_id)
         if job is None:  # gone or quarantined: nothing can be shown
             self._finish_parts([n.id for n in todo if n.id is not None])
             return len(todo)
@@ -117,7 +118,7 @@ class SlackThreads(BuildDelivery):
             return
         ids, self._delivered = self._delivered, []
         parts, self._sent = self._sent, []
-        await self.deployer.store.outbox_mark_delivered(ids, utcnow(), parts)
+        await self.deployer.chat_outbox.mark_delivered(ids, utcnow(), parts)
         for job_id in list(self._held):
             if await self._rows_of(job_id) == "builds":
                 await self._release_build(job_id)
@@ -125,9 +126,9 @@ class SlackThreads(BuildDelivery):
                     self._rows.pop(job_id, None)
                 continue
             if not self._busy(job_id):
-                job = await self.deployer.store.get_job(job_id)
+                job = await self.deployer.queries.job(job_id)
                 if job is None or job.state.final:
-                    await self.deployer.store.outbox_release(job_id, self.me, utcnow())
+                    await self.deployer.chat_outbox.release(job_id, self.me, utcnow())
                     self._held.discard(job_id)
                     self._rows.pop(job_id, None)
                     self.threads.pop(job_id, None)
@@ -174,7 +175,7 @@ class SlackThreads(BuildDelivery):
     async def _updated(self, job: Job, notice: Notice, nid: int) -> None:
         """The thread says the state the change made ("queued"), even when the job has
         moved on by the time it is told; the headline and card show the job as it is."""
-        approval = await self.deployer.store.get_approval(job.id)
+        approval = await self.deployer.queries.approval(job.id)
         then = job.model_copy(update={"state": notice.state}) if notice.state else job
         note, by = notice.text, notice.by  # `by`: the one id in the note made a mention
         self._say(job, views.mrkdwn(messages.slack_thread_update(then, note, approval, by)), nid)

@@ -34,7 +34,7 @@ from slack_sdk.models.views import View
 from bot.errors import DeployBotError
 from bot.models import Job, JobState
 from bot.models.builds import Build
-from bot.service import VMPage
+from bot.queries import VMPage
 from handlers import messages
 
 SECTION_MAX = 3000

@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import datetime
 
-from bot.models import Approval, ApprovalState, Notice, utcnow
+from bot.models import Approval, ApprovalState, utcnow
+from bot.models.notices import Notice
 from store import approvals
 from store.access.base import Access
 

@@ -8,7 +8,8 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
-from bot.models import Approval, Claim, Job, JobEvent, JobState, Notice
+from bot.models import Approval, Claim, Job, JobEvent, JobState
+from bot.models.notices import Notice
 from store import destroys, durations, jobs, quarantine, quotas
 from store.access.base import Access
 from store.quarantine import Quarantined

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from datetime import datetime
 
-from bot.models import Notice, Received
+from bot.models.notices import Notice, Received
 from store import inbox, outbox
 from store.access.base import Access
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Sequence
 from datetime import datetime
 
-from bot.models import AuditEvent, IpamState, Job, JobState, Notice
+from bot.models import AuditEvent, IpamState, Job, JobState
+from bot.models.notices import Notice
 from store import addresses, leases, owners
 from store.access.base import Access
 

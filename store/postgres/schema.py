@@ -13,11 +13,11 @@ from __future__ import annotations
 import psycopg
 
 from bot.models import new_installation_id
-from store.builds import ACTIVE_INDEX as BUILDS_ACTIVE
 from store.migrations import (
     BUILD_APPROVAL_COLUMNS,
     BUILD_COLUMNS,
     BUILD_NOT_NULL,
+    BUILDS_ACTIVE_INDEX,
     DESTROY_COLUMNS,
     HOLDING_V9,
     HOLDING_V10,
@@ -131,7 +131,7 @@ _V11 = [
     )
     + ")",
     "CREATE UNIQUE INDEX builds_version ON builds (backend, name, version)",
-    BUILDS_ACTIVE,
+    BUILDS_ACTIVE_INDEX,
     "CREATE INDEX idx_builds_state ON builds (state, lease_until)",
 ]
 
