@@ -2,9 +2,9 @@
 
 `/readyz`, `/metrics` and chat's acknowledgements (Slack allows 3 s) cannot wait for a
 database that has stopped answering: a write then waits for a connection (PostgreSQL's
-pool, up to its timeout) or for SQLite's lock. So one probe at a time (`SELECT 1`) is
-made every `every_s`: can the database record something now (store/db.py `ping`: on
-SQLite, take the file's write lock and let it go). An error (the driver's: no
+pool, up to its timeout) or for SQLite's lock. So one probe at a time is made every
+`every_s`: can the database record something now (store/db.py `ping`: a `SELECT 1` in a
+write transaction; on SQLite that takes the file's write lock and lets it go). An error (the driver's: no
 connection, the server shut down, a read-only file) means unreachable at once. A probe
 that is only slow does not: on SQLite it waits behind the writes queued on the store's
 one thread, or for another process's write lock ("database is locked" after
