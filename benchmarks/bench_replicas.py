@@ -52,7 +52,10 @@ from tests.slack_support import (
 ROOT = Path(__file__).resolve().parent.parent
 SCALE = 0.5
 GOAL_ACK_P99_S = 1.0
-GOAL_RATIO = 1.10
+# wall/path wanted per setup (issue 27): SQLite's one process as before; PostgreSQL's
+# one process <= 1.15; three replicas no slower than one (at most its figure).
+GOAL_SQLITE = 1.10
+GOAL_PG_ONE = 1.15
 CONFIG = """
 database = "{database}"
 log_file = "{tmp}/bot-{name}.log"
@@ -203,14 +206,16 @@ async def main(count: int, scale: float) -> None:
         stop_cluster(pg_dir)
     print(f"\n{count} deploys in flight; hypervisor time on one deploy's path {crit:.2f} s")
     print(f"{'setup':>16} {'ack p50 s':>10} {'ack p99 s':>10} {'worst s':>8} {'wall s':>7}"
-          f" {'wall/path':>10} {'succeeded':>10}")  # fmt: skip
-    for label, r in rows:
+          f" {'wall/path':>10} {'goal':>8} {'succeeded':>10}")  # fmt: skip
+    goals = [f"<={GOAL_SQLITE:.2f}", f"<={GOAL_PG_ONE:.2f}", f"<={one['wall'] / crit:.2f}"]
+    for (label, r), goal in zip(rows, goals, strict=True):
         print(
             f"{label:>16} {r['p50']:>10.3f} {r['p99']:>10.3f} {r['worst']:>8.3f} {r['wall']:>7.2f}"
-            f" {r['wall'] / crit:>10.2f} {int(r['succeeded']):>10}"
+            f" {r['wall'] / crit:>10.2f} {goal:>8} {int(r['succeeded']):>10}"
         )
     print(f"{'goal':>16} {'':>10} {'<=' + str(GOAL_ACK_P99_S):>10} {'<3.0':>8} {'':>7}"
-          f" {'<=' + str(GOAL_RATIO):>10} {count:>10}")  # fmt: skip
+          f" {'':>10} {'':>8} {count:>10}")  # fmt: skip
+    print("goal of 3 on PostgreSQL: no slower than 1 on PostgreSQL (its wall/path)")
 
 
 if __name__ == "__main__":
