@@ -12,7 +12,8 @@ from __future__ import annotations
 import itertools
 
 from bot.errors import AmbiguousJob, JobNotFound, JobUnreadable
-from bot.models import JOB_REF_RE, MIN_JOB_REF, SHORT_ID_LENGTH, Job
+from bot.models import Job
+from bot.models.ids import JOB_REF_RE, MIN_JOB_REF, SHORT_ID_LENGTH
 from store.db import Store
 
 LISTED = 5  # matches named in the "which one?" answer

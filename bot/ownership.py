@@ -61,7 +61,8 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from bot.models import Job, JobState, new_runner_id, utcnow
+from bot.models import Job, JobState, utcnow
+from bot.models.ids import new_runner_id
 from bot.queue import JobQueue
 from bot.settings import OwnershipSettings
 from bot.waiting import woken

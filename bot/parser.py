@@ -39,7 +39,8 @@ from bot.commands import (
 )
 from bot.errors import UsageError
 from bot.leaseterms import parse_length
-from bot.models import JOB_REF_RE, MIN_JOB_REF, MIN_MEMORY_MIB
+from bot.models import MIN_MEMORY_MIB
+from bot.models.ids import JOB_REF_RE, MIN_JOB_REF
 
 # The commands live in bot/commands.py; they are imported from here too.
 __all__ = [

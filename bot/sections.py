@@ -11,7 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from bot.models import MIN_MEMORY_MIB, check_login_name, check_ssh_key
+from bot.models import MIN_MEMORY_MIB, check_login_name
+from bot.models.keys import check_ssh_key
 
 
 class _Section(BaseModel):

@@ -4,8 +4,9 @@
 database that has stopped answering: a write then waits for a connection (PostgreSQL's
 pool, up to its timeout) or for SQLite's lock. So one probe at a time is made every
 `every_s`: can the database record something now (store/db.py `ping`: a `SELECT 1` in a
-write transaction; on SQLite that takes the file's write lock and lets it go). An error (the driver's: no
-connection, the server shut down, a read-only file) means unreachable at once. A probe
+write transaction; on SQLite that takes the file's write lock and lets it go). An error
+(the driver's: no connection, the server shut down, a read-only file) means unreachable
+at once. A probe
 that is only slow does not: on SQLite it waits behind the writes queued on the store's
 one thread, or for another process's write lock ("database is locked" after
 `timeout_s`), and a burst of deploys or a CLI's write is no outage; only `slow_probes`

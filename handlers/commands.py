@@ -21,7 +21,8 @@ from datetime import UTC, tzinfo
 from typing import Any, Generic, TypeVar
 
 from bot.errors import DeployBotError
-from bot.models import check_ssh_key, utcnow
+from bot.models import utcnow
+from bot.models.keys import check_ssh_key
 from bot.parser import (
     USAGES,
     Approve,

@@ -11,18 +11,9 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
-from bot.models import (
-    HOLDING_STATES,
-    TRANSITIONS,
-    Approval,
-    Claim,
-    Job,
-    JobEvent,
-    JobState,
-    new_job_id,
-    utcnow,
-)
+from bot.models import HOLDING_STATES, TRANSITIONS, Approval, Claim, Job, JobEvent, JobState, utcnow
 from bot.models.builds import BUILD_KIND
+from bot.models.ids import new_job_id
 from bot.models.notices import Notice, NoticeKind
 from store import outbox, quarantine, quotas
 from store.deliveries import AlreadyDelivered, claim, delivered

@@ -10,8 +10,8 @@ from collections.abc import Callable
 
 from sqlite_utils import Database
 
-from bot.models import new_installation_id
 from bot.models.builds import ACTIVE_BUILD_STATES
+from bot.models.ids import new_installation_id
 from store.sql import SqliteDb
 
 # Jobs in these states held their VM name and address up to v8 (HOLDING_V9 since).

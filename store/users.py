@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from bot.models import AuditEvent, UserPrefs, check_ssh_key, utcnow
+from bot.models import AuditEvent, UserPrefs, utcnow
+from bot.models.keys import check_ssh_key
 from store import quarantine
 from store.quarantine import RowUnreadable
 from store.sql import Db, immediate

@@ -10,7 +10,8 @@ import pytest
 
 from backends.sim import SimBackend
 from bot.errors import AmbiguousJob, JobNotFound, NotAllowed
-from bot.models import _ID_ALPHABET, Approval, Job, JobState, new_job_id, utcnow
+from bot.models import Approval, Job, JobState, utcnow
+from bot.models.ids import _ID_ALPHABET, new_job_id
 from bot.parser import DeployArgs, parse
 from bot.requests import build_request
 from bot.runtime import running_deployer

@@ -45,7 +45,7 @@ from pathlib import Path
 
 import pytest
 
-from bot.models import SHORT_ID_LENGTH
+from bot.models.ids import SHORT_ID_LENGTH
 from handlers import messages
 from tests.conftest import TEST_KEY
 from tests.postgres_support import PASSWORD, PASSWORD_ENV, start_again, stop_fast

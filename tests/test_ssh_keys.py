@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bot.errors import RequestInvalid
-from bot.models import check_ssh_key
+from bot.models.keys import check_ssh_key
 from bot.service import Deployer
 
 KINDS = ("ssh-ed25519", "ssh-rsa", "ecdsa-sha2-nistp256", "ecdsa-sha2-nistp384")

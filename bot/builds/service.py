@@ -28,8 +28,9 @@ from bot.errors import (
     TransitionRefused,
 )
 from bot.images import ProfileError, prepare_image
-from bot.models import MIN_JOB_REF, Job, JobState, utcnow
+from bot.models import Job, JobState, utcnow
 from bot.models.builds import BUILD_ID_RE, Build, BuildState, template_name_problem
+from bot.models.ids import MIN_JOB_REF
 from bot.models.notices import BUILD_ASKED, BUILD_DECIDED, BUILD_FINISHED
 from bot.parser import DeployArgs
 from bot.settings import Settings

@@ -9,21 +9,7 @@ from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-# Re-exported: the ids, as before the split.
-from bot.models.ids import _ID_ALPHABET as _ID_ALPHABET
-from bot.models.ids import JOB_ID_LENGTH as JOB_ID_LENGTH
-from bot.models.ids import JOB_ID_RE as JOB_ID_RE
-from bot.models.ids import JOB_REF_RE as JOB_REF_RE
-from bot.models.ids import MIN_JOB_REF as MIN_JOB_REF
-from bot.models.ids import SHORT_ID_LENGTH as SHORT_ID_LENGTH
-from bot.models.ids import new_installation_id as new_installation_id
-from bot.models.ids import new_job_id as new_job_id
-from bot.models.ids import new_runner_id as new_runner_id
-
-# Re-exported: `from bot.models import check_ssh_key` as before the split.
-from bot.models.keys import MAX_SSH_KEYS as MAX_SSH_KEYS
-from bot.models.keys import SSH_KEY_TYPES as SSH_KEY_TYPES
-from bot.models.keys import check_ssh_key as check_ssh_key
+from bot.models.ids import JOB_ID_RE, SHORT_ID_LENGTH, new_job_id
 
 # Both are matched only after the value was found to be ASCII (`not_ascii`): with
 # re.IGNORECASE, U+0130, U+0131, U+017F and U+212A (dotted I, dotless i, long s, Kelvin)

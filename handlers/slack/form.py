@@ -26,7 +26,8 @@ from slack_sdk.models.views import View
 
 from bot.errors import RequestInvalid
 from bot.leaseterms import parse_length
-from bot.models import HOSTNAME_RE, UserPrefs, check_ssh_key
+from bot.models import HOSTNAME_RE, UserPrefs
+from bot.models.keys import check_ssh_key
 from bot.parser import DeployArgs, is_whole
 from bot.requests import build_request
 from bot.settings import Settings

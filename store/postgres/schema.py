@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import psycopg
 
-from bot.models import new_installation_id
+from bot.models.ids import new_installation_id
 from store.migrations import (
     BUILD_APPROVAL_COLUMNS,
     BUILD_COLUMNS,
