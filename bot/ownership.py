@@ -307,10 +307,10 @@ class Ownership:
     def proven(self, job_id: str, epoch: int | None, after: datetime | None = None) -> Proof:
         """What the last renewal (one begun after `after`, if given) proves about this
         runner's claim on the job: HELD (its lease has at least a tick left and the
-        renewal found the job under `epoch`), LOST (found under another epoch),
-        ABSENT (its lease holds, but the renewal did not list the job: claimed since,
-        or taken over; `hold` asks the store which) or UNPROVEN (no renewal, or its
-        lease has run out or is about to)."""
+        renewal found the job under `epoch`), LOST (found under a later epoch: claimed
+        again since), ABSENT (its lease holds, but the renewal did not list the job, or
+        listed an earlier claim: claimed since, or taken over; `hold` asks the store
+        which) or UNPROVEN (no renewal, or its lease has run out or is about to)."""
         now, until, at = self.clock(), self.proven_until, self.renewed_at
         margin = timedelta(seconds=self.settings.tick_s)  # a tick's room for the step
         if until is None or at is None or now >= until - margin:
@@ -318,7 +318,9 @@ class Ownership:
         if after is not None and at <= after:
             return Proof.UNPROVEN
         found = self.held.get(job_id)
-        if found is None:
+        if found is None or (epoch is not None and found < epoch):
+            # Not listed, or listed under an older claim of this runner's (a deploy it
+            # ran, destroyed now under a new claim): the renewal predates the claim.
             return Proof.ABSENT
         return Proof.HELD if epoch is None or found == epoch else Proof.LOST
 

@@ -298,3 +298,26 @@ async def test_a_step_that_ends_after_its_job_was_taken_over_writes_nothing(
     assert after == before  # no "identity failed" from the old owner
     rolling = [u for u in held.updates if u[0] == job.id and u[1] is JobState.ROLLING_BACK]
     assert not rolling
+
+
+async def test_a_destroy_right_after_the_deploy_is_not_taken_for_lost(
+    tmp_path: Path, database: str
+) -> None:
+    """The last renewal listed the job under the deploy's claim; the destroy is a new
+    claim (a later epoch) made since: not a sign that another runner holds the job (a
+    template build's smoke VM, destroyed right after its deploy, was left behind)."""
+    settings = fenced_settings(tmp_path, database)
+    sim, held = SimBackend("sim", time_scale=0.001), Recorder()
+    release = gate(held, "address")
+    async with runner(settings, sim, progress=held) as first:
+        job = await first.request_deploy(request("web01 10.0.0.50"), "alice")
+        await held.seen("address").wait()
+        await first.ownership.tick()  # lists the job under the deploy's claim
+        assert job.id in first.ownership.held
+        release.set()
+        await first.drain()
+        await first.request_destroy("web01", "alice")
+        await first.destroyer.settle()
+        done = (await first.status(job.id)).job
+    assert done.state is JobState.DESTROYED, (done.state, done.error)
+    assert not sim.vms
