@@ -44,12 +44,31 @@ from bot.parser import (
 )
 from bot.queries import VMPage
 from bot.service import Deployer
-from handlers import messages
 from handlers.messages import usage
+from handlers.messages.builds import (
+    build_accepted,
+    build_cancelling,
+    build_decided_answer,
+    build_status,
+    profiles_table,
+)
+from handlers.messages.core import (
+    INTERNAL_ERROR,
+    accepted,
+    approve_answer,
+    cancelling,
+    reject_answer,
+)
+from handlers.messages.destroys import destroy_answer
+from handlers.messages.lifecycle import lease_extended_answer
+from handlers.messages.listing import list_lines
+from handlers.messages.reports import history, status_said, templates
+from handlers.messages.slack import bad_ssh_key, key_saved, slack_reject_answer, user_settings
+from handlers.messages.text import Said
 
 log = logging.getLogger(__name__)
 
-Reply = Sequence[str | messages.Said]
+Reply = Sequence[str | Said]
 
 
 class Who(enum.Enum):
@@ -156,7 +175,7 @@ async def _deploy(inv: Invocation, command: DeployArgs) -> Reply:
     job = await inv.deployer.request_deploy(
         command, inv.user, origin=inv.origin, dedupe_key=inv.key, check_free_first=inv.slack
     )
-    return [messages.accepted(job)]
+    return [accepted(job)]
 
 
 async def _help(inv: Invocation, command: Help) -> Reply:
@@ -166,64 +185,64 @@ async def _help(inv: Invocation, command: Help) -> Reply:
 async def _status(inv: Invocation, command: Status) -> Reply:
     d = inv.deployer
     if await d.rows_of(command.job_id) == "builds":  # a template build (its own table)
-        return messages.build_status(await d.builds.get(command.job_id))
-    return messages.status_said(await d.status(command.job_id))
+        return build_status(await d.builds.get(command.job_id))
+    return status_said(await d.status(command.job_id))
 
 
 async def _history(inv: Invocation, command: History) -> Reply:
-    return messages.history(await inv.deployer.history(command.limit))
+    return history(await inv.deployer.history(command.limit))
 
 
 async def _cancel(inv: Invocation, command: Cancel) -> Reply:
     d = inv.deployer
     if await d.rows_of(command.job_id) == "builds":  # a template build (its own table)
-        return [messages.build_cancelling(await d.cancel_build(command.job_id, inv.user))]
-    return [messages.cancelling(await d.cancel(command.job_id, inv.user))]
+        return [build_cancelling(await d.cancel_build(command.job_id, inv.user))]
+    return [cancelling(await d.cancel(command.job_id, inv.user))]
 
 
 async def _templates(inv: Invocation, command: Templates) -> Reply:
     """Every backend's templates, with what deploybot built of them."""
     found = await inv.deployer.templates()
-    return messages.templates(found, await inv.deployer.template_builds())
+    return templates(found, await inv.deployer.template_builds())
 
 
 async def _approve(inv: Invocation, command: Approve) -> Reply:
     d, user = inv.deployer, inv.user
     if await d.rows_of(command.job_id) == "builds":  # a template build (its own table)
         build = await d.decide_build(command.job_id, user, True, dedupe_key=inv.key)
-        return [messages.build_decided_answer(build)]
+        return [build_decided_answer(build)]
     job = await d.approve(command.job_id, user, dedupe_key=inv.key)
-    return [messages.Said(messages.approve_answer(job, user), (user,))]
+    return [Said(approve_answer(job, user), (user,))]
 
 
 async def _reject(inv: Invocation, command: Reject) -> Reply:
     d, user, reason = inv.deployer, inv.user, command.reason
     if await d.rows_of(command.job_id) == "builds":  # a template build (its own table)
         build = await d.decide_build(command.job_id, user, False, reason, dedupe_key=inv.key)
-        return [messages.build_decided_answer(build)]
+        return [build_decided_answer(build)]
     job = await d.reject(command.job_id, user, reason, dedupe_key=inv.key)
-    return [messages.slack_reject_answer(job) if inv.slack else messages.reject_answer(job)]
+    return [slack_reject_answer(job) if inv.slack else reject_answer(job)]
 
 
 async def _key(inv: Invocation, command: SaveKey) -> Reply:
-    return [messages.key_saved(await inv.deployer.save_ssh_key(inv.user, command.text))]
+    return [key_saved(await inv.deployer.save_ssh_key(inv.user, command.text))]
 
 
 def _key_problem(command: SaveKey) -> str | None:
     try:
         check_ssh_key(command.text)
     except ValueError as exc:
-        return messages.bad_ssh_key(str(exc))
+        return bad_ssh_key(str(exc))
     return None
 
 
 async def _settings(inv: Invocation, command: ShowSettings) -> Reply:
-    return messages.user_settings(await inv.deployer.prefs(inv.user))
+    return user_settings(await inv.deployer.prefs(inv.user))
 
 
 async def _destroy(inv: Invocation, command: Destroy) -> Reply:
     job = await inv.deployer.request_destroy(command.target, inv.user, dedupe_key=inv.key)
-    return [messages.destroy_answer(job)]
+    return [destroy_answer(job)]
 
 
 LIST_PER_PAGE = 10  # rows a page; Slack's Block Kit page stays far under 50 blocks
@@ -237,7 +256,7 @@ async def list_page(deployer: Deployer, user: str, command: ListVMs) -> VMPage:
 
 async def _list(inv: Invocation, command: ListVMs) -> Reply:
     page = await list_page(inv.deployer, inv.user, command)
-    return messages.list_lines(page, inv.user, utcnow())
+    return list_lines(page, inv.user, utcnow())
 
 
 async def _extend(inv: Invocation, command: ExtendLease) -> Reply:
@@ -245,7 +264,7 @@ async def _extend(inv: Invocation, command: ExtendLease) -> Reply:
     job = await inv.deployer.extend_lease(
         command.target, inv.user, command.length_s, dedupe_key=inv.key
     )
-    return [messages.lease_extended_answer(job, await inv.zone())]
+    return [lease_extended_answer(job, await inv.zone())]
 
 
 async def _build(inv: Invocation, command: BuildTemplate) -> Reply:
@@ -258,11 +277,11 @@ async def _build(inv: Invocation, command: BuildTemplate) -> Reply:
         name=command.name,
         origin=inv.origin,  # Slack: its thread follows in this channel (threads.py)
     )
-    return [messages.build_accepted(build)]
+    return [build_accepted(build)]
 
 
 async def _profiles(inv: Invocation, command: TemplateProfiles) -> Reply:
-    return messages.profiles_table(inv.deployer.settings.images.all_profiles())
+    return profiles_table(inv.deployer.settings.images.all_profiles())
 
 
 ANYONE, IN_ACK, VIEW = Who.ANYONE, SlackWay.IN_ACK, SlackWay.VIEW
@@ -305,7 +324,7 @@ async def answer_command(deployer: Deployer, user: str, command: object) -> list
         return exc.message.splitlines()
     except Exception:
         log.exception("command %r by %s failed", command, user)
-        return [messages.INTERNAL_ERROR.format(log=deployer.settings.log_file)]
+        return [INTERNAL_ERROR.format(log=deployer.settings.log_file)]
 
 
 async def reply_text(deployer: Deployer, user: str, command: object) -> list[str]:
@@ -315,4 +334,4 @@ async def reply_text(deployer: Deployer, user: str, command: object) -> list[str
 
 def plain(lines: Reply) -> list[str]:
     """Reply lines as text, for a front end that shows no mentions."""
-    return [line.text if isinstance(line, messages.Said) else line for line in lines]
+    return [line.text if isinstance(line, Said) else line for line in lines]

@@ -20,8 +20,19 @@ from bot.models.builds import BuildState
 from bot.parser import DeployArgs, ExtendLease, ListVMs, parse
 from bot.runtime import make_backend, open_store, running_deployer, secret_problems
 from bot.settings import Settings
-from handlers import commands, messages
+from handlers import commands
 from handlers.demo import run_demo
+from handlers.messages.builds import (
+    build_started,
+    builds_table,
+    profiles_table,
+    template_versions_table,
+)
+from handlers.messages.core import secrets_missing
+from handlers.messages.destroys import destroy_answer
+from handlers.messages.reports import HISTORY_HEADER, history, history_line
+from handlers.messages.retire import retire_report
+from handlers.messages.slack import bad_command_name, check_lines, gc_report, gc_unknown_backends
 from handlers.terminal import Shell, TerminalBuilds, TerminalThread
 
 
@@ -33,7 +44,7 @@ async def refuse_missing_secrets(settings: Settings) -> None:
     """Every secret the configuration names and the environment lacks, named at once
     before anything starts (`check-config`, `shell`, `serve`)."""
     if problems := await secret_problems(settings, os.environ):
-        raise ConfigError(messages.secrets_missing(problems))
+        raise ConfigError(secrets_missing(problems))
 
 
 async def shell(args: argparse.Namespace, settings: Settings) -> int:
@@ -85,7 +96,7 @@ async def destroy(args: argparse.Namespace, settings: Settings) -> int:
         await deployer.drain()
         final = (await deployer.status(job.id)).job
     if final.state is not JobState.DESTROYED:
-        print(messages.destroy_answer(final), file=sys.stderr)
+        print(destroy_answer(final), file=sys.stderr)
         return 1
     return 0
 
@@ -102,7 +113,7 @@ async def lease(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
-async def history(args: argparse.Namespace, settings: Settings) -> int:
+async def history_command(args: argparse.Namespace, settings: Settings) -> int:
     state = None
     if args.state:
         try:
@@ -118,13 +129,13 @@ async def history(args: argparse.Namespace, settings: Settings) -> int:
             requester=args.user, state=state, name=args.name, limit=max(1, args.limit)
         )
         async for page in pages:
-            lines = [messages.history_line(job) for job in page]
-            print("\n".join(lines if shown else [messages.HISTORY_HEADER, *lines]))
+            lines = [history_line(job) for job in page]
+            print("\n".join(lines if shown else [HISTORY_HEADER, *lines]))
             shown += len(page)
     finally:
         await store.close()
     if not shown:
-        print("\n".join(messages.history([], filtered=bool(args.user or state or args.name))))
+        print("\n".join(history([], filtered=bool(args.user or state or args.name))))
     return 0
 
 
@@ -145,7 +156,7 @@ async def check(args: argparse.Namespace, settings: Settings) -> int:
     if args.json:
         print(json.dumps({"ok": ok, "checks": [dataclasses.asdict(r) for r in results]}))
     else:
-        print("\n".join(messages.check_lines(results)))
+        print("\n".join(check_lines(results)))
     return 0 if ok else 1
 
 
@@ -154,7 +165,7 @@ async def gc_command(args: argparse.Namespace, settings: Settings) -> int:
     scope = args.backend or known
     unknown = sorted(set(scope) - set(known))
     if unknown:
-        print(messages.gc_unknown_backends(unknown, known), file=sys.stderr)
+        print(gc_unknown_backends(unknown, known), file=sys.stderr)
         return 2
     backends = {c.name: make_backend(c) for c in settings.backends if c.name in scope}
     store = await open_store(settings)
@@ -168,14 +179,14 @@ async def gc_command(args: argparse.Namespace, settings: Settings) -> int:
         for backend in backends.values():
             await backend.close()
         await store.close()
-    print("\n".join(messages.gc_report(report, args.window_minutes)))
+    print("\n".join(gc_report(report, args.window_minutes)))
     failed = [why for _f, why in report.left if why.startswith("removal failed")]
     return 1 if failed or report.locked or report.unreachable or report.refused else 0
 
 
 async def template(args: argparse.Namespace, settings: Settings) -> int:
     if args.template_command == "profiles":
-        print("\n".join(messages.profiles_table(settings.images.all_profiles())))
+        print("\n".join(profiles_table(settings.images.all_profiles())))
         return 0
     if args.template_command == "list":
         return await _template_list(args, settings)
@@ -198,7 +209,7 @@ async def template(args: argparse.Namespace, settings: Settings) -> int:
             name=args.name,
             can_wait_for_approval=False,  # nobody could approve it while this one runs
         )
-        print(f"┌ {messages.build_started(build)}")
+        print(f"┌ {build_started(build)}")
         await deployer.drain()
         final = await deployer.queries.build(build.id)
     return 0 if final is not None and final.state is BuildState.PUBLISHED else 1
@@ -216,10 +227,10 @@ async def _template_list(args: argparse.Namespace, settings: Settings) -> int:
             try:
                 if isinstance(backend, BuildsTemplates):
                     versions = await backend.template_versions()
-                    print("\n".join(messages.template_versions_table(config.name, versions)))
+                    print("\n".join(template_versions_table(config.name, versions)))
             finally:
                 await backend.close()
-        print("\n".join(messages.builds_table(await store.builds.recent(args.backend, None, 20))))
+        print("\n".join(builds_table(await store.builds.recent(args.backend, None, 20))))
     finally:
         await store.close()
     return 0
@@ -229,7 +240,7 @@ async def _template_gc(args: argparse.Namespace, settings: Settings) -> int:
     known = [b.name for b in settings.backends]
     scope = args.backend or known
     if unknown := sorted(set(scope) - set(known)):
-        print(messages.gc_unknown_backends(unknown, known), file=sys.stderr)
+        print(gc_unknown_backends(unknown, known), file=sys.stderr)
         return 2
     backends = {c.name: make_backend(c) for c in settings.backends if c.name in scope}
     store = await open_store(settings)
@@ -245,7 +256,7 @@ async def _template_gc(args: argparse.Namespace, settings: Settings) -> int:
         for backend in backends.values():
             await backend.close()
         await store.close()
-    print("\n".join(messages.retire_report(report, args.window_minutes)))
+    print("\n".join(retire_report(report, args.window_minutes)))
     failed = [why for _v, why in report.left if why.startswith("removal failed")]
     return 1 if failed or report.unreachable else 0
 
@@ -261,7 +272,7 @@ async def manifest(args: argparse.Namespace, settings: Settings) -> int:
 
     command = args.slash_command or settings.slack.command
     if not COMMAND_RE.match(command):
-        print(messages.bad_command_name(command), file=sys.stderr)
+        print(bad_command_name(command), file=sys.stderr)
         return 2
     print(manifest_yaml(command), end="")
     return 0
@@ -271,7 +282,7 @@ COMMANDS = {
     "demo": demo,
     "shell": shell,
     "deploy": deploy,
-    "history": history,
+    "history": history_command,
     "list": list_vms,
     "destroy": destroy,
     "lease": lease,

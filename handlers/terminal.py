@@ -15,9 +15,17 @@ from typing import TextIO
 from bot.models import Job, JobState, RollbackReport
 from bot.models.builds import Build
 from bot.service import Deployer
-from handlers import messages
 from handlers.commands import COMMANDS, answer
 from handlers.messages import usage
+from handlers.messages.builds import build_end, build_headline
+from handlers.messages.core import (
+    finished,
+    headline,
+    job_update,
+    step_finished,
+    step_started,
+    switched_user,
+)
 
 
 class TerminalThread:
@@ -35,26 +43,26 @@ class TerminalThread:
     async def job_updated(self, job: Job, note: str = "") -> None:
         if job.id not in self._opened:
             self._opened.add(job.id)
-            self.out.write(f"┌ {messages.headline(job)} (job {job.id})\n")
+            self.out.write(f"┌ {headline(job)} (job {job.id})\n")
         if job.state is JobState.QUEUED and note == "" and job.approval_reason:
             self._say(job, "approved; queued.")
             return
-        self._say(job, messages.job_update(job, note))
+        self._say(job, job_update(job, note))
 
     async def step_started(self, job: Job, step: str, detail: str) -> None:
-        self._say(job, messages.step_started(step, detail))
+        self._say(job, step_started(step, detail))
 
     async def step_finished(
         self, job: Job, step: str, duration_s: float, ok: bool, detail: str
     ) -> None:
-        self._say(job, messages.step_finished(step, duration_s, ok, detail))
+        self._say(job, step_finished(step, duration_s, ok, detail))
 
     async def job_note(self, job: Job, text: str) -> None:
         self._say(job, text)
 
     async def job_finished(self, job: Job, rollback: RollbackReport | None) -> None:
-        self._say(job, "\n".join(messages.finished(job, rollback)))
-        self.out.write(f"└ {messages.headline(job)}\n")
+        self._say(job, "\n".join(finished(job, rollback)))
+        self.out.write(f"└ {headline(job)}\n")
         self.out.flush()
 
 
@@ -85,7 +93,7 @@ class Shell:
                 self._reply(["Say who you want to be: as NAME (e.g. as bob)."])
             else:
                 self.user = words[1]
-                self._reply([messages.switched_user(self.user)])
+                self._reply([switched_user(self.user)])
             return True
         shortcuts = [word for word in COMMANDS.keywords() if word != "help"]
         if head in ("help", "/help"):
@@ -128,7 +136,7 @@ class TerminalBuilds:
         self.out.flush()
 
     async def build_finished(self, build: Build) -> None:
-        for line in messages.build_end(build):
+        for line in build_end(build):
             self.out.write(f"  [{build.versioned_name} {build.short_id}] {line}\n")
-        self.out.write(f"└ {messages.build_headline(build)}\n")
+        self.out.write(f"└ {build_headline(build)}\n")
         self.out.flush()

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from handlers import messages
+from handlers.messages.slack import STORE_NOT_ANSWERING
+from handlers.messages.text import escape
 from tests.postgres_support import (
     PASSWORD,
     PASSWORD_ENV,
@@ -132,7 +133,7 @@ def test_a_command_during_an_outage_is_refused_at_once_and_never_run(
     finally:
         start_again(workdir)
     assert status == 200 and took_s < 3, (status, body, took_s)
-    assert body.get("text") == messages.escape(messages.STORE_NOT_ANSWERING), body
+    assert body.get("text") == escape(STORE_NOT_ANSWERING), body
     until(lambda: get(server, "/readyz")[0] == 200, slack, "/readyz ready again")
     assert "deploybot_store_up 1.0" in get(server, "/metrics")[1]
     # Once the database is back the command is not carried out: a deploy asked now is,

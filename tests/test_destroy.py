@@ -15,8 +15,8 @@ from bot.models import IpamState, Job, JobState, utcnow
 from bot.parser import DeployArgs, parse
 from bot.runtime import running_deployer
 from bot.service import Deployer
-from handlers import messages
 from handlers.commands import answer
+from handlers.messages.core import cancelling
 from tests.conftest import Recorder, make_settings
 
 
@@ -163,7 +163,7 @@ async def test_a_rejected_withdrawn_or_expired_destroy_keeps_the_vm(
     await strict.request_destroy("web01", "dave")
     withdrawn = await strict.cancel(job.id, "alice")
     assert withdrawn.state is JobState.SUCCEEDED
-    assert messages.cancelling(withdrawn).endswith("the destroy was withdrawn; web01 stays.")
+    assert cancelling(withdrawn).endswith("the destroy was withdrawn; web01 stays.")
     await strict.request_destroy("web01", "alice")
     expired = await strict.expire_approvals(utcnow() + timedelta(seconds=61))
     assert [j.id for j in expired] == [job.id]

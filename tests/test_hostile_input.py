@@ -27,14 +27,14 @@ from bot.parser import DeployArgs, parse
 from bot.requests import build_request
 from bot.runtime import running_deployer
 from bot.settings import Settings
-from handlers import messages
 from handlers.commands import answer
+from handlers.messages.core import INTERNAL_ERROR
 from store.db import Store
 from store.jobs import job_row
 from tests.conftest import SIM_SCALE, make_settings
 
 ASCII_ADVICE = "use ASCII letters a-z, digits and hyphens"
-SORRY = messages.INTERNAL_ERROR.split(".")[0]  # what an unexpected exception says
+SORRY = INTERNAL_ERROR.split(".")[0]  # what an unexpected exception says
 # Characters that Unicode case folding or re.IGNORECASE turn into ASCII letters.
 FOLDING = [
     "İnfra",

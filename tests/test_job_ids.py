@@ -119,9 +119,9 @@ async def test_every_command_takes_a_prefix(seeded: Deployer) -> None:
 
 
 async def test_history_and_threads_show_the_short_id(seeded: Deployer) -> None:
-    from handlers import messages
+    from handlers.messages.reports import history
 
-    lines = messages.history(await seeded.history(10))
+    lines = history(await seeded.history(10))
     assert any(line.startswith("j4k7tqa2 ") for line in lines)
     assert not any(TWINS[0] in line for line in lines)
     job = (await seeded.status(TWINS[0])).job

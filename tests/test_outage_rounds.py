@@ -46,7 +46,8 @@ from pathlib import Path
 import pytest
 
 from bot.models.ids import SHORT_ID_LENGTH
-from handlers import messages
+from handlers.messages.slack import STORE_NOT_ANSWERING
+from handlers.messages.text import escape
 from tests.conftest import TEST_KEY
 from tests.postgres_support import PASSWORD, PASSWORD_ENV, start_again, stop_fast
 from tests.slack_support import CHANNEL
@@ -351,7 +352,7 @@ def outage(r: Round, hv: Hypervisor, workdir: Path, watched: Proc, slack: SlackT
     finally:
         if not (workdir / "data" / "postmaster.pid").exists():
             start_again(workdir)
-    refusal = body.get("text") == messages.escape(messages.STORE_NOT_ANSWERING)
+    refusal = body.get("text") == escape(STORE_NOT_ANSWERING)
     if status != 200 or took >= 3:
         r.fail("not answered within 3 s", f"{extra}: {status} after {took:.1f} s: {body}")
     elif refusal:

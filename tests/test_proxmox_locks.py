@@ -18,7 +18,7 @@ from backends.base import CloneSpec, Locked, VMRef
 from backends.proxmox import Config, ProxmoxBackend, create
 from bot import gc
 from bot.models import JobState
-from handlers import messages
+from handlers.messages.slack import gc_report
 from store.db import Store
 from tests.conftest import Recorder
 from tests.contract import IDENTITY
@@ -222,6 +222,6 @@ async def test_gc_never_says_try_again_for_a_refusal(pve: FakePVE, tmp_path: Pat
     finally:
         await wrong.close()
         await store.close()
-    text = "\n".join(messages.gc_report(report, 30))
+    text = "\n".join(gc_report(report, 30))
     assert "pve: refused to be asked (" in text and "check $PVE_TOKEN_SECRET" in text
     assert "try again" not in text

@@ -23,8 +23,8 @@ from bot.parser import DeployArgs, parse
 from bot.requests import build_request
 from bot.runtime import running_deployer
 from bot.settings import Settings
-from handlers import messages
 from handlers.commands import answer
+from handlers.messages.slack import gc_report
 from store.db import Store
 from store.jobs import job_row
 from tests.conftest import make_settings
@@ -152,7 +152,7 @@ async def test_a_damaged_running_job_is_not_recovered_and_gc_keeps_its_vm(
     assert [(f.vm.vm_id, f.category, f.orphan) for f in report.findings] == [
         (vm_id, "quarantined_job", False)
     ]
-    assert "job record damaged, set aside" in "\n".join(messages.gc_report(report, 30))
+    assert "job record damaged, set aside" in "\n".join(gc_report(report, 30))
     assert job_state(settings, running.id) == "quarantined"
 
 

@@ -18,7 +18,7 @@ from bot.recovery import INTERRUPTED
 from bot.requests import build_request
 from bot.runtime import running_deployer
 from bot.service import Deployer
-from handlers import messages
+from handlers.messages.reports import templates
 from store.db import Store
 from tests.conftest import SIM_SCALE, TEST_KEY, Recorder, make_settings
 
@@ -213,7 +213,7 @@ async def test_templates_say_try_again_only_when_waiting_may_help(
     settings = make_settings(tmp_path)
     async with running_deployer(settings, backends={"sim": sim, "refusing": refusing}) as deployer:
         sim.inject("templates", "flaky")
-        text = "\n".join(messages.templates(await deployer.templates()))
+        text = "\n".join(templates(await deployer.templates()))
     (flaky,) = [line for line in text.splitlines() if line.startswith("sim: ")]
     (refused,) = [line for line in text.splitlines() if line.startswith("refusing: ")]
     assert flaky.endswith("; try again shortly.")

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from backends.base import PermanentError, Placement
 from backends.sim import SimBackend
 from bot.models import DeployRequest, Job, JobState
-from handlers import messages
+from handlers.messages.slack import slack_headline
+from handlers.messages.text import Said
 from handlers.slack import views
 from tests.conftest import SIM_SCALE
 from tests.fake_slack import Call
@@ -156,7 +157,7 @@ def test_an_approval_card_shows_a_template_name_as_named() -> None:
     card = json.dumps(views.approval_request(job))
     assert card.count("web &amp; db &lt;v2&gt;") == 2 and template not in card
     assert f"*<@{ALICE}> asks to deploy web01 10.0.0.50* on vcenter/Cluster&lt;1&gt;" in card
-    headline = messages.slack_headline(job, None)
+    headline = slack_headline(job, None)
     assert headline == "web01 10.0.0.50 on vcenter/Cluster&lt;1&gt;: awaiting approval"
 
 
@@ -166,7 +167,7 @@ def test_only_the_people_the_bot_names_become_mentions() -> None:
     named = views.mrkdwn(text, ["UALICE001"])
     assert named == f"<@UALICE001> may not approve deploys; ask UBOB00001 or WAREHOUSE42; {SHOWN}"
     # The bot names a person before anything typed: the typed repeat stays text.
-    said = messages.Said("destroy rejected by UBOB00001: ask UBOB00001", ("UBOB00001",))
+    said = Said("destroy rejected by UBOB00001: ask UBOB00001", ("UBOB00001",))
     assert views.mrkdwn(said) == "destroy rejected by <@UBOB00001>: ask UBOB00001"
 
 

@@ -19,7 +19,7 @@ from zoneinfo import ZoneInfo
 from backends.sim import SimBackend
 from bot.models import Job, JobState, utcnow
 from bot.runtime import running_deployer
-from handlers.messages import when
+from handlers.messages.text import when
 from tests.conftest import SIM_SCALE
 from tests.fake_slack import Call
 from tests.slack_support import (

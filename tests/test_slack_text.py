@@ -18,7 +18,8 @@ from zoneinfo import ZoneInfo
 
 from backends.sim import SimBackend
 from bot.models import DeployRequest, Job, JobState, utcnow
-from handlers import messages
+from handlers.messages.lifecycle import lease_reminder
+from handlers.messages.text import when
 from handlers.slack.manifest import BOT_SCOPES, manifest
 from tests.conftest import SIM_SCALE
 from tests.fake_slack import Call
@@ -190,7 +191,7 @@ async def test_lease_times_are_in_the_readers_zone_everywhere(tmp_path: Path) ->
             await h.settle()
             job = (await h.deployer.history(1))[0]
             assert job.lease_end is not None
-            shown = messages.when(job.lease_end, berlin)
+            shown = when(job.lease_end, berlin)
             assert shown.endswith((" CET", " CEST"))
             assert any(f"now ends {shown}." in t for t in told(h, ALICE))
             await h.command("list", ALICE)
@@ -201,7 +202,7 @@ async def test_lease_times_are_in_the_readers_zone_everywhere(tmp_path: Path) ->
             await fake.wait_for(lambda c: c.method == "views.publish" and c.status == 200)
             await h.settle()
             assert f"lease end {shown}" in json.dumps(fake.home(ALICE))
-            assert messages.when(job.lease_end) not in sent(h)  # UTC nowhere
+            assert when(job.lease_end) not in sent(h)  # UTC nowhere
     finally:
         await fake.close()
 
@@ -225,7 +226,7 @@ def test_a_reminder_says_how_long_is_really_left() -> None:
     end = utcnow()
 
     def reminder(left: timedelta) -> str:
-        return messages.lease_reminder(lease_job(), end, end - left, "3d", UTC)
+        return lease_reminder(lease_job(), end, end - left, "3d", UTC)
 
     assert "in less than a minute" in reminder(timedelta(seconds=20))
     assert "in about a minute" in reminder(timedelta(seconds=70))

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from handlers import messages
+from handlers.messages.slack import STORE_NOT_ANSWERING
+from handlers.messages.text import escape
 from tests.test_crash import write_config
 from tests.test_database_outage import command, get
 from tests.test_failover import until
@@ -68,7 +69,7 @@ def test_a_locked_file_is_not_ready_and_a_command_is_refused_and_never_run(
         assert get(server, "/healthz")[0] == 200
         status, body, took_s = command(server, slack, "late01 10.20.1.200")
     assert status == 200 and took_s < 3, (status, body, took_s)
-    assert body.get("text") == messages.escape(messages.STORE_NOT_ANSWERING), body
+    assert body.get("text") == escape(STORE_NOT_ANSWERING), body
     until(lambda: get(server, "/readyz")[0] == 200, slack, "/readyz ready again", 20)
     # A deploy asked now is carried out; by its end the refused one would be a job.
     assert command(server, slack, "after01 10.20.1.201")[0] == 200

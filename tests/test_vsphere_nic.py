@@ -24,7 +24,7 @@ from bot.errors import ConfigError, RequestInvalid
 from bot.models import JobState
 from bot.parser import DeployArgs, parse
 from bot.settings import BUNDLED_CONFIG, load_settings
-from handlers import messages
+from handlers.messages.reports import templates
 from tests.contract import IDENTITY
 from tests.test_vsphere_pipeline import (
     Sshd,
@@ -317,7 +317,7 @@ def test_the_template_list_says_which_are_refused_and_why() -> None:
     found: dict[str, list[Template] | str] = {
         "vcenter": [Template("ubuntu", "ubuntu"), Template("old", "other", problem="NO TOOLS")]
     }
-    lines = messages.templates(found)
+    lines = templates(found)
     assert lines[:2] == [
         "vcenter: ubuntu (ubuntu), old (other, refused)",
         "vcenter: old is refused: NO TOOLS",

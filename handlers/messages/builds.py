@@ -9,26 +9,6 @@ from bot.models.builds import Build, BuildState
 from bot.models.notices import BUILD_ASKED, BUILD_DECIDED, BUILD_STARTED
 from handlers.messages.text import Said, escape, mention
 
-__all__ = [
-    "build_accepted",
-    "build_approval_needed",
-    "build_approval_summary",
-    "build_cancelling",
-    "build_card_outcome",
-    "build_context",
-    "build_decided_answer",
-    "build_end",
-    "build_headline",
-    "build_outcome_dm",
-    "build_started",
-    "build_status",
-    "build_thread_update",
-    "builds_table",
-    "profiles_table",
-    "slack_build_end",
-    "template_versions_table",
-]
-
 BUILD_LABELS = {
     BuildState.AWAITING_APPROVAL: "waiting for approval",
     BuildState.QUEUED: "queued",

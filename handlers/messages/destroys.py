@@ -1,6 +1,5 @@
 """What deploybot says about destroying a VM (split from handlers/messages/core.py): the
-thread's updates, the answer to `/deploy destroy`, and the destroy card (part of
-`handlers.messages`, which re-exports them)."""
+thread's updates, the answer to `/deploy destroy`, and the destroy card."""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""Texts of the day-2 life cycle: quotas, the App Home, leases (part of
-`handlers.messages`, which re-exports them).
-"""
+"""Texts of the day-2 life cycle: quotas, the App Home, VM leases."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """`/deploy list` (split from handlers/messages/core.py): its title, its rows in Slack and
-as a table for the shell and the CLI, each VM's age and lease end (part of
-`handlers.messages`, which re-exports them)."""
+as a table for the shell and the CLI, each VM's age and lease end."""
 
 from __future__ import annotations
 

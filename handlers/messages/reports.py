@@ -1,5 +1,5 @@
 """The answers to the read-only commands (split from handlers/messages/core.py): `/deploy
-status`, `history` and `templates` (part of `handlers.messages`, which re-exports them)."""
+status`, `history` and `templates`."""
 
 from __future__ import annotations
 

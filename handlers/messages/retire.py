@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from bot.builds.retire import KEPT_WHY, RetireReport, Verdict
 
-__all__ = ["retire_report"]
-
 CATEGORY_WORDS = {
     "retire": "older version, unused: may be retired",
     "failed_build": "its build failed or is unknown here: may be removed",

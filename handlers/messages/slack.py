@@ -1,4 +1,4 @@
-"""Texts of the Slack front end (part of `handlers.messages`, which re-exports them)."""
+"""Texts of the Slack front end."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """The words every other text module builds on (split from handlers/messages/core.py):
-the names of steps and states, and the mrkdwn escaping, mentions and times (part of
-`handlers.messages`, which re-exports them)."""
+the names of steps and states, and the mrkdwn escaping, mentions and times."""
 
 from __future__ import annotations
 

@@ -33,8 +33,10 @@ from bot import inbox, logfields
 from bot.errors import DeployBotError, UsageError
 from bot.parser import DeployArgs, ListVMs, ShowSettings, parse
 from bot.service import Deployer
-from handlers import messages
 from handlers.commands import COMMANDS, Invocation, SlackWay, plain
+from handlers.messages.core import INTERNAL_ERROR
+from handlers.messages.slack import COMMAND_RESUMED, STORE_NOT_ANSWERING
+from handlers.messages.text import Said, escape
 from handlers.slack import interact, views
 from handlers.slack.catalog import Catalog
 from handlers.slack.home import HomeTabs
@@ -153,7 +155,7 @@ class SlackBot:
         self,
         channel: str,
         user: str,
-        lines: Sequence[str | messages.Said],
+        lines: Sequence[str | Said],
         *,
         monospace: bool = False,
         reply_url: str | None = None,
@@ -201,20 +203,20 @@ class SlackBot:
         self,
         channel: str,
         user: str,
-        work: Coroutine[Any, Any, Sequence[str | messages.Said]],
+        work: Coroutine[Any, Any, Sequence[str | Said]],
         *,
         mono: bool = False,
         reply_url: str | None = None,
     ) -> None:
         """Run `work` and tell the user its lines, or what went wrong."""
-        lines: Sequence[str | messages.Said]
+        lines: Sequence[str | Said]
         try:
             lines = await work
         except DeployBotError as exc:
             lines = views.refusal(exc)
         except Exception:
             log.exception("a command by %s failed", user)
-            lines = [messages.INTERNAL_ERROR.format(log=self.settings.log_file)]
+            lines = [INTERNAL_ERROR.format(log=self.settings.log_file)]
             mono = False
         await self.tell(channel, user, lines, monospace=mono, reply_url=reply_url)
 
@@ -265,11 +267,11 @@ class SlackBot:
             await self.deployer.inbox.receive(key, user, channel, text)
         except inbox.NotKept as exc:  # refused within Slack's 3 s, and never run later
             log.warning("refused a command by %s: the database is not answering (%s)", user, exc)
-            await _answer_in_ack(ack, messages.STORE_NOT_ANSWERING, [messages.STORE_NOT_ANSWERING])
+            await _answer_in_ack(ack, STORE_NOT_ANSWERING, [STORE_NOT_ANSWERING])
             return
         except Exception:
             log.exception("could not keep a command by %s", user)
-            problem = messages.INTERNAL_ERROR.format(log=self.settings.log_file)
+            problem = INTERNAL_ERROR.format(log=self.settings.log_file)
             await _answer_in_ack(ack, problem, [problem])
             return
         await ack()
@@ -303,7 +305,7 @@ class SlackBot:
         mono = spec is not None and spec.table
         await self.answering(channel, user, work, mono=mono, reply_url=reply_url)
         if resumed and isinstance(command, DeployArgs):
-            await self.deployer.inbox.tell_resumed(key, messages.COMMAND_RESUMED)
+            await self.deployer.inbox.tell_resumed(key, COMMAND_RESUMED)
         await self.deployer.inbox.done(key)
 
     async def sweep_inbox(self) -> int:
@@ -338,5 +340,5 @@ async def _answer_in_ack(ack: AsyncAck, text: str, lines: Sequence[str]) -> None
     """An ephemeral answer inside the ack (`text` is the notification), for what needs
     no look-up. Both quote what was typed, so they are escaped; no mentions are added,
     since a user id in them is one the person typed, not one the bot names."""
-    shown = [messages.escape(line) for line in lines]
-    await ack(response_type="ephemeral", text=messages.escape(text), blocks=views.answer(shown))
+    shown = [escape(line) for line in lines]
+    await ack(response_type="ephemeral", text=escape(text), blocks=views.answer(shown))

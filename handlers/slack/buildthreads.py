@@ -14,7 +14,12 @@ from bot.models.notices import (
     Notice,
     NoticeKind,
 )
-from handlers import messages
+from handlers.messages.builds import (
+    build_card_outcome,
+    build_outcome_dm,
+    build_thread_update,
+    slack_build_end,
+)
 from handlers.slack import views
 from handlers.slack.delivery import Delivery
 from handlers.slack.items import BuildCard, BuildThread, Line, parse_ref
@@ -44,15 +49,15 @@ class BuildDelivery(Delivery):
             if part == BUILD_NOTE:
                 self._build_say(build, views.mrkdwn(notice.text), nid)
             elif part == BUILD_FINISHED:
-                text = views.mrkdwn(messages.slack_build_end(build))
+                text = views.mrkdwn(slack_build_end(build))
                 self._build_say(build, text, nid, urgent=True)
                 dm = self._part(nid, "dm") if build.origin else None
                 if dm is not None:  # the requester hears the end by direct message too
-                    outcome = messages.build_outcome_dm(build)
+                    outcome = build_outcome_dm(build)
                     self._dm(build.requester).lines.append(Line(views.mrkdwn(outcome), dm))
                     self.outboxes.touch(self._dm(build.requester))
             else:
-                said = messages.build_thread_update(build, part, notice.text)
+                said = build_thread_update(build, part, notice.text)
                 self._build_say(build, views.mrkdwn(said), nid)
             if part == BUILD_ASKED and build.approval_reason:
                 self._ask_build_approvers(build, nid)
@@ -94,7 +99,7 @@ class BuildDelivery(Delivery):
         card = BuildCard(build, channel, self.deployer, self._done)
         self.build_cards[build.id] = card
         if build.state is not BuildState.AWAITING_APPROVAL:  # decided before it was shown
-            card.outcome = messages.build_card_outcome(build, build.error or "")
+            card.outcome = build_card_outcome(build, build.error or "")
         self._show_build_card(card, nid)
 
     def _build_decided(self, build: Build, note: str, nid: int) -> None:
@@ -106,7 +111,7 @@ class BuildDelivery(Delivery):
             card = BuildCard(build, known[0], self.deployer, self._done, ts=known[1])
             self.build_cards[build.id] = card
         card.build = build
-        card.outcome = messages.build_card_outcome(build, note)
+        card.outcome = build_card_outcome(build, note)
         self._show_build_card(card, nid)
 
     def _show_build_card(self, card: BuildCard, nid: int) -> None:

@@ -16,7 +16,7 @@ from backends.base import BackendError, CloneSpec, Network, Storage, Template
 from bot.models import UserPrefs
 from bot.service import Deployer
 from bot.settings import Settings
-from handlers import messages
+from handlers.messages.slack import clone_mode
 from handlers.slack.views import SELECT_MAX, option
 
 
@@ -92,7 +92,7 @@ async def discover(deployer: Deployer, choice: Choice) -> Catalog:
                 "jpreview", "preview", choice.template.split("|", 1)[1], choice.node, choice.storage
             )
             mode = await chosen.clone_mode(spec)
-            catalog.clone_note = messages.clone_mode(mode.linked, mode.reason)
+            catalog.clone_note = clone_mode(mode.linked, mode.reason)
     except BackendError as exc:
         catalog.problems.append(f"{chosen.name}: {exc.message}")
     return catalog

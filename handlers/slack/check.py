@@ -16,20 +16,26 @@ from slack_sdk.web.async_client import AsyncWebClient
 
 from bot.check import CheckResult
 from bot.settings import SlackSettings
-from handlers import messages
+from handlers.messages.slack import (
+    slack_channel_fix,
+    slack_channel_unreadable,
+    slack_not_checked,
+    slack_scopes_fix,
+    slack_token_fix,
+)
 from handlers.slack.manifest import BOT_SCOPES
 
 
 async def slack_checks(settings: SlackSettings, environ: Mapping[str, str]) -> list[CheckResult]:
     token = environ.get(settings.bot_token_env)
     if not token:
-        return [CheckResult("slack", True, messages.slack_not_checked(settings.bot_token_env))]
+        return [CheckResult("slack", True, slack_not_checked(settings.bot_token_env))]
     client = AsyncWebClient(token=token, base_url=settings.api_base_url, timeout=15)
     try:
         answer = await client.auth_test()
     except SlackApiError as exc:
         error = str(exc.response.get("error", "unknown"))
-        fix = messages.slack_token_fix(settings.bot_token_env)
+        fix = slack_token_fix(settings.bot_token_env)
         return [CheckResult("slack: auth.test", False, f"refused ({error})", fix)]
     except OSError as exc:  # aiohttp's connection errors are OSErrors
         detail = f"{settings.api_base_url} did not answer ({type(exc).__name__})"
@@ -40,7 +46,7 @@ async def slack_checks(settings: SlackSettings, environ: Mapping[str, str]) -> l
     lacking = [s for s in BOT_SCOPES if s not in granted]
     if lacking:
         detail = f"the token lacks {', '.join(lacking)}"
-        results.append(CheckResult("slack: scopes", False, detail, messages.slack_scopes_fix()))
+        results.append(CheckResult("slack: scopes", False, detail, slack_scopes_fix()))
     else:
         results.append(CheckResult("slack: scopes", True, f"{', '.join(BOT_SCOPES)} granted"))
     if settings.approvals_channel:
@@ -55,11 +61,9 @@ async def _approvals(client: AsyncWebClient, channel: str, bot: str) -> CheckRes
     except SlackApiError as exc:
         error = str(exc.response.get("error", "unknown"))
         if error == "missing_scope":
-            return CheckResult(name, True, messages.slack_channel_unreadable(channel))
-        return CheckResult(name, False, f"refused ({error})", messages.slack_channel_fix(bot))
+            return CheckResult(name, True, slack_channel_unreadable(channel))
+        return CheckResult(name, False, f"refused ({error})", slack_channel_fix(bot))
     info = answer.get("channel") or {}
     if info.get("is_member"):
         return CheckResult(name, True, "exists and the bot is a member")
-    return CheckResult(
-        name, False, "exists but the bot is not a member", messages.slack_channel_fix(bot)
-    )
+    return CheckResult(name, False, "exists but the bot is not a member", slack_channel_fix(bot))

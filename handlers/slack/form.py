@@ -31,7 +31,18 @@ from bot.models.keys import check_ssh_key
 from bot.parser import DeployArgs, is_whole
 from bot.requests import build_request
 from bot.settings import Settings
-from handlers import messages
+from handlers.messages.lifecycle import lease_field_error, lease_hint
+from handlers.messages.slack import (
+    FORM_HINTS,
+    FORM_LABELS,
+    FORM_TITLE,
+    SETTINGS_TITLE,
+    TEMPLATES_OVERFLOW,
+    backends_not_answering,
+    missing_field,
+    storage_option,
+)
+from handlers.messages.text import escape
 from handlers.slack.catalog import Catalog, Choice, template_options, template_value
 from handlers.slack.views import SELECT_MAX, fit, option, select
 
@@ -69,7 +80,7 @@ def form_view(
     ]
     if catalog.storages:
         storage_options = [
-            option(messages.storage_option(s.name, s.free_bytes), s.name) for s in catalog.storages
+            option(storage_option(s.name, s.free_bytes), s.name) for s in catalog.storages
         ]
         storage = select("storage", storage_options, initial=choice.storage)
         # The placement is part of the block id, so a new node resets a stale choice.
@@ -83,15 +94,15 @@ def form_view(
         )
     blocks.extend(_sizes_and_identity(settings, prefs))
     if catalog.problems:
-        text = fit(messages.backends_not_answering(catalog.problems), 3000)
+        text = fit(backends_not_answering(catalog.problems), 3000)
         blocks.append(ContextBlock(elements=[MarkdownTextObject(text=text)]))
     if quota:
-        text = fit(messages.escape(quota), 3000)
+        text = fit(escape(quota), 3000)
         blocks.append(ContextBlock(block_id="quota", elements=[MarkdownTextObject(text=text)]))
     return View(
         type="modal",
         callback_id=FORM_VIEW,
-        title=messages.FORM_TITLE,
+        title=FORM_TITLE,
         submit="Deploy",
         close="Cancel",
         private_metadata=metadata,
@@ -110,7 +121,7 @@ def _input(
     key = block_id.split("@", 1)[0]
     return InputBlock(
         block_id=block_id,
-        label=messages.FORM_LABELS[key],
+        label=FORM_LABELS[key],
         element=element,
         optional=optional,
         dispatch_action=dispatch or None,
@@ -127,7 +138,7 @@ def _template_block(catalog: Catalog, choice: Choice) -> InputBlock:
     element = ExternalDataSelectElement(
         action_id="template", placeholder="Type to search", initial_option=initial
     )
-    hint = messages.TEMPLATES_OVERFLOW.format(count=len(catalog.templates))
+    hint = TEMPLATES_OVERFLOW.format(count=len(catalog.templates))
     return _input("template", element, dispatch=True, hint=hint)
 
 
@@ -144,7 +155,7 @@ def _sizes_and_identity(settings: Settings, prefs: UserPrefs) -> list[Block]:
     example = str(settings.subnets[0].cidr.network_address + 50)
     keys = "\n".join(prefs.ssh_keys)
     upgrade = CheckboxesElement(
-        action_id="upgrade", options=[option(messages.FORM_LABELS["upgrade"], "yes")]
+        action_id="upgrade", options=[option(FORM_LABELS["upgrade"], "yes")]
     )
     return [
         _input("name", PlainTextInputElement(action_id="name", max_length=63), hint=_hint("name")),
@@ -152,7 +163,7 @@ def _sizes_and_identity(settings: Settings, prefs: UserPrefs) -> list[Block]:
             "address",
             PlainTextInputElement(action_id="address", max_length=18),
             optional=True,
-            hint=messages.FORM_HINTS["address"].format(subnets=subnets, example=example),
+            hint=FORM_HINTS["address"].format(subnets=subnets, example=example),
         ),
         _input("cores", select("cores", cores, initial=str(d.cores))),
         _input("memory", select("memory", memory, initial=str(d.memory_mib))),
@@ -177,7 +188,7 @@ def _sizes_and_identity(settings: Settings, prefs: UserPrefs) -> list[Block]:
             "lease",
             PlainTextInputElement(action_id="lease", max_length=12),
             optional=True,
-            hint=messages.lease_hint(settings.leases),
+            hint=lease_hint(settings.leases),
         ),
         # Unchecked unless the person ticks it; read back as an explicit "no".
         _input("upgrade", upgrade, optional=True),
@@ -185,7 +196,7 @@ def _sizes_and_identity(settings: Settings, prefs: UserPrefs) -> list[Block]:
 
 
 def _hint(key: str) -> str:
-    return messages.FORM_HINTS[key]
+    return FORM_HINTS[key]
 
 
 def _memory_sizes(limit: int) -> list[int]:
@@ -251,16 +262,16 @@ def read_form(view: dict[str, Any], settings: Settings, requester: str) -> FormR
     got = {key: value(values.get(key)) for key in (*required, *optional)}
     for key in required:
         if got[key] is None:
-            errors[key] = messages.missing_field(messages.FORM_LABELS[key])
+            errors[key] = missing_field(FORM_LABELS[key])
     keys, key_error = _keys(value(values.get("keys")))
     if key_error:
         errors["keys"] = key_error
     _check_choice(got, errors)
     for key in ("cores", "memory", "disk"):
         if got[key] is not None and not is_whole(str(got[key])):
-            errors[key] = f"{messages.FORM_LABELS[key]}: give a whole number."
+            errors[key] = f"{FORM_LABELS[key]}: give a whole number."
     if got["name"] and not HOSTNAME_RE.match(got["name"]):
-        errors["name"] = messages.FORM_HINTS["name"] + "."
+        errors["name"] = FORM_HINTS["name"] + "."
     lease = _lease(got["lease"], settings, errors)
     if errors:
         return FormResult(None, keys, _to_blocks(errors, ids))
@@ -288,7 +299,7 @@ def _lease(
         errors["lease"] = f"{exc}."
         return None
     if seconds is not None and not 0 < seconds <= settings.leases.max:
-        errors["lease"] = messages.lease_field_error(settings.leases)
+        errors["lease"] = lease_field_error(settings.leases)
     return (seconds,)
 
 
@@ -366,7 +377,7 @@ def settings_view(catalog: Catalog, prefs: UserPrefs, metadata: str) -> View:
     return View(
         type="modal",
         callback_id=SETTINGS_VIEW,
-        title=messages.SETTINGS_TITLE,
+        title=SETTINGS_TITLE,
         submit="Save",
         close="Cancel",
         private_metadata=metadata,

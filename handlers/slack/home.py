@@ -35,7 +35,20 @@ from bot.models import Job, JobState, RollbackReport, utcnow
 from bot.queries import VMPage
 from bot.quotas import Standing
 from bot.service import Deployer
-from handlers import messages
+from handlers.messages.destroys import destroy_summary
+from handlers.messages.lifecycle import (
+    HOME_APPROVALS,
+    HOME_NO_JOBS,
+    HOME_NO_VMS,
+    HOME_RECENT,
+    HOME_VMS,
+    home_more,
+    home_recent_row,
+    quota_used,
+)
+from handlers.messages.listing import list_row
+from handlers.messages.slack import approval_summary
+from handlers.messages.text import escape
 from handlers.slack import views
 from handlers.slack.zones import Zones
 
@@ -144,38 +157,36 @@ def home_blocks(
     now: datetime,
     zone: tzinfo = UTC,
 ) -> list[Block]:
-    blocks: list[Block] = [views.header(messages.HOME_VMS)]
-    quota = [messages.quota_used(s) for s in standings]
+    blocks: list[Block] = [views.header(HOME_VMS)]
+    quota = [quota_used(s) for s in standings]
     if quota:
         blocks.append(_context("\n".join(quota)))
     room = HOME_BLOCKS_MAX - _RESERVED - len(blocks) - (2 * len(pending[:1]))
     blocks += _vm_rows(page, now, room, zone)
     if pending:
-        blocks.append(views.header(messages.HOME_APPROVALS))
+        blocks.append(views.header(HOME_APPROVALS))
         room = (HOME_BLOCKS_MAX - len(blocks) - 4) // 2  # 2 blocks each; more, recent
         for job in pending[:room]:
             blocks += _decision(job)
         if len(pending) > room:
-            blocks.append(
-                _context(messages.home_more(len(pending) - room, "the approvals channel"))
-            )
-    blocks.append(views.header(messages.HOME_RECENT))
-    rows = [messages.home_recent_row(j, now) for j in recent] or [messages.HOME_NO_JOBS]
+            blocks.append(_context(home_more(len(pending) - room, "the approvals channel")))
+    blocks.append(views.header(HOME_RECENT))
+    rows = [home_recent_row(j, now) for j in recent] or [HOME_NO_JOBS]
     blocks.append(SectionBlock(text=MarkdownTextObject(text=views.fit("\n".join(rows), 3000))))
     return blocks
 
 
 def _vm_rows(page: VMPage, now: datetime, room: int, zone: tzinfo) -> list[Block]:
     if not page.jobs:
-        return [SectionBlock(text=MarkdownTextObject(text=messages.escape(messages.HOME_NO_VMS)))]
+        return [SectionBlock(text=MarkdownTextObject(text=escape(HOME_NO_VMS)))]
     shown = page.jobs[: max(1, room - 1)]
     rows: list[Block] = []
     for job in shown:
-        row = views.fit(messages.list_row(job, now, zone), views.SECTION_MAX)
+        row = views.fit(list_row(job, now, zone), views.SECTION_MAX)
         button = views.destroy_button(job) if job.state is JobState.SUCCEEDED else None
         rows.append(SectionBlock(text=MarkdownTextObject(text=row), accessory=button))
     if page.total > len(shown):
-        rows.append(_context(messages.home_more(page.total - len(shown), "/deploy list")))
+        rows.append(_context(home_more(page.total - len(shown), "/deploy list")))
     return rows
 
 
@@ -183,7 +194,7 @@ def _decision(job: Job) -> list[Block]:
     """A deploy's or a destroy's approval, with the buttons of the approvals channel's
     card (block ids carry the job: a view's block ids must be unique)."""
     destroy = job.state is JobState.DESTROY_REQUESTED
-    text = messages.destroy_summary(job) if destroy else messages.approval_summary(job)
+    text = destroy_summary(job) if destroy else approval_summary(job)
     return [
         SectionBlock(
             block_id=f"summary-{job.id}",

@@ -12,7 +12,7 @@ from slack_sdk.web.async_client import AsyncWebClient
 
 from bot.service import Deployer
 from bot.settings import Settings
-from handlers.messages import Said
+from handlers.messages.text import Said
 from handlers.slack.catalog import Catalog
 from handlers.slack.home import HomeTabs
 from handlers.slack.zones import Zones

@@ -24,8 +24,11 @@ from slack_bolt.context.ack.async_ack import AsyncAck
 from bot.errors import DeployBotError, Duplicate
 from bot.models import Job, utcnow
 from bot.parser import ListVMs
-from handlers import messages
 from handlers.commands import list_page
+from handlers.messages.destroys import destroy_answer
+from handlers.messages.lifecycle import lease_extended_answer
+from handlers.messages.listing import list_empty, list_title
+from handlers.messages.slack import reason_required
 from handlers.slack import form, views
 from handlers.slack.catalog import template_options
 from handlers.slack.form import FORM_VIEW, SETTINGS_VIEW
@@ -70,7 +73,7 @@ def register(bot: Host) -> None:
     async def on_reason(ack: AsyncAck, body: dict[str, Any], view: dict[str, Any]) -> None:
         reason = form.value(form.state_values(view).get("reason"))
         if not reason:
-            await ack(response_action="errors", errors={"reason": messages.reason_required()})
+            await ack(response_action="errors", errors={"reason": reason_required()})
             return
         await ack()
         bot.spawn(_reject(bot, body, view, reason))
@@ -156,9 +159,7 @@ def _click(body: dict[str, Any]) -> tuple[str, str, str, str]:
 async def _destroy(bot: Host, body: dict[str, Any]) -> None:
     """The Destroy button (a thread's parent, a row of the list): the core decides."""
     try:
-        await _job_click(
-            bot, body, "destroy", bot.deployer.request_destroy, messages.destroy_answer
-        )
+        await _job_click(bot, body, "destroy", bot.deployer.request_destroy, destroy_answer)
     finally:
         _after_home_click(bot, body)
 
@@ -171,7 +172,7 @@ async def _extend(bot: Host, body: dict[str, Any]) -> None:
         body,
         "extend",
         bot.deployer.extend_lease,
-        lambda job: messages.lease_extended_answer(job, zone),
+        lambda job: lease_extended_answer(job, zone),
     )
 
 
@@ -206,7 +207,7 @@ async def show_list(
     except DeployBotError as exc:
         await bot.tell(channel, user, views.refusal(exc), reply_url=reply_url)
         return
-    text = messages.list_title(page, user) if page.jobs else messages.list_empty(page, user)
+    text = list_title(page, user) if page.jobs else list_empty(page, user)
     # Whose VMs: a requester of the jobs shown, so a person; no jobs, no proof of one.
     people = [page.requester] if page.jobs and page.requester else []
     zone = await bot.zones.of(user)  # lease ends in the reader's zone

@@ -24,7 +24,9 @@ from slack_sdk.web.async_client import AsyncWebClient
 from bot.models import Job
 from bot.models.builds import Build
 from bot.service import Deployer
-from handlers import messages
+from handlers.messages.builds import build_approval_needed, build_headline
+from handlers.messages.destroys import destroy_needed
+from handlers.messages.slack import approval_needed, slack_headline
 from handlers.slack import views
 
 REPLY_MAX = 3500  # characters per coalesced thread reply
@@ -194,7 +196,7 @@ class JobThread(_Thread):
     @property
     def headline(self) -> str:
         """Mrkdwn: the job's name and place come from the request, so they are escaped."""
-        return messages.slack_headline(self.job, self.step)
+        return slack_headline(self.job, self.step)
 
     def _blocks(self, headline: str) -> list[dict[str, Any]]:
         return views.parent(self.job, headline)
@@ -278,7 +280,7 @@ class ApprovalCard(_Card):
 
     def _request(self) -> tuple[list[dict[str, Any]], str]:
         blocks = (views.destroy_request if self.destroy else views.approval_request)(self.job)
-        needed = messages.destroy_needed if self.destroy else messages.approval_needed
+        needed = destroy_needed if self.destroy else approval_needed
         return blocks, views.mrkdwn(needed(self.job))
 
     def _decided(self, outcome: str) -> list[dict[str, Any]]:
@@ -367,7 +369,7 @@ class BuildThread(_Thread):
 
     @property
     def headline(self) -> str:
-        return views.mrkdwn(messages.build_headline(self.build))
+        return views.mrkdwn(build_headline(self.build))
 
     def _blocks(self, headline: str) -> list[dict[str, Any]]:
         return views.build_parent(self.build, headline)
@@ -392,7 +394,7 @@ class BuildCard(_Card):
 
     def _request(self) -> tuple[list[dict[str, Any]], str]:
         blocks = views.build_approval_request(self.build)
-        return blocks, views.mrkdwn(messages.build_approval_needed(self.build))
+        return blocks, views.mrkdwn(build_approval_needed(self.build))
 
     def _decided(self, outcome: str) -> list[dict[str, Any]]:
         return views.build_approval_decided(self.build, outcome)

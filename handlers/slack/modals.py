@@ -19,7 +19,16 @@ from slack_sdk.errors import SlackApiError
 from bot.errors import DeployBotError
 from bot.models.notices import Received
 from bot.parser import DeployArgs
-from handlers import messages
+from handlers.messages.core import accepted
+from handlers.messages.lifecycle import quota_left
+from handlers.messages.slack import (
+    FORM_TITLE,
+    SETTINGS_TITLE,
+    address_in_flight,
+    form_opened_elsewhere,
+    name_in_flight,
+    settings_saved,
+)
 from handlers.slack import form, views
 from handlers.slack.catalog import Choice, discover, initial_choice
 from handlers.slack.form import FORM_VIEW, SETTINGS_VIEW
@@ -42,7 +51,7 @@ async def _open_loading(
         opened = await bot.client.views_open(trigger_id=trigger, view=loading)
     except SlackApiError as exc:
         log.error("views.open failed: %s", exc.response.get("error"))
-        await bot.tell(channel, user, [messages.form_opened_elsewhere()])
+        await bot.tell(channel, user, [form_opened_elsewhere()])
         return None
     return opened
 
@@ -50,7 +59,7 @@ async def _open_loading(
 async def open_form(bot: Host, trigger: str, user: str, channel: str) -> None:
     """Open at once (trigger ids expire in 3 s), then fill in what the backends offer."""
     meta = form.metadata(channel)
-    opened = await _open_loading(bot, trigger, user, channel, FORM_VIEW, messages.FORM_TITLE)
+    opened = await _open_loading(bot, trigger, user, channel, FORM_VIEW, FORM_TITLE)
     if opened is None:
         return
     prefs = await bot.deployer.prefs(user)
@@ -80,7 +89,7 @@ async def _quota_left(bot: Host, user: str) -> str | None:
     """The form's quota line; without it when the quota cannot be read now (the
     request is checked anyway when it is submitted)."""
     try:
-        return messages.quota_left(await bot.deployer.quota_standing(user))
+        return quota_left(await bot.deployer.quota_standing(user))
     except DeployBotError as exc:
         log.warning("no quota line in %s's form: %s", user, exc.message)
         return None
@@ -129,9 +138,9 @@ async def _held(bot: Host, args: DeployArgs, view: dict[str, Any]) -> dict[str, 
     errors: dict[str, str] = {}
     for job in await bot.deployer.queries.in_flight():
         if job.name == args.name.lower():
-            errors[ids.get("name", "name")] = messages.name_in_flight(job.name, job.id)
+            errors[ids.get("name", "name")] = name_in_flight(job.name, job.id)
         if job.address == (args.address or "").split("/")[0]:
-            errors[ids.get("address", "address")] = messages.address_in_flight(job.address, job.id)
+            errors[ids.get("address", "address")] = address_in_flight(job.address, job.id)
     return errors
 
 
@@ -147,7 +156,7 @@ async def _deploy_from_form(
             dedupe_key=key,
             check_free_first=True,
         )
-        return [messages.accepted(job)]
+        return [accepted(job)]
 
     await bot.answering(channel, user, work())
     await bot.deployer.inbox.done(key)
@@ -158,9 +167,7 @@ async def _deploy_from_form(
 
 async def open_settings(bot: Host, trigger: str, user: str, channel: str) -> None:
     meta = form.metadata(channel)
-    opened = await _open_loading(
-        bot, trigger, user, channel, SETTINGS_VIEW, messages.SETTINGS_TITLE
-    )
+    opened = await _open_loading(bot, trigger, user, channel, SETTINGS_VIEW, SETTINGS_TITLE)
     if opened is None:
         return
     catalog = await discover(bot.deployer, Choice())
@@ -183,6 +190,6 @@ async def save_settings(
     channel = str(json.loads(view.get("private_metadata") or "{}").get("channel", ""))
 
     async def work() -> list[str]:
-        return [messages.settings_saved(await bot.deployer.save_prefs(user, keys, template))]
+        return [settings_saved(await bot.deployer.save_prefs(user, keys, template))]
 
     await bot.answering(channel, user, work())

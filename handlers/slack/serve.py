@@ -29,7 +29,14 @@ from bot.parser import is_whole
 from bot.runtime import running_deployer, secret_problems
 from bot.service import Deployer
 from bot.settings import Settings, SlackSettings
-from handlers import messages
+from handlers.messages.core import secrets_missing
+from handlers.messages.slack import (
+    bad_http_address,
+    serving_http,
+    serving_socket,
+    token_malformed,
+    token_missing,
+)
 from handlers.slack.app import SlackBot, make_client
 from handlers.slack.threads import SlackThreads
 
@@ -55,9 +62,9 @@ def _secret(
 ) -> str:
     value = environ.get(variable, "").strip()
     if not value:
-        raise ConfigError(messages.token_missing(variable, what))
+        raise ConfigError(token_missing(variable, what))
     if not shape.match(value):
-        raise ConfigError(messages.token_malformed(variable, what, rule))
+        raise ConfigError(token_malformed(variable, what, rule))
     return value
 
 
@@ -80,7 +87,7 @@ def read_secrets(slack: SlackSettings, environ: Mapping[str, str], *, http: bool
 def parse_http(text: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not host or not is_whole(port) or int(port) > 65535:
-        raise ConfigError(messages.bad_http_address(text))
+        raise ConfigError(bad_http_address(text))
     return host.strip("[]"), int(port)
 
 
@@ -172,7 +179,7 @@ async def _secrets(settings: Settings, environ: Mapping[str, str], *, http: bool
             raise
         problems.insert(0, exc.message)
     if problems:
-        raise ConfigError(messages.secrets_missing(problems))
+        raise ConfigError(secrets_missing(problems))
     return secrets
 
 
@@ -254,7 +261,7 @@ async def run_http(
         site = web.TCPSite(runner, address[0], address[1])
         await site.start()
         host, port = runner.addresses[0][:2]
-        ready(messages.serving_http(f"http://{host}:{port}"))
+        ready(serving_http(f"http://{host}:{port}"))
         await stop.wait()
     finally:
         await runner.cleanup()
@@ -266,7 +273,7 @@ async def run_socket(
     handler = AsyncSocketModeHandler(bot.app, app_token)
     await handler.connect_async()  # type: ignore[no-untyped-call]  # untyped in slack_bolt
     try:
-        ready(messages.serving_socket())
+        ready(serving_socket())
         await stop.wait()
     finally:
         await handler.close_async()  # type: ignore[no-untyped-call]  # untyped in slack_bolt

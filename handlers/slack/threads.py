@@ -25,7 +25,16 @@ from bot.models import ApprovalState, Job, JobState, utcnow
 from bot.models.notices import Notice, NoticeKind
 from bot.service import Deployer
 from bot.waiting import woken
-from handlers import messages
+from handlers.messages.core import slack_outcome_dm
+from handlers.messages.destroys import destroy_decision
+from handlers.messages.lifecycle import lease_reminder, lease_thread
+from handlers.messages.slack import (
+    approval_cancelled,
+    approval_outcome,
+    slack_finished,
+    slack_step,
+    slack_thread_update,
+)
 from handlers.slack import views
 from handlers.slack.buildthreads import BuildDelivery
 from handlers.slack.items import (
@@ -160,7 +169,7 @@ class SlackThreads(BuildDelivery):
                     thread.step = notice.step  # shown in the headline, not as a reply
                     self._headline(thread, nid)
             case NoticeKind.STEP_FINISHED:
-                text = messages.slack_step(
+                text = slack_step(
                     notice.step or "", notice.duration_s or 0.0, bool(notice.ok), notice.text
                 )
                 self._say(job, views.mrkdwn(text), nid)
@@ -178,7 +187,7 @@ class SlackThreads(BuildDelivery):
         approval = await self.deployer.queries.approval(job.id)
         then = job.model_copy(update={"state": notice.state}) if notice.state else job
         note, by = notice.text, notice.by  # `by`: the one id in the note made a mention
-        self._say(job, views.mrkdwn(messages.slack_thread_update(then, note, approval, by)), nid)
+        self._say(job, views.mrkdwn(slack_thread_update(then, note, approval, by)), nid)
         thread = self._thread(job)
         if thread is not None:
             self._headline(thread, nid)
@@ -192,9 +201,9 @@ class SlackThreads(BuildDelivery):
         if card is not None and card.outcome is None:
             pending = approval is None or approval.state is ApprovalState.PENDING
             if job.state is JobState.CANCELLED and pending:
-                card.outcome = views.mrkdwn(messages.approval_cancelled(note, by))
+                card.outcome = views.mrkdwn(approval_cancelled(note, by))
             else:
-                card.outcome = messages.approval_outcome(job, approval)
+                card.outcome = approval_outcome(job, approval)
             card.job = job
             self._show_card(card, nid)
 
@@ -204,7 +213,7 @@ class SlackThreads(BuildDelivery):
             return
         thread.step = None
         self._headline(thread, nid)
-        text = messages.slack_finished(job, notice.rollback)
+        text = slack_finished(job, notice.rollback)
         line = self._part(nid, "line")
         if line is not None:
             thread.lines.append(Line(views.mrkdwn(text), line, urgent=True))
@@ -212,9 +221,7 @@ class SlackThreads(BuildDelivery):
         # The requester hears the outcome in their own conversation with the bot too.
         dm = self._part(nid, "dm")
         if dm is not None:
-            self._dm(job.requester).lines.append(
-                Line(views.mrkdwn(messages.slack_outcome_dm(job)), dm)
-            )
+            self._dm(job.requester).lines.append(Line(views.mrkdwn(slack_outcome_dm(job)), dm))
             self.outboxes.touch(self._dm(job.requester))
 
     async def _lease(self, job: Job, notice: Notice, nid: int) -> None:
@@ -226,13 +233,13 @@ class SlackThreads(BuildDelivery):
         step, when = notice.step or "", notice.when
         if step == "remind" and when is not None:
             grace = show_length(policy.grace)
-            text = views.mrkdwn(messages.lease_reminder(job, when, notice.at, grace, zone))
+            text = views.mrkdwn(lease_reminder(job, when, notice.at, grace, zone))
             blocks = views.lease_reminder(job, text, show_length(policy.step))
             part = self._part(nid, "dm")
             if part is not None:
                 self.outboxes.touch(DirectCard(job.requester, text, blocks, part, self._done))
             return
-        text = views.mrkdwn(messages.lease_thread(job, step, when, notice.text, zone))
+        text = views.mrkdwn(lease_thread(job, step, when, notice.text, zone))
         self._say(job, text, nid)
         thread = self._thread(job)
         if thread is not None:
@@ -271,7 +278,7 @@ class SlackThreads(BuildDelivery):
                 thread = JobThread(job, known[0], self.deployer, self._done, ts=known[1])
                 if job.state.final and carries_outcome(job.thread_ref):
                     # Its parent shows the outcome: an edit must keep showing it.
-                    thread.carried = [views.mrkdwn(messages.slack_finished(job, None))]
+                    thread.carried = [views.mrkdwn(slack_finished(job, None))]
             elif job.origin:
                 thread = JobThread(job, job.origin, self.deployer, self._done)
             else:
@@ -309,7 +316,7 @@ class SlackThreads(BuildDelivery):
             self.destroy_cards[job.id] = card
         if card.outcome is not None:
             return
-        card.outcome = views.mrkdwn(messages.destroy_decision(note, by))
+        card.outcome = views.mrkdwn(destroy_decision(note, by))
         card.job = job
         self._show_card(card, nid)
 

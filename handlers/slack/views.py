@@ -35,7 +35,17 @@ from bot.errors import DeployBotError
 from bot.models import Job, JobState
 from bot.models.builds import Build
 from bot.queries import VMPage
-from handlers import messages
+from handlers.messages.builds import build_approval_summary, build_context
+from handlers.messages.destroys import destroy_confirm, destroy_summary
+from handlers.messages.listing import list_empty, list_row, list_title
+from handlers.messages.slack import (
+    FORM_LABELS,
+    FORM_LOADING,
+    REJECT_TITLE,
+    approval_summary,
+    reject_question,
+)
+from handlers.messages.text import Said, escape, mention
 
 SECTION_MAX = 3000
 OPTION_TEXT_MAX = 75
@@ -51,25 +61,25 @@ LIST_PAGE = "list_page"  # value: JSON {"user": whose or null, "page": N}
 LEASE_EXTEND = "lease_extend"  # value: the job id (a lease reminder's Extend button)
 
 
-def mrkdwn(text: str | messages.Said, people: Sequence[str] = ()) -> str:
+def mrkdwn(text: str | Said, people: Sequence[str] = ()) -> str:
     """Plain text as mrkdwn that shows it as typed (`<!channel>` or `<@U123>` typed by
     someone pings nobody), with the people the bot itself named in it made mentions:
     `people` (or a `Said`'s) are ids from the bot's records, each shown as a mention
     where it first appears, since the bot names people before anything typed. Nothing
     else becomes a mention: an id someone typed (in a reason, a name, a template) is
     text, even one that looks like a member's."""
-    if isinstance(text, messages.Said):
+    if isinstance(text, Said):
         people = (*people, *text.people)
         text = text.text
-    shown = messages.escape(text)
+    shown = escape(text)
     for person in dict.fromkeys(p for p in people if p):
-        shown = _whole(person).sub(lambda m: messages.mention(m[0]), shown, count=1)
+        shown = _whole(person).sub(lambda m: mention(m[0]), shown, count=1)
     return shown
 
 
-def refusal(exc: DeployBotError) -> list[messages.Said]:
+def refusal(exc: DeployBotError) -> list[Said]:
     """An error's lines, with the people the core named in it (bot.errors)."""
-    return [messages.Said(line, exc.people) for line in exc.message.splitlines()]
+    return [Said(line, exc.people) for line in exc.message.splitlines()]
 
 
 def typed(text: str) -> str:
@@ -137,7 +147,7 @@ def dicts(blocks: Sequence[Block]) -> list[dict[str, Any]]:
 def parent(job: Job, headline: str) -> list[dict[str, Any]]:
     """The channel message that stands for one deploy; `chat.update` keeps it current.
     `headline` is mrkdwn already (messages.slack_headline)."""
-    context = f"job {job.short_id} · requested by {messages.mention(job.requester)}"
+    context = f"job {job.short_id} · requested by {mention(job.requester)}"
     blocks: list[Block] = [
         SectionBlock(text=MarkdownTextObject(text=fit(f"*{headline}*", SECTION_MAX))),
         ContextBlock(elements=[MarkdownTextObject(text=context)]),
@@ -152,7 +162,7 @@ def build_parent(build: Build, headline: str) -> list[dict[str, Any]]:
     return dicts(
         [
             SectionBlock(text=MarkdownTextObject(text=fit(f"*{headline}*", SECTION_MAX))),
-            ContextBlock(elements=[MarkdownTextObject(text=messages.build_context(build))]),
+            ContextBlock(elements=[MarkdownTextObject(text=build_context(build))]),
         ]
     )
 
@@ -162,7 +172,7 @@ def build_approval_request(build: Build) -> list[dict[str, Any]]:
     (their value is the build's id; the click looks its kind up: bot/kinds/)."""
     summary = SectionBlock(
         block_id="summary",
-        text=MarkdownTextObject(text=fit(messages.build_approval_summary(build), SECTION_MAX)),
+        text=MarkdownTextObject(text=fit(build_approval_summary(build), SECTION_MAX)),
     )
     buttons = ActionsBlock(
         block_id="decision",
@@ -177,7 +187,7 @@ def build_approval_request(build: Build) -> list[dict[str, Any]]:
 def build_approval_decided(build: Build, outcome: str) -> list[dict[str, Any]]:
     summary = SectionBlock(
         block_id="summary",
-        text=MarkdownTextObject(text=fit(messages.build_approval_summary(build), SECTION_MAX)),
+        text=MarkdownTextObject(text=fit(build_approval_summary(build), SECTION_MAX)),
     )
     return dicts([summary, _outcome(outcome)])
 
@@ -191,7 +201,7 @@ def destroy_button(job: Job, label: str = "Destroy") -> ButtonElement:
     """Destroy, after Slack asks "are you sure?" (the core checks who may)."""
     confirm = ConfirmObject(
         title=fit(f"Destroy {job.name}?", 100),
-        text=fit(messages.destroy_confirm(job), 300),
+        text=fit(destroy_confirm(job), 300),
         confirm="Destroy",
         deny="Keep it",
     )
@@ -217,11 +227,11 @@ def vm_list(page: VMPage, me: str, now: datetime, zone: tzinfo = UTC) -> list[di
     Next, lease ends in the reader's `zone`. 10 rows a page keep it far under Slack's 50
     blocks."""
     if not page.jobs:
-        return answer([messages.escape(messages.list_empty(page, me))])
-    title = messages.escape(messages.list_title(page, me))
+        return answer([escape(list_empty(page, me))])
+    title = escape(list_title(page, me))
     blocks: list[Block] = [SectionBlock(text=MarkdownTextObject(text=f"*{title}*"))]
     for job in page.jobs:
-        row = fit(messages.list_row(job, now, zone), SECTION_MAX)
+        row = fit(list_row(job, now, zone), SECTION_MAX)
         button = destroy_button(job) if job.state is JobState.SUCCEEDED else None
         blocks.append(SectionBlock(text=MarkdownTextObject(text=row), accessory=button))
     turns = [("Previous", page.page - 1), ("Next", page.page + 1)]
@@ -245,7 +255,7 @@ def vm_list(page: VMPage, me: str, now: datetime, zone: tzinfo = UTC) -> list[di
 def approval_request(job: Job) -> list[dict[str, Any]]:
     summary = SectionBlock(
         block_id="summary",
-        text=MarkdownTextObject(text=fit(messages.approval_summary(job), SECTION_MAX)),
+        text=MarkdownTextObject(text=fit(approval_summary(job), SECTION_MAX)),
     )
     buttons = ActionsBlock(
         block_id="decision",
@@ -261,7 +271,7 @@ def destroy_request(job: Job) -> list[dict[str, Any]]:
     """The card asking approvers for a destroy: the same buttons as a deploy's."""
     summary = SectionBlock(
         block_id="summary",
-        text=MarkdownTextObject(text=fit(messages.destroy_summary(job), SECTION_MAX)),
+        text=MarkdownTextObject(text=fit(destroy_summary(job), SECTION_MAX)),
     )
     buttons = ActionsBlock(
         block_id="decision",
@@ -276,7 +286,7 @@ def destroy_request(job: Job) -> list[dict[str, Any]]:
 def destroy_decided(job: Job, outcome: str) -> list[dict[str, Any]]:
     summary = SectionBlock(
         block_id="summary",
-        text=MarkdownTextObject(text=fit(messages.destroy_summary(job), SECTION_MAX)),
+        text=MarkdownTextObject(text=fit(destroy_summary(job), SECTION_MAX)),
     )
     return dicts([summary, _outcome(outcome)])
 
@@ -285,7 +295,7 @@ def approval_decided(job: Job, outcome: str) -> list[dict[str, Any]]:
     """The request with its buttons replaced by who decided and when."""
     summary = SectionBlock(
         block_id="summary",
-        text=MarkdownTextObject(text=fit(messages.approval_summary(job), SECTION_MAX)),
+        text=MarkdownTextObject(text=fit(approval_summary(job), SECTION_MAX)),
     )
     return dicts([summary, _outcome(outcome)])
 
@@ -293,18 +303,18 @@ def approval_decided(job: Job, outcome: str) -> list[dict[str, Any]]:
 def reject_modal(job_id: str, noun: str, metadata: dict[str, str]) -> View:
     reason = InputBlock(
         block_id="reason",
-        label=messages.FORM_LABELS["reason"],
+        label=FORM_LABELS["reason"],
         element=PlainTextInputElement(action_id="reason", multiline=True, max_length=500),
     )
     return View(
         type="modal",
         callback_id=REJECT_VIEW,
-        title=messages.REJECT_TITLE,
+        title=REJECT_TITLE,
         submit="Reject",
         close="Cancel",
         private_metadata=json.dumps({**metadata, "job_id": job_id}),
         blocks=[
-            SectionBlock(text=MarkdownTextObject(text=messages.reject_question(job_id, noun))),
+            SectionBlock(text=MarkdownTextObject(text=reject_question(job_id, noun))),
             reason,
         ],
     )
@@ -321,7 +331,7 @@ def loading_modal(callback_id: str, title: str, metadata: str) -> View:
         title=title,
         close="Cancel",
         private_metadata=metadata,
-        blocks=[SectionBlock(text=PlainTextObject(text=messages.FORM_LOADING))],
+        blocks=[SectionBlock(text=PlainTextObject(text=FORM_LOADING))],
     )
 
 
