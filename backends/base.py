@@ -41,20 +41,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-# Part of the contract, kept beside it: re-exported for `from backends.base import ...`.
-from backends.config import BackendConfig as BackendConfig
-from backends.config import SshJump as SshJump
-from backends.config import readable_file as readable_file
-from backends.guestaddr import listable as listable
-from backends.guestaddr import pick_address as pick_address
-from backends.guestaddr import reported_addresses as reported_addresses
-
-# The job tag grammar lives in backends/tags.py; re-exported, part of the contract.
-from backends.tags import JOB_TAG_PREFIX as JOB_TAG_PREFIX
-from backends.tags import JobMark as JobMark
-from backends.tags import job_marks as job_marks
-from backends.tags import job_tag as job_tag
-from backends.tags import parse_tag as parse_tag
+from backends.config import BackendConfig
+from backends.tags import job_tag
 
 # --- errors -------------------------------------------------------------------------
 

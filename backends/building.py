@@ -40,9 +40,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from backends.base import JobMark, VMRef, job_tag
-
-CPU_BASELINES = ("x86-64-v2-AES", "x86-64-v3")
+from backends.base import VMRef
+from backends.tags import JobMark, job_tag
 
 
 @dataclass(frozen=True)
@@ -54,7 +53,7 @@ class BuildPlan:
     os_family: str  # debian, ubuntu, el
     version: int  # 1, 2, ...: one more than the highest built under `name` so far
     name: str  # the published name: debian-12
-    cpu: str  # the profile's CPU baseline: one of CPU_BASELINES
+    cpu: str  # the profile's CPU baseline: x86-64-v2-AES or x86-64-v3
     ostype: str  # Proxmox ostype (l26); vSphere derives its guest id from os_family
     nic: str  # virtio, e1000, vmxnet3
     disk_bus: str  # scsi, virtio, sata, ide

@@ -1,6 +1,6 @@
 """What every `[[backends]]` entry has: the base model each kind subclasses, the jump
 host of its SSH check, and the check that a file it names can be read at start.
-(Part of the backend contract; `backends.base` re-exports these names.)"""
+(Part of the backend contract beside backends/base.py.)"""
 
 from __future__ import annotations
 

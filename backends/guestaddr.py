@@ -1,6 +1,6 @@
 """Reading a guest's addresses as its agent or Tools report them: which one is its
 address (`pick_address`), and which may be another machine's (`listable`,
-`reported_addresses`, for `addresses_in_use`). `backends.base` re-exports these names."""
+`reported_addresses`, for `addresses_in_use`)."""
 
 from __future__ import annotations
 

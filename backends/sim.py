@@ -40,7 +40,6 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from backends.base import (
-    BackendConfig,
     CloneMode,
     CloneSpec,
     Identity,
@@ -50,14 +49,13 @@ from backends.base import (
     PermanentError,
     Placement,
     RetryableError,
-    SshJump,
     Storage,
     Template,
     VMInfo,
     VMNotFound,
     VMRef,
-    job_marks,
 )
+from backends.config import BackendConfig, SshJump
 from backends.simbuild import SimBuilds, _Built
 from backends.simguest import SimGuests
 from backends.simstate import SharedState, Snapshot, new_owner
@@ -65,14 +63,12 @@ from backends.simtasks import SimTasks
 from backends.simvm import (
     DEFAULT_STORAGES,
     DEFAULT_TEMPLATES,
-    FAULT_KINDS,
     OPERATIONS,
     Config,
     Effect,
     Fault,
     FaultKind,
     SimTiming,
-    SimulatedCrash,
     SimVM,
     gone,
     update_vm,
@@ -80,8 +76,7 @@ from backends.simvm import (
     vm_to_dict,
 )
 from backends.sshcheck import SshCheck
-
-__all__ = ["FAULT_KINDS", "Config", "SimBackend", "SimTiming", "SimulatedCrash", "create"]
+from backends.tags import job_marks
 
 
 def create(config: BackendConfig, environ: Mapping[str, str]) -> SimBackend:

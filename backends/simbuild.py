@@ -16,9 +16,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from backends.base import NotOurVM, PermanentError, Template, VMRef, parse_tag
+from backends.base import NotOurVM, PermanentError, Template, VMRef
 from backends.building import BuildPlan, BuildTarget, TemplateVersion
 from backends.simvm import Effect, FaultKind, SimVM
+from backends.tags import parse_tag
 
 
 @dataclass

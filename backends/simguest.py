@@ -7,14 +7,8 @@ import asyncio
 import ipaddress
 from typing import TYPE_CHECKING
 
-from backends.base import (
-    AddressUse,
-    PermanentError,
-    RetryableError,
-    VMRef,
-    listable,
-    pick_address,
-)
+from backends.base import AddressUse, PermanentError, RetryableError, VMRef
+from backends.guestaddr import listable, pick_address
 from backends.simvm import SimTiming, SimVM, fake_fingerprint
 from backends.sshcheck import SshCheck
 

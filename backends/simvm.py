@@ -1,7 +1,7 @@
 """The simulator's data: its VMs, timings and faults, and how its state file keeps them.
 
-Split from backends/sim.py (the simulator's behaviour), which re-exports what tests use;
-its `[[backends]]` model (`Config`) lives here too.
+Split from backends/sim.py (the simulator's behaviour); its `[[backends]]` model
+(`Config`) lives here too.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from backends.base import BackendConfig, Identity, Template, VMInfo
+from backends.base import Identity, Template, VMInfo
+from backends.config import BackendConfig
 
 FaultKind = Literal["error", "hang", "crash", "flaky", "outage"]
 FAULT_KINDS: tuple[FaultKind, ...] = ("error", "hang", "crash")

@@ -17,7 +17,8 @@ import logging
 
 import asyncssh
 
-from backends.base import PermanentError, RetryableError, SshJump, Unreachable
+from backends.base import PermanentError, RetryableError, Unreachable
+from backends.config import SshJump
 
 log = logging.getLogger(__name__)
 

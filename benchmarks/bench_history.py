@@ -23,8 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from bot.commands import DeployArgs
 from bot.models import Job, JobState
-from bot.parser import DeployArgs, parse
+from bot.parser import parse
 from bot.requests import build_request
 from bot.settings import BUNDLED_CONFIG, load_settings
 from store.db import Store

@@ -37,7 +37,8 @@ from pathlib import Path
 from backends.sim import SimBackend
 from benchmarks import needs
 from benchmarks.keys import BENCH_KEY
-from bot.parser import DeployArgs, parse
+from bot.commands import DeployArgs
+from bot.parser import parse
 from bot.runtime import running_deployer
 from bot.settings import BUNDLED_CONFIG, load_settings
 from tests.fakepve.schema import ApiSchema

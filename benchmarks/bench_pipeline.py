@@ -19,11 +19,13 @@ import time
 import tracemalloc
 from pathlib import Path
 
-from backends.sim import SimBackend, SimTiming
+from backends.sim import SimBackend
+from backends.simvm import SimTiming
 from benchmarks.keys import BENCH_KEY
 from benchmarks.stall import ticker
+from bot.commands import DeployArgs
 from bot.models import JobState
-from bot.parser import DeployArgs, parse
+from bot.parser import parse
 from bot.runtime import running_deployer
 from bot.settings import BUNDLED_CONFIG, load_settings
 

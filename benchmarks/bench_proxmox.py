@@ -54,13 +54,15 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from backends.proxmox import Config, create
+from backends.proxmox import create
+from backends.proxmox.config import Config
 from backends.proxmox.pacing import Pacing
 from benchmarks import needs
 from benchmarks.keys import BENCH_KEY
 from benchmarks.stall import ticker
+from bot.commands import DeployArgs
 from bot.models import JobState
-from bot.parser import DeployArgs, parse
+from bot.parser import parse
 from bot.runtime import running_deployer
 from bot.settings import BUNDLED_CONFIG, load_settings
 

@@ -58,8 +58,9 @@ from backends.vsphere import VSphereBackend
 from benchmarks import needs
 from benchmarks.keys import BENCH_KEY
 from benchmarks.stall import ticker
+from bot.commands import DeployArgs
 from bot.models import JobState
-from bot.parser import DeployArgs, parse
+from bot.parser import parse
 from bot.runtime import make_backend, running_deployer
 from bot.settings import BUNDLED_CONFIG, load_settings
 from tests.vcsim_support import (

@@ -20,6 +20,7 @@ import ipaddress
 import logging
 from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta
+from ipaddress import IPv4Address
 
 from backends.abilities import NamesWithAddresses
 from backends.base import AddressUse, Backend, BackendError, VMInfo
@@ -30,7 +31,6 @@ from bot.settings import Settings
 from store.db import Store
 
 log = logging.getLogger(__name__)
-IPv4 = ipaddress.IPv4Address
 _ATTEMPTS = 8  # picks of a next free address before giving up (each lost a race)
 # Answers of `addresses_in_use` a check already has, by backend (see `named`).
 Known = Mapping[str, list[AddressUse]]
@@ -85,13 +85,13 @@ class Addressing:
 
     # --- who holds an address -----------------------------------------------------
 
-    async def held_by_jobs(self, job_id: str) -> dict[IPv4, tuple[str, bool]]:
+    async def held_by_jobs(self, job_id: str) -> dict[IPv4Address, tuple[str, bool]]:
         """Addresses other jobs hold, with who holds them and whether the store's index
         guards it (False: a VM a rollback left behind still has it)."""
         held = await self.store.held_addresses()
-        return {IPv4(a): _holder(row) for a, row in held.items() if row[0] != job_id}
+        return {IPv4Address(a): _holder(row) for a, row in held.items() if row[0] != job_id}
 
-    async def job_holding(self, ip: IPv4, job_id: str) -> tuple[str, bool] | None:
+    async def job_holding(self, ip: IPv4Address, job_id: str) -> tuple[str, bool] | None:
         """`held_by_jobs` for one address: one indexed lookup, where parsing every held
         address for each of fifty requests at once cost the event loop ~50 ms."""
         row = await self.store.address_holder(str(ip))
@@ -99,7 +99,7 @@ class Addressing:
 
     async def in_use(
         self, request: DeployRequest, required: str | None = None, known: Known | None = None
-    ) -> tuple[dict[IPv4, str], list[str]]:
+    ) -> tuple[dict[IPv4Address, str], list[str]]:
         """Addresses the VMs of the backends that may hold the request's subnet use
         (`Subnet.asked`), with who uses them; and the backends that could not be asked.
         `required` names the one whose failure is raised; `known`: answers the caller
@@ -115,7 +115,7 @@ class Addressing:
             ),
             return_exceptions=True,
         )
-        found: dict[IPv4, str] = {}
+        found: dict[IPv4Address, str] = {}
         unasked = []
         for name, answer in zip(names, answers, strict=True):
             if isinstance(answer, BaseException):
@@ -158,7 +158,7 @@ class Addressing:
             return f"{ip} answers on the network (TCP port {ports})", unasked
         return None, unasked
 
-    async def answers(self, ip: IPv4, backend: str) -> bool:
+    async def answers(self, ip: IPv4Address, backend: str) -> bool:
         """The optional probe (bot/probe.py), from the bot or the backend's jump host;
         never outside the configured subnets."""
         if not self.config.probe or self.settings.subnet_for(ip) is None:
@@ -269,7 +269,7 @@ async def _answer(uses: list[AddressUse]) -> list[AddressUse]:
     return uses
 
 
-def _with_address(request: DeployRequest, address: IPv4) -> DeployRequest:
+def _with_address(request: DeployRequest, address: IPv4Address) -> DeployRequest:
     iface = ipaddress.IPv4Interface(f"{address}/{request.address.network.prefixlen}")
     return DeployRequest.model_validate({**request.model_dump(), "address": iface})
 

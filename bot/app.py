@@ -16,8 +16,8 @@ from bot import jobrefs, logfields
 from bot.addressing import Addressing
 from bot.approvals import Approvals, Groups
 from bot.auditing import Audit
-from bot.builds import BuildNotes, Builds, LoggedBuildNotes
-from bot.builds.service import DeploySmoke
+from bot.builds.parts import BuildNotes, LoggedBuildNotes
+from bot.builds.service import Builds, DeploySmoke
 from bot.cancel import Cancels
 from bot.chatoutbox import ChatOutbox
 from bot.destroy import Destroyer

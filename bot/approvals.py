@@ -15,7 +15,8 @@ from bot import progress as tell
 from bot.errors import DeployBotError, Duplicate, NotAllowed, TransitionRefused
 from bot.models import ApprovalState, DeployRequest, Job, JobState, utcnow
 from bot.progress import Progress
-from bot.settings import ApprovalPolicy, Settings
+from bot.sections import ApprovalPolicy
+from bot.settings import Settings
 from store.db import AlreadyDelivered, Store
 
 log = logging.getLogger(__name__)

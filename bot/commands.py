@@ -1,7 +1,7 @@
 """What `parse` (bot/parser.py) returns: one frozen dataclass per `/deploy` command, and
 `Command`, their union. Front ends dispatch on these types; forms build `DeployArgs`
 directly. Kept apart from the grammar so that the words of a command and its parsing can
-be read (and changed) separately; bot/parser.py re-exports them all."""
+be read (and changed) separately."""
 
 from __future__ import annotations
 

@@ -32,11 +32,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from backends.base import Backend, BackendError, JobMark, VMInfo, VMRef, job_marks
+from backends.base import Backend, BackendError, VMInfo, VMRef
+from backends.tags import JobMark, job_marks
 from bot.errors import DeployBotError
 from bot.models import ACTIVE_STATES, DESTROY_STATES, JobState, utcnow
 from bot.models.builds import ACTIVE_BUILD_STATES, Build, BuildState
-from bot.settings import Timeouts
+from bot.sections import Timeouts
 from bot.waiting import remove_vm
 from store.db import Store
 

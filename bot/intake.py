@@ -21,10 +21,10 @@ from bot import quotas as quota_rules
 from bot.addressing import Addressing, Known
 from bot.admission import check_free, check_login, check_on_backend
 from bot.approvals import approval_reason
+from bot.commands import DeployArgs
 from bot.errors import Conflict, Duplicate, NotAllowed, RequestInvalid
 from bot.models import Approval, DeployRequest, IpamState, Job, JobEvent, JobState
 from bot.models.ids import new_job_id
-from bot.parser import DeployArgs
 from bot.progress import Progress
 from bot.queue import JobQueue
 from bot.requests import build_request

@@ -64,7 +64,7 @@ from typing import Any
 from bot.models import Job, JobState, utcnow
 from bot.models.ids import new_runner_id
 from bot.queue import JobQueue
-from bot.settings import OwnershipSettings
+from bot.sections import OwnershipSettings
 from bot.waiting import woken
 from store.db import Store
 from store.engine import is_database_error

@@ -42,32 +42,6 @@ from bot.leaseterms import parse_length
 from bot.models import MIN_MEMORY_MIB
 from bot.models.ids import JOB_REF_RE, MIN_JOB_REF
 
-# The commands live in bot/commands.py; they are imported from here too.
-__all__ = [
-    "SUBCOMMAND_USAGE",
-    "USAGE",
-    "USAGES",
-    "Approve",
-    "BuildTemplate",
-    "Cancel",
-    "Command",
-    "DeployArgs",
-    "Destroy",
-    "ExtendLease",
-    "Help",
-    "History",
-    "ListVMs",
-    "Reject",
-    "SaveKey",
-    "ShowSettings",
-    "Status",
-    "TemplateProfiles",
-    "Templates",
-    "fold",
-    "is_whole",
-    "parse",
-]
-
 USAGE = (
     "/deploy NAME [ADDRESS[/PREFIX]] [template=T] [on=BACKEND|NODE] [storage=S] "
     "[subnet=S] [cpu=N] [mem=4G] [disk=+20G] [user=U] [upgrade=yes|no] [lease=7d|never]"
@@ -106,7 +80,6 @@ def _by_first_word(usages: dict[str, str]) -> dict[str, str]:
 SUBCOMMAND_USAGE = _by_first_word(USAGES)
 BUILD_KEYS = ("on", "node", "storage", "name")
 KEYS = ("template", "on", "storage", "subnet", "cpu", "mem", "disk", "user", "upgrade", "lease")
-JOB_ID_RE = JOB_REF_RE  # a whole job id, or the first MIN_JOB_REF or more characters
 BUILD_REF_RE = re.compile(rf"b[a-z0-9]{{{MIN_JOB_REF - 1},40}}")  # a template build's, alike
 HISTORY_MAX = 100
 _SIZE_RE = re.compile(r"^(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?$", re.IGNORECASE)
@@ -275,7 +248,7 @@ def _job_id(word: str, usage: str, *, builds: bool = False) -> str:
     job_id = fold(word).lstrip("#")
     if builds and BUILD_REF_RE.fullmatch(job_id):
         return job_id
-    if not JOB_ID_RE.fullmatch(job_id):
+    if not JOB_REF_RE.fullmatch(job_id):  # a whole job id, or its first MIN_JOB_REF or more
         raise UsageError(
             f"`{word}` is not a job id: they look like {_EXAMPLE_REF} (the first "
             f"{MIN_JOB_REF} or more characters of one are enough).",

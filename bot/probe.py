@@ -16,7 +16,8 @@ import logging
 
 import asyncssh
 
-from backends.base import BackendError, SshJump
+from backends.base import BackendError
+from backends.config import SshJump
 from backends.sshcheck import jump_connection
 
 log = logging.getLogger(__name__)

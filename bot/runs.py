@@ -14,7 +14,7 @@ from typing import Protocol
 
 from backends.base import Backend, BackendError, Identity, VMRef
 from bot.models import Claim, DeployRequest, Job, JobEvent, RollbackReport
-from bot.settings import Timeouts
+from bot.sections import Timeouts
 from bot.waiting import retrying
 from store.db import Store
 from store.engine import is_database_error

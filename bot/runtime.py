@@ -9,10 +9,11 @@ import os
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 
-from backends.base import Backend, BackendConfig, BackendError, BackendFactory
+from backends.base import Backend, BackendError, BackendFactory
+from backends.config import BackendConfig
 from backends.ipam import open_ipam
 from bot.app import compose
-from bot.builds import BuildNotes
+from bot.builds.parts import BuildNotes
 from bot.durations import teach
 from bot.errors import ConfigError, StoreUnavailable
 from bot.models import utcnow

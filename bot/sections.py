@@ -1,6 +1,6 @@
 """The configuration's own sections ([defaults], [limits], [timeouts], [recovery],
 [ownership], [approval], [slack], [metrics], [store]) as pydantic models (split from
-bot/settings.py, which assembles them into `Settings` and re-exports them). Sections that
+bot/settings.py, which assembles them into `Settings`). Sections that
 belong to one feature live with it instead (bot/quotas.py, bot/leaseterms.py,
 backends/ipam/config.py, bot/images/). Each forbids unknown keys, so a typo in the file
 stops the start instead of being ignored."""

@@ -22,8 +22,9 @@ from backends.building import TemplateVersion
 from bot.addressing import Addressing
 from bot.approvals import Approvals, Groups
 from bot.auditing import Audit
-from bot.builds import Builds
+from bot.builds.service import Builds
 from bot.chatoutbox import ChatOutbox
+from bot.commands import DeployArgs
 from bot.destroy import Destroyer
 from bot.inbox import Inbox
 from bot.intake import Intake
@@ -33,7 +34,6 @@ from bot.metrics import Metrics
 from bot.models import Job, UserPrefs
 from bot.models.builds import Build
 from bot.ownership import Clock, Ownership, Runner
-from bot.parser import DeployArgs
 from bot.personal import Personal
 from bot.pipeline import Pipeline
 from bot.progress import Fanout

@@ -21,7 +21,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_core import ErrorDetails
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from backends.base import BackendConfig
+from backends.config import BackendConfig
 from backends.ipam.config import IpamConfig
 from bot.errors import ConfigError, format_errors
 from bot.images.profiles import ImagesSettings
@@ -40,25 +40,6 @@ from bot.sections import (
 )
 from bot.subnets import Subnet
 from store.db import POSTGRES_SCHEMES
-
-# The sections are in bot/sections.py; they are imported from here too.
-__all__ = [
-    "BACKEND_MODULES",
-    "BUNDLED_CONFIG",
-    "ApprovalPolicy",
-    "Defaults",
-    "Limits",
-    "MetricsSettings",
-    "OwnershipSettings",
-    "Recovery",
-    "Settings",
-    "SlackSettings",
-    "StoreSettings",
-    "Timeouts",
-    "backend_module",
-    "config_path",
-    "load_settings",
-]
 
 BUNDLED_CONFIG = Path(__file__).with_name("deploybot.example.toml")
 

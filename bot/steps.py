@@ -30,7 +30,7 @@ from bot.models.notices import Notice
 from bot.ownership import Lost
 from bot.progress import Progress
 from bot.runs import Fence, Run, StepFailed, Undo
-from bot.settings import Timeouts
+from bot.sections import Timeouts
 from bot.waiting import retrying
 from store.db import Store
 from store.retry import Unavailable

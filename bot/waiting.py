@@ -16,7 +16,7 @@ from typing import TypeVar
 
 from backends import troubles
 from backends.base import Backend, BackendError, Unreachable, VMRef
-from bot.settings import Timeouts
+from bot.sections import Timeouts
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

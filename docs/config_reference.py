@@ -34,7 +34,7 @@ from annotated_types import Ge, Gt, Le, Lt, MaxLen, MinLen
 from pydantic import BaseModel, BeforeValidator
 from pydantic.fields import FieldInfo
 
-from backends.base import BackendConfig
+from backends.config import BackendConfig
 from bot import leaseterms
 from bot.images.profiles import Profile
 from bot.leaseterms import LeaseSettings

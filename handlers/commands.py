@@ -20,11 +20,7 @@ from dataclasses import dataclass
 from datetime import UTC, tzinfo
 from typing import Any, Generic, TypeVar
 
-from bot.errors import DeployBotError
-from bot.models import utcnow
-from bot.models.keys import check_ssh_key
-from bot.parser import (
-    USAGES,
+from bot.commands import (
     Approve,
     BuildTemplate,
     Cancel,
@@ -40,8 +36,11 @@ from bot.parser import (
     Status,
     TemplateProfiles,
     Templates,
-    parse,
 )
+from bot.errors import DeployBotError
+from bot.models import utcnow
+from bot.models.keys import check_ssh_key
+from bot.parser import USAGES, parse
 from bot.queries import VMPage
 from bot.service import Deployer
 from handlers.messages import usage

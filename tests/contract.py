@@ -15,17 +15,9 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from backends.base import (
-    AddressUse,
-    Backend,
-    CloneSpec,
-    Identity,
-    NotOurVM,
-    PermanentError,
-    VMRef,
-    job_tag,
-)
-from bot.settings import Timeouts
+from backends.base import AddressUse, Backend, CloneSpec, Identity, NotOurVM, PermanentError, VMRef
+from backends.tags import job_tag
+from bot.sections import Timeouts
 from bot.waiting import remove_vm
 
 IDENTITY = Identity(

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from bot.check import CheckResult
-from bot.settings import SlackSettings
+from bot.sections import SlackSettings
 from handlers.slack.check import slack_checks
 from tests.fake_slack import FakeSlack
 from tests.slack_support import APPROVALS, BOT_TOKEN, new_fake

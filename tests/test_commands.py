@@ -9,7 +9,8 @@ import typing
 from dataclasses import dataclass
 from pathlib import Path
 
-from bot.parser import SUBCOMMAND_USAGE, USAGES, Command
+from bot.commands import Command
+from bot.parser import SUBCOMMAND_USAGE, USAGES
 from handlers.commands import COMMANDS, SlackWay, Who, answer_command
 from handlers.messages import usage
 from handlers.slack.app import SlackBot

@@ -36,8 +36,8 @@ from typing import Any
 
 import pytest
 
-from backends.base import job_marks
 from backends.simvm import DEFAULT_TEMPLATES
+from backends.tags import job_marks
 
 SEED = int(os.environ.get("DEPLOYBOT_CRASH_SEED", "20261130"))
 STEP_LINES = [

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from backends.sim import SimBackend
+from bot.commands import DeployArgs
 from bot.errors import JobNotFound, NotAllowed, RequestInvalid, TransitionRefused
 from bot.models import IpamState, Job, JobState, utcnow
-from bot.parser import DeployArgs, parse
+from bot.parser import parse
 from bot.runtime import running_deployer
 from bot.service import Deployer
 from handlers.commands import answer

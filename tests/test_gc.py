@@ -11,12 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from backends.base import job_tag
 from backends.sim import SimBackend
+from backends.tags import job_tag
 from bot import gc
+from bot.commands import DeployArgs
 from bot.errors import DeployBotError
 from bot.models import Job, JobState
-from bot.parser import DeployArgs, parse
+from bot.parser import parse
 from bot.requests import build_request
 from bot.settings import Settings
 from store.db import Store

@@ -13,7 +13,7 @@ from pathlib import Path
 from backends.base import CloneSpec, VMRef
 from backends.proxmox import ProxmoxBackend
 from bot import gc
-from bot.settings import Timeouts
+from bot.sections import Timeouts
 from store.db import Store
 from tests.fakepve import testing
 from tests.fakepve.server import FakePVE

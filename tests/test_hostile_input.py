@@ -21,9 +21,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from backends.sim import SimBackend
+from bot.commands import DeployArgs
 from bot.errors import DeployBotError, RequestInvalid, UsageError
 from bot.models import HOSTNAME_RE, Job, JobState
-from bot.parser import DeployArgs, parse
+from bot.parser import parse
 from bot.requests import build_request
 from bot.runtime import running_deployer
 from bot.settings import Settings

@@ -11,9 +11,10 @@ import pytest
 
 from backends.base import Backend
 from backends.sim import SimBackend
+from bot.commands import DeployArgs
 from bot.errors import Conflict, RequestInvalid
 from bot.models import Job, JobState
-from bot.parser import DeployArgs, parse
+from bot.parser import parse
 from bot.runtime import running_deployer
 from bot.service import Deployer
 from bot.settings import Settings

@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 
 from backends.sim import SimBackend
+from bot.commands import DeployArgs
 from bot.errors import AmbiguousJob, JobNotFound, NotAllowed
 from bot.models import Approval, Job, JobState, utcnow
 from bot.models.ids import _ID_ALPHABET, new_job_id
-from bot.parser import DeployArgs, parse
+from bot.parser import parse
 from bot.requests import build_request
 from bot.runtime import running_deployer
 from bot.service import Deployer

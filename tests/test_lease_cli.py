@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from bot.commands import DeployArgs, ExtendLease
 from bot.errors import ConfigError, UsageError
 from bot.leaseterms import parse_length, show_length
-from bot.parser import DeployArgs, ExtendLease, parse
+from bot.parser import parse
 from tests.conftest import make_settings
 from tests.test_cli import KEPT, deploybot, no_traceback
 

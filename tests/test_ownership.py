@@ -19,9 +19,10 @@ import pytest
 
 from backends.sim import SimBackend
 from bot.app import compose
+from bot.commands import DeployArgs
 from bot.models import Claim, Job, JobState, utcnow
 from bot.ownership import host_identity
-from bot.parser import DeployArgs, parse
+from bot.parser import parse
 from bot.recovery import INTERRUPTED
 from bot.requests import build_request
 from bot.service import Deployer

@@ -6,18 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bot.commands import Approve, Cancel, DeployArgs, Help, History, Reject, Status, Templates
 from bot.errors import UsageError
-from bot.parser import (
-    Approve,
-    Cancel,
-    DeployArgs,
-    Help,
-    History,
-    Reject,
-    Status,
-    Templates,
-    parse,
-)
+from bot.parser import parse
 
 
 @pytest.mark.parametrize(

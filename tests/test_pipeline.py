@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from backends.sim import FAULT_KINDS, SimBackend
+from backends.sim import SimBackend
+from backends.simvm import FAULT_KINDS
 from bot.errors import Conflict, RequestInvalid
 from bot.models import Job, JobEvent, JobState
 from bot.parser import parse

@@ -13,7 +13,8 @@ import pydantic
 import pytest
 
 from backends.base import PermanentError, RetryableError, Unreachable
-from backends.proxmox import Config, create
+from backends.proxmox import create
+from backends.proxmox.config import Config
 from tests.fakepve import testing
 from tests.fakepve.server import FakePVE
 from tests.fakepve.testing import config_data, environ, make_backend

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from backends.base import CloneSpec, Locked, VMRef
-from backends.proxmox import Config, ProxmoxBackend, create
+from backends.proxmox import ProxmoxBackend, create
+from backends.proxmox.config import Config
 from bot import gc
 from bot.models import JobState
 from handlers.messages.slack import gc_report

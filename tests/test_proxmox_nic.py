@@ -13,9 +13,10 @@ import pytest
 from backends.base import CloneSpec, VMRef
 from backends.proxmox import ProxmoxBackend
 from backends.proxmox.vmconfig import nic_with
+from bot.commands import DeployArgs
 from bot.errors import ConfigError
 from bot.models import Job, JobState
-from bot.parser import DeployArgs, parse
+from bot.parser import parse
 from bot.runtime import running_deployer
 from bot.settings import BUNDLED_CONFIG, load_settings
 from tests.conftest import Recorder

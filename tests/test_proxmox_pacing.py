@@ -14,13 +14,14 @@ import pytest
 
 from backends.abilities import StepTime
 from backends.base import CloneSpec
-from backends.proxmox import Config, create
-from backends.proxmox.config import TYPICAL_S
+from backends.proxmox import create
+from backends.proxmox.config import TYPICAL_S, Config
 from backends.proxmox.inventory import LISTING_REUSE_S
 from backends.proxmox.pacing import Pace, Pacing, PollTiming, Schedule, clone_key
+from bot.commands import DeployArgs
 from bot.durations import PACED_STEPS
 from bot.models import JobState
-from bot.parser import DeployArgs, parse
+from bot.parser import parse
 from bot.runtime import running_deployer
 from store.db import Store
 from tests.fakepve import testing

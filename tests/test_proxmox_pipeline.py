@@ -10,9 +10,10 @@ from typing import Any
 
 import pytest
 
+from bot.commands import DeployArgs
 from bot.errors import Conflict, RequestInvalid
 from bot.models import Job, JobEvent, JobState
-from bot.parser import DeployArgs, parse
+from bot.parser import parse
 from bot.pipeline import STEPS as DEPLOY_STEPS
 from bot.runs import vm_ref
 from bot.runtime import running_deployer

@@ -13,7 +13,7 @@ import pytest
 from backends.base import CloneSpec, RetryableError, VMRef
 from backends.proxmox import ProxmoxBackend
 from bot.models import JobState
-from bot.settings import Timeouts
+from bot.sections import Timeouts
 from bot.waiting import remove_vm
 from tests.conftest import Recorder
 from tests.contract import IDENTITY

@@ -14,12 +14,13 @@ from typing import Any
 
 import pytest
 
-from backends.base import job_tag
 from backends.sim import SimBackend
+from backends.tags import job_tag
 from bot import gc
+from bot.commands import DeployArgs
 from bot.errors import DeployBotError, JobUnreadable, RequestInvalid
 from bot.models import Approval, Job, JobEvent, JobState, utcnow
-from bot.parser import DeployArgs, parse
+from bot.parser import parse
 from bot.requests import build_request
 from bot.runtime import running_deployer
 from bot.settings import Settings

@@ -13,9 +13,10 @@ from typing import Any
 import pytest
 
 from backends.sim import SimBackend
+from bot.commands import DeployArgs
 from bot.errors import ConfigError, DeployBotError
 from bot.models import HOLDING_STATES, Job, JobState
-from bot.parser import DeployArgs, parse
+from bot.parser import parse
 from bot.quotas import QuotaExceeded
 from bot.requests import build_request
 from bot.runtime import running_deployer

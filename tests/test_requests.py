@@ -5,8 +5,9 @@ from pathlib import Path
 
 import pytest
 
+from bot.commands import DeployArgs
 from bot.errors import RequestInvalid, UsageError
-from bot.parser import DeployArgs, parse
+from bot.parser import parse
 from bot.requests import build_request
 from bot.settings import Settings
 from tests.conftest import make_settings

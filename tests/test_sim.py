@@ -8,15 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from backends.base import (
-    CloneSpec,
-    PermanentError,
-    RetryableError,
-    Unreachable,
-    VMRef,
-    pick_address,
-)
-from backends.sim import SimBackend, SimTiming, SimulatedCrash
+from backends.base import CloneSpec, PermanentError, RetryableError, Unreachable, VMRef
+from backends.guestaddr import pick_address
+from backends.sim import SimBackend
+from backends.simvm import SimTiming, SimulatedCrash
 from tests.contract import IDENTITY
 
 

@@ -7,8 +7,9 @@ import json
 from pathlib import Path
 
 from backends.sim import SimBackend
+from bot.commands import DeployArgs
 from bot.models import JobState
-from bot.parser import DeployArgs, parse
+from bot.parser import parse
 from tests.conftest import SIM_SCALE
 from tests.fake_slack import Call
 from tests.slack_support import (

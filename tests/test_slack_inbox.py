@@ -7,10 +7,10 @@ import sqlite3
 from datetime import timedelta
 from pathlib import Path
 
+from bot.commands import DeployArgs
 from bot.models import utcnow
 from bot.models.notices import Received
-from bot.parser import DeployArgs
-from handlers.slack.interact import form_body
+from handlers.slack.modals import form_body
 from tests.conftest import TEST_KEY
 from tests.slack_support import ALICE, CHANNEL, Harness, is_reply, slack_bot
 

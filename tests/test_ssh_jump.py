@@ -11,7 +11,8 @@ import asyncssh
 import pytest
 from pydantic import ValidationError
 
-from backends.base import PermanentError, RetryableError, SshJump, Unreachable
+from backends.base import PermanentError, RetryableError, Unreachable
+from backends.config import SshJump
 from backends.sshcheck import SshCheck
 from bot.errors import ConfigError
 from bot.settings import load_settings

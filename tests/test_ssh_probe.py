@@ -13,10 +13,11 @@ import pytest
 from backends.base import RetryableError, Unreachable
 from backends.sim import SimBackend
 from backends.sshcheck import SshCheck, ssh_host_key, tcp_probe
+from bot.commands import DeployArgs
 from bot.models import JobState
-from bot.parser import DeployArgs, parse
+from bot.parser import parse
 from bot.runtime import running_deployer
-from bot.settings import Timeouts
+from bot.sections import Timeouts
 from bot.waiting import retrying
 from tests.conftest import make_settings
 

@@ -19,17 +19,17 @@ from urllib.parse import unquote
 import pytest
 
 from bot.errors import ConfigError
-from bot.images import (
-    FetchError,
-    ImagesSettings,
-    PreparedImage,
-    PrepareError,
-    catalogue,
-    prepare_image,
-)
 from bot.images.customize import DATASOURCE_FILE, Accelerator, selinux_state
-from bot.images.fetch import Expected, fetch_verified, parse_sums
-from bot.images.profiles import Platform, Profile, ProfileError, build_profile
+from bot.images.fetch import Expected, FetchError, fetch_verified, parse_sums
+from bot.images.prepare import PreparedImage, PrepareError, prepare_image
+from bot.images.profiles import (
+    ImagesSettings,
+    Platform,
+    Profile,
+    ProfileError,
+    build_profile,
+    catalogue,
+)
 from bot.settings import BUNDLED_CONFIG, load_settings
 from tests.images_support import require_libguestfs, unavailable, upstream_server
 from tests.realguest import image, qemu, upstream

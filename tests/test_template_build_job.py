@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from backends.sim import SimBackend
+from bot.commands import DeployArgs
 from bot.errors import ConfigError, Conflict, NotAllowed, RequestInvalid, TransitionRefused
 from bot.models import JobState, utcnow
 from bot.models.builds import Build, BuildState
-from bot.parser import DeployArgs
 from bot.runtime import running_deployer
 from bot.service import Deployer
 from tests.conftest import make_settings

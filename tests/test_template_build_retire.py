@@ -11,10 +11,10 @@ from backends.building import BuildTarget
 from backends.sim import SimBackend
 from bot.builds import retire
 from bot.builds.runner import plan_for
+from bot.commands import DeployArgs
 from bot.errors import DeployBotError
 from bot.models import JobState, utcnow
 from bot.models.builds import Build, BuildState
-from bot.parser import DeployArgs
 from bot.service import Deployer
 
 

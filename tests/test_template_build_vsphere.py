@@ -26,8 +26,9 @@ import pytest
 from pyVim.task import WaitForTask
 from pyVmomi import vim
 
-from backends.base import CloneSpec, NotOurVM, PermanentError, VMRef, parse_tag
+from backends.base import CloneSpec, NotOurVM, PermanentError, VMRef
 from backends.building import BuildPlan, BuildsTemplates, BuildTarget
+from backends.tags import parse_tag
 from backends.vsphere import VSphereBackend, buildmark, cpu, ovf
 from tests.vcsim_support import (
     TEMPLATE,

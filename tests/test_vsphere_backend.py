@@ -21,7 +21,8 @@ from pyVim.task import WaitForTask
 from pyVmomi import vim
 
 from backends.base import CloneSpec, Identity, NotOurVM, PermanentError, Unreachable, VMRef
-from backends.vsphere import Config, VSphereBackend, create
+from backends.vsphere import VSphereBackend, create
+from backends.vsphere.config import Config
 from bot.errors import ConfigError
 from bot.settings import BUNDLED_CONFIG, load_settings
 from tests.contract import IDENTITY

@@ -18,10 +18,12 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 from cryptography.x509.oid import NameOID
 
 from backends.base import CloneSpec, PermanentError
-from backends.vsphere import Config, create
+from backends.vsphere import create
+from backends.vsphere.config import Config
 from bot.admission import problems_at_start
+from bot.commands import DeployArgs
 from bot.errors import RequestInvalid
-from bot.parser import DeployArgs, parse
+from bot.parser import parse
 from bot.runtime import make_backend, running_deployer
 from tests.conftest import Recorder, make_settings
 from tests.vcsim_support import (

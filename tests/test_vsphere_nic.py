@@ -18,11 +18,12 @@ from pyVim.task import WaitForTask
 from pyVmomi import vim
 
 from backends.base import CloneSpec, PermanentError, Template
-from backends.vsphere import Config
+from backends.vsphere.config import Config
 from bot.admission import problems_at_start
+from bot.commands import DeployArgs
 from bot.errors import ConfigError, RequestInvalid
 from bot.models import JobState
-from bot.parser import DeployArgs, parse
+from bot.parser import parse
 from bot.settings import BUNDLED_CONFIG, load_settings
 from handlers.messages.reports import templates
 from tests.contract import IDENTITY
@@ -303,7 +304,7 @@ def test_a_family_needs_no_template_os_entry() -> None:
 
 def test_the_examples_profiles_in_the_bundled_config_validate() -> None:
     """The commented Proxmox and vSphere entries of the example, uncommented."""
-    from backends.proxmox import Config as ProxmoxConfig
+    from backends.proxmox.config import Config as ProxmoxConfig
 
     text = BUNDLED_CONFIG.read_text(encoding="utf-8")
     block = text[text.index('# [[backends]]\n# kind = "vsphere"') : text.index("# Addresses")]

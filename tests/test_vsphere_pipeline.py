@@ -18,9 +18,10 @@ import pytest
 from pyVmomi import vim
 
 from backends.vsphere import VSphereBackend
+from bot.commands import DeployArgs
 from bot.errors import Conflict
 from bot.models import Job, JobState
-from bot.parser import DeployArgs, parse
+from bot.parser import parse
 from bot.pipeline import STEPS as DEPLOY_STEPS
 from bot.runtime import make_backend, running_deployer
 from bot.service import Deployer

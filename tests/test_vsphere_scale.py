@@ -30,9 +30,10 @@ from pyVmomi import vim
 
 from backends.base import BackendError, CloneSpec, VMNotFound, VMRef
 from backends.vsphere import VSphereBackend
+from bot.commands import DeployArgs
 from bot.errors import Conflict
 from bot.models import JobState
-from bot.parser import DeployArgs, parse
+from bot.parser import parse
 from bot.runtime import make_backend, running_deployer
 from tests.conftest import Recorder
 from tests.test_vsphere_pipeline import SUBNET, Sshd, deploy, deployer_for, vsphere_settings

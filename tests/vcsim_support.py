@@ -38,7 +38,8 @@ from pyVim.connect import Disconnect, SmartConnect
 from pyVim.task import WaitForTask
 from pyVmomi import vim, vmodl
 
-from backends.vsphere import Config, VSphereBackend, create
+from backends.vsphere import VSphereBackend, create
+from backends.vsphere.config import Config
 
 MAIN_GO = Path(__file__).resolve().parent / "vcsim" / "main.go"
 GOPATH_SYSTEM = Path("/usr/share/gocode")

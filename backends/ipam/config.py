@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from backends.base import readable_file
+from backends.config import readable_file
 
 
 class IpamConfig(BaseModel):

@@ -34,7 +34,6 @@ from typing import Any
 from backends.abilities import StepTime
 from backends.base import (
     AddressUse,
-    BackendConfig,
     CloneMode,
     CloneSpec,
     Identity,
@@ -49,6 +48,7 @@ from backends.base import (
     VMNotFound,
     VMRef,
 )
+from backends.config import BackendConfig
 from backends.proxmox import privileges, rollback
 from backends.proxmox.addresses import AddressSweep
 from backends.proxmox.agent import AgentWaits
@@ -56,7 +56,7 @@ from backends.proxmox.api import PveApi
 from backends.proxmox.apierrors import TaskFailed
 from backends.proxmox.building import BuildsOnProxmox, TemplateBuilds
 from backends.proxmox.cloning import Cloning
-from backends.proxmox.config import Config, OSProfile, credentials
+from backends.proxmox.config import Config, credentials
 from backends.proxmox.identity import identity_fields
 from backends.proxmox.inventory import LINKED_TYPES, Inventory, NoSuchTemplate
 from backends.proxmox.locks import TaskRunner
@@ -75,7 +75,6 @@ from backends.proxmox.vmconfig import (
 )
 from backends.sshcheck import SshCheck
 
-__all__ = ["Config", "OSProfile", "ProxmoxBackend", "create"]
 log = logging.getLogger(__name__)
 
 

@@ -42,19 +42,13 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from backends.base import (
-    AddressUse,
-    PermanentError,
-    RetryableError,
-    Unreachable,
-    listable,
-    parse_tag,
-    reported_addresses,
-)
+from backends.base import AddressUse, PermanentError, RetryableError, Unreachable
+from backends.guestaddr import listable, reported_addresses
 from backends.proxmox.agent import interfaces
 from backends.proxmox.api import PveApi
 from backends.proxmox.apierrors import Forbidden
 from backends.proxmox.inventory import LISTING_REUSE_S, Inventory
+from backends.tags import parse_tag
 
 log = logging.getLogger(__name__)
 _IPCONFIG = re.compile(r"ipconfig\d+")

@@ -18,7 +18,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from backends.base import PermanentError, RetryableError, Unreachable, pick_address
+from backends.base import PermanentError, RetryableError, Unreachable
+from backends.guestaddr import pick_address
 from backends.proxmox.api import PveApi
 from backends.proxmox.pacing import Pacing, PollTiming, Schedule
 

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from backends.base import JobMark, parse_tag
 from backends.building import BuildPlan, TemplateVersion
 from backends.proxmox.vmconfig import family_of, mark_field
+from backends.tags import JobMark, parse_tag
 
 IMPORT_RELEASE = (8, 4)  # the first release taking disk images as content `import`
 BUILD_HEADER = "Built by deploybot; do not remove the lines below."

@@ -15,7 +15,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from backends.advice import nic_model_choice
-from backends.base import BackendConfig, PermanentError, readable_file
+from backends.base import PermanentError
+from backends.config import BackendConfig, readable_file
 from backends.proxmox.http import ApiSettings, Credentials
 from backends.proxmox.pacing import PollTiming
 

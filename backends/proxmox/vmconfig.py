@@ -12,7 +12,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from backends.base import NotOurVM, PermanentError, VMInfo, VMNotFound, VMRef, job_marks, parse_tag
+from backends.base import NotOurVM, PermanentError, VMInfo, VMNotFound, VMRef
+from backends.tags import job_marks, parse_tag
 
 GIB = 1024**3
 _UNITS = {"K": 1024, "M": 1024**2, "G": GIB, "T": 1024**4}

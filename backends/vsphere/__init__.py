@@ -36,7 +36,6 @@ from pyVmomi import vim, vmodl
 
 from backends.base import (
     AddressUse,
-    BackendConfig,
     CloneSpec,
     Identity,
     PermanentError,
@@ -44,27 +43,18 @@ from backends.base import (
     VMInfo,
     VMNotFound,
     VMRef,
-    pick_address,
 )
+from backends.config import BackendConfig
+from backends.guestaddr import pick_address
 from backends.sshcheck import SshCheck
 from backends.vsphere import addresses, esxi, specs
 from backends.vsphere.building import Builds
 from backends.vsphere.config import Config
+from backends.vsphere.conn import Conn, Props, Row
 from backends.vsphere.discovery import KIB_PER_GIB, Discovers
 from backends.vsphere.inventory import Inventory, Plan, annotation, disks
-from backends.vsphere.session import (
-    RETRYABLE_FAULTS,
-    Conn,
-    Endpoint,
-    Op,
-    Props,
-    Row,
-    Session,
-    fault_text,
-)
+from backends.vsphere.session import RETRYABLE_FAULTS, Endpoint, Op, Session, fault_text
 from backends.vsphere.vms import POWERED_ON, tags, vm_info
-
-__all__ = ["Config", "VSphereBackend", "create"]
 
 log = logging.getLogger(__name__)
 # Plans kept from prepare_clone for clone; an older one is simply looked up again.

@@ -22,8 +22,9 @@ import ipaddress
 from collections.abc import Iterable
 from typing import Any
 
-from backends.base import AddressUse, reported_addresses
-from backends.vsphere.session import Props, Row
+from backends.base import AddressUse
+from backends.guestaddr import reported_addresses
+from backends.vsphere.conn import Props, Row
 
 # What the tracker keeps for this check besides the name, template mark and UUID.
 ADDRESS_PATHS = ["guest.net", "guest.ipAddress"]

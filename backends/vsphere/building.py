@@ -28,8 +28,9 @@ from pyVmomi import vim, vmodl
 from backends.base import PermanentError, VMRef
 from backends.building import BuildPlan, BuildTarget, TemplateVersion
 from backends.vsphere import buildmark, cpu, ovf, ovfimport
+from backends.vsphere.conn import Conn, Row
 from backends.vsphere.inventory import Datacenter, Inventory
-from backends.vsphere.session import Conn, Op, Row, Session
+from backends.vsphere.session import Op, Session
 from backends.vsphere.vms import POWERED_ON, tags
 
 if TYPE_CHECKING:

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from backends.base import JobMark, job_marks
 from backends.building import BuildPlan, TemplateVersion
-from backends.vsphere.session import Props
+from backends.tags import JobMark, job_marks
+from backends.vsphere.conn import Props
 from backends.vsphere.vms import tags
 
 MARK = "deploybot-build"

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from backends.base import BackendConfig, readable_file
+from backends.config import BackendConfig, readable_file
 from backends.vsphere.guestinfo import EtcHosts
 from backends.vsphere.nic import OSProfile, check_template_os
 from backends.vsphere.session import WAIT_SLICE_S

@@ -27,7 +27,7 @@ from pyVmomi import vim, vmodl
 
 from backends.base import CloneSpec, PermanentError
 from backends.vsphere import nic
-from backends.vsphere.session import Conn, Props, Row
+from backends.vsphere.conn import Conn, Props, Row
 from backends.vsphere.vms import KnownVMs
 
 if TYPE_CHECKING:

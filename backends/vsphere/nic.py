@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, field_validator
 from pyVmomi import vim
 
 from backends import advice
-from backends.vsphere.session import Props
+from backends.vsphere.conn import Props
 
 NicModel = Literal["vmxnet3", "e1000e", "e1000"]
 MODELS: tuple[str, ...] = ("vmxnet3", "e1000e", "e1000")

@@ -39,9 +39,7 @@ from pyVmomi.SoapAdapter import SoapStubAdapter
 
 from backends.advice import tls_advice, unresolved
 from backends.base import BackendError, PermanentError, RetryableError, Unreachable
-from backends.vsphere.conn import QUIET, Conn, Props, Row, Stub
-
-__all__ = ["Conn", "Props", "Row", "Stub"]  # where the rest of the backend imports them
+from backends.vsphere.conn import QUIET, Conn, Props, Stub
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

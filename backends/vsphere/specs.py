@@ -20,8 +20,8 @@ from pyVmomi import vim
 
 from backends.base import CloneSpec, Identity, PermanentError, VMRef
 from backends.vsphere import guestinfo, inherit, nic
+from backends.vsphere.conn import Props
 from backends.vsphere.inventory import Net, Plan, disks
-from backends.vsphere.session import Props
 
 DeviceSpec = vim.vm.device.VirtualDeviceSpec
 CORES_PER_SOCKET = "config.hardware.numCoresPerSocket"

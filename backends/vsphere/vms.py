@@ -17,9 +17,10 @@ from typing import Any
 
 from pyVmomi import vim, vmodl
 
-from backends.base import NotOurVM, VMInfo, VMRef, parse_tag
+from backends.base import NotOurVM, VMInfo, VMRef
+from backends.tags import parse_tag
 from backends.vsphere.addresses import ADDRESS_PATHS
-from backends.vsphere.session import Conn, Props, Row
+from backends.vsphere.conn import Conn, Props, Row
 
 VM_PATHS = ["name", "config.annotation", "runtime.powerState"]
 POWERED_ON = "poweredOn"

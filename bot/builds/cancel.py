@@ -6,7 +6,7 @@ rollback removes what it made; while another process does, asked through the sto
 
 from __future__ import annotations
 
-from bot.builds.runner import build_notice
+from bot.builds.parts import build_notice
 from bot.errors import NotAllowed, TransitionRefused
 from bot.models import utcnow
 from bot.models.builds import Build, BuildState

@@ -28,14 +28,13 @@ from backends.building import BuildPlan, BuildsTemplates, BuildTarget
 from bot.builds.parts import (
     BuildFailed,
     BuildNotes,
-    LoggedBuildNotes,
     SmokeDeploys,
     build_notice,
 )
 from bot.errors import DeployBotError
-from bot.images import PreparedImage, prepare_image
 from bot.images.customize import CustomizeError
 from bot.images.fetch import FetchError
+from bot.images.prepare import PreparedImage, prepare_image
 from bot.images.profiles import Platform, Profile, ProfileError
 from bot.models import JobState, utcnow
 from bot.models.builds import Build, BuildState
@@ -47,17 +46,6 @@ from store.db import Store
 
 log = logging.getLogger(__name__)
 Prepare = Callable[..., Awaitable[PreparedImage]]
-# Re-exported: what a build tells and whom (bot/builds/parts.py).
-__all__ = [
-    "BuildFailed",
-    "BuildNotes",
-    "BuildRunner",
-    "LoggedBuildNotes",
-    "Prepare",
-    "SmokeDeploys",
-    "build_notice",
-    "plan_for",
-]
 
 
 @dataclass

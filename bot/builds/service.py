@@ -17,7 +17,9 @@ from backends.building import BuildsTemplates
 from bot import subnets
 from bot.approvals import build_approval_reason
 from bot.builds.cancel import cancel_build
-from bot.builds.runner import BuildNotes, BuildRunner, Prepare, SmokeDeploys, build_notice
+from bot.builds.parts import BuildNotes, SmokeDeploys, build_notice
+from bot.builds.runner import BuildRunner, Prepare
+from bot.commands import DeployArgs
 from bot.errors import (
     AmbiguousJob,
     Conflict,
@@ -27,12 +29,12 @@ from bot.errors import (
     RequestInvalid,
     TransitionRefused,
 )
-from bot.images import ProfileError, prepare_image
+from bot.images.prepare import prepare_image
+from bot.images.profiles import ProfileError
 from bot.models import Job, JobState, utcnow
 from bot.models.builds import BUILD_ID_RE, Build, BuildState, template_name_problem
 from bot.models.ids import MIN_JOB_REF
 from bot.models.notices import BUILD_ASKED, BUILD_DECIDED, BUILD_FINISHED
-from bot.parser import DeployArgs
 from bot.settings import Settings
 from bot.waiting import protected
 from store.db import AlreadyDelivered, DuplicateActive, Store

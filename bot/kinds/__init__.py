@@ -13,7 +13,6 @@ a template build, bot/builds/). A kind is added with `Kinds.register`.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Coroutine, Iterator
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -24,7 +23,6 @@ from bot.models.builds import Build
 if TYPE_CHECKING:
     from bot.ownership import Ended
 
-log = logging.getLogger(__name__)
 
 DEPLOY = "deploy"
 # Where a kind keeps its rows: `jobs` (bot.models.Job) or `builds` (bot.models.builds.Build).

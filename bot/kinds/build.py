@@ -13,14 +13,12 @@ from bot.models import Job
 from bot.models.builds import BUILD_KIND, Build
 
 if TYPE_CHECKING:
-    from bot.builds import Builds
+    from bot.builds.service import Builds
     from bot.ownership import Ended
-
-BUILD = BUILD_KIND  # what the store answers for a row of `builds`
 
 
 class BuildKind:
-    name = BUILD
+    name = BUILD_KIND  # what the store answers for a row of `builds`
     noun = "build"
     rows: Rows = "builds"
 

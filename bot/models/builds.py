@@ -76,8 +76,6 @@ BUILD_TRANSITIONS: dict[BuildState, frozenset[BuildState]] = {
     BuildState.ROLLING_BACK: frozenset({BuildState.FAILED, BuildState.CANCELLED}),
     BuildState.PUBLISHED: frozenset({BuildState.RETIRED}),
 }
-# The steps of a build, in order (bot/builds/runner.py).
-BUILD_STEPS = ("preflight", "image", "create", "smoke", "publish")
 
 
 class Build(BaseModel):

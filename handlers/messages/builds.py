@@ -4,7 +4,7 @@ the tables of built templates and profiles."""
 from __future__ import annotations
 
 from backends.building import TemplateVersion
-from bot.images import Profile
+from bot.images.profiles import Profile
 from bot.models.builds import Build, BuildState
 from bot.models.notices import BUILD_ASKED, BUILD_DECIDED, BUILD_STARTED
 from handlers.messages.text import Said, escape, mention

@@ -49,7 +49,6 @@ HOME_APPROVALS = "Waiting for your approval"
 HOME_RECENT = "Your recent jobs"
 HOME_NO_VMS = "You have no VMs from deploybot. Deploy one with /deploy web01 in any channel."
 HOME_NO_JOBS = "No jobs yet."
-HOME_TEXT = "deploybot: your VMs, approvals and recent jobs"
 
 
 def home_more(count: int, where: str) -> str:

@@ -23,7 +23,6 @@ from handlers.messages.text import STATE_LABELS, Said, escape, mention, step_lab
 
 FULL_COPY = "full copy: minutes, not seconds"
 LINKED_CLONE = "fast linked clone: seconds"
-SLACK_WORKING = "On it…"
 FORM_TITLE = "Deploy a VM"
 FORM_LOADING = "Looking up templates, nodes and storage…"
 SETTINGS_TITLE = "Your deploy settings"

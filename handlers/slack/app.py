@@ -30,14 +30,15 @@ from slack_sdk.http_retry.builtin_async_handlers import AsyncRateLimitErrorRetry
 from slack_sdk.web.async_client import AsyncWebClient
 
 from bot import inbox, logfields
+from bot.commands import DeployArgs, ListVMs, ShowSettings
 from bot.errors import DeployBotError, UsageError
-from bot.parser import DeployArgs, ListVMs, ShowSettings, parse
+from bot.parser import parse
 from bot.service import Deployer
 from handlers.commands import COMMANDS, Invocation, SlackWay, plain
 from handlers.messages.core import INTERNAL_ERROR
 from handlers.messages.slack import COMMAND_RESUMED, STORE_NOT_ANSWERING
 from handlers.messages.text import Said, escape
-from handlers.slack import interact, views
+from handlers.slack import interact, modals, views
 from handlers.slack.catalog import Catalog
 from handlers.slack.home import HomeTabs
 from handlers.slack.pacing import TIER_4_PER_MINUTE, Pacer
@@ -225,7 +226,7 @@ class SlackBot:
     async def _settings_form(
         self, command: ShowSettings, user: str, channel: str, trigger: str, reply_url: str | None
     ) -> None:
-        await interact.open_settings(self, trigger, user, channel)
+        await modals.open_settings(self, trigger, user, channel)
 
     async def _list_page(
         self, command: ListVMs, user: str, channel: str, trigger: str, reply_url: str | None
@@ -241,7 +242,7 @@ class SlackBot:
             self.response_urls.note(reply_url)
         if not text.strip():
             await ack()
-            self.spawn(interact.open_form(self, trigger, user, channel))
+            self.spawn(modals.open_form(self, trigger, user, channel))
             return
         try:
             command = parse(text)
@@ -313,7 +314,7 @@ class SlackBot:
         were found (each runs in a task of its own)."""
         found = await self.deployer.inbox.orphans()
         for item in found:
-            if interact.resume_form(self, item):
+            if modals.resume_form(self, item):
                 continue
             log.info(
                 "carrying out %s's command %s, left by a process that stopped", item.user, item.key

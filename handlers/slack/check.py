@@ -15,7 +15,7 @@ from slack_sdk.errors import SlackApiError
 from slack_sdk.web.async_client import AsyncWebClient
 
 from bot.check import CheckResult
-from bot.settings import SlackSettings
+from bot.sections import SlackSettings
 from handlers.messages.slack import (
     slack_channel_fix,
     slack_channel_unreadable,

@@ -14,8 +14,8 @@ from slack_sdk.web.async_client import AsyncWebClient
 
 from bot.kinds import Rows
 from bot.models.notices import Notice
+from bot.sections import SlackSettings
 from bot.service import Deployer
-from bot.settings import SlackSettings
 from handlers.slack.items import (
     ApprovalCard,
     BuildCard,

@@ -21,9 +21,9 @@ from typing import Any
 
 from slack_bolt.context.ack.async_ack import AsyncAck
 
+from bot.commands import ListVMs
 from bot.errors import DeployBotError, Duplicate
 from bot.models import Job, utcnow
-from bot.parser import ListVMs
 from handlers.commands import list_page
 from handlers.messages.destroys import destroy_answer
 from handlers.messages.lifecycle import lease_extended_answer
@@ -34,26 +34,10 @@ from handlers.slack.catalog import template_options
 from handlers.slack.form import FORM_VIEW, SETTINGS_VIEW
 from handlers.slack.host import Host
 from handlers.slack.modals import (
-    form_body,
-    open_form,
-    open_settings,
     refresh_form,
-    resume_form,
     save_settings,
     submit_form,
 )
-
-# The form and the settings modal are in modals.py, `Host` in host.py; app.py and the
-# tests still reach them here.
-__all__ = [
-    "Host",
-    "form_body",
-    "open_form",
-    "open_settings",
-    "register",
-    "resume_form",
-    "show_list",
-]
 
 log = logging.getLogger(__name__)
 FORM_ACTIONS = re.compile(r"^(template|placement|storage)$")

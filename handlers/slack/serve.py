@@ -27,8 +27,9 @@ from bot.errors import ConfigError
 from bot.metrics import CONTENT_TYPE
 from bot.parser import is_whole
 from bot.runtime import running_deployer, secret_problems
+from bot.sections import SlackSettings
 from bot.service import Deployer
-from bot.settings import Settings, SlackSettings
+from bot.settings import Settings
 from handlers.messages.core import secrets_missing
 from handlers.messages.slack import (
     bad_http_address,

@@ -14,7 +14,8 @@ from typing import Any, Literal
 
 import pytest
 
-from backends.proxmox import Config, ProxmoxBackend, create
+from backends.proxmox import ProxmoxBackend, create
+from backends.proxmox.config import Config
 from bot.settings import Settings
 from tests.conftest import FAST_TIMEOUTS, make_settings
 from tests.fakepve.cluster import Timings
