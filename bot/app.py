@@ -120,15 +120,15 @@ def compose(
     quotas = Quotas(settings.quotas, store, lambda: groups.members)
     intake = Intake(
         settings, store, backends, addressing, queue, fanout, runner.id,
-        ownership.lease_until, quotas, leases.grant,
+        ownership.claim_until, quotas, leases.grant,
     )  # fmt: skip
     # Template builds share the queue, the store's ownership and the deploy parts their
     # smoke test uses (bot/builds/).
     smoke = DeploySmoke(
-        settings, store, intake, pipeline, destroyer, runner.id, ownership.lease_until
+        settings, store, intake, pipeline, destroyer, runner.id, ownership.claim_until
     )
     builds = Builds(
-        settings, store, backends, queue, runner.id, ownership.lease_until, smoke,
+        settings, store, backends, queue, runner.id, ownership.claim_until, smoke,
         build_notes or LoggedBuildNotes(), approvals=approvals,
     )  # fmt: skip
     cancels = Cancels(store, queue, fanout, addressing, approvals, destroyer)

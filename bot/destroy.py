@@ -7,7 +7,7 @@
                                      └──reject / cancel / expire──> succeeded
 
 A destroy is a state of the job in the store, so it outlives the process that began
-it: a `destroying` job has an owner and a lease like a running deploy
+it: a `destroying` job has an owner and a claim like a running deploy
 (bot/ownership.py). When its owner dies another runner takes it over and `finish`es the
 same destroy. Removing the VM is the rollback's path (bot/waiting.remove_vm): stop and
 wait, destroy and wait; the backend refuses a VM without this job's tag (`NotOurVM`,
@@ -120,7 +120,7 @@ class Destroyer:
             "destroy_ref": None,
         }
         if not wait:
-            fields.update(owner=self.ownership.id, lease_until=self.ownership.lease_until())
+            fields.update(owner=self.ownership.id, lease_until=self.ownership.claim_until())
         note = f"destroy asked by {user}"
         told = self._tell(job, tell.updated(job.id, note, by=user), wait)
         ready = [JobState.SUCCEEDED, JobState.EXPIRED_OFF]  # EXPIRED_OFF: its lease ended
@@ -200,7 +200,7 @@ class Destroyer:
             fields: dict[str, object] = {
                 "destroy_approver": approver,
                 "owner": self.ownership.id,
-                "lease_until": self.ownership.lease_until(),
+                "lease_until": self.ownership.claim_until(),
             }
         else:
             why = reason or "no reason given"
@@ -338,7 +338,7 @@ class Destroyer:
         return moved
 
     async def _still_mine(self, job: Job) -> None:
-        """Before each move: a runner whose lease lapsed (the job taken over) stops, so
+        """Before each move: a runner whose claim lapsed (the job taken over) stops, so
         two runners do not work one VM at once (their final writes are fenced anyway)."""
         try:
             await self.ownership.hold(job.id, job.claim_epoch)  # paused while unproven

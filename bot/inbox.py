@@ -82,7 +82,7 @@ class Inbox:
         item = Received(key=key, user=user, channel=channel, text=text, received_at=now)
         gave_up = threading.Event()  # read by the store's thread just before its commit
         adding = asyncio.ensure_future(
-            store.inbox_add(item, own.id, own.lease_until(now), lambda: not gave_up.is_set())
+            store.inbox_add(item, own.id, own.claim_until(now), lambda: not gave_up.is_set())
         )
         done, _pending = await asyncio.wait({adding}, timeout=within_s)
         if adding in done and not _unanswered(adding):
@@ -120,7 +120,7 @@ class Inbox:
             return []
         now = own.clock()
         return await self.store.inbox_claim_orphaned(
-            own.id, now, own.lease_until(now), ORPHANS_PER_LOOK
+            own.id, now, own.claim_until(now), ORPHANS_PER_LOOK
         )
 
 

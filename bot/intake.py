@@ -80,11 +80,11 @@ class Intake:
         queue: JobQueue,
         progress: Progress,
         runner_id: str,
-        lease_until: Callable[[], datetime],
+        claim_until: Callable[[], datetime],
         quotas: quota_rules.Quotas,
         grant: Grant | None,
     ) -> None:
-        """`runner_id` and `lease_until`: a queued job is inserted already held by this
+        """`runner_id` and `claim_until`: a queued job is inserted already held by this
         process's runner, which starts it here. `grant`: the VM's lease
         (bot/leases.Leases.grant); None: no lease."""
         self.settings = settings
@@ -94,7 +94,7 @@ class Intake:
         self.queue = queue
         self.progress = progress
         self.runner_id = runner_id
-        self.lease_until = lease_until
+        self.claim_until = claim_until
         self._picking = asyncio.Lock()
         self.quotas = quotas
         self.grant = grant
@@ -322,7 +322,7 @@ class Intake:
         state = JobState.AWAITING_APPROVAL if reason else JobState.QUEUED
         update: dict[str, object] = {"id": job_id, "approval_reason": reason, "origin": origin}
         if state is JobState.QUEUED:  # reserved for this runner: it starts it here
-            update.update(owner=self.runner_id, lease_until=self.lease_until())
+            update.update(owner=self.runner_id, lease_until=self.claim_until())
         else:
             update.update(owner=None, lease_until=None)
         job = (base or Job.for_request(request, state)).model_copy(

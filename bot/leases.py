@@ -296,7 +296,7 @@ class Leases:
             JobState.DESTROYING,
             notices=[notice(job, "destroying", job.lease_end, now)],
             owner=self.ownership.id,
-            lease_until=self.ownership.lease_until(),
+            lease_until=self.ownership.claim_until(),
             destroy_by=BOT,
             destroy_asked_at=now,
             destroy_approver=None,

@@ -1,27 +1,27 @@
 """Many processes, one database: which process runs which job.
 
 Every process that runs jobs is a *runner* (store/owners.py): a row with its id, host
-and pid, and a lease it renews. A job is run only by the runner that claimed it (one
-compare-and-set that writes the owner and a lease expiry); every later write of that
-job's state names the owner it expects (`held_by`), so a runner whose lease lapsed can
+and pid, and a claim it renews each tick. A job is run only by the runner that claimed it (one
+compare-and-set that writes the owner and the claim's expiry); every later write of that
+job's state names the owner it expects (`held_by`), so a runner whose claim lapsed can
 no longer change a job that another took over.
 
 `Ownership.tick` is the whole protocol, run every `ownership.tick_s`:
 
-1. renew this runner's lease and the leases of the jobs and builds a task of this
+1. renew this runner's claim and the claims of the jobs and builds a task of this
    process runs now (named in the renewal: one transaction);
 2. a job it runs locally but no longer owns is dropped without touching its VM (the new
    owner deals with it); a cancel another process asked for is carried out here;
    a job or build it holds that no local task runs (its task ended on an exception,
-   say a write the database refused, without a final state) is handed back: its lease
+   say a write the database refused, without a final state) is handed back: its claim
    ends now, and it is taken over and recovered like a dead runner's, here in the same
    tick (roll back, or resume by `[recovery] interrupted`) or by another runner. One
    seen held without a task whose task did not end on an exception (a deploy recorded
    a moment ago, its task about to start) is handed back only if still so at the
    next tick;
 3. (long-lived runners only) runners on this host whose process is gone are declared
-   dead at once, so a restart need not wait for their leases to lapse; jobs whose
-   lease has passed are taken over (another compare-and-set) and recovered;
+   dead at once, so a restart need not wait for their claims to lapse; jobs whose
+   claim has passed are taken over (another compare-and-set) and recovered;
 4. (long-lived runners only) queued jobs nobody holds are claimed, as many as there is
    room for, and started here.
 
@@ -33,16 +33,16 @@ Fencing, for when the database goes away (a failover, a restart, a network cut):
   and the job's claim epoch, one more at every claim), so a task of a claim that has
   been superseded changes nothing;
 * before each step a task asks `hold`: while this runner's last renewal succeeded and
-  its lease has not run out, it goes on at once; otherwise it pauses (touches no
+  its claim has not run out, it goes on at once; otherwise it pauses (touches no
   hypervisor) until a renewal succeeds, and then goes on only if that renewal shows the
   job still held under the same epoch; if not, `Lost`: it stops without touching the
   VM or the job (the new owner deals with both). A step already under way when the
-  lease runs out runs to its end: a hypervisor task cannot be taken back half-way;
-* a lease that merely ran out is taken over only by a runner that has itself renewed
-  without a break for a whole `lease_s` (`watched_a_lease`): after an outage every
-  runner's leases have run out together, and a live owner renews within a tick of the
+  claim runs out runs to its end: a hypervisor task cannot be taken back half-way;
+* a claim that merely ran out is taken over only by a runner that has itself renewed
+  without a break for a whole `lease_s` (`watched_a_claim`): after an outage every
+  runner's claims have run out together, and a live owner renews within a tick of the
   database coming back, so it keeps its work; a runner that was cut off alone is then
-  the one whose jobs are taken over, after it has paused them. Leases ended on purpose
+  the one whose jobs are taken over, after it has paused them. Claims ended on purpose
   (a runner seen dead on this host, a job handed back) and those of a runner whose row
   is gone or says it stopped are taken at once.
 """
@@ -72,7 +72,7 @@ from store.owners import Owned, RunnerRow
 
 log = logging.getLogger(__name__)
 Clock = Callable[[], datetime]
-# Being worked on by its owner: taken over (and recovered) once the owner's lease lapses.
+# Being worked on by its owner: taken over (and recovered) once the owner's claim lapses.
 WORKING = (JobState.RUNNING, JobState.ROLLING_BACK, JobState.DESTROYING)
 WAKE_DEBOUNCE_S = 0.05
 
@@ -149,7 +149,8 @@ class Lost(Exception):
 
 
 class Ownership:
-    """This process's runner: its lease, its claims, and what it takes over."""
+    """This process's runner: its claim on its jobs (renewed each tick), and what it
+    takes over."""
 
     def __init__(
         self,
@@ -180,7 +181,7 @@ class Ownership:
         self._local_work = local_work
         self._unrun: set[str] = set()  # held, no local task, at the last tick
         # Fencing (see the module's docstring). Until when the last renewal proves this
-        # runner's leases (None: none succeeded yet, or the last one failed); the jobs
+        # runner's claims (None: none succeeded yet, or the last one failed); the jobs
         # that renewal found held, with their claim epochs; since when renewals have
         # succeeded without a break; each successful renewal sets (and replaces) the event.
         self.proven_until: datetime | None = None
@@ -202,7 +203,7 @@ class Ownership:
     def id(self) -> str:
         return self.runner.id
 
-    def lease_until(self, now: datetime | None = None) -> datetime:
+    def claim_until(self, now: datetime | None = None) -> datetime:
         return (now or self.clock()) + timedelta(seconds=self.settings.lease_s)
 
     async def start(self) -> None:
@@ -211,7 +212,7 @@ class Ownership:
         now = self.clock()
         r = self.runner
         await self.store.register_runner(
-            RunnerRow(r.id, r.kind, r.host, r.pid, process_start(r.pid), now, self.lease_until(now))
+            RunnerRow(r.id, r.kind, r.host, r.pid, process_start(r.pid), now, self.claim_until(now))
         )
         log.info("runner %s (%s, pid %d) started", r.id, r.kind, r.pid)
         await self.tick()
@@ -278,7 +279,7 @@ class Ownership:
         loop = asyncio.get_running_loop()
         began = loop.time()
         try:
-            held = await self.store.renew(self.id, now, self.lease_until(now), local, self._unrun)
+            held = await self.store.renew(self.id, now, self.claim_until(now), local, self._unrun)
         except Exception:
             self.proven_until = self.watching_since = None
             raise
@@ -290,7 +291,7 @@ class Ownership:
             # database without a break.
             self.watching_since = None
         self._renewed_mono = began
-        self.proven_until, self.renewed_at = self.lease_until(now), now
+        self.proven_until, self.renewed_at = self.claim_until(now), now
         self.held = {o.job_id: o.epoch for o in held}
         if self.watching_since is None:
             self.watching_since = self.clock()
@@ -298,19 +299,20 @@ class Ownership:
         self._renewed = asyncio.Event()
         return held
 
-    def watched_a_lease(self, now: datetime) -> bool:
-        """Whether this runner has renewed without a break for a whole lease: only then
-        may it judge another runner's lapsed lease to mean that runner is gone."""
+    def watched_a_claim(self, now: datetime) -> bool:
+        """Whether this runner has renewed without a break for a whole claim length
+        (`lease_s`): only then may it judge another runner's lapsed claim to mean that
+        runner is gone."""
         since = self.watching_since
         return since is not None and now - since >= timedelta(seconds=self.settings.lease_s)
 
     def proven(self, job_id: str, epoch: int | None, after: datetime | None = None) -> Proof:
         """What the last renewal (one begun after `after`, if given) proves about this
-        runner's claim on the job: HELD (its lease has at least a tick left and the
+        runner's claim on the job: HELD (its claim has at least a tick left and the
         renewal found the job under `epoch`), LOST (found under a later epoch: claimed
-        again since), ABSENT (its lease holds, but the renewal did not list the job, or
+        again since), ABSENT (its claim holds, but the renewal did not list the job, or
         listed an earlier claim: claimed since, or taken over; `hold` asks the store
-        which) or UNPROVEN (no renewal, or its lease has run out or is about to)."""
+        which) or UNPROVEN (no renewal, or its claim has run out or is about to)."""
         now, until, at = self.clock(), self.proven_until, self.renewed_at
         margin = timedelta(seconds=self.settings.tick_s)  # a tick's room for the step
         if until is None or at is None or now >= until - margin:
@@ -353,7 +355,7 @@ class Ownership:
         began = loop.time()
         if proof is Proof.UNPROVEN:
             log.warning(
-                "job %s: paused: this runner cannot prove it still holds the job (its lease "
+                "job %s: paused: this runner cannot prove it still holds the job (its claim "
                 "is not renewed: the database is not answering)",
                 job_id,
             )
@@ -392,7 +394,7 @@ class Ownership:
         return ended
 
     async def _drop_lost(self, owned: set[str]) -> None:
-        """Stop local work on jobs another runner now owns (our lease had lapsed)."""
+        """Stop local work on jobs another runner now owns (our claim had lapsed)."""
         for job_id in self.queue.running_ids():
             if job_id in owned:
                 continue
@@ -408,17 +410,17 @@ class Ownership:
                 await self.store.declare_dead(runner_id, now)
 
     async def _take_over(self, now: datetime, ended: Mapping[str, Ended]) -> None:
-        """Recover the jobs whose lease passed; `ended`: those this runner just handed
+        """Recover the jobs whose claim passed; `ended`: those this runner just handed
         back, with the exception their task ended on (it says why in the job)."""
         local, found = self.local_ids(), await self.store.abandoned(now)
         alive: set[str] = set()  # owners that may be alive, paused by an outage
-        if not self.watched_a_lease(now):
+        if not self.watched_a_claim(now):
             lapsed = {j.owner for j in found if j.lease_until is not None and j.owner}
             alive = await self.store.registered_runners(lapsed) if lapsed else set()
         for job in found:
             if job.id in local or job.owner in alive:
                 continue
-            epoch = await self.store.claim(job.id, self.id, now, self.lease_until(now), WORKING)
+            epoch = await self.store.claim(job.id, self.id, now, self.claim_until(now), WORKING)
             if epoch is None:
                 continue  # another runner took it first
             log.info("job %s: taking over from runner %s", job.id, job.owner)
@@ -436,7 +438,7 @@ class Ownership:
         try:
             await work
         except Exception:
-            log.exception("recovering %s failed; it is retried once its lease lapses", key)
+            log.exception("recovering %s failed; it is retried once its claim lapses", key)
         finally:
             self.recovering.pop(key, None)
 
@@ -448,7 +450,7 @@ class Ownership:
         room = self.queue.room()
         if room <= 0:
             return 0
-        claimed = await self.store.claim_queued(self.id, now, self.lease_until(now), room)
+        claimed = await self.store.claim_queued(self.id, now, self.claim_until(now), room)
         for job_id, backend in claimed:
             self.queue.submit(job_id, backend)
         return len(claimed)
@@ -463,7 +465,7 @@ class Ownership:
         """Claim a queued job this process just made runnable (approved it) and start it
         here; False when another runner was faster."""
         now = self.clock()
-        if await self.store.claim(job.id, self.id, now, self.lease_until(now)) is None:
+        if await self.store.claim(job.id, self.id, now, self.claim_until(now)) is None:
             return False
         self.queue.submit(job.id, job.backend)
         return True
@@ -476,7 +478,7 @@ class Ownership:
     async def close(self, within_s: float | None = None) -> None:
         """Hand queued jobs back and say this runner stopped. Called once the queue has
         shut down; the caller keeps renewing (`closing`) until then. Recoveries still
-        going after `within_s` are left: their jobs' leases lapse and another runner
+        going after `within_s` are left: their jobs' claims lapse and another runner
         takes them over, as it would from a process that died."""
         try:  # still renewing: a recovery under way stays this runner's while it runs
             async with asyncio.timeout(within_s):

@@ -62,7 +62,7 @@ class Pipeline:
         addressing: Addressing,
     ) -> None:
         """`fence` is this process's runner (bot/ownership.Ownership): every state
-        change of a job names its claim, so a runner that lost a job (its lease lapsed)
+        change of a job names its claim, so a runner that lost a job (its claim lapsed)
         can no longer change it, and every step waits until the runner proves it holds
         the job."""
         self.fence = fence
@@ -335,7 +335,7 @@ class Pipeline:
             ),
         )
         if not moved:
-            # Not ours any more (taken over after our lease lapsed): the new owner
+            # Not ours any more (taken over after our claim lapsed): the new owner
             # decides about the VM; touching it here could destroy what it resumes.
             log.warning("job %s: no longer ours; leaving its VM to the new owner", job_id)
             return await self.store.get_job(job_id)

@@ -91,9 +91,9 @@ class Recovery(_Section):
 class OwnershipSettings(_Section):
     """How processes sharing one database share the work (bot/ownership.py).
 
-    A runner renews its leases every `tick_s`; a job whose lease has been unrenewed for
-    `lease_s` is taken over by another runner. A process on the same host that is seen
-    to be gone frees its jobs at once, without waiting for the lease.
+    A runner renews its claim on its jobs every `tick_s`; a job whose claim has been
+    unrenewed for `lease_s` is taken over by another runner. A process on the same host
+    that is seen to be gone frees its jobs at once, without waiting for the claim to lapse.
 
     `stop_s`: what `deploybot serve` gives its work on SIGTERM/SIGINT. Running deploys
     and answers to chat may finish for that long; then answers not yet sent are left
@@ -101,9 +101,14 @@ class OwnershipSettings(_Section):
     and what still rolls back after `stop_s` more is left to the runner that takes it
     over. Queued jobs go back at once. The process exits within about twice `stop_s`
     (one budget shared by the rollbacks, destroys and recoveries still going, whose
-    leases are renewed meanwhile)."""
+    claims are renewed meanwhile)."""
 
-    lease_s: float = Field(default=30, gt=0)
+    lease_s: float = Field(
+        default=30,
+        gt=0,
+        description="How long a runner's claim on its jobs lasts unrenewed (the key keeps its "
+        "old name; it is not a VM's lease, see [leases])",
+    )
     tick_s: float = Field(default=2, gt=0)
     stop_s: float = Field(default=10, gt=0)
 
@@ -112,7 +117,7 @@ class OwnershipSettings(_Section):
         if self.tick_s * 3 > self.lease_s:
             raise ValueError(
                 f"tick_s ({self.tick_s:g}) must be at most a third of lease_s "
-                f"({self.lease_s:g}), so a live runner renews before its lease lapses"
+                f"({self.lease_s:g}), so a live runner renews before its claim lapses"
             )
         return self
 

@@ -124,7 +124,7 @@ class Deployer:
 
     async def close(self, grace_s: float = 30.0, rollback_s: float | None = None) -> None:
         """Stop taking work, let running jobs finish within `grace_s` (renewing their
-        leases meanwhile), then hand queued jobs back to the other runners. Closing
+        claims meanwhile), then hand queued jobs back to the other runners. Closing
         twice does nothing more. With `rollback_s` (a stopping server), rollbacks,
         destroys and recoveries still going that long after the cancel are left to the
         runner that takes their jobs over; without it they are waited for."""

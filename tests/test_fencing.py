@@ -201,13 +201,13 @@ async def test_hold_answers_at_once_while_proven_and_lost_for_an_old_epoch(
     async with runner(settings, sim, clock) as first:
         store, me = first.store, first.runner.id
         job = await queued_job(settings, store, "h01", "10.0.0.60")
-        epoch = await store.claim(job.id, me, clock.now, first.ownership.lease_until())
+        epoch = await store.claim(job.id, me, clock.now, first.ownership.claim_until())
         assert epoch is not None
         assert await first.ownership.hold(job.id, epoch) == 0.0  # proven: no wait
         clock.advance(LEASE_S + 1)
         waiting = asyncio.create_task(first.ownership.hold(job.id, epoch))
         await until_paused(first, job.id)
-        again = await store.claim(job.id, me, clock.now, first.ownership.lease_until())
+        again = await store.claim(job.id, me, clock.now, first.ownership.claim_until())
         assert again == epoch + 1  # claimed again (a recovery, say): the old claim is over
         await first.ownership.tick()
         with pytest.raises(Lost):
@@ -258,7 +258,7 @@ async def test_a_job_taken_over_while_its_runner_renews_on_is_lost_at_once(
     async with runner(settings, sim, clock) as first:
         store, me = first.store, first.runner.id
         job = await queued_job(settings, store, "t01", "10.0.0.61")
-        epoch = await store.claim(job.id, me, clock.now, first.ownership.lease_until())
+        epoch = await store.claim(job.id, me, clock.now, first.ownership.claim_until())
         assert epoch is not None and job.id not in first.ownership.held  # claimed since
         assert await first.ownership.hold(job.id, epoch) == 0.0  # the store says: ours
         later = clock.now + timedelta(seconds=LEASE_S + 1)  # its lease, to another runner

@@ -2,7 +2,7 @@
 each test runs on both), one simulated hypervisor.
 
 Each `Deployer` here is what one process would run: its own store connection, its own
-runner id, its own queue. Time is an injected clock, so a lease lapses when the test
+runner id, its own queue. Time is an injected clock, so a claim lapses when the test
 says so; a runner's `tick` is called directly instead of waiting for its loop.
 """
 
@@ -327,7 +327,7 @@ async def test_a_held_job_that_nothing_runs_is_finished_by_its_runner(
     clock = Clock()
     async with runner(settings, SimBackend("sim", time_scale=0.001), clock) as deployer:
         me = deployer.runner.id
-        job = await _held_running(deployer, "web01 10.0.0.50", me, deployer.ownership.lease_until())
+        job = await _held_running(deployer, "web01 10.0.0.50", me, deployer.ownership.claim_until())
         await deployer.ownership.tick()  # seen held with no task: perhaps one about to start
         assert (await deployer.status(job.id)).job.state is JobState.RUNNING
         await deployer.ownership.tick()  # still so: handed back and rolled back here

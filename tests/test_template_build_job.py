@@ -154,7 +154,7 @@ async def test_one_build_of_a_name_at_a_time(deployer: Deployer) -> None:
 async def test_a_build_whose_runner_died_is_rolled_back(
     deployer: Deployer, sim: SimBackend
 ) -> None:
-    """A row left running by a process that died (its lease lapsed), with the template it
+    """A row left running by a process that died (its claim lapsed), with the template it
     had created: the next process's recovery removes the template and fails the build."""
     from backends.building import BuildTarget
     from bot.builds.runner import plan_for
@@ -186,7 +186,7 @@ async def test_an_unexpected_error_rolls_back_and_says_where_the_details_are(
 
 
 async def test_a_queued_build_nobody_holds_is_claimed_and_run(deployer: Deployer) -> None:
-    """Approved in a process that died before running it (its lease lapsed): the next
+    """Approved in a process that died before running it (its claim lapsed): the next
     runner's claim of queued work takes the build too, and runs it."""
     lapsed = utcnow() - timedelta(seconds=5)
     row = recorded(deployer, owner="rdead", lease_until=lapsed, decided_by="bob")

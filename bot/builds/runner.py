@@ -5,7 +5,7 @@
 Like a deploy (bot/pipeline.py): each step has a timeout, a step that creates something
 records its durable id and pushes its undo *before* the call, and a failure or a cancel
 runs the undo stack in reverse, shielded, so nothing a failed build made is left. The
-build's row says who runs it (`owner`, with a lease renewed by bot/ownership.py), so a
+build's row says who runs it (`owner`, with a claim renewed by bot/ownership.py), so a
 build whose process died is rolled back by the next process that starts.
 
 The smoke step is a real deploy through the normal pipeline (a job of its own, recorded

@@ -2,7 +2,7 @@
 
 A build goes through the same job queue as deploys (the queue's runner looks its kind
 up and the build kind, bot/kinds/build.py, hands it to `BuildRunner`), is owned by a
-runner with a lease like a job, and a build whose runner died is rolled back by the next
+runner with a claim like a job, and a build whose runner died is rolled back by the next
 process that takes over work.
 """
 
@@ -59,11 +59,11 @@ class DeploySmoke:
         pipeline: Pipeline,
         destroyer: Destroyer,
         owner: str,
-        lease_until: Callable[[], datetime],
+        claim_until: Callable[[], datetime],
     ) -> None:
         self.settings, self.store, self.intake = settings, store, intake
         self.pipeline, self.destroyer = pipeline, destroyer
-        self.owner, self.lease_until = owner, lease_until
+        self.owner, self.claim_until = owner, claim_until
 
     def _args(self, build: Build, template: str) -> DeployArgs:
         return DeployArgs(
@@ -99,7 +99,7 @@ class DeploySmoke:
             destroy_by=f"template build {build.id}",
             destroy_asked_at=utcnow(),
             owner=self.owner,
-            lease_until=self.lease_until(),
+            lease_until=self.claim_until(),
         )
         current = await self.store.get_job(job.id)
         if not moved or current is None:
@@ -115,7 +115,7 @@ class Builds:
         backends: Mapping[str, Backend],
         queue: JobQueue,
         owner: str,
-        lease_until: Callable[[], datetime],
+        claim_until: Callable[[], datetime],
         smoke: SmokeDeploys,
         notes: BuildNotes,
         prepare: Prepare = prepare_image,
@@ -124,7 +124,7 @@ class Builds:
         """`approvals` says who approves (bot/approvals.py); without it nobody does.
         `smoke` deploys and destroys each build's smoke test."""
         self.settings, self.store, self.backends = settings, store, backends
-        self.queue, self.owner, self.lease_until = queue, owner, lease_until
+        self.queue, self.owner, self.claim_until = queue, owner, claim_until
         self.recovering: set[str] = set()  # builds being rolled back by `recover`
         self.approvals = approvals
         self.runner = BuildRunner(settings, store, dict(backends), owner, notes, smoke, prepare)
@@ -200,7 +200,7 @@ class Builds:
             # Queued: reserved for this runner, which starts it here. Awaiting approval:
             # nobody's, until the approver's process takes it (`decide`).
             owner=None if reason else self.owner,
-            lease_until=None if reason else self.lease_until(),
+            lease_until=None if reason else self.claim_until(),
             installation=self.store.installation_id,
             origin=origin,
             approval_reason=reason,
@@ -283,7 +283,7 @@ class Builds:
         decided = {"decided_by": approver, "decided_at": now}
         told = [build_notice(build_id, BUILD_DECIDED, note or "")]
         if approved:
-            fields: dict[str, object] = {"owner": self.owner, "lease_until": self.lease_until()}
+            fields: dict[str, object] = {"owner": self.owner, "lease_until": self.claim_until()}
         else:
             fields = {"finished_at": now, "error": note or "rejected"}
         try:
@@ -338,14 +338,14 @@ class Builds:
         return await self.runner.run(build_id)
 
     async def recover(self, now: datetime | None = None) -> list[Build]:
-        """Roll back the builds whose runner died (their lease lapsed): what they made is
+        """Roll back the builds whose runner died (their claim lapsed): what they made is
         removed, as their own rollback would have."""
         done = []
         for build in await self.store.builds.abandoned(now or utcnow()):
             if build.id in self.recovering:
                 continue  # being rolled back here already (a sweep and a hand-back)
             taken = await self.store.builds.update(
-                build.id, build.owner, owner=self.owner, lease_until=self.lease_until()
+                build.id, build.owner, owner=self.owner, lease_until=self.claim_until()
             )
             if not taken:
                 continue  # another process took it first

@@ -63,7 +63,7 @@ class JobState(StrEnum):
     EXPIRED = "expired"
     RELEASED = "released"  # succeeded, and its VM has since gone: the name is free again
     # The other half of the life cycle (bot/destroy.py): a destroy that waits for an
-    # approver, one under way (owned and leased like a running deploy), and its end.
+    # approver, one under way (owned and claimed like a running deploy), and its end.
     DESTROY_REQUESTED = "destroy_requested"
     DESTROYING = "destroying"
     DESTROYED = "destroyed"
@@ -223,7 +223,7 @@ class Job(BaseModel):
     origin: str | None = None
     thread_ref: str | None = None
     approval_ref: str | None = None
-    # Who runs it: the runner that claimed it and until when its lease holds (renewed
+    # Who runs it: the runner that claimed it and until when its claim holds (renewed
     # while the runner lives). Another process takes a job over only once that passed.
     owner: str | None = None
     lease_until: datetime | None = None
@@ -319,7 +319,7 @@ class Job(BaseModel):
 class Claim(BaseModel):
     """A runner's hold on a job, named by every write it makes to it (the fencing
     token): the write lands only while the job's owner is `runner` and its claim epoch
-    is `epoch`. A runner that lost the job (its lease lapsed and another took it) or a
+    is `epoch`. A runner that lost the job (its claim lapsed and another took it) or a
     task of an older claim of the same runner changes nothing. `epoch` None: any claim
     of this runner's, only for the move that starts a queued job it claimed (its epoch is
     read from that move's answer)."""

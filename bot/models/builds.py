@@ -1,6 +1,6 @@
 """Template builds as data (issue 17): a row of the `builds` table per build.
 
-A build is a job of its own kind: it has a requester, an owner with a lease, a state
+A build is a job of its own kind: it has a requester, an owner with a claim, a state
 machine and an undo stack like a deploy, but no address and no chat-visible VM of its
 own, so it lives in its own table, and its kind is the table's (bot/kinds/build.py).
 Its id starts with `b` (a deploy's with `j`) only to tell them apart when read; no code

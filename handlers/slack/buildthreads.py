@@ -29,7 +29,7 @@ class BuildDelivery(Delivery):
     """Mixed into `SlackThreads`: what it does with a build's notices."""
 
     async def _release_build(self, build_id: str) -> None:
-        """A build's delivery lease goes once it ended and all of it is in Slack."""
+        """A build's delivery claim goes once it ended and all of it is in Slack."""
         parts = (self.build_threads.get(build_id), self.build_cards.get(build_id))
         if any(part is not None and part.pending() for part in parts):
             return

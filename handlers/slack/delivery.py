@@ -47,7 +47,7 @@ class Delivery:
         self._sent_before: dict[int, frozenset[str]] = {}  # parts a restart must not repeat
         self._sent: list[tuple[int, str]] = []  # parts in Slack, to record in the store
         self._delivered: list[int] = []  # to mark in the store
-        self._held: set[str] = set()  # jobs whose delivery lease this process holds
+        self._held: set[str] = set()  # jobs whose delivery claim this process holds
         # What record each held id's notices follow: its kind's rows (bot/kinds/), looked
         # up once: a job's kind never changes.
         self._rows: dict[str, Rows] = {}

@@ -2,12 +2,12 @@
 
 The core writes a notice (bot.models.Notice) in the same transaction as each change a
 person follows in chat (store/outbox.py). `SlackThreads` runs in every process with the
-Slack front end: it claims the jobs whose notices nobody is delivering (a lease per job,
+Slack front end: it claims the jobs whose notices nobody is delivering (a delivery claim per job,
 so one process writes a thread at a time and in order), turns each notice into the
 parts of messages it changes (handlers/slack/items.py), lets the per-channel outboxes
 pace and coalesce the calls (handlers/slack/outbox.py), records each part in the store
 as Slack takes it, and marks a notice delivered once every part of it is in Slack. A
-process that dies leaves its notices undelivered; once its leases lapse another process
+process that dies leaves its notices undelivered; once its delivery claims lapse another process
 (or its restart) claims them, rebuilds each thread from the job's stored references,
 and says the parts not yet said.
 """
@@ -47,7 +47,7 @@ from handlers.slack.items import (
 )
 
 log = logging.getLogger(__name__)
-LEASE_S = 30.0  # a delivery lease: another process takes a job's thread over after this
+DELIVERY_CLAIM_S = 30.0  # another process takes a job's thread over after this
 POLL_S = 0.2  # how often to look for notices written by other processes
 ORPHAN_SCAN_S = 5.0  # how often to look for notices a dead process left
 BATCH = 500
@@ -80,7 +80,7 @@ class SlackThreads(BuildDelivery):
         async with self._poll_lock:
             outbox, now = self.deployer.chat_outbox, utcnow()
             await self._mark()
-            until = now + timedelta(seconds=LEASE_S)
+            until = now + timedelta(seconds=DELIVERY_CLAIM_S)
             await outbox.renew(self.me, until)
             fresh = await outbox.new_since(self._cursor, BATCH)
             if fresh:
