@@ -17,7 +17,7 @@ from bot.runtime import running_deployer
 from bot.service import Deployer
 from handlers import messages
 from handlers.commands import answer
-from tests.conftest import Recorder, make_settings
+from tests.support.deployer import Recorder, make_settings
 
 
 def args(text: str) -> DeployArgs:

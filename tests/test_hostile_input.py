@@ -31,7 +31,7 @@ from handlers import messages
 from handlers.commands import answer
 from store.db import Store
 from store.jobs import job_row
-from tests.conftest import SIM_SCALE, make_settings
+from tests.support.deployer import SIM_SCALE, make_settings
 
 ASCII_ADVICE = "use ASCII letters a-z, digits and hyphens"
 SORRY = messages.INTERNAL_ERROR.split(".")[0]  # what an unexpected exception says

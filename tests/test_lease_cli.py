@@ -12,8 +12,8 @@ import pytest
 from bot.errors import ConfigError, UsageError
 from bot.leaseterms import parse_length, show_length
 from bot.parser import DeployArgs, ExtendLease, parse
-from tests.conftest import make_settings
-from tests.test_cli import KEPT, deploybot, no_traceback
+from tests.support.cli import KEPT, deploybot, no_traceback
+from tests.support.deployer import make_settings
 
 
 def test_lease_in_the_deploy_grammar() -> None:

@@ -27,7 +27,7 @@ from handlers import messages
 from handlers.commands import answer
 from store.db import Store
 from store.jobs import job_row
-from tests.conftest import make_settings
+from tests.support.deployer import make_settings
 
 
 def args(text: str) -> DeployArgs:

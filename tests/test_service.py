@@ -20,7 +20,7 @@ from bot.runtime import running_deployer
 from bot.service import Deployer
 from handlers import messages
 from store.db import Store
-from tests.conftest import SIM_SCALE, TEST_KEY, Recorder, make_settings
+from tests.support.deployer import SIM_SCALE, TEST_KEY, Recorder, make_settings
 
 
 def args(text: str) -> DeployArgs:

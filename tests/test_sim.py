@@ -17,7 +17,7 @@ from backends.base import (
     pick_address,
 )
 from backends.sim import SimBackend, SimTiming, SimulatedCrash
-from tests.contract import IDENTITY
+from tests.support.contract import IDENTITY
 
 
 async def cloned(sim: SimBackend, job: str = "jsim001") -> VMRef:

@@ -9,9 +9,8 @@ from pathlib import Path
 from backends.sim import SimBackend
 from bot.models import JobState
 from bot.parser import DeployArgs, parse
-from tests.conftest import SIM_SCALE
-from tests.fake_slack import Call
-from tests.slack_support import (
+from tests.support.deployer import SIM_SCALE
+from tests.support.slack.bot import (
     ALICE,
     APPROVALS,
     BOB,
@@ -22,6 +21,7 @@ from tests.slack_support import (
     is_reply,
     slack_bot,
 )
+from tests.support.slack.fake_api import Call
 
 POLICY = {"approvers": [BOB, CAROL], "destroy": "always", "expire_after_s": 600}
 

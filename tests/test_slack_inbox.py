@@ -11,8 +11,8 @@ from bot.models import utcnow
 from bot.models.notices import Received
 from bot.parser import DeployArgs
 from handlers.slack.interact import form_body
-from tests.conftest import TEST_KEY
-from tests.slack_support import ALICE, CHANNEL, Harness, is_reply, slack_bot
+from tests.support.deployer import TEST_KEY
+from tests.support.slack.bot import ALICE, CHANNEL, Harness, is_reply, slack_bot
 
 
 def inbox_rows(h: Harness) -> list[tuple[object, ...]]:

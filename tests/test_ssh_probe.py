@@ -18,7 +18,7 @@ from bot.parser import DeployArgs, parse
 from bot.runtime import running_deployer
 from bot.settings import Timeouts
 from bot.waiting import retrying
-from tests.conftest import make_settings
+from tests.support.deployer import make_settings
 
 GUEST = ipaddress.IPv4Address("127.0.5.10")
 

@@ -29,7 +29,7 @@ from pyVmomi import vim
 from backends.base import CloneSpec, NotOurVM, PermanentError, VMRef, parse_tag
 from backends.building import BuildPlan, BuildsTemplates, BuildTarget
 from backends.vsphere import VSphereBackend, buildmark, cpu, ovf
-from tests.vcsim_support import (
+from tests.support.vsphere.simulator import (
     TEMPLATE,
     Simulated,
     TlsFiles,

@@ -25,14 +25,9 @@ from bot.models import JobState
 from bot.parser import DeployArgs, parse
 from bot.settings import BUNDLED_CONFIG, load_settings
 from handlers import messages
-from tests.contract import IDENTITY
-from tests.test_vsphere_pipeline import (
-    Sshd,
-    deploy,
-    deployer_for,
-    vsphere_settings,
-)
-from tests.vcsim_support import (
+from tests.support.contract import IDENTITY
+from tests.support.vsphere.pipeline import Sshd, deploy, deployer_for, vsphere_settings
+from tests.support.vsphere.simulator import (
     TEMPLATE,
     TOOLS_VERSION,
     Simulated,
