@@ -21,7 +21,6 @@ from backends.simvm import DEFAULT_TEMPLATES
 
 SEED = int(os.environ.get("DEPLOYBOT_CRASH_SEED", "20261130"))
 
-
 STEP_LINES = [
     f"{mark} {label}"
     for label in (
@@ -38,7 +37,6 @@ STEP_LINES = [
 
 
 ROLLBACK_LINES = ["something failed; removing", "Rolled back"]
-
 
 # The VM the destroy and lease crash tests deploy (tests/test_crash_destroy.py, _lease.py).
 NAME = "web01"

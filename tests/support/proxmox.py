@@ -1,5 +1,5 @@
 """What the Proxmox backend tests share: the fake server's fixtures, a backend on it,
-a cloned VM, and the identity a deploy hands it."""
+a cloned VM, the identity a deploy hands it, and one deploy run to its end on it."""
 
 from __future__ import annotations
 
@@ -84,7 +84,6 @@ def no_task_running(fake: FakePVE) -> bool:
 
 
 ADDRESS = "127.0.10.50"
-
 
 ORIGINAL = {100, 9000, 9001, 9002, 9003, 9004, 9005}
 

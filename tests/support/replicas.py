@@ -35,14 +35,11 @@ from tests.support.slack.fake_api import Call, FakeSlack
 
 OWNERSHIP = "\n[ownership]\nlease_s = 3\ntick_s = 0.5\n"
 
-
 SLACK = '\n[slack]\napi_base_url = "{url}"\nposts_per_second = 40\n'
-
 
 # What the fake Slack shows of a step, to kill the server at: the headline names the
 # step under way, the thread gets a line when it ends.
 SLACK_STEPS = ["copy template", "set identity", "power on", "wait for address", "check SSH"]
-
 
 T = TypeVar("T")
 

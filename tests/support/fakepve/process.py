@@ -22,7 +22,6 @@ from tests.support.reference import REFERENCE, reference_json
 
 SECRET = "crash-harness-secret"
 
-
 CONFIG = """
 database = "{tmp}/jobs.db"
 log_file = "{tmp}/bot.log"
