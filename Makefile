@@ -39,7 +39,7 @@ test: lint docs
 # Optional, needs the network: the real NetBox (its own Python >= 3.12 venv, in
 # ~/.cache/deploybot/) that tests/test_netbox_*.py run against; without it they skip.
 netbox:
-	$(PYTHON) -m tests.netbox_install
+	$(PYTHON) -m tests.support.netbox.install
 
 # Optional, needs root and the network: the Debian 12 guest images (~/.cache/deploybot/
 # guest-KEY/: ifupdown; guest-netplan-KEY/: netplan + systemd-networkd) that
@@ -47,8 +47,8 @@ netbox:
 # libguestfs-tools is installed, the "upstream" variants of the eni image that
 # tests/test_template_build_*.py fetch and customise (upstream-KEY/, no network).
 guest-image:
-	$(PYTHON) -m tests.realguest.image
-	if command -v guestfish >/dev/null; then $(PYTHON) -m tests.realguest.upstream; fi
+	$(PYTHON) -m tests.support.realguest.image
+	if command -v guestfish >/dev/null; then $(PYTHON) -m tests.support.realguest.upstream; fi
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.bench_pipeline

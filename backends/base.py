@@ -5,7 +5,7 @@ its identity, power it on, learn its address, prove it answers on SSH. This modu
 names those moves and the data they exchange; `backends/sim.py` is the reference
 implementation that the demo and the tests run against.
 
-Contract (every backend keeps it; the shared conformance tests in tests/contract.py
+Contract (every backend keeps it; the shared conformance tests in tests/support/contract.py
 check it):
 
 * Every mutating method returns only after the hypervisor finished the work. A backend

@@ -41,10 +41,10 @@ from bot.commands import DeployArgs
 from bot.parser import parse
 from bot.runtime import running_deployer
 from bot.settings import BUNDLED_CONFIG, load_settings
-from tests.fakepve.schema import ApiSchema
-from tests.fakepve.server import make_tls
-from tests.fakepve.testing import make_backend, start_fake
-from tests.reference import reference_json
+from tests.support.fakepve.schema import ApiSchema
+from tests.support.fakepve.server import make_tls
+from tests.support.fakepve.testing import make_backend, start_fake
+from tests.support.reference import reference_json
 
 PICK_GOAL_MS = 50.0
 HELD = (0, 500, 1000)

@@ -1,6 +1,6 @@
 """Bot overhead on Proxmox: wall time against the hypervisor's own task time.
 
-Starts the fake Proxmox API (`python -m tests.fakepve`) in its own process with fixed task
+Starts the fake Proxmox API (`python -m tests.support.fakepve`) in its own process with fixed task
 durations (clone 2 s, config 0.2 s, start 1 s, guest agent up 3 s after start; the guest's
 sshd comes up with the agent on 127.0.10.x), then runs one "first deploy" (an empty
 history, a process that has timed nothing: it starts from the backend's typical
@@ -79,7 +79,8 @@ def free_port(host: str) -> int:
 
 
 def start_fake(state: Path, port: int, ssh_port: int, secret: str) -> subprocess.Popen[str]:
-    args = [sys.executable, "-m", "tests.fakepve", "--port", str(port), "--ssh-port", str(ssh_port)]
+    args = [sys.executable, "-m", "tests.support.fakepve"]
+    args += ["--port", str(port), "--ssh-port", str(ssh_port)]
     args += ["--state-dir", str(state), "--token-secret", secret]
     for name, seconds in TIMINGS.items():
         args += [f"--{name}", str(seconds)]

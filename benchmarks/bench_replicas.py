@@ -37,9 +37,8 @@ from backends.simvm import SimTiming
 from benchmarks import needs
 from benchmarks.bench_pipeline import critical_path_s
 from benchmarks.keys import BENCH_KEY
-from tests.fake_slack import FakeSlack
-from tests.postgres_support import PASSWORD, PASSWORD_ENV, start_cluster, stop_cluster
-from tests.slack_support import (
+from tests.support.postgres import PASSWORD, PASSWORD_ENV, start_cluster, stop_cluster
+from tests.support.slack.bot import (
     ALICE,
     BOT_TOKEN,
     CHANNEL,
@@ -48,6 +47,7 @@ from tests.slack_support import (
     new_fake,
     sign,
 )
+from tests.support.slack.fake_api import FakeSlack
 
 ROOT = Path(__file__).resolve().parent.parent
 SCALE = 0.5

@@ -33,8 +33,8 @@ from bot.runtime import running_deployer
 from bot.settings import BUNDLED_CONFIG, load_settings
 from handlers.slack.app import SlackBot, make_client
 from handlers.slack.threads import SlackThreads
-from tests.fake_slack import FakeSlack
-from tests.slack_support import ALICE, BOT_TOKEN, CHANNEL, SIGNING_SECRET, Harness, new_fake
+from tests.support.slack.bot import ALICE, BOT_TOKEN, CHANNEL, SIGNING_SECRET, Harness, new_fake
+from tests.support.slack.fake_api import FakeSlack
 
 GOAL_P99_S = 10.0  # ready -> SSH line by direct message
 # ready -> SSH line in the channel: the channel takes one post a second, so the best

@@ -63,7 +63,7 @@ from bot.models import JobState
 from bot.parser import parse
 from bot.runtime import make_backend, running_deployer
 from bot.settings import BUNDLED_CONFIG, load_settings
-from tests.vcsim_support import (
+from tests.support.vsphere.simulator import (
     PASSWORD,
     PASSWORD_ENV,
     TEMPLATE,

@@ -17,7 +17,7 @@ from typing import TypeVar
 
 import pytest
 
-from tests.reference import REFERENCE
+from tests.support.reference import REFERENCE
 
 MISSING = 3
 T = TypeVar("T")

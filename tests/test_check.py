@@ -12,10 +12,10 @@ from pathlib import Path
 import aiohttp
 import trustme
 
-from tests.fakepve import testing
-from tests.fakepve.schema import ApiSchema
-from tests.fakepve.server import FakePVE, Tls
-from tests.fakepve.testing import config_text, run_deploybot, start_fake
+from tests.support.fakepve import testing
+from tests.support.fakepve.schema import ApiSchema
+from tests.support.fakepve.server import FakePVE, Tls
+from tests.support.fakepve.testing import config_text, run_deploybot, start_fake
 
 pve_schema = testing.pve_schema
 pve_tls = testing.pve_tls

@@ -11,8 +11,8 @@ import pytest
 from bot.check import CheckResult
 from bot.sections import SlackSettings
 from handlers.slack.check import slack_checks
-from tests.fake_slack import FakeSlack
-from tests.slack_support import APPROVALS, BOT_TOKEN, new_fake
+from tests.support.slack.bot import APPROVALS, BOT_TOKEN, new_fake
+from tests.support.slack.fake_api import FakeSlack
 
 
 @pytest.fixture

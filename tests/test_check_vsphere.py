@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from bot.check import check_backend
-from tests.vcsim_support import (
+from tests.support.vsphere.simulator import (
     TEMPLATE,
     Simulated,
     esxi_fixture,  # noqa: F401

@@ -9,53 +9,7 @@ from pathlib import Path
 
 import pytest
 
-CONFIG = """
-database = "{tmp}/jobs.db"
-log_file = "{tmp}/bot.log"
-
-[[backends]]
-kind = "sim"
-name = "sim"
-time_scale = 0.001
-
-[defaults]
-ssh_keys = ["ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIHb2vLw3m3tqB7m4m1Lr2x9n0l3r3x8uGk2ycJ0b1Fq8 test"]
-
-[[subnets]]
-cidr = "10.0.0.0/24"
-gateway = "10.0.0.1"
-dns = ["10.0.0.2"]
-
-[timeouts]
-retry_initial_s = 0.001
-
-[approval]
-approvers = ["bob"]
-cores_over = 8
-"""
-
-
-def deploybot(
-    tmp_path: Path, *args: str, config: str | None = CONFIG, stdin: str = ""
-) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DEPLOYBOT_")}
-    if config is not None:
-        path = tmp_path / "deploybot.toml"
-        path.write_text(config.format(tmp=tmp_path))
-        env["DEPLOYBOT_CONFIG"] = str(path)
-    return subprocess.run(
-        [sys.executable, "-m", "handlers.entry", *args],
-        cwd=tmp_path,
-        env=env,
-        input=stdin,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-
-
-def no_traceback(result: subprocess.CompletedProcess[str]) -> None:
-    assert "Traceback" not in result.stdout + result.stderr
+from tests.support.cli import CONFIG, KEPT, deploybot, no_traceback
 
 
 def test_demo_runs_both_threads_to_the_end(tmp_path: Path) -> None:
@@ -196,10 +150,6 @@ def test_serve_without_a_token_says_which_variable(
     monkeypatch.delenv("SLACK_BOT_TOKEN", raising=False)
     result = deploybot(tmp_path, "serve")
     assert result.returncode == 2 and "SLACK_BOT_TOKEN is not set" in result.stderr
-
-
-# The simulator keeps its VMs in a file, so a VM one process made is there for the next.
-KEPT = CONFIG.replace("time_scale = 0.001", 'time_scale = 0.001\nstate_file = "{tmp}/sim.json"')
 
 
 def test_list_and_destroy_from_the_cli(tmp_path: Path) -> None:

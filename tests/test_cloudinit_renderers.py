@@ -3,7 +3,7 @@ vSphere backend writes: the network config rendered by all five Linux renderers,
 host name, FQDN and /etc/hosts.
 
 The documents come from the backend's own builder (`guestinfo.extra_config`); the guest
-side is `tests/cloudinit_guest.py`, run by Debian's /usr/bin/python3 with the system's
+side is `tests/support/cloudinit_guest.py`, run by Debian's /usr/bin/python3 with the system's
 cloudinit package (never a pip copy), offline, writing only into a temporary folder.
 Every renderer must configure the guest's real NIC: found by its MAC, or by the name
 cloud-init gives the NIC with that MAC at boot, with the address, gateway, DNS servers
@@ -30,7 +30,7 @@ from backends.base import Identity
 from backends.vsphere.guestinfo import NIC_NAME, extra_config
 
 SYSTEM_PYTHON = Path("/usr/bin/python3")
-GUEST = Path(__file__).with_name("cloudinit_guest.py")
+GUEST = Path(__file__).with_name("support") / "cloudinit_guest.py"
 MAC = "00:50:56:0a:1b:2c"
 INSTANCE_ID = "5029c9f2-d6a4-4d57-9b65-7d1f2c1e0a11"
 IDENTITY = Identity(

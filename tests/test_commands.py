@@ -15,9 +15,9 @@ from handlers.commands import COMMANDS, SlackWay, Who, answer_command
 from handlers.messages import usage
 from handlers.slack.app import SlackBot
 from handlers.terminal import Shell
-from tests.conftest import TEST_KEY
-from tests.fake_slack import Call
-from tests.slack_support import ALICE, CHANNEL, slack_bot
+from tests.support.deployer import TEST_KEY
+from tests.support.slack.bot import ALICE, CHANNEL, slack_bot
+from tests.support.slack.fake_api import Call
 
 # What a person types for each registered command: answers that need no job, so the
 # shell and Slack can be held to the same words. A command added to the registry needs

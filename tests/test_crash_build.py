@@ -19,7 +19,7 @@ import sys
 import threading
 from pathlib import Path
 
-from tests.test_crash import restart, write_config
+from tests.support.crash import restart, write_config
 
 
 def build_row(tmp: Path) -> tuple[str, str, str | None, str | None, str | None]:

@@ -8,33 +8,16 @@ does (a task running at the kill has finished when the bot comes back).
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import sqlite3
 import threading
 from pathlib import Path
 
 import pytest
 
-from tests.test_crash import restart, start_shell, write_config
+from tests.support.crash import job_row, restart, sim_vms, start_shell, write_config
 
 NAME, ADDRESS = "web01", "10.20.0.10"
-
-
-def job_row(tmp: Path) -> tuple[str, str, str]:
-    db = sqlite3.connect(tmp / "jobs.db")
-    try:
-        assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
-        row = db.execute("SELECT id, state, vm_id FROM jobs WHERE name = ?", [NAME]).fetchone()
-    finally:
-        db.close()
-    return str(row[0]), str(row[1]), str(row[2])
-
-
-def sim_vms(tmp: Path) -> dict[str, dict[str, object]]:
-    state = json.loads((tmp / "sim.json").read_text())
-    return {str(vm["vm_id"]): vm for vm in state["vms"]}
 
 
 def first_life(tmp: Path, env: dict[str, str]) -> list[str]:

@@ -17,8 +17,7 @@ import sqlite3
 import threading
 from pathlib import Path
 
-from tests.test_crash import restart, start_shell, write_config
-from tests.test_crash_destroy import job_row, sim_vms
+from tests.support.crash import job_row, restart, sim_vms, start_shell, write_config
 
 NAME, ADDRESS = "web01", "10.20.0.10"
 LEASES = """

@@ -15,26 +15,29 @@ The cluster here is this module's own, so stopping it disturbs no other test.
 
 from __future__ import annotations
 
-import json
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from handlers.messages.slack import STORE_NOT_ANSWERING
 from handlers.messages.text import escape
-from tests.postgres_support import (
-    PASSWORD,
-    PASSWORD_ENV,
-    start_again,
-    stop_fast,
+from tests.support.fakepve.process import FakePVE, config_env, fake_pve
+from tests.support.postgres import PASSWORD, PASSWORD_ENV, start_again, stop_fast
+from tests.support.replicas import (
+    SLACK,
+    Proc,
+    SlackThread,
+    _reap,
+    check_vms,
+    command,
+    get,
+    rows,
+    serve,
+    slack,
+    until,
+    until_or_none,
 )
-from tests.slack_support import ALICE, CHANNEL, command_body, sign
-from tests.test_crash_proxmox import FakePVE, config_env, fake_pve
-from tests.test_failover import check_vms, rows, until, until_or_none
-from tests.test_multiprocess import SLACK, Proc, SlackThread, _reap, serve, slack
 
 __all__ = ["_reap", "fake_pve", "slack"]  # fixtures, used by name
 DEPLOYS = 12
@@ -49,30 +52,6 @@ def replica(tmp: Path, fake: FakePVE, slack: SlackThread, url: str) -> Proc:
     text = config.read_text().replace(f'"{tmp}/jobs.db"', f'"{url}"')
     config.write_text(text + LEASE + SLACK.format(url=slack.fake.url))
     return serve(env, tmp, "replica")
-
-
-def command(server: Proc, slack: SlackThread, text: str) -> tuple[int, dict[str, object], float]:
-    """A signed /deploy: Slack's view of it (status, body, seconds to the answer)."""
-    body = command_body(text, ALICE, CHANNEL, slack.fake.new_trigger())
-    request = urllib.request.Request(
-        server.listening, data=body.encode(), headers=sign(body), method="POST"
-    )
-    began = time.monotonic()
-    try:
-        with urllib.request.urlopen(request, timeout=30) as answer:
-            raw, status = answer.read(), answer.status
-    except urllib.error.HTTPError as exc:
-        raw, status = exc.read(), exc.code
-    return status, (json.loads(raw) if raw else {}), time.monotonic() - began
-
-
-def get(server: Proc, path: str) -> tuple[int, str]:
-    url = server.listening.replace("/slack/events", path)
-    try:
-        with urllib.request.urlopen(url, timeout=10) as answer:
-            return answer.status, answer.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
 
 
 def states(url: str) -> dict[str, tuple[str, str]]:

@@ -18,7 +18,7 @@ from bot.runtime import running_deployer
 from bot.service import Deployer
 from handlers.commands import answer
 from handlers.messages.core import cancelling
-from tests.conftest import Recorder, make_settings
+from tests.support.deployer import Recorder, make_settings
 
 
 def args(text: str) -> DeployArgs:

@@ -1,7 +1,8 @@
 """The shared backend contract, run against vcsim in standalone ESXi mode.
 
-The test's guest agent (tests/vcsim_support.py) plays the booted guest: it reports the address
-from the VM's cloud-init metadata, so `wait_for_address` returns the identity's address.
+The test's guest agent (tests/support/vsphere/simulator.py) plays the booted guest: it reports
+the address from the VM's cloud-init metadata, so `wait_for_address` returns the identity's
+address.
 """
 
 from __future__ import annotations
@@ -13,9 +14,14 @@ from collections.abc import AsyncIterator
 import pytest
 
 from backends.base import Backend, VMRef
-from tests.contract import *  # noqa: F403
-from tests.contract import HandBuilt, Untag
-from tests.vcsim_support import Simulated, esxi_fixture, vcsim_binary_fixture, vcsim_tls_fixture  # noqa: F401
+from tests.support.contract import *  # noqa: F403
+from tests.support.contract import HandBuilt, Untag
+from tests.support.vsphere.simulator import (  # noqa: F401
+    Simulated,
+    esxi_fixture,
+    vcsim_binary_fixture,
+    vcsim_tls_fixture,
+)
 
 
 @pytest.fixture

@@ -14,8 +14,8 @@ from pyVmomi import vim
 
 from backends.base import CloneSpec
 from backends.vsphere.inherit import inherited_extra
-from tests.contract import IDENTITY
-from tests.vcsim_support import (
+from tests.support.contract import IDENTITY
+from tests.support.vsphere.simulator import (
     TEMPLATE,
     TOOLS_VERSION,
     Simulated,

@@ -17,45 +17,32 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any
 
-import psycopg
 import pytest
 
-from tests.postgres_support import PASSWORD, PASSWORD_ENV
-from tests.slack_support import CHANNEL
-from tests.test_crash_proxmox import FakePVE, config_env, fake_pve
-from tests.test_multiprocess import OWNERSHIP, SLACK, SlackThread, _reap, ask_in_slack, serve, slack
+from tests.support.fakepve.process import FakePVE, config_env, fake_pve
+from tests.support.postgres import PASSWORD, PASSWORD_ENV
+from tests.support.replicas import (
+    OWNERSHIP,
+    SLACK,
+    SlackThread,
+    _reap,
+    ask_in_slack,
+    check_vms,
+    parents,
+    rows,
+    serve,
+    slack,
+    until,
+    until_or_none,
+)
+from tests.support.slack.bot import CHANNEL
 
 __all__ = ["_reap", "fake_pve", "slack"]  # fixtures, used by name
 DEPLOYS = 30
 FINAL = ("succeeded", "failed")
-
-
-def rows(url: str, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    with psycopg.connect(url, password=PASSWORD, autocommit=True) as conn:
-        return conn.execute(sql.encode(), params).fetchall()
-
-
-def until_or_none(found: Callable[[], Any], slack: SlackThread, within_s: float = 120) -> Any:
-    """Look again each time the bots call Slack (or each half second), up to `within_s`;
-    the last answer."""
-    deadline = time.monotonic() + within_s
-    answer = found()
-    while not answer and time.monotonic() < deadline:
-        slack.run(slack.fake.next_call(within=0.5))
-        answer = found()
-    return answer
-
-
-def until(found: Callable[[], Any], slack: SlackThread, what: str, within_s: float = 120) -> Any:
-    answer = until_or_none(found, slack, within_s)
-    if not answer:
-        pytest.fail(f"never: {what}")
-    return answer
 
 
 def running_on(url: str, pid: int) -> tuple[str, str] | None:
@@ -77,15 +64,6 @@ def released(url: str, runner: str) -> bool:
         (runner,),
     )
     return int(found[0][0]) == 0
-
-
-def parents(slack: SlackThread) -> dict[str, list[str]]:
-    """Each job name's thread parents in the channel, oldest first (their ts)."""
-    found: dict[str, list[str]] = {}
-    for call in slack.fake.called("chat.postMessage", channel=CHANNEL):
-        if "thread_ts" not in call.args:
-            found.setdefault(call.text.split()[0], []).append(str(call.answer["ts"]))
-    return found
 
 
 def unended(url: str, slack: SlackThread) -> list[str]:
@@ -121,15 +99,6 @@ def check_runs(url: str) -> dict[str, tuple[str, str]]:
             assert not after, f"{name}: steps ran after its rollback began: {after}"
         assert state in FINAL, (name, state)
     return {str(name): (str(state), str(vm or "")) for _id, name, state, vm in jobs}
-
-
-def check_vms(jobs: dict[str, tuple[str, str]], fake: FakePVE) -> None:
-    vms = fake.vms()
-    ours = {str(vm["vmid"]) for vm in vms if "deploybot-" in str(vm.get("tags", ""))}
-    succeeded = {vm for state, vm in jobs.values() if state == "succeeded"}
-    assert ours == succeeded, (
-        f"VMs {sorted(ours - succeeded)} orphaned, {sorted(succeeded - ours)} lost"
-    )
 
 
 def test_failover_replicas_on_postgres_survive_two_kills(

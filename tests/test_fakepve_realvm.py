@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.fakepve.realvm import AGENT_UNIT, DEFAULT_LAN, Lan, broken, lan
-from tests.realguest import nocloud, qemu
+from tests.support.fakepve.realvm import AGENT_UNIT, DEFAULT_LAN, Lan, broken, lan
+from tests.support.realguest import nocloud, qemu
 
 
 def test_the_gateway_and_nameserver_of_ipconfig0_are_qemus() -> None:

@@ -25,9 +25,9 @@ from bot.runtime import running_deployer
 from bot.settings import Settings
 from store.db import Store
 from store.owners import RunnerRow
-from tests.conftest import Recorder, make_settings
-from tests.postgres_support import PASSWORD, PASSWORD_ENV, start_again, stop_fast
-from tests.test_ownership import Clock, database, gate, request, runner
+from tests.support.deployer import Recorder, make_settings
+from tests.support.ownership import Clock, database, gate, request, runner
+from tests.support.postgres import PASSWORD, PASSWORD_ENV, start_again, stop_fast
 
 __all__ = ["database"]  # a fixture, used by name
 LEASE_S = 300.0

@@ -21,7 +21,7 @@ from bot.parser import parse
 from bot.requests import build_request
 from bot.settings import Settings
 from store.db import Store
-from tests.conftest import make_settings
+from tests.support.deployer import make_settings
 
 OTHER_INSTALLATION = "zz2zz3zz4z"
 

@@ -15,9 +15,9 @@ from backends.proxmox import ProxmoxBackend
 from bot import gc
 from bot.sections import Timeouts
 from store.db import Store
-from tests.fakepve import testing
-from tests.fakepve.server import FakePVE
-from tests.fakepve.testing import make_backend
+from tests.support.fakepve import testing
+from tests.support.fakepve.server import FakePVE
+from tests.support.fakepve.testing import make_backend
 
 pve = testing.pve
 pve_schema = testing.pve_schema

@@ -32,7 +32,7 @@ from handlers.commands import answer
 from handlers.messages.core import INTERNAL_ERROR
 from store.db import Store
 from store.jobs import job_row
-from tests.conftest import SIM_SCALE, make_settings
+from tests.support.deployer import SIM_SCALE, make_settings
 
 ASCII_ADVICE = "use ASCII letters a-z, digits and hyphens"
 SORRY = INTERNAL_ERROR.split(".")[0]  # what an unexpected exception says

@@ -18,8 +18,8 @@ from bot.parser import parse
 from bot.runtime import running_deployer
 from bot.service import Deployer
 from bot.settings import Settings
-from tests.conftest import Recorder, make_settings
-from tests.jumphost import JumpHost
+from tests.support.deployer import Recorder, make_settings
+from tests.support.jumphost import JumpHost
 
 IP = ipaddress.IPv4Address
 

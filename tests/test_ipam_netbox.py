@@ -1,4 +1,4 @@
-"""Addresses from a real NetBox (tests/netbox_support.py starts one on 127.0.0.1): the
+"""Addresses from a real NetBox (tests/support/netbox/harness.py starts one on 127.0.0.1): the
 next free address, reservations that are released whatever happens to the job, a
 NetBox that goes away mid-deploy, a bad token. The VMs are the simulator's; the
 addresses (10.0.0.0/24) exist only as NetBox data: nothing connects to them."""
@@ -27,8 +27,8 @@ from bot.parser import parse
 from bot.runtime import running_deployer
 from bot.service import Deployer
 from bot.settings import Settings
-from tests.conftest import FAST_TIMEOUTS, SIM_SCALE, Recorder, make_settings
-from tests.netbox_support import NetBox
+from tests.support.deployer import FAST_TIMEOUTS, SIM_SCALE, Recorder, make_settings
+from tests.support.netbox.harness import NetBox
 
 TOKEN_ENV = "DEPLOYBOT_NETBOX_TOKEN"
 SUBNET = {

@@ -20,7 +20,7 @@ from bot.service import Deployer
 from bot.settings import Settings
 from handlers.commands import answer
 from store.db import Store
-from tests.conftest import make_settings
+from tests.support.deployer import make_settings
 
 # Ids chosen so that prefixes collide: two share their first 8 characters, and an id of
 # the old 7-character kind is a prefix of a new one.

@@ -31,9 +31,9 @@ from bot.service import Deployer
 from bot.settings import Settings
 from store.db import Store
 from store.owners import RunnerRow
-from tests.conftest import Recorder, make_settings
-from tests.fake_slack import Call
-from tests.slack_support import APPROVALS, BOB, CHANNEL, is_reply, slack_bot
+from tests.support.deployer import Recorder, make_settings
+from tests.support.slack.bot import APPROVALS, BOB, CHANNEL, is_reply, slack_bot
+from tests.support.slack.fake_api import Call
 
 NOOP_INTERRUPTED = "noop: its runner died; nothing to undo"
 

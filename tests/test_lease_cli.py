@@ -13,8 +13,8 @@ from bot.commands import DeployArgs, ExtendLease
 from bot.errors import ConfigError, UsageError
 from bot.leaseterms import parse_length, show_length
 from bot.parser import parse
-from tests.conftest import make_settings
-from tests.test_cli import KEPT, deploybot, no_traceback
+from tests.support.cli import KEPT, deploybot, no_traceback
+from tests.support.deployer import make_settings
 
 
 def test_lease_in_the_deploy_grammar() -> None:

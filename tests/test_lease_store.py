@@ -14,7 +14,7 @@ from bot.models import AuditEvent, Job, JobState, utcnow
 from bot.models.notices import NoticeKind
 from bot.settings import Settings
 from store.db import AlreadyDelivered, DuplicateActive, Store
-from tests.test_store import make_job, store  # noqa: F401 (the fixture on both stores)
+from tests.support.store import make_job, store  # noqa: F401 (the fixture on both stores)
 
 
 async def ready(store: Store, settings: Settings, name: str = "web01") -> Job:  # noqa: F811

@@ -7,7 +7,7 @@ from pathlib import Path
 import jsonschema
 import yaml
 
-from tests.reference import reference_json
+from tests.support.reference import reference_json
 
 MANIFEST = Path(__file__).resolve().parent.parent / "manifest.yml"
 

@@ -13,9 +13,8 @@ from backends.sim import SimBackend
 from bot.models import Job, JobState
 from bot.service import Deployer
 from handlers.slack.serve import run_http, serve_metrics
-from tests.conftest import Recorder
-from tests.slack_support import is_reply, slack_bot
-from tests.test_pipeline import deploy
+from tests.support.deployer import Recorder, deploy
+from tests.support.slack.bot import is_reply, slack_bot
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

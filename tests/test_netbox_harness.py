@@ -1,4 +1,4 @@
-"""The NetBox harness (tests/netbox_support.py) gives a real NetBox that hands out
+"""The NetBox harness (tests/support/netbox/harness.py) gives a real NetBox that hands out
 addresses, refuses bad tokens, and can go away and come back."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pynetbox
 import pytest
 import requests
 
-from tests.netbox_support import NetBox
+from tests.support.netbox.harness import NetBox
 
 PREFIX = "10.99.0.0/24"
 

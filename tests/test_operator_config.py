@@ -15,7 +15,7 @@ import pytest
 from backends.sim import SimBackend
 from bot.errors import ConfigError
 from bot.settings import BUNDLED_CONFIG, load_settings
-from tests.conftest import TEST_KEY, make_settings
+from tests.support.deployer import TEST_KEY, make_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -107,7 +107,7 @@ async def test_json_log_lines_carry_the_job_backend_step_and_runner(
 
     from bot.cli import configure_logging
     from bot.runtime import running_deployer
-    from tests.test_pipeline import deploy
+    from tests.support.deployer import deploy
 
     root = logging.getLogger()
     saved = (list(root.handlers), root.level)
@@ -180,7 +180,7 @@ def run_cli(
     tmp_path: Path, config: str, *args: str, **env: str
 ) -> subprocess.CompletedProcess[str]:
     """`deploybot ARGS` with `config` (the CLI tests' sim configuration, changed)."""
-    from tests.test_cli import CONFIG
+    from tests.support.cli import CONFIG
 
     path = tmp_path / "deploybot.toml"
     path.write_text(CONFIG.format(tmp=tmp_path) + config)
@@ -238,7 +238,7 @@ def test_check_config_passes_when_the_secrets_are_there(tmp_path: Path) -> None:
 def test_defaults_no_deploy_could_use_stop_the_start(
     tmp_path: Path, defaults: str, key: str, said: str
 ) -> None:
-    from tests.test_cli import CONFIG
+    from tests.support.cli import CONFIG
 
     config = CONFIG.replace("[defaults]\n", f"[defaults]\n{defaults}\n")
     path = tmp_path / "deploybot.toml"

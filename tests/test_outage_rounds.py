@@ -48,22 +48,26 @@ import pytest
 from bot.models.ids import SHORT_ID_LENGTH
 from handlers.messages.slack import STORE_NOT_ANSWERING
 from handlers.messages.text import escape
-from tests.conftest import TEST_KEY
-from tests.postgres_support import PASSWORD, PASSWORD_ENV, start_again, stop_fast
-from tests.slack_support import CHANNEL
-from tests.test_crash_proxmox import FakePVE, config_env, fake_pve
-from tests.test_database_outage import command, get
-from tests.test_failover import parents, rows, until, until_or_none
-from tests.test_multiprocess import (
+from tests.support.deployer import TEST_KEY
+from tests.support.fakepve.process import FakePVE, config_env, fake_pve
+from tests.support.postgres import PASSWORD, PASSWORD_ENV, start_again, stop_fast
+from tests.support.replicas import (
     SLACK,
     SLACK_STEPS,
     Proc,
     SlackThread,
     _reap,
+    command,
+    get,
     mentions,
+    parents,
+    rows,
     serve,
     slack,
+    until,
+    until_or_none,
 )
+from tests.support.slack.bot import CHANNEL
 
 __all__ = ["_reap", "fake_pve", "slack"]  # fixtures, used by name
 ROUNDS = {

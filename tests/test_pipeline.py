@@ -14,7 +14,7 @@ from bot.pipeline import STEPS as DEPLOY_STEPS
 from bot.runs import vm_ref
 from bot.service import Deployer
 from bot.steps import Step, resume_point
-from tests.conftest import Recorder
+from tests.support.deployer import REQUEST, Recorder, deploy
 
 # The steps every deploy walks (register: only with an IPAM record).
 STEPS = tuple(step.name for step in DEPLOY_STEPS if step.name != "register")
@@ -39,15 +39,6 @@ UNDO_AFTER = {
     "address": ["stop", "destroy"],
     "ssh": ["stop", "destroy"],
 }
-REQUEST = "web01 10.0.0.50 disk=+10G"
-
-
-async def deploy(deployer: Deployer, text: str = REQUEST) -> Job:
-    job = await deployer.request_deploy(parse(text), "alice")  # type: ignore[arg-type]
-    await deployer.drain()
-    final = (await deployer.status(job.id)).job
-    assert final.state.final
-    return final
 
 
 async def undo_events(deployer: Deployer, job: Job) -> list[str]:

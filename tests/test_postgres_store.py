@@ -21,9 +21,9 @@ from bot.settings import Settings
 from store.db import Store
 from store.migrations import SCHEMA_VERSION
 from store.postgres import schema
-from tests.conftest import make_settings
-from tests.postgres_support import PASSWORD, PASSWORD_ENV, Cluster
-from tests.test_store import make_job
+from tests.support.deployer import make_settings
+from tests.support.postgres import PASSWORD, PASSWORD_ENV, Cluster
+from tests.support.store import make_job
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -36,7 +36,7 @@ def workers(*argv: str, count: int) -> list[str]:
     """Start `count` processes at once and wait for all; their outputs."""
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "tests.pg_worker", *argv, str(i)],
+            [sys.executable, "-m", "tests.support.workers.postgres", *argv, str(i)],
             cwd=ROOT,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

@@ -13,9 +13,9 @@ import pytest
 from backends.base import AddressUse, CloneSpec, PermanentError, Unreachable
 from backends.proxmox import ProxmoxBackend
 from backends.proxmox.addresses import agent_enabled, configured
-from tests.fakepve.server import FakePVE
-from tests.fakepve.testing import make_backend
-from tests.proxmox_support import CONFIG, backend, pve, pve_schema, pve_tls
+from tests.support.fakepve.server import FakePVE
+from tests.support.fakepve.testing import make_backend
+from tests.support.proxmox import CONFIG, backend, pve, pve_schema, pve_tls
 
 __all__ = ["backend", "pve", "pve_schema", "pve_tls"]  # fixtures, used by name
 

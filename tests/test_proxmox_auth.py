@@ -15,9 +15,9 @@ import pytest
 from backends.base import PermanentError, RetryableError, Unreachable
 from backends.proxmox import create
 from backends.proxmox.config import Config
-from tests.fakepve import testing
-from tests.fakepve.server import FakePVE
-from tests.fakepve.testing import config_data, environ, make_backend
+from tests.support.fakepve import testing
+from tests.support.fakepve.server import FakePVE
+from tests.support.fakepve.testing import config_data, environ, make_backend
 
 # The fake server's fixtures, shared by the Proxmox test modules.
 pve = testing.pve

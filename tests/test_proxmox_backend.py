@@ -15,8 +15,8 @@ from backends.base import (
 )
 from backends.proxmox import ProxmoxBackend
 from backends.proxmox.apierrors import TaskFailed
-from tests.fakepve.server import FakePVE
-from tests.proxmox_support import (
+from tests.support.fakepve.server import FakePVE
+from tests.support.proxmox import (
     CLONE,
     IDENTITY,
     backend,

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.fakepve import testing
-from tests.fakepve.schema import ApiSchema
-from tests.fakepve.server import FakePVE, Tls
-from tests.fakepve.testing import config_text, run_deploybot, start_fake
+from tests.support.fakepve import testing
+from tests.support.fakepve.schema import ApiSchema
+from tests.support.fakepve.server import FakePVE, Tls
+from tests.support.fakepve.testing import config_text, run_deploybot, start_fake
 
 # The fake server's fixtures, shared by the Proxmox test modules.
 pve_schema = testing.pve_schema

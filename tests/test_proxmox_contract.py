@@ -9,11 +9,11 @@ from collections.abc import AsyncIterator
 import pytest
 
 from backends.base import Backend, VMRef
-from tests.contract import *  # noqa: F403
-from tests.contract import HandBuilt, Untag
-from tests.fakepve import testing
-from tests.fakepve.server import FakePVE
-from tests.fakepve.testing import make_backend
+from tests.support.contract import *  # noqa: F403
+from tests.support.contract import HandBuilt, Untag
+from tests.support.fakepve import testing
+from tests.support.fakepve.server import FakePVE
+from tests.support.fakepve.testing import make_backend
 
 # The fake server's fixtures, shared by the Proxmox test modules.
 pve = testing.pve

@@ -14,9 +14,9 @@ from urllib.parse import quote, quote_plus
 import aiohttp
 import pytest
 
-from tests.fakepve import testing
-from tests.fakepve.server import EXEMPT_HEADER, FakePVE
-from tests.fakepve.testing import start_fake
+from tests.support.fakepve import testing
+from tests.support.fakepve.server import EXEMPT_HEADER, FakePVE
+from tests.support.fakepve.testing import start_fake
 
 # The fake server's fixtures, shared by the Proxmox test modules.
 pve = testing.pve

@@ -15,9 +15,9 @@ from backends.base import (
 )
 from backends.proxmox import ProxmoxBackend
 from backends.proxmox.apierrors import TaskFailed
-from tests.fakepve.server import FakePVE
-from tests.fakepve.testing import make_backend, start_fake
-from tests.proxmox_support import (
+from tests.support.fakepve.server import FakePVE
+from tests.support.fakepve.testing import make_backend, start_fake
+from tests.support.proxmox import (
     CLONE,
     CONFIG,
     IDENTITY,

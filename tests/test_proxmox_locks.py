@@ -21,19 +21,19 @@ from bot import gc
 from bot.models import JobState
 from handlers.messages.slack import gc_report
 from store.db import Store
-from tests.conftest import Recorder
-from tests.contract import IDENTITY
-from tests.fakepve import testing
-from tests.fakepve.schema import ApiSchema
-from tests.fakepve.server import FakePVE, Tls
-from tests.fakepve.testing import (
+from tests.support.contract import IDENTITY
+from tests.support.deployer import Recorder
+from tests.support.fakepve import testing
+from tests.support.fakepve.schema import ApiSchema
+from tests.support.fakepve.server import FakePVE, Tls
+from tests.support.fakepve.testing import (
     config_data,
     config_text,
     make_backend,
     pve_settings,
     start_fake,
 )
-from tests.test_proxmox_pipeline import ADDRESS, ORIGINAL, deploy, free_port, ours_left
+from tests.support.proxmox import ADDRESS, ORIGINAL, deploy, free_port, ours_left
 
 pve = testing.pve
 pve_schema = testing.pve_schema

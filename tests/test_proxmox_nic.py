@@ -19,13 +19,12 @@ from bot.models import Job, JobState
 from bot.parser import parse
 from bot.runtime import running_deployer
 from bot.settings import BUNDLED_CONFIG, load_settings
-from tests.conftest import Recorder
-from tests.fakepve import testing
-from tests.fakepve.schema import ApiSchema
-from tests.fakepve.server import FakePVE, Tls
-from tests.fakepve.testing import config_data, make_backend, pve_settings, start_fake
-from tests.proxmox_support import IDENTITY
-from tests.test_proxmox_pipeline import free_port
+from tests.support.deployer import Recorder
+from tests.support.fakepve import testing
+from tests.support.fakepve.schema import ApiSchema
+from tests.support.fakepve.server import FakePVE, Tls
+from tests.support.fakepve.testing import config_data, make_backend, pve_settings, start_fake
+from tests.support.proxmox import IDENTITY, free_port
 
 pve = testing.pve
 pve_schema = testing.pve_schema

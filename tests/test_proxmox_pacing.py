@@ -24,10 +24,10 @@ from bot.models import JobState
 from bot.parser import parse
 from bot.runtime import running_deployer
 from store.db import Store
-from tests.fakepve import testing
-from tests.fakepve.schema import ApiSchema
-from tests.fakepve.server import FakePVE, Recorded, Tls
-from tests.fakepve.testing import config_data, environ, pve_settings, start_fake
+from tests.support.fakepve import testing
+from tests.support.fakepve.schema import ApiSchema
+from tests.support.fakepve.server import FakePVE, Recorded, Tls
+from tests.support.fakepve.testing import config_data, environ, pve_settings, start_fake
 
 pve_schema = testing.pve_schema
 pve_tls = testing.pve_tls

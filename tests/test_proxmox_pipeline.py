@@ -3,7 +3,6 @@ Proxmox API, with the real SSH check against the guest's sshd on 127.0.10.0/24."
 
 from __future__ import annotations
 
-import socket
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -20,11 +19,12 @@ from bot.runtime import running_deployer
 from bot.settings import Settings
 from handlers.messages.core import finished, slack_outcome_dm
 from handlers.messages.text import step_label
-from tests.conftest import Recorder
-from tests.fakepve import testing
-from tests.fakepve.schema import ApiSchema
-from tests.fakepve.server import FakePVE, Tls
-from tests.fakepve.testing import make_backend, pve_settings, start_fake
+from tests.support.deployer import Recorder
+from tests.support.fakepve import testing
+from tests.support.fakepve.schema import ApiSchema
+from tests.support.fakepve.server import FakePVE, Tls
+from tests.support.fakepve.testing import make_backend, pve_settings, start_fake
+from tests.support.proxmox import ADDRESS, ORIGINAL, deploy, free_port, ours_left
 
 # The steps every deploy walks (register: only with an IPAM record).
 STEPS = tuple(step.name for step in DEPLOY_STEPS if step.name != "register")
@@ -33,16 +33,6 @@ STEPS = tuple(step.name for step in DEPLOY_STEPS if step.name != "register")
 pve_schema = testing.pve_schema
 pve_tls = testing.pve_tls
 
-ADDRESS = "127.0.10.50"
-ORIGINAL = {100, 9000, 9001, 9002, 9003, 9004, 9005}
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind((ADDRESS, 0))
-        port: int = probe.getsockname()[1]
-    return port
-
 
 @pytest.fixture
 async def fake(pve_schema: ApiSchema, pve_tls: Tls) -> AsyncIterator[FakePVE]:
@@ -50,32 +40,8 @@ async def fake(pve_schema: ApiSchema, pve_tls: Tls) -> AsyncIterator[FakePVE]:
         yield server
 
 
-async def deploy(
-    fake: FakePVE, settings: Settings, text: str, recorder: Recorder | None = None
-) -> tuple[Job, list[JobEvent]]:
-    backend = make_backend(fake)
-    async with running_deployer(settings, recorder, backends={"pve": backend}, grace_s=5) as d:
-        args = parse(text)
-        assert isinstance(args, DeployArgs)
-        job = await d.request_deploy(args, "alice")
-        await d.drain()
-        info = await d.status(job.id)
-    assert info.job.state.final
-    return info.job, info.events
-
-
 def detail(events: list[JobEvent], step: str, phase: str = "finished") -> str:
     return next(e.detail for e in events if e.step == step and e.phase == phase)
-
-
-def ours_left(fake: FakePVE) -> list[int]:
-    marks = (
-        vm.config.get("description", "") + vm.config.get("tags", "")
-        for vm in fake.cluster.vms.values()
-    )
-    return [
-        vmid for vmid, mark in zip(fake.cluster.vms, marks, strict=True) if "deploybot-" in mark
-    ]
 
 
 async def test_a_deploy_ends_with_a_reachable_vm(fake: FakePVE, tmp_path: Path) -> None:

@@ -15,13 +15,19 @@ from backends.proxmox import ProxmoxBackend
 from bot.models import JobState
 from bot.sections import Timeouts
 from bot.waiting import remove_vm
-from tests.conftest import Recorder
-from tests.contract import IDENTITY
-from tests.fakepve import testing
-from tests.fakepve.schema import ApiSchema
-from tests.fakepve.server import FakePVE, Tls
-from tests.fakepve.testing import config_text, make_backend, pve_settings, run_deploybot, start_fake
-from tests.test_proxmox_pipeline import ADDRESS, ORIGINAL, deploy, free_port, ours_left
+from tests.support.contract import IDENTITY
+from tests.support.deployer import Recorder
+from tests.support.fakepve import testing
+from tests.support.fakepve.schema import ApiSchema
+from tests.support.fakepve.server import FakePVE, Tls
+from tests.support.fakepve.testing import (
+    config_text,
+    make_backend,
+    pve_settings,
+    run_deploybot,
+    start_fake,
+)
+from tests.support.proxmox import ADDRESS, ORIGINAL, deploy, free_port, ours_left
 
 pve = testing.pve
 pve_schema = testing.pve_schema

@@ -16,9 +16,9 @@ from backends.proxmox.api import PveApi
 from backends.proxmox.apierrors import Forbidden, TaskFailed
 from backends.proxmox.pacing import Pace, Pacing
 from backends.proxmox.taskwatch import Upid
-from tests.fakepve import testing
-from tests.fakepve.server import FakePVE
-from tests.fakepve.testing import make_backend
+from tests.support.fakepve import testing
+from tests.support.fakepve.server import FakePVE
+from tests.support.fakepve.testing import make_backend
 
 # The fake server's fixtures, shared by the Proxmox test modules.
 pve = testing.pve

@@ -17,9 +17,9 @@ from backends.base import (
     VMRef,
 )
 from backends.proxmox import ProxmoxBackend
-from tests.fakepve.server import FakePVE
-from tests.fakepve.testing import make_backend
-from tests.proxmox_support import (
+from tests.support.fakepve.server import FakePVE
+from tests.support.fakepve.testing import make_backend
+from tests.support.proxmox import (
     CLONE,
     IDENTITY,
     backend,

@@ -19,11 +19,11 @@ from typing import Any
 import jsonschema
 
 from backends.base import CloneSpec, Identity
-from tests.fakepve import testing
-from tests.fakepve.formats import FORMATS
-from tests.fakepve.schema import ADDED_IN, ApiSchema, check_property_string
-from tests.fakepve.server import SESSION_REQUESTS, Recorded, Tls
-from tests.fakepve.testing import make_backend, start_fake
+from tests.support.fakepve import testing
+from tests.support.fakepve.formats import FORMATS
+from tests.support.fakepve.schema import ADDED_IN, ApiSchema, check_property_string
+from tests.support.fakepve.server import SESSION_REQUESTS, Recorded, Tls
+from tests.support.fakepve.testing import make_backend, start_fake
 
 # The fake server's fixtures, shared by the Proxmox test modules.
 pve_schema = testing.pve_schema

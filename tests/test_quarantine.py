@@ -28,7 +28,7 @@ from handlers.commands import answer
 from handlers.messages.slack import gc_report
 from store.db import Store
 from store.jobs import job_row
-from tests.conftest import make_settings
+from tests.support.deployer import make_settings
 
 
 def args(text: str) -> DeployArgs:

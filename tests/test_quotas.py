@@ -24,7 +24,7 @@ from bot.service import Deployer
 from bot.settings import Settings
 from store import quotas
 from store.db import Store
-from tests.conftest import Recorder, make_settings
+from tests.support.deployer import Recorder, make_settings
 
 QUOTA = {"vms": 3, "cores": 8, "memory_mib": 8192, "disk_gib": 30}
 

@@ -1,7 +1,7 @@
 """A real Debian guest boots from the NoCloud seed Proxmox would write, and becomes it.
 
-The seed is rendered from Proxmox-style cloud-init fields (tests/realguest/nocloud.py),
-the guest runs under QEMU (tests/realguest/qemu.py) with the image from
+The seed is rendered from Proxmox-style cloud-init fields (tests/support/realguest/nocloud.py),
+the guest runs under QEMU (tests/support/realguest/qemu.py) with the image from
 `make guest-image`; everything is checked from outside the way deploybot would see it
 (the guest agent, SSH on the forwarded port with the deploy's key) and then inside the
 guest over that SSH session. Boot times are printed.
@@ -20,7 +20,7 @@ from urllib.parse import quote
 import asyncssh
 import pytest
 
-from tests.realguest import nocloud, qemu, support
+from tests.support.realguest import nocloud, qemu, support
 
 pytestmark = pytest.mark.realguest
 

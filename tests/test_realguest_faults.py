@@ -1,6 +1,6 @@
 """Real guests that go wrong: `deploybot deploy` must say where and why, and roll back.
 
-Two guests boot at once on the fake Proxmox with real guests (`tests/fakepve/realvm.py`,
+Two guests boot at once on the fake Proxmox with real guests (`tests/support/fakepve/realvm.py`,
 its `faults` knob), each broken in one way a real template or seed can be:
 
 * broken01: its cloud-init seed does not parse (a tab in the YAML of user-data and
@@ -39,13 +39,13 @@ import pytest
 import pytest_asyncio
 import yaml
 
-from tests.fakepve import testing
-from tests.fakepve.realvm import GuestFault, RealMachines
-from tests.fakepve.schema import ApiSchema
-from tests.fakepve.server import FakePVE, Tls
-from tests.fakepve.testing import start_fake
-from tests.realguest.lane import Deploy, assert_gone, deploy
-from tests.realguest.support import require_image
+from tests.support.fakepve import testing
+from tests.support.fakepve.realvm import GuestFault, RealMachines
+from tests.support.fakepve.schema import ApiSchema
+from tests.support.fakepve.server import FakePVE, Tls
+from tests.support.fakepve.testing import start_fake
+from tests.support.realguest.lane import Deploy, assert_gone, deploy
+from tests.support.realguest.support import require_image
 
 pytestmark = [pytest.mark.realguest, pytest.mark.asyncio(loop_scope="module")]
 

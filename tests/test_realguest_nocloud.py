@@ -16,7 +16,7 @@ from urllib.parse import quote
 
 import pytest
 
-from tests.realguest import image, nocloud
+from tests.support.realguest import image, nocloud
 
 KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIE2d5bJbYzWbS1qL3M0wq3hC1Zg7Y7Zs1uJx0lFq4f4A a@b"
 CONFIG: dict[str, str | int] = {

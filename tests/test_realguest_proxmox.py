@@ -1,13 +1,13 @@
 """`deploybot deploy` against the fake Proxmox running real guests, end to end.
 
-The fake's VMs are QEMU guests here (`tests/fakepve/realvm.py`): a template's disk is
+The fake's VMs are QEMU guests here (`tests/support/fakepve/realvm.py`): a template's disk is
 the guest image, a clone is a qcow2 overlay of it, start renders Proxmox's NoCloud seed
 from the cloud-init fields deploybot set and boots QEMU, the guest agent endpoints are
 answered by the real qemu-guest-agent and the fake's jump host leads ADDRESS:22 to the
 guest's SSH forward on 127.0.0.1. The real CLI (a separate process, unchanged) deploys
 three guests at once from one template: two must end with an SSH line that works (the
 deploy's key logs in through the jump host) on a guest that is what was asked, checked
-inside it (`tests/realguest/guestchecks.py`: hostname and FQDN, user, key and locked
+inside it (`tests/support/realguest/guestchecks.py`: hostname and FQDN, user, key and locked
 password, address, route and DNS on deploybot's NIC, no upgrade, Proxmox's
 instance-id, the printed host key its own), and are distinct instances; the third is
 refused by the jump host after its guest booted, and its rollback must leave no VM,
@@ -36,14 +36,14 @@ import asyncssh
 import pytest
 import pytest_asyncio
 
-from tests.fakepve import testing
-from tests.fakepve.realvm import RealMachines
-from tests.fakepve.schema import ApiSchema
-from tests.fakepve.server import FakePVE, Tls
-from tests.fakepve.testing import run_deploybot, start_fake
-from tests.realguest.guestchecks import Seen, check_guest
-from tests.realguest.lane import DEADLINE_S, Deploy, assert_gone, deploy, process_ended
-from tests.realguest.support import require_image
+from tests.support.fakepve import testing
+from tests.support.fakepve.realvm import RealMachines
+from tests.support.fakepve.schema import ApiSchema
+from tests.support.fakepve.server import FakePVE, Tls
+from tests.support.fakepve.testing import run_deploybot, start_fake
+from tests.support.realguest.guestchecks import Seen, check_guest
+from tests.support.realguest.lane import DEADLINE_S, Deploy, assert_gone, deploy, process_ended
+from tests.support.realguest.support import require_image
 
 pytestmark = [pytest.mark.realguest, pytest.mark.asyncio(loop_scope="module")]
 

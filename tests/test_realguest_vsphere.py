@@ -38,8 +38,8 @@ import pytest
 from pyVmomi import vim
 
 from backends.base import CloneSpec, Identity
-from tests.realguest import image, qemu, support
-from tests.vcsim_support import (
+from tests.support.realguest import image, qemu, support
+from tests.support.vsphere.simulator import (
     TEMPLATE,
     Simulated,
     TlsFiles,

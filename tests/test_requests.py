@@ -10,7 +10,7 @@ from bot.errors import RequestInvalid, UsageError
 from bot.parser import parse
 from bot.requests import build_request
 from bot.settings import Settings
-from tests.conftest import make_settings
+from tests.support.deployer import make_settings
 
 
 def build(text: str, settings: Settings, requester: str = "alice"):  # type: ignore[no-untyped-def]

@@ -21,10 +21,9 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import TEST_KEY
-from tests.postgres_support import PASSWORD, PASSWORD_ENV
-from tests.test_failover import rows, until
-from tests.test_multiprocess import SlackThread, _reap, ask_in_slack, serve, slack
+from tests.support.deployer import TEST_KEY
+from tests.support.postgres import PASSWORD, PASSWORD_ENV
+from tests.support.replicas import SlackThread, _reap, ask_in_slack, rows, serve, slack, until
 
 __all__ = ["_reap", "slack"]  # fixtures, used by name
 COMMANDS = 40

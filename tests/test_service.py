@@ -22,7 +22,7 @@ from bot.runtime import running_deployer
 from bot.service import Deployer
 from handlers.messages.reports import templates
 from store.db import Store
-from tests.conftest import SIM_SCALE, TEST_KEY, Recorder, make_settings
+from tests.support.deployer import SIM_SCALE, TEST_KEY, Recorder, make_settings
 
 
 def args(text: str) -> DeployArgs:

@@ -8,7 +8,7 @@ from pathlib import Path
 from backends.sim import SimBackend
 from bot.runtime import running_deployer
 from handlers.terminal import Shell, TerminalThread
-from tests.conftest import make_settings
+from tests.support.deployer import make_settings
 
 
 async def test_request_approve_and_watch_the_thread(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ from backends.base import CloneSpec, PermanentError, RetryableError, Unreachable
 from backends.guestaddr import pick_address
 from backends.sim import SimBackend
 from backends.simvm import SimTiming, SimulatedCrash
-from tests.contract import IDENTITY
+from tests.support.contract import IDENTITY
 
 
 async def cloned(sim: SimBackend, job: str = "jsim001") -> VMRef:

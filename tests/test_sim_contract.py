@@ -9,8 +9,8 @@ import pytest
 
 from backends.base import Backend, VMRef
 from backends.sim import SimBackend
-from tests.contract import *  # noqa: F403
-from tests.contract import HandBuilt, Untag
+from tests.support.contract import *  # noqa: F403
+from tests.support.contract import HandBuilt, Untag
 
 
 @pytest.fixture

@@ -17,8 +17,8 @@ from collections import Counter
 from pathlib import Path
 
 from backends.sim import SimBackend
-from tests.test_cli import KEPT, no_traceback
-from tests.test_crash import (
+from tests.support.cli import KEPT, no_traceback
+from tests.support.crash import (
     SEED,
     KillPoint,
     check_invariants,
@@ -54,10 +54,12 @@ def test_churning_processes_share_one_state_file_and_the_dead_block_nobody(
     tmp_path: Path,
 ) -> None:
     state = tmp_path / "sim.json"
-    holder = spawn("-m", "tests.sim_worker", "hold", state)
+    holder = spawn("-m", "tests.support.workers.sim", "hold", state)
     assert holder.stdout is not None and holder.stdout.readline() == "holding\n"
     names = ("a", "b", "c", "victim")
-    procs = {w: spawn("-m", "tests.sim_worker", "churn", state, w, str(COUNT)) for w in names}
+    procs = {
+        w: spawn("-m", "tests.support.workers.sim", "churn", state, w, str(COUNT)) for w in names
+    }
     for proc in procs.values():
         assert proc.stdin is not None
         proc.stdin.write("go\n")

@@ -9,8 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from bot.models import ApprovalState, JobState, utcnow
-from tests.fake_slack import Call
-from tests.slack_support import (
+from tests.support.slack.bot import (
     ALICE,
     APPROVALS,
     BOB,
@@ -23,6 +22,7 @@ from tests.slack_support import (
     new_fake,
     slack_bot,
 )
+from tests.support.slack.fake_api import Call
 
 POLICY = {"approvers": [BOB, CAROL], "always": True, "expire_after_s": 600}
 

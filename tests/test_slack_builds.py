@@ -13,9 +13,8 @@ from pathlib import Path
 from backends.sim import SimBackend
 from bot.models import JobState, utcnow
 from bot.models.builds import Build, BuildState
-from tests.conftest import SIM_SCALE
-from tests.fake_slack import Call
-from tests.slack_support import (
+from tests.support.deployer import SIM_SCALE
+from tests.support.slack.bot import (
     ALICE,
     APPROVALS,
     BOB,
@@ -27,6 +26,7 @@ from tests.slack_support import (
     new_fake,
     slack_bot,
 )
+from tests.support.slack.fake_api import Call
 
 POLICY = {"approvers": [BOB, CAROL], "expire_after_s": 600}
 

@@ -11,8 +11,8 @@ from typing import Any
 from backends.base import Template
 from backends.sim import SimBackend
 from bot.models import JobState
-from tests.conftest import SIM_SCALE
-from tests.slack_support import ALICE, CHANNEL, MALLORY, is_reply, slack_bot
+from tests.support.deployer import SIM_SCALE
+from tests.support.slack.bot import ALICE, CHANNEL, MALLORY, is_reply, slack_bot
 
 KEY = (
     "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIGvFv0mBq3ZkBUnh3BwrQ8QlUjcB1uWs6KmRZVb0iCq0 alice@laptop"

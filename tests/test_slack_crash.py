@@ -23,9 +23,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tests.fake_slack import FakeSlack
-from tests.reference import reference_json
-from tests.slack_support import (
+from tests.support.reference import reference_json
+from tests.support.slack.bot import (
     ALICE,
     APPROVALS,
     BOB,
@@ -34,9 +33,10 @@ from tests.slack_support import (
     SIGNING_SECRET,
     command_body,
     directory,
+    env_without_slack,
     sign,
 )
-from tests.test_slack_serve import env_without_slack
+from tests.support.slack.fake_api import FakeSlack
 
 CONFIG = """
 database = "{tmp}/jobs.db"

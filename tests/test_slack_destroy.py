@@ -10,9 +10,8 @@ from backends.sim import SimBackend
 from bot.commands import DeployArgs
 from bot.models import JobState
 from bot.parser import parse
-from tests.conftest import SIM_SCALE
-from tests.fake_slack import Call
-from tests.slack_support import (
+from tests.support.deployer import SIM_SCALE
+from tests.support.slack.bot import (
     ALICE,
     APPROVALS,
     BOB,
@@ -23,6 +22,7 @@ from tests.slack_support import (
     is_reply,
     slack_bot,
 )
+from tests.support.slack.fake_api import Call
 
 POLICY = {"approvers": [BOB, CAROL], "destroy": "always", "expire_after_s": 600}
 

@@ -21,9 +21,9 @@ from bot.models import DeployRequest, Job, JobState
 from handlers.messages.slack import slack_headline
 from handlers.messages.text import Said
 from handlers.slack import views
-from tests.conftest import SIM_SCALE
-from tests.fake_slack import Call
-from tests.slack_support import ALICE, APPROVALS, BOB, CAROL, Harness, is_reply, slack_bot
+from tests.support.deployer import SIM_SCALE
+from tests.support.slack.bot import ALICE, APPROVALS, BOB, CAROL, Harness, is_reply, slack_bot
+from tests.support.slack.fake_api import Call
 
 POLICY = {"approvers": [BOB, CAROL], "always": True}
 TYPED = "<!channel> & <@U999|x>"

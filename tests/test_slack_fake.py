@@ -11,9 +11,9 @@ from slack_sdk.web.async_client import AsyncWebClient
 from slack_sdk.webhook.async_client import AsyncWebhookClient
 
 from handlers.slack.app import make_client
-from tests.fake_slack import RESPONSE_URL_TTL_S, FakeSlack
-from tests.reference import reference_json
-from tests.slack_support import ALICE, BOT_TOKEN, CHANNEL, directory
+from tests.support.reference import reference_json
+from tests.support.slack.bot import ALICE, BOT_TOKEN, CHANNEL, directory
+from tests.support.slack.fake_api import RESPONSE_URL_TTL_S, FakeSlack
 
 
 @pytest.fixture

@@ -4,60 +4,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 from backends.base import Template
 from backends.sim import SimBackend
 from bot.models import JobState
-from tests.conftest import SIM_SCALE
-from tests.slack_support import ALICE, CHANNEL, Harness, is_reply, slack_bot
+from tests.support.deployer import SIM_SCALE
+from tests.support.slack.bot import ALICE, CHANNEL, block, is_reply, open_form, slack_bot, state
 
 KEY = (
     "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIGvFv0mBq3ZkBUnh3BwrQ8QlUjcB1uWs6KmRZVb0iCq0 alice@laptop"
 )
-
-
-def state(view: dict[str, Any], **chosen: str | list[str] | None) -> dict[str, Any]:
-    """The view's state as Slack sends it: initial values, then what the person chose."""
-    values: dict[str, Any] = {}
-    for block in view["blocks"]:
-        if block["type"] != "input":
-            continue
-        element = block["element"]
-        action = element["action_id"]
-        kind = element["type"]
-        entry: dict[str, Any] = {"type": kind}
-        pick = chosen.get(action, element.get("initial_option", {}).get("value"))
-        if kind in ("static_select", "external_select"):
-            if pick is not None:
-                entry["selected_option"] = {
-                    "text": {"type": "plain_text", "text": pick},
-                    "value": pick,
-                }
-        elif kind == "checkboxes":
-            entry["selected_options"] = [{"value": v} for v in (chosen.get(action) or [])]
-        else:
-            typed = chosen.get(action, element.get("initial_value"))
-            if typed is not None:
-                entry["value"] = typed
-        values[block["block_id"]] = {action: entry}
-    return values
-
-
-async def open_form(h: Harness) -> str:
-    response = await h.command("")
-    assert response.status == 200 and response.body == ""
-    opened = await h.fake.wait_for(lambda c: c.method == "views.open")
-    assert opened.answer["ok"], opened.answer
-    assert opened.args["view"]["callback_id"] == "deploy_form"
-    view_id = str(opened.answer["view"]["id"])
-    await h.fake.wait_for(lambda c: c.method == "views.update" and c.args["view_id"] == view_id)
-    await h.settle()
-    return view_id
-
-
-def block(view: dict[str, Any], prefix: str) -> dict[str, Any]:
-    return next(b for b in view["blocks"] if b.get("block_id", "").startswith(prefix))
 
 
 async def test_the_form_fills_in_and_states_the_clone_kind_before_submit(tmp_path: Path) -> None:

@@ -20,18 +20,18 @@ from bot.models import DeployRequest, Job, JobState, utcnow
 from bot.queries import VMPage
 from handlers.slack import views
 from handlers.slack.home import HOME_BLOCKS_MAX, home_blocks
-from tests.conftest import SIM_SCALE
-from tests.slack_support import (
+from tests.support.deployer import SIM_SCALE
+from tests.support.slack.bot import (
     ALICE,
     BOB,
     DAVE,
     MALLORY,
     OPS_GROUP,
     Harness,
+    block,
     is_reply,
     slack_bot,
 )
-from tests.test_slack_form import block
 
 QUOTAS = {"default": {"vms": 3, "cores": 8, "memory_mib": 8192}}
 ODD = "web&db<v2>"  # vSphere allows these in a template's name

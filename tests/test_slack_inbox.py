@@ -11,8 +11,8 @@ from bot.commands import DeployArgs
 from bot.models import utcnow
 from bot.models.notices import Received
 from handlers.slack.modals import form_body
-from tests.conftest import TEST_KEY
-from tests.slack_support import ALICE, CHANNEL, Harness, is_reply, slack_bot
+from tests.support.deployer import TEST_KEY
+from tests.support.slack.bot import ALICE, CHANNEL, Harness, is_reply, slack_bot
 
 
 def inbox_rows(h: Harness) -> list[tuple[object, ...]]:

@@ -20,20 +20,22 @@ from backends.sim import SimBackend
 from bot.models import Job, JobState, utcnow
 from bot.runtime import running_deployer
 from handlers.messages.text import when
-from tests.conftest import SIM_SCALE
-from tests.fake_slack import Call
-from tests.slack_support import (
+from tests.support.deployer import SIM_SCALE
+from tests.support.slack.bot import (
     ALICE,
     BOB,
     CAROL,
     CHANNEL,
     MALLORY,
     Harness,
+    block,
     is_reply,
     new_fake,
+    open_form,
     slack_bot,
+    state,
 )
-from tests.test_slack_form import block, open_form, state
+from tests.support.slack.fake_api import Call
 
 
 @dataclass

@@ -9,8 +9,8 @@ import asyncio
 from pathlib import Path
 
 from handlers.slack.pacing import Pacer
-from tests.fake_slack import RESPONSE_URL_TTL_S, FakeSlack
-from tests.slack_support import ALICE, BOB, CHANNEL, Harness, slack_bot
+from tests.support.slack.bot import ALICE, BOB, CHANNEL, Harness, slack_bot
+from tests.support.slack.fake_api import RESPONSE_URL_TTL_S, FakeSlack
 
 
 def answers(fake: FakeSlack, user: str) -> tuple[list[str], list[str]]:

@@ -16,19 +16,20 @@ import pytest
 import yaml
 
 from handlers.slack.serve import run_http
-from tests.fake_slack import FakeSlack
-from tests.reference import reference_json
-from tests.slack_support import (
+from tests.support.cli import CONFIG, deploybot, no_traceback
+from tests.support.reference import reference_json
+from tests.support.slack.bot import (
     BOT_TOKEN,
     CHANNEL,
     SIGNING_SECRET,
     command_body,
     directory,
+    env_without_slack,
     is_reply,
     sign,
     slack_bot,
 )
-from tests.test_cli import CONFIG, deploybot, no_traceback
+from tests.support.slack.fake_api import FakeSlack
 
 APP_TOKEN = "xapp-1-A0000001-1234567890-abcdefabcdef"
 MANIFEST = Path(__file__).resolve().parent.parent / "manifest.yml"
@@ -62,11 +63,6 @@ async def test_http_mode_answers_health_and_signed_commands(tmp_path: Path) -> N
         assert len(await h.deployer.history()) == 1  # the forged copy did nothing
         stop.set()
         await server
-
-
-def env_without_slack(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLACK_", "DEPLOYBOT_"))}
-    return {**env, **extra}
 
 
 @pytest.mark.parametrize(

@@ -21,9 +21,8 @@ from bot.models import DeployRequest, Job, JobState, utcnow
 from handlers.messages.lifecycle import lease_reminder
 from handlers.messages.text import when
 from handlers.slack.manifest import BOT_SCOPES, manifest
-from tests.conftest import SIM_SCALE
-from tests.fake_slack import Call
-from tests.slack_support import (
+from tests.support.deployer import SIM_SCALE
+from tests.support.slack.bot import (
     ALICE,
     APPROVALS,
     BOB,
@@ -34,6 +33,7 @@ from tests.slack_support import (
     new_fake,
     slack_bot,
 )
+from tests.support.slack.fake_api import Call
 
 POLICY = {"approvers": [BOB, CAROL], "always": True}
 DESTROY_POLICY = {"approvers": [BOB, CAROL], "destroy": "always", "expire_after_s": 600}

@@ -10,9 +10,9 @@ from pathlib import Path
 from backends.base import CloneSpec, VMRef
 from backends.sim import SimBackend
 from bot.models import JobState
-from tests.conftest import SIM_SCALE
-from tests.fake_slack import Call
-from tests.slack_support import ALICE, CHANNEL, is_reply, slack_bot
+from tests.support.deployer import SIM_SCALE
+from tests.support.slack.bot import ALICE, CHANNEL, is_reply, slack_bot
+from tests.support.slack.fake_api import Call
 
 
 def is_parent(c: Call) -> bool:

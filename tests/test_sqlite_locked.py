@@ -1,6 +1,6 @@
 """SQLite's file locked by another process, or read-only, under the store (in process).
 
-The lock is held by a real second process (tests/sqlite_holder.py, BEGIN IMMEDIATE).
+The lock is held by a real second process (tests/support/workers/sqlite_holder.py, BEGIN IMMEDIATE).
 A bare `SELECT 1` reads no page, so a probe made of it answered at once while nothing
 could be recorded: /readyz said ready and commands were taken in. The probe now takes
 the write lock (and lets it go); waiting for it is contention, an outage only when it
@@ -12,11 +12,7 @@ file SQLite cannot write (SQLITE_READONLY) is "not now", retried like a lost ser
 from __future__ import annotations
 
 import sqlite3
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -26,26 +22,7 @@ from bot.settings import Settings
 from bot.storewatch import StoreWatch
 from store.db import Store
 from store.retry import RetryPolicy, Unavailable, hint, transient
-from tests.test_write_retry import finish, running_job
-
-
-@contextmanager
-def held(path: Path) -> Iterator[subprocess.Popen[str]]:
-    """Another process holds `path`'s write lock inside the block."""
-    holder = subprocess.Popen(
-        [sys.executable, "-m", "tests.sqlite_holder", str(path)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    assert holder.stdin is not None and holder.stdout is not None
-    try:
-        assert holder.stdout.readline() == "holding\n"
-        yield holder
-        holder.stdin.write("\n")
-        holder.stdin.flush()
-        assert holder.stdout.readline() == "released\n"
-    finally:
-        holder.kill()
-        holder.wait()
+from tests.support.store import finish, held, running_job
 
 
 async def test_a_file_locked_by_another_process_is_not_ready_even_when_idle(

@@ -1,5 +1,5 @@
 """A real `deploybot serve --http` on SQLite whose file another process holds locked
-(tests/sqlite_holder.py: BEGIN IMMEDIATE), on the simulator, behind the fake Slack.
+(tests/support/workers/sqlite_holder.py: BEGIN IMMEDIATE), on the simulator, behind the fake Slack.
 
 Idle, a lock used to leave /readyz ready (its probe, SELECT 1, reads no page) while no
 command could be recorded. Now /readyz says not ready, a /deploy is refused within
@@ -18,11 +18,9 @@ import pytest
 
 from handlers.messages.slack import STORE_NOT_ANSWERING
 from handlers.messages.text import escape
-from tests.test_crash import write_config
-from tests.test_database_outage import command, get
-from tests.test_failover import until
-from tests.test_multiprocess import SLACK, Proc, SlackThread, serve
-from tests.test_sqlite_locked import held
+from tests.support.crash import write_config
+from tests.support.replicas import SLACK, Proc, SlackThread, command, get, serve, until
+from tests.support.store import held
 
 SETTINGS = "\n[store]\nwrite_retry_s = 6\n[ownership]\nlease_s = 20\ntick_s = 0.5\n"
 DEPLOYS = 4

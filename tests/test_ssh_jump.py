@@ -1,5 +1,5 @@
 """The SSH check through a jump host: a real asyncssh bastion on 127.0.0.1 that forwards
-only to the loopback sshd it maps a guest address to (tests/jumphost.py)."""
+only to the loopback sshd it maps a guest address to (tests/support/jumphost.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from backends.config import SshJump
 from backends.sshcheck import SshCheck
 from bot.errors import ConfigError
 from bot.settings import load_settings
-from tests.jumphost import JumpHost
+from tests.support.jumphost import JumpHost
 
 GUEST = ipaddress.IPv4Address("10.0.0.50")  # never connected to: the jump host maps it
 

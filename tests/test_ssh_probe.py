@@ -19,7 +19,7 @@ from bot.parser import parse
 from bot.runtime import running_deployer
 from bot.sections import Timeouts
 from bot.waiting import retrying
-from tests.conftest import make_settings
+from tests.support.deployer import make_settings
 
 GUEST = ipaddress.IPv4Address("127.0.5.10")
 

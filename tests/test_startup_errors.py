@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.postgres_support import PASSWORD, PASSWORD_ENV, USER, Cluster
-from tests.slack_support import BOT_TOKEN, SIGNING_SECRET
-from tests.test_cli import CONFIG
+from tests.support.cli import CONFIG
+from tests.support.postgres import PASSWORD, PASSWORD_ENV, USER, Cluster
+from tests.support.slack.bot import BOT_TOKEN, SIGNING_SECRET
 
 # serve in HTTP mode opens the store before it talks to Slack: fake tokens do.
 COMMANDS = [("shell",), ("history",), ("serve", "--http", "127.0.0.1:0")]

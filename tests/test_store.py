@@ -4,57 +4,19 @@ import asyncio
 import os
 import sqlite3
 import stat
-from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
-from bot.models import Approval, ApprovalState, Job, JobEvent, JobState, utcnow
-from bot.parser import parse
-from bot.requests import build_request
+from bot.models import Approval, ApprovalState, JobEvent, JobState, utcnow
 from bot.settings import Settings
 from store.db import AlreadyDelivered, DuplicateActive, Store
 from store.migrations import SCHEMA_VERSION
-from store.sql import Conflict, Db, SqliteDb
-from tests.postgres_support import PASSWORD_ENV
+from store.sql import Conflict
+from tests.support.store import make_job, sqlite_store, store, trace
 
-
-def trace(db: Db, callback: Callable[[str], object] | None) -> None:
-    assert isinstance(db, SqliteDb)
-    db.conn.set_trace_callback(callback)
-
-
-def make_job(
-    settings: Settings,
-    name: str = "web01",
-    address: str = "10.0.0.50",
-    requester: str = "alice",
-    state: JobState = JobState.QUEUED,
-) -> Job:
-    args = parse(f"{name} {address}")
-    request = build_request(args, settings, requester)  # type: ignore[arg-type]
-    return Job.for_request(request, state)
-
-
-@pytest.fixture(params=["sqlite", "postgres"])
-async def store(request: pytest.FixtureRequest, tmp_path: Path):  # type: ignore[no-untyped-def]
-    """The contract runs on both stores: a SQLite file, and a PostgreSQL database."""
-    if request.param == "postgres":
-        url = request.getfixturevalue("pg_url")
-        s = await Store.open(url, password=os.environ[PASSWORD_ENV])
-    else:
-        s = await Store.open(tmp_path / "jobs.db")
-    yield s
-    await s.close()
-
-
-@pytest.fixture
-async def sqlite_store(tmp_path: Path):  # type: ignore[no-untyped-def]
-    """For what only SQLite does (one writer thread batching the writes of a moment)."""
-    s = await Store.open(tmp_path / "jobs.db")
-    yield s
-    await s.close()
+__all__ = ["sqlite_store", "store"]  # fixtures, used by name
 
 
 async def test_migrates_an_empty_file_and_is_private(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ from bot.models import JobEvent, JobState
 from bot.settings import Settings
 from store.db import DuplicateActive, Store
 from store.sql import Conflict
-from tests.test_store import make_job, sqlite_store, trace
+from tests.support.store import make_job, sqlite_store, trace
 
 __all__ = ["sqlite_store"]  # the fixture, used by name below
 

@@ -1,7 +1,7 @@
 """Issue 17, first slice: build profiles, the verified download, offline customisation.
 
-The "upstream" is a real HTTP server on 127.0.0.1 (tests/images_support.py); the images
-are the real-guest lane's Debian image and its variants (tests/realguest/upstream.py);
+The "upstream" is a real HTTP server on 127.0.0.1 (tests/support/images.py); the images
+are the real-guest lane's Debian image and its variants (tests/support/realguest/upstream.py);
 libguestfs is the real one, and what it did is read back from the images' contents.
 """
 
@@ -31,8 +31,8 @@ from bot.images.profiles import (
     catalogue,
 )
 from bot.settings import BUNDLED_CONFIG, load_settings
-from tests.images_support import require_libguestfs, unavailable, upstream_server
-from tests.realguest import image, qemu, upstream
+from tests.support.images import require_libguestfs, unavailable, upstream_server
+from tests.support.realguest import image, qemu, upstream
 
 SHIPPED = {"ubuntu-22.04", "ubuntu-24.04", "debian-12", "debian-13"}
 SHIPPED |= {"rocky-9", "rocky-10", "alma-9", "alma-10"}

@@ -18,7 +18,7 @@ from bot.models import JobState, utcnow
 from bot.models.builds import Build, BuildState
 from bot.runtime import running_deployer
 from bot.service import Deployer
-from tests.conftest import make_settings
+from tests.support.deployer import make_settings
 
 
 @dataclass
@@ -53,7 +53,7 @@ async def build(
     name: str = "golden-debian",
     placement: str | None = None,
 ) -> Build:
-    # bob approves (tests/conftest.py): his own build needs no approver.
+    # bob approves (tests/support/deployer.py): his own build needs no approver.
     asked = await deployer.builds.request(profile, "sim", "bob", name=name, placement=placement)
     await deployer.drain()
     final = await deployer.store.builds.get(asked.id)

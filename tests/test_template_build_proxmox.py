@@ -22,13 +22,13 @@ from backends.building import BuildPlan, BuildsTemplates
 from backends.proxmox import ProxmoxBackend
 from backends.proxmox.apierrors import TaskFailed
 from backends.proxmox.vmconfig import mark_field, merged_tags, tags_of
-from tests.fakepve import testing
-from tests.fakepve.realvm import RealMachines
-from tests.fakepve.schema import ApiSchema
-from tests.fakepve.server import FakePVE, Tls
-from tests.fakepve.testing import make_backend, start_fake
-from tests.images_support import upstream_server
-from tests.proxmox_support import IDENTITY
+from tests.support.fakepve import testing
+from tests.support.fakepve.realvm import RealMachines
+from tests.support.fakepve.schema import ApiSchema
+from tests.support.fakepve.server import FakePVE, Tls
+from tests.support.fakepve.testing import make_backend, start_fake
+from tests.support.images import upstream_server
+from tests.support.proxmox import IDENTITY
 
 pve_schema = testing.pve_schema
 pve_tls = testing.pve_tls

@@ -1,16 +1,16 @@
 """Issue 17's "Done when", end to end: `deploybot template build` on real guests.
 
 The real CLI (a separate process, unchanged) builds `debian-12` against the fake Proxmox
-running real guests (`tests/fakepve/realvm.py`): the upstream image is the real-guest
+running real guests (`tests/support/fakepve/realvm.py`): the upstream image is the real-guest
 lane's image with cloud-init pinned to `datasource_list: [VMware]` (the `vmware` variant
-of `tests/realguest/upstream.py`), served with its SHA256SUMS by a real HTTP server on
+of `tests/support/realguest/upstream.py`), served with its SHA256SUMS by a real HTTP server on
 127.0.0.1; the build verifies it, un-pins the datasource with the real libguestfs,
 uploads it to the fake (PVE 8.4: content `import`), imports it into a VM, converts that
 to a template, smoke-tests it with a real deploy that boots it (the guest comes up only
 if the un-pin worked: Proxmox's seed is NoCloud) and publishes it. Then a normal
 `deploybot deploy` from `debian-12` (the same installation: same config and database)
 boots a linked clone of the built template, checked inside the guest
-(`tests/realguest/guestchecks.py`). Two refusals ride on the same lab: an EL10 build on
+(`tests/support/realguest/guestchecks.py`). Two refusals ride on the same lab: an EL10 build on
 the node without avx2 is refused at pre-flight before anything is downloaded, and a
 wrong checksum refuses a build before anything is uploaded.
 
@@ -41,16 +41,16 @@ import pytest_asyncio
 
 from backends.proxmox.vmconfig import mark_field, tags_of
 from bot.images.customize import DATASOURCE_FILE
-from tests.fakepve import testing
-from tests.fakepve.realvm import RealMachines
-from tests.fakepve.schema import ApiSchema
-from tests.fakepve.server import FakePVE, Tls
-from tests.fakepve.testing import config_text, run_deploybot, start_fake
-from tests.images_support import Upstream, require_libguestfs, unavailable, upstream_server
-from tests.realguest import qemu, upstream
-from tests.realguest.guestchecks import check_guest
-from tests.realguest.lane import DEADLINE_S, LOGIN, Deploy, login, out, process_ended
-from tests.realguest.support import require_image
+from tests.support.fakepve import testing
+from tests.support.fakepve.realvm import RealMachines
+from tests.support.fakepve.schema import ApiSchema
+from tests.support.fakepve.server import FakePVE, Tls
+from tests.support.fakepve.testing import config_text, run_deploybot, start_fake
+from tests.support.images import Upstream, require_libguestfs, unavailable, upstream_server
+from tests.support.realguest import qemu, upstream
+from tests.support.realguest.guestchecks import check_guest
+from tests.support.realguest.lane import DEADLINE_S, LOGIN, Deploy, login, out, process_ended
+from tests.support.realguest.support import require_image
 
 pytestmark = [pytest.mark.realguest, pytest.mark.asyncio(loop_scope="module")]
 

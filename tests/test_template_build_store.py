@@ -12,7 +12,7 @@ import pytest
 from bot.models import utcnow
 from bot.models.builds import Build, BuildState
 from store.db import DuplicateActive, Store
-from tests.postgres_support import PASSWORD_ENV
+from tests.support.postgres import PASSWORD_ENV
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

@@ -30,7 +30,7 @@ from backends.base import CloneSpec, NotOurVM, PermanentError, VMRef
 from backends.building import BuildPlan, BuildsTemplates, BuildTarget
 from backends.tags import parse_tag
 from backends.vsphere import VSphereBackend, buildmark, cpu, ovf
-from tests.vcsim_support import (
+from tests.support.vsphere.simulator import (
     TEMPLATE,
     Simulated,
     TlsFiles,

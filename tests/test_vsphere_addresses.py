@@ -19,7 +19,7 @@ from pyVim.task import WaitForTask
 from pyVmomi import vim
 
 from backends.vsphere.addresses import _uses
-from tests.vcsim_support import (
+from tests.support.vsphere.simulator import (
     Simulated,
     TlsFiles,
     esxi_fixture,  # noqa: F401

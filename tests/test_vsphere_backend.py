@@ -20,13 +20,14 @@ from pydantic import ValidationError
 from pyVim.task import WaitForTask
 from pyVmomi import vim
 
-from backends.base import CloneSpec, Identity, NotOurVM, PermanentError, Unreachable, VMRef
+from backends.base import CloneSpec, NotOurVM, PermanentError, Unreachable, VMRef
 from backends.vsphere import VSphereBackend, create
 from backends.vsphere.config import Config
 from bot.errors import ConfigError
 from bot.settings import BUNDLED_CONFIG, load_settings
-from tests.contract import IDENTITY
-from tests.vcsim_support import (
+from tests.support.contract import IDENTITY
+from tests.support.vsphere.pipeline import cloned
+from tests.support.vsphere.simulator import (
     PASSWORD,
     PASSWORD_ENV,
     TEMPLATE,
@@ -47,19 +48,6 @@ async def backend(vcenter: Simulated) -> AsyncIterator[VSphereBackend]:
     vsphere = vcenter.sim.backend()
     yield vsphere
     await vsphere.close()
-
-
-async def cloned(
-    backend: VSphereBackend,
-    name: str = "web01",
-    job: str = "jvs0001",
-    identity: Identity | None = None,
-    template: str = TEMPLATE,
-) -> VMRef:
-    spec = CloneSpec(job, name, template, identity=identity)
-    ref = await backend.prepare_clone(spec)
-    await backend.clone(spec, ref)
-    return ref
 
 
 # --- configuration ------------------------------------------------------------------

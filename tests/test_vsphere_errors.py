@@ -25,8 +25,8 @@ from bot.commands import DeployArgs
 from bot.errors import RequestInvalid
 from bot.parser import parse
 from bot.runtime import make_backend, running_deployer
-from tests.conftest import Recorder, make_settings
-from tests.vcsim_support import (
+from tests.support.deployer import Recorder, make_settings
+from tests.support.vsphere.simulator import (
     PASSWORD,
     PASSWORD_ENV,
     TEMPLATE,

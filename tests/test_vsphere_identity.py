@@ -23,9 +23,9 @@ from backends.vsphere import VSphereBackend
 from backends.vsphere.guestinfo import extra_config, userdata_config
 from backends.vsphere.inventory import Plan
 from backends.vsphere.specs import Disks, GuestConfig, clone_spec, create_spec, static_mac
-from tests.contract import IDENTITY
-from tests.test_vsphere_backend import cloned
-from tests.vcsim_support import (
+from tests.support.contract import IDENTITY
+from tests.support.vsphere.pipeline import cloned
+from tests.support.vsphere.simulator import (
     TEMPLATE,
     Simulated,
     decode,

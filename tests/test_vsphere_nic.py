@@ -26,14 +26,9 @@ from bot.models import JobState
 from bot.parser import parse
 from bot.settings import BUNDLED_CONFIG, load_settings
 from handlers.messages.reports import templates
-from tests.contract import IDENTITY
-from tests.test_vsphere_pipeline import (
-    Sshd,
-    deploy,
-    deployer_for,
-    vsphere_settings,
-)
-from tests.vcsim_support import (
+from tests.support.contract import IDENTITY
+from tests.support.vsphere.pipeline import Sshd, deploy, deployer_for, vsphere_settings
+from tests.support.vsphere.simulator import (
     TEMPLATE,
     TOOLS_VERSION,
     Simulated,

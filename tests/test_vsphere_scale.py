@@ -35,9 +35,9 @@ from bot.errors import Conflict
 from bot.models import JobState
 from bot.parser import parse
 from bot.runtime import make_backend, running_deployer
-from tests.conftest import Recorder
-from tests.test_vsphere_pipeline import SUBNET, Sshd, deploy, deployer_for, vsphere_settings
-from tests.vcsim_support import (
+from tests.support.deployer import Recorder
+from tests.support.vsphere.pipeline import SUBNET, Sshd, deploy, deployer_for, vsphere_settings
+from tests.support.vsphere.simulator import (
     PASSWORD,
     PASSWORD_ENV,
     TEMPLATE,

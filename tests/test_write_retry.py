@@ -19,17 +19,12 @@ import psycopg
 import pytest
 from psycopg import errors
 
-from bot import progress as tell
-from bot.models import Job, JobEvent, JobState
+from bot.models import JobState
 from bot.settings import Settings
 from store.db import DuplicateActive, Store
 from store.retry import RetryPolicy, Unavailable, transient
-from tests.postgres_support import (
-    PASSWORD,
-    start_again,
-    stop_fast,
-)
-from tests.test_store import make_job
+from tests.support.postgres import PASSWORD, start_again, stop_fast
+from tests.support.store import finish, make_job, running_job
 
 
 class Retries:
@@ -60,23 +55,6 @@ class SkippedClock:
 
     async def sleep(self, seconds: float) -> None:
         self.skipped_s += seconds
-
-
-async def running_job(store: Store, settings: Settings) -> Job:
-    job = make_job(settings, state=JobState.RUNNING).model_copy(update={"origin": "C0123"})
-    return await store.insert_job(job)
-
-
-async def finish(store: Store, job: Job) -> bool:
-    """The write under test: a state change with its event and its notice."""
-    event = JobEvent(job_id=job.id, step="ssh", phase="finished", duration_s=1.0)
-    return await store.transition(
-        job.id,
-        [JobState.RUNNING],
-        JobState.SUCCEEDED,
-        notices=[tell.finished(job.id, None)],
-        events=[event],
-    )
 
 
 def counts_pg(url: str, job_id: str) -> tuple[str, int, int]:

@@ -1,0 +1,1 @@
+"""The fake Slack Web API and a running Slack bot on it."""

@@ -1,0 +1,1 @@
+"""Scripts the tests start as separate processes: `python -m tests.support.workers.NAME`."""
