@@ -19,6 +19,7 @@ These functions run on the store's worker thread (store/db.py).
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
@@ -29,6 +30,13 @@ from store.sql import Db, immediate
 from store.tx import ts
 
 DELIVERED_KEPT_DAYS = 7
+# How many notices `add` kept on this thread: a repository compares it before and after
+# a store function to know whether to wake the delivery (store/repository.py).
+_kept = threading.local()
+
+
+def kept_here() -> int:
+    return int(getattr(_kept, "count", 0))
 
 
 def add(db: Db, notices: Iterable[Notice], state: JobState | None = None) -> None:
@@ -45,7 +53,7 @@ def add(db: Db, notices: Iterable[Notice], state: JobState | None = None) -> Non
         if notice.state is None and state is not None:
             notice = notice.model_copy(update={"state": state})
         body = notice.model_dump_json(exclude={"id", "sent"})
-        db.execute(
+        cursor = db.execute(
             "INSERT INTO outbox (job_id, kind, urgent, body, created_at) "
             "SELECT :job, :kind, :urgent, :body, :at WHERE EXISTS ("
             "  SELECT 1 FROM jobs WHERE id = :job AND (origin IS NOT NULL"
@@ -60,6 +68,8 @@ def add(db: Db, notices: Iterable[Notice], state: JobState | None = None) -> Non
                 "at": ts(notice.at),
             },
         )
+        if cursor.rowcount > 0:
+            _kept.count = kept_here() + 1
 
 
 def _notice(row: Sequence[Any]) -> Notice:

@@ -12,7 +12,7 @@ These functions run on the store's worker thread (store/db.py).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -182,7 +182,7 @@ def claim(
     runner_id: str,
     now: datetime,
     until: datetime,
-    states: Iterable[JobState],
+    states: Collection[JobState] = (JobState.QUEUED,),
 ) -> int | None:
     """Make this runner the job's owner if it is in `states` and nobody else holds it
     (no owner, or an expired lease); the claim's epoch (one more than the last claim's),
@@ -280,7 +280,7 @@ def release(db: Db, runner_id: str, now: datetime) -> int:
     return int(handed)
 
 
-def live_on_host(db: Db, host: str, now: datetime) -> list[tuple[str, int, str]]:
+def live_on_host(db: Db, host: str) -> list[tuple[str, int, str]]:
     """(id, pid, proc_start) of runners on this host not known to have stopped, whatever
     their lease: one whose lease lapsed may still be alive (paused by an outage), and
     one that is gone must be declared so (else its jobs wait a lease for a taker that

@@ -64,13 +64,13 @@ class SkippedClock:
 
 async def running_job(store: Store, settings: Settings) -> Job:
     job = make_job(settings, state=JobState.RUNNING).model_copy(update={"origin": "C0123"})
-    return await store.insert_job(job)
+    return await store.jobs.insert(job)
 
 
 async def finish(store: Store, job: Job) -> bool:
     """The write under test: a state change with its event and its notice."""
     event = JobEvent(job_id=job.id, step="ssh", phase="finished", duration_s=1.0)
-    return await store.transition(
+    return await store.jobs.transition(
         job.id,
         [JobState.RUNNING],
         JobState.SUCCEEDED,
@@ -155,10 +155,10 @@ async def test_a_unique_constraint_is_an_answer_not_retried(
     retries = Retries()
     store = await Store.open(url, password=PASSWORD, retry=RetryPolicy(on_retry=retries))
     try:
-        await store.insert_job(make_job(settings))
+        await store.jobs.insert(make_job(settings))
         started = time.monotonic()
         with pytest.raises(DuplicateActive):  # the same name and address, in flight
-            await store.insert_job(make_job(settings))
+            await store.jobs.insert(make_job(settings))
         assert time.monotonic() - started < 5  # at once, not after a window
     finally:
         await store.close()
@@ -204,7 +204,7 @@ async def test_a_refused_move_keeps_neither_its_event_nor_its_notice(
     store = await Store.open(path)
     try:
         job = await running_job(store, settings)
-        assert await store.transition(job.id, [JobState.RUNNING], JobState.ROLLING_BACK)
+        assert await store.jobs.transition(job.id, [JobState.RUNNING], JobState.ROLLING_BACK)
         assert await finish(store, job) is False  # not running any more: refused
     finally:
         await store.close()
