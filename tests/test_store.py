@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from bot.models import Approval, ApprovalState, Job, JobEvent, JobState, utcnow
+from bot.models.notices import Notice, NoticeKind
 from bot.parser import parse
 from bot.requests import build_request
 from bot.settings import Settings
@@ -447,3 +448,30 @@ async def test_the_holder_of_one_address_is_what_the_list_of_held_ones_says(
     assert "10.0.0.63" not in held
     for address in ("10.0.0.61", "10.0.0.62", "10.0.0.63", "10.0.0.64"):
         assert await store.addresses.holder(address) == held.get(address)
+
+
+async def test_a_write_that_kept_a_notice_wakes_the_delivery(
+    store: Store, settings: Settings
+) -> None:
+    """`store.wake.on_notice` is told when a write kept a notice for chat, and only then:
+    a job nobody follows in chat (no origin, no approval) gets none kept."""
+    woken: list[str] = []
+    store.wake.on_notice = lambda: woken.append("woken")
+    followed = make_job(settings).model_copy(update={"origin": "C1/1.0"})
+    followed = await store.jobs.insert(followed, announce=True)
+    assert woken == ["woken"]
+    note = Notice(job_id=followed.id, kind=NoticeKind.NOTE, text="hello")
+    assert not await store.jobs.transition(
+        followed.id, [JobState.SUCCEEDED], JobState.DESTROYING, notices=[note]
+    )
+    assert await store.jobs.transition(followed.id, [JobState.QUEUED], JobState.RUNNING)
+    assert woken == ["woken"]  # nothing moved with a notice, nothing kept without one
+    assert await store.jobs.add_event(
+        JobEvent(job_id=followed.id, step="clone", phase="started"), note
+    )
+    assert woken == ["woken", "woken"]
+    unfollowed = await store.jobs.insert(make_job(settings, "web02", "10.0.0.51"), announce=True)
+    assert woken == ["woken", "woken"]
+    other = note.model_copy(update={"job_id": unfollowed.id})
+    assert await store.jobs.update(unfollowed.id, notices=[other], error="kept for nobody")
+    assert woken == ["woken", "woken"]
