@@ -33,7 +33,7 @@ class ChatOutbox:
         return await self.store.outbox.claim(job_ids, me, now, until)
 
     async def renew(self, me: str, until: datetime) -> None:
-        await self.store.outbox.renew(me, until)
+        await self.store.outbox.renew_delivery_claims(me, until)
 
     async def orphaned(self, now: datetime, limit: int) -> list[str]:
         """Jobs with notices undelivered whose delivery claim lapsed (its process died)."""

@@ -278,7 +278,7 @@ class Ownership:
         loop = asyncio.get_running_loop()
         began = loop.time()
         try:
-            held = await self.store.runners.renew(
+            held = await self.store.runners.renew_claims(
                 self.id, now, self.lease_until(now), local, self._unrun
             )
         except Exception:

@@ -1,7 +1,7 @@
 """Template builds (bot/builds/): insert, read and compare-and-set moves of `builds` rows.
 
 Like jobs, every move names the states it expects and, with `held_by`, the runner that
-must still own the build, so a runner whose lease lapsed cannot write over the one that
+must still own the build, so a runner whose claim lapsed cannot write over the one that
 took the build over. The version number is chosen inside the insert's transaction,
 under the unique index that lets one build of a name per backend be in flight.
 """
@@ -188,7 +188,7 @@ def list_builds(
 
 
 def abandoned_builds(db: Db, now: datetime) -> list[Build]:
-    """Builds running or rolling back whose runner's lease lapsed (it died)."""
+    """Builds running or rolling back whose runner's claim lapsed (it died)."""
     rows = db.query(
         "SELECT * FROM builds WHERE state IN ('running', 'rolling_back') "
         "AND (lease_until IS NULL OR lease_until < ?)",

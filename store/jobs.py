@@ -193,7 +193,7 @@ def transition(
     **fields: Any,
 ) -> bool:
     """Move a job from one of `expected` to `new`; False when it was not in those states
-    (or, with `held_by`, when that claim no longer holds it: a runner whose lease lapsed
+    (or, with `held_by`, when that claim no longer holds it: a runner whose claim lapsed
     and whose job was taken over must not write over the new owner's work). The
     `notices` (what chat must be told of it) and `events` (its history) are kept only if
     the move happened, in its transaction: all land, or none."""

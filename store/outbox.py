@@ -3,7 +3,7 @@
 The core adds a notice inside the transaction of the change that causes it (`add`), so
 after any crash the change and the duty to tell of it exist together or not at all. A
 front end process delivers the notices of the jobs it has claimed (`outbox_claims`, a
-lease per job, so with several processes each job's thread is written by one at a time
+delivery claim per job, so with several processes each job's thread is written by one at a time
 and in order) and marks them delivered once Slack accepted the call that carried them.
 A notice told in several messages (a thread line, its headline, a direct message) has
 each part recorded as it gets there (`parts_sent`, schema v13), so a deliverer that
@@ -97,7 +97,7 @@ def undelivered(db: Db, job_id: str) -> list[Notice]:
 
 
 def claim(db: Db, job_ids: Sequence[str], me: str, now: datetime, until: datetime) -> set[str]:
-    """Take (or keep) the delivery lease of these jobs where nobody else holds it; the
+    """Take (or keep) the delivery claim of these jobs where nobody else holds it; the
     jobs now ours. One statement per job, each a compare-and-set on the claim row."""
     won: set[str] = set()
     params = {"me": me, "now": ts(now), "until": ts(until)}
@@ -114,13 +114,13 @@ def claim(db: Db, job_ids: Sequence[str], me: str, now: datetime, until: datetim
     return won
 
 
-def renew(db: Db, me: str, until: datetime) -> None:
+def renew_delivery_claims(db: Db, me: str, until: datetime) -> None:
     with immediate(db):
         db.execute("UPDATE outbox_claims SET until = ? WHERE holder = ?", [ts(until), me])
 
 
 def orphaned(db: Db, now: datetime, limit: int) -> list[str]:
-    """Jobs with undelivered notices whose deliverer's lease has passed, or that nobody
+    """Jobs with undelivered notices whose deliverer's delivery claim has lapsed, or that nobody
     ever claimed: what a process that died left unsaid."""
     rows = db.execute(
         "SELECT DISTINCT o.job_id FROM outbox o LEFT JOIN outbox_claims c ON c.job_id = o.job_id "
@@ -149,7 +149,7 @@ def mark_delivered(
 
 
 def release(db: Db, job_id: str, me: str, now: datetime) -> None:
-    """Give up the delivery lease of a job with nothing left to say; forget old rows."""
+    """Give up the delivery claim of a job with nothing left to say; forget old rows."""
     forgotten = ts(now - timedelta(days=DELIVERED_KEPT_DAYS))
     with immediate(db):
         db.execute("DELETE FROM outbox_claims WHERE job_id = ? AND holder = ?", [job_id, me])

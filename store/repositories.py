@@ -89,7 +89,7 @@ class Runners(Repository):
     handing back, and declaring a runner dead."""
 
     register = call(owners.register)
-    renew = call(owners.renew)
+    renew_claims = call(owners.renew_claims)
     hand_back = call(owners.hand_back)
     claim = call(owners.claim)
     claim_queued = write(owners.claim_queued)
@@ -132,7 +132,7 @@ class Outbox(Repository):
     new_since = call(outbox.new_since)
     undelivered = call(outbox.undelivered)
     claim = write(outbox.claim)
-    renew = call(outbox.renew)
+    renew_delivery_claims = call(outbox.renew_delivery_claims)
     orphaned = call(outbox.orphaned)
     mark_delivered = write(outbox.mark_delivered)
     release = write(outbox.release)

@@ -297,7 +297,7 @@ async def _held_running(deployer: Deployer, text: str, owner: str, until: dateti
 
 
 async def test_a_renewal_extends_only_the_leases_it_names(tmp_path: Path, database: str) -> None:
-    """store/owners.renew: named jobs (local, pending) get the new lease, the others
+    """store/owners.renew_claims: named jobs (local, pending) get the new lease, the others
     keep theirs and come back marked not local; hand_back ends a lease at once."""
     settings = make_settings(tmp_path, database=database, **QUIET)
     clock = Clock()
@@ -308,7 +308,9 @@ async def test_a_renewal_extends_only_the_leases_it_names(tmp_path: Path, databa
             await _held_running(deployer, f"r{n} 10.0.0.{50 + n}", "r-other", then)
             for n in range(3)
         ]
-        held = await store.runners.renew("r-other", clock.now, later, local=[a.id], pending=[b.id])
+        held = await store.runners.renew_claims(
+            "r-other", clock.now, later, local=[a.id], pending=[b.id]
+        )
         assert {(h.job_id, h.local) for h in held} == {(a.id, True), (b.id, False), (c.id, False)}
         leases = {j: (await store.jobs.get(j)).lease_until for j in (a.id, b.id, c.id)}  # type: ignore[union-attr]
         assert leases == {a.id: later, b.id: later, c.id: then}

@@ -257,7 +257,7 @@ async def test_a_build_running_elsewhere_is_asked_through_the_store(deployer: De
     answer = await deployer.cancel_build(elsewhere.id, "alice")
     assert answer.state is BuildState.RUNNING
     now = utcnow()
-    held = await deployer.store.runners.renew(
+    held = await deployer.store.runners.renew_claims(
         "rother", now, now + timedelta(minutes=5), [elsewhere.id]
     )
     assert [(h.job_id, h.cancel_requested) for h in held] == [(elsewhere.id, "alice")]
