@@ -43,7 +43,7 @@ async def seed(database: Path, jobs: int, log_file: Path) -> None:
         args = parse("web0 10.0.0.50")
         assert isinstance(args, DeployArgs)
         request = build_request(args, settings, "alice")
-        await store.insert_job(Job.for_request(request, JobState.FAILED))
+        await store.jobs.insert(Job.for_request(request, JobState.FAILED))
     finally:
         await store.close()
     db = sqlite3.connect(database)

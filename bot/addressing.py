@@ -88,13 +88,13 @@ class Addressing:
     async def held_by_jobs(self, job_id: str) -> dict[IPv4Address, tuple[str, bool]]:
         """Addresses other jobs hold, with who holds them and whether the store's index
         guards it (False: a VM a rollback left behind still has it)."""
-        held = await self.store.held_addresses()
+        held = await self.store.addresses.held()
         return {IPv4Address(a): _holder(row) for a, row in held.items() if row[0] != job_id}
 
     async def job_holding(self, ip: IPv4Address, job_id: str) -> tuple[str, bool] | None:
         """`held_by_jobs` for one address: one indexed lookup, where parsing every held
         address for each of fifty requests at once cost the event loop ~50 ms."""
-        row = await self.store.address_holder(str(ip))
+        row = await self.store.addresses.holder(str(ip))
         return None if row is None or row[0] == job_id else _holder(row)
 
     async def in_use(
@@ -206,7 +206,7 @@ class Addressing:
         if job.ipam_ref is None:
             return None
         await self.ipam.activate(job.ipam_ref, self.reserved_for(job.id, job.request))
-        await self.store.set_ipam_state(job.id, [IpamState.RESERVED], IpamState.ACTIVE)
+        await self.store.addresses.set_ipam_state(job.id, [IpamState.RESERVED], IpamState.ACTIVE)
         return f"{job.address} active in {self.ipam_name}"
 
     async def release(self, job: Job) -> None:
@@ -216,7 +216,7 @@ class Addressing:
                 await self.ipam.release(job.ipam_ref, self.reserved_for(job.id, job.request))
             except NotOurs as exc:  # changed by hand: never touched, but no longer ours
                 log.warning("job %s: IPAM record %s left alone: %s", job.id, job.ipam_ref, exc)
-        await self.store.set_ipam_state(
+        await self.store.addresses.set_ipam_state(
             job.id, [IpamState.RESERVED, IpamState.ACTIVE], IpamState.RELEASED
         )
 
@@ -235,14 +235,14 @@ class Addressing:
         crash left with no job at all (once older than `stale_after_s`, since another
         process may be between reserving and recording). Returns what it released."""
         done = []
-        for job in await self.store.unreleased_addresses():
+        for job in await self.store.addresses.unreleased():
             try:
                 await self.release(job)
                 done.append(f"{job.address} of job {job.id} ({job.state.value})")
             except BackendError as exc:
                 log.warning("job %s: releasing %s failed: %s", job.id, job.address, exc)
         records = await self.ipam.records(self.store.installation_id)
-        states = await self.store.job_states(sorted({r.job_id for r in records}))
+        states = await self.store.addresses.job_states(sorted({r.job_id for r in records}))
         stale = self.clock() - timedelta(seconds=self.config.stale_after_s)
         for record in records:
             state = states.get(record.job_id)
@@ -261,7 +261,7 @@ class Addressing:
         return done
 
     async def _is_the_jobs(self, job_id: str, ref: str) -> bool:
-        job = await self.store.get_job(job_id)
+        job = await self.store.jobs.get(job_id)
         return job is not None and job.ipam_ref == ref
 
 

@@ -81,7 +81,7 @@ def compose(
     kinds = Kinds()
 
     async def run_queued(job_id: str) -> object:
-        return await kinds.named(await store.kind_of(job_id)).run(job_id)
+        return await kinds.named(await store.jobs.kind_of(job_id)).run(job_id)
 
     async def recover(job: Job, ended: Ended | None) -> bool:
         return await kinds[job.kind].recover(job, ended)

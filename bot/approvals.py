@@ -115,11 +115,11 @@ class Approvals:
         note: str | None,
         dedupe_key: str | None = None,
     ) -> Job:
-        if dedupe_key is not None and await self.store.delivered(dedupe_key):
+        if dedupe_key is not None and await self.store.jobs.delivered(dedupe_key):
             raise Duplicate(f"This decision on job {job_id} was already made.", job_id)
         await self.check_decider(job_id, approver)
         try:
-            decided_now = await self.store.decide(
+            decided_now = await self.store.approvals.decide(
                 job_id,
                 decision,
                 by=approver,
@@ -154,20 +154,20 @@ class Approvals:
 
     async def _refuse_if_expired(self, job: Job) -> None:
         """A pending approval past its time expires now, even if the sweep has not run."""
-        approval = await self.store.get_approval(job.id)
+        approval = await self.store.approvals.get(job.id)
         if approval is None or approval.state is not ApprovalState.PENDING:
             return
         if approval.expires_at > utcnow():
             return
         told = [tell.updated(job.id)]
-        if await self.store.decide(job.id, ApprovalState.EXPIRED, by=None, notices=told):
+        if await self.store.approvals.decide(job.id, ApprovalState.EXPIRED, by=None, notices=told):
             await self.progress.job_updated(await self._job(job.id))
         raise await self._undecidable(job.id)
 
     async def _undecidable(self, job_id: str) -> TransitionRefused:
         """Why a job cannot be decided on: already decided (by whom), expired, cancelled."""
         job = await self._job(job_id)
-        approval = await self.store.get_approval(job_id)
+        approval = await self.store.approvals.get(job_id)
         if approval is not None and approval.state is ApprovalState.EXPIRED:
             return TransitionRefused(
                 f"Job {job_id} expired at {approval.decided_at or approval.expires_at:%H:%M} UTC: "
@@ -188,9 +188,9 @@ class Approvals:
     async def expire(self, now: datetime | None = None) -> list[Job]:
         """Expire every pending approval past its time; the jobs that expired now."""
         expired = []
-        for job_id in await self.store.expired_approvals(now or utcnow()):
+        for job_id in await self.store.approvals.expired(now or utcnow()):
             told = [tell.updated(job_id)]
-            if await self.store.decide(
+            if await self.store.approvals.decide(
                 job_id, ApprovalState.EXPIRED, by=None, at=now, notices=told
             ):
                 try:

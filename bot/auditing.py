@@ -36,7 +36,7 @@ class Audit:
         through `Deployer.audit`, for refusals they decide themselves, such as a command
         that does not parse)."""
         try:
-            await self.store.add_audit(
+            await self.store.audit.add(
                 AuditEvent(actor=actor, action=action, outcome=outcome, detail=detail[:2000])
             )
         except Exception:

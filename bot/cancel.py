@@ -56,7 +56,7 @@ class Cancels:
         if working and self.queue.cancel(job_id):
             return job
         # Another process runs it: ask it, through the store (bot/ownership.py).
-        if working and await self.store.request_cancel(job_id, user):
+        if working and await self.store.jobs.request_cancel(job_id, user):
             return job
         raise TransitionRefused(f"Job {job_id} is {job.state.value}: there is nothing to cancel.")
 
@@ -65,8 +65,8 @@ class Cancels:
         nobody can approve it afterwards."""
         told = [tell.updated(job.id, f"cancelled by {user}", by=user)]
         if job.state is JobState.AWAITING_APPROVAL:
-            return await self.store.cancel_awaiting(job.id, by=user, notices=told)
-        return await self.store.transition(
+            return await self.store.approvals.cancel_awaiting(job.id, by=user, notices=told)
+        return await self.store.jobs.transition(
             job.id,
             [job.state],
             JobState.CANCELLED,

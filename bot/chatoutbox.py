@@ -18,31 +18,31 @@ class ChatOutbox:
 
     def wake_on_notice(self, wake: Callable[[], None]) -> None:
         """Call `wake` whenever this process writes a notice (others' are polled for)."""
-        self.store.on_notice = wake
+        self.store.wake.on_notice = wake
 
     async def new_since(self, after: int, limit: int) -> list[Notice]:
-        return await self.store.outbox_new_since(after, limit)
+        return await self.store.outbox.new_since(after, limit)
 
     async def undelivered(self, job_id: str) -> list[Notice]:
-        return await self.store.outbox_undelivered(job_id)
+        return await self.store.outbox.undelivered(job_id)
 
     async def claim(
         self, job_ids: Sequence[str], me: str, now: datetime, until: datetime
     ) -> set[str]:
         """The jobs of `job_ids` whose notices `me` now delivers, until `until`."""
-        return await self.store.outbox_claim(job_ids, me, now, until)
+        return await self.store.outbox.claim(job_ids, me, now, until)
 
     async def renew(self, me: str, until: datetime) -> None:
-        await self.store.outbox_renew(me, until)
+        await self.store.outbox.renew_delivery_claims(me, until)
 
     async def orphaned(self, now: datetime, limit: int) -> list[str]:
         """Jobs with notices undelivered whose delivery claim lapsed (its process died)."""
-        return await self.store.outbox_orphaned(now, limit)
+        return await self.store.outbox.orphaned(now, limit)
 
     async def mark_delivered(
         self, ids: Sequence[int], now: datetime, parts: Sequence[tuple[int, str]] = ()
     ) -> None:
-        await self.store.outbox_mark_delivered(ids, now, parts)
+        await self.store.outbox.mark_delivered(ids, now, parts)
 
     async def release(self, job_id: str, me: str, now: datetime) -> None:
-        await self.store.outbox_release(job_id, me, now)
+        await self.store.outbox.release(job_id, me, now)

@@ -78,7 +78,9 @@ class Destroyer:
         """The job whose VM `target` names: a VM name deploybot holds, else a job id."""
         name = target.strip().lower() if target.isascii() else target
         held = [
-            j for j in await self.store.history(name=name, limit=50) if j.state in HOLDING_STATES
+            j
+            for j in await self.store.jobs.history(name=name, limit=50)
+            if j.state in HOLDING_STATES
         ]
         if len(held) > 1:
             which = ", ".join(f"{j.short_id} on {j.backend}" for j in held)
@@ -139,7 +141,7 @@ class Destroyer:
         fields: Mapping[str, object],
     ) -> bool:
         try:
-            return await self.store.transition_once(
+            return await self.store.jobs.transition_once(
                 key, job_id, expected, new, notices=notices, **fields
             )
         except AlreadyDelivered:
@@ -192,7 +194,7 @@ class Destroyer:
         dedupe_key: str | None = None,
     ) -> Job:
         """Approve (the destroy starts here) or reject a destroy awaiting approval."""
-        if dedupe_key is not None and await self.store.delivered(dedupe_key):
+        if dedupe_key is not None and await self.store.jobs.delivered(dedupe_key):
             raise Duplicate(f"This decision on job {job_id} was already made.", job_id)
         job = await self.check_decider(job_id, approver)
         if approve:
@@ -261,7 +263,7 @@ class Destroyer:
         now = now or self.clock()
         limit = timedelta(seconds=self.policy.expire_after_s)
         expired = []
-        for job in await self.store.jobs_in([JobState.DESTROY_REQUESTED]):
+        for job in await self.store.jobs.in_states([JobState.DESTROY_REQUESTED]):
             if job.destroy_asked_at is None or job.destroy_asked_at + limit > now:
                 continue
             note = "nobody approved the destroy in time; the VM stays"
@@ -295,12 +297,12 @@ class Destroyer:
             await remove_vm(backend, vm_ref(job), self.settings.timeouts, self._on_move(job))
         except _Lost:
             log.warning("job %s: taken over by another runner; its destroy goes on there", job.id)
-            return await self.store.get_job(job.id)
+            return await self.store.jobs.get(job.id)
         except NotOurVM as exc:
             return await self._keep(job, not_ours(job, exc))
         except (BackendError, TimeoutError) as exc:
             return await self._keep(job, failed(job, exc))
-        moved, done = await self.store.move(
+        moved, done = await self.store.jobs.move(
             job.id,
             [JobState.DESTROYING],
             JobState.DESTROYED,
@@ -310,7 +312,7 @@ class Destroyer:
         )
         if not moved or done is None:
             log.warning("job %s: taken over by another runner before it was destroyed", job.id)
-            return await self.store.get_job(job.id)
+            return await self.store.jobs.get(job.id)
         await self._release_address(done)
         await self._audit(done.destroy_by or "deploybot", done, "destroyed")
         await self.progress.job_finished(done, None)
@@ -329,7 +331,7 @@ class Destroyer:
                 )
                 notice = tell.step_finished(job.id, step, took_s, True, detail)
             told = self._tell(job, notice)
-            await self.store.add_event(event, told[0] if told else None)
+            await self.store.jobs.add_event(event, told[0] if told else None)
             if took_s is None:
                 await self.progress.step_started(job, step, detail)
             else:
@@ -344,7 +346,7 @@ class Destroyer:
             await self.ownership.hold(job.id, job.claim_epoch)  # paused while unproven
         except Lost:
             raise _Lost from None
-        now = await self.store.get_job(job.id)
+        now = await self.store.jobs.get(job.id)
         if (
             now is None
             or now.state is not JobState.DESTROYING
@@ -354,7 +356,7 @@ class Destroyer:
 
     async def _keep(self, job: Job, why: str) -> Job | None:
         """The VM is still there: back to `succeeded`, saying why and what to do."""
-        moved, kept = await self.store.move(
+        moved, kept = await self.store.jobs.move(
             job.id,
             [JobState.DESTROYING],
             JobState.SUCCEEDED,
@@ -363,7 +365,7 @@ class Destroyer:
             events=[JobEvent(job_id=job.id, step="destroy", phase="failed", detail=why)],
         )
         if not moved or kept is None:  # taken over meanwhile: the new owner decides
-            return await self.store.get_job(job.id)
+            return await self.store.jobs.get(job.id)
         await self._audit(job.destroy_by or "deploybot", kept, "refused", why)
         await self.progress.job_updated(kept, why)
         return kept
@@ -377,7 +379,7 @@ class Destroyer:
     async def _audit(self, actor: str, job: Job, outcome: str, detail: str = "") -> None:
         text = detail or f"{job.name} {job.address} on {job.backend}, VM {job.vm_id}"
         try:
-            await self.store.add_audit(
+            await self.store.audit.add(
                 AuditEvent(actor=actor, action=f"destroy {job.id}", outcome=outcome, detail=text)
             )
         except Exception:

@@ -32,7 +32,7 @@ async def teach(store: Store, backends: Mapping[str, Backend]) -> None:
         if not isinstance(backend, LearnsDurations):
             continue
         try:
-            rows = await store.step_durations(name, PACED_STEPS, RECENT)
+            rows = await store.jobs.step_durations(name, PACED_STEPS, RECENT)
         except sqlite3.Error:  # only an economy: never a reason not to start
             log.exception("%s: the recorded step durations could not be read", name)
             continue

@@ -115,10 +115,10 @@ async def classify(store: Store, backend_name: str, vm: VMInfo) -> list[Finding]
 async def _category(store: Store, mark: JobMark) -> str:
     if mark.installation is not None and mark.installation != store.installation_id:
         return "other_installation"
-    job = await store.get_job(mark.job_id)
+    job = await store.jobs.get(mark.job_id)
     if job is None and (build := await store.builds.get(mark.job_id)) is not None:
         return _build_category(build)  # the tag names a template build's row
-    if job is None and await store.quarantined(mark.job_id) is not None:
+    if job is None and await store.jobs.quarantined(mark.job_id) is not None:
         return "quarantined_job"
     if job is None and mark.installation is not None:
         return "unknown_job"  # tagged by this installation: ours to clean
@@ -160,7 +160,7 @@ async def survey(store: Store, backends: Mapping[str, Backend], scope: Sequence[
 
 async def dry_run(store: Store, backends: Mapping[str, Backend], scope: Sequence[str]) -> GcReport:
     report = await survey(store, backends, scope)
-    await store.record_gc_run(report.scope, [f.key for f in report.orphans], applied=False)
+    await store.gc_runs.record(report.scope, [f.key for f in report.orphans], applied=False)
     return report
 
 
@@ -173,7 +173,7 @@ async def apply(
 ) -> GcReport:
     """Remove the orphans a recent dry run of the same scope listed; refuse without one."""
     wanted = tuple(sorted(scope))
-    listed = await store.last_gc_dry_run(wanted, since=utcnow() - timedelta(seconds=window_s))
+    listed = await store.gc_runs.last_dry_run(wanted, since=utcnow() - timedelta(seconds=window_s))
     if listed is None:
         minutes = f"{window_s / 60:g}"
         raise DeployBotError(
@@ -202,5 +202,5 @@ async def apply(
     for finding in report.findings:
         if not finding.orphan:
             report.left.append((finding, KEPT_WHY[finding.category]))
-    await store.record_gc_run(wanted, [f.key for f in report.removed], applied=True)
+    await store.gc_runs.record(wanted, [f.key for f in report.removed], applied=True)
     return report

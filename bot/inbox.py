@@ -54,13 +54,13 @@ class Inbox:
         the VM was being built; this tells the channel the command is carried out after
         all. False when the command made no job, or the job was already told."""
         store = self.store
-        job_id = await store.delivered(key)
+        job_id = await store.jobs.delivered(key)
         if job_id is None:
             return False
-        if any(e.step == RESUMED_STEP for e in await store.events(job_id)):
+        if any(e.step == RESUMED_STEP for e in await store.jobs.events(job_id)):
             return False  # told by a process that stopped before striking the command
         event = JobEvent(job_id=job_id, step=RESUMED_STEP, phase="note", detail=text)
-        await store.add_event(event, tell.noted(job_id, text))
+        await store.jobs.add_event(event, tell.noted(job_id, text))
         return True
 
     async def receive(
@@ -82,7 +82,7 @@ class Inbox:
         item = Received(key=key, user=user, channel=channel, text=text, received_at=now)
         gave_up = threading.Event()  # read by the store's thread just before its commit
         adding = asyncio.ensure_future(
-            store.inbox_add(item, own.id, own.claim_until(now), lambda: not gave_up.is_set())
+            store.inbox.add(item, own.id, own.claim_until(now), lambda: not gave_up.is_set())
         )
         done, _pending = await asyncio.wait({adding}, timeout=within_s)
         if adding in done and not _unanswered(adding):
@@ -100,7 +100,7 @@ class Inbox:
             await adding
         while True:
             try:
-                await self.store.inbox_refuse(item, self.ownership.clock())
+                await self.store.inbox.refuse(item, self.ownership.clock())
                 return
             except Exception as exc:
                 log.info(
@@ -109,7 +109,7 @@ class Inbox:
             await asyncio.sleep(self.tick_s)  # pacing, not sync
 
     async def done(self, key: str) -> None:
-        await self.store.inbox_done(key, self.ownership.clock())
+        await self.store.inbox.done(key, self.ownership.clock())
 
     async def orphans(self) -> list[Received]:
         """Commands a dead runner took and never answered, now this runner's to carry
@@ -119,7 +119,7 @@ class Inbox:
         if not own.takes_over or own.closing:
             return []
         now = own.clock()
-        return await self.store.inbox_claim_orphaned(
+        return await self.store.inbox.claim_orphaned(
             own.id, now, own.claim_until(now), ORPHANS_PER_LOOK
         )
 

@@ -31,8 +31,8 @@ from bot.requests import build_request
 from bot.runs import vm_ref
 from bot.settings import Settings
 from bot.waiting import protected
-from store import quotas
 from store.db import AlreadyDelivered, DuplicateActive, Store
+from store.quotas import Usage
 
 log = logging.getLogger(__name__)
 _PICKS = 5  # tries at recording a next free address that other processes also picked
@@ -195,7 +195,7 @@ class Intake:
         """
         if dedupe_key is None:
             return
-        job_id = await self.store.delivered(dedupe_key)
+        job_id = await self.store.jobs.delivered(dedupe_key)
         if job_id is not None:
             raise Duplicate(already_have(job_id), job_id)
 
@@ -243,7 +243,7 @@ class Intake:
         dedupe_key: str | None,
         job_id: str,
         reservation: Reservation,
-        quota: tuple[list[quotas.Cap], str | None],
+        quota: tuple[list[quota_rules.Cap], str | None],
         lease_s: int | None = None,
         smoke: bool = False,
     ) -> Job:
@@ -251,7 +251,7 @@ class Intake:
         it goes to an approver for that (`_quota`)."""
         caps, over = quota
         reason = None if smoke else _joined(approval_reason(self.settings.approval, request), over)
-        wanted = quotas.asked(request)
+        wanted = quota_rules.asked(request)
         job, approval = self._job_for(request, reason, can_wait_for_approval, origin, job_id)
         job = job.model_copy(
             update={**_ipam(self.store.installation_id, reservation), "lease_s": lease_s}
@@ -259,11 +259,15 @@ class Intake:
         attempt = 0
         while True:
             try:
-                job = await self.store.insert_job(
-                    job, approval, dedupe_key=dedupe_key, announce=True, caps=caps
+                job = await self.store.jobs.insert(
+                    job,
+                    approval,
+                    dedupe_key=dedupe_key,
+                    announce=True,
+                    admit=quota_rules.admission(caps, wanted),
                 )
                 break
-            except quotas.OverQuota as lost:  # another request took the room meanwhile
+            except quota_rules.OverQuota as lost:  # another request took the room meanwhile
                 over, caps = self._over_quota(lost, wanted)
                 reason = _joined(reason, over)
                 job, approval = self._job_for(
@@ -282,10 +286,10 @@ class Intake:
             self.queue.submit(job.id, job.backend)
         return job
 
-    async def _quota(self, request: DeployRequest) -> tuple[list[quotas.Cap], str | None]:
+    async def _quota(self, request: DeployRequest) -> tuple[list[quota_rules.Cap], str | None]:
         """The requester's quotas (checked again by the insert, under the store's lock),
         and, when the request is over one and goes to an approver for it, why."""
-        wanted = quotas.asked(request)
+        wanted = quota_rules.asked(request)
         caps = await self.quotas.caps(request.requester)
         early = await self.quotas.first_over(caps, wanted)
         if early is None:
@@ -294,8 +298,8 @@ class Intake:
         return caps, over
 
     def _over_quota(
-        self, exc: quotas.OverQuota, wanted: quotas.Usage
-    ) -> tuple[str, list[quotas.Cap]]:
+        self, exc: quota_rules.OverQuota, wanted: Usage
+    ) -> tuple[str, list[quota_rules.Cap]]:
         """Refuse a request over quota, or (`over = "approval"`) say why it must wait for
         an approver: the approver decides, so no cap is checked at its insert then."""
         if self.settings.quotas.over == "refuse":
@@ -337,7 +341,7 @@ class Intake:
     async def _release_if_gone(self, request: DeployRequest) -> bool:
         """A succeeded job holds the name or address: if its VM has gone since (deleted
         by hand), release the job so the name and address can be used again."""
-        held = await self.store.holder(
+        held = await self.store.jobs.holder(
             backend=request.backend, name=request.name, address=str(request.address.ip)
         )
         if held is None:
@@ -353,14 +357,14 @@ class Intake:
             detail = f"VM {held.vm_id} no longer exists; its name and address are free again"
             event = JobEvent(job_id=held.id, step="release", phase="note", detail=detail)
             # The event in the move's transaction: both land, or neither.
-            await self.store.transition(
+            await self.store.jobs.transition(
                 held.id, [JobState.SUCCEEDED], JobState.RELEASED, events=[event]
             )
         return gone
 
     async def _conflict_message(self, request: DeployRequest, what: str) -> str:
         ip = str(request.address.ip)
-        held = await self.store.holder(backend=request.backend, name=request.name, address=ip)
+        held = await self.store.jobs.holder(backend=request.backend, name=request.name, address=ip)
         if held is not None and held.state is JobState.SUCCEEDED:
             if what == "name":
                 return (

@@ -28,7 +28,7 @@ async def resolve(store: Store, text: str) -> str:
             f"`{text[:40]}` is not a job id: give the id (like j4k7tqa2) or its first "
             f"{MIN_JOB_REF} or more characters; `/deploy history` lists recent ones."
         )
-    matches = await store.match_ids(ref, limit=LISTED + 1)
+    matches = await store.jobs.match_ids(ref, limit=LISTED + 1)
     if not matches:
         raise JobNotFound(f"There is no job {ref}; `/deploy history` lists recent ones.")
     if matches[0][0] == ref or len(matches) == 1:
@@ -66,10 +66,10 @@ def _shared_prefix(left: str, right: str) -> int:
 
 async def load(store: Store, job_id: str) -> Job:
     """The job with this exact id; a clear refusal when it is unknown or quarantined."""
-    job = await store.get_job(job_id)
+    job = await store.jobs.get(job_id)
     if job is not None:
         return job
-    record = await store.quarantined(job_id)
+    record = await store.jobs.quarantined(job_id)
     if record is None:
         raise JobNotFound(f"There is no job {job_id}; `/deploy history` lists recent ones.")
     raise JobUnreadable(

@@ -134,7 +134,9 @@ class Leases:
             told = [notice(job, "extended", end, self.clock(), user)]
             audit = self._audit(user, job, "extended", f"to {end:%Y-%m-%d %H:%M} UTC")
             try:
-                done = await self.store.lease_write("extend", job, end, told, audit, dedupe_key)
+                done = await self.store.leases.write_step(
+                    "extend", job, end, told, audit, dedupe_key
+                )
             except AlreadyDelivered:
                 raise Duplicate(
                     f"This extension of job {job.id} was already made.", job.id
@@ -227,7 +229,7 @@ class Leases:
                 finally:
                     self._busy.discard(job.id)
 
-        todo = [j for j in await self.store.lease_watched() if j.id not in self._busy]
+        todo = [j for j in await self.store.leases.watched() if j.id not in self._busy]
         self._busy.update(j.id for j in todo)
         await asyncio.gather(*(one(job) for job in todo))
 
@@ -251,7 +253,7 @@ class Leases:
         # the latest one, not a burst of stale ones.
         record = ",".join(str(o) for o in sorted(sent | due, reverse=True))
         audit = self._audit(BOT, job, "reminded", f"ends {end:%Y-%m-%d %H:%M} UTC")
-        done = await self.store.lease_write(
+        done = await self.store.leases.write_step(
             "remind", job, record, [notice(job, "remind", end, now)], audit
         )
         if done is not None:
@@ -276,7 +278,7 @@ class Leases:
         destroy_at = now + timedelta(seconds=self.policy.grace)
         audit = self._audit(BOT, job, "expired", f"powered off; destroyed after {destroy_at}")
         told = [notice(job, step, destroy_at, now)]
-        done = await self.store.lease_write("expire", job, now, told, audit)
+        done = await self.store.leases.write_step("expire", job, now, told, audit)
         if done is not None:
             said = (
                 "VM powered off, not destroyed" if step == "expired" else "VM not ours, untouched"
@@ -285,12 +287,12 @@ class Leases:
             return
         # Not recorded: extended (or destroyed) while it was being powered off. A VM
         # whose lease goes on must run again.
-        again = await self.store.get_job(job.id)
+        again = await self.store.jobs.get(job.id)
         if again is not None and again.state is JobState.SUCCEEDED:
             await self._power_on(again)
 
     async def _destroy(self, job: Job, now: datetime) -> None:
-        moved, doomed = await self.store.move(
+        moved, doomed = await self.store.jobs.move(
             job.id,
             [JobState.EXPIRED_OFF],
             JobState.DESTROYING,
@@ -303,7 +305,7 @@ class Leases:
         )
         if not moved or doomed is None:
             return  # extended, or another process began the destroy
-        await self.store.add_audit(self._audit(BOT, doomed, "destroying", "grace period over"))
+        await self.store.audit.add(self._audit(BOT, doomed, "destroying", "grace period over"))
         await self.progress.job_updated(doomed, "lease ended and its grace period is over")
         self.destroyer.start(doomed)
 

@@ -128,11 +128,11 @@ class Metrics:
 
     async def _read_store(self) -> None:
         store = self.store
-        counts = await store.count_by_state()
+        counts = await store.jobs.count_by_state()
         for state in JobState:
             self._stored.labels(state.value).set(counts.get(state.value, 0))
-        self._wreckage.set(len(await store.jobs_with_wreckage()))
-        self._backlog.set(await store.outbox_pending())
+        self._wreckage.set(len(await store.jobs.with_wreckage()))
+        self._backlog.set(await store.outbox.pending())
 
     async def _look(self, name: str) -> None:
         """Ask the backend something cheap, at most every LOOK_EVERY_S whatever the

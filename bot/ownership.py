@@ -211,7 +211,7 @@ class Ownership:
         then keep acting every `tick_s`."""
         now = self.clock()
         r = self.runner
-        await self.store.register_runner(
+        await self.store.runners.register(
             RunnerRow(r.id, r.kind, r.host, r.pid, process_start(r.pid), now, self.claim_until(now))
         )
         log.info("runner %s (%s, pid %d) started", r.id, r.kind, r.pid)
@@ -279,7 +279,9 @@ class Ownership:
         loop = asyncio.get_running_loop()
         began = loop.time()
         try:
-            held = await self.store.renew(self.id, now, self.claim_until(now), local, self._unrun)
+            held = await self.store.runners.renew_claims(
+                self.id, now, self.claim_until(now), local, self._unrun
+            )
         except Exception:
             self.proven_until = self.watching_since = None
             raise
@@ -330,7 +332,7 @@ class Ownership:
         """Ask the store about a job the last renewal did not list: HELD or LOST, or
         UNPROVEN when the store does not answer."""
         try:
-            job = await self.store.get_job(job_id)
+            job = await self.store.jobs.get(job_id)
         except Exception as exc:
             if not is_database_error(exc):
                 raise
@@ -390,7 +392,7 @@ class Ownership:
             exc = end.error
             why = f"its task ended on {type(exc).__name__}" if exc else "no task runs it"
             log.warning("job %s: held by this runner but %s; handing it back", job_id, why)
-        await self.store.hand_back(self.id, sure)
+        await self.store.runners.hand_back(self.id, sure)
         return ended
 
     async def _drop_lost(self, owned: set[str]) -> None:
@@ -398,29 +400,31 @@ class Ownership:
         for job_id in self.queue.running_ids():
             if job_id in owned:
                 continue
-            job = await self.store.get_job(job_id)
+            job = await self.store.jobs.get(job_id)
             if job is not None and job.state in WORKING and job.owner != self.id:
                 log.warning("job %s: taken over by runner %s; stopping here", job_id, job.owner)
                 self.queue.cancel(job_id)  # its rollback is fenced: it cannot touch the VM
 
     async def _reap_dead_neighbours(self, now: datetime) -> None:
-        for runner_id, pid, started in await self.store.live_runners_on(self.runner.host, now):
+        for runner_id, pid, started in await self.store.runners.live_on_host(self.runner.host):
             if runner_id != self.id and not process_alive(pid, started):
                 log.info("runner %s (pid %d) is gone; its jobs are free now", runner_id, pid)
-                await self.store.declare_dead(runner_id, now)
+                await self.store.runners.declare_dead(runner_id, now)
 
     async def _take_over(self, now: datetime, ended: Mapping[str, Ended]) -> None:
         """Recover the jobs whose claim passed; `ended`: those this runner just handed
         back, with the exception their task ended on (it says why in the job)."""
-        local, found = self.local_ids(), await self.store.abandoned(now)
+        local, found = self.local_ids(), await self.store.runners.abandoned(now)
         alive: set[str] = set()  # owners that may be alive, paused by an outage
         if not self.watched_a_claim(now):
             lapsed = {j.owner for j in found if j.lease_until is not None and j.owner}
-            alive = await self.store.registered_runners(lapsed) if lapsed else set()
+            alive = await self.store.runners.registered(lapsed) if lapsed else set()
         for job in found:
             if job.id in local or job.owner in alive:
                 continue
-            epoch = await self.store.claim(job.id, self.id, now, self.claim_until(now), WORKING)
+            epoch = await self.store.runners.claim(
+                job.id, self.id, now, self.claim_until(now), WORKING
+            )
             if epoch is None:
                 continue  # another runner took it first
             log.info("job %s: taking over from runner %s", job.id, job.owner)
@@ -450,7 +454,7 @@ class Ownership:
         room = self.queue.room()
         if room <= 0:
             return 0
-        claimed = await self.store.claim_queued(self.id, now, self.claim_until(now), room)
+        claimed = await self.store.runners.claim_queued(self.id, now, self.claim_until(now), room)
         for job_id, backend in claimed:
             self.queue.submit(job_id, backend)
         return len(claimed)
@@ -465,7 +469,7 @@ class Ownership:
         """Claim a queued job this process just made runnable (approved it) and start it
         here; False when another runner was faster."""
         now = self.clock()
-        if await self.store.claim(job.id, self.id, now, self.claim_until(now)) is None:
+        if await self.store.runners.claim(job.id, self.id, now, self.claim_until(now)) is None:
             return False
         self.queue.submit(job.id, job.backend)
         return True
@@ -490,6 +494,6 @@ class Ownership:
             self._loop.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop
-        handed = await self.store.release_runner(self.id, self.clock())
+        handed = await self.store.runners.release(self.id, self.clock())
         if handed:
             log.info("runner %s: handed %d queued job(s) back", self.id, handed)

@@ -52,7 +52,7 @@ class Personal:
             "destroy_ref": destroy_ref,
         }
         given: dict[str, Any] = {k: v for k, v in fields.items() if v}  # columns only
-        await self.store.update_job(job_id, **given)
+        await self.store.jobs.update(job_id, **given)
 
     async def set_build_refs(
         self, build_id: str, *, thread_ref: str | None = None, approval_ref: str | None = None

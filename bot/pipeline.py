@@ -80,7 +80,7 @@ class Pipeline:
         run: Run | None = None
         logfields.bind(job=job_id)
         try:
-            started, job = await self.store.move(
+            started, job = await self.store.jobs.move(
                 job_id,
                 [JobState.QUEUED],
                 JobState.RUNNING,
@@ -89,7 +89,7 @@ class Pipeline:
                 started_at=utcnow(),
             )
             if not started or job is None:
-                return job if started else await self.store.get_job(job_id)
+                return job if started else await self.store.jobs.get(job_id)
             await self.progress.job_updated(job)
             logfields.bind(backend=job.backend)
             log.info("job %s: started: %s", job_id, _summary(job))
@@ -100,7 +100,7 @@ class Pipeline:
         except Lost:
             # Taken over while this runner could not renew: the new owner has the VM.
             log.warning("job %s: another runner holds it now; stopping here untouched", job_id)
-            return await self.store.get_job(job_id)
+            return await self.store.jobs.get(job_id)
         except asyncio.CancelledError:
             if run is None:
                 return await protected(self._cancel_unstarted(job_id))
@@ -114,13 +114,13 @@ class Pipeline:
         """Cancelled while starting: nothing was created, whichever state the job reached."""
         over = [tell.finished(job_id, RollbackReport())]
         mine = Claim(runner=self.owner)  # started here a moment ago, if at all
-        if not await self.store.transition(
+        if not await self.store.jobs.transition(
             job_id, [JobState.QUEUED], JobState.CANCELLED, notices=over, finished_at=utcnow()
         ):
-            await self.store.transition(
+            await self.store.jobs.transition(
                 job_id, [JobState.RUNNING], JobState.ROLLING_BACK, held_by=mine
             )
-            await self.store.transition(
+            await self.store.jobs.transition(
                 job_id,
                 [JobState.ROLLING_BACK],
                 JobState.CANCELLED,
@@ -129,7 +129,7 @@ class Pipeline:
                 error="cancelled",
                 finished_at=utcnow(),
             )
-        job = await self.store.get_job(job_id)
+        job = await self.store.jobs.get(job_id)
         await self.addressing.release_quietly(job)
         if job is not None:
             await self.progress.job_finished(job, RollbackReport())
@@ -140,7 +140,7 @@ class Pipeline:
         job = run.job
         run.ref = vm_ref(job)
         run.resumed = True
-        events = await self.store.events(job.id)
+        events = await self.store.jobs.events(job.id)
         first = self.engine.resume_point(events)
         # The undo of every step it will not run again (of all that began when it cannot
         # carry on: the rollback then needs them).
@@ -196,7 +196,7 @@ class Pipeline:
             ref = await backend.prepare_clone(spec)
             # Write-ahead: the id is stored and its undo pushed before anything exists.
             recorded = functools.partial(
-                self.store.update_job,
+                self.store.jobs.update,
                 run.job.id,
                 held_by=run.claim,
                 vm_id=ref.vm_id,
@@ -213,7 +213,7 @@ class Pipeline:
             # That id names someone else's VM now: never undo it; choose a new one.
             run.undo[:] = [u for u in run.undo if not u.vm]
             run.ref = None
-            await self.store.update_job(
+            await self.store.jobs.update(
                 run.job.id, held_by=run.claim, vm_id=None, vm_placement=None
             )
             raise
@@ -302,7 +302,7 @@ class Pipeline:
         moved, job = await self._moved(
             run,
             functools.partial(
-                self.store.move,
+                self.store.jobs.move,
                 run.job.id,
                 [JobState.RUNNING],
                 JobState.SUCCEEDED,
@@ -315,7 +315,7 @@ class Pipeline:
         )
         if not moved:
             log.warning("job %s: taken over by another runner before it succeeded", run.job.id)
-            return await self.store.get_job(run.job.id)
+            return await self.store.jobs.get(run.job.id)
         if job is not None:
             log.info("job %s: succeeded in %s: %s", job.id, _took(job), job.ssh_line)
             await self.progress.job_finished(job, None)
@@ -326,7 +326,7 @@ class Pipeline:
         moved, rolling = await self._moved(
             run,
             functools.partial(
-                self.store.move,
+                self.store.jobs.move,
                 job_id,
                 [JobState.RUNNING],
                 JobState.ROLLING_BACK,
@@ -338,14 +338,14 @@ class Pipeline:
             # Not ours any more (taken over after our claim lapsed): the new owner
             # decides about the VM; touching it here could destroy what it resumes.
             log.warning("job %s: no longer ours; leaving its VM to the new owner", job_id)
-            return await self.store.get_job(job_id)
+            return await self.store.jobs.get(job_id)
         if rolling is not None:
             await self.progress.job_updated(rolling)
         report = await self.undo(run.job, run.backend, run.undo, run.ref)
         moved, job = await self._moved(
             run,
             functools.partial(
-                self.store.move,
+                self.store.jobs.move,
                 job_id,
                 [JobState.ROLLING_BACK],
                 final,
@@ -358,7 +358,7 @@ class Pipeline:
             ),
         )
         if not moved:
-            job = await self.store.get_job(job_id)
+            job = await self.store.jobs.get(job_id)
         if job is not None:
             left = f"; left: {job.wreckage}" if job.wreckage else "; nothing left"
             why = f" at {failure.step}: {failure.reason}" if failure else ""

@@ -18,7 +18,7 @@ async def shown(store: Store, user: str) -> UserPrefs:
     """Saved settings to show or prefill a form with. Unreadable ones (the store has
     quarantined them) show as none, so the person can save new ones over them."""
     try:
-        return await store.get_prefs(user)
+        return await store.people.get_prefs(user)
     except RowUnreadable:
         return UserPrefs(user=user)
 
@@ -27,7 +27,7 @@ async def for_deploy(store: Store, user: str) -> UserPrefs:
     """Saved settings for a deploy, which must not go out with other keys than the
     person saved: unreadable ones are refused, saying how to replace them."""
     try:
-        return await store.get_prefs(user)
+        return await store.people.get_prefs(user)
     except RowUnreadable as bad:
         raise RequestInvalid(
             [
@@ -44,7 +44,7 @@ async def add_key(store: Store, user: str, text: str) -> UserPrefs:
         key = check_ssh_key(text)
     except ValueError as exc:
         raise RequestInvalid([f"SSH key: {exc}."]) from None
-    saved = await store.add_ssh_key(user, key, MAX_SSH_KEYS)
+    saved = await store.people.add_ssh_key(user, key, MAX_SSH_KEYS)
     if saved is None:
         raise RequestInvalid(
             [f"You already have {MAX_SSH_KEYS} keys saved; remove one in the settings."]
@@ -88,5 +88,5 @@ async def replace(
                 ]
             )
     prefs = UserPrefs(user=user, ssh_keys=keys, default_template=default_template)
-    await store.put_prefs(prefs)
+    await store.people.put_prefs(prefs)
     return prefs

@@ -44,15 +44,17 @@ class Queries:
 
     async def list_vms(self, requester: str | None, page: int, per_page: int) -> VMPage:
         """One page of the VMs deploybot holds (one requester's, or everyone's)."""
-        total = await self.store.count_live(requester)
+        total = await self.store.jobs.count_live(requester)
         pages = max(1, -(-total // per_page))
         page = min(max(1, page), pages)
-        jobs = await self.store.live_jobs(requester, per_page, (page - 1) * per_page)
+        jobs = await self.store.jobs.live(requester, per_page, (page - 1) * per_page)
         return VMPage(jobs, page, pages, total, requester)
 
     async def pending_approvals(self) -> list[Job]:
         """Deploys and destroys waiting for an approver (the App Home)."""
-        return await self.store.jobs_in([JobState.AWAITING_APPROVAL, JobState.DESTROY_REQUESTED])
+        return await self.store.jobs.in_states(
+            [JobState.AWAITING_APPROVAL, JobState.DESTROY_REQUESTED]
+        )
 
     async def quota_standing(self, user: str) -> list[Standing]:
         """Each quota of `user` with what is used now (bot/quotas.py)."""
@@ -62,12 +64,12 @@ class Queries:
         job_id = await self._resolve(job_id)
         # The approval first: one that does not validate sets its job aside, which
         # reading the job then says.
-        approval = await self.store.get_approval(job_id)
-        events = await self.store.events(job_id)
+        approval = await self.store.approvals.get(job_id)
+        events = await self.store.jobs.events(job_id)
         return JobStatus(await self._job(job_id), events, approval)
 
     async def history(self, limit: int = 10, requester: str | None = None) -> list[Job]:
-        return await self.store.history(requester=requester, limit=limit)
+        return await self.store.jobs.history(requester=requester, limit=limit)
 
     async def templates(self) -> dict[str, list[Template] | str]:
         """Templates per backend; a backend that fails gets its error text, which says
@@ -98,18 +100,18 @@ class Queries:
     async def job(self, job_id: str) -> Job | None:
         """The job of this exact id as stored now; None when there is none (or it was
         set aside)."""
-        return await self.store.get_job(job_id)
+        return await self.store.jobs.get(job_id)
 
     async def build(self, build_id: str) -> Build | None:
         """The template build of this exact id as stored now; None when there is none."""
         return await self.store.builds.get(build_id)
 
     async def approval(self, job_id: str) -> Approval | None:
-        return await self.store.get_approval(job_id)
+        return await self.store.approvals.get(job_id)
 
     async def in_flight(self) -> list[Job]:
         """The jobs still in flight (their names and addresses are taken)."""
-        return await self.store.jobs_in(ACTIVE_STATES)
+        return await self.store.jobs.in_states(ACTIVE_STATES)
 
     async def _resolve(self, text: str) -> str:
         """The id of the job a person named by its id or a prefix of it."""

@@ -6,8 +6,8 @@ rejected job frees its share. `[quotas] default` applies to everyone, `[quotas.u
 overrides it per person, and each `[[quotas.groups]]` caps the sum of all its members'
 jobs. No table of its own: the store reads the jobs (store/quotas.py).
 
-The intake asks `caps` for the requester's quotas and hands them to the store's insert,
-which checks them inside its transaction under the store's "quota" lock: two requests
+The intake asks `caps` for the requester's quotas and hands their `admission` to the
+store's insert, which runs it inside its transaction under the store's "quota" lock: two requests
 that each fit alone but not together cannot both be recorded, in one process or many.
 A request over quota is refused with the numbers, or (`over = "approval"`) recorded as
 awaiting an approver, who then decides knowing it is over.
@@ -16,21 +16,67 @@ awaiting an approver, who then decides knowing it is over.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from bot.errors import DeployBotError, NotAllowed
+from bot.models import DeployRequest
 from store.db import Store
-from store.quotas import RESOURCES, Cap, OverQuota, Usage, over
+from store.quotas import RESOURCES, Admit, Usage, UsageOf
 
 log = logging.getLogger(__name__)
 # The members of a chat user group (the same look-up approver groups use).
 Members = Callable[[str], Awaitable[frozenset[str]]]
 UNITS = {"vms": "", "cores": "", "memory_mib": " MiB", "disk_gib": " GiB"}
 NAMES = {"vms": "VMs", "cores": "cores", "memory_mib": "memory", "disk_gib": "disk"}
+
+
+@dataclass(frozen=True)
+class Cap:
+    """One quota a new job must fit: the jobs of `members` together (one person, or the
+    members of a chat user group), at most `limits` (only the resources limited)."""
+
+    label: str  # whose quota: a user id, or a group id
+    members: frozenset[str]
+    limits: Mapping[str, int] = field(default_factory=dict)
+    group: bool = False
+
+
+class OverQuota(Exception):
+    """The new job does not fit `cap`: its members already hold `used`."""
+
+    def __init__(self, cap: Cap, used: Usage) -> None:
+        super().__init__(cap.label)
+        self.cap = cap
+        self.used = used
+
+
+def asked(request: DeployRequest) -> Usage:
+    """What one deploy holds once recorded."""
+    return Usage(1, request.cores, request.memory_mib, request.disk_grow_gib)
+
+
+def over(cap: Cap, used: Usage, wanted: Usage) -> bool:
+    return any(used.of(r) + wanted.of(r) > limit for r, limit in cap.limits.items())
+
+
+def admission(caps: list[Cap], wanted: Usage) -> Admit | None:
+    """The check the store's insert runs in its transaction, under its "quota" lock
+    (store/quotas.admit): `OverQuota` for the first cap the new job does not fit.
+    None when there is no cap to check (and no lock to take)."""
+    if not caps:
+        return None
+
+    def check(usage_of: UsageOf) -> None:
+        for cap in caps:
+            used = usage_of(cap.members)
+            if over(cap, used, wanted):
+                raise OverQuota(cap, used)
+
+    return check
 
 
 class Quota(BaseModel):
@@ -144,7 +190,7 @@ class Quotas:
     async def standing(self, user: str) -> list[Standing]:
         """Each of `user`'s quotas with what is used now (the form, the App Home)."""
         return [
-            Standing(cap, await self.store.quota_usage(cap.members))
+            Standing(cap, await self.store.jobs.quota_usage(cap.members))
             for cap in await self.caps(user)
         ]
 
@@ -152,7 +198,7 @@ class Quotas:
         """The first cap `wanted` does not fit now (read outside the insert: the insert
         checks again under the lock)."""
         for cap in caps:
-            used = await self.store.quota_usage(cap.members)
+            used = await self.store.jobs.quota_usage(cap.members)
             if over(cap, used, wanted):
                 return OverQuota(cap, used)
         return None

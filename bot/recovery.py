@@ -55,7 +55,7 @@ async def recover_interrupted(
     if await _requeue_to_resume(pipeline, backends, job):
         return None
     me = job.claim(pipeline.owner)  # the claim its taking over made
-    if job.state is JobState.RUNNING and not await store.transition(
+    if job.state is JobState.RUNNING and not await store.jobs.transition(
         job.id, [JobState.RUNNING], JobState.ROLLING_BACK, held_by=me
     ):
         return RollbackReport()  # taken over by another runner meanwhile: its job now
@@ -71,7 +71,7 @@ async def recover_interrupted(
             report = await pipeline.undo(job, backend, stack, ref)
     elif backend is None and job.vm_id is not None:
         report.wreckage.append(f"VM {job.vm_id} on {job.backend} (backend not configured)")
-    await store.transition(
+    await store.jobs.transition(
         job.id,
         [JobState.ROLLING_BACK],
         JobState.FAILED,
@@ -81,7 +81,7 @@ async def recover_interrupted(
         wreckage=", ".join(report.wreckage) or None,
         finished_at=utcnow(),
     )
-    final = await store.get_job(job.id)
+    final = await store.jobs.get(job.id)
     await pipeline.addressing.release_quietly(final)  # else the reconciler does
     if final is not None:
         await progress.job_finished(final, report)
@@ -94,7 +94,7 @@ async def _requeue_to_resume(pipeline: Pipeline, backends: Mapping[str, Backend]
     backend = backends.get(job.backend)
     if backend is None or job.vm_id is None:
         return False
-    if pipeline.engine.resume_point(await pipeline.store.events(job.id)) is None:
+    if pipeline.engine.resume_point(await pipeline.store.jobs.events(job.id)) is None:
         return False
     try:
         found = await backend.find_vm(vm_ref(job))
@@ -102,7 +102,7 @@ async def _requeue_to_resume(pipeline: Pipeline, backends: Mapping[str, Backend]
         return False  # cannot see the VM: rolling back is the safe choice
     if found is None or vm_ref(job).tag not in found.tags:
         return False
-    return await pipeline.store.transition(
+    return await pipeline.store.jobs.transition(
         job.id, [JobState.RUNNING], JobState.QUEUED, held_by=job.claim(pipeline.owner)
     )
 
@@ -121,7 +121,7 @@ async def sweep_wreckage(
 ) -> list[str]:
     """Try once more to remove every VM a finished job left behind; ids of jobs cleaned."""
     cleaned = []
-    for job in await store.jobs_with_wreckage():
+    for job in await store.jobs.with_wreckage():
         backend = backends.get(job.backend)
         if backend is None or job.vm_id is None or job.state not in FINAL_STATES:
             continue
@@ -134,7 +134,7 @@ async def sweep_wreckage(
             continue
         if gone:
             text = f"the VM left behind ({ref.vm_id}) has now been removed."
-            await store.update_job(  # the note and the change land together, or neither
+            await store.jobs.update(  # the note and the change land together, or neither
                 job.id,
                 wreckage=None,
                 events=[JobEvent(job_id=job.id, step="rollback", phase="note", detail=text)],

@@ -110,7 +110,7 @@ async def run_undo(
     report = RollbackReport()
     existed = ref is None or not any(u.vm for u in stack) or await _existed(backend, ref, timeouts)
     for undo in reversed(stack):
-        await store.add_event(
+        await store.jobs.add_event(
             JobEvent(job_id=job.id, step="rollback", phase="undo", detail=undo.what)
         )
         seen: list[str] = []  # each undo retries retryable errors within its timeout
@@ -125,7 +125,7 @@ async def run_undo(
             if not isinstance(exc, (BackendError, TimeoutError)):
                 log.exception("job %s: undo %r failed", job.id, undo.what)
             report.failed.append(f"{undo.what}: {reason}")
-            await store.add_event(
+            await store.jobs.add_event(
                 JobEvent(
                     job_id=job.id,
                     step="rollback",

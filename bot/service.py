@@ -87,7 +87,7 @@ class Deployer:
     async def kind_of(self, ref: str) -> Kind:
         """The kind of the job or build `ref` (an id or a prefix) names; the deploy kind
         when it names none (its lookup then says so)."""
-        return self.kinds.named(await self.store.kind_of(ref))
+        return self.kinds.named(await self.store.jobs.kind_of(ref))
 
     async def rows_of(self, ref: str) -> Rows:
         """Which record the job `ref` names is: a `Job` or a `Build` (its kind's rows)."""

@@ -201,7 +201,7 @@ class Engine(Generic[C]):
         only under the run's claim: `Lost` when another claim holds the job now (its
         late event must not land in the new owner's history and thread)."""
         told = notice_for(run.job, notice) if notice is not None else None
-        write = functools.partial(self.store.add_event, event, told, run.claim)
+        write = functools.partial(self.store.jobs.add_event, event, told, run.claim)
         if not await self.recorded(run, write):
             raise Lost(run.job.id)
 
@@ -278,7 +278,7 @@ class Engine(Generic[C]):
         told, and kept when the database takes it; one it does not is only logged (it
         changes nothing the job's state depends on)."""
         try:
-            await self.store.add_event(
+            await self.store.jobs.add_event(
                 JobEvent(job_id=job.id, step=step, phase="note", detail=text),
                 notice_for(job, tell.noted(job.id, text)),
             )

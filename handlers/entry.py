@@ -126,7 +126,7 @@ async def history_command(args: argparse.Namespace, settings: Settings) -> int:
     store = await open_store(settings)
     shown = 0
     try:  # a page at a time: `history 100000` holds one page, not a hundred thousand jobs
-        pages = store.history_pages(
+        pages = store.jobs.history_pages(
             requester=args.user, state=state, name=args.name, limit=max(1, args.limit)
         )
         async for page in pages:

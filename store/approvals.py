@@ -121,11 +121,16 @@ def expired_approvals(db: Db, now: datetime) -> list[str]:
 
 
 def cancel_awaiting(
-    db: Db, job_id: str, *, by: str, at: datetime, notices: Sequence[Notice] = ()
+    db: Db,
+    job_id: str,
+    *,
+    by: str,
+    at: datetime | None = None,
+    notices: Sequence[Notice] = (),
 ) -> bool:
     """Cancel a job that awaits approval and close its approval, in one transaction, so
     no approver can approve it afterwards; False when it no longer awaited approval."""
-    when = ts(at)
+    when = ts(at or utcnow())
     with immediate(db):
         moved = db.execute(
             "UPDATE jobs SET state = 'cancelled', updated_at = :at, finished_at = :at, "

@@ -1,7 +1,7 @@
 """Template builds (bot/builds/): insert, read and compare-and-set moves of `builds` rows.
 
 Like jobs, every move names the states it expects and, with `held_by`, the runner that
-must still own the build, so a runner whose lease lapsed cannot write over the one that
+must still own the build, so a runner whose claim lapsed cannot write over the one that
 took the build over. The version number is chosen inside the insert's transaction,
 under the unique index that lets one build of a name per backend be in flight.
 """
@@ -9,7 +9,7 @@ under the unique index that lets one build of a name per backend be in flight.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Collection, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -17,7 +17,6 @@ from bot.models import utcnow
 from bot.models.builds import BUILD_TRANSITIONS, Build, BuildState
 from bot.models.notices import Notice
 from store import outbox
-from store.engine import Engine
 from store.jobrows import _sql_value
 from store.jobs import DuplicateActive, claim
 from store.sql import Conflict, Db, immediate, insert_sql
@@ -91,7 +90,7 @@ def move_build(
     db: Db,
     /,
     build_id: str,
-    expected: Iterable[BuildState],
+    expected: Collection[BuildState],
     new: BuildState,
     held_by: str | None = None,
     notices: Sequence[Notice] = (),
@@ -189,7 +188,7 @@ def list_builds(
 
 
 def abandoned_builds(db: Db, now: datetime) -> list[Build]:
-    """Builds running or rolling back whose runner's lease lapsed (it died)."""
+    """Builds running or rolling back whose runner's claim lapsed (it died)."""
     rows = db.query(
         "SELECT * FROM builds WHERE state IN ('running', 'rolling_back') "
         "AND (lease_until IS NULL OR lease_until < ?)",
@@ -206,65 +205,3 @@ def awaiting_builds(db: Db, asked_before: datetime) -> list[Build]:
         [ts(asked_before)],
     )
     return [build_from_row(r) for r in rows]
-
-
-class BuildRecords:
-    """`Store.builds`: the functions above, run on the store's engine."""
-
-    def __init__(self, engine: Engine, noticed: Callable[[bool], None] | None = None) -> None:
-        self._engine = engine
-        self._noticed = noticed or (lambda written: None)  # wakes the chat delivery
-
-    async def insert(
-        self, build: Build, at_least: int = 1, notices: Sequence[Notice] = ()
-    ) -> Build:
-        stored = await self._engine.call(insert_build, build, at_least, notices)
-        self._noticed(bool(notices))
-        return stored
-
-    async def get(self, build_id: str) -> Build | None:
-        return await self._engine.call(get_build, build_id)
-
-    async def match(self, prefix: str, limit: int = 10) -> list[str]:
-        return await self._engine.call(match_builds, prefix, limit)
-
-    async def move(
-        self,
-        build_id: str,
-        expected: Iterable[BuildState],
-        new: BuildState,
-        held_by: str | None = None,
-        notices: Sequence[Notice] = (),
-        dedupe_key: str | None = None,
-        **fields: Any,
-    ) -> Build | None:
-        moved = await self._engine.call(
-            move_build, build_id, expected, new, held_by, notices, dedupe_key, **fields
-        )
-        self._noticed(moved is not None and bool(notices))
-        return moved
-
-    async def update(
-        self,
-        build_id: str,
-        held_by: str | None = None,
-        notices: Sequence[Notice] = (),
-        **fields: Any,
-    ) -> bool:
-        done = await self._engine.call(update_build, build_id, held_by, notices, **fields)
-        self._noticed(done and bool(notices))
-        return done
-
-    async def request_cancel(self, build_id: str, by: str) -> bool:
-        return await self._engine.call(request_cancel, build_id, by)
-
-    async def recent(
-        self, backend: str | None = None, name: str | None = None, limit: int = 50
-    ) -> list[Build]:
-        return await self._engine.call(list_builds, backend, name, limit)
-
-    async def abandoned(self, now: datetime) -> list[Build]:
-        return await self._engine.call(abandoned_builds, now)
-
-    async def awaiting(self, asked_before: datetime) -> list[Build]:
-        return await self._engine.call(awaiting_builds, asked_before)

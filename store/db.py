@@ -7,18 +7,25 @@ deploybot uses PostgreSQL (store/postgres/). Both run the same store functions
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
-from store import builds
-from store.access.approvals import ApprovalAccess
-from store.access.jobs import JobAccess
-from store.access.messages import MessageAccess
-from store.access.owners import OwnerAccess
-from store.access.people import PeopleAccess
 from store.engine import BUSY_TIMEOUT_MS, Engine, SqliteEngine
 from store.jobs import AlreadyDelivered, DuplicateActive
 from store.quarantine import Quarantined, RowUnreadable
+from store.repositories import (
+    Addresses,
+    Approvals,
+    Audit,
+    Builds,
+    GcRuns,
+    Inbox,
+    Jobs,
+    Leases,
+    Outbox,
+    People,
+    Runners,
+)
+from store.repository import Wake
 from store.retry import RetryPolicy
 from store.sql import Db
 
@@ -31,22 +38,31 @@ def is_postgres(database: str | Path) -> bool:
     return isinstance(database, str) and database.startswith(POSTGRES_SCHEMES)
 
 
-class Store(JobAccess, OwnerAccess, ApprovalAccess, MessageAccess, PeopleAccess):
+class Store:
     """Async access to the history. Open with `await Store.open(database)`, close when done.
 
-    Its methods are grouped by table in store/access/ (jobs, runners and leases,
-    approvals, the outbox and inbox, people and gc runs)."""
+    It holds one repository per table or tight group of tables (store/repositories.py):
+    `store.jobs.get(job_id)`, `store.approvals.decide(...)`, `store.outbox.claim(...)`."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.label = engine.label
         # Made with the database and never changed: VM tags carry it (store/migrations).
         self.installation_id = engine.installation_id
-        # Set by a front end that delivers the outbox: told when this process kept a
-        # notice, so it need not wait for its next look to deliver it.
-        self.on_notice: Callable[[], None] | None = None
-        # Template builds (store/builds.py); their notices wake the delivery too.
-        self.builds = builds.BuildRecords(engine, self._noticed)
+        # A front end that delivers the outbox sets `wake.on_notice`: told when this
+        # process kept a notice, so it need not wait for its next look to deliver it.
+        self.wake = Wake()
+        self.jobs = Jobs(engine, self.wake)
+        self.runners = Runners(engine, self.wake)
+        self.leases = Leases(engine, self.wake)
+        self.addresses = Addresses(engine, self.wake)
+        self.approvals = Approvals(engine, self.wake)
+        self.outbox = Outbox(engine, self.wake)
+        self.inbox = Inbox(engine, self.wake)
+        self.people = People(engine, self.wake)
+        self.audit = Audit(engine, self.wake)
+        self.gc_runs = GcRuns(engine, self.wake)
+        self.builds = Builds(engine, self.wake)
 
     @classmethod
     async def open(

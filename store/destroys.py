@@ -9,7 +9,7 @@ so a redelivered click decides nothing twice.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from bot.models import HOLDING_STATES, Job, JobState
@@ -26,7 +26,7 @@ def _where(requester: str | None) -> tuple[str, dict[str, Any]]:
     return f"state IN ({_MARKS}) AND requester = :requester", {"requester": requester}
 
 
-def live(db: Db, requester: str | None, limit: int, offset: int) -> list[Job]:
+def live(db: Db, requester: str | None, limit: int, offset: int = 0) -> list[Job]:
     """One page of live jobs (all, or one requester's), newest first."""
     where, params = _where(requester)
     sql = (
@@ -47,8 +47,9 @@ def transition_once(
     /,
     dedupe_key: str | None,
     job_id: str,
-    expected: Iterable[JobState],
+    expected: Collection[JobState],
     new: JobState,
+    *,
     notices: Sequence[Notice] = (),
     **fields: Any,
 ) -> bool:
@@ -59,7 +60,7 @@ def transition_once(
         with immediate(db):
             if dedupe_key is not None:
                 claim(db, dedupe_key, job_id, "destroy")
-            if not transition(db, job_id, expected, new, None, notices, (), **fields):
+            if not transition(db, job_id, expected, new, notices=notices, **fields):
                 raise _NotMoved
     except _NotMoved:
         return False

@@ -11,7 +11,7 @@ from store.sql import Db, immediate
 from store.tx import ts
 
 
-def record_gc_run(db: Db, scope: Sequence[str], vm_keys: Sequence[str], applied: bool) -> None:
+def record_gc_run(db: Db, scope: Sequence[str], vm_keys: Sequence[str], *, applied: bool) -> None:
     row = {
         "at": ts(utcnow()),
         "scope": ",".join(sorted(scope)),
@@ -22,7 +22,7 @@ def record_gc_run(db: Db, scope: Sequence[str], vm_keys: Sequence[str], applied:
         db.insert("gc_runs", [row])
 
 
-def last_gc_dry_run(db: Db, scope: Sequence[str], since: datetime) -> set[str] | None:
+def last_gc_dry_run(db: Db, scope: Sequence[str], *, since: datetime) -> set[str] | None:
     """The VM keys the newest dry run of exactly this scope listed, if it is recent."""
     rows = list(
         db.query(

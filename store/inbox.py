@@ -3,9 +3,9 @@
 Slack gets its acknowledgement within 3 s and never sends the command again; what the
 command asks (a deploy's checks against the hypervisor) often takes longer. So the
 command is written here before it is acknowledged, held by the runner that took it
-(leased like its jobs: renewed every tick, store/owners.py), and marked done once it
+(claimed like its jobs: renewed every tick, store/owners.py), and marked done once it
 was carried out and answered. A runner that dies in between leaves it undone with a
-lapsing lease, and another process takes it (`claim_orphaned`) and carries it out.
+lapsing claim, and another process takes it (`claim_orphaned`) and carries it out.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def done(db: Db, key: str, now: datetime) -> None:
 
 
 def claim_orphaned(db: Db, me: str, now: datetime, until: datetime, limit: int) -> list[Received]:
-    """Take up to `limit` undone commands whose holder's lease has lapsed, oldest first,
+    """Take up to `limit` undone commands whose holder's claim has lapsed, oldest first,
     in one statement (on PostgreSQL skipping those another replica is taking now)."""
     skip = " FOR UPDATE SKIP LOCKED" if db.dialect == "postgres" else ""
     rows = db.query(

@@ -7,7 +7,7 @@ other is told so. These functions run on the store's worker thread (store/db.py)
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -68,18 +68,21 @@ def insert_job(
     db: Db,
     job: Job,
     approval: Approval | None = None,
+    *,
     dedupe_key: str | None = None,
     announce: bool = False,
-    caps: Sequence[quotas.Cap] = (),
+    admit: quotas.Admit | None = None,
 ) -> Job:
     """Insert a new job (and its approval) and return it as stored. Its id is random:
     should it be a stored job's already, the insert is made again with a fresh id, so the
     job returned may carry another id than the one given. `announce`: chat must hear of
-    it (a notice in the same transaction). `caps`: quotas it must fit (`OverQuota`),
-    checked in the same transaction (store/quotas.py)."""
+    it (a notice in the same transaction). `admit`: the core's quota check, run in the
+    same transaction (store/quotas.admit); what it raises is raised here, and nothing
+    is written. `AlreadyDelivered` when `dedupe_key` was used before, `DuplicateActive`
+    when a job in flight holds the name or the address."""
     for _attempt in range(_ID_ATTEMPTS):
         try:
-            _insert_job(db, job, approval, dedupe_key, announce, caps)
+            _insert_job(db, job, approval, dedupe_key, announce, admit)
         except _IdTaken:
             job = job.model_copy(update={"id": new_job_id()})
             if approval is not None:
@@ -95,12 +98,13 @@ def _insert_job(
     approval: Approval | None,
     dedupe_key: str | None,
     announce: bool,
-    caps: Sequence[quotas.Cap] = (),
+    admit: quotas.Admit | None,
 ) -> None:
     with immediate(db):
         if dedupe_key is not None:
             claim(db, dedupe_key, job.id, "request")
-        quotas.check(db, caps, quotas.asked(job.request))
+        if admit is not None:
+            quotas.admit(db, admit)
         try:
             db.insert("jobs", [job_row(job)])
         except Conflict as exc:
@@ -140,7 +144,7 @@ def get_job(db: Db, job_id: str) -> Job | None:
     return found[0] if found else None
 
 
-def match_ids(db: Db, prefix: str, limit: int) -> list[tuple[str, str, str]]:
+def match_ids(db: Db, prefix: str, limit: int = 10) -> list[tuple[str, str, str]]:
     """(id, name, state) of up to `limit` jobs whose id starts with `prefix`, in id order:
     an exact match comes first. A range on the primary key, so it uses its index."""
     if not prefix or not prefix.isascii():
@@ -180,27 +184,31 @@ def transition(
     db: Db,
     /,
     job_id: str,
-    expected: Iterable[JobState],
+    expected: Collection[JobState],
     new: JobState,
+    *,
     held_by: Claim | None = None,
     notices: Sequence[Notice] = (),
     events: Sequence[JobEvent] = (),
     **fields: Any,
 ) -> bool:
     """Move a job from one of `expected` to `new`; False when it was not in those states
-    (or, with `held_by`, when that claim no longer holds it: a runner whose lease lapsed
+    (or, with `held_by`, when that claim no longer holds it: a runner whose claim lapsed
     and whose job was taken over must not write over the new owner's work). The
     `notices` (what chat must be told of it) and `events` (its history) are kept only if
     the move happened, in its transaction: all land, or none."""
-    return move(db, job_id, expected, new, held_by, notices, events, **fields)[0]
+    return move(
+        db, job_id, expected, new, held_by=held_by, notices=notices, events=events, **fields
+    )[0]
 
 
 def move(
     db: Db,
     /,
     job_id: str,
-    expected: Iterable[JobState],
+    expected: Collection[JobState],
     new: JobState,
+    *,
     held_by: Claim | None = None,
     notices: Sequence[Notice] = (),
     events: Sequence[JobEvent] = (),
@@ -270,6 +278,7 @@ def update_job(
     db: Db,
     /,
     job_id: str,
+    *,
     held_by: Claim | None = None,
     notices: Sequence[Notice] = (),
     events: Sequence[JobEvent] = (),
@@ -408,7 +417,7 @@ def jobs_with_wreckage(db: Db) -> list[Job]:
     return listing(db, sql)
 
 
-def jobs_in(db: Db, states: Iterable[JobState]) -> list[Job]:
+def jobs_in(db: Db, states: Collection[JobState]) -> list[Job]:
     """Oldest first, so a restart re-queues in the order people asked. Jobs whose rows
     do not validate are quarantined and left out: they are never run or recovered."""
     values = [s.value for s in states]

@@ -129,7 +129,7 @@ def write(
     value: str | datetime,
     notices: Sequence[Notice],
     audit: AuditEvent,
-    dedupe_key: str | None,
+    dedupe_key: str | None = None,
 ) -> Job | None:
     """One lease step ("remind": the reminders now sent; "extend": the new end;
     "expire": when the VM was powered off); the job as it now is, or None when it had

@@ -3,7 +3,7 @@
 The core adds a notice inside the transaction of the change that causes it (`add`), so
 after any crash the change and the duty to tell of it exist together or not at all. A
 front end process delivers the notices of the jobs it has claimed (`outbox_claims`, a
-lease per job, so with several processes each job's thread is written by one at a time
+delivery claim per job, so with several processes each job's thread is written by one at a time
 and in order) and marks them delivered once Slack accepted the call that carried them.
 A notice told in several messages (a thread line, its headline, a direct message) has
 each part recorded as it gets there (`parts_sent`, schema v13), so a deliverer that
@@ -19,6 +19,7 @@ These functions run on the store's worker thread (store/db.py).
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
@@ -29,6 +30,13 @@ from store.sql import Db, immediate
 from store.tx import ts
 
 DELIVERED_KEPT_DAYS = 7
+# How many notices `add` kept on this thread: a repository compares it before and after
+# a store function to know whether to wake the delivery (store/repository.py).
+_kept = threading.local()
+
+
+def kept_here() -> int:
+    return int(getattr(_kept, "count", 0))
 
 
 def add(db: Db, notices: Iterable[Notice], state: JobState | None = None) -> None:
@@ -45,7 +53,7 @@ def add(db: Db, notices: Iterable[Notice], state: JobState | None = None) -> Non
         if notice.state is None and state is not None:
             notice = notice.model_copy(update={"state": state})
         body = notice.model_dump_json(exclude={"id", "sent"})
-        db.execute(
+        cursor = db.execute(
             "INSERT INTO outbox (job_id, kind, urgent, body, created_at) "
             "SELECT :job, :kind, :urgent, :body, :at WHERE EXISTS ("
             "  SELECT 1 FROM jobs WHERE id = :job AND (origin IS NOT NULL"
@@ -60,6 +68,8 @@ def add(db: Db, notices: Iterable[Notice], state: JobState | None = None) -> Non
                 "at": ts(notice.at),
             },
         )
+        if cursor.rowcount > 0:
+            _kept.count = kept_here() + 1
 
 
 def _notice(row: Sequence[Any]) -> Notice:
@@ -87,7 +97,7 @@ def undelivered(db: Db, job_id: str) -> list[Notice]:
 
 
 def claim(db: Db, job_ids: Sequence[str], me: str, now: datetime, until: datetime) -> set[str]:
-    """Take (or keep) the delivery lease of these jobs where nobody else holds it; the
+    """Take (or keep) the delivery claim of these jobs where nobody else holds it; the
     jobs now ours. One statement per job, each a compare-and-set on the claim row."""
     won: set[str] = set()
     params = {"me": me, "now": ts(now), "until": ts(until)}
@@ -104,13 +114,13 @@ def claim(db: Db, job_ids: Sequence[str], me: str, now: datetime, until: datetim
     return won
 
 
-def renew(db: Db, me: str, until: datetime) -> None:
+def renew_delivery_claims(db: Db, me: str, until: datetime) -> None:
     with immediate(db):
         db.execute("UPDATE outbox_claims SET until = ? WHERE holder = ?", [ts(until), me])
 
 
 def orphaned(db: Db, now: datetime, limit: int) -> list[str]:
-    """Jobs with undelivered notices whose deliverer's lease has passed, or that nobody
+    """Jobs with undelivered notices whose deliverer's delivery claim has lapsed, or that nobody
     ever claimed: what a process that died left unsaid."""
     rows = db.execute(
         "SELECT DISTINCT o.job_id FROM outbox o LEFT JOIN outbox_claims c ON c.job_id = o.job_id "
@@ -139,7 +149,7 @@ def mark_delivered(
 
 
 def release(db: Db, job_id: str, me: str, now: datetime) -> None:
-    """Give up the delivery lease of a job with nothing left to say; forget old rows."""
+    """Give up the delivery claim of a job with nothing left to say; forget old rows."""
     forgotten = ts(now - timedelta(days=DELIVERED_KEPT_DAYS))
     with immediate(db):
         db.execute("DELETE FROM outbox_claims WHERE job_id = ? AND holder = ?", [job_id, me])

@@ -1,18 +1,20 @@
-"""Who runs which job: runners, their heartbeats, and the leases on jobs.
+"""Who runs which job: runners, their heartbeats, and their claims on jobs.
 
 Every process that runs jobs is a *runner* with a row here. A job is run by the runner
-that claimed it: `owner` and `lease_until` on the job, written by one compare-and-set
-(an UPDATE that names what it expects), so of two processes claiming the same job
-exactly one gets it. The owner renews its leases while it lives; another process may
-take a job over only once its lease has passed. Times are given by the caller (the
-bot's injected clock), as fixed-width UTC text, so text order is time order.
+that claimed it: `owner` and `lease_until` (the claim's end: the column keeps its old
+name) on the job, written by one compare-and-set (an UPDATE that names what it
+expects), so of two processes claiming the same job exactly one gets it. The owner
+renews its claims while it lives; another process may take a job over only once its
+claim has lapsed. (A VM's *lease*, how long it may live, is another thing: leases.py.)
+Times are given by the caller (the bot's injected clock), as fixed-width UTC text, so
+text order is time order.
 
 These functions run on the store's worker thread (store/db.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -28,8 +30,8 @@ from store.tx import ts
 _OWNED = ("queued", "running", "rolling_back", "destroying")
 _OWNED_SQL = "('queued', 'running', 'rolling_back', 'destroying')"
 _BUILDS_OWNED_SQL = "('queued', 'running', 'rolling_back')"
-# A lease that is NULL, or before now, has expired; so has one of a dead runner.
-_EXPIRED = "(lease_until IS NULL OR lease_until < :now)"
+# A claim that is NULL, or before now, has lapsed; so has one of a dead runner.
+_LAPSED = "(lease_until IS NULL OR lease_until < :now)"
 RUNNERS_KEPT_DAYS = 7
 
 
@@ -41,7 +43,7 @@ class RunnerRow:
     pid: int
     proc_start: str  # the process's start time there: a reused pid is another process
     started_at: datetime
-    lease_until: datetime
+    claims_until: datetime  # column runners.lease_until: its claims' renewal
 
 
 @dataclass(frozen=True)
@@ -70,7 +72,7 @@ def register(db: Db, runner: RunnerRow) -> None:
         "proc_start": runner.proc_start,
         "started_at": ts(runner.started_at),
         "heartbeat_at": ts(runner.started_at),
-        "lease_until": ts(runner.lease_until),
+        "lease_until": ts(runner.claims_until),
     }
     # Every CLI run is a runner: forget those long gone, or the table only grows.
     forgotten = ts(runner.started_at - timedelta(days=RUNNERS_KEPT_DAYS))
@@ -89,7 +91,7 @@ def _ids(prefix: str, ids: Collection[str], params: dict[str, Any]) -> str:
     return f"({', '.join(marks) or 'NULL'})"
 
 
-def renew(
+def renew_claims(
     db: Db,
     runner_id: str,
     now: datetime,
@@ -97,18 +99,18 @@ def renew(
     local: Collection[str] = (),
     pending: Collection[str] = (),
 ) -> list[Owned]:
-    """Extend this runner's lease and the leases of the jobs and builds it runs now;
+    """Extend this runner's claim and its claims on the jobs and builds it runs now;
     everything it holds, each marked whether it runs here.
 
     `local` names the jobs and builds with a live task in this process (a template
     build's smoke deploy, run inside the build's task, counts as local with it);
     `pending` those the caller is still deciding about (held, no task seen yet): their
-    leases are renewed too, but they are not marked local. Any other job or build this
-    runner holds keeps its lease as it is and comes back marked not local, for the
+    claims are renewed too, but they are not marked local. Any other job or build this
+    runner holds keeps its claim as it is and comes back marked not local, for the
     caller to finish or `hand_back`. One transaction, a fixed number of statements
     whatever the number of jobs: renewal must stay cheap with hundreds in flight. A job
     missing from the answer is no longer ours (cancelled while queued, or taken over
-    after our lease lapsed).
+    after our claim lapsed).
     """
     params: dict[str, Any] = {"me": runner_id, "now": ts(now), "until": ts(until)}
     here = _ids("l", local, params)
@@ -155,7 +157,7 @@ def renew(
 
 def hand_back(db: Db, runner_id: str, ids: Collection[str]) -> int:
     """Give up jobs and builds this runner holds but no longer runs (their task ended
-    without a final state): their leases end now, so a runner (this one too) takes
+    without a final state): their claims end now, so a runner (this one too) takes
     them over and recovers them at its next look, as it would a dead runner's; queued
     ones go back to anyone. Returns how many were handed back."""
     params: dict[str, Any] = {"me": runner_id}
@@ -182,10 +184,10 @@ def claim(
     runner_id: str,
     now: datetime,
     until: datetime,
-    states: Iterable[JobState],
+    states: Collection[JobState] = (JobState.QUEUED,),
 ) -> int | None:
     """Make this runner the job's owner if it is in `states` and nobody else holds it
-    (no owner, or an expired lease); the claim's epoch (one more than the last claim's),
+    (no owner, or a lapsed claim); the claim's epoch (one more than the last claim's),
     or None when it was not claimed. One statement: two claimers, one winner."""
     wanted = tuple(s.value for s in states)
     marks = ", ".join(f":s{i}" for i in range(len(wanted)))
@@ -195,7 +197,7 @@ def claim(
         rows = db.query(
             "UPDATE jobs SET owner = :me, lease_until = :until, claim_epoch = claim_epoch + 1 "
             f"WHERE id = :id AND state IN ({marks}) "
-            f"AND (owner IS NULL OR owner = :me OR {_EXPIRED}) RETURNING claim_epoch",
+            f"AND (owner IS NULL OR owner = :me OR {_LAPSED}) RETURNING claim_epoch",
             params,
         )
     return int(rows[0]["claim_epoch"]) if rows else None
@@ -215,7 +217,7 @@ def claim_queued(
         rows = db.query(
             "UPDATE jobs SET owner = :me, lease_until = :until, claim_epoch = claim_epoch + 1 "
             "WHERE id IN (SELECT id FROM jobs WHERE state = 'queued' "
-            f"AND (owner IS NULL OR {_EXPIRED}) ORDER BY created_at, rowid LIMIT :limit{skip}) "
+            f"AND (owner IS NULL OR {_LAPSED}) ORDER BY created_at, rowid LIMIT :limit{skip}) "
             "RETURNING id, backend, created_at, rowid",
             params,
         )
@@ -226,7 +228,7 @@ def claim_queued(
         if len(claimed) < limit:
             builds = db.query(
                 "UPDATE builds SET owner = :me, lease_until = :until WHERE id IN ("
-                f"SELECT id FROM builds WHERE state = 'queued' AND (owner IS NULL OR {_EXPIRED}) "
+                f"SELECT id FROM builds WHERE state = 'queued' AND (owner IS NULL OR {_LAPSED}) "
                 f"ORDER BY created_at, id LIMIT :limit{skip}) "
                 "RETURNING id, backend, created_at",
                 {**params, "limit": limit - len(claimed)},
@@ -237,10 +239,10 @@ def claim_queued(
 
 
 def abandoned(db: Db, now: datetime) -> list[Job]:
-    """Jobs being worked on whose owner's lease has passed (the owner died or hangs)."""
+    """Jobs being worked on whose owner's claim has lapsed (the owner died or hangs)."""
     return listing(
         db,
-        f"{SELECT_JOBS} WHERE state IN ('running', 'rolling_back', 'destroying') AND {_EXPIRED} "
+        f"{SELECT_JOBS} WHERE state IN ('running', 'rolling_back', 'destroying') AND {_LAPSED} "
         "ORDER BY created_at, rowid",
         {"now": ts(now)},
     )
@@ -280,11 +282,11 @@ def release(db: Db, runner_id: str, now: datetime) -> int:
     return int(handed)
 
 
-def live_on_host(db: Db, host: str, now: datetime) -> list[tuple[str, int, str]]:
+def live_on_host(db: Db, host: str) -> list[tuple[str, int, str]]:
     """(id, pid, proc_start) of runners on this host not known to have stopped, whatever
-    their lease: one whose lease lapsed may still be alive (paused by an outage), and
-    one that is gone must be declared so (else its jobs wait a lease for a taker that
-    has watched the database for one: bot/ownership.py)."""
+    their claim: one whose claim lapsed may still be alive (paused by an outage), and
+    one that is gone must be declared so (else its jobs wait out a claim for a taker
+    that has watched the database for one: bot/ownership.py)."""
     rows = db.execute(
         "SELECT id, pid, proc_start FROM runners WHERE host = :host AND stopped_at IS NULL",
         {"host": host},
@@ -293,7 +295,7 @@ def live_on_host(db: Db, host: str, now: datetime) -> list[tuple[str, int, str]]
 
 
 def declare_dead(db: Db, runner_id: str, now: datetime) -> None:
-    """A runner seen to be dead (its process is gone): end its leases now rather than
+    """A runner seen to be dead (its process is gone): end its claims now rather than
     let its jobs wait for them to lapse."""
     params = {"id": runner_id, "now": ts(now)}
     with immediate(db):

@@ -1,19 +1,21 @@
-"""What people's jobs hold (VMs, cores, memory, disk), and the check that a new job fits.
+"""What people's jobs hold (VMs, cores, memory, disk): the queries behind quotas.
 
-No table of its own: a job holds its share while it holds its VM (HOLDING_STATES), and
-the request kept with it says how much. `check` runs inside the insert's transaction
-after taking the store's "quota" lock, so of two requests that each fit alone but not
-together, the second one's check already counts the first (SQLite: one writer at a
-time; PostgreSQL: the lock, held until the commit).
+The policy (who may hold how much, and what a request over it gets) is the core's
+(bot/quotas.py); the store only counts. No table of its own: a job holds its share while
+it holds its VM (HOLDING_STATES), and the request kept with it says how much. `admit`
+runs the core's check inside the insert's transaction after taking the store's "quota"
+lock, so of two requests that each fit alone but not together, the second one's check
+already counts the first (SQLite: one writer at a time; PostgreSQL: the lock, held until
+the commit).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
 
-from bot.models import HOLDING_STATES, DeployRequest
+from bot.models import HOLDING_STATES
 from store.sql import Db
 
 _MARKS = ", ".join(f"'{s.value}'" for s in sorted(HOLDING_STATES))
@@ -34,32 +36,13 @@ class Usage:
         return Usage(*(self.of(r) + other.of(r) for r in RESOURCES))
 
 
-def asked(request: DeployRequest) -> Usage:
-    """What one deploy holds once recorded."""
-    return Usage(1, request.cores, request.memory_mib, request.disk_grow_gib)
+# What the requesters in a collection hold now, read in the caller's transaction.
+UsageOf = Callable[[Collection[str]], Usage]
+# The core's check of a new job against its quotas: raises to refuse it (bot/quotas.py).
+Admit = Callable[[UsageOf], None]
 
 
-@dataclass(frozen=True)
-class Cap:
-    """One quota a new job must fit: the jobs of `members` together (one person, or the
-    members of a chat user group), at most `limits` (only the resources limited)."""
-
-    label: str  # whose quota: a user id, or a group id
-    members: frozenset[str]
-    limits: Mapping[str, int] = field(default_factory=dict)
-    group: bool = False
-
-
-class OverQuota(Exception):
-    """The new job does not fit `cap`: its members already hold `used`."""
-
-    def __init__(self, cap: Cap, used: Usage) -> None:
-        super().__init__(cap.label)
-        self.cap = cap
-        self.used = used
-
-
-def usage(db: Db, members: Iterable[str]) -> Usage:
+def usage(db: Db, members: Collection[str]) -> Usage:
     """What the jobs of these requesters hold now."""
     people = sorted(set(members))
     if not people:
@@ -80,18 +63,8 @@ def usage(db: Db, members: Iterable[str]) -> Usage:
     return total
 
 
-def over(cap: Cap, used: Usage, wanted: Usage) -> bool:
-    return any(used.of(r) + wanted.of(r) > limit for r, limit in cap.limits.items())
-
-
-def check(db: Db, caps: Sequence[Cap], wanted: Usage) -> None:
-    """Inside the insert's transaction: raise `OverQuota` for the first cap the new job
-    does not fit. Takes the lock first, so the usage read here cannot change before the
-    commit."""
-    if not caps:
-        return
+def admit(db: Db, check: Admit) -> None:
+    """Inside the insert's transaction: take the "quota" lock first, so the usage `check`
+    reads here cannot change before the commit; what `check` raises undoes the insert."""
     db.lock("quota")
-    for cap in caps:
-        used = usage(db, cap.members)
-        if over(cap, used, wanted):
-            raise OverQuota(cap, used)
+    check(lambda members: usage(db, members))

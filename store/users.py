@@ -93,7 +93,7 @@ def add_audit(db: Db, event: AuditEvent) -> None:
         )
 
 
-def audit_events(db: Db, limit: int) -> list[AuditEvent]:
+def audit_events(db: Db, limit: int = 50) -> list[AuditEvent]:
     rows = db.query(
         "SELECT at, actor, action, outcome, detail FROM audit ORDER BY id DESC LIMIT ?", [limit]
     )

@@ -71,7 +71,7 @@ async def test_the_requester_destroys_and_the_name_and_address_are_free(
         "destroy",
     ]
     assert recorder.finished[job.id][0].state is JobState.DESTROYED
-    audit = [(e.actor, e.outcome) for e in await deployer.store.audit_events()]
+    audit = [(e.actor, e.outcome) for e in await deployer.store.audit.events()]
     assert ("alice", "destroyed") in audit and ("alice", "requested") in audit
     again = await deployed(deployer, "web01 10.0.0.50")  # name and address free again
     assert again.id != job.id
@@ -94,7 +94,7 @@ async def test_strangers_unknown_names_and_unfinished_jobs_are_refused(
         await deployer.request_destroy("web99", "alice")
     assert (await deployer.status(job.id)).job.state is JobState.SUCCEEDED
     assert sim.vms[job.vm_id or ""].running
-    refused = [e for e in await deployer.store.audit_events() if e.outcome == "refused"]
+    refused = [e for e in await deployer.store.audit.events() if e.outcome == "refused"]
     assert [e.actor for e in refused] == ["alice", "mallory"]
     # A job that is not ready yet: said, with what to do.
     waiting = await deployer.request_deploy(args("web02 10.0.0.51"), "alice")
@@ -195,7 +195,7 @@ async def test_a_destroy_whose_runner_died_is_taken_over_and_finished(
 ) -> None:
     job = await deployed(deployer, "web01 10.0.0.50")
     past = utcnow() - timedelta(seconds=60)
-    moved = await deployer.store.transition(
+    moved = await deployer.store.jobs.transition(
         job.id,
         [JobState.SUCCEEDED],
         JobState.DESTROYING,
@@ -275,7 +275,7 @@ async def test_a_runner_that_lost_its_destroy_stops_before_the_next_move(
 
     async def taken_over(current: Job, step: str) -> None:
         if current.id == job.id and step == "stop":  # another runner took the job over
-            await deployer.store.update_job(job.id, owner="rsomeoneelse1")
+            await deployer.store.jobs.update(job.id, owner="rsomeoneelse1")
 
     recorder.on_step = taken_over
     await deployer.request_destroy("web01", "alice")

@@ -43,7 +43,7 @@ async def queued_job(settings: Settings, store: Store, name: str, address: str) 
     made = build_request(request(f"{name} {address}"), settings, "alice")
     job = Job.for_request(made, JobState.QUEUED)
     job = job.model_copy(update={"installation": store.installation_id})
-    await store.insert_job(job)
+    await store.jobs.insert(job)
     return job
 
 
@@ -67,22 +67,24 @@ async def test_every_claim_has_its_epoch_and_an_old_claim_changes_nothing(
         job = await queued_job(settings, store, "e01", "10.0.0.50")
         clock = Clock()
         until = clock.now + timedelta(seconds=LEASE_S)
-        first = await store.claim(job.id, "r-one", clock.now, until)
+        first = await store.runners.claim(job.id, "r-one", clock.now, until)
         assert first == 1
-        assert await store.transition(
+        assert await store.jobs.transition(
             job.id, [JobState.QUEUED], JobState.RUNNING, held_by=Claim(runner="r-one", epoch=1)
         )
         later = clock.now + timedelta(seconds=LEASE_S + 1)  # r-one's lease has run out
-        again = await store.claim(job.id, "r-one", later, later + timedelta(seconds=9), WORKING)
+        again = await store.runners.claim(
+            job.id, "r-one", later, later + timedelta(seconds=9), WORKING
+        )
         assert again == 2  # the same runner, claiming again: a new epoch
         old, new = Claim(runner="r-one", epoch=1), Claim(runner="r-one", epoch=2)
-        assert not await store.update_job(job.id, held_by=old, vm_id="101")
+        assert not await store.jobs.update(job.id, held_by=old, vm_id="101")
         expected = [JobState.RUNNING]
-        assert not await store.transition(job.id, expected, JobState.ROLLING_BACK, held_by=old)
-        assert await store.update_job(job.id, held_by=new, vm_id="102")
+        assert not await store.jobs.transition(job.id, expected, JobState.ROLLING_BACK, held_by=old)
+        assert await store.jobs.update(job.id, held_by=new, vm_id="102")
         # A write that sets the owner is a claim too: the epoch moves on with it.
-        assert await store.update_job(job.id, owner="r-two")
-        stored = await store.get_job(job.id)
+        assert await store.jobs.update(job.id, owner="r-two")
+        stored = await store.jobs.get(job.id)
         assert stored is not None and (stored.vm_id, stored.claim_epoch) == ("102", 3)
     finally:
         await store.close()
@@ -110,7 +112,7 @@ async def test_a_job_pauses_before_its_next_step_until_the_lease_is_renewed(
         await first.ownership.tick()  # renewed: it is still this runner's
         await first.drain()
         done = (await first.status(job.id)).job
-        events = await first.store.events(job.id)
+        events = await first.store.jobs.events(job.id)
     assert done.state is JobState.SUCCEEDED and done.owner == first.runner.id
     notes = [e.detail for e in events if e.phase == "note"]
     assert any(n.startswith("paused") and "before resize" in n for n in notes), notes
@@ -167,12 +169,12 @@ async def test_a_lapsed_lease_of_a_runner_that_stopped_is_taken_at_once(
             "a01": ("r-alive", False),
         }.items():
             row = RunnerRow(runner_id, "serve", "elsewhere", 1, "1", lapsed, lapsed)
-            await store.register_runner(row)
+            await store.runners.register(row)
             if stopped:
-                await store.release_runner(runner_id, lapsed)
+                await store.runners.release(runner_id, lapsed)
             job = await queued_job(settings, store, name, f"10.0.0.{50 + len(jobs)}")
-            assert await store.claim(job.id, runner_id, lapsed, lapsed) == 1
-            assert await store.transition(
+            assert await store.runners.claim(job.id, runner_id, lapsed, lapsed) == 1
+            assert await store.jobs.transition(
                 job.id, [JobState.QUEUED], JobState.RUNNING, held_by=Claim(runner=runner_id)
             )
             jobs[name] = job.id
@@ -201,13 +203,13 @@ async def test_hold_answers_at_once_while_proven_and_lost_for_an_old_epoch(
     async with runner(settings, sim, clock) as first:
         store, me = first.store, first.runner.id
         job = await queued_job(settings, store, "h01", "10.0.0.60")
-        epoch = await store.claim(job.id, me, clock.now, first.ownership.claim_until())
+        epoch = await store.runners.claim(job.id, me, clock.now, first.ownership.claim_until())
         assert epoch is not None
         assert await first.ownership.hold(job.id, epoch) == 0.0  # proven: no wait
         clock.advance(LEASE_S + 1)
         waiting = asyncio.create_task(first.ownership.hold(job.id, epoch))
         await until_paused(first, job.id)
-        again = await store.claim(job.id, me, clock.now, first.ownership.claim_until())
+        again = await store.runners.claim(job.id, me, clock.now, first.ownership.claim_until())
         assert again == epoch + 1  # claimed again (a recovery, say): the old claim is over
         await first.ownership.tick()
         with pytest.raises(Lost):
@@ -258,11 +260,11 @@ async def test_a_job_taken_over_while_its_runner_renews_on_is_lost_at_once(
     async with runner(settings, sim, clock) as first:
         store, me = first.store, first.runner.id
         job = await queued_job(settings, store, "t01", "10.0.0.61")
-        epoch = await store.claim(job.id, me, clock.now, first.ownership.claim_until())
+        epoch = await store.runners.claim(job.id, me, clock.now, first.ownership.claim_until())
         assert epoch is not None and job.id not in first.ownership.held  # claimed since
         assert await first.ownership.hold(job.id, epoch) == 0.0  # the store says: ours
         later = clock.now + timedelta(seconds=LEASE_S + 1)  # its lease, to another runner
-        assert await store.claim(job.id, "r-other", later, later + timedelta(seconds=9))
+        assert await store.runners.claim(job.id, "r-other", later, later + timedelta(seconds=9))
         with pytest.raises(Lost):
             await first.ownership.hold(job.id, epoch)  # no pause: the lease still holds
         assert job.id not in first.ownership.paused
@@ -291,10 +293,10 @@ async def test_a_step_that_ends_after_its_job_was_taken_over_writes_nothing(
             await taker.ownership.settle()
             taken = (await taker.status(job.id)).job
             assert taken.state is JobState.FAILED and not sim.vms
-            before = [(e.step, e.phase) for e in await taker.store.events(job.id)]
+            before = [(e.step, e.phase) for e in await taker.store.jobs.events(job.id)]
             release.set()
             await first.drain()
-            after = [(e.step, e.phase) for e in await taker.store.events(job.id)]
+            after = [(e.step, e.phase) for e in await taker.store.jobs.events(job.id)]
     assert after == before  # no "identity failed" from the old owner
     rolling = [u for u in held.updates if u[0] == job.id and u[1] is JobState.ROLLING_BACK]
     assert not rolling

@@ -42,7 +42,7 @@ async def seeded(tmp_path: Path) -> tuple[Settings, Store, SimBackend, dict[str,
         if legacy:  # the ids of that time: 'j' and six characters
             made = made.model_copy(update={"id": f"jold{len(legacy_ids):03d}"})
             legacy_ids.append(made.id)
-        await store.insert_job(made)
+        await store.jobs.insert(made)
         path = {
             JobState.SUCCEEDED: [JobState.RUNNING, JobState.SUCCEEDED],
             JobState.FAILED: [JobState.RUNNING, JobState.ROLLING_BACK, JobState.FAILED],
@@ -50,7 +50,7 @@ async def seeded(tmp_path: Path) -> tuple[Settings, Store, SimBackend, dict[str,
         }[state]
         current = JobState.QUEUED
         for nxt in path:
-            assert await store.transition(made.id, [current], nxt)
+            assert await store.jobs.transition(made.id, [current], nxt)
             current = nxt
         return made
 

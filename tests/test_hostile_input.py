@@ -233,13 +233,13 @@ async def start_and_read(settings: Settings, rows: list[dict[str, Any]]) -> None
             said = await answer(d, "alice", f"status {ref}")
             assert not any(SORRY in line for line in said)
         await d.drain()
-        records = await d.store.quarantine_records()
+        records = await d.store.jobs.quarantine_records()
         # Every row reads as a job, or was quarantined once, with its reason.
         for row in rows:
             ref = row["id"]
             if not isinstance(ref, str) or not ref or row["state"] == "quarantined":
                 continue  # named by rowid in the quarantine / a state it was given by hand
-            if await d.store.get_job(ref) is not None:
+            if await d.store.jobs.get(ref) is not None:
                 continue
             found = [r for r in records if r.table == "jobs" and r.key == ref]
             assert len(found) == 1 and found[0].reason and found[0].job_id == ref

@@ -58,7 +58,7 @@ async def test_an_asked_address_a_vm_built_by_hand_has_is_refused_naming_it(
     text = refused.value.message
     assert f"10.0.0.60 is used by VM legacy01 (id {vm_id}) on sim" in text
     assert "leave it out to get the next free one" in text
-    assert (await deployer.store.history(limit=10)) == []  # nothing recorded
+    assert (await deployer.store.jobs.history(limit=10)) == []  # nothing recorded
 
 
 async def test_a_vm_built_by_hand_after_the_request_fails_the_check_before_the_clone(
@@ -165,7 +165,7 @@ async def test_the_probe_finds_a_host_that_answers(tmp_path: Path, recorder: Rec
                 await ask(d, "web01 127.0.0.3")
             with pytest.raises(Conflict, match="No free address is left in loop"):
                 await ask(d, "web02")
-            assert await d.store.history(limit=5) == []
+            assert await d.store.jobs.history(limit=5) == []
     finally:
         server.close()
         await server.wait_closed()

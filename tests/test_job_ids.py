@@ -48,7 +48,7 @@ async def seeded(tmp_path: Path, sim: SimBackend) -> AsyncIterator[Deployer]:
     store = await Store.open(settings.database)
     for number, job_id in enumerate((*TWINS, OLD, NEWER)):
         job = job_with_id(settings, job_id, f"vm{number}", 60 + number)
-        await store.insert_job(job, approval_for(job))
+        await store.jobs.insert(job, approval_for(job))
     await store.close()
     async with running_deployer(settings, backends={"sim": sim}) as d:
         yield d
@@ -133,18 +133,18 @@ async def test_a_clashing_id_is_stored_under_a_fresh_one(settings: Settings) -> 
     store = await Store.open(settings.database)
     try:
         first = job_with_id(settings, TWINS[0], "web01", 50)
-        await store.insert_job(first, approval_for(first), dedupe_key="first")
+        await store.jobs.insert(first, approval_for(first), dedupe_key="first")
         clash = job_with_id(settings, TWINS[0], "web02", 51)
-        stored = await store.insert_job(clash, approval_for(clash), dedupe_key="second")
+        stored = await store.jobs.insert(clash, approval_for(clash), dedupe_key="second")
         assert stored.id != TWINS[0] and len(stored.id) == 21
         assert stored.model_copy(update={"id": TWINS[0]}) == clash
-        assert await store.get_job(stored.id) == stored
-        kept = await store.get_job(TWINS[0])
+        assert await store.jobs.get(stored.id) == stored
+        kept = await store.jobs.get(TWINS[0])
         assert kept is not None and kept.name == "web01"
-        approval = await store.get_approval(stored.id)
+        approval = await store.approvals.get(stored.id)
         assert approval is not None and approval.job_id == stored.id
         # The redelivery key points at the id the job really has.
-        assert await store.delivered("second") == stored.id
-        assert await store.delivered("first") == TWINS[0]
+        assert await store.jobs.delivered("second") == stored.id
+        assert await store.jobs.delivered("first") == TWINS[0]
     finally:
         await store.close()

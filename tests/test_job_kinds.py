@@ -68,19 +68,19 @@ class NoopKind:
             reason_required="every noop needs approval",
             expires_at=utcnow() + timedelta(hours=1),
         )
-        return await self.deployer.store.insert_job(job, approval, announce=True)
+        return await self.deployer.store.jobs.insert(job, approval, announce=True)
 
     async def run(self, job_id: str) -> object:
         store = self.deployer.store
         self.ran.append(job_id)
-        assert await store.transition(
+        assert await store.jobs.transition(
             job_id,
             [JobState.QUEUED],
             JobState.RUNNING,
             notices=[tell.noted(job_id, "noop: doing nothing")],
             started_at=utcnow(),
         )
-        return await store.transition(
+        return await store.jobs.transition(
             job_id,
             [JobState.RUNNING],
             JobState.SUCCEEDED,
@@ -91,8 +91,8 @@ class NoopKind:
     async def recover(self, job: Job, ended: Ended | None) -> bool:
         self.recovered.append(job.id)
         store = self.deployer.store
-        await store.transition(job.id, [JobState.RUNNING], JobState.ROLLING_BACK)
-        await store.transition(
+        await store.jobs.transition(job.id, [JobState.RUNNING], JobState.ROLLING_BACK)
+        await store.jobs.transition(
             job.id,
             [JobState.ROLLING_BACK],
             JobState.FAILED,
@@ -176,7 +176,7 @@ async def test_a_noop_job_whose_runner_was_killed_is_recovered_by_its_kind(
     now = utcnow()
     until = now + timedelta(hours=1)  # a lease far from lapsing: only the kill frees it
     pid = victim.pid
-    await store.register_runner(
+    await store.runners.register(
         RunnerRow("rvictim", "shell", host_identity(), pid, process_start(pid), now, until)
     )
     made = build_request(parse_deploy("noop02 10.0.0.61"), settings, "alice")
@@ -188,7 +188,7 @@ async def test_a_noop_job_whose_runner_was_killed_is_recovered_by_its_kind(
             "installation": store.installation_id,
         }
     )
-    await store.insert_job(job)
+    await store.jobs.insert(job)
     os.kill(pid, signal.SIGKILL)
     await victim.wait()
     deployer = compose(settings, store, {"sim": SimBackend("sim", time_scale=0.001)}, Recorder())

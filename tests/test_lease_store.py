@@ -22,7 +22,7 @@ async def ready(store: Store, settings: Settings, name: str = "web01") -> Job:  
     job = job.model_copy(
         update={"origin": "CDEPLOYS01", "lease_s": 86400, "finished_at": utcnow(), "vm_id": "101"}
     )
-    return await store.insert_job(job)
+    return await store.jobs.insert(job)
 
 
 def audit(outcome: str) -> AuditEvent:
@@ -31,7 +31,7 @@ def audit(outcome: str) -> AuditEvent:
 
 async def lease_notices(store: Store, job_id: str) -> list[str]:  # noqa: F811
     return [
-        n.step or "" for n in await store.outbox_undelivered(job_id) if n.kind is NoticeKind.LEASE
+        n.step or "" for n in await store.outbox.undelivered(job_id) if n.kind is NoticeKind.LEASE
     ]
 
 
@@ -43,15 +43,18 @@ async def test_a_reminder_raced_by_two_writers_is_recorded_once(
     now = utcnow()
     told = [notice(job, "remind", job.lease_end, now)]
     results = await asyncio.gather(
-        *(store.lease_write("remind", job, "86400", told, audit("reminded")) for _ in range(4))
+        *(
+            store.leases.write_step("remind", job, "86400", told, audit("reminded"))
+            for _ in range(4)
+        )
     )
     assert sum(r is not None for r in results) == 1
     assert await lease_notices(store, job.id) == ["remind"]
-    assert [e.outcome for e in await store.audit_events()] == ["reminded"]
+    assert [e.outcome for e in await store.audit.events()] == ["reminded"]
     # Read again, the next reminder goes on from what was recorded.
-    again = await store.get_job(job.id)
+    again = await store.jobs.get(job.id)
     assert again is not None and again.reminders_sent == "86400"
-    assert await store.lease_write("remind", job, "86400", told, audit("x")) is None
+    assert await store.leases.write_step("remind", job, "86400", told, audit("x")) is None
 
 
 async def test_an_extension_claims_its_click_and_moves_the_end_once(
@@ -61,13 +64,13 @@ async def test_an_extension_claims_its_click_and_moves_the_end_once(
     job = await ready(store, settings)
     end = utcnow() + timedelta(days=8)
     told = [notice(job, "extended", end, utcnow(), "alice")]
-    done = await store.lease_write("extend", job, end, told, audit("extended"), "click:1")
+    done = await store.leases.write_step("extend", job, end, told, audit("extended"), "click:1")
     assert done is not None and done.expires_at == end and done.reminders_sent is None
     with pytest.raises(AlreadyDelivered):
-        await store.lease_write("extend", done, end, told, audit("extended"), "click:1")
+        await store.leases.write_step("extend", done, end, told, audit("extended"), "click:1")
     # A stale read (the end as it was) moves nothing, and keeps no claim of its click.
-    assert await store.lease_write("extend", job, end, told, audit("x"), "click:2") is None
-    assert await store.delivered("click:2") is None
+    assert await store.leases.write_step("extend", job, end, told, audit("x"), "click:2") is None
+    assert await store.jobs.delivered("click:2") is None
     assert await lease_notices(store, job.id) == ["extended"]
 
 
@@ -77,13 +80,13 @@ async def test_expired_off_holds_the_name_and_an_extension_brings_it_back(
 ) -> None:
     job = await ready(store, settings)
     off_at = utcnow()
-    off = await store.lease_write("expire", job, off_at, [], audit("expired"))
+    off = await store.leases.write_step("expire", job, off_at, [], audit("expired"))
     assert off is not None and off.state is JobState.EXPIRED_OFF and off.powered_off_at == off_at
-    assert await store.lease_write("expire", job, off_at, [], audit("expired")) is None
+    assert await store.leases.write_step("expire", job, off_at, [], audit("expired")) is None
     with pytest.raises(DuplicateActive):
-        await store.insert_job(make_job(settings, "web01", "10.0.0.50"))
+        await store.jobs.insert(make_job(settings, "web01", "10.0.0.50"))
     end = utcnow() + timedelta(days=7)
-    back = await store.lease_write("extend", off, end, [], audit("extended"))
+    back = await store.leases.write_step("extend", off, end, [], audit("extended"))
     assert back is not None and back.state is JobState.SUCCEEDED and back.powered_off_at is None
-    watched = await store.lease_watched()
+    watched = await store.leases.watched()
     assert [j.id for j in watched] == [job.id]

@@ -109,7 +109,7 @@ async def test_two_runners_run_each_queued_job_exactly_once(tmp_path: Path, data
         made = build_request(request(f"q{n:02d} 10.0.0.{60 + n}"), settings, "alice")
         job = Job.for_request(made, JobState.QUEUED)
         job = job.model_copy(update={"installation": store.installation_id})
-        await store.insert_job(job)
+        await store.jobs.insert(job)
         ids.append(job.id)
     await store.close()
     async with runner(settings, sim) as a, runner(settings, sim) as b:
@@ -199,15 +199,15 @@ async def test_a_dead_runner_on_this_host_frees_its_jobs_without_waiting(
     store = await Store.open(settings.database, password=settings.database_password)
     now = utcnow()
     until = now + timedelta(hours=1)  # a lease far from lapsing
-    await store.register_runner(
+    await store.runners.register(
         RunnerRow("rdead", "shell", host_identity(), gone.pid, "1", now, until)
     )
     made = build_request(request("web01 10.0.0.50"), settings, "alice")
     job = Job.for_request(made, JobState.QUEUED).model_copy(
         update={"owner": "rdead", "lease_until": until, "installation": store.installation_id}
     )
-    await store.insert_job(job)
-    assert await store.transition(
+    await store.jobs.insert(job)
+    assert await store.jobs.transition(
         job.id, [JobState.QUEUED], JobState.RUNNING, held_by=Claim(runner="rdead")
     )
     await store.close()
@@ -224,15 +224,17 @@ async def _held_running(deployer: Deployer, text: str, owner: str, until: dateti
     assert job.state is JobState.AWAITING_APPROVAL
     store = deployer.store
     fields: dict[str, Any] = {"owner": owner, "lease_until": until}
-    assert await store.transition(job.id, [JobState.AWAITING_APPROVAL], JobState.QUEUED, **fields)
-    assert await store.transition(
+    assert await store.jobs.transition(
+        job.id, [JobState.AWAITING_APPROVAL], JobState.QUEUED, **fields
+    )
+    assert await store.jobs.transition(
         job.id, [JobState.QUEUED], JobState.RUNNING, held_by=Claim(runner=owner)
     )
     return job
 
 
 async def test_a_renewal_extends_only_the_leases_it_names(tmp_path: Path, database: str) -> None:
-    """store/owners.renew: named jobs (local, pending) get the new lease, the others
+    """store/owners.renew_claims: named jobs (local, pending) get the new lease, the others
     keep theirs and come back marked not local; hand_back ends a lease at once."""
     settings = make_settings(tmp_path, database=database, **QUIET)
     clock = Clock()
@@ -243,15 +245,19 @@ async def test_a_renewal_extends_only_the_leases_it_names(tmp_path: Path, databa
             await _held_running(deployer, f"r{n} 10.0.0.{50 + n}", "r-other", then)
             for n in range(3)
         ]
-        held = await store.renew("r-other", clock.now, later, local=[a.id], pending=[b.id])
+        held = await store.runners.renew_claims(
+            "r-other", clock.now, later, local=[a.id], pending=[b.id]
+        )
         assert {(h.job_id, h.local) for h in held} == {(a.id, True), (b.id, False), (c.id, False)}
-        leases = {j: (await store.get_job(j)).lease_until for j in (a.id, b.id, c.id)}  # type: ignore[union-attr]
+        leases = {j: (await store.jobs.get(j)).lease_until for j in (a.id, b.id, c.id)}  # type: ignore[union-attr]
         assert leases == {a.id: later, b.id: later, c.id: then}
-        assert await store.hand_back("r-other", [c.id]) == 1
-        gone = await store.get_job(c.id)
+        assert await store.runners.hand_back("r-other", [c.id]) == 1
+        gone = await store.jobs.get(c.id)
         assert gone is not None and gone.lease_until is None and gone.owner == "r-other"
-        assert [j.id for j in await store.abandoned(clock.now)] == [c.id]  # free to take over
-        assert await store.hand_back("r-else", [a.id]) == 0  # only the holder hands back
+        assert [j.id for j in await store.runners.abandoned(clock.now)] == [
+            c.id
+        ]  # free to take over
+        assert await store.runners.hand_back("r-else", [a.id]) == 0  # only the holder hands back
 
 
 async def test_a_held_job_that_nothing_runs_is_finished_by_its_runner(

@@ -106,7 +106,7 @@ async def test_postgres_claimers_in_several_processes_take_each_job_once(
         jobs: list[Job] = []
         for i in range(60):
             job = make_job(settings, f"web{i:02d}", f"10.0.0.{i + 100}", state=JobState.QUEUED)
-            jobs.append(await store.insert_job(job))
+            jobs.append(await store.jobs.insert(job))
     finally:
         await store.close()
     outputs = workers("claim", pg_url, count=4)

@@ -234,7 +234,7 @@ async def test_a_fresh_process_starts_from_the_durations_the_history_recorded(
     assert polls(second) < polls(first), (polls(first), polls(second))
     store = await Store.open(pve_settings(tmp_path, fake).database)
     try:
-        recorded = await store.step_durations("pve", PACED_STEPS, 100)
+        recorded = await store.jobs.step_durations("pve", PACED_STEPS, 100)
     finally:
         await store.close()
     assert {step for step, *_rest in recorded} == {"clone", "identity", "power_on", "address"}
@@ -336,7 +336,7 @@ async def test_a_damaged_job_row_teaches_nothing_and_stops_nothing(
         db.execute("UPDATE jobs SET request = '{\"name\": '")
     store = await Store.open(database)
     try:
-        assert await store.step_durations("pve", PACED_STEPS, 100) == []
+        assert await store.jobs.step_durations("pve", PACED_STEPS, 100) == []
     finally:
         await store.close()
     await deploy(fake, tmp_path, Pacing(), "web02 127.0.10.58")

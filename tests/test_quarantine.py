@@ -46,7 +46,7 @@ async def store_jobs(settings: Settings, *jobs: Job, approvals: tuple[Approval, 
     try:
         by_job = {a.job_id: a for a in approvals}
         for job in jobs:
-            await store.insert_job(job, by_job.get(job.id))
+            await store.jobs.insert(job, by_job.get(job.id))
     finally:
         await store.close()
 
@@ -188,7 +188,7 @@ async def test_a_damaged_approval_sets_its_job_aside(tmp_path: Path, sim: SimBac
         with pytest.raises(DeployBotError):
             await d.approve(job.id, "bob")
         assert await d.expire_approvals() == []
-        assert await d.store.expired_approvals(utcnow().replace(year=2999)) == []
+        assert await d.store.approvals.expired(utcnow().replace(year=2999)) == []
         await d.drain()
     assert sim.vms == {}
     assert [r[:3] for r in quarantine_rows(settings)] == [("approvals", job.id, job.id)]
@@ -216,7 +216,7 @@ async def test_a_damaged_event_is_left_out_of_the_status(tmp_path: Path, sim: Si
     await store_jobs(settings, job)
     store = await Store.open(settings.database)
     for step in ("clone", "power_on"):
-        await store.add_event(JobEvent(job_id=job.id, step=step, phase="finished"))
+        await store.jobs.add_event(JobEvent(job_id=job.id, step=step, phase="finished"))
     await store.close()
     sql(settings, "UPDATE job_events SET at = 'noon' WHERE step = 'clone'")
     async with running_deployer(settings, backends={"sim": sim}) as d:

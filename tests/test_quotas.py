@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from backends.sim import SimBackend
+from bot import quotas
 from bot.commands import DeployArgs
 from bot.errors import ConfigError, DeployBotError
 from bot.models import HOLDING_STATES, Job, JobState
@@ -22,7 +23,6 @@ from bot.requests import build_request
 from bot.runtime import running_deployer
 from bot.service import Deployer
 from bot.settings import Settings
-from store import quotas
 from store.db import Store
 from tests.support.deployer import Recorder, make_settings
 
@@ -234,7 +234,8 @@ async def test_the_insert_checks_the_quota_under_the_store_s_lock(
     tmp_path: Path, database: str
 ) -> None:
     """Ten inserts on two connections at once, room for three: exactly three recorded.
-    No early check here: only the insert's own (store/quotas.check) stands between them."""
+    No early check here: only the insert's own (bot/quotas.admission, run by
+    store/quotas.admit) stands between them."""
     settings = make_settings(tmp_path, database=database)
     cap = quotas.Cap("alice", frozenset({"alice"}), {"vms": 3})
     stores = [await Store.open(database, password=settings.database_password) for _ in "ab"]
@@ -243,7 +244,9 @@ async def test_the_insert_checks_the_quota_under_the_store_s_lock(
         async def insert(n: int) -> bool:
             job = _job(settings, f"web{n:02d} 10.0.0.{60 + n}", "alice")
             try:
-                await stores[n % 2].insert_job(job, caps=[cap])
+                await stores[n % 2].jobs.insert(
+                    job, admit=quotas.admission([cap], quotas.asked(job.request))
+                )
             except quotas.OverQuota as over:
                 assert over.used.vms == 3
                 return False
@@ -251,7 +254,7 @@ async def test_the_insert_checks_the_quota_under_the_store_s_lock(
 
         results = await asyncio.gather(*(insert(n) for n in range(10)))
         assert results.count(True) == 3
-        assert (await stores[0].quota_usage({"alice"})).vms == 3
+        assert (await stores[0].jobs.quota_usage({"alice"})).vms == 3
     finally:
         for store in stores:
             await store.close()

@@ -272,11 +272,11 @@ async def test_a_restart_requeues_queued_jobs_and_rolls_back_interrupted_ones(
     queued = Job.for_request(
         build_request(args("two 10.0.0.82"), settings, "alice"), JobState.QUEUED
     )
-    await store.insert_job(running)
-    await store.insert_job(queued)
+    await store.jobs.insert(running)
+    await store.jobs.insert(queued)
     vm_id = sim.add_vm("one", tags={job_tag(running.id)}, running=True)
     stranger = sim.add_vm("someone-elses", running=True)
-    await store.transition(running.id, [JobState.QUEUED], JobState.RUNNING, vm_id=vm_id)
+    await store.jobs.transition(running.id, [JobState.QUEUED], JobState.RUNNING, vm_id=vm_id)
     await store.close()
 
     async with running_deployer(settings, recorder, backends={"sim": sim}) as d:
@@ -298,9 +298,9 @@ async def test_a_restart_with_a_vm_that_never_appeared_has_nothing_to_clean(
     settings = make_settings(tmp_path)
     store = await Store.open(settings.database)
     job = Job.for_request(build_request(args("one 10.0.0.81"), settings, "alice"), JobState.QUEUED)
-    await store.insert_job(job)
+    await store.jobs.insert(job)
     reserved = await sim.prepare_clone(CloneSpec(job.id, "one", "ubuntu-24.04"))
-    await store.transition(job.id, [JobState.QUEUED], JobState.RUNNING, vm_id=reserved.vm_id)
+    await store.jobs.transition(job.id, [JobState.QUEUED], JobState.RUNNING, vm_id=reserved.vm_id)
     await store.close()
     async with running_deployer(settings, recorder, backends={"sim": sim}) as d:
         info = await d.status(job.id)
@@ -364,7 +364,7 @@ async def test_cancel_while_awaiting_approval_closes_the_approval(strict: Deploy
         await strict.may_decide(job.id, "carol")
     # Past its expiry it is not listed as pending, and expiring leaves it cancelled.
     later = utcnow() + timedelta(days=1)
-    assert await strict.store.expired_approvals(later) == []
+    assert await strict.store.approvals.expired(later) == []
     assert await strict.expire_approvals(later) == []
     after = await strict.status(job.id)
     assert after.approval is not None and after.approval.state is ApprovalState.CANCELLED

@@ -71,7 +71,7 @@ async def test_self_approval_and_strangers_are_refused_then_an_approver_approves
         assert f"Approved by <@{BOB}> at <!date^" in update["text"]
         assert "actions" not in json.dumps(update["blocks"])  # the buttons are gone
         assert any(f"approved by <@{BOB}>; queued." in c.text for c in h.fake.calls)
-        refusals = await h.deployer.store.audit_events()
+        refusals = await h.deployer.store.audit.events()
         assert {(a.actor, a.outcome) for a in refusals} == {
             (ALICE, "refused"),
             (MALLORY, "refused"),
@@ -105,7 +105,7 @@ async def test_a_redelivered_click_is_handled_once_and_quietly(tmp_path: Path) -
         await h.click(card, "approve", BOB, action_ts=stamp)
         await h.settle()
         assert told(h, BOB) == []  # the retry changes nothing and says nothing
-        audit = await h.deployer.store.audit_events()
+        audit = await h.deployer.store.audit.events()
         assert [(a.actor, a.outcome) for a in audit] == [(BOB, "duplicate")]
         assert (await h.deployer.status(job_id)).approval.decided_by == BOB  # type: ignore[union-attr]
 

@@ -108,7 +108,7 @@ async def test_a_non_approvers_build_waits_then_an_approver_approves_and_it_is_p
         dm = h.fake.called("chat.postMessage", channel=ALICE)
         assert dm and "Your template build" in dm[-1].text and "Published:" in dm[-1].text
         # Every notice was delivered.
-        assert await h.deployer.store.outbox_undelivered(done.id) == []
+        assert await h.deployer.store.outbox.undelivered(done.id) == []
 
 
 async def test_with_builds_always_an_approver_cannot_approve_their_own(tmp_path: Path) -> None:
@@ -177,7 +177,7 @@ async def test_two_approvers_at_once_and_a_double_click_decide_once(tmp_path: Pa
         assert any("not awaiting approval any more" in t for t in told(h, loser))
         assert len(card_updates(h, card)) == 1
         assert len(await h.deployer.store.builds.recent()) == 1
-        smoke = await h.deployer.store.get_job(str(done.smoke_job))
+        smoke = await h.deployer.store.jobs.get(str(done.smoke_job))
         assert smoke is not None and smoke.state is JobState.DESTROYED  # one smoke deploy
         assert [t.name for t in await h.deployer.backends["sim"].templates()].count("golden") == 1
 

@@ -78,7 +78,7 @@ async def test_usage_errors_are_ephemeral_and_change_nothing(tmp_path: Path) -> 
             await h.command(text)
         await h.settle()
         assert await h.deployer.history() == []
-        audit = await h.deployer.store.audit_events()
+        audit = await h.deployer.store.audit.events()
         assert len(audit) == 4 and {a.actor for a in audit} == {ALICE}
         posted = [c.method for c in h.fake.calls if c.method != "auth.test"]
         assert "chat.postMessage" not in posted
@@ -138,7 +138,7 @@ async def test_bad_requests_are_told_to_the_user_and_queue_nothing(tmp_path: Pat
             assert expected in told
         assert f"<@{MALLORY}> is not on the list of people who may deploy" in told
         assert len(await h.deployer.history()) == 1
-        audit = await h.deployer.store.audit_events()
+        audit = await h.deployer.store.audit.events()
         assert len(audit) == len(cases) + 1 and all(a.outcome == "refused" for a in audit)
 
 

@@ -54,7 +54,7 @@ async def test_field_errors_come_back_on_their_blocks(tmp_path: Path) -> None:
         )
         await h.settle()
         assert await h.deployer.history() == []
-        assert len(await h.deployer.store.audit_events()) == 3
+        assert len(await h.deployer.store.audit.events()) == 3
 
 
 async def test_a_submitted_form_deploys_with_saved_key_and_an_explicit_no_upgrade(

@@ -25,7 +25,7 @@ async def leave_behind(h: Harness, key: str, text: str) -> None:
     held by a runner whose lease has lapsed."""
     past = utcnow() - timedelta(minutes=5)
     item = Received(key=key, user=ALICE, channel=CHANNEL, text=text, received_at=past)
-    assert await h.deployer.store.inbox_add(item, "runner-that-died", past)
+    assert await h.deployer.store.inbox.add(item, "runner-that-died", past)
 
 
 def answers(h: Harness) -> list[str]:

@@ -115,7 +115,7 @@ async def test_reminders_at_3d_and_1d_are_sent_once_each(tmp_path: Path) -> None
             assert all(f"expires {shown}" in c.text for c in sent), sent[0].text
             assert "in about 3 days" in sent[0].text and "in about 23 hours" in sent[1].text
             assert len(fake.called("users.info", user=ALICE)) == 1  # kept per person
-            audit = [e for e in await h.deployer.store.audit_events() if e.outcome == "reminded"]
+            audit = [e for e in await h.deployer.store.audit.events() if e.outcome == "reminded"]
             assert len(audit) == 2
     finally:
         await fake.close()
@@ -156,7 +156,7 @@ async def test_expiry_powers_off_then_the_grace_ends_in_a_destroy(tmp_path: Path
         said = thread(h)
         assert said.count("grace period is over: destroying VM") == 1
         assert "destroy the VM" in said
-        outcomes = [e.outcome for e in await h.deployer.store.audit_events() if job.id in e.action]
+        outcomes = [e.outcome for e in await h.deployer.store.audit.events() if job.id in e.action]
         assert {"expired", "destroying", "destroyed"} <= set(outcomes)
 
 

@@ -97,7 +97,7 @@ async def test_a_parent_posted_after_the_outcome_carries_it_and_no_steps(tmp_pat
         assert h.fake.thread(CHANNEL, ts) == []  # no step replies after the fact
         assert "ssh ubuntu@10.0.0.50" in h.fake.messages[(CHANNEL, ts)]["text"]  # kept
         (job,) = await h.deployer.history(1)
-        assert await h.deployer.store.outbox_undelivered(job.id) == []
+        assert await h.deployer.store.outbox.undelivered(job.id) == []
         # Later news of the running VM edits the parent again, from a thread found
         # again in the store (the finished job's was let go): the outcome stays on it.
         edits = len(h.fake.called("chat.update", channel=CHANNEL))

@@ -56,7 +56,7 @@ async def test_a_write_waits_for_the_lock_no_longer_than_its_window(
             waited_s = time.monotonic() - began
         # Before, one attempt alone waited SQLite's whole busy timeout (10 s).
         assert waited_s < 5, waited_s
-        still = await store.get_job(job.id)
+        still = await store.jobs.get(job.id)
         assert still is not None and still.state == JobState.RUNNING  # nothing half-done
         assert await finish(store, job), "once the lock is gone the write lands"
     finally:

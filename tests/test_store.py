@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from bot.models import Approval, ApprovalState, JobEvent, JobState, utcnow
+from bot.models.notices import Notice, NoticeKind
 from bot.settings import Settings
 from store.db import AlreadyDelivered, DuplicateActive, Store
 from store.migrations import SCHEMA_VERSION
@@ -47,30 +48,32 @@ async def test_refuses_a_newer_schema(tmp_path: Path) -> None:
 
 async def test_job_round_trips(store: Store, settings: Settings) -> None:
     job = make_job(settings)
-    await store.insert_job(job)
-    loaded = await store.get_job(job.id)
+    await store.jobs.insert(job)
+    loaded = await store.jobs.get(job.id)
     assert loaded == job
-    assert await store.get_job("jnothere") is None
+    assert await store.jobs.get("jnothere") is None
 
 
 async def test_transition_is_compare_and_set(store: Store, settings: Settings) -> None:
     job = make_job(settings)
-    await store.insert_job(job)
-    assert await store.transition(job.id, [JobState.QUEUED], JobState.RUNNING, started_at=utcnow())
-    assert not await store.transition(job.id, [JobState.QUEUED], JobState.RUNNING)
-    assert not await store.transition(job.id, [JobState.QUEUED], JobState.CANCELLED)
-    loaded = await store.get_job(job.id)
+    await store.jobs.insert(job)
+    assert await store.jobs.transition(
+        job.id, [JobState.QUEUED], JobState.RUNNING, started_at=utcnow()
+    )
+    assert not await store.jobs.transition(job.id, [JobState.QUEUED], JobState.RUNNING)
+    assert not await store.jobs.transition(job.id, [JobState.QUEUED], JobState.CANCELLED)
+    loaded = await store.jobs.get(job.id)
     assert loaded is not None and loaded.state is JobState.RUNNING
     assert loaded.started_at is not None
 
 
 async def test_transition_refuses_edges_that_do_not_exist(store: Store, settings: Settings) -> None:
     job = make_job(settings)
-    await store.insert_job(job)
+    await store.jobs.insert(job)
     with pytest.raises(ValueError, match="not a job transition"):
-        await store.transition(job.id, [JobState.QUEUED], JobState.SUCCEEDED)
+        await store.jobs.transition(job.id, [JobState.QUEUED], JobState.SUCCEEDED)
     with pytest.raises(ValueError, match="not job columns"):
-        await store.transition(job.id, [JobState.QUEUED], JobState.RUNNING, state="x")
+        await store.jobs.transition(job.id, [JobState.QUEUED], JobState.RUNNING, state="x")
 
 
 async def test_concurrent_writers_on_one_file_only_one_wins(
@@ -81,11 +84,11 @@ async def test_concurrent_writers_on_one_file_only_one_wins(
     try:
         jobs = [make_job(settings, f"vm{i}", f"10.0.0.{10 + i}") for i in range(20)]
         for job in jobs:
-            await stores[0].insert_job(job)
+            await stores[0].jobs.insert(job)
         for job in jobs:
             results = await asyncio.gather(
-                *(s.transition(job.id, [JobState.QUEUED], JobState.RUNNING) for s in stores),
-                *(s.transition(job.id, [JobState.QUEUED], JobState.CANCELLED) for s in stores),
+                *(s.jobs.transition(job.id, [JobState.QUEUED], JobState.RUNNING) for s in stores),
+                *(s.jobs.transition(job.id, [JobState.QUEUED], JobState.CANCELLED) for s in stores),
             )
             assert sum(results) == 1
         assert await stores[0].integrity_check() == "ok"
@@ -96,16 +99,16 @@ async def test_concurrent_writers_on_one_file_only_one_wins(
 
 async def test_one_active_job_per_name_and_per_address(store: Store, settings: Settings) -> None:
     first = make_job(settings, "web01", "10.0.0.50")
-    await store.insert_job(first)
+    await store.jobs.insert(first)
     with pytest.raises(DuplicateActive) as dup:
-        await store.insert_job(make_job(settings, "web01", "10.0.0.51"))
+        await store.jobs.insert(make_job(settings, "web01", "10.0.0.51"))
     assert dup.value.what == "name"
     with pytest.raises(DuplicateActive) as dup:
-        await store.insert_job(make_job(settings, "web02", "10.0.0.50"))
+        await store.jobs.insert(make_job(settings, "web02", "10.0.0.50"))
     assert dup.value.what == "address"
     # Once the first job has ended, both are free again.
-    assert await store.transition(first.id, [JobState.QUEUED], JobState.CANCELLED)
-    await store.insert_job(make_job(settings, "web01", "10.0.0.50"))
+    assert await store.jobs.transition(first.id, [JobState.QUEUED], JobState.CANCELLED)
+    await store.jobs.insert(make_job(settings, "web01", "10.0.0.50"))
 
 
 async def test_twenty_simultaneous_inserts_of_one_name_make_one_job(
@@ -116,7 +119,7 @@ async def test_twenty_simultaneous_inserts_of_one_name_make_one_job(
 
         async def attempt(i: int) -> bool:
             try:
-                await stores[i % 4].insert_job(make_job(settings, "web01", f"10.0.0.{20 + i}"))
+                await stores[i % 4].jobs.insert(make_job(settings, "web01", f"10.0.0.{20 + i}"))
             except DuplicateActive:
                 return False
             return True
@@ -137,17 +140,17 @@ async def test_history_pages_hold_a_page_each_and_lose_no_tie(
     at = utcnow()
     for i in range(25):
         job = make_job(settings, f"page{i}", f"10.0.0.{100 + i}")
-        await store.insert_job(
+        await store.jobs.insert(
             job.model_copy(update={"created_at": at + timedelta(seconds=i // 10)})
         )
-    whole = await store.history(limit=30)
-    pages = [page async for page in store.history_pages(limit=23, page_size=10)]
+    whole = await store.jobs.history(limit=30)
+    pages = [page async for page in store.jobs.history_pages(limit=23, page_size=10)]
     assert [len(page) for page in pages] == [10, 10, 3]
     assert [j.id for page in pages for j in page] == [j.id for j in whole[:23]]
-    everything = [page async for page in store.history_pages(limit=1000, page_size=10)]
+    everything = [page async for page in store.jobs.history_pages(limit=1000, page_size=10)]
     assert [len(page) for page in everything] == [10, 10, 5]
     assert [j.id for page in everything for j in page] == [j.id for j in whole]
-    alone = [page async for page in store.history_pages(name="page3", limit=5)]
+    alone = [page async for page in store.jobs.history_pages(name="page3", limit=5)]
     assert [[j.name for j in page] for page in alone] == [["page3"]]
 
 
@@ -156,26 +159,28 @@ async def test_history_filters_and_orders_newest_first(store: Store, settings: S
     for i, who in enumerate(["alice", "bob", "alice", "carol"]):
         job = make_job(settings, f"vm{i}", f"10.0.0.{30 + i}", requester=who)
         job = job.model_copy(update={"created_at": utcnow() + timedelta(seconds=i)})
-        await store.insert_job(job)
+        await store.jobs.insert(job)
         jobs.append(job)
-    await store.transition(jobs[2].id, [JobState.QUEUED], JobState.CANCELLED)
-    newest = await store.history(limit=10)
+    await store.jobs.transition(jobs[2].id, [JobState.QUEUED], JobState.CANCELLED)
+    newest = await store.jobs.history(limit=10)
     assert [j.id for j in newest] == [j.id for j in reversed(jobs)]
-    assert [j.id for j in await store.history(requester="alice")] == [jobs[2].id, jobs[0].id]
-    assert [j.id for j in await store.history(state=JobState.CANCELLED)] == [jobs[2].id]
-    assert [j.id for j in await store.history(name="vm1")] == [jobs[1].id]
-    assert len(await store.history(limit=2)) == 2
-    since = await store.history(since=jobs[2].created_at)
+    assert [j.id for j in await store.jobs.history(requester="alice")] == [jobs[2].id, jobs[0].id]
+    assert [j.id for j in await store.jobs.history(state=JobState.CANCELLED)] == [jobs[2].id]
+    assert [j.id for j in await store.jobs.history(name="vm1")] == [jobs[1].id]
+    assert len(await store.jobs.history(limit=2)) == 2
+    since = await store.jobs.history(since=jobs[2].created_at)
     assert {j.id for j in since} == {jobs[2].id, jobs[3].id}
 
 
 async def test_events_keep_their_order(store: Store, settings: Settings) -> None:
     job = make_job(settings)
-    await store.insert_job(job)
+    await store.jobs.insert(job)
     for step in ("clone", "identity", "power_on"):
-        await store.add_event(JobEvent(job_id=job.id, step=step, phase="started"))
-        await store.add_event(JobEvent(job_id=job.id, step=step, phase="finished", duration_s=0.5))
-    events = await store.events(job.id)
+        await store.jobs.add_event(JobEvent(job_id=job.id, step=step, phase="started"))
+        await store.jobs.add_event(
+            JobEvent(job_id=job.id, step=step, phase="finished", duration_s=0.5)
+        )
+    events = await store.jobs.events(job.id)
     assert [(e.step, e.phase) for e in events][:3] == [
         ("clone", "started"),
         ("clone", "finished"),
@@ -191,14 +196,17 @@ async def test_approval_is_decided_once(tmp_path: Path, settings: Settings) -> N
         approval = Approval(
             job_id=job.id, reason_required="always", expires_at=utcnow() + timedelta(hours=1)
         )
-        await stores[0].insert_job(job, approval)
+        await stores[0].jobs.insert(job, approval)
         results = await asyncio.gather(
-            *(s.decide(job.id, ApprovalState.APPROVED, by="bob") for s in stores),
-            *(s.decide(job.id, ApprovalState.REJECTED, by="carol", note="no") for s in stores),
+            *(s.approvals.decide(job.id, ApprovalState.APPROVED, by="bob") for s in stores),
+            *(
+                s.approvals.decide(job.id, ApprovalState.REJECTED, by="carol", note="no")
+                for s in stores
+            ),
         )
         assert sum(results) == 1
-        decided = await stores[0].get_approval(job.id)
-        loaded = await stores[0].get_job(job.id)
+        decided = await stores[0].approvals.get(job.id)
+        loaded = await stores[0].jobs.get(job.id)
         assert decided is not None and loaded is not None
         assert decided.decided_by in ("bob", "carol") and decided.decided_at is not None
         expected = JobState.QUEUED if decided.state is ApprovalState.APPROVED else JobState.REJECTED
@@ -215,10 +223,10 @@ async def test_a_decision_on_a_cancelled_job_changes_nothing(
     approval = Approval(
         job_id=job.id, reason_required="always", expires_at=utcnow() + timedelta(hours=1)
     )
-    await store.insert_job(job, approval)
-    assert await store.transition(job.id, [JobState.AWAITING_APPROVAL], JobState.CANCELLED)
-    assert not await store.decide(job.id, ApprovalState.APPROVED, by="bob")
-    still = await store.get_approval(job.id)
+    await store.jobs.insert(job, approval)
+    assert await store.jobs.transition(job.id, [JobState.AWAITING_APPROVAL], JobState.CANCELLED)
+    assert not await store.approvals.decide(job.id, ApprovalState.APPROVED, by="bob")
+    still = await store.approvals.get(job.id)
     assert still is not None and still.state is ApprovalState.PENDING and still.decided_by is None
 
 
@@ -226,14 +234,14 @@ async def test_expired_approvals_are_found_by_time(store: Store, settings: Setti
     now = utcnow()
     soon = make_job(settings, "a", "10.0.0.40", state=JobState.AWAITING_APPROVAL)
     later = make_job(settings, "b", "10.0.0.41", state=JobState.AWAITING_APPROVAL)
-    await store.insert_job(
+    await store.jobs.insert(
         soon, Approval(job_id=soon.id, reason_required="x", expires_at=now + timedelta(minutes=1))
     )
-    await store.insert_job(
+    await store.jobs.insert(
         later, Approval(job_id=later.id, reason_required="x", expires_at=now + timedelta(hours=1))
     )
-    assert await store.expired_approvals(now) == []
-    assert await store.expired_approvals(now + timedelta(minutes=2)) == [soon.id]
+    assert await store.approvals.expired(now) == []
+    assert await store.approvals.expired(now + timedelta(minutes=2)) == [soon.id]
 
 
 async def test_events_added_together_are_written_together(
@@ -242,15 +250,15 @@ async def test_events_added_together_are_written_together(
     store = sqlite_store
     jobs = [make_job(settings, f"web{i:02d}", f"10.0.0.{50 + i}") for i in range(20)]
     for job in jobs:
-        await store.insert_job(job)
+        await store.jobs.insert(job)
     statements: list[str] = []
-    await store._call(trace, statements.append)  # SQLite's own account, on its thread
+    await store.engine.call(trace, statements.append)  # SQLite's own account, on its thread
     await asyncio.gather(
-        *(store.add_event(JobEvent(job_id=j.id, step="clone", phase="started")) for j in jobs)
+        *(store.jobs.add_event(JobEvent(job_id=j.id, step="clone", phase="started")) for j in jobs)
     )
-    await store._call(trace, None)
+    await store.engine.call(trace, None)
     assert statements.count("BEGIN IMMEDIATE") == 1  # one transaction, not 20
-    written = [[e.phase for e in await store.events(j.id)] for j in jobs]
+    written = [[e.phase for e in await store.jobs.events(j.id)] for j in jobs]
     assert written == [["started"]] * len(jobs)
 
 
@@ -258,19 +266,19 @@ async def test_an_event_that_cannot_be_written_fails_alone(
     store: Store, settings: Settings
 ) -> None:
     job = make_job(settings)
-    await store.insert_job(job)
+    await store.jobs.insert(job)
     good = [JobEvent(job_id=job.id, step="clone", phase=p) for p in ("started", "finished")]
     orphan = JobEvent(job_id="nosuchjob", step="clone", phase="started")
     results = await asyncio.gather(
-        store.add_event(good[0]),
-        store.add_event(orphan),
-        store.add_event(good[1]),
+        store.jobs.add_event(good[0]),
+        store.jobs.add_event(orphan),
+        store.jobs.add_event(good[1]),
         return_exceptions=True,
     )
     assert results[0] is True and results[2] is True
     assert isinstance(results[1], Conflict)
-    assert [e.phase for e in await store.events(job.id)] == ["started", "finished"]
-    assert await store.events("nosuchjob") == []
+    assert [e.phase for e in await store.jobs.events(job.id)] == ["started", "finished"]
+    assert await store.jobs.events("nosuchjob") == []
 
 
 async def test_processes_opening_a_new_database_together_migrate_it_once(
@@ -318,11 +326,11 @@ async def test_v6_closes_approvals_that_cancels_left_pending(
     db.conn.close()
     store = await Store.open(path)
     try:
-        first = await store.get_approval(cancelled.id)
-        second = await store.get_approval(waiting.id)
+        first = await store.approvals.get(cancelled.id)
+        second = await store.approvals.get(waiting.id)
         assert first is not None and first.state is ApprovalState.CANCELLED
         assert second is not None and second.state is ApprovalState.PENDING
-        assert await store.quarantine_records() == []
+        assert await store.jobs.quarantine_records() == []
     finally:
         await store.close()
 
@@ -332,14 +340,16 @@ async def test_destroy_states_hold_the_name_and_destroyed_frees_it(
 ) -> None:
     """Migration v9 widened the unique indexes: a VM on its way out still holds its
     name and address; once destroyed, both are free."""
-    job = await store.insert_job(make_job(settings, state=JobState.SUCCEEDED))
+    job = await store.jobs.insert(make_job(settings, state=JobState.SUCCEEDED))
     for state in (JobState.DESTROY_REQUESTED, JobState.DESTROYING):
-        moved = await store.transition(job.id, [JobState.SUCCEEDED, *TRANSITIONS_TO[state]], state)
+        moved = await store.jobs.transition(
+            job.id, [JobState.SUCCEEDED, *TRANSITIONS_TO[state]], state
+        )
         assert moved
         with pytest.raises(DuplicateActive):
-            await store.insert_job(make_job(settings))
-    assert await store.transition(job.id, [JobState.DESTROYING], JobState.DESTROYED)
-    again = await store.insert_job(make_job(settings))
+            await store.jobs.insert(make_job(settings))
+    assert await store.jobs.transition(job.id, [JobState.DESTROYING], JobState.DESTROYED)
+    again = await store.jobs.insert(make_job(settings))
     assert again.id != job.id
 
 
@@ -352,32 +362,32 @@ TRANSITIONS_TO = {
 async def test_a_destroy_decision_claims_its_delivery_once(
     store: Store, settings: Settings
 ) -> None:
-    job = await store.insert_job(make_job(settings, state=JobState.SUCCEEDED))
+    job = await store.jobs.insert(make_job(settings, state=JobState.SUCCEEDED))
     ask = [JobState.SUCCEEDED]
-    assert await store.transition_once("click:1", job.id, ask, JobState.DESTROY_REQUESTED)
+    assert await store.jobs.transition_once("click:1", job.id, ask, JobState.DESTROY_REQUESTED)
     with pytest.raises(AlreadyDelivered):  # the same click again: nothing moves
-        await store.transition_once(
+        await store.jobs.transition_once(
             "click:1", job.id, [JobState.DESTROY_REQUESTED], JobState.DESTROYING
         )
-    got = await store.get_job(job.id)
+    got = await store.jobs.get(job.id)
     assert got is not None and got.state is JobState.DESTROY_REQUESTED
     # A losing compare-and-set keeps no delivery: the key may be used for what it asked.
-    assert not await store.transition_once("click:2", job.id, ask, JobState.DESTROYING)
-    assert await store.delivered("click:2") is None
+    assert not await store.jobs.transition_once("click:2", job.id, ask, JobState.DESTROYING)
+    assert await store.jobs.delivered("click:2") is None
 
 
 async def test_live_jobs_are_listed_a_page_at_a_time(store: Store, settings: Settings) -> None:
     for number in range(5):
-        await store.insert_job(
+        await store.jobs.insert(
             make_job(settings, f"web{number}", f"10.0.0.{50 + number}", state=JobState.SUCCEEDED)
         )
-    await store.insert_job(make_job(settings, "db01", "10.0.0.60", requester="bob"))
-    ended = await store.insert_job(make_job(settings, "old01", "10.0.0.61", state=JobState.FAILED))
-    assert await store.count_live("alice") == 5 and await store.count_live(None) == 6
-    first = await store.live_jobs("alice", 2, 0)
+    await store.jobs.insert(make_job(settings, "db01", "10.0.0.60", requester="bob"))
+    ended = await store.jobs.insert(make_job(settings, "old01", "10.0.0.61", state=JobState.FAILED))
+    assert await store.jobs.count_live("alice") == 5 and await store.jobs.count_live(None) == 6
+    first = await store.jobs.live("alice", 2, 0)
     assert [j.name for j in first] == ["web4", "web3"]
-    assert [j.name for j in await store.live_jobs("alice", 2, 4)] == ["web0"]
-    assert ended.id not in {j.id for j in await store.live_jobs(None, 10, 0)}
+    assert [j.name for j in await store.jobs.live("alice", 2, 4)] == ["web0"]
+    assert ended.id not in {j.id for j in await store.jobs.live(None, 10, 0)}
 
 
 async def test_the_holder_of_one_address_is_what_the_list_of_held_ones_says(
@@ -391,12 +401,39 @@ async def test_the_holder_of_one_address_is_what_the_list_of_held_ones_says(
     wreck = make_job(settings, "old02", "10.0.0.62", state=JobState.FAILED)
     gone = make_job(settings, "old03", "10.0.0.63", state=JobState.FAILED)
     for job in (left, live, wreck, gone):
-        await store.insert_job(job)
+        await store.jobs.insert(job)
     for job in (left, wreck):
-        assert await store.update_job(job.id, wreckage="VM 101 still exists")
-    held = await store.held_addresses()
+        assert await store.jobs.update(job.id, wreckage="VM 101 still exists")
+    held = await store.addresses.held()
     assert held["10.0.0.61"] == (live.id, "web01", live.backend, True)
     assert held["10.0.0.62"] == (wreck.id, "old02", wreck.backend, False)
     assert "10.0.0.63" not in held
     for address in ("10.0.0.61", "10.0.0.62", "10.0.0.63", "10.0.0.64"):
-        assert await store.address_holder(address) == held.get(address)
+        assert await store.addresses.holder(address) == held.get(address)
+
+
+async def test_a_write_that_kept_a_notice_wakes_the_delivery(
+    store: Store, settings: Settings
+) -> None:
+    """`store.wake.on_notice` is told when a write kept a notice for chat, and only then:
+    a job nobody follows in chat (no origin, no approval) gets none kept."""
+    woken: list[str] = []
+    store.wake.on_notice = lambda: woken.append("woken")
+    followed = make_job(settings).model_copy(update={"origin": "C1/1.0"})
+    followed = await store.jobs.insert(followed, announce=True)
+    assert woken == ["woken"]
+    note = Notice(job_id=followed.id, kind=NoticeKind.NOTE, text="hello")
+    assert not await store.jobs.transition(
+        followed.id, [JobState.SUCCEEDED], JobState.DESTROYING, notices=[note]
+    )
+    assert await store.jobs.transition(followed.id, [JobState.QUEUED], JobState.RUNNING)
+    assert woken == ["woken"]  # nothing moved with a notice, nothing kept without one
+    assert await store.jobs.add_event(
+        JobEvent(job_id=followed.id, step="clone", phase="started"), note
+    )
+    assert woken == ["woken", "woken"]
+    unfollowed = await store.jobs.insert(make_job(settings, "web02", "10.0.0.51"), announce=True)
+    assert woken == ["woken", "woken"]
+    other = note.model_copy(update={"job_id": unfollowed.id})
+    assert await store.jobs.update(unfollowed.id, notices=[other], error="kept for nobody")
+    assert woken == ["woken", "woken"]

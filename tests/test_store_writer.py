@@ -31,20 +31,20 @@ async def test_writes_of_one_moment_share_a_transaction_and_fail_alone(
     store = sqlite_store
     running = [make_job(settings, f"run{i}", f"10.0.0.{10 + i}") for i in range(5)]
     for job in running:
-        await store.insert_job(job)
+        await store.jobs.insert(job)
     fresh = [make_job(settings, f"new{i}", f"10.0.0.{30 + i}") for i in range(5)]
     clash = make_job(settings, "clash", "10.0.0.30")  # fresh[0]'s address
     statements: list[str] = []
-    await store._call(trace, statements.append)  # SQLite's own account, on its thread
+    await store.engine.call(trace, statements.append)  # SQLite's own account, on its thread
     results = await asyncio.gather(
-        *(store.insert_job(job) for job in fresh),
-        store.insert_job(clash),
-        *(store.move(j.id, [JobState.QUEUED], JobState.RUNNING) for j in running),
-        store.move(running[0].id, [JobState.QUEUED], JobState.RUNNING),  # lost the race
-        store.add_event(JobEvent(job_id="nosuchjob", step="clone", phase="started")),
+        *(store.jobs.insert(job) for job in fresh),
+        store.jobs.insert(clash),
+        *(store.jobs.move(j.id, [JobState.QUEUED], JobState.RUNNING) for j in running),
+        store.jobs.move(running[0].id, [JobState.QUEUED], JobState.RUNNING),  # lost the race
+        store.jobs.add_event(JobEvent(job_id="nosuchjob", step="clone", phase="started")),
         return_exceptions=True,
     )
-    await store._call(trace, None)
+    await store.engine.call(trace, None)
     assert statements.count("BEGIN IMMEDIATE") == 1  # one transaction for thirteen writes
     inserted, clashed = results[:5], results[5]
     moves, lost, orphan = results[6:11], results[11], results[12]

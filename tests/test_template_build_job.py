@@ -71,7 +71,7 @@ async def test_a_build_is_smoke_tested_then_published(deployer: Deployer, sim: S
     assert any("smoke test passed" in n for n in heard.notes)
     assert heard.ended == [first]
     # The smoke VM was deployed through the pipeline, then destroyed.
-    smoke = await deployer.store.get_job(first.smoke_job)
+    smoke = await deployer.store.jobs.get(first.smoke_job)
     assert smoke is not None and smoke.state is JobState.DESTROYED
     assert smoke.request.template == "golden-debian-v1"
     assert not [vm for vm in sim.vms.values() if vm.name == smoke.name]
@@ -257,7 +257,9 @@ async def test_a_build_running_elsewhere_is_asked_through_the_store(deployer: De
     answer = await deployer.cancel_build(elsewhere.id, "alice")
     assert answer.state is BuildState.RUNNING
     now = utcnow()
-    held = await deployer.store.renew("rother", now, now + timedelta(minutes=5), [elsewhere.id])
+    held = await deployer.store.runners.renew_claims(
+        "rother", now, now + timedelta(minutes=5), [elsewhere.id]
+    )
     assert [(h.job_id, h.cancel_requested) for h in held] == [(elsewhere.id, "alice")]
 
 
@@ -297,7 +299,7 @@ async def test_a_smoke_deploy_without_a_subnet_fails_the_build_at_pre_flight(
     async with running_deployer(settings, backends={"sim": sim}, grace_s=5) as deployer:
         deployer.builds.listen(heard)
         failed = await build(deployer)
-        jobs = await deployer.store.history(limit=10)
+        jobs = await deployer.store.jobs.history(limit=10)
     assert failed.state is BuildState.FAILED and failed.failed_step == "preflight"
     error = failed.error or ""
     assert "smoke_subnet under [images]" in error and "lab-a (10.0.0.0/24)" in error, error
@@ -318,7 +320,7 @@ async def test_with_smoke_subnet_set_the_same_build_is_published(
     )  # fmt: skip
     async with running_deployer(settings, backends={"sim": sim}, grace_s=5) as deployer:
         done = await build(deployer)
-        smoke = await deployer.store.get_job(done.smoke_job or "")
+        smoke = await deployer.store.jobs.get(done.smoke_job or "")
     assert done.state is BuildState.PUBLISHED, done.error
     assert smoke is not None and smoke.address.startswith("10.0.1.")
 

@@ -133,10 +133,10 @@ async def test_a_unique_constraint_is_an_answer_not_retried(
     retries = Retries()
     store = await Store.open(url, password=PASSWORD, retry=RetryPolicy(on_retry=retries))
     try:
-        await store.insert_job(make_job(settings))
+        await store.jobs.insert(make_job(settings))
         started = time.monotonic()
         with pytest.raises(DuplicateActive):  # the same name and address, in flight
-            await store.insert_job(make_job(settings))
+            await store.jobs.insert(make_job(settings))
         assert time.monotonic() - started < 5  # at once, not after a window
     finally:
         await store.close()
@@ -182,7 +182,7 @@ async def test_a_refused_move_keeps_neither_its_event_nor_its_notice(
     store = await Store.open(path)
     try:
         job = await running_job(store, settings)
-        assert await store.transition(job.id, [JobState.RUNNING], JobState.ROLLING_BACK)
+        assert await store.jobs.transition(job.id, [JobState.RUNNING], JobState.ROLLING_BACK)
         assert await finish(store, job) is False  # not running any more: refused
     finally:
         await store.close()

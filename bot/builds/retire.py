@@ -114,7 +114,7 @@ async def dry_run(
 ) -> RetireReport:
     report = await survey(store, backends, scope, keep)
     keys = [v.key for v in report.verdicts if v.removable]
-    await store.record_gc_run(_scope_key(report.scope), keys, applied=False)
+    await store.gc_runs.record(_scope_key(report.scope), keys, applied=False)
     return report
 
 
@@ -129,7 +129,7 @@ async def apply(
     """Remove what a recent dry run of the same scope listed and still qualifies."""
     wanted = tuple(sorted(scope))
     since = utcnow() - timedelta(seconds=window_s)
-    listed = await store.last_gc_dry_run(_scope_key(wanted), since=since)
+    listed = await store.gc_runs.last_dry_run(_scope_key(wanted), since=since)
     if listed is None:
         raise DeployBotError(
             f"No dry run of `deploybot template gc` for {', '.join(wanted)} in the last "
@@ -145,7 +145,7 @@ async def apply(
             report.left.append((verdict, "not in the dry run: run the dry run again"))
         else:
             await _remove(store, backends[verdict.backend], verdict, report, timeout_s)
-    await store.record_gc_run(_scope_key(wanted), [v.key for v in report.removed], applied=True)
+    await store.gc_runs.record(_scope_key(wanted), [v.key for v in report.removed], applied=True)
     return report
 
 

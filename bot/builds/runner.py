@@ -257,7 +257,7 @@ class BuildRunner:
 
     async def _unsmoke(self, run: _Run, job_id: str) -> None:
         """The smoke VM, if its deploy succeeded (a failed one rolled itself back)."""
-        job = await self.store.get_job(job_id)
+        job = await self.store.jobs.get(job_id)
         if job is not None and job.state is JobState.SUCCEEDED:
             await self.smoke.destroy(job, run.build)
 

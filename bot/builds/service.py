@@ -92,7 +92,7 @@ class DeploySmoke:
         return await self.pipeline.run(job_id)
 
     async def destroy(self, job: Job, build: Build) -> Job | None:
-        moved = await self.store.transition(
+        moved = await self.store.jobs.transition(
             job.id,
             [JobState.SUCCEEDED],
             JobState.DESTROYING,
@@ -101,7 +101,7 @@ class DeploySmoke:
             owner=self.owner,
             lease_until=self.claim_until(),
         )
-        current = await self.store.get_job(job.id)
+        current = await self.store.jobs.get(job.id)
         if not moved or current is None:
             return current
         return await self.destroyer.run(current)
@@ -276,7 +276,7 @@ class Builds:
         approval: one compare-and-set on its row, with its notice (and the click's
         `dedupe_key`), so of two approvers clicking at once exactly one decides, and a
         click delivered twice is recognised (`Duplicate`)."""
-        if dedupe_key is not None and await self.store.delivered(dedupe_key):
+        if dedupe_key is not None and await self.store.jobs.delivered(dedupe_key):
             raise Duplicate(f"This decision on build {build_id} was already made.", build_id)
         build_id = (await self.check_decider(build_id, approver)).id
         now = utcnow()
@@ -359,7 +359,7 @@ class Builds:
     async def _undo_interrupted(self, build: Build) -> Build:
         left: list[str] = []
         if build.smoke_job:
-            job = await self.store.get_job(build.smoke_job)
+            job = await self.store.jobs.get(build.smoke_job)
             if job is not None and job.state is JobState.SUCCEEDED:
                 await self.runner.smoke.destroy(job, build)
         backend = self.backends.get(build.backend)

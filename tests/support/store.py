@@ -61,13 +61,13 @@ async def sqlite_store(tmp_path: Path):  # type: ignore[no-untyped-def]
 
 async def running_job(store: Store, settings: Settings) -> Job:
     job = make_job(settings, state=JobState.RUNNING).model_copy(update={"origin": "C0123"})
-    return await store.insert_job(job)
+    return await store.jobs.insert(job)
 
 
 async def finish(store: Store, job: Job) -> bool:
     """The write under test: a state change with its event and its notice."""
     event = JobEvent(job_id=job.id, step="ssh", phase="finished", duration_s=1.0)
-    return await store.transition(
+    return await store.jobs.transition(
         job.id,
         [JobState.RUNNING],
         JobState.SUCCEEDED,

@@ -29,7 +29,7 @@ async def claim(url: str, runner: str) -> None:
         sys.stdin.readline()  # all claimers start together, each with its store open
         while True:
             now = utcnow()
-            got = await store.claim_queued(runner, now, now + timedelta(minutes=5), 3)
+            got = await store.runners.claim_queued(runner, now, now + timedelta(minutes=5), 3)
             if not got:
                 return
             for job_id, _backend in got:

@@ -1,0 +1,110 @@
+"""How a repository (store/repositories.py) turns each store function into an async method.
+
+Every query is written once, as a plain synchronous function of a `Db` in the module of
+its table (store/jobs.py, owners.py ...), where other store functions call it inside
+their own transactions. A repository names the ones the core may ask for, each with how
+the engine runs it (store/engine.py):
+
+    class Approvals(Repository):
+        get = call(approvals.get_approval)   # alone: reads, rare writes, probes
+        decide = write(approvals.decide)     # batched with the writes of the moment
+
+`Approvals.get` is the function itself; `store.approvals.get(job_id)` awaits it on the
+engine. A call that kept a notice for chat (store/outbox.add) tells `Repository.wake`,
+so the process that delivers the outbox need not wait for its next look.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
+
+from store import outbox
+from store.engine import Engine
+from store.sql import Db
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+class Wake:
+    """Who to tell that this process kept a notice (a front end that delivers the
+    outbox sets `on_notice`); shared by all repositories of one `Store`."""
+
+    def __init__(self) -> None:
+        self.on_notice: Callable[[], None] | None = None
+
+    def __call__(self) -> None:
+        if self.on_notice is not None:
+            self.on_notice()
+
+
+class Repository:
+    """The queries of one table (or a tight group of tables) on one engine."""
+
+    def __init__(self, engine: Engine, wake: Wake) -> None:
+        self.engine = engine
+        self.wake = wake
+
+
+def _counting(fn: Callable[Concatenate[Db, P], T]) -> Callable[Concatenate[Db, P], tuple[T, bool]]:
+    """`fn`, also answering whether it kept a notice (counted on the thread it runs on)."""
+
+    def run(db: Db, /, *args: P.args, **kwargs: P.kwargs) -> tuple[T, bool]:
+        before = outbox.kept_here()
+        value = fn(db, *args, **kwargs)
+        return value, outbox.kept_here() > before
+
+    return run
+
+
+class _Query(Generic[P, T]):
+    """A store function as a repository's method (see the module docstring)."""
+
+    def __init__(self, fn: Callable[Concatenate[Db, P], T], batched: bool) -> None:
+        self.fn = fn
+        self._counted = _counting(fn)
+        self._batched = batched
+        self.__doc__ = fn.__doc__
+        self._name = fn.__name__
+
+    def __set_name__(self, owner: type[Any], name: str) -> None:
+        self._name = name
+
+    @overload
+    def __get__(self, repo: None, owner: type[Any]) -> Callable[Concatenate[Db, P], T]: ...
+
+    @overload
+    def __get__(self, repo: Repository, owner: type[Any]) -> Callable[P, Awaitable[T]]: ...
+
+    def __get__(
+        self, repo: Repository | None, owner: type[Any]
+    ) -> Callable[Concatenate[Db, P], T] | Callable[P, Awaitable[T]]:
+        if repo is None:
+            return self.fn
+        counted, engine, wake = self._counted, repo.engine, repo.wake
+        send = engine.write if self._batched else engine.call
+
+        async def method(*args: P.args, **kwargs: P.kwargs) -> T:
+            value, kept = await send(counted, *args, **kwargs)
+            if kept:
+                wake()
+            return value
+
+        method.__name__ = method.__qualname__ = self._name
+        method.__doc__ = self.__doc__
+        # Made once per repository: later look-ups find it in the instance's dict.
+        repo.__dict__[self._name] = method
+        return method
+
+
+def call(fn: Callable[Concatenate[Db, P], T]) -> _Query[P, T]:
+    """Run alone on the engine (`Engine.call`): reads, rare writes, and what must fail
+    fast rather than be run again (renewals, probes)."""
+    return _Query(fn, batched=False)
+
+
+def write(fn: Callable[Concatenate[Db, P], T]) -> _Query[P, T]:
+    """Batched with the writes made at the same moment (`Engine.write`), and run again
+    while the database cannot be reached (store/retry.py)."""
+    return _Query(fn, batched=True)
