@@ -37,7 +37,7 @@ from typing import Any
 import pytest
 
 from backends.base import job_marks
-from backends.simvm import DEFAULT_TEMPLATES
+from backends.sim.vm import DEFAULT_TEMPLATES
 
 SEED = int(os.environ.get("DEPLOYBOT_CRASH_SEED", "20261130"))
 STEP_LINES = [
