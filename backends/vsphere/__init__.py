@@ -30,6 +30,7 @@ import logging
 import uuid
 from collections import Counter
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from pyVmomi import vim, vmodl
@@ -37,20 +38,27 @@ from pyVmomi import vim, vmodl
 from backends.base import (
     AddressUse,
     BackendConfig,
+    CloneMode,
     CloneSpec,
     Identity,
+    MissingPrivilege,
+    Network,
     PermanentError,
+    Placement,
     RetryableError,
+    Storage,
+    Template,
     VMInfo,
     VMNotFound,
     VMRef,
     pick_address,
 )
+from backends.building import BuildPlan, BuildTarget, TemplateVersion
 from backends.sshcheck import SshCheck
 from backends.vsphere import addresses, esxi, specs
-from backends.vsphere.building import Builds
+from backends.vsphere.building import TemplateBuilds
 from backends.vsphere.config import Config
-from backends.vsphere.discovery import KIB_PER_GIB, Discovers
+from backends.vsphere.discovery import KIB_PER_GIB, Discovery
 from backends.vsphere.inventory import Inventory, Plan, annotation, disks
 from backends.vsphere.session import (
     RETRYABLE_FAULTS,
@@ -116,9 +124,13 @@ def _interfaces(props: Props) -> list[tuple[str, str]]:
     return pairs
 
 
-class VSphereBackend(Discovers, Builds):
+class VSphereBackend:
     """A vCenter or a standalone ESXi host behind the Backend Protocol; it builds
-    templates too (`building`)."""
+    templates too. It holds its parts: the session, the inventory, the discovery calls
+    (`discovery`) and the template builds (`building`), and hands them their calls."""
+
+    # bot/images prepares the image for VMware's datasource (guestinfo).
+    image_platform: str | None = "vsphere"
 
     def __init__(self, config: Config, password: str) -> None:
         self.name = config.name
@@ -141,8 +153,52 @@ class VSphereBackend(Discovers, Builds):
         )
         self._session = Session(endpoint, password)
         self._inventory = Inventory(config.name, config)
+        self.discovery = Discovery(config, self._session, self._inventory)
+        self.builds = TemplateBuilds(config, self.endpoint, self._session, self._inventory)
         self._disks = specs.Disks(config.thin_provisioned, config.eagerly_scrub)
         self._plans: dict[str, Plan] = {}
+
+    # --- discovery (discovery.py) ---------------------------------------------------
+
+    async def templates(self) -> list[Template]:
+        return await self.discovery.templates()
+
+    async def missing_privileges(self, template: str) -> list[MissingPrivilege]:
+        return await self.discovery.missing_privileges(template)
+
+    async def storages(self, placement: str | None = None) -> list[Storage]:
+        return await self.discovery.storages(placement)
+
+    async def networks(self, placement: str | None = None) -> list[Network]:
+        return await self.discovery.networks(placement)
+
+    async def placements(self) -> list[Placement]:
+        return await self.discovery.placements()
+
+    async def clone_mode(self, spec: CloneSpec) -> CloneMode:
+        return await self.discovery.clone_mode(spec)
+
+    # --- template builds (building.py) ----------------------------------------------
+
+    async def build_preflight(self, plan: BuildPlan) -> BuildTarget:
+        return await self.builds.build_preflight(plan)
+
+    async def prepare_build(self, plan: BuildPlan, target: BuildTarget) -> VMRef:
+        return await self.builds.prepare_build(plan, target)
+
+    async def create_template(
+        self, plan: BuildPlan, target: BuildTarget, ref: VMRef, image: Path | None
+    ) -> str | None:
+        return await self.builds.create_template(plan, target, ref, image)
+
+    async def publish_template(self, plan: BuildPlan, ref: VMRef) -> str | None:
+        return await self.builds.publish_template(plan, ref)
+
+    async def template_versions(self, name: str | None = None) -> list[TemplateVersion]:
+        return await self.builds.template_versions(name)
+
+    async def destroy_template(self, ref: VMRef) -> None:
+        await self.builds.destroy_template(ref)
 
     def api_calls(self) -> Counter[str]:
         """SOAP calls so far by method name (`Fetch` is one single property read)."""

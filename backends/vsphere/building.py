@@ -21,34 +21,34 @@ import asyncio
 import tempfile
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pyVmomi import vim, vmodl
 
 from backends.base import PermanentError, VMRef
 from backends.building import BuildPlan, BuildTarget, TemplateVersion
 from backends.vsphere import buildmark, cpu, ovf, ovfimport
+from backends.vsphere.config import Config
 from backends.vsphere.inventory import Datacenter, Inventory
 from backends.vsphere.session import Conn, Op, Row, Session
 from backends.vsphere.vms import POWERED_ON, tags
-
-if TYPE_CHECKING:
-    from backends.vsphere.config import Config
 
 FIRMWARE = "bios"  # cloud images boot either way; Proxmox's default is SeaBIOS too
 DEFAULT_NETWORK = "VM Network"  # a NIC needs one; ESXi and vcsim have this one
 
 
-class Builds:
-    """The backend's build methods (mixed into `VSphereBackend`)."""
+class TemplateBuilds:
+    """The build moves of one vSphere backend (`VSphereBackend` holds one and hands the
+    `BuildsTemplates` calls to it)."""
 
-    # bot/images prepares the image for VMware's datasource (guestinfo).
-    image_platform: str | None = "vsphere"
-    name: str
-    config: Config
-    endpoint: tuple[str, int]
-    _session: Session
-    _inventory: Inventory
+    def __init__(
+        self, config: Config, endpoint: tuple[str, int], session: Session, inventory: Inventory
+    ) -> None:
+        self.name = config.name
+        self.config = config
+        self.endpoint = endpoint
+        self._session = session
+        self._inventory = inventory
 
     async def build_preflight(self, plan: BuildPlan) -> BuildTarget:
         def work(op: Op) -> BuildTarget:
