@@ -70,7 +70,7 @@ from backends.vsphere.session import (
     Session,
     fault_text,
 )
-from backends.vsphere.vms import POWERED_ON, tags, vm_info
+from backends.vsphere.vms import POWERED_ON, KnownVMs, tags, vm_info
 
 __all__ = ["Config", "VSphereBackend", "create"]
 
@@ -152,9 +152,12 @@ class VSphereBackend:
             config.cancel_wait_s,
         )
         self._session = Session(endpoint, password)
-        self._inventory = Inventory(config.name, config)
+        self._known = KnownVMs()  # VMs by instance UUID, and the session's VM tracker
+        self._inventory = Inventory(config.name, config, self._known)
         self.discovery = Discovery(config, self._session, self._inventory)
-        self.builds = TemplateBuilds(config, self.endpoint, self._session, self._inventory)
+        self.builds = TemplateBuilds(
+            config, self.endpoint, self._session, self._inventory, self._known
+        )
         self._disks = specs.Disks(config.thin_provisioned, config.eagerly_scrub)
         self._plans: dict[str, Plan] = {}
 
@@ -212,7 +215,7 @@ class VSphereBackend:
         return (await self._session.connection()).vcenter
 
     def _existing(self, conn: Conn, ref: VMRef, paths: tuple[str, ...] = ()) -> Row:
-        found = self._inventory.ours(conn, ref, paths)
+        found = self._known.ours(conn, ref, paths)
         if found is None:
             raise VMNotFound(f"no VM has instance UUID {ref.vm_id} on {self.name}", vm_id=ref.vm_id)
         return found
@@ -221,17 +224,17 @@ class VSphereBackend:
 
     async def find_vm(self, ref: VMRef) -> VMInfo | None:
         def work(op: Op) -> VMInfo | None:
-            found = self._inventory.lookup(op.conn, ref.vm_id)
+            found = self._known.lookup(op.conn, ref.vm_id)
             return vm_info(ref.vm_id, found[1], ref.placement) if found else None
 
         return await self._session.run(work, ref.vm_id, changes=False)
 
     async def find_by_name(self, name: str) -> list[VMInfo]:
-        return await self._session.run(lambda op: self._inventory.vms(op.conn, name), changes=False)
+        return await self._session.run(lambda op: self._known.vms(op.conn, name), changes=False)
 
     async def find_tagged(self) -> list[VMInfo]:
         return await self._session.run(
-            lambda op: [v for v in self._inventory.vms(op.conn) if v.tags], changes=False
+            lambda op: [v for v in self._known.vms(op.conn) if v.tags], changes=False
         )
 
     async def addresses_in_use(self, ours: str | None = None) -> list[AddressUse]:
@@ -239,7 +242,7 @@ class VSphereBackend:
         returns only what changed (`addresses`), whoever built the VMs (leaving ours
         out would save nothing)."""
         return await self._session.run(
-            lambda op: addresses.in_use(self._inventory.tracked_vms(op.conn).values()),
+            lambda op: addresses.in_use(self._known.tracked_vms(op.conn).values()),
             changes=False,
         )
 
@@ -248,8 +251,8 @@ class VSphereBackend:
         from one look of the tracker (two checks, one request)."""
 
         def work(op: Op) -> tuple[list[VMInfo], list[AddressUse]]:
-            tracked = self._inventory.tracked_vms(op.conn)
-            named = self._inventory.vms(op.conn, name, tracked)
+            tracked = self._known.tracked_vms(op.conn)
+            named = self._known.vms(op.conn, name, tracked)
             return named, addresses.in_use(tracked.values())
 
         return await self._session.run(work, changes=False)
@@ -277,7 +280,7 @@ class VSphereBackend:
             # With the plan prepare_clone made, this is the first attempt for a UUID
             # that prepare_clone has just drawn: no VM can have it yet. A retry (or a
             # resumed job) looks first.
-            if plan is None and self._inventory.ours(op.conn, ref) is not None:
+            if plan is None and self._known.ours(op.conn, ref) is not None:
                 return "the VM was already there (an earlier attempt finished)"
             use = plan or self._inventory.plan(op.conn, spec)
             note = annotation(spec)
@@ -288,13 +291,13 @@ class VSphereBackend:
                     vm = op.wait(task)
                 else:
                     inv, disks = self._inventory, self._disks
-                    vm = esxi.copy_and_create(op, spec, ref, use, guest, disks, inv)
+                    vm = esxi.copy_and_create(op, spec, ref, use, guest, disks, inv, self._known)
             except vmodl.MethodFault:
                 # The plan may have named a pool, datastore or network that went since
                 # the inventory's shape was remembered: a retry plans from a fresh read.
                 self._inventory.forget()
                 raise
-            self._inventory.remember(ref.vm_id, vm)  # later steps: no FindByUuid
+            self._known.remember(ref.vm_id, vm)  # later steps: no FindByUuid
             self._settle(op, vm, ref, note, guest)
             how = "cloned" if op.conn.vcenter else "disk copied"
             net = f", NIC on {use.network.name}" if use.network else ""
@@ -389,7 +392,7 @@ class VSphereBackend:
         def found(p: Props) -> ipaddress.IPv4Address | None:
             if p.get("config.instanceUuid") != ref.vm_id:
                 raise _Moved()
-            self._inventory.check_tag(ref, p)
+            self._known.check_tag(ref, p)
             if p.get("runtime.powerState") != POWERED_ON:
                 raise PermanentError(f"VM {ref.vm_id} is not running", vm_id=ref.vm_id)
             # Empty means VMware Tools has not said yet, never "no address".
@@ -398,13 +401,13 @@ class VSphereBackend:
         def work(op: Op) -> ipaddress.IPv4Address:
             # The VM found by an earlier step is watched at once; the first answer has
             # its instance UUID and tag, checked before anything else (one read less).
-            vm = self._inventory.remembered(ref.vm_id)
+            vm = self._known.remembered(ref.vm_id)
             paths = [*ADDRESS_PATHS, "config.instanceUuid", "config.annotation", "name"]
             if vm is not None:
                 try:
                     return op.watch(vm, vim.VirtualMachine, paths, found)
                 except (_Moved, vmodl.fault.ManagedObjectNotFound):
-                    self._inventory.remember(ref.vm_id, None)  # gone, or another VM now
+                    self._known.remember(ref.vm_id, None)  # gone, or another VM now
             vm, _p = self._existing(op.conn, ref)
             return op.watch(vm, vim.VirtualMachine, paths, found)
 
@@ -417,7 +420,7 @@ class VSphereBackend:
 
     async def power_off(self, ref: VMRef) -> None:
         def work(op: Op) -> None:
-            found = self._inventory.ours(op.conn, ref)
+            found = self._known.ours(op.conn, ref)
             if found is None or found[1].get("runtime.powerState") == "poweredOff":
                 return
             try:
@@ -429,14 +432,14 @@ class VSphereBackend:
 
     async def destroy(self, ref: VMRef) -> None:
         def work(op: Op) -> None:
-            found = self._inventory.ours(op.conn, ref)
+            found = self._known.ours(op.conn, ref)
             if found is None:
                 return  # gone already: rollback is idempotent
             vm, p = found
             left = f"VM {p.get('name')} is still there (instance UUID {ref.vm_id})"
             if p.get("runtime.powerState") == POWERED_ON:
                 raise PermanentError(f"{left}: it is running; stop it first", vm_id=ref.vm_id)
-            self._inventory.remember(ref.vm_id, None)
+            self._known.remember(ref.vm_id, None)
             try:
                 op.wait(vm.Destroy_Task())
             except vmodl.fault.ManagedObjectNotFound:
