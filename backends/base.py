@@ -2,7 +2,7 @@
 
 A deploy is the same five moves on every hypervisor: copy a template, hand the copy
 its identity, power it on, learn its address, prove it answers on SSH. This module
-names those moves and the data they exchange; `backends/sim.py` is the reference
+names those moves and the data they exchange; `backends/sim/` is the reference
 implementation that the demo and the tests run against.
 
 Contract (every backend keeps it; the shared conformance tests in tests/support/contract.py

@@ -3,7 +3,7 @@
 A build turns a prepared image (a customised qcow2 on the bot host, made by
 `bot.images.prepare_image`) into a template on the hypervisor, then publishes it under
 its plain name once a smoke deploy from it answered on SSH. A backend that can build
-implements `BuildsTemplates` beside `Backend`; `backends/sim.py` does, so the demo and
+implements `BuildsTemplates` beside `Backend`; `backends/sim/` does, so the demo and
 the core's tests build too.
 
 Contract (beside the one in `backends/base.py`, which still holds):

@@ -20,7 +20,7 @@ import tracemalloc
 from pathlib import Path
 
 from backends.sim import SimBackend
-from backends.simvm import SimTiming
+from backends.sim.vm import SimTiming
 from benchmarks.keys import BENCH_KEY
 from benchmarks.stall import ticker
 from bot.commands import DeployArgs

@@ -33,7 +33,7 @@ from pathlib import Path
 import aiohttp
 import psycopg
 
-from backends.simvm import SimTiming
+from backends.sim.vm import SimTiming
 from benchmarks import needs
 from benchmarks.bench_pipeline import critical_path_s
 from benchmarks.keys import BENCH_KEY

@@ -161,7 +161,7 @@ def test_gc_command_dry_run_then_apply(tmp_path: Path) -> None:
         _settings, store, sim, vms = await seeded(tmp_path)
         await store.close()
         sim.state_file = state
-        sim._save()  # the hypervisor as the seeding left it
+        sim.inventory.save()  # the hypervisor as the seeding left it
         return vms
 
     vms = asyncio.run(seed())

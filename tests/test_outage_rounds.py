@@ -3,7 +3,7 @@
 Two replicas on one PostgreSQL (the tests' stoppable cluster), behind the fake Slack,
 with a short lease (`[ownership] lease_s = 3`), started once and kept for every round;
 on either hypervisor (the test's parameter): the fake Proxmox server, or the built-in
-simulator, both replicas sharing one `state_file` (backends/simstate.py). Each round
+simulator, both replicas sharing one `state_file` (backends/sim/state.py). Each round
 asks a few deploys of them in turn, and at a random moment while they run (when a
 randomly chosen one of them reaches a randomly chosen step, as its Slack headline shows)
 stops PostgreSQL (`pg_ctl stop -m fast`) for a random length: half the rounds shorter
@@ -87,7 +87,7 @@ STARTED = re.compile(r"runner (\S+) \(\w+, pid (\d+)\) started")
 TAKING = re.compile(r"job (\S+): taking over from runner (\S+)")
 HANDING = re.compile(r"job (\S+): held by this runner but .*; handing it back")
 # The simulator's deploys take about as long as the fake Proxmox's (~2 s); its guests'
-# addresses are outside 127.0.0.0/8, so it answers their SSH probe itself (backends/sim.py).
+# addresses are outside 127.0.0.0/8, so it answers their SSH probe itself (backends/sim/).
 SIM_CONFIG = """
 database = "{tmp}/jobs.db"
 log_file = "{tmp}/bot.log"

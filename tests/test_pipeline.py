@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from backends.sim import SimBackend
-from backends.simvm import FAULT_KINDS
+from backends.sim.vm import FAULT_KINDS
 from bot.errors import Conflict, RequestInvalid
 from bot.models import Job, JobEvent, JobState
 from bot.parser import parse
@@ -309,7 +309,7 @@ async def test_an_id_taken_by_another_client_is_chosen_anew_and_theirs_is_untouc
     def steal_the_next_id(job: Job, step: str) -> None:
         if step == "clone":  # between choosing the id and cloning, someone else uses it
             sim.add_vm("someone-elses", running=True)
-            sim._next_id -= 1  # ...without the simulator's counter having moved for us
+            sim.inventory.next_id -= 1  # ...without the simulator's counter having moved for us
 
     recorder.on_step = steal_the_next_id
     job = await deploy(deployer, "web01 10.0.0.50")

@@ -11,7 +11,7 @@ import pytest
 from backends.base import CloneSpec, PermanentError, RetryableError, Unreachable, VMRef
 from backends.guestaddr import pick_address
 from backends.sim import SimBackend
-from backends.simvm import SimTiming, SimulatedCrash
+from backends.sim.vm import SimTiming, SimulatedCrash
 from tests.support.contract import IDENTITY
 
 

@@ -15,7 +15,7 @@ import pytest
 from slack_sdk.errors import SlackApiError
 
 from backends.sim import SimBackend
-from backends.simvm import DEFAULT_TEMPLATES
+from backends.sim.vm import DEFAULT_TEMPLATES
 from bot.models import DeployRequest, Job, JobState, utcnow
 from bot.queries import VMPage
 from handlers.slack import views

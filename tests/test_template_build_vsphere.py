@@ -325,7 +325,7 @@ async def test_a_refused_upload_aborts_the_lease_and_leaves_no_vm(
     target = await vc_backend.build_preflight(p)
     ref = await vc_backend.prepare_build(p, target)
     # The device URL's `*` becomes this server: the upload goes to the refusing one.
-    vc_backend.endpoint = ("127.0.0.1", refusing_nfc)
+    vc_backend.builds.endpoint = ("127.0.0.1", refusing_nfc)
     _Refusing.paths.clear()
     with pytest.raises(PermanentError, match="507"):
         await vc_backend.create_template(p, target, ref, qcow2)

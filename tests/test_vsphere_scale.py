@@ -203,7 +203,7 @@ async def test_an_esxi_mac_check_sees_a_vm_made_since_its_last_look(esxi: Simula
         config = vim.vm.ConfigSpec(name="manual", files=files, deviceChange=[device])
         WaitForTask(folder.CreateVM_Task(config=config, pool=pool))
         conn = await backend._session.connection()
-        macs = await backend._session.run(lambda op: backend._inventory.macs(op.conn))
+        macs = await backend._session.run(lambda op: backend._known.macs(op.conn))
         assert {mac, str(nic.macAddress).lower()} <= macs
         assert conn.vcenter is False
     finally:

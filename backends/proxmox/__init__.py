@@ -29,6 +29,7 @@ import ipaddress
 import logging
 from collections.abc import Mapping
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from backends.abilities import StepTime
@@ -48,13 +49,14 @@ from backends.base import (
     VMNotFound,
     VMRef,
 )
+from backends.building import BuildPlan, BuildTarget, TemplateVersion
 from backends.config import BackendConfig
 from backends.proxmox import privileges, rollback
 from backends.proxmox.addresses import AddressSweep
 from backends.proxmox.agent import AgentWaits
 from backends.proxmox.api import PveApi
 from backends.proxmox.apierrors import TaskFailed
-from backends.proxmox.building import BuildsOnProxmox, TemplateBuilds
+from backends.proxmox.building import TemplateBuilds
 from backends.proxmox.cloning import Cloning
 from backends.proxmox.config import Config, credentials
 from backends.proxmox.identity import identity_fields
@@ -99,7 +101,9 @@ def create(
     return ProxmoxBackend(config, PveApi(config.name, config.api_settings(), creds), pacing)
 
 
-class ProxmoxBackend(BuildsOnProxmox):
+class ProxmoxBackend:
+    image_platform: str | None = "proxmox"  # bot/images prepares a NoCloud-ready qcow2
+
     def __init__(self, config: Config, api: PveApi, pacing: Pacing | None = None) -> None:
         self.name = config.name
         self.default_network = config.bridge
@@ -382,6 +386,30 @@ class ProxmoxBackend(BuildsOnProxmox):
         """The node and template of the ref's VM, once its tag was checked."""
         node, config = await self._owned(ref)
         return node, mark_field(config, "template") or ""
+
+    # --- template builds (building.py) ----------------------------------------------
+
+    async def build_preflight(self, plan: BuildPlan) -> BuildTarget:
+        return await self.builds.preflight(plan)
+
+    async def prepare_build(self, plan: BuildPlan, target: BuildTarget) -> VMRef:
+        return await self.builds.prepare(plan, target)
+
+    async def create_template(
+        self, plan: BuildPlan, target: BuildTarget, ref: VMRef, image: Path | None
+    ) -> str | None:
+        if image is None:
+            raise PermanentError("a Proxmox template is built from an image: none was prepared")
+        return await self.builds.create(plan, target, ref, image)
+
+    async def publish_template(self, plan: BuildPlan, ref: VMRef) -> str | None:
+        return await self.builds.publish(plan, ref)
+
+    async def template_versions(self, name: str | None = None) -> list[TemplateVersion]:
+        return await self.builds.versions(name)
+
+    async def destroy_template(self, ref: VMRef) -> None:
+        await self.builds.destroy(ref)
 
     async def close(self) -> None:
         await self._ssh.close()

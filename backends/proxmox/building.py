@@ -44,37 +44,9 @@ _TEMPLATE = (1, "1", True)
 QCOW2_TYPES = frozenset({"dir", "nfs", "cifs", "glusterfs"})
 
 
-class BuildsOnProxmox:
-    """`BuildsTemplates` for `ProxmoxBackend`, handed on to its `builds`."""
-
-    builds: TemplateBuilds
-    image_platform: str | None = "proxmox"  # bot/images prepares a NoCloud-ready qcow2
-
-    async def build_preflight(self, plan: BuildPlan) -> BuildTarget:
-        return await self.builds.preflight(plan)
-
-    async def prepare_build(self, plan: BuildPlan, target: BuildTarget) -> VMRef:
-        return await self.builds.prepare(plan, target)
-
-    async def create_template(
-        self, plan: BuildPlan, target: BuildTarget, ref: VMRef, image: Path | None
-    ) -> str | None:
-        if image is None:
-            raise PermanentError("a Proxmox template is built from an image: none was prepared")
-        return await self.builds.create(plan, target, ref, image)
-
-    async def publish_template(self, plan: BuildPlan, ref: VMRef) -> str | None:
-        return await self.builds.publish(plan, ref)
-
-    async def template_versions(self, name: str | None = None) -> list[TemplateVersion]:
-        return await self.builds.versions(name)
-
-    async def destroy_template(self, ref: VMRef) -> None:
-        await self.builds.destroy(ref)
-
-
 class TemplateBuilds:
-    """The build moves of one Proxmox backend."""
+    """The build moves of one Proxmox backend (`ProxmoxBackend` holds one and hands the
+    `BuildsTemplates` calls to it)."""
 
     def __init__(
         self, config: Config, api: PveApi, inventory: Inventory, tasks: TaskRunner, cloning: Cloning

@@ -30,31 +30,45 @@ import logging
 import uuid
 from collections import Counter
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from pyVmomi import vim, vmodl
 
 from backends.base import (
     AddressUse,
+    CloneMode,
     CloneSpec,
     Identity,
+    MissingPrivilege,
+    Network,
     PermanentError,
+    Placement,
     RetryableError,
+    Storage,
+    Template,
     VMInfo,
     VMNotFound,
     VMRef,
 )
+from backends.building import BuildPlan, BuildTarget, TemplateVersion
 from backends.config import BackendConfig
 from backends.guestaddr import pick_address
 from backends.sshcheck import SshCheck
 from backends.vsphere import addresses, esxi, specs
-from backends.vsphere.building import Builds
+from backends.vsphere.building import TemplateBuilds
 from backends.vsphere.config import Config
 from backends.vsphere.conn import Conn, Props, Row
-from backends.vsphere.discovery import KIB_PER_GIB, Discovers
+from backends.vsphere.discovery import KIB_PER_GIB, Discovery
 from backends.vsphere.inventory import Inventory, Plan, annotation, disks
-from backends.vsphere.session import RETRYABLE_FAULTS, Endpoint, Op, Session, fault_text
-from backends.vsphere.vms import POWERED_ON, tags, vm_info
+from backends.vsphere.session import (
+    RETRYABLE_FAULTS,
+    Endpoint,
+    Op,
+    Session,
+    fault_text,
+)
+from backends.vsphere.vms import POWERED_ON, KnownVMs, tags, vm_info
 
 log = logging.getLogger(__name__)
 # Plans kept from prepare_clone for clone; an older one is simply looked up again.
@@ -106,9 +120,13 @@ def _interfaces(props: Props) -> list[tuple[str, str]]:
     return pairs
 
 
-class VSphereBackend(Discovers, Builds):
+class VSphereBackend:
     """A vCenter or a standalone ESXi host behind the Backend Protocol; it builds
-    templates too (`building`)."""
+    templates too. It holds its parts: the session, the inventory, the discovery calls
+    (`discovery`) and the template builds (`building`), and hands them their calls."""
+
+    # bot/images prepares the image for VMware's datasource (guestinfo).
+    image_platform: str | None = "vsphere"
 
     def __init__(self, config: Config, password: str) -> None:
         self.name = config.name
@@ -130,9 +148,56 @@ class VSphereBackend(Discovers, Builds):
             config.cancel_wait_s,
         )
         self._session = Session(endpoint, password)
-        self._inventory = Inventory(config.name, config)
+        self._known = KnownVMs()  # VMs by instance UUID, and the session's VM tracker
+        self._inventory = Inventory(config.name, config, self._known)
+        self.discovery = Discovery(config, self._session, self._inventory)
+        self.builds = TemplateBuilds(
+            config, self.endpoint, self._session, self._inventory, self._known
+        )
         self._disks = specs.Disks(config.thin_provisioned, config.eagerly_scrub)
         self._plans: dict[str, Plan] = {}
+
+    # --- discovery (discovery.py) ---------------------------------------------------
+
+    async def templates(self) -> list[Template]:
+        return await self.discovery.templates()
+
+    async def missing_privileges(self, template: str) -> list[MissingPrivilege]:
+        return await self.discovery.missing_privileges(template)
+
+    async def storages(self, placement: str | None = None) -> list[Storage]:
+        return await self.discovery.storages(placement)
+
+    async def networks(self, placement: str | None = None) -> list[Network]:
+        return await self.discovery.networks(placement)
+
+    async def placements(self) -> list[Placement]:
+        return await self.discovery.placements()
+
+    async def clone_mode(self, spec: CloneSpec) -> CloneMode:
+        return await self.discovery.clone_mode(spec)
+
+    # --- template builds (building.py) ----------------------------------------------
+
+    async def build_preflight(self, plan: BuildPlan) -> BuildTarget:
+        return await self.builds.build_preflight(plan)
+
+    async def prepare_build(self, plan: BuildPlan, target: BuildTarget) -> VMRef:
+        return await self.builds.prepare_build(plan, target)
+
+    async def create_template(
+        self, plan: BuildPlan, target: BuildTarget, ref: VMRef, image: Path | None
+    ) -> str | None:
+        return await self.builds.create_template(plan, target, ref, image)
+
+    async def publish_template(self, plan: BuildPlan, ref: VMRef) -> str | None:
+        return await self.builds.publish_template(plan, ref)
+
+    async def template_versions(self, name: str | None = None) -> list[TemplateVersion]:
+        return await self.builds.template_versions(name)
+
+    async def destroy_template(self, ref: VMRef) -> None:
+        await self.builds.destroy_template(ref)
 
     def api_calls(self) -> Counter[str]:
         """SOAP calls so far by method name (`Fetch` is one single property read)."""
@@ -146,7 +211,7 @@ class VSphereBackend(Discovers, Builds):
         return (await self._session.connection()).vcenter
 
     def _existing(self, conn: Conn, ref: VMRef, paths: tuple[str, ...] = ()) -> Row:
-        found = self._inventory.ours(conn, ref, paths)
+        found = self._known.ours(conn, ref, paths)
         if found is None:
             raise VMNotFound(f"no VM has instance UUID {ref.vm_id} on {self.name}", vm_id=ref.vm_id)
         return found
@@ -155,17 +220,17 @@ class VSphereBackend(Discovers, Builds):
 
     async def find_vm(self, ref: VMRef) -> VMInfo | None:
         def work(op: Op) -> VMInfo | None:
-            found = self._inventory.lookup(op.conn, ref.vm_id)
+            found = self._known.lookup(op.conn, ref.vm_id)
             return vm_info(ref.vm_id, found[1], ref.placement) if found else None
 
         return await self._session.run(work, ref.vm_id, changes=False)
 
     async def find_by_name(self, name: str) -> list[VMInfo]:
-        return await self._session.run(lambda op: self._inventory.vms(op.conn, name), changes=False)
+        return await self._session.run(lambda op: self._known.vms(op.conn, name), changes=False)
 
     async def find_tagged(self) -> list[VMInfo]:
         return await self._session.run(
-            lambda op: [v for v in self._inventory.vms(op.conn) if v.tags], changes=False
+            lambda op: [v for v in self._known.vms(op.conn) if v.tags], changes=False
         )
 
     async def addresses_in_use(self, ours: str | None = None) -> list[AddressUse]:
@@ -173,7 +238,7 @@ class VSphereBackend(Discovers, Builds):
         returns only what changed (`addresses`), whoever built the VMs (leaving ours
         out would save nothing)."""
         return await self._session.run(
-            lambda op: addresses.in_use(self._inventory.tracked_vms(op.conn).values()),
+            lambda op: addresses.in_use(self._known.tracked_vms(op.conn).values()),
             changes=False,
         )
 
@@ -182,8 +247,8 @@ class VSphereBackend(Discovers, Builds):
         from one look of the tracker (two checks, one request)."""
 
         def work(op: Op) -> tuple[list[VMInfo], list[AddressUse]]:
-            tracked = self._inventory.tracked_vms(op.conn)
-            named = self._inventory.vms(op.conn, name, tracked)
+            tracked = self._known.tracked_vms(op.conn)
+            named = self._known.vms(op.conn, name, tracked)
             return named, addresses.in_use(tracked.values())
 
         return await self._session.run(work, changes=False)
@@ -211,7 +276,7 @@ class VSphereBackend(Discovers, Builds):
             # With the plan prepare_clone made, this is the first attempt for a UUID
             # that prepare_clone has just drawn: no VM can have it yet. A retry (or a
             # resumed job) looks first.
-            if plan is None and self._inventory.ours(op.conn, ref) is not None:
+            if plan is None and self._known.ours(op.conn, ref) is not None:
                 return "the VM was already there (an earlier attempt finished)"
             use = plan or self._inventory.plan(op.conn, spec)
             note = annotation(spec)
@@ -222,13 +287,13 @@ class VSphereBackend(Discovers, Builds):
                     vm = op.wait(task)
                 else:
                     inv, disks = self._inventory, self._disks
-                    vm = esxi.copy_and_create(op, spec, ref, use, guest, disks, inv)
+                    vm = esxi.copy_and_create(op, spec, ref, use, guest, disks, inv, self._known)
             except vmodl.MethodFault:
                 # The plan may have named a pool, datastore or network that went since
                 # the inventory's shape was remembered: a retry plans from a fresh read.
                 self._inventory.forget()
                 raise
-            self._inventory.remember(ref.vm_id, vm)  # later steps: no FindByUuid
+            self._known.remember(ref.vm_id, vm)  # later steps: no FindByUuid
             self._settle(op, vm, ref, note, guest)
             how = "cloned" if op.conn.vcenter else "disk copied"
             net = f", NIC on {use.network.name}" if use.network else ""
@@ -323,7 +388,7 @@ class VSphereBackend(Discovers, Builds):
         def found(p: Props) -> ipaddress.IPv4Address | None:
             if p.get("config.instanceUuid") != ref.vm_id:
                 raise _Moved()
-            self._inventory.check_tag(ref, p)
+            self._known.check_tag(ref, p)
             if p.get("runtime.powerState") != POWERED_ON:
                 raise PermanentError(f"VM {ref.vm_id} is not running", vm_id=ref.vm_id)
             # Empty means VMware Tools has not said yet, never "no address".
@@ -332,13 +397,13 @@ class VSphereBackend(Discovers, Builds):
         def work(op: Op) -> ipaddress.IPv4Address:
             # The VM found by an earlier step is watched at once; the first answer has
             # its instance UUID and tag, checked before anything else (one read less).
-            vm = self._inventory.remembered(ref.vm_id)
+            vm = self._known.remembered(ref.vm_id)
             paths = [*ADDRESS_PATHS, "config.instanceUuid", "config.annotation", "name"]
             if vm is not None:
                 try:
                     return op.watch(vm, vim.VirtualMachine, paths, found)
                 except (_Moved, vmodl.fault.ManagedObjectNotFound):
-                    self._inventory.remember(ref.vm_id, None)  # gone, or another VM now
+                    self._known.remember(ref.vm_id, None)  # gone, or another VM now
             vm, _p = self._existing(op.conn, ref)
             return op.watch(vm, vim.VirtualMachine, paths, found)
 
@@ -351,7 +416,7 @@ class VSphereBackend(Discovers, Builds):
 
     async def power_off(self, ref: VMRef) -> None:
         def work(op: Op) -> None:
-            found = self._inventory.ours(op.conn, ref)
+            found = self._known.ours(op.conn, ref)
             if found is None or found[1].get("runtime.powerState") == "poweredOff":
                 return
             try:
@@ -363,14 +428,14 @@ class VSphereBackend(Discovers, Builds):
 
     async def destroy(self, ref: VMRef) -> None:
         def work(op: Op) -> None:
-            found = self._inventory.ours(op.conn, ref)
+            found = self._known.ours(op.conn, ref)
             if found is None:
                 return  # gone already: rollback is idempotent
             vm, p = found
             left = f"VM {p.get('name')} is still there (instance UUID {ref.vm_id})"
             if p.get("runtime.powerState") == POWERED_ON:
                 raise PermanentError(f"{left}: it is running; stop it first", vm_id=ref.vm_id)
-            self._inventory.remember(ref.vm_id, None)
+            self._known.remember(ref.vm_id, None)
             try:
                 op.wait(vm.Destroy_Task())
             except vmodl.fault.ManagedObjectNotFound:

@@ -21,35 +21,41 @@ import asyncio
 import tempfile
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pyVmomi import vim, vmodl
 
 from backends.base import PermanentError, VMRef
 from backends.building import BuildPlan, BuildTarget, TemplateVersion
 from backends.vsphere import buildmark, cpu, ovf, ovfimport
+from backends.vsphere.config import Config
 from backends.vsphere.conn import Conn, Row
 from backends.vsphere.inventory import Datacenter, Inventory
 from backends.vsphere.session import Op, Session
-from backends.vsphere.vms import POWERED_ON, tags
-
-if TYPE_CHECKING:
-    from backends.vsphere.config import Config
+from backends.vsphere.vms import POWERED_ON, KnownVMs, tags
 
 FIRMWARE = "bios"  # cloud images boot either way; Proxmox's default is SeaBIOS too
 DEFAULT_NETWORK = "VM Network"  # a NIC needs one; ESXi and vcsim have this one
 
 
-class Builds:
-    """The backend's build methods (mixed into `VSphereBackend`)."""
+class TemplateBuilds:
+    """The build moves of one vSphere backend (`VSphereBackend` holds one and hands the
+    `BuildsTemplates` calls to it)."""
 
-    # bot/images prepares the image for VMware's datasource (guestinfo).
-    image_platform: str | None = "vsphere"
-    name: str
-    config: Config
-    endpoint: tuple[str, int]
-    _session: Session
-    _inventory: Inventory
+    def __init__(
+        self,
+        config: Config,
+        endpoint: tuple[str, int],
+        session: Session,
+        inventory: Inventory,
+        known: KnownVMs,
+    ) -> None:
+        self.name = config.name
+        self.config = config
+        self.endpoint = endpoint
+        self._session = session
+        self._inventory = inventory
+        self._known = known  # the VMs by instance UUID, and the session's VM tracker
 
     async def build_preflight(self, plan: BuildPlan) -> BuildTarget:
         def work(op: Op) -> BuildTarget:
@@ -92,7 +98,7 @@ class Builds:
         self, op: Op, plan: BuildPlan, target: BuildTarget, ref: VMRef, vmdk: Path, size: int
     ) -> str:
         conn, inv = op.conn, self._inventory
-        found = inv.ours(conn, ref, ("config.template",))
+        found = self._known.ours(conn, ref, ("config.template",))
         if found is not None and found[1].get("config.template"):
             return "the template was already there (an earlier attempt finished)"
         if found is not None:  # half imported by an attempt that did not end: again
@@ -144,7 +150,7 @@ class Builds:
             vm = ovfimport.import_vm(
                 op, where, plan.versioned_name, ovf.descriptor(machine), vmdk, config
             )
-            inv.remember(ref.vm_id, vm)
+            self._known.remember(ref.vm_id, vm)
             self._complete(op, vm, ref, note)
             vm.MarkAsTemplate()
         finally:
@@ -166,7 +172,7 @@ class Builds:
     async def publish_template(self, plan: BuildPlan, ref: VMRef) -> str | None:
         def work(op: Op) -> str:
             conn, inv = op.conn, self._inventory
-            found = inv.ours(conn, ref, ("config.template", "parent"))
+            found = self._known.ours(conn, ref, ("config.template", "parent"))
             if found is None:
                 raise PermanentError(f"no template has instance UUID {ref.vm_id} on {self.name}")
             new, p = found
@@ -218,13 +224,13 @@ class Builds:
     async def destroy_template(self, ref: VMRef) -> None:
         def work(op: Op) -> None:
             inv = self._inventory
-            found = inv.ours(op.conn, ref)  # NotOurVM without the job's tag
+            found = self._known.ours(op.conn, ref)  # NotOurVM without the job's tag
             if found is None:
                 return  # gone already
             vm, p = found
             if p.get("runtime.powerState") == POWERED_ON:
                 op.wait(vm.PowerOffVM_Task())
-            inv.remember(ref.vm_id, None)
+            self._known.remember(ref.vm_id, None)
             try:
                 op.wait(vm.Destroy_Task())
             except vmodl.fault.ManagedObjectNotFound:
@@ -293,7 +299,7 @@ class Builds:
 
     def _named(self, conn: Conn, name: str) -> list[Row]:
         """Every VM called `name`, with VERSION_PATHS and its folder."""
-        objs = [o for o, p in self._inventory.tracked_vms(conn).values() if p.get("name") == name]
+        objs = [o for o, p in self._known.tracked_vms(conn).values() if p.get("name") == name]
         return conn.retrieve(objs, vim.VirtualMachine, [*buildmark.VERSION_PATHS, "parent"])
 
     def _check_names(self, conn: Conn, plan: BuildPlan) -> None:

@@ -1,12 +1,10 @@
 # mypy: disable-error-code="no-untyped-call"
 # (pyvmomi is typed, but the constructors of its data objects are not)
 """What a vSphere backend offers a deploy: templates, datastores, networks, placements,
-the clone mode, and the privileges a deploy of a template lacks (mixed into
-`VSphereBackend`)."""
+the clone mode, and the privileges a deploy of a template lacks (`Discovery`, which
+`VSphereBackend` holds and hands these calls to)."""
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 from pyVmomi import vim
 
@@ -20,21 +18,20 @@ from backends.base import (
     Template,
 )
 from backends.vsphere import privileges
+from backends.vsphere.config import Config
 from backends.vsphere.inventory import Inventory, disks, os_family
 from backends.vsphere.session import Op, Session
-
-if TYPE_CHECKING:
-    from backends.vsphere.config import Config
 
 KIB_PER_GIB = 1024 * 1024
 
 
-class Discovers:
-    """The backend's discovery methods."""
+class Discovery:
+    """The backend's discovery calls, through its session and inventory."""
 
-    config: Config
-    _session: Session
-    _inventory: Inventory
+    def __init__(self, config: Config, session: Session, inventory: Inventory) -> None:
+        self.config = config
+        self._session = session
+        self._inventory = inventory
 
     async def templates(self) -> list[Template]:
         def work(op: Op) -> list[Template]:

@@ -18,6 +18,7 @@ from backends.base import CloneSpec, VMRef
 from backends.vsphere import specs
 from backends.vsphere.inventory import Inventory, Plan, annotation, disks
 from backends.vsphere.session import Op
+from backends.vsphere.vms import KnownVMs
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,7 @@ def copy_and_create(
     guest: specs.GuestConfig | None,
     provisioning: specs.Disks,
     inventory: Inventory,
+    known: KnownVMs,
 ) -> Any:
     """Copy the template's disks into a new folder, then create a VM around them; on any
     failure the folder goes again. Returns the new VM."""
@@ -56,7 +58,7 @@ def copy_and_create(
         op.check()
         vmx = f"{folder}/{spec.name}.vmx"
         # Unique among the host's VMs (a standalone host sees all of its own).
-        mac = specs.static_mac(ref.vm_id, inventory.macs(op.conn))
+        mac = specs.static_mac(ref.vm_id, known.macs(op.conn))
         config = specs.create_spec(
             spec, ref, plan, annotation(spec), vmx, copies, provisioning, guest, mac
         )

@@ -137,12 +137,13 @@ def os_family(guest_id: str) -> str:
     return "other"
 
 
-class Inventory(KnownVMs):
-    """Lookups under the configured datacenter, folders and filters."""
+class Inventory:
+    """Lookups under the configured datacenter, folders and filters; the VMs themselves
+    are looked up by `known` (vms.py), whose tracker also shows the templates' marks."""
 
-    def __init__(self, name: str, config: Config) -> None:
-        super().__init__()
+    def __init__(self, name: str, config: Config, known: KnownVMs) -> None:
         self.name = name
+        self._known = known
         self.config = config
         self._lock = threading.Lock()
         self._templates: dict[str, Any] = {}  # name -> VM, checked at every use
@@ -255,7 +256,7 @@ class Inventory(KnownVMs):
             root = self.folder(conn, dc, self.config.template_folder)
             marks = conn.contained(root, vim.VirtualMachine, ["config.template"])
         else:  # the marks of every VM: what changed since the last look
-            marks = list(self.tracked_vms(conn).values())
+            marks = list(self._known.tracked_vms(conn).values())
         found = [obj for obj, p in marks if p.get("config.template")]
         # Read again only when the templates changed (one came, went, was renamed,
         # or was turned into a VM, as editing one needs), or after SHAPE_TTL_S.

@@ -1,6 +1,7 @@
 # mypy: disable-error-code="no-untyped-call"
 # (pyvmomi is typed, but the constructors of its data objects are not)
-"""Finding VMs: by instance UUID (ours), by name, and the MACs in use, for `Inventory`.
+"""Finding VMs: by instance UUID (ours), by name, and the MACs in use (`KnownVMs`, held
+by `VSphereBackend` and given to its inventory and builds).
 Blocking; runs inside `Session.run`.
 
 VMs are identified by instance UUID: managed object ids belong to one server's

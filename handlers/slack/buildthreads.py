@@ -1,8 +1,11 @@
-"""Template builds in Slack (split from handlers/slack/threads.py): a build's notices
-(bot/builds/) as lines of its thread, its headline, its approval card and the decision
-that replaces the card's buttons, and the end told to the requester by direct message."""
+"""Template builds in Slack: a build's notices (bot/builds/) as lines of its thread, its
+headline, its approval card and the decision that replaces the card's buttons, and the
+end told to the requester by direct message. `SlackThreads` (threads.py) holds one
+`BuildDelivery` and hands it the notices of the builds whose delivery it holds."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from bot.models import utcnow
 from bot.models.builds import Build, BuildState
@@ -14,6 +17,7 @@ from bot.models.notices import (
     Notice,
     NoticeKind,
 )
+from bot.service import Deployer
 from handlers.messages.builds import (
     build_card_outcome,
     build_outcome_dm,
@@ -21,101 +25,126 @@ from handlers.messages.builds import (
     slack_build_end,
 )
 from handlers.slack import views
-from handlers.slack.delivery import Delivery
-from handlers.slack.items import BuildCard, BuildThread, Line, parse_ref
+from handlers.slack.delivery import Parts
+from handlers.slack.items import BuildCard, BuildThread, DirectMessages, Line, parse_ref
+from handlers.slack.outbox import Outboxes
 
 
-class BuildDelivery(Delivery):
-    """Mixed into `SlackThreads`: what it does with a build's notices."""
+class BuildDelivery:
+    """What Slack delivery does with a build's notices: its threads and approval cards.
 
-    async def _release_build(self, build_id: str) -> None:
-        """A build's delivery claim goes once it ended and all of it is in Slack."""
-        parts = (self.build_threads.get(build_id), self.build_cards.get(build_id))
+    `dm` gives the conversation with a person (shared with the jobs' messages);
+    `approvals_channel` is where approval cards go (else the build's own channel)."""
+
+    def __init__(
+        self,
+        deployer: Deployer,
+        parts: Parts,
+        outboxes: Outboxes,
+        dm: Callable[[str], DirectMessages],
+        approvals_channel: str | None,
+    ) -> None:
+        self._deployer = deployer
+        self._parts = parts
+        self._outboxes = outboxes
+        self._dm = dm
+        self._approvals_channel = approvals_channel
+        self.threads: dict[str, BuildThread] = {}
+        self.cards: dict[str, BuildCard] = {}
+
+    async def release(self, build_id: str) -> bool:
+        """A build's delivery claim goes once it ended and all of it is in Slack: True
+        when it went."""
+        parts = (self.threads.get(build_id), self.cards.get(build_id))
         if any(part is not None and part.pending() for part in parts):
-            return
-        build = await self.deployer.queries.build(build_id)
+            return False
+        build = await self._deployer.queries.build(build_id)
         if build is None or build.state.final or build.state is BuildState.PUBLISHED:
-            await self.deployer.chat_outbox.release(build_id, self.me, utcnow())
-            self._held.discard(build_id)
-            self.build_threads.pop(build_id, None)
-            self.build_cards.pop(build_id, None)
+            me = self._deployer.runner.id
+            await self._deployer.chat_outbox.release(build_id, me, utcnow())
+            self.threads.pop(build_id, None)
+            self.cards.pop(build_id, None)
+            return True
+        return False
 
-    def _apply_build(self, build: Build, notice: Notice) -> None:
+    def apply(self, build: Build, notice: Notice) -> None:
         """A build's notice: a line in its thread (the end, urgent), its headline, and
         its approval card (asked for, then replaced by the decision)."""
-        nid = self._hold(notice)
+        nid = self._parts.hold(notice)
         part = notice.step or ""
         if notice.kind is NoticeKind.BUILD:
             if part == BUILD_NOTE:
-                self._build_say(build, views.mrkdwn(notice.text), nid)
+                self._say(build, views.mrkdwn(notice.text), nid)
             elif part == BUILD_FINISHED:
                 text = views.mrkdwn(slack_build_end(build))
-                self._build_say(build, text, nid, urgent=True)
-                dm = self._part(nid, "dm") if build.origin else None
+                self._say(build, text, nid, urgent=True)
+                dm = self._parts.part(nid, "dm") if build.origin else None
                 if dm is not None:  # the requester hears the end by direct message too
                     outcome = build_outcome_dm(build)
                     self._dm(build.requester).lines.append(Line(views.mrkdwn(outcome), dm))
-                    self.outboxes.touch(self._dm(build.requester))
+                    self._outboxes.touch(self._dm(build.requester))
             else:
                 said = build_thread_update(build, part, notice.text)
-                self._build_say(build, views.mrkdwn(said), nid)
+                self._say(build, views.mrkdwn(said), nid)
             if part == BUILD_ASKED and build.approval_reason:
-                self._ask_build_approvers(build, nid)
+                self._ask_approvers(build, nid)
             elif part == BUILD_DECIDED:
-                self._build_decided(build, notice.text, nid)
-        self._release(nid)
+                self._decided(build, notice.text, nid)
+        self._parts.release(nid)
 
-    def _build_thread(self, build: Build) -> BuildThread | None:
-        thread = self.build_threads.get(build.id)
+    def _thread(self, build: Build) -> BuildThread | None:
+        thread = self.threads.get(build.id)
         if thread is None:
+            done = self._parts.done
             known = parse_ref(build.thread_ref)
             if known is not None:
-                thread = BuildThread(build, known[0], self.deployer, self._done, ts=known[1])
+                thread = BuildThread(build, known[0], self._deployer, done, ts=known[1])
             elif build.origin:
-                thread = BuildThread(build, build.origin, self.deployer, self._done)
+                thread = BuildThread(build, build.origin, self._deployer, done)
             else:
                 return None  # asked for elsewhere (the shell): no Slack thread
-            self.build_threads[build.id] = thread
+            self.threads[build.id] = thread
         thread.build = build
         return thread
 
-    def _build_say(self, build: Build, text: str, nid: int, *, urgent: bool = False) -> None:
-        thread = self._build_thread(build)
+    def _say(self, build: Build, text: str, nid: int, *, urgent: bool = False) -> None:
+        thread = self._thread(build)
         if thread is None:
             return
-        line, headline = self._part(nid, "line"), self._part(nid, "headline")
+        line, headline = self._parts.part(nid, "line"), self._parts.part(nid, "headline")
         if line is not None:
             thread.lines.append(Line(text, line, urgent=urgent))
         if headline is not None:
             thread.show_headline(headline)
-        self.outboxes.touch(thread)
+        self._outboxes.touch(thread)
 
-    def _ask_build_approvers(self, build: Build, nid: int) -> None:
-        if build.id in self.build_cards or build.approval_ref:
+    def _ask_approvers(self, build: Build, nid: int) -> None:
+        if build.id in self.cards or build.approval_ref:
             return
-        channel = self.settings.approvals_channel or build.origin
+        channel = self._approvals_channel or build.origin
         if channel is None:
             return
-        card = BuildCard(build, channel, self.deployer, self._done)
-        self.build_cards[build.id] = card
+        card = BuildCard(build, channel, self._deployer, self._parts.done)
+        self.cards[build.id] = card
         if build.state is not BuildState.AWAITING_APPROVAL:  # decided before it was shown
             card.outcome = build_card_outcome(build, build.error or "")
-        self._show_build_card(card, nid)
+        self._show_card(card, nid)
 
-    def _build_decided(self, build: Build, note: str, nid: int) -> None:
-        card = self.build_cards.get(build.id)
+    def _decided(self, build: Build, note: str, nid: int) -> None:
+        card = self.cards.get(build.id)
         if card is None:
             known = parse_ref(build.approval_ref)
             if known is None:
                 return  # never shown (no channel): nothing to replace
-            card = BuildCard(build, known[0], self.deployer, self._done, ts=known[1])
-            self.build_cards[build.id] = card
+            done = self._parts.done
+            card = BuildCard(build, known[0], self._deployer, done, ts=known[1])
+            self.cards[build.id] = card
         card.build = build
         card.outcome = build_card_outcome(build, note)
-        self._show_build_card(card, nid)
+        self._show_card(card, nid)
 
-    def _show_build_card(self, card: BuildCard, nid: int) -> None:
-        part = self._part(nid, "card")
+    def _show_card(self, card: BuildCard, nid: int) -> None:
+        part = self._parts.part(nid, "card")
         if part is not None:
             card.will_show(part)
-            self.outboxes.touch(card)
+            self._outboxes.touch(card)

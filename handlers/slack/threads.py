@@ -17,12 +17,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from datetime import timedelta
+from datetime import datetime, timedelta
+
+from slack_sdk.web.async_client import AsyncWebClient
 
 from bot.kinds import Rows
 from bot.leaseterms import show_length
 from bot.models import ApprovalState, Job, JobState, utcnow
 from bot.models.notices import Notice, NoticeKind
+from bot.sections import SlackSettings
 from bot.service import Deployer
 from bot.waiting import woken
 from handlers.messages.core import slack_outcome_dm
@@ -37,14 +40,18 @@ from handlers.messages.slack import (
 )
 from handlers.slack import views
 from handlers.slack.buildthreads import BuildDelivery
+from handlers.slack.delivery import Parts
 from handlers.slack.items import (
     ApprovalCard,
     DirectCard,
+    DirectMessages,
     JobThread,
     Line,
     carries_outcome,
     parse_ref,
 )
+from handlers.slack.outbox import Outboxes
+from handlers.slack.zones import Zones
 
 log = logging.getLogger(__name__)
 DELIVERY_CLAIM_S = 30.0  # another process takes a job's thread over after this
@@ -53,16 +60,63 @@ ORPHAN_SCAN_S = 5.0  # how often to look for notices a dead process left
 BATCH = 500
 
 
-class SlackThreads(BuildDelivery):
+class SlackThreads:
     """The Slack side of the outbox. `bind` it to the Deployer; it starts delivering.
 
-    Its state and the parts of notices are in handlers/slack/delivery.py, what it does
-    with template builds' notices in handlers/slack/buildthreads.py."""
+    It holds the count of parts each notice waits for (`Parts`, handlers/slack/delivery.py)
+    and, once bound, the delivery of template builds' notices (`BuildDelivery`,
+    handlers/slack/buildthreads.py); deploys' and destroys' it delivers itself."""
+
+    def __init__(self, client: AsyncWebClient, settings: SlackSettings) -> None:
+        self.settings = settings
+        self.outboxes = Outboxes(client, settings.posts_per_second)
+        self.zones = Zones(client)  # people's time zones, for lease times
+        self.threads: dict[str, JobThread] = {}
+        self.cards: dict[str, ApprovalCard] = {}
+        self.destroy_cards: dict[str, ApprovalCard] = {}
+        self.dms: dict[str, DirectMessages] = {}
+        self._wake = asyncio.Event()
+        self.parts = Parts(self._wake.set)
+        self._deployer: Deployer | None = None
+        self._builds: BuildDelivery | None = None
+        self._held: set[str] = set()  # jobs whose delivery claim this process holds
+        # What record each held id's notices follow: its kind's rows (bot/kinds/), looked
+        # up once: a job's kind never changes.
+        self._rows: dict[str, Rows] = {}
+        self._cursor = 0
+        self._orphans_at: datetime | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._poll_lock = asyncio.Lock()
 
     def bind(self, deployer: Deployer) -> None:
         self._deployer = deployer
+        self._builds = BuildDelivery(
+            deployer, self.parts, self.outboxes, self._dm, self.settings.approvals_channel
+        )
         deployer.chat_outbox.wake_on_notice(self._wake.set)
         self._task = asyncio.create_task(self._run(), name="slack-delivery")
+
+    @property
+    def deployer(self) -> Deployer:
+        if self._deployer is None:
+            raise RuntimeError("SlackThreads.bind(deployer) was not called")
+        return self._deployer
+
+    @property
+    def builds(self) -> BuildDelivery:
+        if self._builds is None:
+            raise RuntimeError("SlackThreads.bind(deployer) was not called")
+        return self._builds
+
+    @property
+    def me(self) -> str:
+        return self.deployer.runner.id
+
+    def _dm(self, user: str) -> DirectMessages:
+        dm = self.dms.get(user)
+        if dm is None:
+            dm = self.dms[user] = DirectMessages(user, self.parts.done)
+        return dm
 
     # --- the delivery loop -------------------------------------------------------
 
@@ -101,20 +155,20 @@ class SlackThreads(BuildDelivery):
             return applied
 
     async def _apply_job(self, job_id: str, notices: list[Notice]) -> int:
-        todo = [n for n in notices if n.id is not None and n.id not in self._parts]
+        todo = [n for n in notices if n.id is not None and not self.parts.applying(n.id)]
         if not todo:
             return 0
         if await self._rows_of(job_id) == "builds":  # a template build's (bot/builds/)
             build = await self.deployer.queries.build(job_id)
             if build is None:
-                self._finish_parts([n.id for n in todo if n.id is not None])
+                self.parts.finish([n.id for n in todo if n.id is not None])
                 return len(todo)
             for notice in todo:
-                self._apply_build(build, notice)
+                self.builds.apply(build, notice)
             return len(todo)
         job = await self.deployer.queries.job(job_id)
         if job is None:  # gone or quarantined: nothing can be shown
-            self._finish_parts([n.id for n in todo if n.id is not None])
+            self.parts.finish([n.id for n in todo if n.id is not None])
             return len(todo)
         for notice in todo:
             await self._apply(job, notice)
@@ -123,15 +177,14 @@ class SlackThreads(BuildDelivery):
     async def _mark(self) -> None:
         """Record the parts now in Slack and mark the notices whose every part is;
         release finished jobs."""
-        if not self._delivered and not self._sent:
+        if self.parts.nothing_to_record():
             return
-        ids, self._delivered = self._delivered, []
-        parts, self._sent = self._sent, []
+        ids, parts = self.parts.to_record()
         await self.deployer.chat_outbox.mark_delivered(ids, utcnow(), parts)
         for job_id in list(self._held):
             if await self._rows_of(job_id) == "builds":
-                await self._release_build(job_id)
-                if job_id not in self._held:
+                if await self.builds.release(job_id):
+                    self._held.discard(job_id)
                     self._rows.pop(job_id, None)
                 continue
             if not self._busy(job_id):
@@ -159,7 +212,7 @@ class SlackThreads(BuildDelivery):
     # --- from notices to parts ----------------------------------------------------
 
     async def _apply(self, job: Job, notice: Notice) -> None:
-        nid = self._hold(notice)
+        nid = self.parts.hold(notice)
         match notice.kind:
             case NoticeKind.UPDATED:
                 await self._updated(job, notice, nid)
@@ -179,7 +232,7 @@ class SlackThreads(BuildDelivery):
                 self._finished(job, notice, nid)
             case NoticeKind.LEASE:
                 await self._lease(job, notice, nid)
-        self._release(nid)
+        self.parts.release(nid)
 
     async def _updated(self, job: Job, notice: Notice, nid: int) -> None:
         """The thread says the state the change made ("queued"), even when the job has
@@ -214,12 +267,12 @@ class SlackThreads(BuildDelivery):
         thread.step = None
         self._headline(thread, nid)
         text = slack_finished(job, notice.rollback)
-        line = self._part(nid, "line")
+        line = self.parts.part(nid, "line")
         if line is not None:
             thread.lines.append(Line(views.mrkdwn(text), line, urgent=True))
             self.outboxes.touch(thread)
         # The requester hears the outcome in their own conversation with the bot too.
-        dm = self._part(nid, "dm")
+        dm = self.parts.part(nid, "dm")
         if dm is not None:
             self._dm(job.requester).lines.append(Line(views.mrkdwn(slack_outcome_dm(job)), dm))
             self.outboxes.touch(self._dm(job.requester))
@@ -235,22 +288,22 @@ class SlackThreads(BuildDelivery):
             grace = show_length(policy.grace)
             text = views.mrkdwn(lease_reminder(job, when, notice.at, grace, zone))
             blocks = views.lease_reminder(job, text, show_length(policy.step))
-            part = self._part(nid, "dm")
+            part = self.parts.part(nid, "dm")
             if part is not None:
-                self.outboxes.touch(DirectCard(job.requester, text, blocks, part, self._done))
+                self.outboxes.touch(DirectCard(job.requester, text, blocks, part, self.parts.done))
             return
         text = views.mrkdwn(lease_thread(job, step, when, notice.text, zone))
         self._say(job, text, nid)
         thread = self._thread(job)
         if thread is not None:
             self._headline(thread, nid)
-        part = self._part(nid, "dm") if step == "expired" else None
+        part = self.parts.part(nid, "dm") if step == "expired" else None
         if part is not None:
             self._dm(job.requester).lines.append(Line(text, part))
             self.outboxes.touch(self._dm(job.requester))
 
     def _headline(self, thread: JobThread, nid: int) -> None:
-        part = self._part(nid, "headline")
+        part = self.parts.part(nid, "headline")
         if part is not None:
             thread.show_headline(part)
             self.outboxes.touch(thread)
@@ -258,13 +311,13 @@ class SlackThreads(BuildDelivery):
     def _say(self, job: Job, text: str, nid: int) -> None:
         """Add a mrkdwn line to the job's thread."""
         thread = self._thread(job)
-        part = self._part(nid, "line") if thread is not None else None
+        part = self.parts.part(nid, "line") if thread is not None else None
         if thread is not None and part is not None:
             thread.lines.append(Line(text, part))
             self.outboxes.touch(thread)
 
     def _show_card(self, card: ApprovalCard, nid: int) -> None:
-        part = self._part(nid, "card")
+        part = self.parts.part(nid, "card")
         if part is not None:
             card.will_show(part)
             self.outboxes.touch(card)
@@ -275,12 +328,12 @@ class SlackThreads(BuildDelivery):
         if thread is None:
             known = parse_ref(job.thread_ref)
             if known is not None:
-                thread = JobThread(job, known[0], self.deployer, self._done, ts=known[1])
+                thread = JobThread(job, known[0], self.deployer, self.parts.done, ts=known[1])
                 if job.state.final and carries_outcome(job.thread_ref):
                     # Its parent shows the outcome: an edit must keep showing it.
                     thread.carried = [views.mrkdwn(slack_finished(job, None))]
             elif job.origin:
-                thread = JobThread(job, job.origin, self.deployer, self._done)
+                thread = JobThread(job, job.origin, self.deployer, self.parts.done)
             else:
                 return None  # asked for elsewhere (the shell, the CLI): no Slack thread
             self.threads[job.id] = thread
@@ -293,7 +346,7 @@ class SlackThreads(BuildDelivery):
         channel = self.settings.approvals_channel or job.origin
         if channel is None:
             return
-        card = self.cards[job.id] = ApprovalCard(job, channel, self.deployer, self._done)
+        card = self.cards[job.id] = ApprovalCard(job, channel, self.deployer, self.parts.done)
         self._show_card(card, nid)
 
     def _destroy_card(self, job: Job, state: JobState, note: str, by: str | None, nid: int) -> None:
@@ -304,7 +357,7 @@ class SlackThreads(BuildDelivery):
                 channel = self.settings.approvals_channel or job.origin
                 if channel is None:
                     return
-                card = ApprovalCard(job, channel, self.deployer, self._done, destroy=True)
+                card = ApprovalCard(job, channel, self.deployer, self.parts.done, destroy=True)
                 self.destroy_cards[job.id] = card
                 self._show_card(card, nid)
             return
@@ -312,7 +365,9 @@ class SlackThreads(BuildDelivery):
             known = parse_ref(job.destroy_ref)
             if known is None:
                 return  # no card: the destroy needed no approval
-            card = ApprovalCard(job, known[0], self.deployer, self._done, ts=known[1], destroy=True)
+            card = ApprovalCard(
+                job, known[0], self.deployer, self.parts.done, ts=known[1], destroy=True
+            )
             self.destroy_cards[job.id] = card
         if card.outcome is not None:
             return
@@ -326,7 +381,7 @@ class SlackThreads(BuildDelivery):
             known = parse_ref(job.approval_ref)
             if known is None:
                 return None
-            card = ApprovalCard(job, known[0], self.deployer, self._done, ts=known[1])
+            card = ApprovalCard(job, known[0], self.deployer, self.parts.done, ts=known[1])
             self.cards[job.id] = card
         return card
 
@@ -338,7 +393,7 @@ class SlackThreads(BuildDelivery):
             applied = await self.poll()
             await self.outboxes.idle()
             await self._mark()
-            if not applied and not self._parts and not self._delivered:
+            if not applied and self.parts.settled():
                 return
 
     async def close(self, grace_s: float = 5.0) -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from backends.simvm import DEFAULT_TEMPLATES
+from backends.sim.vm import DEFAULT_TEMPLATES
 from backends.tags import job_marks
 
 SEED = int(os.environ.get("DEPLOYBOT_CRASH_SEED", "20261130"))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from backends.base import CloneSpec
 from backends.sim import SimBackend
-from backends.simstate import SharedState, new_owner
+from backends.sim.state import SharedState, new_owner
 from tests.support.contract import IDENTITY
 
 

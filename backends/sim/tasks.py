@@ -1,46 +1,39 @@
-"""The simulator's hypervisor-side tasks and planned faults (split from backends/sim.py).
+"""How the simulated hypervisor answers a call: whether it is up at all, the fault
+planned for the call (`SimBackend.inject`), and the hypervisor-side task a change runs.
 
 A task takes scaled time and holds the VM's lock until it ends, even when nobody waits
-for it any more; a planned fault (`SimBackend.inject`) makes one call fail, hang or
-crash the way the real systems do (see backends/sim.py's docstring).
+for it any more; a planned fault makes one call fail, hang or crash the way the real
+systems do (see backends/sim/__init__.py's docstring).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import Iterator
 from pathlib import Path
 
 from backends.base import PermanentError, RetryableError, Unreachable, VMNotFound
-from backends.simvm import Effect, Fault, FaultKind, SimulatedCrash, SimVM
+from backends.sim.inventory import Inventory
+from backends.sim.vm import OPERATIONS, Effect, Fault, FaultKind, SimulatedCrash
 
 
-class SimTasks:
-    """Mixed into `SimBackend`: the attributes below are the simulator's."""
+class Tasks:
+    """The simulator's calls and tasks, on the VMs of `inventory`."""
 
-    name: str
-    vms: dict[str, SimVM]
-    down: bool
-    state_file: Path | None
-    faults: list[Fault]
-    task_log: list[tuple[str, str]]
-    time_scale: float
-    _tasks: set[asyncio.Task[None]]
-    _owner: str
+    def __init__(self, name: str, inventory: Inventory, time_scale: float) -> None:
+        self.name = name
+        self.inventory = inventory
+        self.time_scale = time_scale
+        self.faults: list[Fault] = []
+        self.log: list[tuple[str, str]] = []  # (operation, VM id) of each call that acted
+        self.down = False
+        self._running: set[asyncio.Task[None]] = set()
 
-    def _save(self) -> None:
-        raise NotImplementedError  # SimBackend writes its state file
+    def inject(self, op: str, kind: FaultKind, times: int = 1) -> None:
+        if op not in OPERATIONS:
+            raise ValueError(f"unknown operation {op!r}; one of {', '.join(OPERATIONS)}")
+        self.faults.append(Fault(op, kind, times))
 
-    def _pull(self) -> None:
-        raise NotImplementedError  # SimBackend reads its state file
-
-    @contextlib.contextmanager
-    def _transaction(self) -> Iterator[None]:
-        raise NotImplementedError  # SimBackend changes its state file
-        yield
-
-    def _answer(self) -> None:
+    def answer(self) -> None:
         """Every API call starts here: a simulator that is down refuses the connection.
 
         Tests set `down`; a process outside (the crash tests) creates the file
@@ -49,12 +42,13 @@ class SimTasks:
         down_file = self._down_file()
         if self.down or (down_file is not None and down_file.exists()):
             raise Unreachable(f"{self.name}: connection refused (simulated outage)")
-        self._pull()  # what other processes on the state file did
+        self.inventory.pull()  # what other processes on the state file did
 
     def _down_file(self) -> Path | None:
-        return self.state_file.with_suffix(".down") if self.state_file else None
+        state_file = self.inventory.state_file
+        return state_file.with_suffix(".down") if state_file else None
 
-    def _fault(self, op: str, vm_id: str = "") -> FaultKind | None:
+    def fault(self, op: str, vm_id: str = "") -> FaultKind | None:
         """Take the fault planned for this call; a flaky one fails it right here."""
         kind: FaultKind | None = None
         for fault in self.faults:
@@ -72,12 +66,13 @@ class SimTasks:
                 down_file.touch()
             else:
                 self.down = True
-            self._answer()
+            self.answer()
         return kind
 
-    async def _query_fault(self, op: str, vm_id: str = "") -> None:
-        fault = self._fault(op, vm_id)
-        self.task_log.append((op, vm_id))
+    async def query_fault(self, op: str, vm_id: str = "") -> None:
+        """A query has no work to do: its planned fault acts at once."""
+        fault = self.fault(op, vm_id)
+        self.log.append((op, vm_id))
         if fault == "hang":
             await asyncio.Event().wait()  # the answer never comes; the caller's timeout ends this
         if fault == "error":
@@ -87,10 +82,10 @@ class SimTasks:
         if fault == "crash":
             raise SimulatedCrash(f"simulated crash in {op}")
 
-    async def _sleep(self, seconds: float) -> None:
+    async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(seconds * self.time_scale)
 
-    async def _either(self, first: asyncio.Event, second: asyncio.Event, seconds: float) -> None:
+    async def either(self, first: asyncio.Event, second: asyncio.Event, seconds: float) -> None:
         """Until either event is set, or `seconds` (scaled) pass. The guest agent's
         answer changes only when the guest boots or stops, so the simulator waits for
         that rather than waking every poll; the timeout still notices an outage. (Polling
@@ -104,7 +99,7 @@ class SimTasks:
             for wait in waits:
                 wait.cancel()
 
-    async def _run(
+    async def run(
         self, op: str, vm_id: str, seconds: float, effect: Effect, fault: FaultKind | None
     ) -> None:
         """Run one hypervisor-side task and wait for it the way a real client would.
@@ -112,32 +107,38 @@ class SimTasks:
         The task holds the VM's lock until it ends, even when nobody waits for it any
         more: a caller that gave up must not act on the VM until the task is over.
         """
-        self.task_log.append((op, vm_id))
-        with self._transaction():  # the lock taken on the VM as the file has it now
-            vm = self.vms.get(vm_id)
+        self.log.append((op, vm_id))
+        inventory = self.inventory
+        with inventory.transaction():  # the lock taken on the VM as the file has it now
+            vm = inventory.vms.get(vm_id)
             if vm is None:
                 raise VMNotFound(f"VM {vm_id} does not exist", vm_id=vm_id)
-            if vm.lock and vm.lock_owner != self._owner:  # another process's task
+            if vm.lock and vm.lock_owner != inventory.owner:  # another process's task
                 raise RetryableError(f"VM {vm_id} is locked ({vm.lock})", vm_id=vm_id)
             if not vm.lock:
-                vm.lock, vm.lock_owner = op, self._owner
+                vm.lock, vm.lock_owner = op, inventory.owner
 
         async def task() -> None:
             try:
-                await self._sleep(seconds)
+                await self.sleep(seconds)
                 if fault == "error":
                     effect.fail()
                     raise PermanentError(f"{op} failed: simulated error on VM {vm_id}", vm_id=vm_id)
                 effect.apply()
             finally:
                 vm.lock = vm.lock_owner = None
-                self._save()
+                inventory.save()
 
         hv_task = asyncio.create_task(task())
-        self._tasks.add(hv_task)
-        hv_task.add_done_callback(self._tasks.discard)
+        self._running.add(hv_task)
+        hv_task.add_done_callback(self._running.discard)
         if fault == "hang":
             await asyncio.Event().wait()
         await asyncio.shield(hv_task)
         if fault == "crash":
             raise SimulatedCrash(f"simulated crash after {op} on VM {vm_id}")
+
+    def cancel(self) -> None:
+        """Stop the tasks still running (the simulator is closed)."""
+        for task in list(self._running):
+            task.cancel()

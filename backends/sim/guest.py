@@ -1,42 +1,42 @@
 """What the simulator's guests report: their addresses (the guest agent's view and the
-conflict check's) and their SSH port (split from backends/sim.py)."""
+conflict check's) and their SSH port."""
 
 from __future__ import annotations
 
-import asyncio
 import ipaddress
-from typing import TYPE_CHECKING
 
-from backends.base import AddressUse, PermanentError, RetryableError, VMRef
+from backends.base import (
+    AddressUse,
+    PermanentError,
+    RetryableError,
+    VMRef,
+)
+from backends.config import SshJump
 from backends.guestaddr import listable, pick_address
-from backends.simvm import SimTiming, SimVM, fake_fingerprint
+from backends.sim.inventory import Inventory
+from backends.sim.tasks import Tasks
+from backends.sim.vm import SimTiming, SimVM, fake_fingerprint
 from backends.sshcheck import SshCheck
 
 
-class SimGuests:
-    """Mixed into `SimBackend`: the attributes below are the simulator's."""
+class Guests:
+    """The guests of the VMs in `inventory`, answering through `tasks`."""
 
-    vms: dict[str, SimVM]
-    timing: SimTiming
-    _ssh: SshCheck
-
-    if TYPE_CHECKING:  # provided by SimBackend and SimTasks
-
-        def _answer(self) -> None: ...
-        def _vm(self, ref: VMRef, *, change: bool = True) -> SimVM: ...
-        async def _query_fault(self, op: str, vm_id: str = "") -> None: ...
-        async def _sleep(self, seconds: float) -> None: ...
-        async def _either(
-            self, first: asyncio.Event, second: asyncio.Event, seconds: float
-        ) -> None: ...
+    def __init__(
+        self, inventory: Inventory, tasks: Tasks, timing: SimTiming, ssh_jump: SshJump | None
+    ) -> None:
+        self._inventory = inventory
+        self._tasks = tasks
+        self._timing = timing
+        self._ssh = SshCheck(ssh_jump)  # for the guests the check really connects to
 
     async def addresses_in_use(self, ours: str | None = None) -> list[AddressUse]:
         """The identity address of each of deploybot's VMs and the address of each VM
         built by hand, running or not (the simulator has no templates among its VMs)."""
-        self._answer()
-        await self._query_fault("addresses_in_use")
+        self._tasks.answer()
+        await self._tasks.query_fault("addresses_in_use")
         found: dict[tuple[str, ipaddress.IPv4Address], AddressUse] = {}
-        for vm in self.vms.values():
+        for vm in self._inventory.vms.values():
             seen = [(vm.address, "configured")]
             if vm.identity is not None:
                 seen.insert(0, (vm.identity.address.ip, "identity"))
@@ -45,7 +45,7 @@ class SimGuests:
                     found.setdefault((vm.vm_id, ip), AddressUse(ip, vm.vm_id, vm.name, source))
         return list(found.values())
 
-    def _guest_interfaces(self, vm: SimVM) -> list[tuple[str, str]]:
+    def _interfaces(self, vm: SimVM) -> list[tuple[str, str]]:
         interfaces = [("lo", "127.0.0.1"), ("ens18", "fe80::be24:11ff:fe4c:1a2b")]
         if vm.identity is not None:
             interfaces.append(("ens18", str(vm.identity.address.ip)))
@@ -55,26 +55,29 @@ class SimGuests:
     async def wait_for_address(
         self, ref: VMRef, expected: ipaddress.IPv4Address | None
     ) -> ipaddress.IPv4Address:
-        self._answer()
-        vm = self._vm(ref, change=False)
-        await self._query_fault("wait_for_address", vm.vm_id)
+        self._tasks.answer()
+        vm = self._inventory.vm(ref, change=False)
+        await self._tasks.query_fault("wait_for_address", vm.vm_id)
         while True:
-            self._answer()
+            self._tasks.answer()
             if not vm.running:
                 raise PermanentError(f"VM {vm.vm_id} is not running", vm_id=vm.vm_id)
             if vm.booted.is_set():
-                address = pick_address(self._guest_interfaces(vm), expected)
+                address = pick_address(self._interfaces(vm), expected)
                 if address is not None:
                     return address
-            await self._either(vm.booted, vm.stopped, self.timing.poll_s)
+            await self._tasks.either(vm.booted, vm.stopped, self._timing.poll_s)
 
     async def probe_ssh(self, ref: VMRef, address: ipaddress.IPv4Address, port: int) -> str | None:
-        self._answer()
-        vm = self._vm(ref, change=False)
-        await self._query_fault("probe_ssh", vm.vm_id)
+        self._tasks.answer()
+        vm = self._inventory.vm(ref, change=False)
+        await self._tasks.query_fault("probe_ssh", vm.vm_id)
         if address.is_loopback:
             return await self._ssh.probe(address, port)
         if not (vm.running and vm.booted.is_set()):
             raise RetryableError(f"{address}:{port} does not answer yet")
-        await self._sleep(self.timing.sshd_s)
+        await self._tasks.sleep(self._timing.sshd_s)
         return fake_fingerprint(vm.vm_id)
+
+    async def close(self) -> None:
+        await self._ssh.close()

@@ -24,58 +24,57 @@ Queries (``templates``, ``find_by_name``, ``wait_for_address``, ``probe_ssh``,
 work to do, so for them ``hang``, ``error`` and ``crash`` act at once.
 
 With a `state_file`, the VMs outlive the process and are shared by every process on
-the host that names the file, as one Proxmox is shared (backends/simstate.py).
+the host that names the file, as one Proxmox is shared (backends/sim/state.py).
 
 A guest whose address is in 127.0.0.0/8 gets a real TCP probe for SSH (tests start a
 listener there); for any other address the simulator answers the probe itself, so no
 packet ever leaves the machine.
+
+`SimBackend` is the Backend; it holds its parts, each owning its own state: the
+`Inventory` (inventory.py: VMs, templates, the state file), the `Tasks` (tasks.py: the
+outage, planned faults, hypervisor-side tasks and their locks), the `Guests` (guest.py:
+the guest agent's addresses and SSH) and the `TemplateBuilds` (building.py); their data
+(VMs, timings, faults, the `[[backends]]` model) is in vm.py, the state file in state.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ipaddress
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 from backends.base import (
+    AddressUse,
     CloneMode,
     CloneSpec,
     Identity,
     IdTaken,
     Network,
-    NotOurVM,
     PermanentError,
     Placement,
-    RetryableError,
     Storage,
     Template,
     VMInfo,
-    VMNotFound,
     VMRef,
 )
+from backends.building import BuildPlan, BuildTarget, TemplateVersion
 from backends.config import BackendConfig, SshJump
-from backends.simbuild import SimBuilds, _Built
-from backends.simguest import SimGuests
-from backends.simstate import SharedState, Snapshot, new_owner
-from backends.simtasks import SimTasks
-from backends.simvm import (
+from backends.sim.building import TemplateBuilds
+from backends.sim.guest import Guests
+from backends.sim.inventory import Inventory
+from backends.sim.state import new_owner
+from backends.sim.tasks import Tasks
+from backends.sim.vm import (
     DEFAULT_STORAGES,
     DEFAULT_TEMPLATES,
-    OPERATIONS,
     Config,
     Effect,
     Fault,
     FaultKind,
     SimTiming,
     SimVM,
-    gone,
-    update_vm,
-    vm_from_dict,
-    vm_to_dict,
 )
-from backends.sshcheck import SshCheck
 from backends.tags import job_marks
 
 
@@ -93,8 +92,11 @@ def create(config: BackendConfig, environ: Mapping[str, str]) -> SimBackend:
     return sim
 
 
-class SimBackend(SimTasks, SimGuests, SimBuilds):
-    """A simulated hypervisor. Construct it, optionally inject faults, use it as a Backend."""
+class SimBackend:
+    """A simulated hypervisor. Construct it, optionally inject faults, use it as a Backend
+    (and as `BuildsTemplates`)."""
+
+    image_platform: str | None = None  # the simulator builds without an image
 
     def __init__(
         self,
@@ -110,98 +112,54 @@ class SimBackend(SimTasks, SimGuests, SimBuilds):
     ) -> None:
         self.name = name
         self.default_network: str | None = None
-        self._shipped = templates
-        self._templates = templates
-        self._ssh = SshCheck(ssh_jump)  # for the guests the check really connects to
-        self.time_scale = time_scale
         self.timing = timing or SimTiming()
         self.ssh_port = ssh_port
         self._placements = placements
-        self.vms: dict[str, SimVM] = {}
-        self.built: dict[str, _Built] = {}  # templates it built (backends/simbuild.py)
-        self.without_avx2: set[str] = set()
-        self.faults: list[Fault] = []
-        self.task_log: list[tuple[str, str]] = []
-        self._next_id = 101
-        self._tasks: set[asyncio.Task[None]] = set()
-        self.state_file = state_file
-        self.down = False
-        self._owner = new_owner()  # on the task locks it takes (backends/simstate.py)
-        self._shared: SharedState | None = None
-        if state_file is not None and state_file.exists():
-            self._save()  # tasks that were running when the bot died finished meanwhile
-
-    def _new_id(self) -> str:
-        with self._transaction():  # no other process takes the same id
-            vm_id = str(self._next_id)
-            self._next_id += 1
-        return vm_id
-
-    # --- persistence: a hypervisor outlives the bot, and is shared by processes ----
-
-    def _save(self) -> None:
-        """Write the inventory, merged with the other processes' changes, when a state
-        file is configured (backends/simstate.py)."""
-        with self._transaction():
-            pass
-
-    def _pull(self) -> None:
-        """See what the other processes on the state file changed (every call does)."""
-        shared = self._state()
-        if shared is not None:
-            self._sync(shared, unless_unchanged=True)
-
-    @contextlib.contextmanager
-    def _transaction(self) -> Iterator[None]:
-        """A change: under the state file's lock, read and merge it, change, write it.
-        The lock is held for synchronous file I/O on the event loop: about 1 ms with 10
-        VMs, 10 ms with 200 (a simulator can afford it)."""
-        shared = self._state()
-        if shared is None:
-            yield
-            return
-        with shared.locked():
-            self._sync(shared)
-            yield
-            shared.write(self._snapshot())
-
-    def _state(self) -> SharedState | None:
-        if self.state_file is None:
-            return None
-        if self._shared is None or self._shared.path != self.state_file:
-            self._shared = SharedState(self.state_file, self._owner)
-        return self._shared
-
-    def _snapshot(self) -> Snapshot:
-        vms = {vm.vm_id: vm_to_dict(vm) for vm in self.vms.values()}
-        return Snapshot(self._next_id, vms, {str(r["vm_id"]): r for r in self.built_rows()})
-
-    def _sync(self, shared: SharedState, *, unless_unchanged: bool = False) -> None:
-        """Memory becomes the merge of ours and the file; VM objects change in place,
-        since tasks and waiters hold them."""
-        synced = shared.sync(self._snapshot, unless_unchanged=unless_unchanged)
-        if synced is None:
-            return
-        ours, merged = synced
-        self._next_id = merged.next_id
-        for vm_id in [v for v in self.vms if v not in merged.vms]:
-            gone(self.vms.pop(vm_id))
-        for vm_id, row in merged.vms.items():
-            if vm_id not in self.vms:
-                vm = self.vms[vm_id] = vm_from_dict(row)
-                if vm.running:
-                    vm.booted.set()
-            elif row != ours.vms[vm_id]:
-                update_vm(self.vms[vm_id], row)
-        if merged.built != ours.built:
-            self.restore_built(list(merged.built.values()))
+        self.inventory = Inventory(templates, state_file, new_owner())
+        self.tasks = Tasks(name, self.inventory, time_scale)
+        self.guests = Guests(self.inventory, self.tasks, self.timing, ssh_jump)
+        self.builds = TemplateBuilds(name, placements, self.inventory, self.tasks)
 
     # --- test and demo controls ---------------------------------------------------
 
+    @property
+    def vms(self) -> dict[str, SimVM]:
+        return self.inventory.vms
+
+    @property
+    def state_file(self) -> Path | None:
+        return self.inventory.state_file
+
+    @state_file.setter
+    def state_file(self, path: Path | None) -> None:
+        self.inventory.state_file = path
+
+    @property
+    def faults(self) -> list[Fault]:
+        return self.tasks.faults
+
+    @property
+    def task_log(self) -> list[tuple[str, str]]:
+        return self.tasks.log
+
+    @property
+    def down(self) -> bool:
+        return self.tasks.down
+
+    @down.setter
+    def down(self, down: bool) -> None:
+        self.tasks.down = down
+
+    @property
+    def without_avx2(self) -> set[str]:
+        return self.builds.without_avx2
+
+    @without_avx2.setter
+    def without_avx2(self, nodes: set[str]) -> None:
+        self.builds.without_avx2 = nodes
+
     def inject(self, op: str, kind: FaultKind, times: int = 1) -> None:
-        if op not in OPERATIONS:
-            raise ValueError(f"unknown operation {op!r}; one of {', '.join(OPERATIONS)}")
-        self.faults.append(Fault(op, kind, times))
+        self.tasks.inject(op, kind, times)
 
     def add_vm(
         self,
@@ -213,60 +171,47 @@ class SimBackend(SimTasks, SimGuests, SimBuilds):
     ) -> str:
         """Put a VM on the simulator that deploybot did not create (or an orphan), with
         the `address` its owner gave it, if any."""
-        vm_id = self._new_id()
-        with self._transaction():
-            self.vms[vm_id] = SimVM(
+        inventory = self.inventory
+        vm_id = inventory.new_id()
+        with inventory.transaction():
+            inventory.vms[vm_id] = SimVM(
                 vm_id, name, "ubuntu-24.04", self._placements[0], "local-lvm", 4,
                 tags or set(), running,
             )  # fmt: skip
-            self.vms[vm_id].address = address
+            inventory.vms[vm_id].address = address
             if running:
-                self.vms[vm_id].booted.set()
+                inventory.vms[vm_id].booted.set()
         return vm_id
-
-    def _vm(self, ref: VMRef, *, change: bool = True) -> SimVM:
-        """The VM behind a ref, if it carries the ref's job tag; a change also needs it
-        unlocked (every task holds the VM's lock while it runs, as on Proxmox)."""
-        vm = self.vms.get(ref.vm_id)
-        if vm is None:
-            raise VMNotFound(f"VM {ref.vm_id} does not exist", vm_id=ref.vm_id)
-        if ref.tag not in vm.tags:
-            raise NotOurVM(
-                f"VM {ref.vm_id} ({vm.name}) does not carry tag {ref.tag}", vm_id=vm.vm_id
-            )
-        if change and vm.lock:
-            raise RetryableError(f"VM {vm.vm_id} is locked ({vm.lock})", vm_id=vm.vm_id)
-        return vm
 
     # --- discovery ----------------------------------------------------------------
 
     async def templates(self) -> list[Template]:
-        self._answer()
-        await self._query_fault("templates")
-        return list(self._templates)
+        self.tasks.answer()
+        await self.tasks.query_fault("templates")
+        return list(self.inventory.templates)
 
     async def storages(self, placement: str | None = None) -> list[Storage]:
-        self._answer()
+        self.tasks.answer()
         return [Storage(n, placement, t, f, linked) for n, t, f, linked in DEFAULT_STORAGES]
 
     async def networks(self, placement: str | None = None) -> list[Network]:
-        self._answer()
+        self.tasks.answer()
         return [Network("vmbr0", placement), Network("vmbr1", placement)]
 
     async def placements(self) -> list[Placement]:
-        self._answer()
+        self.tasks.answer()
         return [Placement(p) for p in self._placements]
 
-    async def _template(self, name: str) -> Template:
-        for template in self._templates:
-            if template.name == name:
-                return template
-        known = ", ".join(t.name for t in self._templates)
-        raise PermanentError(f"template {name!r} does not exist on {self.name} (have: {known})")
+    def _template(self, name: str) -> Template:
+        template = self.inventory.template_named(name)
+        if template is None:
+            known = ", ".join(t.name for t in self.inventory.templates)
+            raise PermanentError(f"template {name!r} does not exist on {self.name} (have: {known})")
+        return template
 
     async def clone_mode(self, spec: CloneSpec) -> CloneMode:
-        self._answer()
-        template = await self._template(spec.template)
+        self.tasks.answer()
+        template = self._template(spec.template)
         target = spec.storage or template.storage
         if target != template.storage:
             return CloneMode(False, f"{target} is not the template's storage: full copy")
@@ -276,39 +221,39 @@ class SimBackend(SimTasks, SimGuests, SimBuilds):
         return CloneMode(False, f"{target} cannot hold linked clones: full copy")
 
     async def find_vm(self, ref: VMRef) -> VMInfo | None:
-        self._answer()
+        self.tasks.answer()
         vm = self.vms.get(ref.vm_id)
         return vm.info() if vm else None
 
     async def find_by_name(self, name: str) -> list[VMInfo]:
-        self._answer()
-        await self._query_fault("find_by_name")
+        self.tasks.answer()
+        await self.tasks.query_fault("find_by_name")
         return [vm.info() for vm in self.vms.values() if vm.name == name]
 
     async def find_tagged(self) -> list[VMInfo]:
-        self._answer()
+        self.tasks.answer()
         return [vm.info() for vm in self.vms.values() if job_marks(vm.tags)]
 
     # --- the deploy moves ---------------------------------------------------------
 
     async def prepare_clone(self, spec: CloneSpec) -> VMRef:
-        self._answer()
-        await self._template(spec.template)
+        self.tasks.answer()
+        self._template(spec.template)
         placement = spec.placement or self._placements[0]
         if placement not in self._placements:
             raise PermanentError(
                 f"{placement!r} is not a node of {self.name} (have: {', '.join(self._placements)})"
             )
-        return VMRef(self._new_id(), spec.job_id, placement, spec.installation)
+        return VMRef(self.inventory.new_id(), spec.job_id, placement, spec.installation)
 
     async def clone(self, spec: CloneSpec, ref: VMRef) -> str | None:
-        self._answer()
-        template = await self._template(spec.template)
+        self.tasks.answer()
+        template = self._template(spec.template)
         if ref.vm_id in self.vms:
             # Another client took the id between prepare_clone and clone.
             raise IdTaken(f"unable to create VM {ref.vm_id}: config file already exists")
         mode = await self.clone_mode(spec)
-        fault = self._fault("clone", ref.vm_id)
+        fault = self.tasks.fault("clone", ref.vm_id)
         vm = SimVM(
             ref.vm_id,
             spec.name,
@@ -318,35 +263,35 @@ class SimBackend(SimTasks, SimGuests, SimBuilds):
             template.disk_gib,
             {spec.tag},
             lock="clone",
-            lock_owner=self._owner,
+            lock_owner=self.inventory.owner,
         )
-        with self._transaction():  # and again where it is taken, under the file's lock
+        with self.inventory.transaction():  # and again where it is taken, under the file's lock
             if ref.vm_id in self.vms:
                 raise IdTaken(f"unable to create VM {ref.vm_id}: config file already exists")
             self.vms[vm.vm_id] = vm
             if mode.linked:
-                self.note_linked(template.name, vm.vm_id)
+                self.inventory.note_linked(template.name, vm.vm_id)
         seconds = self.timing.clone_linked_s if mode.linked else self.timing.clone_full_s
-        await self._run("clone", vm.vm_id, seconds, Effect(vm, self.vms, remove=True), fault)
+        await self.tasks.run("clone", vm.vm_id, seconds, Effect(vm, self.vms, remove=True), fault)
         return None
 
     async def apply_identity(self, ref: VMRef, identity: Identity) -> str | None:
-        self._answer()
-        vm = self._vm(ref)
+        self.tasks.answer()
+        vm = self.inventory.vm(ref)
 
         def set_identity() -> None:
             vm.identity = identity
 
-        fault = self._fault("apply_identity", vm.vm_id)
+        fault = self.tasks.fault("apply_identity", vm.vm_id)
         effect = Effect(vm, self.vms, set_identity)
-        await self._run("apply_identity", vm.vm_id, self.timing.config_s, effect, fault)
+        await self.tasks.run("apply_identity", vm.vm_id, self.timing.config_s, effect, fault)
         return None
 
     async def grow_disk(self, ref: VMRef, grow_gib: int) -> str | None:
-        self._answer()
+        self.tasks.answer()
         if grow_gib < 0:
             raise PermanentError("shrinking disks is not supported")
-        vm = self._vm(ref)
+        vm = self.inventory.vm(ref)
         target = vm.grow_target_gib or vm.disk_gib + grow_gib
         if vm.disk_gib >= target:
             return None  # grown already, by an attempt whose answer was lost
@@ -355,15 +300,14 @@ class SimBackend(SimTasks, SimGuests, SimBuilds):
         def grow() -> None:
             vm.disk_gib = target
 
-        fault = self._fault("grow_disk", vm.vm_id)
-        await self._run(
-            "grow_disk", vm.vm_id, self.timing.resize_s, Effect(vm, self.vms, grow), fault
-        )
+        fault = self.tasks.fault("grow_disk", vm.vm_id)
+        effect = Effect(vm, self.vms, grow)
+        await self.tasks.run("grow_disk", vm.vm_id, self.timing.resize_s, effect, fault)
         return None
 
     async def power_on(self, ref: VMRef) -> str | None:
-        self._answer()
-        vm = self._vm(ref)
+        self.tasks.answer()
+        vm = self.inventory.vm(ref)
         if vm.running:
             raise PermanentError(f"VM {vm.vm_id} already running", vm_id=vm.vm_id)
 
@@ -373,22 +317,21 @@ class SimBackend(SimTasks, SimGuests, SimBuilds):
             vm.stopped.clear()
             vm.boot_task = asyncio.create_task(self._boot(vm))
 
-        fault = self._fault("power_on", vm.vm_id)
-        await self._run(
-            "power_on", vm.vm_id, self.timing.start_s, Effect(vm, self.vms, start), fault
-        )
+        fault = self.tasks.fault("power_on", vm.vm_id)
+        effect = Effect(vm, self.vms, start)
+        await self.tasks.run("power_on", vm.vm_id, self.timing.start_s, effect, fault)
         return None
 
     async def _boot(self, vm: SimVM) -> None:
-        await self._sleep(self.timing.boot_s)
+        await self.tasks.sleep(self.timing.boot_s)
         vm.booted.set()
 
     async def power_off(self, ref: VMRef) -> None:
-        self._answer()
+        self.tasks.answer()
         vm = self.vms.get(ref.vm_id)
         if vm is None:
             return
-        vm = self._vm(ref)
+        vm = self.inventory.vm(ref)
         if not vm.running:
             return
 
@@ -399,31 +342,63 @@ class SimBackend(SimTasks, SimGuests, SimBuilds):
             if vm.boot_task:
                 vm.boot_task.cancel()
 
-        fault = self._fault("power_off", vm.vm_id)
-        await self._run(
-            "power_off", vm.vm_id, self.timing.stop_s, Effect(vm, self.vms, stop), fault
-        )
+        fault = self.tasks.fault("power_off", vm.vm_id)
+        effect = Effect(vm, self.vms, stop)
+        await self.tasks.run("power_off", vm.vm_id, self.timing.stop_s, effect, fault)
 
     async def destroy(self, ref: VMRef) -> None:
-        self._answer()
+        self.tasks.answer()
         if ref.vm_id not in self.vms:
             return
-        vm = self._vm(ref)
+        vm = self.inventory.vm(ref)
         if vm.running:
             raise PermanentError(f"VM {vm.vm_id} is running - destroy failed", vm_id=vm.vm_id)
 
         def remove() -> None:
             self.vms.pop(vm.vm_id, None)
 
-        fault = self._fault("destroy", vm.vm_id)
-        await self._run(
-            "destroy", vm.vm_id, self.timing.destroy_s, Effect(vm, self.vms, remove), fault
-        )
+        fault = self.tasks.fault("destroy", vm.vm_id)
+        effect = Effect(vm, self.vms, remove)
+        await self.tasks.run("destroy", vm.vm_id, self.timing.destroy_s, effect, fault)
+
+    # --- the guests (guest.py) ----------------------------------------------------
+
+    async def addresses_in_use(self, ours: str | None = None) -> list[AddressUse]:
+        return await self.guests.addresses_in_use(ours)
+
+    async def wait_for_address(
+        self, ref: VMRef, expected: ipaddress.IPv4Address | None
+    ) -> ipaddress.IPv4Address:
+        return await self.guests.wait_for_address(ref, expected)
+
+    async def probe_ssh(self, ref: VMRef, address: ipaddress.IPv4Address, port: int) -> str | None:
+        return await self.guests.probe_ssh(ref, address, port)
+
+    # --- template builds (building.py) --------------------------------------------
+
+    async def build_preflight(self, plan: BuildPlan) -> BuildTarget:
+        return await self.builds.build_preflight(plan)
+
+    async def prepare_build(self, plan: BuildPlan, target: BuildTarget) -> VMRef:
+        return await self.builds.prepare_build(plan, target)
+
+    async def create_template(
+        self, plan: BuildPlan, target: BuildTarget, ref: VMRef, image: Path | None
+    ) -> str | None:
+        return await self.builds.create_template(plan, target, ref, image)
+
+    async def publish_template(self, plan: BuildPlan, ref: VMRef) -> str | None:
+        return await self.builds.publish_template(plan, ref)
+
+    async def template_versions(self, name: str | None = None) -> list[TemplateVersion]:
+        return await self.builds.template_versions(name)
+
+    async def destroy_template(self, ref: VMRef) -> None:
+        await self.builds.destroy_template(ref)
 
     async def close(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
+        self.tasks.cancel()
         for vm in self.vms.values():
             if vm.boot_task:
                 vm.boot_task.cancel()
-        await self._ssh.close()
+        await self.guests.close()

@@ -1,7 +1,7 @@
 """The simulator's data: its VMs, timings and faults, and how its state file keeps them.
 
-Split from backends/sim.py (the simulator's behaviour); its `[[backends]]` model
-(`Config`) lives here too.
+The simulator's behaviour is in the package's other modules (backends/sim/__init__.py
+exports what tests use); its `[[backends]]` model (`Config`) lives here too.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ class SimVM:
     # The size a growth aims at, kept with the VM as vSphere keeps it in extraConfig:
     # asked again (a retry, a resumed job), the growth finds it reached.
     grow_target_gib: int | None = None
-    # Who runs the task holding `lock` (backends/simstate.py): a lock whose owner is
+    # Who runs the task holding `lock` (backends/sim/state.py): a lock whose owner is
     # gone is a task that finished meanwhile.
     lock_owner: str | None = None
 
