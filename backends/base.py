@@ -55,19 +55,9 @@ from backends.tags import JobMark as JobMark
 from backends.tags import job_marks as job_marks
 from backends.tags import job_tag as job_tag
 from backends.tags import parse_tag as parse_tag
+from bot.models.errors import BackendError
 
 # --- errors -------------------------------------------------------------------------
-
-
-class BackendError(Exception):
-    """A hypervisor operation failed. `retryable` says whether trying again may help."""
-
-    retryable: bool = False
-
-    def __init__(self, message: str, *, vm_id: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.vm_id = vm_id
 
 
 class RetryableError(BackendError):

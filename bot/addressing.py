@@ -22,10 +22,11 @@ from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta
 
 from backends.abilities import NamesWithAddresses
-from backends.base import AddressUse, Backend, BackendError, VMInfo
+from backends.base import AddressUse, Backend, VMInfo
 from backends.ipam.base import AddressTaken, Ipam, NotOurs, Pool, Reservation, ReservedFor
 from bot import probe
 from bot.models import HOLDING_STATES, DeployRequest, IpamState, Job, utcnow
+from bot.models.errors import BackendError
 from bot.settings import Settings
 from store.db import Store
 

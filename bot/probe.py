@@ -16,8 +16,9 @@ import logging
 
 import asyncssh
 
-from backends.base import BackendError, SshJump
+from backends.base import SshJump
 from backends.sshcheck import jump_connection
+from bot.models.errors import BackendError
 
 log = logging.getLogger(__name__)
 

@@ -9,13 +9,14 @@ import os
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 
-from backends.base import Backend, BackendConfig, BackendError, BackendFactory
+from backends.base import Backend, BackendConfig, BackendFactory
 from backends.ipam import open_ipam
 from bot.app import compose
 from bot.builds import BuildNotes
 from bot.durations import teach
 from bot.errors import ConfigError, StoreUnavailable
 from bot.models import utcnow
+from bot.models.errors import BackendError
 from bot.ownership import Clock
 from bot.progress import Progress
 from bot.service import Deployer

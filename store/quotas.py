@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from bot.models import HOLDING_STATES, DeployRequest
+from bot.models.errors import StoreError
 from store.sql import Db
 
 _MARKS = ", ".join(f"'{s.value}'" for s in sorted(HOLDING_STATES))
@@ -50,7 +51,7 @@ class Cap:
     group: bool = False
 
 
-class OverQuota(Exception):
+class OverQuota(StoreError):
     """The new job does not fit `cap`: its members already hold `used`."""
 
     def __init__(self, cap: Cap, used: Usage) -> None:

@@ -14,8 +14,8 @@ import pytest
 from backends.base import job_tag
 from backends.sim import SimBackend
 from bot import gc
-from bot.errors import DeployBotError
 from bot.models import Job, JobState
+from bot.models.errors import UserError
 from bot.parser import DeployArgs, parse
 from bot.requests import build_request
 from bot.settings import Settings
@@ -114,10 +114,10 @@ async def test_dry_run_counts_per_category_and_changes_nothing(tmp_path: Path) -
 async def test_apply_needs_a_recent_dry_run_of_the_same_scope(tmp_path: Path) -> None:
     settings, store, sim, vms = await seeded(tmp_path)
     try:
-        with pytest.raises(DeployBotError, match="No dry run of this scope"):
+        with pytest.raises(UserError, match="No dry run of this scope"):
             await gc.apply(store, {"sim": sim}, ["sim"], settings.timeouts, window_s=600)
         await gc.dry_run(store, {"sim": sim}, ["sim"])
-        with pytest.raises(DeployBotError, match="No dry run"):
+        with pytest.raises(UserError, match="No dry run"):
             await gc.apply(store, {"sim": sim}, ["sim"], settings.timeouts, window_s=0)
         report = await gc.apply(store, {"sim": sim}, ["sim"], settings.timeouts, window_s=600)
     finally:

@@ -16,7 +16,7 @@ from bot.requests import build_request
 from bot.settings import Settings
 from store.db import AlreadyDelivered, DuplicateActive, Store
 from store.migrations import SCHEMA_VERSION
-from store.sql import Conflict, Db, SqliteDb
+from store.sql import ConstraintViolation, Db, SqliteDb
 from tests.postgres_support import PASSWORD_ENV
 
 
@@ -306,7 +306,7 @@ async def test_an_event_that_cannot_be_written_fails_alone(
         return_exceptions=True,
     )
     assert results[0] is True and results[2] is True
-    assert isinstance(results[1], Conflict)
+    assert isinstance(results[1], ConstraintViolation)
     assert [e.phase for e in await store.events(job.id)] == ["started", "finished"]
     assert await store.events("nosuchjob") == []
 

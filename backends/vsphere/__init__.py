@@ -63,6 +63,7 @@ from backends.vsphere.session import (
     fault_text,
 )
 from backends.vsphere.vms import POWERED_ON, tags, vm_info
+from bot.models.errors import InternalSignal
 
 __all__ = ["Config", "VSphereBackend", "create"]
 
@@ -94,7 +95,7 @@ def create(config: BackendConfig, environ: Mapping[str, str]) -> VSphereBackend:
 ADDRESS_PATHS = ["runtime.powerState", "guest.ipAddress", "guest.net"]
 
 
-class _Moved(Exception):
+class _Moved(InternalSignal):
     """The object remembered for an instance UUID now has another one (or none)."""
 
 

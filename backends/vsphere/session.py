@@ -38,8 +38,9 @@ from pyVmomi import vim, vmodl
 from pyVmomi.SoapAdapter import SoapStubAdapter
 
 from backends.advice import tls_advice, unresolved
-from backends.base import BackendError, PermanentError, RetryableError, Unreachable
+from backends.base import PermanentError, RetryableError, Unreachable
 from backends.vsphere.conn import QUIET, Conn, Props, Row, Stub
+from bot.models.errors import BackendError, InternalSignal
 
 __all__ = ["Conn", "Props", "Row", "Stub"]  # where the rest of the backend imports them
 
@@ -83,7 +84,7 @@ class Endpoint:
         return f"{self.host}:{self.port}"
 
 
-class Abandoned(Exception):
+class OpAbandoned(InternalSignal):
     """The caller gave up on this operation; its thread stops at the next chance."""
 
 
@@ -105,7 +106,7 @@ class Op:
 
     def check(self) -> None:
         if self._cancelled_at is not None:
-            raise Abandoned()
+            raise OpAbandoned()
 
     def cancel(self) -> None:
         with self._lock:
@@ -215,7 +216,7 @@ class Op:
         if cancelled_at is None:
             return
         if self._task is None or time.monotonic() - cancelled_at > self.grace_s:
-            raise Abandoned()
+            raise OpAbandoned()
 
 
 def _changes(filter_update: Any, obj: Any) -> list[Any]:

@@ -9,6 +9,7 @@ from typing import Protocol
 
 from bot.models import Job
 from bot.models.builds import Build
+from bot.models.errors import JobError
 from bot.models.notices import Notice, NoticeKind
 
 log = logging.getLogger("bot.builds.runner")
@@ -38,7 +39,7 @@ class SmokeDeploys(Protocol):
     record a deploy, run it here, destroy its VM."""
 
     async def check(self, build: Build, template: str) -> None:
-        """Raise the `DeployBotError` the smoke deploy's request would meet, as far as it
+        """Raise the `UserError` the smoke deploy's request would meet, as far as it
         can be known before its template exists (its subnet, sizes, login)."""
         ...
 
@@ -49,7 +50,7 @@ class SmokeDeploys(Protocol):
     async def destroy(self, job: Job, build: Build) -> Job | None: ...
 
 
-class BuildFailed(Exception):
+class BuildFailed(JobError):
     def __init__(self, step: str, reason: str) -> None:
         super().__init__(f"{step}: {reason}")
         self.step = step

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from backends.base import BackendError, VMRef
+from backends.base import VMRef
 from backends.building import BuildPlan, BuildsTemplates, BuildTarget
 from bot.builds.parts import (
     BuildFailed,
@@ -32,13 +32,13 @@ from bot.builds.parts import (
     SmokeDeploys,
     build_notice,
 )
-from bot.errors import DeployBotError
 from bot.images import PreparedImage, prepare_image
 from bot.images.customize import CustomizeError
 from bot.images.fetch import FetchError
 from bot.images.profiles import Platform, Profile, ProfileError
 from bot.models import JobState, utcnow
 from bot.models.builds import Build, BuildState
+from bot.models.errors import BackendError, UserError
 from bot.models.notices import BUILD_FINISHED, BUILD_NOTE, BUILD_STARTED
 from bot.runs import describe
 from bot.settings import Settings
@@ -174,7 +174,7 @@ class BuildRunner:
             raise BuildFailed(step, exc.message) from None
         except (FetchError, CustomizeError) as exc:
             raise BuildFailed(step, str(exc)) from None
-        except DeployBotError as exc:  # the smoke deploy's request refused (bot/intake.py)
+        except UserError as exc:  # the smoke deploy's request refused (bot/intake.py)
             raise BuildFailed(step, exc.message) from None
         except (BuildFailed, asyncio.CancelledError):
             raise

@@ -17,9 +17,9 @@ import logging
 from collections.abc import Coroutine, Iterator
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from bot.errors import DeployBotError
 from bot.models import Job
 from bot.models.builds import Build
+from bot.models.errors import UserError
 
 if TYPE_CHECKING:
     from bot.ownership import Ended
@@ -56,7 +56,7 @@ class Kind(Protocol):
       `dedupe_key` makes a redelivered click raise `Duplicate`.
     * `cancel(ref, user)`: cancel it (a running one rolls back).
 
-    Refusals are `DeployBotError`s whose message says what to do.
+    Refusals are `UserError`s whose message says what to do.
     """
 
     name: str
@@ -83,7 +83,7 @@ class Kind(Protocol):
     async def cancel(self, ref: str, user: str) -> Record: ...
 
 
-class UnknownKind(DeployBotError):
+class UnknownKind(UserError):
     """A job row names a kind this deploybot does not have (written by a newer one)."""
 
 

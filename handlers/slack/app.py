@@ -30,7 +30,8 @@ from slack_sdk.http_retry.builtin_async_handlers import AsyncRateLimitErrorRetry
 from slack_sdk.web.async_client import AsyncWebClient
 
 from bot import inbox, logfields
-from bot.errors import DeployBotError, UsageError
+from bot.errors import UsageError
+from bot.models.errors import UserError
 from bot.parser import DeployArgs, ListVMs, ShowSettings, parse
 from bot.service import Deployer
 from handlers import messages
@@ -210,7 +211,7 @@ class SlackBot:
         lines: Sequence[str | messages.Said]
         try:
             lines = await work
-        except DeployBotError as exc:
+        except UserError as exc:
             lines = views.refusal(exc)
         except Exception:
             log.exception("a command by %s failed", user)
@@ -244,7 +245,7 @@ class SlackBot:
         try:
             command = parse(text)
             spec = COMMANDS.of(command)
-        except DeployBotError as exc:  # the grammar's, or a command nobody registered
+        except UserError as exc:  # the grammar's, or a command nobody registered
             problem: str | None = exc.message
         else:
             problem = spec.check(command) if spec.check else None

@@ -16,7 +16,7 @@ from typing import Any
 from slack_bolt.context.ack.async_ack import AsyncAck
 from slack_sdk.errors import SlackApiError
 
-from bot.errors import DeployBotError
+from bot.models.errors import UserError
 from bot.models.notices import Received
 from bot.parser import DeployArgs
 from handlers import messages
@@ -81,7 +81,7 @@ async def _quota_left(bot: Host, user: str) -> str | None:
     request is checked anyway when it is submitted)."""
     try:
         return messages.quota_left(await bot.deployer.quota_standing(user))
-    except DeployBotError as exc:
+    except UserError as exc:
         log.warning("no quota line in %s's form: %s", user, exc.message)
         return None
 
