@@ -52,6 +52,9 @@ def identity_of(req: DeployRequest) -> Identity:
 
 
 class StepFailed(JobError):
+    """A step of a deploy's or a build's run failed: the run rolls back and records
+    `step` and `reason` (the job's or the build's error)."""
+
     def __init__(self, step: str, reason: str) -> None:
         super().__init__(f"{step}: {reason}")
         self.step = step
