@@ -58,7 +58,7 @@ class DuplicateActive(StoreError):
         self.what = what
 
 
-class _IdTaken(InternalSignal):
+class _JobIdTaken(InternalSignal):
     """The new job's random id is a stored job's; the transaction wrote nothing."""
 
 
@@ -81,7 +81,7 @@ def insert_job(
     for _attempt in range(_ID_ATTEMPTS):
         try:
             _insert_job(db, job, approval, dedupe_key, announce, caps)
-        except _IdTaken:
+        except _JobIdTaken:
             job = job.model_copy(update={"id": new_job_id()})
             if approval is not None:
                 approval = approval.model_copy(update={"job_id": job.id})
@@ -107,7 +107,7 @@ def _insert_job(
         except ConstraintViolation as exc:
             text = exc.what
             if "jobs.id" in text:
-                raise _IdTaken from None
+                raise _JobIdTaken from None
             if "jobs.address" in text:
                 raise DuplicateActive("address") from None
             if "jobs.backend" in text or "jobs.name" in text:
