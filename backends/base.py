@@ -43,19 +43,9 @@ from typing import Protocol, runtime_checkable
 
 from backends.config import BackendConfig
 from backends.tags import job_tag
+from bot.models.errors import BackendError
 
 # --- errors -------------------------------------------------------------------------
-
-
-class BackendError(Exception):
-    """A hypervisor operation failed. `retryable` says whether trying again may help."""
-
-    retryable: bool = False
-
-    def __init__(self, message: str, *, vm_id: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.vm_id = vm_id
 
 
 class RetryableError(BackendError):

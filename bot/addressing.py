@@ -23,10 +23,11 @@ from datetime import datetime, timedelta
 from ipaddress import IPv4Address
 
 from backends.abilities import NamesWithAddresses
-from backends.base import AddressUse, Backend, BackendError, VMInfo
+from backends.base import AddressUse, Backend, VMInfo
 from backends.ipam.base import AddressTaken, Ipam, NotOurs, Pool, Reservation, ReservedFor
 from bot import probe
 from bot.models import HOLDING_STATES, DeployRequest, IpamState, Job, utcnow
+from bot.models.errors import BackendError
 from bot.settings import Settings
 from store.db import Store
 

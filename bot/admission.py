@@ -12,10 +12,11 @@ import asyncio
 from collections.abc import Awaitable, Mapping
 
 from backends.abilities import NamedTemplates
-from backends.base import Backend, BackendError, Network, Storage, Template
+from backends.base import Backend, Network, Storage, Template
 from bot.addressing import Known, named
 from bot.errors import Conflict, RequestInvalid
 from bot.models import DeployRequest
+from bot.models.errors import BackendError
 
 
 async def check_on_backend(backends: Mapping[str, Backend], request: DeployRequest) -> Template:

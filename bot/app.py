@@ -9,7 +9,7 @@ import os
 from collections.abc import Iterable, Mapping
 from functools import partial
 
-from backends.base import Backend, BackendError
+from backends.base import Backend
 from backends.ipam import open_ipam
 from backends.ipam.base import Ipam
 from bot import jobrefs, logfields
@@ -30,6 +30,7 @@ from bot.kinds.deploy import DeployKind
 from bot.leases import Leases
 from bot.metrics import Metrics
 from bot.models import Job, utcnow
+from bot.models.errors import BackendError
 from bot.ownership import Clock, Ended, Ownership, Runner
 from bot.personal import Personal
 from bot.pipeline import Pipeline

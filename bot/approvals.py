@@ -12,8 +12,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime
 
 from bot import progress as tell
-from bot.errors import DeployBotError, Duplicate, NotAllowed, TransitionRefused
+from bot.errors import Duplicate, NotAllowed, TransitionRefused
 from bot.models import ApprovalState, DeployRequest, Job, JobState, utcnow
+from bot.models.errors import UserError
 from bot.progress import Progress
 from bot.sections import ApprovalPolicy
 from bot.settings import Settings
@@ -195,7 +196,7 @@ class Approvals:
             ):
                 try:
                     job = await self._job(job_id)
-                except DeployBotError:  # its record is damaged (now quarantined): skip it
+                except UserError:  # its record is damaged (now quarantined): skip it
                     continue
                 await self.progress.job_updated(job)
                 expired.append(job)

@@ -8,8 +8,9 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 
-from bot.errors import DeployBotError, Duplicate
+from bot.errors import Duplicate
 from bot.models import AuditEvent
+from bot.models.errors import UserError
 from store.db import Store
 
 log = logging.getLogger("bot.service")
@@ -27,7 +28,7 @@ class Audit:
         except Duplicate as dup:
             await self.record(actor, action, dup.message, outcome="duplicate")
             raise
-        except DeployBotError as exc:
+        except UserError as exc:
             await self.record(actor, action, exc.message)
             raise
 

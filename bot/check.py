@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 from backends import advice
 from backends.abilities import ChecksPrivileges
-from backends.base import Backend, BackendError
+from backends.base import Backend
 from backends.ipam import open_ipam
 from bot.admission import find_template
-from bot.errors import DeployBotError
+from bot.models.errors import BackendError, UserError
 from bot.runtime import make_backend
 from bot.settings import Settings
 
@@ -37,7 +37,7 @@ async def run_checks(settings: Settings) -> list[CheckResult]:
     for config in settings.backends:
         try:
             backend = make_backend(config)
-        except DeployBotError as exc:  # a missing secret, an unreadable CA bundle
+        except UserError as exc:  # a missing secret, an unreadable CA bundle
             results.append(CheckResult(f"{config.name}: set-up", False, exc.message))
             continue
         try:

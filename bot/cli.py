@@ -18,9 +18,9 @@ from collections.abc import Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from bot.errors import DeployBotError
 from bot.leaseterms import parse_length
 from bot.logfields import JsonFormatter, WithoutBodies
+from bot.models.errors import UserError
 from bot.settings import Settings, load_settings
 
 Command = Callable[[argparse.Namespace, Settings], Coroutine[Any, Any, int]]
@@ -198,7 +198,7 @@ def run(argv: Sequence[str] | None, commands: Mapping[str, Command]) -> int:
     args = parse(argv)
     try:
         settings = load_settings(args.config)
-    except DeployBotError as exc:
+    except UserError as exc:
         print(exc.message, file=sys.stderr)
         return 2
     if args.command != "demo":
@@ -217,7 +217,7 @@ def run(argv: Sequence[str] | None, commands: Mapping[str, Command]) -> int:
             return 2
     try:
         return asyncio.run(commands[args.command](args, settings))
-    except DeployBotError as exc:
+    except UserError as exc:
         print(exc.message, file=sys.stderr)
         return 2
     except KeyboardInterrupt:

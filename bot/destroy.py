@@ -26,7 +26,7 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping
 from datetime import datetime, timedelta
 
-from backends.base import Backend, BackendError, NotOurVM
+from backends.base import Backend, NotOurVM
 from bot import jobrefs
 from bot import progress as tell
 from bot.addressing import Addressing
@@ -34,6 +34,7 @@ from bot.approvals import Approvals
 from bot.destroyable import check_destroyable, failed, not_ours, unreachable_backend
 from bot.errors import Duplicate, JobNotFound, NotAllowed, RequestInvalid, TransitionRefused
 from bot.models import HOLDING_STATES, AuditEvent, Job, JobEvent, JobState
+from bot.models.errors import BackendError
 from bot.models.ids import JOB_REF_RE
 from bot.models.notices import Notice
 from bot.ownership import Clock, Lost, Ownership
@@ -295,7 +296,7 @@ class Destroyer:
             return await self._keep(job, unreachable_backend(job))
         try:
             await remove_vm(backend, vm_ref(job), self.settings.timeouts, self._on_move(job))
-        except _Lost:
+        except Lost:
             log.warning("job %s: taken over by another runner; its destroy goes on there", job.id)
             return await self.store.jobs.get(job.id)
         except NotOurVM as exc:
@@ -342,17 +343,14 @@ class Destroyer:
     async def _still_mine(self, job: Job) -> None:
         """Before each move: a runner whose claim lapsed (the job taken over) stops, so
         two runners do not work one VM at once (their final writes are fenced anyway)."""
-        try:
-            await self.ownership.hold(job.id, job.claim_epoch)  # paused while unproven
-        except Lost:
-            raise _Lost from None
+        await self.ownership.hold(job.id, job.claim_epoch)  # paused while unproven; Lost
         now = await self.store.jobs.get(job.id)
         if (
             now is None
             or now.state is not JobState.DESTROYING
             or (now.owner, now.claim_epoch) != (self.ownership.id, job.claim_epoch)
         ):
-            raise _Lost
+            raise Lost(job.id)
 
     async def _keep(self, job: Job, why: str) -> Job | None:
         """The VM is still there: back to `succeeded`, saying why and what to do."""
@@ -389,7 +387,3 @@ class Destroyer:
     def _tell(job: Job, notice: Notice, always: bool = False) -> list[Notice]:
         """Chat hears of it when it follows the job (its thread), or must approve it."""
         return [notice] if always or tell.followed(job) else []
-
-
-class _Lost(Exception):
-    """This runner no longer holds the destroy (another took it over)."""

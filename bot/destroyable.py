@@ -6,9 +6,10 @@ again". Used by bot/destroy.py.
 
 from __future__ import annotations
 
-from backends.base import BackendError, NotOurVM
+from backends.base import NotOurVM
 from bot.errors import TransitionRefused
 from bot.models import HOLDING_STATES, Job, JobState
+from bot.models.errors import BackendError
 
 
 def check_destroyable(job: Job) -> None:

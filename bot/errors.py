@@ -1,34 +1,26 @@
-"""Request and job errors: the few exceptions the core raises to its front ends.
+"""Request and job errors: the refusals the core raises to its front ends.
 
-Every `DeployBotError` is a problem a person can fix, and its message says what was
-wrong and how to do it right; front ends show it as it is. Anything else that escapes
-the core is a bug: front ends log it and show a short apology instead of a traceback.
-Hypervisor failures are `backends.base.BackendError` and never cross into front ends
-raw: the pipeline turns them into a failed job with a reason.
+Each is a `UserError` (bot/models/errors.py, the root of the one exception tree): a
+problem a person can fix, whose message says what was wrong and how to do it right;
+front ends show it as it is. Anything else that escapes the core is a bug: front ends
+log it and show a short apology instead of a traceback. Hypervisor failures are
+`BackendError`s and never cross into front ends raw: the pipeline turns them into a
+failed job with a reason.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from bot.models.errors import UserError
 
 if TYPE_CHECKING:
     from pydantic_core import ErrorDetails
 
 
-class DeployBotError(Exception):
-    """A user-facing error; `str(err)` is the whole message. `people`: the user ids the
-    message names from the bot's records (requester, approvers), each before anything
-    typed; a chat front end may show these as mentions, and no other id in it."""
-
-    def __init__(self, message: str, *, people: Sequence[str] = ()) -> None:
-        super().__init__(message)
-        self.message = message
-        self.people = tuple(people)
-
-
-class UsageError(DeployBotError):
+class UsageError(UserError):
     """The command text does not follow the grammar; `usage` shows the right form."""
 
     def __init__(self, message: str, usage: str) -> None:
@@ -37,7 +29,7 @@ class UsageError(DeployBotError):
         self.usage = usage
 
 
-class RequestInvalid(DeployBotError):
+class RequestInvalid(UserError):
     """The request parses but breaks a rule (name, address, sizes); lists every problem."""
 
     def __init__(self, problems: list[str], fields: dict[str, str] | None = None) -> None:
@@ -47,15 +39,15 @@ class RequestInvalid(DeployBotError):
         self.fields = fields or {}
 
 
-class ConfigError(DeployBotError):
+class ConfigError(UserError):
     """The configuration file is missing, unreadable or breaks a rule: file, key, reason."""
 
 
-class JobNotFound(DeployBotError):
+class JobNotFound(UserError):
     pass
 
 
-class AmbiguousJob(DeployBotError):
+class AmbiguousJob(UserError):
     """A typed prefix of a job id matches several jobs; `matches` are their ids."""
 
     def __init__(self, message: str, matches: list[str]) -> None:
@@ -63,23 +55,23 @@ class AmbiguousJob(DeployBotError):
         self.matches = matches
 
 
-class JobUnreadable(DeployBotError):
+class JobUnreadable(UserError):
     """The job's stored record is damaged: it was set aside (quarantined) and never runs."""
 
 
-class NotAllowed(DeployBotError):
+class NotAllowed(UserError):
     """The person may not do this (deploy, approve their own request, cancel others' jobs)."""
 
 
-class TransitionRefused(DeployBotError):
+class TransitionRefused(UserError):
     """The job is no longer in a state that allows this (already approved, finished...)."""
 
 
-class Conflict(DeployBotError):
+class Conflict(UserError):
     """The name or address is already taken by a VM or by a job in flight."""
 
 
-class Duplicate(DeployBotError):
+class Duplicate(UserError):
     """This exact request (same dedupe key) was already handled; nothing was done again."""
 
     def __init__(self, message: str, job_id: str) -> None:
@@ -87,7 +79,7 @@ class Duplicate(DeployBotError):
         self.job_id = job_id
 
 
-class StoreUnavailable(DeployBotError):
+class StoreUnavailable(UserError):
     """The database cannot be reached or refuses the connection (permanent until fixed)."""
 
     def __init__(self, detail: str, password_env: str) -> None:

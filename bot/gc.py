@@ -32,11 +32,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from backends.base import Backend, BackendError, VMInfo, VMRef
+from backends.base import Backend, VMInfo, VMRef
 from backends.tags import JobMark, job_marks
-from bot.errors import DeployBotError
 from bot.models import ACTIVE_STATES, DESTROY_STATES, JobState, utcnow
 from bot.models.builds import ACTIVE_BUILD_STATES, Build, BuildState
+from bot.models.errors import BackendError, UserError
 from bot.sections import Timeouts
 from bot.waiting import remove_vm
 from store.db import Store
@@ -176,7 +176,7 @@ async def apply(
     listed = await store.gc_runs.last_dry_run(wanted, since=utcnow() - timedelta(seconds=window_s))
     if listed is None:
         minutes = f"{window_s / 60:g}"
-        raise DeployBotError(
+        raise UserError(
             f"No dry run of this scope ({', '.join(wanted)}) in the last {minutes} minutes. "
             "Run `deploybot gc` without --apply first, read what it lists, then apply."
         )

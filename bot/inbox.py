@@ -17,6 +17,7 @@ import threading
 
 from bot import progress as tell
 from bot.models import JobEvent
+from bot.models.errors import StoreError
 from bot.models.notices import Received
 from bot.ownership import Ownership
 from bot.storewatch import StoreWatch
@@ -33,7 +34,7 @@ ORPHANS_PER_LOOK = 10
 RESUMED_STEP = "inbox"  # the job event that says its command was carried out late
 
 
-class NotKept(Exception):
+class NotKept(StoreError):
     """The database did not answer in time: the command was not kept, and never runs."""
 
 

@@ -14,7 +14,7 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping
 from datetime import datetime, timedelta
 
-from backends.base import Backend, BackendError
+from backends.base import Backend
 from backends.ipam.base import AddressTaken, PoolExhausted, Reservation
 from bot import prefs as user_prefs
 from bot import quotas as quota_rules
@@ -24,6 +24,7 @@ from bot.approvals import approval_reason
 from bot.commands import DeployArgs
 from bot.errors import Conflict, Duplicate, NotAllowed, RequestInvalid
 from bot.models import Approval, DeployRequest, IpamState, Job, JobEvent, JobState
+from bot.models.errors import BackendError, InternalSignal
 from bot.models.ids import new_job_id
 from bot.progress import Progress
 from bot.queue import JobQueue
@@ -41,7 +42,7 @@ _PICKS = 5  # tries at recording a next free address that other processes also p
 Grant = Callable[[int | None, bool, DeployRequest, str], Awaitable[int | None]]
 
 
-class _LostRace(Exception):
+class _LostRace(InternalSignal):
     """The next free address was recorded by another job first."""
 
 

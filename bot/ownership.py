@@ -62,6 +62,7 @@ from pathlib import Path
 from typing import Any
 
 from bot.models import Job, JobState, utcnow
+from bot.models.errors import JobError
 from bot.models.ids import new_runner_id
 from bot.queue import JobQueue
 from bot.sections import OwnershipSettings
@@ -143,7 +144,7 @@ class Proof(Enum):
     UNPROVEN = "unproven"
 
 
-class Lost(Exception):
+class Lost(JobError):
     """This runner no longer holds the job (another took it over while this one could
     not renew): its task stops without touching the VM or the job."""
 

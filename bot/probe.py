@@ -16,9 +16,9 @@ import logging
 
 import asyncssh
 
-from backends.base import BackendError
 from backends.config import SshJump
 from backends.sshcheck import jump_connection
+from bot.models.errors import BackendError
 
 log = logging.getLogger(__name__)
 

@@ -9,11 +9,12 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from backends.base import Backend, BackendError, Template
+from backends.base import Backend, Template
 from backends.building import BuildsTemplates, TemplateVersion
 from bot import jobrefs
 from bot.models import ACTIVE_STATES, Approval, Job, JobEvent, JobState
 from bot.models.builds import Build
+from bot.models.errors import BackendError
 from bot.quotas import Quotas, Standing
 from store.db import Store
 

@@ -22,8 +22,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from bot.errors import DeployBotError, NotAllowed
+from bot.errors import NotAllowed
 from bot.models import DeployRequest
+from bot.models.errors import StoreError, UserError
 from store.db import Store
 from store.quotas import RESOURCES, Admit, Usage, UsageOf
 
@@ -45,7 +46,7 @@ class Cap:
     group: bool = False
 
 
-class OverQuota(Exception):
+class OverQuota(StoreError):
     """The new job does not fit `cap`: its members already hold `used`."""
 
     def __init__(self, cap: Cap, used: Usage) -> None:
@@ -181,7 +182,7 @@ class Quotas:
             return await lookup(group.group) | frozenset(group.members)
         except Exception as exc:  # a quota that cannot be counted must not be skipped
             log.exception("could not list the members of quota group %s", group.group)
-            raise DeployBotError(
+            raise UserError(
                 f"I could not list the members of group {group.group} to check its quota "
                 f"({exc.__class__.__name__}); try again in a minute, or ask an operator to "
                 "look at the log."

@@ -16,9 +16,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-from backends.base import Backend, BackendError, VMRef
+from backends.base import Backend, VMRef
 from bot import progress as tell
 from bot.models import FINAL_STATES, Job, JobEvent, JobState, RollbackReport, utcnow
+from bot.models.errors import BackendError
 from bot.pipeline import Pipeline
 from bot.progress import Progress
 from bot.runs import Run, vm_ref

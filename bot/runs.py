@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Protocol
 
-from backends.base import Backend, BackendError, Identity, VMRef
+from backends.base import Backend, Identity, VMRef
 from bot.models import Claim, DeployRequest, Job, JobEvent, RollbackReport
+from bot.models.errors import BackendError, JobError
 from bot.sections import Timeouts
 from bot.waiting import retrying
 from store.db import Store
@@ -50,7 +51,10 @@ def identity_of(req: DeployRequest) -> Identity:
     )
 
 
-class StepFailed(Exception):
+class StepFailed(JobError):
+    """A step of a deploy's or a build's run failed: the run rolls back and records
+    `step` and `reason` (the job's or the build's error)."""
+
     def __init__(self, step: str, reason: str) -> None:
         super().__init__(f"{step}: {reason}")
         self.step = step

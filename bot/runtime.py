@@ -9,7 +9,7 @@ import os
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 
-from backends.base import Backend, BackendError, BackendFactory
+from backends.base import Backend, BackendFactory
 from backends.config import BackendConfig
 from backends.ipam import open_ipam
 from bot.app import compose
@@ -17,6 +17,7 @@ from bot.builds.parts import BuildNotes
 from bot.durations import teach
 from bot.errors import ConfigError, StoreUnavailable
 from bot.models import utcnow
+from bot.models.errors import BackendError
 from bot.ownership import Clock
 from bot.progress import Progress
 from bot.service import Deployer

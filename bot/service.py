@@ -5,7 +5,7 @@
 refusals (bot/auditing.py) and is done by the service that owns it: deploys by the
 intake, decisions and cancels by the job's kind (bot/kinds/), destroys, leases, builds,
 the read-only questions (bot/queries.py) and per-user settings (bot/personal.py). Every
-refusal is a `DeployBotError` whose message says what to do instead; nothing here
+refusal is a `UserError` whose message says what to do instead; nothing here
 formats chat text (that is handlers/messages/).
 """
 
@@ -17,7 +17,7 @@ import logging
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from backends.base import Backend, BackendError, Template
+from backends.base import Backend, Template
 from backends.building import TemplateVersion
 from bot.addressing import Addressing
 from bot.approvals import Approvals, Groups
@@ -33,6 +33,7 @@ from bot.leases import Leases
 from bot.metrics import Metrics
 from bot.models import Job, UserPrefs
 from bot.models.builds import Build
+from bot.models.errors import BackendError
 from bot.ownership import Clock, Ownership, Runner
 from bot.personal import Personal
 from bot.pipeline import Pipeline

@@ -22,10 +22,11 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Generic, TypeVar
 
-from backends.base import BackendError, Unreachable
+from backends.base import Unreachable
 from bot import logfields
 from bot import progress as tell
 from bot.models import Job, JobEvent, utcnow
+from bot.models.errors import BackendError
 from bot.models.notices import Notice
 from bot.ownership import Lost
 from bot.progress import Progress

@@ -15,7 +15,8 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from backends import troubles
-from backends.base import Backend, BackendError, Unreachable, VMRef
+from backends.base import Backend, Unreachable, VMRef
+from bot.models.errors import BackendError
 from bot.sections import Timeouts
 
 log = logging.getLogger(__name__)

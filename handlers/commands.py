@@ -37,8 +37,8 @@ from bot.commands import (
     TemplateProfiles,
     Templates,
 )
-from bot.errors import DeployBotError
 from bot.models import utcnow
+from bot.models.errors import UserError
 from bot.models.keys import check_ssh_key
 from bot.parser import USAGES, parse
 from bot.queries import VMPage
@@ -152,7 +152,7 @@ class Registry:
         spec = self.find(command)
         if spec is None:
             log.error("no command registered for %s", type(command).__name__)
-            raise DeployBotError(usage.unknown_command())
+            raise UserError(usage.unknown_command())
         return spec
 
     async def reply(self, invocation: Invocation, command: object) -> Reply:
@@ -310,7 +310,7 @@ async def answer(deployer: Deployer, user: str, text: str) -> list[str]:
     never raises."""
     try:
         command = parse(text)
-    except DeployBotError as exc:
+    except UserError as exc:
         return exc.message.splitlines()
     return await answer_command(deployer, user, command)
 
@@ -319,7 +319,7 @@ async def answer_command(deployer: Deployer, user: str, command: object) -> list
     """Carry out a parsed command (the shell); reply lines, never an exception."""
     try:
         return plain(await COMMANDS.reply(Invocation(deployer, user), command))
-    except DeployBotError as exc:
+    except UserError as exc:
         return exc.message.splitlines()
     except Exception:
         log.exception("command %r by %s failed", command, user)

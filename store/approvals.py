@@ -15,7 +15,7 @@ from bot.models import Approval, ApprovalState, JobState, utcnow
 from bot.models.notices import Notice
 from store import outbox, quarantine
 from store.jobs import claim
-from store.sql import Db, immediate
+from store.sql import Db, NotMoved, immediate
 from store.tx import ts
 
 
@@ -66,13 +66,9 @@ def decide(
     when = ts(at or utcnow())
     try:
         _decide(db, job_id, decision.value, job_state, by, note, when, dedupe_key, notices)
-    except _Undecided:
+    except NotMoved:
         return False
     return True
-
-
-class _Undecided(Exception):
-    pass
 
 
 def _decide(
@@ -96,14 +92,14 @@ def _decide(
             {"d": decision, "by": by, "at": when, "note": note, "id": job_id},
         ).rowcount
         if decided != 1:
-            raise _Undecided
+            raise NotMoved
         moved = db.execute(
             f"UPDATE jobs SET state = :s, updated_at = :at{final} "
             "WHERE id = :id AND state = 'awaiting_approval'",
             {"s": job_state.value, "at": when, "id": job_id},
         ).rowcount
         if moved != 1:
-            raise _Undecided  # rolls the approval row back too
+            raise NotMoved  # rolls the approval row back too
         outbox.add(db, notices, job_state)
 
 

@@ -19,7 +19,7 @@ from bot.models.notices import Notice
 from store import outbox
 from store.jobrows import _sql_value
 from store.jobs import DuplicateActive, claim
-from store.sql import Conflict, Db, immediate, insert_sql
+from store.sql import ConstraintViolation, Db, NotMoved, immediate, insert_sql
 from store.tx import ts
 
 _FIELDS = frozenset(Build.model_fields) - {"id", "state", "updated_at"}
@@ -58,7 +58,7 @@ def insert_build(
         row = build_row(stored)
         try:
             db.execute(insert_sql("builds", list(row)), row)
-        except Conflict as exc:
+        except ConstraintViolation as exc:
             if "builds.id" in exc.what:
                 raise
             raise DuplicateActive("name") from None
@@ -122,15 +122,11 @@ def move_build(
                 params,
             )
             if not rows:
-                raise _NotMoved  # rolls the delivery's key back too
+                raise NotMoved  # rolls the delivery's key back too
             outbox.add(db, notices)
-    except _NotMoved:
+    except NotMoved:
         return None
     return build_from_row(rows[0])
-
-
-class _NotMoved(Exception):
-    pass
 
 
 def update_build(

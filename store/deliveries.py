@@ -5,11 +5,12 @@ on it, so the second delivery changes nothing and hears which job the first one 
 from __future__ import annotations
 
 from bot.models import utcnow
+from bot.models.errors import StoreError
 from store.sql import Db
 from store.tx import ts
 
 
-class AlreadyDelivered(Exception):
+class AlreadyDelivered(StoreError):
     """This dedupe key was handled before (for `job_id`); the transaction did nothing."""
 
     def __init__(self, job_id: str) -> None:

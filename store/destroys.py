@@ -15,7 +15,7 @@ from typing import Any
 from bot.models import HOLDING_STATES, Job, JobState
 from bot.models.notices import Notice
 from store.jobs import SELECT_JOBS, claim, listing, transition
-from store.sql import Db, immediate
+from store.sql import Db, NotMoved, immediate
 
 _MARKS = ", ".join(f"'{s.value}'" for s in sorted(HOLDING_STATES))
 
@@ -61,11 +61,7 @@ def transition_once(
             if dedupe_key is not None:
                 claim(db, dedupe_key, job_id, "destroy")
             if not transition(db, job_id, expected, new, notices=notices, **fields):
-                raise _NotMoved
-    except _NotMoved:
+                raise NotMoved
+    except NotMoved:
         return False
     return True
-
-
-class _NotMoved(Exception):
-    """The compare-and-set found another state: undo the delivery's claim with it."""

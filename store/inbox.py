@@ -14,6 +14,7 @@ from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any
 
+from bot.models.errors import StoreError
 from bot.models.notices import Received
 from store.sql import Db, immediate
 from store.tx import ts
@@ -21,7 +22,7 @@ from store.tx import ts
 DONE_KEPT_DAYS = 7
 
 
-class Abandoned(Exception):
+class Abandoned(StoreError):
     """The caller gave up on this write before it could commit (rolled back)."""
 
 

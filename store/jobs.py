@@ -13,6 +13,7 @@ from typing import Any
 
 from bot.models import HOLDING_STATES, TRANSITIONS, Approval, Claim, Job, JobEvent, JobState, utcnow
 from bot.models.builds import BUILD_KIND
+from bot.models.errors import InternalSignal, StoreError
 from bot.models.ids import new_job_id
 from bot.models.notices import Notice, NoticeKind
 from store import outbox, quarantine, quotas
@@ -29,7 +30,7 @@ from store.jobrows import (
     sift_rows,
 )
 from store.quarantine import QUARANTINED
-from store.sql import Conflict, Db, immediate
+from store.sql import ConstraintViolation, Db, immediate
 from store.tx import ts
 
 # Rows and deliveries are in store/jobrows.py and store/deliveries.py; the names other
@@ -49,7 +50,7 @@ __all__ = [
 _JOB_FIELDS = frozenset(Job.model_fields) - {"id", "state", "request", "created_at", "updated_at"}
 
 
-class DuplicateActive(Exception):
+class DuplicateActive(StoreError):
     """Another job in flight already holds this name (on this backend) or this address."""
 
     def __init__(self, what: str) -> None:
@@ -57,7 +58,7 @@ class DuplicateActive(Exception):
         self.what = what
 
 
-class _IdTaken(Exception):
+class _JobIdTaken(InternalSignal):
     """The new job's random id is a stored job's; the transaction wrote nothing."""
 
 
@@ -83,7 +84,7 @@ def insert_job(
     for _attempt in range(_ID_ATTEMPTS):
         try:
             _insert_job(db, job, approval, dedupe_key, announce, admit)
-        except _IdTaken:
+        except _JobIdTaken:
             job = job.model_copy(update={"id": new_job_id()})
             if approval is not None:
                 approval = approval.model_copy(update={"job_id": job.id})
@@ -107,10 +108,10 @@ def _insert_job(
             quotas.admit(db, admit)
         try:
             db.insert("jobs", [job_row(job)])
-        except Conflict as exc:
+        except ConstraintViolation as exc:
             text = exc.what
             if "jobs.id" in text:
-                raise _IdTaken from None
+                raise _JobIdTaken from None
             if "jobs.address" in text:
                 raise DuplicateActive("address") from None
             if "jobs.backend" in text or "jobs.name" in text:

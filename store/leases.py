@@ -17,7 +17,7 @@ from bot.models import AuditEvent, Job, JobState
 from bot.models.notices import Notice
 from store import outbox
 from store.jobs import SELECT_JOBS, claim, job_from_row, listing
-from store.sql import Db, immediate
+from store.sql import Db, NotMoved, immediate
 from store.tx import ts
 from store.users import add_audit
 
@@ -100,14 +100,10 @@ def extend(
                 claim(db, dedupe_key, job.id, "extend")
             done = _update(db, job, job.state, sets, notices, audit)
             if done is None:
-                raise _NotMoved
+                raise NotMoved
             return done
-    except _NotMoved:
+    except NotMoved:
         return None
-
-
-class _NotMoved(Exception):
-    """The compare-and-set found the job changed: undo the delivery's claim with it."""
 
 
 def expire(

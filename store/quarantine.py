@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 from pydantic import ValidationError
 
 from bot.models import utcnow
+from bot.models.errors import StoreError
 from store.sql import Db, immediate
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ class Quarantined:
     at: datetime
 
 
-class RowUnreadable(Exception):
+class RowUnreadable(StoreError):
     """A row the caller asked for by its key does not validate (it is now recorded)."""
 
     def __init__(self, table: str, key: str, reason: str) -> None:

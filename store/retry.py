@@ -8,7 +8,7 @@ says the database could not be reached: a lost or refused connection, a server
 shutting down, SQLite's lock held past its busy timeout, a transient I/O error, a file
 that became read-only (an operator can make it writable again within the window; until
 then nothing can be recorded, as when the server is down). A
-constraint that refused a write (`Conflict`) or a compare-and-set that found another
+constraint that refused a write (`ConstraintViolation`) or a compare-and-set that found another
 state are answers, and are never retried. Nor is a connection lost during COMMIT: the
 transaction may have landed, and running it again could land it twice (`Unavailable`
 then says so).
@@ -27,6 +27,8 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
+
+from bot.models.errors import StoreError
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -51,7 +53,7 @@ _SQLITE_HINTS = {
 _PG_SHUTDOWN = ("57P01", "57P02", "57P03")
 
 
-class Unavailable(Exception):
+class Unavailable(StoreError):
     """The database cannot be reached or refuses us: the text says which and why."""
 
 

@@ -8,7 +8,7 @@ statements and compare-and-sets, and the store contract tests run on both.
 The SQL is written as SQLite takes it (`?` and `:name` placeholders); the PostgreSQL
 `Db` rewrites the placeholders for psycopg. Written so, it must also be valid
 PostgreSQL: no SQLite-only functions, `"user"` quoted, `ON CONFLICT` rather than
-`INSERT OR ...`. A constraint that refuses a write raises `Conflict` on both, naming
+`INSERT OR ...`. A constraint that refuses a write raises `ConstraintViolation` on both, naming
 what it protects as `table.column`, so callers never parse a driver's message.
 """
 
@@ -19,16 +19,24 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Protocol
 
+from bot.models.errors import InternalSignal, StoreError
+
 Params = Sequence[Any] | Mapping[str, Any]
 
 
-class Conflict(Exception):
+class ConstraintViolation(StoreError):
     """A UNIQUE, PRIMARY KEY or FOREIGN KEY constraint refused a write. `what` names it:
     'jobs.address', 'jobs.backend, jobs.name', 'deliveries.key' ... or 'foreign key'."""
 
     def __init__(self, what: str) -> None:
         super().__init__(what)
         self.what = what
+
+
+class NotMoved(InternalSignal):
+    """A compare-and-set found the row in another state: raised inside the transaction
+    to roll back what it wrote before (a delivery's claim, an approval row), and caught
+    by the store function that began it, which answers that nothing moved."""
 
 
 class Result(Protocol):
@@ -108,7 +116,7 @@ class SqliteDb:
         try:
             return self.conn.execute(sql, params)
         except sqlite3.IntegrityError as exc:
-            raise Conflict(_sqlite_what(exc)) from exc
+            raise ConstraintViolation(_sqlite_what(exc)) from exc
 
     def query(self, sql: str, params: Params = ()) -> list[dict[str, Any]]:
         cursor = self.execute(sql, params)
@@ -125,7 +133,7 @@ class SqliteDb:
         try:
             self.conn.executemany(insert_sql(table, list(rows[0])), rows)
         except sqlite3.IntegrityError as exc:
-            raise Conflict(_sqlite_what(exc)) from exc
+            raise ConstraintViolation(_sqlite_what(exc)) from exc
 
     def transaction(self) -> AbstractContextManager[None]:
         return _sqlite_transaction(self.conn)

@@ -15,8 +15,8 @@ from backends.sim import SimBackend
 from backends.tags import job_tag
 from bot import gc
 from bot.commands import DeployArgs
-from bot.errors import DeployBotError
 from bot.models import Job, JobState
+from bot.models.errors import UserError
 from bot.parser import parse
 from bot.requests import build_request
 from bot.settings import Settings
@@ -115,10 +115,10 @@ async def test_dry_run_counts_per_category_and_changes_nothing(tmp_path: Path) -
 async def test_apply_needs_a_recent_dry_run_of_the_same_scope(tmp_path: Path) -> None:
     settings, store, sim, vms = await seeded(tmp_path)
     try:
-        with pytest.raises(DeployBotError, match="No dry run of this scope"):
+        with pytest.raises(UserError, match="No dry run of this scope"):
             await gc.apply(store, {"sim": sim}, ["sim"], settings.timeouts, window_s=600)
         await gc.dry_run(store, {"sim": sim}, ["sim"])
-        with pytest.raises(DeployBotError, match="No dry run"):
+        with pytest.raises(UserError, match="No dry run"):
             await gc.apply(store, {"sim": sim}, ["sim"], settings.timeouts, window_s=0)
         report = await gc.apply(store, {"sim": sim}, ["sim"], settings.timeouts, window_s=600)
     finally:

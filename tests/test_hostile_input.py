@@ -3,7 +3,7 @@
 Requests: whatever anyone types is refused with a message, or stored and read back as it
 was accepted; names and logins are ASCII before anything folds their case. Stored rows:
 whatever another tool writes into `jobs`, start-up, history and status answer, at worst
-with a `DeployBotError` that says what happened.
+with a `UserError` that says what happened.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from hypothesis import strategies as st
 
 from backends.sim import SimBackend
 from bot.commands import DeployArgs
-from bot.errors import DeployBotError, RequestInvalid, UsageError
+from bot.errors import RequestInvalid, UsageError
 from bot.models import HOSTNAME_RE, Job, JobState
+from bot.models.errors import UserError
 from bot.parser import parse
 from bot.requests import build_request
 from bot.runtime import running_deployer
@@ -75,7 +76,7 @@ async def deploy_text(settings: Settings, text: str) -> Job | None:
     async with running_deployer(settings, backends={"sim": sim}) as d:
         try:
             job = await d.request_deploy(command, "alice")
-        except DeployBotError:
+        except UserError:
             assert await d.history(5) == []  # nothing was recorded
             return None
         stored = (await d.status(job.id)).job
@@ -227,7 +228,7 @@ async def start_and_read(settings: Settings, rows: list[dict[str, Any]]) -> None
         listed = await d.history(100)
         for row in rows:
             ref = row["id"] if isinstance(row["id"], str) else ""
-            with contextlib.suppress(DeployBotError):
+            with contextlib.suppress(UserError):
                 info = await d.status(ref)
                 assert info.job in listed or info.job.state is not JobState.SUCCEEDED
             said = await answer(d, "alice", f"status {ref}")

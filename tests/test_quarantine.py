@@ -18,8 +18,9 @@ from backends.sim import SimBackend
 from backends.tags import job_tag
 from bot import gc
 from bot.commands import DeployArgs
-from bot.errors import DeployBotError, JobUnreadable, RequestInvalid
+from bot.errors import JobUnreadable, RequestInvalid
 from bot.models import Approval, Job, JobEvent, JobState, utcnow
+from bot.models.errors import UserError
 from bot.parser import parse
 from bot.requests import build_request
 from bot.runtime import running_deployer
@@ -185,7 +186,7 @@ async def test_a_damaged_approval_sets_its_job_aside(tmp_path: Path, sim: SimBac
     async with running_deployer(settings, backends={"sim": sim}) as d:
         with pytest.raises(JobUnreadable, match=r"\(approvals: expires_at: Input should be"):
             await d.status(job.id)
-        with pytest.raises(DeployBotError):
+        with pytest.raises(UserError):
             await d.approve(job.id, "bob")
         assert await d.expire_approvals() == []
         assert await d.store.approvals.expired(utcnow().replace(year=2999)) == []

@@ -15,8 +15,9 @@ import pytest
 from backends.sim import SimBackend
 from bot import quotas
 from bot.commands import DeployArgs
-from bot.errors import ConfigError, DeployBotError
+from bot.errors import ConfigError
 from bot.models import HOLDING_STATES, Job, JobState
+from bot.models.errors import UserError
 from bot.parser import parse
 from bot.quotas import QuotaExceeded
 from bot.requests import build_request
@@ -133,7 +134,7 @@ async def test_group_members_come_from_the_front_end_s_look_up(
             raise ConnectionError("slack is away")
 
         d.groups.members = broken  # a quota that cannot be counted is not skipped
-        with pytest.raises(DeployBotError, match="could not list the members of group"):
+        with pytest.raises(UserError, match="could not list the members of group"):
             await d.request_deploy(args("web02 10.0.0.51"), "carol")
 
 
@@ -150,7 +151,7 @@ async def test_over_quota_goes_to_an_approver_when_the_policy_says_so(
         await d.drain()
         assert (await d.status(waiting.id)).job.state is JobState.SUCCEEDED
         # The one-shot CLI has nobody to approve: refused before anything is recorded.
-        with pytest.raises(DeployBotError, match="needs approval"):
+        with pytest.raises(UserError, match="needs approval"):
             await d.request_deploy(
                 args("web03 10.0.0.52 cpu=1"), "alice", can_wait_for_approval=False
             )

@@ -14,7 +14,7 @@ from bot.models.notices import Notice, NoticeKind
 from bot.settings import Settings
 from store.db import AlreadyDelivered, DuplicateActive, Store
 from store.migrations import SCHEMA_VERSION
-from store.sql import Conflict
+from store.sql import ConstraintViolation
 from tests.support.store import make_job, sqlite_store, store, trace
 
 __all__ = ["sqlite_store", "store"]  # fixtures, used by name
@@ -276,7 +276,7 @@ async def test_an_event_that_cannot_be_written_fails_alone(
         return_exceptions=True,
     )
     assert results[0] is True and results[2] is True
-    assert isinstance(results[1], Conflict)
+    assert isinstance(results[1], ConstraintViolation)
     assert [e.phase for e in await store.jobs.events(job.id)] == ["started", "finished"]
     assert await store.jobs.events("nosuchjob") == []
 

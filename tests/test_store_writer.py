@@ -10,7 +10,7 @@ from pathlib import Path
 from bot.models import JobEvent, JobState
 from bot.settings import Settings
 from store.db import DuplicateActive, Store
-from store.sql import Conflict
+from store.sql import ConstraintViolation
 from tests.support.store import make_job, sqlite_store, trace
 
 __all__ = ["sqlite_store"]  # the fixture, used by name below
@@ -54,7 +54,7 @@ async def test_writes_of_one_moment_share_a_transaction_and_fail_alone(
         assert isinstance(moved, tuple) and moved[0] and moved[1] is not None
         assert moved[1].state is JobState.RUNNING
     assert lost == (False, None)
-    assert isinstance(orphan, Conflict)
+    assert isinstance(orphan, ConstraintViolation)
     seen = committed(store.label, "SELECT name, state FROM jobs ORDER BY name")
     assert ("clash", "queued") not in seen and len(seen) == 10
     assert {s for n, s in seen if str(n).startswith("run")} == {"running"}

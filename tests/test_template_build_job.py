@@ -329,7 +329,7 @@ async def test_a_smoke_deploy_refused_later_is_said_not_internal_error(
     tmp_path: Path, sim: SimBackend
 ) -> None:
     """A refusal the pre-flight cannot foresee (the pool ran out meanwhile) is still the
-    intake's sentence: every `DeployBotError` of a step is its reason."""
+    intake's sentence: every `UserError` of a step is its reason."""
     subnet = {**TWO_SUBNETS[0], "pool": "10.0.0.10-10.0.0.10"}
     settings = make_settings(tmp_path, subnets=[subnet], approval={"approvers": ["bob"]})
     async with running_deployer(settings, backends={"sim": sim}, grace_s=5) as deployer:

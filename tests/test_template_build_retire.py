@@ -12,9 +12,9 @@ from backends.sim import SimBackend
 from bot.builds import retire
 from bot.builds.runner import plan_for
 from bot.commands import DeployArgs
-from bot.errors import DeployBotError
 from bot.models import JobState, utcnow
 from bot.models.builds import Build, BuildState
+from bot.models.errors import UserError
 from bot.service import Deployer
 
 
@@ -45,7 +45,7 @@ async def test_old_versions_are_retired_once_unused(deployer: Deployer, sim: Sim
         "golden-v2": "kept_previous",
         "golden": "current",
     }
-    with pytest.raises(DeployBotError, match="without --apply first"):
+    with pytest.raises(UserError, match="without --apply first"):
         await retire.apply(store, backends, ["other"], 1, 1800, 30)
     gone = await deployer.request_destroy(job.id, "alice")
     await deployer.drain()

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # its inventory; print the error it raised.
 CHILD = """
 import asyncio, json
-from backends.base import BackendError
+from bot.models.errors import BackendError
 from backends.proxmox import Config as PveConfig, create as pve_create
 from backends.vsphere import Config as VsConfig, create as vs_create
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from backends import troubles
-from backends.base import BackendError, PermanentError
+from backends.base import PermanentError
 from backends.proxmox.apierrors import (
     HELD,
     LOCKED,
@@ -37,6 +37,7 @@ from backends.proxmox.apierrors import (
 from backends.proxmox.http import ApiSettings, Credentials, Transport
 from backends.proxmox.pacing import Pace
 from backends.proxmox.taskwatch import TaskWatcher, Upid
+from bot.models.errors import BackendError
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 import aiohttp
 
 from backends.advice import cause, tls_advice, unresolved
-from backends.base import BackendError, PermanentError, RetryableError, Unreachable, VMNotFound
+from backends.base import PermanentError, RetryableError, Unreachable, VMNotFound
 from backends.proxmox.http import Credentials, HttpError, LoginRefused
+from bot.models.errors import BackendError
 
 # 595-599 are pveproxy's own codes for a node it could not reach (AnyEvent::HTTP).
 _UNREACHABLE_CODES = frozenset({502, 503, 504, 595, 596, 597, 598, 599})

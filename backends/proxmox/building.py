@@ -25,7 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from backends.base import BackendError, IdTaken, PermanentError, VMNotFound, VMRef
+from backends.base import IdTaken, PermanentError, VMNotFound, VMRef
 from backends.building import BuildPlan, BuildTarget, TemplateVersion
 from backends.proxmox import buildmarks, rollback
 from backends.proxmox.api import PveApi
@@ -36,6 +36,7 @@ from backends.proxmox.inventory import LINKED_TYPES, Inventory
 from backends.proxmox.locks import TaskRunner
 from backends.proxmox.uploads import StorageContent
 from backends.proxmox.vmconfig import cpu_model, owned, tags_of
+from bot.models.errors import BackendError
 
 log = logging.getLogger(__name__)
 _TEMPLATE = (1, "1", True)

@@ -25,6 +25,7 @@ from typing import Any
 import aiohttp
 
 from backends.proxmox.pacing import PollTiming
+from bot.models.errors import InternalSignal
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +58,11 @@ class ApiSettings:
     log_lines: int = 5
 
 
-class HttpError(Exception):
+class HttpError(InternalSignal):
     """An answer of 400 or more: its status, Proxmox's message (pveproxy puts it in the
-    HTTP reason phrase) and the per-parameter `errors` of a 400."""
+    HTTP reason phrase) and the per-parameter `errors` of a 400. Like `LoginRefused`, a
+    detail of the transport: apierrors.map_error turns it into a `BackendError` before
+    it leaves the API client (api.py)."""
 
     def __init__(self, status: int, reason: str, errors: object = None) -> None:
         super().__init__(f"{status} {reason}")
@@ -68,7 +71,7 @@ class HttpError(Exception):
         self.errors = errors
 
 
-class LoginRefused(Exception):
+class LoginRefused(InternalSignal):
     """`POST /access/ticket` did not give a ticket: user or password is wrong."""
 
 

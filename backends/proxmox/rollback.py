@@ -21,11 +21,12 @@ import functools
 import logging
 from collections.abc import Awaitable, Callable
 
-from backends.base import BackendError, Locked, NotOurVM, RetryableError, VMNotFound
+from backends.base import Locked, NotOurVM, RetryableError, VMNotFound
 from backends.proxmox.api import PveApi
 from backends.proxmox.apierrors import Forbidden, StillRunning
 from backends.proxmox.locks import TaskRunner
 from backends.proxmox.pacing import Pace, Pacing
+from bot.models.errors import BackendError
 
 log = logging.getLogger(__name__)
 # A destroy that finds the VM running again stops it this many times before it hands

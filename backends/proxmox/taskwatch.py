@@ -10,10 +10,11 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from backends import troubles
-from backends.base import BackendError, PermanentError
+from backends.base import PermanentError
 from backends.proxmox.apierrors import READ_AGAIN
 from backends.proxmox.http import ApiSettings
 from backends.proxmox.pacing import Pace, Schedule
+from bot.models.errors import BackendError
 
 log = logging.getLogger(__name__)
 _LIST_LIMIT = 1000  # tasks listed per poll (the server's default is 50)

@@ -69,6 +69,7 @@ from backends.vsphere.session import (
     fault_text,
 )
 from backends.vsphere.vms import POWERED_ON, KnownVMs, tags, vm_info
+from bot.models.errors import InternalSignal
 
 log = logging.getLogger(__name__)
 # Plans kept from prepare_clone for clone; an older one is simply looked up again.
@@ -98,7 +99,7 @@ def create(config: BackendConfig, environ: Mapping[str, str]) -> VSphereBackend:
 ADDRESS_PATHS = ["runtime.powerState", "guest.ipAddress", "guest.net"]
 
 
-class _Moved(Exception):
+class _Moved(InternalSignal):
     """The object remembered for an instance UUID now has another one (or none)."""
 
 

@@ -38,8 +38,9 @@ from pyVmomi import vim, vmodl
 from pyVmomi.SoapAdapter import SoapStubAdapter
 
 from backends.advice import tls_advice, unresolved
-from backends.base import BackendError, PermanentError, RetryableError, Unreachable
+from backends.base import PermanentError, RetryableError, Unreachable
 from backends.vsphere.conn import QUIET, Conn, Props, Stub
+from bot.models.errors import BackendError, InternalSignal
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -81,7 +82,7 @@ class Endpoint:
         return f"{self.host}:{self.port}"
 
 
-class Abandoned(Exception):
+class OpAbandoned(InternalSignal):
     """The caller gave up on this operation; its thread stops at the next chance."""
 
 
@@ -103,7 +104,7 @@ class Op:
 
     def check(self) -> None:
         if self._cancelled_at is not None:
-            raise Abandoned()
+            raise OpAbandoned()
 
     def cancel(self) -> None:
         with self._lock:
@@ -213,7 +214,7 @@ class Op:
         if cancelled_at is None:
             return
         if self._task is None or time.monotonic() - cancelled_at > self.grace_s:
-            raise Abandoned()
+            raise OpAbandoned()
 
 
 def _changes(filter_update: Any, obj: Any) -> list[Any]:

@@ -1,6 +1,7 @@
 """What a build runner works with besides the backend (split from bot/builds/runner.py):
 who hears of a build (`BuildNotes`), the deploy machinery its smoke step uses
-(`SmokeDeploys`), how a step fails (`BuildFailed`) and the notices chat must be given."""
+(`SmokeDeploys`) and the notices chat must be given. A step fails with
+`bot.runs.StepFailed`, as a deploy's does."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ class SmokeDeploys(Protocol):
     record a deploy, run it here, destroy its VM."""
 
     async def check(self, build: Build, template: str) -> None:
-        """Raise the `DeployBotError` the smoke deploy's request would meet, as far as it
+        """Raise the `UserError` the smoke deploy's request would meet, as far as it
         can be known before its template exists (its subnet, sizes, login)."""
         ...
 
@@ -47,13 +48,6 @@ class SmokeDeploys(Protocol):
     async def run(self, job_id: str) -> Job | None: ...
 
     async def destroy(self, job: Job, build: Build) -> Job | None: ...
-
-
-class BuildFailed(Exception):
-    def __init__(self, step: str, reason: str) -> None:
-        super().__init__(f"{step}: {reason}")
-        self.step = step
-        self.reason = reason
 
 
 def build_notice(build_id: str, part: str, text: str = "") -> Notice:

@@ -24,11 +24,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from backends.base import Backend, BackendError, VMRef
+from backends.base import Backend, VMRef
 from backends.building import BuildsTemplates, TemplateVersion
-from bot.errors import DeployBotError
 from bot.models import utcnow
 from bot.models.builds import ACTIVE_BUILD_STATES, BuildState
+from bot.models.errors import BackendError, UserError
 from store.db import Store
 
 REMOVABLE = ("retire", "failed_build")
@@ -131,7 +131,7 @@ async def apply(
     since = utcnow() - timedelta(seconds=window_s)
     listed = await store.gc_runs.last_dry_run(_scope_key(wanted), since=since)
     if listed is None:
-        raise DeployBotError(
+        raise UserError(
             f"No dry run of `deploybot template gc` for {', '.join(wanted)} in the last "
             f"{window_s / 60:g} minutes. Run it without --apply first, read what it lists, "
             "then apply."

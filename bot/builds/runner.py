@@ -23,23 +23,22 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from backends.base import BackendError, VMRef
+from backends.base import VMRef
 from backends.building import BuildPlan, BuildsTemplates, BuildTarget
 from bot.builds.parts import (
-    BuildFailed,
     BuildNotes,
     SmokeDeploys,
     build_notice,
 )
-from bot.errors import DeployBotError
 from bot.images.customize import CustomizeError
 from bot.images.fetch import FetchError
 from bot.images.prepare import PreparedImage, prepare_image
 from bot.images.profiles import Platform, Profile, ProfileError
 from bot.models import JobState, utcnow
 from bot.models.builds import Build, BuildState
+from bot.models.errors import BackendError, UserError
 from bot.models.notices import BUILD_FINISHED, BUILD_NOTE, BUILD_STARTED
-from bot.runs import describe
+from bot.runs import StepFailed, describe
 from bot.settings import Settings
 from bot.waiting import protected, retrying
 from store.db import Store
@@ -135,7 +134,7 @@ class BuildRunner:
             await self._steps(run)
         except asyncio.CancelledError:
             return await protected(self._roll_back(run, BuildState.CANCELLED, None))
-        except BuildFailed as failure:
+        except StepFailed as failure:
             return await protected(self._roll_back(run, BuildState.FAILED, failure))
         return await protected(self._publish(run))
 
@@ -157,18 +156,18 @@ class BuildRunner:
             async with asyncio.timeout(timeout_s):
                 await body(run)
         except TimeoutError:
-            raise BuildFailed(step, f"did not finish within {timeout_s:g} s") from None
+            raise StepFailed(step, f"did not finish within {timeout_s:g} s") from None
         except BackendError as exc:
-            raise BuildFailed(step, exc.message) from None
+            raise StepFailed(step, exc.message) from None
         except (FetchError, CustomizeError) as exc:
-            raise BuildFailed(step, str(exc)) from None
-        except DeployBotError as exc:  # the smoke deploy's request refused (bot/intake.py)
-            raise BuildFailed(step, exc.message) from None
-        except (BuildFailed, asyncio.CancelledError):
+            raise StepFailed(step, str(exc)) from None
+        except UserError as exc:  # the smoke deploy's request refused (bot/intake.py)
+            raise StepFailed(step, exc.message) from None
+        except (StepFailed, asyncio.CancelledError):
             raise
         except Exception:
             log.exception("build %s: unexpected error in step %s", run.build.id, step)
-            raise BuildFailed(step, "internal error (the details are in the bot's log)") from None
+            raise StepFailed(step, "internal error (the details are in the bot's log)") from None
 
     async def _retrying(self, action: Callable[[], Awaitable[Any]]) -> Any:
         return await retrying(action, self.settings.timeouts)
@@ -248,11 +247,11 @@ class BuildRunner:
         done = await self.smoke.run(job.id)
         if done is None or done.state is not JobState.SUCCEEDED:
             why = done.error if done is not None and done.error else "it did not succeed"
-            raise BuildFailed("smoke", f"the smoke deploy {job.name} failed: {why}")
+            raise StepFailed("smoke", f"the smoke deploy {job.name} failed: {why}")
         await self._say(run, f"smoke test passed: {done.ssh_line} answered")
         gone = await self.smoke.destroy(done, run.build)
         if gone is None or gone.state is not JobState.DESTROYED:
-            raise BuildFailed("smoke", f"the smoke VM {job.name} could not be destroyed")
+            raise StepFailed("smoke", f"the smoke VM {job.name} could not be destroyed")
         run.undo.pop()
 
     async def _unsmoke(self, run: _Run, job_id: str) -> None:
@@ -291,7 +290,7 @@ class BuildRunner:
                 await self._retrying(lambda: run.backend.publish_template(run.plan, ref))
         except (BackendError, TimeoutError) as exc:
             reason = exc.message if isinstance(exc, BackendError) else "timed out"
-            return await self._roll_back(run, BuildState.FAILED, BuildFailed("publish", reason))
+            return await self._roll_back(run, BuildState.FAILED, StepFailed("publish", reason))
         await self._cleanup_image(run)
         await self._say(run, f"published: {run.plan.name} is now version {run.plan.version}")
         build = await self.store.builds.move(
@@ -313,7 +312,7 @@ class BuildRunner:
             await undo.action()
 
     async def _roll_back(
-        self, run: _Run, final: BuildState, failure: BuildFailed | None
+        self, run: _Run, final: BuildState, failure: StepFailed | None
     ) -> Build | None:
         moved = await self.store.builds.move(
             run.build.id, [BuildState.RUNNING], BuildState.ROLLING_BACK, self.owner
@@ -353,7 +352,7 @@ class BuildRunner:
 
     async def _update(self, run: _Run, **fields: Any) -> None:
         if not await self.store.builds.update(run.build.id, self.owner, **fields):
-            raise BuildFailed(run.build.step or "build", "another process took this build over")
+            raise StepFailed(run.build.step or "build", "another process took this build over")
         run.build = run.build.model_copy(update=fields)
 
     async def _say(self, run: _Run, line: str) -> None:
@@ -372,7 +371,7 @@ class BuildRunner:
 
 def _platform(name: str) -> Platform:
     if name not in ("proxmox", "vsphere"):
-        raise BuildFailed("image", f"no image preparation for platform {name!r}")
+        raise StepFailed("image", f"no image preparation for platform {name!r}")
     return "proxmox" if name == "proxmox" else "vsphere"
 
 

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
-from backends.base import Backend, BackendError, VMRef
+from backends.base import Backend, VMRef
 from backends.building import BuildsTemplates
 from bot import subnets
 from bot.approvals import build_approval_reason
@@ -33,6 +33,7 @@ from bot.images.prepare import prepare_image
 from bot.images.profiles import ProfileError
 from bot.models import Job, JobState, utcnow
 from bot.models.builds import BUILD_ID_RE, Build, BuildState, template_name_problem
+from bot.models.errors import BackendError
 from bot.models.ids import MIN_JOB_REF
 from bot.models.notices import BUILD_ASKED, BUILD_DECIDED, BUILD_FINISHED
 from bot.settings import Settings

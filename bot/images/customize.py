@@ -29,7 +29,7 @@ from typing import Literal
 
 import yaml
 
-from bot.errors import DeployBotError
+from bot.models.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ AGENT_PROGRAMS = {
 }
 
 
-class CustomizeError(DeployBotError):
+class CustomizeError(UserError):
     """Reading or changing the image failed; the message says what, the log says why."""
 
 

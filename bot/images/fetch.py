@@ -24,7 +24,7 @@ from pathlib import Path
 import aiohttp
 from yarl import URL
 
-from bot.errors import DeployBotError
+from bot.models.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ MAX_SUMS_BYTES = 1 << 20  # a checksum file is small; a bigger answer is not one
 _HEX = {"sha256": 64, "sha512": 128}
 
 
-class FetchError(DeployBotError):
+class FetchError(UserError):
     """The image or checksum could not be fetched or did not verify; says what to do."""
 
 

@@ -18,6 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from bot.images.fetch import Timeouts
+from bot.models.errors import UserError
 
 CATALOGUE = Path(__file__).with_name("catalogue.toml")
 
@@ -138,7 +139,7 @@ class Profile(_Model):
         return (own, *rest, "None")
 
 
-class ProfileError(ValueError):
+class ProfileError(UserError):
     """A profile that does not validate; the message names the profile and the key."""
 
 

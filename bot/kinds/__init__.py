@@ -16,9 +16,9 @@ from __future__ import annotations
 from collections.abc import Coroutine, Iterator
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from bot.errors import DeployBotError
 from bot.models import Job
 from bot.models.builds import Build
+from bot.models.errors import UserError
 
 if TYPE_CHECKING:
     from bot.ownership import Ended
@@ -54,7 +54,7 @@ class Kind(Protocol):
       `dedupe_key` makes a redelivered click raise `Duplicate`.
     * `cancel(ref, user)`: cancel it (a running one rolls back).
 
-    Refusals are `DeployBotError`s whose message says what to do.
+    Refusals are `UserError`s whose message says what to do.
     """
 
     name: str
@@ -81,7 +81,7 @@ class Kind(Protocol):
     async def cancel(self, ref: str, user: str) -> Record: ...
 
 
-class UnknownKind(DeployBotError):
+class UnknownKind(UserError):
     """A job row names a kind this deploybot does not have (written by a newer one)."""
 
 

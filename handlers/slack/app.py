@@ -31,7 +31,8 @@ from slack_sdk.web.async_client import AsyncWebClient
 
 from bot import inbox, logfields
 from bot.commands import DeployArgs, ListVMs, ShowSettings
-from bot.errors import DeployBotError, UsageError
+from bot.errors import UsageError
+from bot.models.errors import UserError
 from bot.parser import parse
 from bot.service import Deployer
 from handlers.commands import COMMANDS, Invocation, SlackWay, plain
@@ -213,7 +214,7 @@ class SlackBot:
         lines: Sequence[str | Said]
         try:
             lines = await work
-        except DeployBotError as exc:
+        except UserError as exc:
             lines = views.refusal(exc)
         except Exception:
             log.exception("a command by %s failed", user)
@@ -247,7 +248,7 @@ class SlackBot:
         try:
             command = parse(text)
             spec = COMMANDS.of(command)
-        except DeployBotError as exc:  # the grammar's, or a command nobody registered
+        except UserError as exc:  # the grammar's, or a command nobody registered
             problem: str | None = exc.message
         else:
             problem = spec.check(command) if spec.check else None

@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 
 from slack_sdk.models.blocks import Option
 
-from backends.base import BackendError, CloneSpec, Network, Storage, Template
+from backends.base import CloneSpec, Network, Storage, Template
 from bot.models import UserPrefs
+from bot.models.errors import BackendError
 from bot.service import Deployer
 from bot.settings import Settings
 from handlers.messages.slack import clone_mode

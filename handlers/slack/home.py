@@ -30,8 +30,8 @@ from slack_sdk.models.blocks import (
 from slack_sdk.models.views import View
 from slack_sdk.web.async_client import AsyncWebClient
 
-from bot.errors import DeployBotError
 from bot.models import Job, JobState, RollbackReport, utcnow
+from bot.models.errors import UserError
 from bot.queries import VMPage
 from bot.quotas import Standing
 from bot.service import Deployer
@@ -135,7 +135,7 @@ async def home_view(deployer: Deployer, user: str, now: datetime, zone: tzinfo =
     recent = await deployer.history(limit=RECENT, requester=user)
     try:
         standings = await deployer.quota_standing(user)
-    except DeployBotError as exc:  # a group that cannot be listed: the home still opens
+    except UserError as exc:  # a group that cannot be listed: the home still opens
         log.warning("no quota on %s's App Home: %s", user, exc.message)
         standings = []
     blocks = home_blocks(page, standings, pending, recent, now, zone)

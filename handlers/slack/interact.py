@@ -22,8 +22,9 @@ from typing import Any
 from slack_bolt.context.ack.async_ack import AsyncAck
 
 from bot.commands import ListVMs
-from bot.errors import DeployBotError, Duplicate
+from bot.errors import Duplicate
 from bot.models import Job, utcnow
+from bot.models.errors import UserError
 from handlers.commands import list_page
 from handlers.messages.destroys import destroy_answer
 from handlers.messages.lifecycle import lease_extended_answer
@@ -175,7 +176,7 @@ async def _job_click(
     except Duplicate:
         log.info("ignored a redelivered %s click on %s", what, job_id)
         return
-    except DeployBotError as exc:
+    except UserError as exc:
         await bot.tell(channel, user, views.refusal(exc))
         return
     await bot.tell(channel, user, [answer(job)])
@@ -188,7 +189,7 @@ async def show_list(
     `reply_url`: the command's response_url, tried first."""
     try:
         page = await list_page(bot.deployer, user, command)
-    except DeployBotError as exc:
+    except UserError as exc:
         await bot.tell(channel, user, views.refusal(exc), reply_url=reply_url)
         return
     text = list_title(page, user) if page.jobs else list_empty(page, user)
@@ -207,7 +208,7 @@ async def _approve(bot: Host, body: dict[str, Any]) -> None:
         await bot.deployer.decide(job_id, user, True, dedupe_key=key)
     except Duplicate:
         log.info("ignored a redelivered approval click on %s", job_id)
-    except DeployBotError as exc:
+    except UserError as exc:
         await bot.tell(channel, user, views.refusal(exc))
     _after_home_click(bot, body)
 
@@ -218,7 +219,7 @@ async def _ask_reason(bot: Host, body: dict[str, Any]) -> None:
     try:
         kind = await bot.deployer.kind_of(job_id)
         await bot.deployer.may_decide_any(job_id, user)
-    except DeployBotError as exc:
+    except UserError as exc:
         await bot.tell(channel, user, views.refusal(exc))
         return
     modal = views.reject_modal(job_id, kind.noun, {"channel": channel})
@@ -234,6 +235,6 @@ async def _reject(bot: Host, body: dict[str, Any], view: dict[str, Any], reason:
         )
     except Duplicate:
         log.info("ignored a redelivered rejection of %s", meta.get("job_id"))
-    except DeployBotError as exc:
+    except UserError as exc:
         await bot.tell(str(meta.get("channel", "")), user, views.refusal(exc))
     bot.home.refresh(user)  # the card leaves their App Home, if they use it here

@@ -17,7 +17,7 @@ from slack_bolt.context.ack.async_ack import AsyncAck
 from slack_sdk.errors import SlackApiError
 
 from bot.commands import DeployArgs
-from bot.errors import DeployBotError
+from bot.models.errors import UserError
 from bot.models.notices import Received
 from handlers.messages.core import accepted
 from handlers.messages.lifecycle import quota_left
@@ -90,7 +90,7 @@ async def _quota_left(bot: Host, user: str) -> str | None:
     request is checked anyway when it is submitted)."""
     try:
         return quota_left(await bot.deployer.quota_standing(user))
-    except DeployBotError as exc:
+    except UserError as exc:
         log.warning("no quota line in %s's form: %s", user, exc.message)
         return None
 

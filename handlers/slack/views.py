@@ -31,9 +31,9 @@ from slack_sdk.models.blocks import (
 )
 from slack_sdk.models.views import View
 
-from bot.errors import DeployBotError
 from bot.models import Job, JobState
 from bot.models.builds import Build
+from bot.models.errors import UserError
 from bot.queries import VMPage
 from handlers.messages.builds import build_approval_summary, build_context
 from handlers.messages.destroys import destroy_confirm, destroy_summary
@@ -77,7 +77,7 @@ def mrkdwn(text: str | Said, people: Sequence[str] = ()) -> str:
     return shown
 
 
-def refusal(exc: DeployBotError) -> list[Said]:
+def refusal(exc: UserError) -> list[Said]:
     """An error's lines, with the people the core named in it (bot.errors)."""
     return [Said(line, exc.people) for line in exc.message.splitlines()]
 

@@ -25,7 +25,7 @@ from psycopg.rows import dict_row
 
 from store.postgres.schema import CONSTRAINTS
 from store.retry import Unavailable
-from store.sql import Conflict, Params, Result, insert_sql
+from store.sql import ConstraintViolation, Params, Result, insert_sql
 
 # Quoted text and identifiers pass through; `?`, `:name` and `%` are rewritten.
 _TOKENS = re.compile(r"'(?:[^']|'')*'|\"(?:[^\"]|\"\")*\"|::|\?|:(\w+)|%")
@@ -137,8 +137,8 @@ class PgDb:
         self.conn.execute(b"SELECT pg_advisory_xact_lock(hashtext(%s))", [name])
 
 
-def _conflict(exc: psycopg.Error) -> Conflict:
+def _conflict(exc: psycopg.Error) -> ConstraintViolation:
     if isinstance(exc, errors.ForeignKeyViolation):
-        return Conflict("foreign key")
+        return ConstraintViolation("foreign key")
     name = exc.diag.constraint_name or ""
-    return Conflict(CONSTRAINTS.get(name, name))
+    return ConstraintViolation(CONSTRAINTS.get(name, name))

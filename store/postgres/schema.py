@@ -152,7 +152,7 @@ STEPS: dict[int, list[str]] = {
     15: _V15,
 }  # fmt: skip
 
-# What a constraint protects, as SQLite names it in its errors (store/sql.Conflict).
+# What a constraint protects, as SQLite names it in its errors (store/sql.ConstraintViolation).
 CONSTRAINTS = {
     "jobs_pkey": "jobs.id",
     "jobs_active_name": "jobs.backend, jobs.name",
