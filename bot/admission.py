@@ -14,9 +14,8 @@ from collections.abc import Awaitable, Mapping
 from backends.abilities import NamedTemplates
 from backends.base import Backend, Network, Storage, Template
 from bot.addressing import Known, named
-from bot.errors import Conflict, RequestInvalid
 from bot.models import DeployRequest
-from bot.models.errors import BackendError
+from bot.models.errors import BackendError, Conflict, RequestInvalid
 
 
 async def check_on_backend(backends: Mapping[str, Backend], request: DeployRequest) -> Template:

@@ -21,7 +21,6 @@ from bot.builds.service import Builds, DeploySmoke
 from bot.cancel import Cancels
 from bot.chatoutbox import ChatOutbox
 from bot.destroy import Destroyer
-from bot.errors import ConfigError
 from bot.inbox import Inbox
 from bot.intake import Intake
 from bot.kinds import Kinds
@@ -30,7 +29,7 @@ from bot.kinds.deploy import DeployKind
 from bot.leases import Leases
 from bot.metrics import Metrics
 from bot.models import Job, utcnow
-from bot.models.errors import BackendError
+from bot.models.errors import BackendError, ConfigError
 from bot.ownership import Clock, Ended, Ownership, Runner
 from bot.personal import Personal
 from bot.pipeline import Pipeline

@@ -12,9 +12,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime
 
 from bot import progress as tell
-from bot.errors import Duplicate, NotAllowed, TransitionRefused
 from bot.models import ApprovalState, DeployRequest, Job, JobState, utcnow
-from bot.models.errors import UserError
+from bot.models.errors import Duplicate, NotAllowed, TransitionRefused, UserError
 from bot.progress import Progress
 from bot.sections import ApprovalPolicy
 from bot.settings import Settings

@@ -8,9 +8,8 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 
-from bot.errors import Duplicate
 from bot.models import AuditEvent
-from bot.models.errors import UserError
+from bot.models.errors import Duplicate, UserError
 from store.db import Store
 
 log = logging.getLogger("bot.service")

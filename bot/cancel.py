@@ -12,8 +12,8 @@ from bot import progress as tell
 from bot.addressing import Addressing
 from bot.approvals import Approvals
 from bot.destroy import Destroyer
-from bot.errors import NotAllowed, TransitionRefused
 from bot.models import Job, JobState, utcnow
+from bot.models.errors import NotAllowed, TransitionRefused
 from bot.progress import Progress
 from bot.queue import JobQueue
 from store.db import Store

@@ -32,9 +32,15 @@ from bot import progress as tell
 from bot.addressing import Addressing
 from bot.approvals import Approvals
 from bot.destroyable import check_destroyable, failed, not_ours, unreachable_backend
-from bot.errors import Duplicate, JobNotFound, NotAllowed, RequestInvalid, TransitionRefused
 from bot.models import HOLDING_STATES, AuditEvent, Job, JobEvent, JobState
-from bot.models.errors import BackendError
+from bot.models.errors import (
+    BackendError,
+    Duplicate,
+    JobNotFound,
+    NotAllowed,
+    RequestInvalid,
+    TransitionRefused,
+)
 from bot.models.ids import JOB_REF_RE
 from bot.models.notices import Notice
 from bot.ownership import Clock, Lost, Ownership

@@ -7,9 +7,8 @@ again". Used by bot/destroy.py.
 from __future__ import annotations
 
 from backends.base import NotOurVM
-from bot.errors import TransitionRefused
 from bot.models import HOLDING_STATES, Job, JobState
-from bot.models.errors import BackendError
+from bot.models.errors import BackendError, TransitionRefused
 
 
 def check_destroyable(job: Job) -> None:

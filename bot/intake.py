@@ -22,9 +22,15 @@ from bot.addressing import Addressing, Known
 from bot.admission import check_free, check_login, check_on_backend
 from bot.approvals import approval_reason
 from bot.commands import DeployArgs
-from bot.errors import Conflict, Duplicate, NotAllowed, RequestInvalid
 from bot.models import Approval, DeployRequest, IpamState, Job, JobEvent, JobState
-from bot.models.errors import BackendError, InternalSignal
+from bot.models.errors import (
+    BackendError,
+    Conflict,
+    Duplicate,
+    InternalSignal,
+    NotAllowed,
+    RequestInvalid,
+)
 from bot.models.ids import new_job_id
 from bot.progress import Progress
 from bot.queue import JobQueue

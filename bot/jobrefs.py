@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import itertools
 
-from bot.errors import AmbiguousJob, JobNotFound, JobUnreadable
 from bot.models import Job
+from bot.models.errors import AmbiguousJob, JobNotFound, JobUnreadable
 from bot.models.ids import JOB_REF_RE, MIN_JOB_REF, SHORT_ID_LENGTH
 from store.db import Store
 

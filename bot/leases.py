@@ -29,10 +29,9 @@ from datetime import datetime, timedelta
 from backends.base import Backend, NotOurVM
 from bot.approvals import Approvals
 from bot.destroy import Destroyer
-from bot.errors import Duplicate, NotAllowed, RequestInvalid, TransitionRefused
 from bot.leaseterms import LeaseSettings, show_length
 from bot.models import AuditEvent, DeployRequest, Job, JobState
-from bot.models.errors import BackendError
+from bot.models.errors import BackendError, Duplicate, NotAllowed, RequestInvalid, TransitionRefused
 from bot.models.notices import Notice, NoticeKind
 from bot.ownership import Clock, Ownership
 from bot.progress import Progress

@@ -37,9 +37,9 @@ from bot.commands import (
     TemplateProfiles,
     Templates,
 )
-from bot.errors import UsageError
 from bot.leaseterms import parse_length
 from bot.models import MIN_MEMORY_MIB
+from bot.models.errors import UsageError
 from bot.models.ids import JOB_REF_RE, MIN_JOB_REF
 
 USAGE = (

@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 from backends.base import Template
-from bot.errors import RequestInvalid
 from bot.models import UserPrefs
+from bot.models.errors import RequestInvalid
 from bot.models.keys import MAX_SSH_KEYS, check_ssh_key
 from store.db import RowUnreadable, Store
 

@@ -22,9 +22,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from bot.errors import NotAllowed
 from bot.models import DeployRequest
-from bot.models.errors import StoreError, UserError
+from bot.models.errors import NotAllowed, StoreError, UserError
 from store.db import Store
 from store.quotas import RESOURCES, Admit, Usage, UsageOf
 

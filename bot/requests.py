@@ -14,8 +14,8 @@ from pydantic import ValidationError
 
 from bot import subnets
 from bot.commands import DeployArgs
-from bot.errors import RequestInvalid
 from bot.models import MIN_MEMORY_MIB, DeployRequest
+from bot.models.errors import RequestInvalid
 from bot.settings import Settings
 
 # Request fields as the person typed them, so messages name the key they know.

@@ -15,9 +15,8 @@ from backends.ipam import open_ipam
 from bot.app import compose
 from bot.builds.parts import BuildNotes
 from bot.durations import teach
-from bot.errors import ConfigError, StoreUnavailable
 from bot.models import utcnow
-from bot.models.errors import BackendError
+from bot.models.errors import BackendError, ConfigError, StoreUnavailable
 from bot.ownership import Clock
 from bot.progress import Progress
 from bot.service import Deployer

@@ -23,9 +23,9 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from backends.config import BackendConfig
 from backends.ipam.config import IpamConfig
-from bot.errors import ConfigError, format_errors
 from bot.images.profiles import ImagesSettings
 from bot.leaseterms import LeaseSettings
+from bot.models.errors import ConfigError, format_errors
 from bot.quotas import QuotaSettings
 from bot.sections import (
     ApprovalPolicy,

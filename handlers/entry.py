@@ -15,9 +15,9 @@ from bot.builds import retire
 from bot.check import run_checks
 from bot.cli import default_user, run
 from bot.commands import DeployArgs, ExtendLease, ListVMs
-from bot.errors import ConfigError
 from bot.models import JobState
 from bot.models.builds import BuildState
+from bot.models.errors import ConfigError
 from bot.parser import parse
 from bot.runtime import make_backend, open_store, running_deployer, secret_problems
 from bot.settings import Settings

@@ -11,8 +11,8 @@ import pytest
 
 from backends.sim import SimBackend
 from bot.commands import DeployArgs
-from bot.errors import JobNotFound, NotAllowed, RequestInvalid, TransitionRefused
 from bot.models import IpamState, Job, JobState, utcnow
+from bot.models.errors import JobNotFound, NotAllowed, RequestInvalid, TransitionRefused
 from bot.parser import parse
 from bot.runtime import running_deployer
 from bot.service import Deployer

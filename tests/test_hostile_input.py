@@ -22,9 +22,8 @@ from hypothesis import strategies as st
 
 from backends.sim import SimBackend
 from bot.commands import DeployArgs
-from bot.errors import RequestInvalid, UsageError
 from bot.models import HOSTNAME_RE, Job, JobState
-from bot.models.errors import UserError
+from bot.models.errors import RequestInvalid, UsageError, UserError
 from bot.parser import parse
 from bot.requests import build_request
 from bot.runtime import running_deployer

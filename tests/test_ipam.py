@@ -12,8 +12,8 @@ import pytest
 from backends.base import Backend
 from backends.sim import SimBackend
 from bot.commands import DeployArgs
-from bot.errors import Conflict, RequestInvalid
 from bot.models import Job, JobState
+from bot.models.errors import Conflict, RequestInvalid
 from bot.parser import parse
 from bot.runtime import running_deployer
 from bot.service import Deployer

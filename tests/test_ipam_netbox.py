@@ -21,8 +21,8 @@ from backends.ipam.netbox import NetBox as NetBoxIpam
 from backends.sim import SimBackend
 from bot.check import check_ipam
 from bot.commands import DeployArgs
-from bot.errors import Conflict, RequestInvalid
 from bot.models import IpamState, Job, JobState, utcnow
+from bot.models.errors import Conflict, RequestInvalid
 from bot.parser import parse
 from bot.runtime import running_deployer
 from bot.service import Deployer

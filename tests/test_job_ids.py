@@ -10,8 +10,8 @@ import pytest
 
 from backends.sim import SimBackend
 from bot.commands import DeployArgs
-from bot.errors import AmbiguousJob, JobNotFound, NotAllowed
 from bot.models import Approval, Job, JobState, utcnow
+from bot.models.errors import AmbiguousJob, JobNotFound, NotAllowed
 from bot.models.ids import _ID_ALPHABET, new_job_id
 from bot.parser import parse
 from bot.requests import build_request

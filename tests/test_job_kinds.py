@@ -21,9 +21,9 @@ from backends.sim import SimBackend
 from bot import progress as tell
 from bot.app import compose
 from bot.commands import DeployArgs
-from bot.errors import NotAllowed
 from bot.kinds import Rows
 from bot.models import Approval, ApprovalState, Job, JobState, utcnow
+from bot.models.errors import NotAllowed
 from bot.ownership import Ended, host_identity, process_start
 from bot.parser import parse
 from bot.requests import build_request

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from bot.commands import DeployArgs, ExtendLease
-from bot.errors import ConfigError, UsageError
 from bot.leaseterms import parse_length, show_length
+from bot.models.errors import ConfigError, UsageError
 from bot.parser import parse
 from tests.support.cli import KEPT, deploybot, no_traceback
 from tests.support.deployer import make_settings

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from backends.sim import SimBackend
-from bot.errors import ConfigError
+from bot.models.errors import ConfigError
 from bot.settings import BUNDLED_CONFIG, load_settings
 from tests.support.deployer import TEST_KEY, make_settings
 

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bot.commands import Approve, Cancel, DeployArgs, Help, History, Reject, Status, Templates
-from bot.errors import UsageError
+from bot.models.errors import UsageError
 from bot.parser import parse
 
 

@@ -7,8 +7,8 @@ import pytest
 
 from backends.sim import SimBackend
 from backends.sim.vm import FAULT_KINDS
-from bot.errors import Conflict, RequestInvalid
 from bot.models import Job, JobEvent, JobState
+from bot.models.errors import Conflict, RequestInvalid
 from bot.parser import parse
 from bot.pipeline import STEPS as DEPLOY_STEPS
 from bot.runs import vm_ref

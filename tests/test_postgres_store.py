@@ -14,8 +14,8 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from bot.errors import StoreUnavailable
 from bot.models import Job, JobState
+from bot.models.errors import StoreUnavailable
 from bot.runtime import open_store
 from bot.settings import Settings
 from store.db import Store
@@ -130,7 +130,7 @@ async def test_postgres_password_comes_from_the_environment(
 
 
 def test_a_password_in_the_database_url_is_refused(tmp_path: Path) -> None:
-    from bot.errors import ConfigError
+    from bot.models.errors import ConfigError
 
     with pytest.raises(ConfigError) as refused:
         make_settings(tmp_path, database="postgresql://bot:s3cret@127.0.0.1:5432/deploybot")

@@ -14,8 +14,8 @@ from backends.base import CloneSpec, VMRef
 from backends.proxmox import ProxmoxBackend
 from backends.proxmox.vmconfig import nic_with
 from bot.commands import DeployArgs
-from bot.errors import ConfigError
 from bot.models import Job, JobState
+from bot.models.errors import ConfigError
 from bot.parser import parse
 from bot.runtime import running_deployer
 from bot.settings import BUNDLED_CONFIG, load_settings

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from bot.commands import DeployArgs
-from bot.errors import Conflict, RequestInvalid
 from bot.models import Job, JobEvent, JobState
+from bot.models.errors import Conflict, RequestInvalid
 from bot.parser import parse
 from bot.pipeline import STEPS as DEPLOY_STEPS
 from bot.runs import vm_ref

@@ -18,9 +18,8 @@ from backends.sim import SimBackend
 from backends.tags import job_tag
 from bot import gc
 from bot.commands import DeployArgs
-from bot.errors import JobUnreadable, RequestInvalid
 from bot.models import Approval, Job, JobEvent, JobState, utcnow
-from bot.models.errors import UserError
+from bot.models.errors import JobUnreadable, RequestInvalid, UserError
 from bot.parser import parse
 from bot.requests import build_request
 from bot.runtime import running_deployer

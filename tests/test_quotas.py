@@ -15,9 +15,8 @@ import pytest
 from backends.sim import SimBackend
 from bot import quotas
 from bot.commands import DeployArgs
-from bot.errors import ConfigError
 from bot.models import HOLDING_STATES, Job, JobState
-from bot.models.errors import UserError
+from bot.models.errors import ConfigError, UserError
 from bot.parser import parse
 from bot.quotas import QuotaExceeded
 from bot.requests import build_request

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from bot.commands import DeployArgs
-from bot.errors import RequestInvalid, UsageError
+from bot.models.errors import RequestInvalid, UsageError
 from bot.parser import parse
 from bot.requests import build_request
 from bot.settings import Settings

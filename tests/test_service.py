@@ -13,8 +13,8 @@ from backends.base import CloneSpec, PermanentError, Storage, Template
 from backends.sim import SimBackend
 from backends.tags import job_tag
 from bot.commands import DeployArgs
-from bot.errors import Conflict, JobNotFound, NotAllowed, RequestInvalid, TransitionRefused
 from bot.models import ApprovalState, Job, JobState, utcnow
+from bot.models.errors import Conflict, JobNotFound, NotAllowed, RequestInvalid, TransitionRefused
 from bot.parser import parse
 from bot.recovery import INTERRUPTED
 from bot.requests import build_request

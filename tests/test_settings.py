@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from bot.errors import ConfigError
+from bot.models.errors import ConfigError
 from bot.settings import BUNDLED_CONFIG, config_path, load_settings
 
 

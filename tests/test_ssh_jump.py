@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from backends.base import PermanentError, RetryableError, Unreachable
 from backends.config import SshJump
 from backends.sshcheck import SshCheck
-from bot.errors import ConfigError
+from bot.models.errors import ConfigError
 from bot.settings import load_settings
 from tests.support.jumphost import JumpHost
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bot.errors import RequestInvalid
+from bot.models.errors import RequestInvalid
 from bot.models.keys import check_ssh_key
 from bot.service import Deployer
 

@@ -18,7 +18,6 @@ from urllib.parse import unquote
 
 import pytest
 
-from bot.errors import ConfigError
 from bot.images.customize import DATASOURCE_FILE, Accelerator, selinux_state
 from bot.images.fetch import Expected, FetchError, fetch_verified, parse_sums
 from bot.images.prepare import PreparedImage, PrepareError, prepare_image
@@ -30,6 +29,7 @@ from bot.images.profiles import (
     build_profile,
     catalogue,
 )
+from bot.models.errors import ConfigError
 from bot.settings import BUNDLED_CONFIG, load_settings
 from tests.support.images import require_libguestfs, unavailable, upstream_server
 from tests.support.realguest import image, qemu, upstream

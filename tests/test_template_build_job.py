@@ -13,9 +13,9 @@ import pytest
 
 from backends.sim import SimBackend
 from bot.commands import DeployArgs
-from bot.errors import ConfigError, Conflict, NotAllowed, RequestInvalid, TransitionRefused
 from bot.models import JobState, utcnow
 from bot.models.builds import Build, BuildState
+from bot.models.errors import ConfigError, Conflict, NotAllowed, RequestInvalid, TransitionRefused
 from bot.runtime import running_deployer
 from bot.service import Deployer
 from tests.support.deployer import make_settings

@@ -22,7 +22,7 @@ from backends.vsphere import create
 from backends.vsphere.config import Config
 from bot.admission import problems_at_start
 from bot.commands import DeployArgs
-from bot.errors import RequestInvalid
+from bot.models.errors import RequestInvalid
 from bot.parser import parse
 from bot.runtime import make_backend, running_deployer
 from tests.support.deployer import Recorder, make_settings

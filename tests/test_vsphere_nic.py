@@ -21,8 +21,8 @@ from backends.base import CloneSpec, PermanentError, Template
 from backends.vsphere.config import Config
 from bot.admission import problems_at_start
 from bot.commands import DeployArgs
-from bot.errors import ConfigError, RequestInvalid
 from bot.models import JobState
+from bot.models.errors import ConfigError, RequestInvalid
 from bot.parser import parse
 from bot.settings import BUNDLED_CONFIG, load_settings
 from handlers.messages.reports import templates

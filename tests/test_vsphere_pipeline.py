@@ -18,8 +18,8 @@ from pyVmomi import vim
 
 from backends.vsphere import VSphereBackend
 from bot.commands import DeployArgs
-from bot.errors import Conflict
 from bot.models import JobState
+from bot.models.errors import Conflict
 from bot.parser import parse
 from bot.pipeline import STEPS as DEPLOY_STEPS
 from tests.support.deployer import Recorder

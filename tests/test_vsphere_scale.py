@@ -31,9 +31,8 @@ from pyVmomi import vim
 from backends.base import CloneSpec, VMNotFound, VMRef
 from backends.vsphere import VSphereBackend
 from bot.commands import DeployArgs
-from bot.errors import Conflict
 from bot.models import JobState
-from bot.models.errors import BackendError
+from bot.models.errors import BackendError, Conflict
 from bot.parser import parse
 from bot.runtime import make_backend, running_deployer
 from tests.support.deployer import Recorder

@@ -7,9 +7,9 @@ rollback removes what it made; while another process does, asked through the sto
 from __future__ import annotations
 
 from bot.builds.parts import build_notice
-from bot.errors import NotAllowed, TransitionRefused
 from bot.models import utcnow
 from bot.models.builds import Build, BuildState
+from bot.models.errors import NotAllowed, TransitionRefused
 from bot.models.notices import BUILD_FINISHED
 from bot.queue import JobQueue
 from store.db import Store

@@ -20,8 +20,13 @@ from bot.builds.cancel import cancel_build
 from bot.builds.parts import BuildNotes, SmokeDeploys, build_notice
 from bot.builds.runner import BuildRunner, Prepare
 from bot.commands import DeployArgs
-from bot.errors import (
+from bot.images.prepare import prepare_image
+from bot.images.profiles import ProfileError
+from bot.models import Job, JobState, utcnow
+from bot.models.builds import BUILD_ID_RE, Build, BuildState, template_name_problem
+from bot.models.errors import (
     AmbiguousJob,
+    BackendError,
     Conflict,
     Duplicate,
     JobNotFound,
@@ -29,11 +34,6 @@ from bot.errors import (
     RequestInvalid,
     TransitionRefused,
 )
-from bot.images.prepare import prepare_image
-from bot.images.profiles import ProfileError
-from bot.models import Job, JobState, utcnow
-from bot.models.builds import BUILD_ID_RE, Build, BuildState, template_name_problem
-from bot.models.errors import BackendError
 from bot.models.ids import MIN_JOB_REF
 from bot.models.notices import BUILD_ASKED, BUILD_DECIDED, BUILD_FINISHED
 from bot.settings import Settings

@@ -31,8 +31,7 @@ from slack_sdk.web.async_client import AsyncWebClient
 
 from bot import inbox, logfields
 from bot.commands import DeployArgs, ListVMs, ShowSettings
-from bot.errors import UsageError
-from bot.models.errors import UserError
+from bot.models.errors import UsageError, UserError
 from bot.parser import parse
 from bot.service import Deployer
 from handlers.commands import COMMANDS, Invocation, SlackWay, plain

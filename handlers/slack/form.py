@@ -25,9 +25,9 @@ from slack_sdk.models.blocks import (
 from slack_sdk.models.views import View
 
 from bot.commands import DeployArgs
-from bot.errors import RequestInvalid
 from bot.leaseterms import parse_length
 from bot.models import HOSTNAME_RE, UserPrefs
+from bot.models.errors import RequestInvalid
 from bot.models.keys import check_ssh_key
 from bot.parser import is_whole
 from bot.requests import build_request

@@ -22,9 +22,8 @@ from typing import Any
 from slack_bolt.context.ack.async_ack import AsyncAck
 
 from bot.commands import ListVMs
-from bot.errors import Duplicate
 from bot.models import Job, utcnow
-from bot.models.errors import UserError
+from bot.models.errors import Duplicate, UserError
 from handlers.commands import list_page
 from handlers.messages.destroys import destroy_answer
 from handlers.messages.lifecycle import lease_extended_answer

@@ -23,8 +23,8 @@ from slack_bolt.adapter.socket_mode.aiohttp import AsyncSocketModeHandler
 from backends.base import Backend
 from bot import inbox
 from bot.admission import problems_at_start
-from bot.errors import ConfigError
 from bot.metrics import CONTENT_TYPE
+from bot.models.errors import ConfigError
 from bot.parser import is_whole
 from bot.runtime import running_deployer, secret_problems
 from bot.sections import SlackSettings

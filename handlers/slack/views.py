@@ -78,7 +78,7 @@ def mrkdwn(text: str | Said, people: Sequence[str] = ()) -> str:
 
 
 def refusal(exc: UserError) -> list[Said]:
-    """An error's lines, with the people the core named in it (bot.errors)."""
+    """An error's lines, with the people the core named in it (bot.models.errors)."""
     return [Said(line, exc.people) for line in exc.message.splitlines()]
 
 
