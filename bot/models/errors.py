@@ -3,9 +3,9 @@
 Every exception deploybot defines derives from `DeployBotError`, through one branch
 that says who may catch it. This module imports nothing from the project, so every
 layer (core, store, backends, front ends) may import it. Each branch's own exceptions
-live where they are raised, except the core's refusals to front ends, which are at
-the end of this module: backends/base.py and the backends' own modules (a hypervisor's failures, its vendor errors mapped there),
-store/*.py (the store's answers).
+live where they are raised: backends/base.py and the backends' own modules (a
+hypervisor's failures, its vendor errors mapped there), store/*.py (the store's
+answers); the core's refusals to front ends are at the end of this module.
 
     DeployBotError          the root; nothing catches it whole
     +-- UserError           a person can fix it; front ends show its message as it is
