@@ -5,7 +5,7 @@ someone else holds (until `lock_wait_s`), or asking again for the state of its t
 when a read of it failed. When the caller's own timeout ends the call first, "timed out
 after 45 s" alone hides why; so the backend says what it met (`trouble`) into the list
 the caller handed in (`told`, which keeps the last), and the caller's timeout names it, as it
-does for the retryable errors it saw itself (bot/waiting.py `retrying`).
+does for the retryable errors it saw itself (bot/jobs/waiting.py `retrying`).
 
 The list travels in a context variable: a call's coroutines share their task's context,
 so every layer of a backend can tell without an extra parameter. Work that runs in a

@@ -23,11 +23,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from bot.commands import DeployArgs
+from bot.config.settings import BUNDLED_CONFIG, load_settings
 from bot.models import Job, JobState
-from bot.parser import parse
-from bot.requests import build_request
-from bot.settings import BUNDLED_CONFIG, load_settings
+from bot.requests.grammar import parse
+from bot.requests.parsed import DeployArgs
+from bot.requests.validation import build_request
 from store.db import Store
 
 SMALL = 1000

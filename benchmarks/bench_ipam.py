@@ -37,10 +37,10 @@ from pathlib import Path
 from backends.sim import SimBackend
 from benchmarks import needs
 from benchmarks.keys import BENCH_KEY
-from bot.commands import DeployArgs
-from bot.parser import parse
-from bot.runtime import running_deployer
-from bot.settings import BUNDLED_CONFIG, load_settings
+from bot.app.runtime import running_deployer
+from bot.config.settings import BUNDLED_CONFIG, load_settings
+from bot.requests.grammar import parse
+from bot.requests.parsed import DeployArgs
 from tests.support.fakepve.schema import ApiSchema
 from tests.support.fakepve.server import make_tls
 from tests.support.fakepve.testing import make_backend, start_fake
@@ -86,7 +86,7 @@ async def picks(
 
 
 async def ask(deployer: object, text: str) -> None:
-    from bot.service import Deployer
+    from bot.app.service import Deployer
 
     assert isinstance(deployer, Deployer)
     args = parse(text)

@@ -23,11 +23,11 @@ from backends.sim import SimBackend
 from backends.sim.vm import SimTiming
 from benchmarks.keys import BENCH_KEY
 from benchmarks.stall import ticker
-from bot.commands import DeployArgs
+from bot.app.runtime import running_deployer
+from bot.config.settings import BUNDLED_CONFIG, load_settings
 from bot.models import JobState
-from bot.parser import parse
-from bot.runtime import running_deployer
-from bot.settings import BUNDLED_CONFIG, load_settings
+from bot.requests.grammar import parse
+from bot.requests.parsed import DeployArgs
 
 GOALS = {50: "<=1.05", 200: "<=1.05"}  # the ratio wanted at these sizes (issue 10)
 

@@ -60,11 +60,11 @@ from backends.proxmox.pacing import Pacing
 from benchmarks import needs
 from benchmarks.keys import BENCH_KEY
 from benchmarks.stall import ticker
-from bot.commands import DeployArgs
+from bot.app.runtime import running_deployer
+from bot.config.settings import BUNDLED_CONFIG, load_settings
 from bot.models import JobState
-from bot.parser import parse
-from bot.runtime import running_deployer
-from bot.settings import BUNDLED_CONFIG, load_settings
+from bot.requests.grammar import parse
+from bot.requests.parsed import DeployArgs
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMINGS = {"clone-s": 2.0, "config-s": 0.2, "start-s": 1.0, "agent-after-s": 3.0}

@@ -28,9 +28,9 @@ from pathlib import Path
 from backends.sim import SimBackend
 from benchmarks import needs
 from benchmarks.keys import BENCH_KEY
+from bot.app.runtime import running_deployer
+from bot.config.settings import BUNDLED_CONFIG, load_settings
 from bot.models import Job, JobState, RollbackReport
-from bot.runtime import running_deployer
-from bot.settings import BUNDLED_CONFIG, load_settings
 from handlers.slack.app import SlackBot, make_client
 from handlers.slack.threads import SlackThreads
 from tests.support.slack.bot import ALICE, BOT_TOKEN, CHANNEL, SIGNING_SECRET, Harness, new_fake

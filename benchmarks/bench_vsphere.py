@@ -58,11 +58,11 @@ from backends.vsphere import VSphereBackend
 from benchmarks import needs
 from benchmarks.keys import BENCH_KEY
 from benchmarks.stall import ticker
-from bot.commands import DeployArgs
+from bot.app.runtime import make_backend, running_deployer
+from bot.config.settings import BUNDLED_CONFIG, load_settings
 from bot.models import JobState
-from bot.parser import parse
-from bot.runtime import make_backend, running_deployer
-from bot.settings import BUNDLED_CONFIG, load_settings
+from bot.requests.grammar import parse
+from bot.requests.parsed import DeployArgs
 from tests.support.vsphere.simulator import (
     PASSWORD,
     PASSWORD_ENV,

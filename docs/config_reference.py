@@ -1,7 +1,7 @@
 """Writes docs/configuration-reference.md from the settings models, so it cannot drift.
 
-Every key of deploybot.toml is a field of a pydantic model (bot/settings.py `Settings`,
-its sections in bot/sections.py and the feature modules, each backend kind's `Config`).
+Every key of deploybot.toml is a field of a pydantic model (bot/config/settings.py `Settings`,
+its sections in bot/config/sections.py and the feature modules, each backend kind's `Config`).
 This script walks them and prints, per section, the model's docstring and one row per
 key: its type, its default, its bounds, and what the code says of it (the field's
 `description`, else the comment beside or just above it in the model's source).
@@ -35,10 +35,10 @@ from pydantic import BaseModel, BeforeValidator
 from pydantic.fields import FieldInfo
 
 from backends.config import BackendConfig
-from bot import leaseterms
+from bot.config.settings import BACKEND_MODULES, Settings, backend_module
 from bot.images.profiles import Profile
-from bot.leaseterms import LeaseSettings
-from bot.settings import BACKEND_MODULES, Settings, backend_module
+from bot.leases import terms as leaseterms
+from bot.leases.terms import LeaseSettings
 
 # Keys every [[backends]] entry has, listed once rather than under each kind.
 SHARED = frozenset(BackendConfig.model_fields) - {"kind"}

@@ -1,14 +1,15 @@
 """The command registry: every `/deploy` command, declared once, for every front end.
 
-A command is its words and arguments (the dataclass in bot/commands.py, parsed by
-bot/parser.py, whose usage line is `USAGES[words]`), and here one `Spec`: who may run
+A command is its words and arguments (the dataclass in bot/requests/parsed.py, parsed by
+bot/requests/grammar.py, whose usage line is `USAGES[words]`), and here one `Spec`: who may run
 it, its handler, and how Slack shows it. The shell (handlers/terminal.py), Slack
 (handlers/slack/app.py) and the CLI where it offers the same command (handlers/entry.py:
 `list`, `lease extend`) all dispatch through `COMMANDS`, and `help` is generated from
 it; a command missing here is answered with the same message everywhere.
 
-Who may run a command is declared for `help`; the core enforces it (bot/approvals.py,
-bot/destroy.py, bot/leases.py, ...), because most rules need the job (its requester).
+Who may run a command is declared for `help`; the core enforces it (bot/approvals/decisions.py,
+bot/kinds/deploy/destroy.py, bot/leases/enforce.py, ...), because most rules need the job
+(its requester).
 """
 
 from __future__ import annotations
@@ -20,7 +21,13 @@ from dataclasses import dataclass
 from datetime import UTC, tzinfo
 from typing import Any, Generic, TypeVar
 
-from bot.commands import (
+from bot.app.queries import VMPage
+from bot.app.service import Deployer
+from bot.models import utcnow
+from bot.models.errors import UserError
+from bot.models.keys import check_ssh_key
+from bot.requests.grammar import USAGES, parse
+from bot.requests.parsed import (
     Approve,
     BuildTemplate,
     Cancel,
@@ -37,12 +44,6 @@ from bot.commands import (
     TemplateProfiles,
     Templates,
 )
-from bot.models import utcnow
-from bot.models.errors import UserError
-from bot.models.keys import check_ssh_key
-from bot.parser import USAGES, parse
-from bot.queries import VMPage
-from bot.service import Deployer
 from handlers.messages import usage
 from handlers.messages.builds import (
     build_accepted,

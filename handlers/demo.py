@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import TextIO
 
 from backends.sim import SimBackend
+from bot.app.runtime import running_deployer
+from bot.config.settings import BUNDLED_CONFIG, load_settings
 from bot.models import JobState
-from bot.runtime import running_deployer
-from bot.settings import BUNDLED_CONFIG, load_settings
 from handlers.terminal import Shell, TerminalThread
 
 # Alice's public key (a public key is no secret; nobody holds its private half).

@@ -1,4 +1,4 @@
-"""The `deploybot` console script: the CLI of bot/cli.py with the terminal front ends."""
+"""The `deploybot` console script: the CLI of bot/app/cli.py with the terminal front ends."""
 
 from __future__ import annotations
 
@@ -10,17 +10,17 @@ import sys
 from collections.abc import Sequence
 
 from backends.building import BuildsTemplates
-from bot import gc
-from bot.builds import retire
-from bot.check import run_checks
-from bot.cli import default_user, run
-from bot.commands import DeployArgs, ExtendLease, ListVMs
+from bot.app.cli import default_user, run
+from bot.app.runtime import make_backend, open_store, running_deployer, secret_problems
+from bot.config.settings import Settings
+from bot.kinds.build import retire
 from bot.models import JobState
 from bot.models.builds import BuildState
 from bot.models.errors import ConfigError
-from bot.parser import parse
-from bot.runtime import make_backend, open_store, running_deployer, secret_problems
-from bot.settings import Settings
+from bot.operations import gc
+from bot.operations.check import run_checks
+from bot.requests.grammar import parse
+from bot.requests.parsed import DeployArgs, ExtendLease, ListVMs
 from handlers import commands
 from handlers.demo import run_demo
 from handlers.messages.builds import (
@@ -145,7 +145,7 @@ async def check_config(args: argparse.Namespace, settings: Settings) -> int:
     print("The configuration is valid.")
     print(f"  backends: {', '.join(f'{b.name} ({b.kind})' for b in settings.backends)}")
     print(f"  subnets: {', '.join(str(s.cidr) for s in settings.subnets)}")
-    print(f"  database: {settings.database}")  # never holds a password (bot/settings.py)
+    print(f"  database: {settings.database}")  # never holds a password (bot/config/settings.py)
     return 0
 
 

@@ -12,9 +12,9 @@ import asyncio
 import sys
 from typing import TextIO
 
+from bot.app.service import Deployer
 from bot.models import Job, JobState, RollbackReport
 from bot.models.builds import Build
-from bot.service import Deployer
 from handlers.commands import COMMANDS, answer
 from handlers.messages import usage
 from handlers.messages.builds import build_end, build_headline
@@ -125,7 +125,7 @@ class Shell:
 
 
 class TerminalBuilds:
-    """Build progress (bot/builds/) as a thread of lines, like a deploy's."""
+    """Build progress (bot/kinds/build/) as a thread of lines, like a deploy's."""
 
     def __init__(self, out: TextIO | None = None) -> None:
         self.out = out or sys.stdout

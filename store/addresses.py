@@ -3,7 +3,7 @@
 The unique index over the addresses of jobs in flight or succeeded (HOLDING_STATES) is
 the built-in IPAM: these read it so the next free address skips what jobs hold, and
 find the jobs that ended without giving their IPAM record back (a crash, an IPAM that
-did not answer), which the reconciler releases (bot/addressing.py).
+did not answer), which the reconciler releases (bot/addresses/allocation.py).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Template builds (bot/builds/): insert, read and compare-and-set moves of `builds` rows.
+"""Template builds (bot/kinds/build/): insert, read and compare-and-set moves of `builds` rows.
 
 Like jobs, every move names the states it expects and, with `held_by`, the runner that
 must still own the build, so a runner whose claim lapsed cannot write over the one that

@@ -2,9 +2,9 @@
 
 A job holds its VM from the request to the end of its destroy (HOLDING_STATES), so the
 listing is the jobs in those states: in flight, ready, or on their way out; newest
-first, a page at a time. A decision on a destroy (bot/destroy.py) is one compare-and-set
-of the job's state, made with the chat delivery that asked for it in one transaction,
-so a redelivered click decides nothing twice.
+first, a page at a time. A decision on a destroy (bot/kinds/deploy/destroy.py) is one
+compare-and-set of the job's state, made with the chat delivery that asked for it in
+one transaction, so a redelivered click decides nothing twice.
 """
 
 from __future__ import annotations

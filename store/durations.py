@@ -1,5 +1,5 @@
 """How long past deploy steps took, per backend, template and storage: the job history
-read back so a backend can pace its waits from the start of a process (bot/durations.py).
+read back so a backend can pace its waits from the start of a process (bot/jobs/durations.py).
 """
 
 from __future__ import annotations

@@ -234,7 +234,7 @@ def _v7(db: Database) -> None:
 
 
 def _v8(db: Database) -> None:
-    """A job's address as the IPAM records it (bot/addressing.py)."""
+    """A job's address as the IPAM records it (bot/addresses/allocation.py)."""
     for column in ("ipam_ref", "ipam_state"):
         db.table("jobs").add_column(column, str)
     db.table("jobs").create_index(["ipam_state", "state"])
@@ -255,7 +255,7 @@ DESTROY_COLUMNS = (
 
 
 def _v9(db: Database) -> None:
-    """Destroys (bot/destroy.py): who asked, who approved, when it was gone; and the
+    """Destroys (bot/kinds/deploy/destroy.py): who asked, who approved, when it was gone; and the
     unique indexes widened to the destroy states, whose VMs still exist."""
     for column in DESTROY_COLUMNS:
         db.table("jobs").add_column(column, str)
@@ -275,7 +275,7 @@ LEASE_COLUMNS = {"lease_s": int, "expires_at": str, "reminders_sent": str, "powe
 
 
 def _v10(db: Database) -> None:
-    """Leases (bot/leases.py): how long, until when, which reminders went out, when the
+    """Leases (bot/leases/enforce.py): how long, until when, which reminders went out, when the
     VM was powered off; the unique indexes widened to `expired_off`."""
     for column, kind in LEASE_COLUMNS.items():
         db.table("jobs").add_column(column, kind)
@@ -290,7 +290,7 @@ def _v10(db: Database) -> None:
     db.execute("CREATE INDEX idx_jobs_state_expires_at ON jobs (state, expires_at)")
 
 
-# Template builds (bot/builds/): one row per build, its own table since it has no
+# Template builds (bot/kinds/build/): one row per build, its own table since it has no
 # address and no VM of a chat user. `version` is the only integer column.
 BUILD_COLUMNS = [
     "id", "state", "requester", "profile", "backend", "name", "version", "placement",
@@ -323,7 +323,7 @@ def _v11(db: Database) -> None:
     db.execute("CREATE INDEX idx_builds_state ON builds (state, lease_until)")
 
 
-# A build's approval (bot/builds/service.py), kept on its row (schema v12).
+# A build's approval (bot/kinds/build/service.py), kept on its row (schema v12).
 BUILD_APPROVAL_COLUMNS = ("approval_reason", "decided_by", "decided_at", "approval_ref")
 
 

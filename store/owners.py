@@ -26,7 +26,7 @@ from store.sql import Db, immediate
 from store.tx import ts
 
 # States in which a job has an owner: reserved by it (queued) or being worked on (a
-# deploy, its rollback, or a destroy: bot/destroy.py).
+# deploy, its rollback, or a destroy: bot/kinds/deploy/destroy.py).
 _OWNED = ("queued", "running", "rolling_back", "destroying")
 _OWNED_SQL = "('queued', 'running', 'rolling_back', 'destroying')"
 _BUILDS_OWNED_SQL = "('queued', 'running', 'rolling_back')"
@@ -286,7 +286,7 @@ def live_on_host(db: Db, host: str) -> list[tuple[str, int, str]]:
     """(id, pid, proc_start) of runners on this host not known to have stopped, whatever
     their claim: one whose claim lapsed may still be alive (paused by an outage), and
     one that is gone must be declared so (else its jobs wait out a claim for a taker
-    that has watched the database for one: bot/ownership.py)."""
+    that has watched the database for one: bot/ownership/claims.py)."""
     rows = db.execute(
         "SELECT id, pid, proc_start FROM runners WHERE host = :host AND stopped_at IS NULL",
         {"host": host},

@@ -1,7 +1,7 @@
 """What people's jobs hold (VMs, cores, memory, disk): the queries behind quotas.
 
 The policy (who may hold how much, and what a request over it gets) is the core's
-(bot/quotas.py); the store only counts. No table of its own: a job holds its share while
+(bot/requests/quotas.py); the store only counts. No table of its own: a job holds its share while
 it holds its VM (HOLDING_STATES), and the request kept with it says how much. `admit`
 runs the core's check inside the insert's transaction after taking the store's "quota"
 lock, so of two requests that each fit alone but not together, the second one's check
@@ -38,7 +38,7 @@ class Usage:
 
 # What the requesters in a collection hold now, read in the caller's transaction.
 UsageOf = Callable[[Collection[str]], Usage]
-# The core's check of a new job against its quotas: raises to refuse it (bot/quotas.py).
+# The core's check of a new job against its quotas: raises to refuse it (bot/requests/quotas.py).
 Admit = Callable[[UsageOf], None]
 
 

@@ -101,14 +101,14 @@ class Runners(Repository):
 
 
 class Leases(Repository):
-    """VM leases (bot/leases.py): what the lease timer watches, and its steps."""
+    """VM leases (bot/leases/enforce.py): what the lease timer watches, and its steps."""
 
     watched = call(leases.watched)
     write_step = call(leases.write)
 
 
 class Addresses(Repository):
-    """The IPAM records jobs hold (bot/addressing.py)."""
+    """The IPAM records jobs hold (bot/addresses/allocation.py)."""
 
     held = call(addresses.held)
     holder = call(addresses.holder)
@@ -164,14 +164,14 @@ class Audit(Repository):
 
 
 class GcRuns(Repository):
-    """The gc runs whose dry run an apply must follow (bot/gc.py)."""
+    """The gc runs whose dry run an apply must follow (bot/operations/gc.py)."""
 
     record = call(gc.record_gc_run)
     last_dry_run = call(gc.last_gc_dry_run)
 
 
 class Builds(Repository):
-    """Template builds (bot/builds/)."""
+    """Template builds (bot/kinds/build/)."""
 
     insert = call(builds.insert_build)
     get = call(builds.get_build)

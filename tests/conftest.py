@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from backends.sim import SimBackend
-from bot.runtime import running_deployer
-from bot.service import Deployer
-from bot.settings import Settings
+from bot.app.runtime import running_deployer
+from bot.app.service import Deployer
+from bot.config.settings import Settings
 from tests.support.deployer import SIM_SCALE, Recorder, make_settings
 from tests.support.netbox.harness import clean_netbox, netbox  # noqa: F401 (fixtures)
 from tests.support.postgres import (  # noqa: F401 (fixtures)

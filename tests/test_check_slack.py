@@ -8,8 +8,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from bot.check import CheckResult
-from bot.sections import SlackSettings
+from bot.config.sections import SlackSettings
+from bot.operations.check import CheckResult
 from handlers.slack.check import slack_checks
 from tests.support.slack.bot import APPROVALS, BOT_TOKEN, new_fake
 from tests.support.slack.fake_api import FakeSlack

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from bot.check import check_backend
+from bot.operations.check import check_backend
 from tests.support.vsphere.simulator import (
     TEMPLATE,
     Simulated,

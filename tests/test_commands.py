@@ -9,8 +9,8 @@ import typing
 from dataclasses import dataclass
 from pathlib import Path
 
-from bot.commands import Command
-from bot.parser import SUBCOMMAND_USAGE, USAGES
+from bot.requests.grammar import SUBCOMMAND_USAGE, USAGES
+from bot.requests.parsed import Command
 from handlers.commands import COMMANDS, SlackWay, Who, answer_command
 from handlers.messages import usage
 from handlers.slack.app import SlackBot

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 
 from backends.sim import SimBackend
-from bot.commands import DeployArgs
+from bot.app.runtime import running_deployer
+from bot.app.service import Deployer
 from bot.models import IpamState, Job, JobState, utcnow
 from bot.models.errors import JobNotFound, NotAllowed, RequestInvalid, TransitionRefused
-from bot.parser import parse
-from bot.runtime import running_deployer
-from bot.service import Deployer
+from bot.requests.grammar import parse
+from bot.requests.parsed import DeployArgs
 from handlers.commands import answer
 from handlers.messages.core import cancelling
 from tests.support.deployer import Recorder, make_settings

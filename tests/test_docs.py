@@ -11,8 +11,8 @@ from pathlib import Path
 
 from pydantic import Field, create_model
 
-from bot.leaseterms import LeaseSettings
-from bot.settings import Settings
+from bot.config.settings import Settings
+from bot.leases.terms import LeaseSettings
 from docs import config_reference
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -3,7 +3,7 @@ database, the fake Proxmox server as the hypervisor; thirty deploys asked of the
 turn, and two of the three SIGKILLed, one after the other, while each runs a deploy.
 
 Commands acknowledged by a replica that dies before making them into jobs are carried
-out by another (bot/inbox.py). Then: thirty jobs, every one final and run once (one
+out by another (bot/chat/inbox.py). Then: thirty jobs, every one final and run once (one
 clone at most, no step after its rollback began), only the killed replicas' deploys
 failed, the server's VMs are exactly the succeeded jobs' VMs, and every Slack thread
 ends with its outcome. Printed: the time from each kill to the moment no job is held by
@@ -137,7 +137,7 @@ def test_failover_replicas_on_postgres_survive_two_kills(
     errors = {str(e) for (e,) in rows(pg_url, "SELECT error FROM jobs WHERE state = 'failed'")}
     assert errors <= {"interrupted by a restart of the bot"}, errors  # only the killed ones
     # Commands acknowledged but not yet made into jobs when their replica died were
-    # carried out by another (bot/inbox.py): thirty asked, thirty jobs.
+    # carried out by another (bot/chat/inbox.py): thirty asked, thirty jobs.
     assert len(jobs) == DEPLOYS, sorted({f"f{i:02d}" for i in range(DEPLOYS)} - set(jobs))
     undone = rows(pg_url, "SELECT key FROM inbox WHERE done_at IS NULL")
     assert not undone, undone

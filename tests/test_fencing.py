@@ -1,4 +1,4 @@
-"""Fencing (bot/ownership.py): a runner that cannot prove it holds a job touches
+"""Fencing (bot/ownership/claims.py): a runner that cannot prove it holds a job touches
 nothing of it, and a job is never taken from a runner that may be alive and paused.
 
 Each `Deployer` is what one process would run, on a real SQLite file or PostgreSQL
@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 
 from backends.sim import SimBackend
+from bot.app.runtime import running_deployer
+from bot.config.settings import Settings
 from bot.models import Claim, Job, JobState
-from bot.ownership import WORKING, Lost
-from bot.requests import build_request
-from bot.runtime import running_deployer
-from bot.settings import Settings
+from bot.ownership.claims import WORKING, Lost
+from bot.requests.validation import build_request
 from store.db import Store
 from store.owners import RunnerRow
 from tests.support.deployer import Recorder, make_settings

@@ -13,13 +13,13 @@ import pytest
 
 from backends.sim import SimBackend
 from backends.tags import job_tag
-from bot import gc
-from bot.commands import DeployArgs
+from bot.config.settings import Settings
 from bot.models import Job, JobState
 from bot.models.errors import UserError
-from bot.parser import parse
-from bot.requests import build_request
-from bot.settings import Settings
+from bot.operations import gc
+from bot.requests.grammar import parse
+from bot.requests.parsed import DeployArgs
+from bot.requests.validation import build_request
 from store.db import Store
 from tests.support.deployer import make_settings
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from backends.base import CloneSpec, VMRef
 from backends.proxmox import ProxmoxBackend
-from bot import gc
-from bot.sections import Timeouts
+from bot.config.sections import Timeouts
+from bot.operations import gc
 from store.db import Store
 from tests.support.fakepve import testing
 from tests.support.fakepve.server import FakePVE

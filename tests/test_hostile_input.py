@@ -21,13 +21,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from backends.sim import SimBackend
-from bot.commands import DeployArgs
+from bot.app.runtime import running_deployer
+from bot.config.settings import Settings
 from bot.models import HOSTNAME_RE, Job, JobState
 from bot.models.errors import RequestInvalid, UsageError, UserError
-from bot.parser import parse
-from bot.requests import build_request
-from bot.runtime import running_deployer
-from bot.settings import Settings
+from bot.requests.grammar import parse
+from bot.requests.parsed import DeployArgs
+from bot.requests.validation import build_request
 from handlers.commands import answer
 from handlers.messages.core import INTERNAL_ERROR
 from store.db import Store

@@ -11,13 +11,13 @@ import pytest
 
 from backends.base import Backend
 from backends.sim import SimBackend
-from bot.commands import DeployArgs
+from bot.app.runtime import running_deployer
+from bot.app.service import Deployer
+from bot.config.settings import Settings
 from bot.models import Job, JobState
 from bot.models.errors import Conflict, RequestInvalid
-from bot.parser import parse
-from bot.runtime import running_deployer
-from bot.service import Deployer
-from bot.settings import Settings
+from bot.requests.grammar import parse
+from bot.requests.parsed import DeployArgs
 from tests.support.deployer import Recorder, make_settings
 from tests.support.jumphost import JumpHost
 

@@ -19,14 +19,14 @@ from backends.ipam.base import ReservedFor
 from backends.ipam.config import IpamConfig
 from backends.ipam.netbox import NetBox as NetBoxIpam
 from backends.sim import SimBackend
-from bot.check import check_ipam
-from bot.commands import DeployArgs
+from bot.app.runtime import running_deployer
+from bot.app.service import Deployer
+from bot.config.settings import Settings
 from bot.models import IpamState, Job, JobState, utcnow
 from bot.models.errors import Conflict, RequestInvalid
-from bot.parser import parse
-from bot.runtime import running_deployer
-from bot.service import Deployer
-from bot.settings import Settings
+from bot.operations.check import check_ipam
+from bot.requests.grammar import parse
+from bot.requests.parsed import DeployArgs
 from tests.support.deployer import FAST_TIMEOUTS, SIM_SCALE, Recorder, make_settings
 from tests.support.netbox.harness import NetBox
 
@@ -316,7 +316,7 @@ def assert_said_once(message: str) -> None:
 
 async def test_a_closed_port_is_said_in_a_few_words(monkeypatch: pytest.MonkeyPatch) -> None:
     from backends.base import Unreachable
-    from bot.subnets import Subnet
+    from bot.addresses.subnets import Subnet
 
     url = f"http://127.0.0.1:{closed_port()}"
     monkeypatch.setenv(TOKEN_ENV, "nbt_abc.secret-value-never-shown")

@@ -9,15 +9,15 @@ from pathlib import Path
 import pytest
 
 from backends.sim import SimBackend
-from bot.commands import DeployArgs
+from bot.app.runtime import running_deployer
+from bot.app.service import Deployer
+from bot.config.settings import Settings
 from bot.models import Approval, Job, JobState, utcnow
 from bot.models.errors import AmbiguousJob, JobNotFound, NotAllowed
 from bot.models.ids import _ID_ALPHABET, new_job_id
-from bot.parser import parse
-from bot.requests import build_request
-from bot.runtime import running_deployer
-from bot.service import Deployer
-from bot.settings import Settings
+from bot.requests.grammar import parse
+from bot.requests.parsed import DeployArgs
+from bot.requests.validation import build_request
 from handlers.commands import answer
 from store.db import Store
 from tests.support.deployer import make_settings

@@ -18,17 +18,17 @@ from pathlib import Path
 from typing import Any
 
 from backends.sim import SimBackend
-from bot import progress as tell
-from bot.app import compose
-from bot.commands import DeployArgs
+from bot.app.compose import compose
+from bot.app.service import Deployer
+from bot.config.settings import Settings
+from bot.jobs import progress as tell
 from bot.kinds import Rows
 from bot.models import Approval, ApprovalState, Job, JobState, utcnow
 from bot.models.errors import NotAllowed
-from bot.ownership import Ended, host_identity, process_start
-from bot.parser import parse
-from bot.requests import build_request
-from bot.service import Deployer
-from bot.settings import Settings
+from bot.ownership.claims import Ended, host_identity, process_start
+from bot.requests.grammar import parse
+from bot.requests.parsed import DeployArgs
+from bot.requests.validation import build_request
 from store.db import Store
 from store.owners import RunnerRow
 from tests.support.deployer import Recorder, make_settings

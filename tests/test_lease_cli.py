@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from bot.commands import DeployArgs, ExtendLease
-from bot.leaseterms import parse_length, show_length
+from bot.leases.terms import parse_length, show_length
 from bot.models.errors import ConfigError, UsageError
-from bot.parser import parse
+from bot.requests.grammar import parse
+from bot.requests.parsed import DeployArgs, ExtendLease
 from tests.support.cli import KEPT, deploybot, no_traceback
 from tests.support.deployer import make_settings
 

@@ -9,10 +9,10 @@ from datetime import timedelta
 
 import pytest
 
-from bot.leases import notice
+from bot.config.settings import Settings
+from bot.leases.enforce import notice
 from bot.models import AuditEvent, Job, JobState, utcnow
 from bot.models.notices import NoticeKind
-from bot.settings import Settings
 from store.db import AlreadyDelivered, DuplicateActive, Store
 from tests.support.store import make_job, store  # noqa: F401 (the fixture on both stores)
 

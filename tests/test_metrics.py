@@ -1,4 +1,4 @@
-"""/metrics (bot/metrics.py): a deploy's steps, a rollback and the queue, as Prometheus
+"""/metrics (bot/operations/metrics.py): a deploy's steps, a rollback and the queue, as Prometheus
 parses them (prometheus_client.parser), in process and over serve's HTTP server."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from backends.sim import SimBackend
+from bot.app.service import Deployer
 from bot.models import Job, JobState
-from bot.service import Deployer
 from handlers.slack.serve import run_http, serve_metrics
 from tests.support.deployer import Recorder, deploy
 from tests.support.slack.bot import is_reply, slack_bot

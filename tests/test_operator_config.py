@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from backends.sim import SimBackend
+from bot.config.settings import BUNDLED_CONFIG, load_settings
 from bot.models.errors import ConfigError
-from bot.settings import BUNDLED_CONFIG, load_settings
 from tests.support.deployer import TEST_KEY, make_settings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -105,8 +105,8 @@ async def test_json_log_lines_carry_the_job_backend_step_and_runner(
     import json
     import logging
 
-    from bot.cli import configure_logging
-    from bot.runtime import running_deployer
+    from bot.app.cli import configure_logging
+    from bot.app.runtime import running_deployer
     from tests.support.deployer import deploy
 
     root = logging.getLogger()
@@ -135,7 +135,7 @@ def test_bolt_never_logs_a_request_body(tmp_path: Path) -> None:
     from slack_bolt.logger.messages import warning_unhandled_by_global_middleware
     from slack_bolt.request.async_request import AsyncBoltRequest
 
-    from bot.cli import configure_logging
+    from bot.app.cli import configure_logging
 
     root = logging.getLogger()
     saved = (list(root.handlers), root.level)

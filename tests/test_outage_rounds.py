@@ -14,7 +14,7 @@ Then the database comes back, and once every job of the round is final:
 
 * every job ended exactly once: final, cloned at most once, no step after its rollback
   began, one outcome in its Slack thread and one by direct message; a failed one names
-  the database as the cause (bot/recovery.interrupted_by);
+  the database as the cause (bot/ownership/recovery.interrupted_by);
 * no job is left `running` or `rolling_back`;
 * no takeover of a live runner's work (both replicas live throughout, so none is
   allowed): a job whose owner changed from one replica to the other, when the first
@@ -249,7 +249,7 @@ def takeovers(
     """Jobs a replica took from the other, live one, which had not handed them back.
 
     Two views of one thing, both reported: the taker's log line ("job J: taking over
-    from runner R", bot/ownership.py `_take_over`) naming another replica's runner, and
+    from runner R", bot/ownership/claims.py `_take_over`) naming another replica's runner, and
     the store's `owner` of the job, as seen just before the outage and once it is final
     (a final job keeps its owner). A job its owner handed back ("held by this runner
     but ...; handing it back": its task ended without a final state) may be recovered

@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from backends.sim import SimBackend
+from bot.app.service import Deployer
 from bot.models import Claim, Job, JobState, utcnow
-from bot.ownership import host_identity
-from bot.recovery import INTERRUPTED
-from bot.requests import build_request
-from bot.service import Deployer
+from bot.ownership.claims import host_identity
+from bot.ownership.recovery import INTERRUPTED
+from bot.requests.validation import build_request
 from store.db import Store
 from store.owners import RunnerRow
 from tests.support.deployer import Recorder, make_settings

@@ -6,9 +6,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bot.commands import Approve, Cancel, DeployArgs, Help, History, Reject, Status, Templates
 from bot.models.errors import UsageError
-from bot.parser import parse
+from bot.requests.grammar import parse
+from bot.requests.parsed import (
+    Approve,
+    Cancel,
+    DeployArgs,
+    Help,
+    History,
+    Reject,
+    Status,
+    Templates,
+)
 
 
 @pytest.mark.parametrize(

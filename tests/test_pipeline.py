@@ -7,13 +7,13 @@ import pytest
 
 from backends.sim import SimBackend
 from backends.sim.vm import FAULT_KINDS
+from bot.app.service import Deployer
+from bot.jobs.steps import Step, resume_point
+from bot.kinds.deploy.pipeline import STEPS as DEPLOY_STEPS
+from bot.kinds.deploy.runs import vm_ref
 from bot.models import Job, JobEvent, JobState
 from bot.models.errors import Conflict, RequestInvalid
-from bot.parser import parse
-from bot.pipeline import STEPS as DEPLOY_STEPS
-from bot.runs import vm_ref
-from bot.service import Deployer
-from bot.steps import Step, resume_point
+from bot.requests.grammar import parse
 from tests.support.deployer import REQUEST, Recorder, deploy
 
 # The steps every deploy walks (register: only with an IPAM record).

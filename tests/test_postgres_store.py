@@ -14,10 +14,10 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from bot.app.runtime import open_store
+from bot.config.settings import Settings
 from bot.models import Job, JobState
 from bot.models.errors import StoreUnavailable
-from bot.runtime import open_store
-from bot.settings import Settings
 from store.db import Store
 from store.migrations import SCHEMA_VERSION
 from store.postgres import schema

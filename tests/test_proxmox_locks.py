@@ -17,8 +17,8 @@ import pytest
 from backends.base import CloneSpec, Locked, VMRef
 from backends.proxmox import ProxmoxBackend, create
 from backends.proxmox.config import Config
-from bot import gc
 from bot.models import JobState
+from bot.operations import gc
 from handlers.messages.slack import gc_report
 from store.db import Store
 from tests.support.contract import IDENTITY

@@ -13,12 +13,12 @@ import pytest
 from backends.base import CloneSpec, VMRef
 from backends.proxmox import ProxmoxBackend
 from backends.proxmox.vmconfig import nic_with
-from bot.commands import DeployArgs
+from bot.app.runtime import running_deployer
+from bot.config.settings import BUNDLED_CONFIG, load_settings
 from bot.models import Job, JobState
 from bot.models.errors import ConfigError
-from bot.parser import parse
-from bot.runtime import running_deployer
-from bot.settings import BUNDLED_CONFIG, load_settings
+from bot.requests.grammar import parse
+from bot.requests.parsed import DeployArgs
 from tests.support.deployer import Recorder
 from tests.support.fakepve import testing
 from tests.support.fakepve.schema import ApiSchema

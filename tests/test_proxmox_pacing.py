@@ -18,11 +18,11 @@ from backends.proxmox import create
 from backends.proxmox.config import TYPICAL_S, Config
 from backends.proxmox.inventory import LISTING_REUSE_S
 from backends.proxmox.pacing import Pace, Pacing, PollTiming, Schedule, clone_key
-from bot.commands import DeployArgs
-from bot.durations import PACED_STEPS
+from bot.app.runtime import running_deployer
+from bot.jobs.durations import PACED_STEPS
 from bot.models import JobState
-from bot.parser import parse
-from bot.runtime import running_deployer
+from bot.requests.grammar import parse
+from bot.requests.parsed import DeployArgs
 from store.db import Store
 from tests.support.fakepve import testing
 from tests.support.fakepve.schema import ApiSchema

@@ -9,14 +9,14 @@ from typing import Any
 
 import pytest
 
-from bot.commands import DeployArgs
+from bot.app.runtime import running_deployer
+from bot.config.settings import Settings
+from bot.kinds.deploy.pipeline import STEPS as DEPLOY_STEPS
+from bot.kinds.deploy.runs import vm_ref
 from bot.models import Job, JobEvent, JobState
 from bot.models.errors import Conflict, RequestInvalid
-from bot.parser import parse
-from bot.pipeline import STEPS as DEPLOY_STEPS
-from bot.runs import vm_ref
-from bot.runtime import running_deployer
-from bot.settings import Settings
+from bot.requests.grammar import parse
+from bot.requests.parsed import DeployArgs
 from handlers.messages.core import finished, slack_outcome_dm
 from handlers.messages.text import step_label
 from tests.support.deployer import Recorder

@@ -12,9 +12,9 @@ import pytest
 
 from backends.base import CloneSpec, RetryableError, VMRef
 from backends.proxmox import ProxmoxBackend
+from bot.config.sections import Timeouts
+from bot.jobs.waiting import remove_vm
 from bot.models import JobState
-from bot.sections import Timeouts
-from bot.waiting import remove_vm
 from tests.support.contract import IDENTITY
 from tests.support.deployer import Recorder
 from tests.support.fakepve import testing

@@ -16,14 +16,14 @@ import pytest
 
 from backends.sim import SimBackend
 from backends.tags import job_tag
-from bot import gc
-from bot.commands import DeployArgs
+from bot.app.runtime import running_deployer
+from bot.config.settings import Settings
 from bot.models import Approval, Job, JobEvent, JobState, utcnow
 from bot.models.errors import JobUnreadable, RequestInvalid, UserError
-from bot.parser import parse
-from bot.requests import build_request
-from bot.runtime import running_deployer
-from bot.settings import Settings
+from bot.operations import gc
+from bot.requests.grammar import parse
+from bot.requests.parsed import DeployArgs
+from bot.requests.validation import build_request
 from handlers.commands import answer
 from handlers.messages.slack import gc_report
 from store.db import Store

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections import defaultdict
 
-from bot.queue import JobQueue
+from bot.jobs.queue import JobQueue
 
 
 class Gate:

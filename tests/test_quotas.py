@@ -13,16 +13,16 @@ from typing import Any
 import pytest
 
 from backends.sim import SimBackend
-from bot import quotas
-from bot.commands import DeployArgs
+from bot.app.runtime import running_deployer
+from bot.app.service import Deployer
+from bot.config.settings import Settings
 from bot.models import HOLDING_STATES, Job, JobState
 from bot.models.errors import ConfigError, UserError
-from bot.parser import parse
-from bot.quotas import QuotaExceeded
-from bot.requests import build_request
-from bot.runtime import running_deployer
-from bot.service import Deployer
-from bot.settings import Settings
+from bot.requests import quotas
+from bot.requests.grammar import parse
+from bot.requests.parsed import DeployArgs
+from bot.requests.quotas import QuotaExceeded
+from bot.requests.validation import build_request
 from store.db import Store
 from tests.support.deployer import Recorder, make_settings
 
@@ -234,7 +234,7 @@ async def test_the_insert_checks_the_quota_under_the_store_s_lock(
     tmp_path: Path, database: str
 ) -> None:
     """Ten inserts on two connections at once, room for three: exactly three recorded.
-    No early check here: only the insert's own (bot/quotas.admission, run by
+    No early check here: only the insert's own (bot/requests/quotas.admission, run by
     store/quotas.admit) stands between them."""
     settings = make_settings(tmp_path, database=database)
     cap = quotas.Cap("alice", frozenset({"alice"}), {"vms": 3})

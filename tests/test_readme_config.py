@@ -15,7 +15,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from bot.settings import BUNDLED_CONFIG, load_settings
+from bot.config.settings import BUNDLED_CONFIG, load_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

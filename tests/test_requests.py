@@ -5,11 +5,11 @@ from pathlib import Path
 
 import pytest
 
-from bot.commands import DeployArgs
+from bot.config.settings import Settings
 from bot.models.errors import RequestInvalid, UsageError
-from bot.parser import parse
-from bot.requests import build_request
-from bot.settings import Settings
+from bot.requests.grammar import parse
+from bot.requests.parsed import DeployArgs
+from bot.requests.validation import build_request
 from tests.support.deployer import make_settings
 
 

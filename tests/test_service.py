@@ -12,14 +12,14 @@ import pytest
 from backends.base import CloneSpec, PermanentError, Storage, Template
 from backends.sim import SimBackend
 from backends.tags import job_tag
-from bot.commands import DeployArgs
+from bot.app.runtime import running_deployer
+from bot.app.service import Deployer
 from bot.models import ApprovalState, Job, JobState, utcnow
 from bot.models.errors import Conflict, JobNotFound, NotAllowed, RequestInvalid, TransitionRefused
-from bot.parser import parse
-from bot.recovery import INTERRUPTED
-from bot.requests import build_request
-from bot.runtime import running_deployer
-from bot.service import Deployer
+from bot.ownership.recovery import INTERRUPTED
+from bot.requests.grammar import parse
+from bot.requests.parsed import DeployArgs
+from bot.requests.validation import build_request
 from handlers.messages.reports import templates
 from store.db import Store
 from tests.support.deployer import SIM_SCALE, TEST_KEY, Recorder, make_settings

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
+from bot.config.settings import BUNDLED_CONFIG, config_path, load_settings
 from bot.models.errors import ConfigError
-from bot.settings import BUNDLED_CONFIG, config_path, load_settings
 
 
 def test_bundled_config_is_valid() -> None:

@@ -6,7 +6,7 @@ import io
 from pathlib import Path
 
 from backends.sim import SimBackend
-from bot.runtime import running_deployer
+from bot.app.runtime import running_deployer
 from handlers.terminal import Shell, TerminalThread
 from tests.support.deployer import make_settings
 

@@ -7,9 +7,9 @@ import json
 from pathlib import Path
 
 from backends.sim import SimBackend
-from bot.commands import DeployArgs
 from bot.models import JobState
-from bot.parser import parse
+from bot.requests.grammar import parse
+from bot.requests.parsed import DeployArgs
 from tests.support.deployer import SIM_SCALE
 from tests.support.slack.bot import (
     ALICE,

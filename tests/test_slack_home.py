@@ -16,8 +16,8 @@ from slack_sdk.errors import SlackApiError
 
 from backends.sim import SimBackend
 from backends.sim.vm import DEFAULT_TEMPLATES
+from bot.app.queries import VMPage
 from bot.models import DeployRequest, Job, JobState, utcnow
-from bot.queries import VMPage
 from handlers.slack import views
 from handlers.slack.home import HOME_BLOCKS_MAX, home_blocks
 from tests.support.deployer import SIM_SCALE

@@ -1,4 +1,4 @@
-"""Commands kept from their acknowledgement until answered (bot/inbox.py): a process
+"""Commands kept from their acknowledgement until answered (bot/chat/inbox.py): a process
 that dies in between leaves them to another, which carries them out once."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import sqlite3
 from datetime import timedelta
 from pathlib import Path
 
-from bot.commands import DeployArgs
 from bot.models import utcnow
 from bot.models.notices import Received
+from bot.requests.parsed import DeployArgs
 from handlers.slack.modals import form_body
 from tests.support.deployer import TEST_KEY
 from tests.support.slack.bot import ALICE, CHANNEL, Harness, is_reply, slack_bot

@@ -17,8 +17,8 @@ from pathlib import Path
 from zoneinfo import ZoneInfo
 
 from backends.sim import SimBackend
+from bot.app.runtime import running_deployer
 from bot.models import Job, JobState, utcnow
-from bot.runtime import running_deployer
 from handlers.messages.text import when
 from tests.support.deployer import SIM_SCALE
 from tests.support.slack.bot import (

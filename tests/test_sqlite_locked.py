@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from bot.config.settings import Settings
 from bot.models import JobState
-from bot.settings import Settings
-from bot.storewatch import StoreWatch
+from bot.ownership.storewatch import StoreWatch
 from store.db import Store
 from store.retry import RetryPolicy, Unavailable, hint, transient
 from tests.support.store import finish, held, running_job

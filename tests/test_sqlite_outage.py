@@ -91,7 +91,7 @@ def test_deploys_under_a_lock_shorter_than_the_window_wait_and_land(served: Serv
 
 def test_deploys_under_a_lock_longer_than_the_window_pause_and_land(served: Served) -> None:
     """Past `write_retry_s` a deploy's progress write is not lost and the deploy is not
-    rolled back: its runner cannot renew either, so the deploy pauses (bot/ownership.py
+    rolled back: its runner cannot renew either, so the deploy pauses (bot/ownership/claims.py
     `hold`) and carries on once the file is free. Before fencing, each ended `failed`
     ("interrupted: the database stopped answering")."""
     server, path, slack = served

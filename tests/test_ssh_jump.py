@@ -14,8 +14,8 @@ from pydantic import ValidationError
 from backends.base import PermanentError, RetryableError, Unreachable
 from backends.config import SshJump
 from backends.sshcheck import SshCheck
+from bot.config.settings import load_settings
 from bot.models.errors import ConfigError
-from bot.settings import load_settings
 from tests.support.jumphost import JumpHost
 
 GUEST = ipaddress.IPv4Address("10.0.0.50")  # never connected to: the jump host maps it

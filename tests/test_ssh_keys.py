@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bot.app.service import Deployer
 from bot.models.errors import RequestInvalid
 from bot.models.keys import check_ssh_key
-from bot.service import Deployer
 
 KINDS = ("ssh-ed25519", "ssh-rsa", "ecdsa-sha2-nistp256", "ecdsa-sha2-nistp384")
 

@@ -13,12 +13,12 @@ import pytest
 from backends.base import RetryableError, Unreachable
 from backends.sim import SimBackend
 from backends.sshcheck import SshCheck, ssh_host_key, tcp_probe
-from bot.commands import DeployArgs
+from bot.app.runtime import running_deployer
+from bot.config.sections import Timeouts
+from bot.jobs.waiting import retrying
 from bot.models import JobState
-from bot.parser import parse
-from bot.runtime import running_deployer
-from bot.sections import Timeouts
-from bot.waiting import retrying
+from bot.requests.grammar import parse
+from bot.requests.parsed import DeployArgs
 from tests.support.deployer import make_settings
 
 GUEST = ipaddress.IPv4Address("127.0.5.10")

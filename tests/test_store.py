@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from bot.config.settings import Settings
 from bot.models import Approval, ApprovalState, JobEvent, JobState, utcnow
 from bot.models.notices import Notice, NoticeKind
-from bot.settings import Settings
 from store.db import AlreadyDelivered, DuplicateActive, Store
 from store.migrations import SCHEMA_VERSION
 from store.sql import ConstraintViolation

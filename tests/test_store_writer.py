@@ -7,8 +7,8 @@ import asyncio
 import sqlite3
 from pathlib import Path
 
+from bot.config.settings import Settings
 from bot.models import JobEvent, JobState
-from bot.settings import Settings
 from store.db import DuplicateActive, Store
 from store.sql import ConstraintViolation
 from tests.support.store import make_job, sqlite_store, trace

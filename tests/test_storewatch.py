@@ -12,7 +12,7 @@ import asyncio
 import sqlite3
 from pathlib import Path
 
-from bot.storewatch import StoreWatch
+from bot.ownership.storewatch import StoreWatch
 from store.db import Store
 
 

@@ -78,7 +78,7 @@ def test_no_query_is_written_twice_around_the_engine() -> None:
 
 def test_quota_policy_is_the_core_s() -> None:
     """The store counts what jobs hold; whether that is too much (`Cap`, `over`,
-    `OverQuota`) is decided in bot/quotas.py."""
+    `OverQuota`) is decided in bot/requests/quotas.py."""
     from store import quotas
 
     assert not {"Cap", "OverQuota", "over", "asked", "check"} & set(vars(quotas))

@@ -18,6 +18,7 @@ from urllib.parse import unquote
 
 import pytest
 
+from bot.config.settings import BUNDLED_CONFIG, load_settings
 from bot.images.customize import DATASOURCE_FILE, Accelerator, selinux_state
 from bot.images.fetch import Expected, FetchError, fetch_verified, parse_sums
 from bot.images.prepare import PreparedImage, PrepareError, prepare_image
@@ -30,7 +31,6 @@ from bot.images.profiles import (
     catalogue,
 )
 from bot.models.errors import ConfigError
-from bot.settings import BUNDLED_CONFIG, load_settings
 from tests.support.images import require_libguestfs, unavailable, upstream_server
 from tests.support.realguest import image, qemu, upstream
 

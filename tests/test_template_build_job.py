@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 from backends.sim import SimBackend
-from bot.commands import DeployArgs
+from bot.app.runtime import running_deployer
+from bot.app.service import Deployer
 from bot.models import JobState, utcnow
 from bot.models.builds import Build, BuildState
 from bot.models.errors import ConfigError, Conflict, NotAllowed, RequestInvalid, TransitionRefused
-from bot.runtime import running_deployer
-from bot.service import Deployer
+from bot.requests.parsed import DeployArgs
 from tests.support.deployer import make_settings
 
 
@@ -157,7 +157,7 @@ async def test_a_build_whose_runner_died_is_rolled_back(
     """A row left running by a process that died (its claim lapsed), with the template it
     had created: the next process's recovery removes the template and fails the build."""
     from backends.building import BuildTarget
-    from bot.builds.runner import plan_for
+    from bot.kinds.build.runner import plan_for
 
     row = recorded(deployer, owner="rdead", lease_until=utcnow() - timedelta(seconds=5))
     dead = await deployer.store.builds.insert(row)
@@ -250,7 +250,7 @@ async def test_a_running_build_cancelled_rolls_back(deployer: Deployer, sim: Sim
 
 async def test_a_build_running_elsewhere_is_asked_through_the_store(deployer: Deployer) -> None:
     """Run by another runner: the cancel is written on the row, and that runner's next
-    renewal hands it back with the ask (bot/ownership.py cancels its task then)."""
+    renewal hands it back with the ask (bot/ownership/claims.py cancels its task then)."""
     row = recorded(deployer, owner="rother", lease_until=utcnow() + timedelta(minutes=5))
     elsewhere = await deployer.store.builds.insert(row)
     await deployer.store.builds.move(elsewhere.id, [BuildState.QUEUED], BuildState.RUNNING)

@@ -9,13 +9,13 @@ import pytest
 
 from backends.building import BuildTarget
 from backends.sim import SimBackend
-from bot.builds import retire
-from bot.builds.runner import plan_for
-from bot.commands import DeployArgs
+from bot.app.service import Deployer
+from bot.kinds.build import retire
+from bot.kinds.build.runner import plan_for
 from bot.models import JobState, utcnow
 from bot.models.builds import Build, BuildState
 from bot.models.errors import UserError
-from bot.service import Deployer
+from bot.requests.parsed import DeployArgs
 
 
 async def build(deployer: Deployer) -> Build:

@@ -23,8 +23,8 @@ from pyVmomi import vim
 from backends.base import CloneSpec, NotOurVM, PermanentError, Unreachable, VMRef
 from backends.vsphere import VSphereBackend, create
 from backends.vsphere.config import Config
+from bot.config.settings import BUNDLED_CONFIG, load_settings
 from bot.models.errors import ConfigError
-from bot.settings import BUNDLED_CONFIG, load_settings
 from tests.support.contract import IDENTITY
 from tests.support.vsphere.pipeline import cloned
 from tests.support.vsphere.simulator import (

@@ -20,11 +20,11 @@ from cryptography.x509.oid import NameOID
 from backends.base import CloneSpec, PermanentError
 from backends.vsphere import create
 from backends.vsphere.config import Config
-from bot.admission import problems_at_start
-from bot.commands import DeployArgs
+from bot.app.runtime import make_backend, running_deployer
 from bot.models.errors import RequestInvalid
-from bot.parser import parse
-from bot.runtime import make_backend, running_deployer
+from bot.requests.admission import problems_at_start
+from bot.requests.grammar import parse
+from bot.requests.parsed import DeployArgs
 from tests.support.deployer import Recorder, make_settings
 from tests.support.vsphere.simulator import (
     PASSWORD,

@@ -19,12 +19,12 @@ from pyVmomi import vim
 
 from backends.base import CloneSpec, PermanentError, Template
 from backends.vsphere.config import Config
-from bot.admission import problems_at_start
-from bot.commands import DeployArgs
+from bot.config.settings import BUNDLED_CONFIG, load_settings
 from bot.models import JobState
 from bot.models.errors import ConfigError, RequestInvalid
-from bot.parser import parse
-from bot.settings import BUNDLED_CONFIG, load_settings
+from bot.requests.admission import problems_at_start
+from bot.requests.grammar import parse
+from bot.requests.parsed import DeployArgs
 from handlers.messages.reports import templates
 from tests.support.contract import IDENTITY
 from tests.support.vsphere.pipeline import Sshd, deploy, deployer_for, vsphere_settings

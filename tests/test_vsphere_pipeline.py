@@ -17,11 +17,11 @@ import pytest
 from pyVmomi import vim
 
 from backends.vsphere import VSphereBackend
-from bot.commands import DeployArgs
+from bot.kinds.deploy.pipeline import STEPS as DEPLOY_STEPS
 from bot.models import JobState
 from bot.models.errors import Conflict
-from bot.parser import parse
-from bot.pipeline import STEPS as DEPLOY_STEPS
+from bot.requests.grammar import parse
+from bot.requests.parsed import DeployArgs
 from tests.support.deployer import Recorder
 from tests.support.vsphere.pipeline import (
     SUBNET,

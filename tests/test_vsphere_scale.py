@@ -30,11 +30,11 @@ from pyVmomi import vim
 
 from backends.base import CloneSpec, VMNotFound, VMRef
 from backends.vsphere import VSphereBackend
-from bot.commands import DeployArgs
+from bot.app.runtime import make_backend, running_deployer
 from bot.models import JobState
 from bot.models.errors import BackendError, Conflict
-from bot.parser import parse
-from bot.runtime import make_backend, running_deployer
+from bot.requests.grammar import parse
+from bot.requests.parsed import DeployArgs
 from tests.support.deployer import Recorder
 from tests.support.vsphere.pipeline import SUBNET, Sshd, deploy, deployer_for, vsphere_settings
 from tests.support.vsphere.simulator import (

@@ -19,8 +19,8 @@ import psycopg
 import pytest
 from psycopg import errors
 
+from bot.config.settings import Settings
 from bot.models import JobState
-from bot.settings import Settings
 from store.db import DuplicateActive, Store
 from store.retry import RetryPolicy, Unavailable, transient
 from tests.support.postgres import PASSWORD, start_again, stop_fast

@@ -148,7 +148,7 @@ class ProxmoxBackend:
         return [t.public(self.inventory.profile(t.family).user) for t in found]
 
     async def template(self, name: str) -> Template | None:
-        """One template by name, reading only its config (`bot.admission` asks this)."""
+        """One template by name, reading only its config (`bot.requests.admission` asks this)."""
         try:
             found = await self.inventory.template(name)
         except NoSuchTemplate:

@@ -23,7 +23,7 @@ at once) move it once, not fifty times: their looks all say the same.
 
 The estimates are learned in the backend from its own waits. A process starts from what
 the store recorded (`remember`: the bot hands the backend the durations of past deploy
-steps per template and storage, see bot/durations.py); those include a request or two
+steps per template and storage, see bot/jobs/durations.py); those include a request or two
 besides the task, so the quickest recent one is taken, and the first own wait replaces
 it. A template without history (a new one) starts from its operation's quickest on the
 backend's other templates; with no history at all (a new database), `Config.expect_s`

@@ -2,7 +2,7 @@
 
 Both moves aim at a state, so a failure is judged by the state it left. A stop that
 failed while the VM still runs, or a destroy that failed while the VM is still there,
-is retryable: the caller (bot/waiting.py) tries again within the move's timeout, so one
+is retryable: the caller (bot/jobs/waiting.py) tries again within the move's timeout, so one
 HTTP 500 does not leave a running VM behind. A VM already stopped, or already gone, is
 success whatever the answer said.
 

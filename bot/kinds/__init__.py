@@ -5,10 +5,10 @@ kind), never read from its id. The queue, ownership (take-over and hand-back), t
 approval buttons, the outbox's Slack threads and gc look the kind up in a `Kinds`
 registry and call it; nothing else branches on what kind a job is.
 
-The kinds: `deploy` (bot/kinds/deploy.py: the pipeline; a destroy is a phase of a
+The kinds: `deploy` (bot/kinds/deploy/kind.py: the pipeline; a destroy is a phase of a
 deploy's row, DESTROY_REQUESTED -> DESTROYING -> DESTROYED, not a kind of its own,
-since it acts on the deploy's VM under the deploy's id) and `build` (bot/kinds/build.py:
-a template build, bot/builds/). A kind is added with `Kinds.register`.
+since it acts on the deploy's VM under the deploy's id) and `build` (bot/kinds/build/kind.py:
+a template build, bot/kinds/build/). A kind is added with `Kinds.register`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from bot.models.builds import Build
 from bot.models.errors import UserError
 
 if TYPE_CHECKING:
-    from bot.ownership import Ended
+    from bot.ownership.claims import Ended
 
 
 DEPLOY = "deploy"

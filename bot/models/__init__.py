@@ -62,12 +62,12 @@ class JobState(StrEnum):
     REJECTED = "rejected"
     EXPIRED = "expired"
     RELEASED = "released"  # succeeded, and its VM has since gone: the name is free again
-    # The other half of the life cycle (bot/destroy.py): a destroy that waits for an
+    # The other half of the life cycle (bot/kinds/deploy/destroy.py): a destroy that waits for an
     # approver, one under way (owned and claimed like a running deploy), and its end.
     DESTROY_REQUESTED = "destroy_requested"
     DESTROYING = "destroying"
     DESTROYED = "destroyed"
-    # A lease that ended (bot/leases.py): the VM is powered off, not destroyed, until
+    # A lease that ended (bot/leases/enforce.py): the VM is powered off, not destroyed, until
     # the grace period ends (then destroying) or someone extends it (back to succeeded).
     EXPIRED_OFF = "expired_off"
 
@@ -239,14 +239,14 @@ class Job(BaseModel):
     # reserved -> active when the VM answers; released once the job no longer holds it.
     ipam_ref: str | None = None
     ipam_state: IpamState | None = None
-    # Its destroy (bot/destroy.py): who asked and when, who approved it (None: no
+    # Its destroy (bot/kinds/deploy/destroy.py): who asked and when, who approved it (None: no
     # approval needed), when the VM was gone, and the approval card a front end posted.
     destroy_by: str | None = None
     destroy_asked_at: datetime | None = None
     destroy_approver: str | None = None
     destroyed_at: datetime | None = None
     destroy_ref: str | None = None
-    # Its lease (bot/leases.py): how long it was granted from being ready (None: no
+    # Its lease (bot/leases/enforce.py): how long it was granted from being ready (None: no
     # lease, it never expires), the end once set or extended, which reminders were
     # sent for that end (offsets in seconds, "259200,86400"), and when it was powered
     # off at expiry.

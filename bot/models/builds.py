@@ -2,7 +2,7 @@
 
 A build is a job of its own kind: it has a requester, an owner with a claim, a state
 machine and an undo stack like a deploy, but no address and no chat-visible VM of its
-own, so it lives in its own table, and its kind is the table's (bot/kinds/build.py).
+own, so it lives in its own table, and its kind is the table's (bot/kinds/build/kind.py).
 Its id starts with `b` (a deploy's with `j`) only to tell them apart when read; no code
 decides anything by it: the store looks the id up (store/jobs.kind_of).
 """
@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field, field_validator
 from bot.models import utcnow
 from bot.models.ids import JOB_ID_LENGTH, SHORT_ID_LENGTH, random_letters
 
-# The kind of every build (bot/kinds/build.py): the store answers it for a `builds` row.
+# The kind of every build (bot/kinds/build/kind.py): the store answers it for a `builds` row.
 BUILD_KIND = "build"
 BUILD_ID_RE = re.compile(r"b[a-z0-9]{6,40}")
 # A template's name: a VM name on every hypervisor (Proxmox wants a DNS name), with room
@@ -110,7 +110,7 @@ class Build(BaseModel):
     origin: str | None = None
     thread_ref: str | None = None
     cancel_requested: str | None = None
-    # The approval (bot/builds/service.py): why it waits, who decided and when, and where
+    # The approval (bot/kinds/build/service.py): why it waits, who decided and when, and where
     # a chat front end shows the card (schema v12).
     approval_reason: str | None = None
     decided_by: str | None = None

@@ -18,10 +18,10 @@ class NoticeKind(StrEnum):
     STEP_FINISHED = "step_finished"
     NOTE = "note"  # waiting for a hypervisor, it is back, wreckage removed
     FINISHED = "finished"  # a final state after running (rollback: what it undid)
-    # A lease's step (bot/leases.py): `step` says which (remind, expired, extended,
+    # A lease's step (bot/leases/enforce.py): `step` says which (remind, expired, extended,
     # destroying), `when` the time it names (the end, or the destroy after the grace).
     LEASE = "lease"
-    # A template build's (a `builds` row; bot/builds/): `step` says which part
+    # A template build's (a `builds` row; bot/kinds/build/): `step` says which part
     # (BUILD_ASKED, BUILD_DECIDED, BUILD_STARTED, BUILD_NOTE, BUILD_FINISHED), `text` the
     # line of progress or the reason of a rejection.
     BUILD = "build"

@@ -8,7 +8,7 @@ from handlers.messages.text import Said, escape, mention
 
 
 def destroy_update(job: Job, note: str) -> str | None:
-    """A destroy's state change (bot/destroy.py), said with what happens next."""
+    """A destroy's state change (bot/kinds/deploy/destroy.py), said with what happens next."""
     state = job.state
     if state is JobState.DESTROY_REQUESTED:
         return (

@@ -5,15 +5,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta, tzinfo
 
-from bot.leaseterms import LeaseSettings, show_length
+from bot.leases.terms import LeaseSettings, show_length
 from bot.models import Job
-from bot.quotas import NAMES as QUOTA_NAMES
-from bot.quotas import Standing
-from bot.quotas import amount as quota_amount
+from bot.requests.quotas import NAMES as QUOTA_NAMES
+from bot.requests.quotas import Standing
+from bot.requests.quotas import amount as quota_amount
 from handlers.messages.listing import age
 from handlers.messages.text import STATE_LABELS, Said, escape, when
 
-# --- quotas (bot/quotas.py) --------------------------------------------------------------
+# --- quotas (bot/requests/quotas.py) --------------------------------------------------------------
 
 
 def _quantity(resource: str, count: int) -> str:
@@ -64,7 +64,7 @@ def home_recent_row(job: Job, now: datetime) -> str:
     )
 
 
-# --- leases (bot/leases.py) ------------------------------------------------------------
+# --- leases (bot/leases/enforce.py) ------------------------------------------------------------
 
 
 def lease_extended_answer(job: Job, zone: tzinfo = UTC) -> str:

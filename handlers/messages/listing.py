@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, tzinfo
 
+from bot.app.queries import VMPage
 from bot.models import Job, JobState
-from bot.queries import VMPage
 from handlers.messages.text import STATE_LABELS, escape, mention, when
 
 

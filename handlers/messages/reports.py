@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 from backends.base import Template
 from backends.building import TemplateVersion
+from bot.app.queries import JobStatus
 from bot.models import Job, JobEvent, JobState
-from bot.queries import JobStatus
 from handlers.messages.core import headline
 from handlers.messages.text import STATE_LABELS, Said, step_label
 

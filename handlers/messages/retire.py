@@ -3,7 +3,7 @@ whether it may go, then what an apply removed and left."""
 
 from __future__ import annotations
 
-from bot.builds.retire import KEPT_WHY, RetireReport, Verdict
+from bot.kinds.build.retire import KEPT_WHY, RetireReport, Verdict
 
 CATEGORY_WORDS = {
     "retire": "older version, unused: may be retired",

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import datetime
 
-from bot.check import CheckResult
-from bot.gc import GcReport
 from bot.models import Approval, ApprovalState, Job, JobState, RollbackReport, UserPrefs
+from bot.operations.check import CheckResult
+from bot.operations.gc import GcReport
 from handlers.messages.core import address_of, approved, finished, headline, job_update
 from handlers.messages.text import STATE_LABELS, Said, escape, mention, step_label
 
@@ -255,7 +255,7 @@ GC_CATEGORIES = {
 
 
 # In a deploy's thread when its command was carried out by another process, after the
-# one that received it stopped before answering (bot/inbox.py): Slack may have shown the
+# one that received it stopped before answering (bot/chat/inbox.py): Slack may have shown the
 # person an error ("failed with the error ...") while the VM was being built.
 COMMAND_RESUMED = (
     "This deploy was asked for while deploybot was restarting, and Slack may have shown "
@@ -264,7 +264,7 @@ COMMAND_RESUMED = (
 )
 
 
-# A command that came while the database did not answer (bot/inbox.NotKept): refused
+# A command that came while the database did not answer (bot/chat/inbox.NotKept): refused
 # within Slack's 3 s, and never carried out later (docs/operations.md: "When the database
 # goes away").
 STORE_NOT_ANSWERING = (

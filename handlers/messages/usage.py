@@ -1,6 +1,6 @@
 """What `help` says, and the answer to a command nobody registered: the words of the
 command registry (handlers/commands.py), which generates `help` from these and the
-grammar's usage lines (bot/parser.py)."""
+grammar's usage lines (bot/requests/grammar.py)."""
 
 from __future__ import annotations
 

@@ -29,11 +29,12 @@ from slack_sdk.errors import SlackApiError
 from slack_sdk.http_retry.builtin_async_handlers import AsyncRateLimitErrorRetryHandler
 from slack_sdk.web.async_client import AsyncWebClient
 
-from bot import inbox, logfields
-from bot.commands import DeployArgs, ListVMs, ShowSettings
+from bot.app.service import Deployer
+from bot.chat import inbox
+from bot.jobs import logfields
 from bot.models.errors import UsageError, UserError
-from bot.parser import parse
-from bot.service import Deployer
+from bot.requests.grammar import parse
+from bot.requests.parsed import DeployArgs, ListVMs, ShowSettings
 from handlers.commands import COMMANDS, Invocation, SlackWay, plain
 from handlers.messages.core import INTERNAL_ERROR
 from handlers.messages.slack import COMMAND_RESUMED, STORE_NOT_ANSWERING
@@ -136,7 +137,7 @@ class SlackBot:
         """Wait until every task started by a listener has finished (tests, shutdown).
 
         With `within_s` (a stopping server), tasks still going then are cancelled: their
-        commands stay in the inbox (bot/inbox.py), handed to another process when this
+        commands stay in the inbox (bot/chat/inbox.py), handed to another process when this
         runner stops. Answers wait for Slack's pace (100 a minute), so two hundred
         commands take two minutes to answer. Returns how many were cancelled."""
         try:

@@ -1,4 +1,4 @@
-"""Template builds in Slack: a build's notices (bot/builds/) as lines of its thread, its
+"""Template builds in Slack: a build's notices (bot/kinds/build/) as lines of its thread, its
 headline, its approval card and the decision that replaces the card's buttons, and the
 end told to the requester by direct message. `SlackThreads` (threads.py) holds one
 `BuildDelivery` and hands it the notices of the builds whose delivery it holds."""
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from bot.app.service import Deployer
 from bot.models import utcnow
 from bot.models.builds import Build, BuildState
 from bot.models.notices import (
@@ -17,7 +18,6 @@ from bot.models.notices import (
     Notice,
     NoticeKind,
 )
-from bot.service import Deployer
 from handlers.messages.builds import (
     build_card_outcome,
     build_outcome_dm,

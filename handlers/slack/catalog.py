@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from slack_sdk.models.blocks import Option
 
 from backends.base import CloneSpec, Network, Storage, Template
+from bot.app.service import Deployer
+from bot.config.settings import Settings
 from bot.models import UserPrefs
 from bot.models.errors import BackendError
-from bot.service import Deployer
-from bot.settings import Settings
 from handlers.messages.slack import clone_mode
 from handlers.slack.views import SELECT_MAX, option
 

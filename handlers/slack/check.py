@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from slack_sdk.errors import SlackApiError
 from slack_sdk.web.async_client import AsyncWebClient
 
-from bot.check import CheckResult
-from bot.sections import SlackSettings
+from bot.config.sections import SlackSettings
+from bot.operations.check import CheckResult
 from handlers.messages.slack import (
     slack_channel_fix,
     slack_channel_unreadable,

@@ -24,14 +24,14 @@ from slack_sdk.models.blocks import (
 )
 from slack_sdk.models.views import View
 
-from bot.commands import DeployArgs
-from bot.leaseterms import parse_length
+from bot.config.settings import Settings
+from bot.leases.terms import parse_length
 from bot.models import HOSTNAME_RE, UserPrefs
 from bot.models.errors import RequestInvalid
 from bot.models.keys import check_ssh_key
-from bot.parser import is_whole
-from bot.requests import build_request
-from bot.settings import Settings
+from bot.requests.grammar import is_whole
+from bot.requests.parsed import DeployArgs
+from bot.requests.validation import build_request
 from handlers.messages.lifecycle import lease_field_error, lease_hint
 from handlers.messages.slack import (
     FORM_HINTS,

@@ -30,11 +30,11 @@ from slack_sdk.models.blocks import (
 from slack_sdk.models.views import View
 from slack_sdk.web.async_client import AsyncWebClient
 
+from bot.app.queries import VMPage
+from bot.app.service import Deployer
 from bot.models import Job, JobState, RollbackReport, utcnow
 from bot.models.errors import UserError
-from bot.queries import VMPage
-from bot.quotas import Standing
-from bot.service import Deployer
+from bot.requests.quotas import Standing
 from handlers.messages.destroys import destroy_summary
 from handlers.messages.lifecycle import (
     HOME_APPROVALS,

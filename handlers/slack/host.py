@@ -10,8 +10,8 @@ from typing import Any, Protocol
 from slack_bolt.async_app import AsyncApp
 from slack_sdk.web.async_client import AsyncWebClient
 
-from bot.service import Deployer
-from bot.settings import Settings
+from bot.app.service import Deployer
+from bot.config.settings import Settings
 from handlers.messages.text import Said
 from handlers.slack.catalog import Catalog
 from handlers.slack.home import HomeTabs

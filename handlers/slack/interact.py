@@ -21,9 +21,9 @@ from typing import Any
 
 from slack_bolt.context.ack.async_ack import AsyncAck
 
-from bot.commands import ListVMs
 from bot.models import Job, utcnow
 from bot.models.errors import Duplicate, UserError
+from bot.requests.parsed import ListVMs
 from handlers.commands import list_page
 from handlers.messages.destroys import destroy_answer
 from handlers.messages.lifecycle import lease_extended_answer

@@ -21,9 +21,9 @@ from typing import Any, NamedTuple
 
 from slack_sdk.web.async_client import AsyncWebClient
 
+from bot.app.service import Deployer
 from bot.models import Job
 from bot.models.builds import Build
-from bot.service import Deployer
 from handlers.messages.builds import build_approval_needed, build_headline
 from handlers.messages.destroys import destroy_needed
 from handlers.messages.slack import approval_needed, slack_headline
@@ -276,7 +276,7 @@ class ApprovalCard(_Card):
     shown: str | None = None
     waiting: list[Part] = field(default_factory=list)  # parts shown once flushed
     dead: bool = False
-    destroy: bool = False  # the card asks for a destroy (bot/destroy.py), not a deploy
+    destroy: bool = False  # the card asks for a destroy (bot/kinds/deploy/destroy.py), not a deploy
 
     def _request(self) -> tuple[list[dict[str, Any]], str]:
         blocks = (views.destroy_request if self.destroy else views.approval_request)(self.job)

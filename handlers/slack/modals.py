@@ -16,9 +16,9 @@ from typing import Any
 from slack_bolt.context.ack.async_ack import AsyncAck
 from slack_sdk.errors import SlackApiError
 
-from bot.commands import DeployArgs
 from bot.models.errors import UserError
 from bot.models.notices import Received
+from bot.requests.parsed import DeployArgs
 from handlers.messages.core import accepted
 from handlers.messages.lifecycle import quota_left
 from handlers.messages.slack import (

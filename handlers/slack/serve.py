@@ -21,15 +21,15 @@ from aiohttp import web
 from slack_bolt.adapter.socket_mode.aiohttp import AsyncSocketModeHandler
 
 from backends.base import Backend
-from bot import inbox
-from bot.admission import problems_at_start
-from bot.metrics import CONTENT_TYPE
+from bot.app.runtime import running_deployer, secret_problems
+from bot.app.service import Deployer
+from bot.chat import inbox
+from bot.config.sections import SlackSettings
+from bot.config.settings import Settings
 from bot.models.errors import ConfigError
-from bot.parser import is_whole
-from bot.runtime import running_deployer, secret_problems
-from bot.sections import SlackSettings
-from bot.service import Deployer
-from bot.settings import Settings
+from bot.operations.metrics import CONTENT_TYPE
+from bot.requests.admission import problems_at_start
+from bot.requests.grammar import is_whole
 from handlers.messages.core import secrets_missing
 from handlers.messages.slack import (
     bad_http_address,
@@ -123,7 +123,7 @@ async def serve(
         checking = asyncio.create_task(
             _tell_problems(deployer.backends, settings.defaults.template)
         )
-        # Commands a stopped process acknowledged but never answered (bot/inbox.py).
+        # Commands a stopped process acknowledged but never answered (bot/chat/inbox.py).
         sweeping = asyncio.create_task(bot.sweeping(), name="inbox-sweep")
         # Whether the database answers: /readyz, /metrics and the acknowledgements read it.
         watching = asyncio.create_task(deployer.storewatch.loop(), name="store-watch")
@@ -211,7 +211,7 @@ def http_app(bot: SlackBot) -> web.Application:
 
     async def readyz(_request: web.Request) -> web.Response:
         """Ready once this runner has registered and made its first claims, and while
-        the database answers (bot/storewatch.py); the recoveries it started may still
+        the database answers (bot/ownership/storewatch.py); the recoveries it started may still
         be running (`recovering`). /healthz stays 200 meanwhile: the process is alive."""
         deployer = bot.deployer
         watch = deployer.storewatch
@@ -231,7 +231,7 @@ def http_app(bot: SlackBot) -> web.Application:
 
 
 def metrics_handler(deployer: Deployer) -> Callable[[web.Request], Awaitable[web.Response]]:
-    """Prometheus' scrape (bot/metrics.py), read from the store at each request."""
+    """Prometheus' scrape (bot/operations/metrics.py), read from the store at each request."""
 
     async def scrape(_request: web.Request) -> web.Response:
         body = await deployer.metrics.render()

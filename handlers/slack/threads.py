@@ -21,13 +21,13 @@ from datetime import datetime, timedelta
 
 from slack_sdk.web.async_client import AsyncWebClient
 
+from bot.app.service import Deployer
+from bot.config.sections import SlackSettings
+from bot.jobs.waiting import woken
 from bot.kinds import Rows
-from bot.leaseterms import show_length
+from bot.leases.terms import show_length
 from bot.models import ApprovalState, Job, JobState, utcnow
 from bot.models.notices import Notice, NoticeKind
-from bot.sections import SlackSettings
-from bot.service import Deployer
-from bot.waiting import woken
 from handlers.messages.core import slack_outcome_dm
 from handlers.messages.destroys import destroy_decision
 from handlers.messages.lifecycle import lease_reminder, lease_thread
@@ -158,7 +158,7 @@ class SlackThreads:
         todo = [n for n in notices if n.id is not None and not self.parts.applying(n.id)]
         if not todo:
             return 0
-        if await self._rows_of(job_id) == "builds":  # a template build's (bot/builds/)
+        if await self._rows_of(job_id) == "builds":  # a template build's (bot/kinds/build/)
             build = await self.deployer.queries.build(job_id)
             if build is None:
                 self.parts.finish([n.id for n in todo if n.id is not None])
@@ -278,7 +278,7 @@ class SlackThreads:
             self.outboxes.touch(self._dm(job.requester))
 
     async def _lease(self, job: Job, notice: Notice, nid: int) -> None:
-        """A lease step (bot/leases.py), its times in the requester's zone: a reminder by
+        """A lease step (bot/leases/enforce.py), its times in the requester's zone: a reminder by
         direct message with Extend / Destroy now; the others in the thread, and the
         end by direct message too."""
         zone = await self.zones.of(job.requester)

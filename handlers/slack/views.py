@@ -31,10 +31,10 @@ from slack_sdk.models.blocks import (
 )
 from slack_sdk.models.views import View
 
+from bot.app.queries import VMPage
 from bot.models import Job, JobState
 from bot.models.builds import Build
 from bot.models.errors import UserError
-from bot.queries import VMPage
 from handlers.messages.builds import build_approval_summary, build_context
 from handlers.messages.destroys import destroy_confirm, destroy_summary
 from handlers.messages.listing import list_empty, list_row, list_title

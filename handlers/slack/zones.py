@@ -1,6 +1,6 @@
 """People's time zones, from Slack: `users.info` -> `user.tz`, kept per person.
 
-Lease times are computed in UTC (bot/leases.py) and shown in the reader's zone
+Lease times are computed in UTC (bot/leases/enforce.py) and shown in the reader's zone
 ("expires Tue 8 Dec 14:00 CET"). One look-up per person per `KEEP_S`; a person Slack
 does not answer for, or whose zone this machine does not know, reads UTC.
 """

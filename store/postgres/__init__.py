@@ -96,7 +96,7 @@ class PostgresEngine:
             # (1, 2, 4 ... s) for up to this long, then starts again when a caller
             # waits: without a bound, a runner could stay cut off for as long as its
             # outage lasted again after the server is back, and lose its jobs to a
-            # runner whose pool happened to retry sooner (bot/ownership.py fencing).
+            # runner whose pool happened to retry sooner (bot/ownership/claims.py fencing).
             reconnect_timeout=RECONNECT_S,
         )
         executor = ThreadPoolExecutor(max_workers=pool_size, thread_name_prefix="deploybot-pg")
@@ -152,7 +152,7 @@ class PostgresEngine:
         short asks: after the server went away, the pool tries to reconnect only for a
         caller that asks anew once its reconnect attempts gave up (`RECONNECT_S`), so a
         caller waiting in one long ask could stay without a connection long after the
-        server is back (a runner then misses its renewals: bot/ownership.py)."""
+        server is back (a runner then misses its renewals: bot/ownership/claims.py)."""
         deadline = time.monotonic() + (self._pool.timeout if wait_s is None else wait_s)
         while True:
             left = deadline - time.monotonic()

@@ -17,8 +17,8 @@ import pytest
 
 from backends.base import AddressUse, Backend, CloneSpec, Identity, NotOurVM, PermanentError, VMRef
 from backends.tags import job_tag
-from bot.sections import Timeouts
-from bot.waiting import remove_vm
+from bot.config.sections import Timeouts
+from bot.jobs.waiting import remove_vm
 
 IDENTITY = Identity(
     hostname="contract01",
@@ -165,7 +165,7 @@ async def running_vm(backend: Backend, job_id: str) -> VMRef:
 
 
 async def test_destroy_stops_and_removes_a_running_vm(backend: Backend) -> None:
-    """`/deploy destroy` takes the rollback's path (bot/waiting.remove_vm): stop and
+    """`/deploy destroy` takes the rollback's path (bot/jobs/waiting.remove_vm): stop and
     wait, then destroy and wait; done twice (a destroy taken over) it removes once."""
     ref = await running_vm(backend, "jdestry")
     moves: list[tuple[str, bool]] = []

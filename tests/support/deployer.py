@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bot.app.service import Deployer
+from bot.config.settings import BUNDLED_CONFIG, Settings, load_settings
 from bot.models import Job, JobState, RollbackReport
-from bot.parser import parse
-from bot.service import Deployer
-from bot.settings import BUNDLED_CONFIG, Settings, load_settings
+from bot.requests.grammar import parse
 
 FAST_TIMEOUTS = {
     "check_free_s": 0.5,
@@ -44,7 +44,7 @@ def make_settings(tmp_path: Path, **overrides: Any) -> Settings:
         "approval": {"approvers": ["bob", "carol"]},
     }
     data.update(overrides)
-    # A deploy needs a way to log in (bot.admission.check_login): tests have a key.
+    # A deploy needs a way to log in (bot.requests.admission.check_login): tests have a key.
     data["defaults"] = {"ssh_keys": [TEST_KEY], **data.get("defaults", {})}
     return load_settings(BUNDLED_CONFIG, **data)
 

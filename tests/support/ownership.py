@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 
 from backends.sim import SimBackend
-from bot.app import compose
-from bot.commands import DeployArgs
+from bot.app.compose import compose
+from bot.app.service import Deployer
+from bot.config.settings import Settings
 from bot.models import Job, utcnow
-from bot.parser import parse
-from bot.service import Deployer
-from bot.settings import Settings
+from bot.requests.grammar import parse
+from bot.requests.parsed import DeployArgs
 from store.db import Store
 from tests.support.deployer import Recorder
 

@@ -15,11 +15,11 @@ from backends.base import (
     VMRef,
 )
 from backends.proxmox import ProxmoxBackend
-from bot.commands import DeployArgs
+from bot.app.runtime import running_deployer
+from bot.config.settings import Settings
 from bot.models import Job, JobEvent
-from bot.parser import parse
-from bot.runtime import running_deployer
-from bot.settings import Settings
+from bot.requests.grammar import parse
+from bot.requests.parsed import DeployArgs
 from tests.support.deployer import Recorder
 from tests.support.fakepve import testing
 from tests.support.fakepve.server import FakePVE, Recorded

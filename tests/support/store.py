@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from bot import progress as tell
+from bot.config.settings import Settings
+from bot.jobs import progress as tell
 from bot.models import Job, JobEvent, JobState
-from bot.parser import parse
-from bot.requests import build_request
-from bot.settings import Settings
+from bot.requests.grammar import parse
+from bot.requests.validation import build_request
 from store.db import Store
 from store.sql import Db, SqliteDb
 from tests.support.postgres import PASSWORD_ENV

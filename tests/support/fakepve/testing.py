@@ -16,7 +16,7 @@ import pytest
 
 from backends.proxmox import ProxmoxBackend, create
 from backends.proxmox.config import Config
-from bot.settings import Settings
+from bot.config.settings import Settings
 from tests.support.deployer import FAST_TIMEOUTS, make_settings
 from tests.support.fakepve.cluster import Timings
 from tests.support.fakepve.schema import ApiSchema

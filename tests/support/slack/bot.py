@@ -24,10 +24,10 @@ from slack_sdk.signature import SignatureVerifier
 
 from backends.base import Backend
 from backends.sim import SimBackend
+from bot.app.runtime import running_deployer
+from bot.app.service import Deployer
 from bot.models import utcnow
-from bot.ownership import Clock
-from bot.runtime import running_deployer
-from bot.service import Deployer
+from bot.ownership.claims import Clock
 from handlers.slack.app import SlackBot, make_client
 from handlers.slack.threads import SlackThreads
 from tests.support.deployer import SIM_SCALE, make_settings

@@ -11,12 +11,12 @@ from typing import Any
 
 from backends.base import CloneSpec, Identity, VMRef
 from backends.vsphere import VSphereBackend
-from bot.commands import DeployArgs
+from bot.app.runtime import make_backend, running_deployer
+from bot.app.service import Deployer
+from bot.config.settings import Settings
 from bot.models import Job
-from bot.parser import parse
-from bot.runtime import make_backend, running_deployer
-from bot.service import Deployer
-from bot.settings import Settings
+from bot.requests.grammar import parse
+from bot.requests.parsed import DeployArgs
 from tests.support.deployer import Recorder, make_settings
 from tests.support.vsphere.simulator import PASSWORD, PASSWORD_ENV, TEMPLATE, Simulated
 

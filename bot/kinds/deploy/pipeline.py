@@ -1,0 +1,478 @@
+"""One deploy, step by step, with an undo stack.
+
+    check_free -> clone -> identity -> resize -> power_on -> address -> ssh [-> register]
+
+The steps are declared as data at the end of this module (`STEPS`: one `Step` record
+each, with its action, undo, timeout and what a restart may do after it); the engine in
+bot/jobs/steps.py runs them, the same way for every step.
+Before each step the job's runner proves it still holds the job (bot/ownership/claims.py:
+`hold` pauses while the database does not answer, and stops the job where another
+runner took it over); every write names the job's claim (owner and epoch), so a run
+that lost its job changes nothing; a write of the job's progress that the database
+did not take within `[store] write_retry_s` waits the same way and is made again.
+Each step has a timeout; backend calls that fail with a retryable error are retried
+with backoff inside it. A step that creates something pushes its undo *before* the
+call, so a call that dies after the hypervisor acted (a crash, a lost answer) is still
+undone. On failure or cancel the undo stack runs in reverse (stop and wait, then destroy
+and wait), shielded from further cancellation; an undo that fails is recorded and
+reported, never raised over the original error, and a VM that is still there afterwards
+is listed as wreckage with its id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import ipaddress
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+
+from backends.base import (
+    Backend,
+    CloneSpec,
+    IdTaken,
+    VMRef,
+)
+from bot.addresses.allocation import Addressing, named
+from bot.config.settings import Settings
+from bot.jobs import logfields
+from bot.jobs import progress as tell
+from bot.jobs.progress import Progress
+from bot.jobs.steps import Engine, Step, UndoFrom, notices_for
+from bot.jobs.waiting import protected
+from bot.kinds.deploy.runs import Fence, Run, StepFailed, Undo, identity_of, run_undo, vm_ref
+from bot.models import Claim, Job, JobState, RollbackReport, utcnow
+from bot.ownership.claims import Lost
+from store.db import Store
+
+log = logging.getLogger(__name__)
+Moved = tuple[bool, Job | None]  # a move's answer: whether it moved, the job as it is now
+
+
+class Pipeline:
+    """The deploy: its steps (`STEPS`, below), run by an `Engine`, and its endings."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        backends: Mapping[str, Backend],
+        store: Store,
+        progress: Progress,
+        fence: Fence,
+        addressing: Addressing,
+    ) -> None:
+        """`fence` is this process's runner (bot/ownership/claims.Ownership): every state
+        change of a job names its claim, so a runner that lost a job (its claim lapsed)
+        can no longer change it, and every step waits until the runner proves it holds
+        the job."""
+        self.fence = fence
+        self.owner = fence.id
+        self.addressing = addressing
+        self.settings = settings
+        self.backends = backends
+        self.store = store
+        self.progress = progress
+        self.timeouts = settings.timeouts
+        self.engine = Engine(self, STEPS, store, progress, settings.timeouts, fence)
+
+    async def run(self, job_id: str) -> Job | None:
+        """Run a queued job to a final state; None if it was no longer queued."""
+        run: Run | None = None
+        logfields.bind(job=job_id)
+        try:
+            started, job = await self.store.jobs.move(
+                job_id,
+                [JobState.QUEUED],
+                JobState.RUNNING,
+                held_by=Claim(runner=self.owner),  # its epoch is read from the answer
+                notices=[tell.updated(job_id)],
+                started_at=utcnow(),
+            )
+            if not started or job is None:
+                return job if started else await self.store.jobs.get(job_id)
+            await self.progress.job_updated(job)
+            logfields.bind(backend=job.backend)
+            log.info("job %s: started: %s", job_id, _summary(job))
+            run = Run(job, self.backends[job.backend], job.claim(self.owner))
+            self.engine.arm(run)
+            first = await self._resume(run) if job.vm_id is not None else 0
+            await self.engine.run(run, first)
+        except Lost:
+            # Taken over while this runner could not renew: the new owner has the VM.
+            log.warning("job %s: another runner holds it now; stopping here untouched", job_id)
+            return await self.store.jobs.get(job_id)
+        except asyncio.CancelledError:
+            if run is None:
+                return await protected(self._cancel_unstarted(job_id))
+            return await protected(self._roll_back(run, JobState.CANCELLED, None))
+        except StepFailed as failure:
+            assert run is not None
+            return await protected(self._roll_back(run, JobState.FAILED, failure))
+        return await protected(self._succeed(run))
+
+    async def _cancel_unstarted(self, job_id: str) -> Job | None:
+        """Cancelled while starting: nothing was created, whichever state the job reached."""
+        over = [tell.finished(job_id, RollbackReport())]
+        mine = Claim(runner=self.owner)  # started here a moment ago, if at all
+        if not await self.store.jobs.transition(
+            job_id, [JobState.QUEUED], JobState.CANCELLED, notices=over, finished_at=utcnow()
+        ):
+            await self.store.jobs.transition(
+                job_id, [JobState.RUNNING], JobState.ROLLING_BACK, held_by=mine
+            )
+            await self.store.jobs.transition(
+                job_id,
+                [JobState.ROLLING_BACK],
+                JobState.CANCELLED,
+                held_by=mine,
+                notices=over,
+                error="cancelled",
+                finished_at=utcnow(),
+            )
+        job = await self.store.jobs.get(job_id)
+        await self.addressing.release_quietly(job)
+        if job is not None:
+            await self.progress.job_finished(job, RollbackReport())
+        return job
+
+    async def _resume(self, run: Run) -> int:
+        """Rebuild what a job interrupted by a restart had: its VM and its undo stack."""
+        job = run.job
+        run.ref = vm_ref(job)
+        run.resumed = True
+        events = await self.store.jobs.events(job.id)
+        first = self.engine.resume_point(events)
+        # The undo of every step it will not run again (of all that began when it cannot
+        # carry on: the rollback then needs them).
+        self.engine.rearm(run, {e.step for e in events if e.phase == "started"}, first)
+        if first is None:  # recovery checks first; if it changed meanwhile, roll back
+            raise StepFailed("clone", "interrupted by a restart at a point that cannot be resumed")
+        at = STEPS[first].name
+        await self.engine.run_note(run, at, f"resuming after a restart of the bot, at {at}")
+        return first
+
+    @property
+    def _ssh_port(self) -> int:
+        return self.settings.defaults.ssh_port
+
+    @staticmethod
+    def _ref(run: Run) -> VMRef:
+        if run.ref is None:
+            raise StepFailed("clone", "no VM id was recorded")
+        return run.ref
+
+    # --- the steps' actions, undos and details (declared in STEPS below) -------------
+
+    async def _check_free(self, run: Run) -> str:
+        req = run.job.request
+        # One read for the name and, where the backend can, its VMs' addresses.
+        taken, known = await named({req.backend: run.backend}, req)
+        if taken:
+            raise StepFailed(
+                "check_free",
+                f"a VM named {req.name} already exists on {req.backend} (id {taken[0].vm_id}): "
+                "pick another name, or remove that VM first",
+            )
+        # Our own jobs' names and addresses were checked by the store when this job was
+        # recorded (unique indexes over jobs in flight or succeeded); the address is
+        # asked again of every hypervisor and the IPAM: a VM built by hand since then.
+        who, unasked = await self.addressing.conflict(
+            req, run.job.id, required=req.backend, known=known
+        )
+        if who is not None:
+            raise StepFailed("check_free", f"{who}: deploy again with another address")
+        free = f"{req.name} and {req.address.ip} are free"
+        return f"{free} (not asked: {', '.join(unasked)})" if unasked else free
+
+    async def _clone_detail(self, run: Run) -> str:
+        spec, backend = _clone_spec(run.job), run.backend
+        t = self.timeouts.check_free_s
+        mode = await self.engine.call(run, "clone", t, lambda: backend.clone_mode(spec))
+        return f"{run.job.request.template}, {mode.reason}"
+
+    async def _clone(self, run: Run) -> str:
+        spec, backend = _clone_spec(run.job), run.backend
+        if run.ref is None:
+            ref = await backend.prepare_clone(spec)
+            # Write-ahead: the id is stored and its undo pushed before anything exists.
+            recorded = functools.partial(
+                self.store.jobs.update,
+                run.job.id,
+                held_by=run.claim,
+                vm_id=ref.vm_id,
+                vm_placement=ref.placement,
+            )
+            if not await self.engine.recorded(run, recorded):
+                raise StepFailed("clone", "another process took this job over")
+            run.ref = ref
+            run.undo.append(self._destroy(run))
+        ref = run.ref
+        try:
+            note = await backend.clone(spec, ref)  # a retry reuses the same id
+        except IdTaken:
+            # That id names someone else's VM now: never undo it; choose a new one.
+            run.undo[:] = [u for u in run.undo if not u.vm]
+            run.ref = None
+            await self.store.jobs.update(
+                run.job.id, held_by=run.claim, vm_id=None, vm_placement=None
+            )
+            raise
+        where = f"VM {ref.vm_id} on {ref.placement or run.job.backend}"
+        return f"{where}; {note}" if note else where
+
+    def _destroy(self, run: Run) -> Undo:
+        ref, backend = self._ref(run), run.backend
+        return Undo(
+            f"destroy VM {ref.vm_id}", lambda: backend.destroy(ref), self.timeouts.destroy_s
+        )
+
+    async def _identity_detail(self, run: Run) -> str:
+        req = run.job.request
+        return f"{req.user}@{req.address}, {req.cores} cores, {req.memory_mib} MiB"
+
+    async def _identity(self, run: Run) -> str | None:
+        return await run.backend.apply_identity(self._ref(run), identity_of(run.job.request))
+
+    async def _resize_detail(self, run: Run) -> str:
+        return f"+{run.job.request.disk_grow_gib} GiB"
+
+    async def _resize(self, run: Run) -> str | None:
+        return await run.backend.grow_disk(self._ref(run), run.job.request.disk_grow_gib)
+
+    def _stop(self, run: Run) -> Undo:
+        ref, backend = self._ref(run), run.backend
+        return Undo(
+            f"stop VM {ref.vm_id}", lambda: backend.power_off(ref), self.timeouts.power_off_s
+        )
+
+    async def _power_on(self, run: Run) -> str | None:
+        """Start the VM. A resumed job's VM may be running already (its start outlived
+        the restart): ask first then, and only then."""
+        ref = self._ref(run)
+        if run.resumed:
+            found = await run.backend.find_vm(ref)
+            if found is not None and found.running:
+                return "already running"
+        return await run.backend.power_on(ref)
+
+    async def _address(self, run: Run) -> str:
+        req = run.job.request
+        found = await run.backend.wait_for_address(self._ref(run), req.address.ip)
+        run.address = str(found)
+        if found != req.address.ip:
+            return f"guest reports {found}, not the requested {req.address.ip}"
+        return str(found)
+
+    async def _ssh_detail(self, run: Run) -> str:
+        return f"port {self._ssh_port}"
+
+    async def _ssh(self, run: Run) -> str:
+        address = ipaddress.IPv4Address(run.address or run.job.address)
+        run.host_key = await run.backend.probe_ssh(self._ref(run), address, self._ssh_port)
+        answers = f"{address}:{self._ssh_port} answers"
+        return f"{answers}, host key {run.host_key}" if run.host_key else answers
+
+    async def _register_detail(self, run: Run) -> str:
+        return self.addressing.ipam_name
+
+    async def _register(self, run: Run) -> str | None:
+        return await self.addressing.activate(run.job)
+
+    def _release(self, run: Run) -> Undo:
+        """A job whose address the IPAM records gives it back when it rolls back (pushed
+        at the start, so run last: after its VM is gone)."""
+        what = f"release {run.job.address} in {self.addressing.ipam_name}"
+        release = functools.partial(self.addressing.release, run.job)
+        return Undo(what, release, self.timeouts.check_free_s, vm=False)
+
+    def _ipam(self, job: Job) -> str:
+        return self.addressing.ipam_name
+
+    # --- endings ------------------------------------------------------------------
+
+    async def _moved(self, run: Run, move: Callable[[], Awaitable[Moved]]) -> Moved:
+        """One of the run's moves to a new state (`Engine.recorded`); not moved when the job
+        turned out to be another runner's while the database did not answer."""
+        try:
+            return await self.engine.recorded(run, move)
+        except Lost:
+            return False, None
+
+    async def _succeed(self, run: Run) -> Job | None:
+        moved, job = await self._moved(
+            run,
+            functools.partial(
+                self.store.jobs.move,
+                run.job.id,
+                [JobState.RUNNING],
+                JobState.SUCCEEDED,
+                held_by=run.claim,
+                notices=notices_for(run.job, tell.finished(run.job.id, None)),
+                final_address=run.address,
+                host_key=run.host_key,
+                finished_at=utcnow(),
+            ),
+        )
+        if not moved:
+            log.warning("job %s: taken over by another runner before it succeeded", run.job.id)
+            return await self.store.jobs.get(run.job.id)
+        if job is not None:
+            log.info("job %s: succeeded in %s: %s", job.id, _took(job), job.ssh_line)
+            await self.progress.job_finished(job, None)
+        return job
+
+    async def _roll_back(self, run: Run, final: JobState, failure: StepFailed | None) -> Job | None:
+        job_id = run.job.id
+        moved, rolling = await self._moved(
+            run,
+            functools.partial(
+                self.store.jobs.move,
+                job_id,
+                [JobState.RUNNING],
+                JobState.ROLLING_BACK,
+                held_by=run.claim,
+                notices=notices_for(run.job, tell.updated(job_id)),
+            ),
+        )
+        if not moved:
+            # Not ours any more (taken over after our claim lapsed): the new owner
+            # decides about the VM; touching it here could destroy what it resumes.
+            log.warning("job %s: no longer ours; leaving its VM to the new owner", job_id)
+            return await self.store.jobs.get(job_id)
+        if rolling is not None:
+            await self.progress.job_updated(rolling)
+        report = await self.undo(run.job, run.backend, run.undo, run.ref)
+        moved, job = await self._moved(
+            run,
+            functools.partial(
+                self.store.jobs.move,
+                job_id,
+                [JobState.ROLLING_BACK],
+                final,
+                held_by=run.claim,
+                notices=notices_for(run.job, tell.finished(job_id, report)),
+                failed_step=failure.step if failure else None,
+                error=failure.reason if failure else "cancelled",
+                wreckage=", ".join(report.wreckage) or None,
+                finished_at=utcnow(),
+            ),
+        )
+        if not moved:
+            job = await self.store.jobs.get(job_id)
+        if job is not None:
+            left = f"; left: {job.wreckage}" if job.wreckage else "; nothing left"
+            why = f" at {failure.step}: {failure.reason}" if failure else ""
+            log.info("job %s: %s%s, rolled back%s", job_id, final.value, why, left)
+            await self.progress.job_finished(job, report)
+        return job
+
+    async def undo(
+        self, job: Job, backend: Backend, stack: list[Undo], ref: VMRef | None
+    ) -> RollbackReport:
+        """Run the undo stack in reverse, then check nothing of ours is left."""
+        return await run_undo(
+            self.store, self.timeouts, self.engine.waiting, job, backend, stack, ref
+        )
+
+
+def _summary(job: Job) -> str:
+    """A job's request in one line for the log (no keys: they are not secrets, but long)."""
+    req = job.request
+    return (
+        f"{req.name} {req.address} from {req.template} on {job.backend}"
+        f"{'/' + req.placement if req.placement else ''}, {req.cores} cores, "
+        f"{req.memory_mib} MiB, +{req.disk_grow_gib} GiB, for {job.requester}"
+    )
+
+
+def _took(job: Job) -> str:
+    if job.started_at is None or job.finished_at is None:
+        return "?"
+    return f"{(job.finished_at - job.started_at).total_seconds():.1f} s"
+
+
+def _clone_spec(job: Job) -> CloneSpec:
+    req = job.request
+    return CloneSpec(
+        job.id,
+        req.name,
+        req.template,
+        req.placement,
+        req.storage,
+        req.network,
+        identity=identity_of(req),
+        installation=job.installation,
+    )
+
+
+def _grows(job: Job) -> bool:
+    return bool(job.request.disk_grow_gib)
+
+
+def _has_ipam_record(job: Job) -> bool:
+    return job.ipam_ref is not None
+
+
+# The deploy, one record per step, in order. After a restart a job may carry on once
+# its clone has finished: every later step is safe to run again (the identity is one
+# config change, a disk growth aims at a size the backend marked on the VM, a start
+# finds the VM running, the address and SSH check only look, the IPAM record is
+# activated again). Before that, only a rollback is safe: the clone may be half made.
+# The address is read again rather than remembered: it is cheap and the SSH check needs it.
+STEPS: tuple[Step[Pipeline], ...] = (
+    Step("check_free", Pipeline._check_free, "check_free_s"),
+    Step(
+        "clone",
+        Pipeline._clone,
+        "clone_s",
+        detail=Pipeline._clone_detail,
+        undo=Pipeline._destroy,
+        undo_from=UndoFrom.ACTION,  # write-ahead: once the VM's id is recorded
+        resumable=True,
+    ),
+    Step(
+        "identity",
+        Pipeline._identity,
+        "identity_s",
+        detail=Pipeline._identity_detail,
+        resumable=True,
+    ),
+    Step(
+        "resize",
+        Pipeline._resize,
+        "resize_s",
+        detail=Pipeline._resize_detail,
+        when=_grows,
+        skipped="no growth asked",
+        resumable=True,
+    ),
+    Step("power_on", Pipeline._power_on, "power_on_s", undo=Pipeline._stop, resumable=True),
+    Step(
+        "address",
+        Pipeline._address,
+        "address_s",
+        detail="guest agent",
+        resumable=True,
+        read_again=True,
+    ),
+    Step(
+        "ssh",
+        Pipeline._ssh,
+        "ssh_s",
+        detail=Pipeline._ssh_detail,
+        polled=True,  # a refused port right after the agent answered: sshd still starting
+        resumable=True,
+        read_again=True,
+    ),
+    Step(
+        "register",
+        Pipeline._register,
+        "check_free_s",
+        detail=Pipeline._register_detail,
+        undo=Pipeline._release,
+        undo_from=UndoFrom.START,  # the address was reserved when the job was recorded
+        when=_has_ipam_record,
+        resumable=True,
+        waits_for=Pipeline._ipam,
+    ),
+)

@@ -1,0 +1,171 @@
+"""`deploybot check`: whether the configuration can work, asked of the systems it names.
+
+`check-config` only parses the file; this connects. For every backend: can we reach it,
+is its certificate trusted, does it take our credentials, does the default template
+exist and is it a template, do the default storage and network exist, and does the
+account hold the privileges the deploy steps need (where the backend can say:
+`ChecksPrivileges`). One result per check, each a problem with its fix or ok, so an
+operator sees everything wrong at once instead of one job failure at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import dataclass
+
+from backends import advice
+from backends.abilities import ChecksPrivileges
+from backends.base import Backend
+from backends.ipam import open_ipam
+from bot.app.runtime import make_backend
+from bot.config.settings import Settings
+from bot.models.errors import BackendError, UserError
+from bot.requests.admission import find_template
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    name: str  # what was checked, e.g. "pve: template ubuntu-24.04"
+    ok: bool
+    detail: str  # what was found
+    fix: str = ""  # what to change, when not ok
+
+
+async def run_checks(settings: Settings) -> list[CheckResult]:
+    results: list[CheckResult] = []
+    for config in settings.backends:
+        try:
+            backend = make_backend(config)
+        except UserError as exc:  # a missing secret, an unreadable CA bundle
+            results.append(CheckResult(f"{config.name}: set-up", False, exc.message))
+            continue
+        try:
+            results += await check_backend(config.name, backend, settings.defaults.template)
+        finally:
+            await backend.close()
+    # Overlapping or duplicate subnets stop the configuration from loading at all.
+    cidrs = ", ".join(str(s.cidr) for s in settings.subnets) or "none"
+    results.append(CheckResult("subnets", True, f"no overlaps ({cidrs})"))
+    results += await check_ipam(settings)
+    return results
+
+
+async def check_ipam(settings: Settings) -> list[CheckResult]:
+    """The IPAM: each subnet's prefix (or range) exists, the tags exist, and the token
+    may add and delete an address (one is reserved and deleted per subnet)."""
+    if settings.ipam.provider == "builtin":
+        return [CheckResult("ipam", True, "builtin: deploybot's own database, no server")]
+    try:
+        ipam = open_ipam(settings.ipam, os.environ)
+    except BackendError as exc:  # no token in the environment
+        return [CheckResult("ipam: set-up", False, exc.message)]
+    try:
+        problems = await ipam.problems([s.as_pool() for s in settings.subnets])
+    except BackendError as exc:
+        problems = [exc.message]
+    finally:
+        await ipam.close()
+    if not problems:
+        where = f"NetBox at {settings.ipam.url}"
+        detail = f"{where}: every subnet's prefix found; the token may add and delete addresses"
+        return [CheckResult("ipam", True, detail)]
+    return [CheckResult("ipam", False, problem) for problem in problems]
+
+
+async def check_backend(name: str, backend: Backend, template: str) -> list[CheckResult]:
+    """The checks of one backend; the first refusal of the connection ends them (the
+    rest would only repeat it)."""
+    try:
+        await backend.placements()
+    except BackendError as exc:
+        detail = exc.message
+        if advice.UNTRUSTED in detail and isinstance(backend, ChecksPrivileges):
+            host, port = backend.endpoint
+            presented = await asyncio.to_thread(advice.presented_certificate, host, port)
+            detail += f"; {presented}" if presented else ""
+        return [CheckResult(f"{name}: connection", False, detail, _connection_fix(exc))]
+    results = [CheckResult(f"{name}: connection", True, "reached; TLS and credentials accepted")]
+    try:
+        results.append(await _template(name, backend, template))
+        results += await _placement(name, backend)
+        results += await _privileges(name, backend, template)
+    except BackendError as exc:
+        results.append(CheckResult(f"{name}: inventory", False, exc.message))
+    return results
+
+
+def _connection_fix(exc: BackendError) -> str:
+    if exc.retryable:
+        return "check `host` and `port` and that this machine may reach the API"
+    return ""  # a refusal's message already says what to change (backends/advice.py)
+
+
+async def _template(name: str, backend: Backend, template: str) -> CheckResult:
+    check = f"{name}: template {template}"
+    found = await find_template(backend, template)
+    if found is None:
+        names = ", ".join(t.name for t in await backend.templates()) or "none"
+        return CheckResult(
+            check,
+            False,
+            f"not a template there (templates: {names})",
+            "set `template` under [defaults] to one of them, or make it a template",
+        )
+    if found.problem:
+        return CheckResult(check, False, found.problem)
+    return CheckResult(check, True, "exists and is a template")
+
+
+async def _placement(name: str, backend: Backend) -> list[CheckResult]:
+    results = []
+    storage = backend.default_storage if isinstance(backend, ChecksPrivileges) else None
+    if storage:
+        storages = [s.name for s in await backend.storages()]
+        results.append(_exists(name, "storage", storage, storages))
+    if backend.default_network:
+        networks = [n.name for n in await backend.networks()]
+        results.append(_exists(name, "network", backend.default_network, networks))
+    return results
+
+
+def _exists(name: str, what: str, wanted: str, there: list[str]) -> CheckResult:
+    check = f"{name}: {what} {wanted}"
+    if wanted in there:
+        return CheckResult(check, True, "exists")
+    return CheckResult(
+        check,
+        False,
+        f"does not exist there ({what}s there: {', '.join(there) or 'none'})",
+        f"correct `{what}` in [[backends]] {name}",
+    )
+
+
+async def _privileges(name: str, backend: Backend, template: str) -> list[CheckResult]:
+    if not isinstance(backend, ChecksPrivileges):
+        return []
+    try:
+        lacking = await backend.missing_privileges(template)
+    except BackendError as exc:  # a check that could not run is no "ok"
+        if exc.retryable:
+            raise  # the backend stopped answering: the inventory line says so
+        return [
+            CheckResult(
+                f"{name}: privileges",
+                False,
+                f"not checked: {exc.message}",
+                "correct what it names, then run `deploybot check` again: the privileges "
+                "are asked on what a deploy of the default template uses",
+            )
+        ]
+    if not lacking:
+        return [CheckResult(f"{name}: privileges", True, "the deploy steps' privileges are held")]
+    return [
+        CheckResult(
+            f"{name}: privilege {m.privilege} on {m.where}",
+            False,
+            advice.privilege_missing(m.account, m.step),
+            advice.privilege_fix(m.account, m.privilege, m.where),
+        )
+        for m in lacking
+    ]

@@ -1,0 +1,172 @@
+"""Turn parsed `/deploy` arguments into a validated `DeployRequest`.
+
+This is where the configuration's rules apply: which subnets may be used, the default
+prefix, gateway and DNS of the subnet an address falls in, size limits, defaults. All
+problems are collected and reported together, so one correction fixes the request.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import Any
+
+from pydantic import ValidationError
+
+from bot.addresses import subnets
+from bot.config.settings import Settings
+from bot.models import MIN_MEMORY_MIB, DeployRequest
+from bot.models.errors import RequestInvalid
+from bot.requests.parsed import DeployArgs
+
+# Request fields as the person typed them, so messages name the key they know.
+_FIELD_KEYS = {
+    "name": "the name",
+    "address": "the address",
+    "cores": "cpu",
+    "memory_mib": "mem",
+    "disk_grow_gib": "disk",
+    "user": "user",
+    "template": "template",
+}
+
+
+def build_request(
+    args: DeployArgs,
+    settings: Settings,
+    requester: str,
+    *,
+    user_keys: tuple[str, ...] = (),
+    user_template: str | None = None,
+) -> DeployRequest:
+    problems: list[str] = []
+    defaults = settings.defaults
+    backend, placement = _placement(args.on, settings)
+    data: dict[str, Any] = {
+        "name": args.name,
+        "template": args.template or user_template or defaults.template,
+        "backend": backend,
+        "placement": placement,
+        "storage": args.storage,
+        "network": args.network,
+        "cores": args.cores if args.cores is not None else defaults.cores,
+        "memory_mib": args.memory_mib if args.memory_mib is not None else defaults.memory_mib,
+        "disk_grow_gib": (
+            args.disk_grow_gib if args.disk_grow_gib is not None else defaults.disk_grow_gib
+        ),
+        "user": args.user or defaults.user,
+        "ssh_keys": user_keys or defaults.ssh_keys,
+        "upgrade": bool(args.upgrade),
+        "requester": requester,
+    }
+    if args.subnet is not None and args.address is not None:
+        problems.append(
+            f"Give {args.address} or subnet={args.subnet}, not both: an address is in one subnet."
+        )
+    elif args.address is None:
+        data.update(_next_free(args, settings, backend, problems))
+    else:
+        data.update(_network(args.address, settings, problems))
+    fields = dict.fromkeys(problems[:1], "address")
+    _limits(data, settings, problems, fields)
+    if problems:
+        raise RequestInvalid(problems, {field: text for text, field in fields.items()})
+    try:
+        return DeployRequest(**data)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+        located = {str(e["loc"][0]) if e["loc"] else "": _explain(e) for e in errors}
+        raise RequestInvalid([_explain(e) for e in errors], located) from None
+
+
+def _placement(on: str | None, settings: Settings) -> tuple[str, str | None]:
+    """`on=` names a backend, a node of the default backend, or BACKEND/NODE."""
+    if on is None:
+        return settings.default_backend, None
+    if settings.backend(on) is not None:
+        return on, None
+    backend, sep, node = on.partition("/")
+    if sep and settings.backend(backend) is not None:
+        return backend, node or None
+    return settings.default_backend, on
+
+
+def _next_free(
+    args: DeployArgs, settings: Settings, backend: str, problems: list[str]
+) -> dict[str, Any]:
+    """No address asked: the request gets one of its subnet's pool, only a stand-in until
+    bot/addresses/allocation.py reserves the next free one (`picked`), before anything is
+    recorded."""
+    subnet = subnets.choose(settings.subnets, args.subnet, backend, args.network)
+    if isinstance(subnet, str):
+        problems.append(subnet)
+        return {}
+    pool = subnet.as_pool().hosts()
+    if not pool:
+        problems.append(f"The subnet {subnet.label} has no address to hand out (its pool).")
+        return {}
+    return {
+        "address": ipaddress.IPv4Interface(f"{pool[0]}/{subnet.cidr.prefixlen}"),
+        "gateway": subnet.gateway,
+        "dns": subnet.dns,
+        "search_domain": subnet.search_domain,
+        "picked": True,
+        "subnet": subnet.label,
+    }
+
+
+def _network(address: str, settings: Settings, problems: list[str]) -> dict[str, Any]:
+    subnets = ", ".join(str(s) for s in settings.subnets)
+    try:
+        iface = ipaddress.IPv4Interface(address)
+    except ValueError:
+        problems.append(
+            f"`{address}` is not an IPv4 address: write it like 10.0.0.50 or 10.0.0.50/24."
+        )
+        return {}
+    subnet = settings.subnet_for(iface.ip)
+    if subnet is None:
+        problems.append(f"{iface.ip} is not in a subnet deploybot may use ({subnets}).")
+        return {}
+    if "/" in address and iface.network.prefixlen != subnet.cidr.prefixlen:
+        problems.append(
+            f"{address} says /{iface.network.prefixlen} but {subnet.cidr} is "
+            f"/{subnet.cidr.prefixlen}: drop the prefix or write /{subnet.cidr.prefixlen}."
+        )
+        return {}
+    return {
+        "address": ipaddress.IPv4Interface(f"{iface.ip}/{subnet.cidr.prefixlen}"),
+        "gateway": subnet.gateway,
+        "dns": subnet.dns,
+        "search_domain": subnet.search_domain,
+        "subnet": subnet.label,
+    }
+
+
+def _limits(
+    data: dict[str, Any], settings: Settings, problems: list[str], fields: dict[str, str]
+) -> None:
+    limits = settings.limits
+    checks = (
+        ("cores", "cpu", limits.max_cores, ""),
+        ("memory_mib", "mem", limits.max_memory_mib, " MiB"),
+        ("disk_grow_gib", "disk", limits.max_disk_grow_gib, " GiB"),
+    )
+    if data["memory_mib"] < MIN_MEMORY_MIB:  # a form's value (the text grammar says it)
+        problems.append(
+            f"mem: {data['memory_mib']} MiB is too little: a VM needs at least "
+            f"{MIN_MEMORY_MIB} MiB."
+        )
+        fields[problems[-1]] = "memory_mib"
+    for field, key, limit, unit in checks:
+        if data[field] > limit:
+            problems.append(f"{key}: {data[field]}{unit} is over the limit of {limit}{unit}.")
+            fields[problems[-1]] = field
+
+
+def _explain(error: Any) -> str:
+    loc = error["loc"][0] if error["loc"] else ""
+    message = str(error["msg"]).removeprefix("Value error, ")
+    key = _FIELD_KEYS.get(str(loc), str(loc))
+    if key in ("the name", "the address") or not loc:
+        return message[:1].upper() + message[1:] + ("" if message.endswith(".") else ".")
+    return f"{key}: {message}."
