@@ -120,9 +120,9 @@ class JobAccess(Access):
         self, event: JobEvent, notice: Notice | None = None, held_by: Claim | None = None
     ) -> bool:
         """Returns once the event is committed; events of deploys that end a step in the
-        same moment share a transaction (store/writer.py). With `held_by`, written only
+        same moment are written by one call (store/jobs.add_events). With `held_by`, written only
         while that claim holds the job: False when it did not."""
-        added = await self._write(jobs.add_event, event, notice, held_by)
+        added = await self.engine.write_merged(jobs.add_events, (event, notice, held_by))
         self._noticed(added and notice is not None)
         return added
 
