@@ -328,14 +328,14 @@ class Ownership:
         """Ask the store about a job the last renewal did not list: HELD or LOST, or
         UNPROVEN when the store does not answer."""
         try:
-            job = await self.store.get_job(job_id)
+            claim = await self.store.claim_of(job_id)  # two columns, not the whole job
         except Exception as exc:
             if not is_database_error(exc):
                 raise
             return Proof.UNPROVEN
-        if job is None or job.owner != self.id:
+        if claim is None or claim[0] != self.id:
             return Proof.LOST
-        return Proof.HELD if epoch is None or job.claim_epoch == epoch else Proof.LOST
+        return Proof.HELD if epoch is None or claim[1] == epoch else Proof.LOST
 
     async def _proof(self, job_id: str, epoch: int | None, after: datetime | None) -> Proof:
         proof = self.proven(job_id, epoch, after)

@@ -31,6 +31,10 @@ class OwnerAccess(Access):
         each marked whether it runs here (store/owners.renew)."""
         return await self._call(owners.renew, runner_id, now, until, local, pending)
 
+    async def claim_of(self, job_id: str) -> tuple[str | None, int] | None:
+        """The job's owner and claim epoch (None: no such job): a step's fence."""
+        return await self._call(owners.claim_of, job_id)
+
     async def hand_back(self, runner_id: str, ids: Collection[str]) -> int:
         """End the leases of held jobs and builds nothing here runs any more."""
         return await self._call(owners.hand_back, runner_id, ids)
