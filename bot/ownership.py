@@ -23,7 +23,8 @@ no longer change a job that another took over.
    dead at once, so a restart need not wait for their leases to lapse; jobs whose
    lease has passed are taken over (another compare-and-set) and recovered;
 4. (long-lived runners only) queued jobs nobody holds are claimed, as many as there is
-   room for, and started here.
+   room for, and started here; the lease is renewed again at once, so the renewal
+   lists them and their steps need not ask the store (`hold`).
 
 A one-shot `deploybot deploy` runs only its own job: it renews, it never takes over.
 
@@ -451,6 +452,10 @@ class Ownership:
         claimed = await self.store.claim_queued(self.id, now, self.lease_until(now), room)
         for job_id, backend in claimed:
             self.queue.submit(job_id, backend)
+        if claimed:
+            # Renewed again now, so the renewal lists them: else each step of each of them
+            # asks the store (`hold`: ABSENT) until the next tick's renewal.
+            await self._renew(self.clock(), self.local_ids())
         return len(claimed)
 
     async def claim_queued(self) -> int:
