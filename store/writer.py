@@ -214,8 +214,8 @@ def _merged(conn: sqlite3.Connection, unit: _Merged) -> list[Outcome]:
     value, error = _in_savepoint(conn, whole) if conn.in_transaction else _outcome(whole)
     if error is None:
         return [(v, None) for v in value]
-    if len(unit.items) == 1:
-        return [(None, error)]
+    if len(unit.items) == 1 or isinstance(error, sqlite3.OperationalError):
+        return [(None, error)] * len(unit.items)  # the file busy, say: every item's
     alone = [functools.partial(_first, unit.bound, item) for item in unit.items]
     if conn.in_transaction:
         return [_in_savepoint(conn, call) for call in alone]
