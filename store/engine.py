@@ -27,6 +27,7 @@ from store.writer import Writer
 
 P = ParamSpec("P")
 T = TypeVar("T")
+I = TypeVar("I")  # noqa: E741 (an item of a merged write)
 BUSY_TIMEOUT_MS = 10_000
 WAL_ATTEMPTS = 100
 
@@ -45,6 +46,11 @@ class Engine(Protocol):
       result or raises its exception; `fn` makes its own transactions (store/sql.py).
     - `write(fn, ...)` is the same for the writes every deploy makes; an engine may
       batch those that arrive together, but answers each only once it is committed.
+    - `write_merged(fn, item)` is `write` of `fn(db, [item])[0]` for a set-based `fn`
+      (one result per item, in order: `store.jobs.add_events`); an engine may run the
+      items of the same moment as one `fn(db, items)`, a fixed number of statements
+      for all of them. If that call fails, each item is run again alone, so a failure
+      (a row that is gone) reaches only its own caller.
       A write that failed because the database could not be reached is run again from
       the start for up to its `RetryPolicy`'s window (store/retry.py); `call` is not
       (reads, renewals and probes must fail fast: their loops ask again anyway).
@@ -61,6 +67,8 @@ class Engine(Protocol):
     async def write(
         self, fn: Callable[Concatenate[Db, P], T], *args: P.args, **kwargs: P.kwargs
     ) -> T: ...
+
+    async def write_merged(self, fn: Callable[[Db, list[I]], list[T]], item: I) -> T: ...
 
     async def integrity_check(self) -> str:
         """'ok', or what the database says is wrong with itself."""
@@ -170,6 +178,15 @@ class SqliteEngine:
             # (a window of 0, no retries, keeps the busy timeout).
             wait_s = left_s if self._retry.window_s > 0 else None
             return await self._writer.write_within(wait_s, fn, self.db, *args, **kwargs)
+
+        return await retrying(attempt, self._retry, self.label)
+
+    async def write_merged(self, fn: Callable[[Db, list[I]], list[T]], item: I) -> T:
+        """`write`, merged with the batch's other items of `fn` (store/writer.py)."""
+
+        async def attempt(left_s: float) -> T:
+            wait_s = left_s if self._retry.window_s > 0 else None
+            return await self._writer.write_merged(wait_s, fn, self.db, item)
 
         return await retrying(attempt, self._retry, self.label)
 

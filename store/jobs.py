@@ -7,7 +7,7 @@ other is told so. These functions run on the store's worker thread (store/db.py)
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -304,20 +304,52 @@ def update_job(
     return cursor.rowcount == 1
 
 
+# An event to record, the notice chat must be told of it, and the claim it is written
+# under (None: unfenced).
+EventWrite = tuple[JobEvent, Notice | None, Claim | None]
+
+
 def add_event(
     db: Db, event: JobEvent, notice: Notice | None = None, held_by: Claim | None = None
 ) -> bool:
     """Record a step event (and what chat must be told of it); with `held_by`, only
     while that claim holds the job (False, and nothing written, once it does not)."""
+    (added,) = add_events(db, [(event, notice, held_by)])
+    return added
+
+
+def add_events(db: Db, writes: Sequence[EventWrite]) -> list[bool]:
+    """`add_event` for many at once (the step ends of the deploys finishing together:
+    the engines merge them, store/engine.py): one read of the claims, one insert of the
+    events, whatever their number; each written only while its claim holds, in the
+    same transaction as the read."""
     with immediate(db):
-        if held_by is not None:
-            params: dict[str, Any] = {"id": event.job_id}
-            fence = _fence(held_by, params)
-            if not db.query(f"SELECT 1 AS held FROM jobs WHERE id = :id{fence}", params):
-                return False
-        db.insert("job_events", [_row(event)])
-        outbox.add(db, [notice] if notice else [])
-    return True
+        claims = _claims(db, {event.job_id for event, _notice, held in writes if held})
+        held = [h is None or _holds(claims.get(e.job_id), h) for e, _n, h in writes]
+        kept = [write for write, ok in zip(writes, held, strict=True) if ok]
+        db.insert("job_events", [_row(event) for event, _notice, _held in kept])
+        outbox.add(db, [notice for _event, notice, _held in kept if notice])
+    return held
+
+
+def _claims(db: Db, job_ids: Iterable[str]) -> dict[str, tuple[str | None, int]]:
+    """Each job's owner and claim epoch, as they are now."""
+    found: dict[str, tuple[str | None, int]] = {}
+    ids = sorted(job_ids)
+    for at in range(0, len(ids), 500):  # within every SQLite's limit of parameters
+        chunk = ids[at : at + 500]
+        marks = ", ".join("?" * len(chunk))
+        sql = f"SELECT id, owner, claim_epoch FROM jobs WHERE id IN ({marks})"
+        for row in db.query(sql, chunk):
+            found[str(row["id"])] = (row["owner"], int(row["claim_epoch"]))
+    return found
+
+
+def _holds(current: tuple[str | None, int] | None, claim: Claim) -> bool:
+    """Whether `claim` holds a job whose owner and epoch are `current` (`_fence`)."""
+    if current is None or current[0] != claim.runner:
+        return False
+    return claim.epoch is None or current[1] == claim.epoch
 
 
 def events(db: Db, job_id: str) -> list[JobEvent]:

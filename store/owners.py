@@ -155,6 +155,16 @@ def renew_claims(
     ]
 
 
+def claim_of(db: Db, job_id: str) -> tuple[str | None, int] | None:
+    """The job's owner and claim epoch, as a step's fence asks them (bot/ownership/claims.py
+    `hold`): two columns of one row, not the whole job; None when there is no such job
+    (or it is quarantined: never run)."""
+    rows = db.query(
+        "SELECT owner, claim_epoch FROM jobs WHERE id = ? AND state <> 'quarantined'", [job_id]
+    )
+    return (rows[0]["owner"], int(rows[0]["claim_epoch"])) if rows else None
+
+
 def hand_back(db: Db, runner_id: str, ids: Collection[str]) -> int:
     """Give up jobs and builds this runner holds but no longer runs (their task ended
     without a final state): their claims end now, so a runner (this one too) takes

@@ -28,7 +28,7 @@ from store import (
     quotas,
     users,
 )
-from store.repository import Repository, call, write
+from store.repository import Repository, call, merged, write
 
 
 class Jobs(Repository):
@@ -48,7 +48,7 @@ class Jobs(Repository):
     update = write(jobs.update_job)
     transition_once = write(destroys.transition_once)
     request_cancel = call(owners.request_cancel)
-    add_event = write(jobs.add_event)
+    add_event = merged(jobs.add_event, jobs.add_events)
     events = call(jobs.events)
     step_durations = call(durations.step_durations)
     history = call(jobs.history)
@@ -90,6 +90,7 @@ class Runners(Repository):
 
     register = call(owners.register)
     renew_claims = call(owners.renew_claims)
+    claim_of = call(owners.claim_of)  # a step's fence: two columns, not the whole job
     hand_back = call(owners.hand_back)
     claim = call(owners.claim)
     claim_queued = write(owners.claim_queued)

@@ -16,6 +16,7 @@ so the process that delivers the outbox need not wait for its next look.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Awaitable, Callable
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 
@@ -108,3 +109,72 @@ def write(fn: Callable[Concatenate[Db, P], T]) -> _Query[P, T]:
     """Batched with the writes made at the same moment (`Engine.write`), and run again
     while the database cannot be reached (store/retry.py)."""
     return _Query(fn, batched=True)
+
+
+class _Merged(Generic[P, T]):
+    """A store function whose writes of one moment the engine merges into one call of its
+    set-based twin (`Engine.write_merged`): the method takes `one`'s arguments, the
+    engine runs `many` on the items of all callers of the moment."""
+
+    def __init__(
+        self, one: Callable[Concatenate[Db, P], T], many: Callable[[Db, list[Any]], list[T]]
+    ) -> None:
+        self.fn = one
+        self._signature = inspect.signature(one)
+        self._many = _counting_all(many)
+        self.__doc__ = one.__doc__
+        self._name = one.__name__
+
+    def __set_name__(self, owner: type[Any], name: str) -> None:
+        self._name = name
+
+    @overload
+    def __get__(self, repo: None, owner: type[Any]) -> Callable[Concatenate[Db, P], T]: ...
+
+    @overload
+    def __get__(self, repo: Repository, owner: type[Any]) -> Callable[P, Awaitable[T]]: ...
+
+    def __get__(
+        self, repo: Repository | None, owner: type[Any]
+    ) -> Callable[Concatenate[Db, P], T] | Callable[P, Awaitable[T]]:
+        if repo is None:
+            return self.fn
+        many, engine, wake, signature = self._many, repo.engine, repo.wake, self._signature
+
+        async def method(*args: P.args, **kwargs: P.kwargs) -> T:
+            bound = signature.bind(None, *args, **kwargs)
+            bound.apply_defaults()
+            item = tuple(bound.arguments.values())[1:]  # one's arguments but the Db
+            value, kept = await engine.write_merged(many, item)
+            if kept:
+                wake()
+            return value
+
+        method.__name__ = method.__qualname__ = self._name
+        method.__doc__ = self.__doc__
+        repo.__dict__[self._name] = method
+        return method
+
+
+def _counting_all(
+    many: Callable[[Db, list[Any]], list[T]],
+) -> Callable[[Db, list[Any]], list[tuple[T, bool]]]:
+    """`many`, each answer also saying whether the call kept a notice (one call serves
+    all its items: a wake-up is cheap and needs no finer count)."""
+
+    def run(db: Db, items: list[Any]) -> list[tuple[T, bool]]:
+        before = outbox.kept_here()
+        values = many(db, items)
+        kept = outbox.kept_here() > before
+        return [(value, kept) for value in values]
+
+    return run
+
+
+def merged(
+    one: Callable[Concatenate[Db, P], T], many: Callable[[Db, list[Any]], list[T]]
+) -> _Merged[P, T]:
+    """Like `write`, merged with the same function's writes of the moment into one call of
+    `many` (one read of the claims and one insert for all the step events that end
+    together, on SQLite and PostgreSQL alike)."""
+    return _Merged(one, many)

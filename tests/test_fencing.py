@@ -21,7 +21,7 @@ from backends.sim import SimBackend
 from bot.app.runtime import running_deployer
 from bot.config.settings import Settings
 from bot.models import Claim, Job, JobState
-from bot.ownership.claims import WORKING, Lost
+from bot.ownership.claims import WORKING, Lost, Proof
 from bot.requests.validation import build_request
 from store.db import Store
 from store.owners import RunnerRow
@@ -214,6 +214,24 @@ async def test_hold_answers_at_once_while_proven_and_lost_for_an_old_epoch(
         await first.ownership.tick()
         with pytest.raises(Lost):
             await waiting
+
+
+async def test_jobs_claimed_from_the_queue_are_on_the_renewal_list_at_once(
+    tmp_path: Path, database: str
+) -> None:
+    """Claiming queued work renews again, so the jobs claimed are on the renewal's list
+    (held, proven from memory): before, every step of each of them asked the store
+    until the next tick's renewal listed them."""
+    settings, sim, clock = (
+        fenced_settings(tmp_path, database),
+        SimBackend("sim", time_scale=0.001),
+        Clock(),
+    )
+    async with runner(settings, sim, clock) as first:
+        job = await queued_job(settings, first.store, "q01", "10.0.0.62")
+        assert await first.ownership.claim_queued() == 1
+        assert first.ownership.held.get(job.id) == 1  # its first claim's epoch
+        assert first.ownership.proven(job.id, 1) is Proof.HELD
 
 
 async def test_a_write_the_database_refused_waits_and_lands_when_it_is_back(

@@ -14,17 +14,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("backends", "handlers", "bot", "store")
-# store/access/ is being removed by the store's repositories (issue 27 item 4): neither
-# its modules nor the bases taken from them are looked at here.
-SKIPPED = (ROOT / "store" / "access",)
-SKIPPED_MODULES = ("store.access",)
 
 
 def modules() -> Iterator[Path]:
     for package in PACKAGES:
-        for path in sorted((ROOT / package).rglob("*.py")):
-            if not any(path.is_relative_to(skipped) for skipped in SKIPPED):
-                yield path
+        yield from sorted((ROOT / package).rglob("*.py"))
 
 
 def module_name(path: Path) -> str:
@@ -62,11 +56,14 @@ class Index:
         for node in ast.walk(self.trees[module]):
             if isinstance(node, ast.ClassDef):
                 names[node.name] = (module, node.name)
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                skipped = node.module.startswith(SKIPPED_MODULES)
-                if node.module.split(".")[0] in PACKAGES and not skipped:
-                    for alias in node.names:
-                        names[alias.asname or alias.name] = (node.module, alias.name)
+            elif (
+                isinstance(node, ast.ImportFrom)
+                and node.module
+                and node.level == 0
+                and node.module.split(".")[0] in PACKAGES
+            ):
+                for alias in node.names:
+                    names[alias.asname or alias.name] = (node.module, alias.name)
         return names
 
     def project_bases(self, module: str, node: ast.ClassDef) -> list[str]:

@@ -23,7 +23,8 @@ no longer change a job that another took over.
    dead at once, so a restart need not wait for their claims to lapse; jobs whose
    claim has passed are taken over (another compare-and-set) and recovered;
 4. (long-lived runners only) queued jobs nobody holds are claimed, as many as there is
-   room for, and started here.
+   room for, and started here; the lease is renewed again at once, so the renewal
+   lists them and their steps need not ask the store (`hold`).
 
 A one-shot `deploybot deploy` runs only its own job: it renews, it never takes over.
 
@@ -333,14 +334,14 @@ class Ownership:
         """Ask the store about a job the last renewal did not list: HELD or LOST, or
         UNPROVEN when the store does not answer."""
         try:
-            job = await self.store.jobs.get(job_id)
+            claim = await self.store.runners.claim_of(job_id)  # two columns, not the whole job
         except Exception as exc:
             if not is_database_error(exc):
                 raise
             return Proof.UNPROVEN
-        if job is None or job.owner != self.id:
+        if claim is None or claim[0] != self.id:
             return Proof.LOST
-        return Proof.HELD if epoch is None or job.claim_epoch == epoch else Proof.LOST
+        return Proof.HELD if epoch is None or claim[1] == epoch else Proof.LOST
 
     async def _proof(self, job_id: str, epoch: int | None, after: datetime | None) -> Proof:
         proof = self.proven(job_id, epoch, after)
@@ -458,6 +459,10 @@ class Ownership:
         claimed = await self.store.runners.claim_queued(self.id, now, self.claim_until(now), room)
         for job_id, backend in claimed:
             self.queue.submit(job_id, backend)
+        if claimed:
+            # Renewed again now, so the renewal lists them: else each step of each of them
+            # asks the store (`hold`: ABSENT) until the next tick's renewal.
+            await self._renew(self.clock(), self.local_ids())
         return len(claimed)
 
     async def claim_queued(self) -> int:

@@ -8,6 +8,13 @@ deadlock's victim is run again from the start, on fresh reads; so is a write who
 connection failed (the server restarting, a failover), for up to `[store]
 write_retry_s` (store/retry.py).
 
+Writes stand alone on the pool's connections, in parallel, except the set-based ones
+(`write_merged`: the step events of deploys ending a step together): those that arrive
+while the last such call is on its way are merged into the next one (`Merger`), a fixed
+number of round trips for all of them. (Batching every write into one transaction on
+one connection was tried, and was slower: it gave up the pool's parallelism, and the
+cost was the round trips of each statement, which it did not remove.)
+
 The password comes from the environment (`database_password_env`, or libpq's own
 PGPASSWORD / .pgpass), never from the URL; TLS options in the URL (`sslmode`,
 `sslrootcert` ...) go to libpq as they are.
@@ -20,9 +27,9 @@ import contextlib
 import functools
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
 import psycopg
 from psycopg import errors
@@ -37,6 +44,7 @@ from store.sql import Db
 
 P = ParamSpec("P")
 T = TypeVar("T")
+I = TypeVar("I")  # noqa: E741 (an item of a merged write)
 
 POOL_SIZE = 8
 CONNECT_TIMEOUT_S = 10.0
@@ -74,6 +82,7 @@ class PostgresEngine:
         self._pool = pool
         self._executor = executor
         self._retry = retry
+        self._merger = Merger(self.write)
 
     @classmethod
     async def open(
@@ -134,6 +143,11 @@ class PostgresEngine:
 
         return await retrying(attempt, self._retry, self.label)
 
+    async def write_merged(self, fn: Callable[[Db, list[I]], list[T]], item: I) -> T:
+        """`write` of `fn(db, [item])[0]`, merged with the items of `fn` that arrive while
+        its last call is on its way (`Merger`)."""
+        return cast(T, await self._merger.write(fn, item))
+
     def _run(self, fn: Callable[..., T], args: tuple[Any, ...], wait_s: float | None) -> T:
         for attempt in range(RACE_RETRIES):
             with self._connection(wait_s) as conn:
@@ -174,9 +188,73 @@ class PostgresEngine:
         return await self.call(lambda db: "ok" if db.query("SELECT 1 AS one") else "no answer")
 
     async def close(self) -> None:
+        await self._merger.close()
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._executor, self._pool.close)
         self._executor.shutdown(wait=True)
+
+
+Many = Callable[[Db, list[Any]], list[Any]]
+Waiting = list[tuple[Any, "asyncio.Future[Any]"]]
+
+
+class Merger:
+    """Calls of one set-based store function, merged: the first goes at once, and the
+    items that arrive while it is on its way go next, together, in one call. One that
+    failed is run again alone with each of its items, so only the item's own caller
+    hears of its failure (the database being away is every item's: not run again)."""
+
+    def __init__(self, write: Callable[..., Awaitable[Any]]) -> None:
+        self._write = write  # the engine's `write`: it retries while the server is away
+        self._pending: dict[Many, Waiting] = {}
+        self._draining: dict[Many, asyncio.Task[None]] = {}
+
+    async def write(self, fn: Many, item: Any) -> Any:
+        done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._pending.setdefault(fn, []).append((item, done))
+        task = self._draining.get(fn)
+        if task is None or task.done():
+            self._draining[fn] = asyncio.create_task(self._drain(fn), name="store-merged")
+        return await done
+
+    async def close(self) -> None:
+        await asyncio.gather(*self._draining.values(), return_exceptions=True)
+
+    async def _drain(self, fn: Many) -> None:
+        while batch := self._pending.pop(fn, []):
+            items = [item for item, _done in batch]
+            try:
+                outcomes = await self._outcomes(fn, items)
+            except BaseException:  # cancelled (the loop is going away): nobody may hang
+                for _item, done in batch + self._pending.pop(fn, []):
+                    done.cancel()
+                raise
+            for (_item, done), (value, error) in zip(batch, outcomes, strict=True):
+                if done.done():  # its caller was cancelled; the write stands
+                    continue
+                if error is None:
+                    done.set_result(value)
+                else:
+                    done.set_exception(error)
+
+    async def _outcomes(self, fn: Many, items: list[Any]) -> list[tuple[Any, Exception | None]]:
+        try:
+            return [(value, None) for value in await self._write(fn, items)]
+        except Exception as exc:
+            if len(items) == 1 or isinstance(exc, Unavailable):
+                return [(None, exc)] * len(items)
+        alone = await asyncio.gather(
+            *(self._write(fn, [item]) for item in items), return_exceptions=True
+        )
+        outcomes: list[tuple[Any, Exception | None]] = []
+        for answer in alone:
+            if isinstance(answer, Exception):
+                outcomes.append((None, answer))
+            elif isinstance(answer, BaseException):
+                raise answer
+            else:
+                outcomes.append((answer[0], None))
+        return outcomes
 
 
 def _open(conninfo: str, label: str, pool: ConnectionPool) -> None:

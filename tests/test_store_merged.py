@@ -1,0 +1,115 @@
+"""The step events of deploys ending a step together are written by one call of a
+set-based store function (store/jobs.add_events), on SQLite and on PostgreSQL alike,
+and still each only under its own claim, each failing alone."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import psycopg
+
+from bot.config.settings import Settings
+from bot.models import Claim, JobEvent, utcnow
+from store.db import Store
+from store.postgres import PostgresEngine
+from store.sql import ConstraintViolation
+from tests.support.postgres import PASSWORD_ENV
+from tests.support.store import make_job, store, trace
+
+__all__ = ["store"]  # the fixture (SQLite and PostgreSQL), used by name below
+
+
+async def _claimed(store: Store, settings: Settings, count: int) -> list[tuple[str, int]]:
+    """`count` jobs, each claimed by runner r-one: (id, epoch)."""
+    now = utcnow()
+    claimed = []
+    for i in range(count):
+        job = make_job(settings, f"web{i:02d}", f"10.0.0.{50 + i}")
+        await store.jobs.insert(job)
+        epoch = await store.runners.claim(job.id, "r-one", now, now + timedelta(seconds=30))
+        assert epoch is not None
+        claimed.append((job.id, epoch))
+    return claimed
+
+
+async def test_events_of_one_moment_are_written_under_each_claim_and_fail_alone(
+    store: Store, settings: Settings
+) -> None:
+    held, stale, other, orphan_job = await _claimed(store, settings, 4)
+    results = await asyncio.gather(
+        store.jobs.add_event(JobEvent(job_id=held[0], step="clone", phase="started"), None,
+                        Claim(runner="r-one", epoch=held[1])),
+        store.jobs.add_event(JobEvent(job_id=stale[0], step="clone", phase="started"), None,
+                        Claim(runner="r-one", epoch=stale[1] - 1)),  # an older claim
+        store.jobs.add_event(JobEvent(job_id=other[0], step="clone", phase="started"), None,
+                        Claim(runner="r-two", epoch=other[1])),  # another runner's
+        store.jobs.add_event(JobEvent(job_id=orphan_job[0], step="clone", phase="started"), None,
+                        Claim(runner="r-one")),  # any claim of this runner's
+        store.jobs.add_event(JobEvent(job_id="nosuchjob", step="clone", phase="started")),
+        return_exceptions=True,
+    )  # fmt: skip
+    assert list(results[:4]) == [True, False, False, True]
+    assert isinstance(
+        results[4], ConstraintViolation
+    )  # alone: the others were written all the same
+    assert [e.phase for e in await store.jobs.events(held[0])] == ["started"]
+    assert await store.jobs.events(stale[0]) == [] and await store.jobs.events(other[0]) == []
+    assert [e.phase for e in await store.jobs.events(orphan_job[0])] == ["started"]
+
+
+async def test_sqlite_reads_the_claims_of_events_added_together_once(
+    tmp_path: Path, settings: Settings
+) -> None:
+    store = await Store.open(tmp_path / "jobs.db")
+    try:
+        claimed = await _claimed(store, settings, 20)
+        statements: list[str] = []
+        await store.engine.call(trace, statements.append)  # SQLite's own account, on its thread
+        added = await asyncio.gather(
+            *(
+                store.jobs.add_event(JobEvent(job_id=j, step="clone", phase="started"), None,
+                                Claim(runner="r-one", epoch=e))
+                for j, e in claimed
+            )
+        )  # fmt: skip
+        await store.engine.call(trace, None)
+    finally:
+        await store.close()
+    assert added == [True] * 20
+    reads = [s for s in statements if s.startswith("SELECT") and " FROM jobs " in s]
+    assert len(reads) == 1  # one fence read for twenty events, not twenty
+    assert len([s for s in statements if s.startswith("SAVEPOINT")]) <= 2
+
+
+async def test_postgres_writes_events_added_together_in_one_transaction(
+    pg_url: str, settings: Settings
+) -> None:
+    store = await Store.open(pg_url, password=os.environ[PASSWORD_ENV])
+    try:
+        assert isinstance(store.engine, PostgresEngine)
+        claimed = await _claimed(store, settings, 20)
+        before = _xid(pg_url)
+        added = await asyncio.gather(
+            *(
+                store.jobs.add_event(JobEvent(job_id=j, step="clone", phase="started"), None,
+                                Claim(runner="r-one", epoch=e))
+                for j, e in claimed
+            )
+        )  # fmt: skip
+        after = _xid(pg_url)
+    finally:
+        await store.close()
+    assert added == [True] * 20
+    # Every transaction that writes takes a transaction id (the two reads here one each):
+    # twenty events written alone took twenty.
+    assert after - before - 1 <= 2
+
+
+def _xid(url: str) -> int:
+    with psycopg.connect(url, password=os.environ[PASSWORD_ENV], autocommit=True) as conn:
+        row = conn.execute(b"SELECT txid_current()").fetchone()
+    assert row is not None
+    return int(row[0])
