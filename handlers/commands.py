@@ -23,6 +23,7 @@ from typing import Any, Generic, TypeVar
 
 from bot.app.queries import VMPage
 from bot.app.service import Deployer
+from bot.kinds import Rows
 from bot.models import utcnow
 from bot.models.errors import UserError
 from bot.models.keys import check_ssh_key
@@ -183,10 +184,7 @@ async def _help(inv: Invocation, command: Help) -> Reply:
 
 
 async def _status(inv: Invocation, command: Status) -> Reply:
-    d = inv.deployer
-    if await d.rows_of(command.job_id) == "builds":  # a template build (its own table)
-        return build_status(await d.builds.get(command.job_id))
-    return status_said(await d.status(command.job_id))
+    return await (await _answers(inv, command.job_id)).status(inv, command)
 
 
 async def _history(inv: Invocation, command: History) -> Reply:
@@ -194,10 +192,7 @@ async def _history(inv: Invocation, command: History) -> Reply:
 
 
 async def _cancel(inv: Invocation, command: Cancel) -> Reply:
-    d = inv.deployer
-    if await d.rows_of(command.job_id) == "builds":  # a template build (its own table)
-        return [build_cancelling(await d.cancel_build(command.job_id, inv.user))]
-    return [cancelling(await d.cancel(command.job_id, inv.user))]
+    return await (await _answers(inv, command.job_id)).cancel(inv, command)
 
 
 async def _templates(inv: Invocation, command: Templates) -> Reply:
@@ -207,21 +202,74 @@ async def _templates(inv: Invocation, command: Templates) -> Reply:
 
 
 async def _approve(inv: Invocation, command: Approve) -> Reply:
-    d, user = inv.deployer, inv.user
-    if await d.rows_of(command.job_id) == "builds":  # a template build (its own table)
-        build = await d.decide_build(command.job_id, user, True, dedupe_key=inv.key)
-        return [build_decided_answer(build)]
-    job = await d.approve(command.job_id, user, dedupe_key=inv.key)
-    return [Said(approve_answer(job, user), (user,))]
+    return await (await _answers(inv, command.job_id)).approve(inv, command)
 
 
 async def _reject(inv: Invocation, command: Reject) -> Reply:
-    d, user, reason = inv.deployer, inv.user, command.reason
-    if await d.rows_of(command.job_id) == "builds":  # a template build (its own table)
-        build = await d.decide_build(command.job_id, user, False, reason, dedupe_key=inv.key)
-        return [build_decided_answer(build)]
-    job = await d.reject(command.job_id, user, reason, dedupe_key=inv.key)
+    return await (await _answers(inv, command.job_id)).reject(inv, command)
+
+
+# --- what a job's record answers, looked up by its kind's rows (bot/kinds/) ------------
+
+
+@dataclass(frozen=True)
+class RowsAnswers:
+    """How the commands that name a job answer for the record its kind keeps: a `Job`
+    (deploys, and any kind keeping `jobs` rows) or a `Build` (its own table)."""
+
+    status: Callable[[Invocation, Status], Awaitable[Reply]]
+    cancel: Callable[[Invocation, Cancel], Awaitable[Reply]]
+    approve: Callable[[Invocation, Approve], Awaitable[Reply]]
+    reject: Callable[[Invocation, Reject], Awaitable[Reply]]
+
+
+async def _job_status(inv: Invocation, command: Status) -> Reply:
+    return status_said(await inv.deployer.status(command.job_id))
+
+
+async def _job_cancel(inv: Invocation, command: Cancel) -> Reply:
+    return [cancelling(await inv.deployer.cancel(command.job_id, inv.user))]
+
+
+async def _job_approve(inv: Invocation, command: Approve) -> Reply:
+    job = await inv.deployer.approve(command.job_id, inv.user, dedupe_key=inv.key)
+    return [Said(approve_answer(job, inv.user), (inv.user,))]
+
+
+async def _job_reject(inv: Invocation, command: Reject) -> Reply:
+    d, reason = inv.deployer, command.reason
+    job = await d.reject(command.job_id, inv.user, reason, dedupe_key=inv.key)
     return [slack_reject_answer(job) if inv.slack else reject_answer(job)]
+
+
+async def _build_status(inv: Invocation, command: Status) -> Reply:
+    return build_status(await inv.deployer.builds.get(command.job_id))
+
+
+async def _build_cancel(inv: Invocation, command: Cancel) -> Reply:
+    return [build_cancelling(await inv.deployer.cancel_build(command.job_id, inv.user))]
+
+
+async def _build_approve(inv: Invocation, command: Approve) -> Reply:
+    d = inv.deployer
+    build = await d.decide_build(command.job_id, inv.user, True, dedupe_key=inv.key)
+    return [build_decided_answer(build)]
+
+
+async def _build_reject(inv: Invocation, command: Reject) -> Reply:
+    d, reason = inv.deployer, command.reason
+    build = await d.decide_build(command.job_id, inv.user, False, reason, dedupe_key=inv.key)
+    return [build_decided_answer(build)]
+
+
+ANSWERS: dict[Rows, RowsAnswers] = {
+    "jobs": RowsAnswers(_job_status, _job_cancel, _job_approve, _job_reject),
+    "builds": RowsAnswers(_build_status, _build_cancel, _build_approve, _build_reject),
+}
+
+
+async def _answers(inv: Invocation, ref: str) -> RowsAnswers:
+    return ANSWERS[await inv.deployer.rows_of(ref)]
 
 
 async def _key(inv: Invocation, command: SaveKey) -> Reply:

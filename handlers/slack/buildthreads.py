@@ -67,6 +67,17 @@ class BuildDelivery:
             return True
         return False
 
+    async def apply_all(self, build_id: str, notices: list[Notice]) -> int:
+        """Apply a build's undelivered notices: how many were taken (all of them; those
+        of a build that is gone are finished unshown)."""
+        build = await self._deployer.queries.build(build_id)
+        if build is None:
+            self._parts.finish([n.id for n in notices if n.id is not None])
+            return len(notices)
+        for notice in notices:
+            self.apply(build, notice)
+        return len(notices)
+
     def apply(self, build: Build, notice: Notice) -> None:
         """A build's notice: a line in its thread (the end, urgent), its headline, and
         its approval card (asked for, then replaced by the decision)."""

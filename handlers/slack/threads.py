@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta
 
 from slack_sdk.web.async_client import AsyncWebClient
@@ -54,6 +55,9 @@ from handlers.slack.outbox import Outboxes
 from handlers.slack.zones import Zones
 
 log = logging.getLogger(__name__)
+# What delivers the notices of one kind's record (see `_delivery`).
+ApplyAll = Callable[[str, list[Notice]], Awaitable[int]]
+Release = Callable[[str], Awaitable[bool]]
 DELIVERY_CLAIM_S = 30.0  # another process takes a job's thread over after this
 POLL_S = 0.2  # how often to look for notices written by other processes
 ORPHAN_SCAN_S = 5.0  # how often to look for notices a dead process left
@@ -86,6 +90,7 @@ class SlackThreads:
         self._cursor = 0
         self._orphans_at: datetime | None = None
         self._task: asyncio.Task[None] | None = None
+        self._deliveries: dict[Rows, tuple[ApplyAll, Release]] = {}  # set by bind
         self._poll_lock = asyncio.Lock()
 
     def bind(self, deployer: Deployer) -> None:
@@ -93,6 +98,10 @@ class SlackThreads:
         self._builds = BuildDelivery(
             deployer, self.parts, self.outboxes, self._dm, self.settings.approvals_channel
         )
+        self._deliveries = {
+            "jobs": (self._apply_all, self._release),
+            "builds": (self._builds.apply_all, self._builds.release),
+        }
         deployer.chat_outbox.wake_on_notice(self._wake.set)
         self._task = asyncio.create_task(self._run(), name="slack-delivery")
 
@@ -158,14 +167,15 @@ class SlackThreads:
         todo = [n for n in notices if n.id is not None and not self.parts.applying(n.id)]
         if not todo:
             return 0
-        if await self._rows_of(job_id) == "builds":  # a template build's (bot/kinds/build/)
-            build = await self.deployer.queries.build(job_id)
-            if build is None:
-                self.parts.finish([n.id for n in todo if n.id is not None])
-                return len(todo)
-            for notice in todo:
-                self.builds.apply(build, notice)
-            return len(todo)
+        apply_all, _release = await self._delivery(job_id)
+        return await apply_all(job_id, todo)
+
+    async def _delivery(self, job_id: str) -> tuple[ApplyAll, Release]:
+        """Who delivers this id's notices, by the record its kind keeps (bot/kinds/): a
+        `Job`'s here, a template build's in `BuildDelivery`."""
+        return self._deliveries[await self._rows_of(job_id)]
+
+    async def _apply_all(self, job_id: str, todo: list[Notice]) -> int:
         job = await self.deployer.queries.job(job_id)
         if job is None:  # gone or quarantined: nothing can be shown
             self.parts.finish([n.id for n in todo if n.id is not None])
@@ -182,20 +192,24 @@ class SlackThreads:
         ids, parts = self.parts.to_record()
         await self.deployer.chat_outbox.mark_delivered(ids, utcnow(), parts)
         for job_id in list(self._held):
-            if await self._rows_of(job_id) == "builds":
-                if await self.builds.release(job_id):
-                    self._held.discard(job_id)
-                    self._rows.pop(job_id, None)
-                continue
-            if not self._busy(job_id):
-                job = await self.deployer.queries.job(job_id)
-                if job is None or job.state.final:
-                    await self.deployer.chat_outbox.release(job_id, self.me, utcnow())
-                    self._held.discard(job_id)
-                    self._rows.pop(job_id, None)
-                    self.threads.pop(job_id, None)
-                    self.cards.pop(job_id, None)
-                    self.destroy_cards.pop(job_id, None)
+            _apply_all, release = await self._delivery(job_id)
+            if await release(job_id):
+                self._held.discard(job_id)
+                self._rows.pop(job_id, None)
+
+    async def _release(self, job_id: str) -> bool:
+        """A job's delivery claim goes once it ended and all of it is in Slack: True when
+        it went."""
+        if self._busy(job_id):
+            return False
+        job = await self.deployer.queries.job(job_id)
+        if job is not None and not job.state.final:
+            return False
+        await self.deployer.chat_outbox.release(job_id, self.me, utcnow())
+        self.threads.pop(job_id, None)
+        self.cards.pop(job_id, None)
+        self.destroy_cards.pop(job_id, None)
+        return True
 
     async def _rows_of(self, job_id: str) -> Rows:
         """Which record this id's notices follow: its kind's rows (a `Job` or a `Build`)."""
