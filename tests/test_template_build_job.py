@@ -98,6 +98,19 @@ async def test_a_rebuild_is_a_new_version_and_the_old_one_is_kept(
     assert first.vm_id != second.vm_id
 
 
+async def test_after_a_rebuild_the_templates_are_called_as_their_versions_say(
+    deployer: Deployer, sim: SimBackend
+) -> None:
+    """Publishing renames by VM id: v2 takes the plain name and only v1 is renamed, so
+    what deploys offer (`templates()`) agrees with `template_versions()`."""
+    await build(deployer)
+    await build(deployer)
+    offered = sorted(t.name for t in await sim.templates() if t.name.startswith("golden-"))
+    assert offered == ["golden-debian", "golden-debian-v1"]
+    versions = sorted(v.name for v in await sim.template_versions("golden-debian"))
+    assert offered == versions
+
+
 async def test_a_failed_smoke_deploy_removes_the_template(
     deployer: Deployer, sim: SimBackend
 ) -> None:

@@ -100,10 +100,9 @@ class TemplateBuilds:
             raise NotOurVM(f"template {ref.vm_id} does not carry tag {ref.tag}", vm_id=ref.vm_id)
         built = inventory.built.items()
         before = [b for k, b in built if b.name == plan.name and k != ref.vm_id]
-        if mine.name != plan.name:  # the new one first: never a moment without the name
-            inventory.rename_template(mine, plan.name)
+        mine.name = plan.name  # the new one first: never a moment without the name
         for old in before:
-            inventory.rename_template(old, old.plan.versioned_name)
+            old.name = old.plan.versioned_name
         inventory.save()  # the other processes on the state file see the new names
         return None
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -46,7 +46,6 @@ class Inventory:
         self.state_file = state_file
         self.owner = owner  # on the task locks this simulator takes (state.py)
         self._shipped = shipped
-        self.templates = shipped
         self._shared: SharedState | None = None
         if state_file is not None and state_file.exists():
             self.save()  # tasks that were running when the bot died finished meanwhile
@@ -73,22 +72,21 @@ class Inventory:
 
     # --- the templates --------------------------------------------------------------
 
+    @property
+    def templates(self) -> tuple[Template, ...]:
+        """The shipped templates, then the built ones as they are called now: derived
+        from `built` (keyed by VM id), so a rename touches one template even while two
+        share a name (publishing, between its two renames)."""
+        return (*self._shipped, *(b.template() for b in self.built.values()))
+
     def template_named(self, name: str) -> Template | None:
         return next((t for t in self.templates if t.name == name), None)
 
     def add_built(self, vm_id: str, built: Built) -> None:
         self.built[vm_id] = built
-        self.templates = (*self.templates, built.template())
 
     def remove_built(self, vm_id: str) -> Built:
-        built = self.built.pop(vm_id)
-        self.templates = tuple(t for t in self.templates if t.name != built.name)
-        return built
-
-    def rename_template(self, built: Built, new: str) -> None:
-        renamed = (replace(t, name=new) if t.name == built.name else t for t in self.templates)
-        self.templates = tuple(renamed)
-        built.name = new
+        return self.built.pop(vm_id)
 
     def note_linked(self, template: str, vm_id: str) -> None:
         """A linked clone of `template` was made: it needs the template while it lives."""
@@ -121,7 +119,6 @@ class Inventory:
             plan = BuildPlan(**fields)
             built = Built(plan, row["name"], row["placement"], set(row["linked"]), row["storage"])
             self.built[str(row["vm_id"])] = built
-        self.templates = (*self._shipped, *(b.template() for b in self.built.values()))
 
     # --- persistence: a hypervisor outlives the bot, and is shared by processes ----
 

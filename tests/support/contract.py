@@ -6,16 +6,23 @@ defines a `backend` fixture (a fresh backend with at least one template) and a
 deploybot and without a job tag, whose guest uses a given address), an `untag` fixture
 (`Untag`: remove a VM's job tag the way a person would, on the hypervisor), and does
 `from tests.support.contract import *`, so the same tests run against it unchanged.
+Every backend also builds templates (`backends.building.BuildsTemplates`); those given
+an image get an empty qcow2 from qemu-img.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import shutil
+import subprocess
 from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from pathlib import Path
 
 import pytest
 
 from backends.base import AddressUse, Backend, CloneSpec, Identity, NotOurVM, PermanentError, VMRef
+from backends.building import BuildPlan, BuildsTemplates
 from backends.tags import job_tag
 from bot.config.sections import Timeouts
 from bot.jobs.waiting import remove_vm
@@ -189,3 +196,51 @@ async def test_destroy_refuses_a_vm_whose_tag_was_removed_by_hand(
         await remove_vm(backend, ref, TIMEOUTS)
     (left,) = await backend.find_by_name(IDENTITY.hostname)
     assert left.vm_id == ref.vm_id and left.running, "nothing may be touched"
+
+
+# --- template builds (backends/building.py) --------------------------------------------
+
+
+def build_image(backend: BuildsTemplates, where: Path) -> Path | None:
+    """What `create_template` imports: nothing for a backend that takes no image, else
+    a small empty qcow2 (the backend copies it, never boots it)."""
+    if backend.image_platform is None:
+        return None
+    if shutil.which("qemu-img") is None:
+        pytest.skip("qemu-img is not installed (apt-get install qemu-utils)")
+    image = where / "contract.qcow2"
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(image), "64M"], check=True)
+    return image
+
+
+def build_plan(version: int) -> BuildPlan:
+    return BuildPlan(
+        job_id=f"jbuild{version:02d}", profile="debian-12", os_family="debian",
+        version=version, name="contract-golden", cpu="x86-64-v2-AES", ostype="l26",
+        nic="e1000", disk_bus="scsi", user="debian", built_at=datetime(2026, 12, 1, tzinfo=UTC),
+        source_digest="sha256:" + "ab" * 32, cores=1, memory_mib=1024, installation="contrinst1",
+    )  # fmt: skip
+
+
+async def test_a_second_publish_takes_the_name_and_versions_the_first(
+    backend: Backend, tmp_path: Path
+) -> None:
+    """v2 is published under the plain name, v1 renamed to its versioned name; deploys
+    (`templates()`) and `template_versions()` say the same."""
+    assert isinstance(backend, BuildsTemplates)
+    image = build_image(backend, tmp_path)
+    refs = []
+    for version in (1, 2):
+        plan = build_plan(version)
+        target = await backend.build_preflight(plan)
+        ref = await backend.prepare_build(plan, target)
+        await backend.create_template(plan, target, ref, image)
+        await backend.publish_template(plan, ref)
+        refs.append(ref.vm_id)
+    versions = await backend.template_versions("contract-golden")
+    assert [(v.vm_id, v.name, v.current) for v in versions] == [
+        (refs[0], "contract-golden-v1", False),
+        (refs[1], "contract-golden", True),
+    ]
+    offered = sorted(t.name for t in await backend.templates() if t.name.startswith("contract-"))
+    assert offered == ["contract-golden", "contract-golden-v1"]
