@@ -98,8 +98,11 @@ def undelivered(db: Db, job_id: str) -> list[Notice]:
 
 def claim(db: Db, job_ids: Sequence[str], me: str, now: datetime, until: datetime) -> set[str]:
     """Take (or keep) the delivery claim of these jobs where nobody else holds it; the
-    jobs now ours. One statement per job, each a compare-and-set on the claim row."""
+    jobs now ours. One statement per job, each a compare-and-set on the claim row. No
+    jobs (a poll with nothing new): no transaction, so no write lock taken for nothing."""
     won: set[str] = set()
+    if not job_ids:
+        return won
     params = {"me": me, "now": ts(now), "until": ts(until)}
     with immediate(db):
         for job_id in job_ids:

@@ -437,3 +437,15 @@ async def test_a_write_that_kept_a_notice_wakes_the_delivery(
     other = note.model_copy(update={"job_id": unfollowed.id})
     assert await store.jobs.update(unfollowed.id, notices=[other], error="kept for nobody")
     assert woken == ["woken", "woken"]
+
+
+async def test_claiming_no_deliveries_writes_nothing(sqlite_store: Store) -> None:
+    """A Slack poll with nothing new claims no jobs: it must not take the file's write
+    lock (BEGIN IMMEDIATE) every poll, as store/access's outbox_claim never did."""
+    statements: list[str] = []
+    now = utcnow()
+    await sqlite_store.engine.call(trace, statements.append)
+    won = await sqlite_store.outbox.claim([], "me", now, now + timedelta(seconds=30))
+    await sqlite_store.engine.call(trace, None)
+    assert won == set()
+    assert not [s for s in statements if s.startswith(("BEGIN", "INSERT"))]
