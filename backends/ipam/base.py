@@ -17,7 +17,13 @@ Contract (tests/test_ipam_contract.py runs it against every provider):
   `records` can find reservations a crash left behind (reconciled at start, like VMs).
 * `release` and `activate` are idempotent: an address already gone is released.
 * Failures are `BackendError`s as for hypervisors (backends/base.py): `Unreachable` when
-  the IPAM does not answer (the job waits and says so), `PermanentError` when it refuses.
+  the IPAM does not answer (the job waits and says so), `PermanentError` when it refuses;
+  a full pool is `PoolExhausted`.
+
+The built-in provider keeps no record of its own: the store's unique index over the
+addresses of jobs is the record, so it meets the first clause together with the job's
+insert (a loser picks again), its reservations have no `ref`, and who holds an address is
+the store's answer; it has no server to be unreachable.
 """
 
 from __future__ import annotations

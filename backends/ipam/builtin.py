@@ -3,7 +3,7 @@
 The store's unique index over the addresses of jobs in flight or succeeded is what makes
 a reservation atomic; this only picks the first address of the pool that nobody is known
 to hold. Two requests that pick the same address race at the job's insert, and the one
-that loses picks again (bot/addresses/allocation.py).
+that loses picks again (bot/requests/intake.py).
 """
 
 from __future__ import annotations

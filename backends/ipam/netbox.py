@@ -186,7 +186,7 @@ class NetBox:
         container, vrf_id = self._container(pool)
         fields = self._fields(reserved_for, vrf_id)
         if address is not None:
-            taken = [r for r in self._at(address, vrf_id) if _job_of(r) != reserved_for.job_id]
+            taken = [r for r in self._at(address, vrf_id) if not _names(r, reserved_for)]
             if taken:
                 who = _who(taken[0])
                 raise AddressTaken(f"{address} is recorded in NetBox as {who}", holder=who)
@@ -205,6 +205,8 @@ class NetBox:
                 if ip not in skip:
                     return Reservation(ip, str(record.id))
                 held_back.append(record)
+        except pynetbox.AllocationError:
+            pass  # 409: the prefix (or range) has no free address left
         except pynetbox.RequestError as exc:
             if int(getattr(exc.req, "status_code", 0)) not in (204, 409):
                 raise
@@ -216,15 +218,18 @@ class NetBox:
     async def holder(self, pool: Pool, address: ipaddress.IPv4Address, job_id: str) -> str | None:
         def find() -> str | None:
             _, vrf_id = self._container(pool)
-            others = [r for r in self._at(address, vrf_id) if _job_of(r) != job_id]
+            others = [r for r in self._at(address, vrf_id) if _owner(r)[1] != job_id]
             return _who(others[0]) if others else None
 
         return await self._call(find)
 
     def _owned(self, ref: str, reserved_for: ReservedFor) -> Any:
         record = self.api.ipam.ip_addresses.get(int(ref))
-        if record is not None and _job_of(record) != reserved_for.job_id:
-            raise NotOurs(f"NetBox ip-address {ref} no longer names job {reserved_for.job_id}")
+        if record is not None and not _names(record, reserved_for):
+            raise NotOurs(
+                f"NetBox ip-address {ref} no longer names job {reserved_for.job_id} of "
+                f"installation {reserved_for.installation}"
+            )
         return record
 
     async def activate(self, ref: str, reserved_for: ReservedFor) -> None:
@@ -313,9 +318,16 @@ def _why_unanswered(exc: BaseException, timeout_s: float) -> str:
     return type(exc).__name__
 
 
-def _job_of(record: Any) -> str | None:
+def _owner(record: Any) -> tuple[str, str] | tuple[None, None]:
+    """The installation and the job a record's description names."""
     match = _OWNER.search(str(record.description or ""))
-    return match["job"] if match else None
+    return (match["inst"], match["job"]) if match else (None, None)
+
+
+def _names(record: Any, reserved_for: ReservedFor) -> bool:
+    """Whether the record is this job's, of this installation: a job id alone is
+    random, but another installation's record is never ours to release."""
+    return _owner(record) == (reserved_for.installation, reserved_for.job_id)
 
 
 def _who(record: Any) -> str:
