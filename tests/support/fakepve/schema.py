@@ -23,7 +23,13 @@ _INT = re.compile(r"[+-]?\d+")
 _NUM = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 _ARRAY = re.compile(r"([a-z]+)(\d+)")
 # Parameters that appeared in a release; older servers refuse them as unknown.
-ADDED_IN = {"ciupgrade": (8, 0)}
+ADDED_IN = {
+    "ciupgrade": (8, 0),
+    # the agent's file-read: qemu-server 9.1.5 (see supplement.json's `_source`)
+    "count": (9, 1),
+    "decode": (9, 1),
+    "offset": (9, 1),
+}
 # Endpoints the reference subset lacks, taken from the PVE sources (see its `_source`):
 # merged in, never overriding the reference.
 SUPPLEMENT = Path(__file__).with_name("supplement.json")
