@@ -10,6 +10,7 @@ import ssl
 from pathlib import Path
 
 import aiohttp
+import pytest
 import trustme
 
 from tests.support.fakepve import testing
@@ -172,3 +173,26 @@ async def test_privileges_that_could_not_be_checked_are_a_problem_not_ok(
     assert "run `deploybot check` again" in output
     assert "2 problem(s)." in output, output
     assert fake.token_secret not in output and "Traceback" not in output
+
+
+@pytest.mark.parametrize(
+    ("release", "revoke", "named"),
+    [
+        ("8.2", ["VM.Monitor"], "VM.Monitor"),
+        ("9.0", ["VM.GuestAgent.FileRead", "VM.GuestAgent.Unrestricted"], "VM.GuestAgent.FileRead"),
+    ],
+)
+async def test_the_guest_agents_file_read_privilege_of_the_release_is_named(
+    pve_schema: ApiSchema, pve_tls: Tls, tmp_path: Path, release: str, revoke: list[str], named: str
+) -> None:
+    """Issue 28: the SSH host keys are read through the agent's file-read, whose
+    privilege changed with PVE 9.0 (qemu-server's Agent.pm)."""
+    async with start_fake(pve_schema, pve_tls, release=release) as fake:
+        for privilege in revoke:
+            fake.acl.revoke(privilege)
+        code, output = await check(fake, tmp_path)
+    assert code == 1, output
+    problems = [line for line in output.splitlines() if line.startswith("PROBLEM")]
+    assert any(
+        f"privilege {named} on /vms" in p and "read the SSH host keys" in p for p in problems
+    ), output

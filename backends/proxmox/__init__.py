@@ -51,7 +51,7 @@ from backends.base import (
 )
 from backends.building import BuildPlan, BuildTarget, TemplateVersion
 from backends.config import BackendConfig
-from backends.proxmox import privileges, rollback
+from backends.proxmox import hostkeys, privileges, rollback
 from backends.proxmox.addresses import AddressSweep
 from backends.proxmox.agent import AgentWaits
 from backends.proxmox.api import PveApi
@@ -103,6 +103,7 @@ def create(
 
 class ProxmoxBackend:
     image_platform: str | None = "proxmox"  # bot/images prepares a NoCloud-ready qcow2
+    host_keys_through = "the QEMU guest agent"  # ReadsHostKeys: see `host_keys`
 
     def __init__(self, config: Config, api: PveApi, pacing: Pacing | None = None) -> None:
         self.name = config.name
@@ -159,7 +160,8 @@ class ProxmoxBackend:
         """What a deploy of `template` needs and this token or user lacks; `NoSuchTemplate`
         when there is no such template (the paths asked depend on it)."""
         found = await self.inventory.template(template)
-        return await privileges.missing(self.api, self.config, found)
+        release = await self.inventory.release()
+        return await privileges.missing(self.api, self.config, found, release)
 
     async def storages(self, placement: str | None = None) -> list[Storage]:
         node = placement or await self.inventory.default_node()
@@ -356,6 +358,13 @@ class ProxmoxBackend:
         node, config = await self._owned(ref)
         template = mark_field(config, "template") or ""
         return await self.agent.address(node, ref.vm_id, template, expected)
+
+    async def host_keys(self, ref: VMRef) -> list[str]:
+        """The guest's SSH host keys read through its agent (`hostkeys`): what the SSH
+        check requires the address to present (`ReadsHostKeys`)."""
+        node, _config = await self._owned(ref)
+        release = await self.inventory.release()
+        return await hostkeys.read(self.api, node, ref.vm_id, release, privileges.who(self.config))
 
     async def probe_ssh(self, ref: VMRef, address: ipaddress.IPv4Address, port: int) -> str | None:
         return await self._ssh.probe(address, port)

@@ -201,7 +201,8 @@ class AddressSweep:
         """What the guest agent reports; nothing when it does not answer. Proxmox
         says so with a 500 ("QEMU guest agent is not running", "No QEMU guest agent
         configured", "VM 104 is not running", a QMP command that "got timeout") that
-        the API maps to a PermanentError or, for the timeout, a RetryableError."""
+        the API maps to a PermanentError or, for the timeout and the agent not running
+        (`AgentNotRunning`), a RetryableError."""
         path = f"nodes/{node}/qemu/{vm_id}/agent/network-get-interfaces"
         try:
             answer = await self.api.get(path, f"guest agent of VM {vm_id}")

@@ -14,16 +14,15 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from backends.base import PermanentError, RetryableError, Unreachable
+from backends.base import RetryableError, Unreachable
 from backends.guestaddr import pick_address
 from backends.proxmox.api import PveApi
+from backends.proxmox.apierrors import AgentNotRunning
 from backends.proxmox.pacing import Pacing, PollTiming, Schedule
 
-_AGENT_NOT_YET = re.compile(r"guest agent is not running", re.I)
 BOOT = "boot"  # the pacing operation: start task ended -> agent answers
 
 
@@ -148,14 +147,12 @@ class AgentWaits:
         watch.asked.append("ping")
         try:
             await self.api.post(f"{base}/ping", f"guest agent of VM {vm_id}")
+        except AgentNotRunning:  # an answer: the agent is not up yet
+            watch.got_answer()
+            return False
         except RetryableError as exc:
             watch.got_no_answer(exc)  # kept, to say so if the wait ends like this
             return None
-        except PermanentError as exc:
-            if not _AGENT_NOT_YET.search(exc.message):
-                raise  # not running any more, or no agent configured
-            watch.got_answer()
-            return False
         watch.got_answer()
         return True
 
@@ -167,14 +164,12 @@ class AgentWaits:
             answer = await self.api.get(
                 f"{base}/network-get-interfaces", f"guest agent of VM {vm_id}"
             )
-        except RetryableError as exc:
-            watch.got_no_answer(exc)
-            return None
-        except PermanentError as exc:
-            if not _AGENT_NOT_YET.search(exc.message):
-                raise
+        except AgentNotRunning:
             watch.got_answer()
             watch.answered = False  # restarted meanwhile: ping it again
+            return None
+        except RetryableError as exc:
+            watch.got_no_answer(exc)
             return None
         watch.got_answer()
         pairs = interfaces(answer)

@@ -26,6 +26,9 @@ HELD = re.compile(r"\bis locked \(([\w-]+)\)")
 _RUNNING = re.compile(r"is running - destroy failed")
 _MISSING = re.compile(r"Configuration file '[^']*' does not exist")
 _EXISTS = re.compile(r"already exists")
+# The guest agent (qemu-server's assert_agent_available and check_agent_error).
+_AGENT_DOWN = re.compile(r"guest agent is not running", re.I)
+_NO_SUCH_FILE = re.compile(r"^Agent error: failed to open file .*No such file or directory")
 
 
 class LockContention(RetryableError):
@@ -57,6 +60,15 @@ class AlreadyExists(PermanentError):
 
 class Forbidden(PermanentError):
     """HTTP 403: the API user may not do this, or may not even see what it asked for."""
+
+
+class AgentNotRunning(RetryableError):
+    """HTTP 500 "QEMU guest agent is not running": the guest has not started its agent
+    yet (or it stopped); asking later may find it up."""
+
+
+class GuestFileMissing(PermanentError):
+    """The guest agent could not open a file because it does not exist in the guest."""
 
 
 class TaskFailed(PermanentError):
@@ -145,6 +157,10 @@ def _refusal(exc: HttpError, what: str, endpoint: str, ctx: ErrorContext) -> Bac
         return StillRunning(message)
     if _MISSING.search(reason):
         return VMNotFound(message)
+    if _AGENT_DOWN.search(reason):
+        return AgentNotRunning(message)
+    if _NO_SUCH_FILE.search(reason):
+        return GuestFileMissing(message)
     if _EXISTS.search(reason):
         return AlreadyExists(message)
     if code == 500:

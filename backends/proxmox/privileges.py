@@ -4,9 +4,12 @@ before the first job finds out at its clone step (`deploybot check`).
 The table follows qemu-server's permission checks for the calls the pipeline makes:
 clone (`VM.Clone` on the template, `VM.Allocate` for the new VM, `Datastore.AllocateSpace`
 on the target storage), config (cloud-init, network, CPU, memory, tags), resize, power,
-destroy on rollback. The new VM's id is not known in advance, so its privileges are
-asked on /vms, from which /vms/<id> inherits. PVE 8 checks `SDN.Use` on
-/sdn/zones/localnetwork/<bridge> for a plain bridge too.
+destroy on rollback, and the guest agent's reads (its address; the SSH host keys with
+file-read), whose privileges depend on the release (`hostkeys`: `VM.Monitor` before
+PVE 9, `VM.GuestAgent.Audit` and `VM.GuestAgent.FileRead` from 9.0, where
+`VM.GuestAgent.Unrestricted` does as well). The new VM's id is not known in advance, so
+its privileges are asked on /vms, from which /vms/<id> inherits. PVE 8 checks `SDN.Use`
+on /sdn/zones/localnetwork/<bridge> for a plain bridge too.
 """
 
 from __future__ import annotations
@@ -17,6 +20,12 @@ from typing import Any
 from backends.base import MissingPrivilege
 from backends.proxmox.api import PveApi
 from backends.proxmox.config import Config
+from backends.proxmox.hostkeys import (
+    GUEST_AGENT_PRIVILEGES_SINCE,
+    UNRESTRICTED,
+    agent_read_privilege,
+    file_read_privilege,
+)
 from backends.proxmox.inventory import TemplateInfo
 
 
@@ -25,11 +34,14 @@ class Need:
     path: str
     privilege: str
     step: str  # what the deploy does with it, for the message
+    instead: tuple[str, ...] = ()  # privileges that allow it as well (any one will do)
 
 
-def needs(config: Config, template: TemplateInfo) -> list[Need]:
-    """What the deploy steps need, on the paths they use for this template."""
+def needs(config: Config, template: TemplateInfo, release: tuple[int, int]) -> list[Need]:
+    """What the deploy steps need, on the paths they use for this template, on the
+    server's release (`release`: its major, minor)."""
     new = "/vms"
+    agent = (UNRESTRICTED,) if release >= GUEST_AGENT_PRIVILEGES_SINCE else ()
     storage = config.storage or template.disk.storage
     found = [
         Need(f"/vms/{template.vmid}", "VM.Clone", "copy the template"),
@@ -42,6 +54,13 @@ def needs(config: Config, template: TemplateInfo) -> list[Need]:
         Need(new, "VM.Config.Disk", "grow the disk"),
         Need(new, "VM.PowerMgmt", "power on (and off on rollback)"),
         Need(new, "VM.Audit", "read the VM's state"),
+        Need(new, agent_read_privilege(release), "read the address from the guest agent", agent),
+        Need(
+            new,
+            file_read_privilege(release),
+            "read the SSH host keys through the guest agent (file-read)",
+            agent,
+        ),
     ]
     if storage:
         found.append(Need(f"/storage/{storage}", "Datastore.AllocateSpace", "copy the disk"))
@@ -56,10 +75,12 @@ def who(config: Config) -> str:
     return f"{config.user}!{config.token_id}" if config.token_id else config.user
 
 
-async def missing(api: PveApi, config: Config, template: TemplateInfo) -> list[MissingPrivilege]:
+async def missing(
+    api: PveApi, config: Config, template: TemplateInfo, release: tuple[int, int]
+) -> list[MissingPrivilege]:
     """The privileges the deploy steps need and the token or user lacks, path by path
     (each path asked once: PVE computes the inherited set for it)."""
-    wanted = needs(config, template)
+    wanted = needs(config, template, release)
     held: dict[str, set[str]] = {}
     for path in dict.fromkeys(n.path for n in wanted):
         answer: Any = await api.call("GET", "access/permissions", "permissions", {"path": path})
@@ -68,5 +89,5 @@ async def missing(api: PveApi, config: Config, template: TemplateInfo) -> list[M
     return [
         MissingPrivilege(n.privilege, n.path, n.step, who(config))
         for n in wanted
-        if n.privilege not in held[n.path]
+        if not {n.privilege, *n.instead} & held[n.path]
     ]

@@ -3,7 +3,9 @@ user, configurable per test (revoke a privilege) and from the command line.
 
 As in PVE, the most specific ACL path on the way to a path decides its privileges
 (an ACL on /vms/100 overrides the one on /), and every ACL here propagates. The fake
-answers with the effective set; it does not enforce them on the other endpoints.
+answers with the effective set, and enforces it on the guest agent's file and exec
+endpoints only (`ENFORCED`, with the privilege model of the server's release:
+`agent_privileges`); the other endpoints do not check.
 """
 
 from __future__ import annotations
@@ -40,11 +42,42 @@ ALL_PRIVILEGES = (
     "VM.Monitor",
     "VM.PowerMgmt",
 )
+# PVE 9.0 replaced VM.Monitor by these (pve-access-control 922f710, 0706945; qemu-server
+# b92a40ce: see supplement.json's `_source`).
+GUEST_AGENT_SINCE = (9, 0)
+GUEST_AGENT_PRIVILEGES = (
+    "VM.GuestAgent.Audit",
+    "VM.GuestAgent.FileRead",
+    "VM.GuestAgent.FileSystemMgmt",
+    "VM.GuestAgent.FileWrite",
+    "VM.GuestAgent.Unrestricted",
+)
+_AGENT = "/nodes/{node}/qemu/{vmid}/agent/"
+ENFORCED = frozenset(
+    f"{_AGENT}{name}" for name in ("file-read", "file-write", "exec", "exec-status")
+)
+
+
+def privileges_of(release: tuple[int, int]) -> set[str]:
+    """Every privilege root@pam holds on / on this release (of those the fake knows)."""
+    if release >= GUEST_AGENT_SINCE:
+        return (set(ALL_PRIVILEGES) - {"VM.Monitor"}) | set(GUEST_AGENT_PRIVILEGES)
+    return set(ALL_PRIVILEGES)
+
+
+def agent_privileges(check: list[Any], release: tuple[int, int]) -> tuple[str, list[str], bool]:
+    """(path template, privileges, any of them will do) of an agent endpoint's schema
+    `permissions.check` (["perm", "/vms/{vmid}", [...], "any", 1]) on this release:
+    before PVE 9.0, VM.Monitor alone."""
+    path = str(check[1])
+    if release < GUEST_AGENT_SINCE:
+        return path, ["VM.Monitor"], False
+    return path, [str(p) for p in check[2]], "any" in check[3:]
 
 
 class Acl:
-    def __init__(self) -> None:
-        self.paths: dict[str, set[str]] = {"/": set(ALL_PRIVILEGES)}
+    def __init__(self, release: tuple[int, int] = (8, 2)) -> None:
+        self.paths: dict[str, set[str]] = {"/": privileges_of(release)}
 
     def revoke(self, privilege: str, path: str | None = None) -> None:
         """Take `privilege` away on `path`, or everywhere."""
@@ -73,3 +106,12 @@ class Acl:
         if "path" in params:
             return {params["path"]: dict.fromkeys(sorted(self.effective(params["path"])), 1)}
         return {p: dict.fromkeys(sorted(privs), 1) for p, privs in self.paths.items()}
+
+    def check(self, caller: str, path: str, privileges: list[str], any_of: bool) -> None:
+        """PVE::RPCEnvironment's check / check_any: 403 with its message when refused."""
+        held = self.effective(path)
+        if any_of and not held & set(privileges):
+            raise ApiError(403, f"Permission check failed ({path}, {'|'.join(privileges)})")
+        for privilege in [] if any_of else privileges:
+            if privilege not in held:
+                raise ApiError(403, f"Permission check failed ({path}, {privilege})")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ class Call:
     path: dict[str, str]
     user: str
     upload: Path | None = None  # a multipart request's file, saved under the state dir
+    lists: dict[str, list[str]] = field(default_factory=dict)  # every value of each key
 
     @property
     def node(self) -> str:

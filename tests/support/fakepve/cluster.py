@@ -106,6 +106,9 @@ class VM:
     # Addresses the guest has besides its ipconfig0 one (a DHCP lease, one set by hand
     # inside it): only its agent reports them.
     leases: tuple[str, ...] = ()
+    # The simulated guest's files its agent reads and writes (`guestfiles`): the SSH
+    # host keys cloud-init generates at first boot, and whatever was written.
+    files: dict[str, bytes] = field(default_factory=dict)
     started_at: float | None = None
     boot: asyncio.Task[None] | None = None
 

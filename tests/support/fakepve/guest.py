@@ -78,7 +78,11 @@ class Guest:
         self._servers: dict[int, asyncssh.SSHAcceptor] = {}
         self._endpoints: dict[str, tuple[int, tuple[str, int]]] = {}  # address -> vmid, sshd
 
-    async def boot(self, vmid: int, config: dict[str, str]) -> None:
+    async def boot(
+        self, vmid: int, config: dict[str, str], key: asyncssh.SSHKey | None = None
+    ) -> None:
+        """Start the guest's sshd, presenting `key` (the guest's host key file; a new
+        one when not given)."""
         static = configured_ip(config)
         if self.ssh_port is None or static is None:
             return
@@ -89,7 +93,7 @@ class Guest:
             listen = ("127.0.0.1", 0)  # where the jump host's route leads
         else:
             return  # never listen outside 127.0.0.0/8
-        key = asyncssh.generate_private_key("ssh-ed25519")
+        key = key or asyncssh.generate_private_key("ssh-ed25519")
         try:
             server = await asyncssh.create_server(
                 asyncssh.SSHServer, *listen, server_host_keys=[key]

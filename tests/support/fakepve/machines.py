@@ -13,7 +13,7 @@ import asyncio
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from tests.support.fakepve import guest
+from tests.support.fakepve import guest, guestfiles
 from tests.support.fakepve.errors import ApiError
 
 if TYPE_CHECKING:
@@ -49,6 +49,11 @@ class Machines(Protocol):
     async def agent(self, vm: VM, command: str) -> Any:
         """The `return` of a guest-agent command of a running VM with the agent enabled."""
 
+    async def qga(self, vm: VM, command: str, arguments: dict[str, Any]) -> Any:
+        """The `return` of a guest-agent command with arguments (guest-file-open, ...);
+        `guestfiles.AgentError` with the agent's `error` text when it refuses, ApiError
+        500 "QEMU guest agent is not running" when it does not answer."""
+
     def route(self, host: str, port: int) -> Endpoint | None:
         """For the jump host: the loopback endpoint of the guest's `host:port`."""
 
@@ -61,6 +66,7 @@ class Simulated:
 
     def __init__(self, cluster: Cluster) -> None:
         self.cluster = cluster
+        self.agents: dict[int, guestfiles.SimulatedAgent] = {}  # vmid -> its agent's state
 
     async def cloned(self, source: VM, clone: VM, *, full: bool) -> None:
         return None
@@ -70,6 +76,7 @@ class Simulated:
 
     async def started(self, vm: VM) -> None:
         vm.running = True
+        guestfiles.ensure_host_keys(vm)  # cloud-init's first boot (kept on the disk)
         vm.started_at = asyncio.get_running_loop().time()
         vm.boot = asyncio.create_task(self._boot(vm))
 
@@ -84,11 +91,12 @@ class Simulated:
             if what == "agent":
                 vm.agent_up = vm.agent_installed
             else:
-                await self.cluster.guest.boot(vm.vmid, vm.config)
+                await self.cluster.guest.boot(vm.vmid, vm.config, guestfiles.sshd_key(vm))
 
     async def halted(self, vm: VM, *, graceful: bool, timeout_s: float, force: bool) -> None:
         vm.running = False
         vm.agent_up = False
+        self.agents.pop(vm.vmid, None)  # the agent restarts with the guest
         vm.started_at = None
         if vm.boot is not None:
             vm.boot.cancel()
@@ -103,6 +111,13 @@ class Simulated:
         if command == "guest-ping":
             return {}
         return guest.interfaces(vm.config, vm.vmid, vm.leases)
+
+    async def qga(self, vm: VM, command: str, arguments: dict[str, Any]) -> Any:
+        if not vm.agent_up:
+            raise ApiError(500, "QEMU guest agent is not running")
+        guestfiles.ensure_host_keys(vm)  # a VM added as running (`add_vm`) booted before
+        agent = self.agents.setdefault(vm.vmid, guestfiles.SimulatedAgent())
+        return agent.run(vm, command, arguments)
 
     def route(self, host: str, port: int) -> Endpoint | None:
         return self.cluster.guest.route(host, port)

@@ -4,6 +4,7 @@ what the guests themselves do is `Cluster.machines`' (`machines`, `realvm`)."""
 
 from __future__ import annotations
 
+from tests.support.fakepve.agentcalls import exec_command, exec_status, file_read, file_write
 from tests.support.fakepve.call import Call, Handler
 from tests.support.fakepve.downloads import download_url
 from tests.support.fakepve.mutations import (
@@ -62,6 +63,10 @@ ENDPOINTS: dict[tuple[str, str], tuple[str, Handler]] = {
     ("DELETE", "/nodes/{node}/qemu/{vmid}"): ("delete", destroy),
     ("GET", "/nodes/{node}/qemu/{vmid}/agent/network-get-interfaces"): ("agent", agent_interfaces),
     ("POST", "/nodes/{node}/qemu/{vmid}/agent/ping"): ("agent_ping", agent_ping),
+    ("GET", "/nodes/{node}/qemu/{vmid}/agent/file-read"): ("agent_file_read", file_read),
+    ("POST", "/nodes/{node}/qemu/{vmid}/agent/file-write"): ("agent_file_write", file_write),
+    ("POST", "/nodes/{node}/qemu/{vmid}/agent/exec"): ("agent_exec", exec_command),
+    ("GET", "/nodes/{node}/qemu/{vmid}/agent/exec-status"): ("agent_exec_status", exec_status),
     ("POST", "/nodes/{node}/qemu"): ("create", create_vm),
     ("POST", "/nodes/{node}/qemu/{vmid}/template"): ("template", template),
     ("POST", "/nodes/{node}/storage/{storage}/upload"): ("upload", upload),

@@ -201,7 +201,7 @@ async def vm_status(c: Call) -> Any:
     return answer
 
 
-def _agent_of(c: Call) -> VM:
+def agent_of(c: Call) -> VM:
     """The VM whose agent may answer, with the errors qemu-server gives before asking."""
     vm = c.vm()
     if not vm.running:
@@ -212,12 +212,12 @@ def _agent_of(c: Call) -> VM:
 
 
 async def agent_interfaces(c: Call) -> Any:
-    vm = _agent_of(c)
+    vm = agent_of(c)
     return {"result": await c.cluster.machines.agent(vm, "guest-network-get-interfaces")}
 
 
 async def agent_ping(c: Call) -> Any:
-    vm = _agent_of(c)
+    vm = agent_of(c)
     return {"result": await c.cluster.machines.agent(vm, "guest-ping")}
 
 

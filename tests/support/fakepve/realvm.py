@@ -15,9 +15,10 @@
   (guest-shutdown) when the VM has it enabled and it answers, else presses the ACPI
   power button (QMP system_powerdown), and waits for QEMU to exit; destroy removes the
   VM's folder (disk, seed, sockets, logs);
-* `agent/ping` and `agent/network-get-interfaces` are answered by the real
-  qemu-guest-agent; until it answers a guest-ping within 3 s (qemu-server's check),
-  "QEMU guest agent is not running", as Proxmox says;
+* `agent/ping`, `agent/network-get-interfaces` and the agent's file-read, file-write,
+  exec and exec-status are answered by the real qemu-guest-agent; until it answers a
+  guest-ping within 3 s (qemu-server's check), "QEMU guest agent is not running", as
+  Proxmox says;
 * `faults` (by VM name) breaks a guest on purpose at its next start: a cloud-init seed
   whose user-data and network-config do not parse (`broken_cloud_init`), or the guest
   agent masked inside the guest (`no_agent`: `systemd.mask=` on the kernel command line,
@@ -46,6 +47,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tests.support.fakepve.errors import ApiError, TaskError
+from tests.support.fakepve.guestfiles import AgentError
 from tests.support.fakepve.machines import Endpoint
 from tests.support.realguest import nocloud, qemu
 
@@ -330,6 +332,28 @@ class RealMachines:
             except RuntimeError as exc:
                 what = str(exc)
         raise ApiError(500, f"VM {vm.vmid} qmp command '{command}' failed - {what}")
+
+    async def qga(self, vm: VM, command: str, arguments: dict[str, Any]) -> Any:
+        """The real agent's answer; its `error` as `AgentError`, as Proxmox's
+        check_agent_error reports it."""
+        machine = self.machines.get(vm.vmid)
+        if machine is None:
+            raise ApiError(500, NOT_RUNNING)
+        async with machine.agent_lock:
+            try:
+                await machine.guest.qga("guest-ping", wait=AGENT_PING_S)
+            except (TimeoutError, OSError, ValueError, RuntimeError):
+                vm.agent_up = False
+                raise ApiError(500, NOT_RUNNING) from None
+            vm.agent_up = True
+            try:
+                return await machine.guest.qga(command, arguments, wait=AGENT_COMMAND_S)
+            except qemu.QgaError as exc:
+                raise AgentError(exc.desc) from None
+            except (TimeoutError, OSError, ValueError):
+                raise ApiError(
+                    500, f"VM {vm.vmid} qmp command '{command}' failed - got timeout"
+                ) from None
 
     def route(self, host: str, port: int) -> Endpoint | None:
         if port != 22:

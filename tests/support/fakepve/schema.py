@@ -24,6 +24,9 @@ _NUM = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 _ARRAY = re.compile(r"([a-z]+)(\d+)")
 # Parameters that appeared in a release; older servers refuse them as unknown.
 ADDED_IN = {"ciupgrade": (8, 0)}
+# The same, for one endpoint: the agent's file-read, qemu-server 9.1.5 (supplement.json).
+_FILE_READ = "/nodes/{node}/qemu/{vmid}/agent/file-read"
+ADDED_TO = {(_FILE_READ, name): (9, 1) for name in ("count", "decode", "offset")}
 # Endpoints the reference subset lacks, taken from the PVE sources (see its `_source`):
 # merged in, never overriding the reference.
 SUPPLEMENT = Path(__file__).with_name("supplement.json")
@@ -79,7 +82,9 @@ class ApiSchema:
             return {"": f"Method '{method} {template}' not implemented"}
         declared: dict[str, Any] = info.get("parameters", {}).get("properties", {}) or {}
         props = {
-            name: spec for name, spec in declared.items() if release >= ADDED_IN.get(name, (0, 0))
+            name: spec
+            for name, spec in declared.items()
+            if release >= max(ADDED_IN.get(name, (0, 0)), ADDED_TO.get((template, name), (0, 0)))
         }
         errors: dict[str, str] = {}
         for name, value in params.items():

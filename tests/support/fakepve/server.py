@@ -27,7 +27,7 @@ from urllib.parse import unquote
 import trustme
 from aiohttp import BodyPartReader, web
 
-from tests.support.fakepve.acl import Acl
+from tests.support.fakepve.acl import ENFORCED, Acl, agent_privileges
 from tests.support.fakepve.cluster import Cluster, FaultKind, Timings
 from tests.support.fakepve.errors import ApiError
 from tests.support.fakepve.guest import Guest
@@ -121,7 +121,9 @@ class FakePVE:
         self.ticket_lifetime_s = ticket_lifetime_s
         self.record_session = record_session
         self.requests: list[Recorded] = []
-        self.acl = Acl()  # what GET /access/permissions answers; tests revoke from it
+        # What GET /access/permissions answers (and the agent's file and exec endpoints
+        # check); tests revoke from it.
+        self.acl = Acl(self.cluster.release_tuple)
         self.clock_offset_s = 0.0
         self._tickets: dict[str, tuple[str, float, str]] = {}  # ticket -> user, issued, csrf
         self._runner: web.AppRunner | None = None
@@ -209,16 +211,19 @@ class FakePVE:
         upload: Path | None = None
         if method == "POST" and request.content_type == "multipart/form-data":
             params, upload = await self._multipart(request)
+            lists = {k: [v] for k, v in params.items()}
         else:
             raw = request.query if method in ("GET", "DELETE") else await request.post()
             params = {k: str(v) for k, v in raw.items()}
+            # An array parameter (exec's `command`) is the same key repeated.
+            lists = {k: [str(v) for v in raw.getall(k)] for k in raw}
         route = self.schema.route(raw_path)
         status = 499  # until answered: a client that gave up (nginx's code for it)
         arrived = asyncio.get_running_loop().time()
         self._in_flight += 1
         self.peak_in_flight = max(self.peak_in_flight, self._in_flight)
         try:
-            data = await self._answer(request, method, path, params, route, upload)
+            data = await self._answer(request, method, path, params, route, upload, lists)
             status = 200
             return web.json_response({"data": data})
         except ApiError as exc:
@@ -283,6 +288,7 @@ class FakePVE:
         params: dict[str, str],
         route: Any,
         upload: Path | None = None,
+        lists: dict[str, list[str]] | None = None,
     ) -> Any:
         info = self.schema.method(route.template, method) if route else None
         if route is None or info is None:
@@ -296,6 +302,8 @@ class FakePVE:
             return self.acl.answer(params, user)
         if (method, route.template) not in ENDPOINTS:
             raise ApiError(501, f"Method '{method} {path}' not implemented")
+        if route.template in ENFORCED:
+            self._permitted(info, route.params, user)
         endpoint, handler = ENDPOINTS[(method, route.template)]
         if route.params.get("node") in self.cluster.offline:
             # What pveproxy answers for a node it cannot reach.
@@ -312,7 +320,13 @@ class FakePVE:
                 or f"can't lock file '/var/lock/qemu-server/lock-{vmid}.conf' - got timeout"
             )
             raise ApiError(500, lock)
-        return await handler(Call(self.cluster, params, route.params, user, upload))
+        return await handler(Call(self.cluster, params, route.params, user, upload, lists or {}))
+
+    def _permitted(self, info: dict[str, Any], path_params: dict[str, str], user: str) -> None:
+        """The endpoint's permission check, with the privileges of the server's release."""
+        check = info["permissions"]["check"]
+        where, privileges, any_of = agent_privileges(check, self.cluster.release_tuple)
+        self.acl.check(user, where.format(**path_params), privileges, any_of)
 
     def _verify(
         self, template: str, method: str, params: dict[str, str], path_params: dict[str, str]

@@ -109,6 +109,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+class QgaError(RuntimeError):
+    """The guest agent's `error` answer; `desc` is its text."""
+
+    def __init__(self, command: str, error: Any) -> None:
+        super().__init__(f"qga {command}: {error}")
+        self.desc = str(error.get("desc", error) if isinstance(error, dict) else error)
+
+
 @dataclass
 class Guest:
     """One guest. `address` lives in QEMU's user-mode network `network`, where QEMU
@@ -270,7 +278,7 @@ class Guest:
             with contextlib.suppress(OSError):
                 await writer.wait_closed()
         if "error" in answer:
-            raise RuntimeError(f"qga {command}: {answer['error']}")
+            raise QgaError(command, answer["error"])
         return answer["return"]
 
     async def wait_qga(self, deadline: float) -> float:
