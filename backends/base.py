@@ -137,6 +137,15 @@ class Placement:
 
 
 @dataclass(frozen=True)
+class HostKeyPair:
+    """A host key pair deploybot chose for a guest: installed by a backend that writes the
+    guest's cloud-config itself. `private_openssh` is a secret: never logged, never stored."""
+
+    private_openssh: str  # OpenSSH private key text (ed25519), as asyncssh exports it
+    public: str  # "ssh-ed25519 AAAA..." (no comment)
+
+
+@dataclass(frozen=True)
 class Identity:
     """What cloud-init gives the guest on first boot."""
 
@@ -151,6 +160,7 @@ class Identity:
     cores: int
     memory_mib: int
     network: str | None = None  # the NIC's network, as in CloneSpec (None: the default)
+    host_key: HostKeyPair | None = None
 
 
 @dataclass(frozen=True)

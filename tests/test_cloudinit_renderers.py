@@ -28,6 +28,7 @@ import yaml
 
 from backends.base import Identity
 from backends.vsphere.guestinfo import NIC_NAME, extra_config
+from tests.support.hostkeys import chosen_host_key, public_of
 
 SYSTEM_PYTHON = Path("/usr/bin/python3")
 GUEST = Path(__file__).with_name("support") / "cloudinit_guest.py"
@@ -290,3 +291,25 @@ def test_without_a_search_domain_or_dns_the_name_is_bare(cloud_init: str, tmp_pa
         seen = READ[renderer](guest["rendered"][renderer])
         assert seen.mac == MAC and seen.address == "127.0.20.50/24", (renderer, seen)
         assert (seen.gateway, seen.dns, seen.search) == ("127.0.20.1", (), ()), (renderer, seen)
+
+
+def test_the_host_key_deploybot_chose_is_the_guests_only_host_key(
+    guest: dict[str, Any], tmp_path: Path
+) -> None:
+    """With `Identity.host_key`, the user-data passes cloud-init's schema and cc_ssh
+    would delete the image's host keys and write exactly that pair, the private key
+    0600, the public key its own half: sshd then presents the key deploybot knows."""
+    pair = chosen_host_key()
+    # Without a chosen key (the module's guest), nothing of the kind: the image's own.
+    assert guest["ssh_key_files"] == {} and "ssh_deletekeys" not in guest["userdata"]
+    guest = boot(
+        extra_config(INSTANCE_ID, dataclasses.replace(IDENTITY, host_key=pair), MAC), tmp_path
+    )
+    assert guest["schema_error"] is None
+    assert guest["userdata"]["ssh_deletekeys"] is True
+    private, public = "/etc/ssh/ssh_host_ed25519_key", "/etc/ssh/ssh_host_ed25519_key.pub"
+    assert guest["ssh_key_files"] == {
+        private: [pair.private_openssh, 0o600],
+        public: [pair.public, 0o600],
+    }
+    assert public_of(guest["ssh_key_files"][private][0]) == pair.public

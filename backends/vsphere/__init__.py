@@ -17,6 +17,8 @@ sent there.
   and reconfigures only a VM that lacks them. The metadata finds the NIC by its MAC:
   a created VM's MAC is set in its spec (ESXi generates one only at power-on), a
   clone's is vCenter's, read back after the clone, when the metadata is added.
+* The SSH host key deploybot chose (`Identity.host_key`) travels in the user-data;
+  `forget_host_key` blanks guestinfo.userdata once the VM is ready (ChoosesHostKeys).
 * Session, thread pool, task waiting without polling and fault mapping:
   `session`; inventory lookups: `inventory`; specs: `specs`; what a deploy can choose
   (templates, datastores, networks, placements): `discovery`; template builds
@@ -55,7 +57,7 @@ from backends.building import BuildPlan, BuildTarget, TemplateVersion
 from backends.config import BackendConfig
 from backends.guestaddr import pick_address
 from backends.sshcheck import SshCheck
-from backends.vsphere import addresses, esxi, specs
+from backends.vsphere import addresses, esxi, guestinfo, specs
 from backends.vsphere.building import TemplateBuilds
 from backends.vsphere.config import Config
 from backends.vsphere.conn import Conn, Props, Row
@@ -119,6 +121,19 @@ def _interfaces(props: Props) -> list[tuple[str, str]]:
     if props.get("guest.ipAddress"):
         pairs.append(("guest", props["guest.ipAddress"]))
     return pairs
+
+
+def _holds_host_key(props: Props) -> bool:
+    """Whether the VM's guestinfo.userdata (in `props`' extraConfig) holds a private key;
+    one that does not decode counts as holding one, so that `forget_host_key` blanks it."""
+    value = specs.last_extra(props, guestinfo.USERDATA_KEY)
+    if not value:
+        return False
+    encoding = specs.last_extra(props, f"{guestinfo.USERDATA_KEY}.encoding")
+    try:
+        return guestinfo.holds_private_key(guestinfo.read(value, encoding))
+    except ValueError:
+        return True
 
 
 class VSphereBackend:
@@ -414,6 +429,36 @@ class VSphereBackend:
         # The address came through the hypervisor, not the network: only a connection
         # proves that the guest is reachable.
         return await self._ssh.probe(address, port)
+
+    # --- the host key deploybot chose (ChoosesHostKeys) ------------------------------
+
+    async def forget_host_key(self, ref: VMRef) -> None:
+        """Blank guestinfo.userdata and its encoding when they hold a private key: the
+        guest wrote its host key at first boot, and the key must not stay readable to
+        whoever may read the VM's configuration. A VM without the job tag: NotOurVM."""
+
+        def work(op: Op) -> None:
+            found = self._known.ours(op.conn, ref, ("config.extraConfig",))
+            if found is None or not _holds_host_key(found[1]):
+                return  # gone, or nothing to remove: forgetting is idempotent
+            vm, p = found
+            blank = [vim.option.OptionValue(key=k, value=v) for k, v in guestinfo.FORGOTTEN.items()]
+            try:
+                op.wait(vm.ReconfigVM_Task(vim.vm.ConfigSpec(extraConfig=blank)))
+            except vmodl.fault.ManagedObjectNotFound:
+                return  # removed meanwhile: no key left behind
+            log.info(
+                "backend %s: removed the host key from VM %s's guestinfo", self.name, p["name"]
+            )
+
+        await self._session.run(work, ref.vm_id)
+
+    async def holds_host_key(self, ref: VMRef) -> bool:
+        def work(op: Op) -> bool:
+            found = self._known.lookup(op.conn, ref.vm_id, ("config.extraConfig",))
+            return found is not None and _holds_host_key(found[1])
+
+        return await self._session.run(work, ref.vm_id, changes=False)
 
     async def power_off(self, ref: VMRef) -> None:
         def work(op: Op) -> None:

@@ -17,9 +17,10 @@ import base64
 import gzip
 import json
 import re
+import zlib
 from typing import Any, Literal
 
-from backends.base import Identity, PermanentError
+from backends.base import HostKeyPair, Identity, PermanentError
 
 ENCODING = "gzip+base64"
 METADATA_KEY = "guestinfo.metadata"
@@ -34,6 +35,14 @@ EtcHosts = bool | Literal["localhost"]
 _YAML_UNSAFE = re.compile("[\x7f-\x9f\u2028\u2029\ufeff\ufffe\uffff]")
 # A key is one line of authorized_keys: a line break would smuggle in a second key.
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+# A private key's text is lines: any control character but the line break is damage.
+_CONTROL_BUT_NEWLINE = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u2028\u2029]")
+# What a cloud-config holding a private host key contains: cloud-init's `ssh_keys`
+# entries (cc_ssh's CONFIG_KEY_TO_FILE) or a PEM/OpenSSH private key block.
+_PRIVATE_KEY = re.compile(r"\b(?:rsa|dsa|ecdsa|ed25519)_private\b|PRIVATE KEY-----")
+# guestinfo.userdata once `forget` has run: both keys blank (vSphere removes a key set
+# to ""; the datasource reads an empty value as no user-data, whatever the encoding).
+FORGOTTEN = {USERDATA_KEY: "", f"{USERDATA_KEY}.encoding": ""}
 
 
 def to_yaml(document: Any) -> str:
@@ -103,7 +112,7 @@ def userdata(identity: Identity, manage_etc_hosts: EtcHosts = True) -> dict[str,
                 f"an SSH key for {identity.user} contains a line break or control character; "
                 "give each key as one line"
             )
-    return {
+    document: dict[str, Any] = {
         "users": [
             {
                 "name": identity.user,
@@ -120,11 +129,57 @@ def userdata(identity: Identity, manage_etc_hosts: EtcHosts = True) -> dict[str,
         "fqdn": fqdn(identity),
         "manage_etc_hosts": manage_etc_hosts,
     }
+    if identity.host_key is not None:
+        document.update(host_key(identity.host_key))
+    return document
+
+
+def host_key(pair: HostKeyPair) -> dict[str, Any]:
+    """cloud-init's `ssh_keys` for the ed25519 pair deploybot chose, with `ssh_deletekeys`:
+    cc_ssh deletes the template's host keys, then writes these two files
+    (/etc/ssh/ssh_host_ed25519_key{,.pub}); with `ssh_keys` given it generates no
+    others, so sshd presents this key and no other. The messages never quote the key."""
+    if _CONTROL.search(pair.public) or not pair.public.startswith("ssh-ed25519 "):
+        raise PermanentError(
+            "the host key chosen for the guest is not one ssh-ed25519 line; "
+            "this is a fault in deploybot: report it"
+        )
+    if _CONTROL_BUT_NEWLINE.search(pair.private_openssh) or not holds_private_key(
+        pair.private_openssh
+    ):
+        raise PermanentError(
+            "the host key chosen for the guest is not an OpenSSH private key; "
+            "this is a fault in deploybot: report it"
+        )
+    return {
+        "ssh_keys": {"ed25519_private": pair.private_openssh, "ed25519_public": pair.public},
+        "ssh_deletekeys": True,
+    }
 
 
 def encode(text: str) -> str:
     """gzip then base64; mtime=0 so the same document always encodes the same way."""
     return base64.b64encode(gzip.compress(text.encode("utf-8"), mtime=0)).decode("ascii")
+
+
+def read(value: str, encoding: str | None) -> str:
+    """A guestinfo document as cloud-init's VMware datasource decodes it (its four
+    encodings; anything else is plain text); ValueError when it does not decode."""
+    try:
+        if encoding in ("gzip+base64", "gz+b64"):
+            raw = gzip.decompress(base64.b64decode(value, validate=True))
+        elif encoding in ("base64", "b64"):
+            raw = base64.b64decode(value, validate=True)
+        else:
+            return value
+        return raw.decode("utf-8")
+    except (OSError, EOFError, zlib.error, ValueError) as error:  # binascii, Unicode
+        raise ValueError(f"not {encoding} text") from error
+
+
+def holds_private_key(document: str) -> bool:
+    """Whether a cloud-config (decoded) holds a private host key."""
+    return _PRIVATE_KEY.search(document) is not None
 
 
 def userdata_config(identity: Identity, manage_etc_hosts: EtcHosts = True) -> dict[str, str]:

@@ -12,7 +12,10 @@ as that can be done without a guest:
   that uses it; `extract_physdevs` says which NIC cloud-init renames to what at boot;
 * the host name and FQDN are what `cc_set_hostname` would set, /etc/hosts is what
   `cc_update_etc_hosts` writes (into TARGET), the user-data is checked against
-  cloud-init's schema.
+  cloud-init's schema;
+* the host key files `cc_ssh` writes from `ssh_keys` are named from its own table
+  (`CONFIG_KEY_TO_FILE`: path and mode), not written: its `ssh_deletekeys` step
+  deletes by a fixed glob on the machine's own /etc/ssh.
 
 It prints one JSON document. Nothing is written outside TARGET: the distributions'
 renderer settings hold absolute paths (netplan's would escape the target, since it
@@ -35,7 +38,7 @@ from typing import Any
 import cloudinit.net
 from cloudinit import distros, helpers, util, version
 from cloudinit.cloud import Cloud
-from cloudinit.config import cc_update_etc_hosts
+from cloudinit.config import cc_ssh, cc_update_etc_hosts
 from cloudinit.config.schema import SchemaValidationError, get_schema, validate_cloudconfig_schema
 from cloudinit.net import network_state, renderers
 from cloudinit.sources.DataSourceVMware import DataSourceVMware
@@ -124,6 +127,14 @@ def render(
     return rendered
 
 
+def host_key_files(userdata: dict[str, Any]) -> dict[str, list[Any]]:
+    """path -> [content, mode] of each file cc_ssh's `handle` writes from `ssh_keys`, in
+    its order; an entry its table does not know it skips (with a warning)."""
+    table = cc_ssh.CONFIG_KEY_TO_FILE
+    keys = userdata.get("ssh_keys") or {}
+    return {table[k][0]: [value, table[k][1]] for k, value in keys.items() if k in table}
+
+
 def main() -> None:
     target = Path(sys.argv[1]).resolve()
     confined = Confined(target)
@@ -169,6 +180,7 @@ def main() -> None:
         "etc_hosts": hosts.read_text() if hosts.exists() else None,
         "userdata": userdata,
         "schema_error": schema_error,
+        "ssh_key_files": host_key_files(userdata),
     }
     json.dump(result, sys.stdout)
 
