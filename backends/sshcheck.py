@@ -17,7 +17,7 @@ import logging
 
 import asyncssh
 
-from backends.base import PermanentError, RetryableError, Unreachable
+from backends.base import HostKeyPair, PermanentError, RetryableError, Unreachable
 from backends.config import SshJump
 
 log = logging.getLogger(__name__)
@@ -137,6 +137,12 @@ def public_line(key: asyncssh.SSHKey) -> str:
     """A public key as one OpenSSH line without its comment: "ssh-ed25519 AAAA..."."""
     algorithm, blob = key.export_public_key("openssh").decode().split()[:2]
     return f"{algorithm} {blob}"
+
+
+def new_host_key() -> HostKeyPair:
+    """A fresh ed25519 host key pair for a guest (deploybot chooses its host key)."""
+    key = asyncssh.generate_private_key("ssh-ed25519")
+    return HostKeyPair(key.export_private_key("openssh").decode(), public_line(key))
 
 
 def fingerprint(public: str) -> str:
