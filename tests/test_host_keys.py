@@ -153,3 +153,44 @@ def test_the_sim_key_generator_is_ed25519() -> None:
     key = asyncssh.import_private_key(pair.private_openssh)
     assert " ".join(key.export_public_key().decode().split()[:2]) == pair.public
     assert "PRIVATE" not in repr(pair)
+
+
+async def test_gc_lists_and_blanks_a_vm_that_still_holds_its_private_host_key(
+    tmp_path: Path,
+) -> None:
+    """Every forget failed and so did the destroy: the VM is wreckage whose stored
+    user-data keeps the private key. gc says so, and --apply removes the VM (and with a
+    VM it keeps, the key)."""
+    from bot.operations import gc
+
+    sim = ChoosingSim("sim", time_scale=SIM_SCALE)
+    sim.inject("forget_host_key", "error", times=2)  # the ready step's and the undo's
+    sim.inject("destroy", "error", times=50)
+    settings = make_settings(tmp_path)
+    async with running_deployer(settings, Recorder(), backends={"sim": sim}) as d:
+        job = await deploy(d)
+        assert job.state is JobState.FAILED and job.wreckage
+        assert await sim.holds_host_key(vm_ref(job))
+        report = await gc.dry_run(d.store, {"sim": sim}, ["sim"])
+        assert [f.vm.vm_id for f in report.holding_keys] == [job.vm_id]
+        sim.faults.clear()
+        applied = await gc.apply(d.store, {"sim": sim}, ["sim"], settings.timeouts, 600)
+    assert [f.vm.vm_id for f in applied.removed] == [job.vm_id]
+    assert sim.vms == {}
+
+
+async def test_gc_apply_blanks_the_key_of_a_vm_it_keeps(tmp_path: Path) -> None:
+    from bot.operations import gc
+
+    sim = ChoosingSim("sim", time_scale=SIM_SCALE)
+    settings = make_settings(tmp_path)
+    async with running_deployer(settings, Recorder(), backends={"sim": sim}) as d:
+        job = await deploy(d)
+        assert job.state is JobState.SUCCEEDED
+        (vm,) = sim.vms.values()
+        vm.user_data_key = "-----BEGIN OPENSSH PRIVATE KEY-----"  # put back by hand
+        report = await gc.dry_run(d.store, {"sim": sim}, ["sim"])
+        assert [f.vm.vm_id for f in report.holding_keys] == [vm.vm_id]
+        applied = await gc.apply(d.store, {"sim": sim}, ["sim"], settings.timeouts, 600)
+    assert [f.vm.vm_id for f in applied.keys_forgotten] == [vm.vm_id]
+    assert vm.user_data_key is None and vm.running  # the VM itself is kept
