@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from backends.base import AddressUse, MissingPrivilege, Template, VMInfo
+from backends.base import AddressUse, MissingPrivilege, Template, VMInfo, VMRef
 
 
 @runtime_checkable
@@ -62,3 +62,37 @@ class LearnsDurations(Protocol):
     process does not poll as if it had never deployed."""
 
     def remember_steps(self, history: list[StepTime]) -> None: ...
+
+
+@runtime_checkable
+class ReadsHostKeys(Protocol):
+    """A backend that reads a guest's SSH host keys through the hypervisor's own channel
+    into the guest, not through the network (Proxmox: the guest agent's file-read)."""
+
+    host_keys_through: str  # for people: "the QEMU guest agent"
+
+    async def host_keys(self, ref: VMRef) -> list[str]:
+        """The guest's public host keys as OpenSSH lines ("ssh-ed25519 AAAA...", no
+        comment), read from /etc/ssh/ssh_host_{ed25519,ecdsa,rsa}_key.pub (those that
+        exist). RetryableError while the channel is not up yet; PermanentError when it
+        is refused (a missing privilege is named); [] when the guest has none."""
+        ...
+
+
+@runtime_checkable
+class ChoosesHostKeys(Protocol):
+    """A backend that writes the guest's cloud-config itself (vSphere, ESXi:
+    guestinfo.userdata) and so installs the host key pair deploybot chose
+    (`Identity.host_key`: cloud-config `ssh_keys` ed25519_private/ed25519_public and
+    `ssh_deletekeys: true`)."""
+
+    async def forget_host_key(self, ref: VMRef) -> None:
+        """Remove the private key from where the hypervisor keeps the VM's cloud-config
+        (vSphere: a reconfigure that blanks guestinfo.userdata), so nobody with read
+        access to the hypervisor can read it afterwards. Idempotent; waits for its task;
+        a VM that is gone is not an error (VMNotFound is swallowed)."""
+        ...
+
+    async def holds_host_key(self, ref: VMRef) -> bool:
+        """Whether the VM's stored cloud-config still holds a private host key (gc asks)."""
+        ...

@@ -144,6 +144,9 @@ class HostKeyPair:
     private_openssh: str  # OpenSSH private key text (ed25519), as asyncssh exports it
     public: str  # "ssh-ed25519 AAAA..." (no comment)
 
+    def __repr__(self) -> str:  # never print the private key, even in a traceback
+        return f"HostKeyPair(public={self.public!r})"
+
 
 @dataclass(frozen=True)
 class Identity:
@@ -160,6 +163,8 @@ class Identity:
     cores: int
     memory_mib: int
     network: str | None = None  # the NIC's network, as in CloneSpec (None: the default)
+    # The host key pair deploybot chose, for a backend that installs it (ChoosesHostKeys);
+    # None: the guest makes its own at first boot.
     host_key: HostKeyPair | None = None
 
 
@@ -301,8 +306,9 @@ class Backend(Protocol):
 
     async def probe_ssh(self, ref: VMRef, address: ipaddress.IPv4Address, port: int) -> str | None:
         """One attempt: return once a TCP connection to the guest's SSH port succeeded,
-        with the host key fingerprint when it could be read (`backends.sshcheck`, through
-        the config's `ssh_jump` when it has one)."""
+        with the public host key the server presented, as one OpenSSH line
+        ("ssh-ed25519 AAAA...", no comment), or None when it could not be read
+        (`backends.sshcheck`, through the config's `ssh_jump` when it has one)."""
         ...
 
     async def power_off(self, ref: VMRef) -> None: ...
@@ -342,5 +348,6 @@ class Backend(Protocol):
     async def close(self) -> None: ...
 
 
-# Optional abilities (ChecksPrivileges, NamedTemplates, LearnsDurations) are in
-# backends/abilities.py; template builds (BuildsTemplates) in backends/building.py.
+# Optional abilities (ChecksPrivileges, NamedTemplates, LearnsDurations, ReadsHostKeys,
+# ChoosesHostKeys) are in backends/abilities.py; template builds (BuildsTemplates) in
+# backends/building.py.

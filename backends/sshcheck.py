@@ -17,7 +17,7 @@ import logging
 
 import asyncssh
 
-from backends.base import PermanentError, RetryableError, Unreachable
+from backends.base import HostKeyPair, PermanentError, RetryableError, Unreachable
 from backends.config import SshJump
 
 log = logging.getLogger(__name__)
@@ -36,8 +36,9 @@ class SshCheck:
 
     async def probe(self, address: ipaddress.IPv4Address, port: int) -> str | None:
         """One attempt: raise RetryableError while the port does not answer (Unreachable
-        when the jump host does not); return the host key fingerprint, or None when the
-        port answered but no key could be read."""
+        when the jump host does not); return the public host key the server presented
+        as one OpenSSH line ("ssh-ed25519 AAAA...", no comment), or None when the port
+        answered but no key could be read."""
         if self.jump is None:
             await tcp_probe(address, port)
             return await ssh_host_key(address, port)
@@ -111,7 +112,8 @@ async def ssh_host_key(
     *,
     tunnel: asyncssh.SSHClientConnection | None = None,
 ) -> str | None:
-    """The SSH server's host key fingerprint (`SHA256:...`) read from its key exchange.
+    """The SSH server's public host key as one OpenSSH line (`ssh-ed25519 AAAA...`, no
+    comment), read from its key exchange.
 
     None when the server answered TCP but no key could be read (an sshd still starting,
     a non-SSH listener): reachability is already proven.
@@ -128,7 +130,28 @@ async def ssh_host_key(
     except (OSError, asyncssh.Error, TimeoutError) as exc:
         log.info("no SSH host key from %s:%s: %s", address, port, exc)
         return None
-    return key.get_fingerprint("sha256") if key is not None else None
+    return public_line(key) if key is not None else None
+
+
+def public_line(key: asyncssh.SSHKey) -> str:
+    """A public key as one OpenSSH line without its comment: "ssh-ed25519 AAAA..."."""
+    algorithm, blob = key.export_public_key("openssh").decode().split()[:2]
+    return f"{algorithm} {blob}"
+
+
+def new_host_key() -> HostKeyPair:
+    """A fresh ed25519 host key pair for a guest (deploybot chooses its host key)."""
+    key = asyncssh.generate_private_key("ssh-ed25519")
+    return HostKeyPair(key.export_private_key("openssh").decode(), public_line(key))
+
+
+def fingerprint(public: str) -> str:
+    """The SHA256 fingerprint of an OpenSSH public key line, as `ssh` shows it
+    ("SHA256:..."); a line that holds no key is shown as it is."""
+    try:
+        return asyncssh.import_public_key(public).get_fingerprint("sha256")
+    except (asyncssh.KeyImportError, ValueError):
+        return public
 
 
 async def jump_connection(jump: SshJump, timeout_s: float = 15.0) -> asyncssh.SSHClientConnection:

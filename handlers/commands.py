@@ -24,8 +24,8 @@ from typing import Any, Generic, TypeVar
 from bot.app.queries import VMPage
 from bot.app.service import Deployer
 from bot.kinds import Rows
-from bot.models import utcnow
-from bot.models.errors import UserError
+from bot.models import DESTROY_STATES, JobState, utcnow
+from bot.models.errors import JobNotFound, UserError
 from bot.models.keys import check_ssh_key
 from bot.requests.grammar import USAGES, parse
 from bot.requests.parsed import (
@@ -37,6 +37,7 @@ from bot.requests.parsed import (
     ExtendLease,
     Help,
     History,
+    KnownHosts,
     ListVMs,
     Reject,
     SaveKey,
@@ -61,6 +62,7 @@ from handlers.messages.core import (
     reject_answer,
 )
 from handlers.messages.destroys import destroy_answer
+from handlers.messages.hostkeys import known_hosts_answer, no_key_recorded, not_ready
 from handlers.messages.lifecycle import lease_extended_answer
 from handlers.messages.listing import list_lines
 from handlers.messages.reports import history, status_said, templates
@@ -293,6 +295,18 @@ async def _destroy(inv: Invocation, command: Destroy) -> Reply:
     return [destroy_answer(job)]
 
 
+READY_STATES = DESTROY_STATES | {JobState.SUCCEEDED}  # a VM that was ready and is still there
+
+
+async def _known_hosts(inv: Invocation, command: KnownHosts) -> Reply:
+    job = await inv.deployer.vm_job(command.target)
+    if job.state not in READY_STATES:
+        raise JobNotFound(not_ready(job))
+    if not job.host_key:
+        raise JobNotFound(no_key_recorded(job))
+    return known_hosts_answer(job)
+
+
 LIST_PER_PAGE = 10  # rows a page; Slack's Block Kit page stays far under 50 blocks
 
 
@@ -347,6 +361,7 @@ COMMANDS = Registry(
         Spec(ShowSettings, "settings", ANYONE, _settings, slack=VIEW),
         Spec(Destroy, "destroy", Who.OWNER_APPROVERS_DESTROYERS, _destroy),
         Spec(ListVMs, "list", ANYONE, _list, slack=VIEW),
+        Spec(KnownHosts, "known-hosts", ANYONE, _known_hosts),
         Spec(ExtendLease, "lease extend", Who.REQUESTER_OR_APPROVERS, _extend),
         Spec(BuildTemplate, "template build", Who.DEPLOYERS, _build),
         Spec(TemplateProfiles, "template profiles", ANYONE, _profiles, table=True),

@@ -20,7 +20,7 @@ from bot.models.errors import ConfigError
 from bot.operations import gc
 from bot.operations.check import run_checks
 from bot.requests.grammar import parse
-from bot.requests.parsed import DeployArgs, ExtendLease, ListVMs
+from bot.requests.parsed import DeployArgs, ExtendLease, KnownHosts, ListVMs
 from handlers import commands
 from handlers.demo import run_demo
 from handlers.messages.builds import (
@@ -111,6 +111,16 @@ async def lease(args: argparse.Namespace, settings: Settings) -> int:
         command = ExtendLease(args.target, args.length)
         lines = await commands.reply_text(deployer, args.user, command)
     print("\n".join(lines))
+    return 0
+
+
+async def known_hosts(args: argparse.Namespace, settings: Settings) -> int:
+    # Only reads the store, like `list`: no runner, no recovery.
+    async with running_deployer(
+        settings, TerminalThread(), runner_kind="known-hosts", takes_over=False, start=False
+    ) as deployer:
+        lines = await commands.reply_text(deployer, default_user(), KnownHosts(args.target))
+    print("\n".join(line.removeprefix("    ") for line in lines))
     return 0
 
 
@@ -287,6 +297,7 @@ COMMANDS = {
     "list": list_vms,
     "destroy": destroy,
     "lease": lease,
+    "known-hosts": known_hosts,
     "check-config": check_config,
     "check": check,
     "serve": serve,

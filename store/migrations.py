@@ -359,8 +359,19 @@ def _v15(db: Database) -> None:
     db.execute(KIND_COLUMN)
 
 
+# How the host key in `jobs.host_key` was confirmed ("agent", "chosen", "ssh":
+# bot/models.HostKeySource); that column holds the public key line since, a fingerprint
+# ("SHA256:...", no source) in older rows.
+HOST_KEY_SOURCE_COLUMN = "ALTER TABLE jobs ADD COLUMN host_key_source TEXT"
+
+
+def _v16(db: Database) -> None:
+    """How each job's host key was confirmed (issue 28)."""
+    db.execute(HOST_KEY_SOURCE_COLUMN)
+
+
 MIGRATIONS: list[Callable[[Database], None]] = [
-    _v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9, _v10, _v11, _v12, _v13, _v14, _v15
+    _v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9, _v10, _v11, _v12, _v13, _v14, _v15, _v16
 ]  # fmt: skip
 SCHEMA_VERSION = len(MIGRATIONS)
 

@@ -9,13 +9,14 @@ import typing
 from dataclasses import dataclass
 from pathlib import Path
 
+from bot.models import JobState
 from bot.requests.grammar import SUBCOMMAND_USAGE, USAGES
 from bot.requests.parsed import Command
 from handlers.commands import COMMANDS, SlackWay, Who, answer_command
 from handlers.messages import usage
 from handlers.slack.app import SlackBot
 from handlers.terminal import Shell
-from tests.support.deployer import TEST_KEY
+from tests.support.deployer import TEST_KEY, deploy
 from tests.support.slack.bot import ALICE, CHANNEL, slack_bot
 from tests.support.slack.fake_api import Call
 
@@ -35,6 +36,7 @@ EXAMPLES = {
     "settings": "settings",
     "destroy": "destroy web99",
     "list": "list all",
+    "known-hosts": "known-hosts web99",
     "lease extend": "lease extend web99 7d",
     "template build": "template build no-such-profile",
     "template profiles": "template profiles",
@@ -136,3 +138,22 @@ async def test_the_shell_takes_every_command_without_deploy_and_names_them(
         assert word in usage.unknown_shell_input(shortcuts)
     assert "debian-12" in text  # `template profiles` ran without /deploy
     assert "as NAME" in text and "lease | template" in text
+
+
+async def test_known_hosts_of_a_ready_vm_is_the_same_line_in_the_shell_and_slack(
+    tmp_path: Path,
+) -> None:
+    async with slack_bot(tmp_path) as h:
+        job = await deploy(h.deployer)
+        assert job.state is JobState.SUCCEEDED and job.known_hosts_line
+        out = io.StringIO()
+        await Shell(h.deployer, ALICE, out).handle("/deploy known-hosts web01")
+        shell_text = "\n".join(
+            line.removeprefix("bot: ") for line in out.getvalue().split("\n") if line
+        )
+        seen = len(h.fake.calls)
+        await h.command("known-hosts web01")
+        await h.settle()
+        (slack_text,) = ephemerals(h.fake.calls, seen)
+    assert job.known_hosts_line in shell_text and "guest agent" in shell_text
+    assert html.unescape(slack_text) == shell_text

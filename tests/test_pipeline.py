@@ -16,8 +16,9 @@ from bot.models.errors import Conflict, RequestInvalid
 from bot.requests.grammar import parse
 from tests.support.deployer import REQUEST, Recorder, deploy
 
-# The steps every deploy walks (register: only with an IPAM record).
-STEPS = tuple(step.name for step in DEPLOY_STEPS if step.name != "register")
+# The steps every deploy walks (register: only with an IPAM record; forget_key: only
+# where deploybot chose the host key).
+STEPS = tuple(step.name for step in DEPLOY_STEPS if step.name not in ("register", "forget_key"))
 
 # Which simulator operation each step calls.
 STEP_OPS = {
@@ -288,8 +289,9 @@ def test_resume_point(pairs: list[tuple[str, str]], expected: str | None) -> Non
 
 def test_the_deploy_declares_each_step_once_with_its_undo() -> None:
     names = [step.name for step in DEPLOY_STEPS]
-    assert names == [*STEPS, "register"] and len(set(names)) == len(names)
-    assert [s.name for s in DEPLOY_STEPS if s.undo is not None] == ["clone", "power_on", "register"]
+    assert names == [*STEPS, "forget_key", "register"] and len(set(names)) == len(names)
+    undone = [s.name for s in DEPLOY_STEPS if s.undo is not None]
+    assert undone == ["clone", "identity", "power_on", "register"]
     assert [s.name for s in DEPLOY_STEPS if s.polled] == ["ssh"]
     assert [s.name for s in DEPLOY_STEPS if not s.resumable] == ["check_free"]
 

@@ -16,7 +16,7 @@ import pytest
 
 from bot.app.runtime import open_store
 from bot.config.settings import Settings
-from bot.models import Job, JobState
+from bot.models import HostKeySource, Job, JobState
 from bot.models.errors import StoreUnavailable
 from store.db import Store
 from store.migrations import SCHEMA_VERSION
@@ -137,3 +137,35 @@ def test_a_password_in_the_database_url_is_refused(tmp_path: Path) -> None:
     assert "DEPLOYBOT_DATABASE_PASSWORD" in refused.value.message
     assert "s3cret" not in refused.value.message
     assert os.environ.get("DEPLOYBOT_DATABASE_PASSWORD") != "s3cret"
+
+
+async def test_postgres_v16_adds_how_the_host_key_was_confirmed(
+    pg_url: str, settings: Settings
+) -> None:
+    """A database at v15 gains `host_key_source`: its rows (a fingerprint in host_key)
+    read back without one; new rows keep the public key line and its source."""
+    with pg_connect(pg_url) as conn:
+        for step in range(6, 16):
+            for statement in schema.STEPS[step]:
+                conn.execute(schema._ddl(statement).encode())
+        conn.execute("INSERT INTO meta (key, value) VALUES ('schema_version', '15')")
+        conn.execute("INSERT INTO meta (key, value) VALUES ('installation_id', 'i0')")
+    old = make_job(settings, "web01", "10.0.0.50", state=JobState.SUCCEEDED)
+    old = old.model_copy(update={"host_key": "SHA256:abc"})
+    new = make_job(settings, "web02", "10.0.0.51", state=JobState.SUCCEEDED)
+    new = new.model_copy(update={"host_key": "ssh-ed25519 AAAAC3", "host_key_source": "agent"})
+    store = await Store.open(pg_url, password=PASSWORD)
+    try:
+        await store.jobs.insert(old)
+        await store.jobs.insert(new)
+        got_old, got_new = await store.jobs.get(old.id), await store.jobs.get(new.id)
+    finally:
+        await store.close()
+    assert got_old is not None and got_old.host_key_source is None
+    assert got_old.known_hosts_line is None  # a fingerprint only: shown as before
+    assert got_new is not None and got_new.host_key_source is HostKeySource.AGENT
+    assert got_new.known_hosts_line == "web02,10.0.0.51 ssh-ed25519 AAAAC3"
+    with pg_connect(pg_url) as conn:
+        assert conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == (
+            "16",
+        )

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from backends.base import PermanentError, RetryableError, Unreachable
 from backends.config import SshJump
-from backends.sshcheck import SshCheck
+from backends.sshcheck import SshCheck, public_line
 from bot.config.settings import load_settings
 from bot.models.errors import ConfigError
 from tests.support.jumphost import JumpHost
@@ -23,12 +23,12 @@ GUEST = ipaddress.IPv4Address("10.0.0.50")  # never connected to: the jump host 
 
 @pytest.fixture
 async def sshd() -> AsyncIterator[tuple[int, str]]:
-    """The guest's sshd, on loopback; its port and host key fingerprint."""
+    """The guest's sshd, on loopback; its port and public host key line."""
     key = asyncssh.generate_private_key("ssh-ed25519")
     server = await asyncssh.create_server(
         asyncssh.SSHServer, "127.0.0.1", 0, server_host_keys=[key]
     )
-    yield server.sockets[0].getsockname()[1], key.get_fingerprint("sha256")
+    yield server.sockets[0].getsockname()[1], public_line(key)
     server.close()
     await server.wait_closed()
 

@@ -12,7 +12,7 @@ import pytest
 
 from backends.base import RetryableError, Unreachable
 from backends.sim import SimBackend
-from backends.sshcheck import SshCheck, ssh_host_key, tcp_probe
+from backends.sshcheck import SshCheck, fingerprint, ssh_host_key, tcp_probe
 from bot.app.runtime import running_deployer
 from bot.config.sections import Timeouts
 from bot.jobs.waiting import retrying
@@ -99,19 +99,21 @@ async def test_a_guest_that_never_answers_fails_the_deploy(tmp_path: Path) -> No
     assert sim.vms == {}
 
 
-async def test_the_host_key_fingerprint_comes_from_the_key_exchange() -> None:
+async def test_the_host_key_comes_from_the_key_exchange() -> None:
     host_key = asyncssh.generate_private_key("ssh-ed25519")
     server = await asyncssh.create_server(
         asyncssh.SSHServer, str(GUEST), 0, server_host_keys=[host_key]
     )
     port = server.sockets[0].getsockname()[1]
     try:
-        fingerprint = await SshCheck(None).probe(GUEST, port)
+        presented = await SshCheck(None).probe(GUEST, port)
     finally:
         server.close()
         await server.wait_closed()
-    assert fingerprint == host_key.get_fingerprint("sha256")
-    assert fingerprint is not None and fingerprint.startswith("SHA256:")
+    # The public line, without a comment, the way a known_hosts line carries it.
+    assert presented == " ".join(host_key.export_public_key().decode().split()[:2])
+    assert presented is not None and presented.startswith("ssh-ed25519 AAAA")
+    assert fingerprint(presented) == host_key.get_fingerprint("sha256")
 
 
 async def test_the_fingerprint_is_the_key_openssh_shows_first() -> None:
@@ -125,11 +127,11 @@ async def test_the_fingerprint_is_the_key_openssh_shows_first() -> None:
     )
     port = server.sockets[0].getsockname()[1]
     try:
-        fingerprint = await SshCheck(None).probe(GUEST, port)
+        presented = await SshCheck(None).probe(GUEST, port)
     finally:
         server.close()
         await server.wait_closed()
-    assert fingerprint == ed25519.get_fingerprint("sha256")
+    assert presented is not None and fingerprint(presented) == ed25519.get_fingerprint("sha256")
 
 
 async def test_a_listener_that_is_not_sshd_proves_reachability_without_a_key(

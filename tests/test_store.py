@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from bot.config.settings import Settings
-from bot.models import Approval, ApprovalState, JobEvent, JobState, utcnow
+from bot.models import Approval, ApprovalState, HostKeySource, JobEvent, JobState, utcnow
 from bot.models.notices import Notice, NoticeKind
 from store.db import AlreadyDelivered, DuplicateActive, Store
 from store.migrations import SCHEMA_VERSION
@@ -316,7 +316,7 @@ async def test_v6_closes_approvals_that_cancels_left_pending(
     waiting = make_job(settings, "web02", "10.0.0.51", state=JobState.AWAITING_APPROVAL)
     for job in (cancelled, waiting):
         later = ("ipam_ref", "ipam_state", *DESTROY_COLUMNS, *LEASE_COLUMNS)  # v8, v9, v10
-        later += ("claim_epoch", "kind")  # v14, v15
+        later += ("claim_epoch", "kind", "host_key_source")  # v14, v15, v16
         db.table("jobs").insert({k: v for k, v in job_row(job).items() if k not in later})
         approval = Approval(job_id=job.id, reason_required="x", expires_at=utcnow())
         db.table("approvals").insert(
@@ -449,3 +449,39 @@ async def test_claiming_no_deliveries_writes_nothing(sqlite_store: Store) -> Non
     await sqlite_store.engine.call(trace, None)
     assert won == set()
     assert not [s for s in statements if s.startswith(("BEGIN", "INSERT"))]
+
+
+async def test_v16_keeps_old_fingerprints_and_adds_how_a_key_was_confirmed(
+    tmp_path: Path, settings: Settings
+) -> None:
+    """A v15 database's job with a fingerprint in host_key reads back without a source
+    (shown as before); a new job keeps the public key line and how it was confirmed."""
+    from sqlite_utils import Database
+
+    from store.jobs import job_row
+    from store.migrations import MIGRATIONS
+
+    path = tmp_path / "old.db"
+    db = Database(sqlite3.connect(path))
+    for migration in MIGRATIONS[:15]:
+        migration(db)
+    db.execute("PRAGMA user_version = 15")
+    old = make_job(settings, "web01", "10.0.0.50", state=JobState.SUCCEEDED)
+    old = old.model_copy(update={"host_key": "SHA256:abc"})
+    row = {k: v for k, v in job_row(old).items() if k != "host_key_source"}
+    db.table("jobs").insert(row)
+    db.conn.commit()
+    db.conn.close()
+    store = await Store.open(path)
+    try:
+        got = await store.jobs.get(old.id)
+        new = make_job(settings, "web02", "10.0.0.51", state=JobState.SUCCEEDED)
+        new = new.model_copy(update={"host_key": "ssh-ed25519 AAAAC3", "host_key_source": "chosen"})
+        await store.jobs.insert(new)
+        got_new = await store.jobs.get(new.id)
+    finally:
+        await store.close()
+    assert got is not None and got.host_key == "SHA256:abc" and got.host_key_source is None
+    assert got.known_hosts_line is None
+    assert got_new is not None and got_new.host_key_source is HostKeySource.CHOSEN
+    assert got_new.known_hosts_line == "web02,10.0.0.51 ssh-ed25519 AAAAC3"

@@ -15,6 +15,8 @@ Faults are injected per operation (the Backend method's name):
   (a bug or a dropped connection), so the caller must clean up without an answer.
 * ``flaky``: the call fails with a retryable error before anything happens (an API
   that is briefly unreachable); the next call works.
+* ``impostor`` (``probe_ssh``): another host answers on the guest's address, with a
+  host key that is not the guest's (an address conflict, an interceptor).
 * ``outage``: the hypervisor goes down at that call, before anything happens, and
   stays down (every call is refused) until the test brings it back: `down` set to
   False, or the file `<state_file>.down` removed, which the outage creates.
@@ -30,6 +32,13 @@ A guest whose address is in 127.0.0.0/8 gets a real TCP probe for SSH (tests sta
 listener there); for any other address the simulator answers the probe itself, so no
 packet ever leaves the machine.
 
+Each guest has its own ed25519 host key, made at clone (its public line is kept in the
+state). How deploybot may confirm it is the `host_keys` setting (issue 28): "agent"
+(`SimBackend`, the default: its guest agent reads the keys, `ReadsHostKeys`), "chosen"
+(`ChoosingSim`: it installs the key deploybot chose and keeps the private key in the
+VM's stored user-data until deploybot forgets it, `ChoosesHostKeys`), or "none"
+(`Simulator`: the key is only seen over SSH). `sim_backend` picks the class.
+
 `SimBackend` is the Backend; it holds its parts, each owning its own state: the
 `Inventory` (inventory.py: VMs, templates, the state file), the `Tasks` (tasks.py: the
 outage, planned faults, hypervisor-side tasks and their locks), the `Guests` (guest.py:
@@ -40,9 +49,11 @@ the guest agent's addresses and SSH) and the `TemplateBuilds` (building.py); the
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import ipaddress
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from backends.base import (
     AddressUse,
@@ -72,16 +83,19 @@ from backends.sim.vm import (
     Effect,
     Fault,
     FaultKind,
+    HostKeyMode,
     SimTiming,
     SimVM,
 )
+from backends.sshcheck import new_host_key
 from backends.tags import job_marks
 
 
-def create(config: BackendConfig, environ: Mapping[str, str]) -> SimBackend:
+def create(config: BackendConfig, environ: Mapping[str, str]) -> Simulator:
     assert isinstance(config, Config)
-    sim = SimBackend(
+    sim = sim_backend(
         config.name,
+        host_keys=config.host_keys,
         placements=config.placements,
         time_scale=config.time_scale,
         state_file=config.state_file,
@@ -92,9 +106,10 @@ def create(config: BackendConfig, environ: Mapping[str, str]) -> SimBackend:
     return sim
 
 
-class SimBackend:
+class Simulator:
     """A simulated hypervisor. Construct it, optionally inject faults, use it as a Backend
-    (and as `BuildsTemplates`)."""
+    (and as `BuildsTemplates`). Its guests' host keys are only seen over SSH: the
+    subclasses below confirm them as the real backends do."""
 
     image_platform: str | None = None  # the simulator builds without an image
 
@@ -179,6 +194,7 @@ class SimBackend:
                 tags or set(), running,
             )  # fmt: skip
             inventory.vms[vm_id].address = address
+            inventory.vms[vm_id].host_key = new_host_key().public
             if running:
                 inventory.vms[vm_id].booted.set()
         return vm_id
@@ -264,6 +280,7 @@ class SimBackend:
             {spec.tag},
             lock="clone",
             lock_owner=self.inventory.owner,
+            host_key=new_host_key().public,  # its own, as a guest makes one at first boot
         )
         with self.inventory.transaction():  # and again where it is taken, under the file's lock
             if ref.vm_id in self.vms:
@@ -280,7 +297,12 @@ class SimBackend:
         vm = self.inventory.vm(ref)
 
         def set_identity() -> None:
-            vm.identity = identity
+            # The private key stays only in the stored user-data (as vSphere's guestinfo);
+            # cloud-init installs the pair, so its sshd presents the chosen key.
+            vm.identity = dataclasses.replace(identity, host_key=None)
+            if identity.host_key is not None:
+                vm.host_key = identity.host_key.public
+                vm.user_data_key = identity.host_key.private_openssh
 
         fault = self.tasks.fault("apply_identity", vm.vm_id)
         effect = Effect(vm, self.vms, set_identity)
@@ -402,3 +424,47 @@ class SimBackend:
             if vm.boot_task:
                 vm.boot_task.cancel()
         await self.guests.close()
+
+
+class SimBackend(Simulator):
+    """The simulator whose guest agent reads its guests' host keys (`ReadsHostKeys`), as
+    Proxmox's QEMU guest agent does: the default."""
+
+    host_keys_through = "the simulator's guest agent"
+
+    async def host_keys(self, ref: VMRef) -> list[str]:
+        return await self.guests.host_keys(ref)
+
+
+class ChoosingSim(Simulator):
+    """The simulator that installs the host key deploybot chose (`ChoosesHostKeys`), as
+    vSphere does through guestinfo.userdata, keeping the private key in the VM's stored
+    user-data until it is forgotten."""
+
+    async def forget_host_key(self, ref: VMRef) -> None:
+        self.tasks.answer()
+        if ref.vm_id not in self.vms:
+            return
+        vm = self.inventory.vm(ref)
+        if vm.user_data_key is None:
+            return
+
+        def forget() -> None:
+            vm.user_data_key = None
+
+        fault = self.tasks.fault("forget_host_key", vm.vm_id)
+        effect = Effect(vm, self.vms, forget)
+        await self.tasks.run("forget_host_key", vm.vm_id, self.timing.config_s, effect, fault)
+
+    async def holds_host_key(self, ref: VMRef) -> bool:
+        self.tasks.answer()
+        vm = self.vms.get(ref.vm_id)
+        return vm is not None and vm.user_data_key is not None
+
+
+def sim_backend(
+    name: str = "sim", *, host_keys: HostKeyMode = "agent", **options: Any
+) -> Simulator:
+    """The simulator of that host key mode (the module docstring)."""
+    kind = {"agent": SimBackend, "chosen": ChoosingSim, "none": Simulator}[host_keys]
+    return kind(name, **options)

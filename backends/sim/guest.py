@@ -1,5 +1,5 @@
 """What the simulator's guests report: their addresses (the guest agent's view and the
-conflict check's) and their SSH port."""
+conflict check's), their SSH port and host keys."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from backends.config import SshJump
 from backends.guestaddr import listable, pick_address
 from backends.sim.inventory import Inventory
 from backends.sim.tasks import Tasks
-from backends.sim.vm import SimTiming, SimVM, fake_fingerprint
-from backends.sshcheck import SshCheck
+from backends.sim.vm import SimTiming, SimVM
+from backends.sshcheck import SshCheck, new_host_key
 
 
 class Guests:
@@ -71,13 +71,31 @@ class Guests:
     async def probe_ssh(self, ref: VMRef, address: ipaddress.IPv4Address, port: int) -> str | None:
         self._tasks.answer()
         vm = self._inventory.vm(ref, change=False)
-        await self._tasks.query_fault("probe_ssh", vm.vm_id)
+        fault = await self._tasks.query_fault("probe_ssh", vm.vm_id)
         if address.is_loopback:
             return await self._ssh.probe(address, port)
+        if fault == "impostor":  # another host answers on the address, with its own key
+            return new_host_key().public
         if not (vm.running and vm.booted.is_set()):
             raise RetryableError(f"{address}:{port} does not answer yet")
         await self._tasks.sleep(self._timing.sshd_s)
-        return fake_fingerprint(vm.vm_id)
+        return vm.host_key
+
+    async def host_keys(self, ref: VMRef) -> list[str]:
+        """The guest's public host keys, as the simulator's guest agent reads them (not
+        through the network). A guest on 127.0.0.0/8 is a real listener a test started,
+        outside the simulator: its agent sees no key files there ([])."""
+        self._tasks.answer()
+        vm = self._inventory.vm(ref, change=False)
+        await self._tasks.query_fault("host_keys", vm.vm_id)
+        if not (vm.running and vm.booted.is_set()):
+            raise RetryableError(
+                f"the simulator's guest agent in VM {vm.vm_id} does not answer yet"
+            )
+        address = vm.identity.address.ip if vm.identity is not None else vm.address
+        if address is not None and address.is_loopback:
+            return []
+        return [vm.host_key] if vm.host_key else []
 
     async def close(self) -> None:
         await self._ssh.close()

@@ -69,8 +69,9 @@ class Tasks:
             self.answer()
         return kind
 
-    async def query_fault(self, op: str, vm_id: str = "") -> None:
-        """A query has no work to do: its planned fault acts at once."""
+    async def query_fault(self, op: str, vm_id: str = "") -> FaultKind | None:
+        """A query has no work to do: its planned fault acts at once (the kinds that
+        change its answer, such as ``impostor``, are returned for the query to act on)."""
         fault = self.fault(op, vm_id)
         self.log.append((op, vm_id))
         if fault == "hang":
@@ -81,6 +82,7 @@ class Tasks:
             )
         if fault == "crash":
             raise SimulatedCrash(f"simulated crash in {op}")
+        return fault
 
     async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(seconds * self.time_scale)

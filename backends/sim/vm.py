@@ -7,9 +7,7 @@ exports what tests use); its `[[backends]]` model (`Config`) lives here too.
 from __future__ import annotations
 
 import asyncio
-import base64
 import dataclasses
-import hashlib
 import ipaddress
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,7 +19,11 @@ from pydantic import Field, field_validator
 from backends.base import Identity, Template, VMInfo
 from backends.config import BackendConfig
 
-FaultKind = Literal["error", "hang", "crash", "flaky", "outage"]
+FaultKind = Literal["error", "hang", "crash", "flaky", "outage", "impostor"]
+# How the simulator confirms a guest's host key (issue 28): its guest agent reads the
+# guest's keys (ReadsHostKeys), it installs the key deploybot chose (ChoosesHostKeys),
+# or neither (the key is only seen over SSH).
+HostKeyMode = Literal["agent", "chosen", "none"]
 FAULT_KINDS: tuple[FaultKind, ...] = ("error", "hang", "crash")
 GIB = 1024**3
 
@@ -77,6 +79,12 @@ class SimVM:
     # Who runs the task holding `lock` (backends/sim/state.py): a lock whose owner is
     # gone is a task that finished meanwhile.
     lock_owner: str | None = None
+    # The public host key its sshd presents ("ssh-ed25519 AAAA..."): its own, made at
+    # clone, or the one deploybot chose once the identity installed it.
+    host_key: str | None = None
+    # The private host key its stored user-data holds (the chosen mode), as vSphere's
+    # guestinfo.userdata would, until deploybot forgets it.
+    user_data_key: str | None = None
 
     def info(self) -> VMInfo:
         return VMInfo(self.vm_id, self.name, self.running, frozenset(self.tags), self.placement)
@@ -93,24 +101,18 @@ DEFAULT_STORAGES = (
 )
 
 
-def fake_fingerprint(vm_id: str) -> str:
-    """A stable, obviously simulated host key fingerprint for a simulated guest."""
-    digest = hashlib.sha256(f"deploybot-sim-{vm_id}".encode()).digest()
-    return "SHA256:" + base64.b64encode(digest).decode().rstrip("=")
-
-
 def vm_to_dict(vm: SimVM) -> dict[str, Any]:
     identity = None
     if vm.identity is not None:
         identity = {
-            **dataclasses.asdict(vm.identity),
+            **dataclasses.asdict(dataclasses.replace(vm.identity, host_key=None)),
             "address": str(vm.identity.address),
             "gateway": str(vm.identity.gateway),
             "dns": [str(d) for d in vm.identity.dns],
         }
     fields = (
         "vm_id", "name", "template", "placement", "storage", "disk_gib", "running", "lock",
-        "lock_owner",
+        "lock_owner", "host_key", "user_data_key",
     )  # fmt: skip
     return {
         **{f: getattr(vm, f) for f in fields},
@@ -127,7 +129,7 @@ def vm_from_dict(item: dict[str, Any]) -> SimVM:
         raw = item["identity"]
         identity = Identity(
             **{
-                **raw,
+                **{k: v for k, v in raw.items() if k != "host_key"},
                 "ssh_keys": tuple(raw["ssh_keys"]),
                 "address": ipaddress.IPv4Interface(raw["address"]),
                 "gateway": ipaddress.IPv4Address(raw["gateway"]),
@@ -148,6 +150,8 @@ def vm_from_dict(item: dict[str, Any]) -> SimVM:
         address=ipaddress.IPv4Address(item["address"]) if item.get("address") else None,
         grow_target_gib=item.get("grow_target_gib"),
         lock_owner=item.get("lock_owner"),
+        host_key=item.get("host_key"),
+        user_data_key=item.get("user_data_key"),
     )
 
 
@@ -183,6 +187,8 @@ OPERATIONS = (
     "power_on",
     "wait_for_address",
     "probe_ssh",
+    "host_keys",
+    "forget_host_key",
     "power_off",
     "destroy",
     "addresses_in_use",
@@ -199,6 +205,9 @@ class Config(BackendConfig):
     time_scale: float = Field(default=1.0, gt=0, le=100)
     state_file: Path | None = None  # keep the inventory across restarts of the bot
     faults: tuple[Fault, ...] = ()  # e.g. [{op = "power_on", kind = "error"}]
+    # "agent": its guest agent reads the guests' host keys; "chosen": it installs the key
+    # deploybot chose; "none": neither (the key is only seen over SSH).
+    host_keys: HostKeyMode = "agent"
 
     @field_validator("faults")
     @classmethod

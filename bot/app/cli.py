@@ -81,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
         "length", nargs="?", type=_length, help="how much later, like 7d (default: [leases] step)"
     )
     extend.add_argument("--user", default=default_user(), help="who asks")
+    known = sub.add_parser(
+        "known-hosts", help="a ready VM's known_hosts line and how its host key was confirmed"
+    )
+    known.add_argument("target", metavar="NAME", help="the VM's name, or its job id")
     sub.add_parser("check-config", help="validate the configuration and summarise it")
     check = sub.add_parser(
         "check",

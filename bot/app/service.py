@@ -314,6 +314,10 @@ class Deployer:
         async with self.audit_log.audited(user, f"extend {target[:64]}"):
             return await self.leases.extend(target, user, length_s, dedupe_key=dedupe_key)
 
+    async def vm_job(self, target: str) -> Job:
+        """The job of the VM `target` names (its name, or a job id): `known-hosts`."""
+        return await self.destroyer.find(target)
+
     # --- template builds (bot/kinds/build/) --------------------------------------------------
 
     async def request_build(

@@ -59,7 +59,8 @@ class Step(Generic[C]):
     # Shown when it starts; a function is asked before the started event (it may ask
     # the backend: through `Engine.call`, under the step's name).
     detail: str | Callable[[C, Run], Awaitable[str]] = ""
-    undo: Callable[[C, Run], Undo] | None = None
+    # None from it: nothing to undo for this run (the backend has no such move).
+    undo: Callable[[C, Run], Undo | None] | None = None
     undo_from: UndoFrom = UndoFrom.CALL
     when: Callable[[Job], bool] | None = None  # whether it applies to the job
     skipped: str | None = None  # why, recorded when `when` says no (None: no trace at all)
@@ -128,7 +129,7 @@ class Engine(Generic[C]):
                 await self.event(run, event, None)
             return
         if step.undo is not None and step.undo_from is UndoFrom.CALL:
-            run.undo.append(step.undo(self.service, run))
+            _push(run, step.undo(self.service, run))
         shown = step.detail
         detail = shown if isinstance(shown, str) else await shown(self.service, run)
         timeout_s: float = getattr(self.timeouts, step.timeout)
@@ -142,7 +143,7 @@ class Engine(Generic[C]):
             if step.undo is None or step.undo_from is not UndoFrom.START:
                 continue
             if step.when is None or step.when(run.job):
-                run.undo.append(step.undo(self.service, run))
+                _push(run, step.undo(self.service, run))
 
     def rearm(self, run: Run, began: Container[str], before: int | None = None) -> None:
         """Push again, in order, the undo of each step (before index `before`) that
@@ -151,7 +152,7 @@ class Engine(Generic[C]):
             if step.undo is None or step.undo_from is UndoFrom.START:
                 continue
             if step.name in began:
-                run.undo.append(step.undo(self.service, run))
+                _push(run, step.undo(self.service, run))
 
     def resume_point(self, events: list[JobEvent]) -> int | None:
         return resume_point(self.steps, events)
@@ -286,6 +287,11 @@ class Engine(Generic[C]):
         except Unavailable as exc:
             log.warning("job %s: note not recorded (%s): %s", job.id, exc, text)
         await self.progress.job_note(job, text)
+
+
+def _push(run: Run, undo: Undo | None) -> None:
+    if undo is not None:
+        run.undo.append(undo)
 
 
 def notice_for(job: Job, notice: Notice) -> Notice | None:

@@ -126,6 +126,14 @@ class IpamState(StrEnum):
     RELEASED = "released"
 
 
+class HostKeySource(StrEnum):
+    """How a job's host key was confirmed to be its new VM's (issue 28)."""
+
+    AGENT = "agent"  # presented over SSH and read through the hypervisor's channel (agent)
+    CHOSEN = "chosen"  # deploybot chose it and the hypervisor installed it
+    SSH = "ssh"  # only seen over SSH: nothing outside the network could confirm it
+
+
 class ApprovalState(StrEnum):
     PENDING = "pending"
     APPROVED = "approved"
@@ -217,7 +225,10 @@ class Job(BaseModel):
     error: str | None = None
     wreckage: str | None = None
     approval_reason: str | None = None
+    # The VM's public host key as one OpenSSH line ("ssh-ed25519 AAAA..."); rows from
+    # before issue 28 hold its fingerprint ("SHA256:...") and no `host_key_source`.
     host_key: str | None = None
+    host_key_source: HostKeySource | None = None
     # Opaque references a front end keeps on the job: where the request came from (a
     # chat channel, say), the thread that follows the job, and the approval message.
     origin: str | None = None
@@ -310,6 +321,15 @@ class Job(BaseModel):
         if self.final_address is None:
             return None
         return f"ssh {self.request.user}@{self.final_address}"
+
+    @property
+    def known_hosts_line(self) -> str | None:
+        """The line for ~/.ssh/known_hosts ("name,address ssh-ed25519 AAAA..."), when
+        the job recorded a public key (older rows hold only its fingerprint)."""
+        if self.host_key is None or self.host_key.startswith("SHA256:"):
+            return None
+        hosts = ",".join(dict.fromkeys([self.name, self.final_address or self.address]))
+        return f"{hosts} {self.host_key}"
 
     def claim(self, runner: str) -> Claim:
         """The claim `runner` acts under on this job as read (its owner, its epoch)."""

@@ -15,6 +15,11 @@ Listed, never removed: the job succeeded (someone's machine) or is in flight;
 next to production); `unknown_legacy`: an old-style tag whose job this store does not
 know, which may be another installation's too. VMs without a tag are never listed.
 
+A VM whose hypervisor still keeps the private host key deploybot chose for it (a
+`ChoosesHostKeys` backend's stored cloud-config, which the deploy blanks once the VM is
+ready or rolled back) is listed too, whatever its category but in flight (its deploy
+blanks it); `--apply` blanks it (`forget_host_key`) for the VMs it leaves.
+
 An orphan that another operation holds (the hypervisor's lock on it: a backup, a
 snapshot, a migration) is not removed: `--apply` lists it as locked, with the lock, so
 the person can wait for that operation or clear a stale lock, then run gc again.
@@ -32,6 +37,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
+from backends.abilities import ChoosesHostKeys
 from backends.base import Backend, VMInfo, VMRef
 from backends.tags import JobMark, job_marks
 from bot.config.sections import Timeouts
@@ -71,6 +77,10 @@ class Finding:
     installation: str | None = None  # from the tag (None: an old-style tag)
 
     @property
+    def ref(self) -> VMRef:
+        return VMRef(self.vm.vm_id, self.job_id, self.vm.placement, self.installation)
+
+    @property
     def key(self) -> str:
         return f"{self.backend}:{self.vm.vm_id}:{self.job_id}"
 
@@ -91,6 +101,10 @@ class GcReport:
     locked: list[Finding] = field(default_factory=list)
     # Backends that refused to be asked (credentials, TLS): another run alone won't help.
     refused: dict[str, str] = field(default_factory=dict)
+    # VMs whose hypervisor still keeps the private host key deploybot chose (in flight
+    # excepted); with --apply, those blanked (`keys_forgotten`) and those that failed.
+    holding_keys: list[Finding] = field(default_factory=list)
+    keys_forgotten: list[Finding] = field(default_factory=list)
 
     @property
     def orphans(self) -> list[Finding]:
@@ -154,8 +168,46 @@ async def survey(store: Store, backends: Mapping[str, Backend], scope: Sequence[
             (report.unreachable if exc.retryable else report.refused)[name] = exc.message
             continue
         for vm in vms:
-            report.findings.extend(await classify(store, name, vm))
+            found = await classify(store, name, vm)
+            report.findings.extend(found)
+            await _holding_keys(backends[name], found, report)
     return report
+
+
+async def _holding_keys(backend: Backend, found: list[Finding], report: GcReport) -> None:
+    """List the VMs whose stored cloud-config still holds a private host key."""
+    if not isinstance(backend, ChoosesHostKeys):
+        return
+    for finding in found:
+        if finding.category in ("job_in_flight", "other_installation"):
+            continue  # its deploy forgets it; another installation's is not ours
+        try:
+            holds = await backend.holds_host_key(finding.ref)
+        except BackendError as exc:  # listed as holding: unsure is not clean
+            holds = True
+            report.left.append((finding, f"could not ask about its host key: {exc.message}"))
+        if holds:
+            report.holding_keys.append(finding)
+            break
+
+
+async def _forget_keys(
+    backends: Mapping[str, Backend], report: GcReport, timeouts: Timeouts
+) -> None:
+    """Blank the stored private host key of each listed VM that is still there."""
+    gone = {f.key for f in report.removed}
+    for finding in report.holding_keys:
+        backend = backends[finding.backend]
+        if finding.key in gone or not isinstance(backend, ChoosesHostKeys):
+            continue
+        try:
+            async with asyncio.timeout(timeouts.identity_s):
+                await backend.forget_host_key(finding.ref)
+        except (BackendError, TimeoutError) as exc:
+            reason = exc.message if isinstance(exc, BackendError) else "timed out"
+            report.left.append((finding, f"its private host key stays: {reason}"))
+            continue
+        report.keys_forgotten.append(finding)
 
 
 async def dry_run(store: Store, backends: Mapping[str, Backend], scope: Sequence[str]) -> GcReport:
@@ -189,9 +241,8 @@ async def apply(
         if finding.vm.lock:  # removing it would wait for the lock, then fail: say why now
             report.locked.append(finding)
             continue
-        ref = VMRef(finding.vm.vm_id, finding.job_id, finding.vm.placement, finding.installation)
         try:
-            await remove_vm(backends[finding.backend], ref, timeouts)
+            await remove_vm(backends[finding.backend], finding.ref, timeouts)
         except (BackendError, TimeoutError) as exc:
             reason = exc.message if isinstance(exc, BackendError) else str(exc) or "timed out"
             report.left.append((finding, f"removal failed: {reason}"))
@@ -199,6 +250,7 @@ async def apply(
         except asyncio.CancelledError:
             raise
         report.removed.append(finding)
+    await _forget_keys(backends, report, timeouts)
     for finding in report.findings:
         if not finding.orphan:
             report.left.append((finding, KEPT_WHY[finding.category]))

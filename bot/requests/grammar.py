@@ -3,6 +3,7 @@
     NAME [ADDRESS[/PREFIX]] [key=value ...]     (no ADDRESS: the next free one)
     help | status JOB | history [N] | cancel JOB | templates | approve JOB | reject JOB REASON
     destroy NAME|JOB | list [mine|all|@USER] [page=N] | lease extend NAME|JOB [LENGTH]
+    known-hosts NAME|JOB
     template build PROFILE [on=BACKEND] [node=N] [storage=S] [name=X] | template profiles
 
 JOB is a job id or any prefix of it of at least 4 characters (the service resolves it).
@@ -34,6 +35,7 @@ from bot.requests.parsed import (
     ExtendLease,
     Help,
     History,
+    KnownHosts,
     ListVMs,
     Reject,
     SaveKey,
@@ -62,6 +64,7 @@ USAGES = {
     "settings": "/deploy settings",
     "destroy": "/deploy destroy NAME (or JOB)",
     "list": "/deploy list [mine|all|@USER] [page=N]",
+    "known-hosts": "/deploy known-hosts NAME (or JOB)",
     "lease extend": "/deploy lease extend NAME [7d]",
     "template build": "/deploy template build PROFILE [on=BACKEND] [node=N] [storage=S] [name=X]",
     "template profiles": "/deploy template profiles",
@@ -130,6 +133,10 @@ def _subcommand(head: str, rest: list[str]) -> Command:
         if len(rest) != 1:
             raise UsageError("Name one VM to destroy (or its job id), like web01.", usage)
         return Destroy(rest[0])
+    if head == "known-hosts":
+        if len(rest) != 1:
+            raise UsageError("Name one VM (or its job id), like web01.", usage)
+        return KnownHosts(rest[0])
     if head == "key":
         if not rest:
             raise UsageError("Paste your public key after `key` (the .pub line).", usage)

@@ -86,6 +86,13 @@ class Destroy:
 
 
 @dataclass(frozen=True)
+class KnownHosts:
+    """`known-hosts NAME`: the VM's known_hosts line again (its name, or a job id)."""
+
+    target: str
+
+
+@dataclass(frozen=True)
 class ExtendLease:
     """`lease extend NAME [7d]`: move a VM's lease end later (no length: the usual step)."""
 
@@ -131,6 +138,7 @@ Command = (
     | SaveKey
     | ShowSettings
     | Destroy
+    | KnownHosts
     | ListVMs
     | ExtendLease
     | BuildTemplate

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from bot.models import Job, JobState, RollbackReport
 from handlers.messages.destroys import destroy_update, destroy_withdrawn, destroyed
+from handlers.messages.hostkeys import host_key_lines
 from handlers.messages.text import STATE_LABELS, step_label
 
 INTERNAL_ERROR = (
@@ -95,9 +96,7 @@ def finished(job: Job, rollback: RollbackReport | None) -> list[str]:
     """The end of a thread: the SSH line, or what failed and what the rollback did."""
     if job.state is JobState.SUCCEEDED:
         lines = [f"ready in {_took(job)}. Log in with:", f"    {job.ssh_line}"]
-        if job.host_key:
-            lines.append(f"Its host key is {job.host_key}: check that ssh shows the same.")
-        return lines
+        return lines + host_key_lines(job)
     if job.state is JobState.DESTROYED:
         return [destroyed(job)]
     if job.state is JobState.CANCELLED:
@@ -115,7 +114,7 @@ def slack_outcome_dm(job: Job) -> str:
     """Plain: the outcome told to the requester by direct message (escaped by the caller)."""
     where = f"{job.name} {job.address} (job {job.short_id})"
     if job.state is JobState.SUCCEEDED:
-        return f"{where} is ready: `{job.ssh_line}`"
+        return "\n".join([f"{where} is ready: `{job.ssh_line}`", *_dm_lines(host_key_lines(job))])
     if job.state is JobState.CANCELLED:
         return f"{where} was cancelled; its thread says what was removed."
     if job.state is JobState.DESTROYED:
@@ -125,6 +124,10 @@ def slack_outcome_dm(job: Job) -> str:
         f"{where} failed at {step}: {sentence(job.error or '')} "
         "Its thread says what was rolled back."
     )
+
+
+def _dm_lines(lines: list[str]) -> list[str]:
+    return [f"`{ln.strip()}`" if ln.startswith("    ") else ln for ln in lines]
 
 
 def sentence(text: str) -> str:

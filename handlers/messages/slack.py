@@ -7,7 +7,7 @@ from datetime import datetime
 
 from bot.models import Approval, ApprovalState, Job, JobState, RollbackReport, UserPrefs
 from bot.operations.check import CheckResult
-from bot.operations.gc import GcReport
+from bot.operations.gc import Finding, GcReport
 from handlers.messages.core import address_of, approved, finished, headline, job_update
 from handlers.messages.text import STATE_LABELS, Said, escape, mention, step_label
 
@@ -293,6 +293,17 @@ def gc_unknown_backends(unknown: list[str], known: list[str]) -> str:
     return f"No backend called {', '.join(unknown)}; the configured ones are {', '.join(known)}."
 
 
+def gc_holds_key(finding: Finding, forgotten: bool) -> str:
+    where = f"VM {finding.vm.vm_id} ({finding.vm.name}) on {finding.backend}"
+    if forgotten:
+        return f"  host key: {where}: its private host key was removed from the hypervisor"
+    return (
+        f"  host key: {where} still keeps the private SSH host key deploybot chose in its "
+        "stored cloud-config (anyone who can read the VM's settings can read it): "
+        "`deploybot gc --apply` removes it"
+    )
+
+
 def gc_report(report: GcReport, window_minutes: float) -> list[str]:
     """What `deploybot gc` found (and, with --apply, did), counted per category."""
     scope = ", ".join(report.scope)
@@ -330,6 +341,8 @@ def gc_report(report: GcReport, window_minutes: float) -> list[str]:
                 f"{finding.backend}, installation {finding.installation}, job "
                 f"{finding.job_id}: never removed by this one"
             )
+    for finding in report.holding_keys:
+        lines.append(gc_holds_key(finding, report.applied and finding in report.keys_forgotten))
     if report.applied:
         for finding in report.removed:
             lines.append(

@@ -1,6 +1,7 @@
 """One deploy, step by step, with an undo stack.
 
-    check_free -> clone -> identity -> resize -> power_on -> address -> ssh [-> register]
+    check_free -> clone -> identity -> resize -> power_on -> address -> ssh
+        [-> forget_key] [-> register]
 
 The steps are declared as data at the end of this module (`STEPS`: one `Step` record
 each, with its action, undo, timeout and what a restart may do after it); the engine in
@@ -17,22 +18,35 @@ undone. On failure or cancel the undo stack runs in reverse (stop and wait, then
 and wait), shielded from further cancellation; an undo that fails is recorded and
 reported, never raised over the original error, and a VM that is still there afterwards
 is listed as wreckage with its id.
+
+The SSH check confirms the host key the address presents (issue 28): it must be one the
+hypervisor read inside the guest (`ReadsHostKeys`: Proxmox's guest agent) or the one
+deploybot chose and the hypervisor installed (`ChoosesHostKeys`: the identity step makes
+the pair, `forget_key` then removes the private key from the hypervisor before the job
+succeeds, and the identity's undo does so in a rollback); another key fails the deploy
+(an address conflict or an interceptor). Neither possible: the key is only seen over
+SSH, and the job says so.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import ipaddress
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 
+from backends.abilities import ChoosesHostKeys, ReadsHostKeys
 from backends.base import (
     Backend,
     CloneSpec,
     IdTaken,
+    PermanentError,
+    RetryableError,
     VMRef,
 )
+from backends.sshcheck import fingerprint, new_host_key
 from bot.addresses.allocation import Addressing, named
 from bot.config.settings import Settings
 from bot.jobs import logfields
@@ -41,7 +55,7 @@ from bot.jobs.progress import Progress
 from bot.jobs.steps import Engine, Step, UndoFrom, notices_for
 from bot.jobs.waiting import protected
 from bot.kinds.deploy.runs import Fence, Run, StepFailed, Undo, identity_of, run_undo, vm_ref
-from bot.models import Claim, Job, JobState, RollbackReport, utcnow
+from bot.models import Claim, HostKeySource, Job, JobState, RollbackReport, utcnow
 from bot.ownership.claims import Lost
 from store.db import Store
 
@@ -231,7 +245,50 @@ class Pipeline:
         return f"{req.user}@{req.address}, {req.cores} cores, {req.memory_mib} MiB"
 
     async def _identity(self, run: Run) -> str | None:
-        return await run.backend.apply_identity(self._ref(run), identity_of(run.job.request))
+        identity = identity_of(run.job.request)
+        if isinstance(run.backend, ChoosesHostKeys):
+            # Its public half is recorded before the hypervisor gets the pair (the SSH
+            # check of a job resumed after a restart requires it); the private half is
+            # never stored or logged.
+            pair = new_host_key()
+            source = HostKeySource.CHOSEN
+            recorded = functools.partial(
+                self.store.jobs.update,
+                run.job.id,
+                held_by=run.claim,
+                host_key=pair.public,
+                host_key_source=source,
+            )
+            if not await self.engine.recorded(run, recorded):
+                raise StepFailed("identity", "another process took this job over")
+            run.job = run.job.model_copy(
+                update={"host_key": pair.public, "host_key_source": source}
+            )
+            identity = dataclasses.replace(identity, host_key=pair)
+        return await run.backend.apply_identity(self._ref(run), identity)
+
+    def _forget_undo(self, run: Run) -> Undo | None:
+        """The identity's undo on a backend that keeps the chosen private host key: remove
+        it (the VM's destroy may fail; the key must not stay readable meanwhile)."""
+        backend = run.backend
+        if not isinstance(backend, ChoosesHostKeys):
+            return None
+        ref = self._ref(run)
+        return Undo(
+            f"remove the private host key from VM {ref.vm_id}'s settings",
+            lambda: backend.forget_host_key(ref),
+            self.timeouts.identity_s,
+        )
+
+    async def _forget_key(self, run: Run) -> str:
+        backend = run.backend
+        if not isinstance(backend, ChoosesHostKeys):  # a job resumed on a changed config
+            return "nothing to remove"
+        ref = self._ref(run)
+        await backend.forget_host_key(ref)
+        if await backend.holds_host_key(ref):  # a hypervisor that did not take the change
+            raise RetryableError(f"VM {ref.vm_id} still keeps its private host key")
+        return f"removed from VM {ref.vm_id}'s settings on {run.job.backend}"
 
     async def _resize_detail(self, run: Run) -> str:
         return f"+{run.job.request.disk_grow_gib} GiB"
@@ -267,10 +324,42 @@ class Pipeline:
         return f"port {self._ssh_port}"
 
     async def _ssh(self, run: Run) -> str:
+        """Prove the address answers on SSH with the new VM's host key."""
         address = ipaddress.IPv4Address(run.address or run.job.address)
-        run.host_key = await run.backend.probe_ssh(self._ref(run), address, self._ssh_port)
+        ref, backend = self._ref(run), run.backend
+        expected, source, how = await self._expected_keys(run, ref)
+        presented = await backend.probe_ssh(ref, address, self._ssh_port)
         answers = f"{address}:{self._ssh_port} answers"
-        return f"{answers}, host key {run.host_key}" if run.host_key else answers
+        if presented is None:
+            if expected:  # an sshd still starting; a listener that is no sshd never ends
+                raise RetryableError(f"{answers} but has not shown its host key yet")
+            run.host_key, run.host_key_source = None, None
+            return answers
+        if expected and _key_of(presented) not in {_key_of(k) for k in expected}:
+            theirs = ", ".join(fingerprint(k) for k in expected)
+            raise PermanentError(
+                f"{address} answered with host key {fingerprint(presented)}, which is not "
+                f"the new VM's ({theirs}, {how}): possible address conflict or "
+                f"interception. Find what else answers on {address} (a stale VM or another "
+                "host with that address, a wrong VLAN) before deploying to it again",
+                vm_id=ref.vm_id,
+            )
+        run.host_key, run.host_key_source = _key_of(presented), source
+        return f"{answers}, host key {fingerprint(presented)} ({how})"
+
+    async def _expected_keys(self, run: Run, ref: VMRef) -> tuple[list[str], HostKeySource, str]:
+        """The keys the address must present, how they are known, and that said for
+        people; none: the key can only be seen over SSH."""
+        backend = run.backend
+        if run.job.host_key_source is HostKeySource.CHOSEN and run.job.host_key:
+            return [run.job.host_key], HostKeySource.CHOSEN, "chosen by deploybot"
+        if isinstance(backend, ReadsHostKeys):
+            keys = await backend.host_keys(ref)
+            if keys:
+                return keys, HostKeySource.AGENT, f"confirmed through {backend.host_keys_through}"
+            why = f"{backend.host_keys_through} found no host key files in the guest"
+            return [], HostKeySource.SSH, f"only seen over SSH: {why}"
+        return [], HostKeySource.SSH, f"only seen over SSH: {run.job.backend} cannot read it"
 
     async def _register_detail(self, run: Run) -> str:
         return self.addressing.ipam_name
@@ -310,6 +399,7 @@ class Pipeline:
                 notices=notices_for(run.job, tell.finished(run.job.id, None)),
                 final_address=run.address,
                 host_key=run.host_key,
+                host_key_source=run.host_key_source,
                 finished_at=utcnow(),
             ),
         )
@@ -413,6 +503,15 @@ def _has_ipam_record(job: Job) -> bool:
     return job.ipam_ref is not None
 
 
+def _chose_host_key(job: Job) -> bool:
+    return job.host_key_source is HostKeySource.CHOSEN
+
+
+def _key_of(line: str) -> str:
+    """An OpenSSH public key line as compared: its algorithm and key, no comment."""
+    return " ".join(line.split()[:2])
+
+
 # The deploy, one record per step, in order. After a restart a job may carry on once
 # its clone has finished: every later step is safe to run again (the identity is one
 # config change, a disk growth aims at a size the backend marked on the VM, a start
@@ -435,6 +534,7 @@ STEPS: tuple[Step[Pipeline], ...] = (
         Pipeline._identity,
         "identity_s",
         detail=Pipeline._identity_detail,
+        undo=Pipeline._forget_undo,  # only where the hypervisor keeps a chosen host key
         resumable=True,
     ),
     Step(
@@ -463,6 +563,14 @@ STEPS: tuple[Step[Pipeline], ...] = (
         polled=True,  # a refused port right after the agent answered: sshd still starting
         resumable=True,
         read_again=True,
+    ),
+    Step(
+        "forget_key",
+        Pipeline._forget_key,
+        "identity_s",  # one config change, as the identity
+        detail="the private host key, from the hypervisor",
+        when=_chose_host_key,
+        resumable=True,
     ),
     Step(
         "register",

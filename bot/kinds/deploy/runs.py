@@ -16,7 +16,7 @@ from typing import Protocol
 from backends.base import Backend, Identity, VMRef
 from bot.config.sections import Timeouts
 from bot.jobs.waiting import retrying
-from bot.models import Claim, DeployRequest, Job, JobEvent, RollbackReport
+from bot.models import Claim, DeployRequest, HostKeySource, Job, JobEvent, RollbackReport
 from bot.models.errors import BackendError, JobError
 from store.db import Store
 from store.engine import is_database_error
@@ -95,7 +95,8 @@ class Run:
     ref: VMRef | None = None
     undo: list[Undo] = field(default_factory=list)
     address: str | None = None
-    host_key: str | None = None
+    host_key: str | None = None  # the public key line the SSH check confirmed
+    host_key_source: HostKeySource | None = None  # how it was confirmed
     resumed: bool = False
 
 
