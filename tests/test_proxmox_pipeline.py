@@ -9,11 +9,12 @@ from typing import Any
 
 import pytest
 
+from backends.sshcheck import fingerprint
 from bot.app.runtime import running_deployer
 from bot.config.settings import Settings
 from bot.kinds.deploy.pipeline import STEPS as DEPLOY_STEPS
 from bot.kinds.deploy.runs import vm_ref
-from bot.models import Job, JobEvent, JobState
+from bot.models import HostKeySource, Job, JobEvent, JobState
 from bot.models.errors import Conflict, RequestInvalid
 from bot.requests.grammar import parse
 from bot.requests.parsed import DeployArgs
@@ -53,11 +54,13 @@ async def test_a_deploy_ends_with_a_reachable_vm(fake: FakePVE, tmp_path: Path) 
     assert vm.running and vm.config["name"] == "web01"
     assert vm_ref(job).tag in vm.config["tags"].split(";")
     assert vm.config["scsi0"].endswith("size=14G")
-    assert job.host_key == fake.cluster.guest.host_keys[vmid]  # read from the guest's sshd
+    seen = fake.cluster.guest.host_keys[vmid]  # the fingerprint of the guest's sshd's key
+    assert job.host_key is not None and fingerprint(job.host_key) == seen
+    assert job.host_key_source is HostKeySource.AGENT  # one of the keys the agent read
     assert detail(events, "clone").startswith(f"VM {vmid} on pve1@lab")
-    assert (
-        detail(events, "ssh")
-        == f"{ADDRESS}:{fake.cluster.guest.ssh_port} answers, host key {job.host_key}"
+    assert detail(events, "ssh") == (
+        f"{ADDRESS}:{fake.cluster.guest.ssh_port} answers, host key {seen} "
+        "(confirmed through the QEMU guest agent)"
     )
 
 

@@ -23,7 +23,7 @@ The SSH check confirms the host key the address presents (issue 28): it must be 
 hypervisor read inside the guest (`ReadsHostKeys`: Proxmox's guest agent) or the one
 deploybot chose and the hypervisor installed (`ChoosesHostKeys`: the identity step makes
 the pair, `forget_key` then removes the private key from the hypervisor before the job
-succeeds, and the identity's undo does so in a rollback); another key fails the deploy
+succeeds; in a rollback a destroy that fails removes it first); another key fails the deploy
 (an address conflict or an interceptor). Neither possible: the key is only seen over
 SSH, and the job says so.
 """
@@ -236,9 +236,24 @@ class Pipeline:
 
     def _destroy(self, run: Run) -> Undo:
         ref, backend = self._ref(run), run.backend
-        return Undo(
-            f"destroy VM {ref.vm_id}", lambda: backend.destroy(ref), self.timeouts.destroy_s
-        )
+        if not isinstance(backend, ChoosesHostKeys):
+            return Undo(
+                f"destroy VM {ref.vm_id}", lambda: backend.destroy(ref), self.timeouts.destroy_s
+            )
+
+        async def destroy() -> None:
+            try:
+                await backend.destroy(ref)
+            except Exception:
+                # The VM stays for now: the private host key deploybot chose must not stay
+                # readable in its settings meanwhile (gc reports any that still hold one).
+                try:
+                    await backend.forget_host_key(ref)
+                except Exception as exc:
+                    log.warning("VM %s: could not remove its host key yet: %s", ref.vm_id, exc)
+                raise
+
+        return Undo(f"destroy VM {ref.vm_id}", destroy, self.timeouts.destroy_s)
 
     async def _identity_detail(self, run: Run) -> str:
         req = run.job.request
@@ -266,19 +281,6 @@ class Pipeline:
             )
             identity = dataclasses.replace(identity, host_key=pair)
         return await run.backend.apply_identity(self._ref(run), identity)
-
-    def _forget_undo(self, run: Run) -> Undo | None:
-        """The identity's undo on a backend that keeps the chosen private host key: remove
-        it (the VM's destroy may fail; the key must not stay readable meanwhile)."""
-        backend = run.backend
-        if not isinstance(backend, ChoosesHostKeys):
-            return None
-        ref = self._ref(run)
-        return Undo(
-            f"remove the private host key from VM {ref.vm_id}'s settings",
-            lambda: backend.forget_host_key(ref),
-            self.timeouts.identity_s,
-        )
 
     async def _forget_key(self, run: Run) -> str:
         backend = run.backend
@@ -534,7 +536,6 @@ STEPS: tuple[Step[Pipeline], ...] = (
         Pipeline._identity,
         "identity_s",
         detail=Pipeline._identity_detail,
-        undo=Pipeline._forget_undo,  # only where the hypervisor keeps a chosen host key
         resumable=True,
     ),
     Step(

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
 from typing import Any
+
+import asyncssh
 
 from backends.base import CloneSpec, Identity, VMRef
 from backends.vsphere import VSphereBackend
@@ -18,7 +21,13 @@ from bot.models import Job
 from bot.requests.grammar import parse
 from bot.requests.parsed import DeployArgs
 from tests.support.deployer import Recorder, make_settings
-from tests.support.vsphere.simulator import PASSWORD, PASSWORD_ENV, TEMPLATE, Simulated
+from tests.support.vsphere.simulator import (
+    PASSWORD,
+    PASSWORD_ENV,
+    TEMPLATE,
+    GuestAgent,
+    Simulated,
+)
 
 
 async def cloned(
@@ -54,35 +63,76 @@ TIMEOUTS = {
 
 
 class Sshd:
-    """The guests' SSH servers: listeners on their loopback addresses, one shared port."""
+    """The guests' SSH servers: listeners on their loopback addresses, one shared port.
+    A guest that booted with a host key in its cloud-config (deploybot's chosen key,
+    read from guestinfo by the guest agent, `guests`) answers with a real SSH key
+    exchange presenting that key, as its sshd would; others only send a banner."""
 
     def __init__(self) -> None:
         self.accepted: Counter[str] = Counter()
-        self.servers: list[asyncio.Server] = []
+        self.listeners: list[socket.socket] = []
+        self.tasks: set[asyncio.Task[None]] = set()
         self.port = 0
+        self.guests: GuestAgent | None = None  # set by vsphere_settings
 
     async def listen(self, *addresses: str) -> None:
         for address in addresses:
-            server = await asyncio.start_server(self._greet(address), address, self.port)
-            self.port = self.port or server.sockets[0].getsockname()[1]
-            self.servers.append(server)
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((address, self.port))
+            sock.listen(64)
+            sock.setblocking(False)
+            self.port = self.port or sock.getsockname()[1]
+            self.listeners.append(sock)
+            self._spawn(self._accept(sock, address))
 
-    def _greet(self, address: str) -> Any:
-        async def greet(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(work)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _accept(self, sock: socket.socket, address: str) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            conn, _peer = await loop.sock_accept(sock)
             self.accepted[address] += 1
-            writer.write(b"SSH-2.0-OpenSSH_9.6 vcsim-guest\r\n")
-            writer.close()
+            self._spawn(self._answer(conn, address))
 
-        return greet
+    async def _answer(self, conn: socket.socket, address: str) -> None:
+        key = self._chosen_key(address)
+        if key is None:
+            with contextlib.suppress(OSError):
+                await asyncio.get_running_loop().sock_sendall(
+                    conn, b"SSH-2.0-OpenSSH_9.6 vcsim-guest\r\n"
+                )
+            conn.close()
+            return
+        with contextlib.suppress(Exception):  # the check leaves after the key exchange
+            server = await asyncssh.run_server(
+                conn, server_host_keys=[asyncssh.import_private_key(key)]
+            )
+            await server.wait_closed()
+
+    def _chosen_key(self, address: str) -> str | None:
+        if self.guests is None:
+            return None
+        for booted in list(self.guests.booted.values()):
+            if booted.address == address:
+                key = (booted.userdata.get("ssh_keys") or {}).get("ed25519_private")
+                return str(key) if key else None
+        return None
 
     async def close(self) -> None:
-        for server in self.servers:
-            server.close()
-            await server.wait_closed()
+        for task in list(self.tasks):
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        for sock in self.listeners:
+            sock.close()
 
 
 def vsphere_settings(tmp_path: Path, sim: Simulated, sshd: Sshd, **overrides: Any) -> Settings:
     entry = sim.sim.config()
+    sshd.guests = sim.guests  # guests answer with the host key they booted with
     data: dict[str, Any] = {
         "backends": [entry],
         "subnets": [SUBNET],
