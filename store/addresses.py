@@ -8,6 +8,8 @@ did not answer), which the reconciler releases (bot/addresses/allocation.py).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from bot.models import HOLDING_STATES, IpamState, Job, JobState, utcnow
 from store.jobrows import SELECT_JOBS, _jobs
 from store.sql import Db
@@ -26,6 +28,19 @@ def holder(db: Db, address: str) -> tuple[str, str, str, bool] | None:
     address, and reading every held one for each of fifty requests at once kept the
     store's thread (and the GIL) busy while the deploys waited to start."""
     return _held(db, "address = ? AND ", [address]).get(address)
+
+
+def holders(db: Db, addresses: Sequence[str]) -> list[tuple[str, str, str, bool] | None]:
+    """`holder` for many addresses in one statement, one answer per address, in order:
+    the admissions of requests asked together, and the checks of deploys that reach
+    `check_free` together, ask in the same moment (`Addresses.holder` merges them)."""
+    found: dict[str, tuple[str, str, str, bool]] = {}
+    unique = sorted(set(addresses))
+    for at in range(0, len(unique), 500):  # within every SQLite's limit of parameters
+        chunk = unique[at : at + 500]
+        marks = ", ".join("?" * len(chunk))
+        found.update(_held(db, f"address IN ({marks}) AND ", chunk))
+    return [found.get(address) for address in addresses]
 
 
 def _held(db: Db, where: str, params: list[str]) -> dict[str, tuple[str, str, str, bool]]:

@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from bot.models import Job
+from bot.models import Job, JobEvent
 from store import quarantine
 from store.sql import Db
 from store.tx import ts
@@ -28,6 +28,19 @@ def _sql_value(value: Any) -> Any:
 
 def _row(model: BaseModel) -> dict[str, Any]:
     return {k: _sql_value(v) for k, v in model.model_dump(mode="python").items()}
+
+
+def event_row(event: JobEvent) -> dict[str, Any]:
+    """`_row` of a step event, read off its fields: some thirteen per deploy, and a
+    model_dump each was most of what writing them cost the store's thread."""
+    return {
+        "job_id": event.job_id,
+        "at": ts(event.at),
+        "step": event.step,
+        "phase": event.phase,
+        "duration_s": event.duration_s,
+        "detail": event.detail,
+    }
 
 
 def job_row(job: Job) -> dict[str, Any]:

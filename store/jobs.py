@@ -24,6 +24,7 @@ from store.jobrows import (
     _jobs,
     _row,
     _sql_value,
+    event_row,
     job_from_row,
     job_row,
     listing,
@@ -223,7 +224,7 @@ def move(
         rows = db.query(sql + " RETURNING *", params)
         if rows:
             outbox.add(db, notices, new)
-            db.insert("job_events", [_row(event) for event in events])
+            db.insert("job_events", [event_row(event) for event in events])
     if not rows:
         return False, None
     try:
@@ -300,7 +301,7 @@ def update_job(
         cursor = db.execute(f"UPDATE jobs SET {sets} WHERE id = :id{fence}", params)
         if cursor.rowcount == 1:
             outbox.add(db, notices)
-            db.insert("job_events", [_row(event) for event in events])
+            db.insert("job_events", [event_row(event) for event in events])
     return cursor.rowcount == 1
 
 
@@ -327,7 +328,7 @@ def add_events(db: Db, writes: Sequence[EventWrite]) -> list[bool]:
         claims = _claims(db, {event.job_id for event, _notice, held in writes if held})
         held = [h is None or _holds(claims.get(e.job_id), h) for e, _n, h in writes]
         kept = [write for write, ok in zip(writes, held, strict=True) if ok]
-        db.insert("job_events", [_row(event) for event, _notice, _held in kept])
+        db.insert("job_events", [event_row(event) for event, _notice, _held in kept])
         outbox.add(db, [notice for _event, notice, _held in kept if notice])
     return held
 

@@ -28,7 +28,7 @@ from store import (
     quotas,
     users,
 )
-from store.repository import Repository, call, merged, write
+from store.repository import Repository, call, gathered, merged, write
 
 
 class Jobs(Repository):
@@ -90,7 +90,7 @@ class Runners(Repository):
 
     register = call(owners.register)
     renew_claims = call(owners.renew_claims)
-    claim_of = call(owners.claim_of)  # a step's fence: two columns, not the whole job
+    claim_of = gathered(owners.claim_of, owners.claims_of)  # a step's fence: two columns
     hand_back = call(owners.hand_back)
     claim = call(owners.claim)
     claim_queued = write(owners.claim_queued)
@@ -112,7 +112,7 @@ class Addresses(Repository):
     """The IPAM records jobs hold (bot/addresses/allocation.py)."""
 
     held = call(addresses.held)
-    holder = call(addresses.holder)
+    holder = gathered(addresses.holder, addresses.holders)
     unreleased = call(addresses.unreleased)
     set_ipam_state = call(addresses.set_ipam_state)
     job_states = call(addresses.known_ids)

@@ -8,6 +8,8 @@ the engine runs it (store/engine.py):
     class Approvals(Repository):
         get = call(approvals.get_approval)   # alone: reads, rare writes, probes
         decide = write(approvals.decide)     # batched with the writes of the moment
+        add_event = merged(add_event, add_events)  # writes of the moment: one call
+        claim_of = gathered(claim_of, claims_of)   # reads of the moment: one call
 
 `Approvals.get` is the function itself; `store.approvals.get(job_id)` awaits it on the
 engine. A call that kept a notice for chat (store/outbox.add) tells `Repository.wake`,
@@ -16,6 +18,7 @@ so the process that delivers the outbox need not wait for its next look.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from collections.abc import Awaitable, Callable
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
@@ -120,7 +123,7 @@ class _Merged(Generic[P, T]):
         self, one: Callable[Concatenate[Db, P], T], many: Callable[[Db, list[Any]], list[T]]
     ) -> None:
         self.fn = one
-        self._signature = inspect.signature(one)
+        self._item = _item_of(one)
         self._many = _counting_all(many)
         self.__doc__ = one.__doc__
         self._name = one.__name__
@@ -139,13 +142,10 @@ class _Merged(Generic[P, T]):
     ) -> Callable[Concatenate[Db, P], T] | Callable[P, Awaitable[T]]:
         if repo is None:
             return self.fn
-        many, engine, wake, signature = self._many, repo.engine, repo.wake, self._signature
+        many, engine, wake, item_of = self._many, repo.engine, repo.wake, self._item
 
         async def method(*args: P.args, **kwargs: P.kwargs) -> T:
-            bound = signature.bind(None, *args, **kwargs)
-            bound.apply_defaults()
-            item = tuple(bound.arguments.values())[1:]  # one's arguments but the Db
-            value, kept = await engine.write_merged(many, item)
+            value, kept = await engine.write_merged(many, item_of(args, kwargs))
             if kept:
                 wake()
             return value
@@ -178,3 +178,112 @@ def merged(
     `many` (one read of the claims and one insert for all the step events that end
     together, on SQLite and PostgreSQL alike)."""
     return _Merged(one, many)
+
+
+def _item_of(
+    one: Callable[..., Any],
+) -> Callable[[tuple[Any, ...], dict[str, Any]], tuple[Any, ...]]:
+    """How a call of `one` (without its `Db`) becomes an item of its set-based twin: its
+    arguments, every default filled in, in order. A call that passes them all by
+    position (the usual one, once per step of every deploy) is its own item: binding a
+    signature each time cost more than the rest of the call."""
+    signature = inspect.signature(one)
+    count = len(signature.parameters) - 1  # the Db
+
+    def item(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        if not kwargs and len(args) == count:
+            return args
+        bound = signature.bind(None, *args, **kwargs)
+        bound.apply_defaults()
+        return tuple(bound.arguments.values())[1:]  # one's arguments but the Db
+
+    return item
+
+
+class _Gathered(Generic[P, T]):
+    """A read whose calls of one moment run as one `Engine.call` of its set-based twin:
+    the first goes at once, those that come while it runs go next, together (the
+    fences of the deploys that begin a step together ask one after another in the same
+    moment; each alone was a round trip to the store's thread). `many` answers one
+    value per item, in order; an error reaches every caller of its call."""
+
+    def __init__(
+        self, one: Callable[Concatenate[Db, P], T], many: Callable[[Db, list[Any]], list[T]]
+    ) -> None:
+        self.fn = one
+        self._item = _item_of(one)
+        # An item is one's arguments (but the Db), or its argument when it takes one.
+        self._alone = len(inspect.signature(one).parameters) == 2
+        self._many = many
+        self.__doc__ = one.__doc__
+        self._name = one.__name__
+
+    def __set_name__(self, owner: type[Any], name: str) -> None:
+        self._name = name
+
+    @overload
+    def __get__(self, repo: None, owner: type[Any]) -> Callable[Concatenate[Db, P], T]: ...
+
+    @overload
+    def __get__(self, repo: Repository, owner: type[Any]) -> Callable[P, Awaitable[T]]: ...
+
+    def __get__(
+        self, repo: Repository | None, owner: type[Any]
+    ) -> Callable[Concatenate[Db, P], T] | Callable[P, Awaitable[T]]:
+        if repo is None:
+            return self.fn
+        batches: _Batches[T] = _Batches(repo.engine, self._many)
+        item_of, alone = self._item, self._alone
+
+        async def method(*args: P.args, **kwargs: P.kwargs) -> T:
+            item = item_of(args, kwargs)
+            return await batches.ask(item[0] if alone else item)
+
+        method.__name__ = method.__qualname__ = self._name
+        method.__doc__ = self.__doc__
+        repo.__dict__[self._name] = method
+        return method
+
+
+class _Batches(Generic[T]):
+    """The callers of one gathered read on one engine: who waits, and the call running."""
+
+    def __init__(self, engine: Engine, many: Callable[[Db, list[Any]], list[T]]) -> None:
+        self._engine = engine
+        self._many = many
+        self._pending: list[tuple[Any, asyncio.Future[T]]] = []
+        self._running: asyncio.Task[None] | None = None
+
+    async def ask(self, item: Any) -> T:
+        done: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._pending.append((item, done))
+        if self._running is None or self._running.done():
+            self._running = asyncio.create_task(self._run(), name="store-reads")
+        return await done
+
+    async def _run(self) -> None:
+        while self._pending:
+            batch, self._pending = self._pending, []
+            try:
+                values = await self._engine.call(self._many, [item for item, _ in batch])
+            except Exception as exc:  # every caller of this call hears it
+                for _item, done in batch:
+                    if not done.done():
+                        done.set_exception(exc)
+                continue
+            except BaseException:  # cancelled (the loop is going away): nobody may hang
+                for _item, done in batch + self._pending:
+                    done.cancel()
+                self._pending = []
+                raise
+            for (_item, done), value in zip(batch, values, strict=True):
+                if not done.done():  # its caller was cancelled meanwhile
+                    done.set_result(value)
+
+
+def gathered(
+    one: Callable[Concatenate[Db, P], T], many: Callable[[Db, list[Any]], list[T]]
+) -> _Gathered[P, T]:
+    """Like `call`, gathered with the same function's calls of the moment into one call
+    of `many` (the steps' fence reads: `Runners.claim_of`)."""
+    return _Gathered(one, many)

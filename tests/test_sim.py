@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -63,6 +64,28 @@ async def test_the_address_appears_only_after_boot() -> None:
     await sim.power_on(ref)
     assert not sim.vms[ref.vm_id].booted.is_set()
     assert await sim.wait_for_address(ref, None) == IDENTITY.address.ip
+
+
+async def test_waiting_for_the_address_keeps_its_waits_from_poll_to_poll() -> None:
+    """The wait polls (an outage is noticed) but does not make a pair of tasks at every
+    poll: at 200 deploys those were most of what the waits cost the event loop."""
+    sim = SimBackend(time_scale=0.001, timing=SimTiming(boot_s=40, poll_s=0.5))
+    ref = await cloned(sim)
+    await sim.apply_identity(ref, IDENTITY)
+    await sim.power_on(ref)
+    loop = asyncio.get_running_loop()
+    made: list[str] = []
+
+    def counting(loop: asyncio.AbstractEventLoop, coro: Any, **kwargs: Any) -> asyncio.Task[Any]:
+        made.append(coro.__qualname__)
+        return asyncio.Task(coro, loop=loop, **kwargs)
+
+    loop.set_task_factory(counting)
+    try:
+        assert await sim.wait_for_address(ref, None) == IDENTITY.address.ip
+    finally:
+        loop.set_task_factory(None)
+    assert len(made) <= 4, made  # the boot took ~80 polls; each made two tasks before
 
 
 async def test_inject_rejects_unknown_operations() -> None:

@@ -58,15 +58,16 @@ class Guests:
         self._tasks.answer()
         vm = self._inventory.vm(ref, change=False)
         await self._tasks.query_fault("wait_for_address", vm.vm_id)
-        while True:
-            self._tasks.answer()
-            if not vm.running:
-                raise PermanentError(f"VM {vm.vm_id} is not running", vm_id=vm.vm_id)
-            if vm.booted.is_set():
-                address = pick_address(self._interfaces(vm), expected)
-                if address is not None:
-                    return address
-            await self._tasks.either(vm.booted, vm.stopped, self._timing.poll_s)
+        with self._tasks.watching(vm.booted, vm.stopped) as changed:
+            while True:
+                self._tasks.answer()
+                if not vm.running:
+                    raise PermanentError(f"VM {vm.vm_id} is not running", vm_id=vm.vm_id)
+                if vm.booted.is_set():
+                    address = pick_address(self._interfaces(vm), expected)
+                    if address is not None:
+                        return address
+                await changed.until(self._timing.poll_s)
 
     async def probe_ssh(self, ref: VMRef, address: ipaddress.IPv4Address, port: int) -> str | None:
         self._tasks.answer()

@@ -9,7 +9,10 @@ systems do (see backends/sim/__init__.py's docstring).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Literal
 
 from backends.base import PermanentError, RetryableError, Unreachable, VMNotFound
 from backends.sim.inventory import Inventory
@@ -87,19 +90,14 @@ class Tasks:
     async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(seconds * self.time_scale)
 
-    async def either(self, first: asyncio.Event, second: asyncio.Event, seconds: float) -> None:
-        """Until either event is set, or `seconds` (scaled) pass. The guest agent's
-        answer changes only when the guest boots or stops, so the simulator waits for
-        that rather than waking every poll; the timeout still notices an outage. (Polling
-        alone cost the event loop more than the bot at 200 deploys: bench_pipeline.)"""
-        waits = [asyncio.ensure_future(first.wait()), asyncio.ensure_future(second.wait())]
+    @contextlib.contextmanager
+    def watching(self, *events: asyncio.Event) -> Iterator[Watch]:
+        """A `Watch` of `events` (scaled as this simulator's time), stopped on leaving."""
+        watch = Watch(events, self.time_scale)
         try:
-            await asyncio.wait(
-                waits, timeout=seconds * self.time_scale, return_when=asyncio.FIRST_COMPLETED
-            )
+            yield watch
         finally:
-            for wait in waits:
-                wait.cancel()
+            watch.close()
 
     async def run(
         self, op: str, vm_id: str, seconds: float, effect: Effect, fault: FaultKind | None
@@ -144,3 +142,34 @@ class Tasks:
         """Stop the tasks still running (the simulator is closed)."""
         for task in list(self._running):
             task.cancel()
+
+
+class Watch:
+    """Waits, again and again, until one of its events is set or a time passes. The
+    guest agent's answer changes only when the guest boots or stops, so the simulator
+    waits for that rather than waking every poll; the timeout still notices an outage.
+    (Polling alone cost the event loop more than the bot at 200 deploys:
+    bench_pipeline.) Each event's wait is kept from one poll to the next, made again
+    only once it has ended: a new pair of tasks at every poll, each cancelled after it,
+    was most of what a deploy's wait for its address cost the event loop."""
+
+    def __init__(self, events: Sequence[asyncio.Event], time_scale: float) -> None:
+        self._events = tuple(events)
+        self._time_scale = time_scale
+        self._waits: list[asyncio.Future[Literal[True]] | None] = [None] * len(self._events)
+
+    async def until(self, seconds: float) -> None:
+        """Until one of the events is set, or `seconds` (scaled) pass."""
+        for i, event in enumerate(self._events):
+            wait = self._waits[i]
+            if wait is None or wait.done():
+                self._waits[i] = asyncio.ensure_future(event.wait())
+        waits = [wait for wait in self._waits if wait is not None]
+        await asyncio.wait(
+            waits, timeout=seconds * self._time_scale, return_when=asyncio.FIRST_COMPLETED
+        )
+
+    def close(self) -> None:
+        for wait in self._waits:
+            if wait is not None:
+                wait.cancel()

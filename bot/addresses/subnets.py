@@ -8,6 +8,7 @@ network (`networks = [...]`), by its backend (`backends = [...]`), or as the onl
 from __future__ import annotations
 
 import contextlib
+import functools
 import ipaddress
 import re
 
@@ -117,6 +118,12 @@ class Subnet(BaseModel):
         return [b for b in backends if b in self.vms_on or b == own]
 
     def as_pool(self) -> Pool:
+        return self._pool
+
+    @functools.cached_property
+    def _pool(self) -> Pool:
+        """Made once: the subnet is frozen, and every request and every deploy's
+        `check_free` asks for its pool (parsing the range each time cost ~40 us)."""
         first, last = self.bounds()
         return Pool(
             name=self.label,
