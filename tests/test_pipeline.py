@@ -291,7 +291,7 @@ def test_the_deploy_declares_each_step_once_with_its_undo() -> None:
     names = [step.name for step in DEPLOY_STEPS]
     assert names == [*STEPS, "forget_key", "register"] and len(set(names)) == len(names)
     undone = [s.name for s in DEPLOY_STEPS if s.undo is not None]
-    assert undone == ["clone", "identity", "power_on", "register"]
+    assert undone == ["clone", "power_on", "register"]
     assert [s.name for s in DEPLOY_STEPS if s.polled] == ["ssh"]
     assert [s.name for s in DEPLOY_STEPS if not s.resumable] == ["check_free"]
 

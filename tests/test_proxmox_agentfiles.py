@@ -13,10 +13,10 @@ import aiohttp
 import pytest
 
 from tests.support.fakepve import testing
+from tests.support.fakepve.raw import Raw, linked_clone, shape_problems
 from tests.support.fakepve.schema import ApiSchema
 from tests.support.fakepve.server import EXEMPT_HEADER, FakePVE, Tls
 from tests.support.fakepve.testing import start_fake
-from tests.test_proxmox_fake import Raw, linked_clone, shape_problems
 
 pve_schema = testing.pve_schema
 pve_tls = testing.pve_tls

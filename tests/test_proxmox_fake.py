@@ -7,7 +7,6 @@ from __future__ import annotations
 import re
 import ssl
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote, quote_plus
 
@@ -15,7 +14,8 @@ import aiohttp
 import pytest
 
 from tests.support.fakepve import testing
-from tests.support.fakepve.server import EXEMPT_HEADER, FakePVE
+from tests.support.fakepve.raw import Raw, linked_clone, shape_problems
+from tests.support.fakepve.server import FakePVE
 from tests.support.fakepve.testing import start_fake
 
 # The fake server's fixtures, shared by the Proxmox test modules.
@@ -27,65 +27,11 @@ UPID = re.compile(r"UPID:pve1:[0-9A-F]{8}:[0-9A-F]{8}:[0-9A-F]{8}:(\w+):(\d+):ro
 KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIHb2vLw3m3tqB7m4m1Lr2x9n0l3r3x8uGk2ycJ0b1Fq8 a@b"
 
 
-@dataclass
-class Answer:
-    status: int
-    reason: str
-    body: dict[str, Any]
-
-    @property
-    def data(self) -> Any:
-        return self.body["data"]
-
-
-class Raw:
-    """A bare HTTPS client for the fake; token auth unless told otherwise."""
-
-    def __init__(self, session: aiohttp.ClientSession, fake: FakePVE) -> None:
-        self.session = session
-        self.fake = fake
-        self.token = f"PVEAPIToken={fake.token_id}={fake.token_secret}"
-
-    async def call(
-        self,
-        method: str,
-        path: str,
-        params: dict[str, str] | None = None,
-        *,
-        auth: bool = True,
-        headers: dict[str, str] | None = None,
-        cookies: dict[str, str] | None = None,
-    ) -> Answer:
-        sent = {EXEMPT_HEADER: "1", **(headers or {})}
-        if auth:
-            sent["Authorization"] = self.token
-        query = params if method in ("GET", "DELETE") else None
-        form = params if method in ("POST", "PUT") else None
-        async with self.session.request(
-            method, self.fake.url + path, params=query, data=form, headers=sent, cookies=cookies
-        ) as response:
-            return Answer(response.status, response.reason or "", await response.json())
-
-    async def task(self, upid: str) -> dict[str, Any]:
-        """Wait for a task on the fake's own event, then read its status."""
-        await self.fake.cluster.task(upid).done.wait()
-        status: dict[str, Any] = (await self.call("GET", f"/nodes/pve1/tasks/{upid}/status")).data
-        return status
-
-
 @pytest.fixture
 async def raw(pve: FakePVE) -> AsyncIterator[Raw]:
     context = ssl.create_default_context(cafile=str(pve.tls.ca_path))
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=context)) as session:
         yield Raw(session, pve)
-
-
-async def linked_clone(raw: Raw, newid: int = 120, template: int = 9000) -> str:
-    answer = await raw.call(
-        "POST", f"/nodes/pve1/qemu/{template}/clone", {"newid": str(newid), "name": "t1"}
-    )
-    assert answer.status == 200, answer
-    return str(answer.data)
 
 
 # --- parameter verification ------------------------------------------------------------
@@ -383,36 +329,6 @@ async def test_no_agent_configured_and_the_stop_closes_sshd(pve_schema: Any, pve
             assert fake.cluster.guest.listening(120)
             await raw.task((await raw.call("POST", "/nodes/pve1/qemu/120/status/stop")).data)
             assert not fake.cluster.guest.listening(120)
-
-
-def shape_problems(spec: dict[str, Any], value: Any, where: str = "data") -> list[str]:
-    """Where an answer differs from the schema's `returns` (types, enums, required keys).
-    Perl's JSON writes booleans as 0/1, so those count as booleans."""
-    kinds: dict[str, tuple[type, ...]] = {
-        "integer": (int,),
-        "number": (int, float),
-        "string": (str,),
-        "boolean": (bool, int),
-        "array": (list,),
-        "object": (dict,),
-        "null": (type(None),),
-    }
-    kind = spec.get("type")
-    if kind in kinds and not isinstance(value, kinds[kind]):
-        return [f"{where}: {type(value).__name__} where the schema says {kind}"]
-    if "enum" in spec and value not in spec["enum"]:
-        return [f"{where}: {value!r} is not one of {spec['enum']}"]
-    found: list[str] = []
-    if isinstance(value, list):
-        for i, item in enumerate(value):
-            found += shape_problems(spec.get("items", {}), item, f"{where}[{i}]")
-    if isinstance(value, dict):
-        for key, sub in (spec.get("properties") or {}).items():
-            if key in value:
-                found += shape_problems(sub, value[key], f"{where}.{key}")
-            elif not sub.get("optional"):
-                found.append(f"{where}.{key}: missing")
-    return found
 
 
 @pytest.mark.parametrize(
