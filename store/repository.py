@@ -62,13 +62,20 @@ def _counting(fn: Callable[Concatenate[Db, P], T]) -> Callable[Concatenate[Db, P
     return run
 
 
-class _Query(Generic[P, T]):
-    """A store function as a repository's method (see the module docstring)."""
+# How a repository's method reaches the engine: given the repository, a function of one
+# call's arguments that runs it there (and wakes the delivery when it kept a notice).
+Send = Callable[[tuple[Any, ...], dict[str, Any]], Awaitable[T]]
 
-    def __init__(self, fn: Callable[Concatenate[Db, P], T], batched: bool) -> None:
+
+class _Query(Generic[P, T]):
+    """A store function as a repository's method (see the module docstring): `fn` itself
+    on the class, an async method on a repository, run there as `sender` says."""
+
+    def __init__(
+        self, fn: Callable[Concatenate[Db, P], T], sender: Callable[[Repository], Send[T]]
+    ) -> None:
         self.fn = fn
-        self._counted = _counting(fn)
-        self._batched = batched
+        self._sender = sender
         self.__doc__ = fn.__doc__
         self._name = fn.__name__
 
@@ -86,14 +93,10 @@ class _Query(Generic[P, T]):
     ) -> Callable[Concatenate[Db, P], T] | Callable[P, Awaitable[T]]:
         if repo is None:
             return self.fn
-        counted, engine, wake = self._counted, repo.engine, repo.wake
-        send = engine.write if self._batched else engine.call
+        send = self._sender(repo)
 
         async def method(*args: P.args, **kwargs: P.kwargs) -> T:
-            value, kept = await send(counted, *args, **kwargs)
-            if kept:
-                wake()
-            return value
+            return await send(args, kwargs)
 
         method.__name__ = method.__qualname__ = self._name
         method.__doc__ = self.__doc__
@@ -102,58 +105,80 @@ class _Query(Generic[P, T]):
         return method
 
 
+def _alone(fn: Callable[Concatenate[Db, P], T], batched: bool) -> Callable[[Repository], Send[T]]:
+    counted = _counting(fn)
+
+    def sender(repo: Repository) -> Send[T]:
+        run_on = repo.engine.write if batched else repo.engine.call
+
+        async def send(args: tuple[Any, ...], kwargs: dict[str, Any]) -> T:
+            value, kept = await run_on(counted, *args, **kwargs)
+            if kept:
+                repo.wake()
+            return value
+
+        return send
+
+    return sender
+
+
 def call(fn: Callable[Concatenate[Db, P], T]) -> _Query[P, T]:
     """Run alone on the engine (`Engine.call`): reads, rare writes, and what must fail
     fast rather than be run again (renewals, probes)."""
-    return _Query(fn, batched=False)
+    return _Query(fn, _alone(fn, batched=False))
 
 
 def write(fn: Callable[Concatenate[Db, P], T]) -> _Query[P, T]:
     """Batched with the writes made at the same moment (`Engine.write`), and run again
     while the database cannot be reached (store/retry.py)."""
-    return _Query(fn, batched=True)
+    return _Query(fn, _alone(fn, batched=True))
 
 
-class _Merged(Generic[P, T]):
-    """A store function whose writes of one moment the engine merges into one call of its
-    set-based twin (`Engine.write_merged`): the method takes `one`'s arguments, the
-    engine runs `many` on the items of all callers of the moment."""
+def merged(
+    one: Callable[Concatenate[Db, P], T], many: Callable[[Db, list[Any]], list[T]]
+) -> _Query[P, T]:
+    """Like `write`, merged with the same function's writes of the moment into one call of
+    its set-based twin `many` (`Engine.write_merged`: one read of the claims and one
+    insert for all the step events that end together, on SQLite and PostgreSQL alike).
+    The method takes `one`'s arguments; the engine runs `many` on the items of all
+    callers of the moment."""
+    item_of, counted = _item_of(one), _counting_all(many)
 
-    def __init__(
-        self, one: Callable[Concatenate[Db, P], T], many: Callable[[Db, list[Any]], list[T]]
-    ) -> None:
-        self.fn = one
-        self._item = _item_of(one)
-        self._many = _counting_all(many)
-        self.__doc__ = one.__doc__
-        self._name = one.__name__
-
-    def __set_name__(self, owner: type[Any], name: str) -> None:
-        self._name = name
-
-    @overload
-    def __get__(self, repo: None, owner: type[Any]) -> Callable[Concatenate[Db, P], T]: ...
-
-    @overload
-    def __get__(self, repo: Repository, owner: type[Any]) -> Callable[P, Awaitable[T]]: ...
-
-    def __get__(
-        self, repo: Repository | None, owner: type[Any]
-    ) -> Callable[Concatenate[Db, P], T] | Callable[P, Awaitable[T]]:
-        if repo is None:
-            return self.fn
-        many, engine, wake, item_of = self._many, repo.engine, repo.wake, self._item
-
-        async def method(*args: P.args, **kwargs: P.kwargs) -> T:
-            value, kept = await engine.write_merged(many, item_of(args, kwargs))
+    def sender(repo: Repository) -> Send[T]:
+        async def send(args: tuple[Any, ...], kwargs: dict[str, Any]) -> T:
+            value, kept = await repo.engine.write_merged(counted, item_of(args, kwargs))
             if kept:
-                wake()
+                repo.wake()
             return value
 
-        method.__name__ = method.__qualname__ = self._name
-        method.__doc__ = self.__doc__
-        repo.__dict__[self._name] = method
-        return method
+        return send
+
+    return _Query(one, sender)
+
+
+def gathered(
+    one: Callable[Concatenate[Db, P], T], many: Callable[[Db, list[Any]], list[T]]
+) -> _Query[P, T]:
+    """Like `call`, gathered with the same function's calls of the moment into one
+    `Engine.call` of `many` (the steps' fence reads: `Runners.claim_of`): the first goes
+    at once, those that come while it runs go next, together (the fences of the deploys
+    that begin a step together ask one after another in the same moment; each alone was
+    a round trip to the store's thread). `many` answers one value per item, in order;
+    an error reaches every caller of its call."""
+    item_of = _item_of(one)
+    # An item is one's arguments (but the Db), or its argument when it takes one.
+    alone = len(inspect.signature(one).parameters) == 2
+
+    def sender(repo: Repository) -> Send[T]:
+        batches: _Batches[T] = _Batches(repo.engine, many)
+
+        async def send(args: tuple[Any, ...], kwargs: dict[str, Any]) -> T:
+            item = item_of(args, kwargs)
+            return await batches.ask(item[0] if alone else item)
+
+        return send
+
+    return _Query(one, sender)
 
 
 def _counting_all(
@@ -169,15 +194,6 @@ def _counting_all(
         return [(value, kept) for value in values]
 
     return run
-
-
-def merged(
-    one: Callable[Concatenate[Db, P], T], many: Callable[[Db, list[Any]], list[T]]
-) -> _Merged[P, T]:
-    """Like `write`, merged with the same function's writes of the moment into one call of
-    `many` (one read of the claims and one insert for all the step events that end
-    together, on SQLite and PostgreSQL alike)."""
-    return _Merged(one, many)
 
 
 def _item_of(
@@ -198,51 +214,6 @@ def _item_of(
         return tuple(bound.arguments.values())[1:]  # one's arguments but the Db
 
     return item
-
-
-class _Gathered(Generic[P, T]):
-    """A read whose calls of one moment run as one `Engine.call` of its set-based twin:
-    the first goes at once, those that come while it runs go next, together (the
-    fences of the deploys that begin a step together ask one after another in the same
-    moment; each alone was a round trip to the store's thread). `many` answers one
-    value per item, in order; an error reaches every caller of its call."""
-
-    def __init__(
-        self, one: Callable[Concatenate[Db, P], T], many: Callable[[Db, list[Any]], list[T]]
-    ) -> None:
-        self.fn = one
-        self._item = _item_of(one)
-        # An item is one's arguments (but the Db), or its argument when it takes one.
-        self._alone = len(inspect.signature(one).parameters) == 2
-        self._many = many
-        self.__doc__ = one.__doc__
-        self._name = one.__name__
-
-    def __set_name__(self, owner: type[Any], name: str) -> None:
-        self._name = name
-
-    @overload
-    def __get__(self, repo: None, owner: type[Any]) -> Callable[Concatenate[Db, P], T]: ...
-
-    @overload
-    def __get__(self, repo: Repository, owner: type[Any]) -> Callable[P, Awaitable[T]]: ...
-
-    def __get__(
-        self, repo: Repository | None, owner: type[Any]
-    ) -> Callable[Concatenate[Db, P], T] | Callable[P, Awaitable[T]]:
-        if repo is None:
-            return self.fn
-        batches: _Batches[T] = _Batches(repo.engine, self._many)
-        item_of, alone = self._item, self._alone
-
-        async def method(*args: P.args, **kwargs: P.kwargs) -> T:
-            item = item_of(args, kwargs)
-            return await batches.ask(item[0] if alone else item)
-
-        method.__name__ = method.__qualname__ = self._name
-        method.__doc__ = self.__doc__
-        repo.__dict__[self._name] = method
-        return method
 
 
 class _Batches(Generic[T]):
@@ -279,11 +250,3 @@ class _Batches(Generic[T]):
             for (_item, done), value in zip(batch, values, strict=True):
                 if not done.done():  # its caller was cancelled meanwhile
                     done.set_result(value)
-
-
-def gathered(
-    one: Callable[Concatenate[Db, P], T], many: Callable[[Db, list[Any]], list[T]]
-) -> _Gathered[P, T]:
-    """Like `call`, gathered with the same function's calls of the moment into one call
-    of `many` (the steps' fence reads: `Runners.claim_of`)."""
-    return _Gathered(one, many)

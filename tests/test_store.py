@@ -476,7 +476,9 @@ async def test_v16_keeps_old_fingerprints_and_adds_how_a_key_was_confirmed(
     try:
         got = await store.jobs.get(old.id)
         new = make_job(settings, "web02", "10.0.0.51", state=JobState.SUCCEEDED)
-        new = new.model_copy(update={"host_key": "ssh-ed25519 AAAAC3", "host_key_source": "chosen"})
+        new = new.model_copy(
+            update={"host_key": "ssh-ed25519 AAAAC3", "host_key_source": HostKeySource.CHOSEN}
+        )
         await store.jobs.insert(new)
         got_new = await store.jobs.get(new.id)
     finally:
