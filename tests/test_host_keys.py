@@ -78,6 +78,17 @@ async def test_an_impostor_on_the_address_fails_the_deploy_and_rolls_back(
     assert "ready" not in said[0]  # no known_hosts line for a failed deploy
 
 
+async def test_keys_replaced_after_the_agent_read_them_are_read_again(tmp_path: Path) -> None:
+    """The agent read the guest's keys just before cloud-init replaced them: the key
+    sshd then presents is read again through the agent, not taken for an interceptor's."""
+    sim = SimBackend("sim", time_scale=SIM_SCALE)
+    sim.inject("host_keys", "rekeyed")  # the first read only
+    job, _said = await run_deploy(tmp_path, sim)
+    assert job.state is JobState.SUCCEEDED, job.error
+    (vm,) = sim.vms.values()
+    assert job.host_key == vm.host_key and job.host_key_source is HostKeySource.AGENT
+
+
 async def test_a_chosen_key_is_the_one_presented_and_then_forgotten(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -124,7 +135,7 @@ async def test_without_either_the_key_is_only_seen_over_ssh(tmp_path: Path) -> N
     assert job.state is JobState.SUCCEEDED, job.error
     assert job.host_key_source is HostKeySource.SSH
     text = "\n".join(finished(job, None))
-    assert "only seen over SSH" in text and "without the guest agent" in text
+    assert "only seen over SSH" in text and "can neither read" in text
     assert "only seen over SSH" in said[0]
 
 
@@ -185,12 +196,14 @@ async def test_gc_apply_blanks_the_key_of_a_vm_it_keeps(tmp_path: Path) -> None:
     sim = ChoosingSim("sim", time_scale=SIM_SCALE)
     settings = make_settings(tmp_path)
     async with running_deployer(settings, Recorder(), backends={"sim": sim}) as d:
-        job = await deploy(d)
-        assert job.state is JobState.SUCCEEDED
-        (vm,) = sim.vms.values()
-        vm.user_data_key = "-----BEGIN OPENSSH PRIVATE KEY-----"  # put back by hand
+        jobs = [await deploy(d), await deploy(d, "web02 10.0.0.51")]
+        assert all(job.state is JobState.SUCCEEDED for job in jobs)
+        vms = sorted(sim.vms.values(), key=lambda vm: vm.vm_id)
+        for vm in vms:
+            vm.user_data_key = "-----BEGIN OPENSSH PRIVATE KEY-----"  # put back by hand
+        ids = [vm.vm_id for vm in vms]
         report = await gc.dry_run(d.store, {"sim": sim}, ["sim"])
-        assert [f.vm.vm_id for f in report.holding_keys] == [vm.vm_id]
+        assert sorted(f.vm.vm_id for f in report.holding_keys) == ids  # every one, not the first
         applied = await gc.apply(d.store, {"sim": sim}, ["sim"], settings.timeouts, 600)
-    assert [f.vm.vm_id for f in applied.keys_forgotten] == [vm.vm_id]
-    assert vm.user_data_key is None and vm.running  # the VM itself is kept
+    assert sorted(f.vm.vm_id for f in applied.keys_forgotten) == ids
+    assert all(vm.user_data_key is None and vm.running for vm in vms)  # the VMs are kept

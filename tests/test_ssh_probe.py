@@ -11,7 +11,7 @@ import asyncssh
 import pytest
 
 from backends.base import RetryableError, Unreachable
-from backends.sim import SimBackend
+from backends.sim import SimBackend, Simulator
 from backends.sshcheck import SshCheck, fingerprint, ssh_host_key, tcp_probe
 from bot.app.runtime import running_deployer
 from bot.config.sections import Timeouts
@@ -76,7 +76,7 @@ async def test_a_deploy_proves_ssh_over_real_tcp(
     tmp_path: Path, listener: tuple[int, list[int]]
 ) -> None:
     port, accepted = listener
-    sim = SimBackend("sim", time_scale=0.001)
+    sim = Simulator("sim", time_scale=0.001)  # a real listener: no agent reads its keys
     async with running_deployer(loopback_settings(tmp_path, port), backends={"sim": sim}) as d:
         job = await d.request_deploy(deploy_args(), "alice")
         await d.drain()
@@ -87,7 +87,7 @@ async def test_a_deploy_proves_ssh_over_real_tcp(
 
 
 async def test_a_guest_that_never_answers_fails_the_deploy(tmp_path: Path) -> None:
-    sim = SimBackend("sim", time_scale=0.001)
+    sim = Simulator("sim", time_scale=0.001)  # a real listener: no agent reads its keys
     settings = loopback_settings(tmp_path, await free_port())
     async with running_deployer(settings, backends={"sim": sim}) as d:
         job = await d.request_deploy(deploy_args(), "alice")
@@ -148,7 +148,7 @@ async def test_a_starting_sshd_is_asked_again_at_the_poll_pace(
     asks again after `poll_initial_s`, not after the error backoff (here longer than the
     whole step may take, so the old pacing would fail the deploy)."""
     port, accepted = listener
-    sim = SimBackend("sim", time_scale=0.001)
+    sim = Simulator("sim", time_scale=0.001)  # a real listener: no agent reads its keys
     sim.inject("probe_ssh", "flaky", times=3)  # three refusals before sshd answers
     settings = loopback_settings(tmp_path, port)
     timeouts = {**settings.timeouts.model_dump(), "retry_initial_s": 30.0, "ssh_s": 5.0}
@@ -185,3 +185,28 @@ async def test_polling_still_backs_off_from_an_endpoint_that_does_not_answer() -
     with pytest.raises(TimeoutError):
         async with asyncio.timeout(1.0):
             await retrying(gone, timeouts, polling=True)
+
+
+async def test_a_key_the_agent_cannot_confirm_is_never_believed(tmp_path: Path) -> None:
+    """A backend whose agent reads host keys, and a guest where it finds no key files
+    (cloud-init has not written them yet; here: a loopback sshd outside the simulator,
+    whose files the simulator's agent cannot see) while an sshd answers on the address:
+    its key is not taken as "only seen over SSH". The step asks again until its timeout,
+    then fails and rolls back, saying why."""
+    host_key = asyncssh.generate_private_key("ssh-ed25519")
+    server = await asyncssh.create_server(
+        asyncssh.SSHServer, str(GUEST), 0, server_host_keys=[host_key]
+    )
+    port = server.sockets[0].getsockname()[1]
+    sim = SimBackend("sim", time_scale=0.001)  # reads keys through its guest agent
+    try:
+        async with running_deployer(loopback_settings(tmp_path, port), backends={"sim": sim}) as d:
+            job = await d.request_deploy(deploy_args(), "alice")
+            await d.drain()
+            final = (await d.status(job.id)).job
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert final.state is JobState.FAILED and final.failed_step == "ssh"
+    assert "finds no SSH host key files in the guest yet" in (final.error or "")
+    assert final.host_key is None and sim.vms == {}

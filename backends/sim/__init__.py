@@ -17,6 +17,8 @@ Faults are injected per operation (the Backend method's name):
   that is briefly unreachable); the next call works.
 * ``impostor`` (``probe_ssh``): another host answers on the guest's address, with a
   host key that is not the guest's (an address conflict, an interceptor).
+* ``rekeyed`` (``host_keys``): the guest agent reads keys the guest replaced right
+  after (cloud-init's first boot), so they differ from what its sshd then presents.
 * ``outage``: the hypervisor goes down at that call, before anything happens, and
   stays down (every call is refused) until the test brings it back: `down` set to
   False, or the file `<state_file>.down` removed, which the outage creates.

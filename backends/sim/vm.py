@@ -19,7 +19,7 @@ from pydantic import Field, field_validator
 from backends.base import Identity, Template, VMInfo
 from backends.config import BackendConfig
 
-FaultKind = Literal["error", "hang", "crash", "flaky", "outage", "impostor"]
+FaultKind = Literal["error", "hang", "crash", "flaky", "outage", "impostor", "rekeyed"]
 # How the simulator confirms a guest's host key (issue 28): its guest agent reads the
 # guest's keys (ReadsHostKeys), it installs the key deploybot chose (ChoosesHostKeys),
 # or neither (the key is only seen over SSH).

@@ -48,6 +48,9 @@ from bot.models.errors import BackendError, UserError
 from store.db import Store
 
 ORPHAN = ("unknown_job", "ended_job")
+# VMs whose stored cloud-config gc checks for a private host key (and `--apply` blanks):
+# those carrying this installation's tag for a job that is not in flight.
+KEYS_CHECKED = ("unknown_job", "ended_job", "succeeded_job", "quarantined_job")
 # A quarantined job's record is damaged: whether its VM is wanted is for a person to say.
 KEPT = (
     "succeeded_job",
@@ -179,8 +182,8 @@ async def _holding_keys(backend: Backend, found: list[Finding], report: GcReport
     if not isinstance(backend, ChoosesHostKeys):
         return
     for finding in found:
-        if finding.category in ("job_in_flight", "other_installation"):
-            continue  # its deploy forgets it; another installation's is not ours
+        if finding.category not in KEYS_CHECKED:
+            continue  # in flight: its deploy forgets it; others may not be ours to touch
         try:
             holds = await backend.holds_host_key(finding.ref)
         except BackendError as exc:  # listed as holding: unsure is not clean
@@ -188,7 +191,6 @@ async def _holding_keys(backend: Backend, found: list[Finding], report: GcReport
             report.left.append((finding, f"could not ask about its host key: {exc.message}"))
         if holds:
             report.holding_keys.append(finding)
-            break
 
 
 async def _forget_keys(

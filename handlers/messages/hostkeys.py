@@ -15,8 +15,9 @@ HOW_CONFIRMED = {
     ),
     HostKeySource.CHOSEN: "chosen by deploybot and installed by the hypervisor",
     HostKeySource.SSH: (
-        "only seen over SSH: the hypervisor could not confirm it (for example, a template "
-        "without the guest agent), so compare it with the VM's console before you trust it"
+        "only seen over SSH: the hypervisor could not confirm it (a backend that can neither "
+        "read a guest's keys nor choose them), so compare it with the VM's console before "
+        "you trust it"
     ),
 }
 
