@@ -67,7 +67,7 @@ SMOKES = [
     Smoke(
         "bench_vsphere",
         ("--deploys", "2", "--boots", "0", "--extra-vms", "0", "--scale-deploys", "1"),
-        "<=25",
+        "<=34",
         ("DEPLOYBOT_REQUIRE_VCSIM",),
     ),
 ]

@@ -36,6 +36,10 @@ PING = "/nodes/{node}/qemu/{vmid}/agent/ping"
 INTERFACES = "/nodes/{node}/qemu/{vmid}/agent/network-get-interfaces"
 POLLS = {"/nodes/{node}/tasks/{upid}/status", "/nodes/{node}/tasks", PING}
 
+# Requests of a whole deploy (issue 25: 25), and the guest agent's reads of the three
+# SSH host key files that confirm the key the address presents (issue 28).
+GOAL_REQUESTS = 25 + 3
+
 
 def free_port(address: str) -> int:
     with socket.socket() as probe:
@@ -70,14 +74,14 @@ def polls(sent: list[Recorded]) -> int:
     return sum(1 for r in sent if r.template in POLLS)
 
 
-async def test_a_learned_deploy_costs_at_most_25_requests_and_polls_less(
+async def test_a_learned_deploy_stays_within_the_request_goal_and_polls_less(
     fake: FakePVE, tmp_path: Path
 ) -> None:
     pacing = Pacing()
     first = await deploy(fake, tmp_path, pacing, "web01 127.0.10.51")
     second = await deploy(fake, tmp_path, pacing, "web02 127.0.10.52")
     routes = Counter(f"{r.method} {r.template}" for r in second)
-    assert len(second) <= 25, routes
+    assert len(second) <= GOAL_REQUESTS, routes
     assert polls(second) < polls(first), (polls(first), polls(second))
 
 
@@ -90,7 +94,7 @@ async def test_a_new_templates_first_deploy_starts_from_the_other_templates(
     first = await deploy(fake, tmp_path, pacing, "web01 127.0.10.51")
     new = await deploy(fake, tmp_path, pacing, "web02 127.0.10.52 template=debian-12")
     routes = Counter(f"{r.method} {r.template}" for r in new)
-    assert len(new) <= 25, routes
+    assert len(new) <= GOAL_REQUESTS, routes
     assert polls(new) < polls(first), (polls(first), polls(new))
     assert pacing.expected_s("clone", clone_key("debian-12", None)) is not None
 
@@ -230,7 +234,7 @@ async def test_a_fresh_process_starts_from_the_durations_the_history_recorded(
     first = await deploy(fake, tmp_path, Pacing(), "web01 127.0.10.54")
     second = await deploy(fake, tmp_path, Pacing(), "web02 127.0.10.55")  # a new process
     routes = Counter(f"{r.method} {r.template}" for r in second)
-    assert len(second) <= 25, routes
+    assert len(second) <= GOAL_REQUESTS, routes
     assert polls(second) < polls(first), (polls(first), polls(second))
     store = await Store.open(pve_settings(tmp_path, fake).database)
     try:

@@ -7,7 +7,8 @@ MAC check on ESXi, the power-on) make the same SOAP requests, and read the same 
 views and the VM tracker are made once per session, not per lookup. Counted at the
 SOAP transport, not timed. Whole deploys through the real queue, pipeline and store
 (with the address conflict check at admission and in `check_free`) stay within the
-goal of 25 requests, and their bytes within 10%, with 400 VMs more; the check still
+goal of requests (25, and 9 more since deploybot chooses the guest's host key:
+issue 28), and their bytes within 10%, with 400 VMs more; the check still
 refuses an address a VM took after the tracker's first read; and a subnet's `vms_on`
 keeps the check from asking (and logging in to) backends its VMs do not live on.
 
@@ -53,7 +54,10 @@ from tests.support.vsphere.simulator import (
 EXTRA = 200  # VMs more than vcsim's default inventory (2 per resource pool)
 SLACK_BYTES = 2000  # ids like vm-1234 instead of vm-12, in a few answers
 PIPELINE_EXTRA = (400, 2000)  # the same, for whole deploys (issue 25's sizes)
-GOAL_REQUESTS = 25  # per whole deploy (benchmarks/bench_vsphere.py --scale)
+# Per whole deploy (benchmarks/bench_vsphere.py --scale): 25, plus what the host key
+# deploybot chooses costs (issue 28): written at the identity step and removed once SSH
+# answered, each a reconfigure and its task, and the check that it is gone.
+GOAL_REQUESTS = 25 + 9
 
 
 async def deploy_moves(backend: VSphereBackend, i: int) -> VMRef:
