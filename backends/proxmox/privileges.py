@@ -14,10 +14,11 @@ on /sdn/zones/localnetwork/<bridge> for a plain bridge too.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from backends.base import MissingPrivilege
+from backends.base import MissingPrivilege, Segment
 from backends.proxmox.api import PveApi
 from backends.proxmox.config import Config
 from backends.proxmox.hostkeys import (
@@ -37,9 +38,15 @@ class Need:
     instead: tuple[str, ...] = ()  # privileges that allow it as well (any one will do)
 
 
-def needs(config: Config, template: TemplateInfo, release: tuple[int, int]) -> list[Need]:
+def needs(
+    config: Config,
+    template: TemplateInfo,
+    release: tuple[int, int],
+    segments: Sequence[Segment] = (),
+) -> list[Need]:
     """What the deploy steps need, on the paths they use for this template, on the
-    server's release (`release`: its major, minor)."""
+    server's release (`release`: its major, minor), for NICs on `segments` (none given:
+    the configured `bridge`, if any)."""
     new = "/vms"
     agent = (UNRESTRICTED,) if release >= GUEST_AGENT_PRIVILEGES_SINCE else ()
     storage = config.storage or template.disk.storage
@@ -64,10 +71,19 @@ def needs(config: Config, template: TemplateInfo, release: tuple[int, int]) -> l
     ]
     if storage:
         found.append(Need(f"/storage/{storage}", "Datastore.AllocateSpace", "copy the disk"))
-    if config.bridge:
-        zone = f"/sdn/zones/localnetwork/{config.bridge}"
-        found.append(Need(zone, "SDN.Use", f"attach the NIC to {config.bridge}"))
+    for segment in segments or ([Segment(config.bridge)] if config.bridge else []):
+        found.append(bridge_need(segment))
     return found
+
+
+def bridge_need(segment: Segment) -> Need:
+    """`SDN.Use` where PVE checks it for a NIC on a plain bridge: the bridge's path in
+    the `localnetwork` zone, and with a tag the tag's path below it (an ACL on the
+    bridge, propagated, covers its tags)."""
+    path = f"/sdn/zones/localnetwork/{segment.network}"
+    if segment.vlan is not None:
+        path += f"/{segment.vlan}"
+    return Need(path, "SDN.Use", f"attach the NIC to {segment}")
 
 
 def who(config: Config) -> str:
@@ -76,11 +92,15 @@ def who(config: Config) -> str:
 
 
 async def missing(
-    api: PveApi, config: Config, template: TemplateInfo, release: tuple[int, int]
+    api: PveApi,
+    config: Config,
+    template: TemplateInfo,
+    release: tuple[int, int],
+    segments: Sequence[Segment] = (),
 ) -> list[MissingPrivilege]:
     """The privileges the deploy steps need and the token or user lacks, path by path
     (each path asked once: PVE computes the inherited set for it)."""
-    wanted = needs(config, template, release)
+    wanted = needs(config, template, release, segments)
     held: dict[str, set[str]] = {}
     for path in dict.fromkeys(n.path for n in wanted):
         answer: Any = await api.call("GET", "access/permissions", "permissions", {"path": path})

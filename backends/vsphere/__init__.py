@@ -31,7 +31,7 @@ import ipaddress
 import logging
 import uuid
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,7 @@ from backends.base import (
     PermanentError,
     Placement,
     RetryableError,
+    Segment,
     Storage,
     Template,
     VMInfo,
@@ -178,8 +179,13 @@ class VSphereBackend:
     async def templates(self) -> list[Template]:
         return await self.discovery.templates()
 
-    async def missing_privileges(self, template: str) -> list[MissingPrivilege]:
-        return await self.discovery.missing_privileges(template)
+    async def missing_privileges(
+        self, template: str, segments: Sequence[Segment] = ()
+    ) -> list[MissingPrivilege]:
+        return await self.discovery.missing_privileges(template, segments)
+
+    async def segment_problems(self, segment: Segment) -> list[str]:
+        return await self.discovery.segment_problems(segment)
 
     async def storages(self, placement: str | None = None) -> list[Storage]:
         return await self.discovery.storages(placement)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -20,6 +20,8 @@ class Config(BackendConfig):
     thick eager-zeroed; thin excludes eager. `verify_tls = false` is the explicit
     insecure choice and is logged as a warning at start.
     """
+
+    segment_keys: ClassVar[frozenset[str]] = frozenset({"network"})
 
     kind: Literal["vsphere"]
     host: str = Field(min_length=1)

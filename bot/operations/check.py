@@ -2,10 +2,13 @@
 
 `check-config` only parses the file; this connects. For every backend: can we reach it,
 is its certificate trusted, does it take our credentials, does the default template
-exist and is it a template, do the default storage and network exist, and does the
-account hold the privileges the deploy steps need (where the backend can say:
-`ChecksPrivileges`). One result per check, each a problem with its fix or ok, so an
-operator sees everything wrong at once instead of one job failure at a time.
+exist and is it a template, do the default storage and network exist, can each
+subnet's segment there take a NIC (the bridge exists on every node and is VLAN-aware
+for a tag, the portgroup exists, is no uplink and reaches the hosts: `ChecksSegments`),
+and does the account hold the privileges the deploy steps need, on those segments too
+(where the backend can say: `ChecksPrivileges`). One result per check, each a problem
+with its fix or ok, so an operator sees everything wrong at once instead of one job
+failure at a time.
 """
 
 from __future__ import annotations
@@ -15,8 +18,8 @@ import os
 from dataclasses import dataclass
 
 from backends import advice
-from backends.abilities import ChecksPrivileges
-from backends.base import Backend
+from backends.abilities import ChecksPrivileges, ChecksSegments
+from backends.base import Backend, Segment
 from backends.ipam import open_ipam
 from bot.app.runtime import make_backend
 from bot.config.settings import Settings
@@ -40,8 +43,11 @@ async def run_checks(settings: Settings) -> list[CheckResult]:
         except UserError as exc:  # a missing secret, an unreadable CA bundle
             results.append(CheckResult(f"{config.name}: set-up", False, exc.message))
             continue
+        segments = [(str(s.cidr), s.segment(config.name)) for s in settings.subnets]
         try:
-            results += await check_backend(config.name, backend, settings.defaults.template)
+            results += await check_backend(
+                config.name, backend, settings.defaults.template, segments
+            )
         finally:
             await backend.close()
     # Overlapping or duplicate subnets stop the configuration from loading at all.
@@ -73,9 +79,16 @@ async def check_ipam(settings: Settings) -> list[CheckResult]:
     return [CheckResult("ipam", False, problem) for problem in problems]
 
 
-async def check_backend(name: str, backend: Backend, template: str) -> list[CheckResult]:
+async def check_backend(
+    name: str,
+    backend: Backend,
+    template: str,
+    segments: list[tuple[str, Segment | None]] | None = None,
+) -> list[CheckResult]:
     """The checks of one backend; the first refusal of the connection ends them (the
-    rest would only repeat it)."""
+    rest would only repeat it). `segments`: each subnet (its CIDR) and its segment on
+    this backend (None: it has none there)."""
+    segments = segments or []
     try:
         await backend.placements()
     except BackendError as exc:
@@ -89,7 +102,9 @@ async def check_backend(name: str, backend: Backend, template: str) -> list[Chec
     try:
         results.append(await _template(name, backend, template))
         results += await _placement(name, backend)
-        results += await _privileges(name, backend, template)
+        results += await _segments(name, backend, segments)
+        wanted = list(dict.fromkeys(s for _c, s in segments if s is not None))
+        results += await _privileges(name, backend, template, wanted)
     except BackendError as exc:
         results.append(CheckResult(f"{name}: inventory", False, exc.message))
     return results
@@ -141,11 +156,54 @@ def _exists(name: str, what: str, wanted: str, there: list[str]) -> CheckResult:
     )
 
 
-async def _privileges(name: str, backend: Backend, template: str) -> list[CheckResult]:
+async def _segments(
+    name: str, backend: Backend, segments: list[tuple[str, Segment | None]]
+) -> list[CheckResult]:
+    """One line per subnet: where its VMs' NICs go on this backend, and whether they can."""
+    if not any(s for _c, s in segments):
+        if len(segments) < 2:
+            return []
+        where = backend.default_network or "the template's own network"
+        return [
+            CheckResult(
+                f"{name}: segments",
+                False,
+                f"no subnet has a segment here: the NICs of all {len(segments)} subnets' "
+                f"VMs go on {where}",
+                f"add [subnets.segments.{name}] to each subnet, saying where its VMs go",
+            )
+        ]
+    results = []
+    for cidr, segment in segments:
+        if segment is None:
+            results.append(
+                CheckResult(
+                    f"{name}: subnet {cidr}",
+                    False,
+                    "no segment here, while other subnets have one: its requests are refused",
+                    f"add [subnets.segments.{name}] to the subnet {cidr}",
+                )
+            )
+            continue
+        check = f"{name}: subnet {cidr} on {segment}"
+        if not isinstance(backend, ChecksSegments):
+            results.append(CheckResult(check, True, "configured (this backend cannot check it)"))
+            continue
+        problems = await backend.segment_problems(segment)
+        if not problems:
+            tagged = ", VLAN-aware" if segment.vlan is not None else ""
+            results.append(CheckResult(check, True, f"exists{tagged}"))
+        results += [CheckResult(check, False, problem) for problem in problems]
+    return results
+
+
+async def _privileges(
+    name: str, backend: Backend, template: str, segments: list[Segment]
+) -> list[CheckResult]:
     if not isinstance(backend, ChecksPrivileges):
         return []
     try:
-        lacking = await backend.missing_privileges(template)
+        lacking = await backend.missing_privileges(template, segments)
     except BackendError as exc:  # a check that could not run is no "ok"
         if exc.retryable:
             raise  # the backend stopped answering: the inventory line says so

@@ -44,10 +44,12 @@ from backends.base import (
     IdTaken,
     PermanentError,
     RetryableError,
+    Segment,
     VMRef,
 )
 from backends.sshcheck import fingerprint, new_host_key
 from bot.addresses.allocation import Addressing, named
+from bot.addresses.subnets import request_segment
 from bot.config.settings import Settings
 from bot.jobs import logfields
 from bot.jobs import progress as tell
@@ -199,13 +201,13 @@ class Pipeline:
         return f"{free} (not asked: {', '.join(unasked)})" if unasked else free
 
     async def _clone_detail(self, run: Run) -> str:
-        spec, backend = _clone_spec(run.job), run.backend
+        spec, backend = _clone_spec(run.job, self._segment(run.job, "clone")), run.backend
         t = self.timeouts.check_free_s
         mode = await self.engine.call(run, "clone", t, lambda: backend.clone_mode(spec))
         return f"{run.job.request.template}, {mode.reason}"
 
     async def _clone(self, run: Run) -> str:
-        spec, backend = _clone_spec(run.job), run.backend
+        spec, backend = _clone_spec(run.job, self._segment(run.job, "clone")), run.backend
         if run.ref is None:
             ref = await backend.prepare_clone(spec)
             # Write-ahead: the id is stored and its undo pushed before anything exists.
@@ -234,6 +236,18 @@ class Pipeline:
         where = f"VM {ref.vm_id} on {ref.placement or run.job.backend}"
         return f"{where}; {note}" if note else where
 
+    def _segment(self, job: Job, step: str) -> Segment | None:
+        """Where its subnet puts the job's NIC on its backend, as the configuration says
+        now (None: the backend's own network); refused as at the request when the subnet
+        lost its segment there since (bot/addresses/subnets.segment_on)."""
+        req = job.request
+        found = request_segment(
+            self.settings.subnets, req.subnet, req.address.ip, job.backend, req.network
+        )
+        if isinstance(found, str):
+            raise StepFailed(step, found)
+        return found
+
     def _destroy(self, run: Run) -> Undo:
         ref, backend = self._ref(run), run.backend
         if not isinstance(backend, ChoosesHostKeys):
@@ -260,7 +274,7 @@ class Pipeline:
         return f"{req.user}@{req.address}, {req.cores} cores, {req.memory_mib} MiB"
 
     async def _identity(self, run: Run) -> str | None:
-        identity = identity_of(run.job.request)
+        identity = identity_of(run.job.request, self._segment(run.job, "identity"))
         if isinstance(run.backend, ChoosesHostKeys):
             # Its public half is recorded before the hypervisor gets the pair (the SSH
             # check of a job resumed after a restart requires it); the private half is
@@ -490,7 +504,7 @@ def _took(job: Job) -> str:
     return f"{(job.finished_at - job.started_at).total_seconds():.1f} s"
 
 
-def _clone_spec(job: Job) -> CloneSpec:
+def _clone_spec(job: Job, segment: Segment | None) -> CloneSpec:
     req = job.request
     return CloneSpec(
         job.id,
@@ -499,7 +513,8 @@ def _clone_spec(job: Job) -> CloneSpec:
         req.placement,
         req.storage,
         req.network,
-        identity=identity_of(req),
+        segment=segment,
+        identity=identity_of(req, segment),
         installation=job.installation,
     )
 
