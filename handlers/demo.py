@@ -2,8 +2,9 @@
 
 Alice asks for web01 and is told to save her SSH key first; she does and asks again,
 Bob approves, the thread shows every step and ends with the SSH
-line. Then the simulator is told to fail the next power-on: Alice's second deploy fails,
-(asked without an address, it gets the next free one) is rolled back, and the
+line. Then the simulator is told to fail the next power-on: Alice's second deploy, into
+a second subnet (asked without an address, it gets the next free one of `lab20`, whose
+VMs go on another segment: bridge vmbr1, VLAN 20), fails, is rolled back, and the
 thread says what was removed. It uses the bundled configuration
 with an approval rule, whatever deploybot.toml says, so it runs the same everywhere.
 """
@@ -21,6 +22,29 @@ from bot.config.settings import BUNDLED_CONFIG, load_settings
 from bot.models import JobState
 from handlers.terminal import Shell, TerminalThread
 
+# The bundled subnet and a second one on another segment of the simulator: each
+# subnet says where its VMs' NICs go (docs/networks.md).
+DEMO_SUBNETS = [
+    {
+        "name": "lab",
+        "cidr": "10.0.0.0/24",
+        "gateway": "10.0.0.1",
+        "dns": ["10.0.0.2", "10.0.0.3"],
+        "search_domain": "lab.example",
+        "pool": "10.0.0.100-10.0.0.199",
+        "segments": {"sim": {"bridge": "vmbr0"}},
+    },
+    {
+        "name": "lab20",
+        "cidr": "10.0.20.0/24",
+        "gateway": "10.0.20.1",
+        "dns": ["10.0.0.2", "10.0.0.3"],
+        "search_domain": "lab.example",
+        "pool": "10.0.20.100-10.0.20.199",
+        "segments": {"sim": {"bridge": "vmbr1", "vlan": 20}},
+    },
+]
+
 # Alice's public key (a public key is no secret; nobody holds its private half).
 DEMO_KEY = (
     "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIHb2vLw3m3tqB7m4m1Lr2x9n0l3r3x8uGk2ycJ0b1Fq8 alice@laptop"
@@ -35,6 +59,7 @@ async def run_demo(time_scale: float = 1.0, out: TextIO | None = None) -> int:
             database=str(Path(tmp) / "demo.db"),
             log_file=str(Path(tmp) / "demo.log"),
             approval={"approvers": ["bob"], "always": True},
+            subnets=DEMO_SUBNETS,
         )
         sim = SimBackend("sim", time_scale=time_scale)
         thread = TerminalThread(out)
@@ -58,8 +83,8 @@ async def run_demo(time_scale: float = 1.0, out: TextIO | None = None) -> int:
 
             out.write("\n# The simulator is told to fail the next power-on.\n\n")
             sim.inject("power_on", "error")
-            # No address: the next free one of the subnet's pool.
-            await say("alice", "/deploy web02 mem=4G disk=+10G")
+            # No address: the next free one of lab20's pool, on its own segment.
+            await say("alice", "/deploy web02 subnet=lab20 mem=4G disk=+10G")
             second = await latest_job_id()
             await say("bob", f"approve {second}")
             await deployer.drain()

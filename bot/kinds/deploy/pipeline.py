@@ -204,7 +204,8 @@ class Pipeline:
         spec, backend = _clone_spec(run.job, self._segment(run.job, "clone")), run.backend
         t = self.timeouts.check_free_s
         mode = await self.engine.call(run, "clone", t, lambda: backend.clone_mode(spec))
-        return f"{run.job.request.template}, {mode.reason}"
+        nic = f", NIC on {spec.segment}" if spec.segment is not None else ""
+        return f"{run.job.request.template}, {mode.reason}{nic}"
 
     async def _clone(self, run: Run) -> str:
         spec, backend = _clone_spec(run.job, self._segment(run.job, "clone")), run.backend

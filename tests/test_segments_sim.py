@@ -1,0 +1,96 @@
+"""The simulator's networks (issue 29): bridges (VLAN-aware or not), standard and
+distributed portgroups and uplinks per placement. A NIC it cannot plug in is refused
+before anything exists, and a deploy into a second subnet lands on that subnet's
+segment, as the demo shows."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+
+from backends.base import CloneSpec, PermanentError, Segment
+from backends.sim import SimBackend
+from backends.sim.vm import SimNetwork
+from bot.app.runtime import running_deployer
+from bot.models import JobState
+from bot.requests.grammar import parse
+from bot.requests.parsed import DeployArgs
+from handlers.demo import run_demo
+from tests.support.deployer import Recorder, make_settings
+
+NETWORKS = (
+    SimNetwork(name="vmbr0"),
+    SimNetwork(name="vmbr1", vlan_aware=True, placements=("node1",)),
+    SimNetwork(name="VM Network", kind="portgroup"),
+    SimNetwork(name="dvpg-20", kind="distributed"),
+    SimNetwork(name="DVS-uplinks", kind="uplink"),
+)
+
+
+@pytest.mark.parametrize(
+    ("segment", "placement", "said"),
+    [
+        (Segment("vmbr0", 20), "node1", "bridge vmbr0 on node1 of sim is not VLAN-aware"),
+        (Segment("vmbr1", 20), "node2", "network vmbr1 does not exist on node2 of sim (there: "
+         "vmbr0, VM Network, dvpg-20)"),
+        (Segment("vmbr9"), "node1", "network vmbr9 does not exist on node1"),
+        (Segment("DVS-uplinks"), "node1", "DVS-uplinks on sim is an uplink portgroup"),
+        (Segment("dvpg-20", 20), "node1", "portgroup dvpg-20 on node1 of sim is not VLAN-aware"),
+    ],
+)  # fmt: skip
+async def test_a_nic_the_placement_cannot_take_is_refused_before_anything_exists(
+    segment: Segment, placement: str, said: str
+) -> None:
+    sim = SimBackend("sim", time_scale=0.001, networks=NETWORKS)
+    with pytest.raises(PermanentError) as refused:
+        await sim.prepare_clone(
+            CloneSpec("jsim01", "web01", "ubuntu-24.04", placement, segment=segment)
+        )
+    assert said in refused.value.message
+    assert sim.vms == {}
+    assert said in " ".join(await sim.segment_problems(segment))
+
+
+async def test_what_it_can_take_is_offered_and_taken() -> None:
+    sim = SimBackend("sim", time_scale=0.001, networks=NETWORKS)
+    offered = {n.name: n.distributed for n in await sim.networks("node2")}
+    assert offered == {"vmbr0": False, "VM Network": False, "dvpg-20": True}
+    for segment in (Segment("vmbr1", 20), Segment("dvpg-20"), Segment("vmbr0")):
+        spec = CloneSpec("jsim02", "web02", "ubuntu-24.04", "node1", segment=segment)
+        await sim.prepare_clone(spec)
+    assert await sim.segment_problems(Segment("vmbr0")) == []
+
+
+async def test_a_deploy_lands_on_its_subnets_segment(tmp_path: Path) -> None:
+    subnets = [
+        {"cidr": "10.0.0.0/24", "gateway": "10.0.0.1", "segments": {"sim": {"bridge": "vmbr0"}}},
+        {
+            "name": "lab20",
+            "cidr": "10.0.20.0/24",
+            "gateway": "10.0.20.1",
+            "segments": {"sim": {"bridge": "vmbr1", "vlan": 20}},
+        },
+    ]
+    settings = make_settings(tmp_path, subnets=subnets)
+    sim = SimBackend("sim", time_scale=0.001)
+    recorder = Recorder()
+    async with running_deployer(settings, recorder, backends={"sim": sim}) as deployer:
+        for text in ("web01 10.0.0.50", "web02 subnet=lab20"):
+            args = parse(text)
+            assert isinstance(args, DeployArgs)
+            await deployer.request_deploy(args, "alice")
+        await deployer.drain()
+        jobs = {j.name: j for j in await deployer.history()}
+    assert {j.state for j in jobs.values()} == {JobState.SUCCEEDED}
+    placed = {vm.name: vm.identity.segment for vm in sim.vms.values() if vm.identity}
+    assert placed == {"web01": Segment("vmbr0"), "web02": Segment("vmbr1", 20)}
+    assert str(jobs["web02"].final_address).startswith("10.0.20.")
+
+
+async def test_the_demo_shows_a_second_subnet_on_another_segment() -> None:
+    out = io.StringIO()
+    assert await run_demo(time_scale=0.001, out=out) == 0
+    text = out.getvalue()
+    assert "NIC on vmbr0" in text and "NIC on vmbr1 VLAN 20" in text
