@@ -65,10 +65,13 @@ def test_a_segment_per_backend_is_read_into_its_value(tmp_path: Path) -> None:
         ),
         (
             {"pve2": {"bridge": "vmbr0"}},
-            "subnet 10.0.20.0/24: [subnets.segments.pve2] names no backend: use one of sim, pve, vc",
+            "subnet 10.0.20.0/24: [subnets.segments.pve2] names no backend: use one of "
+            "sim, pve, vc",
         ),
-        ({"pve": {"bridge": "vmbr0", "vlan": 4095}}, "vlan: Input should be less than or equal to 4094"),
-        ({"pve": {"bridge": "vmbr0", "vlan": 0}}, "vlan: Input should be greater than or equal to 1"),
+        ({"pve": {"bridge": "vmbr0", "vlan": 4095}}, "vlan: Input should be less than or equal "
+         "to 4094"),
+        ({"pve": {"bridge": "vmbr0", "vlan": 0}}, "vlan: Input should be greater than or equal "
+         "to 1"),
         ({"pve": {"vlan": 20}}, "give either bridge (Proxmox, with an optional vlan) or network"),
         ({"sim": {"bridge": "vmbr0", "network": "x"}}, "give either bridge"),
         (
