@@ -15,10 +15,12 @@ from backends.sim import SimBackend
 from backends.sim.vm import SimNetwork
 from bot.app.runtime import running_deployer
 from bot.models import JobState
+from bot.models.errors import RequestInvalid
 from bot.requests.grammar import parse
 from bot.requests.parsed import DeployArgs
 from handlers.demo import run_demo
 from tests.support.deployer import Recorder, make_settings
+from tests.support.slack.bot import block, open_form, slack_bot
 
 NETWORKS = (
     SimNetwork(name="vmbr0"),
@@ -94,3 +96,41 @@ async def test_the_demo_shows_a_second_subnet_on_another_segment() -> None:
     assert await run_demo(time_scale=0.001, out=out) == 0
     text = out.getvalue()
     assert "NIC on vmbr0" in text and "NIC on vmbr1 VLAN 20" in text
+
+
+TWO_SEGMENTS = [
+    {"cidr": "10.0.0.0/24", "gateway": "10.0.0.1", "segments": {"sim": {"bridge": "vmbr0"}}},
+    {
+        "cidr": "10.0.20.0/24",
+        "gateway": "10.0.20.1",
+        "segments": {"sim": {"bridge": "vmbr1", "vlan": 20}},
+    },
+]
+
+
+async def test_the_form_lists_each_subnet_with_its_segment_and_offers_no_network(
+    tmp_path: Path,
+) -> None:
+    async with slack_bot(tmp_path, subnets=TWO_SEGMENTS) as h:
+        view = h.fake.views[await open_form(h)]
+        hint = block(view, "address")["hint"]["text"]
+        assert hint.startswith("Inside 10.0.0.0/24, vmbr0; 10.0.20.0/24, vmbr1 VLAN 20, e.g.")
+        assert not [b for b in view["blocks"] if b.get("block_id", "").startswith("network")]
+
+
+async def test_a_segment_on_a_network_the_backend_lacks_is_refused_at_request_time(
+    tmp_path: Path,
+) -> None:
+    subnets = [{**TWO_SEGMENTS[0], "segments": {"sim": {"bridge": "vmbr7"}}}]
+    settings = make_settings(tmp_path, subnets=subnets)
+    sim = SimBackend("sim", time_scale=0.001)
+    async with running_deployer(settings, Recorder(), backends={"sim": sim}) as deployer:
+        args = parse("web01 10.0.0.50")
+        assert isinstance(args, DeployArgs)
+        with pytest.raises(RequestInvalid) as refused:
+            await deployer.request_deploy(args, "alice")
+        assert await deployer.history() == []
+    assert refused.value.message == (
+        "10.0.0.0/24 is on vmbr7 on sim, but vmbr7 is not a network there: ask an operator "
+        "to correct [subnets.segments.sim] (networks there: vmbr0, vmbr1)."
+    )

@@ -106,8 +106,8 @@ class SimNetwork(BaseModel):
 
     name: str = Field(min_length=1)
     kind: Literal["bridge", "portgroup", "distributed", "uplink"] = "bridge"
-    vlan_aware: bool = False
-    placements: tuple[str, ...] = ()
+    vlan_aware: bool = False  # a bridge that carries VLAN tags
+    placements: tuple[str, ...] = ()  # where it exists; empty: every placement
 
     def on(self, placement: str | None) -> bool:
         return not self.placements or placement is None or placement in self.placements
@@ -230,6 +230,7 @@ class Config(BackendConfig):
     # "agent": its guest agent reads the guests' host keys; "chosen": it installs the key
     # deploybot chose; "none": neither (the key is only seen over SSH).
     host_keys: HostKeyMode = "agent"
+    # Its networks per placement (issue 29): vmbr0, and vmbr1 VLAN-aware, by default.
     networks: tuple[SimNetwork, ...] = DEFAULT_NETWORKS
 
     @field_validator("faults")

@@ -40,10 +40,10 @@ class SegmentSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    bridge: str | None = Field(default=None, pattern=_BRIDGE)
-    vlan: int | None = Field(default=None, ge=1, le=4094)
-    firewall: bool = False
-    network: str | None = Field(default=None, min_length=1, max_length=80)
+    bridge: str | None = Field(default=None, pattern=_BRIDGE)  # Proxmox: the bridge or vnet
+    vlan: int | None = Field(default=None, ge=1, le=4094)  # Proxmox: the NIC's VLAN tag
+    firewall: bool = False  # Proxmox: the NIC's firewall switch
+    network: str | None = Field(default=None, min_length=1, max_length=80)  # vSphere: by name
 
     @model_validator(mode="after")
     def _one_place(self) -> SegmentSettings:
