@@ -5,6 +5,7 @@ segment, as the demo shows."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from bot.models.errors import RequestInvalid
 from bot.requests.grammar import parse
 from bot.requests.parsed import DeployArgs
 from handlers.demo import run_demo
+from tests.support.contract import IDENTITY
 from tests.support.deployer import Recorder, make_settings
 from tests.support.slack.bot import block, open_form, slack_bot
 
@@ -134,3 +136,21 @@ async def test_a_segment_on_a_network_the_backend_lacks_is_refused_at_request_ti
         "10.0.0.0/24 is on vmbr7 on sim, but vmbr7 is not a network there: ask an operator "
         "to correct [subnets.segments.sim] (networks there: vmbr0, vmbr1)."
     )
+
+
+async def test_the_segment_a_vm_was_given_outlives_the_process(tmp_path: Path) -> None:
+    """With a state file, what the hypervisor keeps of the identity keeps its segment."""
+    state = tmp_path / "sim.json"
+    first = SimBackend("sim", time_scale=0.001, state_file=state)
+    identity = dataclasses.replace(IDENTITY, segment=Segment("vmbr1", 20))
+    spec = CloneSpec("jsim03", "web03", "ubuntu-24.04", "node1", segment=identity.segment)
+    ref = await first.prepare_clone(spec)
+    await first.clone(spec, ref)
+    await first.apply_identity(ref, identity)
+    await first.close()
+    again = SimBackend("sim", time_scale=0.001, state_file=state)
+    try:
+        kept = again.vms[ref.vm_id].identity
+        assert kept is not None and kept.segment == Segment("vmbr1", 20)
+    finally:
+        await again.close()

@@ -328,8 +328,9 @@ class Inventory:
         if any(p["name"] == name and _uplink(p) for _o, p in every):
             raise PermanentError(
                 f"{name!r} on {self.name} is an uplink portgroup: it carries the hosts' "
-                "physical NICs, not VMs (vCenter would refuse the VM at power-on). Name a "
-                "VM portgroup of that switch in the subnet's [subnets.segments] network"
+                "physical NICs, not VMs (vCenter would refuse the VM at power-on): name a "
+                "VM portgroup of that switch instead (the subnet's [subnets.segments] "
+                "network, or the backend's network)"
             )
         match = [(obj, p) for obj, p in rows if p["name"] == name]
         if not match:
