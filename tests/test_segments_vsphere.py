@@ -21,6 +21,7 @@ from bot.operations.check import check_backend
 from tests.support.vsphere.simulator import (
     TEMPLATE,
     Simulated,
+    esxi_fixture,  # noqa: F401
     vcenter_fixture,  # noqa: F401
     vcsim_binary_fixture,  # noqa: F401
     vcsim_tls_fixture,  # noqa: F401
@@ -114,3 +115,19 @@ async def test_an_uplink_or_a_network_the_cluster_lacks_is_refused_and_checked(
     assert found["vcenter: subnet 10.0.20.0/24 on DC0_DVPG0"].ok
     bad = found[f"vcenter: subnet 10.0.30.0/24 on {uplink}"]
     assert not bad.ok and "is an uplink portgroup" in bad.detail
+
+
+async def test_a_standalone_esxi_puts_the_nic_on_the_subnets_network(esxi: Simulated) -> None:
+    """ESXi builds the VM itself (no CloneVM_Task): the segment reaches its NIC too, and a
+    network the host does not have is refused before anything is built."""
+    backend = esxi.sim.backend()
+    before = esxi.sim.vms()
+    try:
+        nic = nic_of(esxi, await clone_on(backend, "jseg005", Segment("VM Network")))
+        with pytest.raises(PermanentError, match="no network 'dvpg-20' on esxi"):
+            await clone_on(backend, "jseg006", Segment("dvpg-20"))
+    finally:
+        await backend.close()
+    assert isinstance(nic.backing, Card.NetworkBackingInfo)
+    assert nic.backing.deviceName == "VM Network"
+    assert len(esxi.sim.vms()) == len(before) + 1
