@@ -8,12 +8,16 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from backends.building import BuildsTemplates
+from backends.migrating import Scope
 from bot.app.cli import default_user, run
 from bot.app.runtime import make_backend, open_store, running_deployer, secret_problems
 from bot.config.settings import Settings
 from bot.kinds.build import retire
+from bot.migration import sources
+from bot.migration.plan import make_plan, write_plan
 from bot.models import JobState
 from bot.models.builds import BuildState
 from bot.models.errors import ConfigError
@@ -31,6 +35,7 @@ from handlers.messages.builds import (
 )
 from handlers.messages.core import secrets_missing
 from handlers.messages.destroys import destroy_answer
+from handlers.messages.migration import plan_json, plan_lines, unknown_backend
 from handlers.messages.reports import HISTORY_HEADER, history, history_line
 from handlers.messages.retire import retire_report
 from handlers.messages.slack import bad_command_name, check_lines, gc_report, gc_unknown_backends
@@ -272,6 +277,41 @@ async def _template_gc(args: argparse.Namespace, settings: Settings) -> int:
     return 1 if failed or report.unreachable else 0
 
 
+async def migrate(args: argparse.Namespace, settings: Settings) -> int:
+    """`migrate plan`: reads the source through its read-only session type and the
+    target's built templates; writes nothing but the plan file."""
+    configs = {c.name: c for c in settings.backends}
+    wanted = [("--to", args.target)] + ([("--from", args.source)] if args.source else [])
+    for option, name in wanted:
+        if name not in configs:
+            print(unknown_backend(option, name, sorted(configs)), file=sys.stderr)
+            return 2
+    if args.source:
+        source = sources.open_source(configs[args.source], os.environ)
+    else:
+        source = sources.ova_source(args.from_ova, settings.images.connect_timeout_s)
+    target = make_backend(configs[args.target])
+    try:
+        versions = await target.template_versions() if isinstance(target, BuildsTemplates) else []
+        plan = await make_plan(
+            source,
+            args.target,
+            versions,
+            settings.images.all_profiles(),
+            Scope(args.folder, args.name),
+        )
+    finally:
+        await source.close()
+        await target.close()
+    if args.out:
+        write_plan(plan, Path(args.out))
+    if args.json:
+        print(json.dumps(plan_json(plan), indent=2, sort_keys=True))
+    else:
+        print("\n".join(plan_lines(plan, args.out)))
+    return 0
+
+
 async def serve(args: argparse.Namespace, settings: Settings) -> int:
     from handlers.slack.serve import serve as serve_slack  # Bolt loads only when needed
 
@@ -304,6 +344,7 @@ COMMANDS = {
     "manifest": manifest,
     "gc": gc_command,
     "template": template,
+    "migrate": migrate,
 }
 
 

@@ -1,0 +1,127 @@
+"""The migration plan: every object of the source in scope with what it becomes, the
+count per category, and the digest of the source facts it was made from.
+
+The digest is the sha256 of a canonical JSON (sorted keys, no spaces, UTF-8) of the
+source's name, the scope and the facts read (`TemplateFacts`, sorted by id): an apply
+reads the same scope again and compares, so a source that changed since the plan is
+refused rather than acted on. The plan file holds the whole plan as JSON (0600: it
+names machines), which is what an apply reads back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from backends.building import TemplateVersion
+from backends.migrating import ReadOnlySource, Scope, TemplateFacts
+from bot.images.profiles import Profile
+from bot.migration.classify import Category, Finding, classify_template
+from bot.models import utcnow
+
+FORMAT = "deploybot-migration-plan/1"
+KINDS = ("template",)  # "vm" joins when VMs are classified
+
+
+@dataclass(frozen=True)
+class Plan:
+    source: str  # the backend's name, or the OVA's URL
+    target: str
+    scope: Scope
+    made_at: datetime
+    facts: tuple[TemplateFacts, ...]
+    findings: tuple[Finding, ...]
+    digest: str  # sha256:<hex> of the source facts (`source_digest`)
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        """Per kind, the number of objects in each category (every category named)."""
+        counts = {kind: dict.fromkeys((c.value for c in Category), 0) for kind in KINDS}
+        for finding in self.findings:
+            counts.setdefault(finding.kind, dict.fromkeys((c.value for c in Category), 0))
+            counts[finding.kind][finding.category.value] += 1
+        return counts
+
+    def document(self) -> dict[str, Any]:
+        """The plan as JSON data: what the plan file holds and `--json` prints."""
+        return {
+            "format": FORMAT,
+            "made_at": self.made_at.isoformat(),
+            "source": self.source,
+            "target": self.target,
+            "scope": asdict(self.scope),
+            "source_digest": self.digest,
+            "counts": self.counts(),
+            "findings": [_finding_json(f) for f in self.findings],
+            "facts": [f.as_json() for f in self.facts],
+        }
+
+
+def _finding_json(finding: Finding) -> dict[str, Any]:
+    data = asdict(finding)
+    data["notes"] = [{"kind": n.kind.value, "value": n.value} for n in finding.notes]
+    return {k: (v.value if hasattr(v, "value") else v) for k, v in data.items()}
+
+
+def canonical(data: Any) -> bytes:
+    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def source_digest(source: str, scope: Scope, facts: Sequence[TemplateFacts]) -> str:
+    ordered = sorted(facts, key=lambda f: (f.source_id, f.name))
+    data = {"source": source, "scope": asdict(scope), "facts": [f.as_json() for f in ordered]}
+    return "sha256:" + hashlib.sha256(canonical(data)).hexdigest()
+
+
+def classify(
+    source: str,
+    target: str,
+    scope: Scope,
+    facts: Sequence[TemplateFacts],
+    profiles: Mapping[str, Profile],
+    target_versions: Sequence[TemplateVersion],
+    made_at: datetime,
+) -> Plan:
+    """The plan of `facts` (pure: the reads happened before)."""
+    findings = tuple(classify_template(f, profiles, target_versions) for f in facts)
+    return Plan(
+        source,
+        target,
+        scope,
+        made_at,
+        tuple(facts),
+        findings,
+        source_digest(source, scope, facts),
+    )
+
+
+async def make_plan(
+    source: ReadOnlySource,
+    target_name: str,
+    target_versions: Sequence[TemplateVersion],
+    profiles: Mapping[str, Profile],
+    scope: Scope,
+    now: datetime | None = None,
+) -> Plan:
+    """Read the source (read-only) and classify what it holds. `target_versions`: the
+    templates deploybot built on the target (`BuildsTemplates.template_versions`)."""
+    facts = await source.template_facts(scope)
+    return classify(
+        source.name, target_name, scope, facts, profiles, target_versions, now or utcnow()
+    )
+
+
+def write_plan(plan: Plan, path: Path) -> None:
+    """The plan file, made 0600 before anything is written to it; replaced whole."""
+    temporary = path.with_name(f".{path.name}.tmp")
+    fd = os.open(temporary, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as out:
+        json.dump(plan.document(), out, indent=2, sort_keys=True, ensure_ascii=False)
+        out.write("\n")
+    os.chmod(temporary, 0o600)
+    os.replace(temporary, path)
