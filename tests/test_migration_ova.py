@@ -9,6 +9,7 @@ import dataclasses
 import io
 import json
 import os
+import socket
 import sys
 import tarfile
 from collections.abc import AsyncIterator
@@ -219,18 +220,8 @@ async def test_the_cli_plans_an_ova(served: Served, pve: FakePVE, tmp_path: Path
     config = tmp_path / "deploybot.toml"
     config.write_text(testing.config_text(pve, tmp_path, None))
     url = f"http://127.0.0.1:{served.port}/debian-12.ova"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DEPLOYBOT_")}
-    env.update(DEPLOYBOT_CONFIG=str(config), PVE_TOKEN_SECRET=pve.token_secret)
-    process = await asyncio.create_subprocess_exec(
-        str(Path(sys.executable).with_name("deploybot")),
-        *("migrate", "plan", "--from-ova", url, "--to", "pve", "--json"),
-        env=env,
-        cwd=tmp_path,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await process.communicate()
-    assert process.returncode == 0, err.decode()
+    code, out, err = await _plan(pve, config, tmp_path, "--from-ova", url, "--json")
+    assert code == 0, err
     document = json.loads(out)
     assert document["counts"]["template"] == {"rebuildable": 1, "on-target": 0, "not-mappable": 0}
     (finding,) = document["findings"]
@@ -238,3 +229,39 @@ async def test_the_cli_plans_an_ova(served: Served, pve: FakePVE, tmp_path: Path
         "rebuild from profile debian-12 (from guest id 'debian10_64Guest', name 'debian-12')"
     )
     assert served.ranges == [f"bytes=0-{HEAD_BYTES - 1}"]
+    # A source that does not answer, a plan file that cannot be written: said, exit
+    # code, no traceback, nothing written.
+    closed = _closed_port()
+    code, out, err = await _plan(
+        pve, config, tmp_path, "--from-ova", f"http://127.0.0.1:{closed}/x.ova"
+    )
+    assert code == 1 and f"migrate plan: http://127.0.0.1:{closed}/x.ova does not answer" in err
+    assert "Nothing was changed" in err and "Traceback" not in out + err
+    code, out, err = await _plan(
+        pve, config, tmp_path, "--from-ova", url, "--out", str(tmp_path / "no" / "plan.json")
+    )
+    assert code == 2 and "cannot write the plan there" in err and "Traceback" not in err
+    code, out, err = await _plan(pve, config, tmp_path, "--from-ova", "ftp://x/y.ova")
+    assert code == 2 and "give the http:// or https:// URL" in err
+
+
+def _closed_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+async def _plan(fake: FakePVE, config: Path, cwd: Path, *args: str) -> tuple[int, str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DEPLOYBOT_")}
+    env.update(DEPLOYBOT_CONFIG=str(config), PVE_TOKEN_SECRET=fake.token_secret)
+    process = await asyncio.create_subprocess_exec(
+        str(Path(sys.executable).with_name("deploybot")),
+        *("migrate", "plan", "--to", "pve", *args),
+        env=env,
+        cwd=cwd,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await process.communicate()
+    assert process.returncode is not None
+    return process.returncode, out.decode(), err.decode()

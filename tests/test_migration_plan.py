@@ -28,7 +28,7 @@ from backends.migrating import Scope
 from backends.proxmox.buildmarks import build_description, build_tags
 from backends.vsphere import buildmark
 from backends.vsphere.config import Config, endpoint_of
-from backends.vsphere.readonly import ReadOnlyStub, WriteRefused, create
+from backends.vsphere.readonly import ReadOnlyStub, ReadOnlyVSphere, WriteRefused, create
 from backends.vsphere.session import Session
 from bot.images.profiles import catalogue
 from bot.migration.classify import Category, MatchedBy, Missing, NoteKind
@@ -254,6 +254,12 @@ def _found(conn: Any, uuid: str) -> Any:
     vm = conn.find_vm(uuid)
     assert vm is not None
     return vm
+
+
+def test_the_read_only_type_has_no_method_that_changes_anything() -> None:
+    """Read-only by construction: what the type offers is reads (and its own close)."""
+    public = {name for name in dir(ReadOnlyVSphere) if not name.startswith("_")}
+    assert public == {"template_facts", "api_calls", "close"}
 
 
 async def test_the_read_only_stub_refuses_a_change_before_sending_it(

@@ -59,7 +59,7 @@ async def read_head(url: str, *, timeout_s: float = 30.0) -> OvaHead:
     try:
         async with (
             aiohttp.ClientSession(timeout=timeout) as http,
-            http.get(url, headers=headers, allow_redirects=False) as response,
+            http.get(url, headers=headers, max_redirects=5) as response,
         ):
             if response.status not in (200, 206):
                 raise PermanentError(

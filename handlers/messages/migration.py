@@ -104,5 +104,11 @@ def unknown_backend(option: str, name: str, known: list[str]) -> str:
     return f"{option} {name}: no such backend (configured: {', '.join(known) or 'none'})."
 
 
-def from_needed() -> str:
-    return "migrate plan: give the source, --from BACKEND or --from-ova URL (one of the two)."
+def plan_failed(problem: str) -> str:
+    return f"migrate plan: {problem}. Nothing was changed, and no plan was written."
+
+
+def plan_not_written(path: str, problem: str) -> str:
+    return (
+        f"--out {path}: cannot write the plan there ({problem}); give a path this user may write."
+    )
