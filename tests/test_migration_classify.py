@@ -67,7 +67,13 @@ def test_the_guest_os_needs_one_profile_to_fit() -> None:
         facts("d", "debian10_64Guest", "built 2024-12-01, ens192"), PROFILES, []
     )
     assert dated.missing is Missing.NO_VERSION
-    windows = classify_template(facts("w", "windows9Server64Guest"), PROFILES, [])
+    unsaid = classify_template(facts("golden", "otherGuest", "Rocky Linux 10"), PROFILES, [])
+    assert unsaid.profile == "rocky-10"
+    nothing = classify_template(facts("golden", "other3xLinux64Guest", "our base"), PROFILES, [])
+    assert nothing.missing is Missing.UNKNOWN_OS
+    windows = classify_template(
+        facts("w", "windows9Server64Guest", "debian-12 tools"), PROFILES, []
+    )
     assert windows.missing is Missing.UNKNOWN_OS
     assert reason(windows).startswith(
         "no build profile is for its guest OS (guest id windows9Server64Guest)"

@@ -256,6 +256,33 @@ def _found(conn: Any, uuid: str) -> Any:
     return vm
 
 
+async def test_a_standalone_esxi_host_is_read_the_same_way(
+    vcsim_binary: Path, vcsim_tls: TlsFiles, tmp_path: Path
+) -> None:
+    """ESXi (HostAgent) through the same proxy: its one template, and only reads."""
+    with simulator(vcsim_binary, vcsim_tls, tmp_path, esx=True) as esxi:
+        counting = SoapProxy(esxi.sim.port, esxi.sim.tls)
+        await counting.start()
+        try:
+            config = Config.model_validate(esxi.sim.config(port=counting.port))
+            source = create(config, {PASSWORD_ENV: PASSWORD})
+            try:
+                plan = await make_plan(source, "pve", [], PROFILES, Scope())
+            finally:
+                await source.close()
+        finally:
+            await counting.stop()
+    # Its guest id says no OS (vcsim's otherGuest): the name says which profile.
+    ((finding),) = plan.findings
+    assert (finding.name, finding.category, finding.profile) == (
+        "ubuntu-24.04",
+        Category.REBUILDABLE,
+        "ubuntu-24.04",
+    )
+    assert finding.evidence == "guest id 'otherGuest', name 'ubuntu-24.04'"
+    assert counting.mutations() == [] and set(counting.methods()) <= READ_METHODS
+
+
 def test_the_read_only_type_has_no_method_that_changes_anything() -> None:
     """Read-only by construction: what the type offers is reads (and its own close)."""
     public = {name for name in dir(ReadOnlyVSphere) if not name.startswith("_")}

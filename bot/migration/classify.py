@@ -8,8 +8,9 @@ from the build profile it was made from, which is found
 1. by its build mark (`deploybot-build profile=... version=...` in the annotation,
    backends/vsphere/buildmark.py): the profile it names, if this installation has it;
 2. else by its guest OS: the family of its guest id (debian, ubuntu, el) and a
-   version of that family's profiles written in the guest id, the name or the
-   annotation ("Debian 12", "rocky-9", rhel9_64Guest). Exactly one profile must fit.
+   release of that family's profiles written in the name or the annotation ("Debian
+   12", "rocky-9"), else in the guest id (rhel9_64Guest). A guest id that names no OS
+   (otherGuest) leaves it to the name and annotation. Exactly one profile must fit.
 
 A template whose profile the target already has (a template deploybot built there from
 it, read from the target's build marks) is `on-target`; one for which no profile fits
@@ -159,7 +160,10 @@ def _profile_of(facts: TemplateFacts, profiles: Mapping[str, Profile]) -> _Fit:
             return _Fit(name, MatchedBy.BUILD_MARK, "build mark")
         return _Fit(None, missing=Missing.UNKNOWN_PROFILE, detail=(name, *sorted(profiles)))
     family = os_family(facts.guest_id)
-    candidates = [p for p in profiles.values() if p.os_family == family]
+    # A guest id that names no OS (otherGuest, other3xLinux64Guest) leaves it to what
+    # people wrote; one that names an OS no profile has (windows) is answer enough.
+    unsaid = family == "other"
+    candidates = [p for p in profiles.values() if unsaid or p.os_family == family]
     if not candidates:
         families = sorted({p.os_family for p in profiles.values()})
         return _Fit(None, missing=Missing.UNKNOWN_OS, detail=(facts.guest_id, *families))
@@ -172,7 +176,7 @@ def _profile_of(facts: TemplateFacts, profiles: Mapping[str, Profile]) -> _Fit:
             if said and profile.name not in named:
                 named[profile.name] = f"{where} {said!r}"
     guessed = f"guest id {facts.guest_id!r}"
-    if not named:
+    if not named and not unsaid:
         release = GUEST_RELEASE.match(facts.guest_id.lower())
         if release is not None:
             named = {
@@ -183,6 +187,9 @@ def _profile_of(facts: TemplateFacts, profiles: Mapping[str, Profile]) -> _Fit:
         if evidence != guessed:
             evidence = f"{guessed}, {evidence}"
         return _Fit(name, MatchedBy.GUEST_OS, evidence)
+    if not named and unsaid:
+        families = sorted({p.os_family for p in profiles.values()})
+        return _Fit(None, missing=Missing.UNKNOWN_OS, detail=(facts.guest_id, *families))
     if not named:
         return _Fit(
             None,
