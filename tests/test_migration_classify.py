@@ -10,11 +10,13 @@ from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 
+import pytest
+
 from backends.building import TemplateVersion
 from backends.migrating import Scope, TemplateFacts, extra_facts
 from bot.images.profiles import catalogue
 from bot.migration.classify import Category, MatchedBy, Missing, NoteKind, classify_template
-from bot.migration.plan import classify, source_digest, write_plan
+from bot.migration.plan import PlanFileError, classify, read_plan, source_digest, write_plan
 from handlers.messages.migration import plan_json, plan_lines, reason
 
 PROFILES = catalogue()
@@ -160,3 +162,38 @@ def test_the_plan_file_and_the_table(tmp_path: Path) -> None:
     empty = classify("vc", "pve", Scope(), [], PROFILES, [], NOW)
     assert empty.counts() == {"template": {"rebuildable": 0, "on-target": 0, "not-mappable": 0}}
     assert "  No template in scope." in plan_lines(empty, None)
+
+
+def test_a_plan_file_reads_back_and_refuses_an_edit(tmp_path: Path) -> None:
+    mark = "deploybot-build name=r profile=rocky-9 version=2"
+    plan = classify(
+        "vc",
+        "pve",
+        Scope(name="*"),
+        [
+            facts("r", "rhel7_64Guest", mark, extra=(("guestinfo.a.datasource", "[VMware]"),)),
+            facts("u", "ubuntu64Guest", "Ubuntu 24.04, ens192", nics=("vmxnet3",)),
+            facts("w", "windows9Server64Guest"),
+        ],
+        PROFILES,
+        [version("ubuntu-24.04", 1, "ubuntu-24.04")],
+        NOW,
+    )
+    path = tmp_path / "plan.json"
+    write_plan(plan, path)
+    assert read_plan(path) == plan
+    data = json.loads(path.read_text())
+    data["facts"][0]["annotation"] = "deploybot-build name=r profile=alma-9 version=2"
+    path.write_text(json.dumps(data))
+    with pytest.raises(PlanFileError, match=r"do not match its digest.*make a new plan"):
+        read_plan(path)
+    path.write_text(json.dumps({**data, "format": "other/1"}))
+    with pytest.raises(PlanFileError, match="not a deploybot migration plan"):
+        read_plan(path)
+    path.write_text("{")
+    with pytest.raises(PlanFileError, match="cannot read it"):
+        read_plan(path)
+    del data["facts"][0]["nics"]
+    path.write_text(json.dumps(data))
+    with pytest.raises(PlanFileError, match="damaged"):
+        read_plan(path)

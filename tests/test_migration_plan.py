@@ -32,7 +32,7 @@ from backends.vsphere.readonly import ReadOnlyStub, ReadOnlyVSphere, WriteRefuse
 from backends.vsphere.session import Session
 from bot.images.profiles import catalogue
 from bot.migration.classify import Category, MatchedBy, Missing, NoteKind
-from bot.migration.plan import make_plan, source_digest
+from bot.migration.plan import make_plan, source_digest, source_unchanged
 from tests.support.fakepve import testing
 from tests.support.fakepve.server import FakePVE
 from tests.support.vsphere.simulator import (
@@ -259,7 +259,8 @@ def _found(conn: Any, uuid: str) -> Any:
 async def test_a_standalone_esxi_host_is_read_the_same_way(
     vcsim_binary: Path, vcsim_tls: TlsFiles, tmp_path: Path
 ) -> None:
-    """ESXi (HostAgent) through the same proxy: its one template, and only reads."""
+    """ESXi (HostAgent) through the same proxy: its one template, only reads, and a
+    source changed after the plan is noticed by reading it again."""
     with simulator(vcsim_binary, vcsim_tls, tmp_path, esx=True) as esxi:
         counting = SoapProxy(esxi.sim.port, esxi.sim.tls)
         await counting.start()
@@ -268,6 +269,15 @@ async def test_a_standalone_esxi_host_is_read_the_same_way(
             source = create(config, {PASSWORD_ENV: PASSWORD})
             try:
                 plan = await make_plan(source, "pve", [], PROFILES, Scope())
+                assert await source_unchanged(plan, source)
+                # An operator edits the template's notes: the source changed since.
+                (uuid,) = [u for u, n in esxi.sim.vms().items() if n == "ubuntu-24.04"]
+                template = esxi.sim.vm(uuid)
+                pool = esxi.sim.datacenter.hostFolder.childEntity[0]
+                template.MarkAsVirtualMachine(pool=pool.resourcePool, host=pool.host[0])
+                esxi.sim.set_annotation(uuid, "Ubuntu 24.04, edited")
+                template.MarkAsTemplate()
+                assert not await source_unchanged(plan, source)
             finally:
                 await source.close()
         finally:

@@ -4,8 +4,12 @@ count per category, and the digest of the source facts it was made from.
 The digest is the sha256 of a canonical JSON (sorted keys, no spaces, UTF-8) of the
 source's name, the scope and the facts read (`TemplateFacts`, sorted by id): an apply
 reads the same scope again and compares, so a source that changed since the plan is
-refused rather than acted on. The plan file holds the whole plan as JSON (0600: it
-names machines), which is what an apply reads back.
+refused rather than acted on (`source_unchanged`). The plan file holds the whole plan
+as JSON (0600: it names machines); `read_plan` reads it back and refuses one whose facts
+no longer hash to its digest (edited or damaged).
+
+VMs join as findings of kind "vm" with facts of their own, under the same digest and
+counts per kind (`KINDS`).
 """
 
 from __future__ import annotations
@@ -22,10 +26,26 @@ from typing import Any
 from backends.building import TemplateVersion
 from backends.migrating import ReadOnlySource, Scope, TemplateFacts
 from bot.images.profiles import Profile
-from bot.migration.classify import Category, Finding, classify_template
+from bot.migration.classify import (
+    Category,
+    Finding,
+    MatchedBy,
+    Missing,
+    Note,
+    NoteKind,
+    classify_template,
+)
 from bot.models import utcnow
+from bot.models.errors import UserError
 
 FORMAT = "deploybot-migration-plan/1"
+
+
+class PlanFileError(UserError):
+    """A plan file that cannot be used: unreadable, not a plan, or not what its digest
+    says (edited or damaged). The message says which and that a new plan is needed."""
+
+
 KINDS = ("template",)  # "vm" joins when VMs are classified
 
 
@@ -125,3 +145,75 @@ def write_plan(plan: Plan, path: Path) -> None:
         out.write("\n")
     os.chmod(temporary, 0o600)
     os.replace(temporary, path)
+
+
+def read_plan(path: Path) -> Plan:
+    """The plan a file holds, whose facts must still hash to its digest: a plan edited
+    or damaged since it was written is refused, as a source that changed would be."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise PlanFileError(f"plan file {path}: cannot read it ({exc})") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise PlanFileError(f"plan file {path}: not a deploybot migration plan ({FORMAT})")
+    try:
+        plan = _from_document(data)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise PlanFileError(f"plan file {path}: damaged ({exc!r}); make a new plan") from None
+    if source_digest(plan.source, plan.scope, plan.facts) != plan.digest:
+        raise PlanFileError(
+            f"plan file {path}: its facts do not match its digest (edited or damaged); "
+            "make a new plan"
+        )
+    return plan
+
+
+async def source_unchanged(plan: Plan, source: ReadOnlySource) -> bool:
+    """Whether `source` (opened again, read-only) still holds what the plan read: the
+    same scope read again gives the same digest."""
+    facts = await source.template_facts(plan.scope)
+    return source_digest(plan.source, plan.scope, facts) == plan.digest
+
+
+def _from_document(data: dict[str, Any]) -> Plan:
+    facts = tuple(
+        TemplateFacts(
+            source_id=str(f["source_id"]),
+            name=str(f["name"]),
+            guest_id=str(f["guest_id"]),
+            annotation=str(f["annotation"]),
+            extra=tuple(sorted((str(k), str(v)) for k, v in dict(f["extra"]).items())),
+            nics=tuple(str(n) for n in f["nics"]),
+            disk_controllers=tuple(str(c) for c in f["disk_controllers"]),
+            hardware_version=str(f["hardware_version"]),
+        )
+        for f in data["facts"]
+    )
+    scope = data["scope"]
+    return Plan(
+        source=str(data["source"]),
+        target=str(data["target"]),
+        scope=Scope(folder=scope.get("folder"), name=scope.get("name")),
+        made_at=datetime.fromisoformat(data["made_at"]),
+        facts=facts,
+        findings=tuple(_finding(f) for f in data["findings"]),
+        digest=str(data["source_digest"]),
+    )
+
+
+def _finding(f: dict[str, Any]) -> Finding:
+    matched, missing = f.get("matched_by"), f.get("missing")
+    return Finding(
+        kind=str(f["kind"]),
+        source_id=str(f["source_id"]),
+        name=str(f["name"]),
+        category=Category(f["category"]),
+        profile=f.get("profile"),
+        matched_by=MatchedBy(matched) if matched else None,
+        evidence=str(f.get("evidence", "")),
+        target_name=f.get("target_name"),
+        target_version=f.get("target_version"),
+        missing=Missing(missing) if missing else None,
+        detail=tuple(str(d) for d in f.get("detail", ())),
+        notes=tuple(Note(NoteKind(n["kind"]), str(n["value"])) for n in f.get("notes", ())),
+    )
