@@ -9,7 +9,7 @@ as JSON (0600: it names machines); `read_plan` reads it back and refuses one who
 no longer hash to its digest (edited or damaged).
 
 VMs join as findings of kind "vm" with facts of their own, under the same digest and
-counts per kind (`KINDS`).
+counts per kind (`CATEGORIES`).
 """
 
 from __future__ import annotations
@@ -46,7 +46,11 @@ class PlanFileError(UserError):
     says (edited or damaged). The message says which and that a new plan is needed."""
 
 
-KINDS = ("template",)  # "vm" joins when VMs are classified
+# The categories of each kind of finding, in the order they are shown; "vm" joins with
+# its own (what travels, what needs a decision) when VMs are classified.
+CATEGORIES: dict[str, tuple[Category, ...]] = {
+    "template": (Category.REBUILDABLE, Category.ON_TARGET, Category.NOT_MAPPABLE),
+}
 
 
 @dataclass(frozen=True)
@@ -61,9 +65,8 @@ class Plan:
 
     def counts(self) -> dict[str, dict[str, int]]:
         """Per kind, the number of objects in each category (every category named)."""
-        counts = {kind: dict.fromkeys((c.value for c in Category), 0) for kind in KINDS}
+        counts = {kind: {c.value: 0 for c in shown} for kind, shown in CATEGORIES.items()}
         for finding in self.findings:
-            counts.setdefault(finding.kind, dict.fromkeys((c.value for c in Category), 0))
             counts[finding.kind][finding.category.value] += 1
         return counts
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from bot.migration.classify import Category, Finding, MatchedBy, Missing, Note, NoteKind
-from bot.migration.plan import Plan
+from bot.migration.plan import CATEGORIES, Plan
 
 CATEGORY_WORDS = {
     Category.REBUILDABLE: "rebuild",
@@ -69,7 +69,9 @@ def plan_lines(plan: Plan, written_to: str | None) -> list[str]:
     ]
     if not plan.findings:
         lines.append("  No template in scope.")
-    for finding in sorted(plan.findings, key=lambda f: (list(Category).index(f.category), f.name)):
+    for finding in sorted(
+        plan.findings, key=lambda f: (CATEGORIES[f.kind].index(f.category), f.name)
+    ):
         lines.append(
             f"  {finding.name:<24} {CATEGORY_WORDS[finding.category]:<13} {reason(finding)}"
         )
@@ -87,7 +89,7 @@ def plan_lines(plan: Plan, written_to: str | None) -> list[str]:
 
 def count_line(plan: Plan) -> str:
     counts = plan.counts()["template"]
-    parts = [f"{counts[c.value]} {CATEGORY_WORDS[c]}" for c in Category]
+    parts = [f"{counts[c.value]} {CATEGORY_WORDS[c]}" for c in CATEGORIES["template"]]
     return f"Templates: {sum(counts.values())} in scope: {', '.join(parts)}."
 
 
