@@ -159,6 +159,7 @@ def test_the_plan_file_and_the_table(tmp_path: Path) -> None:
     assert lines[0] == "Migration plan (dry run, nothing changed): vc -> pve (folder golden)"
     assert "Templates: 2 in scope: 1 rebuild, 0 on target, 1 not mappable." in lines
     assert lines[-1].startswith("Not written: add --out FILE")
+    assert "Target pve: no template deploybot built." in lines
     empty = classify("vc", "pve", Scope(), [], PROFILES, [], NOW)
     assert empty.counts() == {"template": {"rebuildable": 0, "on-target": 0, "not-mappable": 0}}
     assert "  No template in scope." in plan_lines(empty, None)

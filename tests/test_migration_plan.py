@@ -384,6 +384,7 @@ async def test_the_cli_prints_the_table_and_writes_the_plan_file(
     )  # fmt: skip
     assert code == 0, text
     assert "Templates: 7 in scope: 3 rebuild, 1 on target, 3 not mappable." in text
+    assert "Target pve: 1 template(s) deploybot built: debian-12 (debian-12 v1)." in text
     assert "el-base" in text and "cloud-init datasource pinned" in text
     assert stat.S_IMODE(out.stat().st_mode) == 0o600
     document = json.loads(out.read_text())

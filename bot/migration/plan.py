@@ -62,6 +62,9 @@ class Plan:
     facts: tuple[TemplateFacts, ...]
     findings: tuple[Finding, ...]
     digest: str  # sha256:<hex> of the source facts (`source_digest`)
+    # The target's current templates deploybot built: (name, profile, build version).
+    # Shown beside the source's counts; not a fact of the source, so not digested.
+    target_templates: tuple[tuple[str, str, int], ...] = ()
 
     def counts(self) -> dict[str, dict[str, int]]:
         """Per kind, the number of objects in each category (every category named)."""
@@ -82,6 +85,7 @@ class Plan:
             "counts": self.counts(),
             "findings": [_finding_json(f) for f in self.findings],
             "facts": [f.as_json() for f in self.facts],
+            "target_templates": [list(t) for t in self.target_templates],
         }
 
 
@@ -120,6 +124,7 @@ def classify(
         tuple(facts),
         findings,
         source_digest(source, scope, facts),
+        tuple(sorted((v.name, v.profile, v.version) for v in target_versions if v.current)),
     )
 
 
@@ -201,6 +206,9 @@ def _from_document(data: dict[str, Any]) -> Plan:
         facts=facts,
         findings=tuple(_finding(f) for f in data["findings"]),
         digest=str(data["source_digest"]),
+        target_templates=tuple(
+            (str(n), str(p), int(v)) for n, p, v in data.get("target_templates", ())
+        ),
     )
 
 

@@ -79,6 +79,7 @@ def plan_lines(plan: Plan, written_to: str | None) -> list[str]:
             f"  {'':<24} {'':<13}   not imported as is: {note_text(n)}" for n in finding.notes
         ]
     lines.append(count_line(plan))
+    lines.append(target_line(plan))
     lines.append(f"Source digest {plan.digest}.")
     if written_to:
         lines.append(f"Plan written to {written_to}.")
@@ -91,6 +92,14 @@ def count_line(plan: Plan) -> str:
     counts = plan.counts()["template"]
     parts = [f"{counts[c.value]} {CATEGORY_WORDS[c]}" for c in CATEGORIES["template"]]
     return f"Templates: {sum(counts.values())} in scope: {', '.join(parts)}."
+
+
+def target_line(plan: Plan) -> str:
+    built = plan.target_templates
+    if not built:
+        return f"Target {plan.target}: no template deploybot built."
+    names = ", ".join(f"{name} ({profile} v{version})" for name, profile, version in built)
+    return f"Target {plan.target}: {len(built)} template(s) deploybot built: {names}."
 
 
 def plan_json(plan: Plan) -> dict[str, Any]:
