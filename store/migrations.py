@@ -370,8 +370,22 @@ def _v16(db: Database) -> None:
     db.execute(HOST_KEY_SOURCE_COLUMN)
 
 
+# Migration plans made from chat, kept until applied by id (bot/migration/, schema v17),
+# spelled once for both databases.
+MIGRATION_PLANS_TABLE = (
+    "CREATE TABLE migration_plans (id TEXT PRIMARY KEY, digest TEXT NOT NULL, "
+    "document TEXT NOT NULL, created_at TEXT NOT NULL, created_by TEXT NOT NULL)"
+)
+
+
+def _v17(db: Database) -> None:
+    """Migration plans kept in the store (issue 30): chat has no plan file."""
+    db.execute(MIGRATION_PLANS_TABLE)
+
+
 MIGRATIONS: list[Callable[[Database], None]] = [
-    _v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9, _v10, _v11, _v12, _v13, _v14, _v15, _v16
+    _v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9, _v10, _v11, _v12, _v13, _v14, _v15, _v16,
+    _v17,
 ]  # fmt: skip
 SCHEMA_VERSION = len(MIGRATIONS)
 

@@ -33,6 +33,7 @@ from bot.kinds.deploy.destroy import Destroyer
 from bot.kinds.deploy.kind import DeployKind
 from bot.kinds.deploy.pipeline import Pipeline
 from bot.leases.enforce import Leases
+from bot.migration.service import Migrations
 from bot.models import Job, utcnow
 from bot.models.errors import BackendError, ConfigError
 from bot.operations.metrics import Metrics
@@ -161,6 +162,7 @@ def compose(
         leases=leases,
         intake=intake,
         builds=builds,
+        migrations=Migrations(settings, store, backends, builds, approvals, os.environ, clock),
         audit_log=Audit(store),
         queries=queries,
         personal=Personal(store, queries.templates),

@@ -201,3 +201,11 @@ class MetricsSettings(_Section):
     listener of its own when `listen` ("127.0.0.1:9464") is set."""
 
     listen: str | None = None
+
+
+class MigrationSettings(_Section):
+    """`deploybot migrate` (bot/migration/): how old a plan may be when it is applied.
+    An apply also reads the source again and refuses a plan whose source changed; the
+    window bounds what a plan can miss besides (the target, the profiles)."""
+
+    plan_valid_s: float = Field(default=3600.0, gt=0)

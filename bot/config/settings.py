@@ -29,6 +29,7 @@ from bot.config.sections import (
     Defaults,
     Limits,
     MetricsSettings,
+    MigrationSettings,
     OwnershipSettings,
     Recovery,
     SlackSettings,
@@ -126,6 +127,7 @@ class Settings(BaseSettings):
     quotas: QuotaSettings = QuotaSettings()  # bot/requests/quotas.py
     leases: LeaseSettings = LeaseSettings()
     images: ImagesSettings = ImagesSettings()  # bot/images/: template build profiles
+    migration: MigrationSettings = MigrationSettings()  # bot/migration/: `migrate apply`
 
     @field_validator("database", mode="before")
     @classmethod

@@ -24,6 +24,7 @@ from store.migrations import (
     HOST_KEY_SOURCE_COLUMN,
     KIND_COLUMN,
     LEASE_COLUMNS,
+    MIGRATION_PLANS_TABLE,
     SCHEMA_VERSION,
     newer_schema,
 )
@@ -149,10 +150,12 @@ _V15 = [KIND_COLUMN]
 
 _V16 = [HOST_KEY_SOURCE_COLUMN]
 
+_V17 = [MIGRATION_PLANS_TABLE]
+
 # version -> the statements that bring the schema from the version before to it.
 STEPS: dict[int, list[str]] = {
     6: _V6, 7: _V7, 8: _V8, 9: _V9, 10: _V10, 11: _V11, 12: _V12, 13: _V13, 14: _V14,
-    15: _V15, 16: _V16,
+    15: _V15, 16: _V16, 17: _V17,
 }  # fmt: skip
 
 # What a constraint protects, as SQLite names it in its errors (store/sql.ConstraintViolation).
@@ -165,6 +168,7 @@ CONSTRAINTS = {
     "builds_pkey": "builds.id",
     "builds_active": "builds.backend, builds.name",
     "builds_version": "builds.backend, builds.name, builds.version",
+    "migration_plans_pkey": "migration_plans.id",
 }
 
 
