@@ -84,6 +84,7 @@ class Who(enum.Enum):
     ANYONE = "anyone"
     DEPLOYERS = "deployers"  # everyone unless approval.deployers names them
     APPROVERS = "approvers"  # never on their own request
+    APPROVERS_ONLY = "approvers only"  # what an approver asks for (a migration)
     REQUESTER_OR_APPROVERS = "requester or approvers"
     OWNER_APPROVERS_DESTROYERS = "owner, approvers or destroyers"
 
@@ -381,8 +382,8 @@ COMMANDS = Registry(
         Spec(ExtendLease, "lease extend", Who.REQUESTER_OR_APPROVERS, _extend),
         Spec(BuildTemplate, "template build", Who.DEPLOYERS, _build),
         Spec(TemplateProfiles, "template profiles", ANYONE, _profiles, table=True),
-        Spec(MigratePlan, "migrate plan", Who.APPROVERS, _migrate_plan, table=True),
-        Spec(MigrateApply, "migrate apply", Who.APPROVERS, _migrate_apply, table=True),
+        Spec(MigratePlan, "migrate plan", Who.APPROVERS_ONLY, _migrate_plan, table=True),
+        Spec(MigrateApply, "migrate apply", Who.APPROVERS_ONLY, _migrate_apply, table=True),
     ]
 )
 

@@ -18,7 +18,6 @@ from bot.app.runtime import make_backend, open_store, running_deployer, secret_p
 from bot.config.settings import Settings
 from bot.kinds.build import retire
 from bot.migration import sources
-from bot.migration.apply import wait
 from bot.migration.plan import Plan, make_plan, write_plan
 from bot.migration.service import keep_plan, load_plan
 from bot.models import JobState
@@ -373,7 +372,7 @@ async def _migrate_apply(args: argparse.Namespace, settings: Settings) -> int:
             await deployer.drain()
             await deployer.builds.expire()  # no serving process may be there to do it
 
-        applied = await wait(applied, deployer.store.builds.get, settle, changed, POLL_S)
+        applied = await migrations.wait(applied, settle, changed, POLL_S)
         outcome = await migrations.outcome(applied)
     print("\n".join(applied_lines(outcome, ends=True)))
     return 1 if outcome.missing() else 0

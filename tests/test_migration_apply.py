@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import sys
 from collections.abc import AsyncIterator, Iterator
 from datetime import timedelta
@@ -33,6 +34,8 @@ from bot.models import utcnow
 from bot.models.builds import BuildState
 from handlers.messages.migration import applied_lines
 from tests.support.deployer import SIM_SCALE, make_settings
+from tests.support.slack.bot import ALICE, BOB, slack_bot
+from tests.support.slack.fake_api import Call
 from tests.support.vsphere.migration import GOLDEN, apply_inventory, edit_notes
 from tests.support.vsphere.simulator import (
     PASSWORD,
@@ -321,3 +324,55 @@ async def deploybot(config: Path, cwd: Path, *args: str) -> tuple[int, str]:
     stdout, stderr = await process.communicate()
     assert process.returncode is not None
     return process.returncode, stdout.decode() + stderr.decode()
+
+
+async def test_slack_plans_and_applies_by_id_for_approvers_only(
+    lab: Simulated, proxy: SoapProxy, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`/deploy migrate plan` keeps the plan and answers a compact table with its id;
+    `/deploy migrate apply ID` starts the builds; both refuse a non-approver; applied
+    again, nothing starts twice and the end is counted."""
+    monkeypatch.setenv(PASSWORD_ENV, PASSWORD)
+    backends = [
+        {"kind": "sim", "name": "sim", "time_scale": SIM_SCALE},
+        lab.sim.config(port=proxy.port),
+    ]
+    async with slack_bot(tmp_path, backends=backends) as h:
+
+        async def ask(text: str, user: str) -> Call:
+            await h.command(text, user=user)
+            await h.settle()
+            return h.fake.called("chat.postEphemeral", user=user)[-1]
+
+        plan_text = "migrate plan --from vcenter --to sim folder=golden"
+        refused = await ask(plan_text, ALICE)
+        assert "Only approvers plan and apply migrations" in refused.text
+        answer = await ask(plan_text, BOB)
+        assert answer.args["blocks"][0]["text"]["text"].startswith("```")
+        assert "Templates: 5 in scope: 4 rebuild, 0 on target, 1 not mappable." in answer.text
+        assert "alma-base" in answer.text and "not mappable" in answer.text
+        found = re.search(r"Migration plan (m[a-z0-9]{9}) \(dry run", answer.text)
+        assert found, answer.text
+        plan_id = found.group(1)
+        assert f"/deploy migrate apply {plan_id}" in answer.text
+
+        refused = await ask(f"migrate apply {plan_id}", ALICE)
+        assert "Only approvers" in refused.text
+        assert await h.deployer.store.builds.recent() == []
+        started = await ask(f"migrate apply {plan_id}", BOB)
+        assert started.text.count("build started") == 3, started.text
+        assert "Source templates: 5 in scope" in started.text
+        await h.deployer.drain()
+        await h.settle()
+        builds = await h.deployer.store.builds.recent()
+        assert sorted(b.state for b in builds) == [BuildState.PUBLISHED] * 3
+        assert {b.requester for b in builds} == {BOB}
+        again = await ask(f"migrate apply {plan_id}", BOB)
+        assert again.text.count("not again") == 3 and "build started" not in again.text
+        assert "Target sim after the apply: 3 of the 3 profile(s)" in again.text
+        assert "win2019: no build profile is for its guest OS" in again.text
+        missing = await ask("migrate apply mnotaplan2", BOB)
+        assert "There is no migration plan mnotaplan2" in missing.text
+        audit = [(e.actor, e.action, e.outcome) for e in await h.deployer.store.audit.events()]
+        assert (ALICE, f"migrate apply {plan_id}", "refused") in audit
+    assert proxy.mutations() == []

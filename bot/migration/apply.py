@@ -257,7 +257,7 @@ async def refresh(applied: Applied, get: Callable[[str], Awaitable[Build | None]
     return Applied(applied.plan, tuple(fresh))
 
 
-async def wait(
+async def wait_for_builds(
     applied: Applied,
     get: Callable[[str], Awaitable[Build | None]],
     settle: Callable[[], Awaitable[None]],

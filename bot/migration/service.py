@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 
 from backends.base import Backend
@@ -32,6 +32,7 @@ from bot.migration.apply import (
     refresh,
     start,
     target_profiles,
+    wait_for_builds,
 )
 from bot.migration.plan import Plan, PlanFileError, make_plan, plan_from_document, read_plan
 from bot.models import utcnow
@@ -61,8 +62,7 @@ class Migrations:
         if not await self.approvals.is_approver(user):
             raise NotAllowed(
                 f"Only approvers plan and apply migrations; the approvers are "
-                f"{self.approvals.approvers_text()}.",
-                people=(user, *self.settings.approval.approvers),
+                f"{self.approvals.approvers_text()}."
             )
 
     # --- the plan -------------------------------------------------------------------
@@ -141,6 +141,16 @@ class Migrations:
             return await self.store.builds.of_profiles(plan.target, [profile])
 
         return await start(plan, request, known, target, again)
+
+    async def wait(
+        self,
+        applied: Applied,
+        settle: Callable[[], Awaitable[None]],
+        changed: Callable[[Build], Awaitable[None]],
+        poll_s: float,
+    ) -> Applied:
+        """Until every build of `applied` has ended (bot/migration/apply.py)."""
+        return await wait_for_builds(applied, self.store.builds.get, settle, changed, poll_s)
 
     async def outcome(self, applied: Applied) -> Outcome:
         """The apply as it stands: its builds read again, the target's templates now."""

@@ -92,7 +92,6 @@ BUILD_KEYS = ("on", "node", "storage", "name")
 MIGRATE_KEYS = ("from", "to", "folder", "name")
 KEYS = ("template", "on", "storage", "subnet", "cpu", "mem", "disk", "user", "upgrade", "lease")
 BUILD_REF_RE = re.compile(rf"b[a-z0-9]{{{MIN_JOB_REF - 1},40}}")  # a template build's, alike
-PLAN_REF_RE = PLAN_ID_RE  # a migration plan's id, whole (they are short)
 HISTORY_MAX = 100
 _SIZE_RE = re.compile(r"^(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?$", re.IGNORECASE)
 _UNIT_MIB = {"m": 1, "g": 1024, "t": 1024 * 1024}
@@ -264,7 +263,7 @@ def _template(rest: list[str], usage: str) -> BuildTemplate | TemplateProfiles:
 def _migrate(rest: list[str], usage: str) -> MigratePlan | MigrateApply:
     action = fold(rest[0]) if rest else ""
     if action == "apply":
-        if len(rest) != 2 or not PLAN_REF_RE.fullmatch(fold(rest[1])):
+        if len(rest) != 2 or not PLAN_ID_RE.fullmatch(fold(rest[1])):
             raise UsageError(
                 "Name the plan to apply by the id `migrate plan` answered, like m2k7tqa2bc.",
                 usage,

@@ -91,7 +91,7 @@ def plan_lines(plan: Plan, written_to: str | None) -> list[str]:
     if written_to:
         lines.append(f"Plan written to {written_to}.")
     else:
-        lines.append("Not written to a file (--out FILE writes one).")
+        lines.append("Not written: add --out FILE for a plan file.")
     return lines
 
 
