@@ -167,5 +167,5 @@ async def test_postgres_v16_adds_how_the_host_key_was_confirmed(
     assert got_new.known_hosts_line == "web02,10.0.0.51 ssh-ed25519 AAAAC3"
     with pg_connect(pg_url) as conn:
         assert conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == (
-            str(schema.SCHEMA_VERSION),  # migrated on to the newest
+            str(SCHEMA_VERSION),  # migrated on to the newest
         )
