@@ -376,3 +376,20 @@ async def test_slack_plans_and_applies_by_id_for_approvers_only(
         audit = [(e.actor, e.action, e.outcome) for e in await h.deployer.store.audit.events()]
         assert (ALICE, f"migrate apply {plan_id}", "refused") in audit
     assert proxy.mutations() == []
+
+
+async def test_no_wait_leaves_the_builds_to_a_serving_process(
+    deployer: Deployer, lab: Simulated, proxy: SoapProxy, target: SimBackend
+) -> None:
+    """`--no-wait`: the builds are recorded queued and nobody's, so a serving process
+    (here the fixture's, which takes over queued work) claims and runs them."""
+    plan = await plan_of(lab, proxy, target, Scope(folder="golden", name="debian-*"))
+    applied = await deployer.migrations.apply(plan, "bob", hand_off=True)
+    ((rebuild),) = applied.rebuilds
+    assert rebuild.started and rebuild.build is not None
+    assert (rebuild.build.state, rebuild.build.owner) == (BuildState.QUEUED, None)
+    await deployer.drain()  # claims what is queued and nobody's, and runs it
+    done = await deployer.migrations.outcome(applied)
+    assert done.missing() == set() and done.rebuilds[0].build is not None
+    assert done.rebuilds[0].build.owner == deployer.runner.id
+    assert done.rebuilds[0].build.state is BuildState.PUBLISHED

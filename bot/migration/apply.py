@@ -27,7 +27,7 @@ from backends.building import TemplateVersion
 from backends.migrating import ReadOnlySource, TemplateFacts
 from bot.images.profiles import Profile
 from bot.migration.classify import Category, Finding, classify_template
-from bot.migration.plan import Plan, PlanFileError, source_digest
+from bot.migration.plan import Plan, PlanFileError, source_unchanged
 from bot.models.builds import ACTIVE_BUILD_STATES, Build, BuildState
 from bot.models.errors import Conflict, UserError
 
@@ -156,10 +156,9 @@ def check_age(plan: Plan, now: datetime, valid_s: float) -> None:
 async def check_source(plan: Plan, source: ReadOnlySource) -> None:
     """Read the plan's scope of the source again (read-only) and refuse the plan when
     its digest differs, naming what changed."""
-    facts = await source.template_facts(plan.scope)
-    if source_digest(plan.source, plan.scope, facts) == plan.digest:
+    if await source_unchanged(plan, source):  # the plan's own comparison (plan.py)
         return
-    changes = compare(plan.facts, facts)
+    changes = compare(plan.facts, await source.template_facts(plan.scope))
     said = [
         *(f"{n} is new" for n in changes.added),
         *(f"{n} is gone" for n in changes.removed),
