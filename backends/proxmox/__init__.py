@@ -156,7 +156,9 @@ class ProxmoxBackend:
             return None
         return found.public(self.inventory.profile(found.family).user)
 
-    async def missing_privileges(self, template: str) -> list[MissingPrivilege]:
+    async def missing_privileges(
+        self, template: str, *, certificates: bool = False
+    ) -> list[MissingPrivilege]:
         """What a deploy of `template` needs and this token or user lacks; `NoSuchTemplate`
         when there is no such template (the paths asked depend on it)."""
         found = await self.inventory.template(template)

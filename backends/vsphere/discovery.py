@@ -51,7 +51,9 @@ class Discovery:
 
         return await self._session.run(work, changes=False)
 
-    async def missing_privileges(self, template: str) -> list[MissingPrivilege]:
+    async def missing_privileges(
+        self, template: str, *, certificates: bool = False
+    ) -> list[MissingPrivilege]:
         """What a deploy of `template` needs and this session's user lacks; a
         `PermanentError` when the clone cannot be planned (no such template, datastore,
         network: the objects whose privileges are asked)."""
