@@ -21,6 +21,7 @@ from bot.operations import gc
 from bot.operations.check import run_checks
 from bot.requests.grammar import parse
 from bot.requests.parsed import DeployArgs, ExtendLease, KnownHosts, ListVMs
+from bot.sshca.authority import load_host_ca
 from handlers import commands
 from handlers.demo import run_demo
 from handlers.messages.builds import (
@@ -31,6 +32,7 @@ from handlers.messages.builds import (
 )
 from handlers.messages.core import secrets_missing
 from handlers.messages.destroys import destroy_answer
+from handlers.messages.hostkeys import authority_answer
 from handlers.messages.reports import HISTORY_HEADER, history, history_line
 from handlers.messages.retire import retire_report
 from handlers.messages.slack import bad_command_name, check_lines, gc_report, gc_unknown_backends
@@ -121,6 +123,19 @@ async def known_hosts(args: argparse.Namespace, settings: Settings) -> int:
     ) as deployer:
         lines = await commands.reply_text(deployer, default_user(), KnownHosts(args.target))
     print("\n".join(line.removeprefix("    ") for line in lines))
+    return 0
+
+
+async def ssh_ca(args: argparse.Namespace, settings: Settings) -> int:
+    # Only the configuration and the environment: no store, no backend. The line alone
+    # goes to stdout (`deploybot ssh-ca >> ~/.ssh/known_hosts`), what it is to stderr.
+    ca = load_host_ca(settings, os.environ)
+    *said, line = authority_answer(ca)
+    if ca is None:
+        print("\n".join([*said, line]), file=sys.stderr)
+        return 1
+    print("\n".join(said), file=sys.stderr)
+    print(line.removeprefix("    "))
     return 0
 
 
@@ -298,6 +313,7 @@ COMMANDS = {
     "destroy": destroy,
     "lease": lease,
     "known-hosts": known_hosts,
+    "ssh-ca": ssh_ca,
     "check-config": check_config,
     "check": check,
     "serve": serve,
