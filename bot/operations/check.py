@@ -4,8 +4,10 @@
 is its certificate trusted, does it take our credentials, does the default template
 exist and is it a template, do the default storage and network exist, and does the
 account hold the privileges the deploy steps need (where the backend can say:
-`ChecksPrivileges`). One result per check, each a problem with its fix or ok, so an
-operator sees everything wrong at once instead of one job failure at a time.
+`ChecksPrivileges`; with a host CA, those installing certificates too). The host CA
+(`[ssh]`): whether its key loads from the environment, and its fingerprint. One result
+per check, each a problem with its fix or ok, so an operator sees everything wrong at
+once instead of one job failure at a time.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from backends.base import Backend
 from backends.ipam import open_ipam
 from bot.app.runtime import make_backend
 from bot.config.settings import Settings
-from bot.models.errors import BackendError, UserError
+from bot.models.errors import BackendError, ConfigError, UserError
 from bot.requests.admission import find_template
+from bot.sshca.authority import load_host_ca
 
 
 @dataclass(frozen=True)
@@ -33,7 +36,10 @@ class CheckResult:
 
 
 async def run_checks(settings: Settings) -> list[CheckResult]:
-    results: list[CheckResult] = []
+    results = check_host_ca(settings)
+    # With a CA the privileges installing certificates are asked too (even when it does
+    # not load: the operator means to have one).
+    certificates = settings.ssh.host_ca_env is not None
     for config in settings.backends:
         try:
             backend = make_backend(config)
@@ -41,7 +47,9 @@ async def run_checks(settings: Settings) -> list[CheckResult]:
             results.append(CheckResult(f"{config.name}: set-up", False, exc.message))
             continue
         try:
-            results += await check_backend(config.name, backend, settings.defaults.template)
+            results += await check_backend(
+                config.name, backend, settings.defaults.template, certificates=certificates
+            )
         finally:
             await backend.close()
     # Overlapping or duplicate subnets stop the configuration from loading at all.
@@ -73,9 +81,29 @@ async def check_ipam(settings: Settings) -> list[CheckResult]:
     return [CheckResult("ipam", False, problem) for problem in problems]
 
 
-async def check_backend(name: str, backend: Backend, template: str) -> list[CheckResult]:
+def check_host_ca(settings: Settings) -> list[CheckResult]:
+    """The host CA: none configured, or its key loads (its fingerprint, the hosts its
+    line names), or why not (the message names the variable, never its value)."""
+    try:
+        ca = load_host_ca(settings, os.environ)
+    except ConfigError as exc:
+        return [CheckResult("ssh: host CA", False, exc.message)]
+    if ca is None:
+        detail = "none configured ([ssh] host_ca_env): host keys are confirmed, not certified"
+        return [CheckResult("ssh: host CA", True, detail)]
+    detail = (
+        f"{ca.fingerprint} from ${ca.env}; certifies host keys for {', '.join(ca.patterns)} "
+        "(`deploybot ssh-ca` prints the known_hosts line)"
+    )
+    return [CheckResult("ssh: host CA", True, detail)]
+
+
+async def check_backend(
+    name: str, backend: Backend, template: str, *, certificates: bool = False
+) -> list[CheckResult]:
     """The checks of one backend; the first refusal of the connection ends them (the
-    rest would only repeat it)."""
+    rest would only repeat it). `certificates`: a host CA is configured, so the
+    privileges installing host certificates count too."""
     try:
         await backend.placements()
     except BackendError as exc:
@@ -89,7 +117,7 @@ async def check_backend(name: str, backend: Backend, template: str) -> list[Chec
     try:
         results.append(await _template(name, backend, template))
         results += await _placement(name, backend)
-        results += await _privileges(name, backend, template)
+        results += await _privileges(name, backend, template, certificates)
     except BackendError as exc:
         results.append(CheckResult(f"{name}: inventory", False, exc.message))
     return results
@@ -141,11 +169,13 @@ def _exists(name: str, what: str, wanted: str, there: list[str]) -> CheckResult:
     )
 
 
-async def _privileges(name: str, backend: Backend, template: str) -> list[CheckResult]:
+async def _privileges(
+    name: str, backend: Backend, template: str, certificates: bool
+) -> list[CheckResult]:
     if not isinstance(backend, ChecksPrivileges):
         return []
     try:
-        lacking = await backend.missing_privileges(template)
+        lacking = await backend.missing_privileges(template, certificates=certificates)
     except BackendError as exc:  # a check that could not run is no "ok"
         if exc.retryable:
             raise  # the backend stopped answering: the inventory line says so
@@ -159,7 +189,9 @@ async def _privileges(name: str, backend: Backend, template: str) -> list[CheckR
             )
         ]
     if not lacking:
-        return [CheckResult(f"{name}: privileges", True, "the deploy steps' privileges are held")]
+        held = "the deploy steps' privileges are held"
+        held += " (installing host certificates too)" if certificates else ""
+        return [CheckResult(f"{name}: privileges", True, held)]
     return [
         CheckResult(
             f"{name}: privilege {m.privilege} on {m.where}",
