@@ -8,9 +8,11 @@ The certificate verifies against the CA, and a real SSH client that trusts only 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
+import sqlite3
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -34,6 +36,8 @@ from bot.sshca.authority import load_host_ca
 from bot.sshca.certificates import certify, read_certificate
 from handlers.commands import answer
 from handlers.messages.core import finished, slack_outcome_dm
+from tests.support.cli import CONFIG, deploybot, no_traceback
+from tests.support.crash import KillPoint, job_state, restart, run_round, write_config
 from tests.support.deployer import SIM_SCALE, Recorder, deploy, make_settings
 
 CA_ENV = "TEST_DEPLOYBOT_HOST_CA"  # not DEPLOYBOT_*: the CLI helpers drop those
@@ -410,3 +414,65 @@ async def test_a_client_trusting_only_the_ca_line_accepts_the_vm_and_nothing_els
     finally:
         server.close()
         await server.wait_closed()
+
+
+# --- the command line, and a restart in the middle of `certify` --------------------------
+
+
+def with_ca(config: str) -> str:
+    """A configuration with the test's host CA (a subnet without a search domain: the
+    @cert-authority line's hosts are named)."""
+    return config + f'\n[ssh]\nhost_ca_env = "{CA_ENV}"\nca_hosts = ["*.lab.example"]\n'
+
+
+def test_the_cli_prints_the_line_alone_on_stdout(tmp_path: Path, ca_key: asyncssh.SSHKey) -> None:
+    result = deploybot(tmp_path, "ssh-ca", config=with_ca(CONFIG))
+    assert result.returncode == 0, result.stderr
+    public = " ".join(ca_key.export_public_key().decode().split()[:2])
+    assert result.stdout == f"@cert-authority *.lab.example {public} deploybot-host-ca\n"
+    assert ca_key.get_fingerprint() in result.stderr
+    no_traceback(result)
+    bare = deploybot(tmp_path, "ssh-ca")
+    assert bare.returncode == 1 and bare.stdout == ""
+    assert "no host CA" in bare.stderr and "host_ca_env" in bare.stderr
+    no_traceback(bare)
+
+
+def test_the_cli_refuses_a_ca_variable_that_is_unset(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(CA_ENV, raising=False)
+    for command in ("ssh-ca", "check-config"):
+        result = deploybot(tmp_path, command, config=with_ca(CONFIG))
+        assert result.returncode == 2, command
+        assert f"{CA_ENV} is unset or empty" in result.stderr
+        no_traceback(result)
+
+
+def test_a_job_killed_in_the_middle_of_certify_is_certified_after_the_restart(
+    tmp_path: Path, ca_key: asyncssh.SSHKey
+) -> None:
+    """SIGKILL while the certificate is being installed (the install never answers in
+    that life); restarted with recovery `resume`, the job reads the key again, certifies
+    it again and succeeds: the guest presents the certificate the job records."""
+    env = write_config(tmp_path, None, resume=True, more=[("install_host_certificate", "hang")])
+    path = Path(env["DEPLOYBOT_CONFIG"])
+    path.write_text(with_ca(path.read_text()))
+    point = KillPoint(None, "… certify the host key", resume=True)
+    assert run_round(tmp_path, env, point, "web01", "10.20.1.10")
+    restarted = write_config(tmp_path, None, resume=True)
+    path.write_text(with_ca(path.read_text()))
+    said = restart(tmp_path, restarted)
+    assert "resuming after a restart" in said
+    assert job_state(tmp_path, "web01") == "succeeded"
+    db = sqlite3.connect(tmp_path / "jobs.db")
+    try:
+        key, certificate = db.execute(
+            "SELECT host_key, host_certificate FROM jobs WHERE name = 'web01'"
+        ).fetchone()
+    finally:
+        db.close()
+    (vm,) = json.loads((tmp_path / "sim.json").read_text())["vms"]
+    assert certificate is not None and vm["host_certificate"] == certificate
+    info = read_certificate(certificate)
+    assert info is not None and info.key == key == vm["host_key"]
