@@ -476,3 +476,56 @@ def test_a_job_killed_in_the_middle_of_certify_is_certified_after_the_restart(
     assert certificate is not None and vm["host_certificate"] == certificate
     info = read_certificate(certificate)
     assert info is not None and info.key == key == vm["host_key"]
+
+
+# --- a lease extension -------------------------------------------------------------------
+
+
+async def test_an_extension_renews_the_certificate_where_the_backend_installs_one(
+    tmp_path: Path, ca_key: asyncssh.SSHKey
+) -> None:
+    sim = SimBackend("sim", time_scale=SIM_SCALE)
+    async with running_deployer(ca_settings(tmp_path), Recorder(), backends={"sim": sim}) as d:
+        job = await deploy(d)
+        old = read_certificate(job.host_certificate or "")
+        (said,) = await answer(d, "alice", "lease extend web01 7d")
+        extended = (await d.status(job.id)).job
+    (vm,) = sim.vms.values()
+    new = read_certificate(extended.host_certificate or "")
+    assert old is not None and new is not None and extended.lease_end is not None
+    assert abs(new.valid_before - extended.lease_end) < timedelta(seconds=5)
+    assert new.valid_before - old.valid_before > timedelta(days=6)
+    assert new.key == old.key == job.host_key and new.principals == old.principals
+    assert vm.host_certificate == extended.host_certificate  # installed in the guest
+    assert "renewed to the same end" in said
+
+
+async def test_an_extension_on_a_backend_that_cannot_install_keeps_the_old_end(
+    tmp_path: Path, ca_key: asyncssh.SSHKey
+) -> None:
+    sim = ChoosingSim("sim", time_scale=SIM_SCALE)  # vSphere's way: only at the identity
+    async with running_deployer(ca_settings(tmp_path), Recorder(), backends={"sim": sim}) as d:
+        job = await deploy(d)
+        (said,) = await answer(d, "alice", "lease extend web01 7d")
+        extended = (await d.status(job.id)).job
+    assert extended.host_certificate == job.host_certificate
+    info = read_certificate(job.host_certificate or "")
+    assert info is not None and extended.lease_end is not None
+    assert info.valid_before < extended.lease_end - timedelta(days=6)
+    assert "Its host certificate still ends" in said and "/deploy known-hosts web01" in said
+
+
+async def test_an_install_that_fails_at_an_extension_keeps_the_old_certificate(
+    tmp_path: Path, ca_key: asyncssh.SSHKey
+) -> None:
+    sim = SimBackend("sim", time_scale=SIM_SCALE)
+    recorder = Recorder()
+    async with running_deployer(ca_settings(tmp_path), recorder, backends={"sim": sim}) as d:
+        job = await deploy(d)
+        sim.inject("install_host_certificate", "error")
+        (said,) = await answer(d, "alice", "lease extend web01 7d")
+        extended = (await d.status(job.id)).job
+    (vm,) = sim.vms.values()
+    assert extended.host_certificate == job.host_certificate == vm.host_certificate
+    assert "still ends" in said
+    assert any("host certificate was not renewed" in note for _id, note in recorder.notes)

@@ -121,7 +121,9 @@ def compose(
     destroyer = Destroyer(
         settings, store, backends, fanout, ownership, addressing, approvals, clock
     )
-    leases = Leases(settings, store, backends, fanout, ownership, approvals, destroyer, clock)
+    leases = Leases(
+        settings, store, backends, fanout, ownership, approvals, destroyer, clock, host_ca
+    )
     quotas = Quotas(settings.quotas, store, lambda: groups.members)
     intake = Intake(
         settings, store, backends, addressing, queue, fanout, runner.id,
