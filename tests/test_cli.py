@@ -18,6 +18,8 @@ def test_demo_runs_both_threads_to_the_end(tmp_path: Path) -> None:
     out = result.stdout
     assert "bob> approve j" in out
     assert "    ssh ubuntu@10.0.0.50" in out
+    assert "certified by deploybot's host CA" in out  # a CA made for the demo
+    assert "bot:     @cert-authority *.lab.example ssh-ed25519 AAAA" in out
     assert "web02 10.0.0.100 (next free in lab) needs approval" in out
     assert "failed at power on" in out
     assert "Rolled back: stop VM 102; destroy VM 102." in out

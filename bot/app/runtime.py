@@ -21,7 +21,7 @@ from bot.kinds.build.parts import BuildNotes
 from bot.models import utcnow
 from bot.models.errors import BackendError, ConfigError, StoreUnavailable
 from bot.ownership.claims import Clock
-from bot.sshca.authority import load_host_ca
+from bot.sshca.authority import HostCA, load_host_ca
 from store.db import Store
 from store.retry import RetryPolicy, Unavailable
 
@@ -113,13 +113,16 @@ async def running_deployer(
     start: bool = True,
     clock: Clock = utcnow,
     build_notes: BuildNotes | None = None,
+    host_ca: HostCA | None = None,
 ) -> AsyncIterator[Deployer]:
     """Open the store, start the backends and the queue; shut all down on exit.
 
     With `start=False` the caller starts the deployer itself (`deploybot serve` binds
     its front end first, so what recovery says reaches Slack). `build_notes`: where
-    template builds' progress goes (the CLI's terminal; a log by default)."""
-    host_ca = load_host_ca(settings, os.environ)  # before anything opens: it may refuse
+    template builds' progress goes (the CLI's terminal; a log by default). `host_ca`:
+    the configured one unless given (the demo makes one of its own)."""
+    if host_ca is None:  # before anything opens: it may refuse
+        host_ca = load_host_ca(settings, os.environ)
     backends = backends if backends is not None else await make_backends(settings)
     store = await open_store(settings)
     deployer = compose(

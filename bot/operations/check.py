@@ -92,7 +92,7 @@ def check_host_ca(settings: Settings) -> list[CheckResult]:
         detail = "none configured ([ssh] host_ca_env): host keys are confirmed, not certified"
         return [CheckResult("ssh: host CA", True, detail)]
     detail = (
-        f"{ca.fingerprint} from ${ca.env}; certifies host keys for {', '.join(ca.patterns)} "
+        f"{ca.fingerprint} from {ca.source}; certifies host keys for {', '.join(ca.patterns)} "
         "(`deploybot ssh-ca` prints the known_hosts line)"
     )
     return [CheckResult("ssh: host CA", True, detail)]

@@ -20,15 +20,15 @@ class HostCA:
     """deploybot's host certificate authority: signs host keys for the VMs it builds."""
 
     def __init__(
-        self, key: asyncssh.SSHKey, patterns: Sequence[str], certificate_days: int, env: str
+        self, key: asyncssh.SSHKey, patterns: Sequence[str], certificate_days: int, source: str
     ) -> None:
         self._key = key
         self.patterns = tuple(patterns)  # the hosts the @cert-authority line names
         self.certificate_days = certificate_days  # validity for a VM without a lease
-        self.env = env  # the variable the key came from, for people
+        self.source = source  # where the key came from, for people: "$DEPLOYBOT_SSH_HOST_CA"
 
     def __repr__(self) -> str:  # the key is never shown, only which one it is
-        return f"HostCA({self.fingerprint}, from ${self.env})"
+        return f"HostCA({self.fingerprint}, from {self.source})"
 
     @property
     def public_line(self) -> str:
@@ -104,7 +104,7 @@ def load_host_ca(settings: Settings, environ: Mapping[str, str]) -> HostCA | Non
             "[ssh] ca_hosts: no host patterns for the @cert-authority line (no subnet has a "
             'search_domain): set ca_hosts, e.g. ["*.lab.example"]'
         )
-    return HostCA(key, patterns, ssh.certificate_days, env)
+    return HostCA(key, patterns, ssh.certificate_days, f"${env}")
 
 
 def default_patterns(settings: Settings) -> tuple[str, ...]:

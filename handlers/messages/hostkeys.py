@@ -64,8 +64,8 @@ def certificate_lines(job: Job) -> list[str]:
     until = info.valid_before
     return [
         f"It is certified by deploybot's host CA until {until.day} {until:%b %Y %H:%M} UTC "
-        f"for {', '.join(info.principals)}: with the line `deploybot ssh-ca` (or "
-        "`/deploy ssh-ca`) prints in your known_hosts, ssh asks nothing for it."
+        f"for {', '.join(info.principals)}: with the @cert-authority line from `deploybot "
+        "ssh-ca` (or `/deploy ssh-ca`) in ~/.ssh/known_hosts, ssh trusts it without asking."
     ]
 
 

@@ -646,7 +646,7 @@ STEPS: tuple[Step[Pipeline], ...] = (
         "certify",
         Pipeline._certify,
         "identity_s",  # a file written and sshd reloaded, through the guest agent
-        detail="the host key, by deploybot's host CA",
+        detail="by deploybot's host CA",
         skip=Pipeline._no_certificate,
         resumable=True,
     ),
