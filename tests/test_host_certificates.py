@@ -22,8 +22,8 @@ import asyncssh
 import pytest
 from asyncssh.public_key import SSHOpenSSHCertificate
 
-from backends.abilities import InstallsHostCertificates
-from backends.base import PermanentError, VMRef
+from backends.abilities import ChecksPrivileges, InstallsHostCertificates
+from backends.base import MissingPrivilege, PermanentError, VMRef
 from backends.sim import ChoosingSim, SimBackend, Simulator, sim_backend
 from backends.sim.vm import FaultKind
 from bot.app.runtime import running_deployer, secret_problems
@@ -31,7 +31,7 @@ from bot.app.service import Deployer
 from bot.config.settings import Settings
 from bot.models import HostKeySource, Job, JobState, utcnow
 from bot.models.errors import ConfigError
-from bot.operations.check import check_host_ca
+from bot.operations.check import check_backend, check_host_ca
 from bot.sshca.authority import load_host_ca
 from bot.sshca.certificates import certify, read_certificate
 from handlers.commands import answer
@@ -529,3 +529,31 @@ async def test_an_install_that_fails_at_an_extension_keeps_the_old_certificate(
     assert extended.host_certificate == job.host_certificate == vm.host_certificate
     assert "still ends" in said
     assert any("host certificate was not renewed" in note for _id, note in recorder.notes)
+
+
+class PrivilegedSim(SimBackend):
+    """Says which privileges a deploy lacks (`ChecksPrivileges`), as Proxmox does: the
+    agent's write and exec only when certificates are asked for."""
+
+    default_storage = None
+    endpoint = ("127.0.0.1", 8006)
+
+    async def missing_privileges(
+        self, template: str, *, certificates: bool = False
+    ) -> list[MissingPrivilege]:
+        if not certificates:
+            return []
+        return [MissingPrivilege("VM.GuestAgent.FileWrite", "/vms", "certify", "bot@pve!t")]
+
+
+async def test_check_asks_for_the_certificate_privileges_only_with_a_ca() -> None:
+    sim = PrivilegedSim("sim", time_scale=SIM_SCALE)
+    assert isinstance(sim, ChecksPrivileges)
+    try:
+        without = await check_backend("sim", sim, "ubuntu-24.04")
+        with_ca = await check_backend("sim", sim, "ubuntu-24.04", certificates=True)
+    finally:
+        await sim.close()
+    assert [r.name for r in without if not r.ok] == []
+    (lacking,) = [r for r in with_ca if not r.ok]
+    assert lacking.name == "sim: privilege VM.GuestAgent.FileWrite on /vms"
