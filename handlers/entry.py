@@ -171,6 +171,8 @@ async def check_config(args: argparse.Namespace, settings: Settings) -> int:
     print(f"  backends: {', '.join(f'{b.name} ({b.kind})' for b in settings.backends)}")
     print(f"  subnets: {', '.join(str(s.cidr) for s in settings.subnets)}")
     print(f"  database: {settings.database}")  # never holds a password (bot/config/settings.py)
+    ca = load_host_ca(settings, os.environ)  # loads: refuse_missing_secrets said otherwise
+    print(f"  host CA: {f'{ca.fingerprint} from {ca.source}' if ca else 'none'}")
     return 0
 
 

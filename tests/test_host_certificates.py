@@ -438,6 +438,26 @@ def test_the_cli_prints_the_line_alone_on_stdout(tmp_path: Path, ca_key: asyncss
     no_traceback(bare)
 
 
+def test_check_config_names_the_ca_it_loads(tmp_path: Path, ca_key: asyncssh.SSHKey) -> None:
+    result = deploybot(tmp_path, "check-config", config=with_ca(CONFIG))
+    assert result.returncode == 0, result.stderr
+    assert f"host CA: {ca_key.get_fingerprint()} from ${CA_ENV}" in result.stdout
+    assert "PRIVATE" not in result.stdout + result.stderr
+    assert "host CA: none" in deploybot(tmp_path, "check-config").stdout
+
+
+def test_the_default_variable_name_is_no_setting_of_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DEPLOYBOT_SSH_HOST_CA starts like the variables that override settings
+    (DEPLOYBOT_SSH__...): it must be read as the CA's key, not refused as a setting."""
+    key = asyncssh.generate_private_key("ssh-ed25519")
+    monkeypatch.setenv("DEPLOYBOT_SSH_HOST_CA", key.export_private_key("openssh").decode())
+    settings = make_settings(tmp_path, ssh={"host_ca_env": "DEPLOYBOT_SSH_HOST_CA"})
+    ca = load_host_ca(settings, os.environ)
+    assert ca is not None and ca.fingerprint == key.get_fingerprint()
+
+
 def test_the_cli_refuses_a_ca_variable_that_is_unset(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
