@@ -85,6 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
         "known-hosts", help="a ready VM's known_hosts line and how its host key was confirmed"
     )
     known.add_argument("target", metavar="NAME", help="the VM's name, or its job id")
+    sub.add_parser(
+        "ssh-ca",
+        help="the known_hosts @cert-authority line that trusts every VM's host certificate "
+        "(on stdout, to append to ~/.ssh/known_hosts)",
+    )
     sub.add_parser("check-config", help="validate the configuration and summarise it")
     check = sub.add_parser(
         "check",

@@ -32,6 +32,7 @@ from bot.config.sections import (
     OwnershipSettings,
     Recovery,
     SlackSettings,
+    SshSettings,
     StoreSettings,
     Timeouts,
 )
@@ -126,6 +127,7 @@ class Settings(BaseSettings):
     quotas: QuotaSettings = QuotaSettings()  # bot/requests/quotas.py
     leases: LeaseSettings = LeaseSettings()
     images: ImagesSettings = ImagesSettings()  # bot/images/: template build profiles
+    ssh: SshSettings = SshSettings()  # bot/sshca/: host certificates
 
     @field_validator("database", mode="before")
     @classmethod
