@@ -203,6 +203,9 @@ def test_vms_in_the_plan_its_counts_digest_and_file(tmp_path: Path) -> None:
     assert later.digest == plan.digest  # the order, subnets and storage are not facts
     changed = classify("vc", "pve", Scope(), [], {}, [], NOW, [vm("a", folder="x"), *vms[1:]])
     assert changed.digest != plan.digest
+    # A guest that rebooted (Tools not running for a moment) leaves the plan valid.
+    rebooting = [vm("a", tools_status="guestToolsNotRunning"), *vms[1:]]
+    assert classify("vc", "pve", Scope(), [], {}, [], NOW, rebooting).digest == plan.digest
     path = tmp_path / "plan.json"
     write_plan(plan, path)
     assert read_plan(path) == plan

@@ -118,8 +118,17 @@ def source_digest(
         "facts": [f.as_json() for f in ordered],
     }
     if vms:  # absent, not empty, without VMs: a templates-only plan keeps its digest
-        data["vms"] = [f.as_json() for f in sorted(vms, key=lambda f: (f.source_id, f.name))]
+        ordered_vms = sorted(vms, key=lambda f: (f.source_id, f.name))
+        data["vms"] = [_digested(f) for f in ordered_vms]
     return "sha256:" + hashlib.sha256(canonical(data)).hexdigest()
+
+
+def _digested(vm: VMFacts) -> dict[str, Any]:
+    """A VM's facts as digested: all but whether VMware Tools runs right now, which a
+    reboot of the guest flips without changing what the plan says of it."""
+    data = vm.as_json()
+    del data["tools_status"]
+    return data
 
 
 def classify(
