@@ -12,8 +12,8 @@ What vcsim cannot represent, so these tests do not cover it: vSphere tags (vCent
 tagging service is not in the simulator's SOAP inventory, and the plan does not read it),
 a raw device mapping (vcsim 0.24 panics on one, or wants its mapping file, whose
 creation task it reports on the wrong object), and a guest reporting qemu-guest-agent
-(no vSphere property says it); vcsim keeps thin and eager at once, which a real vSphere would not: that is the
-impossible disk the plan must report."""
+(no vSphere property says it). vcsim keeps thin and eager at once, which a real vSphere
+would not: that is the impossible disk the plan must report."""
 
 # mypy: disable-error-code="no-untyped-call"
 # (pyvmomi is typed, but the constructors of its data objects and pyVim are not)
