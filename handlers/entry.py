@@ -343,7 +343,11 @@ async def _migration_plan(
             )
             scope = Scope(args.folder, args.name)
             profiles = settings.images.all_profiles()
-            return await make_plan(source, args.target, versions, profiles, scope)
+            storage = await sources.target_storage_type(target)
+            return await make_plan(
+                source, args.target, versions, profiles, scope,
+                subnets=settings.subnets, storage_type=storage,
+            )  # fmt: skip
         finally:
             await source.close()
     finally:

@@ -161,14 +161,15 @@ def _migrate_parser(sub: Any) -> None:
     actions = migrate.add_subparsers(dest="migrate_command", required=True, metavar="ACTION")
     plan = actions.add_parser(
         "plan",
-        help="classify every template of the source (rebuild, on target, not mappable); "
+        help="classify every template (rebuild, on target, not mappable) and VM (moves as is, "
+        "decisions, blocked) of the source; "
         "reads both sides, changes nothing",
     )
     source = plan.add_mutually_exclusive_group(required=True)
     source.add_argument("--from", dest="source", metavar="BACKEND", help="the vSphere backend")
     source.add_argument("--from-ova", metavar="URL", help="an OVA on a web server (its head)")
     plan.add_argument("--to", dest="target", required=True, metavar="BACKEND", help="the target")
-    plan.add_argument("--folder", help="only templates under this VM folder")
+    plan.add_argument("--folder", help="only templates and VMs under this VM folder")
     plan.add_argument("--name", metavar="PATTERN", help="only names matching (shell pattern)")
     plan.add_argument("--json", action="store_true", help="the plan as JSON, for machines")
     plan.add_argument("--out", metavar="FILE", help="write the plan file (for an apply)")
