@@ -1,12 +1,14 @@
 """`deploybot demo`: a scripted chat on the simulator, start to finish.
 
 Alice asks for web01 and is told to save her SSH key first; she does and asks again,
-Bob approves, the thread shows every step and ends with the SSH
-line. Then the simulator is told to fail the next power-on: Alice's second deploy, into
-a second subnet (asked without an address, it gets the next free one of `lab20`, whose
-VMs go on another segment: bridge vmbr1, VLAN 20), fails, is rolled back, and the
-thread says what was removed. It uses the bundled configuration
-with an approval rule, whatever deploybot.toml says, so it runs the same everywhere.
+Bob approves, the thread shows every step and ends with the SSH line, the host key and
+its certificate (a host CA made for the demo and thrown away after it), and `/deploy
+ssh-ca` prints the known_hosts line that trusts it. Then the simulator is told to fail
+the next power-on: Alice's second deploy, into a second subnet (asked without an
+address, it gets the next free one of `lab20`, whose VMs go on another segment: bridge
+vmbr1, VLAN 20), fails, is rolled back, and the thread says what was removed. It uses
+the bundled configuration with an approval rule, whatever deploybot.toml says, so it
+runs the same everywhere.
 """
 
 from __future__ import annotations
@@ -16,10 +18,13 @@ import tempfile
 from pathlib import Path
 from typing import TextIO
 
+import asyncssh
+
 from backends.sim import SimBackend
 from bot.app.runtime import running_deployer
 from bot.config.settings import BUNDLED_CONFIG, load_settings
 from bot.models import JobState
+from bot.sshca.authority import HostCA, default_patterns
 from handlers.terminal import Shell, TerminalThread
 
 # The bundled subnet and a second one on another segment of the simulator: each
@@ -63,7 +68,12 @@ async def run_demo(time_scale: float = 1.0, out: TextIO | None = None) -> int:
         )
         sim = SimBackend("sim", time_scale=time_scale)
         thread = TerminalThread(out)
-        async with running_deployer(settings, thread, backends={"sim": sim}) as deployer:
+        # A host CA of its own, in memory only: never the configured one.
+        key = asyncssh.generate_private_key("ssh-ed25519")
+        ca = HostCA(key, default_patterns(settings), 365, "a key made for this demo")
+        async with running_deployer(
+            settings, thread, backends={"sim": sim}, host_ca=ca
+        ) as deployer:
             shell = Shell(deployer, "alice", out)
 
             async def say(user: str, text: str) -> None:
@@ -80,6 +90,7 @@ async def run_demo(time_scale: float = 1.0, out: TextIO | None = None) -> int:
             first = await latest_job_id()
             await say("bob", f"approve {first}")
             await deployer.drain()
+            await say("alice", "/deploy ssh-ca")
 
             out.write("\n# The simulator is told to fail the next power-on.\n\n")
             sim.inject("power_on", "error")

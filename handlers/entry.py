@@ -27,6 +27,7 @@ from bot.operations import gc
 from bot.operations.check import run_checks
 from bot.requests.grammar import parse
 from bot.requests.parsed import DeployArgs, ExtendLease, KnownHosts, ListVMs
+from bot.sshca.authority import load_host_ca
 from handlers import commands
 from handlers.demo import run_demo
 from handlers.messages.builds import (
@@ -37,6 +38,7 @@ from handlers.messages.builds import (
 )
 from handlers.messages.core import secrets_missing
 from handlers.messages.destroys import destroy_answer
+from handlers.messages.hostkeys import authority_answer
 from handlers.messages.migration import (
     applied_lines,
     apply_handed_off,
@@ -144,6 +146,19 @@ async def known_hosts(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+async def ssh_ca(args: argparse.Namespace, settings: Settings) -> int:
+    # Only the configuration and the environment: no store, no backend. The line alone
+    # goes to stdout (`deploybot ssh-ca >> ~/.ssh/known_hosts`), what it is to stderr.
+    ca = load_host_ca(settings, os.environ)
+    *said, line = authority_answer(ca)
+    if ca is None:
+        print("\n".join([*said, line]), file=sys.stderr)
+        return 1
+    print("\n".join(said), file=sys.stderr)
+    print(line.removeprefix("    "))
+    return 0
+
+
 async def history_command(args: argparse.Namespace, settings: Settings) -> int:
     state = None
     if args.state:
@@ -176,6 +191,8 @@ async def check_config(args: argparse.Namespace, settings: Settings) -> int:
     print(f"  backends: {', '.join(f'{b.name} ({b.kind})' for b in settings.backends)}")
     print(f"  subnets: {', '.join(str(s.cidr) for s in settings.subnets)}")
     print(f"  database: {settings.database}")  # never holds a password (bot/config/settings.py)
+    ca = load_host_ca(settings, os.environ)  # loads: refuse_missing_secrets said otherwise
+    print(f"  host CA: {f'{ca.fingerprint} from {ca.source}' if ca else 'none'}")
     return 0
 
 
@@ -393,7 +410,11 @@ async def _migration_plan(
             )
             scope = Scope(args.folder, args.name)
             profiles = settings.images.all_profiles()
-            return await make_plan(source, args.target, versions, profiles, scope)
+            storage = await sources.target_storage_type(target)
+            return await make_plan(
+                source, args.target, versions, profiles, scope,
+                subnets=settings.subnets, storage_type=storage,
+            )  # fmt: skip
         finally:
             await source.close()
     finally:
@@ -426,6 +447,7 @@ COMMANDS = {
     "destroy": destroy,
     "lease": lease,
     "known-hosts": known_hosts,
+    "ssh-ca": ssh_ca,
     "check-config": check_config,
     "check": check,
     "serve": serve,

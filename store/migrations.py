@@ -370,7 +370,17 @@ def _v16(db: Database) -> None:
     db.execute(HOST_KEY_SOURCE_COLUMN)
 
 
-# Migration plans made from chat, kept until applied by id (bot/migration/, schema v17),
+# The host certificate deploybot's host CA signed for the job's VM (bot/sshca/): one
+# public line, None without a CA or for a key that could not be confirmed.
+HOST_CERTIFICATE_COLUMN = "ALTER TABLE jobs ADD COLUMN host_certificate TEXT"
+
+
+def _v17(db: Database) -> None:
+    """Each job's host certificate (issue 28, item 3)."""
+    db.execute(HOST_CERTIFICATE_COLUMN)
+
+
+# Migration plans made from chat, kept until applied by id (bot/migration/, schema v18),
 # spelled once for both databases.
 MIGRATION_PLANS_TABLE = (
     "CREATE TABLE migration_plans (id TEXT PRIMARY KEY, digest TEXT NOT NULL, "
@@ -378,14 +388,14 @@ MIGRATION_PLANS_TABLE = (
 )
 
 
-def _v17(db: Database) -> None:
+def _v18(db: Database) -> None:
     """Migration plans kept in the store (issue 30): chat has no plan file."""
     db.execute(MIGRATION_PLANS_TABLE)
 
 
 MIGRATIONS: list[Callable[[Database], None]] = [
     _v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9, _v10, _v11, _v12, _v13, _v14, _v15, _v16,
-    _v17,
+    _v17, _v18,
 ]  # fmt: skip
 SCHEMA_VERSION = len(MIGRATIONS)
 

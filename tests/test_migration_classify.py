@@ -152,16 +152,20 @@ def test_the_plan_file_and_the_table(tmp_path: Path) -> None:
     document = json.loads(path.read_text())
     assert document["format"] == "deploybot-migration-plan/1"
     assert document["source_digest"] == plan.digest
-    assert document["counts"] == {"template": {"rebuildable": 1, "on-target": 0, "not-mappable": 1}}
+    assert document["counts"] == {
+        "template": {"rebuildable": 1, "on-target": 0, "not-mappable": 1},
+        "vm": {"moves-as-is": 0, "needs-decisions": 0, "blocked": 0},
+    }
     assert [f["category"] for f in document["findings"]] == ["rebuildable", "not-mappable"]
     assert plan_json(plan)["findings"][0]["reason"].startswith("rebuild from profile ubuntu-24.04")
     lines = plan_lines(plan, None)
     assert lines[0] == "Migration plan (dry run, nothing changed): vc -> pve (folder golden)"
     assert "Templates: 2 in scope: 1 rebuild, 0 on target, 1 not mappable." in lines
+    assert "VMs: 0 in scope: 0 moves as is, 0 decisions, 0 blocked." in lines
     assert lines[-1].startswith("Not written: add --out FILE")
     assert "Target pve: no template deploybot built." in lines
     empty = classify("vc", "pve", Scope(), [], PROFILES, [], NOW)
-    assert empty.counts() == {"template": {"rebuildable": 0, "on-target": 0, "not-mappable": 0}}
+    assert empty.counts()["template"] == {"rebuildable": 0, "on-target": 0, "not-mappable": 0}
     assert "  No template in scope." in plan_lines(empty, None)
 
 

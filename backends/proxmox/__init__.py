@@ -160,11 +160,11 @@ class ProxmoxBackend:
         return found.public(self.inventory.profile(found.family).user)
 
     async def missing_privileges(
-        self, template: str, segments: Sequence[Segment] = ()
+        self, template: str, segments: Sequence[Segment] = (), *, certificates: bool = False
     ) -> list[MissingPrivilege]:
         """What a deploy of `template` with NICs on `segments` needs and this token or
-        user lacks; `NoSuchTemplate` when there is no such template (the paths asked
-        depend on it)."""
+        user lacks (with `certificates`, installing host certificates too);
+        `NoSuchTemplate` when there is no such template (the paths asked depend on it)."""
         found = await self.inventory.template(template)
         release = await self.inventory.release()
         return await privileges.missing(self.api, self.config, found, release, segments)

@@ -39,7 +39,10 @@ state). How deploybot may confirm it is the `host_keys` setting (issue 28): "age
 (`SimBackend`, the default: its guest agent reads the keys, `ReadsHostKeys`), "chosen"
 (`ChoosingSim`: it installs the key deploybot chose and keeps the private key in the
 VM's stored user-data until deploybot forgets it, `ChoosesHostKeys`), or "none"
-(`Simulator`: the key is only seen over SSH). `sim_backend` picks the class.
+(`Simulator`: the key is only seen over SSH). `sim_backend` picks the class. A host
+certificate (deploybot's host CA) goes in with the chosen key (`Identity.host_certificate`),
+or through the agent mode's guest agent (`InstallsHostCertificates`); either way the
+VM keeps it (`SimVM.host_certificate`) as its sshd's HostCertificate.
 
 `SimBackend` is the Backend; it holds its parts, each owning its own state: the
 `Inventory` (inventory.py: VMs, templates, the state file), the `Tasks` (tasks.py: the
@@ -353,6 +356,7 @@ class Simulator:
             if identity.host_key is not None:
                 vm.host_key = identity.host_key.public
                 vm.user_data_key = identity.host_key.private_openssh
+                vm.host_certificate = identity.host_certificate
 
         fault = self.tasks.fault("apply_identity", vm.vm_id)
         effect = Effect(vm, self.vms, set_identity)
@@ -477,13 +481,18 @@ class Simulator:
 
 
 class SimBackend(Simulator):
-    """The simulator whose guest agent reads its guests' host keys (`ReadsHostKeys`), as
-    Proxmox's QEMU guest agent does: the default."""
+    """The simulator whose guest agent reads its guests' host keys (`ReadsHostKeys`) and
+    installs a host certificate (`InstallsHostCertificates`), as Proxmox's QEMU guest
+    agent does: the default."""
 
     host_keys_through = "the simulator's guest agent"
+    certificates_through = "the simulator's guest agent"
 
     async def host_keys(self, ref: VMRef) -> list[str]:
         return await self.guests.host_keys(ref)
+
+    async def install_host_certificate(self, ref: VMRef, certificate: str) -> str | None:
+        return await self.guests.install_host_certificate(ref, certificate)
 
 
 class ChoosingSim(Simulator):

@@ -85,6 +85,9 @@ class SimVM:
     # The private host key its stored user-data holds (the chosen mode), as vSphere's
     # guestinfo.userdata would, until deploybot forgets it.
     user_data_key: str | None = None
+    # The host certificate its sshd presents beside `host_key` (HostCertificate): the one
+    # deploybot's host CA signed, installed through the agent or with the chosen key.
+    host_certificate: str | None = None
 
     def info(self) -> VMInfo:
         return VMInfo(self.vm_id, self.name, self.running, frozenset(self.tags), self.placement)
@@ -133,7 +136,7 @@ def vm_to_dict(vm: SimVM) -> dict[str, Any]:
         }
     fields = (
         "vm_id", "name", "template", "placement", "storage", "disk_gib", "running", "lock",
-        "lock_owner", "host_key", "user_data_key",
+        "lock_owner", "host_key", "user_data_key", "host_certificate",
     )  # fmt: skip
     return {
         **{f: getattr(vm, f) for f in fields},
@@ -174,6 +177,7 @@ def vm_from_dict(item: dict[str, Any]) -> SimVM:
         lock_owner=item.get("lock_owner"),
         host_key=item.get("host_key"),
         user_data_key=item.get("user_data_key"),
+        host_certificate=item.get("host_certificate"),
     )
 
 
@@ -211,6 +215,7 @@ OPERATIONS = (
     "probe_ssh",
     "host_keys",
     "forget_host_key",
+    "install_host_certificate",
     "power_off",
     "destroy",
     "addresses_in_use",

@@ -155,7 +155,7 @@ class VSphereBackend:
         return await self.discovery.templates()
 
     async def missing_privileges(
-        self, template: str, segments: Sequence[Segment] = ()
+        self, template: str, segments: Sequence[Segment] = (), *, certificates: bool = False
     ) -> list[MissingPrivilege]:
         return await self.discovery.missing_privileges(template, segments)
 

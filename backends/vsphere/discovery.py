@@ -56,10 +56,11 @@ class Discovery:
         return await self._session.run(work, changes=False)
 
     async def missing_privileges(
-        self, template: str, segments: Sequence[Segment] = ()
+        self, template: str, segments: Sequence[Segment] = (), *, certificates: bool = False
     ) -> list[MissingPrivilege]:
         """What a deploy of `template` (with a NIC on each of `segments`; none: the
-        configured network) needs and this session's user lacks; a `PermanentError`
+        configured network) needs and this session's user lacks (`certificates`: vSphere
+        installs them with the cloud-config, which needs nothing more); a `PermanentError`
         when the clone cannot be planned (no such template, datastore, network: the
         objects whose privileges are asked)."""
         specs = [CloneSpec("check", "check", template, segment=s) for s in segments]

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from backends.base import PermanentError, Unreachable
-from backends.migrating import Scope, TemplateFacts, extra_facts
+from backends.migrating import Scope, TemplateFacts, VMFacts, extra_facts
 from backends.vsphere.ovf import ova_descriptor
 
 HEAD_BYTES = 128 * 1024
@@ -166,6 +166,10 @@ class OvaSource:
         if scope.name is not None and not fnmatch.fnmatchcase(facts.name, scope.name):
             return []
         return [facts]
+
+    async def vm_facts(self, scope: Scope) -> list[VMFacts]:
+        """An OVA holds a template, never a running VM."""
+        return []
 
     def api_calls(self) -> Counter[str]:
         return Counter(self._calls)

@@ -13,7 +13,9 @@ server.
 
 The reads are the backend's own (`Session`, `Conn`, `Inventory`), composed: one
 container view of the VMs under the datacenter (or `--folder`) for the template marks,
-then the facts of the templates alone in one more request.
+then the facts of the templates alone in one more request. The VMs' facts take the same
+marks, one request for the VMs, and one each for what names them from elsewhere: the VM
+folders, the distributed portgroups and the clusters' DRS rules (all reads).
 """
 
 from __future__ import annotations
@@ -28,11 +30,12 @@ from pyVmomi import vim
 
 from backends.base import PermanentError
 from backends.config import BackendConfig
-from backends.migrating import Scope, TemplateFacts, extra_facts
+from backends.migrating import Scope, TemplateFacts, VMFacts, extra_facts
 from backends.vsphere.config import Config, endpoint_of, password_of
 from backends.vsphere.conn import Props, Stub
 from backends.vsphere.inventory import Inventory
 from backends.vsphere.session import Op, Session
+from backends.vsphere.vmfacts import VM_PATHS, drs_rules, folder_paths, model_of, vm_facts
 from backends.vsphere.vms import KnownVMs
 
 # Methods that only read, and those of a session's login. `Fetch` is pyvmomi's read of
@@ -162,6 +165,37 @@ class ReadOnlyVSphere:
 
         return await self._session.run(work, changes=False)
 
+    async def vm_facts(self, scope: Scope) -> list[VMFacts]:
+        def work(op: Op) -> list[VMFacts]:
+            dc = self._inventory.datacenter(op.conn)
+            root = self._inventory.folder(op.conn, dc, scope.folder)
+            marks = op.conn.contained(root, vim.VirtualMachine, ["name", "config.template"])
+            chosen = [
+                obj
+                for obj, p in marks
+                if p.get("config.template") is not True and _named(str(p.get("name")), scope.name)
+            ]
+            if not chosen:
+                return []
+            rows = op.conn.retrieve(chosen, vim.VirtualMachine, VM_PATHS)
+            folders = folder_paths(
+                op.conn.contained(dc.vm_folder, vim.Folder, ["name", "parent"]),
+                str(dc.vm_folder._moId),
+            )
+            pgs = op.conn.contained(dc.obj, vim.dvs.DistributedVirtualPortgroup, ["name", "key"])
+            portgroups = {str(p.get("key") or o._moId): str(p.get("name")) for o, p in pgs}
+            rules = drs_rules(
+                op.conn.contained(dc.host_folder, vim.ClusterComputeResource, ["configurationEx"])
+            )
+            facts = [
+                vm_facts(o, p, folders, portgroups, rules, NIC_MODELS, CONTROLLER_MODELS)
+                for o, p in rows
+                if p.get("config.template") is not True
+            ]
+            return sorted(facts, key=lambda f: (f.name, f.source_id))
+
+        return await self._session.run(work, changes=False)
+
     def api_calls(self) -> Counter[str]:
         return self._session.api_calls()
 
@@ -177,9 +211,9 @@ def _facts(p: Props) -> TemplateFacts:
     devices = p.get("config.hardware.device") or []
     by_key = {d.key: d for d in devices}
     holding = {d.controllerKey for d in devices if isinstance(d, vim.vm.device.VirtualDisk)}
-    controllers = sorted(_model(CONTROLLER_MODELS, by_key[k]) for k in holding if k in by_key)
+    controllers = sorted(model_of(CONTROLLER_MODELS, by_key[k]) for k in holding if k in by_key)
     nics = [
-        _model(NIC_MODELS, d) for d in devices if isinstance(d, vim.vm.device.VirtualEthernetCard)
+        model_of(NIC_MODELS, d) for d in devices if isinstance(d, vim.vm.device.VirtualEthernetCard)
     ]
     pairs = [(str(o.key), str(o.value)) for o in p.get("config.extraConfig") or []]
     return TemplateFacts(
@@ -192,10 +226,3 @@ def _facts(p: Props) -> TemplateFacts:
         disk_controllers=tuple(controllers),
         hardware_version=str(p.get("config.version") or ""),
     )
-
-
-def _model(models: Mapping[type, str], device: Any) -> str:
-    for kind, name in models.items():
-        if isinstance(device, kind):
-            return name
-    return type(device).__name__.rsplit(".", 1)[-1].removeprefix("Virtual").lower()

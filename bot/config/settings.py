@@ -33,6 +33,7 @@ from bot.config.sections import (
     OwnershipSettings,
     Recovery,
     SlackSettings,
+    SshSettings,
     StoreSettings,
     Timeouts,
 )
@@ -127,6 +128,7 @@ class Settings(BaseSettings):
     quotas: QuotaSettings = QuotaSettings()  # bot/requests/quotas.py
     leases: LeaseSettings = LeaseSettings()
     images: ImagesSettings = ImagesSettings()  # bot/images/: template build profiles
+    ssh: SshSettings = SshSettings()  # bot/sshca/: host certificates
     migration: MigrationSettings = MigrationSettings()  # bot/migration/: `migrate apply`
 
     @field_validator("database", mode="before")

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 
 from backends.building import TemplateVersion
-from backends.migrating import ReadOnlySource, TemplateFacts
+from backends.migrating import ReadOnlySource, TemplateFacts, VMFacts
 from bot.images.profiles import Profile
 from bot.migration.classify import Category, Finding, classify_template
 from bot.migration.plan import Plan, PlanFileError, source_unchanged
@@ -158,7 +158,9 @@ async def check_source(plan: Plan, source: ReadOnlySource) -> None:
     its digest differs, naming what changed."""
     if await source_unchanged(plan, source):  # the plan's own comparison (plan.py)
         return
-    changes = compare(plan.facts, await source.template_facts(plan.scope))
+    templates = await source.template_facts(plan.scope)
+    vms = await source.vm_facts(plan.scope)
+    changes = compare([*plan.facts, *plan.vm_facts], [*templates, *vms])
     said = [
         *(f"{n} is new" for n in changes.added),
         *(f"{n} is gone" for n in changes.removed),
@@ -166,16 +168,20 @@ async def check_source(plan: Plan, source: ReadOnlySource) -> None:
     ]
     raise SourceChanged(
         f"The source {plan.source} changed since this plan was made ("
-        + (", ".join(said[:10]) or "its templates were read differently")
+        + (", ".join(said[:10]) or "it was read differently")
         + (f" and {len(said) - 10} more" if len(said) > 10 else "")
         + f"). Nothing was started: make a new plan (migrate plan --from {plan.source} "
         f"--to {plan.target}) and apply that."
     )
 
 
-def compare(before: Sequence[TemplateFacts], after: Sequence[TemplateFacts]) -> Changes:
-    old = {f.source_id: f for f in before}
-    new = {f.source_id: f for f in after}
+Facts = TemplateFacts | VMFacts
+
+
+def compare(before: Sequence[Facts], after: Sequence[Facts]) -> Changes:
+    """By durable id (a VM whose configuration could not be read has none: by name)."""
+    old = {(type(f).__name__, f.source_id or f.name): f for f in before}
+    new = {(type(f).__name__, f.source_id or f.name): f for f in after}
     return Changes(
         added=tuple(sorted(new[i].name for i in new.keys() - old.keys())),
         removed=tuple(sorted(old[i].name for i in old.keys() - new.keys())),

@@ -55,9 +55,14 @@ CLOUD_INIT_GUESTINFO = ("metadata", "userdata", "vendordata")
 
 
 class Category(StrEnum):
+    # templates
     REBUILDABLE = "rebuildable"
     ON_TARGET = "on-target"
     NOT_MAPPABLE = "not-mappable"
+    # VMs (bot/migration/vms.py)
+    MOVES_AS_IS = "moves-as-is"
+    NEEDS_DECISIONS = "needs-decisions"
+    BLOCKED = "blocked"
 
 
 class MatchedBy(StrEnum):
@@ -82,18 +87,40 @@ class NoteKind(StrEnum):
     VMWARE_NIC = "vmware-nic"
     VMWARE_CONTROLLER = "vmware-controller"
     VMWARE_INTERFACE = "vmware-interface"  # ens192 in its notes
+    # A VM's (bot/migration/vms.py, which says how much each weighs)
+    UNREADABLE = "unreadable"
+    SNAPSHOTS = "snapshots"
+    CHANGE_TRACKING = "change-tracking"
+    CUSTOM_ATTRIBUTES = "custom-attributes"
+    FOLDER = "folder"
+    DRS_RULES = "drs-rules"
+    ALLOCATION = "allocation"
+    HARDWARE_VERSION = "hardware-version"
+    NIC_MODEL = "nic-model"  # the same model boots on Proxmox
+    NIC_MODEL_CHANGE = "nic-model-change"  # another model: another driver in the guest
+    CONTROLLER = "controller"
+    CONTROLLER_CHANGE = "controller-change"
+    TOOLS = "tools"
+    MAC_GENERATED = "mac-generated"
+    MAC_MANUAL = "mac-manual"
+    NETWORK = "network"
+    NO_SEGMENT = "no-segment"
+    DISK = "disk"
+    DISK_IMPOSSIBLE = "disk-impossible"
+    DISK_RAW_DEVICE = "disk-raw-device"
 
 
 @dataclass(frozen=True)
 class Note:
     kind: NoteKind
     value: str
+    detail: tuple[str, ...] = ()  # more particulars (a VM's notes), worded with the value
 
 
 @dataclass(frozen=True)
 class Finding:
-    """One source object and what it becomes. `kind` is "template" (VMs come later, with
-    their own categories, in the same shape)."""
+    """One source object and what it becomes. `kind` is "template" or "vm" (a VM's
+    findings are its notes; the profile fields stay empty)."""
 
     kind: str
     source_id: str

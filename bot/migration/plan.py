@@ -2,14 +2,16 @@
 count per category, and the digest of the source facts it was made from.
 
 The digest is the sha256 of a canonical JSON (sorted keys, no spaces, UTF-8) of the
-source's name, the scope and the facts read (`TemplateFacts`, sorted by id): an apply
+source's name, the scope and the facts read (`TemplateFacts`, and `VMFacts` when the
+source has VMs, each sorted by id): an apply
 reads the same scope again and compares, so a source that changed since the plan is
 refused rather than acted on (`source_unchanged`). The plan file holds the whole plan
 as JSON (0600: it names machines); `read_plan` reads it back and refuses one whose facts
 no longer hash to its digest (edited or damaged).
 
-VMs join as findings of kind "vm" with facts of their own, under the same digest and
-counts per kind (`CATEGORIES`).
+VMs are findings of kind "vm" with facts of their own (bot/migration/vms.py), under the
+same digest and counts per kind (`CATEGORIES`). A plan without VMs (an OVA, or a
+scope with none) digests exactly as one made before VMs were read.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from backends.building import TemplateVersion
-from backends.migrating import ReadOnlySource, Scope, TemplateFacts
+from backends.migrating import ReadOnlySource, Scope, TemplateFacts, VMFacts, vm_facts_of
+from bot.addresses.subnets import Subnet
 from bot.images.profiles import Profile
 from bot.migration.classify import (
     Category,
@@ -35,6 +38,7 @@ from bot.migration.classify import (
     NoteKind,
     classify_template,
 )
+from bot.migration.vms import classify_vm, network_map
 from bot.models import utcnow
 from bot.models.errors import UserError
 
@@ -46,10 +50,10 @@ class PlanFileError(UserError):
     says (edited or damaged). The message says which and that a new plan is needed."""
 
 
-# The categories of each kind of finding, in the order they are shown; "vm" joins with
-# its own (what travels, what needs a decision) when VMs are classified.
+# The categories of each kind of finding, in the order they are shown.
 CATEGORIES: dict[str, tuple[Category, ...]] = {
     "template": (Category.REBUILDABLE, Category.ON_TARGET, Category.NOT_MAPPABLE),
+    "vm": (Category.MOVES_AS_IS, Category.NEEDS_DECISIONS, Category.BLOCKED),
 }
 
 
@@ -65,6 +69,7 @@ class Plan:
     # The target's current templates deploybot built: (name, profile, build version).
     # Shown beside the source's counts; not a fact of the source, so not digested.
     target_templates: tuple[tuple[str, str, int], ...] = ()
+    vm_facts: tuple[VMFacts, ...] = ()  # digested with `facts`
 
     def counts(self) -> dict[str, dict[str, int]]:
         """Per kind, the number of objects in each category (every category named)."""
@@ -85,13 +90,17 @@ class Plan:
             "counts": self.counts(),
             "findings": [_finding_json(f) for f in self.findings],
             "facts": [f.as_json() for f in self.facts],
+            "vm_facts": [f.as_json() for f in self.vm_facts],
             "target_templates": [list(t) for t in self.target_templates],
         }
 
 
 def _finding_json(finding: Finding) -> dict[str, Any]:
     data = asdict(finding)
-    data["notes"] = [{"kind": n.kind.value, "value": n.value} for n in finding.notes]
+    data["notes"] = [
+        {"kind": n.kind.value, "value": n.value, **({"detail": list(n.detail)} if n.detail else {})}
+        for n in finding.notes
+    ]
     return {k: (v.value if hasattr(v, "value") else v) for k, v in data.items()}
 
 
@@ -99,10 +108,27 @@ def canonical(data: Any) -> bytes:
     return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
 
-def source_digest(source: str, scope: Scope, facts: Sequence[TemplateFacts]) -> str:
+def source_digest(
+    source: str, scope: Scope, facts: Sequence[TemplateFacts], vms: Sequence[VMFacts] = ()
+) -> str:
     ordered = sorted(facts, key=lambda f: (f.source_id, f.name))
-    data = {"source": source, "scope": asdict(scope), "facts": [f.as_json() for f in ordered]}
+    data: dict[str, Any] = {
+        "source": source,
+        "scope": asdict(scope),
+        "facts": [f.as_json() for f in ordered],
+    }
+    if vms:  # absent, not empty, without VMs: a templates-only plan keeps its digest
+        ordered_vms = sorted(vms, key=lambda f: (f.source_id, f.name))
+        data["vms"] = [_digested(f) for f in ordered_vms]
     return "sha256:" + hashlib.sha256(canonical(data)).hexdigest()
+
+
+def _digested(vm: VMFacts) -> dict[str, Any]:
+    """A VM's facts as digested: all but whether VMware Tools runs right now, which a
+    reboot of the guest flips without changing what the plan says of it."""
+    data = vm.as_json()
+    del data["tools_status"]
+    return data
 
 
 def classify(
@@ -113,9 +139,17 @@ def classify(
     profiles: Mapping[str, Profile],
     target_versions: Sequence[TemplateVersion],
     made_at: datetime,
+    vms: Sequence[VMFacts] = (),
+    subnets: Sequence[Subnet] = (),
+    storage_type: str | None = None,
 ) -> Plan:
-    """The plan of `facts` (pure: the reads happened before)."""
-    findings = tuple(classify_template(f, profiles, target_versions) for f in facts)
+    """The plan of `facts` and `vms` (pure: the reads happened before). `subnets` say
+    where each VM's networks go on the target; `storage_type` is the type of the target
+    storage its disks would land on, when known."""
+    networks = network_map(subnets, source, target)
+    findings = tuple(classify_template(f, profiles, target_versions) for f in facts) + tuple(
+        classify_vm(v, networks, storage_type) for v in vms
+    )
     return Plan(
         source,
         target,
@@ -123,8 +157,9 @@ def classify(
         made_at,
         tuple(facts),
         findings,
-        source_digest(source, scope, facts),
+        source_digest(source, scope, facts, vms),
         tuple(sorted((v.name, v.profile, v.version) for v in target_versions if v.current)),
+        tuple(vms),
     )
 
 
@@ -135,13 +170,18 @@ async def make_plan(
     profiles: Mapping[str, Profile],
     scope: Scope,
     now: datetime | None = None,
+    subnets: Sequence[Subnet] = (),
+    storage_type: str | None = None,
 ) -> Plan:
     """Read the source (read-only) and classify what it holds. `target_versions`: the
     templates deploybot built on the target (`BuildsTemplates.template_versions`)."""
     facts = await source.template_facts(scope)
+    vms = await source.vm_facts(scope)
+    made_at = now or utcnow()
     return classify(
-        source.name, target_name, scope, facts, profiles, target_versions, now or utcnow()
-    )
+        source.name, target_name, scope, facts, profiles, target_versions, made_at,
+        vms, subnets, storage_type,
+    )  # fmt: skip
 
 
 def write_plan(plan: Plan, path: Path) -> None:
@@ -174,7 +214,7 @@ def plan_from_document(data: Any, where: str) -> Plan:
         plan = _from_document(data)
     except (KeyError, TypeError, ValueError) as exc:
         raise PlanFileError(f"{where}: damaged ({exc!r}); make a new plan") from None
-    if source_digest(plan.source, plan.scope, plan.facts) != plan.digest:
+    if source_digest(plan.source, plan.scope, plan.facts, plan.vm_facts) != plan.digest:
         raise PlanFileError(
             f"{where}: its facts do not match its digest (edited or damaged); make a new plan"
         )
@@ -185,7 +225,8 @@ async def source_unchanged(plan: Plan, source: ReadOnlySource) -> bool:
     """Whether `source` (opened again, read-only) still holds what the plan read: the
     same scope read again gives the same digest."""
     facts = await source.template_facts(plan.scope)
-    return source_digest(plan.source, plan.scope, facts) == plan.digest
+    vms = await source.vm_facts(plan.scope)
+    return source_digest(plan.source, plan.scope, facts, vms) == plan.digest
 
 
 def _from_document(data: dict[str, Any]) -> Plan:
@@ -214,6 +255,7 @@ def _from_document(data: dict[str, Any]) -> Plan:
         target_templates=tuple(
             (str(n), str(p), int(v)) for n, p, v in data.get("target_templates", ())
         ),
+        vm_facts=tuple(vm_facts_of(f) for f in data.get("vm_facts", ())),
     )
 
 
@@ -231,5 +273,8 @@ def _finding(f: dict[str, Any]) -> Finding:
         target_version=f.get("target_version"),
         missing=Missing(missing) if missing else None,
         detail=tuple(str(d) for d in f.get("detail", ())),
-        notes=tuple(Note(NoteKind(n["kind"]), str(n["value"])) for n in f.get("notes", ())),
+        notes=tuple(
+            Note(NoteKind(n["kind"]), str(n["value"]), tuple(str(d) for d in n.get("detail", ())))
+            for n in f.get("notes", ())
+        ),
     )

@@ -92,7 +92,11 @@ class Migrations:
         try:
             versions = await builder.template_versions()
             profiles = self.settings.images.all_profiles()
-            made = await make_plan(opened, target, versions, profiles, scope, self.clock())
+            storage = await sources.target_storage_type(self.backends[target])
+            made = await make_plan(
+                opened, target, versions, profiles, scope, self.clock(),
+                subnets=self.settings.subnets, storage_type=storage,
+            )  # fmt: skip
         except BackendError as exc:
             raise UserError(
                 f"migrate plan: {exc.message}. Nothing was changed, and no plan was kept."

@@ -98,6 +98,7 @@ class Run:
     address: str | None = None
     host_key: str | None = None  # the public key line the SSH check confirmed
     host_key_source: HostKeySource | None = None  # how it was confirmed
+    host_certificate: str | None = None  # that key's certificate, signed by the host CA
     resumed: bool = False
 
 
