@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from backends.base import VMRef
 from backends.migrating import Scope
 from backends.sim import SimBackend
 from backends.vsphere.config import Config
@@ -133,6 +134,7 @@ async def test_apply_builds_each_profile_once_and_the_counts_match(
     assert {r.profile: r.build.state for r in outcome.rebuilds if r.build} == {
         "alma-9": BuildState.PUBLISHED,
         "debian-13": BuildState.PUBLISHED,
+        "ubuntu-22.04": BuildState.PUBLISHED,  # the build made before the plan
     }
     # Source against destination: every profile the migrating templates need is built.
     assert outcome.wanted() == {"alma-9", "debian-13", "ubuntu-22.04"}
@@ -147,11 +149,24 @@ async def test_apply_builds_each_profile_once_and_the_counts_match(
 
     # Run again: nothing is started twice (the store knows the builds).
     again = await deployer.migrations.apply(plan, "bob")
-    assert [r.started for r in again.rebuilds] == [False, False]
+    assert [r.started for r in again.rebuilds] == [False, False, False]
     assert {r.build.id for r in again.rebuilds if r.build} == {
         r.build.id for r in applied.rebuilds if r.build
     }
+    # ubuntu-jammy was on the target at plan time: its profile's build is named, not redone.
+    jammy = next(r for r in again.rebuilds if r.profile == "ubuntu-22.04")
+    assert jammy.templates == ("ubuntu-jammy",) and jammy.build is not None
+    assert jammy.build.state is BuildState.PUBLISHED and not jammy.started
     assert len(await deployer.store.builds.recent()) == 3
+    # A template removed from the target since (by hand): its profile is built again.
+    alma = next(r.build for r in again.rebuilds if r.profile == "alma-9")
+    assert alma is not None and alma.vm_id is not None
+    await target.destroy_template(VMRef(alma.vm_id, alma.id, alma.vm_placement, alma.installation))
+    third = await deployer.migrations.apply(plan, "bob")
+    assert [r.profile for r in third.rebuilds if r.started] == ["alma-9"]
+    await deployer.drain()
+    rebuilt = (await deployer.migrations.outcome(third)).rebuilds[0].build
+    assert rebuilt is not None and (rebuilt.state, rebuilt.version) == (BuildState.PUBLISHED, 2)
     # The source was only read, twice per apply's check and once per plan.
     assert proxy.mutations() == [] and set(proxy.methods()) <= READ_METHODS
 

@@ -9,9 +9,10 @@ pre-flight, smoke deploy, approval policy and queue, exactly as `template build`
 templates of one profile share its build, since building a profile twice makes the same
 template twice. Never an import of the source's disk.
 
-It is idempotent: a profile with a build on the target that is in flight or published
-(the store's `builds`), or whose template the target holds already, is not built again;
-two applies at once are kept apart by the store's one-build-in-flight-per-name index.
+It is idempotent: a profile with a build on the target in flight (the store's
+`builds`), or whose template the target holds (its build marks), is not built again; a
+published build whose template was removed since is built again; two applies at once are
+kept apart by the store's one-build-in-flight-per-name index.
 What the apply did and what is left are data (`Applied`, `Outcome`); the words are
 handlers/messages/migration.py's.
 """
@@ -190,10 +191,13 @@ def compare(before: Sequence[Facts], after: Sequence[Facts]) -> Changes:
 
 
 def rebuilds_of(plan: Plan) -> list[Rebuild]:
-    """The plan's rebuildable templates, one entry per profile (sorted)."""
+    """The plan's templates that migrate, one entry per profile (sorted): the
+    rebuildable ones, and those on the target at plan time (built again only if the
+    target lost its template since)."""
     by_profile: dict[str, list[str]] = {}
+    migrating = (Category.REBUILDABLE, Category.ON_TARGET)
     for finding in plan.findings:
-        if finding.category is Category.REBUILDABLE and finding.profile is not None:
+        if finding.category in migrating and finding.profile is not None:
             by_profile.setdefault(finding.profile, []).append(finding.name)
     return [Rebuild(p, tuple(sorted(names))) for p, names in sorted(by_profile.items())]
 
@@ -210,19 +214,22 @@ async def start(
     target: Sequence[TemplateVersion],
     again: Callable[[str], Awaitable[Sequence[Build]]],
 ) -> Applied:
-    """Ask for a build of each profile the plan rebuilds, unless one is in flight or
-    published (`known`: the store's builds of these profiles on the target) or the
-    target holds its template (`target`). `again` reads a profile's builds anew after
-    the store refused a second build in flight (another apply was first)."""
+    """Ask for a build of each profile the plan's templates need, unless one is in
+    flight (`known`: the store's builds of these profiles on the target) or the target
+    holds its template (`target`): a published build whose template is gone is built
+    again. `again` reads a profile's builds anew after the store refused a second build
+    in flight (another apply was first)."""
     done: list[Rebuild] = []
     for rebuild in rebuilds_of(plan):
-        found = next((b for b in known if b.profile == rebuild.profile), None)
+        mine = [b for b in known if b.profile == rebuild.profile]  # newest first
+        going = next((b for b in mine if b.state in ACTIVE_BUILD_STATES), None)
+        built = next((b for b in mine if b.state is BuildState.PUBLISHED), None)
         there = _current(rebuild.profile, target)
-        if found is not None:
-            done.append(replace(rebuild, build=found))
-        elif there is not None:
-            done.append(replace(rebuild, on_target=there.name))
-        else:
+        if going is not None:
+            done.append(replace(rebuild, build=going))
+        elif there is not None:  # with the build that made it, when this store knows it
+            done.append(replace(rebuild, build=built, on_target=there.name))
+        else:  # never built, or built and since removed from the target
             done.append(await _ask(rebuild, request, again))
     return Applied(plan, tuple(done))
 

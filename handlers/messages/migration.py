@@ -317,11 +317,12 @@ def rebuild_line(rebuild: Rebuild) -> str:
     head = f"  {rebuild.profile:<16} for {names}:"
     if rebuild.refused:
         return f"{head} no build: {rebuild.refused}"
-    if rebuild.on_target:
-        return f"{head} on the target already as {rebuild.on_target}, not built again"
     build = rebuild.build
+    if rebuild.on_target:
+        made = f" (build {build.id})" if build is not None else ""
+        return f"{head} on the target already as {rebuild.on_target}{made}, not again"
     assert build is not None
-    said = "build started" if rebuild.started else "built or being built already, not again:"
+    said = "build started" if rebuild.started else "being built already, not again:"
     return f"{head} {said} {build.id} ({build.versioned_name}, {_state(build)})"
 
 
