@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from backends.base import VMRef
-from backends.migrating import Scope
+from backends.migrating import Scope, TemplateFacts
 from backends.sim import SimBackend
 from backends.vsphere.config import Config
 from backends.vsphere.readonly import create
@@ -30,10 +30,11 @@ from bot.app.service import Deployer
 from bot.config.settings import Settings
 from bot.images.profiles import catalogue
 from bot.migration.apply import PlanTooOld, SourceChanged
-from bot.migration.plan import Plan, PlanFileError, make_plan, read_plan, write_plan
+from bot.migration.plan import Plan, PlanFileError, classify, make_plan, read_plan, write_plan
 from bot.models import utcnow
 from bot.models.builds import BuildState
-from handlers.messages.migration import applied_lines
+from bot.models.plans import KeptPlan
+from handlers.messages.migration import CHAT_FINDINGS, applied_lines, kept_plan_lines
 from tests.support.deployer import SIM_SCALE, make_settings
 from tests.support.slack.bot import ALICE, BOB, slack_bot
 from tests.support.slack.fake_api import Call
@@ -408,3 +409,32 @@ async def test_no_wait_leaves_the_builds_to_a_serving_process(
     assert done.missing() == set() and done.rebuilds[0].build is not None
     assert done.rebuilds[0].build.owner == deployer.runner.id
     assert done.rebuilds[0].build.state is BuildState.PUBLISHED
+
+
+def _debian(source_id: str, name: str) -> TemplateFacts:
+    return TemplateFacts(
+        source_id=source_id,
+        name=name,
+        guest_id="debian10_64Guest",
+        annotation="Debian 12",
+        extra=(),
+        nics=(),
+        disk_controllers=(),
+        hardware_version="vmx-13",
+    )
+
+
+def test_the_chat_table_keeps_source_text_on_one_line_and_inside_its_block() -> None:
+    """Names and notes come from the source: in chat's monospace block a backtick would
+    end the block and a newline would break the table, so neither passes; the first
+    findings are shown, the rest counted (Slack escapes <, > and & as for every answer)."""
+    odd = _debian("u-odd", "a-evil```<!here>\nname")
+    many = [_debian(f"u{i:02}", f"deb-{i:02}") for i in range(CHAT_FINDINGS + 3)]
+    plan = classify("vcenter", "pve", Scope(), [odd, *many], catalogue(), [], utcnow())
+    kept = KeptPlan(digest=plan.digest, document="{}", created_by="bob")
+    lines = kept_plan_lines(kept, plan, 3600)
+    text = "\n".join(lines)
+    assert "```" not in text and "\n" not in "".join(lines)
+    assert "a-evil'''<!here> name" in text  # one line, its backticks quoted
+    assert "... and 4 more" in text  # 16 findings, 12 shown
+    assert f"`/deploy migrate apply {kept.id}`" in text
