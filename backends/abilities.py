@@ -17,7 +17,9 @@ class ChecksPrivileges(Protocol):
     default_storage: str | None
     endpoint: tuple[str, int]  # host and port of its API, for the certificate's subject
 
-    async def missing_privileges(self, template: str) -> list[MissingPrivilege]:
+    async def missing_privileges(
+        self, template: str, *, certificates: bool = False
+    ) -> list[MissingPrivilege]:
         """Those a deploy of `template` lacks. Raises `BackendError` when they cannot be
         asked (no such template: the places a deploy needs them depend on it); never an
         empty list for a check that did not run."""
@@ -95,4 +97,21 @@ class ChoosesHostKeys(Protocol):
 
     async def holds_host_key(self, ref: VMRef) -> bool:
         """Whether the VM's stored cloud-config still holds a private host key (gc asks)."""
+        ...
+
+
+@runtime_checkable
+class InstallsHostCertificates(Protocol):
+    """A backend that can put a host certificate into a running guest through the
+    hypervisor's own channel (Proxmox: the guest agent's file-write and exec)."""
+
+    certificates_through: str  # for people: "the QEMU guest agent"
+
+    async def install_host_certificate(self, ref: VMRef, certificate: str) -> str | None:
+        """Write `certificate` (an OpenSSH host certificate line) next to its key
+        (/etc/ssh/ssh_host_<type>_key-cert.pub, the type from the certificate's algorithm),
+        make sshd present it (HostCertificate in sshd's configuration) and reload sshd;
+        returns a note. RetryableError while the channel is not up; PermanentError when
+        refused (a missing privilege is named) or when the command in the guest fails
+        (its exit code and output)."""
         ...

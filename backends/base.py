@@ -166,6 +166,10 @@ class Identity:
     # The host key pair deploybot chose, for a backend that installs it (ChoosesHostKeys);
     # None: the guest makes its own at first boot.
     host_key: HostKeyPair | None = None
+    # The OpenSSH host certificate of `host_key` (deploybot's host CA signed it), installed with
+    # it in the cloud-config (`ssh_keys: ed25519_certificate`: cloud-init writes it and sets
+    # sshd's HostCertificate); None: no certificate.
+    host_certificate: str | None = None
 
 
 @dataclass(frozen=True)

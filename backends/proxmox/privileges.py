@@ -7,9 +7,11 @@ on the target storage), config (cloud-init, network, CPU, memory, tags), resize,
 destroy on rollback, and the guest agent's reads (its address; the SSH host keys with
 file-read), whose privileges depend on the release (`hostkeys`: `VM.Monitor` before
 PVE 9, `VM.GuestAgent.Audit` and `VM.GuestAgent.FileRead` from 9.0, where
-`VM.GuestAgent.Unrestricted` does as well). The new VM's id is not known in advance, so
-its privileges are asked on /vms, from which /vms/<id> inherits. PVE 8 checks `SDN.Use`
-on /sdn/zones/localnetwork/<bridge> for a plain bridge too.
+`VM.GuestAgent.Unrestricted` does as well); with host certificates the agent's
+file-write and exec (`certificates`: `VM.Monitor` before PVE 9, from 9.0
+`VM.GuestAgent.FileWrite` and `VM.GuestAgent.Unrestricted`). The new VM's id is not
+known in advance, so its privileges are asked on /vms, from which /vms/<id> inherits.
+PVE 8 checks `SDN.Use` on /sdn/zones/localnetwork/<bridge> for a plain bridge too.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 
 from backends.base import MissingPrivilege
 from backends.proxmox.api import PveApi
+from backends.proxmox.certificates import exec_privilege, write_privilege
 from backends.proxmox.config import Config
 from backends.proxmox.hostkeys import (
     GUEST_AGENT_PRIVILEGES_SINCE,
@@ -37,9 +40,12 @@ class Need:
     instead: tuple[str, ...] = ()  # privileges that allow it as well (any one will do)
 
 
-def needs(config: Config, template: TemplateInfo, release: tuple[int, int]) -> list[Need]:
+def needs(
+    config: Config, template: TemplateInfo, release: tuple[int, int], *, certificates: bool = False
+) -> list[Need]:
     """What the deploy steps need, on the paths they use for this template, on the
-    server's release (`release`: its major, minor)."""
+    server's release (`release`: its major, minor); with `certificates`, also what
+    installing a host certificate through the agent needs (`certificates`)."""
     new = "/vms"
     agent = (UNRESTRICTED,) if release >= GUEST_AGENT_PRIVILEGES_SINCE else ()
     storage = config.storage or template.disk.storage
@@ -62,6 +68,20 @@ def needs(config: Config, template: TemplateInfo, release: tuple[int, int]) -> l
             agent,
         ),
     ]
+    if certificates:
+        found += [
+            Need(
+                new,
+                write_privilege(release),
+                "write the SSH host certificate through the guest agent (file-write)",
+                agent,
+            ),
+            Need(
+                new,
+                exec_privilege(release),
+                "reload sshd with the host certificate through the guest agent (exec)",
+            ),
+        ]
     if storage:
         found.append(Need(f"/storage/{storage}", "Datastore.AllocateSpace", "copy the disk"))
     if config.bridge:
@@ -76,11 +96,16 @@ def who(config: Config) -> str:
 
 
 async def missing(
-    api: PveApi, config: Config, template: TemplateInfo, release: tuple[int, int]
+    api: PveApi,
+    config: Config,
+    template: TemplateInfo,
+    release: tuple[int, int],
+    *,
+    certificates: bool = False,
 ) -> list[MissingPrivilege]:
     """The privileges the deploy steps need and the token or user lacks, path by path
     (each path asked once: PVE computes the inherited set for it)."""
-    wanted = needs(config, template, release)
+    wanted = needs(config, template, release, certificates=certificates)
     held: dict[str, set[str]] = {}
     for path in dict.fromkeys(n.path for n in wanted):
         answer: Any = await api.call("GET", "access/permissions", "permissions", {"path": path})

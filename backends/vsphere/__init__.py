@@ -178,7 +178,11 @@ class VSphereBackend:
     async def templates(self) -> list[Template]:
         return await self.discovery.templates()
 
-    async def missing_privileges(self, template: str) -> list[MissingPrivilege]:
+    async def missing_privileges(
+        self, template: str, *, certificates: bool = False
+    ) -> list[MissingPrivilege]:
+        # A host certificate travels in the cloud-config the clone's reconfigure writes
+        # (guestinfo): it needs no privilege beyond the deploy's own.
         return await self.discovery.missing_privileges(template)
 
     async def storages(self, placement: str | None = None) -> list[Storage]:
