@@ -38,6 +38,7 @@ DROP_IN = "/etc/ssh/sshd_config.d/50-deploybot-host-certificate.conf"
 SCRIPT = f"""set -eu
 line="HostCertificate $1"
 conf=/etc/ssh/sshd_config
+[ -f "$conf" ] || {{ echo "$conf is missing: is openssh-server installed?" >&2; exit 2; }}
 target=$conf
 if grep -Eqi '^[[:space:]]*Include[[:space:]]+/etc/ssh/sshd_config\\.d/' "$conf"; then
   target={DROP_IN}

@@ -117,7 +117,7 @@ class Simulated:
             raise ApiError(500, "QEMU guest agent is not running")
         guestfiles.ensure_host_keys(vm)  # a VM added as running (`add_vm`) booted before
         agent = self.agents.setdefault(vm.vmid, guestfiles.SimulatedAgent())
-        return agent.run(vm, command, arguments)
+        return await agent.ask(vm, command, arguments)
 
     def route(self, host: str, port: int) -> Endpoint | None:
         return self.cluster.guest.route(host, port)
