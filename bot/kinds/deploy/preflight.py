@@ -1,0 +1,71 @@
+"""A deploy's pre-flight, in its check_free step: the privileges its steps will need,
+asked of a backend that can say (`ChecksPrivileges`) before anything is cloned. A token
+lacking, say, the guest agent's file-read is refused here with every missing privilege
+named, not at the SSH step with a VM to roll back.
+
+An answer that nothing is missing is kept per (backend, template, certificates) for
+`keep_s`: privileges rarely change, and a deploy's requests are a benchmark goal
+(docs/backends.md), so the pre-flight costs a deploy nothing after the first of a while.
+An answer that something is missing is not kept: a grant counts at the next deploy.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from backends.abilities import ChecksPrivileges
+from backends.base import Backend, MissingPrivilege, PermanentError
+from bot.kinds.deploy.runs import StepFailed
+
+log = logging.getLogger(__name__)
+KEEP_S = 300.0
+
+
+@dataclass
+class Preflight:
+    """The privilege check of check_free, with its short memory of passes."""
+
+    # A host CA is configured: installing certificates (InstallsHostCertificates) needs
+    # its own privileges (Proxmox: the agent's file-write and exec).
+    certificates: bool = False
+    keep_s: float = KEEP_S
+    clock: Callable[[], float] = time.monotonic
+    _passed: dict[tuple[str, str, bool], float] = field(default_factory=dict)
+
+    async def check(self, name: str, backend: Backend, template: str) -> str | None:
+        """Raise StepFailed naming what is missing; a note when the check could not be
+        made (the deploy goes on: its steps will meet the real refusal, if any)."""
+        if not isinstance(backend, ChecksPrivileges):
+            return None
+        key = (name, template, self.certificates)
+        if self._passed.get(key, float("-inf")) > self.clock():
+            return None
+        try:
+            lacking = await backend.missing_privileges(template, certificates=self.certificates)
+        except PermanentError as exc:  # a RetryableError is the step's to retry
+            log.warning("%s: privileges of a deploy of %s not checked: %s", name, template, exc)
+            return f"privileges not checked ({exc.message})"
+        if lacking:
+            raise StepFailed("check_free", refusal(name, lacking))
+        self._passed[key] = self.clock() + self.keep_s
+        return None
+
+
+def refusal(backend: str, lacking: list[MissingPrivilege]) -> str:
+    """One message: each missing privilege with its path and what it is for."""
+    purposes: dict[tuple[str, str], list[str]] = {}
+    for item in lacking:
+        steps = purposes.setdefault((item.privilege, item.where), [])
+        if item.step not in steps:
+            steps.append(item.step)
+    named = "; ".join(
+        f"{privilege} on {where} (to {', '.join(steps)})"
+        for (privilege, where), steps in purposes.items()
+    )
+    return (
+        f"{lacking[0].account} lacks privileges this deploy needs on {backend}: {named}. "
+        "Nothing was created; grant them, then deploy again (`deploybot check` lists them)"
+    )
