@@ -6,6 +6,7 @@ host CA the certificate's privileges are asked too."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -112,3 +113,22 @@ async def test_with_a_host_ca_the_certificates_privileges_are_asked(
         "the guest agent (exec))" in refused.value.reason
     )
     assert "FileWrite" not in refused.value.reason
+
+
+async def test_deploys_arriving_together_share_one_question(
+    pve_schema: ApiSchema, pve_tls: Tls
+) -> None:
+    async with start_fake(pve_schema, pve_tls, release="9.0") as fake:
+        alone = await asked(fake, Preflight())
+        backend = make_backend(fake)
+        preflight = Preflight()
+        try:
+            before = len(fake.sent("GET", PERMISSIONS))
+            notes = await asyncio.gather(
+                *(preflight.check("pve", backend, "ubuntu-24.04") for _ in range(5))
+            )
+            together = len(fake.sent("GET", PERMISSIONS)) - before
+        finally:
+            await backend.close()
+    assert notes == [None] * 5
+    assert together == alone > 0

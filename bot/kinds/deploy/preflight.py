@@ -11,6 +11,7 @@ An answer that something is missing is not kept: a grant counts at the next depl
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -34,6 +35,9 @@ class Preflight:
     keep_s: float = KEEP_S
     clock: Callable[[], float] = time.monotonic
     _passed: dict[tuple[str, str, bool], float] = field(default_factory=dict)
+    _asking: dict[tuple[str, str, bool], asyncio.Future[list[MissingPrivilege]]] = field(
+        default_factory=dict
+    )
 
     async def check(self, name: str, backend: Backend, template: str) -> str | None:
         """Raise StepFailed naming what is missing; a note when the check could not be
@@ -43,15 +47,28 @@ class Preflight:
         key = (name, template, self.certificates)
         if self._passed.get(key, float("-inf")) > self.clock():
             return None
+        # Deploys arriving together (fifty at once) share one question.
+        asking = self._asking.get(key)
+        if asking is None:
+            asking = asyncio.ensure_future(self._ask(key, backend))
+            self._asking[key] = asking
+            asking.add_done_callback(lambda _done: self._asking.pop(key, None))
         try:
-            lacking = await backend.missing_privileges(template, certificates=self.certificates)
+            lacking = await asyncio.shield(asking)
         except PermanentError as exc:  # a RetryableError is the step's to retry
             log.warning("%s: privileges of a deploy of %s not checked: %s", name, template, exc)
             return f"privileges not checked ({exc.message})"
         if lacking:
             raise StepFailed("check_free", refusal(name, lacking))
-        self._passed[key] = self.clock() + self.keep_s
         return None
+
+    async def _ask(
+        self, key: tuple[str, str, bool], backend: ChecksPrivileges
+    ) -> list[MissingPrivilege]:
+        lacking = await backend.missing_privileges(key[1], certificates=key[2])
+        if not lacking:
+            self._passed[key] = self.clock() + self.keep_s
+        return lacking
 
 
 def refusal(backend: str, lacking: list[MissingPrivilege]) -> str:
