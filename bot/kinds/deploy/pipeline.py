@@ -75,6 +75,7 @@ class Pipeline:
         progress: Progress,
         fence: Fence,
         addressing: Addressing,
+        preflight: Preflight | None = None,
     ) -> None:
         """`fence` is this process's runner (bot/ownership/claims.Ownership): every state
         change of a job names its claim, so a runner that lost a job (its claim lapsed)
@@ -89,7 +90,8 @@ class Pipeline:
         self.progress = progress
         self.timeouts = settings.timeouts
         self.engine = Engine(self, STEPS, store, progress, settings.timeouts, fence)
-        self.preflight = Preflight()  # certificates=: see bot/kinds/deploy/preflight.py
+        # The privilege check of check_free (certificates=: see its module doc).
+        self.preflight = preflight or Preflight()
 
     async def run(self, job_id: str) -> Job | None:
         """Run a queued job to a final state; None if it was no longer queued."""
