@@ -16,6 +16,7 @@ PVE 8 checks `SDN.Use` on /sdn/zones/localnetwork/<bridge> for a plain bridge to
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,13 +105,17 @@ async def missing(
     certificates: bool = False,
 ) -> list[MissingPrivilege]:
     """The privileges the deploy steps need and the token or user lacks, path by path
-    (each path asked once: PVE computes the inherited set for it)."""
+    (each path asked once, all at once: PVE computes the inherited set for each, and a
+    deploy's check_free waits for them)."""
     wanted = needs(config, template, release, certificates=certificates)
-    held: dict[str, set[str]] = {}
-    for path in dict.fromkeys(n.path for n in wanted):
-        answer: Any = await api.call("GET", "access/permissions", "permissions", {"path": path})
-        privileges = answer.get(path, {}) if isinstance(answer, dict) else {}
-        held[path] = set(privileges)
+    paths = list(dict.fromkeys(n.path for n in wanted))
+    answers: list[Any] = await asyncio.gather(
+        *(api.call("GET", "access/permissions", "permissions", {"path": p}) for p in paths)
+    )
+    held = {
+        path: set(answer.get(path, {}) if isinstance(answer, dict) else {})
+        for path, answer in zip(paths, answers, strict=True)
+    }
     return [
         MissingPrivilege(n.privilege, n.path, n.step, who(config))
         for n in wanted
