@@ -11,6 +11,7 @@ The privileges depend on the release (qemu-server's Agent.pm, the fake's supplem
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 from typing import Any
 
 from backends.base import PermanentError, RetryableError
@@ -126,13 +127,12 @@ async def _finished(
     loop = asyncio.get_running_loop()
     deadline = loop.time() + EXEC_TIMEOUT_S
     what = f"status of the command in VM {vm_id} (its guest agent)"
-    for attempt in range(10_000):
-        await asyncio.sleep(POLL_S[min(attempt, len(POLL_S) - 1)])
+    waits = iter(POLL_S)
+    while loop.time() < deadline:
+        await asyncio.sleep(next(waits, POLL_S[-1]))
         status = await _agent(api.get(f"{base}/exec-status", what, pid=pid), *refused, "exec")
         if isinstance(status, dict) and status.get("exited"):
             return status
-        if loop.time() >= deadline:
-            break
     raise RetryableError(
         f"VM {vm_id}: the command installing its host certificate still runs after "
         f"{EXEC_TIMEOUT_S:.0f} s (pid {pid} in the guest; is sshd's reload hanging?)",
@@ -140,7 +140,9 @@ async def _finished(
     )
 
 
-async def _agent(call: Any, vm_id: str, release: tuple[int, int], account: str, action: str) -> Any:
+async def _agent(
+    call: Awaitable[Any], vm_id: str, release: tuple[int, int], account: str, action: str
+) -> Any:
     """One agent request, its refusals in deploybot's words."""
     try:
         return await call
