@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+import asyncssh
 import pytest
 
 from backends.base import PermanentError, RetryableError, VMRef
@@ -20,7 +21,15 @@ from tests.support.fakepve.schema import ApiSchema
 from tests.support.fakepve.server import FakePVE, Tls
 from tests.support.fakepve.testing import make_backend, start_fake
 from tests.support.hostkeys import host_certificate
-from tests.support.proxmox import IDENTITY, backend, cloned, pve, pve_schema, pve_tls
+from tests.support.proxmox import (
+    IDENTITY,
+    backend,
+    cloned,
+    free_port,
+    pve,
+    pve_schema,
+    pve_tls,
+)
 
 __all__ = ["backend", "pve", "pve_schema", "pve_tls"]  # fixtures, used by name
 
@@ -76,10 +85,14 @@ async def test_the_certificate_lands_and_sshd_presents_it_after_a_reload(
     await backend.install_host_certificate(ref, certificate)
     assert guest_file(pve, ref, DROP_IN) == LINE + "\n"
     assert guest_file(pve, ref, "/run/systemctl.log").count("\n") == 2
-    sent = [r for r in pve.requests if r.template and r.template.startswith(AGENT)]
+    mine = {AGENT + name for name in ("file-write", "exec", "exec-status")}
+    sent = [r for r in pve.requests if r.template in mine]
     names = [r.template.removeprefix(AGENT) for r in sent if r.template]
-    assert names[: names.index("exec") + 1][-2:] == ["file-write", "exec"]
-    assert names.count("exec-status") >= 2 and names[-1] == "exec-status"
+    # Twice: file-write, exec, then exec-status until it exited.
+    first = names[: names.index("file-write", 1)]
+    assert first[:2] == ["file-write", "exec"] and set(first[2:]) == {"exec-status"}
+    assert names.count("file-write") == names.count("exec") == 2
+    assert names[-1] == "exec-status"
     for r in sent:
         method_params = {**r.params, **r.path_params}
         assert pve_schema.check(r.template or "", r.method, method_params) == {}, r
@@ -180,3 +193,52 @@ async def test_a_refusal_names_the_privilege_of_the_release(
         "write the SSH host certificate through the guest agent (file-write)",
     )
     assert (write in steps) == ("VM.GuestAgent.FileWrite" in revoke)
+
+
+async def verdict(address: str, port: int, ca: asyncssh.SSHKey) -> str:
+    """What an SSH client trusting only `ca` (one @cert-authority line) makes of the
+    guest's sshd: past the host key it is refused for want of a user key."""
+    trusted = f"@cert-authority {address} {ca.export_public_key().decode()}"
+    try:
+        async with asyncssh.connect(
+            address,
+            port,
+            known_hosts=asyncssh.import_known_hosts(trusted),
+            username="ubuntu",
+            client_keys=None,
+            password=None,
+        ):
+            return "logged in"
+    except (asyncssh.HostKeyNotVerifiable, asyncssh.KeyExchangeFailed):
+        # Without a certificate the client finds no host key it could accept at all.
+        return "host key refused"
+    except asyncssh.PermissionDenied:
+        return "host trusted"
+
+
+async def test_after_the_reload_the_guests_sshd_presents_the_certificate(
+    pve_schema: ApiSchema, pve_tls: Tls
+) -> None:
+    """The fake guest's sshd restarts on the reload and presents what HostCertificate
+    names: a client with only the CA's line trusts it, one with another CA does not."""
+    ca, stranger = (asyncssh.generate_private_key("ssh-ed25519") for _ in range(2))
+    address = str(IDENTITY.address.ip)
+    async with start_fake(pve_schema, pve_tls, ssh_port=free_port()) as fake:
+        proxmox = make_backend(fake)
+        try:
+            ref = await running(proxmox)
+            vm = fake.cluster.vms[int(ref.vm_id)]
+            assert vm.boot is not None and fake.cluster.guest.ssh_port is not None
+            await vm.boot  # sshd up
+            port = fake.cluster.guest.ssh_port
+            assert await verdict(address, port, ca) == "host key refused"  # no certificate yet
+            public = vm.files["/etc/ssh/ssh_host_ed25519_key.pub"].decode()
+            certificate = host_certificate(public, ("web01", address), ca)
+            await proxmox.install_host_certificate(ref, certificate)
+            assert await verdict(address, port, ca) == "host trusted"
+            assert await verdict(address, port, stranger) == "host key refused"
+            # The plain key is still presented: the SSH check's confirmation is unchanged.
+            presented = await proxmox.probe_ssh(ref, IDENTITY.address.ip, port)
+            assert presented is not None and presented.split()[:2] == public.split()[:2]
+        finally:
+            await proxmox.close()

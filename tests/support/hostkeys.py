@@ -23,10 +23,12 @@ def public_of(private_openssh: str) -> str:
     return key.export_public_key("openssh").decode("ascii").strip()
 
 
-def host_certificate(public: str, principals: tuple[str, ...] = ("web01",)) -> str:
-    """An OpenSSH host certificate line of `public`, signed by a throw-away CA (as
-    deploybot's host CA signs one), valid from an hour ago for a day."""
-    ca = asyncssh.generate_private_key("ssh-ed25519")
+def host_certificate(
+    public: str, principals: tuple[str, ...] = ("web01",), ca: asyncssh.SSHKey | None = None
+) -> str:
+    """An OpenSSH host certificate line of `public`, signed by `ca` (a throw-away one when
+    not given), as deploybot's host CA signs one, valid from an hour ago for a day."""
+    ca = ca or asyncssh.generate_private_key("ssh-ed25519")
     now = int(time.time())
     certificate = ca.generate_host_certificate(
         asyncssh.import_public_key(public),

@@ -11,8 +11,10 @@ A command (guest-exec) really runs, with the host's /bin/sh and tools, in a moun
 namespace of its own (`tests.support.mountns`) where /etc/ssh and /run are the guest's
 (its `VM.files` under them, written to a temporary folder before and read back after)
 and `systemctl` is the guest's systemd (`SYSTEMCTL`: it knows ssh.service and
-sshd.service and logs each call to /run/systemctl.log). The image's sshd_config is
-Debian 12's: it includes /etc/ssh/sshd_config.d/*.conf first.
+sshd.service and logs each call to /run/systemctl.log; a reload of sshd restarts the
+guest's sshd, which then presents the certificates its `HostCertificate` lines name:
+`host_certificates`). The image's sshd_config is Debian 12's: it includes
+/etc/ssh/sshd_config.d/*.conf first.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import itertools
+import re
 import shutil
 import tempfile
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -44,6 +48,7 @@ PrintMotd no
 AcceptEnv LANG LC_*
 Subsystem sftp /usr/lib/openssh/sftp-server
 """
+SYSTEMCTL_LOG = "/run/systemctl.log"
 # The guest's folders a command sees as its own (the rest is the host's, read-only use).
 GUEST_FOLDERS = ("/etc/ssh", "/run")
 SYSTEMCTL = """#!/bin/sh
@@ -105,13 +110,33 @@ class Process:
     task: asyncio.Task[dict[str, Any]]
 
 
+def host_certificates(vm: VM) -> list[str]:
+    """The certificates sshd presents with its key: the files its `HostCertificate` lines
+    name (sshd_config, and the drop-ins it includes first) that exist."""
+    config = vm.files.get(SSHD_CONFIG, b"").decode()
+    texts = [config]
+    if re.search(r"(?mi)^\s*Include\s+/etc/ssh/sshd_config\.d/", config):
+        drop_ins = sorted(
+            p for p in vm.files if re.fullmatch(r"/etc/ssh/sshd_config\.d/.+\.conf", p)
+        )
+        texts = [vm.files[p].decode() for p in drop_ins] + texts
+    found = []
+    for text in texts:
+        for path in re.findall(r"(?mi)^\s*HostCertificate\s+(\S+)", text):
+            if path in vm.files and path not in found:
+                found.append(path)
+    return [vm.files[p].decode().strip() for p in found]
+
+
 @dataclass
 class SimulatedAgent:
-    """One guest's agent state: open file handles and started processes."""
+    """One guest's agent state: open file handles and started processes.
+    `on_reload`: what a command that reloaded sshd (its systemctl) makes happen."""
 
     handles: dict[int, OpenFile] = field(default_factory=dict)
     processes: dict[int, Process] = field(default_factory=dict)
     executed: list[list[str]] = field(default_factory=list)  # every exec, for tests
+    on_reload: Callable[[VM], Awaitable[None]] | None = None
     _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1000))
 
     async def ask(self, vm: VM, command: str, arguments: dict[str, Any]) -> Any:
@@ -123,7 +148,7 @@ class SimulatedAgent:
                 raise AgentError(f"Failed to execute child process: {reason}")
             pid = next(self._ids)
             stdin = base64.b64decode(str(arguments.get("input-data", "")))
-            self.processes[pid] = Process(asyncio.create_task(run_in_guest(vm, argv, stdin)))
+            self.processes[pid] = Process(asyncio.create_task(self._run(vm, argv, stdin)))
             self.executed.append(argv)
             return {"pid": pid}
         if command == "guest-exec-status":
@@ -135,6 +160,14 @@ class SimulatedAgent:
             del self.processes[int(arguments["pid"])]  # qemu-ga forgets it once told
             return process.task.result()
         return self.run(vm, command, arguments)
+
+    async def _run(self, vm: VM, argv: list[str], stdin: bytes) -> dict[str, Any]:
+        before = vm.files.get(SYSTEMCTL_LOG, b"")
+        answer = await run_in_guest(vm, argv, stdin)
+        calls = vm.files.get(SYSTEMCTL_LOG, b"").removeprefix(before).decode()
+        if self.on_reload is not None and re.search(r"(?m)reload.* sshd?(\.service)?$", calls):
+            await self.on_reload(vm)
+        return answer
 
     def run(self, vm: VM, command: str, arguments: dict[str, Any]) -> Any:
         if command == "guest-file-open":
