@@ -17,10 +17,11 @@ PVE 8 checks `SDN.Use` on /sdn/zones/localnetwork/<bridge> for a plain bridge to
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from backends.base import MissingPrivilege
+from backends.base import MissingPrivilege, Segment
 from backends.proxmox.api import PveApi
 from backends.proxmox.certificates import exec_privilege, write_privilege
 from backends.proxmox.config import Config
@@ -42,11 +43,17 @@ class Need:
 
 
 def needs(
-    config: Config, template: TemplateInfo, release: tuple[int, int], *, certificates: bool = False
+    config: Config,
+    template: TemplateInfo,
+    release: tuple[int, int],
+    segments: Sequence[Segment] = (),
+    *,
+    certificates: bool = False,
 ) -> list[Need]:
     """What the deploy steps need, on the paths they use for this template, on the
-    server's release (`release`: its major, minor); with `certificates`, also what
-    installing a host certificate through the agent needs (`certificates`)."""
+    server's release (`release`: its major, minor), for NICs on `segments` (none given:
+    the configured `bridge`, if any); with `certificates`, also what installing a host
+    certificate through the agent needs (`certificates`)."""
     new = "/vms"
     agent = (UNRESTRICTED,) if release >= GUEST_AGENT_PRIVILEGES_SINCE else ()
     storage = config.storage or template.disk.storage
@@ -85,10 +92,19 @@ def needs(
         ]
     if storage:
         found.append(Need(f"/storage/{storage}", "Datastore.AllocateSpace", "copy the disk"))
-    if config.bridge:
-        zone = f"/sdn/zones/localnetwork/{config.bridge}"
-        found.append(Need(zone, "SDN.Use", f"attach the NIC to {config.bridge}"))
+    for segment in segments or ([Segment(config.bridge)] if config.bridge else []):
+        found.append(bridge_need(segment))
     return found
+
+
+def bridge_need(segment: Segment) -> Need:
+    """`SDN.Use` where PVE checks it for a NIC on a plain bridge: the bridge's path in
+    the `localnetwork` zone, and with a tag the tag's path below it (an ACL on the
+    bridge, propagated, covers its tags)."""
+    path = f"/sdn/zones/localnetwork/{segment.network}"
+    if segment.vlan is not None:
+        path += f"/{segment.vlan}"
+    return Need(path, "SDN.Use", f"attach the NIC to {segment}")
 
 
 def who(config: Config) -> str:
@@ -101,13 +117,14 @@ async def missing(
     config: Config,
     template: TemplateInfo,
     release: tuple[int, int],
+    segments: Sequence[Segment] = (),
     *,
     certificates: bool = False,
 ) -> list[MissingPrivilege]:
     """The privileges the deploy steps need and the token or user lacks, path by path
     (each path asked once, all at once: PVE computes the inherited set for each, and a
     deploy's check_free waits for them)."""
-    wanted = needs(config, template, release, certificates=certificates)
+    wanted = needs(config, template, release, segments, certificates=certificates)
     paths = list(dict.fromkeys(n.path for n in wanted))
     answers: list[Any] = await asyncio.gather(
         *(api.call("GET", "access/permissions", "permissions", {"path": p}) for p in paths)

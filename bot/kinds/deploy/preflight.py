@@ -3,7 +3,8 @@ asked of a backend that can say (`ChecksPrivileges`) before anything is cloned. 
 lacking, say, the guest agent's file-read is refused here with every missing privilege
 named, not at the SSH step with a VM to roll back.
 
-An answer that nothing is missing is kept per (backend, template, certificates) for
+An answer that nothing is missing is kept per (backend, template, the NICs' segments,
+certificates) for
 `keep_s`: privileges rarely change, and a deploy's requests are a benchmark goal
 (docs/backends.md), so the pre-flight costs a deploy nothing after the first of a while.
 An answer that something is missing is not kept: a grant counts at the next deploy.
@@ -18,11 +19,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from backends.abilities import ChecksPrivileges
-from backends.base import Backend, MissingPrivilege, PermanentError
+from backends.base import Backend, MissingPrivilege, PermanentError, Segment
 from bot.kinds.deploy.runs import StepFailed
 
 log = logging.getLogger(__name__)
 KEEP_S = 300.0
+Key = tuple[str, str, tuple[Segment, ...], bool]  # backend, template, segments, certificates
 
 
 @dataclass
@@ -34,17 +36,18 @@ class Preflight:
     certificates: bool = False
     keep_s: float = KEEP_S
     clock: Callable[[], float] = time.monotonic
-    _passed: dict[tuple[str, str, bool], float] = field(default_factory=dict)
-    _asking: dict[tuple[str, str, bool], asyncio.Future[list[MissingPrivilege]]] = field(
-        default_factory=dict
-    )
+    _passed: dict[Key, float] = field(default_factory=dict)
+    _asking: dict[Key, asyncio.Future[list[MissingPrivilege]]] = field(default_factory=dict)
 
-    async def check(self, name: str, backend: Backend, template: str) -> str | None:
-        """Raise StepFailed naming what is missing; a note when the check could not be
-        made (the deploy goes on: its steps will meet the real refusal, if any)."""
+    async def check(
+        self, name: str, backend: Backend, template: str, segments: tuple[Segment, ...] = ()
+    ) -> str | None:
+        """Raise StepFailed naming what is missing for a deploy of `template` with NICs on
+        `segments` (none: the backend's default network); a note when the check could not
+        be made (the deploy goes on: its steps will meet the real refusal, if any)."""
         if not isinstance(backend, ChecksPrivileges):
             return None
-        key = (name, template, self.certificates)
+        key = (name, template, segments, self.certificates)
         if self._passed.get(key, float("-inf")) > self.clock():
             return None
         # Deploys arriving together (fifty at once) share one question.
@@ -62,10 +65,9 @@ class Preflight:
             raise StepFailed("check_free", refusal(name, lacking))
         return None
 
-    async def _ask(
-        self, key: tuple[str, str, bool], backend: ChecksPrivileges
-    ) -> list[MissingPrivilege]:
-        lacking = await backend.missing_privileges(key[1], certificates=key[2])
+    async def _ask(self, key: Key, backend: ChecksPrivileges) -> list[MissingPrivilege]:
+        _name, template, segments, certificates = key
+        lacking = await backend.missing_privileges(template, segments, certificates=certificates)
         if not lacking:
             self._passed[key] = self.clock() + self.keep_s
         return lacking

@@ -1,0 +1,33 @@
+"""Which read-only source a plan reads: a `[[backends]]` entry opened through its
+read-only session type (vSphere only: the one hypervisor deploybot migrates from), or
+an OVA on a web server read from its head. Never a backend: the source is read-only by
+construction, so no code path here can hold something that writes."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from backends.config import BackendConfig
+from backends.migrating import ReadOnlySource
+from backends.vsphere import readonly
+from backends.vsphere.ovahead import OvaSource
+from bot.models.errors import BackendError, ConfigError, UserError
+
+
+def open_source(config: BackendConfig, environ: Mapping[str, str]) -> ReadOnlySource:
+    """The read-only session of `config` (not connected yet)."""
+    if config.kind != "vsphere":
+        raise UserError(
+            f"--from {config.name}: a migration reads a vSphere backend, and "
+            f"{config.name} is {config.kind}; name a vsphere backend, or use --from-ova URL."
+        )
+    try:
+        return readonly.create(config, environ)
+    except BackendError as exc:  # a missing password
+        raise ConfigError(exc.message) from None
+
+
+def ova_source(url: str, timeout_s: float) -> ReadOnlySource:
+    if not url.startswith(("http://", "https://")):
+        raise UserError(f"--from-ova {url!r}: give the http:// or https:// URL of an .ova file.")
+    return OvaSource(url, timeout_s=timeout_s)
