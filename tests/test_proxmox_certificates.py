@@ -9,6 +9,7 @@ reported."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import asyncssh
 import pytest
@@ -16,15 +17,18 @@ import pytest
 from backends.base import PermanentError, RetryableError, VMRef
 from backends.proxmox import ProxmoxBackend
 from backends.proxmox.certificates import DROP_IN
+from bot.models import JobState
 from tests.support import mountns
 from tests.support.fakepve.schema import ApiSchema
 from tests.support.fakepve.server import FakePVE, Tls
-from tests.support.fakepve.testing import make_backend, start_fake
+from tests.support.fakepve.testing import make_backend, pve_settings, start_fake
 from tests.support.hostkeys import host_certificate
 from tests.support.proxmox import (
+    ADDRESS,
     IDENTITY,
     backend,
     cloned,
+    deploy,
     free_port,
     pve,
     pve_schema,
@@ -242,3 +246,28 @@ async def test_after_the_reload_the_guests_sshd_presents_the_certificate(
             assert presented is not None and presented.split()[:2] == public.split()[:2]
         finally:
             await proxmox.close()
+
+
+async def test_a_deploy_with_a_host_ca_certifies_the_key_the_agent_read(
+    pve_schema: ApiSchema, pve_tls: Tls, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole pipeline with a host CA (bot/sshca): the pre-flight asks for the
+    certificate's privileges too, `certify` signs the key read through the agent and
+    installs it through file-write and exec; the guest's sshd then presents it to a
+    client that trusts only the CA."""
+    ca = asyncssh.generate_private_key("ssh-ed25519")
+    monkeypatch.setenv("TEST_PVE_HOST_CA", ca.export_private_key("openssh").decode())
+    async with start_fake(pve_schema, pve_tls, release="9.0", ssh_port=free_port()) as fake:
+        settings = pve_settings(tmp_path, fake, ssh={"host_ca_env": "TEST_PVE_HOST_CA"})
+        job, events = await deploy(fake, settings, f"web01 {ADDRESS}")
+        assert job.state is JobState.SUCCEEDED, job.error
+        vm = fake.cluster.vms[int(job.vm_id or 0)]
+        assert fake.cluster.guest.ssh_port is not None
+        trusted = await verdict(ADDRESS, fake.cluster.guest.ssh_port, ca)
+        permissions = [r.params.get("path") for r in fake.sent("GET", "/access/permissions")]
+    assert job.host_certificate is not None
+    assert vm.files[CERT].decode().strip() == " ".join(job.host_certificate.split()[:2])
+    assert LINE in vm.files[DROP_IN].decode()
+    assert trusted == "host trusted"
+    assert "certify" in {e.step for e in events if e.phase == "finished"}
+    assert "/vms" in permissions  # the pre-flight asked before the clone
