@@ -9,9 +9,13 @@ three guests at once from one template: two must end with an SSH line that works
 deploy's key logs in through the jump host) on a guest that is what was asked, checked
 inside it (`tests/support/realguest/guestchecks.py`: hostname and FQDN, user, key and locked
 password, address, route and DNS on deploybot's NIC, no upgrade, Proxmox's
-instance-id, the printed host key its own), and are distinct instances; the third is
-refused by the jump host after its guest booted, and its rollback must leave no VM,
-QEMU process or disk behind.
+instance-id, the printed host key its own: the one the real qemu-guest-agent read, whose
+known_hosts line is the guest's key file), and are distinct instances. The real OpenSSH
+client, with only that known_hosts line and StrictHostKeyChecking=yes, logs in without a
+question and refuses another key under the same names. The third guest boots, but the jump
+host leads its address to an impostor's sshd (another host key: an address conflict or an
+interceptor): the deploy must refuse that key, naming the address and both fingerprints,
+and its rollback must leave no VM, QEMU process or disk behind.
 Afterwards `deploybot destroy` removes one of the two the same way, and a shutdown
 through the API powers the other off by its guest agent.
 
@@ -41,9 +45,18 @@ from tests.support.fakepve.realvm import RealMachines
 from tests.support.fakepve.schema import ApiSchema
 from tests.support.fakepve.server import FakePVE, Tls
 from tests.support.fakepve.testing import run_deploybot, start_fake
+from tests.support.realguest import openssh
 from tests.support.realguest.guestchecks import Seen, check_guest
-from tests.support.realguest.lane import DEADLINE_S, Deploy, assert_gone, deploy, process_ended
-from tests.support.realguest.support import require_image
+from tests.support.realguest.impostor import Impostor
+from tests.support.realguest.lane import (
+    DEADLINE_S,
+    LOGIN,
+    Deploy,
+    assert_gone,
+    deploy,
+    process_ended,
+)
+from tests.support.realguest.support import require_image, unavailable
 
 pytestmark = [pytest.mark.realguest, pytest.mark.asyncio(loop_scope="module")]
 
@@ -51,7 +64,8 @@ pve_schema = testing.pve_schema
 pve_tls = testing.pve_tls
 
 GOOD = {"web01": "10.0.0.50", "web02": "10.0.0.51"}
-DOOMED = ("web03", "10.0.0.52")  # the jump host will not forward to it: SSH check fails
+# Its guest boots, but the jump host leads its address to an impostor's sshd.
+INTERCEPTED = ("web03", "10.0.0.52")
 # web01 asks for no upgrade in so many words; web02 gets the default (no upgrade either).
 OPTIONS = {"web01": ("upgrade=no",)}
 
@@ -61,6 +75,8 @@ class Lab:
     fake: FakePVE
     machines: RealMachines
     key: asyncssh.SSHKey
+    identity: Path  # the deploy's private key as a file, for the real ssh client
+    impostor: Impostor
     deploys: dict[str, Deploy]
     seen: dict[str, Seen] = field(default_factory=dict)  # each good guest, checked once
 
@@ -73,21 +89,28 @@ async def lab(
     root = tmp_path_factory.mktemp("pvguest")
     workdir = Path(tempfile.mkdtemp(prefix="pvg-"))  # short: QEMU's unix sockets
     machines = RealMachines(disk, workdir)
+    if not openssh.available():
+        unavailable(f"no OpenSSH client at {openssh.SSH} (apt-get install openssh-client)")
     key = asyncssh.generate_private_key("ssh-ed25519")
     public = key.export_public_key().decode().strip()
+    identity = root / "deploy-key"
+    key.write_private_key(str(identity))
+    identity.chmod(0o600)
+    impostor = await Impostor().start()
     try:
         fake_lab = start_fake(
             pve_schema, pve_tls, jump_dir=root / "jump", machines=lambda _cluster: machines
         )
         async with fake_lab as fake:
             assert fake.jump is not None
-            fake.jump.prohibited.add(DOOMED[1])
-            wanted = [*GOOD.items(), DOOMED]
+            fake.jump.redirected[INTERCEPTED[1]] = impostor.endpoint
+            wanted = [*GOOD.items(), INTERCEPTED]
             done = await asyncio.gather(
                 *(deploy(fake, root, public, n, a, *OPTIONS.get(n, ())) for n, a in wanted)
             )
-            yield Lab(fake, machines, key, {d.name: d for d in done})
+            yield Lab(fake, machines, key, identity, impostor, {d.name: d for d in done})
     finally:
+        await impostor.close()
         shutil.rmtree(workdir, ignore_errors=True)
 
 
@@ -119,12 +142,53 @@ async def test_second_deploy_from_the_template_is_another_instance(lab: Lab) -> 
         assert f"backing file: {lab.machines.image / 'disk.qcow2'}" in info
 
 
-async def test_failure_after_the_boot_rolls_the_guest_back(lab: Lab) -> None:
-    deploy = lab.deploys[DOOMED[0]]
+async def test_a_real_ssh_client_trusts_the_known_hosts_line_alone(
+    lab: Lab, tmp_path: Path
+) -> None:
+    """`ssh` with StrictHostKeyChecking=yes and BatchMode (no prompt possible) and a
+    known_hosts holding only the line deploybot printed logs in; the same names with
+    another key in that file are refused (so the client really checked)."""
+    assert lab.fake.jump is not None
+    deploy, seen = lab.deploys["web01"], await _check(lab, "web01")
+    names, _key = seen.known_hosts.split(" ", 1)
+    for host in names.split(","):  # the name and the address: either is in the line
+        trusted = tmp_path / "known_hosts"
+        trusted.write_text(seen.known_hosts + "\n", encoding="utf-8")
+        code, err = await openssh.login(
+            lab.fake.jump, user=LOGIN, host=host, address=deploy.address,
+            identity=lab.identity, known_hosts=trusted,
+        )  # fmt: skip
+        assert code == 0, err
+    other = tmp_path / "known_hosts_other"
+    other.write_text(f"{names} {lab.impostor.public}\n", encoding="utf-8")
+    code, err = await openssh.login(
+        lab.fake.jump, user=LOGIN, host=deploy.name, address=deploy.address,
+        identity=lab.identity, known_hosts=other,
+    )  # fmt: skip
+    assert code == 255 and "Host key verification failed." in err, (code, err)
+
+
+async def test_an_impostor_on_the_address_is_refused_and_rolled_back(lab: Lab) -> None:
+    """The guest booted and the agent read its keys, but ADDRESS:22 answered with the
+    impostor's key: the deploy fails naming the address and both fingerprints, and its
+    rollback leaves nothing behind."""
+    assert lab.fake.jump is not None
+    deploy, (_name, address) = lab.deploys[INTERCEPTED[0]], INTERCEPTED
     assert deploy.returncode == 1, deploy.output
-    assert "will not connect" in deploy.output, deploy.output
-    # The real agent reported the address before the SSH check failed.
-    assert re.search(rf"✓ wait for address .*{re.escape(DOOMED[1])}", deploy.output), deploy.output
+    # The real agent reported the address before the SSH check went to the impostor.
+    assert re.search(rf"✓ wait for address .*{re.escape(address)}", deploy.output), deploy.output
+    assert (address, 22) in lab.fake.jump.requests and lab.impostor.connections > 0
+    found = re.search(
+        rf"{re.escape(address)} answered with host key (SHA256:\S+), which is not the new "
+        r"VM's \(((?:SHA256:\S+, )+)confirmed through the QEMU guest agent\): possible "
+        r"address conflict or interception",
+        " ".join(deploy.output.split()),  # however the terminal wrapped it
+    )
+    assert found, deploy.output
+    theirs = found.group(2).removesuffix(", ").split(", ")
+    assert found.group(1) == lab.impostor.fingerprint
+    assert theirs and lab.impostor.fingerprint not in theirs, theirs
+    assert len(set(theirs)) == len(theirs), theirs  # one per key file the agent read
     assert_gone(lab.fake, lab.machines, deploy.vmid)
 
 

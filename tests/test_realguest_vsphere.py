@@ -19,7 +19,13 @@ Inside each guest (over SSH on the 127.0.0.1 forward, as the user with the key):
 datasource and the instance-id, the user-data cloud-init read (byte for byte the
 document the backend wrote), hostname and FQDN, the address, gateway and DNS on the NIC
 with vCenter's MAC (named eth0 by cloud-init), what each renderer wrote, cloud-init done
-and no failed unit. Skips without QEMU, an image or vcsim; CI fails instead.
+and no failed unit.
+
+The host key (issue 28): each identity carries a host key pair deploybot chose (as a
+deploy's identity step makes it); the guest's sshd presents exactly that key, to this
+test's login and to the backend's own SSH check, and holds no other. Then, as a deploy
+does once SSH answered, the backend forgets it: the clone's extraConfig in vcsim holds no
+private key afterwards. Skips without QEMU, an image or vcsim; CI fails instead.
 """
 
 from __future__ import annotations
@@ -37,7 +43,10 @@ import asyncssh
 import pytest
 from pyVmomi import vim
 
-from backends.base import CloneSpec, Identity
+from backends.base import CloneSpec, Identity, VMRef
+from backends.sshcheck import fingerprint, new_host_key, public_line
+from backends.vsphere import VSphereBackend
+from backends.vsphere import guestinfo as written_guestinfo
 from tests.support.realguest import image, qemu, support
 from tests.support.vsphere.simulator import (
     TEMPLATE,
@@ -60,6 +69,7 @@ class Written:
 
     variant: image.Variant
     identity: Identity
+    ref: VMRef
     vm_id: str
     mac: str
     guestinfo: dict[str, str]  # every `guestinfo.*` key of the clone's extraConfig
@@ -82,6 +92,7 @@ def identity(variant: str, key: str) -> Identity:
         upgrade=False,  # no mirror to upgrade from
         cores=1,
         memory_mib=1024,
+        host_key=new_host_key(),  # what a deploy's identity step gives a ChoosesHostKeys backend
     )
 
 
@@ -102,7 +113,9 @@ async def clone_on_vcsim(lab: Simulated, identities: dict[str, Identity]) -> lis
             extra = lab.sim.extra(vm)
             guestinfo = {k: v for k, v in extra.items() if k.startswith("guestinfo.")}
             written.append(
-                Written(image.VARIANTS[variant], ident, ref.vm_id, str(nic.macAddress), guestinfo)
+                Written(
+                    image.VARIANTS[variant], ident, ref, ref.vm_id, str(nic.macAddress), guestinfo
+                )
             )
     finally:
         await backend.close()
@@ -151,9 +164,15 @@ class Seen:
     failed: str = ""  # `systemctl --failed`
     network_unit: str = ""  # the unit that brings the NIC up and waits for it: its state
     warnings: list[str] | None = None  # cloud-init's WARNING lines
+    presented: str = ""  # the host key sshd showed this test's login
+    probed: str | None = None  # the host key the backend's SSH check read (probe_ssh)
+    key_files: str = ""  # /etc/ssh/ssh_host_*_key.pub
+    ed25519: str = ""  # /etc/ssh/ssh_host_ed25519_key.pub
 
 
-async def boot(written: Written, folder: Path, workdir: Path, key: asyncssh.SSHKey) -> Seen:
+async def boot(
+    written: Written, folder: Path, workdir: Path, key: asyncssh.SSHKey, backend: VSphereBackend
+) -> Seen:
     seen = Seen(written)
     guest = qemu.Guest(
         image=folder,
@@ -172,7 +191,12 @@ async def boot(written: Written, folder: Path, workdir: Path, key: asyncssh.SSHK
         conn = await support.ssh_login(guest, USER, key, guest.started + BOOT_SECONDS)
         seen.ssh_up = time.monotonic() - guest.started
         async with conn:
+            server_key = conn.get_server_host_key()
+            assert server_key is not None
+            seen.presented = public_line(server_key)
             await observe(conn, seen, guest.started)
+        local = ipaddress.IPv4Address("127.0.0.1")  # the forward to the guest's port 22
+        seen.probed = await backend.probe_ssh(written.ref, local, guest.ssh_port)
         return seen
     finally:
         guest.stop()
@@ -205,6 +229,9 @@ async def observe(conn: asyncssh.SSHClientConnection, seen: Seen, started: float
     seen.network_unit = await out(f"systemctl show -p {props} {unit}")
     log = await out("sudo -n grep -F '[WARNING]' /var/log/cloud-init.log || true")
     seen.warnings = log.splitlines()
+    seen.key_files = await out("ls /etc/ssh/ssh_host_*_key.pub")
+    # cloud-init 22.4 writes an `ssh_keys` public key 0600 (cc_ssh's CONFIG_KEY_TO_FILE).
+    seen.ed25519 = await out("sudo -n cat /etc/ssh/ssh_host_ed25519_key.pub")
 
 
 def check(seen: Seen, public: str) -> None:
@@ -249,6 +276,39 @@ def check(seen: Seen, public: str) -> None:
     assert unexpected == [], unexpected
 
 
+def check_host_key(seen: Seen) -> None:
+    """The guest's sshd presents exactly the key deploybot chose, to any client, and
+    the guest has no other host key (cloud-init's `ssh_keys` with `ssh_deletekeys`)."""
+    pair = seen.written.identity.host_key
+    assert pair is not None
+    chosen = fingerprint(pair.public)
+    assert fingerprint(seen.presented) == chosen, (seen.presented, pair.public)
+    assert seen.probed == pair.public, (seen.probed, pair.public)
+    assert " ".join(seen.ed25519.split()[:2]) == pair.public, (seen.ed25519, pair.public)
+    assert seen.key_files.split() == ["/etc/ssh/ssh_host_ed25519_key.pub"], seen.key_files
+
+
+async def forget_host_keys(lab: Simulated, written: list[Written]) -> None:
+    """What a deploy does once SSH answered with the chosen key: the backend blanks the
+    private key in guestinfo; read back through the API, no extraConfig value holds one."""
+    backend = lab.sim.backend()
+    try:
+        for w in written:
+            await backend.forget_host_key(w.ref)
+            assert not await backend.holds_host_key(w.ref)
+            extra = lab.sim.extra(lab.sim.vm(w.vm_id))
+            assert not extra.get(written_guestinfo.USERDATA_KEY), extra
+            for key, value in extra.items():
+                encoding = extra.get(f"{key}.encoding") or None
+                text = written_guestinfo.read(value, encoding) if value else ""
+                assert not written_guestinfo.holds_private_key(text), key
+            # What the guest booted from is still there: only the user-data went.
+            metadata = written_guestinfo.METADATA_KEY
+            assert extra[metadata] == w.guestinfo[metadata]
+    finally:
+        await backend.close()
+
+
 def network_unit_s(seen: Seen) -> float:
     """Seconds the network unit took from starting to active (wait-online: the wait)."""
     unit = dict(line.split("=", 1) for line in seen.network_unit.splitlines())
@@ -266,25 +326,39 @@ async def test_vsphere_guestinfo_on_real_guests(
     key = asyncssh.generate_private_key("ssh-ed25519")
     public = key.export_public_key().decode().strip()
     identities = {name: identity(name, public) for name in images}
+    # vcsim runs on through the boots: the host keys are forgotten once SSH answered.
     with simulator(vcsim_binary, vcsim_tls, tmp_path, esx=False) as lab:
         written = await clone_on_vcsim(lab, identities)
 
-    lines = []
-    for w in written:
-        assert {"guestinfo.metadata", "guestinfo.userdata"} <= set(w.guestinfo), w.guestinfo
-        length = len(f"{qemu.BASE_CMDLINE} {cmdline(w.guestinfo)}")
-        limit = qemu.cmdline_size(images[w.variant.name])
-        sizes = ", ".join(f"{k} {len(v)}" for k, v in sorted(w.guestinfo.items()))
-        lines.append(f"{w.variant.name}: kernel command line {length} of {limit} bytes ({sizes})")
-        assert length <= limit, lines[-1]
+        lines = []
+        for w in written:
+            assert {"guestinfo.metadata", "guestinfo.userdata"} <= set(w.guestinfo), w.guestinfo
+            assert written_guestinfo.holds_private_key(document(w.guestinfo, "userdata"))
+            length = len(f"{qemu.BASE_CMDLINE} {cmdline(w.guestinfo)}")
+            limit = qemu.cmdline_size(images[w.variant.name])
+            sizes = ", ".join(f"{k} {len(v)}" for k, v in sorted(w.guestinfo.items()))
+            lines.append(
+                f"{w.variant.name}: kernel command line {length} of {limit} bytes ({sizes})"
+            )
+            assert length <= limit, lines[-1]
 
-    results: list[Any] = await asyncio.gather(
-        *(boot(w, images[w.variant.name], tmp_path / w.variant.name, key) for w in written),
-        return_exceptions=True,
-    )
-    for result in results:
-        if isinstance(result, BaseException):
-            raise result
+        checker = lab.sim.backend()  # its SSH check, as a deploy's ssh step runs it
+        try:
+            results: list[Any] = await asyncio.gather(
+                *(
+                    boot(w, images[w.variant.name], tmp_path / w.variant.name, key, checker)
+                    for w in written
+                ),
+                return_exceptions=True,
+            )
+        finally:
+            await checker.close()
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        for seen in results:
+            check_host_key(seen)
+        await forget_host_keys(lab, written)
     for seen in results:
         check(seen, public)
         lines.append(

@@ -124,6 +124,18 @@ async def out(conn: asyncssh.SSHClientConnection, command: str) -> str:
     return str(result.stdout).strip()
 
 
+async def known_hosts_line(fake: FakePVE, deploy: Deploy) -> str:
+    """The known_hosts line the deploy's job recorded, as `deploybot known-hosts NAME`
+    prints it (with the deploy's own config and database)."""
+    returncode, output = await run_deploybot(
+        fake, deploy.state / "deploybot.toml", deploy.state, "known-hosts", deploy.name
+    )
+    assert returncode == 0, output
+    lines = [line for line in output.splitlines() if line.startswith(f"{deploy.name},")]
+    assert len(lines) == 1, output
+    return lines[0]
+
+
 def assert_gone(fake: FakePVE, machines: RealMachines, vmid: int) -> None:
     """No VM, no QEMU process, no disk or seed left."""
     assert vmid not in fake.cluster.vms
