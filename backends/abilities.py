@@ -3,10 +3,11 @@ backend without them is used through the Protocol alone."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from backends.base import AddressUse, MissingPrivilege, Template, VMInfo, VMRef
+from backends.base import AddressUse, MissingPrivilege, Segment, Template, VMInfo, VMRef
 
 
 @runtime_checkable
@@ -17,10 +18,26 @@ class ChecksPrivileges(Protocol):
     default_storage: str | None
     endpoint: tuple[str, int]  # host and port of its API, for the certificate's subject
 
-    async def missing_privileges(self, template: str) -> list[MissingPrivilege]:
-        """Those a deploy of `template` lacks. Raises `BackendError` when they cannot be
-        asked (no such template: the places a deploy needs them depend on it); never an
-        empty list for a check that did not run."""
+    async def missing_privileges(
+        self, template: str, segments: Sequence[Segment] = (), *, certificates: bool = False
+    ) -> list[MissingPrivilege]:
+        """Those a deploy of `template` with NICs on `segments` (the subnets' segments on
+        this backend) lacks; with `certificates` (a host CA is configured) those installing
+        host certificates too. Raises `BackendError` when they cannot be asked (no such
+        template: the places a deploy needs them depend on it); never an empty list for
+        a check that did not run."""
+        ...
+
+
+@runtime_checkable
+class ChecksSegments(Protocol):
+    """A backend that can say, without building anything, whether a NIC can go on a
+    subnet's segment (`deploybot check`; each deploy's own pre-flight is `prepare_clone`)."""
+
+    async def segment_problems(self, segment: Segment) -> list[str]:
+        """What stops a NIC on `segment`, one sentence per node or cluster that cannot
+        take it (a missing bridge or network, a VLAN tag on a bridge that is not
+        VLAN-aware, an uplink portgroup, a portgroup the hosts are not on); [] when none."""
         ...
 
 
@@ -95,4 +112,21 @@ class ChoosesHostKeys(Protocol):
 
     async def holds_host_key(self, ref: VMRef) -> bool:
         """Whether the VM's stored cloud-config still holds a private host key (gc asks)."""
+        ...
+
+
+@runtime_checkable
+class InstallsHostCertificates(Protocol):
+    """A backend that can put a host certificate into a running guest through the
+    hypervisor's own channel (Proxmox: the guest agent's file-write and exec)."""
+
+    certificates_through: str  # for people: "the QEMU guest agent"
+
+    async def install_host_certificate(self, ref: VMRef, certificate: str) -> str | None:
+        """Write `certificate` (an OpenSSH host certificate line) next to its key
+        (/etc/ssh/ssh_host_<type>_key-cert.pub, the type from the certificate's algorithm),
+        make sshd present it (HostCertificate in sshd's configuration) and reload sshd;
+        returns a note. RetryableError while the channel is not up; PermanentError when
+        refused (a missing privilege is named) or when the command in the guest fails
+        (its exit code and output)."""
         ...

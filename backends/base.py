@@ -119,6 +119,21 @@ class Network:
 
 
 @dataclass(frozen=True)
+class Segment:
+    """Where a NIC is plugged in on one backend, as its subnet says (`[subnets.segments.B]`):
+    a Proxmox bridge with an optional VLAN tag and firewall switch, or a vSphere network
+    (a standard one or a distributed portgroup) by name. A value a NIC has: a VM with
+    several NICs has one per NIC."""
+
+    network: str  # Proxmox: the bridge; vSphere and the simulator: the network's name
+    vlan: int | None = None  # the 802.1Q tag the hypervisor adds (Proxmox `tag`)
+    firewall: bool = False  # Proxmox's per-NIC firewall (off: VMware VMs never had one)
+
+    def __str__(self) -> str:
+        return f"{self.network} VLAN {self.vlan}" if self.vlan is not None else self.network
+
+
+@dataclass(frozen=True)
 class MissingPrivilege:
     """A privilege a deploy step needs and the backend's account lacks."""
 
@@ -163,9 +178,21 @@ class Identity:
     cores: int
     memory_mib: int
     network: str | None = None  # the NIC's network, as in CloneSpec (None: the default)
+    segment: Segment | None = None  # its subnet's segment, as in CloneSpec
     # The host key pair deploybot chose, for a backend that installs it (ChoosesHostKeys);
     # None: the guest makes its own at first boot.
     host_key: HostKeyPair | None = None
+    # The OpenSSH host certificate of `host_key` (deploybot's host CA signed it), installed with
+    # it in the cloud-config (`ssh_keys: ed25519_certificate`: cloud-init writes it and sets
+    # sshd's HostCertificate); None: no certificate.
+    host_certificate: str | None = None
+
+    @property
+    def nic(self) -> Segment | None:
+        """Where the NIC goes: the segment, else `network` alone (None: the default)."""
+        if self.segment is not None:
+            return self.segment
+        return Segment(self.network) if self.network else None
 
 
 @dataclass(frozen=True)
@@ -176,6 +203,8 @@ class CloneSpec:
     placement: str | None = None
     storage: str | None = None
     network: str | None = None  # the NIC's network (None: the backend's default)
+    # Where its subnet puts the NIC on this backend; wins over `network` when set.
+    segment: Segment | None = None
     # What cloud-init will give the guest, for backends that can set it in the clone
     # itself; apply_identity is still called and must then be cheap and idempotent.
     identity: Identity | None = None
@@ -184,6 +213,13 @@ class CloneSpec:
     @property
     def tag(self) -> str:
         return job_tag(self.job_id, self.installation)
+
+    @property
+    def nic(self) -> Segment | None:
+        """Where the NIC goes: the segment, else `network` alone (None: the default)."""
+        if self.segment is not None:
+            return self.segment
+        return Segment(self.network) if self.network else None
 
 
 @dataclass(frozen=True)

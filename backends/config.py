@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import ClassVar
 
 import asyncssh
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -66,6 +67,8 @@ class BackendConfig(BaseModel):
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+    # The keys of a subnet's `[subnets.segments.NAME]` this kind reads (bot/addresses/subnets.py).
+    segment_keys: ClassVar[frozenset[str]] = frozenset({"bridge", "vlan", "firewall", "network"})
 
     kind: str
     name: str = Field(pattern=r"^[a-z][a-z0-9-]{0,31}$")

@@ -42,6 +42,7 @@ from bot.requests.parsed import (
     Reject,
     SaveKey,
     ShowSettings,
+    SshCa,
     Status,
     TemplateProfiles,
     Templates,
@@ -62,7 +63,12 @@ from handlers.messages.core import (
     reject_answer,
 )
 from handlers.messages.destroys import destroy_answer
-from handlers.messages.hostkeys import known_hosts_answer, no_key_recorded, not_ready
+from handlers.messages.hostkeys import (
+    authority_answer,
+    known_hosts_answer,
+    no_key_recorded,
+    not_ready,
+)
 from handlers.messages.lifecycle import lease_extended_answer
 from handlers.messages.listing import list_lines
 from handlers.messages.reports import history, status_said, templates
@@ -307,6 +313,10 @@ async def _known_hosts(inv: Invocation, command: KnownHosts) -> Reply:
     return known_hosts_answer(job)
 
 
+async def _ssh_ca(inv: Invocation, command: SshCa) -> Reply:
+    return authority_answer(inv.deployer.host_ca)
+
+
 LIST_PER_PAGE = 10  # rows a page; Slack's Block Kit page stays far under 50 blocks
 
 
@@ -362,6 +372,7 @@ COMMANDS = Registry(
         Spec(Destroy, "destroy", Who.OWNER_APPROVERS_DESTROYERS, _destroy),
         Spec(ListVMs, "list", ANYONE, _list, slack=VIEW),
         Spec(KnownHosts, "known-hosts", ANYONE, _known_hosts),
+        Spec(SshCa, "ssh-ca", ANYONE, _ssh_ca, slack=IN_ACK),
         Spec(ExtendLease, "lease extend", Who.REQUESTER_OR_APPROVERS, _extend),
         Spec(BuildTemplate, "template build", Who.DEPLOYERS, _build),
         Spec(TemplateProfiles, "template profiles", ANYONE, _profiles, table=True),

@@ -8,19 +8,25 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from backends.building import BuildsTemplates
+from backends.config import BackendConfig
+from backends.migrating import Scope
 from bot.app.cli import default_user, run
 from bot.app.runtime import make_backend, open_store, running_deployer, secret_problems
 from bot.config.settings import Settings
 from bot.kinds.build import retire
+from bot.migration import sources
+from bot.migration.plan import Plan, make_plan, write_plan
 from bot.models import JobState
 from bot.models.builds import BuildState
-from bot.models.errors import ConfigError
+from bot.models.errors import BackendError, ConfigError
 from bot.operations import gc
 from bot.operations.check import run_checks
 from bot.requests.grammar import parse
 from bot.requests.parsed import DeployArgs, ExtendLease, KnownHosts, ListVMs
+from bot.sshca.authority import load_host_ca
 from handlers import commands
 from handlers.demo import run_demo
 from handlers.messages.builds import (
@@ -31,6 +37,14 @@ from handlers.messages.builds import (
 )
 from handlers.messages.core import secrets_missing
 from handlers.messages.destroys import destroy_answer
+from handlers.messages.hostkeys import authority_answer
+from handlers.messages.migration import (
+    plan_failed,
+    plan_json,
+    plan_lines,
+    plan_not_written,
+    unknown_backend,
+)
 from handlers.messages.reports import HISTORY_HEADER, history, history_line
 from handlers.messages.retire import retire_report
 from handlers.messages.slack import bad_command_name, check_lines, gc_report, gc_unknown_backends
@@ -124,6 +138,19 @@ async def known_hosts(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+async def ssh_ca(args: argparse.Namespace, settings: Settings) -> int:
+    # Only the configuration and the environment: no store, no backend. The line alone
+    # goes to stdout (`deploybot ssh-ca >> ~/.ssh/known_hosts`), what it is to stderr.
+    ca = load_host_ca(settings, os.environ)
+    *said, line = authority_answer(ca)
+    if ca is None:
+        print("\n".join([*said, line]), file=sys.stderr)
+        return 1
+    print("\n".join(said), file=sys.stderr)
+    print(line.removeprefix("    "))
+    return 0
+
+
 async def history_command(args: argparse.Namespace, settings: Settings) -> int:
     state = None
     if args.state:
@@ -156,6 +183,8 @@ async def check_config(args: argparse.Namespace, settings: Settings) -> int:
     print(f"  backends: {', '.join(f'{b.name} ({b.kind})' for b in settings.backends)}")
     print(f"  subnets: {', '.join(str(s.cidr) for s in settings.subnets)}")
     print(f"  database: {settings.database}")  # never holds a password (bot/config/settings.py)
+    ca = load_host_ca(settings, os.environ)  # loads: refuse_missing_secrets said otherwise
+    print(f"  host CA: {f'{ca.fingerprint} from {ca.source}' if ca else 'none'}")
     return 0
 
 
@@ -272,6 +301,59 @@ async def _template_gc(args: argparse.Namespace, settings: Settings) -> int:
     return 1 if failed or report.unreachable else 0
 
 
+async def migrate(args: argparse.Namespace, settings: Settings) -> int:
+    """`migrate plan`: reads the source through its read-only session type and the
+    target's built templates; writes nothing but the plan file."""
+    configs = {c.name: c for c in settings.backends}
+    wanted = [("--to", args.target)] + ([("--from", args.source)] if args.source else [])
+    for option, name in wanted:
+        if name not in configs:
+            print(unknown_backend(option, name, sorted(configs)), file=sys.stderr)
+            return 2
+    try:
+        plan = await _migration_plan(args, settings, configs)
+    except BackendError as exc:  # the source or the target did not answer, or refused
+        print(plan_failed(exc.message), file=sys.stderr)
+        return 1
+    if args.out:
+        try:
+            write_plan(plan, Path(args.out))
+        except OSError as exc:
+            print(plan_not_written(args.out, exc.strerror or str(exc)), file=sys.stderr)
+            return 2
+    if args.json:
+        print(json.dumps(plan_json(plan), indent=2, sort_keys=True))
+    else:
+        print("\n".join(plan_lines(plan, args.out)))
+    return 0
+
+
+async def _migration_plan(
+    args: argparse.Namespace, settings: Settings, configs: dict[str, BackendConfig]
+) -> Plan:
+    target = make_backend(configs[args.target])
+    try:
+        if args.source:
+            source = sources.open_source(configs[args.source], os.environ)
+        else:
+            source = sources.ova_source(args.from_ova, settings.images.connect_timeout_s)
+        try:
+            versions = (
+                await target.template_versions() if isinstance(target, BuildsTemplates) else []
+            )
+            scope = Scope(args.folder, args.name)
+            profiles = settings.images.all_profiles()
+            storage = await sources.target_storage_type(target)
+            return await make_plan(
+                source, args.target, versions, profiles, scope,
+                subnets=settings.subnets, storage_type=storage,
+            )  # fmt: skip
+        finally:
+            await source.close()
+    finally:
+        await target.close()
+
+
 async def serve(args: argparse.Namespace, settings: Settings) -> int:
     from handlers.slack.serve import serve as serve_slack  # Bolt loads only when needed
 
@@ -298,12 +380,14 @@ COMMANDS = {
     "destroy": destroy,
     "lease": lease,
     "known-hosts": known_hosts,
+    "ssh-ca": ssh_ca,
     "check-config": check_config,
     "check": check,
     "serve": serve,
     "manifest": manifest,
     "gc": gc_command,
     "template": template,
+    "migrate": migrate,
 }
 
 

@@ -370,8 +370,19 @@ def _v16(db: Database) -> None:
     db.execute(HOST_KEY_SOURCE_COLUMN)
 
 
+# The host certificate deploybot's host CA signed for the job's VM (bot/sshca/): one
+# public line, None without a CA or for a key that could not be confirmed.
+HOST_CERTIFICATE_COLUMN = "ALTER TABLE jobs ADD COLUMN host_certificate TEXT"
+
+
+def _v17(db: Database) -> None:
+    """Each job's host certificate (issue 28, item 3)."""
+    db.execute(HOST_CERTIFICATE_COLUMN)
+
+
 MIGRATIONS: list[Callable[[Database], None]] = [
-    _v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9, _v10, _v11, _v12, _v13, _v14, _v15, _v16
+    _v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9, _v10, _v11, _v12, _v13, _v14, _v15, _v16,
+    _v17,
 ]  # fmt: skip
 SCHEMA_VERSION = len(MIGRATIONS)
 

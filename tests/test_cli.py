@@ -18,7 +18,10 @@ def test_demo_runs_both_threads_to_the_end(tmp_path: Path) -> None:
     out = result.stdout
     assert "bob> approve j" in out
     assert "    ssh ubuntu@10.0.0.50" in out
-    assert "web02 10.0.0.100 (next free in lab) needs approval" in out
+    assert "web02 10.0.20.100 (next free in lab20) needs approval" in out
+    assert "NIC on vmbr0)" in out and "NIC on vmbr1 VLAN 20)" in out  # each subnet's segment
+    assert "certified by deploybot's host CA" in out  # a CA made for the demo
+    assert "bot:     @cert-authority *.lab.example ssh-ed25519 AAAA" in out
     assert "failed at power on" in out
     assert "Rolled back: stop VM 102; destroy VM 102." in out
     assert "VMs on the simulator now: web01" in out

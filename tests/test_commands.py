@@ -37,6 +37,7 @@ EXAMPLES = {
     "destroy": "destroy web99",
     "list": "list all",
     "known-hosts": "known-hosts web99",
+    "ssh-ca": "ssh-ca",
     "lease extend": "lease extend web99 7d",
     "template build": "template build no-such-profile",
     "template profiles": "template profiles",

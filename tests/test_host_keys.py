@@ -75,7 +75,11 @@ async def test_an_impostor_on_the_address_fails_the_deploy_and_rolls_back(
     assert job.error.count("SHA256:") == 2
     text = "\n".join(finished(job, recorder.finished[job.id][1]))
     assert "10.0.0.50" in text and "interception" in text
-    assert "ready" not in said[0]  # no known_hosts line for a failed deploy
+    # No known_hosts line for a failed deploy: it says so, naming the job.
+    assert said == [
+        f"web01 (job {job.short_id}) is not ready (failed): only a VM that is ready has a "
+        f"host key to show. See `/deploy status {job.short_id}`."
+    ]
 
 
 async def test_keys_replaced_after_the_agent_read_them_are_read_again(tmp_path: Path) -> None:

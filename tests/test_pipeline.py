@@ -17,8 +17,11 @@ from bot.requests.grammar import parse
 from tests.support.deployer import REQUEST, Recorder, deploy
 
 # The steps every deploy walks (register: only with an IPAM record; forget_key: only
-# where deploybot chose the host key).
-STEPS = tuple(step.name for step in DEPLOY_STEPS if step.name not in ("register", "forget_key"))
+# where deploybot chose the host key; certify: only with a host CA, its own tests in
+# tests/test_host_certificates.py).
+STEPS = tuple(
+    step.name for step in DEPLOY_STEPS if step.name not in ("certify", "register", "forget_key")
+)
 
 # Which simulator operation each step calls.
 STEP_OPS = {
@@ -279,6 +282,8 @@ def _events(*pairs: tuple[str, str]) -> list[JobEvent]:
         ([("address", "finished"), ("ssh", "started")], "address"),  # read the address again
         ([("ssh", "finished")], "address"),  # the success write was lost
         ([("ssh", "finished"), ("register", "finished")], "address"),
+        ([("ssh", "finished"), ("certify", "finished")], "address"),  # certified again
+        ([("ssh", "finished"), ("certify", "skipped")], "address"),
         ([("power_on", "finished"), ("note", "note")], "address"),  # not a step: ignored
     ],
 )
@@ -289,7 +294,8 @@ def test_resume_point(pairs: list[tuple[str, str]], expected: str | None) -> Non
 
 def test_the_deploy_declares_each_step_once_with_its_undo() -> None:
     names = [step.name for step in DEPLOY_STEPS]
-    assert names == [*STEPS, "forget_key", "register"] and len(set(names)) == len(names)
+    assert names == [*STEPS, "certify", "forget_key", "register"]
+    assert len(set(names)) == len(names)
     undone = [s.name for s in DEPLOY_STEPS if s.undo is not None]
     assert undone == ["clone", "power_on", "register"]
     assert [s.name for s in DEPLOY_STEPS if s.polled] == ["ssh"]

@@ -19,6 +19,7 @@ from bot.config.settings import Settings
 from bot.models import HostKeySource, Job, JobState
 from bot.models.errors import StoreUnavailable
 from store.db import Store
+from store.jobrows import job_row
 from store.migrations import SCHEMA_VERSION
 from store.postgres import schema
 from tests.support.deployer import make_settings
@@ -167,5 +168,32 @@ async def test_postgres_v16_adds_how_the_host_key_was_confirmed(
     assert got_new.known_hosts_line == "web02,10.0.0.51 ssh-ed25519 AAAAC3"
     with pg_connect(pg_url) as conn:
         assert conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == (
-            "16",
+            str(SCHEMA_VERSION),
         )
+
+
+async def test_postgres_v17_adds_the_host_certificate(pg_url: str, settings: Settings) -> None:
+    """A database at v16 gains `host_certificate`: its rows read back without one; a new
+    row keeps its certificate line."""
+    with pg_connect(pg_url) as conn:
+        for step in range(6, 17):
+            for statement in schema.STEPS[step]:
+                conn.execute(schema._ddl(statement).encode())
+        conn.execute("INSERT INTO meta (key, value) VALUES ('schema_version', '16')")
+        conn.execute("INSERT INTO meta (key, value) VALUES ('installation_id', 'i0')")
+        old = make_job(settings, "web01", "10.0.0.50", state=JobState.SUCCEEDED)
+        row = {k: v for k, v in job_row(old).items() if k != "host_certificate"}
+        columns = ", ".join(row)
+        marks = ", ".join(["%s"] * len(row))
+        conn.execute(f"INSERT INTO jobs ({columns}) VALUES ({marks})", list(row.values()))
+    cert = "ssh-ed25519-cert-v01@openssh.com AAAAIHNzaC1lZDI1NTE5LWNlcnQ"
+    new = make_job(settings, "web02", "10.0.0.51", state=JobState.SUCCEEDED)
+    new = new.model_copy(update={"host_key": "ssh-ed25519 AAAAC3", "host_certificate": cert})
+    store = await Store.open(pg_url, password=PASSWORD)
+    try:
+        await store.jobs.insert(new)
+        got_old, got_new = await store.jobs.get(old.id), await store.jobs.get(new.id)
+    finally:
+        await store.close()
+    assert got_old is not None and got_old.host_certificate is None
+    assert got_new is not None and got_new.host_certificate == cert

@@ -316,7 +316,7 @@ async def test_v6_closes_approvals_that_cancels_left_pending(
     waiting = make_job(settings, "web02", "10.0.0.51", state=JobState.AWAITING_APPROVAL)
     for job in (cancelled, waiting):
         later = ("ipam_ref", "ipam_state", *DESTROY_COLUMNS, *LEASE_COLUMNS)  # v8, v9, v10
-        later += ("claim_epoch", "kind", "host_key_source")  # v14, v15, v16
+        later += ("claim_epoch", "kind", "host_key_source", "host_certificate")  # v14-v17
         db.table("jobs").insert({k: v for k, v in job_row(job).items() if k not in later})
         approval = Approval(job_id=job.id, reason_required="x", expires_at=utcnow())
         db.table("approvals").insert(
@@ -468,7 +468,9 @@ async def test_v16_keeps_old_fingerprints_and_adds_how_a_key_was_confirmed(
     db.execute("PRAGMA user_version = 15")
     old = make_job(settings, "web01", "10.0.0.50", state=JobState.SUCCEEDED)
     old = old.model_copy(update={"host_key": "SHA256:abc"})
-    row = {k: v for k, v in job_row(old).items() if k != "host_key_source"}
+    row = {
+        k: v for k, v in job_row(old).items() if k not in ("host_key_source", "host_certificate")
+    }
     db.table("jobs").insert(row)
     db.conn.commit()
     db.conn.close()
@@ -487,3 +489,33 @@ async def test_v16_keeps_old_fingerprints_and_adds_how_a_key_was_confirmed(
     assert got.known_hosts_line is None
     assert got_new is not None and got_new.host_key_source is HostKeySource.CHOSEN
     assert got_new.known_hosts_line == "web02,10.0.0.51 ssh-ed25519 AAAAC3"
+
+
+async def test_v17_adds_the_host_certificate(tmp_path: Path, settings: Settings) -> None:
+    """A v16 database's jobs read back without a certificate; a new job keeps its line."""
+    from sqlite_utils import Database
+
+    from store.jobs import job_row
+    from store.migrations import MIGRATIONS
+
+    path = tmp_path / "old.db"
+    db = Database(sqlite3.connect(path))
+    for migration in MIGRATIONS[:16]:
+        migration(db)
+    db.execute("PRAGMA user_version = 16")
+    old = make_job(settings, "web01", "10.0.0.50", state=JobState.SUCCEEDED)
+    db.table("jobs").insert({k: v for k, v in job_row(old).items() if k != "host_certificate"})
+    db.conn.commit()
+    db.conn.close()
+    cert = "ssh-ed25519-cert-v01@openssh.com AAAAIHNzaC1lZDI1NTE5LWNlcnQ"
+    store = await Store.open(path)
+    try:
+        got = await store.jobs.get(old.id)
+        new = make_job(settings, "web02", "10.0.0.51", state=JobState.SUCCEEDED)
+        await store.jobs.insert(new.model_copy(update={"host_certificate": cert}))
+        got_new = await store.jobs.get(new.id)
+        assert await store.jobs.quarantine_records() == []
+    finally:
+        await store.close()
+    assert got is not None and got.host_certificate is None
+    assert got_new is not None and got_new.host_certificate == cert

@@ -94,7 +94,8 @@ async def test_an_uplink_portgroup_is_neither_offered_nor_accepted(vcenter: Simu
     try:
         offered = [n.name for n in await backend.networks()]
         assert "DC0_DVPG0" in offered and uplinks[0] not in offered
-        with pytest.raises(PermanentError, match=f"no network '{uplinks[0]}' on vcenter"):
+        uplink = f"'{uplinks[0]}' on vcenter is an uplink portgroup"
+        with pytest.raises(PermanentError, match=uplink):
             await backend.prepare_clone(CloneSpec("jvs0009", "web09", TEMPLATE, network=uplinks[0]))
     finally:
         await backend.close()

@@ -27,7 +27,7 @@ import asyncio
 import functools
 import ipaddress
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -43,6 +43,7 @@ from backends.base import (
     NotOurVM,
     PermanentError,
     Placement,
+    Segment,
     Storage,
     Template,
     VMInfo,
@@ -51,7 +52,7 @@ from backends.base import (
 )
 from backends.building import BuildPlan, BuildTarget, TemplateVersion
 from backends.config import BackendConfig
-from backends.proxmox import hostkeys, privileges, rollback
+from backends.proxmox import certificates, hostkeys, privileges, rollback
 from backends.proxmox.addresses import AddressSweep
 from backends.proxmox.agent import AgentWaits
 from backends.proxmox.api import PveApi
@@ -63,6 +64,7 @@ from backends.proxmox.identity import identity_fields
 from backends.proxmox.inventory import LINKED_TYPES, Inventory, NoSuchTemplate
 from backends.proxmox.locks import TaskRunner
 from backends.proxmox.pacing import STEP_OPERATIONS, Pace, Pacing, step_key
+from backends.proxmox.segments import Bridges
 from backends.proxmox.vmconfig import (
     DISK_MARK,
     GIB,
@@ -104,6 +106,7 @@ def create(
 class ProxmoxBackend:
     image_platform: str | None = "proxmox"  # bot/images prepares a NoCloud-ready qcow2
     host_keys_through = "the QEMU guest agent"  # ReadsHostKeys: see `host_keys`
+    certificates_through = "the QEMU guest agent"  # InstallsHostCertificates
 
     def __init__(self, config: Config, api: PveApi, pacing: Pacing | None = None) -> None:
         self.name = config.name
@@ -114,6 +117,7 @@ class ProxmoxBackend:
         self.api = api
         self._ssh = SshCheck(config.ssh_jump)
         self.inventory = Inventory(config, api)
+        self.bridges = Bridges(api, config.discovery_cache_s)
         self.tasks = TaskRunner(config, api, self.inventory)
         # (vm id, job) -> a growth's absolute target, for a VM without the disk mark.
         self._resize_targets: dict[tuple[str, str], int] = {}
@@ -156,12 +160,17 @@ class ProxmoxBackend:
             return None
         return found.public(self.inventory.profile(found.family).user)
 
-    async def missing_privileges(self, template: str) -> list[MissingPrivilege]:
-        """What a deploy of `template` needs and this token or user lacks; `NoSuchTemplate`
-        when there is no such template (the paths asked depend on it)."""
+    async def missing_privileges(
+        self, template: str, segments: Sequence[Segment] = (), *, certificates: bool = False
+    ) -> list[MissingPrivilege]:
+        """What a deploy of `template` with NICs on `segments` needs and this token or
+        user lacks (with `certificates`, installing host certificates too);
+        `NoSuchTemplate` when there is no such template (the paths asked depend on it)."""
         found = await self.inventory.template(template)
         release = await self.inventory.release()
-        return await privileges.missing(self.api, self.config, found, release)
+        return await privileges.missing(
+            self.api, self.config, found, release, segments, certificates=certificates
+        )
 
     async def storages(self, placement: str | None = None) -> list[Storage]:
         node = placement or await self.inventory.default_node()
@@ -253,23 +262,40 @@ class ProxmoxBackend:
         # The checks do not depend on each other: asked together (each is a round
         # trip before the clone can start), then judged in order. An id is asked for
         # only once they pass.
-        nodes, mode, baseline, cluster = await asyncio.gather(
+        nodes, mode, baseline, cluster, segment = await asyncio.gather(
             self.inventory.online_nodes(),
             self.inventory.clone_mode(spec, template, node),
             self.inventory.check_baseline(template, node),
             self.inventory.cluster_name(),
+            self._segment_fits(spec, node),
             return_exceptions=True,
         )
         if isinstance(nodes, list) and node not in nodes:
             raise PermanentError(
                 f"{node!r} is not an online node of {self.name} (have: {', '.join(nodes)})"
             )
-        for found in (nodes, mode, baseline, cluster):
+        for found in (nodes, mode, baseline, cluster, segment):
             if isinstance(found, BaseException):
                 raise found
         vmid = await self.cloning.free_vmid()
         placement = f"{node}@{cluster}" if cluster else node
         return VMRef(str(vmid), spec.job_id, placement, spec.installation)
+
+    async def _segment_fits(self, spec: CloneSpec, node: str) -> None:
+        """The subnet's bridge is on the node and carries its VLAN (`segments`); asked
+        only of a deploy whose subnet has a segment (else the template's bridge stays)."""
+        if spec.segment is not None:
+            await self.bridges.check(spec.segment, node, self.name)
+
+    async def segment_problems(self, segment: Segment) -> list[str]:
+        """`ChecksSegments`: the segment on every online node."""
+        problems = []
+        for node in await self.inventory.online_nodes():
+            try:
+                await self.bridges.check(segment, node, self.name)
+            except PermanentError as exc:
+                problems.append(exc.message)
+        return problems
 
     async def clone(self, spec: CloneSpec, ref: VMRef) -> str | None:
         return await self.cloning.clone(spec, ref, await self._locate(ref))
@@ -289,6 +315,7 @@ class ProxmoxBackend:
                 config.get("net0"),
                 self.inventory.profile(family).nic_model,
                 identity.network or self.config.bridge,
+                identity.segment,
             ),
             release=await self.inventory.release(),
         )
@@ -365,6 +392,14 @@ class ProxmoxBackend:
         node, _config = await self._owned(ref)
         release = await self.inventory.release()
         return await hostkeys.read(self.api, node, ref.vm_id, release, privileges.who(self.config))
+
+    async def install_host_certificate(self, ref: VMRef, certificate: str) -> str | None:
+        """The certificate written next to its key and sshd reloaded, through the guest
+        agent's file-write and exec (`certificates`; `InstallsHostCertificates`)."""
+        node, _config = await self._owned(ref)
+        release = await self.inventory.release()
+        account = privileges.who(self.config)
+        return await certificates.install(self.api, node, ref.vm_id, certificate, release, account)
 
     async def probe_ssh(self, ref: VMRef, address: ipaddress.IPv4Address, port: int) -> str | None:
         return await self._ssh.probe(address, port)

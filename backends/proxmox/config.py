@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -76,6 +76,8 @@ class Config(BackendConfig):
     is used when its secret is set; otherwise a password login (`$password_env`).
     A template's OS family comes from an `os-<family>` tag on it, else `template_os`,
     else its name (ubuntu*, debian*, rocky-9 -> el9, ...)."""
+
+    segment_keys: ClassVar[frozenset[str]] = frozenset({"bridge", "vlan", "firewall"})
 
     kind: Literal["proxmox"]
     host: str = Field(min_length=1)

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from backends.base import NotOurVM, PermanentError, VMInfo, VMNotFound, VMRef
+from backends.base import NotOurVM, PermanentError, Segment, VMInfo, VMNotFound, VMRef
 from backends.tags import job_marks, parse_tag
 
 GIB = 1024**3
@@ -198,11 +198,18 @@ def size_text(size_bytes: int) -> str:
     return str(size_bytes)
 
 
-def nic_with(net0: str | None, model: str | None, bridge: str | None) -> str | None:
-    """`net0` with the profile's NIC model (None: the template's) and the configured
-    bridge, keeping the MAC and every other option (tag, firewall, ...); None when
-    nothing would change. Both spellings are read: `virtio=<MAC>,...` (what Proxmox
-    writes) and `model=virtio,macaddr=<MAC>,...`; a changed one is written in the first."""
+def nic_with(
+    net0: str | None, model: str | None, bridge: str | None, segment: Segment | None = None
+) -> str | None:
+    """`net0` with the profile's NIC model (None: the template's), keeping the MAC; None
+    when nothing would change. Both spellings are read: `virtio=<MAC>,...` (what Proxmox
+    writes) and `model=virtio,macaddr=<MAC>,...`; a changed one is written in the first.
+
+    With the subnet's `segment`, the NIC is put exactly there: `bridge`, `tag` (removed
+    when the segment has no VLAN: the template's tag would put it on another one) and
+    `firewall` written as `virtio=MAC,bridge=vmbr0,tag=20,firewall=0`, the template's
+    other options (rate, mtu, queues, ...) after them. Without one, only the configured
+    `bridge` replaces the template's (None: kept) and every other option stays."""
     if not net0:
         return None
     parts = net0.split(",")
@@ -214,13 +221,18 @@ def nic_with(net0: str | None, model: str | None, bridge: str | None) -> str | N
     if current not in _NIC_MODELS:
         return None  # not a NIC line this reads: leave the template's choice alone
     new_model = model or current
-    new_bridge = bridge or options.get("bridge")
-    if new_model == current and new_bridge == options.get("bridge"):
+    placed = dict(options)
+    if segment is not None:
+        where = {"bridge": segment.network, "tag": str(segment.vlan) if segment.vlan else None}
+        where["firewall"] = "1" if segment.firewall else "0"
+        rest_of = {k: v for k, v in options.items() if k not in where}
+        placed = {k: v for k, v in where.items() if v is not None} | rest_of
+    elif bridge:
+        placed["bridge"] = bridge
+    if new_model == current and list(placed.items()) == list(options.items()):
         return None
-    if new_bridge:
-        options["bridge"] = new_bridge
     head = f"{new_model}={mac}" if mac else new_model
-    return ",".join([head, *(f"{k}={v}" for k, v in options.items())])
+    return ",".join([head, *(f"{k}={v}" for k, v in placed.items())])
 
 
 def parse_release(text: str) -> tuple[int, int]:

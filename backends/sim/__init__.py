@@ -39,7 +39,10 @@ state). How deploybot may confirm it is the `host_keys` setting (issue 28): "age
 (`SimBackend`, the default: its guest agent reads the keys, `ReadsHostKeys`), "chosen"
 (`ChoosingSim`: it installs the key deploybot chose and keeps the private key in the
 VM's stored user-data until deploybot forgets it, `ChoosesHostKeys`), or "none"
-(`Simulator`: the key is only seen over SSH). `sim_backend` picks the class.
+(`Simulator`: the key is only seen over SSH). `sim_backend` picks the class. A host
+certificate (deploybot's host CA) goes in with the chosen key (`Identity.host_certificate`),
+or through the agent mode's guest agent (`InstallsHostCertificates`); either way the
+VM keeps it (`SimVM.host_certificate`) as its sshd's HostCertificate.
 
 `SimBackend` is the Backend; it holds its parts, each owning its own state: the
 `Inventory` (inventory.py: VMs, templates, the state file), the `Tasks` (tasks.py: the
@@ -66,6 +69,7 @@ from backends.base import (
     Network,
     PermanentError,
     Placement,
+    Segment,
     Storage,
     Template,
     VMInfo,
@@ -79,6 +83,7 @@ from backends.sim.inventory import Inventory
 from backends.sim.state import new_owner
 from backends.sim.tasks import Tasks
 from backends.sim.vm import (
+    DEFAULT_NETWORKS,
     DEFAULT_STORAGES,
     DEFAULT_TEMPLATES,
     Config,
@@ -86,6 +91,7 @@ from backends.sim.vm import (
     Fault,
     FaultKind,
     HostKeyMode,
+    SimNetwork,
     SimTiming,
     SimVM,
 )
@@ -102,6 +108,7 @@ def create(config: BackendConfig, environ: Mapping[str, str]) -> Simulator:
         time_scale=config.time_scale,
         state_file=config.state_file,
         ssh_jump=config.ssh_jump,
+        networks=config.networks,
     )
     for fault in config.faults:
         sim.inject(fault.op, fault.kind, fault.times)
@@ -126,9 +133,11 @@ class Simulator:
         state_file: Path | None = None,
         ssh_jump: SshJump | None = None,
         templates: tuple[Template, ...] = DEFAULT_TEMPLATES,
+        networks: tuple[SimNetwork, ...] = DEFAULT_NETWORKS,
     ) -> None:
         self.name = name
         self.default_network: str | None = None
+        self._networks = networks
         self.timing = timing or SimTiming()
         self.ssh_port = ssh_port
         self._placements = placements
@@ -214,7 +223,11 @@ class Simulator:
 
     async def networks(self, placement: str | None = None) -> list[Network]:
         self.tasks.answer()
-        return [Network("vmbr0", placement), Network("vmbr1", placement)]
+        return [
+            Network(n.name, placement, n.kind == "distributed")
+            for n in self._networks
+            if n.on(placement) and n.kind != "uplink"
+        ]
 
     async def placements(self) -> list[Placement]:
         self.tasks.answer()
@@ -262,7 +275,45 @@ class Simulator:
             raise PermanentError(
                 f"{placement!r} is not a node of {self.name} (have: {', '.join(self._placements)})"
             )
+        self._check_nic(spec.nic, placement)
         return VMRef(self.inventory.new_id(), spec.job_id, placement, spec.installation)
+
+    async def segment_problems(self, segment: Segment) -> list[str]:
+        """`ChecksSegments`: the segment on every placement."""
+        self.tasks.answer()
+        problems = []
+        for placement in self._placements:
+            try:
+                self._check_nic(segment, placement)
+            except PermanentError as exc:
+                problems.append(exc.message)
+        return problems
+
+    def _check_nic(self, segment: Segment | None, placement: str) -> None:
+        """Refuse, before anything exists, a NIC the placement cannot plug in: an
+        unknown network, an uplink portgroup, a VLAN tag on a bridge that is not
+        VLAN-aware (or on a portgroup, which carries its own VLAN)."""
+        if segment is None:
+            return
+        here = [n for n in self._networks if n.on(placement)]
+        net = next((n for n in here if n.name == segment.network), None)
+        if net is None:
+            have = ", ".join(n.name for n in here if n.kind != "uplink") or "none"
+            raise PermanentError(
+                f"network {segment.network} does not exist on {placement} of {self.name} "
+                f"(there: {have})"
+            )
+        if net.kind == "uplink":
+            raise PermanentError(
+                f"{net.name} on {self.name} is an uplink portgroup: it carries the hosts' "
+                "physical NICs, not VMs; name a VM portgroup"
+            )
+        if segment.vlan is not None and not (net.kind == "bridge" and net.vlan_aware):
+            what = "bridge" if net.kind == "bridge" else "portgroup"
+            raise PermanentError(
+                f"{what} {net.name} on {placement} of {self.name} is not VLAN-aware, so a "
+                f"NIC tagged VLAN {segment.vlan} there would reach nothing"
+            )
 
     async def clone(self, spec: CloneSpec, ref: VMRef) -> str | None:
         self.tasks.answer()
@@ -305,6 +356,7 @@ class Simulator:
             if identity.host_key is not None:
                 vm.host_key = identity.host_key.public
                 vm.user_data_key = identity.host_key.private_openssh
+                vm.host_certificate = identity.host_certificate
 
         fault = self.tasks.fault("apply_identity", vm.vm_id)
         effect = Effect(vm, self.vms, set_identity)
@@ -429,13 +481,18 @@ class Simulator:
 
 
 class SimBackend(Simulator):
-    """The simulator whose guest agent reads its guests' host keys (`ReadsHostKeys`), as
-    Proxmox's QEMU guest agent does: the default."""
+    """The simulator whose guest agent reads its guests' host keys (`ReadsHostKeys`) and
+    installs a host certificate (`InstallsHostCertificates`), as Proxmox's QEMU guest
+    agent does: the default."""
 
     host_keys_through = "the simulator's guest agent"
+    certificates_through = "the simulator's guest agent"
 
     async def host_keys(self, ref: VMRef) -> list[str]:
         return await self.guests.host_keys(ref)
+
+    async def install_host_certificate(self, ref: VMRef, certificate: str) -> str | None:
+        return await self.guests.install_host_certificate(ref, certificate)
 
 
 class ChoosingSim(Simulator):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ipaddress
 
+import asyncssh
+
 from backends.base import (
     AddressUse,
     PermanentError,
@@ -15,7 +17,7 @@ from backends.config import SshJump
 from backends.guestaddr import listable, pick_address
 from backends.sim.inventory import Inventory
 from backends.sim.tasks import Tasks
-from backends.sim.vm import SimTiming, SimVM
+from backends.sim.vm import Effect, SimTiming, SimVM
 from backends.sshcheck import SshCheck, new_host_key
 
 
@@ -100,5 +102,45 @@ class Guests:
             return [new_host_key().public]
         return [vm.host_key] if vm.host_key else []
 
+    async def install_host_certificate(self, ref: VMRef, certificate: str) -> str | None:
+        """Write the certificate next to its key and reload sshd, as the guest agent's
+        file-write and exec do: the guest's sshd presents it from then on. A certificate
+        of another key is refused, as the real install's check refuses it."""
+        self._tasks.answer()
+        vm = self._inventory.vm(ref)
+        if not (vm.running and vm.booted.is_set()):
+            raise RetryableError(
+                f"the simulator's guest agent in VM {vm.vm_id} does not answer yet"
+            )
+        if not _certifies(certificate, vm.host_key):
+            raise PermanentError(
+                f"the certificate is not of VM {vm.vm_id}'s host key", vm_id=vm.vm_id
+            )
+
+        def install() -> None:
+            vm.host_certificate = certificate
+
+        fault = self._tasks.fault("install_host_certificate", vm.vm_id)
+        effect = Effect(vm, self._inventory.vms, install)
+        seconds = self._timing.config_s
+        await self._tasks.run("install_host_certificate", vm.vm_id, seconds, effect, fault)
+        return f"/etc/ssh/ssh_host_{_key_type(certificate)}_key-cert.pub, sshd reloaded"
+
     async def close(self) -> None:
         await self._ssh.close()
+
+
+def _certifies(certificate: str, host_key: str | None) -> bool:
+    """Whether the certificate line is of the public key line `host_key`."""
+    try:
+        cert = asyncssh.import_certificate(certificate)
+    except (asyncssh.KeyImportError, ValueError):
+        return False
+    algorithm, blob = cert.key.export_public_key("openssh").decode().split()[:2]
+    return host_key is not None and host_key.split()[:2] == [algorithm, blob]
+
+
+def _key_type(certificate: str) -> str:
+    """The key file's type from the certificate's algorithm ("ssh-ed25519-cert-v01@...")."""
+    algorithm = certificate.split(maxsplit=1)[0].split("-cert-", 1)[0]
+    return {"ssh-ed25519": "ed25519", "ssh-rsa": "rsa"}.get(algorithm, "ecdsa")

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from backends.base import Identity, Template, VMInfo
+from backends.base import Identity, Segment, Template, VMInfo
 from backends.config import BackendConfig
 
 FaultKind = Literal["error", "hang", "crash", "flaky", "outage", "impostor", "rekeyed"]
@@ -85,6 +85,9 @@ class SimVM:
     # The private host key its stored user-data holds (the chosen mode), as vSphere's
     # guestinfo.userdata would, until deploybot forgets it.
     user_data_key: str | None = None
+    # The host certificate its sshd presents beside `host_key` (HostCertificate): the one
+    # deploybot's host CA signed, installed through the agent or with the chosen key.
+    host_certificate: str | None = None
 
     def info(self) -> VMInfo:
         return VMInfo(self.vm_id, self.name, self.running, frozenset(self.tags), self.placement)
@@ -95,6 +98,27 @@ DEFAULT_TEMPLATES = (
     Template("debian-12", "debian", None, "local-lvm", 3, "debian"),
     Template("rocky-9", "el9", None, "local-lvm", 10, "rocky"),
 )
+
+
+class SimNetwork(BaseModel):
+    """A network of the simulator (`[[backends.networks]]`): a bridge (VLAN-aware or
+    not), a standard or distributed portgroup, or a distributed switch's uplink
+    portgroup (never a VM's), on `placements` (empty: on every one)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1)
+    kind: Literal["bridge", "portgroup", "distributed", "uplink"] = "bridge"
+    vlan_aware: bool = False  # a bridge that carries VLAN tags
+    placements: tuple[str, ...] = ()  # where it exists; empty: every placement
+
+    def on(self, placement: str | None) -> bool:
+        return not self.placements or placement is None or placement in self.placements
+
+
+# vmbr0 carries no tags, vmbr1 does: as on a Proxmox node set up for VLANs on vmbr1.
+DEFAULT_NETWORKS = (SimNetwork(name="vmbr0"), SimNetwork(name="vmbr1", vlan_aware=True))
+
 DEFAULT_STORAGES = (
     ("local-lvm", 512 * GIB, 380 * GIB, True),
     ("bulk-nfs", 4096 * GIB, 2900 * GIB, False),
@@ -112,7 +136,7 @@ def vm_to_dict(vm: SimVM) -> dict[str, Any]:
         }
     fields = (
         "vm_id", "name", "template", "placement", "storage", "disk_gib", "running", "lock",
-        "lock_owner", "host_key", "user_data_key",
+        "lock_owner", "host_key", "user_data_key", "host_certificate",
     )  # fmt: skip
     return {
         **{f: getattr(vm, f) for f in fields},
@@ -134,6 +158,7 @@ def vm_from_dict(item: dict[str, Any]) -> SimVM:
                 "address": ipaddress.IPv4Interface(raw["address"]),
                 "gateway": ipaddress.IPv4Address(raw["gateway"]),
                 "dns": tuple(ipaddress.IPv4Address(d) for d in raw["dns"]),
+                "segment": Segment(**raw["segment"]) if raw.get("segment") else None,
             }
         )
     return SimVM(
@@ -152,6 +177,7 @@ def vm_from_dict(item: dict[str, Any]) -> SimVM:
         lock_owner=item.get("lock_owner"),
         host_key=item.get("host_key"),
         user_data_key=item.get("user_data_key"),
+        host_certificate=item.get("host_certificate"),
     )
 
 
@@ -189,6 +215,7 @@ OPERATIONS = (
     "probe_ssh",
     "host_keys",
     "forget_host_key",
+    "install_host_certificate",
     "power_off",
     "destroy",
     "addresses_in_use",
@@ -208,6 +235,8 @@ class Config(BackendConfig):
     # "agent": its guest agent reads the guests' host keys; "chosen": it installs the key
     # deploybot chose; "none": neither (the key is only seen over SSH).
     host_keys: HostKeyMode = "agent"
+    # Its networks per placement (issue 29): vmbr0, and vmbr1 VLAN-aware, by default.
+    networks: tuple[SimNetwork, ...] = DEFAULT_NETWORKS
 
     @field_validator("faults")
     @classmethod

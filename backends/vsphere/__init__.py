@@ -17,7 +17,8 @@ sent there.
   and reconfigures only a VM that lacks them. The metadata finds the NIC by its MAC:
   a created VM's MAC is set in its spec (ESXi generates one only at power-on), a
   clone's is vCenter's, read back after the clone, when the metadata is added.
-* The SSH host key deploybot chose (`Identity.host_key`) travels in the user-data;
+* The SSH host key deploybot chose (`Identity.host_key`) travels in the user-data, with
+  its host certificate when the core's CA signed one (`Identity.host_certificate`);
   `forget_host_key` blanks guestinfo.userdata once the VM is ready (ChoosesHostKeys).
 * Session, thread pool, task waiting without polling and fault mapping:
   `session`; inventory lookups: `inventory`; specs: `specs`; what a deploy can choose
@@ -31,7 +32,7 @@ import ipaddress
 import logging
 import uuid
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,7 @@ from backends.base import (
     PermanentError,
     Placement,
     RetryableError,
+    Segment,
     Storage,
     Template,
     VMInfo,
@@ -59,13 +61,12 @@ from backends.guestaddr import pick_address
 from backends.sshcheck import SshCheck
 from backends.vsphere import addresses, esxi, guestinfo, specs
 from backends.vsphere.building import TemplateBuilds
-from backends.vsphere.config import Config
+from backends.vsphere.config import Config, endpoint_of, password_of
 from backends.vsphere.conn import Conn, Props, Row
 from backends.vsphere.discovery import KIB_PER_GIB, Discovery
 from backends.vsphere.inventory import Inventory, Plan, annotation, disks
 from backends.vsphere.session import (
     RETRYABLE_FAULTS,
-    Endpoint,
     Op,
     Session,
     fault_text,
@@ -82,19 +83,7 @@ GROW_TARGET_KEY = "deploybot.grow.target_kb"
 
 def create(config: BackendConfig, environ: Mapping[str, str]) -> VSphereBackend:
     assert isinstance(config, Config)
-    password = environ.get(config.password_env)
-    if not password:
-        raise PermanentError(
-            f"backend {config.name}: the password of {config.user} on {config.host} comes "
-            f"from the environment variable {config.password_env}, which is not set"
-        )
-    if not config.verify_tls:
-        log.warning(
-            "backend %s: TLS certificate verification is OFF for %s (verify_tls = false)",
-            config.name,
-            config.host,
-        )
-    return VSphereBackend(config, password)
+    return VSphereBackend(config, password_of(config, environ))
 
 
 # What the wait for the guest's address watches.
@@ -151,19 +140,7 @@ class VSphereBackend:
         self.default_storage = config.datastore
         self.config = config
         self._ssh = SshCheck(config.ssh_jump)
-        endpoint = Endpoint(
-            config.name,
-            config.host,
-            config.port,
-            config.user,
-            config.password_env,
-            config.verify_tls,
-            config.ca_bundle,
-            config.api_threads,
-            config.request_timeout_s,
-            config.cancel_wait_s,
-        )
-        self._session = Session(endpoint, password)
+        self._session = Session(endpoint_of(config), password)
         self._known = KnownVMs()  # VMs by instance UUID, and the session's VM tracker
         self._inventory = Inventory(config.name, config, self._known)
         self.discovery = Discovery(config, self._session, self._inventory)
@@ -178,8 +155,15 @@ class VSphereBackend:
     async def templates(self) -> list[Template]:
         return await self.discovery.templates()
 
-    async def missing_privileges(self, template: str) -> list[MissingPrivilege]:
-        return await self.discovery.missing_privileges(template)
+    async def missing_privileges(
+        self, template: str, segments: Sequence[Segment] = (), *, certificates: bool = False
+    ) -> list[MissingPrivilege]:
+        # A host certificate travels in the cloud-config the clone's reconfigure writes
+        # (guestinfo): it needs no privilege beyond the deploy's own.
+        return await self.discovery.missing_privileges(template, segments)
+
+    async def segment_problems(self, segment: Segment) -> list[str]:
+        return await self.discovery.segment_problems(segment)
 
     async def storages(self, placement: str | None = None) -> list[Storage]:
         return await self.discovery.storages(placement)

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from backends.base import PermanentError
 from backends.config import BackendConfig, readable_file
 from backends.vsphere.guestinfo import EtcHosts
 from backends.vsphere.nic import OSProfile, check_template_os
-from backends.vsphere.session import WAIT_SLICE_S
+from backends.vsphere.session import WAIT_SLICE_S, Endpoint
+
+log = logging.getLogger(__name__)
 
 
 class Config(BackendConfig):
@@ -20,6 +25,8 @@ class Config(BackendConfig):
     thick eager-zeroed; thin excludes eager. `verify_tls = false` is the explicit
     insecure choice and is logged as a warning at start.
     """
+
+    segment_keys: ClassVar[frozenset[str]] = frozenset({"network"})
 
     kind: Literal["vsphere"]
     host: str = Field(min_length=1)
@@ -72,3 +79,36 @@ class Config(BackendConfig):
         if self.thin_provisioned:
             return "thin"
         return "thick eager-zeroed" if self.eagerly_scrub else "thick lazy-zeroed"
+
+
+def password_of(config: Config, environ: Mapping[str, str]) -> str:
+    """The password of a backend entry, from `environ` (a `PermanentError` naming the
+    variable when it is not set); a warning is logged when TLS is not verified."""
+    password = environ.get(config.password_env)
+    if not password:
+        raise PermanentError(
+            f"backend {config.name}: the password of {config.user} on {config.host} comes "
+            f"from the environment variable {config.password_env}, which is not set"
+        )
+    if not config.verify_tls:
+        log.warning(
+            "backend %s: TLS certificate verification is OFF for %s (verify_tls = false)",
+            config.name,
+            config.host,
+        )
+    return password
+
+
+def endpoint_of(config: Config) -> Endpoint:
+    return Endpoint(
+        config.name,
+        config.host,
+        config.port,
+        config.user,
+        config.password_env,
+        config.verify_tls,
+        config.ca_bundle,
+        config.api_threads,
+        config.request_timeout_s,
+        config.cancel_wait_s,
+    )

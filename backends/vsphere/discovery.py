@@ -6,6 +6,8 @@ the clone mode, and the privileges a deploy of a template lacks (`Discovery`, wh
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from pyVmomi import vim
 
 from backends.base import (
@@ -13,7 +15,9 @@ from backends.base import (
     CloneSpec,
     MissingPrivilege,
     Network,
+    PermanentError,
     Placement,
+    Segment,
     Storage,
     Template,
 )
@@ -51,15 +55,39 @@ class Discovery:
 
         return await self._session.run(work, changes=False)
 
-    async def missing_privileges(self, template: str) -> list[MissingPrivilege]:
-        """What a deploy of `template` needs and this session's user lacks; a
-        `PermanentError` when the clone cannot be planned (no such template, datastore,
-        network: the objects whose privileges are asked)."""
-        spec = CloneSpec("check", "check", template)
+    async def missing_privileges(
+        self, template: str, segments: Sequence[Segment] = (), *, certificates: bool = False
+    ) -> list[MissingPrivilege]:
+        """What a deploy of `template` (with a NIC on each of `segments`; none: the
+        configured network) needs and this session's user lacks (`certificates`: vSphere
+        installs them with the cloud-config, which needs nothing more); a `PermanentError`
+        when the clone cannot be planned (no such template, datastore, network: the
+        objects whose privileges are asked)."""
+        specs = [CloneSpec("check", "check", template, segment=s) for s in segments]
 
         def work(op: Op) -> list[MissingPrivilege]:
-            plan = self._inventory.plan(op.conn, spec)
-            return privileges.missing(op.conn, plan)
+            found: list[MissingPrivilege] = []
+            for spec in specs or [CloneSpec("check", "check", template)]:
+                plan = self._inventory.plan(op.conn, spec)
+                found += [m for m in privileges.missing(op.conn, plan) if m not in found]
+            return found
+
+        return await self._session.run(work, changes=False)
+
+    async def segment_problems(self, segment: Segment) -> list[str]:
+        """`ChecksSegments`: the network exists, is no uplink, and the configured
+        cluster or host (`compute`) is on it."""
+
+        def work(op: Op) -> list[str]:
+            inv = self._inventory
+            dc = inv.datacenter(op.conn)
+            try:
+                net = inv.network(op.conn, dc, segment.network)
+                _pool, placement = inv.pool(op.conn, dc, None)
+                inv.reaches(op.conn, dc, net, placement)
+            except PermanentError as exc:
+                return [exc.message]
+            return []
 
         return await self._session.run(work, changes=False)
 

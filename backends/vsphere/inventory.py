@@ -77,6 +77,10 @@ class Net:
     distributed: bool
     portgroup_key: str = ""
     switch_uuid: str = ""
+    hosts: frozenset[str] = frozenset()  # the hosts it is on (moIds): a clone's host must be
+
+    def __str__(self) -> str:
+        return f"distributed portgroup {self.name}" if self.distributed else f"network {self.name}"
 
     def backing(self) -> Any:
         card = vim.vm.device.VirtualEthernetCard
@@ -112,6 +116,10 @@ class Datacenter:
     name: str
     vm_folder: Any
     host_folder: Any
+
+
+def _uplink(props: Props) -> bool:
+    return bool(props.get("config.uplink") or _uplink_tag(props))
 
 
 def _uplink_tag(props: Props) -> bool:
@@ -195,7 +203,8 @@ class Inventory:
         return self._shape("computes", lambda: self._read_computes(conn, dc))
 
     def _read_computes(self, conn: Conn, dc: Datacenter) -> list[Row]:
-        rows = conn.contained(dc.host_folder, vim.ComputeResource, ["name", "resourcePool"])
+        paths = ["name", "resourcePool", "host"]
+        rows = conn.contained(dc.host_folder, vim.ComputeResource, paths)
         # Clusters first: under DRS, vSphere chooses the host.
         return sorted(rows, key=lambda r: not isinstance(r[0], vim.ClusterComputeResource))
 
@@ -314,27 +323,50 @@ class Inventory:
         return net
 
     def _read_network(self, conn: Conn, dc: Datacenter, name: str) -> Net:
-        rows = self.networks(conn, dc)
-        match = [obj for obj, p in rows if p["name"] == name]
+        every = self.networks(conn, dc, uplinks=True)
+        rows = [(o, p) for o, p in every if not _uplink(p)]
+        if any(p["name"] == name and _uplink(p) for _o, p in every):
+            raise PermanentError(
+                f"{name!r} on {self.name} is an uplink portgroup: it carries the hosts' "
+                "physical NICs, not VMs (vCenter would refuse the VM at power-on): name a "
+                "VM portgroup of that switch instead (the subnet's [subnets.segments] "
+                "network, or the backend's network)"
+            )
+        match = [(obj, p) for obj, p in rows if p["name"] == name]
         if not match:
             known = ", ".join(sorted(p["name"] for _o, p in rows))
             raise PermanentError(f"no network {name!r} on {self.name} (have: {known})")
-        obj = match[0]
+        obj, props = match[0]
+        hosts = frozenset(h._moId for h in props.get("host") or [])
         if not isinstance(obj, vim.dvs.DistributedVirtualPortgroup):
-            return Net(name, obj, distributed=False)
+            return Net(name, obj, distributed=False, hosts=hosts)
         pg_paths = ["key", "config.distributedVirtualSwitch"]
         pg = conn.props(obj, vim.dvs.DistributedVirtualPortgroup, pg_paths)
         switch = pg["config.distributedVirtualSwitch"]
         switch_uuid = conn.props(switch, vim.DistributedVirtualSwitch, ["uuid"])["uuid"]
-        return Net(name, obj, True, pg["key"], switch_uuid)
+        return Net(name, obj, True, pg["key"], switch_uuid, hosts)
 
-    def networks(self, conn: Conn, dc: Datacenter) -> list[Row]:
+    def networks(self, conn: Conn, dc: Datacenter, *, uplinks: bool = False) -> list[Row]:
         """The networks a NIC may use: every one but the uplink portgroups of distributed
         switches, which carry the hosts' physical NICs and no VM (vCenter refuses such
-        a NIC only when the VM powers on)."""
+        a NIC only when the VM powers on); with `uplinks`, those too."""
         pg_paths = (vim.dvs.DistributedVirtualPortgroup, ["config.uplink", "tag"])
-        rows = conn.contained(dc.obj, vim.Network, ["name"], (pg_paths,))  # one read
-        return [(o, p) for o, p in rows if not (p.get("config.uplink") or _uplink_tag(p))]
+        rows = conn.contained(dc.obj, vim.Network, ["name", "host"], (pg_paths,))  # one read
+        return [(o, p) for o, p in rows if uplinks or not _uplink(p)]
+
+    def reaches(self, conn: Conn, dc: Datacenter, net: Net, placement: str) -> None:
+        """Refuse a network that no host of the clone's cluster (or host) is on: the
+        clone would be refused, or its NIC left connected to nothing."""
+        compute = placement.split("/", 1)[0]
+        rows = [p for _o, p in self.computes(conn, dc) if p["name"] == compute]
+        hosts = {h._moId for p in rows for h in p.get("host") or []}
+        if not hosts or not net.hosts or hosts & net.hosts:
+            return
+        raise PermanentError(
+            f"{net} on {self.name} is not on any host of {compute}: add {compute}'s hosts "
+            "to its switch, deploy to a cluster or host that has it (on=), or give the "
+            "subnet a network there"
+        )
 
     def plan(self, conn: Conn, spec: CloneSpec) -> Plan:
         try:
@@ -366,8 +398,10 @@ class Inventory:
         config = t_props.get("config")
         if config is None:  # found by a fresh lookup, which does not read it all
             config = conn.props(template, vim.VirtualMachine, ["config"])["config"]
-        wanted_net = spec.network or self.config.network
+        wanted_net = spec.nic.network if spec.nic else self.config.network
         network = self.network(conn, dc, wanted_net) if wanted_net else None
+        if network is not None and spec.segment is not None:
+            self.reaches(conn, dc, network, placement)
         folder = self.folder(conn, dc, self.config.vm_folder)
         store, store_props = chosen[0]
         plan = Plan(

@@ -264,11 +264,18 @@ def fault_text(fault: Any) -> str:
     return str(type(fault).__name__)
 
 
-class Session:
-    """The backend's one session, connected on first use, and its thread pool."""
+StubFactory = Callable[[Any, Callable[[Stub], None]], Stub]
 
-    def __init__(self, endpoint: Endpoint, password: str) -> None:
+
+class Session:
+    """The backend's one session, connected on first use, and its thread pool.
+
+    `stub` makes the SOAP stub every call goes through (a read-only session's refuses
+    what is not a read: backends/vsphere/readonly.py)."""
+
+    def __init__(self, endpoint: Endpoint, password: str, stub: StubFactory = Stub) -> None:
         self.endpoint = endpoint
+        self._stub = stub
         self._password = password  # only ever handed to SessionManager.Login
         self._threads = ThreadPoolExecutor(endpoint.threads, thread_name_prefix=endpoint.name)
         self._conn: Conn | None = None
@@ -302,7 +309,7 @@ class Session:
             poolSize=ep.threads,
             httpConnectionTimeout=ep.request_timeout_s,
         )
-        stub = Stub(soap, self._login)
+        stub = self._stub(soap, self._login)
         self._login(stub)
         content = vim.ServiceInstance("ServiceInstance", stub).RetrieveContent()
         api_type = content.about.apiType
@@ -314,7 +321,7 @@ class Session:
 
     def _login(self, stub: Stub) -> None:
         content: Any = vim.ServiceInstance("ServiceInstance", stub).RetrieveContent()
-        content.sessionManager.Login(self.endpoint.user, self._password, None)
+        stub.user_session = content.sessionManager.Login(self.endpoint.user, self._password, None)
 
     def ssl_context(self) -> ssl.SSLContext:
         if not self.endpoint.verify_tls:

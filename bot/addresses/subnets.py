@@ -2,7 +2,11 @@
 
 A request that names its address uses the subnet the address falls in. One that does
 not gets the next free address of a subnet chosen, in order, by `subnet=NAME`, by its
-network (`networks = [...]`), by its backend (`backends = [...]`), or as the only one.
+network (`networks = [...]`, or the network of its segment on the request's backend),
+by its backend (`backends = [...]`), or as the only one.
+
+The subnet then says where the VM's NIC goes on each backend (`[subnets.segments.NAME]`,
+`segment_on`): a Proxmox bridge with an optional VLAN tag, a vSphere network by name.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import re
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from backends.base import Segment
 from backends.ipam.base import Pool
 
 # One DNS domain (letters, digits, hyphens; dot-separated labels of at most 63).
@@ -21,6 +26,45 @@ _DOMAIN = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)(?:\.(?!-)[A-Za-z0-9-]{1,63
 # An FQDN has at most 253 characters; the host name takes up to 63 of them, and a dot.
 _MAX_DOMAIN = 253 - 64
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
+# A Proxmox bridge (or SDN vnet): an interface name, at most 15 characters (Linux's limit).
+_BRIDGE = r"^[-_.A-Za-z0-9]{1,15}$"
+
+
+class SegmentSettings(BaseModel):
+    """`[subnets.segments.BACKEND]`: where the subnet's VMs are plugged in on that backend.
+    Proxmox: `bridge`, `vlan` (the tag, 1-4094; the bridge must be VLAN-aware) and
+    `firewall` (Proxmox's per-NIC firewall; default off: VMs coming from VMware never had
+    one, and turning it on is a project of its own). vSphere: `network`, a standard network
+    or a distributed portgroup by name. Which keys a backend takes is checked against its
+    kind when the file is read (`Settings`, with the kind's `segment_keys`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    bridge: str | None = Field(default=None, pattern=_BRIDGE)  # Proxmox: the bridge or vnet
+    vlan: int | None = Field(default=None, ge=1, le=4094)  # Proxmox: the NIC's VLAN tag
+    firewall: bool = False  # Proxmox: the NIC's firewall switch
+    network: str | None = Field(default=None, min_length=1, max_length=80)  # vSphere: by name
+
+    @model_validator(mode="after")
+    def _one_place(self) -> SegmentSettings:
+        if (self.bridge is None) == (self.network is None):
+            raise ValueError(
+                "give either bridge (Proxmox, with an optional vlan) or network (vSphere: a "
+                "standard network or distributed portgroup by name)"
+            )
+        if self.network is not None and {"vlan", "firewall"} & self.model_fields_set:
+            raise ValueError(
+                "vlan and firewall go with a Proxmox bridge; a vSphere portgroup carries its "
+                "own VLAN: name the portgroup of that VLAN as network"
+            )
+        return self
+
+    def keys(self) -> frozenset[str]:
+        """The keys the file gave (for the check against the backend's kind)."""
+        return frozenset(self.model_fields_set)
+
+    def segment(self) -> Segment:
+        return Segment(self.bridge or self.network or "", self.vlan, self.firewall)
 
 
 class Subnet(BaseModel):
@@ -44,6 +88,8 @@ class Subnet(BaseModel):
     pool: str | None = None
     backends: tuple[str, ...] = ()
     networks: tuple[str, ...] = ()
+    # Keyed by backend name: where the subnet's VMs are plugged in on that backend.
+    segments: dict[str, SegmentSettings] = Field(default_factory=dict)
     vms_on: tuple[str, ...] = ()
     ipam_prefix: str | None = None
     ipam_vrf: str | None = None
@@ -117,6 +163,11 @@ class Subnet(BaseModel):
             return backends
         return [b for b in backends if b in self.vms_on or b == own]
 
+    def segment(self, backend: str) -> Segment | None:
+        """Where a NIC of this subnet goes on `backend`; None: the subnet says nothing."""
+        found = self.segments.get(backend)
+        return found.segment() if found is not None else None
+
     def as_pool(self) -> Pool:
         return self._pool
 
@@ -146,7 +197,7 @@ def choose(
         found = [s for s in subnets if named in (s.name, str(s.cidr))]
         return found[0] if found else f"subnet: {named!r} is not a subnet; choose one of {names}."
     for matches in (
-        [s for s in subnets if network is not None and network in s.networks],
+        [s for s in subnets if network is not None and network in _networks(s, backend)],
         [s for s in subnets if backend in s.backends],
     ):
         if len(matches) == 1:
@@ -157,3 +208,52 @@ def choose(
         f"Say which subnet to take the next free address from (subnet=NAME, one of "
         f"{names}), or give the address."
     )
+
+
+def _networks(subnet: Subnet, backend: str) -> tuple[str, ...]:
+    """The networks that name `subnet` on `backend`: its `networks`, and its segment's."""
+    segment = subnet.segment(backend)
+    return (*subnet.networks, *((segment.network,) if segment else ()))
+
+
+def segment_on(
+    subnets: tuple[Subnet, ...], subnet: Subnet, backend: str, network: str | None = None
+) -> Segment | str | None:
+    """Where a NIC in `subnet` goes on `backend`: its segment there; None when no subnet
+    has a segment on that backend (the backend's own network, or `network=`, applies to
+    every address, as before segments); else what is wrong, for the requester.
+
+    A subnet without a segment where others have one is refused rather than put on the
+    backend's default network: the NIC would sit on another subnet's segment and never
+    answer. `network` (the request's network=) must then be the segment's, if given."""
+    segment = subnet.segment(backend)
+    if segment is None:
+        if any(backend in s.segments for s in subnets):
+            return (
+                f"{subnet.label} has no segment on {backend}: ask an operator to add "
+                f"[subnets.segments.{backend}] to the subnet {subnet.cidr} (other subnets "
+                f"say where their VMs go on {backend})."
+            )
+        return None
+    if network is not None and network != segment.network:
+        return (
+            f"network: {subnet.label} is on {segment} on {backend}, not {network}: leave "
+            "network out (the address picks the segment)."
+        )
+    return segment
+
+
+def request_segment(
+    subnets: tuple[Subnet, ...],
+    label: str,
+    address: ipaddress.IPv4Address,
+    backend: str,
+    network: str | None,
+) -> Segment | str | None:
+    """`segment_on` for a recorded request: its subnet by name (`DeployRequest.subnet`),
+    else the one its address is in (a request from before subnets were recorded)."""
+    subnet = next((s for s in subnets if label and s.label == label), None)
+    subnet = subnet or next((s for s in subnets if address in s.cidr), None)
+    if subnet is None:
+        return None
+    return segment_on(subnets, subnet, backend, network)

@@ -85,6 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
         "known-hosts", help="a ready VM's known_hosts line and how its host key was confirmed"
     )
     known.add_argument("target", metavar="NAME", help="the VM's name, or its job id")
+    sub.add_parser(
+        "ssh-ca",
+        help="the known_hosts @cert-authority line that trusts every VM's host certificate "
+        "(on stdout, to append to ~/.ssh/known_hosts)",
+    )
     sub.add_parser("check-config", help="validate the configuration and summarise it")
     check = sub.add_parser(
         "check",
@@ -116,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="how recent that dry run must be (default 30)",
     )
     _template_parser(sub)
+    _migrate_parser(sub)
     manifest = sub.add_parser("manifest", help="print the Slack app manifest")
     manifest.add_argument(
         "--command", dest="slash_command", help="the slash command (default: slack.command)"
@@ -147,6 +153,26 @@ def _template_parser(sub: Any) -> None:
     gc.add_argument("--backend", action="append", metavar="NAME", help="only this backend")
     gc.add_argument("--apply", action="store_true", help="retire what a recent dry run listed")
     gc.add_argument("--window-minutes", type=float, default=30.0, help="(default 30)")
+
+
+def _migrate_parser(sub: Any) -> None:
+    """`deploybot migrate plan`: what leaving a hypervisor would take (issue 30)."""
+    migrate = sub.add_parser("migrate", help="plan a move off vSphere (read-only dry run)")
+    actions = migrate.add_subparsers(dest="migrate_command", required=True, metavar="ACTION")
+    plan = actions.add_parser(
+        "plan",
+        help="classify every template (rebuild, on target, not mappable) and VM (moves as is, "
+        "decisions, blocked) of the source; "
+        "reads both sides, changes nothing",
+    )
+    source = plan.add_mutually_exclusive_group(required=True)
+    source.add_argument("--from", dest="source", metavar="BACKEND", help="the vSphere backend")
+    source.add_argument("--from-ova", metavar="URL", help="an OVA on a web server (its head)")
+    plan.add_argument("--to", dest="target", required=True, metavar="BACKEND", help="the target")
+    plan.add_argument("--folder", help="only templates and VMs under this VM folder")
+    plan.add_argument("--name", metavar="PATTERN", help="only names matching (shell pattern)")
+    plan.add_argument("--json", action="store_true", help="the plan as JSON, for machines")
+    plan.add_argument("--out", metavar="FILE", help="write the plan file (for an apply)")
 
 
 def _length(text: str) -> int:

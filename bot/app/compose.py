@@ -32,6 +32,7 @@ from bot.kinds.build.service import Builds, DeploySmoke
 from bot.kinds.deploy.destroy import Destroyer
 from bot.kinds.deploy.kind import DeployKind
 from bot.kinds.deploy.pipeline import Pipeline
+from bot.kinds.deploy.preflight import Preflight
 from bot.leases.enforce import Leases
 from bot.models import Job, utcnow
 from bot.models.errors import BackendError, ConfigError
@@ -41,6 +42,7 @@ from bot.ownership.storewatch import StoreWatch
 from bot.people.personal import Personal
 from bot.requests.intake import Intake
 from bot.requests.quotas import Quotas
+from bot.sshca.authority import HostCA, load_host_ca
 from store.db import Store
 
 
@@ -62,14 +64,18 @@ def compose(
     clock: Clock = utcnow,
     ipam: Ipam | None = None,
     build_notes: BuildNotes | None = None,
+    host_ca: HostCA | None = None,
+    preflight: Preflight | None = None,
 ) -> Deployer:
     """The core on `store` and `backends`, telling `progress` what happens.
 
     `takes_over=False` is a short-lived process (the one-shot `deploy`): it runs only the
     jobs it records, and never recovers or claims other runners' work. `ipam` defaults
     to the configured one (`[ipam]`); `build_notes` is where template builds' progress
-    goes (a log by default)."""
+    goes (a log by default); `host_ca` to the configured one (`[ssh]`: a `ConfigError`
+    when its key is not in the environment)."""
     backends = dict(backends)
+    host_ca = host_ca if host_ca is not None else load_host_ca(settings, os.environ)
     runner = Runner.here(runner_kind)
     logfields.set_runner(runner.id)
     # Whether the store answers (bot/ownership/storewatch.py): read by /readyz, /metrics, chat.
@@ -110,14 +116,18 @@ def compose(
         local_work=local_work,
         clock=clock,
     )
-    pipeline = Pipeline(settings, backends, store, fanout, ownership, addressing)
+    pipeline = Pipeline(
+        settings, backends, store, fanout, ownership, addressing, host_ca, preflight
+    )
     load = partial(jobrefs.load, store)
     groups = Groups()
     approvals = Approvals(settings, store, fanout, ownership.take, load, groups)
     destroyer = Destroyer(
         settings, store, backends, fanout, ownership, addressing, approvals, clock
     )
-    leases = Leases(settings, store, backends, fanout, ownership, approvals, destroyer, clock)
+    leases = Leases(
+        settings, store, backends, fanout, ownership, approvals, destroyer, clock, host_ca
+    )
     quotas = Quotas(settings.quotas, store, lambda: groups.members)
     intake = Intake(
         settings, store, backends, addressing, queue, fanout, runner.id,
@@ -166,4 +176,5 @@ def compose(
         personal=Personal(store, queries.templates),
         inbox=Inbox(store, ownership, storewatch, settings.ownership.tick_s),
         chat_outbox=ChatOutbox(store),
+        host_ca=host_ca,
     )

@@ -18,9 +18,11 @@ from bot.config.settings import Settings, backend_module
 from bot.jobs.durations import teach
 from bot.jobs.progress import Progress
 from bot.kinds.build.parts import BuildNotes
+from bot.kinds.deploy.preflight import Preflight
 from bot.models import utcnow
 from bot.models.errors import BackendError, ConfigError, StoreUnavailable
 from bot.ownership.claims import Clock
+from bot.sshca.authority import HostCA, load_host_ca
 from store.db import Store
 from store.retry import RetryPolicy, Unavailable
 
@@ -66,8 +68,13 @@ async def close_backends(backends: Mapping[str, Backend]) -> None:
 
 async def secret_problems(settings: Settings, environ: Mapping[str, str]) -> list[str]:
     """The secrets the configuration names that `environ` lacks (backends' passwords and
-    tokens, NetBox's token), each with its variable; nothing is connected to."""
+    tokens, NetBox's token, the host CA's key), each with its variable; nothing is
+    connected to."""
     problems = []
+    try:
+        load_host_ca(settings, environ)
+    except ConfigError as exc:
+        problems.append(exc.message)
     try:
         await close_backends(await make_backends(settings, environ))
     except ConfigError as exc:
@@ -107,12 +114,18 @@ async def running_deployer(
     start: bool = True,
     clock: Clock = utcnow,
     build_notes: BuildNotes | None = None,
+    host_ca: HostCA | None = None,
+    preflight: Preflight | None = None,
 ) -> AsyncIterator[Deployer]:
     """Open the store, start the backends and the queue; shut all down on exit.
 
     With `start=False` the caller starts the deployer itself (`deploybot serve` binds
     its front end first, so what recovery says reaches Slack). `build_notes`: where
-    template builds' progress goes (the CLI's terminal; a log by default)."""
+    template builds' progress goes (the CLI's terminal; a log by default). `host_ca`:
+    the configured one unless given (the demo makes one of its own). `preflight`: the
+    deploys' privilege check and what it keeps (a benchmark's rounds share one)."""
+    if host_ca is None:  # before anything opens: it may refuse
+        host_ca = load_host_ca(settings, os.environ)
     backends = backends if backends is not None else await make_backends(settings)
     store = await open_store(settings)
     deployer = compose(
@@ -124,6 +137,8 @@ async def running_deployer(
         takes_over=takes_over,
         clock=clock,  # tests pass a simulated one (leases: days pass in a step)
         build_notes=build_notes,
+        host_ca=host_ca,
+        preflight=preflight,
     )
     freeze_startup_heap()  # before start(): the jobs it recovers and queues are not
     try:

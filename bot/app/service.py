@@ -35,7 +35,7 @@ from bot.kinds.deploy.pipeline import Pipeline
 from bot.leases.enforce import Leases
 from bot.models import Job, UserPrefs
 from bot.models.builds import Build
-from bot.models.errors import BackendError
+from bot.models.errors import BackendError, JobNotFound
 from bot.operations.metrics import Metrics
 from bot.ownership.claims import Clock, Ownership, Runner
 from bot.ownership.recovery import sweep_wreckage
@@ -44,6 +44,7 @@ from bot.people.personal import Personal
 from bot.requests.intake import Intake
 from bot.requests.parsed import DeployArgs
 from bot.requests.quotas import Standing
+from bot.sshca.authority import HostCA
 from store.db import Store
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,7 @@ class Deployer:
     personal: Personal
     inbox: Inbox  # commands from chat, kept until answered (bot/chat/inbox.py)
     chat_outbox: ChatOutbox  # notices chat must still be told (bot/chat/outbox.py)
+    host_ca: HostCA | None = None  # certifies VMs' host keys (bot/sshca/); None: no CA
     ready: asyncio.Event = field(default_factory=asyncio.Event)  # set once started
     _leasing: asyncio.Task[None] | None = None
     _expiry: asyncio.Task[None] | None = None
@@ -315,8 +317,17 @@ class Deployer:
             return await self.leases.extend(target, user, length_s, dedupe_key=dedupe_key)
 
     async def vm_job(self, target: str) -> Job:
-        """The job of the VM `target` names (its name, or a job id): `known-hosts`."""
-        return await self.destroyer.find(target)
+        """The job of the VM `target` names (its name, or a job id): `known-hosts`. A name
+        no VM holds is its newest job's, if it has one (a deploy that failed, a VM
+        destroyed since): the answer then says it is not ready, not that it is unknown."""
+        try:
+            return await self.destroyer.find(target)
+        except JobNotFound:
+            name = target.strip().lower() if target.isascii() else target
+            newest = await self.store.jobs.history(name=name, limit=1)
+            if not newest:
+                raise
+            return newest[0]
 
     # --- template builds (bot/kinds/build/) --------------------------------------------------
 

@@ -1,5 +1,5 @@
 """The configuration's own sections ([defaults], [limits], [timeouts], [recovery],
-[ownership], [approval], [slack], [metrics], [store]) as pydantic models (split from
+[ownership], [approval], [slack], [metrics], [store], [ssh]) as pydantic models (split from
 bot/config/settings.py, which assembles them into `Settings`). Sections that
 belong to one feature live with it instead (bot/requests/quotas.py, bot/leases/terms.py,
 backends/ipam/config.py, bot/images/). Each forbids unknown keys, so a typo in the file
@@ -201,3 +201,37 @@ class MetricsSettings(_Section):
     listener of its own when `listen` ("127.0.0.1:9464") is set."""
 
     listen: str | None = None
+
+
+# An environment variable's name, as a shell may set it.
+_ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
+
+
+class SshSettings(_Section):
+    """SSH host certificates (bot/sshca/): with `host_ca_env` set, deploybot signs each
+    VM's confirmed host key with that certificate authority, so a person whose
+    known_hosts has the one `@cert-authority` line `deploybot ssh-ca` prints is never
+    asked about a new VM's key. The CA's private key is read from the environment
+    variable `host_ca_env` names, never from this file; a named variable that is unset,
+    empty or not an unencrypted OpenSSH private key stops the start."""
+
+    # The variable holding the host CA's private key (OpenSSH format, no passphrase),
+    # e.g. "DEPLOYBOT_SSH_HOST_CA"; unset: no certificates.
+    host_ca_env: str | None = Field(default=None, pattern=_ENV_NAME)
+    # The host patterns of the @cert-authority line (default: "*.<search_domain>" of
+    # every subnet that has one).
+    ca_hosts: tuple[str, ...] = ()
+    # How long a certificate holds for a VM without a lease (one with a lease: its end).
+    certificate_days: int = Field(default=365, ge=1, le=3650)
+
+    @field_validator("ca_hosts")
+    @classmethod
+    def _patterns(cls, patterns: tuple[str, ...]) -> tuple[str, ...]:
+        """known_hosts joins the patterns with commas and ends them at a space."""
+        for pattern in patterns:
+            if not pattern or any(c.isspace() or c == "," for c in pattern):
+                raise ValueError(
+                    f"{pattern!r} is not one host pattern: no spaces or commas "
+                    '(give each as its own string, e.g. ["*.lab.example", "10.0.0.*"])'
+                )
+        return patterns

@@ -32,6 +32,7 @@ from bot.config.sections import (
     OwnershipSettings,
     Recovery,
     SlackSettings,
+    SshSettings,
     StoreSettings,
     Timeouts,
 )
@@ -126,6 +127,7 @@ class Settings(BaseSettings):
     quotas: QuotaSettings = QuotaSettings()  # bot/requests/quotas.py
     leases: LeaseSettings = LeaseSettings()
     images: ImagesSettings = ImagesSettings()  # bot/images/: template build profiles
+    ssh: SshSettings = SshSettings()  # bot/sshca/: host certificates
 
     @field_validator("database", mode="before")
     @classmethod
@@ -203,7 +205,33 @@ class Settings(BaseSettings):
                 raise ValueError(
                     f"subnet {subnet.label} names backend {unknown!r}, not one of {names}"
                 )
+            self._segments_fit(subnet)
         return self
+
+    def _segments_fit(self, subnet: Subnet) -> None:
+        """Each `[subnets.segments.NAME]` names a backend and gives what its kind reads:
+        a Proxmox bridge (vlan, firewall), a vSphere network."""
+        for name, segment in subnet.segments.items():
+            backend = self.backend(name)
+            where = f"subnet {subnet.cidr}: [subnets.segments.{name}]"
+            if backend is None:
+                known = ", ".join(b.name for b in self.backends)
+                raise ValueError(f"{where} names no backend: use one of {known}")
+            takes = type(backend).segment_keys
+            wrong = sorted(segment.keys() - takes)
+            if not wrong:
+                continue
+            if takes == {"network"}:
+                what = (
+                    "network (a standard network or distributed portgroup by name; its VLAN "
+                    "comes with the portgroup)"
+                )
+            else:
+                what = ", ".join(sorted(takes))
+            raise ValueError(
+                f"{where}: {name} is a {backend.kind} backend, which takes {what}, "
+                f"not {', '.join(wrong)}"
+            )
 
     def _defaults_within_limits(self) -> None:
         """A default over its limit would refuse every deploy that does not set it."""

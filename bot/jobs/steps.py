@@ -64,6 +64,9 @@ class Step(Generic[C]):
     undo_from: UndoFrom = UndoFrom.CALL
     when: Callable[[Job], bool] | None = None  # whether it applies to the job
     skipped: str | None = None  # why, recorded when `when` says no (None: no trace at all)
+    # Asked just before it would start, when whether it applies depends on what the run
+    # found (the SSH check's key): why not, recorded as its skip; None: it runs.
+    skip: Callable[[C, Run], str | None] | None = None
     polled: bool = False  # a retryable answer means "not yet" (sshd still starting)
     # A job interrupted after this step finished may carry on after a restart: every
     # later step is safe to run again.
@@ -127,6 +130,11 @@ class Engine(Generic[C]):
                     job_id=run.job.id, step=step.name, phase="skipped", detail=step.skipped
                 )
                 await self.event(run, event, None)
+            return
+        reason = step.skip(self.service, run) if step.skip is not None else None
+        if reason is not None:
+            event = JobEvent(job_id=run.job.id, step=step.name, phase="skipped", detail=reason)
+            await self.event(run, event, None)
             return
         if step.undo is not None and step.undo_from is UndoFrom.CALL:
             _push(run, step.undo(self.service, run))

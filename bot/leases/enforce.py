@@ -26,17 +26,21 @@ import logging
 from collections.abc import Mapping
 from datetime import datetime, timedelta
 
+from backends.abilities import InstallsHostCertificates
 from backends.base import Backend, NotOurVM
 from bot.approvals.decisions import Approvals
 from bot.config.settings import Settings
 from bot.jobs.progress import Progress
+from bot.jobs.waiting import retrying
 from bot.kinds.deploy.destroy import Destroyer
 from bot.kinds.deploy.runs import vm_ref
 from bot.leases.terms import LeaseSettings, show_length
-from bot.models import AuditEvent, DeployRequest, Job, JobState
+from bot.models import AuditEvent, DeployRequest, HostKeySource, Job, JobState
 from bot.models.errors import BackendError, Duplicate, NotAllowed, RequestInvalid, TransitionRefused
 from bot.models.notices import Notice, NoticeKind
 from bot.ownership.claims import Clock, Ownership
+from bot.sshca.authority import HostCA
+from bot.sshca.certificates import certify
 from store.db import AlreadyDelivered, Store
 
 log = logging.getLogger(__name__)
@@ -63,8 +67,11 @@ class Leases:
         approvals: Approvals,
         destroyer: Destroyer,
         clock: Clock,
+        host_ca: HostCA | None = None,
     ) -> None:
+        """`host_ca`: an extension signs the VM's host certificate again, to the new end."""
         self.settings = settings
+        self.host_ca = host_ca
         self.policy: LeaseSettings = settings.leases
         self.store = store
         self.backends = backends
@@ -145,7 +152,8 @@ class Leases:
                 await self.progress.job_updated(done, f"lease extended by {user}")
                 if job.state is JobState.EXPIRED_OFF:
                     await self._power_on(done)
-                return done
+                    return done  # its guest is booting: its certificate keeps its end
+                return await self._recertify(done)
             job = await self._find(job.id)
         raise TransitionRefused(
             f"The lease of {job.name} kept changing while I extended it; look at it with "
@@ -189,6 +197,39 @@ class Leases:
                 ]
             )
         return end
+
+    async def _recertify(self, job: Job) -> Job:
+        """The job with its VM's host certificate signed again to the lease's new end and
+        installed, where it can be: a CA, a certificate already, a key the guest agent
+        confirmed, a backend that installs certificates, and the VM still this job's (its
+        tag). Otherwise, or when that fails, the old certificate stays (the answer names
+        its end); a failure is told in the job's thread."""
+        ca, backend, key = self.host_ca, self.backends.get(job.backend), job.host_key
+        agent = job.host_key_source is HostKeySource.AGENT
+        if ca is None or key is None or job.host_certificate is None or not agent:
+            return job
+        if not isinstance(backend, InstallsHostCertificates):
+            return job
+        ref = vm_ref(job)
+        certificate = certify(ca, job, key, job.final_address or job.address, self.clock())
+
+        async def install() -> None:
+            found = await backend.find_vm(ref)  # never into a VM that is not this job's
+            if found is None or ref.tag not in found.tags:
+                raise NotOurVM(f"VM {ref.vm_id} does not carry tag {ref.tag}", vm_id=ref.vm_id)
+            await backend.install_host_certificate(ref, certificate)
+
+        timeouts = self.settings.timeouts
+        try:
+            async with asyncio.timeout(timeouts.identity_s):
+                await retrying(install, timeouts)
+        except (BackendError, TimeoutError) as exc:
+            text = exc.message if isinstance(exc, BackendError) else "it took too long"
+            log.warning("job %s: host certificate not renewed: %s", job.id, text)
+            await self.progress.job_note(job, f"its host certificate was not renewed: {text}")
+            return job
+        await self.store.jobs.update(job.id, host_certificate=certificate)
+        return job.model_copy(update={"host_certificate": certificate})
 
     async def _power_on(self, job: Job) -> None:
         backend = self.backends.get(job.backend)

@@ -229,6 +229,9 @@ class Job(BaseModel):
     # before issue 28 hold its fingerprint ("SHA256:...") and no `host_key_source`.
     host_key: str | None = None
     host_key_source: HostKeySource | None = None
+    # The OpenSSH host certificate of `host_key` deploybot's host CA signed (one line,
+    # "ssh-ed25519-cert-v01@openssh.com AAAA...": public); None: no certificate.
+    host_certificate: str | None = None
     # Opaque references a front end keeps on the job: where the request came from (a
     # chat channel, say), the thread that follows the job, and the approval message.
     origin: str | None = None

@@ -2,9 +2,13 @@
 
 `check-config` only parses the file; this connects. For every backend: can we reach it,
 is its certificate trusted, does it take our credentials, does the default template
-exist and is it a template, do the default storage and network exist, and does the
-account hold the privileges the deploy steps need (where the backend can say:
-`ChecksPrivileges`). One result per check, each a problem with its fix or ok, so an
+exist and is it a template, do the default storage and network exist, can each
+subnet's segment there take a NIC (the bridge exists on every node and is VLAN-aware
+for a tag, the portgroup exists, is no uplink and reaches the hosts: `ChecksSegments`),
+and does the account hold the privileges the deploy steps need, on those segments too
+(where the backend can say: `ChecksPrivileges`; with a host CA, those installing
+certificates too). The host CA (`[ssh]`): whether its key loads from the environment,
+and its fingerprint. One result per check, each a problem with its fix or ok, so an
 operator sees everything wrong at once instead of one job failure at a time.
 """
 
@@ -15,13 +19,14 @@ import os
 from dataclasses import dataclass
 
 from backends import advice
-from backends.abilities import ChecksPrivileges
-from backends.base import Backend
+from backends.abilities import ChecksPrivileges, ChecksSegments
+from backends.base import Backend, Segment
 from backends.ipam import open_ipam
 from bot.app.runtime import make_backend
 from bot.config.settings import Settings
-from bot.models.errors import BackendError, UserError
+from bot.models.errors import BackendError, ConfigError, UserError
 from bot.requests.admission import find_template
+from bot.sshca.authority import load_host_ca
 
 
 @dataclass(frozen=True)
@@ -33,15 +38,25 @@ class CheckResult:
 
 
 async def run_checks(settings: Settings) -> list[CheckResult]:
-    results: list[CheckResult] = []
+    results = check_host_ca(settings)
+    # With a CA the privileges installing certificates are asked too (even when it does
+    # not load: the operator means to have one).
+    certificates = settings.ssh.host_ca_env is not None
     for config in settings.backends:
         try:
             backend = make_backend(config)
         except UserError as exc:  # a missing secret, an unreadable CA bundle
             results.append(CheckResult(f"{config.name}: set-up", False, exc.message))
             continue
+        segments = [(str(s.cidr), s.segment(config.name)) for s in settings.subnets]
         try:
-            results += await check_backend(config.name, backend, settings.defaults.template)
+            results += await check_backend(
+                config.name,
+                backend,
+                settings.defaults.template,
+                segments,
+                certificates=certificates,
+            )
         finally:
             await backend.close()
     # Overlapping or duplicate subnets stop the configuration from loading at all.
@@ -73,9 +88,36 @@ async def check_ipam(settings: Settings) -> list[CheckResult]:
     return [CheckResult("ipam", False, problem) for problem in problems]
 
 
-async def check_backend(name: str, backend: Backend, template: str) -> list[CheckResult]:
+def check_host_ca(settings: Settings) -> list[CheckResult]:
+    """The host CA: none configured, or its key loads (its fingerprint, the hosts its
+    line names), or why not (the message names the variable, never its value)."""
+    try:
+        ca = load_host_ca(settings, os.environ)
+    except ConfigError as exc:
+        return [CheckResult("ssh: host CA", False, exc.message)]
+    if ca is None:
+        detail = "none configured ([ssh] host_ca_env): host keys are confirmed, not certified"
+        return [CheckResult("ssh: host CA", True, detail)]
+    detail = (
+        f"{ca.fingerprint} from {ca.source}; certifies host keys for {', '.join(ca.patterns)} "
+        "(`deploybot ssh-ca` prints the known_hosts line)"
+    )
+    return [CheckResult("ssh: host CA", True, detail)]
+
+
+async def check_backend(
+    name: str,
+    backend: Backend,
+    template: str,
+    segments: list[tuple[str, Segment | None]] | None = None,
+    *,
+    certificates: bool = False,
+) -> list[CheckResult]:
     """The checks of one backend; the first refusal of the connection ends them (the
-    rest would only repeat it)."""
+    rest would only repeat it). `segments`: each subnet (its CIDR) and its segment on
+    this backend (None: it has none there). `certificates`: a host CA is configured, so
+    the privileges installing host certificates count too."""
+    segments = segments or []
     try:
         await backend.placements()
     except BackendError as exc:
@@ -89,7 +131,9 @@ async def check_backend(name: str, backend: Backend, template: str) -> list[Chec
     try:
         results.append(await _template(name, backend, template))
         results += await _placement(name, backend)
-        results += await _privileges(name, backend, template)
+        results += await _segments(name, backend, segments)
+        wanted = list(dict.fromkeys(s for _c, s in segments if s is not None))
+        results += await _privileges(name, backend, template, wanted, certificates)
     except BackendError as exc:
         results.append(CheckResult(f"{name}: inventory", False, exc.message))
     return results
@@ -141,11 +185,54 @@ def _exists(name: str, what: str, wanted: str, there: list[str]) -> CheckResult:
     )
 
 
-async def _privileges(name: str, backend: Backend, template: str) -> list[CheckResult]:
+async def _segments(
+    name: str, backend: Backend, segments: list[tuple[str, Segment | None]]
+) -> list[CheckResult]:
+    """One line per subnet: where its VMs' NICs go on this backend, and whether they can."""
+    if not any(s for _c, s in segments):
+        if len(segments) < 2:
+            return []
+        where = backend.default_network or "the template's own network"
+        return [
+            CheckResult(
+                f"{name}: segments",
+                False,
+                f"no subnet has a segment here: the NICs of all {len(segments)} subnets' "
+                f"VMs go on {where}",
+                f"add [subnets.segments.{name}] to each subnet, saying where its VMs go",
+            )
+        ]
+    results = []
+    for cidr, segment in segments:
+        if segment is None:
+            results.append(
+                CheckResult(
+                    f"{name}: subnet {cidr}",
+                    False,
+                    "no segment here, while other subnets have one: its requests are refused",
+                    f"add [subnets.segments.{name}] to the subnet {cidr}",
+                )
+            )
+            continue
+        check = f"{name}: subnet {cidr} on {segment}"
+        if not isinstance(backend, ChecksSegments):
+            results.append(CheckResult(check, True, "configured (this backend cannot check it)"))
+            continue
+        problems = await backend.segment_problems(segment)
+        if not problems:
+            tagged = ", VLAN-aware" if segment.vlan is not None else ""
+            results.append(CheckResult(check, True, f"exists{tagged}"))
+        results += [CheckResult(check, False, problem) for problem in problems]
+    return results
+
+
+async def _privileges(
+    name: str, backend: Backend, template: str, segments: list[Segment], certificates: bool
+) -> list[CheckResult]:
     if not isinstance(backend, ChecksPrivileges):
         return []
     try:
-        lacking = await backend.missing_privileges(template)
+        lacking = await backend.missing_privileges(template, segments, certificates=certificates)
     except BackendError as exc:  # a check that could not run is no "ok"
         if exc.retryable:
             raise  # the backend stopped answering: the inventory line says so
@@ -159,7 +246,9 @@ async def _privileges(name: str, backend: Backend, template: str) -> list[CheckR
             )
         ]
     if not lacking:
-        return [CheckResult(f"{name}: privileges", True, "the deploy steps' privileges are held")]
+        held = "the deploy steps' privileges are held"
+        held += " (installing host certificates too)" if certificates else ""
+        return [CheckResult(f"{name}: privileges", True, held)]
     return [
         CheckResult(
             f"{name}: privilege {m.privilege} on {m.where}",

@@ -12,15 +12,18 @@ import asyncio
 from collections.abc import Awaitable, Mapping
 
 from backends.abilities import NamedTemplates
-from backends.base import Backend, Network, Storage, Template
+from backends.base import Backend, Network, Segment, Storage, Template
 from bot.addresses.allocation import Known, named
 from bot.models import DeployRequest
 from bot.models.errors import BackendError, Conflict, RequestInvalid
 
 
-async def check_on_backend(backends: Mapping[str, Backend], request: DeployRequest) -> Template:
-    """Refuse unknown templates and placements before anything is recorded; return
-    the template."""
+async def check_on_backend(
+    backends: Mapping[str, Backend], request: DeployRequest, segment: Segment | None = None
+) -> Template:
+    """Refuse unknown templates, placements and networks before anything is recorded;
+    return the template. `segment`: where the request's subnet puts its NIC there
+    (None: `network=`, else the backend's own network)."""
     backend = backends.get(request.backend)
     if backend is None:
         raise RequestInvalid([f"No backend called {request.backend!r} is running."])
@@ -62,7 +65,16 @@ async def check_on_backend(backends: Mapping[str, Backend], request: DeployReque
             + _choices(storages, "storages for VM disks")
         )
     network = request.network or backend.default_network
-    if network is not None:
+    if segment is not None:
+        networks = await _names(request.backend, backend.networks(request.placement))
+        if segment.network not in networks:
+            problems.append(
+                f"{request.subnet or request.address.network} is on {segment} on "
+                f"{request.backend}, but {segment.network} is not a network there: ask an "
+                f"operator to correct [subnets.segments.{request.backend}] (networks there: "
+                f"{', '.join(networks) or 'none'})."
+            )
+    elif network is not None:
         networks = await _names(request.backend, backend.networks(request.placement))
         if network not in networks and request.network is not None:
             problems.append(

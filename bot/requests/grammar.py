@@ -3,7 +3,7 @@
     NAME [ADDRESS[/PREFIX]] [key=value ...]     (no ADDRESS: the next free one)
     help | status JOB | history [N] | cancel JOB | templates | approve JOB | reject JOB REASON
     destroy NAME|JOB | list [mine|all|@USER] [page=N] | lease extend NAME|JOB [LENGTH]
-    known-hosts NAME|JOB
+    known-hosts NAME|JOB | ssh-ca
     template build PROFILE [on=BACKEND] [node=N] [storage=S] [name=X] | template profiles
 
 JOB is a job id or any prefix of it of at least 4 characters (the service resolves it).
@@ -40,6 +40,7 @@ from bot.requests.parsed import (
     Reject,
     SaveKey,
     ShowSettings,
+    SshCa,
     Status,
     TemplateProfiles,
     Templates,
@@ -65,6 +66,7 @@ USAGES = {
     "destroy": "/deploy destroy NAME (or JOB)",
     "list": "/deploy list [mine|all|@USER] [page=N]",
     "known-hosts": "/deploy known-hosts NAME (or JOB)",
+    "ssh-ca": "/deploy ssh-ca",
     "lease extend": "/deploy lease extend NAME [7d]",
     "template build": "/deploy template build PROFILE [on=BACKEND] [node=N] [storage=S] [name=X]",
     "template profiles": "/deploy template profiles",
@@ -117,11 +119,13 @@ def parse(text: str) -> Command:
 
 def _subcommand(head: str, rest: list[str]) -> Command:
     usage = SUBCOMMAND_USAGE[head]
-    if head in ("help", "templates", "settings"):
+    if head in ("help", "templates", "settings", "ssh-ca"):
         if rest:
             raise UsageError(f"`{head}` takes no arguments.", usage)
         if head == "help":
             return Help()
+        if head == "ssh-ca":
+            return SshCa()
         return Templates() if head == "templates" else ShowSettings()
     if head == "list":
         return _list(rest, usage)

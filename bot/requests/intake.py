@@ -18,6 +18,7 @@ from datetime import datetime, timedelta
 from backends.base import Backend
 from backends.ipam.base import AddressTaken, PoolExhausted, Reservation
 from bot.addresses.allocation import Addressing, Known
+from bot.addresses.subnets import request_segment
 from bot.approvals.decisions import approval_reason
 from bot.config.settings import Settings
 from bot.jobs.progress import Progress
@@ -211,7 +212,16 @@ class Intake:
         self, args: DeployArgs, requester: str, ssh_keys: tuple[str, ...]
     ) -> DeployRequest:
         request = await self.offline_request(args, requester, ssh_keys)
-        template = await check_on_backend(self.backends, request)
+        segment = request_segment(
+            self.settings.subnets,
+            request.subnet,
+            request.address.ip,
+            request.backend,
+            request.network,
+        )
+        if isinstance(segment, str):  # build_request refused it already
+            raise RequestInvalid([segment])
+        template = await check_on_backend(self.backends, request, segment)
         if args.user is None and template.default_user not in (None, request.user):
             # The image's own login user beats the site default: the SSH line must work.
             request = DeployRequest.model_validate(

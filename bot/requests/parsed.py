@@ -93,6 +93,11 @@ class KnownHosts:
 
 
 @dataclass(frozen=True)
+class SshCa:
+    """`ssh-ca`: the known_hosts line that trusts deploybot's host CA (@cert-authority)."""
+
+
+@dataclass(frozen=True)
 class ExtendLease:
     """`lease extend NAME [7d]`: move a VM's lease end later (no length: the usual step)."""
 
@@ -139,6 +144,7 @@ Command = (
     | ShowSettings
     | Destroy
     | KnownHosts
+    | SshCa
     | ListVMs
     | ExtendLease
     | BuildTemplate

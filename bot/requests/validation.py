@@ -66,6 +66,7 @@ def build_request(
         data.update(_next_free(args, settings, backend, problems))
     else:
         data.update(_network(args.address, settings, problems))
+    _segment(args, settings, backend, data.get("subnet"), problems)
     fields = dict.fromkeys(problems[:1], "address")
     _limits(data, settings, problems, fields)
     if problems:
@@ -140,6 +141,19 @@ def _network(address: str, settings: Settings, problems: list[str]) -> dict[str,
         "search_domain": subnet.search_domain,
         "subnet": subnet.label,
     }
+
+
+def _segment(
+    args: DeployArgs, settings: Settings, backend: str, label: str | None, problems: list[str]
+) -> None:
+    """The subnet picks the NIC's segment on the backend: refused when it has none there
+    while other subnets do, or when network= names another (`subnets.segment_on`)."""
+    subnet = next((s for s in settings.subnets if s.label == label), None)
+    if subnet is None:
+        return  # the address was refused already
+    found = subnets.segment_on(settings.subnets, subnet, backend, args.network)
+    if isinstance(found, str):
+        problems.append(found)
 
 
 def _limits(

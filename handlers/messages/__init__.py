@@ -8,5 +8,5 @@ module that defines it (`from handlers.messages.core import finished`): core (ev
 front end: the terminal, the CLI, the words Slack shares with them), text (the shared
 words and escaping), destroys, listing and reports (split from core), slack (Slack's
 own), lifecycle (quotas, the App Home, VM leases), builds (template builds), retire
-(template gc), usage (the commands' grammar and help).
+(template gc), migration (`migrate plan`), usage (the commands' grammar and help).
 """

@@ -1,11 +1,14 @@
 """What a person is told about a VM's SSH host key: the fingerprint, how deploybot
-confirmed it, and a ready known_hosts line (the end of a deploy, its DM, and
-`/deploy known-hosts NAME`)."""
+confirmed it, a ready known_hosts line, and its host certificate when deploybot's host CA
+signed one (the end of a deploy, its DM, and `/deploy known-hosts NAME`); and
+`/deploy ssh-ca`, the @cert-authority line."""
 
 from __future__ import annotations
 
 from backends.sshcheck import fingerprint
 from bot.models import HostKeySource, Job
+from bot.sshca.authority import HostCA
+from bot.sshca.certificates import read_certificate
 from handlers.messages.text import STATE_LABELS
 
 HOW_CONFIRMED = {
@@ -35,6 +38,7 @@ def host_key_lines(job: Job) -> list[str]:
     return [
         f"Its host key is {fingerprint(job.host_key)}, {how}. For ~/.ssh/known_hosts:",
         f"    {line}",
+        *certificate_lines(job),
     ]
 
 
@@ -48,6 +52,39 @@ def known_hosts_answer(job: Job) -> list[str]:
         f"{job.name} {job.final_address or job.address} (job {job.short_id}): host key "
         f"{fingerprint(line.split(' ', 1)[1])}, {how}. Add this line to ~/.ssh/known_hosts:",
         f"    {line}",
+        *certificate_lines(job),
+    ]
+
+
+def certificate_lines(job: Job) -> list[str]:
+    """The sentence about the VM's host certificate; nothing when it has none."""
+    info = read_certificate(job.host_certificate) if job.host_certificate else None
+    if info is None:
+        return []
+    until = info.valid_before
+    return [
+        f"It is certified by deploybot's host CA until {until.day} {until:%b %Y %H:%M} UTC "
+        f"for {', '.join(info.principals)}: with the @cert-authority line from `deploybot "
+        "ssh-ca` (or `/deploy ssh-ca`) in ~/.ssh/known_hosts, ssh trusts it without asking."
+    ]
+
+
+def authority_answer(ca: HostCA | None) -> list[str]:
+    """`ssh-ca`: the @cert-authority line for known_hosts, or how to get one."""
+    if ca is None:
+        return [
+            "This deploybot has no host CA, so its VMs' host keys are not certified: compare "
+            "each VM's key with the line its ready message gives (`/deploy known-hosts "
+            "NAME`). An operator sets one up: make a key without a passphrase (`ssh-keygen "
+            "-t ed25519 -N '' -f host_ca`), put the file's text in the environment variable "
+            "DEPLOYBOT_SSH_HOST_CA, and set `host_ca_env = 'DEPLOYBOT_SSH_HOST_CA'` under "
+            "[ssh] in deploybot.toml (the docs: usage, Host certificates)."
+        ]
+    return [
+        f"deploybot's host CA ({ca.fingerprint}) certifies the host keys of the VMs it "
+        f"builds for {', '.join(ca.patterns)}. Add this line to ~/.ssh/known_hosts, and ssh "
+        "asks nothing about those VMs' keys while their certificates hold:",
+        f"    {ca.authority_line()}",
     ]
 
 
@@ -63,8 +100,8 @@ def known_hosts_fingerprint_only(job: Job) -> list[str]:
 
 def not_ready(job: Job) -> str:
     return (
-        f"{job.name} (job {job.short_id}) is {STATE_LABELS[job.state]}: only a VM that is "
-        f"ready has a host key to show. See `/deploy status {job.short_id}`."
+        f"{job.name} (job {job.short_id}) is not ready ({STATE_LABELS[job.state]}): only a "
+        f"VM that is ready has a host key to show. See `/deploy status {job.short_id}`."
     )
 
 

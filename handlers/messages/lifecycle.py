@@ -10,6 +10,7 @@ from bot.models import Job
 from bot.requests.quotas import NAMES as QUOTA_NAMES
 from bot.requests.quotas import Standing
 from bot.requests.quotas import amount as quota_amount
+from bot.sshca.certificates import read_certificate
 from handlers.messages.listing import age
 from handlers.messages.text import STATE_LABELS, Said, escape, when
 
@@ -71,7 +72,25 @@ def lease_extended_answer(job: Job, zone: tzinfo = UTC) -> str:
     """The new end, in the reader's zone (Slack: theirs; the shell and CLI: UTC)."""
     end = job.lease_end
     shown = when(end, zone) if end is not None else "no end"
-    return f"The lease of {job.name} (job {job.short_id}) now ends {shown}."
+    said = f"The lease of {job.name} (job {job.short_id}) now ends {shown}."
+    return f"{said} {certificate_end(job, zone)}".rstrip()
+
+
+def certificate_end(job: Job, zone: tzinfo = UTC) -> str:
+    """After an extension: whether the VM's host certificate now holds as long (signed
+    again and installed) or still ends at its old date (a backend that cannot install
+    one in a running guest, an install that failed); nothing for a VM without one."""
+    info = read_certificate(job.host_certificate) if job.host_certificate else None
+    end = job.lease_end
+    if info is None or end is None:
+        return ""
+    if info.valid_before >= end - timedelta(minutes=1):
+        return "Its host certificate was renewed to the same end."
+    return (
+        f"Its host certificate still ends {when(info.valid_before, zone)}: after that ssh "
+        f"trusts its key only through its own known_hosts line (`/deploy known-hosts "
+        f"{job.name}`)."
+    )
 
 
 def lease_reminder(job: Job, end: datetime, now: datetime, grace: str, zone: tzinfo) -> str:

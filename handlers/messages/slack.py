@@ -183,6 +183,12 @@ def name_in_flight(name: str, job_id: str) -> str:
     return f"{name} is already being deployed by job {job_id}: pick another name."
 
 
+def subnet_choice(subnet: str, segment: str | None) -> str:
+    """A subnet as the form lists it, with where its VMs go on the chosen backend:
+    "10.0.20.0/24, vmbr0 VLAN 20"."""
+    return f"{subnet}, {segment}" if segment else subnet
+
+
 def address_in_flight(address: str, job_id: str) -> str:
     return f"{address} is already taken by job {job_id}: pick another address."
 

@@ -16,6 +16,7 @@ STEP_LABELS = {
     "power_on": "power on",
     "address": "wait for address",
     "ssh": "check SSH",
+    "certify": "certify the host key",
     "forget_key": "remove the private host key",
     "register": "mark the address in use (IPAM)",
     "rollback": "roll back",

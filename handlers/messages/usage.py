@@ -21,6 +21,7 @@ SUMMARIES = {
     "destroy": "stop and destroy a VM deploybot built",
     "list": "the VMs deploybot holds: yours, everyone's or one person's",
     "known-hosts": "a ready VM's known_hosts line, and how its host key was confirmed",
+    "ssh-ca": "the known_hosts line that trusts every VM's host certificate",
     "lease extend": "keep a VM longer (by the usual step unless you say)",
     "template build": "build a golden template from a build profile",
     "template profiles": "the build profiles there are",

@@ -42,6 +42,7 @@ from handlers.messages.slack import (
     backends_not_answering,
     missing_field,
     storage_option,
+    subnet_choice,
 )
 from handlers.messages.text import escape
 from handlers.slack.catalog import Catalog, Choice, template_options, template_value
@@ -88,12 +89,14 @@ def form_view(
         blocks.append(_input(f"storage@{choice.placement}", storage, optional=True, dispatch=True))
     if catalog.clone_note:
         blocks.append(ContextBlock(elements=[MarkdownTextObject(text=catalog.clone_note)]))
-    if catalog.networks:
+    # Where the subnets say where NICs go, the address picks the network: no choice.
+    segmented = any(s.segment(choice.backend or "") for s in settings.subnets)
+    if catalog.networks and not segmented:
         networks = [option(n.name, n.name) for n in catalog.networks]
         blocks.append(
             _input(f"network@{choice.placement}", select("network", networks), optional=True)
         )
-    blocks.extend(_sizes_and_identity(settings, prefs))
+    blocks.extend(_sizes_and_identity(settings, prefs, choice.backend))
     if catalog.problems:
         text = fit(backends_not_answering(catalog.problems), 3000)
         blocks.append(ContextBlock(elements=[MarkdownTextObject(text=text)]))
@@ -148,11 +151,16 @@ def _placement_select(catalog: Catalog, choice: Choice) -> Any:
     return select("placement", options, initial=choice.placement)
 
 
-def _sizes_and_identity(settings: Settings, prefs: UserPrefs) -> list[Block]:
+def _sizes_and_identity(settings: Settings, prefs: UserPrefs, backend: str | None) -> list[Block]:
     d, limits = settings.defaults, settings.limits
     cores = [option(str(n), str(n)) for n in range(1, min(limits.max_cores, SELECT_MAX) + 1)]
     memory = [option(_mib_text(m), str(m)) for m in _memory_sizes(limits.max_memory_mib)]
-    subnets = ", ".join(str(s) for s in settings.subnets)
+    segments = [s.segment(backend or "") for s in settings.subnets]
+    listed = [
+        subnet_choice(str(s), str(seg) if seg else None)
+        for s, seg in zip(settings.subnets, segments, strict=True)
+    ]
+    subnets = ("; " if any(segments) else ", ").join(listed)
     example = str(settings.subnets[0].cidr.network_address + 50)
     keys = "\n".join(prefs.ssh_keys)
     upgrade = CheckboxesElement(

@@ -21,6 +21,7 @@ from store.migrations import (
     DESTROY_COLUMNS,
     HOLDING_V9,
     HOLDING_V10,
+    HOST_CERTIFICATE_COLUMN,
     HOST_KEY_SOURCE_COLUMN,
     KIND_COLUMN,
     LEASE_COLUMNS,
@@ -149,10 +150,12 @@ _V15 = [KIND_COLUMN]
 
 _V16 = [HOST_KEY_SOURCE_COLUMN]
 
+_V17 = [HOST_CERTIFICATE_COLUMN]
+
 # version -> the statements that bring the schema from the version before to it.
 STEPS: dict[int, list[str]] = {
     6: _V6, 7: _V7, 8: _V8, 9: _V9, 10: _V10, 11: _V11, 12: _V12, 13: _V13, 14: _V14,
-    15: _V15, 16: _V16,
+    15: _V15, 16: _V16, 17: _V17,
 }  # fmt: skip
 
 # What a constraint protects, as SQLite names it in its errors (store/sql.ConstraintViolation).

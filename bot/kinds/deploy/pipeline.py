@@ -1,7 +1,7 @@
 """One deploy, step by step, with an undo stack.
 
     check_free -> clone -> identity -> resize -> power_on -> address -> ssh
-        [-> forget_key] [-> register]
+        [-> certify] [-> forget_key] [-> register]
 
 The steps are declared as data at the end of this module (`STEPS`: one `Step` record
 each, with its action, undo, timeout and what a restart may do after it); the engine in
@@ -26,6 +26,11 @@ the pair, `forget_key` then removes the private key from the hypervisor before t
 succeeds; in a rollback a destroy that fails removes it first); another key fails the deploy
 (an address conflict or an interceptor). Neither possible: the key is only seen over
 SSH, and the job says so.
+
+With a host CA (`[ssh] host_ca_env`, bot/sshca/) the confirmed key is certified: a key
+deploybot chooses gets its certificate at the identity step (the hypervisor installs
+both), a key read through the guest agent gets it at `certify`, installed through the
+same channel (`InstallsHostCertificates`). A key only seen over SSH is never certified.
 """
 
 from __future__ import annotations
@@ -37,26 +42,31 @@ import ipaddress
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 
-from backends.abilities import ChoosesHostKeys, ReadsHostKeys
+from backends.abilities import ChoosesHostKeys, InstallsHostCertificates, ReadsHostKeys
 from backends.base import (
     Backend,
     CloneSpec,
     IdTaken,
     PermanentError,
     RetryableError,
+    Segment,
     VMRef,
 )
 from backends.sshcheck import fingerprint, new_host_key
 from bot.addresses.allocation import Addressing, named
+from bot.addresses.subnets import request_segment
 from bot.config.settings import Settings
 from bot.jobs import logfields
 from bot.jobs import progress as tell
 from bot.jobs.progress import Progress
 from bot.jobs.steps import Engine, Step, UndoFrom, notices_for
 from bot.jobs.waiting import protected
+from bot.kinds.deploy.preflight import Preflight
 from bot.kinds.deploy.runs import Fence, Run, StepFailed, Undo, identity_of, run_undo, vm_ref
 from bot.models import Claim, HostKeySource, Job, JobState, RollbackReport, utcnow
 from bot.ownership.claims import Lost
+from bot.sshca.authority import HostCA
+from bot.sshca.certificates import certify, read_certificate
 from store.db import Store
 
 log = logging.getLogger(__name__)
@@ -74,12 +84,15 @@ class Pipeline:
         progress: Progress,
         fence: Fence,
         addressing: Addressing,
+        host_ca: HostCA | None = None,
+        preflight: Preflight | None = None,
     ) -> None:
         """`fence` is this process's runner (bot/ownership/claims.Ownership): every state
         change of a job names its claim, so a runner that lost a job (its claim lapsed)
         can no longer change it, and every step waits until the runner proves it holds
-        the job."""
+        the job. `host_ca`: the CA that certifies confirmed host keys (None: none)."""
         self.fence = fence
+        self.host_ca = host_ca
         self.owner = fence.id
         self.addressing = addressing
         self.settings = settings
@@ -88,6 +101,8 @@ class Pipeline:
         self.progress = progress
         self.timeouts = settings.timeouts
         self.engine = Engine(self, STEPS, store, progress, settings.timeouts, fence)
+        # The privilege check of check_free (certificates=: see its module doc).
+        self.preflight = preflight or Preflight(certificates=host_ca is not None)
 
     async def run(self, job_id: str) -> Job | None:
         """Run a queued job to a final state; None if it was no longer queued."""
@@ -179,6 +194,10 @@ class Pipeline:
 
     async def _check_free(self, run: Run) -> str:
         req = run.job.request
+        # The privileges the steps need, before anything exists (kept a while when all there).
+        segment = self._segment(run.job, "check_free")
+        nics = (segment,) if segment is not None else ()
+        unchecked = await self.preflight.check(req.backend, run.backend, req.template, nics)
         # One read for the name and, where the backend can, its VMs' addresses.
         taken, known = await named({req.backend: run.backend}, req)
         if taken:
@@ -196,16 +215,18 @@ class Pipeline:
         if who is not None:
             raise StepFailed("check_free", f"{who}: deploy again with another address")
         free = f"{req.name} and {req.address.ip} are free"
-        return f"{free} (not asked: {', '.join(unasked)})" if unasked else free
+        free = f"{free} (not asked: {', '.join(unasked)})" if unasked else free
+        return f"{free}; {unchecked}" if unchecked else free
 
     async def _clone_detail(self, run: Run) -> str:
-        spec, backend = _clone_spec(run.job), run.backend
+        spec, backend = _clone_spec(run.job, self._segment(run.job, "clone")), run.backend
         t = self.timeouts.check_free_s
         mode = await self.engine.call(run, "clone", t, lambda: backend.clone_mode(spec))
-        return f"{run.job.request.template}, {mode.reason}"
+        nic = f", NIC on {spec.segment}" if spec.segment is not None else ""
+        return f"{run.job.request.template}, {mode.reason}{nic}"
 
     async def _clone(self, run: Run) -> str:
-        spec, backend = _clone_spec(run.job), run.backend
+        spec, backend = _clone_spec(run.job, self._segment(run.job, "clone")), run.backend
         if run.ref is None:
             ref = await backend.prepare_clone(spec)
             # Write-ahead: the id is stored and its undo pushed before anything exists.
@@ -234,6 +255,18 @@ class Pipeline:
         where = f"VM {ref.vm_id} on {ref.placement or run.job.backend}"
         return f"{where}; {note}" if note else where
 
+    def _segment(self, job: Job, step: str) -> Segment | None:
+        """Where its subnet puts the job's NIC on its backend, as the configuration says
+        now (None: the backend's own network); refused as at the request when the subnet
+        lost its segment there since (bot/addresses/subnets.segment_on)."""
+        req = job.request
+        found = request_segment(
+            self.settings.subnets, req.subnet, req.address.ip, job.backend, req.network
+        )
+        if isinstance(found, str):
+            raise StepFailed(step, found)
+        return found
+
     def _destroy(self, run: Run) -> Undo:
         ref, backend = self._ref(run), run.backend
         if not isinstance(backend, ChoosesHostKeys):
@@ -260,27 +293,78 @@ class Pipeline:
         return f"{req.user}@{req.address}, {req.cores} cores, {req.memory_mib} MiB"
 
     async def _identity(self, run: Run) -> str | None:
-        identity = identity_of(run.job.request)
+        req = run.job.request
+        identity = identity_of(req, self._segment(run.job, "identity"))
         if isinstance(run.backend, ChoosesHostKeys):
             # Its public half is recorded before the hypervisor gets the pair (the SSH
             # check of a job resumed after a restart requires it); the private half is
             # never stored or logged.
             pair = new_host_key()
             source = HostKeySource.CHOSEN
+            # Its certificate goes in with it (None without a CA): public, kept with it.
+            certificate = self._certificate(run, pair.public, str(req.address.ip))
             recorded = functools.partial(
                 self.store.jobs.update,
                 run.job.id,
                 held_by=run.claim,
                 host_key=pair.public,
                 host_key_source=source,
+                host_certificate=certificate,
             )
             if not await self.engine.recorded(run, recorded):
                 raise StepFailed("identity", "another process took this job over")
             run.job = run.job.model_copy(
-                update={"host_key": pair.public, "host_key_source": source}
+                update={
+                    "host_key": pair.public,
+                    "host_key_source": source,
+                    "host_certificate": certificate,
+                }
             )
-            identity = dataclasses.replace(identity, host_key=pair)
+            identity = dataclasses.replace(identity, host_key=pair, host_certificate=certificate)
         return await run.backend.apply_identity(self._ref(run), identity)
+
+    def _certificate(self, run: Run, public_line: str, address: str) -> str | None:
+        """The host CA's certificate of the VM's key `public_line` (None: no CA)."""
+        if self.host_ca is None:
+            return None
+        return certify(self.host_ca, run.job, public_line, address, self.fence.clock())
+
+    def _no_certificate(self, run: Run) -> str | None:
+        """Why `certify` does not apply to this run, or None when it does."""
+        backend = run.backend
+        if self.host_ca is None:
+            return "no host CA configured ([ssh] host_ca_env)"
+        if run.host_key_source is HostKeySource.CHOSEN:
+            if run.host_certificate is not None:
+                return "installed with the host key deploybot chose, at the identity step"
+            return "the host key deploybot chose went in without one"
+        if run.host_key is None or run.host_key_source is not HostKeySource.AGENT:
+            return (
+                "the host key was only seen over SSH: deploybot certifies only a key the "
+                "hypervisor confirmed"
+            )
+        if not isinstance(backend, InstallsHostCertificates):
+            return f"{run.job.backend} cannot install a certificate into a running guest"
+        return None
+
+    async def _certify(self, run: Run) -> str:
+        """Sign the host key the guest agent confirmed and install the certificate through
+        the same channel. Safe to run again: a new certificate replaces the old one."""
+        backend, key = run.backend, run.host_key
+        if not isinstance(backend, InstallsHostCertificates) or key is None:
+            raise StepFailed("certify", "nothing to certify")  # _no_certificate said so
+        address = run.address or run.job.address
+        certificate = self._certificate(run, key, address)
+        if certificate is None:
+            raise StepFailed("certify", "no host CA configured")
+        note = await backend.install_host_certificate(self._ref(run), certificate)
+        run.host_certificate = certificate
+        info = read_certificate(certificate)
+        held = (
+            f" for {', '.join(info.principals)} until {info.valid_before:%Y-%m-%d}" if info else ""
+        )
+        done = f"signed{held}, installed through {backend.certificates_through}"
+        return f"{done}; {note}" if note else done
 
     async def _forget_key(self, run: Run) -> str:
         backend = run.backend
@@ -335,7 +419,7 @@ class Pipeline:
         if presented is None:
             if expected:  # an sshd still starting; a listener that is no sshd never ends
                 raise RetryableError(f"{answers} but has not shown its host key yet")
-            run.host_key, run.host_key_source = None, None
+            run.host_key, run.host_key_source, run.host_certificate = None, None, None
             return answers
         if expected and not _among(presented, expected) and source is HostKeySource.AGENT:
             # Keys the guest replaced (cloud-init) after they were read: sshd runs only once
@@ -351,6 +435,10 @@ class Pipeline:
                 vm_id=ref.vm_id,
             )
         run.host_key, run.host_key_source = _key_of(presented), source
+        # A chosen key's certificate went in with it; a key read through the agent gets
+        # its own at `certify`.
+        chosen = source is HostKeySource.CHOSEN
+        run.host_certificate = run.job.host_certificate if chosen else None
         return f"{answers}, host key {fingerprint(presented)} ({how})"
 
     async def _expected_keys(self, run: Run, ref: VMRef) -> tuple[list[str], HostKeySource, str]:
@@ -409,6 +497,7 @@ class Pipeline:
                 final_address=run.address,
                 host_key=run.host_key,
                 host_key_source=run.host_key_source,
+                host_certificate=run.host_certificate,
                 finished_at=utcnow(),
             ),
         )
@@ -490,7 +579,7 @@ def _took(job: Job) -> str:
     return f"{(job.finished_at - job.started_at).total_seconds():.1f} s"
 
 
-def _clone_spec(job: Job) -> CloneSpec:
+def _clone_spec(job: Job, segment: Segment | None) -> CloneSpec:
     req = job.request
     return CloneSpec(
         job.id,
@@ -499,7 +588,8 @@ def _clone_spec(job: Job) -> CloneSpec:
         req.placement,
         req.storage,
         req.network,
-        identity=identity_of(req),
+        segment=segment,
+        identity=identity_of(req, segment),
         installation=job.installation,
     )
 
@@ -528,8 +618,9 @@ def _key_of(line: str) -> str:
 # The deploy, one record per step, in order. After a restart a job may carry on once
 # its clone has finished: every later step is safe to run again (the identity is one
 # config change, a disk growth aims at a size the backend marked on the VM, a start
-# finds the VM running, the address and SSH check only look, the IPAM record is
-# activated again). Before that, only a rollback is safe: the clone may be half made.
+# finds the VM running, the address and SSH check only look, a certificate is signed
+# and installed anew over the old one, the IPAM record is activated again). Before
+# that, only a rollback is safe: the clone may be half made.
 # The address is read again rather than remembered: it is cheap and the SSH check needs it.
 STEPS: tuple[Step[Pipeline], ...] = (
     Step("check_free", Pipeline._check_free, "check_free_s"),
@@ -575,6 +666,14 @@ STEPS: tuple[Step[Pipeline], ...] = (
         polled=True,  # a refused port right after the agent answered: sshd still starting
         resumable=True,
         read_again=True,
+    ),
+    Step(
+        "certify",
+        Pipeline._certify,
+        "identity_s",  # a file written and sshd reloaded, through the guest agent
+        detail="by deploybot's host CA",
+        skip=Pipeline._no_certificate,
+        resumable=True,
     ),
     Step(
         "forget_key",

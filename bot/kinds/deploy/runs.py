@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Protocol
 
-from backends.base import Backend, Identity, VMRef
+from backends.base import Backend, Identity, Segment, VMRef
 from bot.config.sections import Timeouts
 from bot.jobs.waiting import retrying
 from bot.models import Claim, DeployRequest, HostKeySource, Job, JobEvent, RollbackReport
@@ -36,7 +36,7 @@ def vm_ref(job: Job) -> VMRef:
     return VMRef(job.vm_id, job.id, job.vm_placement, job.installation)
 
 
-def identity_of(req: DeployRequest) -> Identity:
+def identity_of(req: DeployRequest, segment: Segment | None = None) -> Identity:
     return Identity(
         hostname=req.name,
         user=req.user,
@@ -49,6 +49,7 @@ def identity_of(req: DeployRequest) -> Identity:
         cores=req.cores,
         memory_mib=req.memory_mib,
         network=req.network,
+        segment=segment,
     )
 
 
@@ -97,6 +98,7 @@ class Run:
     address: str | None = None
     host_key: str | None = None  # the public key line the SSH check confirmed
     host_key_source: HostKeySource | None = None  # how it was confirmed
+    host_certificate: str | None = None  # that key's certificate, signed by the host CA
     resumed: bool = False
 
 

@@ -82,6 +82,9 @@ class Node:
     cpu_model: str
     flags: frozenset[str] | None  # None: status without `flags`, as the schema allows
     bridges: tuple[str, ...] = ("vmbr0", "vmbr1")
+    # Those with `bridge_vlan_aware` (and their `bridge_vids`, as the PVE installer's
+    # VLAN-aware bridge has them): a NIC may carry a VLAN tag only there.
+    vlan_aware: dict[str, str] = field(default_factory=lambda: {"vmbr0": "2-4094"})
 
 
 @dataclass

@@ -116,8 +116,15 @@ async def storage_list(c: Call) -> Any:
 
 
 async def bridges(c: Call) -> Any:
+    """The node's bridges (every `type` filter the client sends is a bridge one)."""
     node = c.cluster.node(c.node)
-    return [{"iface": b, "type": "bridge", "active": 1, "autostart": 1} for b in node.bridges]
+    answer = []
+    for name in node.bridges:
+        item: dict[str, Any] = {"iface": name, "type": "bridge", "active": 1, "autostart": 1}
+        if name in node.vlan_aware:
+            item |= {"bridge_vlan_aware": 1, "bridge_vids": node.vlan_aware[name]}
+        answer.append(item)
+    return answer
 
 
 async def resources(c: Call) -> Any:

@@ -1,0 +1,144 @@
+"""A counting HTTPS proxy in front of vcsim: it forwards every request unchanged and
+records the SOAP method of each request body (and the object it is called on), so a
+test sees exactly what reached the server, whatever the client says it sent.
+
+It serves the simulator's own certificate for 127.0.0.1 (the test CA's), so a client
+keeps TLS verification on; it runs in the test's event loop (pyvmomi calls from the
+backend's threads, so the loop is free to serve them).
+"""
+
+from __future__ import annotations
+
+import re
+import ssl
+from collections import Counter
+from dataclasses import dataclass, field
+
+import aiohttp
+from aiohttp import web
+
+from tests.support.vsphere.simulator import TlsFiles
+
+_METHOD = re.compile(rb"<(?:[\w-]+:)?Body[^>]*>\s*<(?:[\w-]+:)?([A-Za-z_]\w*)")
+_THIS = re.compile(rb"<_this[^>]*\btype=\"(\w+)\"[^>]*>([^<]*)</_this>")
+# Headers that belong to one connection, or that the proxy's client sets itself.
+_HOP = frozenset(
+    {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "content-encoding"}
+)
+# What a vSphere read may send; anything else is a change. Kept here, apart from the
+# code under test (backends/vsphere/readonly.py), so that the test judges on its own.
+READ_METHODS = frozenset(
+    {
+        "RetrieveServiceContent",
+        "Login",
+        "Logout",
+        "CurrentTime",
+        "Fetch",
+        "RetrieveProperties",
+        "RetrievePropertiesEx",
+        "ContinueRetrievePropertiesEx",
+        "CancelRetrievePropertiesEx",
+        "WaitForUpdatesEx",
+        "CancelWaitForUpdates",
+        "FindByUuid",
+        "FindByInventoryPath",
+        "FindChild",
+        "CreateContainerView",
+        "DestroyView",
+        "CreatePropertyCollector",
+        "DestroyPropertyCollector",
+        "CreateFilter",
+        "DestroyPropertyFilter",
+    }
+)
+_SESSION_OBJECTS = ("ContainerView", "PropertyCollector", "PropertyFilter")
+_MUTATING = re.compile(
+    r"(_Task$|^Reconfig|^Create|^Destroy|^MarkAs|^Rename|^Register|^Unregister|^Move|"
+    r"^Power|^Reset|^Set|^Update|^Add|^Remove|^Delete|^Upgrade|^Customize|^Import)"
+)
+
+
+def mutating(method: str) -> bool:
+    """Whether a SOAP method changes the inventory: `*_Task`, `Reconfig*`, `Create*` and
+    `Destroy*` (but of a session's views and property collectors), `MarkAs*`,
+    `Rename*` and the other verbs of change."""
+    session_object = method.startswith(("Create", "Destroy")) and method.endswith(
+        ("View", "PropertyCollector", "Filter")
+    )
+    return bool(_MUTATING.search(method)) and not session_object
+
+
+@dataclass(frozen=True)
+class Seen:
+    method: str
+    this_type: str
+    this_id: str
+
+
+@dataclass
+class SoapProxy:
+    upstream_port: int
+    tls: TlsFiles
+    seen: list[Seen] = field(default_factory=list)
+    port: int = 0
+
+    async def start(self) -> None:
+        client_tls = ssl.create_default_context(cafile=str(self.tls.ca))
+        self._client = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(ssl=client_tls),
+            cookie_jar=aiohttp.DummyCookieJar(),  # the client's cookies pass through
+            auto_decompress=True,
+        )
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_route("*", "/{tail:.*}", self._forward)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        server_tls.load_cert_chain(str(self.tls.cert), str(self.tls.key))
+        site = web.TCPSite(self._runner, "127.0.0.1", 0, ssl_context=server_tls)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+
+    async def stop(self) -> None:
+        await self._runner.cleanup()
+        await self._client.close()
+
+    async def _forward(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        self._record(body)
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        url = f"https://127.0.0.1:{self.upstream_port}{request.path_qs}"
+        async with self._client.request(
+            request.method, url, data=body, headers=headers
+        ) as upstream:
+            data = await upstream.read()
+            answer = web.Response(status=upstream.status, body=data)
+            for key, value in upstream.headers.items():
+                if key.lower() not in _HOP:
+                    answer.headers.add(key, value)
+            return answer
+
+    def _record(self, body: bytes) -> None:
+        method = _METHOD.search(body)
+        if method is None:
+            return
+        this = _THIS.search(body)
+        self.seen.append(
+            Seen(
+                method.group(1).decode(),
+                this.group(1).decode() if this else "",
+                this.group(2).decode() if this else "",
+            )
+        )
+
+    def methods(self) -> Counter[str]:
+        return Counter(s.method for s in self.seen)
+
+    def mutations(self) -> list[Seen]:
+        return [s for s in self.seen if mutating(s.method)]
+
+    def session_objects_ok(self) -> bool:
+        """Every Destroy* that passed was of a view or collector."""
+        return all(
+            s.this_type in _SESSION_OBJECTS for s in self.seen if s.method.startswith("Destroy")
+        )
