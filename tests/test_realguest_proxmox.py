@@ -31,6 +31,7 @@ import re
 import shutil
 import ssl
 import tempfile
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,7 @@ import aiohttp
 import asyncssh
 import pytest
 import pytest_asyncio
+from asyncssh.public_key import SSHOpenSSHCertificate
 
 from tests.support.fakepve import testing
 from tests.support.fakepve.realvm import RealMachines
@@ -46,7 +48,7 @@ from tests.support.fakepve.schema import ApiSchema
 from tests.support.fakepve.server import FakePVE, Tls
 from tests.support.fakepve.testing import run_deploybot, start_fake
 from tests.support.realguest import openssh
-from tests.support.realguest.guestchecks import Seen, check_guest
+from tests.support.realguest.guestchecks import DOMAIN, Seen, check_guest
 from tests.support.realguest.impostor import Impostor
 from tests.support.realguest.lane import (
     DEADLINE_S,
@@ -54,6 +56,8 @@ from tests.support.realguest.lane import (
     Deploy,
     assert_gone,
     deploy,
+    login,
+    out,
     process_ended,
 )
 from tests.support.realguest.support import require_image, unavailable
@@ -68,6 +72,10 @@ GOOD = {"web01": "10.0.0.50", "web02": "10.0.0.51"}
 INTERCEPTED = ("web03", "10.0.0.52")
 # web01 asks for no upgrade in so many words; web02 gets the default (no upgrade either).
 OPTIONS = {"web01": ("upgrade=no",)}
+# The variable holding the host CA's private key: not DEPLOYBOT_*, which `run_deploybot`
+# keeps from the CLI; every other variable of this process reaches it.
+CA_ENV = "REALGUEST_SSH_HOST_CA"
+DAY_S = 86400
 
 
 @dataclass
@@ -77,6 +85,7 @@ class Lab:
     key: asyncssh.SSHKey
     identity: Path  # the deploy's private key as a file, for the real ssh client
     impostor: Impostor
+    ca: asyncssh.SSHKey  # the host CA the deploys sign with (`[ssh] host_ca_env`)
     deploys: dict[str, Deploy]
     seen: dict[str, Seen] = field(default_factory=dict)  # each good guest, checked once
 
@@ -96,19 +105,27 @@ async def lab(
     identity = root / "deploy-key"
     key.write_private_key(str(identity))
     identity.chmod(0o600)
+    ca = asyncssh.generate_private_key("ssh-ed25519")
+    with_ca = f'\n[ssh]\nhost_ca_env = "{CA_ENV}"\n'
     impostor = await Impostor().start()
     try:
         fake_lab = start_fake(
             pve_schema, pve_tls, jump_dir=root / "jump", machines=lambda _cluster: machines
         )
-        async with fake_lab as fake:
-            assert fake.jump is not None
-            fake.jump.redirected[INTERCEPTED[1]] = impostor.endpoint
-            wanted = [*GOOD.items(), INTERCEPTED]
-            done = await asyncio.gather(
-                *(deploy(fake, root, public, n, a, *OPTIONS.get(n, ())) for n, a in wanted)
-            )
-            yield Lab(fake, machines, key, identity, impostor, {d.name: d for d in done})
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv(CA_ENV, ca.export_private_key("openssh").decode())
+            async with fake_lab as fake:
+                assert fake.jump is not None
+                fake.jump.redirected[INTERCEPTED[1]] = impostor.endpoint
+                wanted = [*GOOD.items(), INTERCEPTED]
+                done = await asyncio.gather(
+                    *(
+                        deploy(fake, root, public, n, a, *OPTIONS.get(n, ()), extra_toml=with_ca)
+                        for n, a in wanted
+                    )
+                )
+                deploys = {d.name: d for d in done}
+                yield Lab(fake, machines, key, identity, impostor, ca, deploys)
     finally:
         await impostor.close()
         shutil.rmtree(workdir, ignore_errors=True)
@@ -166,6 +183,114 @@ async def test_a_real_ssh_client_trusts_the_known_hosts_line_alone(
         identity=lab.identity, known_hosts=other,
     )  # fmt: skip
     assert code == 255 and "Host key verification failed." in err, (code, err)
+
+
+async def test_with_the_host_ca_line_alone_ssh_asks_nothing(lab: Lab, tmp_path: Path) -> None:
+    """The deploys certified the keys the agent confirmed and installed the certificates
+    through the agent: the real ssh client, whose known_hosts holds only the line
+    `deploybot ssh-ca` prints, logs in to each by its FQDN without a question."""
+    assert lab.fake.jump is not None
+    authority = await _authority_line(lab)
+    ca_public = " ".join(lab.ca.export_public_key("openssh").decode().split()[:2])
+    assert authority == f"@cert-authority *.{DOMAIN} {ca_public} deploybot-host-ca"
+    trusted = tmp_path / "known_hosts"
+    trusted.write_text(authority + "\n", encoding="utf-8")
+    for name in GOOD:
+        deploy, seen = lab.deploys[name], await _check(lab, name)
+        fqdn = f"{name}.{DOMAIN}"
+        said = " ".join(deploy.output.split())
+        assert "certified by deploybot's host CA until " in said, deploy.output
+        assert f"for {name}, {fqdn}, {deploy.address}:" in said, deploy.output
+        # The certificate sshd presents: the guest's own key (the one the agent read),
+        # signed by the CA, for the VM's name, FQDN and address, valid now.
+        cert = await _installed_certificate(lab, deploy)
+        assert " ".join(seen.known_hosts.split()[1:]) == _public(cert.key)
+        assert cert.signing_key.get_fingerprint("sha256") == lab.ca.get_fingerprint("sha256")
+        assert list(cert.principals) == [name, fqdn, deploy.address]
+        code, err = await openssh.login(
+            lab.fake.jump, user=LOGIN, host=fqdn, address=deploy.address,
+            identity=lab.identity, known_hosts=trusted,
+        )  # fmt: skip
+        assert code == 0, err
+
+
+async def test_a_certificate_past_its_validity_is_refused(lab: Lab, tmp_path: Path) -> None:
+    """The same client refuses the guest once sshd presents a certificate of its key by
+    the same CA whose validity has ended (written over the installed one, sshd
+    reloaded): the @cert-authority line no longer vouches for it, and nothing else does."""
+    assert lab.fake.jump is not None
+    deploy = lab.deploys["web02"]
+    await _check(lab, deploy.name)
+    fqdn = f"{deploy.name}.{DOMAIN}"
+    trusted = tmp_path / "known_hosts"
+    trusted.write_text(await _authority_line(lab) + "\n", encoding="utf-8")
+    bastion, conn = await login(lab.fake, lab.key, deploy.address)
+    async with bastion, conn:
+        path = await _certificate_path(conn)
+        host_key = asyncssh.import_public_key(
+            await out(conn, "cat /etc/ssh/ssh_host_ed25519_key.pub")
+        )
+        now = int(time.time())
+        expired = lab.ca.generate_host_certificate(
+            host_key, f"expired:{deploy.name}",
+            principals=[deploy.name, fqdn, deploy.address],
+            valid_after=now - 2 * DAY_S, valid_before=now - DAY_S,
+        )  # fmt: skip
+        line = expired.export_certificate("openssh").decode()
+        await conn.run(f"sudo -n tee {path} >/dev/null", input=line, check=True)
+        await out(conn, "sudo -n systemctl reload ssh")
+        await _presented(conn, line.split()[1])
+    code, err = await openssh.login(
+        lab.fake.jump, user=LOGIN, host=fqdn, address=deploy.address,
+        identity=lab.identity, known_hosts=trusted,
+    )  # fmt: skip
+    assert code == 255, err
+    assert "Certificate invalid: expired" in err and "Host key verification failed." in err, err
+
+
+async def _authority_line(lab: Lab) -> str:
+    """The @cert-authority line `deploybot ssh-ca` prints with the deploys' config."""
+    state = lab.deploys["web01"].state
+    returncode, output = await run_deploybot(lab.fake, state / "deploybot.toml", state, "ssh-ca")
+    assert returncode == 0, output
+    lines = [line for line in output.splitlines() if line.startswith("@cert-authority ")]
+    assert len(lines) == 1, output
+    return lines[0]
+
+
+async def _certificate_path(conn: asyncssh.SSHClientConnection) -> str:
+    """The one HostCertificate file sshd's effective configuration names."""
+    config = (await out(conn, "sudo -n sshd -T")).splitlines()
+    paths = [line.split(" ", 1)[1] for line in config if line.startswith("hostcertificate ")]
+    assert len(paths) == 1, paths
+    return paths[0]
+
+
+async def _installed_certificate(lab: Lab, deploy: Deploy) -> SSHOpenSSHCertificate:
+    bastion, conn = await login(lab.fake, lab.key, deploy.address)
+    async with bastion, conn:
+        path = await _certificate_path(conn)
+        line = await out(conn, f"sudo -n cat {path}")
+    cert = asyncssh.import_certificate(line)
+    assert isinstance(cert, SSHOpenSSHCertificate), line
+    return cert
+
+
+async def _presented(conn: asyncssh.SSHClientConnection, blob: str) -> None:
+    """Wait until the guest's sshd, reloaded, presents the certificate `blob` (a reload
+    re-executes sshd: a moment when it presents the old one or none)."""
+    deadline = time.monotonic() + DEADLINE_S
+    scan = "ssh-keyscan -c -t ed25519 127.0.0.1 2>/dev/null || true"
+    while blob not in await out(conn, scan):
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"sshd does not present the new certificate: {await out(conn, scan)}"
+            )
+        await asyncio.sleep(1.0)  # between polls of a condition bound by `deadline`
+
+
+def _public(key: asyncssh.SSHKey) -> str:
+    return " ".join(key.export_public_key("openssh").decode().split()[:2])
 
 
 async def test_an_impostor_on_the_address_is_refused_and_rolled_back(lab: Lab) -> None:

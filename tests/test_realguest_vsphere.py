@@ -25,7 +25,10 @@ The host key (issue 28): each identity carries a host key pair deploybot chose (
 deploy's identity step makes it); the guest's sshd presents exactly that key, to this
 test's login and to the backend's own SSH check, and holds no other. Then, as a deploy
 does once SSH answered, the backend forgets it: the clone's extraConfig in vcsim holds no
-private key afterwards. Skips without QEMU, an image or vcsim; CI fails instead.
+private key afterwards. The chosen key comes with its host certificate (deploybot's
+`HostCA` signs it, the cloud-config installs it): the real OpenSSH client, whose
+known_hosts holds only the CA's `@cert-authority` line, logs in to each guest by its FQDN
+with StrictHostKeyChecking=yes. Skips without QEMU, an image or vcsim; CI fails instead.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ import base64
 import gzip
 import ipaddress
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +51,8 @@ from backends.base import CloneSpec, Identity, VMRef
 from backends.sshcheck import fingerprint, new_host_key, public_line
 from backends.vsphere import VSphereBackend
 from backends.vsphere import guestinfo as written_guestinfo
-from tests.support.realguest import image, qemu, support
+from bot.sshca.authority import HostCA
+from tests.support.realguest import image, openssh, qemu, support
 from tests.support.vsphere.simulator import (
     TEMPLATE,
     Simulated,
@@ -61,6 +66,15 @@ DOMAIN, USER = "example.test", "deploy"
 GATEWAY, DNS = "10.0.0.1", "10.0.0.3"  # where QEMU's user-mode network answers
 ADDRESSES = {"eni": "10.0.0.50", "netplan": "10.0.0.51"}
 BOOT_SECONDS = 480.0  # TCG, two guests on two cores shared with other work
+
+
+@dataclass(frozen=True)
+class Client:
+    """What the real ssh client logs in with: the user's key and a known_hosts file
+    holding only the host CA's line."""
+
+    identity: Path
+    known_hosts: Path
 
 
 @dataclass(frozen=True)
@@ -78,6 +92,21 @@ class Written:
 @pytest.fixture(name="images")
 def images_fixture() -> dict[str, Path]:
     return {v.name: support.require_image(v) for v in (image.ENI, image.NETPLAN)}
+
+
+def certified(ident: Identity, ca: HostCA) -> Identity:
+    """`ident` with the host certificate of its chosen key, signed as deploybot signs it:
+    for the name, the FQDN and the address, from five minutes ago."""
+    assert ident.host_key is not None
+    now = datetime.now(UTC)
+    line = ca.sign(
+        ident.host_key.public,
+        principals=[ident.hostname, written_guestinfo.fqdn(ident), str(ident.address.ip)],
+        valid_after=now - timedelta(minutes=5),
+        valid_before=now + timedelta(days=1),
+        key_id=f"deploybot:test:{ident.hostname}",
+    )
+    return replace(ident, host_certificate=line)
 
 
 def identity(variant: str, key: str) -> Identity:
@@ -165,13 +194,19 @@ class Seen:
     network_unit: str = ""  # the unit that brings the NIC up and waits for it: its state
     warnings: list[str] | None = None  # cloud-init's WARNING lines
     presented: str = ""  # the host key sshd showed this test's login
+    openssh: tuple[int, str] = (-1, "")  # the real ssh client's login: exit code, stderr
     probed: str | None = None  # the host key the backend's SSH check read (probe_ssh)
     key_files: str = ""  # /etc/ssh/ssh_host_*_key.pub
     ed25519: str = ""  # /etc/ssh/ssh_host_ed25519_key.pub
 
 
 async def boot(
-    written: Written, folder: Path, workdir: Path, key: asyncssh.SSHKey, backend: VSphereBackend
+    written: Written,
+    folder: Path,
+    workdir: Path,
+    key: asyncssh.SSHKey,
+    backend: VSphereBackend,
+    client: Client,
 ) -> Seen:
     seen = Seen(written)
     guest = qemu.Guest(
@@ -197,6 +232,11 @@ async def boot(
             await observe(conn, seen, guest.started)
         local = ipaddress.IPv4Address("127.0.0.1")  # the forward to the guest's port 22
         seen.probed = await backend.probe_ssh(written.ref, local, guest.ssh_port)
+        seen.openssh = await openssh.login(
+            None, user=USER, host=written_guestinfo.fqdn(written.identity),
+            address=str(local), port=guest.ssh_port,
+            identity=client.identity, known_hosts=client.known_hosts,
+        )  # fmt: skip
         return seen
     finally:
         guest.stop()
@@ -286,6 +326,9 @@ def check_host_key(seen: Seen) -> None:
     assert seen.probed == pair.public, (seen.probed, pair.public)
     assert " ".join(seen.ed25519.split()[:2]) == pair.public, (seen.ed25519, pair.public)
     assert seen.key_files.split() == ["/etc/ssh/ssh_host_ed25519_key.pub"], seen.key_files
+    # Its certificate, from the cloud-config, makes the @cert-authority line enough.
+    code, err = seen.openssh
+    assert code == 0, err
 
 
 async def forget_host_keys(lab: Simulated, written: list[Written]) -> None:
@@ -325,7 +368,12 @@ async def test_vsphere_guestinfo_on_real_guests(
 ) -> None:
     key = asyncssh.generate_private_key("ssh-ed25519")
     public = key.export_public_key().decode().strip()
-    identities = {name: identity(name, public) for name in images}
+    ca = HostCA(asyncssh.generate_private_key("ssh-ed25519"), [f"*.{DOMAIN}"], 1, "this test")
+    identities = {name: certified(identity(name, public), ca) for name in images}
+    client = Client(tmp_path / "id_ed25519", tmp_path / "known_hosts")
+    key.write_private_key(str(client.identity))
+    client.identity.chmod(0o600)
+    client.known_hosts.write_text(ca.authority_line() + "\n", encoding="utf-8")
     # vcsim runs on through the boots: the host keys are forgotten once SSH answered.
     with simulator(vcsim_binary, vcsim_tls, tmp_path, esx=False) as lab:
         written = await clone_on_vcsim(lab, identities)
@@ -346,7 +394,7 @@ async def test_vsphere_guestinfo_on_real_guests(
         try:
             results: list[Any] = await asyncio.gather(
                 *(
-                    boot(w, images[w.variant.name], tmp_path / w.variant.name, key, checker)
+                    boot(w, images[w.variant.name], tmp_path / w.variant.name, key, checker, client)
                     for w in written
                 ),
                 return_exceptions=True,

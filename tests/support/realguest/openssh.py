@@ -1,13 +1,16 @@
 """A login with the real OpenSSH client (/usr/bin/ssh), as a user would make it: through
-the fake's jump host, the guest's host key checked strictly against a known_hosts file
-the test writes (a deploy's known_hosts line, or deploybot's `@cert-authority` line).
+the fake's jump host (or straight to a guest's forwarded port), the guest's host key
+checked strictly against a known_hosts file the test writes (a deploy's known_hosts line,
+or deploybot's `@cert-authority` line).
 
 Nothing from the user's own ssh set-up takes part (`-F /dev/null`, no agent, no global
 known_hosts), and nothing asks: BatchMode makes a key ssh cannot verify a failure
 (exit code 255, "Host key verification failed.") instead of a prompt. The jump host's
 own key is checked the same way, through its known_hosts file, in the ProxyCommand
 (`ssh -W ADDRESS:22`), so the host ssh is told (a name, for a certificate's principals)
-and the address the jump host leads to may differ.
+and the address the jump host leads to may differ. Without a jump host ssh connects to
+ADDRESS:PORT and checks the key as HOST's (`HostKeyAlias`: known_hosts and a
+certificate's principals are matched against it).
 """
 
 from __future__ import annotations
@@ -44,19 +47,27 @@ def _strict(known_hosts: Path, identity: Path) -> list[str]:
 
 
 def argv(
-    jump: JumpHost,
+    jump: JumpHost | None,
     *,
     user: str,
     host: str,
     address: str,
+    port: int,
     identity: Path,
     known_hosts: Path,
     command: str,
 ) -> list[str]:
-    """`ssh USER@HOST COMMAND`, HOST reached as ADDRESS:22 through the jump host."""
+    """`ssh USER@HOST COMMAND`, HOST reached as ADDRESS:PORT through the jump host, or
+    directly without one."""
+    if jump is None:
+        return [
+            SSH, *_strict(known_hosts, identity),
+            "-o", f"HostKeyAlias={host}", "-p", str(port),
+            f"{user}@{address}", command,
+        ]  # fmt: skip
     proxy = [
         SSH, *_strict(jump.known_hosts, jump.key_file),
-        "-p", str(jump.port), "-W", f"{address}:22", f"{jump.user}@{jump.host}",
+        "-p", str(jump.port), "-W", f"{address}:{port}", f"{jump.user}@{jump.host}",
     ]  # fmt: skip
     # ssh expands %-tokens in a ProxyCommand: none of these words holds one.
     assert not any("%" in word for word in proxy), proxy
@@ -68,11 +79,12 @@ def argv(
 
 
 async def login(
-    jump: JumpHost,
+    jump: JumpHost | None,
     *,
     user: str,
     host: str,
     address: str,
+    port: int = 22,
     identity: Path,
     known_hosts: Path,
     command: str = "true",
@@ -83,6 +95,7 @@ async def login(
         user=user,
         host=host,
         address=address,
+        port=port,
         identity=identity,
         known_hosts=known_hosts,
         command=command,
