@@ -28,7 +28,8 @@ import yaml
 
 from backends.base import Identity
 from backends.vsphere.guestinfo import NIC_NAME, extra_config
-from tests.support.hostkeys import chosen_host_key, public_of
+from tests.support import mountns
+from tests.support.hostkeys import chosen_host_key, host_certificate, public_of
 
 SYSTEM_PYTHON = Path("/usr/bin/python3")
 GUEST = Path(__file__).with_name("support") / "cloudinit_guest.py"
@@ -78,13 +79,21 @@ def cloud_init_version() -> str:
     return done.stdout.strip()
 
 
-def boot(extra: dict[str, str], where: Path) -> dict[str, Any]:
+def boot(extra: dict[str, str], where: Path, etc_ssh: Path | None = None) -> dict[str, Any]:
     """Run the guest's cloud-init on these guestinfo keys, as the VMware datasource reads
-    them from the environment (`VMX_GUESTINFO_*`); what it found and wrote."""
+    them from the environment (`VMX_GUESTINFO_*`); what it found and wrote. With
+    `etc_ssh`, cc_ssh runs too, in a mount namespace where that folder is /etc/ssh."""
     env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8", "VMX_GUESTINFO": "1"}
     env.update({("vmx." + key).upper().replace(".", "_"): value for key, value in extra.items()})
+    command: list[Any] = [SYSTEM_PYTHON, "-I", GUEST, where]
+    if etc_ssh is not None:
+        if (reason := mountns.unavailable()) is not None:
+            unavailable(f"cc_ssh needs a mount namespace of its own: {reason}")
+        (home := where.parent / f"{where.name}-root").mkdir()
+        binds = {"/etc/ssh": etc_ssh, "/root": home}
+        command = mountns.confined(binds, [*map(str, command), "--ssh"])
     done = subprocess.run(
-        [SYSTEM_PYTHON, "-I", GUEST, where],
+        command,
         env=env,
         capture_output=True,
         text=True,
@@ -313,3 +322,47 @@ def test_the_host_key_deploybot_chose_is_the_guests_only_host_key(
         public: [pair.public, 0o600],
     }
     assert public_of(guest["ssh_key_files"][private][0]) == pair.public
+
+
+DEBIAN_SSHD_CONFIG = """Include /etc/ssh/sshd_config.d/*.conf
+
+KbdInteractiveAuthentication no
+UsePAM yes
+X11Forwarding yes
+"""
+
+
+@pytest.mark.parametrize("includes", [True, False], ids=["drop-in", "sshd_config"])
+def test_cc_ssh_installs_the_host_certificate_and_sets_host_certificate(
+    cloud_init: str, tmp_path: Path, includes: bool
+) -> None:
+    """With `Identity.host_certificate`, Debian's cc_ssh (run for real on a folder that is
+    /etc/ssh in its own mount namespace) deletes the image's keys, writes the chosen pair
+    and the certificate (ssh_host_ed25519_key-cert.pub) and points sshd's HostCertificate
+    at it: in sshd_config.d/50-cloud-init.conf when sshd_config includes that folder
+    (Debian 12), else in sshd_config itself."""
+    pair = chosen_host_key()
+    certificate = host_certificate(pair.public, ("web01", "web01.lab.test", "127.0.20.50"))
+    identity = dataclasses.replace(IDENTITY, host_key=pair, host_certificate=certificate)
+    etc_ssh = tmp_path / "etc-ssh"
+    (etc_ssh / "sshd_config.d").mkdir(parents=True)
+    config = DEBIAN_SSHD_CONFIG if includes else DEBIAN_SSHD_CONFIG.split("\n", 2)[2]
+    (etc_ssh / "sshd_config").write_text(config)
+    (etc_ssh / "ssh_host_rsa_key").write_text("the image's own key\n")
+    (etc_ssh / "ssh_host_rsa_key.pub").write_text("ssh-rsa AAAA image\n")
+    (guest_dir := tmp_path / "guest").mkdir()
+    guest = boot(extra_config(INSTANCE_ID, identity, MAC), guest_dir, etc_ssh)
+    assert guest["schema_error"] is None
+    assert guest["userdata"]["ssh_keys"]["ed25519_certificate"] == certificate + "\n"
+    files = guest["etc_ssh"]
+    cert = "/etc/ssh/ssh_host_ed25519_key-cert.pub"
+    assert files[cert] == [certificate + "\n", 0o600]
+    assert files["/etc/ssh/ssh_host_ed25519_key"] == [pair.private_openssh, 0o600]
+    assert "/etc/ssh/ssh_host_rsa_key" not in files  # ssh_deletekeys
+    drop_in = "/etc/ssh/sshd_config.d/50-cloud-init.conf"
+    if includes:
+        assert files[drop_in][0].splitlines() == [f"HostCertificate {cert}"]
+        assert files["/etc/ssh/sshd_config"][0] == config
+    else:
+        assert drop_in not in files
+        assert files["/etc/ssh/sshd_config"][0] == config + f"HostCertificate {cert}\n"

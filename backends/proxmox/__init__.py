@@ -52,7 +52,7 @@ from backends.base import (
 )
 from backends.building import BuildPlan, BuildTarget, TemplateVersion
 from backends.config import BackendConfig
-from backends.proxmox import hostkeys, privileges, rollback
+from backends.proxmox import certificates, hostkeys, privileges, rollback
 from backends.proxmox.addresses import AddressSweep
 from backends.proxmox.agent import AgentWaits
 from backends.proxmox.api import PveApi
@@ -106,6 +106,7 @@ def create(
 class ProxmoxBackend:
     image_platform: str | None = "proxmox"  # bot/images prepares a NoCloud-ready qcow2
     host_keys_through = "the QEMU guest agent"  # ReadsHostKeys: see `host_keys`
+    certificates_through = "the QEMU guest agent"  # InstallsHostCertificates
 
     def __init__(self, config: Config, api: PveApi, pacing: Pacing | None = None) -> None:
         self.name = config.name
@@ -167,7 +168,9 @@ class ProxmoxBackend:
         `NoSuchTemplate` when there is no such template (the paths asked depend on it)."""
         found = await self.inventory.template(template)
         release = await self.inventory.release()
-        return await privileges.missing(self.api, self.config, found, release, segments)
+        return await privileges.missing(
+            self.api, self.config, found, release, segments, certificates=certificates
+        )
 
     async def storages(self, placement: str | None = None) -> list[Storage]:
         node = placement or await self.inventory.default_node()
@@ -389,6 +392,14 @@ class ProxmoxBackend:
         node, _config = await self._owned(ref)
         release = await self.inventory.release()
         return await hostkeys.read(self.api, node, ref.vm_id, release, privileges.who(self.config))
+
+    async def install_host_certificate(self, ref: VMRef, certificate: str) -> str | None:
+        """The certificate written next to its key and sshd reloaded, through the guest
+        agent's file-write and exec (`certificates`; `InstallsHostCertificates`)."""
+        node, _config = await self._owned(ref)
+        release = await self.inventory.release()
+        account = privileges.who(self.config)
+        return await certificates.install(self.api, node, ref.vm_id, certificate, release, account)
 
     async def probe_ssh(self, ref: VMRef, address: ipaddress.IPv4Address, port: int) -> str | None:
         return await self._ssh.probe(address, port)

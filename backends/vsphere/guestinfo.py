@@ -20,6 +20,8 @@ import re
 import zlib
 from typing import Any, Literal
 
+import asyncssh
+
 from backends.base import HostKeyPair, Identity, PermanentError
 
 ENCODING = "gzip+base64"
@@ -28,6 +30,8 @@ USERDATA_KEY = "guestinfo.userdata"
 # The name cloud-init gives the guest's NIC (found by MAC): the kernel's own name for a
 # single NIC, and the one Proxmox's generated cloud-init data uses too.
 NIC_NAME = "eth0"
+# The OpenSSH certificate of an ed25519 host key (the only host key type deploybot chooses).
+CERTIFICATE_TYPE = "ssh-ed25519-cert-v01@openssh.com"
 # cloud-init's `manage_etc_hosts`: true, false or "localhost".
 EtcHosts = bool | Literal["localhost"]
 
@@ -131,6 +135,15 @@ def userdata(identity: Identity, manage_etc_hosts: EtcHosts = True) -> dict[str,
     }
     if identity.host_key is not None:
         document.update(host_key(identity.host_key))
+        if identity.host_certificate is not None:
+            document["ssh_keys"]["ed25519_certificate"] = certificate(
+                identity.host_certificate, identity.host_key
+            )
+    elif identity.host_certificate is not None:
+        raise PermanentError(
+            "a host certificate was given without the host key it certifies; "
+            "this is a fault in deploybot: report it"
+        )
     return document
 
 
@@ -155,6 +168,30 @@ def host_key(pair: HostKeyPair) -> dict[str, Any]:
         "ssh_keys": {"ed25519_private": pair.private_openssh, "ed25519_public": pair.public},
         "ssh_deletekeys": True,
     }
+
+
+def certificate(line: str, pair: HostKeyPair) -> str:
+    """cloud-init's `ssh_keys: ed25519_certificate`: cc_ssh writes it to
+    /etc/ssh/ssh_host_ed25519_key-cert.pub and sets sshd's `HostCertificate` to that file
+    (in sshd_config.d/50-cloud-init.conf when sshd_config includes that folder). One
+    line, an ed25519 host certificate of exactly the chosen key: anything else would
+    make sshd present no certificate, silently."""
+    text = line.strip()
+    if _CONTROL.search(text) or not text.startswith(f"{CERTIFICATE_TYPE} "):
+        raise PermanentError(
+            f"the host certificate for the guest is not one {CERTIFICATE_TYPE} line; "
+            "this is a fault in deploybot: report it"
+        )
+    try:
+        certified = asyncssh.import_certificate(text).key.export_public_key("openssh")
+    except (asyncssh.KeyImportError, ValueError):
+        certified = b""
+    if certified.decode("ascii", "replace").split()[:2] != pair.public.split()[:2]:
+        raise PermanentError(
+            "the host certificate for the guest does not certify the host key chosen for "
+            "it; this is a fault in deploybot: report it"
+        )
+    return text + "\n"
 
 
 def encode(text: str) -> str:

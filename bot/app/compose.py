@@ -32,6 +32,7 @@ from bot.kinds.build.service import Builds, DeploySmoke
 from bot.kinds.deploy.destroy import Destroyer
 from bot.kinds.deploy.kind import DeployKind
 from bot.kinds.deploy.pipeline import Pipeline
+from bot.kinds.deploy.preflight import Preflight
 from bot.leases.enforce import Leases
 from bot.migration.service import Migrations
 from bot.models import Job, utcnow
@@ -65,6 +66,7 @@ def compose(
     ipam: Ipam | None = None,
     build_notes: BuildNotes | None = None,
     host_ca: HostCA | None = None,
+    preflight: Preflight | None = None,
 ) -> Deployer:
     """The core on `store` and `backends`, telling `progress` what happens.
 
@@ -115,7 +117,9 @@ def compose(
         local_work=local_work,
         clock=clock,
     )
-    pipeline = Pipeline(settings, backends, store, fanout, ownership, addressing, host_ca)
+    pipeline = Pipeline(
+        settings, backends, store, fanout, ownership, addressing, host_ca, preflight
+    )
     load = partial(jobrefs.load, store)
     groups = Groups()
     approvals = Approvals(settings, store, fanout, ownership.take, load, groups)

@@ -61,6 +61,7 @@ from bot.jobs import progress as tell
 from bot.jobs.progress import Progress
 from bot.jobs.steps import Engine, Step, UndoFrom, notices_for
 from bot.jobs.waiting import protected
+from bot.kinds.deploy.preflight import Preflight
 from bot.kinds.deploy.runs import Fence, Run, StepFailed, Undo, identity_of, run_undo, vm_ref
 from bot.models import Claim, HostKeySource, Job, JobState, RollbackReport, utcnow
 from bot.ownership.claims import Lost
@@ -84,6 +85,7 @@ class Pipeline:
         fence: Fence,
         addressing: Addressing,
         host_ca: HostCA | None = None,
+        preflight: Preflight | None = None,
     ) -> None:
         """`fence` is this process's runner (bot/ownership/claims.Ownership): every state
         change of a job names its claim, so a runner that lost a job (its claim lapsed)
@@ -99,6 +101,8 @@ class Pipeline:
         self.progress = progress
         self.timeouts = settings.timeouts
         self.engine = Engine(self, STEPS, store, progress, settings.timeouts, fence)
+        # The privilege check of check_free (certificates=: see its module doc).
+        self.preflight = preflight or Preflight(certificates=host_ca is not None)
 
     async def run(self, job_id: str) -> Job | None:
         """Run a queued job to a final state; None if it was no longer queued."""
@@ -190,6 +194,10 @@ class Pipeline:
 
     async def _check_free(self, run: Run) -> str:
         req = run.job.request
+        # The privileges the steps need, before anything exists (kept a while when all there).
+        segment = self._segment(run.job, "check_free")
+        nics = (segment,) if segment is not None else ()
+        unchecked = await self.preflight.check(req.backend, run.backend, req.template, nics)
         # One read for the name and, where the backend can, its VMs' addresses.
         taken, known = await named({req.backend: run.backend}, req)
         if taken:
@@ -207,7 +215,8 @@ class Pipeline:
         if who is not None:
             raise StepFailed("check_free", f"{who}: deploy again with another address")
         free = f"{req.name} and {req.address.ip} are free"
-        return f"{free} (not asked: {', '.join(unasked)})" if unasked else free
+        free = f"{free} (not asked: {', '.join(unasked)})" if unasked else free
+        return f"{free}; {unchecked}" if unchecked else free
 
     async def _clone_detail(self, run: Run) -> str:
         spec, backend = _clone_spec(run.job, self._segment(run.job, "clone")), run.backend
