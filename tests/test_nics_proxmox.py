@@ -15,9 +15,11 @@ import pytest
 from backends.abilities import KnowsMacs
 from backends.base import CloneSpec, Identity, Nic, PermanentError, Segment
 from tests.support.fakepve import testing
+from tests.support.fakepve.realvm import more_lans
 from tests.support.fakepve.server import FakePVE
 from tests.support.fakepve.testing import make_backend
 from tests.support.proxmox import IDENTITY
+from tests.support.realguest.qemu import MoreNic
 
 pve = testing.pve
 pve_schema = testing.pve_schema
@@ -124,3 +126,14 @@ async def test_macs_in_use_reuses_the_address_sweeps_configs(pve: FakePVE) -> No
     for key in ("net0", "net1"):
         assert macs[mac_of(config[key]).lower()] == f"web01 ({vmid})"
     assert "bc:24:11:00:00:aa" not in macs  # a template's NIC is on no wire
+
+
+async def test_the_real_guest_lane_boots_each_later_nic_on_a_network_of_its_own(
+    pve: FakePVE,
+) -> None:
+    """What `realvm` makes of the config this backend wrote (no guest boots here; the
+    boot is tests/test_realguest_boot.py): net1 with its MAC on 127.0.20.0/24, QEMU
+    there at an address that is not the guest's (it has no gateway there)."""
+    config = await deployed(pve, dataclasses.replace(IDENTITY, more_nics=(SECOND,)))
+    (nic,) = more_lans(config)
+    assert nic == MoreNic(mac_of(config["net1"]), "127.0.20.0/24", "127.0.20.1")
