@@ -15,11 +15,15 @@ which outranks the image's `[NoCloud, None]`. The values are not re-encoded: the
 command line carries the very strings vCenter stored (their length is checked against
 the kernel's own `cmdline_size` and printed).
 
+Each guest has a second NIC, as a deploy with a second address gets it: added in the
+clone spec, with the MAC vCenter gave it, on a restricted QEMU user-mode network of its
+own; the metadata lists both by MAC, the gateway on the first only.
+
 Inside each guest (over SSH on the 127.0.0.1 forward, as the user with the key): the
 datasource and the instance-id, the user-data cloud-init read (byte for byte the
 document the backend wrote), hostname and FQDN, the address, gateway and DNS on the NIC
-with vCenter's MAC (named eth0 by cloud-init), what each renderer wrote, cloud-init done
-and no failed unit.
+with vCenter's MAC (named eth0 by cloud-init), the second NIC's address on eth1 and
+no default route through it, what each renderer wrote, cloud-init done and no failed unit.
 
 The host key (issue 28): each identity carries a host key pair deploybot chose (as a
 deploy's identity step makes it); the guest's sshd presents exactly that key, to this
@@ -47,7 +51,7 @@ import asyncssh
 import pytest
 from pyVmomi import vim
 
-from backends.base import CloneSpec, Identity, VMRef
+from backends.base import CloneSpec, Identity, Nic, VMRef
 from backends.sshcheck import fingerprint, new_host_key, public_line
 from backends.vsphere import VSphereBackend
 from backends.vsphere import guestinfo as written_guestinfo
@@ -65,6 +69,9 @@ from tests.support.vsphere.simulator import (
 DOMAIN, USER = "example.test", "deploy"
 GATEWAY, DNS = "10.0.0.1", "10.0.0.3"  # where QEMU's user-mode network answers
 ADDRESSES = {"eni": "10.0.0.50", "netplan": "10.0.0.51"}
+# The second NIC's network: QEMU answers there at .2; the guests have no gateway there.
+NETWORK2, HOST2 = "10.0.20.0/24", "10.0.20.2"
+ADDRESSES2 = {"eni": "10.0.20.50", "netplan": "10.0.20.51"}
 BOOT_SECONDS = 480.0  # TCG, two guests on two cores shared with other work
 
 
@@ -87,6 +94,7 @@ class Written:
     vm_id: str
     mac: str
     guestinfo: dict[str, str]  # every `guestinfo.*` key of the clone's extraConfig
+    mac2: str  # the second NIC's, vCenter's too
 
 
 @pytest.fixture(name="images")
@@ -122,6 +130,7 @@ def identity(variant: str, key: str) -> Identity:
         cores=1,
         memory_mib=1024,
         host_key=new_host_key(),  # what a deploy's identity step gives a ChoosesHostKeys backend
+        more_nics=(Nic(ipaddress.IPv4Interface(f"{ADDRESSES2[variant]}/24")),),
     )
 
 
@@ -132,19 +141,24 @@ async def clone_on_vcsim(lab: Simulated, identities: dict[str, Identity]) -> lis
     written = []
     try:
         for number, (variant, ident) in enumerate(identities.items(), start=1):
-            spec = CloneSpec(f"jvsrg{number:02d}", ident.hostname, TEMPLATE, identity=ident)
+            spec = CloneSpec(
+                f"jvsrg{number:02d}",
+                ident.hostname,
+                TEMPLATE,
+                identity=ident,
+                more_nics=ident.more_nics,
+            )
             ref = await backend.prepare_clone(spec)
             await backend.clone(spec, ref)
             await backend.apply_identity(ref, ident)
             vm = lab.sim.vm(ref.vm_id)
             card = vim.vm.device.VirtualEthernetCard
-            nic = next(d for d in vm.config.hardware.device if isinstance(d, card))
+            nic, nic2 = [d for d in vm.config.hardware.device if isinstance(d, card)]
             extra = lab.sim.extra(vm)
             guestinfo = {k: v for k, v in extra.items() if k.startswith("guestinfo.")}
+            mac, mac2 = str(nic.macAddress), str(nic2.macAddress)
             written.append(
-                Written(
-                    image.VARIANTS[variant], ident, ref, ref.vm_id, str(nic.macAddress), guestinfo
-                )
+                Written(image.VARIANTS[variant], ident, ref, ref.vm_id, mac, guestinfo, mac2)
             )
     finally:
         await backend.close()
@@ -187,6 +201,7 @@ class Seen:
     fqdn: str = ""
     authorized_keys: str = ""
     net: support.NetView | None = None
+    net2: support.NetView | None = None  # the second NIC's
     rendered: str = ""  # what the renderer wrote
     dns: str = ""  # netplan: resolved's upstream servers and domains for the NIC
     system: str = ""  # `systemctl is-system-running --wait`
@@ -219,6 +234,7 @@ async def boot(
         dns=DNS,
         cpus=1,  # two guests on two cores
         append=cmdline(written.guestinfo),
+        more_nics=(qemu.MoreNic(written.mac2, NETWORK2, HOST2),),
     )
     guest.start()
     try:
@@ -255,6 +271,7 @@ async def observe(conn: asyncssh.SSHClientConnection, seen: Seen, started: float
     seen.fqdn = await out("hostname --fqdn")
     seen.authorized_keys = await out("cat ~/.ssh/authorized_keys")
     seen.net = await support.net_view(conn, seen.written.mac)
+    seen.net2 = await support.net_view(conn, seen.written.mac2)
     if seen.written.variant is image.NETPLAN:
         seen.rendered = await out("cat /etc/netplan/50-cloud-init.yaml")
         seen.dns = await out(f"resolvectl dns {seen.net.nic}; resolvectl domain {seen.net.nic}")
@@ -290,16 +307,23 @@ def check(seen: Seen, public: str) -> None:
     assert net.nic == "eth0", net  # cloud-init renamed the NIC with vCenter's MAC
     assert f"inet {ident.address.with_prefixlen}" in net.addresses, net
     assert f"default via {GATEWAY} dev eth0" in net.routes, net
+    # The second NIC: renamed eth1 by its MAC, its address, no default route through it.
+    assert seen.net2 is not None and seen.net2.nic == "eth1", seen.net2
+    assert f"inet {ident.more_nics[0].address.with_prefixlen}" in seen.net2.addresses
+    defaults = [r.split()[:5] for r in net.routes.splitlines() if r.startswith("default")]
+    assert defaults == [["default", "via", GATEWAY, "dev", "eth0"]], net.routes
     search = [line for line in net.resolv if line.split()[:1] == ["search"]]
     assert search and DOMAIN in search[0].split(), net.resolv
     if w.variant is image.NETPLAN:
         # netplan matches the MAC and sets the name; resolved has the DNS for the NIC.
         assert f"macaddress: {w.mac}" in seen.rendered and "set-name: eth0" in seen.rendered
+        assert f"macaddress: {w.mac2}" in seen.rendered and "set-name: eth1" in seen.rendered
         assert "nameserver 127.0.0.53" in net.resolv, net.resolv  # resolved's stub
         assert DNS in seen.dns and DOMAIN in seen.dns, seen.dns
     else:
         assert "iface eth0 inet static" in seen.rendered, seen.rendered
         assert f'ATTR{{address}}=="{w.mac}", NAME="eth0"' in seen.rendered, seen.rendered
+        assert f'ATTR{{address}}=="{w.mac2}", NAME="eth1"' in seen.rendered, seen.rendered
         assert f"nameserver {DNS}" in net.resolv, net.resolv
     assert seen.system.strip() == "running", (seen.system, seen.failed)
     assert seen.failed == "", seen.failed

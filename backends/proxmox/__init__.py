@@ -232,6 +232,11 @@ class ProxmoxBackend:
         built by installation `ours`)."""
         return await self.address_sweep.addresses(ours)
 
+    async def macs_in_use(self) -> dict[str, str]:
+        """`KnowsMacs`: every VM's `netN` MACs, reusing the configs the address sweep read
+        (`AddressSweep.macs`): a config read per VM it left out, none per VM it read."""
+        return await self.address_sweep.macs()
+
     async def _locate(self, ref: VMRef) -> str:
         """The node a ref names, once it is clear the ref was made on this cluster."""
         node, _, cluster = (ref.placement or "").partition("@")
@@ -282,10 +287,13 @@ class ProxmoxBackend:
         return VMRef(str(vmid), spec.job_id, placement, spec.installation)
 
     async def _segment_fits(self, spec: CloneSpec, node: str) -> None:
-        """The subnet's bridge is on the node and carries its VLAN (`segments`); asked
-        only of a deploy whose subnet has a segment (else the template's bridge stays)."""
-        if spec.segment is not None:
-            await self.bridges.check(spec.segment, node, self.name)
+        """Each NIC's bridge is on the node and carries its VLAN (`segments`); asked only
+        of NICs whose subnet has a segment (else the template's bridge stays). The
+        node's bridges are read once for all of them (`Bridges` keeps the read)."""
+        more = (n.segment for n in spec.more_nics)
+        for segment in (spec.segment, *more):
+            if segment is not None:
+                await self.bridges.check(segment, node, self.name)
 
     async def segment_problems(self, segment: Segment) -> list[str]:
         """`ChecksSegments`: the segment on every online node."""
@@ -316,6 +324,7 @@ class ProxmoxBackend:
                 self.inventory.profile(family).nic_model,
                 identity.network or self.config.bridge,
                 identity.segment,
+                identity.mac,
             ),
             release=await self.inventory.release(),
         )

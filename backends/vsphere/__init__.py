@@ -253,6 +253,10 @@ class VSphereBackend:
 
         return await self._session.run(work, changes=False)
 
+    async def macs_in_use(self) -> dict[str, str]:
+        """`KnowsMacs`: every NIC's MAC of every VM (`KnownVMs.macs_by_vm`)."""
+        return await self._session.run(lambda op: self._known.macs_by_vm(op.conn), changes=False)
+
     # --- the deploy moves -----------------------------------------------------------
 
     async def prepare_clone(self, spec: CloneSpec) -> VMRef:

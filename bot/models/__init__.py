@@ -142,6 +142,20 @@ class ApprovalState(StrEnum):
     CANCELLED = "cancelled"  # the requester (or an approver) cancelled the job first
 
 
+class NicRequest(BaseModel):
+    """A NIC after the first: its address in its subnet, and what that subnet gives it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    address: ipaddress.IPv4Interface
+    subnet: str  # the subnet's name (or CIDR when unnamed), as DeployRequest.subnet
+    gateway: ipaddress.IPv4Address | None = None  # only when its subnet says
+    dns: tuple[ipaddress.IPv4Address, ...] = ()
+    search_domain: str = ""
+    mac: str | None = None  # normalised lower-case aa:bb:cc:dd:ee:ff
+    picked: bool = False  # next free of its subnet
+
+
 class DeployRequest(BaseModel):
     """One validated `/deploy`: everything the pipeline needs, nothing it has to look up."""
 
@@ -167,6 +181,8 @@ class DeployRequest(BaseModel):
     # The address was not asked for: deploybot took the next free one of `subnet`.
     picked: bool = False
     subnet: str = ""
+    nics: tuple[NicRequest, ...] = ()  # the second, third ... NIC (net1, net2, ...)
+    mac: str | None = None  # the first NIC's fixed MAC
 
     @field_validator("name")
     @classmethod

@@ -219,14 +219,14 @@ class Pipeline:
         return f"{free}; {unchecked}" if unchecked else free
 
     async def _clone_detail(self, run: Run) -> str:
-        spec, backend = _clone_spec(run.job, self._segment(run.job, "clone")), run.backend
+        spec, backend = self._clone_spec(run.job), run.backend
         t = self.timeouts.check_free_s
         mode = await self.engine.call(run, "clone", t, lambda: backend.clone_mode(spec))
         nic = f", NIC on {spec.segment}" if spec.segment is not None else ""
         return f"{run.job.request.template}, {mode.reason}{nic}"
 
     async def _clone(self, run: Run) -> str:
-        spec, backend = _clone_spec(run.job, self._segment(run.job, "clone")), run.backend
+        spec, backend = self._clone_spec(run.job), run.backend
         if run.ref is None:
             ref = await backend.prepare_clone(spec)
             # Write-ahead: the id is stored and its undo pushed before anything exists.
@@ -267,6 +267,22 @@ class Pipeline:
             raise StepFailed(step, found)
         return found
 
+    def _more_segments(self, job: Job, step: str) -> tuple[Segment | None, ...]:
+        """Each further NIC's segment (`req.nics`), from its own subnet as the first
+        NIC's is; None where the backend has no segments (its own network)."""
+        found: list[Segment | None] = []
+        for nic in job.request.nics:
+            segment = request_segment(
+                self.settings.subnets, nic.subnet, nic.address.ip, job.backend, None
+            )
+            if isinstance(segment, str):
+                raise StepFailed(step, segment)
+            found.append(segment)
+        return tuple(found)
+
+    def _clone_spec(self, job: Job) -> CloneSpec:
+        return _clone_spec(job, self._segment(job, "clone"), self._more_segments(job, "clone"))
+
     def _destroy(self, run: Run) -> Undo:
         ref, backend = self._ref(run), run.backend
         if not isinstance(backend, ChoosesHostKeys):
@@ -294,7 +310,11 @@ class Pipeline:
 
     async def _identity(self, run: Run) -> str | None:
         req = run.job.request
-        identity = identity_of(req, self._segment(run.job, "identity"))
+        identity = identity_of(
+            req,
+            self._segment(run.job, "identity"),
+            self._more_segments(run.job, "identity"),
+        )
         if isinstance(run.backend, ChoosesHostKeys):
             # Its public half is recorded before the hypervisor gets the pair (the SSH
             # check of a job resumed after a restart requires it); the private half is
@@ -579,8 +599,11 @@ def _took(job: Job) -> str:
     return f"{(job.finished_at - job.started_at).total_seconds():.1f} s"
 
 
-def _clone_spec(job: Job, segment: Segment | None) -> CloneSpec:
+def _clone_spec(
+    job: Job, segment: Segment | None, more_segments: tuple[Segment | None, ...] = ()
+) -> CloneSpec:
     req = job.request
+    identity = identity_of(req, segment, more_segments)
     return CloneSpec(
         job.id,
         req.name,
@@ -589,8 +612,10 @@ def _clone_spec(job: Job, segment: Segment | None) -> CloneSpec:
         req.storage,
         req.network,
         segment=segment,
-        identity=identity_of(req, segment),
+        identity=identity,
         installation=job.installation,
+        more_nics=identity.more_nics,
+        mac=req.mac,
     )
 
 
