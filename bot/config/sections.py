@@ -234,7 +234,9 @@ class SshSettings(_Section):
                     f"{pattern!r} is not one host pattern: no spaces or commas "
                     '(give each as its own string, e.g. ["*.lab.example", "10.0.0.*"])'
                 )
-        return patterns
+        # ssh matches a host pattern against the name typed in lower case: "*.Lab.Example"
+        # would never match, so the patterns are kept as ssh compares them.
+        return tuple(pattern.lower() for pattern in patterns)
 
 
 class MigrationSettings(_Section):
