@@ -36,6 +36,7 @@ from bot.sshca.authority import load_host_ca
 from bot.sshca.certificates import certify, read_certificate
 from handlers.commands import answer
 from handlers.messages.core import finished, slack_outcome_dm
+from handlers.messages.hostkeys import certificate_lines
 from tests.support.cli import CONFIG, deploybot, no_traceback
 from tests.support.crash import KillPoint, job_state, restart, run_round, write_config
 from tests.support.deployer import SIM_SCALE, Recorder, deploy, make_settings
@@ -350,6 +351,18 @@ async def test_names_are_certified_in_lower_case_as_ssh_compares_them(
     assert ca is not None and ca.patterns == ("*.lab.example",)
     chosen = load_host_ca(ca_settings(tmp_path, ssh={"ca_hosts": ["*.Corp.Example"]}), env)
     assert chosen is not None and chosen.patterns == ("*.corp.example",)
+
+
+async def test_a_certificate_past_its_end_is_said_to_have_ended(
+    tmp_path: Path, ca_key: asyncssh.SSHKey
+) -> None:
+    job, _said, _events, _d = await run_deploy(tmp_path, SimBackend("sim", time_scale=SIM_SCALE))
+    info = read_certificate(job.host_certificate or "")
+    assert info is not None
+    (valid,) = certificate_lines(job, now=info.valid_before - timedelta(seconds=1))
+    assert valid.startswith("It is certified by deploybot's host CA until")
+    (ended,) = certificate_lines(job, now=info.valid_before)
+    assert "ended" in ended and "certified by" not in ended and "until" not in ended
 
 
 async def test_ssh_ca_prints_the_line_or_how_to_get_one(

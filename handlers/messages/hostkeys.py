@@ -5,8 +5,10 @@ signed one (the end of a deploy, its DM, and `/deploy known-hosts NAME`); and
 
 from __future__ import annotations
 
+from datetime import datetime
+
 from backends.sshcheck import fingerprint
-from bot.models import HostKeySource, Job
+from bot.models import HostKeySource, Job, utcnow
 from bot.sshca.authority import HostCA
 from bot.sshca.certificates import read_certificate
 from handlers.messages.text import STATE_LABELS
@@ -56,16 +58,24 @@ def known_hosts_answer(job: Job) -> list[str]:
     ]
 
 
-def certificate_lines(job: Job) -> list[str]:
-    """The sentence about the VM's host certificate; nothing when it has none."""
+def certificate_lines(job: Job, now: datetime | None = None) -> list[str]:
+    """The sentence about the VM's host certificate; nothing when it has none. One past
+    its end is said to have ended (ssh refuses it), not to hold until a past date."""
     info = read_certificate(job.host_certificate) if job.host_certificate else None
     if info is None:
         return []
     until = info.valid_before
+    when = f"{until.day} {until:%b %Y %H:%M} UTC"
+    if until <= (now or utcnow()):
+        return [
+            f"Its host certificate from deploybot's host CA ended {when}: ssh no longer "
+            "trusts it through the @cert-authority line, only through the line above."
+        ]
     return [
-        f"It is certified by deploybot's host CA until {until.day} {until:%b %Y %H:%M} UTC "
-        f"for {', '.join(info.principals)}: with the @cert-authority line from `deploybot "
-        "ssh-ca` (or `/deploy ssh-ca`) in ~/.ssh/known_hosts, ssh trusts it without asking."
+        f"It is certified by deploybot's host CA until {when} for "
+        f"{', '.join(info.principals)}: with the @cert-authority line from `deploybot "
+        "ssh-ca` (or `/deploy ssh-ca`) in ~/.ssh/known_hosts, ssh trusts it without asking "
+        "when you connect by a name that line's patterns cover."
     ]
 
 
