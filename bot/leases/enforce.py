@@ -40,7 +40,7 @@ from bot.models.errors import BackendError, Duplicate, NotAllowed, RequestInvali
 from bot.models.notices import Notice, NoticeKind
 from bot.ownership.claims import Clock, Ownership
 from bot.sshca.authority import HostCA
-from bot.sshca.certificates import certify
+from bot.sshca.certificates import certify, read_certificate
 from store.db import AlreadyDelivered, Store
 
 log = logging.getLogger(__name__)
@@ -198,12 +198,13 @@ class Leases:
             )
         return end
 
-    async def _recertify(self, job: Job) -> Job:
+    async def _recertify(self, job: Job, *, tell: bool = True) -> Job:
         """The job with its VM's host certificate signed again to the lease's new end and
         installed, where it can be: a CA, a certificate already, a key the guest agent
         confirmed, a backend that installs certificates, and the VM still this job's (its
         tag). Otherwise, or when that fails, the old certificate stays (the answer names
-        its end); a failure is told in the job's thread."""
+        its end); a failure is told in the job's thread (`tell`: an extension; the timer,
+        which tries again at its next step, only logs it)."""
         ca, backend, key = self.host_ca, self.backends.get(job.backend), job.host_key
         agent = job.host_key_source is HostKeySource.AGENT
         if ca is None or key is None or job.host_certificate is None or not agent:
@@ -226,7 +227,8 @@ class Leases:
         except (BackendError, TimeoutError) as exc:
             text = exc.message if isinstance(exc, BackendError) else "it took too long"
             log.warning("job %s: host certificate not renewed: %s", job.id, text)
-            await self.progress.job_note(job, f"its host certificate was not renewed: {text}")
+            if tell:
+                await self.progress.job_note(job, f"its host certificate was not renewed: {text}")
             return job
         await self.store.jobs.update(job.id, host_certificate=certificate)
         return job.model_copy(update={"host_certificate": certificate})
@@ -284,6 +286,10 @@ class Leases:
             await self._expire(job, end, now)
         elif end is not None:
             await self._remind(job, end, now)
+            if _certificate_behind(job, end):
+                # Its extension re-signed nothing (the process died right after it, the
+                # VM was off, the install failed): the timer catches up until it works.
+                await self._recertify(job, tell=False)
 
     async def _remind(self, job: Job, end: datetime, now: datetime) -> None:
         sent = {int(o) for o in (job.reminders_sent or "").split(",") if o.isdigit()}
@@ -358,3 +364,17 @@ class Leases:
             outcome=outcome,
             detail=f"{job.name}: {detail}",
         )
+
+
+# A certificate signed at the deploy ends a little before the lease (signed before the VM
+# was ready): only one that ends well before it was left behind by an extension.
+RENEW_BEFORE = timedelta(hours=1)
+
+
+def _certificate_behind(job: Job, end: datetime) -> bool:
+    """Whether the job's host certificate ends well before its lease: an extension whose
+    re-signing did not happen (or failed) and that the timer makes good."""
+    if job.host_certificate is None or job.host_key_source is not HostKeySource.AGENT:
+        return False
+    info = read_certificate(job.host_certificate)
+    return info is not None and info.valid_before < end - RENEW_BEFORE
