@@ -14,6 +14,7 @@ import os
 import re
 import sys
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ from bot.migration.apply import PlanTooOld, SourceChanged
 from bot.migration.plan import Plan, PlanFileError, classify, make_plan, read_plan, write_plan
 from bot.models import utcnow
 from bot.models.builds import BuildState
+from bot.models.errors import UserError
 from bot.models.plans import KeptPlan
 from handlers.messages.migration import CHAT_FINDINGS, applied_lines, kept_plan_lines
 from tests.support.deployer import SIM_SCALE, make_settings
@@ -438,3 +440,53 @@ def test_the_chat_table_keeps_source_text_on_one_line_and_inside_its_block() -> 
     assert "a-evil'''<!here> name" in text  # one line, its backticks quoted
     assert "... and 4 more" in text  # 16 findings, 12 shown
     assert f"`/deploy migrate apply {kept.id}`" in text
+
+
+async def test_the_source_is_never_its_own_target(
+    lab: Simulated,
+    proxy: SoapProxy,
+    target: SimBackend,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same backend, or a second entry naming the same server (host:port, the host
+    in another case), is refused as the target of a plan and of an apply: its builds
+    would land on the vCenter being left. Nothing is read, nothing started."""
+    monkeypatch.setenv(PASSWORD_ENV, PASSWORD)
+    source = lab.sim.config(port=proxy.port)
+    again = {**source, "name": "vcenter-again", "host": source["host"].upper() + "."}
+    backends = [{"kind": "sim", "name": "sim", "time_scale": SIM_SCALE}, source, again]
+    settings = make_settings(tmp_path, backends=backends)
+    plan = await plan_of(lab, proxy, target, GOLDEN_SCOPE)
+    read = len(proxy.seen)
+    async with running_deployer(settings, backends={"sim": target}, grace_s=5) as d:
+        with pytest.raises(UserError, match="--from and --to both name vcenter: "):
+            await d.migrations.plan("vcenter", "vcenter", GOLDEN_SCOPE, "bob")
+        same = r"vcenter and vcenter-again are the same server \(127\.0\.0\.1:\d+\)"
+        with pytest.raises(UserError, match=same):
+            await d.migrations.plan("vcenter", "vcenter-again", GOLDEN_SCOPE, "bob")
+        for onto in ("vcenter", "vcenter-again"):
+            with pytest.raises(UserError, match="Nothing was changed"):
+                await d.migrations.apply(replace(plan, target=onto), "bob")
+        assert await d.store.builds.recent() == []
+    assert len(proxy.seen) == read and proxy.mutations() == []
+
+
+async def test_the_cli_refuses_a_target_that_is_the_source(
+    lab: Simulated, proxy: SoapProxy, tmp_path: Path
+) -> None:
+    config = tmp_path / "deploybot.toml"
+    source = lab.sim.config(port=proxy.port)
+    again = {**source, "name": "vcenter-again"}
+    config.write_text(
+        f'database = "{tmp_path / "db.sqlite"}"\nlog_file = "{tmp_path / "bot.log"}"\n\n'
+        f'[[backends]]\n{_toml(source)}\n\n[[backends]]\n{_toml(again)}\n\n'
+        '[[subnets]]\ncidr = "10.0.0.0/24"\ngateway = "10.0.0.1"\ndns = ["10.0.0.2"]\n'
+    )
+    for onto, said in (("vcenter", "both name vcenter"), ("vcenter-again", "same server")):
+        code, text = await deploybot(
+            config, tmp_path, "migrate", "plan", "--from", "vcenter", "--to", onto
+        )
+        assert code == 2 and said in text and "Nothing was changed" in text, text
+        assert "Traceback" not in text
+    assert proxy.mutations() == []

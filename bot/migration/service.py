@@ -87,6 +87,7 @@ class Migrations:
     ) -> tuple[KeptPlan, Plan]:
         """Read the source (read-only) and the target's built templates, classify, and
         keep the plan in the store; refuses a source or target that does not answer."""
+        sources.check_distinct(self.settings.backends, source, target)
         builder = self.builder(target)
         opened = self.open_source(source)
         try:
@@ -121,6 +122,7 @@ class Migrations:
         line's --no-wait) rather than run here."""
         check_age(plan, self.clock(), self.settings.migration.plan_valid_s)
         check_findings(plan, self.settings.images.all_profiles())
+        sources.check_distinct(self.settings.backends, plan.source, plan.target)
         builder = self.builder(plan.target)
         source = self.open_source(plan.source)
         try:
