@@ -30,8 +30,16 @@ from bot.app.runtime import running_deployer
 from bot.app.service import Deployer
 from bot.config.settings import Settings
 from bot.images.profiles import catalogue
-from bot.migration.apply import PlanTooOld, SourceChanged
-from bot.migration.plan import Plan, PlanFileError, classify, make_plan, read_plan, write_plan
+from bot.migration.apply import PlanTooOld, SourceChanged, check_age
+from bot.migration.plan import (
+    Plan,
+    PlanFileError,
+    classify,
+    make_plan,
+    read_plan,
+    seal_of,
+    write_plan,
+)
 from bot.models import utcnow
 from bot.models.builds import BuildState
 from bot.models.errors import UserError
@@ -267,10 +275,14 @@ async def test_an_edited_plan_file_is_refused(
     with pytest.raises(PlanFileError, match="do not match its digest"):
         await deployer.migrations.load(str(path))
     # A finding edited (win2019 made rebuildable): the facts still hash to the digest,
-    # but the finding does not follow from them.
+    # the seal does not; sealed again (anyone may), the finding does not follow from them.
     findings = json.loads(json.dumps(document))
     win = next(f for f in findings["findings"] if f["name"] == "win2019")
     win.update(category="rebuildable", profile="debian-13", missing=None, detail=[])
+    path.write_text(json.dumps(findings))
+    with pytest.raises(PlanFileError, match="does not match its seal"):
+        read_plan(path)
+    findings["seal"] = seal_of(findings)
     path.write_text(json.dumps(findings))
     edited = read_plan(path)
     with pytest.raises(PlanFileError, match="finding for win2019 does not follow"):
@@ -490,3 +502,43 @@ async def test_the_cli_refuses_a_target_that_is_the_source(
         assert code == 2 and said in text and "Nothing was changed" in text, text
         assert "Traceback" not in text
     assert proxy.mutations() == []
+
+
+def _small_plan(made_at: Any) -> Plan:
+    facts = [_debian("vm-1", "deb-a")]
+    return classify("vcenter", "sim", GOLDEN_SCOPE, facts, catalogue(), [], made_at)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("made_at", "2099-01-01T00:00:00+00:00"),  # re-dated: never too old
+        ("target", "elsewhere"),  # re-targeted
+        ("target_templates", [["x", "debian-12", 1]]),
+    ],
+)
+def test_a_plan_file_re_dated_or_re_targeted_is_refused(
+    key: str, value: Any, tmp_path: Path
+) -> None:
+    """The digest covers the source's facts; the seal the rest of the document."""
+    path = tmp_path / "plan.json"
+    write_plan(_small_plan(utcnow()), path)
+    assert read_plan(path).target == "sim"  # as written, it reads back
+    document = json.loads(path.read_text())
+    document[key] = value
+    path.write_text(json.dumps(document))
+    with pytest.raises(PlanFileError, match="does not match its seal.*make a new plan"):
+        read_plan(path)
+    del document["seal"]
+    path.write_text(json.dumps(document))
+    with pytest.raises(PlanFileError, match="does not match its seal"):
+        read_plan(path)
+
+
+def test_a_plan_from_the_future_or_without_a_time_zone_is_refused() -> None:
+    now = utcnow()
+    check_age(_small_plan(now + timedelta(minutes=4)), now, 3600)  # a clock a little fast
+    with pytest.raises(PlanFileError, match="later than now.*make a new plan"):
+        check_age(_small_plan(now + timedelta(days=30)), now, 3600)
+    with pytest.raises(PlanFileError, match="has no time zone.*make a new plan"):
+        check_age(_small_plan(now.replace(tzinfo=None)), now, 3600)

@@ -32,6 +32,10 @@ from bot.migration.plan import Plan, PlanFileError, source_unchanged
 from bot.models.builds import ACTIVE_BUILD_STATES, Build, BuildState
 from bot.models.errors import Conflict, UserError
 
+# How far a plan's date may lie ahead of this clock (another process's clock, a little
+# fast) before the plan is refused as edited.
+CLOCK_SKEW_S = 300.0
+
 # How a build can end without a template.
 UNBUILT = frozenset(
     {BuildState.FAILED, BuildState.CANCELLED, BuildState.REJECTED, BuildState.EXPIRED}
@@ -144,7 +148,23 @@ def check_findings(plan: Plan, profiles: Mapping[str, Profile]) -> None:
 
 
 def check_age(plan: Plan, now: datetime, valid_s: float) -> None:
-    age = now - plan.made_at
+    """Refuse a plan older than `valid_s`, and one whose date cannot be true (no time
+    zone, or later than now beyond the clocks' skew): it was edited."""
+    made_at = plan.made_at
+    if made_at.tzinfo is None or made_at.utcoffset() is None:
+        raise PlanFileError(
+            f"This plan's date ({made_at.isoformat()}) has no time zone, which deploybot "
+            "never writes (the plan was edited). Nothing was started: make a new plan "
+            f"(migrate plan --from {plan.source} --to {plan.target}) and apply that."
+        )
+    if made_at - now > timedelta(seconds=CLOCK_SKEW_S):
+        raise PlanFileError(
+            f"This plan says it was made at {made_at:%Y-%m-%d %H:%M %Z}, later than now "
+            f"({now:%Y-%m-%d %H:%M %Z}); a plan from the future was edited. Nothing was "
+            f"started: make a new plan (migrate plan --from {plan.source} --to "
+            f"{plan.target}) and apply that."
+        )
+    age = now - made_at
     if age > timedelta(seconds=valid_s):
         raise PlanTooOld(
             f"This plan was made {_length(age.total_seconds())} ago "

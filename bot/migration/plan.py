@@ -7,7 +7,12 @@ source has VMs, each sorted by id): an apply
 reads the same scope again and compares, so a source that changed since the plan is
 refused rather than acted on (`source_unchanged`). The plan file holds the whole plan
 as JSON (0600: it names machines); `read_plan` reads it back and refuses one whose facts
-no longer hash to its digest (edited or damaged).
+no longer hash to its digest (edited or damaged). The digest covers the source's facts
+only; the document's `seal` (the sha256 of the canonical document without the seal)
+covers the rest too: when it was made, its target, its findings, the target's
+templates. The seal is not a signature (anyone may compute it again): it refuses a file
+damaged or edited by hand without care, and the apply still classifies the facts again
+(bot/migration/apply.py check_findings) and refuses a date in the future.
 
 VMs are findings of kind "vm" with facts of their own (bot/migration/vms.py), under the
 same digest and counts per kind (`CATEGORIES`). A plan without VMs (an OVA, or a
@@ -79,8 +84,8 @@ class Plan:
         return counts
 
     def document(self) -> dict[str, Any]:
-        """The plan as JSON data: what the plan file holds and `--json` prints."""
-        return {
+        """The plan as JSON data, sealed: what the plan file holds and `--json` prints."""
+        body = {
             "format": FORMAT,
             "made_at": self.made_at.isoformat(),
             "source": self.source,
@@ -93,6 +98,7 @@ class Plan:
             "vm_facts": [f.as_json() for f in self.vm_facts],
             "target_templates": [list(t) for t in self.target_templates],
         }
+        return {**body, "seal": seal_of(body)}
 
 
 def _finding_json(finding: Finding) -> dict[str, Any]:
@@ -106,6 +112,12 @@ def _finding_json(finding: Finding) -> dict[str, Any]:
 
 def canonical(data: Any) -> bytes:
     return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def seal_of(document: Mapping[str, Any]) -> str:
+    """The sha256 of a plan document's canonical JSON, its own seal left out."""
+    body = {k: v for k, v in document.items() if k != "seal"}
+    return "sha256:" + hashlib.sha256(canonical(body)).hexdigest()
 
 
 def source_digest(
@@ -217,6 +229,11 @@ def plan_from_document(data: Any, where: str) -> Plan:
     if source_digest(plan.source, plan.scope, plan.facts, plan.vm_facts) != plan.digest:
         raise PlanFileError(
             f"{where}: its facts do not match its digest (edited or damaged); make a new plan"
+        )
+    if data.get("seal") != seal_of(data):
+        raise PlanFileError(
+            f"{where}: its content does not match its seal (edited or damaged: its date, "
+            "target or findings changed since it was made); make a new plan"
         )
     return plan
 
