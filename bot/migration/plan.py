@@ -278,11 +278,14 @@ def _from_document(data: dict[str, Any]) -> Plan:
 
 def _finding(f: dict[str, Any]) -> Finding:
     matched, missing = f.get("matched_by"), f.get("missing")
+    kind, category = str(f["kind"]), Category(f["category"])
+    if category not in CATEGORIES.get(kind, ()):  # an unknown kind has none
+        raise ValueError(f"a finding of kind {kind!r} in category {category.value!r}")
     return Finding(
-        kind=str(f["kind"]),
+        kind=kind,
         source_id=str(f["source_id"]),
         name=str(f["name"]),
-        category=Category(f["category"]),
+        category=category,
         profile=f.get("profile"),
         matched_by=MatchedBy(matched) if matched else None,
         evidence=str(f.get("evidence", "")),

@@ -121,7 +121,7 @@ class Migrations:
         needs. `hand_off`: queued builds are left to a serving process (the command
         line's --no-wait) rather than run here."""
         check_age(plan, self.clock(), self.settings.migration.plan_valid_s)
-        check_findings(plan, self.settings.images.all_profiles())
+        check_findings(plan, self.settings.images.all_profiles(), self.settings.subnets)
         sources.check_distinct(self.settings.backends, plan.source, plan.target)
         builder = self.builder(plan.target)
         source = self.open_source(plan.source)
