@@ -542,3 +542,31 @@ def test_a_plan_from_the_future_or_without_a_time_zone_is_refused() -> None:
         check_age(_small_plan(now + timedelta(days=30)), now, 3600)
     with pytest.raises(PlanFileError, match="has no time zone.*make a new plan"):
         check_age(_small_plan(now.replace(tzinfo=None)), now, 3600)
+
+
+async def test_a_permanent_error_says_what_to_fix_never_to_try_again(
+    lab: Simulated,
+    proxy: SoapProxy,
+    target: SimBackend,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A source whose name does not resolve will not resolve on a retry either: the
+    plan and the apply say what to fix, never to try again; nothing is started."""
+    monkeypatch.setenv(PASSWORD_ENV, PASSWORD)
+    plan = await plan_of(lab, proxy, target, GOLDEN_SCOPE)
+    unresolved = {**lab.sim.config(port=proxy.port), "host": "vcenter.invalid"}
+    backends = [{"kind": "sim", "name": "sim", "time_scale": SIM_SCALE}, unresolved]
+    settings = make_settings(tmp_path, backends=backends)
+    async with running_deployer(settings, backends={"sim": target}, grace_s=5) as d:
+        with pytest.raises(UserError) as refused:
+            await d.migrations.apply(plan, "bob")
+        message = refused.value.message
+        assert "vcenter.invalid" in message and "try again" not in message, message
+        assert "fix what this says" in message and "make a new plan" in message
+        with pytest.raises(UserError) as refused:
+            await d.migrations.plan("vcenter", "sim", GOLDEN_SCOPE, "bob")
+        message = refused.value.message
+        assert "vcenter.invalid" in message and "try again" not in message, message
+        assert "fix what this says" in message and "no plan was kept" in message
+        assert await d.store.builds.recent() == []

@@ -99,9 +99,7 @@ class Migrations:
                 subnets=self.settings.subnets, storage_type=storage,
             )  # fmt: skip
         except BackendError as exc:
-            raise UserError(
-                f"migrate plan: {exc.message}. Nothing was changed, and no plan was kept."
-            ) from None
+            raise UserError(plan_failed(exc, source, target)) from None
         finally:
             await opened.close()
         return await self.keep(made, user), made
@@ -129,10 +127,7 @@ class Migrations:
             await check_source(plan, source)
             target = await builder.template_versions()
         except BackendError as exc:
-            raise UserError(
-                f"migrate apply: {exc.message}. Nothing was started; try again when "
-                f"{plan.source} and {plan.target} answer."
-            ) from None
+            raise UserError(apply_failed(exc, plan)) from None
         finally:
             await source.close()
         wanted = {r.profile for r in rebuilds_of(plan)}
@@ -164,12 +159,39 @@ class Migrations:
         try:
             versions = await self.builder(applied.plan.target).template_versions()
         except BackendError as exc:
-            raise UserError(
-                f"{applied.plan.target} did not answer when asked for its templates "
-                f"({exc.message}); `template list --backend {applied.plan.target}` shows "
-                "them once it does."
-            ) from None
+            raise UserError(outcome_failed(exc, applied.plan.target)) from None
         return Outcome(fresh, target_profiles(versions))
+
+
+def plan_failed(exc: BackendError, source: str, target: str) -> str:
+    """A plan whose source or target failed: a passing fault says when to plan again, a
+    permanent one what to fix (trying again would fail the same way)."""
+    said = f"migrate plan: {exc.message}. Nothing was changed, and no plan was kept"
+    if exc.retryable:
+        return f"{said}; plan again once {source} and {target} answer."
+    return f"{said}; fix what this says (the backend's entry or its account), then plan again."
+
+
+def apply_failed(exc: BackendError, plan: Plan) -> str:
+    said = f"migrate apply: {exc.message}. Nothing was started"
+    if exc.retryable:
+        return f"{said}; try again when {plan.source} and {plan.target} answer."
+    return (
+        f"{said}; fix what this says (the backend's entry or its account), then make a new "
+        f"plan (migrate plan --from {plan.source} --to {plan.target}) and apply that."
+    )
+
+
+def outcome_failed(exc: BackendError, target: str) -> str:
+    if exc.retryable:
+        return (
+            f"{target} did not answer when asked for its templates ({exc.message}); "
+            f"`template list --backend {target}` shows them once it does."
+        )
+    return (
+        f"{target} refused the list of its templates ({exc.message}); fix what this says "
+        f"(its entry or its account), then `template list --backend {target}` shows them."
+    )
 
 
 async def keep_plan(store: Store, plan: Plan, user: str) -> KeptPlan:
