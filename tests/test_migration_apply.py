@@ -403,6 +403,10 @@ async def test_slack_plans_and_applies_by_id_for_approvers_only(
         assert "win2019: no build profile is for its guest OS" in again.text
         missing = await ask("migrate apply mnotaplan2", BOB)
         assert "There is no migration plan mnotaplan2" in missing.text
+        # From chat, --from names a configured backend: a URL is refused unread.
+        url = await ask("migrate plan --from http://127.0.0.1:9/a.ova --to sim", BOB)
+        assert "--from takes the name of a configured backend" in url.text, url.text
+        assert "--from-ova URL" in url.text
         audit = [(e.actor, e.action, e.outcome) for e in await h.deployer.store.audit.events()]
         assert (ALICE, f"migrate apply {plan_id}", "refused") in audit
     assert proxy.mutations() == []
@@ -570,3 +574,10 @@ async def test_a_permanent_error_says_what_to_fix_never_to_try_again(
         assert "vcenter.invalid" in message and "try again" not in message, message
         assert "fix what this says" in message and "no plan was kept" in message
         assert await d.store.builds.recent() == []
+
+
+async def test_chat_plans_read_configured_backends_never_a_url(deployer: Deployer) -> None:
+    """A URL typed in chat would be fetched by the bot (any host it can reach): refused
+    before anything is opened; OVAs are planned from the command line."""
+    with pytest.raises(UserError, match="--from takes the name of a configured backend"):
+        await deployer.migrations.plan("http://127.0.0.1:9/a.ova", "sim", GOLDEN_SCOPE, "bob")

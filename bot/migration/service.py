@@ -68,13 +68,24 @@ class Migrations:
     # --- the plan -------------------------------------------------------------------
 
     def open_source(self, name: str) -> ReadOnlySource:
-        """The read-only source `name` names: a vSphere backend of the configuration, or
-        an OVA's URL (a plan made with --from-ova)."""
+        """The read-only source of a plan being applied: a vSphere backend of the
+        configuration, or the OVA's URL a plan made with --from-ova (command line) read."""
         if name.startswith(("http://", "https://")):
             return sources.ova_source(name, self.settings.images.connect_timeout_s)
+        return self.open_backend(name)
+
+    def open_backend(self, name: str) -> ReadOnlySource:
+        """The read-only session of the configured backend `name`: what a plan made from
+        chat may read (never a URL a chat user typed: the bot would fetch it)."""
         config = next((c for c in self.settings.backends if c.name == name), None)
         if config is None:
             known = ", ".join(c.name for c in self.settings.backends)
+            if name.startswith(("http://", "https://")):
+                raise RequestInvalid([
+                    f"--from takes the name of a configured backend ({known}), not a URL; "
+                    "an OVA is planned from the command line (deploybot migrate plan "
+                    "--from-ova URL)."
+                ])  # fmt: skip
             raise RequestInvalid([f"There is no backend {name!r} to migrate from; use {known}."])
         return sources.open_source(config, self.environ)
 
@@ -89,7 +100,7 @@ class Migrations:
         keep the plan in the store; refuses a source or target that does not answer."""
         sources.check_distinct(self.settings.backends, source, target)
         builder = self.builder(target)
-        opened = self.open_source(source)
+        opened = self.open_backend(source)
         try:
             versions = await builder.template_versions()
             profiles = self.settings.images.all_profiles()
