@@ -581,3 +581,39 @@ async def test_chat_plans_read_configured_backends_never_a_url(deployer: Deploye
     before anything is opened; OVAs are planned from the command line."""
     with pytest.raises(UserError, match="--from takes the name of a configured backend"):
         await deployer.migrations.plan("http://127.0.0.1:9/a.ova", "sim", GOLDEN_SCOPE, "bob")
+
+
+class _SlowTarget(SimBackend):
+    """The simulator answering its templates late: a build publishes after the list
+    was read and before the answer arrives (`meanwhile`)."""
+
+    meanwhile: Any = None
+
+    async def template_versions(self, *args: Any) -> Any:
+        versions = await super().template_versions(*args)
+        if self.meanwhile is not None:
+            await self.meanwhile()
+        return versions
+
+
+async def test_a_build_that_publishes_during_the_apply_is_not_built_twice(
+    lab: Simulated, proxy: SoapProxy, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store's builds are read before the target's templates: a build in flight
+    that publishes between the two reads is seen in flight (or its template seen),
+    never as a published build whose template is gone, which would build it again."""
+    monkeypatch.setenv(PASSWORD_ENV, PASSWORD)
+    slow = _SlowTarget("sim", time_scale=SIM_SCALE)
+    scope = Scope(folder="golden", name="debian-*")
+    plan = await plan_of(lab, proxy, slow, scope)
+    settings = lab_settings(tmp_path, lab, proxy)
+    async with running_deployer(settings, backends={"sim": slow}, grace_s=5) as d:
+        first = await d.builds.request("debian-13", "sim", "bob")
+        slow.meanwhile = d.drain  # the build runs to its end while the list is on its way
+        applied = await d.migrations.apply(plan, "bob")
+        slow.meanwhile = None
+        await d.drain()
+        builds = await d.store.builds.recent()
+    assert [b.id for b in builds if b.profile == "debian-13"] == [first.id], builds
+    (rebuild,) = [r for r in applied.rebuilds if r.profile == "debian-13"]
+    assert not rebuild.started

@@ -134,6 +134,10 @@ class Migrations:
         sources.check_distinct(self.settings.backends, plan.source, plan.target)
         builder = self.builder(plan.target)
         source = self.open_source(plan.source)
+        # The store's builds before the target's templates: a build that publishes in
+        # between is then seen as published (or its template seen), never as neither.
+        wanted = {r.profile for r in rebuilds_of(plan)}
+        known = await self.store.builds.of_profiles(plan.target, wanted)
         try:
             await check_source(plan, source)
             target = await builder.template_versions()
@@ -141,8 +145,6 @@ class Migrations:
             raise UserError(apply_failed(exc, plan)) from None
         finally:
             await source.close()
-        wanted = {r.profile for r in rebuilds_of(plan)}
-        known = await self.store.builds.of_profiles(plan.target, wanted)
 
         async def request(profile: str) -> Build:
             return await self.builds.request(
