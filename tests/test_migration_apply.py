@@ -30,7 +30,7 @@ from bot.app.runtime import running_deployer
 from bot.app.service import Deployer
 from bot.config.settings import Settings
 from bot.images.profiles import catalogue
-from bot.migration.apply import PlanTooOld, SourceChanged, check_age
+from bot.migration.apply import Applied, Outcome, PlanTooOld, Rebuild, SourceChanged, check_age
 from bot.migration.plan import (
     Plan,
     PlanFileError,
@@ -617,3 +617,28 @@ async def test_a_build_that_publishes_during_the_apply_is_not_built_twice(
     assert [b.id for b in builds if b.profile == "debian-13"] == [first.id], builds
     (rebuild,) = [r for r in applied.rebuilds if r.profile == "debian-13"]
     assert not rebuild.started
+
+
+def _windows(source_id: str, name: str) -> TemplateFacts:
+    return replace(_debian(source_id, name), guest_id="windows2019srv_64Guest", annotation="W")
+
+
+def test_the_chat_apply_reply_keeps_source_text_flat_and_caps_what_is_left() -> None:
+    """The apply's answer in chat flattens source text as the plan's table does and
+    lists the first templates left, the rest counted (the count comes first)."""
+    odd = _debian("u-odd", "deb-evil```\nname")
+    left = [_windows(f"w{i:02}", f"win-{i:02}```\nx") for i in range(CHAT_FINDINGS + 3)]
+    plan = classify("vcenter", "pve", Scope(), [odd, *left], catalogue(), [], utcnow())
+    (profile,) = {f.profile for f in plan.findings if f.profile}
+    rebuild = Rebuild(profile, ("deb-evil```\nname",), refused="no approver`s\nanswer")
+    outcome = Outcome(Applied(plan, (rebuild,)), {})
+    lines = applied_lines(outcome, ends=True, cap=CHAT_FINDINGS)
+    text = "\n".join(lines)
+    assert "```" not in text and all("\n" not in line for line in lines)
+    assert f"Left: {len(left)} template(s) not mappable" in text
+    assert "... and 3 more" in text
+    assert sum(line.startswith("  win-") for line in lines) == CHAT_FINDINGS
+    assert "deb-evil''' name" in text and "no approver's answer" in text
+    # The command line lists every one.
+    every = applied_lines(outcome, ends=True)
+    assert sum(line.startswith("  win-") for line in every) == len(left)
