@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime
@@ -197,14 +198,20 @@ async def make_plan(
 
 
 def write_plan(plan: Plan, path: Path) -> None:
-    """The plan file, made 0600 before anything is written to it; replaced whole."""
-    temporary = path.with_name(f".{path.name}.tmp")
-    fd = os.open(temporary, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as out:
-        json.dump(plan.document(), out, indent=2, sort_keys=True, ensure_ascii=False)
-        out.write("\n")
-    os.chmod(temporary, 0o600)
-    os.replace(temporary, path)
+    """The plan file, made 0600 before anything is written to it; replaced whole. The
+    temporary file is a new one of a name nobody could guess (mkstemp: O_EXCL, so never
+    a file or link someone left there), beside the plan so the replace is atomic."""
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    temporary = Path(name)
+    try:
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            json.dump(plan.document(), out, indent=2, sort_keys=True, ensure_ascii=False)
+            out.write("\n")
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
 
 
 def read_plan(path: Path) -> Plan:
