@@ -496,7 +496,7 @@ async def test_the_cli_refuses_a_target_that_is_the_source(
     again = {**source, "name": "vcenter-again"}
     config.write_text(
         f'database = "{tmp_path / "db.sqlite"}"\nlog_file = "{tmp_path / "bot.log"}"\n\n'
-        f'[[backends]]\n{_toml(source)}\n\n[[backends]]\n{_toml(again)}\n\n'
+        f"[[backends]]\n{_toml(source)}\n\n[[backends]]\n{_toml(again)}\n\n"
         '[[subnets]]\ncidr = "10.0.0.0/24"\ngateway = "10.0.0.1"\ndns = ["10.0.0.2"]\n'
     )
     for onto, said in (("vcenter", "both name vcenter"), ("vcenter-again", "same server")):
@@ -531,7 +531,7 @@ def test_a_plan_file_re_dated_or_re_targeted_is_refused(
     document = json.loads(path.read_text())
     document[key] = value
     path.write_text(json.dumps(document))
-    with pytest.raises(PlanFileError, match="does not match its seal.*make a new plan"):
+    with pytest.raises(PlanFileError, match=r"does not match its seal.*make a new plan"):
         read_plan(path)
     del document["seal"]
     path.write_text(json.dumps(document))
@@ -542,9 +542,9 @@ def test_a_plan_file_re_dated_or_re_targeted_is_refused(
 def test_a_plan_from_the_future_or_without_a_time_zone_is_refused() -> None:
     now = utcnow()
     check_age(_small_plan(now + timedelta(minutes=4)), now, 3600)  # a clock a little fast
-    with pytest.raises(PlanFileError, match="later than now.*make a new plan"):
+    with pytest.raises(PlanFileError, match=r"later than now.*make a new plan"):
         check_age(_small_plan(now + timedelta(days=30)), now, 3600)
-    with pytest.raises(PlanFileError, match="has no time zone.*make a new plan"):
+    with pytest.raises(PlanFileError, match=r"has no time zone.*make a new plan"):
         check_age(_small_plan(now.replace(tzinfo=None)), now, 3600)
 
 

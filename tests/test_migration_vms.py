@@ -25,9 +25,9 @@ from backends.migrating import (
     provisioning,
 )
 from bot.addresses.subnets import Subnet
-from bot.migration.classify import Category, NoteKind
 from bot.images.profiles import catalogue
 from bot.migration.apply import check_findings, rebuilds_of
+from bot.migration.classify import Category, NoteKind
 from bot.migration.plan import PlanFileError, classify, read_plan, seal_of, write_plan
 from bot.migration.vms import classify_vm, network_map
 from handlers.messages.migration import note_text, plan_lines, reason
