@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pyVmomi import vim
 
 from backends.migrating import (
     Allocation,
@@ -24,6 +25,7 @@ from backends.migrating import (
     VMFacts,
     provisioning,
 )
+from backends.vsphere import vmfacts
 from bot.addresses.subnets import Subnet
 from bot.images.profiles import catalogue
 from bot.migration.apply import check_findings, rebuilds_of
@@ -251,3 +253,20 @@ def test_findings_edited_in_any_kind_are_refused(tmp_path: Path) -> None:
         path.write_text(json.dumps(edited))
         with pytest.raises(PlanFileError, match=f"damaged.*{kind!r} in category {category!r}"):
             read_plan(path)
+
+
+def test_a_disk_whose_backing_says_no_provisioning_is_not_called_thick() -> None:
+    """Sparse and SEsparse backings (and some snapshot deltas) carry neither flag: the
+    root of the parent chain is read; when no backing says, the note says so."""
+    sparse = replace(disk(None, None), backing="SeSparseBackingInfo")
+    (note,) = [
+        n for n in classify_vm(vm(disks=(sparse,)), NETWORKS).notes if n.kind is NoteKind.DISK
+    ]
+    text = note_text(note)
+    assert "provisioning not said (backing SeSparseBackingInfo)" in text, text
+    assert "thick" not in text
+    flat: Any = vim.vm.device.VirtualDisk.FlatVer2BackingInfo
+    delta = flat(parent=flat(parent=flat(thinProvisioned=True)))  # a snapshot's delta
+    assert vmfacts._flags(delta) == (True, None)
+    sparse_chain: Any = vim.vm.device.VirtualDisk.SeSparseBackingInfo
+    assert vmfacts._flags(sparse_chain(parent=sparse_chain())) == (None, None)

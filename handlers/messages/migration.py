@@ -11,7 +11,7 @@ from typing import Any
 from bot.migration.apply import Outcome, Rebuild
 from bot.migration.classify import Category, Finding, MatchedBy, Missing, Note, NoteKind
 from bot.migration.plan import CATEGORIES, Plan
-from bot.migration.vms import WEIGHT, Weight
+from bot.migration.vms import NOT_SAID, WEIGHT, Weight
 from bot.models.builds import Build, BuildState
 from bot.models.plans import KeptPlan
 from handlers.messages.builds import BUILD_LABELS
@@ -164,7 +164,11 @@ def _no_segment(note: Note, source: str, target: str) -> str:
 
 def _disk(note: Note) -> str:
     size, state, form, thin = note.detail
-    said = f"{note.value} ({size}) {PROVISIONING_WORDS.get(state, state)}"
+    if state.startswith(NOT_SAID):
+        words = f"provisioning not said (backing {state.removeprefix(NOT_SAID)})"
+    else:
+        words = PROVISIONING_WORDS.get(state, state)
+    said = f"{note.value} ({size}) {words}"
     if not thin:
         return (
             f"{said}: target format not known (the target storage's type was not read): "
