@@ -366,6 +366,11 @@ async def _migrate_apply(args: argparse.Namespace, settings: Settings) -> int:
     if plan.target not in configs:
         print(unknown_backend("the plan's target", plan.target, sorted(configs)), file=sys.stderr)
         return 2
+    try:  # before a backend of the target is even made: it may be the source's server
+        sources.check_distinct(settings.backends, plan.source, plan.target)
+    except UserError as exc:
+        print(exc.message, file=sys.stderr)
+        return 2
     backends = {plan.target: make_backend(configs[plan.target])}
     notes = None if args.no_wait else TerminalBuilds()
     async with running_deployer(
