@@ -74,7 +74,7 @@ from handlers.messages.hostkeys import (
 )
 from handlers.messages.lifecycle import lease_extended_answer
 from handlers.messages.listing import list_lines
-from handlers.messages.migration import applied_lines, kept_plan_lines
+from handlers.messages.migration import CHAT_FINDINGS, applied_lines, kept_plan_lines
 from handlers.messages.reports import history, status_said, templates
 from handlers.messages.slack import bad_ssh_key, key_saved, slack_reject_answer, user_settings
 from handlers.messages.text import Said
@@ -370,7 +370,8 @@ async def _migrate_plan(inv: Invocation, command: MigratePlan) -> Reply:
 
 async def _migrate_apply(inv: Invocation, command: MigrateApply) -> Reply:
     outcome = await inv.deployer.migrate_apply(command.plan_id, inv.user, origin=inv.origin)
-    return applied_lines(outcome, ends=all(r.ended for r in outcome.rebuilds))
+    ended = all(r.ended for r in outcome.rebuilds)
+    return applied_lines(outcome, ends=ended, cap=CHAT_FINDINGS)
 
 
 ANYONE, IN_ACK, VIEW = Who.ANYONE, SlackWay.IN_ACK, SlackWay.VIEW

@@ -22,7 +22,7 @@ from bot.migration.plan import Plan, make_plan, write_plan
 from bot.migration.service import keep_plan, load_plan
 from bot.models import JobState
 from bot.models.builds import Build, BuildState
-from bot.models.errors import BackendError, ConfigError
+from bot.models.errors import BackendError, ConfigError, UserError
 from bot.operations import gc
 from bot.operations.check import run_checks
 from bot.requests.grammar import parse
@@ -322,6 +322,12 @@ async def migrate(args: argparse.Namespace, settings: Settings) -> int:
             print(unknown_backend(option, name, sorted(configs)), file=sys.stderr)
             return 2
     try:
+        if args.source:
+            sources.check_distinct(settings.backends, args.source, args.target)
+    except UserError as exc:
+        print(exc.message, file=sys.stderr)
+        return 2
+    try:
         plan = await _migration_plan(args, settings, configs)
     except BackendError as exc:  # the source or the target did not answer, or refused
         print(plan_failed(exc.message), file=sys.stderr)
@@ -359,6 +365,11 @@ async def _migrate_apply(args: argparse.Namespace, settings: Settings) -> int:
     configs = {c.name: c for c in settings.backends}
     if plan.target not in configs:
         print(unknown_backend("the plan's target", plan.target, sorted(configs)), file=sys.stderr)
+        return 2
+    try:  # before a backend of the target is even made: it may be the source's server
+        sources.check_distinct(settings.backends, plan.source, plan.target)
+    except UserError as exc:
+        print(exc.message, file=sys.stderr)
         return 2
     backends = {plan.target: make_backend(configs[plan.target])}
     notes = None if args.no_wait else TerminalBuilds()

@@ -14,6 +14,7 @@ import os
 import re
 import sys
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -29,10 +30,19 @@ from bot.app.runtime import running_deployer
 from bot.app.service import Deployer
 from bot.config.settings import Settings
 from bot.images.profiles import catalogue
-from bot.migration.apply import PlanTooOld, SourceChanged
-from bot.migration.plan import Plan, PlanFileError, classify, make_plan, read_plan, write_plan
+from bot.migration.apply import Applied, Outcome, PlanTooOld, Rebuild, SourceChanged, check_age
+from bot.migration.plan import (
+    Plan,
+    PlanFileError,
+    classify,
+    make_plan,
+    read_plan,
+    seal_of,
+    write_plan,
+)
 from bot.models import utcnow
 from bot.models.builds import BuildState
+from bot.models.errors import UserError
 from bot.models.plans import KeptPlan
 from handlers.messages.migration import CHAT_FINDINGS, applied_lines, kept_plan_lines
 from tests.support.deployer import SIM_SCALE, make_settings
@@ -265,10 +275,14 @@ async def test_an_edited_plan_file_is_refused(
     with pytest.raises(PlanFileError, match="do not match its digest"):
         await deployer.migrations.load(str(path))
     # A finding edited (win2019 made rebuildable): the facts still hash to the digest,
-    # but the finding does not follow from them.
+    # the seal does not; sealed again (anyone may), the finding does not follow from them.
     findings = json.loads(json.dumps(document))
     win = next(f for f in findings["findings"] if f["name"] == "win2019")
     win.update(category="rebuildable", profile="debian-13", missing=None, detail=[])
+    path.write_text(json.dumps(findings))
+    with pytest.raises(PlanFileError, match="does not match its seal"):
+        read_plan(path)
+    findings["seal"] = seal_of(findings)
     path.write_text(json.dumps(findings))
     edited = read_plan(path)
     with pytest.raises(PlanFileError, match="finding for win2019 does not follow"):
@@ -389,6 +403,10 @@ async def test_slack_plans_and_applies_by_id_for_approvers_only(
         assert "win2019: no build profile is for its guest OS" in again.text
         missing = await ask("migrate apply mnotaplan2", BOB)
         assert "There is no migration plan mnotaplan2" in missing.text
+        # From chat, --from names a configured backend: a URL is refused unread.
+        url = await ask("migrate plan --from http://127.0.0.1:9/a.ova --to sim", BOB)
+        assert "--from takes the name of a configured backend" in url.text, url.text
+        assert "--from-ova URL" in url.text
         audit = [(e.actor, e.action, e.outcome) for e in await h.deployer.store.audit.events()]
         assert (ALICE, f"migrate apply {plan_id}", "refused") in audit
     assert proxy.mutations() == []
@@ -438,3 +456,189 @@ def test_the_chat_table_keeps_source_text_on_one_line_and_inside_its_block() -> 
     assert "a-evil'''<!here> name" in text  # one line, its backticks quoted
     assert "... and 4 more" in text  # 16 findings, 12 shown
     assert f"`/deploy migrate apply {kept.id}`" in text
+
+
+async def test_the_source_is_never_its_own_target(
+    lab: Simulated,
+    proxy: SoapProxy,
+    target: SimBackend,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same backend, or a second entry naming the same server (host:port, the host
+    in another case), is refused as the target of a plan and of an apply: its builds
+    would land on the vCenter being left. Nothing is read, nothing started."""
+    monkeypatch.setenv(PASSWORD_ENV, PASSWORD)
+    source = lab.sim.config(port=proxy.port)
+    again = {**source, "name": "vcenter-again", "host": source["host"].upper() + "."}
+    backends = [{"kind": "sim", "name": "sim", "time_scale": SIM_SCALE}, source, again]
+    settings = make_settings(tmp_path, backends=backends)
+    plan = await plan_of(lab, proxy, target, GOLDEN_SCOPE)
+    read = len(proxy.seen)
+    async with running_deployer(settings, backends={"sim": target}, grace_s=5) as d:
+        with pytest.raises(UserError, match="--from and --to both name vcenter: "):
+            await d.migrations.plan("vcenter", "vcenter", GOLDEN_SCOPE, "bob")
+        same = r"vcenter and vcenter-again are the same server \(127\.0\.0\.1:\d+\)"
+        with pytest.raises(UserError, match=same):
+            await d.migrations.plan("vcenter", "vcenter-again", GOLDEN_SCOPE, "bob")
+        for onto in ("vcenter", "vcenter-again"):
+            with pytest.raises(UserError, match="Nothing was changed"):
+                await d.migrations.apply(replace(plan, target=onto), "bob")
+        assert await d.store.builds.recent() == []
+    assert len(proxy.seen) == read and proxy.mutations() == []
+
+
+async def test_the_cli_refuses_a_target_that_is_the_source(
+    lab: Simulated, proxy: SoapProxy, tmp_path: Path
+) -> None:
+    config = tmp_path / "deploybot.toml"
+    source = lab.sim.config(port=proxy.port)
+    again = {**source, "name": "vcenter-again"}
+    config.write_text(
+        f'database = "{tmp_path / "db.sqlite"}"\nlog_file = "{tmp_path / "bot.log"}"\n\n'
+        f"[[backends]]\n{_toml(source)}\n\n[[backends]]\n{_toml(again)}\n\n"
+        '[[subnets]]\ncidr = "10.0.0.0/24"\ngateway = "10.0.0.1"\ndns = ["10.0.0.2"]\n'
+    )
+    for onto, said in (("vcenter", "both name vcenter"), ("vcenter-again", "same server")):
+        code, text = await deploybot(
+            config, tmp_path, "migrate", "plan", "--from", "vcenter", "--to", onto
+        )
+        assert code == 2 and said in text and "Nothing was changed" in text, text
+        assert "Traceback" not in text
+    assert proxy.mutations() == []
+
+
+def _small_plan(made_at: Any) -> Plan:
+    facts = [_debian("vm-1", "deb-a")]
+    return classify("vcenter", "sim", GOLDEN_SCOPE, facts, catalogue(), [], made_at)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("made_at", "2099-01-01T00:00:00+00:00"),  # re-dated: never too old
+        ("target", "elsewhere"),  # re-targeted
+        ("target_templates", [["x", "debian-12", 1]]),
+    ],
+)
+def test_a_plan_file_re_dated_or_re_targeted_is_refused(
+    key: str, value: Any, tmp_path: Path
+) -> None:
+    """The digest covers the source's facts; the seal the rest of the document."""
+    path = tmp_path / "plan.json"
+    write_plan(_small_plan(utcnow()), path)
+    assert read_plan(path).target == "sim"  # as written, it reads back
+    document = json.loads(path.read_text())
+    document[key] = value
+    path.write_text(json.dumps(document))
+    with pytest.raises(PlanFileError, match=r"does not match its seal.*make a new plan"):
+        read_plan(path)
+    del document["seal"]
+    path.write_text(json.dumps(document))
+    with pytest.raises(PlanFileError, match="does not match its seal"):
+        read_plan(path)
+
+
+def test_a_plan_from_the_future_or_without_a_time_zone_is_refused() -> None:
+    now = utcnow()
+    check_age(_small_plan(now + timedelta(minutes=4)), now, 3600)  # a clock a little fast
+    with pytest.raises(PlanFileError, match=r"later than now.*make a new plan"):
+        check_age(_small_plan(now + timedelta(days=30)), now, 3600)
+    with pytest.raises(PlanFileError, match=r"has no time zone.*make a new plan"):
+        check_age(_small_plan(now.replace(tzinfo=None)), now, 3600)
+
+
+async def test_a_permanent_error_says_what_to_fix_never_to_try_again(
+    lab: Simulated,
+    proxy: SoapProxy,
+    target: SimBackend,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A source whose name does not resolve will not resolve on a retry either: the
+    plan and the apply say what to fix, never to try again; nothing is started."""
+    monkeypatch.setenv(PASSWORD_ENV, PASSWORD)
+    plan = await plan_of(lab, proxy, target, GOLDEN_SCOPE)
+    unresolved = {**lab.sim.config(port=proxy.port), "host": "vcenter.invalid"}
+    backends = [{"kind": "sim", "name": "sim", "time_scale": SIM_SCALE}, unresolved]
+    settings = make_settings(tmp_path, backends=backends)
+    async with running_deployer(settings, backends={"sim": target}, grace_s=5) as d:
+        with pytest.raises(UserError) as refused:
+            await d.migrations.apply(plan, "bob")
+        message = refused.value.message
+        assert "vcenter.invalid" in message and "try again" not in message, message
+        assert "fix what this says" in message and "make a new plan" in message
+        with pytest.raises(UserError) as refused:
+            await d.migrations.plan("vcenter", "sim", GOLDEN_SCOPE, "bob")
+        message = refused.value.message
+        assert "vcenter.invalid" in message and "try again" not in message, message
+        assert "fix what this says" in message and "no plan was kept" in message
+        assert await d.store.builds.recent() == []
+
+
+async def test_chat_plans_read_configured_backends_never_a_url(deployer: Deployer) -> None:
+    """A URL typed in chat would be fetched by the bot (any host it can reach): refused
+    before anything is opened; OVAs are planned from the command line."""
+    with pytest.raises(UserError, match="--from takes the name of a configured backend"):
+        await deployer.migrations.plan("http://127.0.0.1:9/a.ova", "sim", GOLDEN_SCOPE, "bob")
+
+
+class _SlowTarget(SimBackend):
+    """The simulator answering its templates late: a build publishes after the list
+    was read and before the answer arrives (`meanwhile`)."""
+
+    meanwhile: Any = None
+
+    async def template_versions(self, *args: Any) -> Any:
+        versions = await super().template_versions(*args)
+        if self.meanwhile is not None:
+            await self.meanwhile()
+        return versions
+
+
+async def test_a_build_that_publishes_during_the_apply_is_not_built_twice(
+    lab: Simulated, proxy: SoapProxy, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store's builds are read before the target's templates: a build in flight
+    that publishes between the two reads is seen in flight (or its template seen),
+    never as a published build whose template is gone, which would build it again."""
+    monkeypatch.setenv(PASSWORD_ENV, PASSWORD)
+    slow = _SlowTarget("sim", time_scale=SIM_SCALE)
+    scope = Scope(folder="golden", name="debian-*")
+    plan = await plan_of(lab, proxy, slow, scope)
+    settings = lab_settings(tmp_path, lab, proxy)
+    async with running_deployer(settings, backends={"sim": slow}, grace_s=5) as d:
+        first = await d.builds.request("debian-13", "sim", "bob")
+        slow.meanwhile = d.drain  # the build runs to its end while the list is on its way
+        applied = await d.migrations.apply(plan, "bob")
+        slow.meanwhile = None
+        await d.drain()
+        builds = await d.store.builds.recent()
+    assert [b.id for b in builds if b.profile == "debian-13"] == [first.id], builds
+    (rebuild,) = [r for r in applied.rebuilds if r.profile == "debian-13"]
+    assert not rebuild.started
+
+
+def _windows(source_id: str, name: str) -> TemplateFacts:
+    return replace(_debian(source_id, name), guest_id="windows2019srv_64Guest", annotation="W")
+
+
+def test_the_chat_apply_reply_keeps_source_text_flat_and_caps_what_is_left() -> None:
+    """The apply's answer in chat flattens source text as the plan's table does and
+    lists the first templates left, the rest counted (the count comes first)."""
+    odd = _debian("u-odd", "deb-evil```\nname")
+    left = [_windows(f"w{i:02}", f"win-{i:02}```\nx") for i in range(CHAT_FINDINGS + 3)]
+    plan = classify("vcenter", "pve", Scope(), [odd, *left], catalogue(), [], utcnow())
+    (profile,) = {f.profile for f in plan.findings if f.profile}
+    rebuild = Rebuild(profile, ("deb-evil```\nname",), refused="no approver`s\nanswer")
+    outcome = Outcome(Applied(plan, (rebuild,)), {})
+    lines = applied_lines(outcome, ends=True, cap=CHAT_FINDINGS)
+    text = "\n".join(lines)
+    assert "```" not in text and all("\n" not in line for line in lines)
+    assert f"Left: {len(left)} template(s) not mappable" in text
+    assert "... and 3 more" in text
+    assert sum(line.startswith("  win-") for line in lines) == CHAT_FINDINGS
+    assert "deb-evil''' name" in text and "no approver's answer" in text
+    # The command line lists every one.
+    every = applied_lines(outcome, ends=True)
+    assert sum(line.startswith("  win-") for line in every) == len(left)

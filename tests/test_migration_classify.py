@@ -202,3 +202,19 @@ def test_a_plan_file_reads_back_and_refuses_an_edit(tmp_path: Path) -> None:
     path.write_text(json.dumps(data))
     with pytest.raises(PlanFileError, match="damaged"):
         read_plan(path)
+
+
+def test_the_plan_file_never_writes_through_a_planted_link(tmp_path: Path) -> None:
+    """Its temporary file is new (O_EXCL) and of a name nobody could guess: a link left
+    where a fixed temporary name would be is neither followed nor replaced."""
+    plan = classify("vc", "pve", Scope(), [facts("a", "ubuntu64Guest")], PROFILES, [], NOW)
+    victim = tmp_path / "victim"
+    victim.write_text("untouched\n")
+    path = tmp_path / "plan.json"
+    planted = tmp_path / ".plan.json.tmp"
+    planted.symlink_to(victim)
+    write_plan(plan, path)
+    assert victim.read_text() == "untouched\n"
+    assert not path.is_symlink() and stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert read_plan(path) == plan
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".plan.json.tmp", "plan.json", "victim"]

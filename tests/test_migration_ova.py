@@ -147,7 +147,10 @@ async def test_a_server_ignoring_the_range_is_read_no_further(served: Served) ->
     served.honour_range = False
     served.files["/a.ova"] = ova(ovf.descriptor(MACHINE))
     head = await read_head(f"http://127.0.0.1:{served.port}/a.ova")
+    # What deploybot read is bounded; what the server wrote into the socket before the
+    # close is not (the module docstring says so), so only the former is asserted.
     assert head.bytes_read == HEAD_BYTES and len(served.ranges) == 1
+    assert len(served.files["/a.ova"]) > 8 * HEAD_BYTES
     assert "<Name>debian-12</Name>" in head.descriptor
 
 

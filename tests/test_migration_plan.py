@@ -687,9 +687,13 @@ async def test_the_cli_prints_the_table_and_writes_the_plan_file(
     (only,) = json.loads(text)["findings"]
     assert only["name"] == "win2019" and "no build profile is for its guest OS" in only["reason"]
     code, text = await _deploybot(
-        config, tmp_path, pve, "migrate", "plan", "--from", "pve", "--to", "pve"
+        config, tmp_path, pve, "migrate", "plan", "--from", "pve", "--to", "vcenter"
     )
     assert code == 2 and "a migration reads a vSphere backend" in text
+    code, text = await _deploybot(
+        config, tmp_path, pve, "migrate", "plan", "--from", "pve", "--to", "pve"
+    )
+    assert code == 2 and "--from and --to both name pve" in text
     code, text = await _deploybot(
         config, tmp_path, pve, "migrate", "plan", "--from", "nope", "--to", "pve"
     )

@@ -6,12 +6,14 @@ reads the same facts from a simulator."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
+from pyVmomi import vim
 
 from backends.migrating import (
     Allocation,
@@ -19,12 +21,16 @@ from backends.migrating import (
     NicFacts,
     Provisioning,
     Scope,
+    TemplateFacts,
     VMFacts,
     provisioning,
 )
+from backends.vsphere import vmfacts
 from bot.addresses.subnets import Subnet
+from bot.images.profiles import catalogue
+from bot.migration.apply import check_findings, rebuilds_of
 from bot.migration.classify import Category, NoteKind
-from bot.migration.plan import classify, read_plan, write_plan
+from bot.migration.plan import PlanFileError, classify, read_plan, seal_of, write_plan
 from bot.migration.vms import classify_vm, network_map
 from handlers.messages.migration import note_text, plan_lines, reason
 
@@ -209,3 +215,58 @@ def test_vms_in_the_plan_its_counts_digest_and_file(tmp_path: Path) -> None:
     path = tmp_path / "plan.json"
     write_plan(plan, path)
     assert read_plan(path) == plan
+
+
+def test_findings_edited_in_any_kind_are_refused(tmp_path: Path) -> None:
+    """Every fact is classified again at apply and must have exactly one finding that
+    says the same, whatever its kind; a finding without a fact is refused; only a
+    template's finding rebuilds; reading refuses a kind or category that does not exist."""
+    debian = TemplateFacts("vm-1", "deb", "debian10_64Guest", "Debian 12", (), (), (), "vmx-13")
+    vms = [vm("a"), vm("c", nics=(nic(network="x"),))]
+    plan = classify("vc", "pve", Scope(), [debian], catalogue(), [], NOW, vms, SUBNETS)
+    check_findings(plan, catalogue(), SUBNETS)  # as made, it follows
+    deb, a, c = plan.findings
+    assert c.category is Category.BLOCKED and deb.kind == "template"
+    ghost = replace(a, source_id="uuid-ghost", name="ghost")
+    for findings in [
+        (deb, a, replace(c, category=Category.MOVES_AS_IS)),  # a blocked VM let through
+        (deb, c),  # a VM's finding left out
+        (deb, a, c, c),  # one twice
+        (deb, a, c, ghost),  # a finding without a fact
+        (replace(deb, kind="vm", category=Category.MOVES_AS_IS, profile=None), a, c),
+        (deb, replace(a, profile="ubuntu-24.04"), c),
+    ]:
+        with pytest.raises(PlanFileError, match="does not follow from its facts"):
+            check_findings(replace(plan, findings=findings), catalogue(), SUBNETS)
+    wanted = [r.profile for r in rebuilds_of(plan)]
+    vm_rebuilding = replace(a, category=Category.REBUILDABLE, profile="ubuntu-24.04")
+    assert [r.profile for r in rebuilds_of(replace(plan, findings=(deb, vm_rebuilding)))] == (
+        wanted
+    )
+    path = tmp_path / "plan.json"
+    write_plan(plan, path)
+    document = json.loads(path.read_text())
+    for kind, category in [("disk", "rebuildable"), ("vm", "rebuildable"), ("template", "blocked")]:
+        edited = json.loads(json.dumps(document))
+        edited["findings"][0].update(kind=kind, category=category)
+        edited["seal"] = seal_of(edited)
+        path.write_text(json.dumps(edited))
+        with pytest.raises(PlanFileError, match=f"damaged.*{kind!r} in category {category!r}"):
+            read_plan(path)
+
+
+def test_a_disk_whose_backing_says_no_provisioning_is_not_called_thick() -> None:
+    """Sparse and SEsparse backings (and some snapshot deltas) carry neither flag: the
+    root of the parent chain is read; when no backing says, the note says so."""
+    sparse = replace(disk(None, None), backing="SeSparseBackingInfo")
+    (note,) = [
+        n for n in classify_vm(vm(disks=(sparse,)), NETWORKS).notes if n.kind is NoteKind.DISK
+    ]
+    text = note_text(note)
+    assert "provisioning not said (backing SeSparseBackingInfo)" in text, text
+    assert "thick" not in text
+    flat: Any = vim.vm.device.VirtualDisk.FlatVer2BackingInfo
+    delta = flat(parent=flat(parent=flat(thinProvisioned=True)))  # a snapshot's delta
+    assert vmfacts._flags(delta) == (True, None)
+    sparse_chain: Any = vim.vm.device.VirtualDisk.SeSparseBackingInfo
+    assert vmfacts._flags(sparse_chain(parent=sparse_chain())) == (None, None)

@@ -5,8 +5,10 @@ disks.
 An OVA is a tar archive whose first member is the .ovf descriptor, so one HTTP range
 request (`Range: bytes=0-131071`) holds it; `ovf.ova_descriptor` reads it out of those
 bytes as a stream. A server that ignores the range answers 200 with the whole file: the
-body is read up to the same limit and the connection closed, so no more is read either
-way. `OvaSource` is a read-only migration source of one OVA (`--from-ova URL`).
+body is read up to the same limit and the connection closed, so deploybot reads no more
+either way (what such a server wrote before it saw the close, into the sockets' buffers,
+is not read, but it is not bounded here either). `OvaSource` is a read-only migration
+source of one OVA (`--from-ova URL`).
 
 The descriptor is untrusted XML of at most 128 kB; Python's expat (2.4.1 and later)
 refuses entity expansion bombs, and nothing here resolves external entities.

@@ -200,8 +200,7 @@ def _disk(
         kind = "rdm"
     else:
         kind = type(backing).__name__.rsplit(".", 1)[-1]
-    thin = getattr(backing, "thinProvisioned", None)
-    eager = getattr(backing, "eagerlyScrub", None)
+    thin, eager = _flags(backing)
     return DiskFacts(
         label=label,
         controller=model_of(models, controller) if controller is not None else "",
@@ -210,6 +209,20 @@ def _disk(
         thin=None if thin is None else bool(thin),
         eager=None if eager is None else bool(eager),
     )
+
+
+def _flags(backing: Any) -> tuple[Any, Any]:
+    """A disk's two provisioning flags. A backing without them (sparse, SEsparse, some
+    snapshot deltas) has them, if anywhere, on the root of its parent chain: the base
+    disk. None, None when no backing of the chain says (never read as thick lazy)."""
+    root = backing
+    for _ in range(256):  # a chain is at most 255 deltas deep (vSphere's own limit)
+        thin = getattr(root, "thinProvisioned", None)
+        eager = getattr(root, "eagerlyScrub", None)
+        if thin is not None or eager is not None or getattr(root, "parent", None) is None:
+            return thin, eager
+        root = root.parent
+    return None, None
 
 
 def _label(device: Any) -> str:

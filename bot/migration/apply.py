@@ -26,11 +26,17 @@ from datetime import datetime, timedelta
 
 from backends.building import TemplateVersion
 from backends.migrating import ReadOnlySource, TemplateFacts, VMFacts
+from bot.addresses.subnets import Subnet
 from bot.images.profiles import Profile
 from bot.migration.classify import Category, Finding, classify_template
 from bot.migration.plan import Plan, PlanFileError, source_unchanged
+from bot.migration.vms import classify_vm, network_map
 from bot.models.builds import ACTIVE_BUILD_STATES, Build, BuildState
 from bot.models.errors import Conflict, UserError
+
+# How far a plan's date may lie ahead of this clock (another process's clock, a little
+# fast) before the plan is refused as edited.
+CLOCK_SKEW_S = 300.0
 
 # How a build can end without a template.
 UNBUILT = frozenset(
@@ -118,33 +124,71 @@ class Outcome:
         return [f for f in self.applied.plan.findings if f.category is Category.NOT_MAPPABLE]
 
 
-def check_findings(plan: Plan, profiles: Mapping[str, Profile]) -> None:
+def check_findings(
+    plan: Plan, profiles: Mapping[str, Profile], subnets: Sequence[Subnet] = ()
+) -> None:
     """The digest covers the facts, not the findings: refuse a plan whose findings do
-    not follow from its facts with this installation's profiles (its file edited to
-    rebuild something else, or the profiles changed since), so an apply builds only
-    what the facts it re-checks on the source call for."""
-    facts = {f.source_id: f for f in plan.facts}
+    not follow from its facts with this installation's profiles and subnets (its file
+    edited to rebuild something else, or the configuration changed since). Every fact
+    is classified again and must have exactly one finding, which says the same; no
+    finding may stand without its fact. So an apply builds only what the facts it
+    re-checks on the source call for."""
+    networks = network_map(subnets, plan.source, plan.target)
+    now = [classify_template(f, profiles, []) for f in plan.facts]
+    now += [classify_vm(v, networks) for v in plan.vm_facts]
+    found: dict[tuple[str, str, str], list[Finding]] = {}
     for finding in plan.findings:
-        if finding.kind != "template":
-            continue
-        fact = facts.get(finding.source_id)
-        now = classify_template(fact, profiles, []) if fact is not None else None
-        if (
-            now is None
-            or now.profile != finding.profile
-            or (now.category is Category.NOT_MAPPABLE)
-            != (finding.category is Category.NOT_MAPPABLE)
-        ):
-            raise PlanFileError(
-                f"The plan's finding for {finding.name} does not follow from its facts "
-                "(the plan was edited, or the build profiles changed since). Nothing was "
-                f"started: make a new plan (migrate plan --from {plan.source} --to "
-                f"{plan.target}) and apply that."
-            )
+        found.setdefault((finding.kind, finding.source_id, finding.name), []).append(finding)
+    for fresh in now:
+        said = found.pop((fresh.kind, fresh.source_id, fresh.name), [])
+        if len(said) != 1 or not _same_finding(fresh, said[0]):
+            _refuse_finding(plan, fresh.name)
+    for (_kind, _id, name), _said in sorted(found.items()):  # a finding without a fact
+        _refuse_finding(plan, name)
+
+
+def _same_finding(fresh: Finding, said: Finding) -> bool:
+    """A template's profile and whether it migrates (rebuildable or on the target: that
+    depends on the target's templates then); a VM's category."""
+    if fresh.kind != "template":
+        return said.category is fresh.category and said.profile is None
+    return said.profile == fresh.profile and said.category in _MIGRATES[fresh.category]
+
+
+_MIGRATES = {
+    Category.REBUILDABLE: (Category.REBUILDABLE, Category.ON_TARGET),
+    Category.ON_TARGET: (Category.REBUILDABLE, Category.ON_TARGET),
+    Category.NOT_MAPPABLE: (Category.NOT_MAPPABLE,),
+}
+
+
+def _refuse_finding(plan: Plan, name: str) -> None:
+    raise PlanFileError(
+        f"The plan's finding for {name} does not follow from its facts (the plan was "
+        "edited, or the build profiles or subnets changed since). Nothing was started: "
+        f"make a new plan (migrate plan --from {plan.source} --to {plan.target}) and "
+        "apply that."
+    )
 
 
 def check_age(plan: Plan, now: datetime, valid_s: float) -> None:
-    age = now - plan.made_at
+    """Refuse a plan older than `valid_s`, and one whose date cannot be true (no time
+    zone, or later than now beyond the clocks' skew): it was edited."""
+    made_at = plan.made_at
+    if made_at.tzinfo is None or made_at.utcoffset() is None:
+        raise PlanFileError(
+            f"This plan's date ({made_at.isoformat()}) has no time zone, which deploybot "
+            "never writes (the plan was edited). Nothing was started: make a new plan "
+            f"(migrate plan --from {plan.source} --to {plan.target}) and apply that."
+        )
+    if made_at - now > timedelta(seconds=CLOCK_SKEW_S):
+        raise PlanFileError(
+            f"This plan says it was made at {made_at:%Y-%m-%d %H:%M %Z}, later than now "
+            f"({now:%Y-%m-%d %H:%M %Z}); a plan from the future was edited. Nothing was "
+            f"started: make a new plan (migrate plan --from {plan.source} --to "
+            f"{plan.target}) and apply that."
+        )
+    age = now - made_at
     if age > timedelta(seconds=valid_s):
         raise PlanTooOld(
             f"This plan was made {_length(age.total_seconds())} ago "
@@ -196,8 +240,8 @@ def rebuilds_of(plan: Plan) -> list[Rebuild]:
     target lost its template since)."""
     by_profile: dict[str, list[str]] = {}
     migrating = (Category.REBUILDABLE, Category.ON_TARGET)
-    for finding in plan.findings:
-        if finding.category in migrating and finding.profile is not None:
+    for finding in plan.findings:  # a VM's finding never rebuilds anything
+        if finding.kind == "template" and finding.category in migrating and finding.profile:
             by_profile.setdefault(finding.profile, []).append(finding.name)
     return [Rebuild(p, tuple(sorted(names))) for p, names in sorted(by_profile.items())]
 

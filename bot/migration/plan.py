@@ -7,7 +7,12 @@ source has VMs, each sorted by id): an apply
 reads the same scope again and compares, so a source that changed since the plan is
 refused rather than acted on (`source_unchanged`). The plan file holds the whole plan
 as JSON (0600: it names machines); `read_plan` reads it back and refuses one whose facts
-no longer hash to its digest (edited or damaged).
+no longer hash to its digest (edited or damaged). The digest covers the source's facts
+only; the document's `seal` (the sha256 of the canonical document without the seal)
+covers the rest too: when it was made, its target, its findings, the target's
+templates. The seal is not a signature (anyone may compute it again): it refuses a file
+damaged or edited by hand without care, and the apply still classifies the facts again
+(bot/migration/apply.py check_findings) and refuses a date in the future.
 
 VMs are findings of kind "vm" with facts of their own (bot/migration/vms.py), under the
 same digest and counts per kind (`CATEGORIES`). A plan without VMs (an OVA, or a
@@ -19,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime
@@ -79,8 +85,8 @@ class Plan:
         return counts
 
     def document(self) -> dict[str, Any]:
-        """The plan as JSON data: what the plan file holds and `--json` prints."""
-        return {
+        """The plan as JSON data, sealed: what the plan file holds and `--json` prints."""
+        body = {
             "format": FORMAT,
             "made_at": self.made_at.isoformat(),
             "source": self.source,
@@ -93,6 +99,7 @@ class Plan:
             "vm_facts": [f.as_json() for f in self.vm_facts],
             "target_templates": [list(t) for t in self.target_templates],
         }
+        return {**body, "seal": seal_of(body)}
 
 
 def _finding_json(finding: Finding) -> dict[str, Any]:
@@ -106,6 +113,12 @@ def _finding_json(finding: Finding) -> dict[str, Any]:
 
 def canonical(data: Any) -> bytes:
     return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def seal_of(document: Mapping[str, Any]) -> str:
+    """The sha256 of a plan document's canonical JSON, its own seal left out."""
+    body = {k: v for k, v in document.items() if k != "seal"}
+    return "sha256:" + hashlib.sha256(canonical(body)).hexdigest()
 
 
 def source_digest(
@@ -185,14 +198,20 @@ async def make_plan(
 
 
 def write_plan(plan: Plan, path: Path) -> None:
-    """The plan file, made 0600 before anything is written to it; replaced whole."""
-    temporary = path.with_name(f".{path.name}.tmp")
-    fd = os.open(temporary, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as out:
-        json.dump(plan.document(), out, indent=2, sort_keys=True, ensure_ascii=False)
-        out.write("\n")
-    os.chmod(temporary, 0o600)
-    os.replace(temporary, path)
+    """The plan file, made 0600 before anything is written to it; replaced whole. The
+    temporary file is a new one of a name nobody could guess (mkstemp: O_EXCL, so never
+    a file or link someone left there), beside the plan so the replace is atomic."""
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    temporary = Path(name)
+    try:
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            json.dump(plan.document(), out, indent=2, sort_keys=True, ensure_ascii=False)
+            out.write("\n")
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
 
 
 def read_plan(path: Path) -> Plan:
@@ -217,6 +236,11 @@ def plan_from_document(data: Any, where: str) -> Plan:
     if source_digest(plan.source, plan.scope, plan.facts, plan.vm_facts) != plan.digest:
         raise PlanFileError(
             f"{where}: its facts do not match its digest (edited or damaged); make a new plan"
+        )
+    if data.get("seal") != seal_of(data):
+        raise PlanFileError(
+            f"{where}: its content does not match its seal (edited or damaged: its date, "
+            "target or findings changed since it was made); make a new plan"
         )
     return plan
 
@@ -261,11 +285,14 @@ def _from_document(data: dict[str, Any]) -> Plan:
 
 def _finding(f: dict[str, Any]) -> Finding:
     matched, missing = f.get("matched_by"), f.get("missing")
+    kind, category = str(f["kind"]), Category(f["category"])
+    if category not in CATEGORIES.get(kind, ()):  # an unknown kind has none
+        raise ValueError(f"a finding of kind {kind!r} in category {category.value!r}")
     return Finding(
-        kind=str(f["kind"]),
+        kind=kind,
         source_id=str(f["source_id"]),
         name=str(f["name"]),
-        category=Category(f["category"]),
+        category=category,
         profile=f.get("profile"),
         matched_by=MatchedBy(matched) if matched else None,
         evidence=str(f.get("evidence", "")),

@@ -68,13 +68,24 @@ class Migrations:
     # --- the plan -------------------------------------------------------------------
 
     def open_source(self, name: str) -> ReadOnlySource:
-        """The read-only source `name` names: a vSphere backend of the configuration, or
-        an OVA's URL (a plan made with --from-ova)."""
+        """The read-only source of a plan being applied: a vSphere backend of the
+        configuration, or the OVA's URL a plan made with --from-ova (command line) read."""
         if name.startswith(("http://", "https://")):
             return sources.ova_source(name, self.settings.images.connect_timeout_s)
+        return self.open_backend(name)
+
+    def open_backend(self, name: str) -> ReadOnlySource:
+        """The read-only session of the configured backend `name`: what a plan made from
+        chat may read (never a URL a chat user typed: the bot would fetch it)."""
         config = next((c for c in self.settings.backends if c.name == name), None)
         if config is None:
             known = ", ".join(c.name for c in self.settings.backends)
+            if name.startswith(("http://", "https://")):
+                raise RequestInvalid([
+                    f"--from takes the name of a configured backend ({known}), not a URL; "
+                    "an OVA is planned from the command line (deploybot migrate plan "
+                    "--from-ova URL)."
+                ])  # fmt: skip
             raise RequestInvalid([f"There is no backend {name!r} to migrate from; use {known}."])
         return sources.open_source(config, self.environ)
 
@@ -87,8 +98,9 @@ class Migrations:
     ) -> tuple[KeptPlan, Plan]:
         """Read the source (read-only) and the target's built templates, classify, and
         keep the plan in the store; refuses a source or target that does not answer."""
+        sources.check_distinct(self.settings.backends, source, target)
         builder = self.builder(target)
-        opened = self.open_source(source)
+        opened = self.open_backend(source)
         try:
             versions = await builder.template_versions()
             profiles = self.settings.images.all_profiles()
@@ -98,9 +110,7 @@ class Migrations:
                 subnets=self.settings.subnets, storage_type=storage,
             )  # fmt: skip
         except BackendError as exc:
-            raise UserError(
-                f"migrate plan: {exc.message}. Nothing was changed, and no plan was kept."
-            ) from None
+            raise UserError(plan_failed(exc, source, target)) from None
         finally:
             await opened.close()
         return await self.keep(made, user), made
@@ -120,21 +130,21 @@ class Migrations:
         needs. `hand_off`: queued builds are left to a serving process (the command
         line's --no-wait) rather than run here."""
         check_age(plan, self.clock(), self.settings.migration.plan_valid_s)
-        check_findings(plan, self.settings.images.all_profiles())
+        check_findings(plan, self.settings.images.all_profiles(), self.settings.subnets)
+        sources.check_distinct(self.settings.backends, plan.source, plan.target)
         builder = self.builder(plan.target)
         source = self.open_source(plan.source)
+        # The store's builds before the target's templates: a build that publishes in
+        # between is then seen as published (or its template seen), never as neither.
+        wanted = {r.profile for r in rebuilds_of(plan)}
+        known = await self.store.builds.of_profiles(plan.target, wanted)
         try:
             await check_source(plan, source)
             target = await builder.template_versions()
         except BackendError as exc:
-            raise UserError(
-                f"migrate apply: {exc.message}. Nothing was started; try again when "
-                f"{plan.source} and {plan.target} answer."
-            ) from None
+            raise UserError(apply_failed(exc, plan)) from None
         finally:
             await source.close()
-        wanted = {r.profile for r in rebuilds_of(plan)}
-        known = await self.store.builds.of_profiles(plan.target, wanted)
 
         async def request(profile: str) -> Build:
             return await self.builds.request(
@@ -162,12 +172,39 @@ class Migrations:
         try:
             versions = await self.builder(applied.plan.target).template_versions()
         except BackendError as exc:
-            raise UserError(
-                f"{applied.plan.target} did not answer when asked for its templates "
-                f"({exc.message}); `template list --backend {applied.plan.target}` shows "
-                "them once it does."
-            ) from None
+            raise UserError(outcome_failed(exc, applied.plan.target)) from None
         return Outcome(fresh, target_profiles(versions))
+
+
+def plan_failed(exc: BackendError, source: str, target: str) -> str:
+    """A plan whose source or target failed: a passing fault says when to plan again, a
+    permanent one what to fix (trying again would fail the same way)."""
+    said = f"migrate plan: {exc.message}. Nothing was changed, and no plan was kept"
+    if exc.retryable:
+        return f"{said}; plan again once {source} and {target} answer."
+    return f"{said}; fix what this says (the backend's entry or its account), then plan again."
+
+
+def apply_failed(exc: BackendError, plan: Plan) -> str:
+    said = f"migrate apply: {exc.message}. Nothing was started"
+    if exc.retryable:
+        return f"{said}; try again when {plan.source} and {plan.target} answer."
+    return (
+        f"{said}; fix what this says (the backend's entry or its account), then make a new "
+        f"plan (migrate plan --from {plan.source} --to {plan.target}) and apply that."
+    )
+
+
+def outcome_failed(exc: BackendError, target: str) -> str:
+    if exc.retryable:
+        return (
+            f"{target} did not answer when asked for its templates ({exc.message}); "
+            f"`template list --backend {target}` shows them once it does."
+        )
+    return (
+        f"{target} refused the list of its templates ({exc.message}); fix what this says "
+        f"(its entry or its account), then `template list --backend {target}` shows them."
+    )
 
 
 async def keep_plan(store: Store, plan: Plan, user: str) -> KeptPlan:

@@ -5,7 +5,7 @@ construction, so no code path here can hold something that writes."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from backends.base import Backend
 from backends.config import BackendConfig
@@ -27,6 +27,35 @@ def open_source(config: BackendConfig, environ: Mapping[str, str]) -> ReadOnlySo
         return readonly.create(config, environ)
     except BackendError as exc:  # a missing password
         raise ConfigError(exc.message) from None
+
+
+def check_distinct(configs: Sequence[BackendConfig], source: str, target: str) -> None:
+    """Refuse a plan or an apply whose target is its source: the same `[[backends]]`
+    entry, or a second entry naming the same server (host:port). Its builds would land
+    on the very vCenter being left."""
+    if source == target:
+        raise UserError(
+            f"--from and --to both name {target}: a migration reads one backend and builds "
+            "on another, never on the one it reads. Nothing was changed; name another "
+            "backend as the target."
+        )
+    by_name = {c.name: c for c in configs}
+    here, there = _endpoint(by_name.get(source)), _endpoint(by_name.get(target))
+    if here is not None and here == there:
+        raise UserError(
+            f"{source} and {target} are the same server ({here[0]}:{here[1]}): a migration "
+            "builds on another server than the one it reads. Nothing was changed; name a "
+            "backend on another server as the target."
+        )
+
+
+def _endpoint(config: BackendConfig | None) -> tuple[str, int] | None:
+    """host:port of a hypervisor's entry (None for one with neither, e.g. the simulator);
+    host names compare as DNS does, in lower case and without a final dot."""
+    host, port = getattr(config, "host", None), getattr(config, "port", None)
+    if not isinstance(host, str) or not isinstance(port, int):
+        return None
+    return host.lower().rstrip("."), port
 
 
 def ova_source(url: str, timeout_s: float) -> ReadOnlySource:

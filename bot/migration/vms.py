@@ -175,6 +175,11 @@ def _nic_notes(nic: NicFacts, networks: Mapping[str, Sequence[Mapped]]) -> list[
     return notes
 
 
+# A disk note's provisioning when no backing of the disk said it, before the backing's
+# kind (SeSparseBackingInfo...): "not said", never taken for thick lazy zeroed.
+NOT_SAID = "not-said:"
+
+
 def _disk_notes(disk: DiskFacts, storage_type: str | None) -> list[Note]:
     size = _size(disk.capacity_kib)
     notes: list[Note] = []
@@ -184,6 +189,9 @@ def _disk_notes(disk: DiskFacts, storage_type: str | None) -> list[Note]:
         notes.append(Note(kind, disk.label, (disk.controller, target)))
     if disk.backing == "rdm":
         return [*notes, Note(NoteKind.DISK_RAW_DEVICE, disk.label, (size,))]
+    if disk.thin is None and disk.eager is None:  # no backing said (sparse, SEsparse)
+        said = f"{NOT_SAID}{disk.backing}"
+        return [*notes, Note(NoteKind.DISK, disk.label, (size, said, *_format(storage_type)))]
     state = provisioning(disk.thin, disk.eager)
     if state is None:
         return [*notes, Note(NoteKind.DISK_IMPOSSIBLE, disk.label, (size,))]

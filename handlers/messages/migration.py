@@ -11,7 +11,7 @@ from typing import Any
 from bot.migration.apply import Outcome, Rebuild
 from bot.migration.classify import Category, Finding, MatchedBy, Missing, Note, NoteKind
 from bot.migration.plan import CATEGORIES, Plan
-from bot.migration.vms import WEIGHT, Weight
+from bot.migration.vms import NOT_SAID, WEIGHT, Weight
 from bot.models.builds import Build, BuildState
 from bot.models.plans import KeptPlan
 from handlers.messages.builds import BUILD_LABELS
@@ -164,7 +164,11 @@ def _no_segment(note: Note, source: str, target: str) -> str:
 
 def _disk(note: Note) -> str:
     size, state, form, thin = note.detail
-    said = f"{note.value} ({size}) {PROVISIONING_WORDS.get(state, state)}"
+    if state.startswith(NOT_SAID):
+        words = f"provisioning not said (backing {state.removeprefix(NOT_SAID)})"
+    else:
+        words = PROVISIONING_WORDS.get(state, state)
+    said = f"{note.value} ({size}) {words}"
     if not thin:
         return (
             f"{said}: target format not known (the target storage's type was not read): "
@@ -265,10 +269,15 @@ CHAT_FINDINGS = 12  # the findings a chat answer shows (the rest are counted)
 CHAT_REASON_CHARS = 90
 
 
+def _flat(text: str) -> str:
+    """Text from the source (names, notes) on one line, without backticks (they would
+    end chat's monospace block)."""
+    return " ".join(text.replace("`", "'").split())
+
+
 def _cell(text: str, width: int) -> str:
-    """Text from the source (names, notes) in a chat table: one line, no backticks (they
-    would end the monospace block), cut to `width`."""
-    flat = " ".join(text.replace("`", "'").split())
+    """Source text in a chat table: `_flat`, cut to `width`."""
+    flat = _flat(text)
     return flat if len(flat) <= width else flat[: width - 1] + "…"
 
 
@@ -313,10 +322,10 @@ def plan_kept(kept: KeptPlan, valid_s: float) -> str:
 
 def rebuild_line(rebuild: Rebuild) -> str:
     """One profile of the apply: its build (started, or found) or why there is none."""
-    names = ", ".join(rebuild.templates)
+    names = _flat(", ".join(rebuild.templates))
     head = f"  {rebuild.profile:<16} for {names}:"
     if rebuild.refused:
-        return f"{head} no build: {rebuild.refused}"
+        return f"{head} no build: {_flat(rebuild.refused)}"
     build = rebuild.build
     if rebuild.on_target:
         made = f" (build {build.id})" if build is not None else ""
@@ -330,7 +339,7 @@ def _state(build: Build) -> str:
     if build.state is BuildState.AWAITING_APPROVAL:
         return f"waits for an approver: /deploy approve {build.id}"
     if build.state in (BuildState.FAILED, BuildState.CANCELLED, BuildState.REJECTED):
-        return f"{BUILD_LABELS[build.state]}: {build.error or 'no reason recorded'}"
+        return f"{BUILD_LABELS[build.state]}: {_flat(build.error or 'no reason recorded')}"
     return BUILD_LABELS[build.state]
 
 
@@ -355,16 +364,17 @@ def started_lines(outcome: Outcome) -> list[str]:
     return lines
 
 
-def applied_lines(outcome: Outcome, *, ends: bool) -> list[str]:
+def applied_lines(outcome: Outcome, *, ends: bool, cap: int | None = None) -> list[str]:
     """What the apply asked for, then the source's counts against the target's and what
-    is left (`ends`: every build has ended; chat answers at once, before they do)."""
+    is left (`ends`: every build has ended; chat answers at once, before they do; `cap`:
+    chat's, the most templates listed as left, the rest counted)."""
     count = count_line(outcome.applied.plan)
     return [
         *started_lines(outcome),
         "Source " + count[0].lower() + count[1:],
         destination_line(outcome, ends=ends),
         *_vms_stay(outcome),
-        *left_lines(outcome),
+        *left_lines(outcome, cap),
     ]
 
 
@@ -389,20 +399,24 @@ def destination_line(outcome: Outcome, *, ends: bool) -> str:
     )
 
 
-def left_lines(outcome: Outcome) -> list[str]:
-    """What is left: templates no profile fits, builds that failed or were refused,
-    profiles still being built."""
+def left_lines(outcome: Outcome, cap: int | None = None) -> list[str]:
+    """What is left: templates no profile fits (the first `cap`, the rest counted),
+    builds that failed or were refused, profiles still being built."""
     lines: list[str] = []
     left = outcome.left()
     if left:
         lines.append(f"Left: {len(left)} template(s) not mappable (no build is started for them):")
-        lines += [f"  {f.name}: {reason(f)}" for f in left]
+        shown = left if cap is None else left[:cap]
+        lines += [f"  {_flat(f.name)}: {_flat(reason(f))}" for f in shown]
+        if len(left) > len(shown):
+            lines.append(f"  ... and {len(left) - len(shown)} more (the CLI's --json has all)")
     failed = outcome.failed()
     if failed:
         lines.append(f"Left: {len(failed)} profile(s) not built:")
         for rebuild in failed:
             why = rebuild.refused or (rebuild.build and _state(rebuild.build)) or ""
-            lines.append(f"  {rebuild.profile} ({', '.join(rebuild.templates)}): {why}")
+            names = _flat(", ".join(rebuild.templates))
+            lines.append(f"  {rebuild.profile} ({names}): {_flat(why)}")
     going = [r for r in outcome.rebuilds if not r.ended]
     if going:
         lines.append(
