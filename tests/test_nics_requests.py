@@ -34,7 +34,12 @@ def three(tmp_path: Path, **lab30: Any) -> Any:
         defaults={"backend": "sim"},
         subnets=[
             subnet("10.0.0.0/24", "lab", search_domain="lab.example"),
-            subnet("10.0.20.0/24", "lab20", search_domain="twenty.example", pool="10.0.20.100-10.0.20.110"),
+            subnet(
+                "10.0.20.0/24",
+                "lab20",
+                search_domain="twenty.example",
+                pool="10.0.20.100-10.0.20.110",
+            ),
             subnet("10.0.30.0/24", "lab30", **lab30),
         ],
     )
@@ -53,7 +58,9 @@ def refused(text: str, settings: Any) -> RequestInvalid:
 
 
 def test_plus_words_and_macs_parse_in_any_order() -> None:
-    args = parse("web01 10.0.0.50 cpu=2 +10.0.20.5 mac=52-54-00-AB-CD-EF +lab30 mac3=52:54:00:00:00:03")
+    args = parse(
+        "web01 10.0.0.50 cpu=2 +10.0.20.5 mac=52-54-00-AB-CD-EF +lab30 mac3=52:54:00:00:00:03"
+    )
     assert isinstance(args, DeployArgs)
     assert args.address == "10.0.0.50"
     assert args.more_nics == ("10.0.20.5", "lab30")
@@ -67,7 +74,10 @@ def test_plus_words_and_macs_parse_in_any_order() -> None:
 @pytest.mark.parametrize(
     ("text", "said"),
     [
-        ("web01 10.0.0.50 mac2=52:54:00:12:34:56", "the request has one NIC; add a `+` word for NIC 2"),
+        (
+            "web01 10.0.0.50 mac2=52:54:00:12:34:56",
+            "the request has one NIC; add a `+` word for NIC 2",
+        ),
         ("web01 10.0.0.50 +lab20 mac3=52:54:00:12:34:56", "the request has 2 NICs"),
         ("web01 10.0.0.50 mac=52:54:00:12:34", "is not a MAC address: write six pairs"),
         ("web01 10.0.0.50 mac=zz:54:00:12:34:56", "is not a MAC address"),
@@ -88,7 +98,10 @@ def test_grammar_refusals_say_what_was_wrong(text: str, said: str) -> None:
 
 
 def test_a_nic_per_subnet_with_its_settings_and_no_gateway(tmp_path: Path) -> None:
-    req = build("web01 10.0.0.50 +10.0.20.5 +lab30 mac=52:54:00:00:00:01 mac2=52:54:00:00:00:02", three(tmp_path))
+    req = build(
+        "web01 10.0.0.50 +10.0.20.5 +lab30 mac=52:54:00:00:00:01 mac2=52:54:00:00:00:02",
+        three(tmp_path),
+    )
     assert req.address == ipaddress.IPv4Interface("10.0.0.50/24")
     assert req.mac == "52:54:00:00:00:01"
     second, third = req.nics
@@ -120,14 +133,20 @@ def test_a_picked_nic_stands_in_with_its_pools_first(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("text", "said"),
     [
-        ("web01 10.0.0.50 +10.0.0.51", "NIC 2 (10.0.0.51) is in lab like NIC 1: two NICs in one subnet"),
+        (
+            "web01 10.0.0.50 +10.0.0.51",
+            "NIC 2 (10.0.0.51) is in lab like NIC 1: two NICs in one subnet",
+        ),
         ("web01 10.0.0.50 +lab", "NIC 2 (lab) is in lab like NIC 1"),
         ("web01 10.0.0.50 +lab20 +10.0.20.7", "NIC 3 (10.0.20.7) is in lab20 like NIC 2"),
         ("web01 10.0.0.50 +192.168.9.9", "NIC 2: 192.168.9.9 is not in a subnet deploybot may use"),
         ("web01 10.0.0.50 +lab99", "NIC 2: `lab99` is not an IPv4 address"),
         ("web01 10.0.0.50 +10.0.20.0", "10.0.20.0 is the network address of 10.0.20.0/24"),
         ("web01 10.0.0.50 +10.0.20.5/16", "NIC 2: 10.0.20.5/16 says /16"),
-        ("web01 10.0.0.50 +10.0.20.5 mac=52:54:00:00:00:01 mac2=52:54:00:00:00:01", "The MAC 52:54:00:00:00:01 is given twice"),
+        (
+            "web01 10.0.0.50 +10.0.20.5 mac=52:54:00:00:00:01 mac2=52:54:00:00:00:01",
+            "The MAC 52:54:00:00:00:01 is given twice",
+        ),
     ],
 )
 def test_request_refusals_name_the_nic(tmp_path: Path, text: str, said: str) -> None:
@@ -139,7 +158,7 @@ def test_an_address_twice_is_refused_by_the_model() -> None:
         "name": "web01", "address": "10.0.0.50/24", "gateway": "10.0.0.1", "template": "t",
         "backend": "sim", "cores": 1, "memory_mib": 512, "user": "ubuntu", "requester": "a",
     }  # fmt: skip
-    with pytest.raises(ValueError, match="10.0.0.50 is given twice"):
+    with pytest.raises(ValueError, match=r"10\.0\.0\.50 is given twice"):
         DeployRequest.model_validate(
             {**base, "nics": [{"address": "10.0.0.50/24", "subnet": "lab"}]}
         )

@@ -150,8 +150,7 @@ def normal_mac(value: str) -> str:
     not one: a unicast address the hypervisor can give a NIC (not multicast, not all zero)."""
     if not value.isascii() or not MAC_RE.fullmatch(value):
         raise ValueError(
-            f"{value!r} is not a MAC address: write six pairs of hex digits, like "
-            "52:54:00:12:34:56"
+            f"{value!r} is not a MAC address: write six pairs of hex digits, like 52:54:00:12:34:56"
         )
     mac = value.lower().replace("-", ":")
     if int(mac[:2], 16) & 1:

@@ -346,8 +346,7 @@ def _mac(key: str, value: str, nic: int, nics: int, macs: dict[int, str]) -> Non
     if nic > nics:
         have = "one NIC" if nics == 1 else f"{nics} NICs"
         raise UsageError(
-            f"{key}={value}: the request has {have}; add a `+` word for NIC {nic}, or drop "
-            f"{key}=.",
+            f"{key}={value}: the request has {have}; add a `+` word for NIC {nic}, or drop {key}=.",
             USAGE,
         )
     if nic in macs:

@@ -199,7 +199,9 @@ def _nic(
     if named:
         pool = named[0].as_pool().hosts()
         if not pool:
-            problems.append(f"NIC {number}: the subnet {named[0].label} has no address to hand out.")
+            problems.append(
+                f"NIC {number}: the subnet {named[0].label} has no address to hand out."
+            )
             return None
         stand_in = ipaddress.IPv4Interface(f"{pool[0]}/{named[0].cidr.prefixlen}")
         return named[0], stand_in, True
