@@ -130,3 +130,10 @@ class InstallsHostCertificates(Protocol):
         refused (a missing privilege is named) or when the command in the guest fails
         (its exit code and output)."""
         ...
+
+
+@runtime_checkable
+class KnowsMacs(Protocol):
+    async def macs_in_use(self) -> dict[str, str]:
+        """Every MAC address (lower-case) of every VM on this backend -> the VM's name
+        (and id), for the MAC check of a fixed `mac=`."""

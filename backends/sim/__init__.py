@@ -194,9 +194,10 @@ class Simulator:
         tags: set[str] | None = None,
         running: bool = True,
         address: ipaddress.IPv4Address | None = None,
+        macs: tuple[str, ...] = (),
     ) -> str:
         """Put a VM on the simulator that deploybot did not create (or an orphan), with
-        the `address` its owner gave it, if any."""
+        the `address` and NIC `macs` its owner gave it, if any."""
         inventory = self.inventory
         vm_id = inventory.new_id()
         with inventory.transaction():
@@ -205,6 +206,7 @@ class Simulator:
                 tags or set(), running,
             )  # fmt: skip
             inventory.vms[vm_id].address = address
+            inventory.vms[vm_id].macs = tuple(m.lower() for m in macs)
             inventory.vms[vm_id].host_key = new_host_key().public
             if running:
                 inventory.vms[vm_id].booted.set()
@@ -441,6 +443,12 @@ class Simulator:
 
     async def addresses_in_use(self, ours: str | None = None) -> list[AddressUse]:
         return await self.guests.addresses_in_use(ours)
+
+    async def macs_in_use(self) -> dict[str, str]:
+        """`KnowsMacs`: every NIC's MAC of every VM -> "name (id N)"."""
+        self.tasks.answer()
+        await self.tasks.query_fault("macs_in_use")
+        return {mac: f"{vm.name} (id {vm.vm_id})" for vm in self.vms.values() for mac in vm.macs}
 
     async def wait_for_address(
         self, ref: VMRef, expected: ipaddress.IPv4Address | None

@@ -88,6 +88,9 @@ class SimVM:
     # The host certificate its sshd presents beside `host_key` (HostCertificate): the one
     # deploybot's host CA signed, installed through the agent or with the chosen key.
     host_certificate: str | None = None
+    # Its NICs' MAC addresses (lower-case), net0's first: a VM built by hand has those
+    # its owner gave (`SimBackend.add_vm`); the MAC check of a fixed `mac=` reads them.
+    macs: tuple[str, ...] = ()
 
     def info(self) -> VMInfo:
         return VMInfo(self.vm_id, self.name, self.running, frozenset(self.tags), self.placement)
@@ -144,6 +147,7 @@ def vm_to_dict(vm: SimVM) -> dict[str, Any]:
         "identity": identity,
         "address": str(vm.address) if vm.address else None,
         "grow_target_gib": vm.grow_target_gib,
+        "macs": list(vm.macs),
     }
 
 
@@ -178,6 +182,7 @@ def vm_from_dict(item: dict[str, Any]) -> SimVM:
         host_key=item.get("host_key"),
         user_data_key=item.get("user_data_key"),
         host_certificate=item.get("host_certificate"),
+        macs=tuple(item.get("macs", ())),
     )
 
 

@@ -54,6 +54,7 @@ from backends.base import (
 )
 from backends.sshcheck import fingerprint, new_host_key
 from bot.addresses.allocation import Addressing, named
+from bot.addresses.macs import mac_conflict
 from bot.addresses.subnets import request_segment
 from bot.config.settings import Settings
 from bot.jobs import logfields
@@ -206,7 +207,10 @@ class Pipeline:
         )
         if who is not None:
             raise StepFailed("check_free", f"{who}: deploy again with another address")
-        free = f"{req.name} and {req.address.ip} are free"
+        mac = await mac_conflict(run.backend, req)
+        if mac is not None:
+            raise StepFailed("check_free", f"{mac}: deploy again with another MAC")
+        free = f"{req.name} and {', '.join(str(a.ip) for a in req.addresses)} are free"
         return f"{free} (not asked: {', '.join(unasked)})" if unasked else free
 
     async def _clone_detail(self, run: Run) -> str:
