@@ -462,7 +462,8 @@ class Pipeline:
     def _release(self, run: Run) -> Undo:
         """A job whose address the IPAM records gives it back when it rolls back (pushed
         at the start, so run last: after its VM is gone)."""
-        what = f"release {run.job.address} in {self.addressing.ipam_name}"
+        shown = ", ".join(str(a.ip) for a in run.job.request.addresses)  # every NIC's
+        what = f"release {shown} in {self.addressing.ipam_name}"
         release = functools.partial(self.addressing.release, run.job)
         return Undo(what, release, self.timeouts.check_free_s, vm=False)
 
