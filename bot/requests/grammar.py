@@ -341,6 +341,21 @@ def _deploy(words: list[str]) -> DeployArgs:
     )
 
 
+NICS_USAGE = "+ADDRESS or +SUBNET per NIC after the first, then mac2=MAC ... (mac= is the first's)"
+
+
+def parse_nics(text: str) -> tuple[tuple[str, ...], tuple[tuple[int, str], ...]]:
+    """A form's "more NICs" field: the same `+` words and `mac=`/`macN=` as the text
+    grammar, nothing else; the NICs after the first and the fixed MACs by NIC number."""
+    words = text.split()
+    for word in words:
+        key = fold(word.partition("=")[0])
+        if not word.startswith("+") and key != "mac" and not _MAC_KEY_RE.fullmatch(key):
+            raise UsageError(f"`{word}`: give {NICS_USAGE}, like +10.0.20.5 +lab30.", USAGE)
+    args = _deploy(["nics", *words])  # the same rules as after a VM's name
+    return args.more_nics, args.macs
+
+
 def _mac(key: str, value: str, nic: int, nics: int, macs: dict[int, str]) -> None:
     """`mac=` / `macN=`: the NIC's fixed MAC, normalised into `macs`."""
     if nic > nics:
