@@ -143,6 +143,7 @@ def test_a_picked_nic_stands_in_with_its_pools_first(tmp_path: Path) -> None:
         ("web01 10.0.0.50 +lab99", "NIC 2: `lab99` is not an IPv4 address"),
         ("web01 10.0.0.50 +10.0.20.0", "10.0.20.0 is the network address of 10.0.20.0/24"),
         ("web01 10.0.0.50 +10.0.20.5/16", "NIC 2: 10.0.20.5/16 says /16"),
+        ("web01 10.0.0.50 +10.0.20.1", "NIC 2: 10.0.20.1 is the gateway of 10.0.20.0/24"),
         (
             "web01 10.0.0.50 +10.0.20.5 mac=52:54:00:00:00:01 mac2=52:54:00:00:00:01",
             "The MAC 52:54:00:00:00:01 is given twice",

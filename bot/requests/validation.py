@@ -216,6 +216,11 @@ def _nic(
         return None
     subnet = settings.subnet_for(got["address"].ip)
     assert subnet is not None  # _network refused addresses outside every subnet
+    if got["address"].ip == subnet.gateway:  # the first NIC's is refused by the model
+        problems.append(
+            f"NIC {number}: {subnet.gateway} is the gateway of {subnet.cidr}: pick another address."
+        )
+        return None
     return subnet, got["address"], False
 
 
