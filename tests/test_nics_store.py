@@ -6,16 +6,20 @@ trigger), on SQLite and on PostgreSQL alike; freed when the job ends."""
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlite_utils import Database
 
 from bot.models import Job, JobState
 from bot.requests.grammar import parse
 from bot.requests.parsed import DeployArgs
 from bot.requests.validation import build_request
 from store.db import DuplicateActive, Store
+from store.jobs import job_row
+from store.migrations import MIGRATIONS
 from tests.support.deployer import make_settings
 from tests.support.store import store
 
@@ -87,3 +91,30 @@ async def test_requests_racing_for_one_later_address_one_wins(store: Store, tmp_
     assert len(won) == 1 and len(lost) == 5, results
     held = await store.addresses.held()
     assert sorted(held) == sorted([str(won[0].address), "10.0.30.9"])
+
+
+async def test_v18_backfills_the_first_address_of_every_job(tmp_path: Path) -> None:
+    """A database from before several NICs: each job's address becomes its NIC 0 row,
+    so a later NIC of a new job cannot take a live job's address."""
+    settings = _settings(tmp_path)
+    path = tmp_path / "old.db"
+    db = Database(sqlite3.connect(path))
+    for migration in MIGRATIONS[:17]:
+        migration(db)
+    db.execute("PRAGMA user_version = 17")
+    live = job(settings, "web01 10.0.20.5", JobState.SUCCEEDED)
+    ended = job(settings, "web02 10.0.20.6", JobState.FAILED)
+    for old in (live, ended):
+        db.table("jobs").insert(job_row(old))
+    db.conn.commit()
+    db.conn.close()
+    store = await Store.open(path)
+    try:
+        with pytest.raises(DuplicateActive):
+            await store.jobs.insert(job(settings, "web03 10.0.0.50 +10.0.20.5"))
+        await store.jobs.insert(job(settings, "web04 10.0.0.51 +10.0.20.6"))
+        # The trigger keeps the backfilled row's state with its job's.
+        await store.jobs.transition(live.id, [JobState.SUCCEEDED], JobState.RELEASED)
+        await store.jobs.insert(job(settings, "web03 10.0.0.50 +10.0.20.5"))
+    finally:
+        await store.close()
