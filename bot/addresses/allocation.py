@@ -151,14 +151,18 @@ class Addressing:
         (`known`: see `in_use`). With `jobs=False` an address one of our jobs holds is
         left to the store's insert, which says it better (and frees it when that job's
         VM was deleted by hand)."""
-        ips = [iface.ip for iface in request.addresses] if only is None else only
-        for ip in ips:
+        asked = [iface.ip for iface in request.addresses] if only is None else only
+        ips = []  # those left to ask the VMs, the IPAM and the network about
+        for ip in asked:
             holder = await self.job_holding(ip, job_id)
-            if holder is not None:
-                who, guarded = holder
-                if guarded and not jobs:
-                    continue
+            if holder is None:
+                ips.append(ip)
+                continue
+            who, guarded = holder
+            if not guarded or jobs:
                 return f"{ip} is held by {who}", []
+        if not ips:
+            return None, []
         vms, unasked = await self.in_use(request, required, known)
         for ip in ips:
             if ip in vms:
