@@ -42,6 +42,14 @@ class ChecksSegments(Protocol):
 
 
 @runtime_checkable
+class KnowsMacs(Protocol):
+    async def macs_in_use(self) -> dict[str, str]:
+        """Every MAC address (lower-case) of every VM on this backend -> the VM's name
+        (and id), for the MAC check of a fixed `mac=`."""
+        ...
+
+
+@runtime_checkable
 class NamedTemplates(Protocol):
     """A backend that can look up one template by name without reading every one (a
     request names one: checking it should not cost a request per template)."""
@@ -130,10 +138,3 @@ class InstallsHostCertificates(Protocol):
         refused (a missing privilege is named) or when the command in the guest fails
         (its exit code and output)."""
         ...
-
-
-@runtime_checkable
-class KnowsMacs(Protocol):
-    async def macs_in_use(self) -> dict[str, str]:
-        """Every MAC address (lower-case) of every VM on this backend -> the VM's name
-        (and id), for the MAC check of a fixed `mac=`."""

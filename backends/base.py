@@ -134,6 +134,17 @@ class Segment:
 
 
 @dataclass(frozen=True)
+class Nic:
+    """One NIC after the first: its address, its gateway (None: no route through it),
+    where it goes (`Segment`, None: the backend's default network) and a fixed MAC."""
+
+    address: ipaddress.IPv4Interface
+    gateway: ipaddress.IPv4Address | None = None
+    segment: Segment | None = None
+    mac: str | None = None
+
+
+@dataclass(frozen=True)
 class MissingPrivilege:
     """A privilege a deploy step needs and the backend's account lacks."""
 
@@ -186,6 +197,15 @@ class Identity:
     # it in the cloud-config (`ssh_keys: ed25519_certificate`: cloud-init writes it and sets
     # sshd's HostCertificate); None: no certificate.
     host_certificate: str | None = None
+    more_nics: tuple[Nic, ...] = ()  # net1, net2, ... in order
+    mac: str | None = None  # the first NIC's fixed MAC (None: the hypervisor's)
+    search_domains: tuple[str, ...] = ()  # search list beyond search_domain (merged)
+
+    @property
+    def searches(self) -> tuple[str, ...]:
+        """The whole search list: `search_domain` first, then `search_domains`."""
+        first = (self.search_domain,) if self.search_domain else ()
+        return tuple(dict.fromkeys((*first, *self.search_domains)))
 
     @property
     def nic(self) -> Segment | None:
@@ -209,6 +229,8 @@ class CloneSpec:
     # itself; apply_identity is still called and must then be cheap and idempotent.
     identity: Identity | None = None
     installation: str | None = None  # None: a job recorded before installations had ids
+    more_nics: tuple[Nic, ...] = ()  # net1, net2, ... in order, as in Identity
+    mac: str | None = None  # the first NIC's fixed MAC (None: the hypervisor's)
 
     @property
     def tag(self) -> str:

@@ -62,6 +62,7 @@ from benchmarks.keys import BENCH_KEY
 from benchmarks.stall import ticker
 from bot.app.runtime import running_deployer
 from bot.config.settings import BUNDLED_CONFIG, load_settings
+from bot.kinds.deploy.preflight import Preflight
 from bot.models import JobState
 from bot.requests.grammar import parse
 from bot.requests.parsed import DeployArgs
@@ -103,7 +104,14 @@ def fake_record(port: int, ca: Path) -> tuple[list[dict[str, Any]], list[tuple[s
 
 
 async def run(
-    count: int, first: int, port: int, ssh_port: int, secret: str, tmp: Path, pacing: Pacing
+    count: int,
+    first: int,
+    port: int,
+    ssh_port: int,
+    secret: str,
+    tmp: Path,
+    pacing: Pacing,
+    preflight: Preflight,
 ) -> dict[str, float]:
     config = Config(
         kind="proxmox",
@@ -132,7 +140,9 @@ async def run(
     # One Pacing for all runs: what a long-running bot learned from its earlier deploys.
     backend = create(config, {"PVE_TOKEN_SECRET": secret}, pacing=pacing)
     worst, stop = [0.0], asyncio.Event()
-    async with running_deployer(settings, backends={"pve": backend}) as deployer:
+    async with running_deployer(
+        settings, backends={"pve": backend}, preflight=preflight
+    ) as deployer:
         tick = asyncio.create_task(ticker(worst, stop))
         started, cpu = time.perf_counter(), time.process_time()
         requests = [parse(f"bench{first + i} {GUESTS}.{first + i}") for i in range(count)]
@@ -206,6 +216,7 @@ async def main(runs: int, concurrent: int = 50) -> None:
     secret = secrets.token_hex(16)
     port, ssh_port = free_port("127.0.0.1"), free_port(f"{GUESTS}.1")
     pacing = Pacing()  # what a long-running bot learns: shared by the runs of 1 and 50
+    preflight = Preflight()  # and the privilege check it passed (kept 5 minutes)
     with tempfile.TemporaryDirectory(prefix="bench-pve-") as name:
         tmp = Path(name)
         fake = start_fake(tmp, port, ssh_port, secret)
@@ -228,8 +239,9 @@ async def main(runs: int, concurrent: int = 50) -> None:
             last_single: list[tuple[str, float]] = []
             for count, label in sizes:
                 fresh = Pacing() if label == "fresh 1" else pacing
+                checked = Preflight() if label == "fresh 1" else preflight
                 fake_cpu = cpu_s(fake.pid)
-                result = await run(count, first, port, ssh_port, secret, tmp, fresh)
+                result = await run(count, first, port, ssh_port, secret, tmp, fresh, checked)
                 result["fake_cpu"] = (cpu_s(fake.pid) - fake_cpu) / result["wall"]
                 first += count
                 tasks, requests = fake_record(port, tmp / "fake-pve-ca.pem")

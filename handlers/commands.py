@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from datetime import UTC, tzinfo
 from typing import Any, Generic, TypeVar
 
+from backends.migrating import Scope
 from bot.app.queries import VMPage
 from bot.app.service import Deployer
 from bot.kinds import Rows
@@ -39,6 +40,8 @@ from bot.requests.parsed import (
     History,
     KnownHosts,
     ListVMs,
+    MigrateApply,
+    MigratePlan,
     Reject,
     SaveKey,
     ShowSettings,
@@ -71,6 +74,7 @@ from handlers.messages.hostkeys import (
 )
 from handlers.messages.lifecycle import lease_extended_answer
 from handlers.messages.listing import list_lines
+from handlers.messages.migration import applied_lines, kept_plan_lines
 from handlers.messages.reports import history, status_said, templates
 from handlers.messages.slack import bad_ssh_key, key_saved, slack_reject_answer, user_settings
 from handlers.messages.text import Said
@@ -86,6 +90,7 @@ class Who(enum.Enum):
     ANYONE = "anyone"
     DEPLOYERS = "deployers"  # everyone unless approval.deployers names them
     APPROVERS = "approvers"  # never on their own request
+    APPROVERS_ONLY = "approvers only"  # what an approver asks for (a migration)
     REQUESTER_OR_APPROVERS = "requester or approvers"
     OWNER_APPROVERS_DESTROYERS = "owner, approvers or destroyers"
 
@@ -356,6 +361,18 @@ async def _profiles(inv: Invocation, command: TemplateProfiles) -> Reply:
     return profiles_table(inv.deployer.settings.images.all_profiles())
 
 
+async def _migrate_plan(inv: Invocation, command: MigratePlan) -> Reply:
+    d = inv.deployer
+    scope = Scope(folder=command.folder, name=command.name)
+    kept, plan = await d.migrate_plan(command.source, command.target, scope, inv.user)
+    return kept_plan_lines(kept, plan, d.settings.migration.plan_valid_s)
+
+
+async def _migrate_apply(inv: Invocation, command: MigrateApply) -> Reply:
+    outcome = await inv.deployer.migrate_apply(command.plan_id, inv.user, origin=inv.origin)
+    return applied_lines(outcome, ends=all(r.ended for r in outcome.rebuilds))
+
+
 ANYONE, IN_ACK, VIEW = Who.ANYONE, SlackWay.IN_ACK, SlackWay.VIEW
 COMMANDS = Registry(
     [
@@ -376,6 +393,8 @@ COMMANDS = Registry(
         Spec(ExtendLease, "lease extend", Who.REQUESTER_OR_APPROVERS, _extend),
         Spec(BuildTemplate, "template build", Who.DEPLOYERS, _build),
         Spec(TemplateProfiles, "template profiles", ANYONE, _profiles, table=True),
+        Spec(MigratePlan, "migrate plan", Who.APPROVERS_ONLY, _migrate_plan, table=True),
+        Spec(MigrateApply, "migrate apply", Who.APPROVERS_ONLY, _migrate_apply, table=True),
     ]
 )
 

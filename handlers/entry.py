@@ -19,8 +19,9 @@ from bot.config.settings import Settings
 from bot.kinds.build import retire
 from bot.migration import sources
 from bot.migration.plan import Plan, make_plan, write_plan
+from bot.migration.service import keep_plan, load_plan
 from bot.models import JobState
-from bot.models.builds import BuildState
+from bot.models.builds import Build, BuildState
 from bot.models.errors import BackendError, ConfigError
 from bot.operations import gc
 from bot.operations.check import run_checks
@@ -39,16 +40,23 @@ from handlers.messages.core import secrets_missing
 from handlers.messages.destroys import destroy_answer
 from handlers.messages.hostkeys import authority_answer
 from handlers.messages.migration import (
+    applied_lines,
+    apply_handed_off,
+    build_progress,
     plan_failed,
     plan_json,
+    plan_kept,
     plan_lines,
     plan_not_written,
+    started_lines,
     unknown_backend,
 )
 from handlers.messages.reports import HISTORY_HEADER, history, history_line
 from handlers.messages.retire import retire_report
 from handlers.messages.slack import bad_command_name, check_lines, gc_report, gc_unknown_backends
 from handlers.terminal import Shell, TerminalBuilds, TerminalThread
+
+POLL_S = 5.0  # how often `migrate apply` reads again builds that run in another process
 
 
 async def demo(args: argparse.Namespace, settings: Settings) -> int:
@@ -303,7 +311,10 @@ async def _template_gc(args: argparse.Namespace, settings: Settings) -> int:
 
 async def migrate(args: argparse.Namespace, settings: Settings) -> int:
     """`migrate plan`: reads the source through its read-only session type and the
-    target's built templates; writes nothing but the plan file."""
+    target's built templates; writes nothing but the plan file and the plan kept in the
+    store. `migrate apply`: see `_migrate_apply`."""
+    if args.migrate_command == "apply":
+        return await _migrate_apply(args, settings)
     configs = {c.name: c for c in settings.backends}
     wanted = [("--to", args.target)] + ([("--from", args.source)] if args.source else [])
     for option, name in wanted:
@@ -321,11 +332,67 @@ async def migrate(args: argparse.Namespace, settings: Settings) -> int:
         except OSError as exc:
             print(plan_not_written(args.out, exc.strerror or str(exc)), file=sys.stderr)
             return 2
+    store = await open_store(settings)
+    try:
+        kept = await keep_plan(store, plan, args.user)
+    finally:
+        await store.close()
     if args.json:
-        print(json.dumps(plan_json(plan), indent=2, sort_keys=True))
+        print(json.dumps({**plan_json(plan), "plan_id": kept.id}, indent=2, sort_keys=True))
     else:
         print("\n".join(plan_lines(plan, args.out)))
+        print(plan_kept(kept, settings.migration.plan_valid_s))
     return 0
+
+
+async def _migrate_apply(args: argparse.Namespace, settings: Settings) -> int:
+    """Check the plan, ask for its builds (run here, or left to a serving process with
+    --no-wait), wait for them with their progress, then the counts at both ends. Exit
+    0 when every migrating template's profile is on the target."""
+    store = await open_store(settings)
+    try:
+        plan = await load_plan(store, args.plan)
+    finally:
+        await store.close()
+    # The target alone: the source is read through its read-only session type only,
+    # never held here as a backend that could write to it.
+    configs = {c.name: c for c in settings.backends}
+    if plan.target not in configs:
+        print(unknown_backend("the plan's target", plan.target, sorted(configs)), file=sys.stderr)
+        return 2
+    backends = {plan.target: make_backend(configs[plan.target])}
+    notes = None if args.no_wait else TerminalBuilds()
+    async with running_deployer(
+        settings,
+        TerminalThread(),
+        backends=backends,
+        runner_kind="migrate",
+        takes_over=False,
+        build_notes=notes,
+    ) as deployer:
+        migrations = deployer.migrations
+        applied = await migrations.apply(plan, args.user, hand_off=args.no_wait)
+        outcome = await migrations.outcome(applied)
+        if args.no_wait:
+            print("\n".join(applied_lines(outcome, ends=False)))
+            print(apply_handed_off(outcome))
+            return 0
+        if all(r.ended for r in outcome.rebuilds):  # nothing to wait for: the end at once
+            print("\n".join(applied_lines(outcome, ends=True)))
+            return 1 if outcome.missing() else 0
+        print("\n".join(started_lines(outcome)), flush=True)
+
+        async def changed(build: Build) -> None:
+            print(build_progress(build), flush=True)
+
+        async def settle() -> None:
+            await deployer.drain()
+            await deployer.builds.expire()  # no serving process may be there to do it
+
+        applied = await migrations.wait(applied, settle, changed, POLL_S)
+        outcome = await migrations.outcome(applied)
+    print("\n".join(applied_lines(outcome, ends=True)))
+    return 1 if outcome.missing() else 0
 
 
 async def _migration_plan(

@@ -14,7 +14,7 @@ from datetime import datetime
 from typing import Any
 
 from bot.models import utcnow
-from bot.models.builds import BUILD_TRANSITIONS, Build, BuildState
+from bot.models.builds import ACTIVE_BUILD_STATES, BUILD_TRANSITIONS, Build, BuildState
 from bot.models.notices import Notice
 from store import outbox
 from store.jobrows import _sql_value
@@ -199,5 +199,24 @@ def awaiting_builds(db: Db, asked_before: datetime) -> list[Build]:
         "SELECT * FROM builds WHERE state = 'awaiting_approval' AND created_at <= ? "
         "ORDER BY created_at",
         [ts(asked_before)],
+    )
+    return [build_from_row(r) for r in rows]
+
+
+def profile_builds(db: Db, backend: str, profiles: Collection[str]) -> list[Build]:
+    """The builds on `backend` of these profiles that are in flight or published (not
+    retired), newest first: what a migration's apply must not start again."""
+    if not profiles:
+        return []
+    params: dict[str, Any] = {"backend": backend}
+    marks = ", ".join(f":p{i}" for i in range(len(profiles)))
+    params.update({f"p{i}": p for i, p in enumerate(sorted(profiles))})
+    states = sorted(s.value for s in ACTIVE_BUILD_STATES | {BuildState.PUBLISHED})
+    params.update({f"s{i}": s for i, s in enumerate(states)})
+    which = ", ".join(f":s{i}" for i in range(len(states)))
+    rows = db.query(
+        f"SELECT * FROM builds WHERE backend = :backend AND profile IN ({marks}) "
+        f"AND state IN ({which}) ORDER BY created_at DESC",
+        params,
     )
     return [build_from_row(r) for r in rows]

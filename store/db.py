@@ -21,6 +21,7 @@ from store.repositories import (
     Inbox,
     Jobs,
     Leases,
+    MigrationPlans,
     Outbox,
     People,
     Runners,
@@ -63,6 +64,7 @@ class Store:
         self.audit = Audit(engine, self.wake)
         self.gc_runs = GcRuns(engine, self.wake)
         self.builds = Builds(engine, self.wake)
+        self.migration_plans = MigrationPlans(engine, self.wake)
 
     @classmethod
     async def open(

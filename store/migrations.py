@@ -380,11 +380,25 @@ def _v17(db: Database) -> None:
     db.execute(HOST_CERTIFICATE_COLUMN)
 
 
-# Every NIC's address and fixed MAC of every job (issue 29): one row per NIC (`nic` 0 is the
-# first, whose address is also `jobs.address`), with the job's state copied by a trigger
-# in the same statement that moves the job, so that the unique indexes over the live ones
-# decide between racing requests in the insert's transaction, as `jobs_active_address`
-# does for the first address (an index cannot look into another table).
+# Migration plans made from chat, kept until applied by id (bot/migration/, schema v18),
+# spelled once for both databases.
+MIGRATION_PLANS_TABLE = (
+    "CREATE TABLE migration_plans (id TEXT PRIMARY KEY, digest TEXT NOT NULL, "
+    "document TEXT NOT NULL, created_at TEXT NOT NULL, created_by TEXT NOT NULL)"
+)
+
+
+def _v18(db: Database) -> None:
+    """Migration plans kept in the store (issue 30): chat has no plan file."""
+    db.execute(MIGRATION_PLANS_TABLE)
+
+
+# Every NIC's address and fixed MAC of every job (issue 29, schema v19): one row per NIC
+# (`nic` 0 is the first, whose address is also `jobs.address`), with the job's state
+# copied by a trigger in the same statement that moves the job, so that the unique
+# indexes over the live ones decide between racing requests in the insert's transaction,
+# as `jobs_active_address` does for the first address (an index cannot look into another
+# table).
 JOB_ADDRESSES = [
     "CREATE TABLE job_addresses (job_id TEXT NOT NULL, nic INTEGER NOT NULL, ip TEXT NOT NULL, "
     "mac TEXT, state TEXT NOT NULL, PRIMARY KEY (job_id, nic))",
@@ -396,7 +410,7 @@ JOB_ADDRESSES = [
 ]
 
 
-def _v18(db: Database) -> None:
+def _v19(db: Database) -> None:
     """Every NIC's address and fixed MAC, unique among live jobs (issue 29)."""
     for statement in JOB_ADDRESSES:
         db.execute(statement)
@@ -409,7 +423,7 @@ def _v18(db: Database) -> None:
 
 MIGRATIONS: list[Callable[[Database], None]] = [
     _v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9, _v10, _v11, _v12, _v13, _v14, _v15, _v16,
-    _v17, _v18,
+    _v17, _v18, _v19,
 ]  # fmt: skip
 SCHEMA_VERSION = len(MIGRATIONS)
 

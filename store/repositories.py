@@ -24,6 +24,7 @@ from store import (
     leases,
     outbox,
     owners,
+    plans,
     quarantine,
     quotas,
     users,
@@ -183,3 +184,11 @@ class Builds(Repository):
     recent = call(builds.list_builds)
     abandoned = call(builds.abandoned_builds)
     awaiting = call(builds.awaiting_builds)
+    of_profiles = call(builds.profile_builds)
+
+
+class MigrationPlans(Repository):
+    """Migration plans made from chat, applied by id (bot/migration/)."""
+
+    keep = call(plans.keep_plan)
+    get = call(plans.get_plan)

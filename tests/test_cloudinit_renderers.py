@@ -26,9 +26,11 @@ from typing import Any, NoReturn
 import pytest
 import yaml
 
+from backends import base
 from backends.base import Identity
 from backends.vsphere.guestinfo import NIC_NAME, extra_config
-from tests.support.hostkeys import chosen_host_key, public_of
+from tests.support import mountns
+from tests.support.hostkeys import chosen_host_key, host_certificate, public_of
 
 SYSTEM_PYTHON = Path("/usr/bin/python3")
 GUEST = Path(__file__).with_name("support") / "cloudinit_guest.py"
@@ -47,6 +49,12 @@ IDENTITY = Identity(
     upgrade=False,
     cores=2,
     memory_mib=2048,
+)
+MAC2 = "00:50:56:0a:1b:2d"
+TWO_NICS = dataclasses.replace(
+    IDENTITY,
+    more_nics=(base.Nic(ipaddress.IPv4Interface("127.0.30.60/24")),),
+    search_domains=("lab30.test",),
 )
 RENDERERS = ["netplan", "networkd", "eni", "sysconfig", "network-manager"]
 
@@ -78,13 +86,21 @@ def cloud_init_version() -> str:
     return done.stdout.strip()
 
 
-def boot(extra: dict[str, str], where: Path) -> dict[str, Any]:
+def boot(extra: dict[str, str], where: Path, etc_ssh: Path | None = None) -> dict[str, Any]:
     """Run the guest's cloud-init on these guestinfo keys, as the VMware datasource reads
-    them from the environment (`VMX_GUESTINFO_*`); what it found and wrote."""
+    them from the environment (`VMX_GUESTINFO_*`); what it found and wrote. With
+    `etc_ssh`, cc_ssh runs too, in a mount namespace where that folder is /etc/ssh."""
     env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8", "VMX_GUESTINFO": "1"}
     env.update({("vmx." + key).upper().replace(".", "_"): value for key, value in extra.items()})
+    command: list[Any] = [SYSTEM_PYTHON, "-I", GUEST, where]
+    if etc_ssh is not None:
+        if (reason := mountns.unavailable()) is not None:
+            unavailable(f"cc_ssh needs a mount namespace of its own: {reason}")
+        (home := where.parent / f"{where.name}-root").mkdir()
+        binds = {"/etc/ssh": etc_ssh, "/root": home}
+        command = mountns.confined(binds, [*map(str, command), "--ssh"])
     done = subprocess.run(
-        [SYSTEM_PYTHON, "-I", GUEST, where],
+        command,
         env=env,
         capture_output=True,
         text=True,
@@ -109,6 +125,13 @@ def cloud_init_fixture() -> str:
 def guest_fixture(cloud_init: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The guest web01 in lab.test, booted once for the module's tests."""
     return boot(extra_config(INSTANCE_ID, IDENTITY, MAC), tmp_path_factory.mktemp("guest"))
+
+
+@pytest.fixture(scope="module", name="two_nics")
+def two_nics_fixture(cloud_init: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """web01 with a second NIC in 127.0.30.0/24 (no gateway there), booted once."""
+    extra = extra_config(INSTANCE_ID, TWO_NICS, MAC, more_macs=(MAC2,))
+    return boot(extra, tmp_path_factory.mktemp("two-nics"))
 
 
 # --- what each renderer wrote, read back into one shape ---------------------------------
@@ -149,88 +172,115 @@ def udev_names(files: dict[str, str]) -> dict[str, str]:
     return {mac.lower(): name for mac, name in pairs}
 
 
-def netplan(files: dict[str, str]) -> Nic:
+def netplan(files: dict[str, str]) -> list[Nic]:
     document = yaml.safe_load(files["etc/netplan/50-cloud-init.yaml"])["network"]
-    ((key, eth),) = document["ethernets"].items()
-    routes = {r["to"]: r["via"] for r in eth.get("routes", [])}
-    nameservers = eth.get("nameservers", {})
-    return Nic(
-        eth.get("set-name") or (key if "match" not in eth else None),
-        eth.get("match", {}).get("macaddress"),
-        (eth.get("addresses") or [None])[0],
-        eth.get("gateway4") or routes.get("default") or routes.get("0.0.0.0/0"),
-        tuple(nameservers.get("addresses", ())),
-        tuple(nameservers.get("search", ())),
-    )
+    found = []
+    for key, eth in document["ethernets"].items():
+        routes = {r["to"]: r["via"] for r in eth.get("routes", [])}
+        nameservers = eth.get("nameservers", {})
+        found.append(
+            Nic(
+                eth.get("set-name") or (key if "match" not in eth else None),
+                eth.get("match", {}).get("macaddress"),
+                (eth.get("addresses") or [None])[0],
+                eth.get("gateway4") or routes.get("default") or routes.get("0.0.0.0/0"),
+                tuple(nameservers.get("addresses", ())),
+                tuple(nameservers.get("search", ())),
+            )
+        )
+    return found
 
 
-def networkd(files: dict[str, str]) -> Nic:
-    (path,) = [f for f in files if f.startswith("etc/systemd/network/")]
-    ini = sections(files[path])
-    network = ini.get("Network", {})
-    return Nic(
-        ini["Match"].get("Name"),
-        (ini["Match"].get("MACAddress") or "").lower() or None,
-        ini.get("Address", {}).get("Address"),
-        ini.get("Route", {}).get("Gateway"),
-        tuple(network.get("DNS", "").split()),
-        tuple(network.get("Domains", "").split()),
-    )
+def networkd(files: dict[str, str]) -> list[Nic]:
+    found = []
+    for path in sorted(f for f in files if f.startswith("etc/systemd/network/")):
+        ini = sections(files[path])
+        network = ini.get("Network", {})
+        found.append(
+            Nic(
+                ini["Match"].get("Name"),
+                (ini["Match"].get("MACAddress") or "").lower() or None,
+                ini.get("Address", {}).get("Address"),
+                ini.get("Route", {}).get("Gateway"),
+                tuple(network.get("DNS", "").split()),
+                tuple(network.get("Domains", "").split()),
+            )
+        )
+    return found
 
 
-def eni(files: dict[str, str]) -> Nic:
+def eni(files: dict[str, str]) -> list[Nic]:
     text = files["etc/network/interfaces.d/50-cloud-init"]
-    (name,) = re.findall(r"^iface (\S+) inet static$", text, re.M)
-    stanza = text.split(f"iface {name} inet static\n", 1)[1].split("\n\n", 1)[0]
-    options = dict(line.strip().split(" ", 1) for line in stanza.splitlines() if line.strip())
-    macs = [mac for mac, renamed in udev_names(files).items() if renamed == name]
-    return Nic(
-        name,
-        macs[0] if macs else options.get("hwaddress"),
-        options.get("address"),
-        options.get("gateway"),
-        tuple(options.get("dns-nameservers", "").split()),
-        tuple(options.get("dns-search", "").split()),
-    )
+    found = []
+    for name in re.findall(r"^iface (\S+) inet static$", text, re.M):
+        stanza = text.split(f"iface {name} inet static\n", 1)[1].split("\n\n", 1)[0]
+        options = dict(line.strip().split(" ", 1) for line in stanza.splitlines() if line.strip())
+        macs = [mac for mac, renamed in udev_names(files).items() if renamed == name]
+        found.append(
+            Nic(
+                name,
+                macs[0] if macs else options.get("hwaddress"),
+                options.get("address"),
+                options.get("gateway"),
+                tuple(options.get("dns-nameservers", "").split()),
+                tuple(options.get("dns-search", "").split()),
+            )
+        )
+    return found
 
 
-def sysconfig(files: dict[str, str]) -> Nic:
-    (path,) = [f for f in files if f.startswith("etc/sysconfig/network-scripts/ifcfg-")]
-    lines = [line.split("=", 1) for line in files[path].splitlines() if "=" in line]
-    cfg = {key: value.strip('"') for key, value in lines if not key.startswith("#")}
-    prefix = cfg.get("PREFIX") or ipaddress.IPv4Network(f"0.0.0.0/{cfg['NETMASK']}").prefixlen
-    return Nic(
-        cfg.get("DEVICE"),
-        (cfg.get("HWADDR") or "").lower() or None,
-        f"{cfg['IPADDR']}/{prefix}" if "IPADDR" in cfg else None,
-        cfg.get("GATEWAY"),
-        tuple(cfg[k] for k in ("DNS1", "DNS2", "DNS3") if k in cfg),
-        tuple(cfg.get("DOMAIN", "").split()),
-    )
+def sysconfig(files: dict[str, str]) -> list[Nic]:
+    found = []
+    for path in sorted(f for f in files if f.startswith("etc/sysconfig/network-scripts/ifcfg-")):
+        lines = [line.split("=", 1) for line in files[path].splitlines() if "=" in line]
+        cfg = {key: value.strip('"') for key, value in lines if not key.startswith("#")}
+        netmask = cfg.get("NETMASK", "255.255.255.255")
+        prefix = cfg.get("PREFIX") or ipaddress.IPv4Network(f"0.0.0.0/{netmask}").prefixlen
+        found.append(
+            Nic(
+                cfg.get("DEVICE"),
+                (cfg.get("HWADDR") or "").lower() or None,
+                f"{cfg['IPADDR']}/{prefix}" if "IPADDR" in cfg else None,
+                cfg.get("GATEWAY"),
+                tuple(cfg[k] for k in ("DNS1", "DNS2", "DNS3") if k in cfg),
+                tuple(cfg.get("DOMAIN", "").split()),
+            )
+        )
+    return found
 
 
-def network_manager(files: dict[str, str]) -> Nic:
-    (path,) = [f for f in files if f.endswith(".nmconnection")]
-    ini = sections(files[path])
-    ipv4 = ini.get("ipv4", {})
-    address, _, gateway = ipv4.get("address1", "").partition(",")
-    return Nic(
-        ini["connection"].get("interface-name"),
-        (ini.get("ethernet", {}).get("mac-address") or "").lower() or None,
-        address or None,
-        ipv4.get("gateway") or gateway or None,
-        tuple(d for d in ipv4.get("dns", "").split(";") if d),
-        tuple(d for d in ipv4.get("dns-search", "").split(";") if d),
-    )
+def network_manager(files: dict[str, str]) -> list[Nic]:
+    found = []
+    for path in sorted(f for f in files if f.endswith(".nmconnection")):
+        ini = sections(files[path])
+        ipv4 = ini.get("ipv4", {})
+        address, _, gateway = ipv4.get("address1", "").partition(",")
+        found.append(
+            Nic(
+                ini["connection"].get("interface-name"),
+                (ini.get("ethernet", {}).get("mac-address") or "").lower() or None,
+                address or None,
+                ipv4.get("gateway") or gateway or None,
+                tuple(d for d in ipv4.get("dns", "").split(";") if d),
+                tuple(d for d in ipv4.get("dns-search", "").split(";") if d),
+            )
+        )
+    return found
 
 
-READ: dict[str, Callable[[dict[str, str]], Nic]] = {
+READ_ALL: dict[str, Callable[[dict[str, str]], list[Nic]]] = {
     "netplan": netplan,
     "networkd": networkd,
     "eni": eni,
     "sysconfig": sysconfig,
     "network-manager": network_manager,
 }
+
+
+def read_one(renderer: str, files: dict[str, str]) -> Nic:
+    """The one NIC a renderer configured (a second one fails the test)."""
+    (nic,) = READ_ALL[renderer](files)
+    return nic
 
 
 # --- the tests ----------------------------------------------------------------------------
@@ -253,7 +303,7 @@ def test_each_renderer_configures_the_nic_with_that_mac(
 ) -> None:
     """The config of every renderer finds the NIC by its MAC, or by the name cloud-init
     gives the NIC with that MAC; never by a name the guest's NIC does not have."""
-    seen = READ[renderer](guest["rendered"][renderer])
+    seen = read_one(renderer, guest["rendered"][renderer])
     renamed = {mac: name for mac, name, _driver, _id in guest["physdevs"]}
     assert seen.mac == MAC, f"{renderer}: no MAC match for the NIC: {seen}"
     assert seen.name in (None, renamed[MAC]), f"{renderer}: names {seen.name}, not the NIC"
@@ -288,7 +338,7 @@ def test_without_a_search_domain_or_dns_the_name_is_bare(cloud_init: str, tmp_pa
     assert guest["schema_error"] is None
     assert "127.0.1.1\tweb01\tweb01" in guest["etc_hosts"].splitlines()
     for renderer in RENDERERS:
-        seen = READ[renderer](guest["rendered"][renderer])
+        seen = read_one(renderer, guest["rendered"][renderer])
         assert seen.mac == MAC and seen.address == "127.0.20.50/24", (renderer, seen)
         assert (seen.gateway, seen.dns, seen.search) == ("127.0.20.1", (), ()), (renderer, seen)
 
@@ -313,3 +363,71 @@ def test_the_host_key_deploybot_chose_is_the_guests_only_host_key(
         public: [pair.public, 0o600],
     }
     assert public_of(guest["ssh_key_files"][private][0]) == pair.public
+
+
+DEBIAN_SSHD_CONFIG = """Include /etc/ssh/sshd_config.d/*.conf
+
+KbdInteractiveAuthentication no
+UsePAM yes
+X11Forwarding yes
+"""
+
+
+@pytest.mark.parametrize("includes", [True, False], ids=["drop-in", "sshd_config"])
+def test_cc_ssh_installs_the_host_certificate_and_sets_host_certificate(
+    cloud_init: str, tmp_path: Path, includes: bool
+) -> None:
+    """With `Identity.host_certificate`, Debian's cc_ssh (run for real on a folder that is
+    /etc/ssh in its own mount namespace) deletes the image's keys, writes the chosen pair
+    and the certificate (ssh_host_ed25519_key-cert.pub) and points sshd's HostCertificate
+    at it: in sshd_config.d/50-cloud-init.conf when sshd_config includes that folder
+    (Debian 12), else in sshd_config itself."""
+    pair = chosen_host_key()
+    certificate = host_certificate(pair.public, ("web01", "web01.lab.test", "127.0.20.50"))
+    identity = dataclasses.replace(IDENTITY, host_key=pair, host_certificate=certificate)
+    etc_ssh = tmp_path / "etc-ssh"
+    (etc_ssh / "sshd_config.d").mkdir(parents=True)
+    config = DEBIAN_SSHD_CONFIG if includes else DEBIAN_SSHD_CONFIG.split("\n", 2)[2]
+    (etc_ssh / "sshd_config").write_text(config)
+    (etc_ssh / "ssh_host_rsa_key").write_text("the image's own key\n")
+    (etc_ssh / "ssh_host_rsa_key.pub").write_text("ssh-rsa AAAA image\n")
+    (guest_dir := tmp_path / "guest").mkdir()
+    guest = boot(extra_config(INSTANCE_ID, identity, MAC), guest_dir, etc_ssh)
+    assert guest["schema_error"] is None
+    assert guest["userdata"]["ssh_keys"]["ed25519_certificate"] == certificate + "\n"
+    files = guest["etc_ssh"]
+    cert = "/etc/ssh/ssh_host_ed25519_key-cert.pub"
+    assert files[cert] == [certificate + "\n", 0o600]
+    assert files["/etc/ssh/ssh_host_ed25519_key"] == [pair.private_openssh, 0o600]
+    assert "/etc/ssh/ssh_host_rsa_key" not in files  # ssh_deletekeys
+    drop_in = "/etc/ssh/sshd_config.d/50-cloud-init.conf"
+    if includes:
+        assert files[drop_in][0].splitlines() == [f"HostCertificate {cert}"]
+        assert files["/etc/ssh/sshd_config"][0] == config
+    else:
+        assert drop_in not in files
+        assert files["/etc/ssh/sshd_config"][0] == config + f"HostCertificate {cert}\n"
+
+
+def test_two_nics_are_each_renamed_by_their_mac(two_nics: dict[str, Any]) -> None:
+    macs = [nic["mac_address"] for nic in two_nics["network_config"]["config"]]
+    assert macs == [MAC, MAC2]
+    assert two_nics["physdevs"] == [[MAC, NIC_NAME, None, None], [MAC2, "eth1", None, None]]
+
+
+@pytest.mark.parametrize("renderer", RENDERERS)
+def test_each_renderer_configures_both_nics_the_default_route_on_the_first(
+    renderer: str, two_nics: dict[str, Any]
+) -> None:
+    """Each NIC found by its MAC (or the name cloud-init gives it) with its own address;
+    the gateway only on the first (the default route: ifupdown would refuse a second and
+    leave that NIC down); DNS and the merged search list once, with the first."""
+    renamed = {mac: name for mac, name, _driver, _id in two_nics["physdevs"]}
+    seen = {nic.mac: nic for nic in READ_ALL[renderer](two_nics["rendered"][renderer])}
+    assert set(seen) == {MAC, MAC2}, f"{renderer}: {seen}"
+    first, second = seen[MAC], seen[MAC2]
+    assert first.name in (None, renamed[MAC]) and second.name in (None, renamed[MAC2])
+    assert (first.address, first.gateway) == ("127.0.20.50/24", "127.0.20.1"), first
+    assert first.search == ("lab.test", "lab30.test"), first
+    assert (second.address, second.gateway) == ("127.0.30.60/24", None), second
+    assert first.dns == ("127.0.20.2", "127.0.20.3")

@@ -41,6 +41,8 @@ EXAMPLES = {
     "lease extend": "lease extend web99 7d",
     "template build": "template build no-such-profile",
     "template profiles": "template profiles",
+    "migrate plan": "migrate plan --from vcenter --to sim",
+    "migrate apply": "migrate apply mnotaplan2",
 }
 
 

@@ -329,6 +329,29 @@ def test_ca_hosts_name_the_patterns_and_a_ca_without_any_is_refused(
         ca_settings(tmp_path, ssh={"ca_hosts": ["a.example,b.example"]})
 
 
+async def test_names_are_certified_in_lower_case_as_ssh_compares_them(
+    tmp_path: Path, ca_key: asyncssh.SSHKey
+) -> None:
+    """ssh lower-cases the name typed before it matches principals and patterns: a
+    domain written "Lab.Example" must still give principals and patterns that match."""
+    upper = [{"cidr": "10.0.0.0/24", "gateway": "10.0.0.1", "search_domain": "Lab.Example"}]
+    settings = ca_settings(tmp_path, subnets=upper)
+    job, _said, _events, _d = await run_deploy(
+        tmp_path, SimBackend("sim", time_scale=SIM_SCALE), settings
+    )
+    assert job.state is JobState.SUCCEEDED, job.error
+    info = read_certificate(job.host_certificate or "")
+    assert info is not None and info.principals == ("web01", "web01.lab.example", "10.0.0.50")
+    cert = asyncssh.import_certificate(job.host_certificate or "")
+    assert isinstance(cert, SSHOpenSSHCertificate)
+    cert.validate(CERT_TYPE_HOST, "web01.lab.example")
+    env = {CA_ENV: ca_key.export_private_key("openssh").decode()}
+    ca = load_host_ca(settings, env)
+    assert ca is not None and ca.patterns == ("*.lab.example",)
+    chosen = load_host_ca(ca_settings(tmp_path, ssh={"ca_hosts": ["*.Corp.Example"]}), env)
+    assert chosen is not None and chosen.patterns == ("*.corp.example",)
+
+
 async def test_ssh_ca_prints_the_line_or_how_to_get_one(
     tmp_path: Path, ca_key: asyncssh.SSHKey
 ) -> None:

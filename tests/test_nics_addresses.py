@@ -88,10 +88,10 @@ async def test_a_fixed_mac_another_vm_has_is_refused_naming_it(
 ) -> None:
     assert isinstance(sim, KnowsMacs)
     vm_id = sim.add_vm("legacy", macs=(MAC.upper(),))
-    assert await sim.macs_in_use() == {MAC: f"legacy (id {vm_id})"}
+    assert await sim.macs_in_use() == {MAC: f"legacy ({vm_id})"}
     with pytest.raises(Conflict) as refused:
         await ask(deployer, f"web01 10.0.0.50 +10.0.20.5 mac2={MAC}", check_free_first=True)
-    assert f"The MAC {MAC} is used by VM legacy (id {vm_id}) on sim" in refused.value.message
+    assert f"The MAC {MAC} is used by VM legacy ({vm_id}) on sim" in refused.value.message
     assert "pick another MAC" in refused.value.message
 
 

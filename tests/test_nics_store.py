@@ -1,6 +1,6 @@
 """Every NIC's address and fixed MAC of a job is held like its first address (issue 29):
 unique among jobs in flight or succeeded, decided by the store in the insert's own
-transaction (store/migrations.py v18, `job_addresses`, with the job's state copied by a
+transaction (store/migrations.py v19, `job_addresses`, with the job's state copied by a
 trigger), on SQLite and on PostgreSQL alike; freed when the job ends."""
 
 from __future__ import annotations
@@ -93,15 +93,15 @@ async def test_requests_racing_for_one_later_address_one_wins(store: Store, tmp_
     assert sorted(held) == sorted([str(won[0].address), "10.0.30.9"])
 
 
-async def test_v18_backfills_the_first_address_of_every_job(tmp_path: Path) -> None:
+async def test_v19_backfills_the_first_address_of_every_job(tmp_path: Path) -> None:
     """A database from before several NICs: each job's address becomes its NIC 0 row,
     so a later NIC of a new job cannot take a live job's address."""
     settings = _settings(tmp_path)
     path = tmp_path / "old.db"
     db = Database(sqlite3.connect(path))
-    for migration in MIGRATIONS[:17]:
+    for migration in MIGRATIONS[:18]:
         migration(db)
-    db.execute("PRAGMA user_version = 17")
+    db.execute("PRAGMA user_version = 18")
     live = job(settings, "web01 10.0.20.5", JobState.SUCCEEDED)
     ended = job(settings, "web02 10.0.20.6", JobState.FAILED)
     for old in (live, ended):

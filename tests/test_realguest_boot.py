@@ -6,6 +6,10 @@ the guest runs under QEMU (tests/support/realguest/qemu.py) with the image from
 (the guest agent, SSH on the forwarded port with the deploy's key) and then inside the
 guest over that SSH session. Boot times are printed.
 
+The guest has two NICs, as a deploy with a second address gets them: `net1` and
+`ipconfig1` as the Proxmox backend writes them (no gateway: the default route stays on
+the first NIC), the second on a restricted user-mode network of its own.
+
 Skips, saying why, without QEMU or the image; under DEPLOYBOT_REQUIRE_REALGUEST=1 (CI)
 that is a failure. Nothing leaves loopback: the guest's only network is QEMU's
 restricted user-mode network, and its SSH forward listens on 127.0.0.1.
@@ -13,6 +17,7 @@ restricted user-mode network, and its SSH forward listens on 127.0.0.1.
 
 from __future__ import annotations
 
+import ipaddress
 import time
 from pathlib import Path
 from urllib.parse import quote
@@ -20,6 +25,8 @@ from urllib.parse import quote
 import asyncssh
 import pytest
 
+from backends.base import Identity, Nic, Segment
+from backends.proxmox.identity import more_nics
 from tests.support.realguest import nocloud, qemu, support
 
 pytestmark = pytest.mark.realguest
@@ -27,6 +34,7 @@ pytestmark = pytest.mark.realguest
 NAME, DOMAIN, USER = "web01", "example.test", "deploy"
 ADDRESS, GATEWAY, DNS = "10.0.0.50", "10.0.0.1", "10.0.0.3"
 MAC = "BC:24:11:5E:00:32"
+ADDRESS2, MAC2, NETWORK2 = "10.0.20.5", "BC:24:11:5E:00:33", "10.0.20.0/24"
 BOOT_SECONDS = 480.0  # TCG on 2 busy cores: cloud-init is done at ~100 s when idle
 
 
@@ -50,6 +58,11 @@ async def test_guest_becomes_what_the_seed_says(
         "sshkeys": quote(public + "\n", safe=""),  # as Proxmox stores it
         "ciupgrade": 0,  # no mirror to upgrade from
     }
+    config |= second_nic(config)
+    assert (config["net1"], config["ipconfig1"]) == (
+        f"virtio={MAC2},bridge=vmbr1,tag=20,firewall=0",
+        f"ip={ADDRESS2}/24",
+    )
     seed = nocloud.render(config, vmid=101)
     guest = qemu.Guest(
         image=guest_image,
@@ -59,6 +72,7 @@ async def test_guest_becomes_what_the_seed_says(
         address=ADDRESS,
         gateway=GATEWAY,
         dns=DNS,
+        more_nics=(qemu.MoreNic(MAC2, NETWORK2, "10.0.20.2"),),
     )
     guest.start()
     try:
@@ -91,12 +105,21 @@ async def test_guest_becomes_what_the_seed_says(
             assert f"default via {GATEWAY} dev {net.nic}" in net.routes
             assert f"nameserver {DNS}" in net.resolv, net.resolv
             assert any(line.split()[:1] == ["search"] and DOMAIN in line for line in net.resolv)
+            # The second NIC: its address, and no default route through it.
+            second = await support.net_view(conn, MAC2)
+            assert second.nic != net.nic and f"inet {ADDRESS2}/24" in second.addresses
+            defaults = (await support.out(conn, "ip -4 route show default")).splitlines()
+            assert [r.split()[:5] for r in defaults] == [
+                ["default", "via", GATEWAY, "dev", net.nic]
+            ], defaults
 
         # The agent reports the address the way Proxmox's agent/network-get-interfaces does.
         interfaces = await guest.qga("guest-network-get-interfaces")
         by_mac = {i.get("hardware-address"): i for i in interfaces}
         addresses = [a["ip-address"] for a in by_mac[MAC.lower()].get("ip-addresses", [])]
         assert ADDRESS in addresses
+        addresses = [a["ip-address"] for a in by_mac[MAC2.lower()].get("ip-addresses", [])]
+        assert ADDRESS2 in addresses
     finally:
         guest.stop()
     assert not guest.running()
@@ -105,3 +128,23 @@ async def test_guest_becomes_what_the_seed_says(
             f"\nreal guest ({guest.accel}): agent up {qga_up:.0f} s, SSH up {ssh_up:.0f} s, "
             f"cloud-init done {ci_done:.0f} s after QEMU started"
         )
+
+
+def second_nic(config: dict[str, str | int]) -> dict[str, str]:
+    """`net1` and `ipconfig1` as the Proxmox backend writes them for a second NIC with a
+    fixed MAC on vmbr1 VLAN 20 (`backends.proxmox.identity.more_nics`)."""
+    nic = Nic(ipaddress.IPv4Interface(f"{ADDRESS2}/24"), None, Segment("vmbr1", 20), MAC2)
+    identity = Identity(
+        hostname=NAME,
+        user=USER,
+        ssh_keys=(),
+        address=ipaddress.IPv4Interface(f"{ADDRESS}/24"),
+        gateway=ipaddress.IPv4Address(GATEWAY),
+        dns=(),
+        search_domain=DOMAIN,
+        upgrade=False,
+        cores=1,
+        memory_mib=1024,
+        more_nics=(nic,),
+    )
+    return more_nics({k: str(v) for k, v in config.items()}, identity, None)

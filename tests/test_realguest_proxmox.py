@@ -9,9 +9,13 @@ three guests at once from one template: two must end with an SSH line that works
 deploy's key logs in through the jump host) on a guest that is what was asked, checked
 inside it (`tests/support/realguest/guestchecks.py`: hostname and FQDN, user, key and locked
 password, address, route and DNS on deploybot's NIC, no upgrade, Proxmox's
-instance-id, the printed host key its own), and are distinct instances; the third is
-refused by the jump host after its guest booted, and its rollback must leave no VM,
-QEMU process or disk behind.
+instance-id, the printed host key its own: the one the real qemu-guest-agent read, whose
+known_hosts line is the guest's key file), and are distinct instances. The real OpenSSH
+client, with only that known_hosts line and StrictHostKeyChecking=yes, logs in without a
+question and refuses another key under the same names. The third guest boots, but the jump
+host leads its address to an impostor's sshd (another host key: an address conflict or an
+interceptor): the deploy must refuse that key, naming the address and both fingerprints,
+and its rollback must leave no VM, QEMU process or disk behind.
 Afterwards `deploybot destroy` removes one of the two the same way, and a shutdown
 through the API powers the other off by its guest agent.
 
@@ -27,6 +31,7 @@ import re
 import shutil
 import ssl
 import tempfile
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,15 +40,27 @@ import aiohttp
 import asyncssh
 import pytest
 import pytest_asyncio
+from asyncssh.public_key import SSHOpenSSHCertificate
 
 from tests.support.fakepve import testing
 from tests.support.fakepve.realvm import RealMachines
 from tests.support.fakepve.schema import ApiSchema
 from tests.support.fakepve.server import FakePVE, Tls
 from tests.support.fakepve.testing import run_deploybot, start_fake
-from tests.support.realguest.guestchecks import Seen, check_guest
-from tests.support.realguest.lane import DEADLINE_S, Deploy, assert_gone, deploy, process_ended
-from tests.support.realguest.support import require_image
+from tests.support.realguest import openssh
+from tests.support.realguest.guestchecks import DOMAIN, Seen, check_guest
+from tests.support.realguest.impostor import Impostor
+from tests.support.realguest.lane import (
+    DEADLINE_S,
+    LOGIN,
+    Deploy,
+    assert_gone,
+    deploy,
+    login,
+    out,
+    process_ended,
+)
+from tests.support.realguest.support import require_image, unavailable
 
 pytestmark = [pytest.mark.realguest, pytest.mark.asyncio(loop_scope="module")]
 
@@ -51,9 +68,14 @@ pve_schema = testing.pve_schema
 pve_tls = testing.pve_tls
 
 GOOD = {"web01": "10.0.0.50", "web02": "10.0.0.51"}
-DOOMED = ("web03", "10.0.0.52")  # the jump host will not forward to it: SSH check fails
+# Its guest boots, but the jump host leads its address to an impostor's sshd.
+INTERCEPTED = ("web03", "10.0.0.52")
 # web01 asks for no upgrade in so many words; web02 gets the default (no upgrade either).
 OPTIONS = {"web01": ("upgrade=no",)}
+# The variable holding the host CA's private key: not DEPLOYBOT_*, which `run_deploybot`
+# keeps from the CLI; every other variable of this process reaches it.
+CA_ENV = "REALGUEST_SSH_HOST_CA"
+DAY_S = 86400
 
 
 @dataclass
@@ -61,6 +83,9 @@ class Lab:
     fake: FakePVE
     machines: RealMachines
     key: asyncssh.SSHKey
+    identity: Path  # the deploy's private key as a file, for the real ssh client
+    impostor: Impostor
+    ca: asyncssh.SSHKey  # the host CA the deploys sign with (`[ssh] host_ca_env`)
     deploys: dict[str, Deploy]
     seen: dict[str, Seen] = field(default_factory=dict)  # each good guest, checked once
 
@@ -73,21 +98,36 @@ async def lab(
     root = tmp_path_factory.mktemp("pvguest")
     workdir = Path(tempfile.mkdtemp(prefix="pvg-"))  # short: QEMU's unix sockets
     machines = RealMachines(disk, workdir)
+    if not openssh.available():
+        unavailable(f"no OpenSSH client at {openssh.SSH} (apt-get install openssh-client)")
     key = asyncssh.generate_private_key("ssh-ed25519")
     public = key.export_public_key().decode().strip()
+    identity = root / "deploy-key"
+    key.write_private_key(str(identity))
+    identity.chmod(0o600)
+    ca = asyncssh.generate_private_key("ssh-ed25519")
+    with_ca = f'\n[ssh]\nhost_ca_env = "{CA_ENV}"\n'
+    impostor = await Impostor().start()
     try:
         fake_lab = start_fake(
             pve_schema, pve_tls, jump_dir=root / "jump", machines=lambda _cluster: machines
         )
-        async with fake_lab as fake:
-            assert fake.jump is not None
-            fake.jump.prohibited.add(DOOMED[1])
-            wanted = [*GOOD.items(), DOOMED]
-            done = await asyncio.gather(
-                *(deploy(fake, root, public, n, a, *OPTIONS.get(n, ())) for n, a in wanted)
-            )
-            yield Lab(fake, machines, key, {d.name: d for d in done})
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv(CA_ENV, ca.export_private_key("openssh").decode())
+            async with fake_lab as fake:
+                assert fake.jump is not None
+                fake.jump.redirected[INTERCEPTED[1]] = impostor.endpoint
+                wanted = [*GOOD.items(), INTERCEPTED]
+                done = await asyncio.gather(
+                    *(
+                        deploy(fake, root, public, n, a, *OPTIONS.get(n, ()), extra_toml=with_ca)
+                        for n, a in wanted
+                    )
+                )
+                deploys = {d.name: d for d in done}
+                yield Lab(fake, machines, key, identity, impostor, ca, deploys)
     finally:
+        await impostor.close()
         shutil.rmtree(workdir, ignore_errors=True)
 
 
@@ -119,12 +159,161 @@ async def test_second_deploy_from_the_template_is_another_instance(lab: Lab) -> 
         assert f"backing file: {lab.machines.image / 'disk.qcow2'}" in info
 
 
-async def test_failure_after_the_boot_rolls_the_guest_back(lab: Lab) -> None:
-    deploy = lab.deploys[DOOMED[0]]
+async def test_a_real_ssh_client_trusts_the_known_hosts_line_alone(
+    lab: Lab, tmp_path: Path
+) -> None:
+    """`ssh` with StrictHostKeyChecking=yes and BatchMode (no prompt possible) and a
+    known_hosts holding only the line deploybot printed logs in; the same names with
+    another key in that file are refused (so the client really checked)."""
+    assert lab.fake.jump is not None
+    deploy, seen = lab.deploys["web01"], await _check(lab, "web01")
+    names, _key = seen.known_hosts.split(" ", 1)
+    for host in names.split(","):  # the name and the address: either is in the line
+        trusted = tmp_path / "known_hosts"
+        trusted.write_text(seen.known_hosts + "\n", encoding="utf-8")
+        code, err = await openssh.login(
+            lab.fake.jump, user=LOGIN, host=host, address=deploy.address,
+            identity=lab.identity, known_hosts=trusted,
+        )  # fmt: skip
+        assert code == 0, err
+    other = tmp_path / "known_hosts_other"
+    other.write_text(f"{names} {lab.impostor.public}\n", encoding="utf-8")
+    code, err = await openssh.login(
+        lab.fake.jump, user=LOGIN, host=deploy.name, address=deploy.address,
+        identity=lab.identity, known_hosts=other,
+    )  # fmt: skip
+    assert code == 255 and "Host key verification failed." in err, (code, err)
+
+
+async def test_with_the_host_ca_line_alone_ssh_asks_nothing(lab: Lab, tmp_path: Path) -> None:
+    """The deploys certified the keys the agent confirmed and installed the certificates
+    through the agent: the real ssh client, whose known_hosts holds only the line
+    `deploybot ssh-ca` prints, logs in to each by its FQDN without a question."""
+    assert lab.fake.jump is not None
+    authority = await _authority_line(lab)
+    ca_public = " ".join(lab.ca.export_public_key("openssh").decode().split()[:2])
+    assert authority == f"@cert-authority *.{DOMAIN} {ca_public} deploybot-host-ca"
+    trusted = tmp_path / "known_hosts"
+    trusted.write_text(authority + "\n", encoding="utf-8")
+    for name in GOOD:
+        deploy, seen = lab.deploys[name], await _check(lab, name)
+        fqdn = f"{name}.{DOMAIN}"
+        said = " ".join(deploy.output.split())
+        assert "certified by deploybot's host CA until " in said, deploy.output
+        assert f"for {name}, {fqdn}, {deploy.address}:" in said, deploy.output
+        # The certificate sshd presents: the guest's own key (the one the agent read),
+        # signed by the CA, for the VM's name, FQDN and address, valid now.
+        cert = await _installed_certificate(lab, deploy)
+        assert " ".join(seen.known_hosts.split()[1:]) == _public(cert.key)
+        assert cert.signing_key.get_fingerprint("sha256") == lab.ca.get_fingerprint("sha256")
+        assert list(cert.principals) == [name, fqdn, deploy.address]
+        code, err = await openssh.login(
+            lab.fake.jump, user=LOGIN, host=fqdn, address=deploy.address,
+            identity=lab.identity, known_hosts=trusted,
+        )  # fmt: skip
+        assert code == 0, err
+
+
+async def test_a_certificate_past_its_validity_is_refused(lab: Lab, tmp_path: Path) -> None:
+    """The same client refuses the guest once sshd presents a certificate of its key by
+    the same CA whose validity has ended (written over the installed one, sshd
+    reloaded): the @cert-authority line no longer vouches for it, and nothing else does."""
+    assert lab.fake.jump is not None
+    deploy = lab.deploys["web02"]
+    await _check(lab, deploy.name)
+    fqdn = f"{deploy.name}.{DOMAIN}"
+    trusted = tmp_path / "known_hosts"
+    trusted.write_text(await _authority_line(lab) + "\n", encoding="utf-8")
+    bastion, conn = await login(lab.fake, lab.key, deploy.address)
+    async with bastion, conn:
+        path = await _certificate_path(conn)
+        host_key = asyncssh.import_public_key(
+            await out(conn, "cat /etc/ssh/ssh_host_ed25519_key.pub")
+        )
+        now = int(time.time())
+        expired = lab.ca.generate_host_certificate(
+            host_key, f"expired:{deploy.name}",
+            principals=[deploy.name, fqdn, deploy.address],
+            valid_after=now - 2 * DAY_S, valid_before=now - DAY_S,
+        )  # fmt: skip
+        line = expired.export_certificate("openssh").decode()
+        await conn.run(f"sudo -n tee {path} >/dev/null", input=line, check=True)
+        await out(conn, "sudo -n systemctl reload ssh")
+        await _presented(conn, line.split()[1])
+    code, err = await openssh.login(
+        lab.fake.jump, user=LOGIN, host=fqdn, address=deploy.address,
+        identity=lab.identity, known_hosts=trusted,
+    )  # fmt: skip
+    assert code == 255, err
+    assert "Certificate invalid: expired" in err and "Host key verification failed." in err, err
+
+
+async def _authority_line(lab: Lab) -> str:
+    """The @cert-authority line `deploybot ssh-ca` prints with the deploys' config."""
+    state = lab.deploys["web01"].state
+    returncode, output = await run_deploybot(lab.fake, state / "deploybot.toml", state, "ssh-ca")
+    assert returncode == 0, output
+    lines = [line for line in output.splitlines() if line.startswith("@cert-authority ")]
+    assert len(lines) == 1, output
+    return lines[0]
+
+
+async def _certificate_path(conn: asyncssh.SSHClientConnection) -> str:
+    """The one HostCertificate file sshd's effective configuration names."""
+    config = (await out(conn, "sudo -n sshd -T")).splitlines()
+    paths = [line.split(" ", 1)[1] for line in config if line.startswith("hostcertificate ")]
+    assert len(paths) == 1, paths
+    return paths[0]
+
+
+async def _installed_certificate(lab: Lab, deploy: Deploy) -> SSHOpenSSHCertificate:
+    bastion, conn = await login(lab.fake, lab.key, deploy.address)
+    async with bastion, conn:
+        path = await _certificate_path(conn)
+        line = await out(conn, f"sudo -n cat {path}")
+    cert = asyncssh.import_certificate(line)
+    assert isinstance(cert, SSHOpenSSHCertificate), line
+    return cert
+
+
+async def _presented(conn: asyncssh.SSHClientConnection, blob: str) -> None:
+    """Wait until the guest's sshd, reloaded, presents the certificate `blob` (a reload
+    re-executes sshd: a moment when it presents the old one or none)."""
+    deadline = time.monotonic() + DEADLINE_S
+    scan = "ssh-keyscan -c -t ed25519 127.0.0.1 2>/dev/null || true"
+    while blob not in await out(conn, scan):
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"sshd does not present the new certificate: {await out(conn, scan)}"
+            )
+        await asyncio.sleep(1.0)  # between polls of a condition bound by `deadline`
+
+
+def _public(key: asyncssh.SSHKey) -> str:
+    return " ".join(key.export_public_key("openssh").decode().split()[:2])
+
+
+async def test_an_impostor_on_the_address_is_refused_and_rolled_back(lab: Lab) -> None:
+    """The guest booted and the agent read its keys, but ADDRESS:22 answered with the
+    impostor's key: the deploy fails naming the address and both fingerprints, and its
+    rollback leaves nothing behind."""
+    assert lab.fake.jump is not None
+    deploy, (_name, address) = lab.deploys[INTERCEPTED[0]], INTERCEPTED
     assert deploy.returncode == 1, deploy.output
-    assert "will not connect" in deploy.output, deploy.output
-    # The real agent reported the address before the SSH check failed.
-    assert re.search(rf"✓ wait for address .*{re.escape(DOOMED[1])}", deploy.output), deploy.output
+    # The real agent reported the address before the SSH check went to the impostor.
+    assert re.search(rf"✓ wait for address .*{re.escape(address)}", deploy.output), deploy.output
+    assert (address, 22) in lab.fake.jump.requests and lab.impostor.connections > 0
+    found = re.search(
+        rf"{re.escape(address)} answered with host key (SHA256:\S+), which is not the new "
+        r"VM's \(((?:SHA256:\S+, )+)confirmed through the QEMU guest agent\): possible "
+        r"address conflict or interception",
+        " ".join(deploy.output.split()),  # however the terminal wrapped it
+    )
+    assert found, deploy.output
+    theirs = found.group(2).removesuffix(", ").split(", ")
+    assert found.group(1) == lab.impostor.fingerprint
+    assert theirs and lab.impostor.fingerprint not in theirs, theirs
+    assert len(set(theirs)) == len(theirs), theirs  # one per key file the agent read
     assert_gone(lab.fake, lab.machines, deploy.vmid)
 
 

@@ -15,11 +15,24 @@ which outranks the image's `[NoCloud, None]`. The values are not re-encoded: the
 command line carries the very strings vCenter stored (their length is checked against
 the kernel's own `cmdline_size` and printed).
 
+Each guest has a second NIC, as a deploy with a second address gets it: added in the
+clone spec, with the MAC vCenter gave it, on a restricted QEMU user-mode network of its
+own; the metadata lists both by MAC, the gateway on the first only.
+
 Inside each guest (over SSH on the 127.0.0.1 forward, as the user with the key): the
 datasource and the instance-id, the user-data cloud-init read (byte for byte the
 document the backend wrote), hostname and FQDN, the address, gateway and DNS on the NIC
-with vCenter's MAC (named eth0 by cloud-init), what each renderer wrote, cloud-init done
-and no failed unit. Skips without QEMU, an image or vcsim; CI fails instead.
+with vCenter's MAC (named eth0 by cloud-init), the second NIC's address on eth1 and
+no default route through it, what each renderer wrote, cloud-init done and no failed unit.
+
+The host key (issue 28): each identity carries a host key pair deploybot chose (as a
+deploy's identity step makes it); the guest's sshd presents exactly that key, to this
+test's login and to the backend's own SSH check, and holds no other. Then, as a deploy
+does once SSH answered, the backend forgets it: the clone's extraConfig in vcsim holds no
+private key afterwards. The chosen key comes with its host certificate (deploybot's
+`HostCA` signs it, the cloud-config installs it): the real OpenSSH client, whose
+known_hosts holds only the CA's `@cert-authority` line, logs in to each guest by its FQDN
+with StrictHostKeyChecking=yes. Skips without QEMU, an image or vcsim; CI fails instead.
 """
 
 from __future__ import annotations
@@ -29,7 +42,8 @@ import base64
 import gzip
 import ipaddress
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +51,12 @@ import asyncssh
 import pytest
 from pyVmomi import vim
 
-from backends.base import CloneSpec, Identity
-from tests.support.realguest import image, qemu, support
+from backends.base import CloneSpec, Identity, Nic, VMRef
+from backends.sshcheck import fingerprint, new_host_key, public_line
+from backends.vsphere import VSphereBackend
+from backends.vsphere import guestinfo as written_guestinfo
+from bot.sshca.authority import HostCA
+from tests.support.realguest import image, openssh, qemu, support
 from tests.support.vsphere.simulator import (
     TEMPLATE,
     Simulated,
@@ -51,7 +69,19 @@ from tests.support.vsphere.simulator import (
 DOMAIN, USER = "example.test", "deploy"
 GATEWAY, DNS = "10.0.0.1", "10.0.0.3"  # where QEMU's user-mode network answers
 ADDRESSES = {"eni": "10.0.0.50", "netplan": "10.0.0.51"}
+# The second NIC's network: QEMU answers there at .2; the guests have no gateway there.
+NETWORK2, HOST2 = "10.0.20.0/24", "10.0.20.2"
+ADDRESSES2 = {"eni": "10.0.20.50", "netplan": "10.0.20.51"}
 BOOT_SECONDS = 480.0  # TCG, two guests on two cores shared with other work
+
+
+@dataclass(frozen=True)
+class Client:
+    """What the real ssh client logs in with: the user's key and a known_hosts file
+    holding only the host CA's line."""
+
+    identity: Path
+    known_hosts: Path
 
 
 @dataclass(frozen=True)
@@ -60,14 +90,31 @@ class Written:
 
     variant: image.Variant
     identity: Identity
+    ref: VMRef
     vm_id: str
     mac: str
     guestinfo: dict[str, str]  # every `guestinfo.*` key of the clone's extraConfig
+    mac2: str  # the second NIC's, vCenter's too
 
 
 @pytest.fixture(name="images")
 def images_fixture() -> dict[str, Path]:
     return {v.name: support.require_image(v) for v in (image.ENI, image.NETPLAN)}
+
+
+def certified(ident: Identity, ca: HostCA) -> Identity:
+    """`ident` with the host certificate of its chosen key, signed as deploybot signs it:
+    for the name, the FQDN and the address, from five minutes ago."""
+    assert ident.host_key is not None
+    now = datetime.now(UTC)
+    line = ca.sign(
+        ident.host_key.public,
+        principals=[ident.hostname, written_guestinfo.fqdn(ident), str(ident.address.ip)],
+        valid_after=now - timedelta(minutes=5),
+        valid_before=now + timedelta(days=1),
+        key_id=f"deploybot:test:{ident.hostname}",
+    )
+    return replace(ident, host_certificate=line)
 
 
 def identity(variant: str, key: str) -> Identity:
@@ -82,6 +129,8 @@ def identity(variant: str, key: str) -> Identity:
         upgrade=False,  # no mirror to upgrade from
         cores=1,
         memory_mib=1024,
+        host_key=new_host_key(),  # what a deploy's identity step gives a ChoosesHostKeys backend
+        more_nics=(Nic(ipaddress.IPv4Interface(f"{ADDRESSES2[variant]}/24")),),
     )
 
 
@@ -92,17 +141,24 @@ async def clone_on_vcsim(lab: Simulated, identities: dict[str, Identity]) -> lis
     written = []
     try:
         for number, (variant, ident) in enumerate(identities.items(), start=1):
-            spec = CloneSpec(f"jvsrg{number:02d}", ident.hostname, TEMPLATE, identity=ident)
+            spec = CloneSpec(
+                f"jvsrg{number:02d}",
+                ident.hostname,
+                TEMPLATE,
+                identity=ident,
+                more_nics=ident.more_nics,
+            )
             ref = await backend.prepare_clone(spec)
             await backend.clone(spec, ref)
             await backend.apply_identity(ref, ident)
             vm = lab.sim.vm(ref.vm_id)
             card = vim.vm.device.VirtualEthernetCard
-            nic = next(d for d in vm.config.hardware.device if isinstance(d, card))
+            nic, nic2 = [d for d in vm.config.hardware.device if isinstance(d, card)]
             extra = lab.sim.extra(vm)
             guestinfo = {k: v for k, v in extra.items() if k.startswith("guestinfo.")}
+            mac, mac2 = str(nic.macAddress), str(nic2.macAddress)
             written.append(
-                Written(image.VARIANTS[variant], ident, ref.vm_id, str(nic.macAddress), guestinfo)
+                Written(image.VARIANTS[variant], ident, ref, ref.vm_id, mac, guestinfo, mac2)
             )
     finally:
         await backend.close()
@@ -145,15 +201,28 @@ class Seen:
     fqdn: str = ""
     authorized_keys: str = ""
     net: support.NetView | None = None
+    net2: support.NetView | None = None  # the second NIC's
     rendered: str = ""  # what the renderer wrote
     dns: str = ""  # netplan: resolved's upstream servers and domains for the NIC
     system: str = ""  # `systemctl is-system-running --wait`
     failed: str = ""  # `systemctl --failed`
     network_unit: str = ""  # the unit that brings the NIC up and waits for it: its state
     warnings: list[str] | None = None  # cloud-init's WARNING lines
+    presented: str = ""  # the host key sshd showed this test's login
+    openssh: tuple[int, str] = (-1, "")  # the real ssh client's login: exit code, stderr
+    probed: str | None = None  # the host key the backend's SSH check read (probe_ssh)
+    key_files: str = ""  # /etc/ssh/ssh_host_*_key.pub
+    ed25519: str = ""  # /etc/ssh/ssh_host_ed25519_key.pub
 
 
-async def boot(written: Written, folder: Path, workdir: Path, key: asyncssh.SSHKey) -> Seen:
+async def boot(
+    written: Written,
+    folder: Path,
+    workdir: Path,
+    key: asyncssh.SSHKey,
+    backend: VSphereBackend,
+    client: Client,
+) -> Seen:
     seen = Seen(written)
     guest = qemu.Guest(
         image=folder,
@@ -165,6 +234,7 @@ async def boot(written: Written, folder: Path, workdir: Path, key: asyncssh.SSHK
         dns=DNS,
         cpus=1,  # two guests on two cores
         append=cmdline(written.guestinfo),
+        more_nics=(qemu.MoreNic(written.mac2, NETWORK2, HOST2),),
     )
     guest.start()
     try:
@@ -172,7 +242,17 @@ async def boot(written: Written, folder: Path, workdir: Path, key: asyncssh.SSHK
         conn = await support.ssh_login(guest, USER, key, guest.started + BOOT_SECONDS)
         seen.ssh_up = time.monotonic() - guest.started
         async with conn:
+            server_key = conn.get_server_host_key()
+            assert server_key is not None
+            seen.presented = public_line(server_key)
             await observe(conn, seen, guest.started)
+        local = ipaddress.IPv4Address("127.0.0.1")  # the forward to the guest's port 22
+        seen.probed = await backend.probe_ssh(written.ref, local, guest.ssh_port)
+        seen.openssh = await openssh.login(
+            None, user=USER, host=written_guestinfo.fqdn(written.identity),
+            address=str(local), port=guest.ssh_port,
+            identity=client.identity, known_hosts=client.known_hosts,
+        )  # fmt: skip
         return seen
     finally:
         guest.stop()
@@ -191,6 +271,7 @@ async def observe(conn: asyncssh.SSHClientConnection, seen: Seen, started: float
     seen.fqdn = await out("hostname --fqdn")
     seen.authorized_keys = await out("cat ~/.ssh/authorized_keys")
     seen.net = await support.net_view(conn, seen.written.mac)
+    seen.net2 = await support.net_view(conn, seen.written.mac2)
     if seen.written.variant is image.NETPLAN:
         seen.rendered = await out("cat /etc/netplan/50-cloud-init.yaml")
         seen.dns = await out(f"resolvectl dns {seen.net.nic}; resolvectl domain {seen.net.nic}")
@@ -205,6 +286,9 @@ async def observe(conn: asyncssh.SSHClientConnection, seen: Seen, started: float
     seen.network_unit = await out(f"systemctl show -p {props} {unit}")
     log = await out("sudo -n grep -F '[WARNING]' /var/log/cloud-init.log || true")
     seen.warnings = log.splitlines()
+    seen.key_files = await out("ls /etc/ssh/ssh_host_*_key.pub")
+    # cloud-init 22.4 writes an `ssh_keys` public key 0600 (cc_ssh's CONFIG_KEY_TO_FILE).
+    seen.ed25519 = await out("sudo -n cat /etc/ssh/ssh_host_ed25519_key.pub")
 
 
 def check(seen: Seen, public: str) -> None:
@@ -223,16 +307,23 @@ def check(seen: Seen, public: str) -> None:
     assert net.nic == "eth0", net  # cloud-init renamed the NIC with vCenter's MAC
     assert f"inet {ident.address.with_prefixlen}" in net.addresses, net
     assert f"default via {GATEWAY} dev eth0" in net.routes, net
+    # The second NIC: renamed eth1 by its MAC, its address, no default route through it.
+    assert seen.net2 is not None and seen.net2.nic == "eth1", seen.net2
+    assert f"inet {ident.more_nics[0].address.with_prefixlen}" in seen.net2.addresses
+    defaults = [r.split()[:5] for r in net.routes.splitlines() if r.startswith("default")]
+    assert defaults == [["default", "via", GATEWAY, "dev", "eth0"]], net.routes
     search = [line for line in net.resolv if line.split()[:1] == ["search"]]
     assert search and DOMAIN in search[0].split(), net.resolv
     if w.variant is image.NETPLAN:
         # netplan matches the MAC and sets the name; resolved has the DNS for the NIC.
         assert f"macaddress: {w.mac}" in seen.rendered and "set-name: eth0" in seen.rendered
+        assert f"macaddress: {w.mac2}" in seen.rendered and "set-name: eth1" in seen.rendered
         assert "nameserver 127.0.0.53" in net.resolv, net.resolv  # resolved's stub
         assert DNS in seen.dns and DOMAIN in seen.dns, seen.dns
     else:
         assert "iface eth0 inet static" in seen.rendered, seen.rendered
         assert f'ATTR{{address}}=="{w.mac}", NAME="eth0"' in seen.rendered, seen.rendered
+        assert f'ATTR{{address}}=="{w.mac2}", NAME="eth1"' in seen.rendered, seen.rendered
         assert f"nameserver {DNS}" in net.resolv, net.resolv
     assert seen.system.strip() == "running", (seen.system, seen.failed)
     assert seen.failed == "", seen.failed
@@ -247,6 +338,42 @@ def check(seen: Seen, public: str) -> None:
         if "while trying to set guestinfo key=local-" not in line
     ]
     assert unexpected == [], unexpected
+
+
+def check_host_key(seen: Seen) -> None:
+    """The guest's sshd presents exactly the key deploybot chose, to any client, and
+    the guest has no other host key (cloud-init's `ssh_keys` with `ssh_deletekeys`)."""
+    pair = seen.written.identity.host_key
+    assert pair is not None
+    chosen = fingerprint(pair.public)
+    assert fingerprint(seen.presented) == chosen, (seen.presented, pair.public)
+    assert seen.probed == pair.public, (seen.probed, pair.public)
+    assert " ".join(seen.ed25519.split()[:2]) == pair.public, (seen.ed25519, pair.public)
+    assert seen.key_files.split() == ["/etc/ssh/ssh_host_ed25519_key.pub"], seen.key_files
+    # Its certificate, from the cloud-config, makes the @cert-authority line enough.
+    code, err = seen.openssh
+    assert code == 0, err
+
+
+async def forget_host_keys(lab: Simulated, written: list[Written]) -> None:
+    """What a deploy does once SSH answered with the chosen key: the backend blanks the
+    private key in guestinfo; read back through the API, no extraConfig value holds one."""
+    backend = lab.sim.backend()
+    try:
+        for w in written:
+            await backend.forget_host_key(w.ref)
+            assert not await backend.holds_host_key(w.ref)
+            extra = lab.sim.extra(lab.sim.vm(w.vm_id))
+            assert not extra.get(written_guestinfo.USERDATA_KEY), extra
+            for key, value in extra.items():
+                encoding = extra.get(f"{key}.encoding") or None
+                text = written_guestinfo.read(value, encoding) if value else ""
+                assert not written_guestinfo.holds_private_key(text), key
+            # What the guest booted from is still there: only the user-data went.
+            metadata = written_guestinfo.METADATA_KEY
+            assert extra[metadata] == w.guestinfo[metadata]
+    finally:
+        await backend.close()
 
 
 def network_unit_s(seen: Seen) -> float:
@@ -265,26 +392,45 @@ async def test_vsphere_guestinfo_on_real_guests(
 ) -> None:
     key = asyncssh.generate_private_key("ssh-ed25519")
     public = key.export_public_key().decode().strip()
-    identities = {name: identity(name, public) for name in images}
+    ca = HostCA(asyncssh.generate_private_key("ssh-ed25519"), [f"*.{DOMAIN}"], 1, "this test")
+    identities = {name: certified(identity(name, public), ca) for name in images}
+    client = Client(tmp_path / "id_ed25519", tmp_path / "known_hosts")
+    key.write_private_key(str(client.identity))
+    client.identity.chmod(0o600)
+    client.known_hosts.write_text(ca.authority_line() + "\n", encoding="utf-8")
+    # vcsim runs on through the boots: the host keys are forgotten once SSH answered.
     with simulator(vcsim_binary, vcsim_tls, tmp_path, esx=False) as lab:
         written = await clone_on_vcsim(lab, identities)
 
-    lines = []
-    for w in written:
-        assert {"guestinfo.metadata", "guestinfo.userdata"} <= set(w.guestinfo), w.guestinfo
-        length = len(f"{qemu.BASE_CMDLINE} {cmdline(w.guestinfo)}")
-        limit = qemu.cmdline_size(images[w.variant.name])
-        sizes = ", ".join(f"{k} {len(v)}" for k, v in sorted(w.guestinfo.items()))
-        lines.append(f"{w.variant.name}: kernel command line {length} of {limit} bytes ({sizes})")
-        assert length <= limit, lines[-1]
+        lines = []
+        for w in written:
+            assert {"guestinfo.metadata", "guestinfo.userdata"} <= set(w.guestinfo), w.guestinfo
+            assert written_guestinfo.holds_private_key(document(w.guestinfo, "userdata"))
+            length = len(f"{qemu.BASE_CMDLINE} {cmdline(w.guestinfo)}")
+            limit = qemu.cmdline_size(images[w.variant.name])
+            sizes = ", ".join(f"{k} {len(v)}" for k, v in sorted(w.guestinfo.items()))
+            lines.append(
+                f"{w.variant.name}: kernel command line {length} of {limit} bytes ({sizes})"
+            )
+            assert length <= limit, lines[-1]
 
-    results: list[Any] = await asyncio.gather(
-        *(boot(w, images[w.variant.name], tmp_path / w.variant.name, key) for w in written),
-        return_exceptions=True,
-    )
-    for result in results:
-        if isinstance(result, BaseException):
-            raise result
+        checker = lab.sim.backend()  # its SSH check, as a deploy's ssh step runs it
+        try:
+            results: list[Any] = await asyncio.gather(
+                *(
+                    boot(w, images[w.variant.name], tmp_path / w.variant.name, key, checker, client)
+                    for w in written
+                ),
+                return_exceptions=True,
+            )
+        finally:
+            await checker.close()
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        for seen in results:
+            check_host_key(seen)
+        await forget_host_keys(lab, written)
     for seen in results:
         check(seen, public)
         lines.append(

@@ -11,6 +11,7 @@ import pytest
 
 from bot.models import utcnow
 from bot.models.builds import Build, BuildState
+from bot.models.plans import KeptPlan
 from store.db import DuplicateActive, Store
 from tests.support.postgres import PASSWORD_ENV
 
@@ -89,3 +90,27 @@ async def test_abandoned_builds_are_those_whose_lease_lapsed(store: Store) -> No
     for b in (live, dead):
         await store.builds.move(b.id, [BuildState.QUEUED], BuildState.RUNNING)
     assert [b.id for b in await store.builds.abandoned(now)] == [dead.id]
+
+
+async def test_the_builds_a_migration_must_not_start_again(store: Store) -> None:
+    """`of_profiles`: in flight or published builds of these profiles on one backend,
+    newest first (a failed or retired one is no reason not to build again)."""
+    failed = await store.builds.insert(build("debian-12"))
+    await store.builds.move(failed.id, [BuildState.QUEUED], BuildState.CANCELLED)
+    published = await store.builds.insert(build("debian-12"))
+    await store.builds.move(published.id, [BuildState.QUEUED], BuildState.RUNNING)
+    await store.builds.move(published.id, [BuildState.RUNNING], BuildState.PUBLISHED)
+    other = await store.builds.insert(build("alma", profile="alma-9"))
+    await store.builds.insert(build("debian-12", backend="elsewhere"))
+    found = await store.builds.of_profiles("pve", ["debian-12", "alma-9"])
+    assert [b.id for b in found] == [other.id, published.id]
+    assert await store.builds.of_profiles("pve", []) == []
+
+
+async def test_a_migration_plan_is_kept_and_read_back_by_id(store: Store) -> None:
+    kept = await store.migration_plans.keep(
+        KeptPlan(digest="sha256:" + "ab" * 32, document='{"a": "é"}', created_by="bob")
+    )
+    again = await store.migration_plans.get(kept.id)
+    assert again == kept
+    assert await store.migration_plans.get("mnotaplan2") is None

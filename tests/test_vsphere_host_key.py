@@ -18,7 +18,7 @@ from backends.base import NotOurVM, PermanentError
 from backends.vsphere import VSphereBackend
 from backends.vsphere.guestinfo import userdata
 from tests.support.contract import IDENTITY
-from tests.support.hostkeys import chosen_host_key
+from tests.support.hostkeys import chosen_host_key, host_certificate
 from tests.support.vsphere.pipeline import cloned
 from tests.support.vsphere.simulator import (
     Simulated,
@@ -42,6 +42,26 @@ def test_the_user_data_carries_the_chosen_pair_and_deletes_the_images_keys() -> 
     assert document["ssh_deletekeys"] is True
     plain = userdata(IDENTITY)
     assert "ssh_keys" not in plain and "ssh_deletekeys" not in plain
+
+
+def test_the_host_certificate_rides_with_the_pair_it_certifies() -> None:
+    """cloud-init's `ssh_keys: ed25519_certificate` (cc_ssh writes it and sets sshd's
+    HostCertificate: tests/test_cloudinit_renderers.py runs it); a certificate of another
+    key, a damaged line or one without the chosen key is deploybot's fault, refused."""
+    pair = chosen_host_key()
+    certificate = host_certificate(pair.public)
+    document = userdata(dataclasses.replace(IDENTITY, host_key=pair, host_certificate=certificate))
+    assert document["ssh_keys"]["ed25519_certificate"] == certificate + "\n"
+    assert set(document["ssh_keys"]) == {"ed25519_private", "ed25519_public", "ed25519_certificate"}
+    for bad, why in (
+        (host_certificate(chosen_host_key().public), "does not certify the host key"),
+        (certificate + "\nssh-ed25519 AAAAsmuggled", "not one ssh-ed25519-cert-v01"),
+        (pair.public, "not one ssh-ed25519-cert-v01"),
+    ):
+        with pytest.raises(PermanentError, match=why):
+            userdata(dataclasses.replace(IDENTITY, host_key=pair, host_certificate=bad))
+    with pytest.raises(PermanentError, match="without the host key it certifies"):
+        userdata(dataclasses.replace(IDENTITY, host_certificate=certificate))
 
 
 def test_a_damaged_pair_is_refused_without_quoting_it() -> None:

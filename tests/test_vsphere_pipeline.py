@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import asyncssh
 import pytest
 from pyVmomi import vim
 
@@ -53,6 +54,27 @@ async def sshd() -> AsyncIterator[Sshd]:
     await listeners.listen("127.0.20.50")
     yield listeners
     await listeners.close()
+
+
+async def test_an_impostor_on_the_address_fails_the_deploy_and_rolls_back(
+    vcenter: Simulated, sshd: Sshd, tmp_path: Path
+) -> None:
+    """Something else answers on the new VM's address with its own host key: not the one
+    deploybot chose and put into the VM's cloud-config, so the deploy fails at the SSH
+    check naming both fingerprints, and the VM is rolled back (issue 28)."""
+    impostor = asyncssh.generate_private_key("ssh-ed25519")
+    sshd.impostors["127.0.20.50"] = impostor.export_private_key().decode()
+    async with deployer_for(vsphere_settings(tmp_path, vcenter, sshd)) as (deployer, _b):
+        job = await deploy(deployer, "web01 127.0.20.50")
+    assert job.state is JobState.FAILED and job.failed_step == "ssh", job.error
+    assert job.error is not None
+    theirs = impostor.get_fingerprint("sha256")
+    assert f"127.0.20.50 answered with host key {theirs}" in job.error
+    assert "chosen by deploybot" in job.error and "interception" in job.error
+    assert job.error.count("SHA256:") == 2
+    assert sshd.accepted["127.0.20.50"] >= 1
+    assert job.vm_id is not None and job.vm_id not in vcenter.sim.vms()  # rolled back
+    assert "web01" not in vcenter.sim.vms().values()
 
 
 class StepCalls:

@@ -52,7 +52,7 @@ from backends.base import (
 )
 from backends.building import BuildPlan, BuildTarget, TemplateVersion
 from backends.config import BackendConfig
-from backends.proxmox import hostkeys, privileges, rollback
+from backends.proxmox import certificates, hostkeys, privileges, rollback
 from backends.proxmox.addresses import AddressSweep
 from backends.proxmox.agent import AgentWaits
 from backends.proxmox.api import PveApi
@@ -106,6 +106,7 @@ def create(
 class ProxmoxBackend:
     image_platform: str | None = "proxmox"  # bot/images prepares a NoCloud-ready qcow2
     host_keys_through = "the QEMU guest agent"  # ReadsHostKeys: see `host_keys`
+    certificates_through = "the QEMU guest agent"  # InstallsHostCertificates
 
     def __init__(self, config: Config, api: PveApi, pacing: Pacing | None = None) -> None:
         self.name = config.name
@@ -167,7 +168,9 @@ class ProxmoxBackend:
         `NoSuchTemplate` when there is no such template (the paths asked depend on it)."""
         found = await self.inventory.template(template)
         release = await self.inventory.release()
-        return await privileges.missing(self.api, self.config, found, release, segments)
+        return await privileges.missing(
+            self.api, self.config, found, release, segments, certificates=certificates
+        )
 
     async def storages(self, placement: str | None = None) -> list[Storage]:
         node = placement or await self.inventory.default_node()
@@ -229,6 +232,11 @@ class ProxmoxBackend:
         built by installation `ours`)."""
         return await self.address_sweep.addresses(ours)
 
+    async def macs_in_use(self) -> dict[str, str]:
+        """`KnowsMacs`: every VM's `netN` MACs, reusing the configs the address sweep read
+        (`AddressSweep.macs`): a config read per VM it left out, none per VM it read."""
+        return await self.address_sweep.macs()
+
     async def _locate(self, ref: VMRef) -> str:
         """The node a ref names, once it is clear the ref was made on this cluster."""
         node, _, cluster = (ref.placement or "").partition("@")
@@ -279,10 +287,13 @@ class ProxmoxBackend:
         return VMRef(str(vmid), spec.job_id, placement, spec.installation)
 
     async def _segment_fits(self, spec: CloneSpec, node: str) -> None:
-        """The subnet's bridge is on the node and carries its VLAN (`segments`); asked
-        only of a deploy whose subnet has a segment (else the template's bridge stays)."""
-        if spec.segment is not None:
-            await self.bridges.check(spec.segment, node, self.name)
+        """Each NIC's bridge is on the node and carries its VLAN (`segments`); asked only
+        of NICs whose subnet has a segment (else the template's bridge stays). The
+        node's bridges are read once for all of them (`Bridges` keeps the read)."""
+        more = (n.segment for n in spec.more_nics)
+        for segment in (spec.segment, *more):
+            if segment is not None:
+                await self.bridges.check(segment, node, self.name)
 
     async def segment_problems(self, segment: Segment) -> list[str]:
         """`ChecksSegments`: the segment on every online node."""
@@ -313,6 +324,7 @@ class ProxmoxBackend:
                 self.inventory.profile(family).nic_model,
                 identity.network or self.config.bridge,
                 identity.segment,
+                identity.mac,
             ),
             release=await self.inventory.release(),
         )
@@ -389,6 +401,14 @@ class ProxmoxBackend:
         node, _config = await self._owned(ref)
         release = await self.inventory.release()
         return await hostkeys.read(self.api, node, ref.vm_id, release, privileges.who(self.config))
+
+    async def install_host_certificate(self, ref: VMRef, certificate: str) -> str | None:
+        """The certificate written next to its key and sshd reloaded, through the guest
+        agent's file-write and exec (`certificates`; `InstallsHostCertificates`)."""
+        node, _config = await self._owned(ref)
+        release = await self.inventory.release()
+        account = privileges.who(self.config)
+        return await certificates.install(self.api, node, ref.vm_id, certificate, release, account)
 
     async def probe_ssh(self, ref: VMRef, address: ipaddress.IPv4Address, port: int) -> str | None:
         return await self._ssh.probe(address, port)

@@ -23,6 +23,11 @@ That is a request or two per VM, so:
   taken out of the kept answer (and of a sweep running then), so its address is free
   at once.
 
+The same configs give every VM's MACs (`netN`) for the check of a fixed `mac=`
+(`macs`): each config a sweep read within `addresses_cache_s` is reused, so a MAC check
+right after the address check reads only the configs that one left out (this
+installation's own VMs).
+
 A guest agent that is silent, not running or not configured is just "no reported
 addresses" (a guest's business, not an error); the API not answering, or refusing a
 read (403: the agent needs VM.GuestAgent.Audit, before PVE 9 VM.Monitor), fails the
@@ -52,6 +57,8 @@ from backends.tags import parse_tag
 
 log = logging.getLogger(__name__)
 _IPCONFIG = re.compile(r"ipconfig\d+")
+_NET = re.compile(r"net\d+")
+_MAC = re.compile(r"[0-9a-f]{2}(?::[0-9a-f]{2}){5}")
 AGENT = "guest agent"
 
 
@@ -70,6 +77,18 @@ def configured(config: dict[str, Any]) -> list[tuple[ipaddress.IPv4Address, str]
             if listable(ip):
                 found.append((ip, key))
     return found
+
+
+def macs_of(config: dict[str, Any]) -> frozenset[str]:
+    """The MACs (lower-case) of a config's `netN` lines, in either spelling
+    (`virtio=BC:24:11:..,...` or `model=virtio,macaddr=BC:24:11:..,...`)."""
+    found: set[str] = set()
+    for key in (k for k in config if _NET.fullmatch(k)):
+        for part in str(config[key]).split(","):
+            value = part.partition("=")[2].strip().lower()
+            if _MAC.fullmatch(value):
+                found.add(value)
+    return frozenset(found)
 
 
 def _reachable(vms: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -127,6 +146,8 @@ class AddressSweep:
         self._flight: asyncio.Future[list[AddressUse]] | None = None
         self._forgotten: dict[str, float] = {}  # VM id -> when this process destroyed it
         self._ours: str | None = None  # the installation whose VMs the kept answer left out
+        # VM id -> when its config was read, its name and MACs (`macs` reuses them).
+        self._configs: dict[str, tuple[float, str, frozenset[str]]] = {}
 
     def _fresh(self, ours: str | None) -> list[AddressUse] | None:
         if self._answer is None or self._ours != ours:
@@ -137,6 +158,7 @@ class AddressSweep:
     def forget(self, vm_id: str) -> None:
         """This process destroyed the VM: its addresses are free now."""
         self._forgotten[vm_id] = self.clock()
+        self._configs.pop(vm_id, None)
         if self._answer is not None:
             began, uses = self._answer
             self._answer = (began, [u for u in uses if u.vm_id != vm_id])
@@ -189,6 +211,7 @@ class AddressSweep:
         if config is None:
             return []  # destroyed since the listing (or migrating: its config moves last)
         name = str(config.get("name") or item.get("name") or vm_id)
+        self._configs[vm_id] = (self.clock(), name, macs_of(config))
         uses = {ip: AddressUse(ip, vm_id, name, key) for ip, key in configured(config)}
         if item.get("status") == "running" and agent_enabled(config):
             async with limit:
@@ -196,6 +219,34 @@ class AddressSweep:
             for ip in reported:
                 uses.setdefault(ip, AddressUse(ip, vm_id, name, AGENT))
         return list(uses.values())
+
+    async def macs(self) -> dict[str, str]:
+        """Every VM's MACs (templates left out) -> "name (id)": the configs read within
+        `cache_s` (by a sweep or an earlier call) reused, the others read now, at most
+        `parallel` at once. Complete or raising, as `addresses`."""
+        vms = [
+            i
+            for i in _reachable(await self.inventory.vms(LISTING_REUSE_S))
+            if i.get("template") not in (1, "1", True)
+        ]
+        limit = asyncio.Semaphore(self.parallel)
+        found = await asyncio.gather(*(self._macs_of(item, limit) for item in vms))
+        return {mac: f"{name} ({vm_id})" for vm_id, name, macs in found for mac in sorted(macs)}
+
+    async def _macs_of(
+        self, item: dict[str, Any], limit: asyncio.Semaphore
+    ) -> tuple[str, str, frozenset[str]]:
+        vm_id, node = str(item["vmid"]), str(item["node"])
+        kept = self._configs.get(vm_id)
+        if kept is not None and self.clock() - kept[0] < self.cache_s:
+            return vm_id, kept[1], kept[2]
+        async with limit:
+            config = await self.inventory.vm_config(node, vm_id)
+        if config is None:
+            return vm_id, "", frozenset()  # destroyed since the listing
+        name = str(config.get("name") or item.get("name") or vm_id)
+        self._configs[vm_id] = (self.clock(), name, macs_of(config))
+        return vm_id, name, self._configs[vm_id][2]
 
     async def _agent(self, node: str, vm_id: str) -> list[ipaddress.IPv4Address]:
         """What the guest agent reports; nothing when it does not answer. Proxmox

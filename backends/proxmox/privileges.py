@@ -7,19 +7,23 @@ on the target storage), config (cloud-init, network, CPU, memory, tags), resize,
 destroy on rollback, and the guest agent's reads (its address; the SSH host keys with
 file-read), whose privileges depend on the release (`hostkeys`: `VM.Monitor` before
 PVE 9, `VM.GuestAgent.Audit` and `VM.GuestAgent.FileRead` from 9.0, where
-`VM.GuestAgent.Unrestricted` does as well). The new VM's id is not known in advance, so
-its privileges are asked on /vms, from which /vms/<id> inherits. PVE 8 checks `SDN.Use`
-on /sdn/zones/localnetwork/<bridge> for a plain bridge too.
+`VM.GuestAgent.Unrestricted` does as well); with host certificates the agent's
+file-write and exec (`certificates`: `VM.Monitor` before PVE 9, from 9.0
+`VM.GuestAgent.FileWrite` and `VM.GuestAgent.Unrestricted`). The new VM's id is not
+known in advance, so its privileges are asked on /vms, from which /vms/<id> inherits.
+PVE 8 checks `SDN.Use` on /sdn/zones/localnetwork/<bridge> for a plain bridge too.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from backends.base import MissingPrivilege, Segment
 from backends.proxmox.api import PveApi
+from backends.proxmox.certificates import exec_privilege, write_privilege
 from backends.proxmox.config import Config
 from backends.proxmox.hostkeys import (
     GUEST_AGENT_PRIVILEGES_SINCE,
@@ -43,10 +47,13 @@ def needs(
     template: TemplateInfo,
     release: tuple[int, int],
     segments: Sequence[Segment] = (),
+    *,
+    certificates: bool = False,
 ) -> list[Need]:
     """What the deploy steps need, on the paths they use for this template, on the
     server's release (`release`: its major, minor), for NICs on `segments` (none given:
-    the configured `bridge`, if any)."""
+    the configured `bridge`, if any); with `certificates`, also what installing a host
+    certificate through the agent needs (`certificates`)."""
     new = "/vms"
     agent = (UNRESTRICTED,) if release >= GUEST_AGENT_PRIVILEGES_SINCE else ()
     storage = config.storage or template.disk.storage
@@ -69,6 +76,20 @@ def needs(
             agent,
         ),
     ]
+    if certificates:
+        found += [
+            Need(
+                new,
+                write_privilege(release),
+                "write the SSH host certificate through the guest agent (file-write)",
+                agent,
+            ),
+            Need(
+                new,
+                exec_privilege(release),
+                "reload sshd with the host certificate through the guest agent (exec)",
+            ),
+        ]
     if storage:
         found.append(Need(f"/storage/{storage}", "Datastore.AllocateSpace", "copy the disk"))
     for segment in segments or ([Segment(config.bridge)] if config.bridge else []):
@@ -97,15 +118,21 @@ async def missing(
     template: TemplateInfo,
     release: tuple[int, int],
     segments: Sequence[Segment] = (),
+    *,
+    certificates: bool = False,
 ) -> list[MissingPrivilege]:
     """The privileges the deploy steps need and the token or user lacks, path by path
-    (each path asked once: PVE computes the inherited set for it)."""
-    wanted = needs(config, template, release, segments)
-    held: dict[str, set[str]] = {}
-    for path in dict.fromkeys(n.path for n in wanted):
-        answer: Any = await api.call("GET", "access/permissions", "permissions", {"path": path})
-        privileges = answer.get(path, {}) if isinstance(answer, dict) else {}
-        held[path] = set(privileges)
+    (each path asked once, all at once: PVE computes the inherited set for each, and a
+    deploy's check_free waits for them)."""
+    wanted = needs(config, template, release, segments, certificates=certificates)
+    paths = list(dict.fromkeys(n.path for n in wanted))
+    answers: list[Any] = await asyncio.gather(
+        *(api.call("GET", "access/permissions", "permissions", {"path": p}) for p in paths)
+    )
+    held = {
+        path: set(answer.get(path, {}) if isinstance(answer, dict) else {})
+        for path, answer in zip(paths, answers, strict=True)
+    }
     return [
         MissingPrivilege(n.privilege, n.path, n.step, who(config))
         for n in wanted

@@ -199,7 +199,11 @@ def size_text(size_bytes: int) -> str:
 
 
 def nic_with(
-    net0: str | None, model: str | None, bridge: str | None, segment: Segment | None = None
+    net0: str | None,
+    model: str | None,
+    bridge: str | None,
+    segment: Segment | None = None,
+    mac: str | None = None,
 ) -> str | None:
     """`net0` with the profile's NIC model (None: the template's), keeping the MAC; None
     when nothing would change. Both spellings are read: `virtio=<MAC>,...` (what Proxmox
@@ -209,17 +213,19 @@ def nic_with(
     when the segment has no VLAN: the template's tag would put it on another one) and
     `firewall` written as `virtio=MAC,bridge=vmbr0,tag=20,firewall=0`, the template's
     other options (rate, mtu, queues, ...) after them. Without one, only the configured
-    `bridge` replaces the template's (None: kept) and every other option stays."""
+    `bridge` replaces the template's (None: kept) and every other option stays. A fixed
+    `mac` replaces the clone's (written upper-case, as Proxmox writes its own)."""
     if not net0:
         return None
     parts = net0.split(",")
     head, rest = parts[0], parts[1:]
-    current, _, mac = head.partition("=")
+    current, _, had = head.partition("=")
     options = dict(p.split("=", 1) for p in rest if "=" in p)
     if current == "model":
-        current, mac = mac, options.pop("macaddr", "")
+        current, had = had, options.pop("macaddr", "")
     if current not in _NIC_MODELS:
         return None  # not a NIC line this reads: leave the template's choice alone
+    new_mac = mac.upper() if mac else had
     new_model = model or current
     placed = dict(options)
     if segment is not None:
@@ -229,9 +235,10 @@ def nic_with(
         placed = {k: v for k, v in where.items() if v is not None} | rest_of
     elif bridge:
         placed["bridge"] = bridge
-    if new_model == current and list(placed.items()) == list(options.items()):
+    same_mac = new_mac.upper() == had.upper()
+    if new_model == current and same_mac and list(placed.items()) == list(options.items()):
         return None
-    head = f"{new_model}={mac}" if mac else new_model
+    head = f"{new_model}={new_mac}" if new_mac else new_model
     return ",".join([head, *(f"{k}={v}" for k, v in placed.items())])
 
 

@@ -94,6 +94,7 @@ from backends.sim.vm import (
     SimNetwork,
     SimTiming,
     SimVM,
+    sim_mac,
 )
 from backends.sshcheck import new_host_key
 from backends.tags import job_marks
@@ -277,7 +278,8 @@ class Simulator:
             raise PermanentError(
                 f"{placement!r} is not a node of {self.name} (have: {', '.join(self._placements)})"
             )
-        self._check_nic(spec.nic, placement)
+        for nic in (spec.nic, *(n.segment for n in spec.more_nics)):
+            self._check_nic(nic, placement)
         return VMRef(self.inventory.new_id(), spec.job_id, placement, spec.installation)
 
     async def segment_problems(self, segment: Segment) -> list[str]:
@@ -336,6 +338,7 @@ class Simulator:
             lock="clone",
             lock_owner=self.inventory.owner,
             host_key=new_host_key().public,  # its own, as a guest makes one at first boot
+            macs=(spec.mac or sim_mac(ref.vm_id, 0),),
         )
         with self.inventory.transaction():  # and again where it is taken, under the file's lock
             if ref.vm_id in self.vms:
@@ -355,6 +358,9 @@ class Simulator:
             # The private key stays only in the stored user-data (as vSphere's guestinfo);
             # cloud-init installs the pair, so its sshd presents the chosen key.
             vm.identity = dataclasses.replace(identity, host_key=None)
+            first = identity.mac or (vm.macs[0] if vm.macs else sim_mac(vm.vm_id, 0))
+            more = [n.mac or sim_mac(vm.vm_id, i) for i, n in enumerate(identity.more_nics, 1)]
+            vm.macs = (first.lower(), *(m.lower() for m in more))
             if identity.host_key is not None:
                 vm.host_key = identity.host_key.public
                 vm.user_data_key = identity.host_key.private_openssh
@@ -439,16 +445,15 @@ class Simulator:
         effect = Effect(vm, self.vms, remove)
         await self.tasks.run("destroy", vm.vm_id, self.timing.destroy_s, effect, fault)
 
+    async def macs_in_use(self) -> dict[str, str]:
+        """`KnowsMacs`: every NIC's MAC of every VM -> "name (id)"."""
+        self.tasks.answer()
+        return {m: f"{vm.name} ({vm.vm_id})" for vm in self.vms.values() for m in vm.macs}
+
     # --- the guests (guest.py) ----------------------------------------------------
 
     async def addresses_in_use(self, ours: str | None = None) -> list[AddressUse]:
         return await self.guests.addresses_in_use(ours)
-
-    async def macs_in_use(self) -> dict[str, str]:
-        """`KnowsMacs`: every NIC's MAC of every VM -> "name (id N)"."""
-        self.tasks.answer()
-        await self.tasks.query_fault("macs_in_use")
-        return {mac: f"{vm.name} (id {vm.vm_id})" for vm in self.vms.values() for mac in vm.macs}
 
     async def wait_for_address(
         self, ref: VMRef, expected: ipaddress.IPv4Address | None

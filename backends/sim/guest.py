@@ -42,6 +42,8 @@ class Guests:
             seen = [(vm.address, "configured")]
             if vm.identity is not None:
                 seen.insert(0, (vm.identity.address.ip, "identity"))
+                more = vm.identity.more_nics
+                seen[1:1] = [(n.address.ip, f"identity, NIC {i}") for i, n in enumerate(more, 2)]
             for ip, source in seen:
                 if ip is not None and listable(ip):
                     found.setdefault((vm.vm_id, ip), AddressUse(ip, vm.vm_id, vm.name, source))
@@ -51,6 +53,8 @@ class Guests:
         interfaces = [("lo", "127.0.0.1"), ("ens18", "fe80::be24:11ff:fe4c:1a2b")]
         if vm.identity is not None:
             interfaces.append(("ens18", str(vm.identity.address.ip)))
+            more = vm.identity.more_nics
+            interfaces += [(f"ens{19 + i}", str(n.address.ip)) for i, n in enumerate(more)]
         interfaces.append(("docker0", "172.17.0.1"))
         return interfaces
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import ipaddress
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from backends.base import Identity, Segment, Template, VMInfo
+from backends.base import Identity, Nic, Segment, Template, VMInfo
 from backends.config import BackendConfig
 
 FaultKind = Literal["error", "hang", "crash", "flaky", "outage", "impostor", "rekeyed"]
@@ -88,8 +89,8 @@ class SimVM:
     # The host certificate its sshd presents beside `host_key` (HostCertificate): the one
     # deploybot's host CA signed, installed through the agent or with the chosen key.
     host_certificate: str | None = None
-    # Its NICs' MAC addresses (lower-case), net0's first: a VM built by hand has those
-    # its owner gave (`SimBackend.add_vm`); the MAC check of a fixed `mac=` reads them.
+    # Its NICs' MACs in order (lower-case): the first made at clone (or the fixed one),
+    # the later ones when the identity adds them.
     macs: tuple[str, ...] = ()
 
     def info(self) -> VMInfo:
@@ -128,6 +129,13 @@ DEFAULT_STORAGES = (
 )
 
 
+def sim_mac(vm_id: str, index: int) -> str:
+    """The MAC the simulator gives a VM's NIC `index` (0: the first), as Proxmox would
+    (its BC:24:11 prefix): derived from the VM id, so the same VM keeps the same MACs."""
+    low = hashlib.sha256(f"{vm_id}/{index}".encode()).digest()[:3]
+    return ":".join(f"{b:02x}" for b in (0xBC, 0x24, 0x11, *low))
+
+
 def vm_to_dict(vm: SimVM) -> dict[str, Any]:
     identity = None
     if vm.identity is not None:
@@ -136,6 +144,15 @@ def vm_to_dict(vm: SimVM) -> dict[str, Any]:
             "address": str(vm.identity.address),
             "gateway": str(vm.identity.gateway),
             "dns": [str(d) for d in vm.identity.dns],
+            "more_nics": [
+                {
+                    "address": str(n.address),
+                    "gateway": str(n.gateway) if n.gateway else None,
+                    "segment": dataclasses.asdict(n.segment) if n.segment else None,
+                    "mac": n.mac,
+                }
+                for n in vm.identity.more_nics
+            ],
         }
     fields = (
         "vm_id", "name", "template", "placement", "storage", "disk_gib", "running", "lock",
@@ -163,6 +180,8 @@ def vm_from_dict(item: dict[str, Any]) -> SimVM:
                 "gateway": ipaddress.IPv4Address(raw["gateway"]),
                 "dns": tuple(ipaddress.IPv4Address(d) for d in raw["dns"]),
                 "segment": Segment(**raw["segment"]) if raw.get("segment") else None,
+                "more_nics": tuple(_nic(n) for n in raw.get("more_nics") or ()),
+                "search_domains": tuple(raw.get("search_domains") or ()),
             }
         )
     return SimVM(
@@ -182,7 +201,16 @@ def vm_from_dict(item: dict[str, Any]) -> SimVM:
         host_key=item.get("host_key"),
         user_data_key=item.get("user_data_key"),
         host_certificate=item.get("host_certificate"),
-        macs=tuple(item.get("macs", ())),
+        macs=tuple(item.get("macs") or ()),
+    )
+
+
+def _nic(raw: dict[str, Any]) -> Nic:
+    return Nic(
+        ipaddress.IPv4Interface(raw["address"]),
+        ipaddress.IPv4Address(raw["gateway"]) if raw.get("gateway") else None,
+        Segment(**raw["segment"]) if raw.get("segment") else None,
+        raw.get("mac"),
     )
 
 

@@ -17,7 +17,8 @@ sent there.
   and reconfigures only a VM that lacks them. The metadata finds the NIC by its MAC:
   a created VM's MAC is set in its spec (ESXi generates one only at power-on), a
   clone's is vCenter's, read back after the clone, when the metadata is added.
-* The SSH host key deploybot chose (`Identity.host_key`) travels in the user-data;
+* The SSH host key deploybot chose (`Identity.host_key`) travels in the user-data, with
+  its host certificate when the core's CA signed one (`Identity.host_certificate`);
   `forget_host_key` blanks guestinfo.userdata once the VM is ready (ChoosesHostKeys).
 * Session, thread pool, task waiting without polling and fault mapping:
   `session`; inventory lookups: `inventory`; specs: `specs`; what a deploy can choose
@@ -157,6 +158,8 @@ class VSphereBackend:
     async def missing_privileges(
         self, template: str, segments: Sequence[Segment] = (), *, certificates: bool = False
     ) -> list[MissingPrivilege]:
+        # A host certificate travels in the cloud-config the clone's reconfigure writes
+        # (guestinfo): it needs no privilege beyond the deploy's own.
         return await self.discovery.missing_privileges(template, segments)
 
     async def segment_problems(self, segment: Segment) -> list[str]:
@@ -249,6 +252,10 @@ class VSphereBackend:
             return named, addresses.in_use(tracked.values())
 
         return await self._session.run(work, changes=False)
+
+    async def macs_in_use(self) -> dict[str, str]:
+        """`KnowsMacs`: every NIC's MAC of every VM (`KnownVMs.macs_by_vm`)."""
+        return await self._session.run(lambda op: self._known.macs_by_vm(op.conn), changes=False)
 
     # --- the deploy moves -----------------------------------------------------------
 

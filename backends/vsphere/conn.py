@@ -65,6 +65,9 @@ class Stub(StubAdapterBase):
         self.calls: Counter[str] = Counter()
         self.bytes = Counter[str]()  # "sent" and "received"
         self.generation = 0
+        # What the last Login answered (a UserSession: key, userName), so asking for the
+        # session's privileges reads no property of the SessionManager.
+        self.user_session: Any = None
         self._login = login
         self._count_lock = threading.Lock()
         self._login_lock = threading.Lock()  # held while logging in, which makes calls

@@ -58,9 +58,14 @@ def copy_and_create(
         op.check()
         vmx = f"{folder}/{spec.name}.vmx"
         # Unique among the host's VMs (a standalone host sees all of its own).
-        mac = specs.static_mac(ref.vm_id, known.macs(op.conn))
+        taken = known.macs(op.conn)
+        mac = spec.mac or specs.static_mac(ref.vm_id, taken)
+        more: list[str] = []
+        for index, (_net, fixed) in enumerate(plan.more, start=1):
+            chosen = taken | {mac, *more}
+            more.append(fixed or specs.static_mac(f"{ref.vm_id}/nic{index}", frozenset(chosen)))
         config = specs.create_spec(
-            spec, ref, plan, annotation(spec), vmx, copies, provisioning, guest, mac
+            spec, ref, plan, annotation(spec), vmx, copies, provisioning, guest, mac, more
         )
         return op.wait(plan.folder.CreateVM_Task(config=config, pool=plan.pool))
     except BaseException:

@@ -18,16 +18,25 @@ import gzip
 import json
 import re
 import zlib
+from collections.abc import Sequence
 from typing import Any, Literal
 
-from backends.base import HostKeyPair, Identity, PermanentError
+import asyncssh
+
+from backends.base import HostKeyPair, Identity, Nic, PermanentError
 
 ENCODING = "gzip+base64"
 METADATA_KEY = "guestinfo.metadata"
 USERDATA_KEY = "guestinfo.userdata"
 # The name cloud-init gives the guest's NIC (found by MAC): the kernel's own name for a
-# single NIC, and the one Proxmox's generated cloud-init data uses too.
+# single NIC, and the one Proxmox's generated cloud-init data uses too; the further NICs
+# are eth1, eth2, ... in `Identity.more_nics`' order.
 NIC_NAME = "eth0"
+# The OpenSSH certificate of an ed25519 host key (the only host key type deploybot chooses).
+CERTIFICATE_TYPE = "ssh-ed25519-cert-v01@openssh.com"
+# A later NIC's gateway (its subnet's `gateway_when_not_first`): a default route with a
+# metric above the first NIC's, so the default route stays on the first.
+LATER_GATEWAY_METRIC = 200
 # cloud-init's `manage_etc_hosts`: true, false or "localhost".
 EtcHosts = bool | Literal["localhost"]
 
@@ -59,20 +68,28 @@ def fqdn(identity: Identity) -> str:
     return f"{identity.hostname}.{domain}" if domain else identity.hostname
 
 
-def network(identity: Identity, mac: str) -> dict[str, Any]:
-    """cloud-init network config v1 for the one NIC, found by its MAC and named `NIC_NAME`.
+def network(identity: Identity, mac: str, more_macs: Sequence[str] = ()) -> dict[str, Any]:
+    """cloud-init network config v1 listing every NIC by its MAC: the first (`mac`) named
+    `NIC_NAME`, then `identity.more_nics` with `more_macs` (same order) eth1, eth2, ...
 
     Why this shape (each renderer of cloud-init 22.4 checked by
     tests/test_cloudinit_renderers.py): a `physical` entry with `mac_address` makes
-    cloud-init rename the NIC with that MAC to `NIC_NAME` at boot, before it writes
+    cloud-init rename the NIC with that MAC to its name at boot, before it writes
     any config, so every renderer's output names the real device: netplan matches the
     MAC and sets the name, networkd `[Match] MACAddress=` + `Name=`, NetworkManager
     `mac-address=`, sysconfig `HWADDR=` + `DEVICE=`, ENI `iface eth0` + a udev rule.
     A name glob (`e*`) reaches only netplan. The subnet's `gateway` (not a 0.0.0.0/0
     route) becomes ENI's own `gateway` line; ENI renders such a route as `post-up route
     add ... || true`, which needs net-tools (priority optional in Debian 12) and fails
-    silently without it.
+    silently without it. Only the first NIC has the `gateway` (ifupdown refuses a second
+    default route and leaves that interface down); the merged DNS servers and search
+    list go with it (every renderer writes them for the whole guest or per NIC alike).
     """
+    if len(more_macs) != len(identity.more_nics):
+        raise PermanentError(
+            f"the VM has {1 + len(more_macs)} network adapter(s) with a MAC address, the "
+            f"deploy asks for {1 + len(identity.more_nics)}: this is a fault in deploybot"
+        )
     subnet: dict[str, Any] = {
         "type": "static",
         "address": identity.address.with_prefixlen,
@@ -80,19 +97,39 @@ def network(identity: Identity, mac: str) -> dict[str, Any]:
     }
     if identity.dns:
         subnet["dns_nameservers"] = [str(ip) for ip in identity.dns]
-    if identity.search_domain:
-        subnet["dns_search"] = [identity.search_domain]
+    if identity.searches:
+        subnet["dns_search"] = list(identity.searches)
     nic = {"type": "physical", "name": NIC_NAME, "mac_address": mac.lower(), "subnets": [subnet]}
-    return {"version": 1, "config": [nic]}
+    pairs = zip(identity.more_nics, more_macs, strict=True)
+    more = [_later(index, later, other) for index, (later, other) in enumerate(pairs, start=1)]
+    return {"version": 1, "config": [nic, *more]}
 
 
-def metadata(instance_id: str, identity: Identity, mac: str) -> dict[str, Any]:
+def _later(index: int, nic: Nic, mac: str) -> dict[str, Any]:
+    """A NIC after the first: its address; a gateway only as a route of higher metric."""
+    subnet: dict[str, Any] = {"type": "static", "address": nic.address.with_prefixlen}
+    if nic.gateway is not None:
+        subnet["routes"] = [
+            {
+                "network": "0.0.0.0",
+                "netmask": "0.0.0.0",
+                "gateway": str(nic.gateway),
+                "metric": LATER_GATEWAY_METRIC,
+            }
+        ]
+    name = f"eth{index}"
+    return {"type": "physical", "name": name, "mac_address": mac.lower(), "subnets": [subnet]}
+
+
+def metadata(
+    instance_id: str, identity: Identity, mac: str, more_macs: Sequence[str] = ()
+) -> dict[str, Any]:
     """instance-id, local-hostname (the FQDN: cloud-init's datasource splits it into
-    host name and domain) and the network of the NIC whose MAC is `mac`."""
+    host name and domain) and the network of the NICs whose MACs are `mac`, `more_macs`."""
     return {
         "instance-id": instance_id,
         "local-hostname": fqdn(identity),
-        "network": network(identity, mac),
+        "network": network(identity, mac, more_macs),
     }
 
 
@@ -131,6 +168,15 @@ def userdata(identity: Identity, manage_etc_hosts: EtcHosts = True) -> dict[str,
     }
     if identity.host_key is not None:
         document.update(host_key(identity.host_key))
+        if identity.host_certificate is not None:
+            document["ssh_keys"]["ed25519_certificate"] = certificate(
+                identity.host_certificate, identity.host_key
+            )
+    elif identity.host_certificate is not None:
+        raise PermanentError(
+            "a host certificate was given without the host key it certifies; "
+            "this is a fault in deploybot: report it"
+        )
     return document
 
 
@@ -155,6 +201,30 @@ def host_key(pair: HostKeyPair) -> dict[str, Any]:
         "ssh_keys": {"ed25519_private": pair.private_openssh, "ed25519_public": pair.public},
         "ssh_deletekeys": True,
     }
+
+
+def certificate(line: str, pair: HostKeyPair) -> str:
+    """cloud-init's `ssh_keys: ed25519_certificate`: cc_ssh writes it to
+    /etc/ssh/ssh_host_ed25519_key-cert.pub and sets sshd's `HostCertificate` to that file
+    (in sshd_config.d/50-cloud-init.conf when sshd_config includes that folder). One
+    line, an ed25519 host certificate of exactly the chosen key: anything else would
+    make sshd present no certificate, silently."""
+    text = line.strip()
+    if _CONTROL.search(text) or not text.startswith(f"{CERTIFICATE_TYPE} "):
+        raise PermanentError(
+            f"the host certificate for the guest is not one {CERTIFICATE_TYPE} line; "
+            "this is a fault in deploybot: report it"
+        )
+    try:
+        certified = asyncssh.import_certificate(text).key.export_public_key("openssh")
+    except (asyncssh.KeyImportError, ValueError):
+        certified = b""
+    if certified.decode("ascii", "replace").split()[:2] != pair.public.split()[:2]:
+        raise PermanentError(
+            "the host certificate for the guest does not certify the host key chosen for "
+            "it; this is a fault in deploybot: report it"
+        )
+    return text + "\n"
 
 
 def encode(text: str) -> str:
@@ -188,21 +258,27 @@ def userdata_config(identity: Identity, manage_etc_hosts: EtcHosts = True) -> di
     return {USERDATA_KEY: encode(user), f"{USERDATA_KEY}.encoding": ENCODING}
 
 
-def metadata_config(instance_id: str, identity: Identity, mac: str) -> dict[str, str]:
-    """guestinfo.metadata and its `.encoding`: needs the NIC's MAC.
+def metadata_config(
+    instance_id: str, identity: Identity, mac: str, more_macs: Sequence[str] = ()
+) -> dict[str, str]:
+    """guestinfo.metadata and its `.encoding`: needs every NIC's MAC.
 
     Without the `.encoding` key cloud-init reads the base64 text as the document itself
     and boots with garbage, silently.
     """
-    meta = to_yaml(metadata(instance_id, identity, mac))
+    meta = to_yaml(metadata(instance_id, identity, mac, more_macs))
     return {METADATA_KEY: encode(meta), f"{METADATA_KEY}.encoding": ENCODING}
 
 
 def extra_config(
-    instance_id: str, identity: Identity, mac: str, manage_etc_hosts: EtcHosts = True
+    instance_id: str,
+    identity: Identity,
+    mac: str,
+    manage_etc_hosts: EtcHosts = True,
+    more_macs: Sequence[str] = (),
 ) -> dict[str, str]:
     """The four guestinfo keys: each document and its `.encoding`."""
     return {
-        **metadata_config(instance_id, identity, mac),
+        **metadata_config(instance_id, identity, mac, more_macs),
         **userdata_config(identity, manage_etc_hosts),
     }

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from pyVmomi import vim, vmodl
 
-from backends.base import CloneSpec, PermanentError
+from backends.base import CloneSpec, PermanentError, Segment
 from backends.vsphere import nic
 from backends.vsphere.conn import Conn, Props, Row
 from backends.vsphere.vms import KnownVMs
@@ -65,6 +65,16 @@ def _with_config_parts(p: Props) -> Props:
         "config.tools.toolsVersion": config.tools.toolsVersion if config.tools else None,
     }
     return {**p, **parts}
+
+
+# VMware's range for MACs set by hand: 00:50:56:00:00:00 to 00:50:56:3f:ff:ff.
+MANUAL_MACS = "00:50:56:00:00:00 to 00:50:56:3F:FF:FF"
+
+
+def manual_mac(mac: str) -> bool:
+    """Whether a MAC (aa:bb:cc:dd:ee:ff) is in VMware's range for MACs set by hand."""
+    octets = mac.lower().split(":")
+    return octets[:3] == ["00", "50", "56"] and int(octets[3], 16) <= 0x3F
 
 
 @dataclass(frozen=True)
@@ -108,6 +118,10 @@ class Plan:
     datastore_name: str
     network: Net | None
     nic: nic.NicFit | None = None  # the NIC model a deploy of the template sets
+    # The NICs after the first (`CloneSpec.more_nics`), each with its network (None: the
+    # first NIC's) and its fixed MAC (None: vCenter's, or on ESXi one chosen in `specs`).
+    more: tuple[tuple[Net | None, str | None], ...] = ()
+    mac: str | None = None  # the first NIC's fixed MAC (None: vCenter's or the host's)
 
 
 @dataclass(frozen=True)
@@ -402,12 +416,33 @@ class Inventory:
         network = self.network(conn, dc, wanted_net) if wanted_net else None
         if network is not None and spec.segment is not None:
             self.reaches(conn, dc, network, placement)
+        more = tuple(
+            (self._more_net(conn, dc, n.segment, placement), n.mac) for n in spec.more_nics
+        )
+        for mac in (spec.mac, *(n.mac for n in spec.more_nics)):
+            if mac is not None and not manual_mac(mac):
+                raise PermanentError(
+                    f"MAC {mac} is outside VMware's range for MACs set by hand "
+                    f"({MANUAL_MACS}), which {self.name}'s hosts refuse at power-on: choose "
+                    "one in that range, or leave mac= out (vSphere then generates one)"
+                )
         folder = self.folder(conn, dc, self.config.vm_folder)
         store, store_props = chosen[0]
         plan = Plan(
             dc.obj, folder, pool, placement, template, config, store, store_props["name"], network
         )
-        return replace(plan, nic=self.nic_fit(spec.template, t_props))
+        return replace(plan, nic=self.nic_fit(spec.template, t_props), more=more, mac=spec.mac)
+
+    def _more_net(
+        self, conn: Conn, dc: Datacenter, segment: Segment | None, placement: str
+    ) -> Net | None:
+        """A later NIC's network: its subnet's segment, checked as the first NIC's is;
+        None (no segment): on the first NIC's network."""
+        if segment is None:
+            return None
+        network = self.network(conn, dc, segment.network)
+        self.reaches(conn, dc, network, placement)
+        return network
 
     def nic_fit(self, name: str, props: Props) -> nic.NicFit:
         """The NIC model for template `name` (its TEMPLATE_PATHS) and whether it fits."""

@@ -56,7 +56,7 @@ def needs(plan: Plan, vcenter: bool) -> list[tuple[str, Any, str, str]]:
 def missing(conn: Conn, plan: Plan) -> list[MissingPrivilege]:
     """Blocking: one HasPrivilegeOnEntity per object, for this session's user."""
     manager = conn.content.authorizationManager
-    session = conn.content.sessionManager.currentSession
+    session = conn.stub.user_session or conn.content.sessionManager.currentSession
     wanted = needs(plan, conn.vcenter)
     by_object: dict[str, tuple[Any, list[tuple[str, str, str]]]] = {}
     for where, obj, privilege, step in wanted:

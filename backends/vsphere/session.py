@@ -321,7 +321,7 @@ class Session:
 
     def _login(self, stub: Stub) -> None:
         content: Any = vim.ServiceInstance("ServiceInstance", stub).RetrieveContent()
-        content.sessionManager.Login(self.endpoint.user, self._password, None)
+        stub.user_session = content.sessionManager.Login(self.endpoint.user, self._password, None)
 
     def ssl_context(self) -> ssl.SSLContext:
         if not self.endpoint.verify_tls:

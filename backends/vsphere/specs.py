@@ -13,6 +13,7 @@ disk whose file already exists is attached without a file operation.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +55,18 @@ def nic_mac(props: Props) -> str | None:
     """The first NIC's MAC as the VM has it; None without a NIC or before one is assigned."""
     nic = first_nic(props.get(DEVICES) or [])
     return str(nic.macAddress).lower() if nic is not None and nic.macAddress else None
+
+
+def later_macs(props: Props, count: int) -> tuple[str, ...] | None:
+    """The MACs of the `count` NICs a deploy added after the template's (the last ones:
+    added devices come after the template's); None while one has none yet."""
+    if not count:
+        return ()
+    cards = nic.nics(props.get(DEVICES) or [])
+    added = cards[1:][-count:]
+    if len(added) < count or not all(c.macAddress for c in added):
+        return None
+    return tuple(str(c.macAddress).lower() for c in added)
 
 
 def static_mac(vm_id: str, taken: frozenset[str] = frozenset()) -> str:
@@ -101,19 +114,25 @@ class GuestConfig:
             identity.cores, identity.memory_mib, instance_id, identity, tuple(userdata.items())
         )
 
-    def extra(self, mac: str | None) -> dict[str, str]:
-        """The guestinfo keys: the user-data, and the metadata when the MAC is known."""
-        meta = guestinfo.metadata_config(self.instance_id, self.identity, mac) if mac else {}
+    def extra(self, mac: str | None, more_macs: Sequence[str] = ()) -> dict[str, str]:
+        """The guestinfo keys: the user-data, and the metadata when the MACs are known
+        (the first NIC's `mac`, the later ones' `more_macs`)."""
+        meta = {}
+        if mac:
+            meta = guestinfo.metadata_config(self.instance_id, self.identity, mac, more_macs)
         return {**meta, **dict(self.userdata)}
 
-    def fields(self, cores_per_socket: int | None, mac: str | None) -> dict[str, Any]:
+    def fields(
+        self, cores_per_socket: int | None, mac: str | None, more_macs: Sequence[str] = ()
+    ) -> dict[str, Any]:
         """ConfigSpec fields; one core per socket when the cores do not fill whole
         sockets of the VM's (the template's) size."""
         found: dict[str, Any] = {
             "numCPUs": self.cores,
             "memoryMB": self.memory_mib,
             "extraConfig": [
-                vim.option.OptionValue(key=k, value=v) for k, v in self.extra(mac).items()
+                vim.option.OptionValue(key=k, value=v)
+                for k, v in self.extra(mac, more_macs).items()
             ],
         }
         if self.cores % (cores_per_socket or 1):
@@ -129,7 +148,13 @@ class GuestConfig:
                 "the VM has no network adapter with a MAC address, so cloud-init cannot "
                 "give it its address: give the template a NIC, or set the backend's `network`"
             )
-        wanted = self.fields(props.get(CORES_PER_SOCKET), mac)
+        more = later_macs(props, len(self.identity.more_nics))
+        if more is None:
+            raise PermanentError(
+                f"the VM has fewer than {1 + len(self.identity.more_nics)} network adapters "
+                "with a MAC address, so cloud-init cannot give each its address: deploy again"
+            )
+        wanted = self.fields(props.get(CORES_PER_SOCKET), mac, more)
         have = {
             "numCPUs": props.get("config.hardware.numCPU"),
             "memoryMB": props.get("config.hardware.memoryMB"),
@@ -175,14 +200,19 @@ def nic_changes(
     model: str | None = None,
 ) -> list[Any]:
     """The template's first NIC on `network`: edited in place for a clone (vCenter gives
-    the clone's NIC a MAC of its own), added anew for a created VM with the MAC `mac` set
-    by hand (None: left for the host to generate at power-on); an e1000e, which every
-    guest drives, when the template has no NIC. `model` (vmxnet3, e1000e, e1000; None:
-    the template's class) is the adapter class: see `_replaced` for a clone."""
+    the clone's NIC a MAC of its own unless `mac`, a fixed one, is given), added anew for
+    a created VM with the MAC `mac` set by hand (None: left for the host to generate at
+    power-on); an e1000e, which every guest drives, when the template has no NIC. `model`
+    (vmxnet3, e1000e, e1000; None: the template's class) is the adapter class: see
+    `_replaced` for a clone."""
     nics = nic.nics(devices)
     cls = nic.CLASSES[model] if model else None
     if edit and nics and cls is not None and any(type(n) is not cls for n in nics):
-        return _replaced(nics, cls, network)
+        return _replaced(nics, cls, network, mac)
+    if edit and nics and network is None and mac is not None:
+        first = nics[0]
+        first.addressType, first.macAddress = "manual", mac
+        return [DeviceSpec(operation=DeviceSpec.Operation.edit, device=first)]
     if network is None and (edit or not nics):
         return []  # a clone keeps the template's NIC as it is
     backing = network.backing() if network else nics[0].backing
@@ -192,6 +222,8 @@ def nic_changes(
     if nics and edit:
         first = nics[0]
         first.backing, first.connectable = backing, connect
+        if mac is not None:
+            first.addressType, first.macAddress = "manual", mac
         return [DeviceSpec(operation=DeviceSpec.Operation.edit, device=first)]
     card = cls or (type(nics[0]) if nics else nic.CLASSES[nic.FALLBACK])
     address = {"addressType": "manual", "macAddress": mac} if mac else {"addressType": "generated"}
@@ -199,13 +231,14 @@ def nic_changes(
     return [DeviceSpec(operation=DeviceSpec.Operation.add, device=added)]
 
 
-def _replaced(nics: list[Any], cls: Any, network: Net | None) -> list[Any]:
+def _replaced(nics: list[Any], cls: Any, network: Net | None, mac: str | None) -> list[Any]:
     """A clone's NICs in another class. vSphere cannot change a device's class by an
     edit: each NIC is removed and added again as `cls`, carrying its MAC (address type
     and address), backing (the first one's: `network` when given), connection settings
     and PCI slot (the guest names the interface after the slot). All of them, in order,
     so that the first NIC stays the first (`first_nic`: the one cloud-init configures)
-    and no NIC of the old class is left for a guest that cannot drive it."""
+    and no NIC of the old class is left for a guest that cannot drive it. A fixed `mac`
+    replaces the first one's."""
     changes = [DeviceSpec(operation=DeviceSpec.Operation.remove, device=n) for n in nics]
     for index, old in enumerate(nics):
         backing = network.backing() if network and index == 0 else old.backing
@@ -214,16 +247,44 @@ def _replaced(nics: list[Any], cls: Any, network: Net | None) -> list[Any]:
             connect = vim.vm.device.VirtualDevice.ConnectInfo(
                 startConnected=True, allowGuestControl=True, connected=False
             )
+        fixed = mac is not None and index == 0
         new = cls(
             key=-300 - index,
             backing=backing,
             connectable=connect,
-            addressType=old.addressType,
-            macAddress=old.macAddress,
+            addressType="manual" if fixed else old.addressType,
+            macAddress=mac if fixed else old.macAddress,
             slotInfo=old.slotInfo,
             wakeOnLanEnabled=old.wakeOnLanEnabled,
         )
         changes.append(DeviceSpec(operation=DeviceSpec.Operation.add, device=new))
+    return changes
+
+
+def more_nics(devices: list[Any], plan: Plan, macs: Sequence[str | None]) -> list[Any]:
+    """The NICs after the first (`plan.more`), added after the template's: each on its
+    network (None: the first NIC's), in the first NIC's class (the profile's model, else
+    the template's), with its MAC in `macs` set by hand (None: generated by vCenter)."""
+    own = nic.nics(devices)
+    model = _model(plan)
+    card = nic.CLASSES[model] if model else type(own[0]) if own else nic.CLASSES[nic.FALLBACK]
+    first = plan.network.backing() if plan.network else own[0].backing if own else None
+    changes = []
+    for index, ((network, _fixed), mac) in enumerate(zip(plan.more, macs, strict=True), 1):
+        backing = network.backing() if network else first
+        if backing is None:
+            raise PermanentError(
+                "the template has no network adapter and the backend no `network`, so a "
+                "second NIC has no network to join: set the backend's `network`"
+            )
+        connect = vim.vm.device.VirtualDevice.ConnectInfo(
+            startConnected=True, allowGuestControl=True, connected=False
+        )
+        address = (
+            {"addressType": "manual", "macAddress": mac} if mac else {"addressType": "generated"}
+        )
+        added = card(key=-400 - index, backing=backing, connectable=connect, **address)
+        changes.append(DeviceSpec(operation=DeviceSpec.Operation.add, device=added))
     return changes
 
 
@@ -242,10 +303,12 @@ def clone_spec(
         for disk in disks(devices)
         if isinstance(disk.backing, vim.vm.device.VirtualDisk.FlatVer2BackingInfo)
     ]
+    fixed = [mac for _net, mac in plan.more]
+    first = nic_changes(devices, plan.network, edit=True, mac=plan.mac, model=_model(plan))
     config = vim.vm.ConfigSpec(
         instanceUuid=ref.vm_id,
         annotation=note,
-        deviceChange=nic_changes(devices, plan.network, edit=True, model=_model(plan)),
+        deviceChange=first + more_nics(devices, plan, fixed),
         # The MAC is vCenter's to assign in the clone: the metadata follows it (_settle).
         **(guest.fields(hw.numCoresPerSocket, None) if guest else {}),
     )
@@ -263,14 +326,17 @@ def create_spec(
     provisioning: Disks,
     guest: GuestConfig | None = None,
     mac: str | None = None,
+    more_macs: Sequence[str] = (),
 ) -> Any:
     """CreateVM_Task's spec from the template's settings and hardware, around the copied
-    disks, its NIC with the MAC `mac`; the guest's CPU, memory and guestinfo (its
-    metadata naming that MAC) instead of the template's when given."""
+    disks, its NIC with the MAC `mac` and the later ones (`plan.more`) with `more_macs`;
+    the guest's CPU, memory and guestinfo (its metadata naming those MACs) instead of
+    the template's when given."""
     config = plan.template_config
     hw = config.hardware
     nic_add = nic_changes(hw.device, plan.network, edit=False, mac=mac, model=_model(plan))
-    changes = _disk_changes(hw.device, copies, provisioning) + nic_add
+    more_add = more_nics(hw.device, plan, more_macs)
+    changes = _disk_changes(hw.device, copies, provisioning) + nic_add + more_add
     # What a clone would keep of the template: guest OS, version, firmware, boot
     # options, flags, extraConfig but the template's own keys (`inherit`).
     fields = inherit.settings(config)
@@ -280,7 +346,7 @@ def create_spec(
         "memoryMB": hw.memoryMB,
     }
     if guest:
-        identity = guest.fields(hw.numCoresPerSocket, mac if nic_add else None)
+        identity = guest.fields(hw.numCoresPerSocket, mac if nic_add else None, more_macs)
         identity["extraConfig"] = fields.pop("extraConfig") + identity["extraConfig"]
         hardware |= identity
     return vim.vm.ConfigSpec(

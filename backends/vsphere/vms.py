@@ -29,6 +29,7 @@ POWERED_ON = "poweredOn"
 # mark (name check, template list), the instance UUID and the addresses Tools reports
 # (the address conflict check, backends/vsphere/addresses.py): a few hundred bytes each.
 # One tracker for all of them: one look per check, not one per check and kind.
+MAC_PATHS = ["name", "config.template", "config.instanceUuid", "config.hardware.device"]
 TRACKED_PATHS = ["name", "config.template", "config.instanceUuid", *ADDRESS_PATHS]
 # VMs whose object is remembered by instance UUID (oldest forgotten first).
 MAX_FOUND = 1024
@@ -72,6 +73,25 @@ class KnownVMs:
             for d in p.get("config.hardware.device") or []
             if isinstance(d, card) and d.macAddress
         )
+
+    def macs_by_vm(self, conn: Conn) -> dict[str, str]:
+        """`KnowsMacs`: each NIC's MAC of every VM the session can see (templates left
+        out) -> "name (instance UUID)". On a standalone host from the tracker the name
+        check keeps (it has the devices); on vCenter from a tracker of its own, so the
+        name and address checks do not carry every VM's devices: its first look reads
+        them all, each later one is one request with what changed."""
+        if conn.vcenter:
+            rows = conn.tracked(conn.content.rootFolder, vim.VirtualMachine, MAC_PATHS)
+        else:
+            rows = self.tracked_vms(conn)
+        card = vim.vm.device.VirtualEthernetCard
+        return {
+            str(d.macAddress).lower(): f"{p.get('name')} ({p.get('config.instanceUuid')})"
+            for _o, p in rows.values()
+            if not p.get("config.template")
+            for d in p.get("config.hardware.device") or []
+            if isinstance(d, card) and d.macAddress
+        }
 
     def vms(
         self, conn: Conn, name: str | None = None, tracked: dict[str, Row] | None = None

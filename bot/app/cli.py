@@ -156,8 +156,11 @@ def _template_parser(sub: Any) -> None:
 
 
 def _migrate_parser(sub: Any) -> None:
-    """`deploybot migrate plan`: what leaving a hypervisor would take (issue 30)."""
-    migrate = sub.add_parser("migrate", help="plan a move off vSphere (read-only dry run)")
+    """`deploybot migrate plan|apply`: what leaving a hypervisor would take, and the
+    templates rebuilt on the target (issue 30)."""
+    migrate = sub.add_parser(
+        "migrate", help="plan a move off vSphere (read-only dry run), then apply its templates"
+    )
     actions = migrate.add_subparsers(dest="migrate_command", required=True, metavar="ACTION")
     plan = actions.add_parser(
         "plan",
@@ -173,6 +176,19 @@ def _migrate_parser(sub: Any) -> None:
     plan.add_argument("--name", metavar="PATTERN", help="only names matching (shell pattern)")
     plan.add_argument("--json", action="store_true", help="the plan as JSON, for machines")
     plan.add_argument("--out", metavar="FILE", help="write the plan file (for an apply)")
+    plan.add_argument("--user", default=default_user(), help="who plans (kept with the plan)")
+    apply = actions.add_parser(
+        "apply",
+        help="rebuild the plan's templates on its target through template builds (refused "
+        "when the plan is too old or the source changed); waits for them",
+    )
+    apply.add_argument("plan", metavar="PLAN", help="a plan file (--out), or a plan's id")
+    apply.add_argument("--user", default=default_user(), help="who asks for the builds")
+    apply.add_argument(
+        "--no-wait",
+        action="store_true",
+        help="ask for the builds and leave them to a running `deploybot serve`",
+    )
 
 
 def _length(text: str) -> int:

@@ -32,7 +32,9 @@ from bot.kinds.build.service import Builds, DeploySmoke
 from bot.kinds.deploy.destroy import Destroyer
 from bot.kinds.deploy.kind import DeployKind
 from bot.kinds.deploy.pipeline import Pipeline
+from bot.kinds.deploy.preflight import Preflight
 from bot.leases.enforce import Leases
+from bot.migration.service import Migrations
 from bot.models import Job, utcnow
 from bot.models.errors import BackendError, ConfigError
 from bot.operations.metrics import Metrics
@@ -64,6 +66,7 @@ def compose(
     ipam: Ipam | None = None,
     build_notes: BuildNotes | None = None,
     host_ca: HostCA | None = None,
+    preflight: Preflight | None = None,
 ) -> Deployer:
     """The core on `store` and `backends`, telling `progress` what happens.
 
@@ -114,7 +117,9 @@ def compose(
         local_work=local_work,
         clock=clock,
     )
-    pipeline = Pipeline(settings, backends, store, fanout, ownership, addressing, host_ca)
+    pipeline = Pipeline(
+        settings, backends, store, fanout, ownership, addressing, host_ca, preflight
+    )
     load = partial(jobrefs.load, store)
     groups = Groups()
     approvals = Approvals(settings, store, fanout, ownership.take, load, groups)
@@ -167,6 +172,7 @@ def compose(
         leases=leases,
         intake=intake,
         builds=builds,
+        migrations=Migrations(settings, store, backends, builds, approvals, os.environ, clock),
         audit_log=Audit(store),
         queries=queries,
         personal=Personal(store, queries.templates),

@@ -18,6 +18,7 @@ from bot.config.settings import Settings, backend_module
 from bot.jobs.durations import teach
 from bot.jobs.progress import Progress
 from bot.kinds.build.parts import BuildNotes
+from bot.kinds.deploy.preflight import Preflight
 from bot.models import utcnow
 from bot.models.errors import BackendError, ConfigError, StoreUnavailable
 from bot.ownership.claims import Clock
@@ -114,13 +115,15 @@ async def running_deployer(
     clock: Clock = utcnow,
     build_notes: BuildNotes | None = None,
     host_ca: HostCA | None = None,
+    preflight: Preflight | None = None,
 ) -> AsyncIterator[Deployer]:
     """Open the store, start the backends and the queue; shut all down on exit.
 
     With `start=False` the caller starts the deployer itself (`deploybot serve` binds
     its front end first, so what recovery says reaches Slack). `build_notes`: where
     template builds' progress goes (the CLI's terminal; a log by default). `host_ca`:
-    the configured one unless given (the demo makes one of its own)."""
+    the configured one unless given (the demo makes one of its own). `preflight`: the
+    deploys' privilege check and what it keeps (a benchmark's rounds share one)."""
     if host_ca is None:  # before anything opens: it may refuse
         host_ca = load_host_ca(settings, os.environ)
     backends = backends if backends is not None else await make_backends(settings)
@@ -135,6 +138,7 @@ async def running_deployer(
         clock=clock,  # tests pass a simulated one (leases: days pass in a step)
         build_notes=build_notes,
         host_ca=host_ca,
+        preflight=preflight,
     )
     freeze_startup_heap()  # before start(): the jobs it recovers and queues are not
     try:

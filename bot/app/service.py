@@ -19,6 +19,7 @@ from datetime import datetime
 
 from backends.base import Backend, Template
 from backends.building import TemplateVersion
+from backends.migrating import Scope
 from bot.addresses.allocation import Addressing
 from bot.app.queries import JobStatus, Queries, VMPage
 from bot.approvals.audit import Audit
@@ -33,9 +34,13 @@ from bot.kinds.build.service import Builds
 from bot.kinds.deploy.destroy import Destroyer
 from bot.kinds.deploy.pipeline import Pipeline
 from bot.leases.enforce import Leases
+from bot.migration.apply import Applied, Outcome
+from bot.migration.plan import Plan
+from bot.migration.service import Migrations
 from bot.models import Job, UserPrefs
 from bot.models.builds import Build
 from bot.models.errors import BackendError, JobNotFound
+from bot.models.plans import KeptPlan
 from bot.operations.metrics import Metrics
 from bot.ownership.claims import Clock, Ownership, Runner
 from bot.ownership.recovery import sweep_wreckage
@@ -75,6 +80,7 @@ class Deployer:
     leases: Leases
     intake: Intake
     builds: Builds
+    migrations: Migrations  # `migrate plan|apply` (bot/migration/)
     audit_log: Audit
     queries: Queries
     personal: Personal
@@ -375,6 +381,25 @@ class Deployer:
         """Cancel a template build (bot/kinds/build/cancel.py); a running one rolls back."""
         async with self.audit_log.audited(user, f"cancel {build_id[:40]}"):
             return await self.builds.cancel(build_id, user)
+
+    # --- migrations (bot/migration/): from chat, approvers only ----------------------------
+
+    async def migrate_plan(
+        self, source: str, target: str, scope: Scope, user: str
+    ) -> tuple[KeptPlan, Plan]:
+        """A read-only plan of `source`'s templates against `target`, kept by id."""
+        async with self.audit_log.audited(user, f"migrate plan {source[:40]} {target[:40]}"):
+            await self.migrations.check_approver(user)
+            return await self.migrations.plan(source, target, scope, user)
+
+    async def migrate_apply(self, plan_id: str, user: str, *, origin: str | None = None) -> Outcome:
+        """Apply a kept plan: its templates' builds asked for (or found), and where
+        the target stands now."""
+        async with self.audit_log.audited(user, f"migrate apply {plan_id[:40]}"):
+            await self.migrations.check_approver(user)
+            plan = await self.migrations.load(plan_id)
+            applied: Applied = await self.migrations.apply(plan, user, origin=origin)
+            return await self.migrations.outcome(applied)
 
     # --- per-user settings and front-end references (bot/people/personal.py) -----------------
 

@@ -234,4 +234,14 @@ class SshSettings(_Section):
                     f"{pattern!r} is not one host pattern: no spaces or commas "
                     '(give each as its own string, e.g. ["*.lab.example", "10.0.0.*"])'
                 )
-        return patterns
+        # ssh matches a host pattern against the name typed in lower case: "*.Lab.Example"
+        # would never match, so the patterns are kept as ssh compares them.
+        return tuple(pattern.lower() for pattern in patterns)
+
+
+class MigrationSettings(_Section):
+    """`deploybot migrate` (bot/migration/): how old a plan may be when it is applied.
+    An apply also reads the source again and refuses a plan whose source changed; the
+    window bounds what a plan can miss besides (the target, the profiles)."""
+
+    plan_valid_s: float = Field(default=3600.0, gt=0)

@@ -29,6 +29,7 @@ from bot.config.sections import (
     Defaults,
     Limits,
     MetricsSettings,
+    MigrationSettings,
     OwnershipSettings,
     Recovery,
     SlackSettings,
@@ -128,6 +129,7 @@ class Settings(BaseSettings):
     leases: LeaseSettings = LeaseSettings()
     images: ImagesSettings = ImagesSettings()  # bot/images/: template build profiles
     ssh: SshSettings = SshSettings()  # bot/sshca/: host certificates
+    migration: MigrationSettings = MigrationSettings()  # bot/migration/: `migrate apply`
 
     @field_validator("database", mode="before")
     @classmethod

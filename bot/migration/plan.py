@@ -202,16 +202,21 @@ def read_plan(path: Path) -> Plan:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise PlanFileError(f"plan file {path}: cannot read it ({exc})") from None
+    return plan_from_document(data, f"plan file {path}")
+
+
+def plan_from_document(data: Any, where: str) -> Plan:
+    """The plan a document holds (a plan file's, or one kept in the store: `where` names
+    it in the refusal), refused like `read_plan` when it does not hash to its digest."""
     if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise PlanFileError(f"plan file {path}: not a deploybot migration plan ({FORMAT})")
+        raise PlanFileError(f"{where}: not a deploybot migration plan ({FORMAT})")
     try:
         plan = _from_document(data)
     except (KeyError, TypeError, ValueError) as exc:
-        raise PlanFileError(f"plan file {path}: damaged ({exc!r}); make a new plan") from None
+        raise PlanFileError(f"{where}: damaged ({exc!r}); make a new plan") from None
     if source_digest(plan.source, plan.scope, plan.facts, plan.vm_facts) != plan.digest:
         raise PlanFileError(
-            f"plan file {path}: its facts do not match its digest (edited or damaged); "
-            "make a new plan"
+            f"{where}: its facts do not match its digest (edited or damaged); make a new plan"
         )
     return plan
 

@@ -7,6 +7,7 @@
     destroy NAME|JOB | list [mine|all|@USER] [page=N] | lease extend NAME|JOB [LENGTH]
     known-hosts NAME|JOB | ssh-ca
     template build PROFILE [on=BACKEND] [node=N] [storage=S] [name=X] | template profiles
+    migrate plan --from SOURCE --to TARGET [folder=F] [name=PATTERN] | migrate apply PLAN
 
 JOB is a job id or any prefix of it of at least 4 characters (the service resolves it).
 `parse` turns any text into a command or raises `UsageError` that says what was wrong and
@@ -27,6 +28,7 @@ from bot.leases.terms import parse_length
 from bot.models import MIN_MEMORY_MIB, normal_mac
 from bot.models.errors import UsageError
 from bot.models.ids import JOB_REF_RE, MIN_JOB_REF
+from bot.models.plans import PLAN_ID_RE
 from bot.requests.parsed import (
     Approve,
     BuildTemplate,
@@ -39,6 +41,8 @@ from bot.requests.parsed import (
     History,
     KnownHosts,
     ListVMs,
+    MigrateApply,
+    MigratePlan,
     Reject,
     SaveKey,
     ShowSettings,
@@ -73,6 +77,8 @@ USAGES = {
     "lease extend": "/deploy lease extend NAME [7d]",
     "template build": "/deploy template build PROFILE [on=BACKEND] [node=N] [storage=S] [name=X]",
     "template profiles": "/deploy template profiles",
+    "migrate plan": "/deploy migrate plan --from SOURCE --to TARGET [folder=F] [name=PATTERN]",
+    "migrate apply": "/deploy migrate apply PLAN",
 }
 
 
@@ -88,6 +94,7 @@ def _by_first_word(usages: dict[str, str]) -> dict[str, str]:
 
 SUBCOMMAND_USAGE = _by_first_word(USAGES)
 BUILD_KEYS = ("on", "node", "storage", "name")
+MIGRATE_KEYS = ("from", "to", "folder", "name")
 KEYS = (
     "template", "on", "storage", "subnet", "cpu", "mem", "disk", "user", "upgrade", "lease",
     "mac",
@@ -142,6 +149,8 @@ def _subcommand(head: str, rest: list[str]) -> Command:
         return _lease(rest, usage)
     if head == "template":
         return _template(rest, usage)
+    if head == "migrate":
+        return _migrate(rest, usage)
     if head == "destroy":
         if len(rest) != 1:
             raise UsageError("Name one VM to destroy (or its job id), like web01.", usage)
@@ -262,6 +271,69 @@ def _template(rest: list[str], usage: str) -> BuildTemplate | TemplateProfiles:
         storage=values.get("storage"),
         name=values.get("name"),
     )
+
+
+def _migrate(rest: list[str], usage: str) -> MigratePlan | MigrateApply:
+    action = fold(rest[0]) if rest else ""
+    if action == "apply":
+        if len(rest) != 2 or not PLAN_ID_RE.fullmatch(fold(rest[1])):
+            raise UsageError(
+                "Name the plan to apply by the id `migrate plan` answered, like m2k7tqa2bc.",
+                usage,
+            )
+        return MigrateApply(fold(rest[1]))
+    if action != "plan":
+        raise UsageError(
+            "Say `migrate plan --from SOURCE --to TARGET` or `migrate apply PLAN`.", usage
+        )
+    values = _migrate_options(rest[1:], usage)
+    missing = [f"--{k}" for k in ("from", "to") if k not in values]
+    if missing:
+        raise UsageError(
+            f"Name the {' and the '.join(missing)} backend, like --from vcenter --to pve.", usage
+        )
+    return MigratePlan(values["from"], values["to"], values.get("folder"), values.get("name"))
+
+
+def _migrate_options(words: list[str], usage: str) -> dict[str, str]:
+    """`--from X --to Y` (or from=X to=Y) and folder=F name=PATTERN."""
+    values: dict[str, str] = {}
+    pending: str | None = None
+    for word in words:
+        # A chat client's smart punctuation turns "--" into a dash: read it as typed.
+        word = "--" + word[1:] if word[:1] in ("\u2013", "\u2014") else word
+        if pending is not None:
+            key, value, pending = pending, word, None
+        elif word.startswith("--"):
+            key, sep, value = word[2:].partition("=")
+            if not sep:
+                pending = fold(key)
+                if pending not in MIGRATE_KEYS:
+                    raise UsageError(_not_migrate_key(pending), usage)
+                continue
+        else:
+            key, sep, value = word.partition("=")
+            if not sep:
+                raise UsageError(
+                    f"`{word}` is not an option: say --from X, --to Y, folder=F or name=P.", usage
+                )
+        key = fold(key)
+        if key not in MIGRATE_KEYS:
+            raise UsageError(_not_migrate_key(key), usage)
+        if key in values:
+            raise UsageError(f"`{key}` is given twice: keep one.", usage)
+        if not value:
+            raise UsageError(f"`{key}` needs a value.", usage)
+        values[key] = value
+    if pending is not None:
+        raise UsageError(f"`--{pending}` needs a value.", usage)
+    return values
+
+
+def _not_migrate_key(key: str) -> str:
+    close = difflib.get_close_matches(key, MIGRATE_KEYS, n=1, cutoff=0.5)
+    hint = f" Did you mean `{close[0]}`?" if close else ""
+    return f"`{key}` is not an option of `migrate plan`.{hint} Options: {', '.join(MIGRATE_KEYS)}."
 
 
 def _job_id(word: str, usage: str, *, builds: bool = False) -> str:

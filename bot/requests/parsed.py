@@ -128,6 +128,24 @@ class TemplateProfiles:
 
 
 @dataclass(frozen=True)
+class MigratePlan:
+    """`migrate plan --from SOURCE --to TARGET [folder=F] [name=PATTERN]`: a read-only
+    plan of the source's templates against the target, kept by id (bot/migration/)."""
+
+    source: str
+    target: str
+    folder: str | None = None
+    name: str | None = None
+
+
+@dataclass(frozen=True)
+class MigrateApply:
+    """`migrate apply PLAN`: rebuild a kept plan's templates on its target."""
+
+    plan_id: str
+
+
+@dataclass(frozen=True)
 class ListVMs:
     """`list [mine|all|@USER] [page=N]`: `user` None with `everyone` False is "mine"."""
 
@@ -154,4 +172,6 @@ Command = (
     | ExtendLease
     | BuildTemplate
     | TemplateProfiles
+    | MigratePlan
+    | MigrateApply
 )

@@ -109,5 +109,5 @@ def load_host_ca(settings: Settings, environ: Mapping[str, str]) -> HostCA | Non
 
 def default_patterns(settings: Settings) -> tuple[str, ...]:
     """ "*.<search_domain>" of every subnet that has one, each once."""
-    domains = (s.search_domain for s in settings.subnets if s.search_domain)
+    domains = (s.search_domain.lower() for s in settings.subnets if s.search_domain)
     return tuple(dict.fromkeys(f"*.{d}" for d in domains))

@@ -26,11 +26,12 @@ class CertificateTerms:
 
 
 def principals_of(job: Job, address: str) -> tuple[str, ...]:
-    """The names a VM's certificate holds for: what people type after `ssh`."""
+    """The names a VM's certificate holds for: what people type after `ssh`, in lower
+    case as ssh compares them (a principal "web01.Lab.Example" would match no name)."""
     req = job.request
-    names = [req.name]
+    names = [req.name.lower()]
     if req.search_domain:
-        names.append(f"{req.name}.{req.search_domain}")
+        names.append(f"{req.name}.{req.search_domain}".lower())
     names.append(address)
     return tuple(dict.fromkeys(names))
 

@@ -1,14 +1,20 @@
-"""What `deploybot migrate plan` says: the table of templates and VMs with the reason
-for each, the count per category and kind, the digest, and the reasons as JSON gets
-them."""
+"""What `migrate plan` and `migrate apply` say: the table of templates and VMs with the
+reason for each, the count per category and kind, the digest, and the reasons as JSON
+gets them; a plan kept for chat in a compact table with its id; what an apply started
+and, at its end, the source's counts against the target's templates and what is left."""
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
+from bot.migration.apply import Outcome, Rebuild
 from bot.migration.classify import Category, Finding, MatchedBy, Missing, Note, NoteKind
 from bot.migration.plan import CATEGORIES, Plan
 from bot.migration.vms import WEIGHT, Weight
+from bot.models.builds import Build, BuildState
+from bot.models.plans import KeptPlan
+from handlers.messages.builds import BUILD_LABELS
 
 CATEGORY_WORDS = {
     Category.REBUILDABLE: "rebuild",
@@ -206,7 +212,7 @@ def plan_lines(plan: Plan, written_to: str | None) -> list[str]:
     if written_to:
         lines.append(f"Plan written to {written_to}.")
     else:
-        lines.append("Not written: add --out FILE to keep the plan for an apply.")
+        lines.append("Not written: add --out FILE for a plan file.")
     return lines
 
 
@@ -250,4 +256,172 @@ def plan_failed(problem: str) -> str:
 def plan_not_written(path: str, problem: str) -> str:
     return (
         f"--out {path}: cannot write the plan there ({problem}); give a path this user may write."
+    )
+
+
+# --- a plan kept for chat -----------------------------------------------------------
+
+CHAT_FINDINGS = 12  # the findings a chat answer shows (the rest are counted)
+CHAT_REASON_CHARS = 90
+
+
+def _cell(text: str, width: int) -> str:
+    """Text from the source (names, notes) in a chat table: one line, no backticks (they
+    would end the monospace block), cut to `width`."""
+    flat = " ".join(text.replace("`", "'").split())
+    return flat if len(flat) <= width else flat[: width - 1] + "…"
+
+
+def kept_plan_lines(kept: KeptPlan, plan: Plan, valid_s: float) -> list[str]:
+    """`/deploy migrate plan`: the counts, the first findings, and the plan's id."""
+    lines = [
+        f"Migration plan {kept.id} (dry run, nothing changed): {plan.source} -> {plan.target}",
+        count_line(plan),
+        vm_count_line(plan),
+        target_line(plan),
+    ]
+    kinds = list(CATEGORIES)
+    shown = sorted(
+        plan.findings,
+        key=lambda f: (kinds.index(f.kind), CATEGORIES[f.kind].index(f.category), f.name),
+    )
+    for finding in shown[:CHAT_FINDINGS]:
+        lines.append(
+            f"  {_cell(finding.name, 24):<24} {CATEGORY_WORDS[finding.category]:<13} "
+            f"{_cell(reason(finding), CHAT_REASON_CHARS)}"
+        )
+    if len(shown) > CHAT_FINDINGS:
+        lines.append(f"  ... and {len(shown) - CHAT_FINDINGS} more (the CLI's --json has all)")
+    until = kept.created_at + timedelta(seconds=valid_s)
+    lines.append(
+        f"Apply it with `/deploy migrate apply {kept.id}` (approvers; until "
+        f"{until:%Y-%m-%d %H:%M} UTC, while the source stays as it is)."
+    )
+    return lines
+
+
+def plan_kept(kept: KeptPlan, valid_s: float) -> str:
+    until = kept.created_at + timedelta(seconds=valid_s)
+    return (
+        f"Plan kept as {kept.id}: apply it with `deploybot migrate apply {kept.id}` (or the "
+        f"file) or `/deploy migrate apply {kept.id}`, until {until:%Y-%m-%d %H:%M} UTC."
+    )
+
+
+# --- the apply --------------------------------------------------------------------------
+
+
+def rebuild_line(rebuild: Rebuild) -> str:
+    """One profile of the apply: its build (started, or found) or why there is none."""
+    names = ", ".join(rebuild.templates)
+    head = f"  {rebuild.profile:<16} for {names}:"
+    if rebuild.refused:
+        return f"{head} no build: {rebuild.refused}"
+    build = rebuild.build
+    if rebuild.on_target:
+        made = f" (build {build.id})" if build is not None else ""
+        return f"{head} on the target already as {rebuild.on_target}{made}, not again"
+    assert build is not None
+    said = "build started" if rebuild.started else "being built already, not again:"
+    return f"{head} {said} {build.id} ({build.versioned_name}, {_state(build)})"
+
+
+def _state(build: Build) -> str:
+    if build.state is BuildState.AWAITING_APPROVAL:
+        return f"waits for an approver: /deploy approve {build.id}"
+    if build.state in (BuildState.FAILED, BuildState.CANCELLED, BuildState.REJECTED):
+        return f"{BUILD_LABELS[build.state]}: {build.error or 'no reason recorded'}"
+    return BUILD_LABELS[build.state]
+
+
+def started_lines(outcome: Outcome) -> list[str]:
+    """What the apply asked for, per profile, and the builds that wait for an approver."""
+    plan = outcome.applied.plan
+    lines = [f"Migration apply: {plan.source} -> {plan.target} (templates rebuilt, never imported)"]
+    if not outcome.rebuilds:
+        lines.append("  No template of the plan is to be rebuilt.")
+    lines += [rebuild_line(r) for r in outcome.rebuilds]
+    waiting = [
+        r.build
+        for r in outcome.rebuilds
+        if r.build is not None and r.build.state is BuildState.AWAITING_APPROVAL
+    ]
+    if waiting:
+        ids = " ".join(b.id for b in waiting)
+        lines.append(
+            f"{len(waiting)} build(s) wait for an approver (/deploy approve BUILD in Slack or "
+            f"deploybot shell): {ids}."
+        )
+    return lines
+
+
+def applied_lines(outcome: Outcome, *, ends: bool) -> list[str]:
+    """What the apply asked for, then the source's counts against the target's and what
+    is left (`ends`: every build has ended; chat answers at once, before they do)."""
+    count = count_line(outcome.applied.plan)
+    return [
+        *started_lines(outcome),
+        "Source " + count[0].lower() + count[1:],
+        destination_line(outcome, ends=ends),
+        *_vms_stay(outcome),
+        *left_lines(outcome),
+    ]
+
+
+def _vms_stay(outcome: Outcome) -> list[str]:
+    """VMs are the plan's to report and an operator's to decide: an apply moves none."""
+    plan = outcome.applied.plan
+    if not plan.counts()["vm"] or not any(f.kind == "vm" for f in plan.findings):
+        return []
+    line = vm_count_line(plan)
+    return [f"Source {line[0].lower()}{line[1:-1]} (an apply moves no VM: the plan reports them)."]
+
+
+def destination_line(outcome: Outcome, *, ends: bool) -> str:
+    plan = outcome.applied.plan
+    wanted = sorted(outcome.wanted())
+    held = [p for p in wanted if p in outcome.target]
+    names = ", ".join(f"{p} ({outcome.target[p][0]} v{outcome.target[p][1]})" for p in held)
+    when = "after the apply" if ends else "now"
+    return (
+        f"Target {plan.target} {when}: {len(held)} of the {len(wanted)} profile(s) the "
+        f"migrating templates need" + (f": {names}." if names else ".")
+    )
+
+
+def left_lines(outcome: Outcome) -> list[str]:
+    """What is left: templates no profile fits, builds that failed or were refused,
+    profiles still being built."""
+    lines: list[str] = []
+    left = outcome.left()
+    if left:
+        lines.append(f"Left: {len(left)} template(s) not mappable (no build is started for them):")
+        lines += [f"  {f.name}: {reason(f)}" for f in left]
+    failed = outcome.failed()
+    if failed:
+        lines.append(f"Left: {len(failed)} profile(s) not built:")
+        for rebuild in failed:
+            why = rebuild.refused or (rebuild.build and _state(rebuild.build)) or ""
+            lines.append(f"  {rebuild.profile} ({', '.join(rebuild.templates)}): {why}")
+    going = [r for r in outcome.rebuilds if not r.ended]
+    if going:
+        lines.append(
+            f"Under way: {len(going)} build(s); `migrate apply` again shows where they "
+            "stand and starts nothing twice."
+        )
+    if not (left or failed or going):
+        lines.append("Nothing is left: every template of the plan has its profile on the target.")
+    return lines
+
+
+def build_progress(build: Build) -> str:
+    """A build of the apply moved (the CLI's progress)."""
+    return f"  {build.profile}: build {build.short_id} {_state(build)}"
+
+
+def apply_handed_off(outcome: Outcome) -> str:
+    ids = " ".join(r.build.id for r in outcome.rebuilds if r.started and r.build is not None)
+    return (
+        f"Not waiting (--no-wait): a running `deploybot serve` takes the queued builds; "
+        f"follow them with `deploybot template list` or `/deploy status BUILD`: {ids or 'none'}."
     )

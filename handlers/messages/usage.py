@@ -25,6 +25,8 @@ SUMMARIES = {
     "lease extend": "keep a VM longer (by the usual step unless you say)",
     "template build": "build a golden template from a build profile",
     "template profiles": "the build profiles there are",
+    "migrate plan": "a read-only plan of moving a vSphere backend's templates, kept by id",
+    "migrate apply": "rebuild a plan's templates on its target (template builds)",
 }
 
 # Who may run a command, by the registry's `Who` (the core enforces it and says why not).
@@ -32,6 +34,7 @@ WHO = {
     "anyone": "",
     "deployers": "people allowed to deploy",
     "approvers": "approvers, not on their own request",
+    "approvers only": "approvers",
     "requester or approvers": "its requester or an approver",
     "owner, approvers or destroyers": "who deployed it, an approver or a destroyer",
 }

@@ -26,6 +26,7 @@ from store.migrations import (
     JOB_ADDRESSES,
     KIND_COLUMN,
     LEASE_COLUMNS,
+    MIGRATION_PLANS_TABLE,
     SCHEMA_VERSION,
     newer_schema,
 )
@@ -153,7 +154,9 @@ _V16 = [HOST_KEY_SOURCE_COLUMN]
 
 _V17 = [HOST_CERTIFICATE_COLUMN]
 
-_V18 = [
+_V18 = [MIGRATION_PLANS_TABLE]
+
+_V19 = [
     *JOB_ADDRESSES,
     "CREATE FUNCTION job_addresses_state() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
     "UPDATE job_addresses SET state = NEW.state WHERE job_id = NEW.id; RETURN NULL; END $$",
@@ -164,7 +167,7 @@ _V18 = [
 # version -> the statements that bring the schema from the version before to it.
 STEPS: dict[int, list[str]] = {
     6: _V6, 7: _V7, 8: _V8, 9: _V9, 10: _V10, 11: _V11, 12: _V12, 13: _V13, 14: _V14,
-    15: _V15, 16: _V16, 17: _V17, 18: _V18,
+    15: _V15, 16: _V16, 17: _V17, 18: _V18, 19: _V19,
 }  # fmt: skip
 
 # What a constraint protects, as SQLite names it in its errors (store/sql.ConstraintViolation).
@@ -179,6 +182,7 @@ CONSTRAINTS = {
     "builds_pkey": "builds.id",
     "builds_active": "builds.backend, builds.name",
     "builds_version": "builds.backend, builds.name, builds.version",
+    "migration_plans_pkey": "migration_plans.id",
 }
 
 

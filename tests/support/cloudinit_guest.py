@@ -15,7 +15,10 @@ as that can be done without a guest:
   cloud-init's schema;
 * the host key files `cc_ssh` writes from `ssh_keys` are named from its own table
   (`CONFIG_KEY_TO_FILE`: path and mode), not written: its `ssh_deletekeys` step
-  deletes by a fixed glob on the machine's own /etc/ssh.
+  deletes by a fixed glob on the machine's own /etc/ssh. With `--ssh` (second argument)
+  cc_ssh runs for real, but only where /etc/ssh is a bind mount of a test's folder (and
+  /root, whose authorized_keys it writes): the test runs it in a mount namespace
+  (tests/support/mountns.py); the files it leaves in /etc/ssh are in the answer.
 
 It prints one JSON document. Nothing is written outside TARGET: the distributions'
 renderer settings hold absolute paths (netplan's would escape the target, since it
@@ -64,8 +67,9 @@ class Confined:
     folder says nothing about its content: there the chown is left out.
     """
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, also: tuple[str, ...] = ()) -> None:
         self.root = root
+        self.also = also  # paths that are the test's own too (bind mounts, `--ssh`)
         write_file, ensure_dir, chownbyname = util.write_file, util.ensure_dir, util.chownbyname
 
         def checked_write(filename: str, *args: Any, **kwargs: Any) -> Any:
@@ -90,6 +94,8 @@ class Confined:
 
     def check(self, path: str) -> None:
         root, where = os.path.realpath(self.root), os.path.realpath(path)
+        if any(os.path.commonpath([where, mine]) == mine for mine in self.also):
+            return
         if os.path.commonpath([where, root]) != root:
             raise RuntimeError(f"cloud-init was about to write {path}, outside {root}")
 
@@ -135,9 +141,31 @@ def host_key_files(userdata: dict[str, Any]) -> dict[str, list[Any]]:
     return {table[k][0]: [value, table[k][1]] for k, value in keys.items() if k in table}
 
 
+def mount_points() -> set[str]:
+    """This process's mount points (a bind mount of a folder on the same file system is
+    one, which os.path.ismount cannot tell)."""
+    with open("/proc/self/mountinfo", encoding="utf-8") as table:
+        return {line.split()[4] for line in table if len(line.split()) > 4}
+
+
+def run_cc_ssh(userdata: dict[str, Any], cloud: Cloud) -> dict[str, list[Any]]:
+    """cc_ssh's `handle` for real, on /etc/ssh and /root that are the test's own folders
+    (the caller runs this in a mount namespace where they are bind mounts: see
+    tests/support/mountns.py); then every file under /etc/ssh: [content, mode]."""
+    if not {"/etc/ssh", "/root"} <= mount_points():
+        raise SystemExit("--ssh runs only where /etc/ssh is a test's bind mount")
+    cc_ssh.handle("ssh", userdata, cloud, logging.getLogger(), [])
+    found: dict[str, list[Any]] = {}
+    for path in sorted(Path("/etc/ssh").rglob("*")):
+        if path.is_file():
+            found[str(path)] = [path.read_text(), path.stat().st_mode & 0o777]
+    return found
+
+
 def main() -> None:
     target = Path(sys.argv[1]).resolve()
-    confined = Confined(target)
+    ssh = sys.argv[2:] == ["--ssh"]  # run cc_ssh (only in a mount namespace: see run_cc_ssh)
+    confined = Confined(target, ("/etc/ssh", "/root") if ssh else ())
     sysfs = target / "sys-class-net"
     sysfs.mkdir()
     cloudinit.net.SYS_CLASS_NET = f"{sysfs}/"
@@ -182,6 +210,8 @@ def main() -> None:
         "schema_error": schema_error,
         "ssh_key_files": host_key_files(userdata),
     }
+    if ssh:
+        result["etc_ssh"] = run_cc_ssh(userdata, cloud)
     json.dump(result, sys.stdout)
 
 

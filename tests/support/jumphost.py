@@ -40,6 +40,9 @@ class JumpHost:
         self.requests: list[tuple[str, int]] = []  # every direct-tcpip asked for
         self.logins = 0
         self.prohibited: set[str] = set()  # guest addresses it will not forward to
+        # Guest addresses led elsewhere instead (a loopback endpoint: an impostor's sshd
+        # standing in for a stale VM or an interceptor on that address).
+        self.redirected: dict[str, tuple[str, int]] = {}
         self._host_key = asyncssh.generate_private_key("ssh-ed25519")
         self.client_key = asyncssh.generate_private_key("ssh-ed25519")
         self._server: asyncssh.SSHAcceptor | None = None
@@ -110,7 +113,7 @@ class _Server(asyncssh.SSHServer):
             raise asyncssh.ChannelOpenError(
                 asyncssh.OPEN_ADMINISTRATIVELY_PROHIBITED, "administratively prohibited"
             )
-        target = self.jump.route(dest_host, dest_port)
+        target = self.jump.redirected.get(dest_host) or self.jump.route(dest_host, dest_port)
         if target is None or not ipaddress.ip_address(target[0]).is_loopback:
             raise asyncssh.ChannelOpenError(asyncssh.OPEN_CONNECT_FAILED, "Connection refused")
         return self._forward(target)

@@ -159,11 +159,13 @@ class Builds:
         name: str | None = None,
         origin: str | None = None,
         can_wait_for_approval: bool = True,
+        hand_off: bool = False,
     ) -> Build:
         """Validate and record one build, and queue it here; or, when the approval policy
         (`[approval] builds`) wants an approver, record it awaiting approval. A caller
         that cannot wait for one (the one-shot CLI) is refused instead, with nothing
-        recorded."""
+        recorded. With `hand_off` (a CLI that does not stay), a queued build is left to
+        any runner (a serving process claims it) instead of run here."""
         try:
             chosen = self.settings.images.profile(profile)
         except ProfileError as exc:
@@ -199,9 +201,10 @@ class Builds:
             storage=storage,
             cpu=chosen.cpu,
             # Queued: reserved for this runner, which starts it here. Awaiting approval:
-            # nobody's, until the approver's process takes it (`decide`).
-            owner=None if reason else self.owner,
-            lease_until=None if reason else self.claim_until(),
+            # nobody's, until the approver's process takes it (`decide`). Handed off:
+            # nobody's, until a runner claims it (bot/ownership/claims.py).
+            owner=None if reason or hand_off else self.owner,
+            lease_until=None if reason or hand_off else self.claim_until(),
             installation=self.store.installation_id,
             origin=origin,
             approval_reason=reason,
@@ -217,7 +220,7 @@ class Builds:
                 f"A build of {name} on {backend} is already under way; wait for it to end "
                 "(`deploybot template list`)."
             ) from None
-        if stored.state is BuildState.QUEUED:
+        if stored.state is BuildState.QUEUED and not hand_off:
             self.queue.submit(stored.id, stored.backend)
         return stored
 

@@ -62,6 +62,7 @@ from bot.jobs import progress as tell
 from bot.jobs.progress import Progress
 from bot.jobs.steps import Engine, Step, UndoFrom, notices_for
 from bot.jobs.waiting import protected
+from bot.kinds.deploy.preflight import Preflight
 from bot.kinds.deploy.runs import Fence, Run, StepFailed, Undo, identity_of, run_undo, vm_ref
 from bot.models import Claim, HostKeySource, Job, JobState, RollbackReport, utcnow
 from bot.ownership.claims import Lost
@@ -85,6 +86,7 @@ class Pipeline:
         fence: Fence,
         addressing: Addressing,
         host_ca: HostCA | None = None,
+        preflight: Preflight | None = None,
     ) -> None:
         """`fence` is this process's runner (bot/ownership/claims.Ownership): every state
         change of a job names its claim, so a runner that lost a job (its claim lapsed)
@@ -100,6 +102,8 @@ class Pipeline:
         self.progress = progress
         self.timeouts = settings.timeouts
         self.engine = Engine(self, STEPS, store, progress, settings.timeouts, fence)
+        # The privilege check of check_free (certificates=: see its module doc).
+        self.preflight = preflight or Preflight(certificates=host_ca is not None)
 
     async def run(self, job_id: str) -> Job | None:
         """Run a queued job to a final state; None if it was no longer queued."""
@@ -191,6 +195,10 @@ class Pipeline:
 
     async def _check_free(self, run: Run) -> str:
         req = run.job.request
+        # The privileges the steps need, before anything exists (kept a while when all there).
+        segment = self._segment(run.job, "check_free")
+        nics = (segment,) if segment is not None else ()
+        unchecked = await self.preflight.check(req.backend, run.backend, req.template, nics)
         # One read for the name and, where the backend can, its VMs' addresses.
         taken, known = await named({req.backend: run.backend}, req)
         if taken:
@@ -211,17 +219,18 @@ class Pipeline:
         if mac is not None:
             raise StepFailed("check_free", f"{mac}: deploy again with another MAC")
         free = f"{req.name} and {', '.join(str(a.ip) for a in req.addresses)} are free"
-        return f"{free} (not asked: {', '.join(unasked)})" if unasked else free
+        free = f"{free} (not asked: {', '.join(unasked)})" if unasked else free
+        return f"{free}; {unchecked}" if unchecked else free
 
     async def _clone_detail(self, run: Run) -> str:
-        spec, backend = _clone_spec(run.job, self._segment(run.job, "clone")), run.backend
+        spec, backend = self._clone_spec(run.job), run.backend
         t = self.timeouts.check_free_s
         mode = await self.engine.call(run, "clone", t, lambda: backend.clone_mode(spec))
         nic = f", NIC on {spec.segment}" if spec.segment is not None else ""
         return f"{run.job.request.template}, {mode.reason}{nic}"
 
     async def _clone(self, run: Run) -> str:
-        spec, backend = _clone_spec(run.job, self._segment(run.job, "clone")), run.backend
+        spec, backend = self._clone_spec(run.job), run.backend
         if run.ref is None:
             ref = await backend.prepare_clone(spec)
             # Write-ahead: the id is stored and its undo pushed before anything exists.
@@ -262,6 +271,22 @@ class Pipeline:
             raise StepFailed(step, found)
         return found
 
+    def _more_segments(self, job: Job, step: str) -> tuple[Segment | None, ...]:
+        """Each further NIC's segment (`req.nics`), from its own subnet as the first
+        NIC's is; None where the backend has no segments (its own network)."""
+        found: list[Segment | None] = []
+        for nic in job.request.nics:
+            segment = request_segment(
+                self.settings.subnets, nic.subnet, nic.address.ip, job.backend, None
+            )
+            if isinstance(segment, str):
+                raise StepFailed(step, segment)
+            found.append(segment)
+        return tuple(found)
+
+    def _clone_spec(self, job: Job) -> CloneSpec:
+        return _clone_spec(job, self._segment(job, "clone"), self._more_segments(job, "clone"))
+
     def _destroy(self, run: Run) -> Undo:
         ref, backend = self._ref(run), run.backend
         if not isinstance(backend, ChoosesHostKeys):
@@ -289,7 +314,11 @@ class Pipeline:
 
     async def _identity(self, run: Run) -> str | None:
         req = run.job.request
-        identity = identity_of(req, self._segment(run.job, "identity"))
+        identity = identity_of(
+            req,
+            self._segment(run.job, "identity"),
+            self._more_segments(run.job, "identity"),
+        )
         if isinstance(run.backend, ChoosesHostKeys):
             # Its public half is recorded before the hypervisor gets the pair (the SSH
             # check of a job resumed after a restart requires it); the private half is
@@ -575,8 +604,11 @@ def _took(job: Job) -> str:
     return f"{(job.finished_at - job.started_at).total_seconds():.1f} s"
 
 
-def _clone_spec(job: Job, segment: Segment | None) -> CloneSpec:
+def _clone_spec(
+    job: Job, segment: Segment | None, more_segments: tuple[Segment | None, ...] = ()
+) -> CloneSpec:
     req = job.request
+    identity = identity_of(req, segment, more_segments)
     return CloneSpec(
         job.id,
         req.name,
@@ -585,8 +617,10 @@ def _clone_spec(job: Job, segment: Segment | None) -> CloneSpec:
         req.storage,
         req.network,
         segment=segment,
-        identity=identity_of(req, segment),
+        identity=identity,
         installation=job.installation,
+        more_nics=identity.more_nics,
+        mac=req.mac,
     )
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Protocol
 
-from backends.base import Backend, Identity, Segment, VMRef
+from backends.base import Backend, Identity, Nic, Segment, VMRef
 from bot.config.sections import Timeouts
 from bot.jobs.waiting import retrying
 from bot.models import Claim, DeployRequest, HostKeySource, Job, JobEvent, RollbackReport
@@ -36,21 +36,41 @@ def vm_ref(job: Job) -> VMRef:
     return VMRef(job.vm_id, job.id, job.vm_placement, job.installation)
 
 
-def identity_of(req: DeployRequest, segment: Segment | None = None) -> Identity:
+def identity_of(
+    req: DeployRequest,
+    segment: Segment | None = None,
+    more_segments: tuple[Segment | None, ...] = (),
+) -> Identity:
+    """What the guest is given, from the request; `segment` is the first NIC's,
+    `more_segments` those of `req.nics` in order (each from its subnet). DNS servers and
+    search domains of every NIC are merged, the first NIC's first, none twice."""
+    dns = tuple(dict.fromkeys((*req.dns, *(ip for n in req.nics for ip in n.dns))))
+    searches = [n.search_domain for n in req.nics if n.search_domain]
+    more = tuple(dict.fromkeys(d for d in searches if d != req.search_domain))
     return Identity(
         hostname=req.name,
         user=req.user,
         ssh_keys=req.ssh_keys,
         address=req.address,
         gateway=req.gateway,
-        dns=req.dns,
-        search_domain=req.search_domain,
+        dns=dns,
+        search_domain=req.search_domain or (more[0] if more else ""),
         upgrade=req.upgrade,
         cores=req.cores,
         memory_mib=req.memory_mib,
         network=req.network,
         segment=segment,
+        more_nics=tuple(
+            Nic(n.address, n.gateway, s, n.mac)
+            for n, s in zip(req.nics, _padded(more_segments, len(req.nics)), strict=True)
+        ),
+        mac=req.mac,
+        search_domains=more[1:] if not req.search_domain else more,
     )
+
+
+def _padded(segments: tuple[Segment | None, ...], count: int) -> tuple[Segment | None, ...]:
+    return (*segments[:count], *((None,) * (count - len(segments))))
 
 
 class StepFailed(JobError):

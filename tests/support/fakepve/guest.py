@@ -10,6 +10,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import re
+from collections.abc import Sequence
 from typing import Any
 
 import asyncssh
@@ -79,10 +80,14 @@ class Guest:
         self._endpoints: dict[str, tuple[int, tuple[str, int]]] = {}  # address -> vmid, sshd
 
     async def boot(
-        self, vmid: int, config: dict[str, str], key: asyncssh.SSHKey | None = None
+        self,
+        vmid: int,
+        config: dict[str, str],
+        key: asyncssh.SSHKey | None = None,
+        certificates: Sequence[str] = (),
     ) -> None:
         """Start the guest's sshd, presenting `key` (the guest's host key file; a new
-        one when not given)."""
+        one when not given) and the `certificates` of it (OpenSSH lines)."""
         static = configured_ip(config)
         if self.ssh_port is None or static is None:
             return
@@ -94,9 +99,12 @@ class Guest:
         else:
             return  # never listen outside 127.0.0.0/8
         key = key or asyncssh.generate_private_key("ssh-ed25519")
+        # One certificate per key: sshd presents the certificate and the plain key.
+        certified = [asyncssh.import_certificate(c) for c in certificates[:1]]
+        host_keys: list[Any] = [(key, certified[0])] if certified else [key]
         try:
             server = await asyncssh.create_server(
-                asyncssh.SSHServer, *listen, server_host_keys=[key]
+                asyncssh.SSHServer, *listen, server_host_keys=host_keys
             )
         except OSError as exc:
             log.warning("guest %s: sshd cannot listen on %s:%s: %s", vmid, *listen, exc)

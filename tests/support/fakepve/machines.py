@@ -91,7 +91,17 @@ class Simulated:
             if what == "agent":
                 vm.agent_up = vm.agent_installed
             else:
-                await self.cluster.guest.boot(vm.vmid, vm.config, guestfiles.sshd_key(vm))
+                await self._sshd(vm)
+
+    async def _sshd(self, vm: VM) -> None:
+        key, certificates = guestfiles.sshd_key(vm), guestfiles.host_certificates(vm)
+        await self.cluster.guest.boot(vm.vmid, vm.config, key, certificates)
+
+    async def _reload(self, vm: VM) -> None:
+        """sshd reloaded in the guest: it reads its config and certificates again."""
+        if self.cluster.guest.listening(vm.vmid):
+            await self.cluster.guest.shutdown(vm.vmid)
+            await self._sshd(vm)
 
     async def halted(self, vm: VM, *, graceful: bool, timeout_s: float, force: bool) -> None:
         vm.running = False
@@ -116,8 +126,8 @@ class Simulated:
         if not vm.agent_up:
             raise ApiError(500, "QEMU guest agent is not running")
         guestfiles.ensure_host_keys(vm)  # a VM added as running (`add_vm`) booted before
-        agent = self.agents.setdefault(vm.vmid, guestfiles.SimulatedAgent())
-        return agent.run(vm, command, arguments)
+        agent = self.agents.setdefault(vm.vmid, guestfiles.SimulatedAgent(on_reload=self._reload))
+        return await agent.ask(vm, command, arguments)
 
     def route(self, host: str, port: int) -> Endpoint | None:
         return self.cluster.guest.route(host, port)

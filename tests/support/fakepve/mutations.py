@@ -119,6 +119,11 @@ def _config_changes(c: Call, vm: VM) -> Callable[[], None]:
             raise ApiError(500, problem)
         values["sshkeys"] = quote(unquote(values["sshkeys"]), safe="")  # stored escaped
     deleted = [k for k in re.split(r"[,;\s]+", c.params.get("delete", "")) if k]
+    for key, value in values.items():
+        # qemu-server's parse_net: a NIC given without a MAC gets a generated one.
+        if re.fullmatch(r"net\d+", key) and "=" not in str(value).split(",")[0]:
+            model, _, rest = str(value).partition(",")
+            values[key] = f"{model}={c.cluster.fresh_mac()}" + (f",{rest}" if rest else "")
 
     def apply() -> None:
         vm.config.update(values)

@@ -9,7 +9,9 @@
   (`tests/support/realguest/nocloud.py`, instance-id and all) and launches QEMU daemonized, as
   `qm start` does, with the VM's MAC; the task ends once QEMU is up (or fails with its
   error). The guest's static address (ipconfig0) lives in QEMU's user-mode network with
-  `restrict=on`, whose host address is the ipconfig0 gateway: nothing leaves QEMU;
+  `restrict=on`, whose host address is the ipconfig0 gateway: nothing leaves QEMU; each
+  further `netN` with a static `ipconfigN` is a NIC with its MAC on a restricted
+  user-mode network of its own (`more_lans`);
 * a VM is running exactly while its QEMU process lives (a pidfd says when it ends);
   stop kills QEMU (SIGTERM, then SIGKILL); shutdown asks the guest agent
   (guest-shutdown) when the VM has it enabled and it answers, else presses the ACPI
@@ -71,6 +73,22 @@ class Lan:
     gateway: str
     dns: str
     static: bool = True  # the address is ipconfig0's (else QEMU's DHCP gives it)
+
+
+def more_lans(config: dict[str, str]) -> tuple[qemu.MoreNic, ...]:
+    """`net1`, `net2`, ... with a static `ipconfigN`, in order: each on a user-mode
+    network of its own, QEMU there at `gw` (or, without one, an address of the
+    network that is not the guest's: QEMU must have one)."""
+    found = []
+    for n in range(1, 32):
+        net, ip = config.get(f"net{n}"), nocloud.property_string(config.get(f"ipconfig{n}", ""))
+        if not net or "/" not in ip.get("ip", ""):
+            continue
+        address = ipaddress.IPv4Interface(ip["ip"])
+        hosts = (str(h) for h in address.network.hosts() if h != address.ip)
+        host = ip.get("gw") or next(hosts)
+        found.append(qemu.MoreNic(nocloud.mac_of(net), str(address.network), host))
+    return tuple(found)
 
 
 # QEMU's defaults, where a guest without a static address gets its first DHCP lease.
@@ -237,6 +255,7 @@ class RealMachines:
             memory_mib=min(int(vm.config.get("memory", "1024")), self.memory_mib_max),
             cpus=min(int(vm.config.get("cores", "1")), self.cpus_max),
             append=f"systemd.mask={AGENT_UNIT}" if fault.no_agent else "",
+            more_nics=more_lans(vm.config),
         )
         pidfile, stderr = folder / "qemu.pid", folder / "qemu.stderr"
         pidfile.unlink(missing_ok=True)

@@ -4,7 +4,9 @@
 and checks, inside the guest, everything issue 16 names: hostname and FQDN, the login
 user with the key and a locked password, the static address, default route and DNS on
 the NIC that has the MAC deploybot set, no package upgrade (`upgrade=no`), the
-instance-id Proxmox derives for that VM, and the printed host key being the guest's own.
+instance-id Proxmox derives for that VM, and the printed host key being the guest's own:
+the one deploybot confirmed through the real qemu-guest-agent, whose known_hosts line
+(`deploybot known-hosts NAME`) is the guest's /etc/ssh/ssh_host_ed25519_key.pub.
 The expected values come from the deploy's subnet in `config_text` and from the VM's
 config in the fake (what deploybot set), not from the guest.
 """
@@ -20,7 +22,7 @@ import yaml
 from tests.support.fakepve.realvm import RealMachines
 from tests.support.fakepve.server import FakePVE
 from tests.support.realguest import nocloud
-from tests.support.realguest.lane import LOGIN, Deploy, login, out
+from tests.support.realguest.lane import LOGIN, Deploy, known_hosts_line, login, out
 
 # The 10.0.0.0/24 subnet of tests/support/fakepve/testing.py's config_text.
 GATEWAY, DNS, DOMAIN = "10.0.0.1", "10.0.0.2", "lab.example"
@@ -30,6 +32,7 @@ GATEWAY, DNS, DOMAIN = "10.0.0.1", "10.0.0.2", "lab.example"
 class Seen:
     instance_id: str
     host_key: str
+    known_hosts: str  # the line `deploybot known-hosts NAME` printed ("name,address KEY")
 
 
 async def check_guest(
@@ -45,7 +48,7 @@ async def check_guest(
     async with bastion, conn:
         status = await out(conn, "cloud-init status --wait")  # everything below is done
         assert "status: done" in status, status
-        await _host_key(conn, deploy)
+        own = await _host_key(conn, deploy)
         assert await out(conn, "hostname") == deploy.name
         assert await out(conn, "hostname -f") == f"{deploy.name}.{DOMAIN}"
         await _login_user(conn, public)
@@ -57,17 +60,24 @@ async def check_guest(
     # network-config), and what the fake booted it with.
     assert instance_id == nocloud.render(config, deploy.vmid).instance_id
     assert instance_id == machines.seeds[deploy.vmid].instance_id
-    return Seen(instance_id, deploy.host_key)
+    known = await known_hosts_line(fake, deploy)
+    assert known == f"{deploy.name},{deploy.address} {own}", (known, own)
+    return Seen(instance_id, deploy.host_key, known)
 
 
-async def _host_key(conn: asyncssh.SSHClientConnection, deploy: Deploy) -> None:
-    """The printed fingerprint is the guest's own ed25519 host key, and the one this
-    connection saw (not the jump host's)."""
+async def _host_key(conn: asyncssh.SSHClientConnection, deploy: Deploy) -> str:
+    """The printed fingerprint is the guest's own ed25519 host key, the one this
+    connection saw (not the jump host's), and the deploy says the guest agent confirmed
+    it. Returns the key file's line without its comment ("ssh-ed25519 AAAA...")."""
     server_key = conn.get_server_host_key()
     assert server_key is not None
     assert server_key.get_fingerprint("sha256") == deploy.host_key, deploy.output
-    own = asyncssh.import_public_key(await out(conn, "cat /etc/ssh/ssh_host_ed25519_key.pub"))
+    line = await out(conn, "cat /etc/ssh/ssh_host_ed25519_key.pub")
+    own = asyncssh.import_public_key(line)
     assert own.get_fingerprint("sha256") == deploy.host_key, deploy.output
+    confirmed = f"host key {deploy.host_key} (confirmed through the QEMU guest agent)"
+    assert confirmed in deploy.output, deploy.output
+    return " ".join(line.split()[:2])
 
 
 async def _login_user(conn: asyncssh.SSHClientConnection, public: str) -> None:

@@ -47,15 +47,20 @@ class Deploy:
 
 
 def write_config(
-    fake: FakePVE, state: Path, public_key: str, timeouts: dict[str, float] | None = None
+    fake: FakePVE,
+    state: Path,
+    public_key: str,
+    timeouts: dict[str, float] | None = None,
+    extra_toml: str = "",
 ) -> Path:
     """The config the fake writes for its demo, with the test's key and roomy timeouts
-    (or `timeouts`, for the steps named there)."""
+    (or `timeouts`, for the steps named there), and `extra_toml` (more tables) at its end."""
     text = config_text(fake, state, None)
     text = re.sub(r"(?m)^ssh_keys = .*$", f'ssh_keys = ["{public_key}"]', text)
     steps = {"power_on_s": DEADLINE_S, "address_s": DEADLINE_S, "ssh_s": DEADLINE_S}
     steps |= timeouts or {}
     text += "\n[timeouts]\n" + "".join(f"{k} = {v}\n" for k, v in steps.items())
+    text += extra_toml
     path = state / "deploybot.toml"
     path.write_text(text, encoding="utf-8")
     return path
@@ -69,13 +74,14 @@ async def deploy(
     address: str,
     *options: str,
     timeouts: dict[str, float] | None = None,
+    extra_toml: str = "",
 ) -> Deploy:
     """`deploybot deploy NAME ADDRESS template=debian-12 user=deploy OPTIONS...`."""
     state = root / name
     state.mkdir()
     began = time.monotonic()
     returncode, output = await run_deploybot(
-        fake, write_config(fake, state, public, timeouts), state,
+        fake, write_config(fake, state, public, timeouts, extra_toml), state,
         "deploy", name, address, f"template={TEMPLATE}", f"user={LOGIN}", *options,
         "--backend", "pve", "--user", "alice",
     )  # fmt: skip
@@ -122,6 +128,18 @@ async def login(
 async def out(conn: asyncssh.SSHClientConnection, command: str) -> str:
     result = await conn.run(command, check=True, timeout=DEADLINE_S)
     return str(result.stdout).strip()
+
+
+async def known_hosts_line(fake: FakePVE, deploy: Deploy) -> str:
+    """The known_hosts line the deploy's job recorded, as `deploybot known-hosts NAME`
+    prints it (with the deploy's own config and database)."""
+    returncode, output = await run_deploybot(
+        fake, deploy.state / "deploybot.toml", deploy.state, "known-hosts", deploy.name
+    )
+    assert returncode == 0, output
+    lines = [line for line in output.splitlines() if line.startswith(f"{deploy.name},")]
+    assert len(lines) == 1, output
+    return lines[0]
 
 
 def assert_gone(fake: FakePVE, machines: RealMachines, vmid: int) -> None:

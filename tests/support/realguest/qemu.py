@@ -3,9 +3,10 @@
 Each guest boots the image's own kernel and initrd directly from a qcow2 overlay of the
 image (a linked clone: its writes stay in the overlay), with the NoCloud seed as a
 read-only virtio disk, or with no seed and its data on the kernel command line
-(`append`: the vSphere test's guestinfo as `systemd.setenv=` variables). Its only NIC
-is QEMU's user-mode network with `restrict=on`, so nothing the guest sends leaves QEMU;
-the guest's SSH port is forwarded from a port on 127.0.0.1. The serial console is
+(`append`: the vSphere test's guestinfo as `systemd.setenv=` variables). Its NIC is on
+QEMU's user-mode network with `restrict=on`, so nothing the guest sends leaves QEMU;
+the guest's SSH port is forwarded from a port on 127.0.0.1. More NICs (`more_nics`)
+each get a restricted user-mode network of their own. The serial console is
 written to a file (what went wrong at boot is there) and qemu-guest-agent is reachable
 on a unix socket (`Guest.qga`).
 
@@ -109,6 +110,21 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@dataclass(frozen=True)
+class MoreNic:
+    """A NIC after the first, on a restricted user-mode network of its own: `network`,
+    where QEMU answers as `host` (the guest's gateway there, if it has one)."""
+
+    mac: str
+    network: str
+    host: str
+
+    def args(self, index: int) -> list[str]:
+        net = ipaddress.IPv4Network(self.network)
+        netdev = f"user,id=n{index},restrict=on,ipv6=off,net={net},host={self.host}"
+        return ["-netdev", netdev, "-device", f"virtio-net-pci,netdev=n{index},mac={self.mac}"]
+
+
 class QgaError(RuntimeError):
     """The guest agent's `error` answer; `desc` is its text."""
 
@@ -136,6 +152,7 @@ class Guest:
     # More kernel command line after the root and console settings (the vSphere test's
     # guestinfo; `systemd.mask=UNIT` for a fault).
     append: str = ""
+    more_nics: tuple[MoreNic, ...] = ()  # net1, net2, ...: each on a network of its own
     ssh_port: int = field(default_factory=free_port)
     process: subprocess.Popen[bytes] | None = None
     started: float = 0.0
@@ -188,6 +205,7 @@ class Guest:
             netdev,
             "-device",
             f"virtio-net-pci,netdev=n0,mac={self.mac}",
+            *(arg for i, nic in enumerate(self.more_nics, 1) for arg in nic.args(i)),
             "-device",
             "virtio-serial",
             "-chardev",

@@ -66,10 +66,13 @@ class Sshd:
     """The guests' SSH servers: listeners on their loopback addresses, one shared port.
     A guest that booted with a host key in its cloud-config (deploybot's chosen key,
     read from guestinfo by the guest agent, `guests`) answers with a real SSH key
-    exchange presenting that key, as its sshd would; others only send a banner."""
+    exchange presenting that key, as its sshd would; others only send a banner. An
+    address in `impostors` answers with that private key instead, whatever booted there
+    (another host on the address: a stale VM, a wrong VLAN, an interceptor)."""
 
     def __init__(self) -> None:
         self.accepted: Counter[str] = Counter()
+        self.impostors: dict[str, str] = {}  # address -> the OpenSSH private key it presents
         self.listeners: list[socket.socket] = []
         self.tasks: set[asyncio.Task[None]] = set()
         self.port = 0
@@ -114,6 +117,8 @@ class Sshd:
             await server.wait_closed()
 
     def _chosen_key(self, address: str) -> str | None:
+        if address in self.impostors:
+            return self.impostors[address]
         if self.guests is None:
             return None
         for booted in list(self.guests.booted.values()):

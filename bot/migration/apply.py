@@ -1,0 +1,303 @@
+"""`migrate apply`: the templates of a plan rebuilt on the target, through the build kind.
+
+An apply acts on a plan only while it is true: made within `[migration] plan_valid_s`
+(`check_age`) and of a source that still holds what the plan read (`check_source`: the
+same scope read again through the read-only source, its digest compared; a changed
+source is refused with what changed). Then each profile the plan's rebuildable
+templates map to gets one template build on the target (bot/kinds/build/: its
+pre-flight, smoke deploy, approval policy and queue, exactly as `template build`):
+templates of one profile share its build, since building a profile twice makes the same
+template twice. Never an import of the source's disk.
+
+It is idempotent: a profile with a build on the target in flight (the store's
+`builds`), or whose template the target holds (its build marks), is not built again; a
+published build whose template was removed since is built again; two applies at once are
+kept apart by the store's one-build-in-flight-per-name index.
+What the apply did and what is left are data (`Applied`, `Outcome`); the words are
+handlers/messages/migration.py's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from datetime import datetime, timedelta
+
+from backends.building import TemplateVersion
+from backends.migrating import ReadOnlySource, TemplateFacts, VMFacts
+from bot.images.profiles import Profile
+from bot.migration.classify import Category, Finding, classify_template
+from bot.migration.plan import Plan, PlanFileError, source_unchanged
+from bot.models.builds import ACTIVE_BUILD_STATES, Build, BuildState
+from bot.models.errors import Conflict, UserError
+
+# How a build can end without a template.
+UNBUILT = frozenset(
+    {BuildState.FAILED, BuildState.CANCELLED, BuildState.REJECTED, BuildState.EXPIRED}
+)
+
+
+class PlanTooOld(UserError):
+    """A plan made longer ago than `[migration] plan_valid_s`: plan again."""
+
+
+class SourceChanged(UserError):
+    """The source no longer holds what the plan read: plan again."""
+
+
+@dataclass(frozen=True)
+class Changes:
+    """What differs between the plan's facts and the source read again, by name."""
+
+    added: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()
+    changed: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Rebuild:
+    """One profile the plan's rebuildable templates map to, and its build."""
+
+    profile: str
+    templates: tuple[str, ...]  # the source templates it stands for
+    build: Build | None = None  # the build started, or the one found in flight/published
+    started: bool = False  # this apply started `build` (False: it was there already)
+    on_target: str | None = None  # the target holds it already (its template's name)
+    refused: str | None = None  # why no build could be asked for (the build kind's words)
+
+    @property
+    def ended(self) -> bool:
+        """Nothing more will happen to it (no build, or one no longer in flight)."""
+        return self.build is None or self.build.state not in ACTIVE_BUILD_STATES
+
+
+@dataclass(frozen=True)
+class Applied:
+    plan: Plan
+    rebuilds: tuple[Rebuild, ...]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The end of an apply: the plan's counts on the source against the templates
+    deploybot built on the target, by profile, and the rebuilds as they are now."""
+
+    applied: Applied
+    # profile -> (template name, build version) of the target's current templates
+    target: Mapping[str, tuple[str, int]]
+
+    @property
+    def rebuilds(self) -> tuple[Rebuild, ...]:
+        return self.applied.rebuilds
+
+    def wanted(self) -> set[str]:
+        """The profiles the plan's templates that migrate (rebuildable, on target) need."""
+        return {
+            f.profile
+            for f in self.applied.plan.findings
+            if f.kind == "template"
+            and f.profile is not None
+            and f.category in (Category.REBUILDABLE, Category.ON_TARGET)
+        }
+
+    def missing(self) -> set[str]:
+        """Profiles the migrating templates need that the target does not hold yet."""
+        return self.wanted() - set(self.target)
+
+    def failed(self) -> list[Rebuild]:
+        """Rebuilds that were refused, or whose build ended without a template."""
+        return [
+            r
+            for r in self.rebuilds
+            if r.refused or (r.build is not None and r.build.state in UNBUILT)
+        ]
+
+    def left(self) -> list[Finding]:
+        """The templates no apply can rebuild (not mappable), with their reasons."""
+        return [f for f in self.applied.plan.findings if f.category is Category.NOT_MAPPABLE]
+
+
+def check_findings(plan: Plan, profiles: Mapping[str, Profile]) -> None:
+    """The digest covers the facts, not the findings: refuse a plan whose findings do
+    not follow from its facts with this installation's profiles (its file edited to
+    rebuild something else, or the profiles changed since), so an apply builds only
+    what the facts it re-checks on the source call for."""
+    facts = {f.source_id: f for f in plan.facts}
+    for finding in plan.findings:
+        if finding.kind != "template":
+            continue
+        fact = facts.get(finding.source_id)
+        now = classify_template(fact, profiles, []) if fact is not None else None
+        if (
+            now is None
+            or now.profile != finding.profile
+            or (now.category is Category.NOT_MAPPABLE)
+            != (finding.category is Category.NOT_MAPPABLE)
+        ):
+            raise PlanFileError(
+                f"The plan's finding for {finding.name} does not follow from its facts "
+                "(the plan was edited, or the build profiles changed since). Nothing was "
+                f"started: make a new plan (migrate plan --from {plan.source} --to "
+                f"{plan.target}) and apply that."
+            )
+
+
+def check_age(plan: Plan, now: datetime, valid_s: float) -> None:
+    age = now - plan.made_at
+    if age > timedelta(seconds=valid_s):
+        raise PlanTooOld(
+            f"This plan was made {_length(age.total_seconds())} ago "
+            f"({plan.made_at:%Y-%m-%d %H:%M} UTC); a plan is valid for "
+            f"{_length(valid_s)} ([migration] plan_valid_s). Nothing was started: make a "
+            f"new plan (migrate plan --from {plan.source} --to {plan.target}) and apply that."
+        )
+
+
+async def check_source(plan: Plan, source: ReadOnlySource) -> None:
+    """Read the plan's scope of the source again (read-only) and refuse the plan when
+    its digest differs, naming what changed."""
+    if await source_unchanged(plan, source):  # the plan's own comparison (plan.py)
+        return
+    templates = await source.template_facts(plan.scope)
+    vms = await source.vm_facts(plan.scope)
+    changes = compare([*plan.facts, *plan.vm_facts], [*templates, *vms])
+    said = [
+        *(f"{n} is new" for n in changes.added),
+        *(f"{n} is gone" for n in changes.removed),
+        *(f"{n} changed" for n in changes.changed),
+    ]
+    raise SourceChanged(
+        f"The source {plan.source} changed since this plan was made ("
+        + (", ".join(said[:10]) or "it was read differently")
+        + (f" and {len(said) - 10} more" if len(said) > 10 else "")
+        + f"). Nothing was started: make a new plan (migrate plan --from {plan.source} "
+        f"--to {plan.target}) and apply that."
+    )
+
+
+Facts = TemplateFacts | VMFacts
+
+
+def compare(before: Sequence[Facts], after: Sequence[Facts]) -> Changes:
+    """By durable id (a VM whose configuration could not be read has none: by name)."""
+    old = {(type(f).__name__, f.source_id or f.name): f for f in before}
+    new = {(type(f).__name__, f.source_id or f.name): f for f in after}
+    return Changes(
+        added=tuple(sorted(new[i].name for i in new.keys() - old.keys())),
+        removed=tuple(sorted(old[i].name for i in old.keys() - new.keys())),
+        changed=tuple(sorted(new[i].name for i in new.keys() & old.keys() if new[i] != old[i])),
+    )
+
+
+def rebuilds_of(plan: Plan) -> list[Rebuild]:
+    """The plan's templates that migrate, one entry per profile (sorted): the
+    rebuildable ones, and those on the target at plan time (built again only if the
+    target lost its template since)."""
+    by_profile: dict[str, list[str]] = {}
+    migrating = (Category.REBUILDABLE, Category.ON_TARGET)
+    for finding in plan.findings:
+        if finding.category in migrating and finding.profile is not None:
+            by_profile.setdefault(finding.profile, []).append(finding.name)
+    return [Rebuild(p, tuple(sorted(names))) for p, names in sorted(by_profile.items())]
+
+
+# Asks for one build of a profile on the plan's target (Builds.request, bound to the
+# requester and where its progress goes).
+RequestBuild = Callable[[str], Awaitable[Build]]
+
+
+async def start(
+    plan: Plan,
+    request: RequestBuild,
+    known: Sequence[Build],
+    target: Sequence[TemplateVersion],
+    again: Callable[[str], Awaitable[Sequence[Build]]],
+) -> Applied:
+    """Ask for a build of each profile the plan's templates need, unless one is in
+    flight (`known`: the store's builds of these profiles on the target) or the target
+    holds its template (`target`): a published build whose template is gone is built
+    again. `again` reads a profile's builds anew after the store refused a second build
+    in flight (another apply was first)."""
+    done: list[Rebuild] = []
+    for rebuild in rebuilds_of(plan):
+        mine = [b for b in known if b.profile == rebuild.profile]  # newest first
+        going = next((b for b in mine if b.state in ACTIVE_BUILD_STATES), None)
+        built = next((b for b in mine if b.state is BuildState.PUBLISHED), None)
+        there = _current(rebuild.profile, target)
+        if going is not None:
+            done.append(replace(rebuild, build=going))
+        elif there is not None:  # with the build that made it, when this store knows it
+            done.append(replace(rebuild, build=built, on_target=there.name))
+        else:  # never built, or built and since removed from the target
+            done.append(await _ask(rebuild, request, again))
+    return Applied(plan, tuple(done))
+
+
+async def _ask(
+    rebuild: Rebuild,
+    request: RequestBuild,
+    again: Callable[[str], Awaitable[Sequence[Build]]],
+) -> Rebuild:
+    try:
+        return replace(rebuild, build=await request(rebuild.profile), started=True)
+    except Conflict as exc:  # a build of that name is in flight: another apply's
+        found = list(await again(rebuild.profile))
+        if found:
+            return replace(rebuild, build=found[0])
+        return replace(rebuild, refused=exc.message)
+    except UserError as exc:  # the build kind's refusal (profile, subnet, who may)
+        return replace(rebuild, refused=exc.message)
+
+
+def _current(profile: str, target: Sequence[TemplateVersion]) -> TemplateVersion | None:
+    return next((v for v in target if v.profile == profile and v.current), None)
+
+
+def target_profiles(target: Sequence[TemplateVersion]) -> dict[str, tuple[str, int]]:
+    """The target's current templates deploybot built, by profile."""
+    current = sorted((v for v in target if v.current), key=lambda v: v.name)
+    return {v.profile: (v.name, v.version) for v in current}
+
+
+async def refresh(applied: Applied, get: Callable[[str], Awaitable[Build | None]]) -> Applied:
+    """The rebuilds with their builds as the store holds them now."""
+    fresh = []
+    for rebuild in applied.rebuilds:
+        build = await get(rebuild.build.id) if rebuild.build is not None else None
+        fresh.append(replace(rebuild, build=build or rebuild.build))
+    return Applied(applied.plan, tuple(fresh))
+
+
+async def wait_for_builds(
+    applied: Applied,
+    get: Callable[[str], Awaitable[Build | None]],
+    settle: Callable[[], Awaitable[None]],
+    changed: Callable[[Build], Awaitable[None]],
+    poll_s: float,
+) -> Applied:
+    """Until every build of the apply has ended: `settle` waits for what runs here; a
+    build run elsewhere (approved in chat, taken by a serving process) is read again
+    every `poll_s`. `changed` hears each build whose state moved."""
+    seen = {r.build.id: r.build.state for r in applied.rebuilds if r.build is not None}
+    while True:
+        await settle()
+        applied = await refresh(applied, get)
+        for rebuild in applied.rebuilds:
+            build = rebuild.build
+            if build is not None and seen.get(build.id) is not build.state:
+                seen[build.id] = build.state
+                await changed(build)
+        if all(r.ended for r in applied.rebuilds):
+            return applied
+        await asyncio.sleep(poll_s)
+
+
+def _length(seconds: float) -> str:
+    minutes = int(seconds // 60)
+    if minutes < 1:
+        return f"{int(seconds)} s"
+    if minutes < 120:
+        return f"{minutes} min"
+    hours, rest = divmod(minutes, 60)
+    return f"{hours} h {rest} min" if hours < 48 else f"{hours // 24} days"

@@ -1,0 +1,33 @@
+"""Migration plans kept in the store (issue 30): a plan made from chat has no file, so
+it is kept as a row of `migration_plans` and applied by its id. The document is the
+plan file's JSON (bot/migration/plan.py), kept as text; its digest has a column of its
+own so that a row whose document no longer hashes to it is noticed."""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from bot.models import utcnow
+from bot.models.ids import random_letters
+
+# "m" and 9 letters of the id alphabet: short enough to type, about 2**44 of them.
+PLAN_ID_RE = re.compile(r"m[a-z0-9]{9}")
+
+
+def new_plan_id() -> str:
+    return "m" + random_letters(9)
+
+
+class KeptPlan(BaseModel):
+    """One row of `migration_plans`."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: str = Field(default_factory=new_plan_id, pattern=PLAN_ID_RE.pattern)
+    digest: str  # the plan's source digest, sha256:<hex>
+    document: str  # the plan as JSON (what a plan file holds)
+    created_at: datetime = Field(default_factory=utcnow)
+    created_by: str

@@ -1,0 +1,119 @@
+# mypy: disable-error-code="no-untyped-call"
+# (pyvmomi is typed, but the constructors of its data objects and pyVim are not)
+"""vcsim inventories for the migration tests: templates made as an operator would have
+made them (a guest id, notes, extraConfig, a VMware NIC), some carrying deploybot's
+build mark, in folders a plan's scope can pick."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from pyVim.task import WaitForTask
+from pyVmomi import vim
+
+from backends.building import BuildPlan
+from backends.vsphere import buildmark
+
+PINNED_KEY = "guestinfo.cloudinit.datasource_list"
+
+
+def mark(profile: str, family: str, version: int, job: str) -> str:
+    """The annotation of a template deploybot built on vSphere from `profile`."""
+    plan = BuildPlan(
+        job_id=job,
+        profile=profile,
+        os_family=family,
+        version=version,
+        name=profile,
+        cpu="x86-64-v2-AES",
+        ostype="l26",
+        nic="vmxnet3",
+        disk_bus="scsi",
+        user="debian",
+        built_at=datetime(2026, 3, 1, tzinfo=UTC),
+        source_digest="sha256:" + "ab" * 32,
+    )
+    return buildmark.annotation(plan)
+
+
+def find_vm(sim: Any, name: str) -> Any:
+    view = sim.content.viewManager.CreateContainerView(
+        sim.content.rootFolder, [vim.VirtualMachine], True
+    )
+    try:
+        return next(v for v in view.view if v.name == name)
+    finally:
+        view.DestroyView()
+
+
+def make_template(
+    sim: Any,
+    vm_name: str,
+    name: str,
+    guest_id: str,
+    note: str,
+    extra: dict[str, str] | None = None,
+    vmxnet3: bool = False,
+) -> Any:
+    """One of vcsim's VMs made into a template."""
+    vm = find_vm(sim, vm_name)
+    if vm.runtime.powerState == "poweredOn":
+        WaitForTask(vm.PowerOffVM_Task())
+    options = [vim.option.OptionValue(key=k, value=v) for k, v in (extra or {}).items()]
+    spec = vim.vm.ConfigSpec(guestId=guest_id, annotation=note, extraConfig=options)
+    if vmxnet3:
+        card = vim.vm.device.VirtualVmxnet3(key=-1)
+        spec.deviceChange = [
+            vim.vm.device.VirtualDeviceSpec(
+                operation=vim.vm.device.VirtualDeviceSpec.Operation.add, device=card
+            )
+        ]
+    WaitForTask(vm.ReconfigVM_Task(spec))
+    WaitForTask(vm.Rename_Task(name))
+    vm.MarkAsTemplate()
+    return vm
+
+
+def edit_notes(sim: Any, name: str, note: str) -> None:
+    """An operator edits a template's notes (a template takes no reconfigure: it is
+    made a VM for the edit and a template again)."""
+    vm = find_vm(sim, name)
+    host = vm.runtime.host
+    vm.MarkAsVirtualMachine(pool=host.parent.resourcePool, host=host)
+    WaitForTask(vm.ReconfigVM_Task(vim.vm.ConfigSpec(annotation=note)))
+    vm.MarkAsTemplate()
+
+
+# What `apply_inventory` makes in folder golden, with the profile each maps to.
+GOLDEN = {
+    "debian-13-golden": "debian-13",  # its build mark
+    "alma-9-golden": "alma-9",  # its build mark, a vmxnet3 NIC
+    "alma-base": "alma-9",  # "AlmaLinux 9" in its notes, a pinned datasource
+    "ubuntu-jammy": "ubuntu-22.04",  # "Ubuntu 22.04" in its notes
+    "win2019": None,  # no profile is for Windows
+}
+
+
+def apply_inventory(sim: Any) -> None:
+    """Templates for an apply on the simulator as the target (which ships hand-made
+    ubuntu-24.04, debian-12 and rocky-9 templates, so those profiles are not used in
+    folder golden): GOLDEN there, and in folder legacy one of profile debian-12 (a build
+    the simulator refuses: the name is its hand-made template's)."""
+    make_template(sim, "DC0_C0_RP0_VM2", "debian-13-golden", "debian10_64Guest", mark(
+        "debian-13", "debian", 2, "jdeb13a"))  # fmt: skip
+    make_template(
+        sim, "DC0_H0_VM1", "alma-9-golden", "rhel7_64Guest", mark("alma-9", "el", 4, "jalm9a"),
+        vmxnet3=True,
+    )  # fmt: skip
+    make_template(
+        sim, "DC0_H0_VM2", "alma-base", "rhel7_64Guest",
+        "AlmaLinux 9 base from the old deployer; NIC ens192", {PINNED_KEY: "[VMware]"},
+    )  # fmt: skip
+    make_template(sim, "DC0_H0_VM3", "ubuntu-jammy", "ubuntu64Guest", "Ubuntu 22.04 LTS")
+    make_template(sim, "DC0_C0_RP0_VM0", "win2019", "windows9Server64Guest", "Windows 2019")
+    make_template(sim, "DC0_C0_RP0_VM1", "deb-old", "debian10_64Guest", "Debian 12 (bookworm)")
+    golden = sim.datacenter.vmFolder.CreateFolder("golden")
+    WaitForTask(golden.MoveIntoFolder_Task([find_vm(sim, n) for n in GOLDEN]))
+    legacy = sim.datacenter.vmFolder.CreateFolder("legacy")
+    WaitForTask(legacy.MoveIntoFolder_Task([find_vm(sim, "deb-old")]))
