@@ -114,3 +114,24 @@ async def test_a_fixed_mac_another_job_holds_is_refused_naming_the_job(
         await ask(deployer, f"web02 10.0.0.51 mac={MAC}")
     said = refused.value.message
     assert f"the MAC {MAC}" in said and held.id in said and "pick another MAC" in said
+
+
+async def test_a_whole_deploy_with_two_nics_and_a_fixed_mac(
+    deployer: Deployer, sim: SimBackend
+) -> None:
+    """From the text to a ready VM on the simulator: both addresses in the guest, the
+    fixed MAC on the second NIC; then the MAC and the address are held until destroyed."""
+    job = await ask(deployer, f"web01 10.0.0.50 +lab20 mac2={MAC}")
+    await deployer.drain()
+    done = (await deployer.status(job.id)).job
+    assert done.state is JobState.SUCCEEDED and done.vm_id is not None
+    vm = sim.vms[done.vm_id]
+    assert vm.macs[1] == MAC and len(vm.macs) == 2
+    used = {str(u.address) for u in await sim.addresses_in_use() if u.vm_id == done.vm_id}
+    assert used == {"10.0.0.50", "10.0.20.10"}
+    with pytest.raises(Conflict, match=f"the MAC {MAC} belongs to web01"):
+        await ask(deployer, f"web02 10.0.0.51 mac={MAC}")
+    await deployer.request_destroy("web01", "alice")
+    await deployer.drain()
+    again = await ask(deployer, f"web02 10.0.0.51 +10.0.20.10 mac={MAC}")
+    assert again.request.nics[0].address.ip == IP("10.0.20.10")
