@@ -44,15 +44,19 @@ def holders(db: Db, addresses: Sequence[str]) -> list[tuple[str, str, str, bool]
 
 
 def _held(db: Db, where: str, params: list[str]) -> dict[str, tuple[str, str, str, bool]]:
+    """The first NICs' addresses from `jobs`, the later NICs' from `job_addresses`."""
     marks = ", ".join(f"'{s.value}'" for s in HOLDING_STATES)
-    rows = db.execute(
-        f"SELECT address, id, name, backend, state IN ({marks}) FROM jobs WHERE {where}"
-        f"(state IN ({marks}) OR (wreckage IS NOT NULL AND wreckage <> '')) "
-        "ORDER BY created_at",
-        params,
+    live = f"(jobs.state IN ({marks}) OR (wreckage IS NOT NULL AND wreckage <> ''))"
+    columns = f"id, name, backend, jobs.state IN ({marks}), jobs.created_at"
+    later = where.replace("address", "n.ip")
+    rows = db.execute(  # one statement: the reads of a moment are merged (repository.gathered)
+        f"SELECT address, {columns} FROM jobs WHERE {where}{live} UNION ALL "
+        f"SELECT n.ip, {columns} FROM jobs JOIN job_addresses n ON n.job_id = jobs.id "
+        f"AND n.nic > 0 WHERE {later}{live} ORDER BY 5",
+        [*params, *params],
     ).fetchall()
     found: dict[str, tuple[str, str, str, bool]] = {}
-    for address, job_id, name, backend, holding in rows:
+    for address, job_id, name, backend, holding, _at in rows:
         if not found.get(str(address), ("", "", "", False))[3]:  # a holder wins
             found[str(address)] = (str(job_id), str(name), str(backend), bool(holding))
     return found

@@ -118,22 +118,54 @@ def _insert_job(
             if "jobs.backend" in text or "jobs.name" in text:
                 raise DuplicateActive("name") from None
             raise
+        try:  # every NIC's address and fixed MAC, unique among live jobs (store/migrations.py)
+            db.insert("job_addresses", address_rows(job))
+        except ConstraintViolation as exc:
+            if "job_addresses.mac" in exc.what:
+                raise DuplicateActive("mac") from None
+            if "job_addresses.ip" in exc.what:
+                raise DuplicateActive("address") from None
+            raise
         if approval is not None:
             db.insert("approvals", [_row(approval)])
         if announce:
             outbox.add(db, [Notice(job_id=job.id, kind=NoticeKind.UPDATED)], job.state)
 
 
-def holder(db: Db, *, backend: str, name: str, address: str) -> Job | None:
-    """The job that holds this name on this backend, or this address (see HOLDING_STATES).
-    A holder whose row does not validate is quarantined, which frees what it held."""
+def address_rows(job: Job) -> list[dict[str, object]]:
+    """The job's rows of `job_addresses`: one per NIC, the first NIC's first."""
+    request = job.request
+    macs = (request.mac, *(nic.mac for nic in request.nics))
+    ips = (job.address, *(str(nic.address.ip) for nic in request.nics))
+    return [
+        {"job_id": job.id, "nic": n, "ip": ip, "mac": mac, "state": job.state.value}
+        for n, (ip, mac) in enumerate(zip(ips, macs, strict=True))
+    ]
+
+
+def holder(
+    db: Db,
+    *,
+    backend: str,
+    name: str,
+    address: str,
+    more: Sequence[str] = (),
+    macs: Sequence[str] = (),
+) -> Job | None:
+    """The job that holds this name on this backend, or this address, or one of `more`
+    addresses or of `macs` on any of its NICs (see HOLDING_STATES). A holder whose row
+    does not validate is quarantined, which frees what it held."""
     marks = ", ".join(f"'{s.value}'" for s in HOLDING_STATES)
+    ips = [address, *more]
+    ip_marks, mac_marks = ", ".join("?" * len(ips)), ", ".join("?" * len(macs)) or "NULL"
     sql = (
         f"{SELECT_JOBS} WHERE state IN ({marks}) "
-        "AND ((backend = ? AND name = ?) OR address = ?) LIMIT 1"
+        "AND ((backend = ? AND name = ?) OR address = ? OR id IN (SELECT job_id FROM "
+        f"job_addresses WHERE state IN ({marks}) AND (ip IN ({ip_marks}) OR mac IN "
+        f"({mac_marks})))) LIMIT 1"
     )
     for _round in range(_REREADS):
-        found, bad = _jobs(db, sql, [backend, name, address])
+        found, bad = _jobs(db, sql, [backend, name, address, *ips, *macs])
         if found or not bad:
             return found[0] if found else None
     return None

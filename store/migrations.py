@@ -393,9 +393,37 @@ def _v18(db: Database) -> None:
     db.execute(MIGRATION_PLANS_TABLE)
 
 
+# Every NIC's address and fixed MAC of every job (issue 29, schema v19): one row per NIC
+# (`nic` 0 is the first, whose address is also `jobs.address`), with the job's state
+# copied by a trigger in the same statement that moves the job, so that the unique
+# indexes over the live ones decide between racing requests in the insert's transaction,
+# as `jobs_active_address` does for the first address (an index cannot look into another
+# table).
+JOB_ADDRESSES = [
+    "CREATE TABLE job_addresses (job_id TEXT NOT NULL, nic INTEGER NOT NULL, ip TEXT NOT NULL, "
+    "mac TEXT, state TEXT NOT NULL, PRIMARY KEY (job_id, nic))",
+    f"CREATE UNIQUE INDEX job_addresses_ip ON job_addresses (ip) WHERE state IN {HOLDING_V10}",
+    f"CREATE UNIQUE INDEX job_addresses_mac ON job_addresses (mac) WHERE state IN {HOLDING_V10}",
+    "CREATE INDEX idx_job_addresses_ip ON job_addresses (ip)",
+    "INSERT INTO job_addresses (job_id, nic, ip, mac, state) "
+    "SELECT id, 0, address, NULL, state FROM jobs",
+]
+
+
+def _v19(db: Database) -> None:
+    """Every NIC's address and fixed MAC, unique among live jobs (issue 29)."""
+    for statement in JOB_ADDRESSES:
+        db.execute(statement)
+    db.execute(
+        "CREATE TRIGGER job_addresses_state AFTER UPDATE OF state ON jobs "
+        "WHEN OLD.state IS NOT NEW.state BEGIN "
+        "UPDATE job_addresses SET state = NEW.state WHERE job_id = NEW.id; END"
+    )
+
+
 MIGRATIONS: list[Callable[[Database], None]] = [
     _v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9, _v10, _v11, _v12, _v13, _v14, _v15, _v16,
-    _v17, _v18,
+    _v17, _v18, _v19,
 ]  # fmt: skip
 SCHEMA_VERSION = len(MIGRATIONS)
 

@@ -195,9 +195,10 @@ class Simulator:
         tags: set[str] | None = None,
         running: bool = True,
         address: ipaddress.IPv4Address | None = None,
+        macs: tuple[str, ...] = (),
     ) -> str:
         """Put a VM on the simulator that deploybot did not create (or an orphan), with
-        the `address` its owner gave it, if any."""
+        the `address` and NIC `macs` its owner gave it, if any."""
         inventory = self.inventory
         vm_id = inventory.new_id()
         with inventory.transaction():
@@ -206,6 +207,7 @@ class Simulator:
                 tags or set(), running,
             )  # fmt: skip
             inventory.vms[vm_id].address = address
+            inventory.vms[vm_id].macs = tuple(m.lower() for m in macs)
             inventory.vms[vm_id].host_key = new_host_key().public
             if running:
                 inventory.vms[vm_id].booted.set()

@@ -70,8 +70,9 @@ class Addressing:
     def ipam_name(self) -> str:
         return self.ipam.name or "the IPAM"
 
-    def pool(self, request: DeployRequest) -> Pool:
-        subnet = self.settings.subnet_for(request.address.ip)
+    def pool(self, request: DeployRequest, ip: IPv4Address | None = None) -> Pool:
+        """The pool of the request's address (or of `ip`, one of its NICs')."""
+        subnet = self.settings.subnet_for(ip or request.address.ip)
         assert subnet is not None  # bot/requests/validation.py refused addresses outside them
         return subnet.as_pool()
 
@@ -105,9 +106,14 @@ class Addressing:
         (`Subnet.asked`), with who uses them; and the backends that could not be asked.
         `required` names the one whose failure is raised; `known`: answers the caller
         got a moment ago with its name check (`named`), not asked again."""
-        subnet = self.settings.subnet_for(request.address.ip)
-        assert subnet is not None  # bot/requests/validation.py refused addresses outside them
-        names = subnet.asked(list(self.backends), request.backend)
+        names: list[str] = []  # those any NIC's subnet asks, in the backends' order
+        for iface in request.addresses:
+            subnet = self.settings.subnet_for(iface.ip)
+            assert subnet is not None  # bot/requests/validation.py refused the others
+            names += [
+                n for n in subnet.asked(list(self.backends), request.backend) if n not in names
+            ]
+        names = [n for n in self.backends if n in names]
         ours, known = self.store.installation_id, known or {}
         answers = await asyncio.gather(
             *(
@@ -138,25 +144,37 @@ class Addressing:
         *,
         jobs: bool = True,
         known: Known | None = None,
+        only: list[IPv4Address] | None = None,
     ) -> tuple[str | None, list[str]]:
-        """Who, other than `job_id`, holds the request's address (None: nobody), and the
-        backends that could not be asked (`known`: see `in_use`). With `jobs=False` an
-        address one of our jobs holds is left to the store's insert, which says it
-        better (and frees it when that job's VM was deleted by hand)."""
-        ip = request.address.ip
-        holder = await self.job_holding(ip, job_id)
-        if holder is not None:
+        """Who, other than `job_id`, holds one of the request's addresses (every NIC's,
+        or those in `only`; None: nobody), and the backends that could not be asked
+        (`known`: see `in_use`). With `jobs=False` an address one of our jobs holds is
+        left to the store's insert, which says it better (and frees it when that job's
+        VM was deleted by hand)."""
+        asked = [iface.ip for iface in request.addresses] if only is None else only
+        ips = []  # those left to ask the VMs, the IPAM and the network about
+        for ip in asked:
+            holder = await self.job_holding(ip, job_id)
+            if holder is None:
+                ips.append(ip)
+                continue
             who, guarded = holder
-            return (None if guarded and not jobs else f"{ip} is held by {who}"), []
+            if not guarded or jobs:
+                return f"{ip} is held by {who}", []
+        if not ips:
+            return None, []
         vms, unasked = await self.in_use(request, required, known)
-        if ip in vms:
-            return f"{ip} is used by {vms[ip]}", unasked
-        recorded = await self.ipam.holder(self.pool(request), ip, job_id)
-        if recorded is not None:
-            return f"{ip} is recorded in {self.ipam_name} as {recorded}", unasked
-        if await self.answers(ip, request.backend):
-            ports = ", ".join(str(p) for p in self.config.probe_ports)
-            return f"{ip} answers on the network (TCP port {ports})", unasked
+        for ip in ips:
+            if ip in vms:
+                return f"{ip} is used by {vms[ip]}", unasked
+        for ip in ips:
+            recorded = await self.ipam.holder(self.pool(request, ip), ip, job_id)
+            if recorded is not None:
+                return f"{ip} is recorded in {self.ipam_name} as {recorded}", unasked
+        for ip in ips:
+            if await self.answers(ip, request.backend):
+                ports = ", ".join(str(p) for p in self.config.probe_ports)
+                return f"{ip} answers on the network (TCP port {ports})", unasked
         return None, unasked
 
     async def answers(self, ip: IPv4Address, backend: str) -> bool:
@@ -174,24 +192,49 @@ class Addressing:
     async def reserve(
         self, request: DeployRequest, job_id: str, known: Known | None = None
     ) -> tuple[DeployRequest, Reservation]:
-        """Reserve the request's address (or, when `picked`, the next free one) for
-        `job_id`; the request comes back with the reserved address. Raises `AddressTaken`
-        naming the holder, `PoolExhausted`, or the IPAM's `BackendError`. `known`: see
-        `in_use`."""
-        pool, reserved_for = self.pool(request), self.reserved_for(job_id, request)
-        if not request.picked:
-            who, _ = await self.conflict(request, job_id, jobs=False, known=known)
+        """Reserve every address of the request (each NIC's asked one, or, when `picked`,
+        the next free one of its subnet) for `job_id`, all or none: one taken gives back
+        those reserved before it. The request comes back with the reserved addresses; the
+        reservation is the first NIC's address with every record's ref (`joined_refs`).
+        Raises `AddressTaken` naming the holder, `PoolExhausted`, or the IPAM's
+        `BackendError`. `known`: see `in_use`."""
+        reserved_for = self.reserved_for(job_id, request)
+        picks = [request.picked, *(nic.picked for nic in request.nics)]
+        asked = [a.ip for a, picked in zip(request.addresses, picks, strict=True) if not picked]
+        if asked:
+            who, _ = await self.conflict(request, job_id, jobs=False, known=known, only=asked)
             if who is not None:
                 raise AddressTaken(who, holder=who)
-            return request, await self.ipam.reserve(pool, reserved_for, address=request.address.ip)
-        jobs, (vms, _) = await asyncio.gather(
-            self.held_by_jobs(job_id), self.in_use(request, None, known)
+        skip: frozenset[IPv4Address] = frozenset()
+        if any(picks):
+            jobs, (vms, _) = await asyncio.gather(
+                self.held_by_jobs(job_id), self.in_use(request, None, known)
+            )
+            skip = frozenset(jobs) | frozenset(vms)
+        made: list[Reservation] = []
+        try:
+            for iface, picked in zip(request.addresses, picks, strict=True):
+                pool = self.pool(request, iface.ip)
+                if picked:
+                    made.append(await self._next_free(pool, reserved_for, skip, request.backend))
+                else:
+                    made.append(await self.ipam.reserve(pool, reserved_for, address=iface.ip))
+        except BaseException:
+            for done in made:  # all or none: nothing of a refused request is kept
+                await self.release_ref(done, reserved_for)
+            raise
+        refs = joined_refs([m.ref for m in made])
+        return _with_addresses(request, [m.address for m in made]), Reservation(
+            made[0].address, refs
         )
-        skip = frozenset(jobs) | frozenset(vms)
+
+    async def _next_free(
+        self, pool: Pool, reserved_for: ReservedFor, skip: frozenset[IPv4Address], backend: str
+    ) -> Reservation:
         for _attempt in range(_ATTEMPTS):
             reservation = await self.ipam.reserve(pool, reserved_for, skip=skip)
-            if not await self.answers(reservation.address, request.backend):
-                return _with_address(request, reservation.address), reservation
+            if not await self.answers(reservation.address, backend):
+                return reservation
             await self.release_ref(reservation, reserved_for)
             skip |= {reservation.address}
         raise AddressTaken(
@@ -199,24 +242,26 @@ class Addressing:
         )
 
     async def release_ref(self, reservation: Reservation, reserved_for: ReservedFor) -> None:
-        if reservation.ref is not None:
-            await self.ipam.release(reservation.ref, reserved_for)
+        for ref in split_refs(reservation.ref):
+            await self.ipam.release(ref, reserved_for)
 
     async def activate(self, job: Job) -> str | None:
         """The VM answers: mark its address in use in the IPAM."""
         if job.ipam_ref is None:
             return None
-        await self.ipam.activate(job.ipam_ref, self.reserved_for(job.id, job.request))
+        for ref in split_refs(job.ipam_ref):
+            await self.ipam.activate(ref, self.reserved_for(job.id, job.request))
         await self.store.addresses.set_ipam_state(job.id, [IpamState.RESERVED], IpamState.ACTIVE)
-        return f"{job.address} active in {self.ipam_name}"
+        shown = ", ".join(str(a.ip) for a in job.request.addresses)
+        return f"{shown} active in {self.ipam_name}"
 
     async def release(self, job: Job) -> None:
         """Give the job's IPAM record back (idempotent), then say so on its row."""
-        if job.ipam_ref is not None:
+        for ref in split_refs(job.ipam_ref):  # every NIC's
             try:
-                await self.ipam.release(job.ipam_ref, self.reserved_for(job.id, job.request))
+                await self.ipam.release(ref, self.reserved_for(job.id, job.request))
             except NotOurs as exc:  # changed by hand: never touched, but no longer ours
-                log.warning("job %s: IPAM record %s left alone: %s", job.id, job.ipam_ref, exc)
+                log.warning("job %s: IPAM record %s left alone: %s", job.id, ref, exc)
         await self.store.addresses.set_ipam_state(
             job.id, [IpamState.RESERVED, IpamState.ACTIVE], IpamState.RELEASED
         )
@@ -263,16 +308,35 @@ class Addressing:
 
     async def _is_the_jobs(self, job_id: str, ref: str) -> bool:
         job = await self.store.jobs.get(job_id)
-        return job is not None and job.ipam_ref == ref
+        return job is not None and ref in split_refs(job.ipam_ref)
 
 
 async def _answer(uses: list[AddressUse]) -> list[AddressUse]:
     return uses
 
 
-def _with_address(request: DeployRequest, address: IPv4Address) -> DeployRequest:
-    iface = ipaddress.IPv4Interface(f"{address}/{request.address.network.prefixlen}")
-    return DeployRequest.model_validate({**request.model_dump(), "address": iface})
+def joined_refs(refs: list[str | None]) -> str | None:
+    """The IPAM records of a job's NICs as `Job.ipam_ref` keeps them: space-separated,
+    the first NIC's first (None: the IPAM keeps none, as the built-in one)."""
+    kept = [r for r in refs if r is not None]
+    return " ".join(kept) if kept else None
+
+
+def split_refs(ipam_ref: str | None) -> list[str]:
+    """`joined_refs` undone; a job from before several NICs holds one ref."""
+    return ipam_ref.split() if ipam_ref else []
+
+
+def _with_addresses(request: DeployRequest, addresses: list[IPv4Address]) -> DeployRequest:
+    """The request with its NICs' addresses as reserved (a picked one was a stand-in)."""
+    if [a.ip for a in request.addresses] == addresses:
+        return request
+    data = request.model_dump()
+    first, *more = addresses
+    data["address"] = ipaddress.IPv4Interface(f"{first}/{request.address.network.prefixlen}")
+    for nic, address in zip(data["nics"], more, strict=True):
+        nic["address"] = ipaddress.IPv4Interface(f"{address}/{nic['address'].network.prefixlen}")
+    return DeployRequest.model_validate(data)
 
 
 def _holder(row: tuple[str, str, str, bool]) -> tuple[str, bool]:

@@ -93,6 +93,9 @@ class Subnet(BaseModel):
     vms_on: tuple[str, ...] = ()
     ipam_prefix: str | None = None
     ipam_vrf: str | None = None
+    # A NIC of this subnet that is not a VM's first gets the gateway too (a routed second
+    # leg): by default only the first NIC has one, so the default route stays there.
+    gateway_when_not_first: bool = False
 
     @field_validator("search_domain")
     @classmethod

@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     shell = sub.add_parser("shell", help="an interactive local chat with the bot")
     shell.add_argument("--user", default=default_user(), help="who you are at the start")
     deploy = sub.add_parser("deploy", help="deploy one VM and wait for it (exit 0 when ready)")
-    deploy.add_argument("words", nargs="+", metavar="NAME [ADDRESS] [key=value ...]")
+    deploy.add_argument("words", nargs="+", metavar="NAME [ADDRESS] [+ADDRESS ...] [key=value ...]")
     deploy.add_argument("--user", default=default_user(), help="the requester")
     deploy.add_argument("--backend", help="same as on=BACKEND")
     history = sub.add_parser("history", help="recent deploys")

@@ -15,6 +15,9 @@ from bot.models.ids import JOB_ID_RE, SHORT_ID_LENGTH, new_job_id
 # re.IGNORECASE, U+0130, U+0131, U+017F and U+212A (dotted I, dotless i, long s, Kelvin)
 # match i, i, s and k, and lower() turns U+0130 into "i" plus a combining dot.
 HOSTNAME_RE = re.compile(r"^(?!-)[a-z0-9-]{1,63}(?<!-)$", re.IGNORECASE)
+# A MAC address as typed: six pairs of hex digits, by colons or hyphens (stored lower-case
+# with colons).
+MAC_RE = re.compile(r"^[0-9a-f]{2}([:-])[0-9a-f]{2}(?:\1[0-9a-f]{2}){4}$", re.IGNORECASE)
 LOGIN_RE = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
 
 
@@ -142,18 +145,42 @@ class ApprovalState(StrEnum):
     CANCELLED = "cancelled"  # the requester (or an approver) cancelled the job first
 
 
+def normal_mac(value: str) -> str:
+    """`value` as aa:bb:cc:dd:ee:ff (lower case, colons), or ValueError saying why it is
+    not one: a unicast address the hypervisor can give a NIC (not multicast, not all zero)."""
+    if not value.isascii() or not MAC_RE.fullmatch(value):
+        raise ValueError(
+            f"{value!r} is not a MAC address: write six pairs of hex digits, like 52:54:00:12:34:56"
+        )
+    mac = value.lower().replace("-", ":")
+    if int(mac[:2], 16) & 1:
+        raise ValueError(
+            f"{mac} is a multicast MAC address (its first byte is odd): a NIC needs a unicast "
+            "one, like 52:54:00:12:34:56"
+        )
+    if mac == "00:00:00:00:00:00":
+        raise ValueError(f"{mac} is not a usable MAC address: give a NIC's, like 52:54:00:12:34:56")
+    return mac
+
+
 class NicRequest(BaseModel):
-    """A NIC after the first: its address in its subnet, and what that subnet gives it."""
+    """One NIC after the first (net1, net2, ...): its address in its subnet, and what the
+    subnet says of it. `gateway` only when its subnet says `gateway_when_not_first`."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     address: ipaddress.IPv4Interface
     subnet: str  # the subnet's name (or CIDR when unnamed), as DeployRequest.subnet
-    gateway: ipaddress.IPv4Address | None = None  # only when its subnet says
+    gateway: ipaddress.IPv4Address | None = None
     dns: tuple[ipaddress.IPv4Address, ...] = ()
     search_domain: str = ""
     mac: str | None = None  # normalised lower-case aa:bb:cc:dd:ee:ff
-    picked: bool = False  # next free of its subnet
+    picked: bool = False  # the next free address of its subnet
+
+    @field_validator("mac")
+    @classmethod
+    def _mac(cls, value: str | None) -> str | None:
+        return None if value is None else normal_mac(value)
 
 
 class DeployRequest(BaseModel):
@@ -181,8 +208,25 @@ class DeployRequest(BaseModel):
     # The address was not asked for: deploybot took the next free one of `subnet`.
     picked: bool = False
     subnet: str = ""
-    nics: tuple[NicRequest, ...] = ()  # the second, third ... NIC (net1, net2, ...)
-    mac: str | None = None  # the first NIC's fixed MAC
+    # The second, third ... NIC (net1, net2, ...), and the first NIC's fixed MAC (None:
+    # the hypervisor makes one).
+    nics: tuple[NicRequest, ...] = ()
+    mac: str | None = None
+
+    @property
+    def addresses(self) -> tuple[ipaddress.IPv4Interface, ...]:
+        """Every NIC's address, the first NIC's first."""
+        return (self.address, *(nic.address for nic in self.nics))
+
+    @property
+    def macs(self) -> tuple[str, ...]:
+        """Every fixed MAC of the request, the first NIC's first."""
+        return tuple(m for m in (self.mac, *(nic.mac for nic in self.nics)) if m is not None)
+
+    @field_validator("mac")
+    @classmethod
+    def _mac(cls, value: str | None) -> str | None:
+        return None if value is None else normal_mac(value)
 
     @field_validator("name")
     @classmethod
@@ -214,6 +258,19 @@ class DeployRequest(BaseModel):
             raise ValueError(f"{ip} is the {kind} address of {net}: pick a host address")
         if ip == self.gateway:
             raise ValueError(f"{ip} is the gateway of {net}: pick another address")
+        for nic in self.nics:
+            net, ip = nic.address.network, nic.address.ip
+            if net.prefixlen < 31 and ip in (net.network_address, net.broadcast_address):
+                kind = "network" if ip == net.network_address else "broadcast"
+                raise ValueError(f"{ip} is the {kind} address of {net}: pick a host address")
+        ips = [a.ip for a in self.addresses]
+        twice = next((ip for ip in ips if ips.count(ip) > 1), None)
+        if twice is not None:
+            raise ValueError(f"{twice} is given twice: each NIC needs its own address")
+        macs = self.macs
+        again = next((m for m in macs if macs.count(m) > 1), None)
+        if again is not None:
+            raise ValueError(f"the MAC {again} is given twice: each NIC needs its own")
         return self
 
 

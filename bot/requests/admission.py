@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Mapping
 from backends.abilities import NamedTemplates
 from backends.base import Backend, Network, Segment, Storage, Template
 from bot.addresses.allocation import Known, named
+from bot.addresses.macs import mac_conflict
 from bot.models import DeployRequest
 from bot.models.errors import BackendError, Conflict, RequestInvalid
 
@@ -121,12 +122,14 @@ async def check_free(backends: Mapping[str, Backend], request: DeployRequest) ->
     """Refuse a name a VM (ours or not) already has, before anything is recorded.
 
     The pipeline checks again when the job starts; this answers the requester now.
-    Addresses held by our own jobs are refused by the store's unique index. Returns
+    A fixed MAC another VM there has is refused too (`mac_conflict`). Addresses and
+    MACs held by our own jobs are refused by the store's unique indexes. Returns
     the addresses in use the same read gave (`bot.addresses.allocation.named`), for the address
     check that follows.
     """
     try:
         taken, known = await named(backends, request)
+        mac = await mac_conflict(backends[request.backend], request)
     except BackendError:
         return {}  # the pipeline's own check will say it, with retries
     if taken:
@@ -134,6 +137,8 @@ async def check_free(backends: Mapping[str, Backend], request: DeployRequest) ->
             f"A VM named {request.name} already exists on {request.backend} "
             f"(id {taken[0].vm_id}): pick another name, or remove that VM first."
         )
+    if mac is not None:
+        raise Conflict(f"{mac[:1].upper()}{mac[1:]}: pick another MAC, or leave mac= out.")
     return known
 
 

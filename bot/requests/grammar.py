@@ -1,6 +1,8 @@
 """The grammar of the text after `/deploy`.
 
-    NAME [ADDRESS[/PREFIX]] [key=value ...]     (no ADDRESS: the next free one)
+    NAME [ADDRESS[/PREFIX]] [+ADDRESS|+SUBNET ...] [key=value ...]
+                                                (no ADDRESS: the next free one; each `+`
+                                                word a NIC more; mac=, mac2=: fixed MACs)
     help | status JOB | history [N] | cancel JOB | templates | approve JOB | reject JOB REASON
     destroy NAME|JOB | list [mine|all|@USER] [page=N] | lease extend NAME|JOB [LENGTH]
     known-hosts NAME|JOB | ssh-ca
@@ -23,7 +25,7 @@ import difflib
 import re
 
 from bot.leases.terms import parse_length
-from bot.models import MIN_MEMORY_MIB
+from bot.models import MIN_MEMORY_MIB, normal_mac
 from bot.models.errors import UsageError
 from bot.models.ids import JOB_REF_RE, MIN_JOB_REF
 from bot.models.plans import PLAN_ID_RE
@@ -51,8 +53,9 @@ from bot.requests.parsed import (
 )
 
 USAGE = (
-    "/deploy NAME [ADDRESS[/PREFIX]] [template=T] [on=BACKEND|NODE] [storage=S] "
-    "[subnet=S] [cpu=N] [mem=4G] [disk=+20G] [user=U] [upgrade=yes|no] [lease=7d|never]"
+    "/deploy NAME [ADDRESS[/PREFIX]] [+ADDRESS|+SUBNET ...] [template=T] [on=BACKEND|NODE] "
+    "[storage=S] [subnet=S] [cpu=N] [mem=4G] [disk=+20G] [user=U] [upgrade=yes|no] "
+    "[lease=7d|never] [mac=MAC] [mac2=MAC ...]"
 )
 # Each command's usage line, by the command's words (handlers/commands.py registers the
 # commands under these names, and `help` lists these lines).
@@ -92,7 +95,13 @@ def _by_first_word(usages: dict[str, str]) -> dict[str, str]:
 SUBCOMMAND_USAGE = _by_first_word(USAGES)
 BUILD_KEYS = ("on", "node", "storage", "name")
 MIGRATE_KEYS = ("from", "to", "folder", "name")
-KEYS = ("template", "on", "storage", "subnet", "cpu", "mem", "disk", "user", "upgrade", "lease")
+KEYS = (
+    "template", "on", "storage", "subnet", "cpu", "mem", "disk", "user", "upgrade", "lease",
+    "mac",
+)  # fmt: skip
+# `mac2=`, `mac3=` ...: the fixed MAC of the second, third ... NIC (`mac1=` is `mac=`).
+_MAC_KEY_RE = re.compile(r"^mac([1-9][0-9]?)$")
+MAX_NICS = 8  # NICs of one VM deploybot asks for (Proxmox counts net0-net31; nobody needs more)
 BUILD_REF_RE = re.compile(rf"b[a-z0-9]{{{MIN_JOB_REF - 1},40}}")  # a template build's, alike
 HISTORY_MAX = 100
 _SIZE_RE = re.compile(r"^(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?$", re.IGNORECASE)
@@ -343,26 +352,46 @@ def _job_id(word: str, usage: str, *, builds: bool = False) -> str:
 
 def _deploy(words: list[str]) -> DeployArgs:
     name = words[0]
-    if "=" in name:
+    if "=" in name or name.startswith("+"):
         raise UsageError("Start with the VM's name, then the address, then options.", USAGE)
     rest = words[1:]
     address = None
-    if rest and "=" not in rest[0]:
+    if rest and "=" not in rest[0] and not rest[0].startswith("+"):
         address = rest.pop(0)
+    more_nics = []
+    for word in [w for w in rest if w.startswith("+")]:
+        rest.remove(word)
+        if not word[1:] or "=" in word:
+            raise UsageError(
+                "A `+` word gives one NIC more: its address or its subnet, like +10.0.20.5 "
+                "or +lab20.",
+                USAGE,
+            )
+        more_nics.append(word[1:])
+    if len(more_nics) + 1 > MAX_NICS:
+        raise UsageError(f"A VM gets at most {MAX_NICS} NICs: drop some `+` words.", USAGE)
     values: dict[str, object] = {}
+    macs: dict[int, str] = {}
     for word in rest:
         key, sep, value = word.partition("=")
         key = fold(key)
         if not sep:
             raise UsageError(
-                f"`{word}` is not an option: options are key=value, after NAME and ADDRESS.", USAGE
+                f"`{word}` is not an option: options are key=value, after NAME and ADDRESS "
+                "(a NIC more is +ADDRESS or +SUBNET).",
+                USAGE,
             )
-        if key not in KEYS:
+        mac_key = _MAC_KEY_RE.fullmatch(key)
+        if key not in KEYS and mac_key is None:
             raise UsageError(_unknown_key(key), USAGE)
         if key in values:
             raise UsageError(f"`{key}` is given twice: keep one.", USAGE)
         if not value:
             raise UsageError(f"`{key}=` needs a value.", USAGE)
+        if key == "mac" or mac_key is not None:
+            _mac(key, value, int(mac_key.group(1)) if mac_key else 1, len(more_nics) + 1, macs)
+            values[key] = value
+            continue
         values[key] = _convert(key, value)
     return DeployArgs(
         name=name,
@@ -379,7 +408,40 @@ def _deploy(words: list[str]) -> DeployArgs:
         lease_s=_opt_int(values.get("lease")),
         lease_never="lease" in values and values["lease"] is None,
         given=tuple(values),
+        more_nics=tuple(more_nics),
+        macs=tuple(sorted(macs.items())),
     )
+
+
+NICS_USAGE = "+ADDRESS or +SUBNET per NIC after the first, then mac2=MAC ... (mac= is the first's)"
+
+
+def parse_nics(text: str) -> tuple[tuple[str, ...], tuple[tuple[int, str], ...]]:
+    """A form's "more NICs" field: the same `+` words and `mac=`/`macN=` as the text
+    grammar, nothing else; the NICs after the first and the fixed MACs by NIC number."""
+    words = text.split()
+    for word in words:
+        key = fold(word.partition("=")[0])
+        if not word.startswith("+") and key != "mac" and not _MAC_KEY_RE.fullmatch(key):
+            raise UsageError(f"`{word}`: give {NICS_USAGE}, like +10.0.20.5 +lab30.", USAGE)
+    args = _deploy(["nics", *words])  # the same rules as after a VM's name
+    return args.more_nics, args.macs
+
+
+def _mac(key: str, value: str, nic: int, nics: int, macs: dict[int, str]) -> None:
+    """`mac=` / `macN=`: the NIC's fixed MAC, normalised into `macs`."""
+    if nic > nics:
+        have = "one NIC" if nics == 1 else f"{nics} NICs"
+        raise UsageError(
+            f"{key}={value}: the request has {have}; add a `+` word for NIC {nic}, or drop {key}=.",
+            USAGE,
+        )
+    if nic in macs:
+        raise UsageError("`mac` and `mac1` are the same NIC's: keep one.", USAGE)
+    try:
+        macs[nic] = normal_mac(value)
+    except ValueError as exc:
+        raise UsageError(f"{key}={value}: {exc}.", USAGE) from None
 
 
 def _unknown_key(key: str) -> str:

@@ -135,7 +135,8 @@ class Intake:
         # Picks of the next free address in this process go one at a time (each
         # sees the last one recorded); another process's pick may still win the
         # insert, and then this one picks again.
-        picking = self._picking if request.picked else contextlib.nullcontext()
+        picks = request.picked or any(nic.picked for nic in request.nics)
+        picking = self._picking if picks else contextlib.nullcontext()
         for attempt in range(_PICKS):
             job_id = new_job_id()
             async with picking:
@@ -294,7 +295,9 @@ class Intake:
             except AlreadyDelivered as seen:
                 raise Duplicate(already_have(seen.job_id), seen.job_id) from None
             except DuplicateActive as dup:
-                if dup.what == "address" and request.picked:
+                if dup.what == "address" and (
+                    request.picked or any(nic.picked for nic in request.nics)
+                ):
                     raise _LostRace from None  # another request took it meanwhile: pick again
                 attempt += 1
                 if attempt == 3 or not await self._release_if_gone(request):
@@ -359,9 +362,7 @@ class Intake:
     async def _release_if_gone(self, request: DeployRequest) -> bool:
         """A succeeded job holds the name or address: if its VM has gone since (deleted
         by hand), release the job so the name and address can be used again."""
-        held = await self.store.jobs.holder(
-            backend=request.backend, name=request.name, address=str(request.address.ip)
-        )
+        held = await self._holder(request)
         if held is None:
             return True  # released meanwhile: try again
         backend = self.backends.get(held.backend)
@@ -380,9 +381,19 @@ class Intake:
             )
         return gone
 
+    async def _holder(self, request: DeployRequest) -> Job | None:
+        """The live job that holds the request's name, one of its addresses or MACs."""
+        return await self.store.jobs.holder(
+            backend=request.backend,
+            name=request.name,
+            address=str(request.address.ip),
+            more=[str(nic.address.ip) for nic in request.nics],
+            macs=list(request.macs),
+        )
+
     async def _conflict_message(self, request: DeployRequest, what: str) -> str:
-        ip = str(request.address.ip)
-        held = await self.store.jobs.holder(backend=request.backend, name=request.name, address=ip)
+        held = await self._holder(request)
+        thing = _held_thing(request, held, what)
         if held is not None and held.state is JobState.SUCCEEDED:
             if what == "name":
                 return (
@@ -390,10 +401,22 @@ class Intake:
                     f"{held.vm_id}): pick another name, or remove that VM first."
                 )
             return (
-                f"{ip} belongs to {held.name} (job {held.id}), which still exists: "
-                "pick another address."
+                f"{thing} belongs to {held.name} (job {held.id}), which still exists: "
+                f"pick another {'MAC' if what == 'mac' else 'address'}."
             )
         by = f" by job {held.id} ({held.name}, {held.state.value})" if held else ""
         if what == "name":
             return f"{request.name} is already being deployed{by}: pick another name or wait."
-        return f"{ip} is already taken{by}: pick another address or wait."
+        other = "MAC" if what == "mac" else "address"
+        return f"{thing} is already taken{by}: pick another {other} or wait."
+
+
+def _held_thing(request: DeployRequest, held: Job | None, what: str) -> str:
+    """Which of the request's addresses (or MACs) the holder has, for the message."""
+    if what == "mac":
+        theirs = set(held.request.macs) if held is not None else set()
+        mine = [m for m in request.macs if m in theirs] or list(request.macs)
+        return f"the MAC {mine[0]}" if mine else "a MAC"
+    theirs_ips = {a.ip for a in held.request.addresses} if held is not None else set()
+    ips = [a.ip for a in request.addresses]
+    return str(next((ip for ip in ips if ip in theirs_ips), ips[0]))

@@ -28,6 +28,11 @@ class DeployArgs:
     # `lease=7d`: how long the VM lives once ready (bot/leases/enforce.py)
     lease_s: int | None = None
     lease_never: bool = False  # `lease=never`: no end (approvers only)
+    # `+10.0.20.5` / `+lab20`: one word per NIC after the first (an address, or a subnet
+    # for its next free address), without the `+`.
+    more_nics: tuple[str, ...] = ()
+    # `mac=` / `macN=`: (the NIC's number, 1 for the first, its MAC normalised).
+    macs: tuple[tuple[int, str], ...] = ()
 
 
 @dataclass(frozen=True)

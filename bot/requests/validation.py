@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from bot.addresses import subnets
 from bot.config.settings import Settings
-from bot.models import MIN_MEMORY_MIB, DeployRequest
+from bot.models import MIN_MEMORY_MIB, DeployRequest, NicRequest
 from bot.models.errors import RequestInvalid
 from bot.requests.parsed import DeployArgs
 
@@ -27,6 +27,8 @@ _FIELD_KEYS = {
     "disk_grow_gib": "disk",
     "user": "user",
     "template": "template",
+    "mac": "mac",
+    "nics": "the NICs",
 }
 
 
@@ -68,6 +70,14 @@ def build_request(
         data.update(_network(args.address, settings, problems))
     _segment(args, settings, backend, data.get("subnet"), problems)
     fields = dict.fromkeys(problems[:1], "address")
+    before = len(problems)
+    nics = _more_nics(args, settings, backend, data.get("subnet"), problems)
+    fields.update(dict.fromkeys(problems[before:], "nics"))
+    macs = dict(args.macs)  # by NIC number: 1 is the first NIC's
+    data["mac"] = macs.get(1)
+    data["nics"] = tuple(
+        nic.model_copy(update={"mac": macs.get(n)}) for n, nic in enumerate(nics, 2)
+    )
     _limits(data, settings, problems, fields)
     if problems:
         raise RequestInvalid(problems, {field: text for text, field in fields.items()})
@@ -141,6 +151,77 @@ def _network(address: str, settings: Settings, problems: list[str]) -> dict[str,
         "search_domain": subnet.search_domain,
         "subnet": subnet.label,
     }
+
+
+def _more_nics(
+    args: DeployArgs, settings: Settings, backend: str, first: str | None, problems: list[str]
+) -> tuple[NicRequest, ...]:
+    """The NICs after the first (`+ADDRESS` / `+SUBNET`), each in its own subnet, on its
+    subnet's segment on the backend; what is wrong goes to `problems`."""
+    nics: list[NicRequest] = []
+    seen = {first: 1} if first else {}
+    for number, word in enumerate(args.more_nics, 2):
+        found = _nic(word, number, settings, problems)
+        if found is None:
+            continue
+        subnet, address, picked = found
+        if subnet.label in seen:
+            problems.append(
+                f"NIC {number} ({word}) is in {subnet.label} like NIC {seen[subnet.label]}: "
+                "two NICs in one subnet share one segment, so give the second address to "
+                "the first NIC as an alias (or choose another subnet)."
+            )
+            continue
+        seen[subnet.label] = number
+        segment = subnets.segment_on(settings.subnets, subnet, backend)
+        if isinstance(segment, str):
+            problems.append(f"NIC {number} ({word}): {segment}")
+            continue
+        nics.append(
+            NicRequest(
+                address=address,
+                subnet=subnet.label,
+                gateway=subnet.gateway if subnet.gateway_when_not_first else None,
+                dns=subnet.dns,
+                search_domain=subnet.search_domain,
+                picked=picked,
+            )
+        )
+    return tuple(nics)
+
+
+def _nic(
+    word: str, number: int, settings: Settings, problems: list[str]
+) -> tuple[subnets.Subnet, ipaddress.IPv4Interface, bool] | None:
+    """One `+` word: an address (in the subnet it falls in) or a subnet by name or CIDR
+    (its pool's first address, a stand-in until the next free one is reserved)."""
+    named = [s for s in settings.subnets if word in (s.name, str(s.cidr))]
+    if named:
+        pool = named[0].as_pool().hosts()
+        if not pool:
+            problems.append(
+                f"NIC {number}: the subnet {named[0].label} has no address to hand out."
+            )
+            return None
+        stand_in = ipaddress.IPv4Interface(f"{pool[0]}/{named[0].cidr.prefixlen}")
+        return named[0], stand_in, True
+    before = len(problems)
+    got = _network(word, settings, problems)
+    if len(problems) > before:
+        problems[before:] = [
+            f"NIC {number}: {p}"
+            + (" (or name a subnet for its next free address)" if "IPv4" in p else "")
+            for p in problems[before:]
+        ]
+        return None
+    subnet = settings.subnet_for(got["address"].ip)
+    assert subnet is not None  # _network refused addresses outside every subnet
+    if got["address"].ip == subnet.gateway:  # the first NIC's is refused by the model
+        problems.append(
+            f"NIC {number}: {subnet.gateway} is the gateway of {subnet.cidr}: pick another address."
+        )
+        return None
+    return subnet, got["address"], False
 
 
 def _segment(

@@ -92,11 +92,29 @@ def step_finished(step: str, duration_s: float, ok: bool, detail: str) -> str:
     return text + (f"  {detail}" if detail else "")
 
 
+def nics_line(job: Job) -> str | None:
+    """Every NIC's address when the VM has more than one (None: one NIC), e.g.
+    "NICs: net0 10.0.0.50/24 (lab), net1 10.0.20.5/24 (lab20, MAC 52:54:00:12:34:56)"."""
+    request = job.request
+    if not request.nics:
+        return None
+    first = request.address.ip if job.final_address is None else job.final_address
+    legs = [(f"{first}/{request.address.network.prefixlen}", request.subnet, request.mac)]
+    legs += [(str(n.address), n.subnet, n.mac) for n in request.nics]
+    shown = [
+        f"net{i} {address} ({', '.join(x for x in (subnet, mac and f'MAC {mac}') if x)})"
+        for i, (address, subnet, mac) in enumerate(legs)
+    ]
+    return "NICs: " + ", ".join(shown)
+
+
 def finished(job: Job, rollback: RollbackReport | None) -> list[str]:
-    """The end of a thread: the SSH line, or what failed and what the rollback did."""
+    """The end of a thread: the SSH line (and every NIC's address), or what failed and
+    what the rollback did."""
     if job.state is JobState.SUCCEEDED:
         lines = [f"ready in {_took(job)}. Log in with:", f"    {job.ssh_line}"]
-        return lines + host_key_lines(job)
+        nics = nics_line(job)
+        return lines + ([nics] if nics else []) + host_key_lines(job)
     if job.state is JobState.DESTROYED:
         return [destroyed(job)]
     if job.state is JobState.CANCELLED:
@@ -114,7 +132,9 @@ def slack_outcome_dm(job: Job) -> str:
     """Plain: the outcome told to the requester by direct message (escaped by the caller)."""
     where = f"{job.name} {job.address} (job {job.short_id})"
     if job.state is JobState.SUCCEEDED:
-        return "\n".join([f"{where} is ready: `{job.ssh_line}`", *_dm_lines(host_key_lines(job))])
+        nics = [nics_line(job) or ""] if job.request.nics else []
+        ready = f"{where} is ready: `{job.ssh_line}`"
+        return "\n".join([ready, *nics, *_dm_lines(host_key_lines(job))])
     if job.state is JobState.CANCELLED:
         return f"{where} was cancelled; its thread says what was removed."
     if job.state is JobState.DESTROYED:

@@ -9,7 +9,7 @@ from backends.base import Template
 from backends.building import TemplateVersion
 from bot.app.queries import JobStatus
 from bot.models import Job, JobEvent, JobState
-from handlers.messages.core import headline
+from handlers.messages.core import headline, nics_line
 from handlers.messages.text import STATE_LABELS, Said, step_label
 
 
@@ -37,6 +37,9 @@ def status_said(info: JobStatus) -> list[Said]:
     lines.extend(Said(f"  {_event_line(e)}") for e in info.events)
     if job.ssh_line and job.state is JobState.SUCCEEDED:
         lines.append(Said(f"  {job.ssh_line}"))
+    nics = nics_line(job)
+    if nics:
+        lines.append(Said(f"  {nics}"))
     if job.error and job.state is not JobState.SUCCEEDED:
         lines.append(Said(f"  reason: {job.error}"))
     if job.wreckage:
@@ -65,8 +68,14 @@ def history_line(job: Job) -> str:
     """One row of `history` (the CLI prints them a page at a time)."""
     return (
         f"{job.short_id:<8} {job.created_at:%Y-%m-%d %H:%M} {job.requester:<10.10} "
-        f"{job.name:<14.14} {job.address:<15} {STATE_LABELS[job.state]}"
+        f"{job.name:<14.14} {_addresses(job):<15} {STATE_LABELS[job.state]}"
     )
+
+
+def _addresses(job: Job) -> str:
+    """The first NIC's address, and how many NICs more ("10.0.0.50 +2")."""
+    more = len(job.request.nics)
+    return f"{job.address} +{more}" if more else job.address
 
 
 def templates(

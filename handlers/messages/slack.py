@@ -34,6 +34,7 @@ FORM_LABELS = {
     "network": "Network",
     "name": "VM name",
     "address": "Address",
+    "nics": "More NICs (optional)",
     "cores": "CPU cores",
     "memory": "Memory",
     "disk": "Grow the disk by (GiB)",
@@ -46,6 +47,11 @@ FORM_LABELS = {
 }
 FORM_HINTS = {
     "address": "Inside {subnets}, e.g. {example}; empty: the next free address",
+    "nics": (
+        "One NIC more per +ADDRESS or +SUBNET (its next free address), each in another "
+        "subnet, e.g. {example}; a fixed MAC: mac=52:54:00:12:34:56 (first NIC), mac2=... "
+        "(second)"
+    ),
     "name": "Letters, digits and hyphens, e.g. web01",
     "keys": "Prefilled from your saved keys (`/deploy key ...` or `/deploy settings`).",
     "storage": "Leave empty to use the template's own storage.",

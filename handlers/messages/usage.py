@@ -48,6 +48,9 @@ def help_lines(commands: Sequence[tuple[str, str, str]]) -> list[str]:
         f"Deploy {SUMMARIES['deploy']}{_only(deploy_who)}:",
         f"  {deploy_usage}",
         "  e.g. /deploy web01 10.0.0.50 mem=4G disk=+20G",
+        "  More NICs: one +ADDRESS (or +SUBNET for its next free address) each, in another "
+        "subnet, e.g. /deploy web01 10.0.0.50 +10.0.20.5 +lab30; a fixed MAC: "
+        "mac=52:54:00:12:34:56 (first NIC), mac2=... (second).",
         "Other commands:",
         *(f"  {usage}: {SUMMARIES[words]}{_only(who)}" for words, usage, who in others),
         "Defaults: template, size and login user come from the configuration; "

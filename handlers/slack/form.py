@@ -27,9 +27,9 @@ from slack_sdk.models.views import View
 from bot.config.settings import Settings
 from bot.leases.terms import parse_length
 from bot.models import HOSTNAME_RE, UserPrefs
-from bot.models.errors import RequestInvalid
+from bot.models.errors import RequestInvalid, UsageError
 from bot.models.keys import check_ssh_key
-from bot.requests.grammar import is_whole
+from bot.requests.grammar import is_whole, parse_nics
 from bot.requests.parsed import DeployArgs
 from bot.requests.validation import build_request
 from handlers.messages.lifecycle import lease_field_error, lease_hint
@@ -61,6 +61,8 @@ FIELD_BLOCKS = {
     "user": "user",
     "template": "template",
     "ssh_keys": "keys",
+    "nics": "nics",
+    "mac": "nics",
 }
 
 
@@ -174,6 +176,12 @@ def _sizes_and_identity(settings: Settings, prefs: UserPrefs, backend: str | Non
             optional=True,
             hint=FORM_HINTS["address"].format(subnets=subnets, example=example),
         ),
+        _input(
+            "nics",
+            PlainTextInputElement(action_id="nics", max_length=400),
+            optional=True,
+            hint=FORM_HINTS["nics"].format(example=_nic_example(settings)),
+        ),
         _input("cores", select("cores", cores, initial=str(d.cores))),
         _input("memory", select("memory", memory, initial=str(d.memory_mib))),
         _input(
@@ -202,6 +210,12 @@ def _sizes_and_identity(settings: Settings, prefs: UserPrefs, backend: str | Non
         # Unchecked unless the person ticks it; read back as an explicit "no".
         _input("upgrade", upgrade, optional=True),
     ]
+
+
+def _nic_example(settings: Settings) -> str:
+    """A `+` word for the form's hint: another subnet's name, or an address in it."""
+    other = settings.subnets[1] if len(settings.subnets) > 1 else settings.subnets[0]
+    return f"+{other.name or other.cidr.network_address + 50}"
 
 
 def _hint(key: str) -> str:
@@ -267,7 +281,7 @@ def read_form(view: dict[str, Any], settings: Settings, requester: str) -> FormR
     ids = block_ids(view)
     errors: dict[str, str] = {}
     required = ("template", "placement", "name", "cores", "memory", "user")
-    optional = ("address", "storage", "network", "disk", "lease")
+    optional = ("address", "storage", "network", "disk", "lease", "nics")
     got = {key: value(values.get(key)) for key in (*required, *optional)}
     for key in required:
         if got[key] is None:
@@ -282,9 +296,15 @@ def read_form(view: dict[str, Any], settings: Settings, requester: str) -> FormR
     if got["name"] and not HOSTNAME_RE.match(got["name"]):
         errors["name"] = FORM_HINTS["name"] + "."
     lease = _lease(got["lease"], settings, errors)
+    nics: tuple[tuple[str, ...], tuple[tuple[int, str], ...]] = ((), ())
+    try:
+        nics = parse_nics(got["nics"] or "")
+    except UsageError as exc:
+        errors["nics"] = exc.problem
     if errors:
         return FormResult(None, keys, _to_blocks(errors, ids))
     args = _args(got, bool((values.get("upgrade") or {}).get("selected_options")))
+    args = dataclasses.replace(args, more_nics=nics[0], macs=nics[1])
     if lease is not None:  # asked: a length, or never (the core decides who may)
         args = dataclasses.replace(args, lease_s=lease[0], lease_never=lease[0] is None)
     try:

@@ -23,6 +23,7 @@ from store.migrations import (
     HOLDING_V10,
     HOST_CERTIFICATE_COLUMN,
     HOST_KEY_SOURCE_COLUMN,
+    JOB_ADDRESSES,
     KIND_COLUMN,
     LEASE_COLUMNS,
     MIGRATION_PLANS_TABLE,
@@ -155,10 +156,18 @@ _V17 = [HOST_CERTIFICATE_COLUMN]
 
 _V18 = [MIGRATION_PLANS_TABLE]
 
+_V19 = [
+    *JOB_ADDRESSES,
+    "CREATE FUNCTION job_addresses_state() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+    "UPDATE job_addresses SET state = NEW.state WHERE job_id = NEW.id; RETURN NULL; END $$",
+    "CREATE TRIGGER job_addresses_state AFTER UPDATE OF state ON jobs FOR EACH ROW "
+    "WHEN (OLD.state IS DISTINCT FROM NEW.state) EXECUTE FUNCTION job_addresses_state()",
+]
+
 # version -> the statements that bring the schema from the version before to it.
 STEPS: dict[int, list[str]] = {
     6: _V6, 7: _V7, 8: _V8, 9: _V9, 10: _V10, 11: _V11, 12: _V12, 13: _V13, 14: _V14,
-    15: _V15, 16: _V16, 17: _V17, 18: _V18,
+    15: _V15, 16: _V16, 17: _V17, 18: _V18, 19: _V19,
 }  # fmt: skip
 
 # What a constraint protects, as SQLite names it in its errors (store/sql.ConstraintViolation).
@@ -166,6 +175,8 @@ CONSTRAINTS = {
     "jobs_pkey": "jobs.id",
     "jobs_active_name": "jobs.backend, jobs.name",
     "jobs_active_address": "jobs.address",
+    "job_addresses_ip": "job_addresses.ip",
+    "job_addresses_mac": "job_addresses.mac",
     "deliveries_pkey": "deliveries.key",
     "quarantine_row": "quarantine.table_name, quarantine.row_key",
     "builds_pkey": "builds.id",

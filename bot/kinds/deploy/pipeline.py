@@ -54,6 +54,7 @@ from backends.base import (
 )
 from backends.sshcheck import fingerprint, new_host_key
 from bot.addresses.allocation import Addressing, named
+from bot.addresses.macs import mac_conflict
 from bot.addresses.subnets import request_segment
 from bot.config.settings import Settings
 from bot.jobs import logfields
@@ -214,7 +215,10 @@ class Pipeline:
         )
         if who is not None:
             raise StepFailed("check_free", f"{who}: deploy again with another address")
-        free = f"{req.name} and {req.address.ip} are free"
+        mac = await mac_conflict(run.backend, req)
+        if mac is not None:
+            raise StepFailed("check_free", f"{mac}: deploy again with another MAC")
+        free = f"{req.name} and {', '.join(str(a.ip) for a in req.addresses)} are free"
         free = f"{free} (not asked: {', '.join(unasked)})" if unasked else free
         return f"{free}; {unchecked}" if unchecked else free
 
@@ -487,7 +491,8 @@ class Pipeline:
     def _release(self, run: Run) -> Undo:
         """A job whose address the IPAM records gives it back when it rolls back (pushed
         at the start, so run last: after its VM is gone)."""
-        what = f"release {run.job.address} in {self.addressing.ipam_name}"
+        shown = ", ".join(str(a.ip) for a in run.job.request.addresses)  # every NIC's
+        what = f"release {shown} in {self.addressing.ipam_name}"
         release = functools.partial(self.addressing.release, run.job)
         return Undo(what, release, self.timeouts.check_free_s, vm=False)
 
