@@ -94,7 +94,7 @@ def boot(extra: dict[str, str], where: Path, etc_ssh: Path | None = None) -> dic
     env.update({("vmx." + key).upper().replace(".", "_"): value for key, value in extra.items()})
     command: list[Any] = [SYSTEM_PYTHON, "-I", GUEST, where]
     if etc_ssh is not None:
-        if (reason := mountns.unavailable()) is not None:
+        if (reason := mountns.unavailable(("/etc/ssh", "/root"))) is not None:
             unavailable(f"cc_ssh needs a mount namespace of its own: {reason}")
         (home := where.parent / f"{where.name}-root").mkdir()
         binds = {"/etc/ssh": etc_ssh, "/root": home}

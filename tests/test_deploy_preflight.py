@@ -9,11 +9,15 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import asyncssh
 import pytest
 
+from bot.app.runtime import running_deployer
 from bot.kinds.deploy.preflight import Preflight
 from bot.kinds.deploy.runs import StepFailed
 from bot.models import JobState
+from bot.requests.grammar import parse
+from bot.requests.parsed import DeployArgs
 from tests.support.fakepve import testing
 from tests.support.fakepve.schema import ApiSchema
 from tests.support.fakepve.server import FakePVE, Tls
@@ -70,12 +74,12 @@ async def test_a_token_lacking_a_later_steps_privilege_fails_before_the_clone(
     assert "`deploybot check` lists them" in error and "try again" not in error
 
 
-async def asked(fake: FakePVE, preflight: Preflight) -> int:
+async def asked(fake: FakePVE, preflight: Preflight, certificates: bool = False) -> int:
     """How many permission reads one pre-flight of ubuntu-24.04 sent."""
     before = len(fake.sent("GET", PERMISSIONS))
     backend = make_backend(fake)
     try:
-        await preflight.check("pve", backend, "ubuntu-24.04")
+        await preflight.check("pve", backend, "ubuntu-24.04", certificates=certificates)
     finally:
         await backend.close()
     return len(fake.sent("GET", PERMISSIONS)) - before
@@ -104,9 +108,10 @@ async def test_with_a_host_ca_the_certificates_privileges_are_asked(
 ) -> None:
     async with start_fake(pve_schema, pve_tls, release="9.0") as fake:
         fake.acl.revoke("VM.GuestAgent.Unrestricted")  # FileRead, FileWrite are there
-        assert await asked(fake, Preflight()) > 0  # passes: no certificates
-        with pytest.raises(StepFailed) as refused:
-            await asked(fake, Preflight(certificates=True))
+        preflight = Preflight()
+        assert await asked(fake, preflight) > 0  # passes: no certificates
+        with pytest.raises(StepFailed) as refused:  # the pass without them is not kept for them
+            await asked(fake, preflight, certificates=True)
     assert refused.value.reason.endswith("(`deploybot check` lists them)")
     assert (
         "VM.GuestAgent.Unrestricted on /vms (to reload sshd with the host certificate through "
@@ -132,3 +137,33 @@ async def test_deploys_arriving_together_share_one_question(
             await backend.close()
     assert notes == [None] * 5
     assert together == alone > 0
+
+
+async def test_a_preflight_passed_in_asks_for_the_certificates_of_a_configured_ca(
+    pve_schema: ApiSchema, pve_tls: Tls, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Preflight made outside the pipeline (a benchmark's, shared by its runs) still asks
+    for the certificates' privileges when the deployer has a host CA: the pipeline says so
+    per check, and a pass without certificates is not taken for one with them."""
+    ca = asyncssh.generate_private_key("ssh-ed25519")
+    monkeypatch.setenv("TEST_PVE_HOST_CA", ca.export_private_key("openssh").decode())
+    preflight = Preflight()
+    async with start_fake(pve_schema, pve_tls, release="9.0", ssh_port=free_port()) as fake:
+        assert await asked(fake, preflight) > 0  # a pass without certificates, kept
+        fake.acl.revoke("VM.GuestAgent.Unrestricted")
+        settings = pve_settings(tmp_path, fake, ssh={"host_ca_env": "TEST_PVE_HOST_CA"})
+        backend = make_backend(fake)
+        async with running_deployer(
+            settings, backends={"pve": backend}, preflight=preflight, grace_s=5
+        ) as deployer:
+            args = parse(f"web01 {ADDRESS}")
+            assert isinstance(args, DeployArgs)
+            job = (await deployer.request_deploy(args, "alice")).id
+            await deployer.drain()
+            info = await deployer.status(job)
+        assert set(fake.cluster.vms) == ORIGINAL  # refused before the clone
+    assert info.job.state is JobState.FAILED
+    assert [e.step for e in info.events if e.phase == "failed"] == ["check_free"]
+    assert "VM.GuestAgent.Unrestricted on /vms (to reload sshd with the host certificate" in (
+        info.job.error or ""
+    )

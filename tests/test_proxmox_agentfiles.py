@@ -5,8 +5,12 @@ VM.GuestAgent.* from 9.0)."""
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import signal
 import ssl
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -111,8 +115,7 @@ async def test_the_agents_own_errors(raw: Raw) -> None:
 
 
 async def test_file_write_then_exec(raw: Raw) -> None:
-    if (reason := mountns.unavailable()) is not None:
-        pytest.skip(reason)
+    mountns.require()  # the fake's guest runs the command in a namespace of its own
     await booted(raw)
     written = await raw.call("POST", WRITE, {"file": "/etc/ssh/cert.pub", "content": "x y\n"})
     assert (written.status, written.data) == (200, None)
@@ -159,3 +162,35 @@ async def test_each_release_checks_its_own_privilege(raw: Raw, revoked: str) -> 
         403,
         f"Permission check failed (/vms/120, {privileges})",
     )
+
+
+async def test_a_guests_signal_never_reaches_a_host_process(raw: Raw) -> None:
+    """The guest's commands run in a PID namespace of their own: a `kill -HUP` of the pid
+    in its /run/sshd.pid (here: a process of this host) finds no such process there."""
+    mountns.require()
+    await booted(raw)
+    vm = raw.fake.cluster.vms[120]
+    host = await asyncio.create_subprocess_exec("sleep", "120")
+    try:
+        vm.files["/run/sshd.pid"] = f"{host.pid}\n".encode()
+        script = 'kill -HUP "$(cat /run/sshd.pid)" 2>/dev/null; echo "exit $? as pid $$"'
+        agent = raw.fake.cluster.machines.guest_agent(120)  # type: ignore[attr-defined]
+        started = await agent.ask(vm, "guest-exec", {"path": "/bin/sh", "arg": ["-c", script]})
+        await agent.processes[started["pid"]].task  # the command ended
+        status = await agent.ask(vm, "guest-exec-status", {"pid": started["pid"]})
+        said = base64.b64decode(status["out-data"]).decode()
+        assert said.strip() == "exit 1 as pid 1"  # no such process; the shell is its pid 1
+    finally:
+        host.terminate()
+    # A SIGHUP, had it arrived, would have ended it already (-SIGHUP): it ends by ours.
+    assert await host.wait() == -signal.SIGTERM
+
+
+def test_a_host_without_a_bind_target_is_unavailable(tmp_path: Path) -> None:
+    """The probe binds over the paths the tests bind over: a host without one says which."""
+    mountns.require()
+    missing = str(tmp_path / "no-such-folder")
+    assert mountns.unavailable((missing,)) == (
+        f"this host has no {missing} to bind a test's folder over"
+    )
+    assert mountns.unavailable((str(tmp_path),)) is None

@@ -8,7 +8,6 @@ reported."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import asyncssh
@@ -45,11 +44,7 @@ LINE = f"HostCertificate {CERT}"
 @pytest.fixture(autouse=True)
 def confined_commands() -> None:
     """The fake's guest runs commands in a mount namespace of their own."""
-    if (reason := mountns.unavailable()) is None:
-        return
-    if os.environ.get("DEPLOYBOT_REQUIRE_MOUNTNS") == "1":
-        pytest.fail(f"{reason}; DEPLOYBOT_REQUIRE_MOUNTNS=1 forbids skipping")
-    pytest.skip(reason)
+    mountns.require()
 
 
 async def running(backend: ProxmoxBackend) -> VMRef:
@@ -271,3 +266,65 @@ async def test_a_deploy_with_a_host_ca_certifies_the_key_the_agent_read(
     assert trusted == "host trusted"
     assert "certify" in {e.step for e in events if e.phase == "finished"}
     assert "/vms" in permissions  # the pre-flight asked before the clone
+
+
+async def test_a_match_block_keeps_the_line_above_it(backend: ProxmoxBackend, pve: FakePVE) -> None:
+    """sshd_config ends with a Match block (and includes its drop-ins only inside it): the
+    line goes above the first Match, where sshd accepts it, not into the block."""
+    ref = await running(backend)
+    files = pve.cluster.vms[int(ref.vm_id)].files
+    head = "PermitRootLogin no\nUsePAM yes\n"
+    block = (
+        "Match User backup\n  ForceCommand internal-sftp\nInclude /etc/ssh/sshd_config.d/*.conf\n"
+    )
+    files["/etc/ssh/sshd_config"] = (head + block).encode()
+    note = await backend.install_host_certificate(ref, certificate_of(pve, ref))
+    assert guest_file(pve, ref, "/etc/ssh/sshd_config") == f"{head}{LINE}\n{block}"
+    assert DROP_IN not in files
+    assert note is not None and "reloaded ssh.service" in note
+    assert guest_file(pve, ref, "/run/systemctl.log") == (
+        "systemctl try-reload-or-restart ssh.service\n"
+    )
+
+
+async def test_a_configuration_sshd_rejects_is_put_back_and_sshd_not_reloaded(
+    backend: ProxmoxBackend, pve: FakePVE
+) -> None:
+    """`sshd -t` fails (here: a HostCertificate line someone put inside a Match block): the
+    file is as before, sshd is not reloaded (a reload would stop it), and the deploy fails
+    with sshd's words and what to fix."""
+    ref = await running(backend)
+    files = pve.cluster.vms[int(ref.vm_id)].files
+    broken = b"UsePAM yes\nMatch Address 10.0.0.0/8\n  HostCertificate /etc/ssh/old-cert.pub\n"
+    files["/etc/ssh/sshd_config"] = broken
+    with pytest.raises(PermanentError) as failed:
+        await backend.install_host_certificate(ref, certificate_of(pve, ref))
+    message = failed.value.message
+    assert "failed in the guest (exit code 4)" in message
+    assert "sshd -t rejects the configuration (sshd not reloaded" in message
+    # line 4: the new line went in above the Match block before sshd -t looked.
+    assert "line 4: Directive 'HostCertificate' is not allowed within a Match block" in message
+    assert "fix its template" in message and "without a host CA" in message
+    assert files["/etc/ssh/sshd_config"] == broken
+    assert not [p for p in files if "deploybot" in p]
+    assert "/run/systemctl.log" not in files
+    assert "try again" not in message
+
+
+async def test_a_failed_unit_reload_fails_without_a_sighup(
+    backend: ProxmoxBackend, pve: FakePVE
+) -> None:
+    """systemctl is there but reloads no sshd unit: that is the failure, reported; the
+    pid in /run/sshd.pid gets no SIGHUP (which would be taken as success)."""
+    ref = await running(backend)
+    pve.cluster.machines.guest_agent(int(ref.vm_id)).units = ()  # type: ignore[attr-defined]
+    files = pve.cluster.vms[int(ref.vm_id)].files
+    files["/run/sshd.pid"] = b"1\n"  # in the guest's PID namespace: its own first process
+    with pytest.raises(PermanentError) as failed:
+        await backend.install_host_certificate(ref, certificate_of(pve, ref))
+    message = failed.value.message
+    assert "failed in the guest (exit code 3)" in message
+    assert (
+        "systemctl could not reload sshd: ssh.service: Failed to try-reload-or-restart" in message
+    )
+    assert "sent SIGHUP" not in message

@@ -32,34 +32,64 @@ KEY_TYPES = {
 # Where the line goes when sshd_config includes its drop-in folder (Debian 12, Ubuntu
 # 22.04+, RHEL 9: `Include /etc/ssh/sshd_config.d/*.conf`, read before the rest).
 DROP_IN = "/etc/ssh/sshd_config.d/50-deploybot-host-certificate.conf"
-# $1: the certificate's path. Adds `HostCertificate $1` once (sshd takes several), then
-# reloads sshd: its unit (ssh on Debian, sshd elsewhere; try-reload-or-restart is a no-op
-# for a socket-activated sshd that is not running, which reads its config per start),
-# else a SIGHUP to the listener in /run/sshd.pid; nothing of these: exit 3, said so.
+# $1: the certificate's path. Adds `HostCertificate $1` once (sshd takes several): in the
+# drop-in when sshd_config includes sshd_config.d before its first `Match` (a line after a
+# Match belongs to that block, where sshd rejects HostCertificate), else into sshd_config
+# above its first Match (at the end when it has none). Then `sshd -t`: when sshd rejects the
+# configuration, the file is put back as it was and the script fails with sshd's words (a
+# reload, or a SIGHUP, with a configuration sshd rejects stops sshd). Then reloads sshd: with
+# systemctl, its unit (ssh on Debian, sshd elsewhere; try-reload-or-restart is a no-op for a
+# socket-activated sshd that is not running, which reads its config per start) and a failed
+# reload is a failure; only without systemctl a SIGHUP to the listener in /run/sshd.pid.
 SCRIPT = f"""set -eu
 line="HostCertificate $1"
 conf=/etc/ssh/sshd_config
 [ -f "$conf" ] || {{ echo "$conf is missing: is openssh-server installed?" >&2; exit 2; }}
+sshd=$(command -v sshd || echo /usr/sbin/sshd)
+[ -x "$sshd" ] || {{ echo "found no sshd (not on PATH, no /usr/sbin/sshd)" >&2; exit 2; }}
 target=$conf
-if grep -Eqi '^[[:space:]]*Include[[:space:]]+/etc/ssh/sshd_config\\.d/' "$conf"; then
+if sed -n '/^[[:space:]]*[Mm][Aa][Tt][Cc][Hh][[:space:]]/q;p' "$conf" |
+   grep -Eqi '^[[:space:]]*Include[[:space:]]+/etc/ssh/sshd_config\\.d/'; then
   target={DROP_IN}
   mkdir -p /etc/ssh/sshd_config.d
 fi
+was="$target.deploybot-was"  # the file before the line, put back when sshd rejects it
+rm -f "$was"
+added=
 if ! grep -qxF "$line" "$target" 2>/dev/null; then
-  printf '%s\\n' "$line" >> "$target"
+  [ ! -f "$target" ] || cp -p "$target" "$was"
+  if [ "$target" = "$conf" ] && grep -Eqi '^[[:space:]]*Match[[:space:]]' "$conf"; then
+    awk -v line="$line" '!done && tolower($0) ~ /^[ \\t]*match[ \\t]/ {{print line; done=1}} 1' \\
+      "$was" > "$conf"
+  else
+    printf '%s\\n' "$line" >> "$target"
+  fi
+  added=yes
   echo "added $line to $target"
 fi
+if ! checked=$("$sshd" -t 2>&1); then
+  if [ -z "$added" ]; then :; elif [ -f "$was" ]; then mv -f "$was" "$target"
+  else rm -f "$target"; fi
+  echo "sshd -t rejects the configuration (sshd not reloaded, $target put back):" \\
+    "$checked" >&2
+  exit 4
+fi
+rm -f "$was"
 if command -v systemctl >/dev/null 2>&1; then
+  failed=
   for unit in ssh.service sshd.service; do
-    if systemctl try-reload-or-restart "$unit" 2>/dev/null; then
+    if said=$(systemctl try-reload-or-restart "$unit" 2>&1); then
       echo "reloaded $unit"; exit 0
     fi
+    failed="$failed $unit: $said;"
   done
+  echo "systemctl could not reload sshd:$failed" >&2
+  exit 3
 fi
 if [ -s /run/sshd.pid ] && kill -HUP "$(cat /run/sshd.pid)"; then
   echo "sent SIGHUP to sshd"; exit 0
 fi
-echo "found no way to reload sshd (no ssh or sshd unit, no /run/sshd.pid)" >&2
+echo "found no way to reload sshd (no systemctl, no /run/sshd.pid)" >&2
 exit 3
 """
 POLL_S = (0.2, 0.5, 1.0, 2.0)  # exec-status asked after these waits, then every 2 s
@@ -114,7 +144,9 @@ async def install(
         how = f"exit code {code}" if code is not None else f"signal {status.get('signal')}"
         raise PermanentError(
             f"VM {vm_id}: installing its host certificate failed in the guest ({how}): "
-            f"{output or 'no output'}; check sshd there (the certificate is in {path})",
+            f"{output or 'no output'}; the new VM is not kept: fix its template (its "
+            "openssh-server and /etc/ssh/sshd_config, as the output says), or deploy "
+            "without a host CA (remove host_ca_env from [ssh])",
             vm_id=vm_id,
         )
     return f"host certificate in {path}, sshd reloaded ({output})"
@@ -174,9 +206,10 @@ def _refused(vm_id: str, release: tuple[int, int], account: str, action: str, de
 
 
 def _output(status: dict[str, Any]) -> str:
-    """The command's stdout and stderr, on one line, cut to a readable length."""
+    """The command's stderr and stdout (what went wrong first), on one line, cut to a
+    readable length."""
     text = " ".join(
-        str(status.get(stream, "")).strip() for stream in ("out-data", "err-data")
+        str(status.get(stream, "")).strip() for stream in ("err-data", "out-data")
     ).strip()
     text = " / ".join(line for line in text.splitlines() if line.strip())
     return text if len(text) <= 400 else text[:397] + "..."

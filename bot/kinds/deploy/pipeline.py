@@ -102,8 +102,7 @@ class Pipeline:
         self.progress = progress
         self.timeouts = settings.timeouts
         self.engine = Engine(self, STEPS, store, progress, settings.timeouts, fence)
-        # The privilege check of check_free (certificates=: see its module doc).
-        self.preflight = preflight or Preflight(certificates=host_ca is not None)
+        self.preflight = preflight or Preflight()  # the privilege check of check_free
 
     async def run(self, job_id: str) -> Job | None:
         """Run a queued job to a final state; None if it was no longer queued."""
@@ -198,7 +197,9 @@ class Pipeline:
         # The privileges the steps need, before anything exists (kept a while when all there).
         segment = self._segment(run.job, "check_free")
         nics = (segment,) if segment is not None else ()
-        unchecked = await self.preflight.check(req.backend, run.backend, req.template, nics)
+        unchecked = await self.preflight.check(
+            req.backend, run.backend, req.template, nics, certificates=self.host_ca is not None
+        )
         # One read for the name and, where the backend can, its VMs' addresses.
         taken, known = await named({req.backend: run.backend}, req)
         if taken:

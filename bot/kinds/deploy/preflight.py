@@ -4,8 +4,7 @@ lacking, say, the guest agent's file-read is refused here with every missing pri
 named, not at the SSH step with a VM to roll back.
 
 An answer that nothing is missing is kept per (backend, template, the NICs' segments,
-certificates) for
-`keep_s`: privileges rarely change, and a deploy's requests are a benchmark goal
+certificates) for `keep_s`: privileges rarely change, and a deploy's requests are a benchmark goal
 (docs/backends.md), so the pre-flight costs a deploy nothing after the first of a while.
 An answer that something is missing is not kept: a grant counts at the next deploy.
 """
@@ -31,23 +30,29 @@ Key = tuple[str, str, tuple[Segment, ...], bool]  # backend, template, segments,
 class Preflight:
     """The privilege check of check_free, with its short memory of passes."""
 
-    # A host CA is configured: installing certificates (InstallsHostCertificates) needs
-    # its own privileges (Proxmox: the agent's file-write and exec).
-    certificates: bool = False
     keep_s: float = KEEP_S
     clock: Callable[[], float] = time.monotonic
     _passed: dict[Key, float] = field(default_factory=dict)
     _asking: dict[Key, asyncio.Future[list[MissingPrivilege]]] = field(default_factory=dict)
 
     async def check(
-        self, name: str, backend: Backend, template: str, segments: tuple[Segment, ...] = ()
+        self,
+        name: str,
+        backend: Backend,
+        template: str,
+        segments: tuple[Segment, ...] = (),
+        *,
+        certificates: bool = False,
     ) -> str | None:
         """Raise StepFailed naming what is missing for a deploy of `template` with NICs on
-        `segments` (none: the backend's default network); a note when the check could not
-        be made (the deploy goes on: its steps will meet the real refusal, if any)."""
+        `segments` (none: the backend's default network), with `certificates` (a host CA is
+        configured: installing them, InstallsHostCertificates, needs privileges of its own,
+        Proxmox's agent file-write and exec); a note when the check could not be made (the
+        deploy goes on: its steps will meet the real refusal, if any). The pipeline says
+        `certificates` per call, so one Preflight (a benchmark's) serves any configuration."""
         if not isinstance(backend, ChecksPrivileges):
             return None
-        key = (name, template, segments, self.certificates)
+        key = (name, template, segments, certificates)
         if self._passed.get(key, float("-inf")) > self.clock():
             return None
         # Deploys arriving together (fifty at once) share one question.

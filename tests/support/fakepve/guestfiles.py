@@ -7,14 +7,16 @@ qemu-guest-agent commands Proxmox sends for file-read, file-write, exec and exec
 (guest-file-open/read/write/close, guest-exec, guest-exec-status) from `VM.files`, with
 qemu-guest-agent's own error texts (`AgentError`).
 
-A command (guest-exec) really runs, with the host's /bin/sh and tools, in a mount
+A command (guest-exec) really runs, with the host's /bin/sh and tools, in a mount and PID
 namespace of its own (`tests.support.mountns`) where /etc/ssh and /run are the guest's
-(its `VM.files` under them, written to a temporary folder before and read back after)
-and `systemctl` is the guest's systemd (`SYSTEMCTL`: it knows ssh.service and
-sshd.service and logs each call to /run/systemctl.log; a reload of sshd restarts the
-guest's sshd, which then presents the certificates its `HostCertificate` lines name:
-`host_certificates`). The image's sshd_config is Debian 12's: it includes
-/etc/ssh/sshd_config.d/*.conf first.
+(its `VM.files` under them, written to a temporary folder before and read back after).
+First on its PATH are the guest's `systemctl` (`SYSTEMCTL`, the guest's systemd: it knows
+`SimulatedAgent.units`, logs each call to /run/systemctl.log, and a reload runs `sshd -t`
+first as Debian's ssh.service does; a reload of sshd restarts the guest's sshd, which then
+presents the certificates its `HostCertificate` lines name: `host_certificates`) and
+`sshd` (`SSHD`: only `sshd -t`, which rejects a HostCertificate inside a Match block; the
+guest has no real sshd binary, and this host may have none). The image's sshd_config is
+Debian 12's: it includes /etc/ssh/sshd_config.d/*.conf first.
 """
 
 from __future__ import annotations
@@ -49,17 +51,62 @@ AcceptEnv LANG LC_*
 Subsystem sftp /usr/lib/openssh/sftp-server
 """
 SYSTEMCTL_LOG = "/run/systemctl.log"
+SSH_UNITS = ("ssh.service", "sshd.service")  # Debian: ssh.service, sshd.service its alias
 # The guest's folders a command sees as its own (the rest is the host's, read-only use).
-GUEST_FOLDERS = ("/etc/ssh", "/run")
+GUEST_FOLDERS = mountns.GUEST_TARGETS  # what mountns.unavailable() probes by default
+# The guest's systemd, as a `systemctl` first on the command's PATH: it knows `units` (what
+# its template fills in), logs each call to /run/systemctl.log, and reloads as Debian's
+# ssh.service does (ExecReload: `sshd -t`, then SIGHUP): a configuration sshd rejects
+# fails the reload.
 SYSTEMCTL = """#!/bin/sh
 echo "systemctl $*" >> /run/systemctl.log
 for unit in "$@"; do last=$unit; done
-case "$1 $last" in
-  "reload ssh.service"|"reload sshd.service"|"try-reload-or-restart ssh.service"|\
-  "try-reload-or-restart sshd.service"|"reload ssh"|"reload sshd") exit 0;;
-esac
+case "$1" in reload|try-reload-or-restart) ;; *) echo "unknown command $1" >&2; exit 1;; esac
+units="{units}"
+for unit in $units; do
+  if [ "$last" = "$unit" ] || [ "$last.service" = "$unit" ]; then
+    sshd -t || {{ echo "Job for $unit failed (its ExecReload, sshd -t, failed)." >&2; exit 1; }}
+    exit 0
+  fi
+done
 echo "Failed to $1 $last: Unit $last not found." >&2
 exit 5
+"""
+# The guest's sshd has no daemon here (the fake's `guest.Guest` is its listener), only the
+# check a reload relies on: `sshd -t` reads sshd_config and the drop-ins it includes (in
+# place of the Include) and rejects what OpenSSH's sshd rejects with these words, a
+# HostCertificate inside a Match block; it knows nothing else of sshd's grammar.
+SSHD = r"""#!/bin/sh
+[ "${1:-}" = -t ] || { echo "the fake guest's sshd only does -t" >&2; exit 255; }
+exec awk '
+function check(file,   line, n, words, key, include, found, rule) {
+  n = 0; inmatch = 0
+  while ((getline line < file) > 0) {
+    n++
+    sub(/^[ \t]+/, "", line)
+    if (line == "" || line ~ /^#/) continue
+    split(line, words, /[ \t=]+/)
+    key = tolower(words[1])
+    if (key == "match") inmatch = 1
+    else if (key == "hostcertificate" && inmatch) {
+      rule = "Directive \047HostCertificate\047 is not allowed within a Match block"
+      printf "%s line %d: %s\n", file, n, rule > "/dev/stderr"
+      bad++
+    } else if (key == "include" && !inmatch) {
+      include = "ls -1 " words[2] " 2>/dev/null"
+      while ((include | getline found) > 0) { check(found); inmatch = 0 }
+      close(include)
+    }
+  }
+  close(file)
+}
+BEGIN {
+  check("/etc/ssh/sshd_config")
+  if (bad) {
+    printf "/etc/ssh/sshd_config: terminating, %d bad configuration options\n", bad > "/dev/stderr"
+    exit 255
+  }
+}'
 """
 
 
@@ -137,6 +184,7 @@ class SimulatedAgent:
     processes: dict[int, Process] = field(default_factory=dict)
     executed: list[list[str]] = field(default_factory=list)  # every exec, for tests
     on_reload: Callable[[VM], Awaitable[None]] | None = None
+    units: tuple[str, ...] = SSH_UNITS  # the guest's systemd knows these (a test may change)
     _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1000))
 
     async def ask(self, vm: VM, command: str, arguments: dict[str, Any]) -> Any:
@@ -163,7 +211,7 @@ class SimulatedAgent:
 
     async def _run(self, vm: VM, argv: list[str], stdin: bytes) -> dict[str, Any]:
         before = vm.files.get(SYSTEMCTL_LOG, b"")
-        answer = await run_in_guest(vm, argv, stdin)
+        answer = await run_in_guest(vm, argv, stdin, self.units)
         calls = vm.files.get(SYSTEMCTL_LOG, b"").removeprefix(before).decode()
         if self.on_reload is not None and re.search(r"(?m)reload.* sshd?(\.service)?$", calls):
             await self.on_reload(vm)
@@ -210,19 +258,23 @@ class SimulatedAgent:
         return opened
 
 
-async def run_in_guest(vm: VM, argv: list[str], stdin: bytes) -> dict[str, Any]:
-    """Run `argv` confined to the guest's folders (see the module doc); what
+async def run_in_guest(
+    vm: VM, argv: list[str], stdin: bytes, units: tuple[str, ...] = SSH_UNITS
+) -> dict[str, Any]:
+    """Run `argv` confined to the guest's folders (see the module doc), with systemd
+    knowing `units`; what
     guest-exec-status answers once it ended (its output base64, as qemu-ga sends it).
     The guest's files under those folders are what the command left there."""
     with tempfile.TemporaryDirectory(prefix="fakepve-guest-") as folder:
         root = Path(folder)
         binds = {where: _materialize(vm, root, where) for where in GUEST_FOLDERS}
         (root / "etc/ssh/sshd_config.d").mkdir(exist_ok=True)  # as openssh-server ships it
-        stub = root / "systemctl"
-        stub.write_text(SYSTEMCTL)
-        stub.chmod(0o755)
-        binds["/usr/bin/systemctl"] = stub
-        env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C"}
+        tools = root / "guest-bin"  # first on PATH: the guest's systemctl and sshd
+        tools.mkdir()
+        for name, text in (("systemctl", SYSTEMCTL.format(units=" ".join(units))), ("sshd", SSHD)):
+            (tools / name).write_text(text)
+            (tools / name).chmod(0o755)
+        env = {"PATH": f"{tools}:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C"}
         process = await asyncio.create_subprocess_exec(
             *mountns.confined(binds, argv),
             stdin=asyncio.subprocess.PIPE,

@@ -126,8 +126,11 @@ class Simulated:
         if not vm.agent_up:
             raise ApiError(500, "QEMU guest agent is not running")
         guestfiles.ensure_host_keys(vm)  # a VM added as running (`add_vm`) booted before
-        agent = self.agents.setdefault(vm.vmid, guestfiles.SimulatedAgent(on_reload=self._reload))
-        return await agent.ask(vm, command, arguments)
+        return await self.guest_agent(vm.vmid).ask(vm, command, arguments)
+
+    def guest_agent(self, vmid: int) -> guestfiles.SimulatedAgent:
+        """The state of VM `vmid`'s guest agent (a test may change its guest's units)."""
+        return self.agents.setdefault(vmid, guestfiles.SimulatedAgent(on_reload=self._reload))
 
     def route(self, host: str, port: int) -> Endpoint | None:
         return self.cluster.guest.route(host, port)
