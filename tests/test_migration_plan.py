@@ -55,6 +55,7 @@ from bot.migration.plan import (
 )
 from tests.support.fakepve import testing
 from tests.support.fakepve.server import FakePVE
+from tests.support.vsphere.migration import PINNED_KEY, find_vm, make_template
 from tests.support.vsphere.simulator import (
     PASSWORD,
     PASSWORD_ENV,
@@ -88,7 +89,6 @@ EXPECTED_VMS = {
     "broken-disk": Category.BLOCKED,  # thin and eager at once (and on VM Network)
 }
 VM_COUNTS = {"moves-as-is": 1, "needs-decisions": 2, "blocked": 2}
-PINNED_KEY = "guestinfo.cloudinit.datasource_list"
 MANUAL_MAC = "00:50:56:01:02:03"
 # DC0_DVPG0 is 10.20 on pve's vmbr0 VLAN 20; VM Network is 10.40, with no segment on pve.
 SUBNETS = (
@@ -129,56 +129,18 @@ def _plan(profile: str, family: str, version: int, job: str) -> BuildPlan:
     )
 
 
-def _vm(sim: Any, name: str) -> Any:
-    view = sim.content.viewManager.CreateContainerView(
-        sim.content.rootFolder, [vim.VirtualMachine], True
-    )
-    try:
-        return next(v for v in view.view if v.name == name)
-    finally:
-        view.DestroyView()
-
-
-def _template(
-    sim: Any,
-    vm_name: str,
-    name: str,
-    guest_id: str,
-    note: str,
-    extra: dict[str, str] | None = None,
-    vmxnet3: bool = False,
-) -> Any:
-    """One of vcsim's VMs made into a template, as an operator would have made it."""
-    vm = _vm(sim, vm_name)
-    if vm.runtime.powerState == "poweredOn":
-        WaitForTask(vm.PowerOffVM_Task())
-    options = [vim.option.OptionValue(key=k, value=v) for k, v in (extra or {}).items()]
-    spec = vim.vm.ConfigSpec(guestId=guest_id, annotation=note, extraConfig=options)
-    if vmxnet3:
-        card = vim.vm.device.VirtualVmxnet3(key=-1)
-        spec.deviceChange = [
-            vim.vm.device.VirtualDeviceSpec(
-                operation=vim.vm.device.VirtualDeviceSpec.Operation.add, device=card
-            )
-        ]
-    WaitForTask(vm.ReconfigVM_Task(spec))
-    WaitForTask(vm.Rename_Task(name))
-    vm.MarkAsTemplate()
-    return vm
-
-
 def build_inventory(sim: Any) -> None:
     """Seven templates (see EXPECTED) and a VM; el-base and win2019 in folder golden."""
-    ubuntu = _vm(sim, "ubuntu-24.04")  # the simulator's own template: give it its OS
+    ubuntu = find_vm(sim, "ubuntu-24.04")  # the simulator's own template: give it its OS
     compute = next(c for c in sim.datacenter.hostFolder.childEntity if c.name == "DC0_H0")
     ubuntu.MarkAsVirtualMachine(pool=compute.resourcePool, host=compute.host[0])
     WaitForTask(ubuntu.ReconfigVM_Task(vim.vm.ConfigSpec(guestId="ubuntu64Guest")))
     ubuntu.MarkAsTemplate()
     debian = buildmark.annotation(_plan("debian-12", "debian", 3, "jdeb01a"))
-    _template(sim, "DC0_H0_VM1", "debian-12", "debian10_64Guest", debian)
+    make_template(sim, "DC0_H0_VM1", "debian-12", "debian10_64Guest", debian)
     rocky = buildmark.annotation(_plan("rocky-9", "el", 2, "jroc01a"))
-    _template(sim, "DC0_H0_VM2", "rocky-9-golden", "rhel7_64Guest", rocky, vmxnet3=True)
-    _template(
+    make_template(sim, "DC0_H0_VM2", "rocky-9-golden", "rhel7_64Guest", rocky, vmxnet3=True)
+    make_template(
         sim,
         "DC0_H0_VM3",
         "el-base",
@@ -186,12 +148,12 @@ def build_inventory(sim: Any) -> None:
         "Rocky Linux 9 golden image from the old deployer; NIC ens192",
         {PINNED_KEY: "[VMware]", "guestinfo.metadata": "aW5zdGFuY2UtaWQ6IG9sZA=="},
     )
-    _template(sim, "DC0_C0_RP0_VM0", "win2019", "windows9Server64Guest", "Windows Server 2019")
-    _template(sim, "DC0_C0_RP0_VM1", "debian-old", "debian10_64Guest", "Debian 10 (buster)")
+    make_template(sim, "DC0_C0_RP0_VM0", "win2019", "windows9Server64Guest", "Windows Server 2019")
+    make_template(sim, "DC0_C0_RP0_VM1", "debian-old", "debian10_64Guest", "Debian 10 (buster)")
     legacy = buildmark.annotation(_plan("centos-7", "el", 1, "jcen01a"))
-    _template(sim, "DC0_C0_RP0_VM2", "legacy-build", "centos7_64Guest", legacy)
+    make_template(sim, "DC0_C0_RP0_VM2", "legacy-build", "centos7_64Guest", legacy)
     folder = sim.datacenter.vmFolder.CreateFolder("golden")
-    WaitForTask(folder.MoveIntoFolder_Task([_vm(sim, "el-base"), _vm(sim, "win2019")]))
+    WaitForTask(folder.MoveIntoFolder_Task([find_vm(sim, "el-base"), find_vm(sim, "win2019")]))
     build_vms(sim)
 
 
@@ -219,7 +181,7 @@ def _disk(key: int, controller: int, unit: int, gib: int, thin: bool, eager: boo
 
 
 def _renamed(sim: Any, vm_name: str, name: str, spec: Any) -> Any:
-    vm = _vm(sim, vm_name)
+    vm = find_vm(sim, vm_name)
     WaitForTask(vm.ReconfigVM_Task(spec))
     WaitForTask(vm.Rename_Task(name))
     return vm
