@@ -138,6 +138,17 @@ def _json_schema(
     return out
 
 
+def _declared(declared: dict[str, Any], key: str) -> dict[str, Any]:
+    """The schema of parameter `key`, by its name or its `name[n]` family ({}: none)."""
+    if key in declared:
+        spec: dict[str, Any] = declared[key]
+        return spec
+    for name, spec in declared.items():
+        if name.endswith("[n]") and re.fullmatch(f"{name[:-3]}\\d+", key):
+            return spec
+    return {}
+
+
 def problems(schema: ApiSchema, request: Recorded) -> list[str]:
     if request.template is None:
         return ["not a route of the API"]
@@ -162,21 +173,10 @@ def problems(schema: ApiSchema, request: Recorded) -> list[str]:
         "required": [n for n, s in declared.items() if not s.get("optional") and "[n]" not in n],
     }
     values = {**request.params, **request.path_params}
-    typed = {
-        k: _typed(
-            declared.get(k)
-            or next(
-                (
-                    s
-                    for n, s in declared.items()
-                    if n.endswith("[n]") and re.fullmatch(f"{n[:-3]}\\d+", k)
-                ),
-                {},
-            ),
-            v,
-        )
-        for k, v in values.items()
-    }
+    typed = {k: _typed(_declared(declared, k), v) for k, v in values.items()}
+    for k in typed:  # an array parameter: every value its repeated key carried
+        if _declared(declared, k).get("type") == "array":
+            typed[k] = request.lists.get(k, [values[k]])
     validator = jsonschema.Draft202012Validator(document, format_checker=checker)
     return [
         f"{'/'.join(map(str, e.path)) or '-'}: {e.message}" for e in validator.iter_errors(typed)

@@ -19,7 +19,7 @@ import secrets
 import ssl
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
@@ -49,6 +49,9 @@ class Recorded:
     status: int
     exempt: bool
     at_s: float  # loop time the request arrived
+    # Every value of each parameter: an array parameter (exec's `command`) is the same key
+    # repeated on the wire, and `params` keeps only one of them.
+    lists: dict[str, list[str]] = field(default_factory=dict)
 
 
 SESSION_REQUESTS: list[Recorded] = []
@@ -247,6 +250,7 @@ class FakePVE:
                 status,
                 EXEMPT_HEADER in request.headers,
                 arrived,
+                lists,
             )
             self.requests.append(record)
             if self.record_session:
