@@ -27,7 +27,6 @@ import os
 import stat
 import sys
 from collections.abc import AsyncIterator, Iterator
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +34,8 @@ import pytest
 from pyVim.task import WaitForTask
 from pyVmomi import vim
 
-from backends.building import BuildPlan
 from backends.migrating import Scope
 from backends.proxmox.buildmarks import build_description, build_tags
-from backends.vsphere import buildmark
 from backends.vsphere.config import Config, endpoint_of
 from backends.vsphere.readonly import ReadOnlyStub, ReadOnlyVSphere, WriteRefused, create
 from backends.vsphere.session import Session
@@ -55,7 +52,7 @@ from bot.migration.plan import (
 )
 from tests.support.fakepve import testing
 from tests.support.fakepve.server import FakePVE
-from tests.support.vsphere.migration import PINNED_KEY, find_vm, make_template
+from tests.support.vsphere.migration import PINNED_KEY, build_plan, find_vm, make_template, mark
 from tests.support.vsphere.simulator import (
     PASSWORD,
     PASSWORD_ENV,
@@ -112,23 +109,6 @@ SUBNETS = (
 )
 
 
-def _plan(profile: str, family: str, version: int, job: str) -> BuildPlan:
-    return BuildPlan(
-        job_id=job,
-        profile=profile,
-        os_family=family,
-        version=version,
-        name=profile,
-        cpu="x86-64-v2-AES",
-        ostype="l26",
-        nic="vmxnet3",
-        disk_bus="scsi",
-        user="debian",
-        built_at=datetime(2026, 3, 1, tzinfo=UTC),
-        source_digest="sha256:" + "ab" * 32,
-    )
-
-
 def build_inventory(sim: Any) -> None:
     """Seven templates (see EXPECTED) and a VM; el-base and win2019 in folder golden."""
     ubuntu = find_vm(sim, "ubuntu-24.04")  # the simulator's own template: give it its OS
@@ -136,9 +116,9 @@ def build_inventory(sim: Any) -> None:
     ubuntu.MarkAsVirtualMachine(pool=compute.resourcePool, host=compute.host[0])
     WaitForTask(ubuntu.ReconfigVM_Task(vim.vm.ConfigSpec(guestId="ubuntu64Guest")))
     ubuntu.MarkAsTemplate()
-    debian = buildmark.annotation(_plan("debian-12", "debian", 3, "jdeb01a"))
+    debian = mark("debian-12", "debian", 3, "jdeb01a")
     make_template(sim, "DC0_H0_VM1", "debian-12", "debian10_64Guest", debian)
-    rocky = buildmark.annotation(_plan("rocky-9", "el", 2, "jroc01a"))
+    rocky = mark("rocky-9", "el", 2, "jroc01a")
     make_template(sim, "DC0_H0_VM2", "rocky-9-golden", "rhel7_64Guest", rocky, vmxnet3=True)
     make_template(
         sim,
@@ -150,7 +130,7 @@ def build_inventory(sim: Any) -> None:
     )
     make_template(sim, "DC0_C0_RP0_VM0", "win2019", "windows9Server64Guest", "Windows Server 2019")
     make_template(sim, "DC0_C0_RP0_VM1", "debian-old", "debian10_64Guest", "Debian 10 (buster)")
-    legacy = buildmark.annotation(_plan("centos-7", "el", 1, "jcen01a"))
+    legacy = mark("centos-7", "el", 1, "jcen01a")
     make_template(sim, "DC0_C0_RP0_VM2", "legacy-build", "centos7_64Guest", legacy)
     folder = sim.datacenter.vmFolder.CreateFolder("golden")
     WaitForTask(folder.MoveIntoFolder_Task([find_vm(sim, "el-base"), find_vm(sim, "win2019")]))
@@ -279,7 +259,7 @@ async def proxy(lab: Simulated) -> AsyncIterator[SoapProxy]:
 def _target(fake: FakePVE) -> None:
     """The target holds debian-12, built by deploybot (its marks), besides the fake's own
     unmarked templates."""
-    plan = _plan("debian-12", "debian", 1, "jpve01a")
+    plan = build_plan("debian-12", "debian", 1, "jpve01a")
     config = fake.cluster.vms[9001].config
     config["description"] = build_description(plan)
     config["tags"] = build_tags(plan)

@@ -18,9 +18,9 @@ from backends.vsphere import buildmark
 PINNED_KEY = "guestinfo.cloudinit.datasource_list"
 
 
-def mark(profile: str, family: str, version: int, job: str) -> str:
-    """The annotation of a template deploybot built on vSphere from `profile`."""
-    plan = BuildPlan(
+def build_plan(profile: str, family: str, version: int, job: str) -> BuildPlan:
+    """What a build of `profile` recorded (its build mark), on either backend."""
+    return BuildPlan(
         job_id=job,
         profile=profile,
         os_family=family,
@@ -34,7 +34,11 @@ def mark(profile: str, family: str, version: int, job: str) -> str:
         built_at=datetime(2026, 3, 1, tzinfo=UTC),
         source_digest="sha256:" + "ab" * 32,
     )
-    return buildmark.annotation(plan)
+
+
+def mark(profile: str, family: str, version: int, job: str) -> str:
+    """The annotation of a template deploybot built on vSphere from `profile`."""
+    return buildmark.annotation(build_plan(profile, family, version, job))
 
 
 def find_vm(sim: Any, name: str) -> Any:
