@@ -117,9 +117,16 @@ def claim(db: Db, job_ids: Sequence[str], me: str, now: datetime, until: datetim
     return won
 
 
-def renew_delivery_claims(db: Db, me: str, until: datetime) -> None:
+def renew_delivery_claims(db: Db, me: str, until: datetime) -> set[str]:
+    """Extend `me`'s delivery claims; the jobs `me` still holds. One that lapsed while the
+    database was away may have been taken by another deliverer: it is not among them,
+    and `me` must stop telling of it (the new holder says what was not recorded)."""
     with immediate(db):
-        db.execute("UPDATE outbox_claims SET until = ? WHERE holder = ?", [ts(until), me])
+        rows = db.execute(
+            "UPDATE outbox_claims SET until = ? WHERE holder = ? RETURNING job_id",
+            [ts(until), me],
+        ).fetchall()
+    return {str(row[0]) for row in rows}
 
 
 def orphaned(db: Db, now: datetime, limit: int) -> list[str]:

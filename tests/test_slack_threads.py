@@ -7,12 +7,15 @@ import itertools
 import json
 from pathlib import Path
 
+import pytest
+
 from backends.base import CloneSpec, VMRef
 from backends.sim import SimBackend
 from bot.models import JobState
 from tests.support.deployer import SIM_SCALE
 from tests.support.slack.bot import ALICE, CHANNEL, is_reply, slack_bot
 from tests.support.slack.fake_api import Call
+from tests.support.store import held
 
 
 def is_parent(c: Call) -> bool:
@@ -105,3 +108,44 @@ async def test_a_parent_posted_after_the_outcome_carries_it_and_no_steps(tmp_pat
         await h.settle()
         assert len(h.fake.called("chat.update", channel=CHANNEL)) > edits
         assert "ssh ubuntu@10.0.0.50" in h.fake.messages[(CHANNEL, ts)]["text"]
+
+
+async def test_parts_said_while_the_database_is_away_are_recorded_after_not_said_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Slack takes a deploy's outcome (its thread line and its direct message) while
+    another process holds the database's write lock longer than `write_retry_s`, so
+    recording them fails. They are kept, recorded once the lock goes, and said once:
+    before, the failed record forgot them, the notice stayed undelivered, and the next
+    deliverer of the job (a replica, once this claim was given up) said them again."""
+    async with slack_bot(tmp_path, store={"write_retry_s": 0.3}) as h:
+        h.fake.blocked.update({CHANNEL, ALICE})  # Slack holds the messages back ...
+        h.fake.blocked_retry_after_s = 1
+        await h.command("web01 10.0.0.50")
+        await h.deployer.drain()
+        (job,) = await h.deployer.history(1)
+        assert job.state is JobState.SUCCEEDED
+        await h.fake.wait_for(lambda c: told(c, ALICE) and c.status == 429)  # tried, held
+        await h.fake.wait_for(lambda c: told(c, CHANNEL) and c.status == 429)
+
+        def kept() -> bool:
+            return any("not recorded yet" in r.getMessage() for r in caplog.records)
+
+        with held(tmp_path / "jobs.db"):
+            h.fake.blocked.clear()  # ... and takes them while the database is away
+            await h.fake.wait_for(lambda c: told(c, ALICE) and c.status == 200)
+            await h.fake.wait_for(lambda c: told(c, CHANNEL) and c.status == 200)
+            async with asyncio.timeout(30):  # recording them failed: they are kept
+                while not kept():
+                    await h.fake.next_call(0.2)
+        await h.threads.idle()
+        assert await h.deployer.store.outbox.undelivered(job.id) == []
+        (job,) = await h.deployer.history(1)
+        assert job.thread_ref is not None  # where the thread is, kept for a restart
+        assert len([c for c in h.fake.calls if told(c, ALICE) and c.status == 200]) == 1
+        assert len([c for c in h.fake.calls if told(c, CHANNEL) and c.status == 200]) == 1
+
+
+def told(c: Call, channel: str) -> bool:
+    """A post of the outcome's SSH line to `channel` (the thread or the direct message)."""
+    return c.method == "chat.postMessage" and c.channel == channel and "ssh ubuntu@" in c.text

@@ -32,8 +32,9 @@ class ChatOutbox:
         """The jobs of `job_ids` whose notices `me` now delivers, until `until`."""
         return await self.store.outbox.claim(job_ids, me, now, until)
 
-    async def renew(self, me: str, until: datetime) -> None:
-        await self.store.outbox.renew_delivery_claims(me, until)
+    async def renew(self, me: str, until: datetime) -> set[str]:
+        """Extend `me`'s delivery claims until `until`; the jobs it still holds."""
+        return await self.store.outbox.renew_delivery_claims(me, until)
 
     async def orphaned(self, now: datetime, limit: int) -> list[str]:
         """Jobs with notices undelivered whose delivery claim lapsed (its process died)."""

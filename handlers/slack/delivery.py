@@ -74,6 +74,14 @@ class Parts:
         parts, self._sent = self._sent, []
         return ids, parts
 
+    def not_recorded(self, ids: list[int], parts: list[tuple[int, str]]) -> None:
+        """The store did not take what `to_record` gave (it was away): keep it for the
+        next try. Forgotten, those parts would be in Slack but not in the store, and
+        whoever next delivers the job (a replica, after this claim lapsed) says them
+        again. Recording twice is harmless: parts are a set, delivery a timestamp."""
+        self._delivered[:0] = ids
+        self._sent[:0] = parts
+
     def settled(self) -> bool:
         """Nothing waits for Slack and nothing is left to record as delivered."""
         return not self._waiting and not self._delivered

@@ -102,6 +102,8 @@ class _Thread:
     headline_for: list[Part]
     dead: bool
     carried: list[str]  # mrkdwn: the outcome the parent shows below its headline
+    unkept: str | None  # where the parent is, posted but not yet kept in the store
+    covered: list[Part]  # the parts the parent shows, said once `unkept` is kept
 
     @property
     def headline(self) -> str:
@@ -116,7 +118,10 @@ class _Thread:
 
     def pending(self) -> bool:
         return not self.dead and (
-            self.ts is None or bool(self.lines) or self.shown != self.headline
+            self.ts is None
+            or bool(self.lines)
+            or self.shown != self.headline
+            or self.unkept is not None
         )
 
     def urgent(self) -> bool:
@@ -142,6 +147,18 @@ class _Thread:
         return self.lines[: last + 1]
 
     async def flush_one(self, client: AsyncWebClient) -> None:
+        if self.unkept is None:
+            await self._say_one(client)
+        if self.unkept is not None:
+            # The parent is in Slack; where it is must be kept before its parts count as
+            # said, so a restart finds it. A database away raises here (StoreError): the
+            # outbox tries again later and only this is done again, never the post.
+            await self._keep_ref(self.unkept)
+            self.unkept = None
+            covered, self.covered = self.covered, []
+            self.done(covered)
+
+    async def _say_one(self, client: AsyncWebClient) -> None:
         headline = self.headline
         if self.ts is None:
             late = self._late()
@@ -149,10 +166,10 @@ class _Thread:
             text, blocks = self._message(headline, carried)
             answer = await client.chat_postMessage(channel=self.channel, text=text, blocks=blocks)
             self.ts, self.shown, self.carried = str(answer["ts"]), headline, carried
-            await self._keep_ref(ref(self.channel, self.ts, carries=bool(carried)))
-            self._headline_shown()
+            self.unkept = ref(self.channel, self.ts, carries=bool(carried))
             del self.lines[: len(late)]  # said by the parent, or progress it supersedes
-            self.done([line.part for line in late])
+            self.covered = [*self.headline_for, *(line.part for line in late)]
+            self.headline_for = []
         elif self.lines:
             sent = batch(self.lines)
             await client.chat_postMessage(
@@ -173,8 +190,8 @@ class _Thread:
     def give_up(self) -> None:
         """Slack refused for good (channel gone): what it had to say is dropped."""
         self.dead = True
-        self.done([*self.headline_for, *(line.part for line in self.lines)])
-        self.headline_for, self.lines = [], []
+        self.done([*self.covered, *self.headline_for, *(line.part for line in self.lines)])
+        self.covered, self.headline_for, self.lines = [], [], []
 
 
 @dataclass(eq=False)
@@ -192,6 +209,8 @@ class JobThread(_Thread):
     headline_for: list[Part] = field(default_factory=list)  # parts shown by the headline
     dead: bool = False
     carried: list[str] = field(default_factory=list)
+    unkept: str | None = None
+    covered: list[Part] = field(default_factory=list)
 
     @property
     def headline(self) -> str:
@@ -216,6 +235,7 @@ class _Card:
     shown: str | None
     waiting: list[Part]
     dead: bool
+    unkept: str | None  # where the card is, posted but not yet kept in the store
 
     def _request(self) -> tuple[list[dict[str, Any]], str]:
         """The card's blocks and text while it waits for a decision."""
@@ -228,7 +248,9 @@ class _Card:
         raise NotImplementedError
 
     def pending(self) -> bool:
-        return not self.dead and (self.ts is None or self.outcome != self.shown)
+        return not self.dead and (
+            self.ts is None or self.outcome != self.shown or self.unkept is not None
+        )
 
     def urgent(self) -> bool:
         return self.ts is None  # approvers are waited for: the card goes first
@@ -240,6 +262,16 @@ class _Card:
             self.done([part])
 
     async def flush_one(self, client: AsyncWebClient) -> None:
+        if self.unkept is None:
+            await self._show(client)
+        if self.unkept is not None:  # as a thread's parent: kept again after a StoreError
+            await self._keep_ref(self.unkept)
+            self.unkept = None
+        if not self.pending():
+            covered, self.waiting = self.waiting, []
+            self.done(covered)
+
+    async def _show(self, client: AsyncWebClient) -> None:
         outcome = self.outcome
         if outcome is None:
             blocks, text = self._request()
@@ -249,13 +281,10 @@ class _Card:
         if self.ts is None:
             answer = await client.chat_postMessage(channel=self.channel, text=text, blocks=blocks)
             self.ts = str(answer["ts"])
-            await self._keep_ref(ref(self.channel, self.ts))
+            self.unkept = ref(self.channel, self.ts)
         else:
             await client.chat_update(channel=self.channel, ts=self.ts, text=text, blocks=blocks)
         self.shown = outcome
-        if not self.pending():
-            covered, self.waiting = self.waiting, []
-            self.done(covered)
 
     def give_up(self) -> None:
         self.dead = True
@@ -276,6 +305,7 @@ class ApprovalCard(_Card):
     shown: str | None = None
     waiting: list[Part] = field(default_factory=list)  # parts shown once flushed
     dead: bool = False
+    unkept: str | None = None
     destroy: bool = False  # the card asks for a destroy (bot/kinds/deploy/destroy.py), not a deploy
 
     def _request(self) -> tuple[list[dict[str, Any]], str]:
@@ -366,6 +396,8 @@ class BuildThread(_Thread):
     headline_for: list[Part] = field(default_factory=list)
     dead: bool = False
     carried: list[str] = field(default_factory=list)
+    unkept: str | None = None
+    covered: list[Part] = field(default_factory=list)
 
     @property
     def headline(self) -> str:
@@ -391,6 +423,7 @@ class BuildCard(_Card):
     shown: str | None = None
     waiting: list[Part] = field(default_factory=list)
     dead: bool = False
+    unkept: str | None = None
 
     def _request(self) -> tuple[list[dict[str, Any]], str]:
         blocks = views.build_approval_request(self.build)

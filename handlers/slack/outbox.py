@@ -27,6 +27,8 @@ import aiohttp
 from slack_sdk.errors import SlackApiError
 from slack_sdk.web.async_client import AsyncWebClient
 
+from bot.models.errors import StoreError
+
 log = logging.getLogger(__name__)
 RETRY_INITIAL_S = 1.0
 RETRY_MAX_S = 60.0
@@ -122,14 +124,18 @@ class ChannelOutbox:
                 return retry_after
             log.error("Slack refused a call to %s: %s", self.channel, exc.response.get("error"))
             item.give_up()
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            # Slack did not answer: the item keeps what it has to say and tries again;
-            # its notices stay undelivered in the store meanwhile.
+        except (aiohttp.ClientError, TimeoutError, StoreError) as exc:
+            # Slack did not answer, or took a message whose place the database could not
+            # keep: the item keeps what it has to say (or to keep) and tries again; its
+            # notices stay undelivered in the store meanwhile.
             self._failures += 1
             pause = min(RETRY_MAX_S, RETRY_INITIAL_S * 2.0 ** (self._failures - 1))
-            log.warning(
-                "Slack did not answer for %s (%s); again in %.1f s", self.channel, exc, pause
+            what = (
+                "the database did not keep where a message is"
+                if isinstance(exc, StoreError)
+                else "Slack did not answer"
             )
+            log.warning("%s for %s (%s); again in %.1f s", what, self.channel, exc, pause)
             return pause
         except Exception:
             log.exception("posting to %s failed; dropping that update", self.channel)

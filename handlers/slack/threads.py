@@ -144,7 +144,7 @@ class SlackThreads:
             outbox, now = self.deployer.chat_outbox, utcnow()
             await self._mark()
             until = now + timedelta(seconds=DELIVERY_CLAIM_S)
-            await outbox.renew(self.me, until)
+            self._lost(self._held - await outbox.renew(self.me, until))
             fresh = await outbox.new_since(self._cursor, BATCH)
             if fresh:
                 self._cursor = max(n.id or 0 for n in fresh)
@@ -162,6 +162,17 @@ class SlackThreads:
                     notices = [n for n in fresh if n.job_id == job_id]
                 applied += await self._apply_job(job_id, notices)
             return applied
+
+    def _lost(self, job_ids: set[str]) -> None:
+        """Claims that lapsed (the database was away longer than a claim) and that another
+        deliverer took: theirs now, with what this process knew of the jobs' messages."""
+        for job_id in job_ids:
+            log.warning("Slack delivery: job %s is delivered by another process now", job_id)
+            self._held.discard(job_id)
+            self._rows.pop(job_id, None)
+            self.threads.pop(job_id, None)
+            self.cards.pop(job_id, None)
+            self.destroy_cards.pop(job_id, None)
 
     async def _apply_job(self, job_id: str, notices: list[Notice]) -> int:
         todo = [n for n in notices if n.id is not None and not self.parts.applying(n.id)]
@@ -190,7 +201,17 @@ class SlackThreads:
         if self.parts.nothing_to_record():
             return
         ids, parts = self.parts.to_record()
-        await self.deployer.chat_outbox.mark_delivered(ids, utcnow(), parts)
+        try:
+            await self.deployer.chat_outbox.mark_delivered(ids, utcnow(), parts)
+        except BaseException as error:  # the store is away (or we are stopping): keep them
+            self.parts.not_recorded(ids, parts)
+            log.warning(
+                "Slack delivery: %d part(s) of notices in Slack are not recorded yet (%s);"
+                " kept to record at the next look",
+                len(parts) + len(ids),
+                type(error).__name__,
+            )
+            raise
         for job_id in list(self._held):
             _apply_all, release = await self._delivery(job_id)
             if await release(job_id):
