@@ -4,13 +4,11 @@ served by a web server on 127.0.0.1, is classified from one range request for it
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import io
 import json
 import os
 import socket
-import sys
 import tarfile
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -255,16 +253,6 @@ def _closed_port() -> int:
 
 
 async def _plan(fake: FakePVE, config: Path, cwd: Path, *args: str) -> tuple[int, str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DEPLOYBOT_")}
-    env.update(DEPLOYBOT_CONFIG=str(config), PVE_TOKEN_SECRET=fake.token_secret)
-    process = await asyncio.create_subprocess_exec(
-        str(Path(sys.executable).with_name("deploybot")),
-        *("migrate", "plan", "--to", "pve", *args),
-        env=env,
-        cwd=cwd,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
+    return await testing.run_deploybot_apart(
+        fake, config, cwd, "migrate", "plan", "--to", "pve", *args
     )
-    out, err = await process.communicate()
-    assert process.returncode is not None
-    return process.returncode, out.decode(), err.decode()

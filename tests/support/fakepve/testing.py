@@ -179,6 +179,14 @@ ssh_keys = ["{DEMO_KEY}"]
 
 async def run_deploybot(fake: FakePVE, config: Path, cwd: Path, *args: str) -> tuple[int, str]:
     """The real `deploybot` command against this fake: (exit code, stdout + stderr)."""
+    code, out, err = await run_deploybot_apart(fake, config, cwd, *args)
+    return code, out + err
+
+
+async def run_deploybot_apart(
+    fake: FakePVE, config: Path, cwd: Path, *args: str
+) -> tuple[int, str, str]:
+    """The real `deploybot` command against this fake: (exit code, stdout, stderr)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("DEPLOYBOT_")}
     env.update(DEPLOYBOT_CONFIG=str(config), PVE_TOKEN_SECRET=fake.token_secret)
     process = await asyncio.create_subprocess_exec(
@@ -191,4 +199,4 @@ async def run_deploybot(fake: FakePVE, config: Path, cwd: Path, *args: str) -> t
     )
     stdout, stderr = await process.communicate()
     assert process.returncode is not None
-    return process.returncode, stdout.decode() + stderr.decode()
+    return process.returncode, stdout.decode(), stderr.decode()
