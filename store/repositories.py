@@ -179,7 +179,7 @@ class Builds(Repository):
     get = call(builds.get_build)
     match = call(builds.match_builds)
     move = call(builds.move_build)
-    update = call(builds.update_build)
+    update = write(builds.update_build)
     request_cancel = call(builds.request_cancel)
     recent = call(builds.list_builds)
     abandoned = call(builds.abandoned_builds)

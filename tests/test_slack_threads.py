@@ -5,13 +5,16 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import sqlite3
 from pathlib import Path
 
 import pytest
 
 from backends.base import CloneSpec, VMRef
 from backends.sim import SimBackend
-from bot.models import JobState
+from bot.models import JobState, utcnow
+from bot.models.notices import Notice, NoticeKind
+from handlers.slack.delivery import Parts
 from tests.support.deployer import SIM_SCALE
 from tests.support.slack.bot import ALICE, CHANNEL, is_reply, slack_bot
 from tests.support.slack.fake_api import Call
@@ -122,21 +125,23 @@ async def test_parts_said_while_the_database_is_away_are_recorded_after_not_said
         h.fake.blocked.update({CHANNEL, ALICE})  # Slack holds the messages back ...
         h.fake.blocked_retry_after_s = 1
         await h.command("web01 10.0.0.50")
+        await h.bot.settle()
         await h.deployer.drain()
         (job,) = await h.deployer.history(1)
         assert job.state is JobState.SUCCEEDED
         await h.fake.wait_for(lambda c: told(c, ALICE) and c.status == 429)  # tried, held
         await h.fake.wait_for(lambda c: told(c, CHANNEL) and c.status == 429)
 
-        def kept() -> bool:
-            return any("not recorded yet" in r.getMessage() for r in caplog.records)
+        def failed() -> int:
+            return sum("reading the outbox failed" in r.getMessage() for r in caplog.records)
 
         with held(tmp_path / "jobs.db"):
             h.fake.blocked.clear()  # ... and takes them while the database is away
             await h.fake.wait_for(lambda c: told(c, ALICE) and c.status == 200)
             await h.fake.wait_for(lambda c: told(c, CHANNEL) and c.status == 200)
-            async with asyncio.timeout(30):  # recording them failed: they are kept
-                while not kept():
+            seen = failed()
+            async with asyncio.timeout(30):  # a look at the store failed after the posts
+                while failed() == seen:
                     await h.fake.next_call(0.2)
         await h.threads.idle()
         assert await h.deployer.store.outbox.undelivered(job.id) == []
@@ -144,6 +149,76 @@ async def test_parts_said_while_the_database_is_away_are_recorded_after_not_said
         assert job.thread_ref is not None  # where the thread is, kept for a restart
         assert len([c for c in h.fake.calls if told(c, ALICE) and c.status == 200]) == 1
         assert len([c for c in h.fake.calls if told(c, CHANNEL) and c.status == 200]) == 1
+
+
+def test_parts_the_store_did_not_take_are_recorded_at_the_next_try() -> None:
+    """What Slack took is kept until the store confirms it: a failed record gives it back
+    (forgotten, the notice would stay undelivered and whoever delivers the job next would
+    say it again), and the job is not quiet (its claim kept) until it is recorded."""
+    wakes: list[None] = []
+    parts = Parts(lambda: wakes.append(None))
+    notice = Notice(id=7, job_id="j1", kind=NoticeKind.FINISHED)
+    nid = parts.hold(notice)
+    line, dm = parts.part(nid, "line"), parts.part(nid, "dm")
+    assert line is not None and dm is not None
+    parts.release(nid)
+    parts.done([line, dm])  # Slack took both
+    assert parts.to_record() == ([7], [(7, "line"), (7, "dm")])
+    assert not parts.quiet("j1")  # on its way to the store
+    parts.not_recorded()  # the store was away
+    assert not parts.quiet("j1") and parts.quiet("j2")
+    assert parts.to_record() == ([7], [(7, "line"), (7, "dm")])  # given again
+    parts.recorded()
+    assert parts.quiet("j1") and parts.nothing_to_record()
+
+
+async def test_a_claim_stays_while_a_direct_message_waits_for_slack(tmp_path: Path) -> None:
+    """The thread has the outcome, the direct message waits (Slack holds it back): the
+    job's delivery claim is kept, so no other deliverer takes the job and says it too."""
+    async with slack_bot(tmp_path) as h:
+        h.fake.blocked.add(ALICE)
+        h.fake.blocked_retry_after_s = 5
+        await h.command("web01 10.0.0.50")
+        await h.bot.settle()
+        await h.deployer.drain()
+        (job,) = await h.deployer.history(1)
+        await h.fake.wait_for(lambda c: told(c, CHANNEL) and c.status == 200)
+        await h.fake.wait_for(lambda c: told(c, ALICE) and c.status == 429)
+        for _ in range(3):  # the thread's parts recorded, the claim looked at each time
+            await h.threads.poll()
+        assert job.id not in await h.deployer.store.outbox.orphaned(utcnow(), 10)
+        h.fake.blocked.clear()
+        await h.threads.idle()
+        assert await h.deployer.store.outbox.undelivered(job.id) == []
+        assert len([c for c in h.fake.calls if told(c, ALICE) and c.status == 200]) == 1
+
+
+async def test_a_claim_another_deliverer_took_is_let_go_and_nothing_more_said(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """While the database was away the job's claim lapsed and another process took it
+    (written here as that process would): this one says nothing more of the job."""
+    async with slack_bot(tmp_path) as h:
+        h.fake.blocked.update({CHANNEL, ALICE})
+        h.fake.blocked_retry_after_s = 2
+        await h.command("web01 10.0.0.50")
+        await h.bot.settle()
+        await h.deployer.drain()
+        (job,) = await h.deployer.history(1)
+        await h.fake.wait_for(lambda c: told(c, ALICE) and c.status == 429)
+        await h.fake.wait_for(lambda c: told(c, CHANNEL) and c.status == 429)
+        with sqlite3.connect(tmp_path / "jobs.db") as conn:
+            conn.execute(
+                "UPDATE outbox_claims SET holder = 'other', until = '2999-01-01' WHERE job_id = ?",
+                [job.id],
+            )
+        await h.threads.poll()
+        assert any("delivered by another process" in r.getMessage() for r in caplog.records)
+        # Its thread and its direct-message lines are dropped, not said: only a call
+        # already on its way (the SDK's retry of a 429) can still reach Slack.
+        assert job.id not in h.threads.threads
+        assert not any(dm.pending() for dm in h.threads.dms.values())
+        assert h.threads.parts.quiet(job.id)
 
 
 def told(c: Call, channel: str) -> bool:

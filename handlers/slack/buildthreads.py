@@ -55,10 +55,12 @@ class BuildDelivery:
     async def release(self, build_id: str) -> bool:
         """A build's delivery claim goes once it ended and all of it is in Slack: True
         when it went."""
-        parts = (self.threads.get(build_id), self.cards.get(build_id))
-        if any(part is not None and part.pending() for part in parts):
-            return False
         build = await self._deployer.queries.build(build_id)
+        items = (self.threads.get(build_id), self.cards.get(build_id))
+        if any(item is not None and item.pending() for item in items):
+            return False
+        if not self._parts.quiet(build_id):
+            return False
         if build is None or build.state.final or build.state is BuildState.PUBLISHED:
             me = self._deployer.runner.id
             await self._deployer.chat_outbox.release(build_id, me, utcnow())
@@ -66,6 +68,12 @@ class BuildDelivery:
             self.cards.pop(build_id, None)
             return True
         return False
+
+    def forget(self, build_id: str) -> None:
+        """Another process delivers this build's notices now: say nothing more of it."""
+        for item in (self.threads.pop(build_id, None), self.cards.pop(build_id, None)):
+            if item is not None:
+                item.abandon()
 
     async def apply_all(self, build_id: str, notices: list[Notice]) -> int:
         """Apply a build's undelivered notices: how many were taken (all of them; those

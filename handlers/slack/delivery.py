@@ -22,12 +22,16 @@ class Parts:
         self._sent_before: dict[int, frozenset[str]] = {}  # parts a restart must not repeat
         self._sent: list[tuple[int, str]] = []  # parts in Slack, to record in the store
         self._delivered: list[int] = []  # to mark in the store
+        # Given to the store by `to_record`, until it confirms (`recorded`) or fails.
+        self._recording: tuple[list[int], list[tuple[int, str]]] = ([], [])
+        self._jobs: dict[int, str] = {}  # notice id -> its job (or build), until recorded
 
     def hold(self, notice: Notice) -> int:
         """While a notice's parts are being queued, none may finish it early."""
         assert notice.id is not None
         self._waiting[notice.id] += 1
         self._sent_before[notice.id] = notice.sent
+        self._jobs[notice.id] = notice.job_id
         return notice.id
 
     def release(self, notice: int) -> None:
@@ -69,18 +73,46 @@ class Parts:
         return not self._delivered and not self._sent
 
     def to_record(self) -> tuple[list[int], list[tuple[int, str]]]:
-        """The notices delivered and the parts sent since last asked, to record."""
+        """The notices delivered and the parts sent since last asked, to record; then
+        `recorded` or `not_recorded` says how the store took them."""
         ids, self._delivered = self._delivered, []
         parts, self._sent = self._sent, []
+        self._recording = (ids, parts)
         return ids, parts
 
-    def not_recorded(self, ids: list[int], parts: list[tuple[int, str]]) -> None:
+    def recorded(self) -> None:
+        ids, _parts = self._recording
+        for notice in ids:
+            self._jobs.pop(notice, None)
+        self._recording = ([], [])
+
+    def not_recorded(self) -> None:
         """The store did not take what `to_record` gave (it was away): keep it for the
         next try. Forgotten, those parts would be in Slack but not in the store, and
         whoever next delivers the job (a replica, after this claim lapsed) says them
         again. Recording twice is harmless: parts are a set, delivery a timestamp."""
+        ids, parts = self._recording
         self._delivered[:0] = ids
         self._sent[:0] = parts
+        self._recording = ([], [])
+
+    def quiet(self, job_id: str) -> bool:
+        """Nothing of this job's (or build's) notices waits for Slack, nor for the store
+        to record it: only then may its delivery claim go, else whoever claims it next
+        says again what Slack has."""
+        ids, parts = self._recording
+        sent = (notice for notice, _name in (*self._sent, *parts))
+        notices = {*self._waiting, *self._delivered, *ids, *sent}
+        return all(self._jobs.get(notice) != job_id for notice in notices)
+
+    def forget(self, job_id: str) -> set[int]:
+        """Stop waiting for this job's notices (another process delivers them now); what
+        Slack already has is still recorded. The notices forgotten."""
+        gone = {n for n in self._waiting if self._jobs.get(n) == job_id}
+        for notice in gone:
+            del self._waiting[notice]
+            self._sent_before.pop(notice, None)
+        return gone
 
     def settled(self) -> bool:
         """Nothing waits for Slack and nothing is left to record as delivered."""

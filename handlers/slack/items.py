@@ -128,9 +128,13 @@ class _Thread:
         return any(line.urgent for line in self.lines)
 
     def show_headline(self, part: Part) -> None:
-        """The headline must show what `part`'s notice changed (already shown: done)."""
+        """The headline must show what `part`'s notice changed (already shown: done, or
+        once the parent's place is kept)."""
         if self.ts is not None and self.shown == self.headline:
-            self.done([part])
+            if self.unkept is not None:
+                self.covered.append(part)
+            else:
+                self.done([part])
         else:
             self.headline_for.append(part)
 
@@ -164,12 +168,13 @@ class _Thread:
             late = self._late()
             carried = [line.text for line in late if line.urgent]
             text, blocks = self._message(headline, carried)
+            shows = list(self.headline_for)  # what the posted headline shows (more may come)
             answer = await client.chat_postMessage(channel=self.channel, text=text, blocks=blocks)
             self.ts, self.shown, self.carried = str(answer["ts"]), headline, carried
             self.unkept = ref(self.channel, self.ts, carries=bool(carried))
             del self.lines[: len(late)]  # said by the parent, or progress it supersedes
-            self.covered = [*self.headline_for, *(line.part for line in late)]
-            self.headline_for = []
+            del self.headline_for[: len(shows)]
+            self.covered = [*shows, *(line.part for line in late)]
         elif self.lines:
             sent = batch(self.lines)
             await client.chat_postMessage(
@@ -192,6 +197,10 @@ class _Thread:
         self.dead = True
         self.done([*self.covered, *self.headline_for, *(line.part for line in self.lines)])
         self.covered, self.headline_for, self.lines = [], [], []
+
+    def abandon(self) -> None:
+        """Another process delivers this thread now: say nothing more, finish nothing."""
+        self.dead = True
 
 
 @dataclass(eq=False)
@@ -291,6 +300,10 @@ class _Card:
         covered, self.waiting = self.waiting, []
         self.done(covered)
 
+    def abandon(self) -> None:
+        """Another process delivers this card now: show nothing more, finish nothing."""
+        self.dead = True
+
 
 @dataclass(eq=False)
 class ApprovalCard(_Card):
@@ -343,13 +356,19 @@ class DirectMessages:
     async def flush_one(self, client: AsyncWebClient) -> None:
         sent = batch(self.lines)
         await client.chat_postMessage(channel=self.channel, text="\n".join(s.text for s in sent))
-        del self.lines[: len(sent)]
+        # By identity: `drop` may have taken lines out while the post was on its way.
+        self.lines = [line for line in self.lines if all(line is not s for s in sent)]
         self.done([s.part for s in sent])
 
     def give_up(self) -> None:
         self.dead = True
         covered, self.lines = [s.part for s in self.lines], []
         self.done(covered)
+
+    def drop(self, notices: set[int]) -> None:
+        """Say nothing more of these notices (another process delivers their jobs now)."""
+        if notices:
+            self.lines = [line for line in self.lines if line.part.notice not in notices]
 
 
 @dataclass(eq=False)

@@ -142,9 +142,11 @@ class SlackThreads:
         """Claim and apply what is new in the outbox; how many notices were applied."""
         async with self._poll_lock:
             outbox, now = self.deployer.chat_outbox, utcnow()
-            await self._mark()
             until = now + timedelta(seconds=DELIVERY_CLAIM_S)
+            # Claims first: after an outage they are renewed before anything else, so a
+            # replica's orphan scan does not take them while parts wait to be recorded.
             self._lost(self._held - await outbox.renew(self.me, until))
+            await self._mark()
             fresh = await outbox.new_since(self._cursor, BATCH)
             if fresh:
                 self._cursor = max(n.id or 0 for n in fresh)
@@ -165,14 +167,24 @@ class SlackThreads:
 
     def _lost(self, job_ids: set[str]) -> None:
         """Claims that lapsed (the database was away longer than a claim) and that another
-        deliverer took: theirs now, with what this process knew of the jobs' messages."""
+        deliverer took: theirs now. What this process still had to say of those jobs is
+        dropped (its threads, cards and direct-message lines), not said; what Slack has
+        already is still recorded."""
         for job_id in job_ids:
             log.warning("Slack delivery: job %s is delivered by another process now", job_id)
             self._held.discard(job_id)
             self._rows.pop(job_id, None)
-            self.threads.pop(job_id, None)
-            self.cards.pop(job_id, None)
-            self.destroy_cards.pop(job_id, None)
+            for item in (
+                self.threads.pop(job_id, None),
+                self.cards.pop(job_id, None),
+                self.destroy_cards.pop(job_id, None),
+            ):
+                if item is not None:
+                    item.abandon()
+            self.builds.forget(job_id)
+            notices = self.parts.forget(job_id)
+            for dm in self.dms.values():
+                dm.drop(notices)
 
     async def _apply_job(self, job_id: str, notices: list[Notice]) -> int:
         todo = [n for n in notices if n.id is not None and not self.parts.applying(n.id)]
@@ -204,7 +216,7 @@ class SlackThreads:
         try:
             await self.deployer.chat_outbox.mark_delivered(ids, utcnow(), parts)
         except BaseException as error:  # the store is away (or we are stopping): keep them
-            self.parts.not_recorded(ids, parts)
+            self.parts.not_recorded()
             log.warning(
                 "Slack delivery: %d part(s) of notices in Slack are not recorded yet (%s);"
                 " kept to record at the next look",
@@ -212,6 +224,7 @@ class SlackThreads:
                 type(error).__name__,
             )
             raise
+        self.parts.recorded()
         for job_id in list(self._held):
             _apply_all, release = await self._delivery(job_id)
             if await release(job_id):
@@ -219,12 +232,13 @@ class SlackThreads:
                 self._rows.pop(job_id, None)
 
     async def _release(self, job_id: str) -> bool:
-        """A job's delivery claim goes once it ended and all of it is in Slack: True when
-        it went."""
-        if self._busy(job_id):
-            return False
+        """A job's delivery claim goes once it ended and all of it is in Slack and
+        recorded: True when it went. Runs under the poll lock: no notice of the job is
+        applied between the check and the release."""
         job = await self.deployer.queries.job(job_id)
         if job is not None and not job.state.final:
+            return False
+        if self._busy(job_id) or not self.parts.quiet(job_id):
             return False
         await self.deployer.chat_outbox.release(job_id, self.me, utcnow())
         self.threads.pop(job_id, None)
@@ -427,7 +441,8 @@ class SlackThreads:
         while True:
             applied = await self.poll()
             await self.outboxes.idle()
-            await self._mark()
+            async with self._poll_lock:
+                await self._mark()
             if not applied and self.parts.settled():
                 return
 
@@ -439,4 +454,5 @@ class SlackThreads:
         await self.outboxes.close(grace_s)
         if self._deployer is not None:
             with contextlib.suppress(Exception):
-                await self._mark()
+                async with self._poll_lock:
+                    await self._mark()
