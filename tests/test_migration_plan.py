@@ -647,6 +647,11 @@ def test_the_read_only_type_has_no_method_that_changes_anything() -> None:
     """Read-only by construction: what the type offers is reads (and its own close)."""
     public = {name for name in dir(ReadOnlyVSphere) if not name.startswith("_")}
     assert public == {"template_facts", "vm_facts", "api_calls", "close"}
+    # Its tags' reader too: the tags of some objects, and its logout.
+    assert {name for name in dir(TagReader) if not name.startswith("_")} == {
+        "attached",
+        "close",
+    }
 
 
 async def test_the_read_only_stub_refuses_a_change_before_sending_it(

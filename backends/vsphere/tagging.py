@@ -106,18 +106,17 @@ class TagReader:
 
     async def close(self) -> None:
         """Log out (when logged in) and close the connections; never raises."""
-        http, self._http = self._http, None
         session, self._session_id = self._session_id, None
-        if http is None:
-            return
         try:
             # A logout that fails ends with the session's idle timeout on the server.
-            if session is not None:
+            if session is not None and self._http is not None:
                 with contextlib.suppress(BackendError, TimeoutError):
                     async with asyncio.timeout(LOGOUT_TIMEOUT_S):
                         await self._send("DELETE", SESSION, "logout", session=session)
         finally:
-            await http.close()
+            http, self._http = self._http, None
+            if http is not None:
+                await http.close()
 
     async def _login(self) -> None:
         # Basic auth by hand: aiohttp 3.14 deprecates its helpers, >= 3.9 lacks the new one.
