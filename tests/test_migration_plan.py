@@ -720,9 +720,8 @@ def _toml(entry: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-async def test_the_cli_prints_the_table_and_writes_the_plan_file(
-    lab: Simulated, proxy: SoapProxy, pve: FakePVE, tmp_path: Path
-) -> None:
+def _cli_config(lab: Simulated, proxy: SoapProxy, pve: FakePVE, tmp_path: Path) -> Path:
+    """A configuration with vcsim (through the proxy) as vcenter and the fake as pve."""
     _target(pve)
     config = tmp_path / "deploybot.toml"
     source = lab.sim.config(port=proxy.port)
@@ -738,6 +737,13 @@ async def test_the_cli_prints_the_table_and_writes_the_plan_file(
         '[subnets.segments.vcenter]\nnetwork = "VM Network"\n\n'
         '[defaults]\nbackend = "pve"\n'
     )
+    return config
+
+
+async def test_the_cli_prints_the_table_and_writes_the_plan_file(
+    lab: Simulated, proxy: SoapProxy, pve: FakePVE, tmp_path: Path
+) -> None:
+    config = _cli_config(lab, proxy, pve, tmp_path)
     out = tmp_path / "plan.json"
     code, text = await _deploybot(
         config, tmp_path, pve, "migrate", "plan", "--from", "vcenter", "--to", "pve",
@@ -796,6 +802,28 @@ async def test_the_cli_prints_the_table_and_writes_the_plan_file(
     )
     assert code == 2 and "--from nope: no such backend" in text
     assert proxy.mutations() == []
+
+
+async def test_the_cli_apply_refuses_a_plan_whose_vm_was_tagged_since(
+    lab: Simulated, proxy: SoapProxy, pve: FakePVE, tmp_path: Path
+) -> None:
+    config = _cli_config(lab, proxy, pve, tmp_path)
+    out = tmp_path / "plan.json"
+    code, text = await _deploybot(
+        config, tmp_path, pve, "migrate", "plan", "--from", "vcenter", "--to", "pve",
+        "--name", "*01", "--out", str(out),
+    )  # fmt: skip
+    assert code == 0 and "1 vSphere tag(s) (Env/production)" in text, text
+    operator = Tagger(lab.sim)  # straight to vcsim, not through the proxy
+    operator.attach("db01", "Change/tagged-by-the-cli-test")
+    try:
+        code, text = await _deploybot(config, tmp_path, pve, "migrate", "apply", str(out))
+    finally:
+        operator.detach("db01", "Change/tagged-by-the-cli-test")
+    assert code != 0 and "changed since this plan was made (db01 changed)" in text, text
+    assert "Nothing was started" in text
+    assert proxy.rest_mutations() == [] and proxy.mutations() == []
+    assert [r.method for r in pve.requests if r.method != "GET"] == []
 
 
 async def _deploybot(config: Path, cwd: Path, fake: FakePVE, *args: str) -> tuple[int, str]:
