@@ -156,6 +156,8 @@ class Tagger:
         self._call("POST", path, {"object_id": target})
 
     def _tag(self, tag: str) -> str:
+        if not self._categories:  # what earlier sessions made (the lab is shared)
+            self._known()
         if tag not in self._tags:
             category, name = tag.split("/", 1)
             if category not in self._categories:
@@ -166,6 +168,15 @@ class Tagger:
             spec = {"name": name, "category_id": self._categories[category]}
             self._tags[tag] = self._call("POST", "/tagging/tag", {"create_spec": spec})
         return self._tags[tag]
+
+    def _known(self) -> None:
+        names = {}
+        for category in self._call("GET", "/tagging/category", None) or []:
+            names[category] = self._call("GET", f"/tagging/category/id:{category}", None)["name"]
+            self._categories[names[category]] = category
+        for tag in self._call("GET", "/tagging/tag", None) or []:
+            found = self._call("GET", f"/tagging/tag/id:{tag}", None)
+            self._tags[f"{names[found['category_id']]}/{found['name']}"] = tag
 
     def _call(self, method: str, path: str, body: Any) -> Any:
         if not self._session:
