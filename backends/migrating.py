@@ -14,9 +14,13 @@ so only a digest of each is kept; a key that names cloud-init datasources keeps 
 value (that value is the finding).
 
 A VM's facts (`VMFacts`) are what will not travel or needs a decision: snapshots, changed
-block tracking, custom attributes, folder, DRS rules, reservations and shares, hardware
+block tracking, custom attributes, tags, folder, DRS rules, reservations and shares, hardware
 version, VMware Tools, and per NIC and disk the device, MAC, network and provisioning.
-A disk's provisioning is kept as vSphere's two flags (`thinProvisioned`, `eagerlyScrub`),
+Both kinds carry their vSphere tags ("Category/Tag", sorted; read from vCenter's vAPI
+tagging service, backends/vsphere/tagging.py): None when they could not be read (a
+standalone ESXi host, an OVA, a vCenter without the service), and then left out of
+the JSON, so that a plan made without tags digests exactly as one made before tags
+were read. A disk's provisioning is kept as vSphere's two flags (`thinProvisioned`, `eagerlyScrub`),
 not as a state: thin excludes eager, so three states are valid and the fourth
 combination is reported as impossible (`provisioning`).
 """
@@ -51,11 +55,41 @@ class TemplateFacts:
     nics: tuple[str, ...]  # NIC models, one per NIC: vmxnet3, e1000, e1000e
     disk_controllers: tuple[str, ...]  # controllers holding a disk: pvscsi, lsilogic, sata
     hardware_version: str  # vmx-13; "" when not said
+    tags: tuple[str, ...] | None = None  # "Category/Tag", sorted; None: not read
 
     def as_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["extra"] = dict(self.extra)
-        return data
+        return _tags_json(data, self.tags)
+
+
+def template_facts_of(data: dict[str, Any]) -> TemplateFacts:
+    """`TemplateFacts.as_json` read back (a plan file)."""
+    return TemplateFacts(
+        source_id=str(data["source_id"]),
+        name=str(data["name"]),
+        guest_id=str(data["guest_id"]),
+        annotation=str(data["annotation"]),
+        extra=tuple(sorted((str(k), str(v)) for k, v in dict(data["extra"]).items())),
+        nics=tuple(str(n) for n in data["nics"]),
+        disk_controllers=tuple(str(c) for c in data["disk_controllers"]),
+        hardware_version=str(data["hardware_version"]),
+        tags=_tags_of(data),
+    )
+
+
+def _tags_json(data: dict[str, Any], tags: tuple[str, ...] | None) -> dict[str, Any]:
+    """Tags not read are left out (see the module docstring), read ones are a list."""
+    if tags is None:
+        del data["tags"]
+    else:
+        data["tags"] = list(tags)
+    return data
+
+
+def _tags_of(data: dict[str, Any]) -> tuple[str, ...] | None:
+    tags = data.get("tags")
+    return None if tags is None else tuple(sorted(str(t) for t in tags))
 
 
 @dataclass(frozen=True)
@@ -153,12 +187,13 @@ class VMFacts:
     tools_version: str  # guest.toolsVersion ("0": none)
     nics: tuple[NicFacts, ...]
     disks: tuple[DiskFacts, ...]
+    tags: tuple[str, ...] | None = None  # "Category/Tag", sorted; None: not read
 
     def as_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["custom_attributes"] = dict(self.custom_attributes)
         data["drs_rules"] = [list(r) for r in self.drs_rules]
-        return data
+        return _tags_json(data, self.tags)
 
 
 def vm_facts_of(data: dict[str, Any]) -> VMFacts:
@@ -181,6 +216,7 @@ def vm_facts_of(data: dict[str, Any]) -> VMFacts:
         tools_version=str(data["tools_version"]),
         nics=tuple(NicFacts(**n) for n in data["nics"]),
         disks=tuple(DiskFacts(**d) for d in data["disks"]),
+        tags=_tags_of(data),
     )
 
 
@@ -189,6 +225,8 @@ class ReadOnlySource(Protocol):
     method that could."""
 
     name: str
+    # Why the last reads found no tags (they could not be read), else None.
+    tags_unreadable: str | None
 
     async def template_facts(self, scope: Scope) -> list[TemplateFacts]:
         """Every template in `scope`, sorted by name then id."""

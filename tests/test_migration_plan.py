@@ -8,11 +8,14 @@ the read-only session type, the fake Proxmox as the target, a counting proxy in 
 vcsim that sees every SOAP method: the counts per category are exact and no mutating
 method reaches the source.
 
-What vcsim cannot represent, so these tests do not cover it: vSphere tags (vCenter's
-tagging service is not in the simulator's SOAP inventory, and the plan does not read it),
-a raw device mapping (vcsim 0.24 panics on one, or wants its mapping file, whose
-creation task it reports on the wrong object), and a guest reporting qemu-guest-agent
-(no vSphere property says it). vcsim keeps thin and eager at once, which a real vSphere
+vSphere tags are vCenter's vAPI tagging service (REST), which vcsim serves too: the
+operator attaches them straight to vcsim (`Tagger`, not through the proxy), the plan
+reads them through the proxy, which judges its REST requests as it judges SOAP's.
+
+What vcsim cannot represent, so these tests do not cover it: a raw device mapping
+(vcsim 0.24 panics on one, or wants its mapping file, whose creation task it reports on
+the wrong object), and a guest reporting qemu-guest-agent (no vSphere property says
+it). vcsim keeps thin and eager at once, which a real vSphere
 would not: that is the impossible disk the plan must report."""
 
 # mypy: disable-error-code="no-untyped-call"
@@ -24,6 +27,8 @@ import asyncio
 import dataclasses
 import json
 import os
+import socket
+import ssl
 import stat
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -34,13 +39,22 @@ import pytest
 from pyVim.task import WaitForTask
 from pyVmomi import vim
 
+from backends.base import Unreachable
 from backends.migrating import Scope
 from backends.proxmox.buildmarks import build_description, build_tags
 from backends.vsphere.config import Config, endpoint_of
-from backends.vsphere.readonly import ReadOnlyStub, ReadOnlyVSphere, WriteRefused, create
+from backends.vsphere.readonly import (
+    ESXI_HAS_NO_TAGS,
+    ReadOnlyStub,
+    ReadOnlyVSphere,
+    WriteRefused,
+    create,
+)
 from backends.vsphere.session import Session
+from backends.vsphere.tagging import TagReader, TagsUnreadable
 from bot.addresses.subnets import Subnet
 from bot.images.profiles import catalogue
+from bot.migration.apply import SourceChanged, check_source
 from bot.migration.classify import Category, MatchedBy, Missing, NoteKind
 from bot.migration.plan import (
     PlanFileError,
@@ -50,9 +64,17 @@ from bot.migration.plan import (
     source_unchanged,
     write_plan,
 )
+from handlers.messages.migration import plan_lines
 from tests.support.fakepve import testing
 from tests.support.fakepve.server import FakePVE
-from tests.support.vsphere.migration import PINNED_KEY, build_plan, find_vm, make_template, mark
+from tests.support.vsphere.migration import (
+    PINNED_KEY,
+    Tagger,
+    build_plan,
+    find_vm,
+    make_template,
+    mark,
+)
 from tests.support.vsphere.simulator import (
     PASSWORD,
     PASSWORD_ENV,
@@ -62,7 +84,7 @@ from tests.support.vsphere.simulator import (
     vcsim_binary_fixture,  # noqa: F401
     vcsim_tls_fixture,  # noqa: F401
 )
-from tests.support.vsphere.soapproxy import READ_METHODS, SoapProxy
+from tests.support.vsphere.soapproxy import READ_METHODS, RestSeen, SoapProxy, rest_mutating
 
 pve = testing.pve
 pve_schema = testing.pve_schema
@@ -86,6 +108,14 @@ EXPECTED_VMS = {
     "broken-disk": Category.BLOCKED,  # thin and eager at once (and on VM Network)
 }
 VM_COUNTS = {"moves-as-is": 1, "needs-decisions": 2, "blocked": 2}
+# vSphere tags ("Category/Tag") the operator attached, on VMs whose category they do not
+# change (the counts above stay) and on a template; every other object has none.
+TAGS = {
+    "db01": ("Backup/daily", "Owner/Team DB"),
+    "web01": ("Env/production",),
+    "legacy01": ("Env/production",),
+    "el-base": ("Golden/approved",),
+}
 MANUAL_MAC = "00:50:56:01:02:03"
 # DC0_DVPG0 is 10.20 on pve's vmbr0 VLAN 20; VM Network is 10.40, with no segment on pve.
 SUBNETS = (
@@ -110,7 +140,8 @@ SUBNETS = (
 
 
 def build_inventory(sim: Any) -> None:
-    """Seven templates (see EXPECTED) and a VM; el-base and win2019 in folder golden."""
+    """Seven templates (see EXPECTED) and the VMs; el-base and win2019 in folder golden;
+    the TAGS."""
     ubuntu = find_vm(sim, "ubuntu-24.04")  # the simulator's own template: give it its OS
     compute = next(c for c in sim.datacenter.hostFolder.childEntity if c.name == "DC0_H0")
     ubuntu.MarkAsVirtualMachine(pool=compute.resourcePool, host=compute.host[0])
@@ -135,6 +166,9 @@ def build_inventory(sim: Any) -> None:
     folder = sim.datacenter.vmFolder.CreateFolder("golden")
     WaitForTask(folder.MoveIntoFolder_Task([find_vm(sim, "el-base"), find_vm(sim, "win2019")]))
     build_vms(sim)
+    tagger = Tagger(sim)  # the operator's vAPI session, straight to vcsim
+    for name, tags in TAGS.items():
+        tagger.attach(name, *tags)
 
 
 def _add(device: Any, create: bool = False) -> Any:
@@ -399,6 +433,78 @@ async def test_each_vm_says_what_does_not_travel_and_what_needs_a_decision(
     assert proxy.mutations() == []
 
 
+async def test_the_plan_reads_the_tags_of_each_vm_and_template_and_changes_nothing(
+    lab: Simulated, proxy: SoapProxy, pve: FakePVE
+) -> None:
+    plan = await _plan_of(lab, proxy, pve, Scope())
+    tagged = {f.name: f.tags for f in plan.facts} | {f.name: f.tags for f in plan.vm_facts}
+    assert set(tagged) == set(EXPECTED) | set(EXPECTED_VMS)
+    assert tagged == {name: TAGS.get(name, ()) for name in tagged}
+    assert plan.tags_unreadable is None
+    assert _notes(plan, "db01")[NoteKind.TAGS] == [("2", ("Backup/daily", "Owner/Team DB"))]
+    assert _notes(plan, "web01")[NoteKind.TAGS] == [("1", ("Env/production",))]
+    assert _notes(plan, "el-base")[NoteKind.TAGS] == [("1", ("Golden/approved",))]
+    assert NoteKind.TAGS not in _notes(plan, "DC0_C0_RP0_VM3")
+    # Tagged VMs needed decisions (or were blocked) already: the counts are the same.
+    assert plan.counts()["vm"] == VM_COUNTS
+    # The vAPI: one login, one batch for the templates and one for the VMs, each of the
+    # 4 tags and 4 categories named once, one logout; none of it a change.
+    calls = proxy.rest_calls()
+    assert calls["POST /rest/com/vmware/cis/session"] == 1
+    assert calls["DELETE /rest/com/vmware/cis/session"] == 1
+    batch = "POST /rest/com/vmware/cis/tagging/tag-association?list-attached-tags-on-objects"
+    assert calls[batch] == 2
+    gets = [r.path for r in proxy.rest if r.method == "GET"]
+    assert len(gets) == len(set(gets)) == 8
+    assert sum("/tagging/tag/id:" in g for g in gets) == 4
+    assert sum(calls.values()) == 12
+    assert proxy.rest_mutations() == [] and proxy.mutations() == []
+    assert set(proxy.methods()) <= READ_METHODS
+
+
+def test_the_proxy_judges_rest_requests_by_what_they_do() -> None:
+    """What the proxy counts as a vAPI change (the judge of the test above)."""
+    session, tags = "/rest/com/vmware/cis/session", "/rest/com/vmware/cis/tagging"
+    reads = [
+        RestSeen("POST", session, ""),
+        RestSeen("DELETE", session, ""),
+        RestSeen("POST", "/api/session", ""),
+        RestSeen("GET", f"{tags}/tag/id:x", ""),
+        RestSeen("POST", f"{tags}/tag-association", "list-attached-tags-on-objects"),
+    ]
+    changes = [
+        RestSeen("POST", f"{tags}/tag", ""),
+        RestSeen("POST", f"{tags}/tag-association/id:x", "attach"),
+        RestSeen("POST", f"{tags}/tag-association", "attach-multiple-tags-to-object"),
+        RestSeen("PATCH", f"{tags}/category/id:x", ""),
+        RestSeen("DELETE", f"{tags}/tag/id:x", ""),
+        RestSeen("PUT", "/api/vcenter/vm/vm-1", ""),
+        RestSeen("POST", session, "refresh"),
+    ]
+    assert [rest_mutating(r) for r in reads] == [False] * len(reads)
+    assert [rest_mutating(r) for r in changes] == [True] * len(changes)
+
+
+async def test_a_tag_added_after_the_plan_makes_the_apply_refuse_the_source(
+    lab: Simulated, proxy: SoapProxy, pve: FakePVE
+) -> None:
+    plan = await _plan_of(lab, proxy, pve, Scope(name="*01"))
+    operator = Tagger(lab.sim)  # straight to vcsim, not through the proxy
+    operator.attach("web01", "Change/after-the-plan")
+    source = create(_source_config(lab, proxy), {PASSWORD_ENV: PASSWORD})
+    try:
+        try:
+            with pytest.raises(SourceChanged) as refused:
+                await check_source(plan, source)  # the apply's check of its source
+        finally:
+            operator.detach("web01", "Change/after-the-plan")
+        assert await source_unchanged(plan, source)  # as it was: the plan applies again
+    finally:
+        await source.close()
+    assert "changed since this plan was made (web01 changed)" in refused.value.message
+    assert proxy.rest_mutations() == [] and proxy.mutations() == []
+
+
 async def test_the_plan_file_keeps_the_vms_and_their_digest(
     lab: Simulated, proxy: SoapProxy, pve: FakePVE, tmp_path: Path
 ) -> None:
@@ -466,6 +572,16 @@ async def test_a_standalone_esxi_host_is_read_the_same_way(
             source = create(config, {PASSWORD_ENV: PASSWORD})
             try:
                 plan = await make_plan(source, "pve", [], PROFILES, Scope())
+                # An ESXi host has no tagging service: not asked, and said so.
+                assert plan.tags_unreadable == ESXI_HAS_NO_TAGS and counting.rest == []
+                assert [f.tags for f in plan.facts] + [f.tags for f in plan.vm_facts] == [None] * 2
+                text = "\n".join(plan_lines(plan, None))
+                assert f"\n  Tags not readable: {ESXI_HAS_NO_TAGS}. The plan lists no" in text
+                # Asked all the same, its /rest answers 404: not readable, not a failure.
+                reader = TagReader(endpoint_of(config), PASSWORD, _tls(esxi.sim.tls))
+                async with reader:
+                    with pytest.raises(TagsUnreadable, match="has no vAPI tagging service"):
+                        await reader.attached(["vm-1"])
                 assert await source_unchanged(plan, source)
                 # An operator edits the template's notes: the source changed since.
                 (uuid,) = [u for u, n in esxi.sim.vms().items() if n == "ubuntu-24.04"]
@@ -502,10 +618,40 @@ async def test_a_standalone_esxi_host_is_read_the_same_way(
     assert counting.mutations() == [] and set(counting.methods()) <= READ_METHODS
 
 
+def _tls(files: TlsFiles) -> ssl.SSLContext:
+    return ssl.create_default_context(cafile=str(files.ca))
+
+
+async def test_the_tag_reader_says_why_tags_cannot_be_read(
+    lab: Simulated, proxy: SoapProxy
+) -> None:
+    """A refused vAPI login is "not readable" (the plan goes on); a server that does not
+    answer is Unreachable, as it is for SOAP; the password never shows."""
+    endpoint = endpoint_of(_source_config(lab, proxy))
+    async with TagReader(endpoint, "", _tls(lab.sim.tls)) as refused:  # vcsim wants one
+        with pytest.raises(TagsUnreadable, match=r"refuses the vAPI login to .* \(401\)"):
+            await refused.attached(["vm-1"])
+    assert refused.calls == {"POST login": 1}  # no logout: there was no session
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        closed = taken.getsockname()[1]  # nothing listens there once closed
+    gone = dataclasses.replace(endpoint, port=closed)
+    async with TagReader(gone, PASSWORD, _tls(lab.sim.tls)) as reader:
+        with pytest.raises(Unreachable, match="does not answer the login") as unreachable:
+            await reader.attached(["vm-1"])
+    assert PASSWORD not in unreachable.value.message
+    assert proxy.rest_mutations() == []
+
+
 def test_the_read_only_type_has_no_method_that_changes_anything() -> None:
     """Read-only by construction: what the type offers is reads (and its own close)."""
     public = {name for name in dir(ReadOnlyVSphere) if not name.startswith("_")}
     assert public == {"template_facts", "vm_facts", "api_calls", "close"}
+    # Its tags' reader too: the tags of some objects, and its logout.
+    assert {name for name in dir(TagReader) if not name.startswith("_")} == {
+        "attached",
+        "close",
+    }
 
 
 async def test_the_read_only_stub_refuses_a_change_before_sending_it(
@@ -574,9 +720,8 @@ def _toml(entry: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-async def test_the_cli_prints_the_table_and_writes_the_plan_file(
-    lab: Simulated, proxy: SoapProxy, pve: FakePVE, tmp_path: Path
-) -> None:
+def _cli_config(lab: Simulated, proxy: SoapProxy, pve: FakePVE, tmp_path: Path) -> Path:
+    """A configuration with vcsim (through the proxy) as vcenter and the fake as pve."""
     _target(pve)
     config = tmp_path / "deploybot.toml"
     source = lab.sim.config(port=proxy.port)
@@ -592,6 +737,13 @@ async def test_the_cli_prints_the_table_and_writes_the_plan_file(
         '[subnets.segments.vcenter]\nnetwork = "VM Network"\n\n'
         '[defaults]\nbackend = "pve"\n'
     )
+    return config
+
+
+async def test_the_cli_prints_the_table_and_writes_the_plan_file(
+    lab: Simulated, proxy: SoapProxy, pve: FakePVE, tmp_path: Path
+) -> None:
+    config = _cli_config(lab, proxy, pve, tmp_path)
     out = tmp_path / "plan.json"
     code, text = await _deploybot(
         config, tmp_path, pve, "migrate", "plan", "--from", "vcenter", "--to", "pve",
@@ -609,7 +761,12 @@ async def test_the_cli_prints_the_table_and_writes_the_plan_file(
     # The target's storage (bulk-nfs) is NFS: the disks become qcow2 and stay thin.
     assert "thin: qcow2 on the target, stays thin" in text
     assert "(3 GiB) thick eager zeroed: qcow2 on the target, thin there" in text
-    assert "qemu-guest-agent not known" in text and "vSphere tags are not read" in text
+    assert "qemu-guest-agent not known" in text and "Tags not readable" not in text
+    assert (
+        "decide: 2 vSphere tag(s) (Backup/daily, Owner/Team DB): kept in vCenter's tagging "
+        "service, they do not travel; Proxmox tags have no categories: they could be set as "
+        "Backup.daily, Owner.Team-DB"
+    ) in text
     assert stat.S_IMODE(out.stat().st_mode) == 0o600
     document = json.loads(out.read_text())
     assert document["counts"]["template"] == {
@@ -620,6 +777,10 @@ async def test_the_cli_prints_the_table_and_writes_the_plan_file(
     assert document["source_digest"] in text
     assert document["counts"]["vm"] == VM_COUNTS
     assert sorted(f["name"] for f in document["vm_facts"]) == sorted(EXPECTED_VMS)
+    assert {f["name"]: tuple(f["tags"]) for f in document["vm_facts"] if f["tags"]} == {
+        n: t for n, t in TAGS.items() if n in EXPECTED_VMS
+    }
+    assert [f["tags"] for f in document["facts"] if f["name"] == "el-base"] == [["Golden/approved"]]
     assert PASSWORD not in out.read_text() + text
     code, text = await _deploybot(
         config, tmp_path, pve, "migrate", "plan", "--from", "vcenter", "--to", "pve",
@@ -641,6 +802,28 @@ async def test_the_cli_prints_the_table_and_writes_the_plan_file(
     )
     assert code == 2 and "--from nope: no such backend" in text
     assert proxy.mutations() == []
+
+
+async def test_the_cli_apply_refuses_a_plan_whose_vm_was_tagged_since(
+    lab: Simulated, proxy: SoapProxy, pve: FakePVE, tmp_path: Path
+) -> None:
+    config = _cli_config(lab, proxy, pve, tmp_path)
+    out = tmp_path / "plan.json"
+    code, text = await _deploybot(
+        config, tmp_path, pve, "migrate", "plan", "--from", "vcenter", "--to", "pve",
+        "--name", "*01", "--out", str(out),
+    )  # fmt: skip
+    assert code == 0 and "1 vSphere tag(s) (Env/production)" in text, text
+    operator = Tagger(lab.sim)  # straight to vcsim, not through the proxy
+    operator.attach("db01", "Change/tagged-by-the-cli-test")
+    try:
+        code, text = await _deploybot(config, tmp_path, pve, "migrate", "apply", str(out))
+    finally:
+        operator.detach("db01", "Change/tagged-by-the-cli-test")
+    assert code != 0 and "changed since this plan was made (db01 changed)" in text, text
+    assert "Nothing was started" in text
+    assert proxy.rest_mutations() == [] and proxy.mutations() == []
+    assert [r.method for r in pve.requests if r.method != "GET"] == []
 
 
 async def _deploybot(config: Path, cwd: Path, fake: FakePVE, *args: str) -> tuple[int, str]:

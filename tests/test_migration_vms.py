@@ -7,6 +7,7 @@ reads the same facts from a simulator."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -31,7 +32,7 @@ from bot.images.profiles import catalogue
 from bot.migration.apply import check_findings, rebuilds_of
 from bot.migration.classify import Category, NoteKind
 from bot.migration.plan import PlanFileError, classify, read_plan, seal_of, write_plan
-from bot.migration.vms import classify_vm, network_map
+from bot.migration.vms import classify_vm, network_map, proxmox_tag
 from handlers.messages.migration import note_text, plan_lines, reason
 
 NOW = datetime(2026, 12, 5, tzinfo=UTC)
@@ -138,6 +139,7 @@ def test_a_plain_vm_moves_as_is_and_still_says_what_does_not_travel() -> None:
         ({"snapshots": ("a", "b", "c")}, NoteKind.SNAPSHOTS),
         ({"change_tracking": True}, NoteKind.CHANGE_TRACKING),
         ({"custom_attributes": (("owner", "x"),)}, NoteKind.CUSTOM_ATTRIBUTES),
+        ({"tags": ("Backup/daily",)}, NoteKind.TAGS),
         ({"drs_rules": (("apart", "anti-affinity"),)}, NoteKind.DRS_RULES),
         ({"memory": Allocation(reservation=1024)}, NoteKind.ALLOCATION),
         ({"cpu": Allocation(shares="low")}, NoteKind.ALLOCATION),
@@ -270,3 +272,68 @@ def test_a_disk_whose_backing_says_no_provisioning_is_not_called_thick() -> None
     assert vmfacts._flags(delta) == (True, None)
     sparse_chain: Any = vim.vm.device.VirtualDisk.SeSparseBackingInfo
     assert vmfacts._flags(sparse_chain(parent=sparse_chain())) == (None, None)
+
+
+# pve-common's pve-tag format, as tests/support/fakepve checks it against the schema.
+PVE_TAG = re.compile(r"[a-z0-9_][a-z0-9_\-+.]*", re.I)
+
+
+@pytest.mark.parametrize(
+    ("tag", "proxmox"),
+    [
+        ("Backup/daily", "Backup.daily"),
+        ("Owner/Team DB", "Owner.Team-DB"),
+        ("Env/prod (EU)", "Env.prod-EU-"),
+        ("-/x", "_-.x"),
+        ("Sécurité/niveau 2", "S-curit-.niveau-2"),
+        ("a/b/c", "a.b-c"),
+    ],
+)
+def test_a_vsphere_tag_says_the_proxmox_tag_it_could_become(tag: str, proxmox: str) -> None:
+    assert proxmox_tag(tag) == proxmox
+    assert PVE_TAG.fullmatch(proxmox_tag(tag))
+
+
+def test_tags_are_facts_a_note_the_digest_and_the_plan_file_keep(tmp_path: Path) -> None:
+    """Tags read are facts (an added one changes the digest); tags not read (None) are
+    left out of the JSON, so such a plan digests as one made before tags were read;
+    the reason they were not read is said and kept in the plan file."""
+    tagged = vm("a", tags=("Backup/daily", "Owner/Team DB"))
+    note = next(n for n in classify_vm(tagged, NETWORKS).notes if n.kind is NoteKind.TAGS)
+    assert (note.value, note.detail) == ("2", ("Backup/daily", "Owner/Team DB"))
+    text = note_text(note)
+    assert "2 vSphere tag(s) (Backup/daily, Owner/Team DB)" in text
+    assert "could be set as Backup.daily, Owner.Team-DB" in text
+    assert "tags" not in vm("a").as_json() and vm("a", tags=()).as_json()["tags"] == []
+    template = TemplateFacts("vm-1", "deb", "debian10_64Guest", "Debian 12", (), (), (), "")
+    labelled = replace(template, tags=("Golden/approved",))
+    digests = {
+        classify("vc", "pve", Scope(), [t], {}, [], NOW, [v]).digest
+        for t, v in [
+            (template, vm("a")),
+            (template, vm("a", tags=())),
+            (template, tagged),
+            (labelled, vm("a")),
+        ]
+    }
+    assert len(digests) == 4
+    unread = classify("vc", "pve", Scope(), [template], {}, [], NOW, [vm("a")])
+    before_tags = json.loads(json.dumps([vm("a").as_json()]))
+    assert "tags" not in before_tags[0] and "tags" not in unread.document()["facts"][0]
+    plan = classify(
+        "vc", "pve", Scope(), [labelled], catalogue(), [], NOW, [tagged], SUBNETS,
+        tags_unreadable=None,
+    )  # fmt: skip
+    (finding,) = [f for f in plan.findings if f.kind == "template"]
+    assert [n.detail for n in finding.notes if n.kind is NoteKind.TAGS] == [("Golden/approved",)]
+    assert not any("Tags not readable" in line for line in plan_lines(plan, None))
+    path = tmp_path / "plan.json"
+    write_plan(plan, path)
+    assert read_plan(path) == plan
+    why = "vc.example:443 refuses the vAPI login to ops (403)"
+    blind = classify("vc", "pve", Scope(), [template], {}, [], NOW, [vm("a")], tags_unreadable=why)
+    assert f"  Tags not readable: {why}. The plan lists no vSphere tag" in "\n".join(
+        plan_lines(blind, None)
+    )
+    write_plan(blind, path)
+    assert read_plan(path).tags_unreadable == why and read_plan(path) == blind

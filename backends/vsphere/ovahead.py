@@ -160,6 +160,7 @@ class OvaSource:
         self.timeout_s = timeout_s
         self._calls: Counter[str] = Counter()
         self.last: OvaHead | None = None
+        self.tags_unreadable: str | None = None  # an OVA has no vSphere tags to read
 
     async def template_facts(self, scope: Scope) -> list[TemplateFacts]:
         self._calls["GET (range)"] += 1

@@ -16,6 +16,14 @@ container view of the VMs under the datacenter (or `--folder`) for the template 
 then the facts of the templates alone in one more request. The VMs' facts take the same
 marks, one request for the VMs, and one each for what names them from elsewhere: the VM
 folders, the distributed portgroups and the clusters' DRS rules (all reads).
+
+vSphere tags are not in that inventory: vCenter keeps them in its vAPI tagging service,
+which `TagReader` (backends/vsphere/tagging.py) reads over REST, read-only by
+construction too: one login for the life of this session, one batch request for the
+tags of every template (and one for every VM) in scope, each tag and category named
+once, the logout at `close`. A server without the service (a standalone ESXi host is
+not even asked) leaves the facts' tags unread (None) and says why in
+`tags_unreadable`: the plan reports "tags not readable", it does not fail.
 """
 
 from __future__ import annotations
@@ -23,8 +31,9 @@ from __future__ import annotations
 import fnmatch
 import threading
 from collections import Counter
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from typing import Any, TypeVar
 
 from pyVmomi import vim
 
@@ -35,8 +44,13 @@ from backends.vsphere.config import Config, endpoint_of, password_of
 from backends.vsphere.conn import Props, Stub
 from backends.vsphere.inventory import Inventory
 from backends.vsphere.session import Op, Session
+from backends.vsphere.tagging import TagReader, TagsUnreadable
 from backends.vsphere.vmfacts import VM_PATHS, drs_rules, folder_paths, model_of, vm_facts
 from backends.vsphere.vms import KnownVMs
+
+Facts = TypeVar("Facts", TemplateFacts, VMFacts)
+# Why a standalone ESXi host's tags are not read: it has no vAPI (tags are vCenter's).
+ESXI_HAS_NO_TAGS = "a standalone ESXi host has no tagging service (tags are vCenter's)"
 
 # Methods that only read, and those of a session's login. `Fetch` is pyvmomi's read of
 # one property.
@@ -148,9 +162,12 @@ class ReadOnlyVSphere:
         self.name = config.name
         self._session = Session(endpoint_of(config), password, stub=ReadOnlyStub)
         self._inventory = Inventory(config.name, config, KnownVMs())
+        self._password = password  # for the vAPI's login, as for SOAP's
+        self._tags: TagReader | None = None
+        self.tags_unreadable: str | None = None  # why the tags were not read, once not
 
     async def template_facts(self, scope: Scope) -> list[TemplateFacts]:
-        def work(op: Op) -> list[TemplateFacts]:
+        def work(op: Op) -> tuple[bool, list[tuple[str, TemplateFacts]]]:
             dc = self._inventory.datacenter(op.conn)
             root = self._inventory.folder(op.conn, dc, scope.folder)
             marks = op.conn.contained(root, vim.VirtualMachine, ["name", "config.template"])
@@ -160,13 +177,15 @@ class ReadOnlyVSphere:
                 if p.get("config.template") and _named(str(p.get("name")), scope.name)
             ]
             rows = op.conn.retrieve(chosen, vim.VirtualMachine, FACT_PATHS)
-            facts = [_facts(p) for _o, p in rows if p.get("config.template")]
-            return sorted(facts, key=lambda f: (f.name, f.source_id))
+            found = [(str(o._moId), _facts(p)) for o, p in rows if p.get("config.template")]
+            return op.conn.vcenter, found
 
-        return await self._session.run(work, changes=False)
+        vcenter, found = await self._session.run(work, changes=False)
+        facts = await self._tagged(vcenter, found)
+        return sorted(facts, key=lambda f: (f.name, f.source_id))
 
     async def vm_facts(self, scope: Scope) -> list[VMFacts]:
-        def work(op: Op) -> list[VMFacts]:
+        def work(op: Op) -> tuple[bool, list[tuple[str, VMFacts]]]:
             dc = self._inventory.datacenter(op.conn)
             root = self._inventory.folder(op.conn, dc, scope.folder)
             marks = op.conn.contained(root, vim.VirtualMachine, ["name", "config.template"])
@@ -176,7 +195,7 @@ class ReadOnlyVSphere:
                 if p.get("config.template") is not True and _named(str(p.get("name")), scope.name)
             ]
             if not chosen:
-                return []
+                return op.conn.vcenter, []
             rows = op.conn.retrieve(chosen, vim.VirtualMachine, VM_PATHS)
             folders = folder_paths(
                 op.conn.contained(dc.vm_folder, vim.Folder, ["name", "parent"]),
@@ -187,19 +206,48 @@ class ReadOnlyVSphere:
             rules = drs_rules(
                 op.conn.contained(dc.host_folder, vim.ClusterComputeResource, ["configurationEx"])
             )
-            facts = [
-                vm_facts(o, p, folders, portgroups, rules, NIC_MODELS, CONTROLLER_MODELS)
+            found = [
+                (
+                    str(o._moId),
+                    vm_facts(o, p, folders, portgroups, rules, NIC_MODELS, CONTROLLER_MODELS),
+                )
                 for o, p in rows
                 if p.get("config.template") is not True
             ]
-            return sorted(facts, key=lambda f: (f.name, f.source_id))
+            return op.conn.vcenter, found
 
-        return await self._session.run(work, changes=False)
+        vcenter, found = await self._session.run(work, changes=False)
+        facts = await self._tagged(vcenter, found)
+        return sorted(facts, key=lambda f: (f.name, f.source_id))
+
+    async def _tagged(self, vcenter: bool, found: Sequence[tuple[str, Facts]]) -> list[Facts]:
+        """The facts with their tags ("Category/Tag"), or as they are (tags None) when
+        the tags cannot be read, and `tags_unreadable` says why."""
+        if not vcenter:
+            self.tags_unreadable = ESXI_HAS_NO_TAGS
+        if self.tags_unreadable is not None:
+            return [facts for _id, facts in found]
+        if self._tags is None:
+            endpoint = self._session.endpoint
+            self._tags = TagReader(endpoint, self._password, self._session.ssl_context())
+        try:
+            tags = await self._tags.attached([vm for vm, _facts in found])
+        except TagsUnreadable as exc:
+            self.tags_unreadable = exc.message
+            return [facts for _id, facts in found]
+        return [replace(facts, tags=tags[vm]) for vm, facts in found]
 
     def api_calls(self) -> Counter[str]:
-        return self._session.api_calls()
+        """SOAP calls by method name, and the vAPI's as "REST <method> <what>"."""
+        calls = self._session.api_calls()
+        if self._tags is not None:
+            calls.update({f"REST {k}": n for k, n in self._tags.calls.items()})
+        return calls
 
     async def close(self) -> None:
+        tags, self._tags = self._tags, None
+        if tags is not None:
+            await tags.close()
         await self._session.close()
 
 

@@ -92,6 +92,7 @@ class NoteKind(StrEnum):
     SNAPSHOTS = "snapshots"
     CHANGE_TRACKING = "change-tracking"
     CUSTOM_ATTRIBUTES = "custom-attributes"
+    TAGS = "tags"  # vSphere tags (a template's too: a rebuilt one does not carry them)
     FOLDER = "folder"
     DRS_RULES = "drs-rules"
     ALLOCATION = "allocation"
@@ -258,4 +259,6 @@ def notes_of(facts: TemplateFacts) -> tuple[Note, ...]:
         notes.append(Note(NoteKind.VMWARE_CONTROLLER, controller))
     for name in sorted(set(VMWARE_INTERFACE.findall(facts.annotation))):
         notes.append(Note(NoteKind.VMWARE_INTERFACE, name))
+    if facts.tags:
+        notes.append(Note(NoteKind.TAGS, str(len(facts.tags)), facts.tags))
     return tuple(notes)

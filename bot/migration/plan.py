@@ -3,7 +3,7 @@ count per category, and the digest of the source facts it was made from.
 
 The digest is the sha256 of a canonical JSON (sorted keys, no spaces, UTF-8) of the
 source's name, the scope and the facts read (`TemplateFacts`, and `VMFacts` when the
-source has VMs, each sorted by id): an apply
+source has VMs, each sorted by id; each with its vSphere tags when they were read): an apply
 reads the same scope again and compares, so a source that changed since the plan is
 refused rather than acted on (`source_unchanged`). The plan file holds the whole plan
 as JSON (0600: it names machines); `read_plan` reads it back and refuses one whose facts
@@ -32,7 +32,14 @@ from pathlib import Path
 from typing import Any
 
 from backends.building import TemplateVersion
-from backends.migrating import ReadOnlySource, Scope, TemplateFacts, VMFacts, vm_facts_of
+from backends.migrating import (
+    ReadOnlySource,
+    Scope,
+    TemplateFacts,
+    VMFacts,
+    template_facts_of,
+    vm_facts_of,
+)
 from bot.addresses.subnets import Subnet
 from bot.images.profiles import Profile
 from bot.migration.classify import (
@@ -76,6 +83,9 @@ class Plan:
     # Shown beside the source's counts; not a fact of the source, so not digested.
     target_templates: tuple[tuple[str, str, int], ...] = ()
     vm_facts: tuple[VMFacts, ...] = ()  # digested with `facts`
+    # Why the source's tags could not be read (their absence is in the digest: the
+    # facts' tags are None), else None.
+    tags_unreadable: str | None = None
 
     def counts(self) -> dict[str, dict[str, int]]:
         """Per kind, the number of objects in each category (every category named)."""
@@ -99,6 +109,8 @@ class Plan:
             "vm_facts": [f.as_json() for f in self.vm_facts],
             "target_templates": [list(t) for t in self.target_templates],
         }
+        if self.tags_unreadable is not None:
+            body["tags_unreadable"] = self.tags_unreadable
         return {**body, "seal": seal_of(body)}
 
 
@@ -155,10 +167,12 @@ def classify(
     vms: Sequence[VMFacts] = (),
     subnets: Sequence[Subnet] = (),
     storage_type: str | None = None,
+    tags_unreadable: str | None = None,
 ) -> Plan:
     """The plan of `facts` and `vms` (pure: the reads happened before). `subnets` say
     where each VM's networks go on the target; `storage_type` is the type of the target
-    storage its disks would land on, when known."""
+    storage its disks would land on, when known; `tags_unreadable` why the source's tags
+    could not be read."""
     networks = network_map(subnets, source, target)
     findings = tuple(classify_template(f, profiles, target_versions) for f in facts) + tuple(
         classify_vm(v, networks, storage_type) for v in vms
@@ -173,6 +187,7 @@ def classify(
         source_digest(source, scope, facts, vms),
         tuple(sorted((v.name, v.profile, v.version) for v in target_versions if v.current)),
         tuple(vms),
+        tags_unreadable,
     )
 
 
@@ -193,7 +208,7 @@ async def make_plan(
     made_at = now or utcnow()
     return classify(
         source.name, target_name, scope, facts, profiles, target_versions, made_at,
-        vms, subnets, storage_type,
+        vms, subnets, storage_type, source.tags_unreadable,
     )  # fmt: skip
 
 
@@ -254,19 +269,7 @@ async def source_unchanged(plan: Plan, source: ReadOnlySource) -> bool:
 
 
 def _from_document(data: dict[str, Any]) -> Plan:
-    facts = tuple(
-        TemplateFacts(
-            source_id=str(f["source_id"]),
-            name=str(f["name"]),
-            guest_id=str(f["guest_id"]),
-            annotation=str(f["annotation"]),
-            extra=tuple(sorted((str(k), str(v)) for k, v in dict(f["extra"]).items())),
-            nics=tuple(str(n) for n in f["nics"]),
-            disk_controllers=tuple(str(c) for c in f["disk_controllers"]),
-            hardware_version=str(f["hardware_version"]),
-        )
-        for f in data["facts"]
-    )
+    facts = tuple(template_facts_of(f) for f in data["facts"])
     scope = data["scope"]
     return Plan(
         source=str(data["source"]),
@@ -280,7 +283,12 @@ def _from_document(data: dict[str, Any]) -> Plan:
             (str(n), str(p), int(v)) for n, p, v in data.get("target_templates", ())
         ),
         vm_facts=tuple(vm_facts_of(f) for f in data.get("vm_facts", ())),
+        tags_unreadable=_text_or_none(data.get("tags_unreadable")),
     )
+
+
+def _text_or_none(value: Any) -> str | None:
+    return None if value is None else str(value)
 
 
 def _finding(f: dict[str, Any]) -> Finding:

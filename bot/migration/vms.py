@@ -9,20 +9,27 @@ Each note weighs one of three (`WEIGHT`), and the heaviest gives the VM its cate
   scrubbed at once), a raw device mapping (a LUN, not a file to convert), or a VM whose
   configuration could not be read;
 - needs a decision: snapshots (only one state moves), changed block tracking (the
-  incremental backup chain ends), custom attributes and DRS rules (vCenter's; a
-  placement rule becomes a choice of node), reservations, limits or shares, a NIC or
-  disk controller that boots on Proxmox only as another model (another driver in the
-  guest), a MAC set by hand (keep it, or replace it);
+  incremental backup chain ends), custom attributes, vSphere tags and DRS rules
+  (vCenter's; a placement rule becomes a choice of node; a tag may drive a backup
+  policy or a firewall rule, which must be redone on the target), reservations,
+  limits or shares, a NIC or disk controller that boots on Proxmox only as another
+  model (another driver in the guest), a MAC set by hand (keep it, or replace it);
 - said, nothing to decide: the hardware version and the folder (vSphere's), a NIC or
   controller Proxmox emulates as is, VMware Tools (qemu-guest-agent cannot be seen from
   vSphere: not known), a generated MAC, each NIC's target bridge and VLAN, each disk's
   provisioning and target format.
+
+vSphere tags ("Category/Tag") could be carried as Proxmox tags, which are flat labels
+of a VM (`tags`, letters, digits and `- _ + .`, no categories): `proxmox_tag` gives the
+form one would take (`Category.Tag`). Nothing here or in `migrate apply` writes them:
+the note says what they would be, an operator decides.
 
 Everything here is data: the notes are worded in handlers/messages/migration.py.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from enum import IntEnum
 
@@ -45,6 +52,7 @@ WEIGHT: dict[NoteKind, Weight] = {
     NoteKind.SNAPSHOTS: Weight.DECISION,
     NoteKind.CHANGE_TRACKING: Weight.DECISION,
     NoteKind.CUSTOM_ATTRIBUTES: Weight.DECISION,
+    NoteKind.TAGS: Weight.DECISION,
     NoteKind.DRS_RULES: Weight.DECISION,
     NoteKind.ALLOCATION: Weight.DECISION,
     NoteKind.NIC_MODEL_CHANGE: Weight.DECISION,
@@ -92,6 +100,9 @@ CONTROLLER_TARGETS: dict[str, tuple[str, bool]] = {
 FILE_STORAGES = frozenset({"dir", "nfs", "cifs", "glusterfs"})
 THIN_STORAGES = frozenset({"lvmthin", "zfspool", "rbd", "btrfs", "iscsidirect"})
 TOOLS_RUNNING = "guestToolsRunning"
+# What a Proxmox tag may hold (pve-common's pve-tag format), and the first character.
+PVE_TAG_OTHER = re.compile(r"[^A-Za-z0-9_+.-]+")
+PVE_TAG_START = re.compile(r"[A-Za-z0-9_]")
 
 # A network's place on the target: (subnet label, the target segment, "" for none).
 Mapped = tuple[str, str]
@@ -139,6 +150,8 @@ def _vm_notes(facts: VMFacts) -> list[Note]:
     if facts.custom_attributes:
         names = tuple(name for name, _value in facts.custom_attributes)
         notes.append(Note(NoteKind.CUSTOM_ATTRIBUTES, str(len(names)), names))
+    if facts.tags:
+        notes.append(Note(NoteKind.TAGS, str(len(facts.tags)), facts.tags))
     if facts.drs_rules:
         rules = tuple(f"{name} ({kind})" for name, kind in facts.drs_rules)
         notes.append(Note(NoteKind.DRS_RULES, str(len(rules)), rules))
@@ -154,6 +167,14 @@ def _vm_notes(facts: VMFacts) -> list[Note]:
     version = facts.tools_version if facts.tools_version not in ("", "0") else "none reported"
     notes.append(Note(NoteKind.TOOLS, running, (version,)))
     return notes
+
+
+def proxmox_tag(tag: str) -> str:
+    """The Proxmox tag a vSphere tag ("Category/Tag") could become: the category and the
+    tag joined by a dot, every run of characters a Proxmox tag cannot hold as one "-"."""
+    category, _slash, name = tag.partition("/")
+    text = PVE_TAG_OTHER.sub("-", f"{category}.{name}" if name else category)
+    return text if PVE_TAG_START.match(text) else f"_{text}"
 
 
 def _nic_notes(nic: NicFacts, networks: Mapping[str, Sequence[Mapped]]) -> list[Note]:

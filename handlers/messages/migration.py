@@ -11,7 +11,7 @@ from typing import Any
 from bot.migration.apply import Outcome, Rebuild
 from bot.migration.classify import Category, Finding, MatchedBy, Missing, Note, NoteKind
 from bot.migration.plan import CATEGORIES, Plan
-from bot.migration.vms import NOT_SAID, WEIGHT, Weight
+from bot.migration.vms import NOT_SAID, WEIGHT, Weight, proxmox_tag
 from bot.models.builds import Build, BuildState
 from bot.models.plans import KeptPlan
 from handlers.messages.builds import BUILD_LABELS
@@ -33,6 +33,7 @@ VM_TOPICS = {
     NoteKind.SNAPSHOTS: "snapshots",
     NoteKind.CHANGE_TRACKING: "changed block tracking",
     NoteKind.CUSTOM_ATTRIBUTES: "custom attributes",
+    NoteKind.TAGS: "vSphere tags",
     NoteKind.DRS_RULES: "DRS rules",
     NoteKind.ALLOCATION: "reservations/shares",
     NoteKind.NIC_MODEL_CHANGE: "NIC model",
@@ -139,10 +140,21 @@ def note_text(note: Note, source: str = "the source", target: str = "the target"
         return _no_segment(note, source, target)
     if note.kind is NoteKind.DISK:
         return _disk(note)
+    if note.kind is NoteKind.TAGS:
+        return _tags(note)
     if note.kind in VM_NOTE_WORDS:
         names = ", ".join(note.detail)
         return VM_NOTE_WORDS[note.kind].format(note.value, *note.detail, names=names)
     return NOTE_WORDS[note.kind].format(note.value)
+
+
+def _tags(note: Note) -> str:
+    as_pve = ", ".join(proxmox_tag(t) for t in note.detail)
+    return (
+        f"{note.value} vSphere tag(s) ({', '.join(note.detail)}): kept in vCenter's tagging "
+        f"service, they do not travel; Proxmox tags have no categories: they could be "
+        f"set as {as_pve} (nothing sets them: decide)"
+    )
 
 
 def _no_segment(note: Note, source: str, target: str) -> str:
@@ -204,10 +216,10 @@ def plan_lines(plan: Plan, written_to: str | None) -> list[str]:
                 WEIGHT_WORDS[WEIGHT[note.kind]] if finding.kind == "vm" else "not imported as is:"
             )
             lines.append(f"  {'':<24} {'':<13}   {prefix} {said}")
-    if plan.vm_facts:
+    if plan.tags_unreadable:
         lines.append(
-            "  vSphere tags are not read (vCenter keeps them in its tagging service, not in "
-            "the inventory a read-only session reads): they do not travel either."
+            f"  Tags not readable: {plan.tags_unreadable}. The plan lists no vSphere tag "
+            "(an apply cannot notice one added since)."
         )
     lines.append(count_line(plan))
     lines.append(vm_count_line(plan))

@@ -2,10 +2,17 @@
 # (pyvmomi is typed, but the constructors of its data objects and pyVim are not)
 """vcsim inventories for the migration tests: templates made as an operator would have
 made them (a guest id, notes, extraConfig, a VMware NIC), some carrying deploybot's
-build mark, in folders a plan's scope can pick."""
+build mark, in folders a plan's scope can pick; and vSphere tags, which an operator
+attaches through vCenter's vAPI (`Tagger`), straight to vcsim, never through the
+counting proxy a test judges the plan's requests by."""
 
 from __future__ import annotations
 
+import base64
+import http.client
+import json
+import ssl
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
@@ -121,3 +128,75 @@ def apply_inventory(sim: Any) -> None:
     WaitForTask(golden.MoveIntoFolder_Task([find_vm(sim, n) for n in GOLDEN]))
     legacy = sim.datacenter.vmFolder.CreateFolder("legacy")
     WaitForTask(legacy.MoveIntoFolder_Task([find_vm(sim, "deb-old")]))
+
+
+VAPI = "/rest/com/vmware/cis"
+
+
+@dataclass
+class Tagger:
+    """An operator's vAPI session on vcsim (`sim`: tests/support/vsphere/simulator's
+    Vcsim) that makes categories and tags and attaches them to VMs by name."""
+
+    sim: Any
+    _session: str = ""
+    _categories: dict[str, str] = field(default_factory=dict)  # name -> id
+    _tags: dict[str, str] = field(default_factory=dict)  # "Category/Tag" -> id
+
+    def attach(self, vm_name: str, *tags: str) -> None:
+        """Attach each "Category/Tag" to the VM or template `vm_name`."""
+        target = {"type": "VirtualMachine", "id": find_vm(self.sim, vm_name)._moId}
+        for tag in tags:
+            path = f"/tagging/tag-association/id:{self._tag(tag)}?~action=attach"
+            self._call("POST", path, {"object_id": target})
+
+    def detach(self, vm_name: str, tag: str) -> None:
+        target = {"type": "VirtualMachine", "id": find_vm(self.sim, vm_name)._moId}
+        path = f"/tagging/tag-association/id:{self._tag(tag)}?~action=detach"
+        self._call("POST", path, {"object_id": target})
+
+    def _tag(self, tag: str) -> str:
+        if not self._categories:  # what earlier sessions made (the lab is shared)
+            self._known()
+        if tag not in self._tags:
+            category, name = tag.split("/", 1)
+            if category not in self._categories:
+                spec = {"name": category, "cardinality": "MULTIPLE", "associable_types": []}
+                self._categories[category] = self._call(
+                    "POST", "/tagging/category", {"create_spec": spec}
+                )
+            spec = {"name": name, "category_id": self._categories[category]}
+            self._tags[tag] = self._call("POST", "/tagging/tag", {"create_spec": spec})
+        return self._tags[tag]
+
+    def _known(self) -> None:
+        names = {}
+        for category in self._call("GET", "/tagging/category", None) or []:
+            names[category] = self._call("GET", f"/tagging/category/id:{category}", None)["name"]
+            self._categories[names[category]] = category
+        for tag in self._call("GET", "/tagging/tag", None) or []:
+            found = self._call("GET", f"/tagging/tag/id:{tag}", None)
+            self._tags[f"{names[found['category_id']]}/{found['name']}"] = tag
+
+    def _call(self, method: str, path: str, body: Any) -> Any:
+        if not self._session:
+            user, password = self.sim.login
+            basic = base64.b64encode(f"{user}:{password}".encode()).decode()
+            self._session = self._send(
+                "POST", "/session", None, {"Authorization": f"Basic {basic}"}
+            )
+        return self._send(method, path, body, {"vmware-api-session-id": self._session})
+
+    def _send(self, method: str, path: str, body: Any, headers: dict[str, str]) -> Any:
+        context = ssl.create_default_context(cafile=str(self.sim.tls.ca))
+        conn = http.client.HTTPSConnection("127.0.0.1", self.sim.port, context=context, timeout=30)
+        try:
+            data = json.dumps(body).encode() if body is not None else None
+            conn.request(method, VAPI + path, data, {**headers, "Content-Type": "application/json"})
+            answer = conn.getresponse()
+            text = answer.read()
+        finally:
+            conn.close()
+        if answer.status != 200:
+            raise AssertionError(f"vcsim {method} {path}: {answer.status} {text[:200]!r}")
+        return json.loads(text).get("value") if text else None

@@ -1,6 +1,16 @@
 """A counting HTTPS proxy in front of vcsim: it forwards every request unchanged and
-records the SOAP method of each request body (and the object it is called on), so a
-test sees exactly what reached the server, whatever the client says it sent.
+records the SOAP method of each request body (and the object it is called on), and the
+method, path and action of each vAPI REST request (/rest, /api: the tagging service),
+so a test sees exactly what reached the server, whatever the client says it sent.
+
+What counts as a change is decided here, apart from the code under test. SOAP: see
+`mutating`. REST (`rest_mutating`): a GET reads; a POST reads only when it is a
+session's login (`POST .../cis/session` or `/api/session`, no action, or the session's
+`get`) or one of the tagging service's `list-*` actions (list-attached-tags-on-objects
+and its kin: the vAPI spells those reads as POSTs whose body is the list of objects);
+a DELETE only when it is the session's logout. Every other POST (create, attach,
+detach, any other action), every PUT and PATCH, and every other DELETE changes
+something.
 
 It serves the simulator's own certificate for 127.0.0.1 (the test CA's), so a client
 keeps TLS verification on; it runs in the test's event loop (pyvmomi calls from the
@@ -68,6 +78,11 @@ def mutating(method: str) -> bool:
     return bool(_MUTATING.search(method)) and not session_object
 
 
+# The vAPI's session, under /rest (every vCenter since 6.5) and /api (7.0 U2+).
+_REST_SESSIONS = frozenset({"/rest/com/vmware/cis/session", "/api/session"})
+_REST_PREFIXES = ("/rest/", "/api/")
+
+
 @dataclass(frozen=True)
 class Seen:
     method: str
@@ -75,11 +90,30 @@ class Seen:
     this_id: str
 
 
+@dataclass(frozen=True)
+class RestSeen:
+    method: str  # GET, POST, ...
+    path: str
+    action: str  # the ?~action= (/rest) or ?action= (/api), "" when none
+
+
+def rest_mutating(seen: RestSeen) -> bool:
+    """Whether a vAPI request changes something (see the module docstring)."""
+    if seen.method in ("GET", "HEAD"):
+        return False
+    if seen.path in _REST_SESSIONS:
+        return not (
+            (seen.method == "POST" and seen.action in ("", "get")) or seen.method == "DELETE"
+        )
+    return not (seen.method == "POST" and seen.action.startswith("list-"))
+
+
 @dataclass
 class SoapProxy:
     upstream_port: int
     tls: TlsFiles
     seen: list[Seen] = field(default_factory=list)
+    rest: list[RestSeen] = field(default_factory=list)
     port: int = 0
 
     async def start(self) -> None:
@@ -105,7 +139,11 @@ class SoapProxy:
 
     async def _forward(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
-        self._record(body)
+        if request.path.startswith(_REST_PREFIXES):
+            action = request.query.get("~action") or request.query.get("action") or ""
+            self.rest.append(RestSeen(request.method, request.path, action))
+        else:
+            self._record(body)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
         url = f"https://127.0.0.1:{self.upstream_port}{request.path_qs}"
         async with self._client.request(
@@ -136,6 +174,15 @@ class SoapProxy:
 
     def mutations(self) -> list[Seen]:
         return [s for s in self.seen if mutating(s.method)]
+
+    def rest_calls(self) -> Counter[str]:
+        """The vAPI requests by "METHOD path[?action]"."""
+        return Counter(
+            f"{r.method} {r.path}" + (f"?{r.action}" if r.action else "") for r in self.rest
+        )
+
+    def rest_mutations(self) -> list[RestSeen]:
+        return [r for r in self.rest if rest_mutating(r)]
 
     def session_objects_ok(self) -> bool:
         """Every Destroy* that passed was of a view or collector."""

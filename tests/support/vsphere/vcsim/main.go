@@ -19,6 +19,9 @@ import (
 	"syscall"
 
 	"github.com/vmware/govmomi/simulator"
+	// vCenter's vAPI REST endpoints (/rest: sessions, tagging), as vcsim serves them;
+	// VPX mode only, as a standalone ESXi host has none.
+	_ "github.com/vmware/govmomi/vapi/simulator"
 	"github.com/vmware/govmomi/vim25/types"
 )
 
@@ -66,6 +69,8 @@ func main() {
 		model.Service.Listen.User = url.UserPassword(*username, *password)
 	}
 	model.Service.TLS = new(tls.Config)
+	// Serve the endpoints registered by the imports (the vAPI's /rest, VPX mode only).
+	model.Service.RegisterEndpoints = true
 	if *certFile != "" {
 		pair, err := tls.LoadX509KeyPair(*certFile, *keyFile)
 		if err != nil {
