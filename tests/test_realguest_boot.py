@@ -8,7 +8,10 @@ guest over that SSH session. Boot times are printed.
 
 The guest has two NICs, as a deploy with a second address gets them: `net1` and
 `ipconfig1` as the Proxmox backend writes them (no gateway: the default route stays on
-the first NIC), the second on a restricted user-mode network of its own.
+the first NIC), the second on a restricted user-mode network of its own. The test runs
+once per image, one boot each: `eni` (ifupdown + resolvconf, Debian's renderer) and
+`netplan` (netplan.io + systemd-networkd + systemd-resolved, Ubuntu's); each must put
+both addresses on the NICs with their MACs and the default route on the first.
 
 Skips, saying why, without QEMU or the image; under DEPLOYBOT_REQUIRE_REALGUEST=1 (CI)
 that is a failure. Nothing leaves loopback: the guest's only network is QEMU's
@@ -27,7 +30,7 @@ import pytest
 
 from backends.base import Identity, Nic, Segment
 from backends.proxmox.identity import more_nics
-from tests.support.realguest import nocloud, qemu, support
+from tests.support.realguest import image, nocloud, qemu, support
 
 pytestmark = pytest.mark.realguest
 
@@ -38,14 +41,16 @@ ADDRESS2, MAC2, NETWORK2 = "10.0.20.5", "BC:24:11:5E:00:33", "10.0.20.0/24"
 BOOT_SECONDS = 480.0  # TCG on 2 busy cores: cloud-init is done at ~100 s when idle
 
 
-@pytest.fixture
-def guest_image() -> Path:
-    return support.require_image()
+@pytest.fixture(params=[image.ENI, image.NETPLAN], ids=lambda v: v.name)
+def variant(request: pytest.FixtureRequest) -> image.Variant:
+    assert isinstance(request.param, image.Variant)
+    return request.param
 
 
 async def test_guest_becomes_what_the_seed_says(
-    guest_image: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    variant: image.Variant, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    guest_image = support.require_image(variant)
     key = asyncssh.generate_private_key("ssh-ed25519")
     public = key.export_public_key().decode().strip()
     config: dict[str, str | int] = {
@@ -99,19 +104,7 @@ async def test_guest_becomes_what_the_seed_says(
                 seed.instance_id
             )
 
-            # The address on the NIC with the seed's MAC (renamed eth0 by cloud-init).
-            net = await support.net_view(conn, MAC)
-            assert f"inet {ADDRESS}/24" in net.addresses
-            assert f"default via {GATEWAY} dev {net.nic}" in net.routes
-            assert f"nameserver {DNS}" in net.resolv, net.resolv
-            assert any(line.split()[:1] == ["search"] and DOMAIN in line for line in net.resolv)
-            # The second NIC: its address, and no default route through it.
-            second = await support.net_view(conn, MAC2)
-            assert second.nic != net.nic and f"inet {ADDRESS2}/24" in second.addresses
-            defaults = (await support.out(conn, "ip -4 route show default")).splitlines()
-            assert [r.split()[:5] for r in defaults] == [
-                ["default", "via", GATEWAY, "dev", net.nic]
-            ], defaults
+            await check_network(conn, variant)
 
         # The agent reports the address the way Proxmox's agent/network-get-interfaces does.
         interfaces = await guest.qga("guest-network-get-interfaces")
@@ -125,9 +118,49 @@ async def test_guest_becomes_what_the_seed_says(
     assert not guest.running()
     with capsys.disabled():
         print(
-            f"\nreal guest ({guest.accel}): agent up {qga_up:.0f} s, SSH up {ssh_up:.0f} s, "
-            f"cloud-init done {ci_done:.0f} s after QEMU started"
+            f"\nreal guest, {variant.name} ({guest.accel}): agent up {qga_up:.0f} s, "
+            f"SSH up {ssh_up:.0f} s, cloud-init done {ci_done:.0f} s after QEMU started"
         )
+
+
+async def check_network(conn: asyncssh.SSHClientConnection, variant: image.Variant) -> None:
+    """Both addresses on the NICs with the seed's MACs (renamed eth0 and eth1 by
+    cloud-init, as the seed names them), the default route on the first only, DNS and
+    the search domain, and what the image's renderer wrote for that."""
+    net = await support.net_view(conn, MAC)
+    assert net.nic == "eth0", net
+    assert f"inet {ADDRESS}/24" in net.addresses, net
+    assert f"default via {GATEWAY} dev eth0" in net.routes, net
+    assert any(line.split()[:1] == ["search"] and DOMAIN in line for line in net.resolv)
+    # The second NIC: its address, and no default route through it.
+    second = await support.net_view(conn, MAC2)
+    assert second.nic == "eth1" and f"inet {ADDRESS2}/24" in second.addresses, second
+    defaults = (await support.out(conn, "ip -4 route show default")).splitlines()
+    assert [r.split()[:5] for r in defaults] == [["default", "via", GATEWAY, "dev", "eth0"]], (
+        defaults
+    )
+    if variant is image.NETPLAN:
+        # netplan matches each MAC and sets the name; resolved holds the DNS behind its stub.
+        rendered = await support.out(conn, "cat /etc/netplan/50-cloud-init.yaml")
+        for mac, name in ((MAC, "eth0"), (MAC2, "eth1")):
+            assert f"macaddress: {mac.lower()}" in rendered, rendered
+            assert f"set-name: {name}" in rendered, rendered
+        assert "nameserver 127.0.0.53" in net.resolv, net.resolv
+        dns = await support.out(conn, "resolvectl dns; resolvectl domain")
+        assert DNS in dns and DOMAIN in dns, dns
+        unit = "systemd-networkd-wait-online.service"
+    else:
+        rendered = await support.out(
+            conn,
+            "cat /etc/network/interfaces.d/50-cloud-init /etc/udev/rules.d/70-persistent-net.rules",
+        )
+        assert "iface eth0 inet static" in rendered and "iface eth1 inet static" in rendered
+        for mac, name in ((MAC, "eth0"), (MAC2, "eth1")):
+            assert f'ATTR{{address}}=="{mac.lower()}", NAME="{name}"' in rendered, rendered
+        assert f"nameserver {DNS}" in net.resolv, net.resolv
+        unit = "networking.service"  # `ifup -a`: it fails when a NIC does not come up
+    state = await support.out(conn, f"systemctl show -p Result,ActiveState {unit}")
+    assert state.split() == ["Result=success", "ActiveState=active"], state
 
 
 def second_nic(config: dict[str, str | int]) -> dict[str, str]:

@@ -16,6 +16,12 @@ question and refuses another key under the same names. The third guest boots, bu
 host leads its address to an impostor's sshd (another host key: an address conflict or an
 interceptor): the deploy must refuse that key, naming the address and both fingerprints,
 and its rollback must leave no VM, QEMU process or disk behind.
+Every subnet of the deploys' config has its segment on pve (vmbr0) and there is a
+second lab subnet, lab20 (10.0.20.0/24 on vmbr0 VLAN 20): web02 asks for a NIC more
+there (`+10.0.20.51`), which deploybot writes as `net1` on that VLAN and `ipconfig1`
+without a gateway, and the same guest boots with both NICs (the second on a restricted
+user-mode network of its own): each address on the NIC with its MAC, the default route
+on the first, both subnets' resolvers and search domains. No boot more for it.
 Afterwards `deploybot destroy` removes one of the two the same way, and a shutdown
 through the API powers the other off by its guest agent.
 
@@ -47,8 +53,8 @@ from tests.support.fakepve.realvm import RealMachines
 from tests.support.fakepve.schema import ApiSchema
 from tests.support.fakepve.server import FakePVE, Tls
 from tests.support.fakepve.testing import run_deploybot, start_fake
-from tests.support.realguest import openssh
-from tests.support.realguest.guestchecks import DOMAIN, Seen, check_guest
+from tests.support.realguest import nocloud, openssh, support
+from tests.support.realguest.guestchecks import DNS, DOMAIN, GATEWAY, Seen, check_guest
 from tests.support.realguest.impostor import Impostor
 from tests.support.realguest.lane import (
     DEADLINE_S,
@@ -70,8 +76,12 @@ pve_tls = testing.pve_tls
 GOOD = {"web01": "10.0.0.50", "web02": "10.0.0.51"}
 # Its guest boots, but the jump host leads its address to an impostor's sshd.
 INTERCEPTED = ("web03", "10.0.0.52")
-# web01 asks for no upgrade in so many words; web02 gets the default (no upgrade either).
-OPTIONS = {"web01": ("upgrade=no",)}
+# web02's second NIC: in lab20 (config_text's, with segments), on vmbr0 VLAN 20.
+SECOND_NIC = ("web02", "10.0.20.51")
+DNS2, DOMAIN2 = "10.0.20.2", "lab20.example"  # lab20's
+# web01 asks for no upgrade in so many words; web02 gets the default (no upgrade either)
+# and a NIC more.
+OPTIONS = {"web01": ("upgrade=no",), "web02": (f"+{SECOND_NIC[1]}",)}
 # The variable holding the host CA's private key: not DEPLOYBOT_*, which `run_deploybot`
 # keeps from the CLI; every other variable of this process reaches it.
 CA_ENV = "REALGUEST_SSH_HOST_CA"
@@ -118,12 +128,15 @@ async def lab(
                 assert fake.jump is not None
                 fake.jump.redirected[INTERCEPTED[1]] = impostor.endpoint
                 wanted = [*GOOD.items(), INTERCEPTED]
-                done = await asyncio.gather(
-                    *(
-                        deploy(fake, root, public, n, a, *OPTIONS.get(n, ()), extra_toml=with_ca)
-                        for n, a in wanted
-                    )
-                )
+
+                async def one(name: str, address: str) -> Deploy:
+                    options = OPTIONS.get(name, ())
+                    return await deploy(
+                        fake, root, public, name, address, *options,
+                        extra_toml=with_ca, segments=True,
+                    )  # fmt: skip
+
+                done = await asyncio.gather(*(one(n, a) for n, a in wanted))
                 deploys = {d.name: d for d in done}
                 yield Lab(fake, machines, key, identity, impostor, ca, deploys)
     finally:
@@ -192,7 +205,9 @@ async def test_with_the_host_ca_line_alone_ssh_asks_nothing(lab: Lab, tmp_path: 
     assert lab.fake.jump is not None
     authority = await _authority_line(lab)
     ca_public = " ".join(lab.ca.export_public_key("openssh").decode().split()[:2])
-    assert authority == f"@cert-authority *.{DOMAIN} {ca_public} deploybot-host-ca"
+    # Every subnet's search domain (the default `ca_hosts`): lab's and lab20's.
+    hosts = f"*.{DOMAIN},*.{DOMAIN2}"
+    assert authority == f"@cert-authority {hosts} {ca_public} deploybot-host-ca"
     trusted = tmp_path / "known_hosts"
     trusted.write_text(authority + "\n", encoding="utf-8")
     for name in GOOD:
@@ -291,6 +306,53 @@ async def _presented(conn: asyncssh.SSHClientConnection, blob: str) -> None:
 
 def _public(key: asyncssh.SSHKey) -> str:
     return " ".join(key.export_public_key("openssh").decode().split()[:2])
+
+
+async def test_a_second_nic_comes_up_on_its_subnet_in_the_guest(lab: Lab) -> None:
+    """web02 asked for `+10.0.20.51`: deploybot put the first NIC on its subnet's segment
+    (vmbr0, untagged) and the second on lab20's (vmbr0 VLAN 20), firewall off, with
+    `ipconfig1` carrying no gateway and both subnets' DNS merged; the guest has each
+    address on the NIC with that MAC, the default route on the first only, and both
+    resolvers and search domains; the real agent reports both addresses."""
+    name, address2 = SECOND_NIC
+    deploy = lab.deploys[name]
+    await _check(lab, name)  # the first NIC, and everything else, as for every deploy
+    vm = lab.fake.cluster.vms[deploy.vmid]
+    config = vm.config
+    mac, mac2 = nocloud.mac_of(config["net0"]), nocloud.mac_of(config["net1"])
+    assert mac != mac2
+    assert config["net0"] == f"virtio={mac},bridge=vmbr0,firewall=0", config
+    assert config["net1"] == f"virtio={mac2},bridge=vmbr0,tag=20,firewall=0", config
+    assert config["ipconfig0"] == f"ip={deploy.address}/24,gw={GATEWAY}", config
+    assert config["ipconfig1"] == f"ip={address2}/24", config
+    assert (config["nameserver"], config["searchdomain"]) == (
+        f"{DNS} {DNS2}",
+        f"{DOMAIN} {DOMAIN2}",
+    ), config
+    assert (
+        "net2" not in config
+        and "net1" not in lab.fake.cluster.vms[lab.deploys["web01"].vmid].config
+    )
+    assert address2 in deploy.output, deploy.output
+    bastion, conn = await login(lab.fake, lab.key, deploy.address)
+    async with bastion, conn:
+        first, second = await support.net_view(conn, mac), await support.net_view(conn, mac2)
+        assert (first.nic, second.nic) == ("eth0", "eth1"), (first, second)
+        assert f"inet {deploy.address}/24 " in first.addresses, first
+        assert f"inet {address2}/24 " in second.addresses, second
+        defaults = (await out(conn, "ip -4 route show default")).splitlines()
+        assert [r.split()[:5] for r in defaults] == [["default", "via", GATEWAY, "dev", "eth0"]]
+        assert {f"nameserver {DNS}", f"nameserver {DNS2}"} <= set(first.resolv), first.resolv
+        search = [line.split()[1:] for line in first.resolv if line.split()[:1] == ["search"]]
+        assert search and {DOMAIN, DOMAIN2} <= set(search[0]), first.resolv
+        state = await out(conn, "systemctl show -p Result,ActiveState networking.service")
+        assert state.split() == ["Result=success", "ActiveState=active"], state
+        fqdn = await out(conn, "hostname -f")
+    assert fqdn == f"{name}.{DOMAIN}", fqdn
+    interfaces = await lab.machines.agent(vm, "guest-network-get-interfaces")
+    by_mac = {i.get("hardware-address"): i for i in interfaces}
+    for nic_mac, address in ((mac, deploy.address), (mac2, address2)):
+        assert address in [a["ip-address"] for a in by_mac[nic_mac.lower()]["ip-addresses"]]
 
 
 async def test_an_impostor_on_the_address_is_refused_and_rolled_back(lab: Lab) -> None:

@@ -132,20 +132,41 @@ def pve_settings(tmp_path: Path, fake: FakePVE, **overrides: Any) -> Settings:
 DEMO_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIHb2vLw3m3tqB7m4m1Lr2x9n0l3r3x8uGk2ycJ0b1Fq8 test"
 
 
-def config_text(fake: FakePVE, state_dir: Path, ssh_port: int | None) -> str:
+# Where each subnet's VMs go on the fake's node (`config_text(segments=True)`): its
+# bridges are vmbr0 (VLAN-aware) and vmbr1.
+SEGMENT = '\n[subnets.segments.pve]\nbridge = "vmbr0"\n'
+LAB20 = """
+[[subnets]]
+cidr = "10.0.20.0/24"
+name = "lab20"
+gateway = "10.0.20.1"
+dns = ["10.0.20.2"]
+search_domain = "lab20.example"
+[subnets.segments.pve]
+bridge = "vmbr0"
+vlan = 20
+"""
+
+
+def config_text(
+    fake: FakePVE, state_dir: Path, ssh_port: int | None, *, segments: bool = False
+) -> str:
     """A deploybot.toml for deploys onto this fake. When the fake runs a jump host, the
     backend's SSH checks all go through it (guests on 10.0.0.0/24 and on 127.0.10.0/24
     alike); without one, only 127.0.10.0/24 is offered. Either way the check connects
-    to nothing outside loopback."""
+    to nothing outside loopback. With `segments`, every subnet says its segment on pve
+    (vmbr0), and with a jump host there is a second lab subnet, `lab20` (10.0.20.0/24 on
+    vmbr0 VLAN 20), for a NIC more (`+10.0.20.5`)."""
     jump = fake.jump.toml() if fake.jump is not None else ""
+    segment = SEGMENT if segments else ""
     lab = (
-        """
+        f"""
 [[subnets]]
 cidr = "10.0.0.0/24"
 gateway = "10.0.0.1"
 dns = ["10.0.0.2"]
 search_domain = "lab.example"
-"""
+{segment}{LAB20 if segments else ""}"""
         if jump
         else ""
     )
@@ -167,7 +188,7 @@ cidr = "127.0.10.0/24"
 gateway = "127.0.10.1"
 dns = ["127.0.10.2"]
 search_domain = "lab.example"
-
+{segment}
 [defaults]
 backend = "pve"
 template = "ubuntu-24.04"

@@ -52,10 +52,12 @@ def write_config(
     public_key: str,
     timeouts: dict[str, float] | None = None,
     extra_toml: str = "",
+    segments: bool = False,
 ) -> Path:
     """The config the fake writes for its demo, with the test's key and roomy timeouts
-    (or `timeouts`, for the steps named there), and `extra_toml` (more tables) at its end."""
-    text = config_text(fake, state, None)
+    (or `timeouts`, for the steps named there), and `extra_toml` (more tables) at its end;
+    with `segments`, each subnet's segment on pve and the second lab subnet, lab20."""
+    text = config_text(fake, state, None, segments=segments)
     text = re.sub(r"(?m)^ssh_keys = .*$", f'ssh_keys = ["{public_key}"]', text)
     steps = {"power_on_s": DEADLINE_S, "address_s": DEADLINE_S, "ssh_s": DEADLINE_S}
     steps |= timeouts or {}
@@ -75,13 +77,14 @@ async def deploy(
     *options: str,
     timeouts: dict[str, float] | None = None,
     extra_toml: str = "",
+    segments: bool = False,
 ) -> Deploy:
     """`deploybot deploy NAME ADDRESS template=debian-12 user=deploy OPTIONS...`."""
     state = root / name
     state.mkdir()
     began = time.monotonic()
     returncode, output = await run_deploybot(
-        fake, write_config(fake, state, public, timeouts, extra_toml), state,
+        fake, write_config(fake, state, public, timeouts, extra_toml, segments), state,
         "deploy", name, address, f"template={TEMPLATE}", f"user={LOGIN}", *options,
         "--backend", "pve", "--user", "alice",
     )  # fmt: skip
