@@ -29,7 +29,7 @@ from backends.migrating import ReadOnlySource, TemplateFacts, VMFacts
 from bot.addresses.subnets import Subnet
 from bot.images.profiles import Profile
 from bot.migration.classify import Category, Finding, classify_template
-from bot.migration.plan import Plan, PlanFileError, source_unchanged
+from bot.migration.plan import CATEGORIES, Plan, PlanFileError, source_unchanged
 from bot.migration.vms import classify_vm, network_map
 from bot.models.builds import ACTIVE_BUILD_STATES, Build, BuildState
 from bot.models.errors import Conflict, UserError
@@ -85,6 +85,18 @@ class Applied:
 
 
 @dataclass(frozen=True)
+class Count:
+    """One category of the plan at both ends: how many the plan found on the source,
+    and how many of those the target holds now (`target`: a template counts when the
+    target holds its profile's template; None for VMs, which an apply never moves)."""
+
+    kind: str  # "template" or "vm"
+    category: Category
+    source: int
+    target: int | None
+
+
+@dataclass(frozen=True)
 class Outcome:
     """The end of an apply: the plan's counts on the source against the templates
     deploybot built on the target, by profile, and the rebuilds as they are now."""
@@ -118,6 +130,25 @@ class Outcome:
             for r in self.rebuilds
             if r.refused or (r.build is not None and r.build.state in UNBUILT)
         ]
+
+    def counts(self) -> tuple[Count, ...]:
+        """Every category of the plan (templates, then VMs), source against target,
+        counted per source template: two templates of one profile count twice."""
+        findings = self.applied.plan.findings
+        rows = []
+        for category in CATEGORIES["template"]:
+            found = [f for f in findings if f.kind == "template" and f.category is category]
+            held = [f for f in found if f.profile is not None and f.profile in self.target]
+            rows.append(Count("template", category, len(found), len(held)))
+        for category in CATEGORIES["vm"]:
+            moved = sum(1 for f in findings if f.kind == "vm" and f.category is category)
+            rows.append(Count("vm", category, moved, None))
+        return tuple(rows)
+
+    def built(self) -> list[tuple[str, str, int]]:
+        """The profiles the migrating templates need that the target holds now, as
+        (profile, its template's name, its build version), by profile."""
+        return [(p, *self.target[p]) for p in sorted(self.wanted()) if p in self.target]
 
     def left(self) -> list[Finding]:
         """The templates no apply can rebuild (not mappable), with their reasons."""
