@@ -59,7 +59,9 @@ def add(db: Db, notices: Iterable[Notice], state: JobState | None = None) -> Non
             "  SELECT 1 FROM jobs WHERE id = :job AND (origin IS NOT NULL"
             "  OR EXISTS (SELECT 1 FROM approvals WHERE job_id = :job)))"
             " OR EXISTS (SELECT 1 FROM builds WHERE id = :job"
-            "  AND (origin IS NOT NULL OR approval_reason IS NOT NULL))",
+            "  AND (origin IS NOT NULL OR approval_reason IS NOT NULL))"
+            # a build of a migration apply asked from chat (store/applies.py)
+            " OR EXISTS (SELECT 1 FROM migration_apply_builds WHERE build_id = :job)",
             {
                 "job": notice.job_id,
                 "kind": notice.kind.value,

@@ -46,8 +46,8 @@ from bot.models.errors import UserError
 from bot.models.plans import KeptPlan
 from handlers.messages.migration import CHAT_FINDINGS, STAYS, applied_lines, kept_plan_lines
 from tests.support.deployer import SIM_SCALE, make_settings
-from tests.support.slack.bot import ALICE, BOB, slack_bot
-from tests.support.slack.fake_api import Call
+from tests.support.slack.bot import ALICE, BOB, CHANNEL, Harness, new_fake, slack_bot
+from tests.support.slack.fake_api import Call, FakeSlack
 from tests.support.vsphere.migration import GOLDEN, apply_inventory, edit_notes
 from tests.support.vsphere.simulator import (
     PASSWORD,
@@ -726,3 +726,98 @@ async def test_an_apply_counts_the_plans_vms_and_moves_none(
     assert "Left on vcenter: 1 VM(s), as the plan found them (an apply moves no VM" in text
     assert await deployer.store.builds.recent() == []
     assert proxy.mutations() == []
+
+
+def _blocks_text(call: Call) -> str:
+    blocks = call.args.get("blocks") or []
+    return "\n".join(str(b["text"]["text"]).strip("`") for b in blocks if "text" in b)
+
+
+def _ends(fake: FakeSlack) -> list[Call]:
+    """The apply's end, told in the channel it was asked from."""
+    return [
+        c
+        for c in fake.called("chat.postMessage", channel=CHANNEL)
+        if "every build has ended" in c.text and "thread_ts" not in c.args
+    ]
+
+
+async def _plan_in_slack(h: Harness) -> str:
+    await h.command("migrate plan --from vcenter --to sim folder=golden", user=BOB)
+    await h.bot.settle()
+    answer = h.fake.called("chat.postEphemeral", user=BOB)[-1]
+    found = re.search(r"Migration plan (m[a-z0-9]{9}) \(dry run", answer.text)
+    assert found, answer.text
+    return found.group(1)
+
+
+async def test_slack_tells_the_end_of_an_apply_in_its_channel_once(
+    lab: Simulated, proxy: SoapProxy, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`/deploy migrate apply` answers at once; when its last build ends, the channel
+    it was asked from gets the final table (drawn from the store), once: a restart of
+    the bot on the same database and Slack does not say it again."""
+    monkeypatch.setenv(PASSWORD_ENV, PASSWORD)
+    backends = [
+        {"kind": "sim", "name": "sim", "time_scale": SIM_SCALE},
+        lab.sim.config(port=proxy.port),
+    ]
+    fake = await new_fake()
+    try:
+        async with slack_bot(tmp_path, backends=backends, fake=fake) as h:
+            plan_id = await _plan_in_slack(h)
+            await h.command(f"migrate apply {plan_id}", user=BOB)
+            await h.bot.settle()
+            started = h.fake.called("chat.postEphemeral", user=BOB)[-1]
+            assert "final table is posted in this channel" in started.text, started.text
+            await h.deployer.drain()
+            await h.settle()
+            (end,) = _ends(fake)
+            assert f"migration apply of plan {plan_id} from vcenter to sim" in end.text
+            assert f"<@{BOB}>" in end.text  # the one who asked
+            table = _blocks_text(end)
+            assert table_of(table) == {
+                "rebuild": (4, "4"), "on target": (0, "0"), "not mappable": (1, "0"),
+                "total": (5, "4"), "moves as is": (0, STAYS), "decisions": (0, STAYS),
+                "blocked": (0, STAYS),
+            }  # fmt: skip
+            assert "Profiles on sim: 3 of the 3 the migrating templates need" in table
+            assert "win2019: no build profile is for its guest OS" in table
+        async with slack_bot(tmp_path, backends=backends, fake=fake) as again:
+            await again.settle()
+        assert len(_ends(fake)) == 1
+    finally:
+        await fake.close()
+
+
+async def test_the_end_of_an_apply_is_told_by_a_restart_when_its_teller_died(
+    lab: Simulated, proxy: SoapProxy, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The process that took the apply stops delivering (as if killed) before its
+    builds end: the end is in the store with the change that ended the last build, so
+    the next process tells it once, and the one after that not again."""
+    monkeypatch.setenv(PASSWORD_ENV, PASSWORD)
+    backends = [
+        {"kind": "sim", "name": "sim", "time_scale": SIM_SCALE},
+        lab.sim.config(port=proxy.port),
+    ]
+    fake = await new_fake()
+    try:
+        async with slack_bot(tmp_path, backends=backends, fake=fake) as h:
+            plan_id = await _plan_in_slack(h)
+            await h.threads.close()  # its deliverer is gone: nothing more reaches Slack
+            await h.command(f"migrate apply {plan_id}", user=BOB)
+            await h.bot.settle()
+            await h.deployer.drain()
+            builds = await h.deployer.store.builds.recent()
+            assert sorted(b.state for b in builds) == [BuildState.PUBLISHED] * 3
+        assert _ends(fake) == []
+        async with slack_bot(tmp_path, backends=backends, fake=fake) as restarted:
+            await restarted.settle()
+        (end,) = _ends(fake)
+        assert table_of(_blocks_text(end))["total"] == (5, "4")
+        async with slack_bot(tmp_path, backends=backends, fake=fake) as third:
+            await third.settle()
+        assert len(_ends(fake)) == 1
+    finally:
+        await fake.close()

@@ -13,8 +13,9 @@ from bot.migration.classify import Category, Finding, MatchedBy, Missing, Note, 
 from bot.migration.plan import CATEGORIES, Plan
 from bot.migration.vms import NOT_SAID, WEIGHT, Weight
 from bot.models.builds import Build, BuildState
-from bot.models.plans import KeptPlan
+from bot.models.plans import KeptPlan, MigrationApply
 from handlers.messages.builds import BUILD_LABELS
+from handlers.messages.text import Said
 
 CATEGORY_WORDS = {
     Category.REBUILDABLE: "rebuild",
@@ -368,7 +369,28 @@ def applied_lines(outcome: Outcome, *, ends: bool, cap: int | None = None) -> li
     """What the apply asked for, then the count per category, source against target,
     and what is left (`ends`: every build has ended; chat answers at once, before they
     do; `cap`: chat's, the most templates listed as left, the rest counted)."""
-    return [*started_lines(outcome), *count_table(outcome, ends=ends), *left_lines(outcome, cap)]
+    lines = [*started_lines(outcome), *count_table(outcome, ends=ends), *left_lines(outcome, cap)]
+    if outcome.applied.recorded is not None:  # asked from chat, builds in flight
+        lines.append("When the last build ends, the final table is posted in this channel.")
+    return lines
+
+
+def apply_ended_lines(record: MigrationApply, outcome: Outcome) -> list[Said]:
+    """Told in the channel an apply was asked from, once its last build ended: the
+    final table, drawn from the store (the builds that published, the templates the
+    apply found on the target)."""
+    plan = outcome.applied.plan
+    head = Said(
+        f"{record.requester}: migration apply of plan {record.plan_id} from {plan.source} "
+        f"to {plan.target}: every build has ended.",
+        (record.requester,),
+    )
+    body = [
+        *[rebuild_line(r) for r in outcome.rebuilds],
+        *count_table(outcome, ends=True),
+        *left_lines(outcome, CHAT_FINDINGS),
+    ]
+    return [head, *(Said(line) for line in body)]
 
 
 STAYS = "stays on source: apply moves no VM"
