@@ -18,6 +18,7 @@ from bot.app.runtime import make_backend, open_store, running_deployer, secret_p
 from bot.config.settings import Settings
 from bot.kinds.build import retire
 from bot.migration import sources
+from bot.migration.apply import Outcome
 from bot.migration.plan import Plan, make_plan, write_plan
 from bot.migration.service import keep_plan, load_plan
 from bot.models import JobState
@@ -40,6 +41,7 @@ from handlers.messages.core import secrets_missing
 from handlers.messages.destroys import destroy_answer
 from handlers.messages.hostkeys import authority_answer
 from handlers.messages.migration import (
+    applied_json,
     applied_lines,
     apply_handed_off,
     build_progress,
@@ -372,7 +374,9 @@ async def _migrate_apply(args: argparse.Namespace, settings: Settings) -> int:
         print(exc.message, file=sys.stderr)
         return 2
     backends = {plan.target: make_backend(configs[plan.target])}
-    notes = None if args.no_wait else TerminalBuilds()
+    # With --json, stdout holds the JSON document alone: progress goes to stderr.
+    said = sys.stderr if args.json else sys.stdout
+    notes = None if args.no_wait else TerminalBuilds(said)
     async with running_deployer(
         settings,
         TerminalThread(),
@@ -385,16 +389,16 @@ async def _migrate_apply(args: argparse.Namespace, settings: Settings) -> int:
         applied = await migrations.apply(plan, args.user, hand_off=args.no_wait)
         outcome = await migrations.outcome(applied)
         if args.no_wait:
-            print("\n".join(applied_lines(outcome, ends=False)))
-            print(apply_handed_off(outcome))
+            _print_applied(outcome, ends=False, as_json=args.json)
+            print(apply_handed_off(outcome), file=said)
             return 0
         if all(r.ended for r in outcome.rebuilds):  # nothing to wait for: the end at once
-            print("\n".join(applied_lines(outcome, ends=True)))
+            _print_applied(outcome, ends=True, as_json=args.json)
             return 1 if outcome.missing() else 0
-        print("\n".join(started_lines(outcome)), flush=True)
+        print("\n".join(started_lines(outcome)), file=said, flush=True)
 
         async def changed(build: Build) -> None:
-            print(build_progress(build), flush=True)
+            print(build_progress(build), file=said, flush=True)
 
         async def settle() -> None:
             await deployer.drain()
@@ -402,8 +406,15 @@ async def _migrate_apply(args: argparse.Namespace, settings: Settings) -> int:
 
         applied = await migrations.wait(applied, settle, changed, POLL_S)
         outcome = await migrations.outcome(applied)
-    print("\n".join(applied_lines(outcome, ends=True)))
+    _print_applied(outcome, ends=True, as_json=args.json)
     return 1 if outcome.missing() else 0
+
+
+def _print_applied(outcome: Outcome, *, ends: bool, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(applied_json(outcome, ends=ends), indent=2, sort_keys=True))
+    else:
+        print("\n".join(applied_lines(outcome, ends=ends)))
 
 
 async def _migration_plan(

@@ -16,7 +16,7 @@ from typing import Any
 from bot.models import utcnow
 from bot.models.builds import ACTIVE_BUILD_STATES, BUILD_TRANSITIONS, Build, BuildState
 from bot.models.notices import Notice
-from store import outbox
+from store import applies, outbox
 from store.jobrows import _sql_value
 from store.jobs import DuplicateActive, claim
 from store.sql import ConstraintViolation, Db, NotMoved, immediate, insert_sql
@@ -123,7 +123,12 @@ def move_build(
             )
             if not rows:
                 raise NotMoved  # rolls the delivery's key back too
+            ends = new not in ACTIVE_BUILD_STATES
+            if ends:  # before the outbox's lock, as `record_apply` takes them
+                db.lock(applies.LOCK)
             outbox.add(db, notices)
+            if ends:  # a migration apply whose last build this was ends with it
+                applies.build_ended(db, build_id)
     except NotMoved:
         return None
     return build_from_row(rows[0])

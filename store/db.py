@@ -21,6 +21,7 @@ from store.repositories import (
     Inbox,
     Jobs,
     Leases,
+    MigrationApplies,
     MigrationPlans,
     Outbox,
     People,
@@ -65,6 +66,7 @@ class Store:
         self.gc_runs = GcRuns(engine, self.wake)
         self.builds = Builds(engine, self.wake)
         self.migration_plans = MigrationPlans(engine, self.wake)
+        self.migration_applies = MigrationApplies(engine, self.wake)
 
     @classmethod
     async def open(

@@ -421,9 +421,28 @@ def _v19(db: Database) -> None:
     )
 
 
+# Migration applies asked from chat (issue 30, schema v20), kept until their last build
+# ends (store/applies.py): the rebuilds as the apply found them (JSON), and its builds
+# by id, looked up by build when one ends.
+MIGRATION_APPLIES = [
+    "CREATE TABLE migration_applies (id TEXT PRIMARY KEY, plan_id TEXT NOT NULL, "
+    "requester TEXT NOT NULL, origin TEXT NOT NULL, rebuilds TEXT NOT NULL, "
+    "created_at TEXT NOT NULL, ended_at TEXT)",
+    "CREATE TABLE migration_apply_builds (apply_id TEXT NOT NULL, build_id TEXT NOT NULL, "
+    "PRIMARY KEY (apply_id, build_id))",
+    "CREATE INDEX idx_migration_apply_builds_build ON migration_apply_builds (build_id)",
+]
+
+
+def _v20(db: Database) -> None:
+    """Migration applies asked from chat, whose end is told once their builds end."""
+    for statement in MIGRATION_APPLIES:
+        db.execute(statement)
+
+
 MIGRATIONS: list[Callable[[Database], None]] = [
     _v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9, _v10, _v11, _v12, _v13, _v14, _v15, _v16,
-    _v17, _v18, _v19,
+    _v17, _v18, _v19, _v20,
 ]  # fmt: skip
 SCHEMA_VERSION = len(MIGRATIONS)
 

@@ -12,7 +12,9 @@ dies between them leaves only the rest to say.
 Only jobs someone follows in chat get notices: one with an origin (asked in a channel)
 or an approval (its card goes to the approvers). Template builds (ids starting with `b`)
 get them on the same terms, in the same table: since schema v12 `job_id` names a job
-or a build, and this check, not a foreign key, is what keeps notices of neither out.
+or a build, and this check, not a foreign key, is what keeps notices of neither out. A
+build of a migration apply asked from chat (store/applies.py, schema v20) is followed
+too: the apply's end is filed under the build that ended last.
 These functions run on the store's worker thread (store/db.py).
 """
 
@@ -59,7 +61,9 @@ def add(db: Db, notices: Iterable[Notice], state: JobState | None = None) -> Non
             "  SELECT 1 FROM jobs WHERE id = :job AND (origin IS NOT NULL"
             "  OR EXISTS (SELECT 1 FROM approvals WHERE job_id = :job)))"
             " OR EXISTS (SELECT 1 FROM builds WHERE id = :job"
-            "  AND (origin IS NOT NULL OR approval_reason IS NOT NULL))",
+            "  AND (origin IS NOT NULL OR approval_reason IS NOT NULL))"
+            # a build of a migration apply asked from chat (store/applies.py)
+            " OR EXISTS (SELECT 1 FROM migration_apply_builds WHERE build_id = :job)",
             {
                 "job": notice.job_id,
                 "kind": notice.kind.value,

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from bot.models import Job, JobState
 from store import (
     addresses,
+    applies,
     approvals,
     builds,
     deliveries,
@@ -192,3 +193,10 @@ class MigrationPlans(Repository):
 
     keep = call(plans.keep_plan)
     get = call(plans.get_plan)
+
+
+class MigrationApplies(Repository):
+    """Migration applies asked from chat, until their last build ends (store/applies.py)."""
+
+    record = call(applies.record_apply)
+    get = call(applies.get_apply)

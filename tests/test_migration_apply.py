@@ -44,10 +44,10 @@ from bot.models import utcnow
 from bot.models.builds import BuildState
 from bot.models.errors import UserError
 from bot.models.plans import KeptPlan
-from handlers.messages.migration import CHAT_FINDINGS, applied_lines, kept_plan_lines
+from handlers.messages.migration import CHAT_FINDINGS, STAYS, applied_lines, kept_plan_lines
 from tests.support.deployer import SIM_SCALE, make_settings
-from tests.support.slack.bot import ALICE, BOB, slack_bot
-from tests.support.slack.fake_api import Call
+from tests.support.slack.bot import ALICE, BOB, CHANNEL, Harness, new_fake, slack_bot
+from tests.support.slack.fake_api import Call, FakeSlack
 from tests.support.vsphere.migration import GOLDEN, apply_inventory, edit_notes
 from tests.support.vsphere.simulator import (
     PASSWORD,
@@ -153,9 +153,27 @@ async def test_apply_builds_each_profile_once_and_the_counts_match(
     assert [f.name for f in outcome.left()] == ["win2019"]
     built = {v.profile: v.name for v in await target.template_versions() if v.current}
     assert built == {"alma-9": "alma-9", "debian-13": "debian-13", "ubuntu-22.04": "ubuntu-22.04"}
+    # Per category, per source template: alma-9-golden and alma-base count twice on
+    # the target (one template of alma-9 stands for both); win2019 has none there.
+    assert [(c.kind, c.category.value, c.source, c.target) for c in outcome.counts()] == [
+        ("template", "rebuildable", 3, 3),
+        ("template", "on-target", 1, 1),
+        ("template", "not-mappable", 1, 0),
+        ("vm", "moves-as-is", 0, None),
+        ("vm", "needs-decisions", 0, None),
+        ("vm", "blocked", 0, None),
+    ]
     text = "\n".join(applied_lines(outcome, ends=True))
-    assert "Source templates: 5 in scope: 3 rebuild, 1 on target, 1 not mappable." in text
-    assert "Target sim after the apply: 3 of the 3 profile(s)" in text
+    assert "Counts, source vcenter against target sim after the apply:" in text
+    assert table_of(text) == {
+        "rebuild": (3, "3"), "on target": (1, "1"), "not mappable": (1, "0"),
+        "total": (5, "4"), "moves as is": (0, STAYS), "decisions": (0, STAYS),
+        "blocked": (0, STAYS),
+    }  # fmt: skip
+    assert (
+        "Profiles on sim: 3 of the 3 the migrating templates need: alma-9 (alma-9 v1), "
+        "debian-13 (debian-13 v1), ubuntu-22.04 (ubuntu-22.04 v1)." in text
+    )
     assert "win2019: no build profile is for its guest OS" in text
 
     # Run again: nothing is started twice (the store knows the builds).
@@ -225,7 +243,8 @@ async def test_a_failed_build_is_left_with_its_error(
     text = "\n".join(applied_lines(outcome, ends=True))
     assert "Left: 1 profile(s) not built:" in text
     assert "debian-12 (deb-old): failed: debian-12 is a template deploybot did not build" in text
-    assert "Target sim after the apply: 0 of the 1 profile(s)" in text
+    assert table_of(text)["rebuild"] == (1, "0")
+    assert "Profiles on sim: 0 of the 1 the migrating templates need." in text
 
 
 async def test_an_old_plan_is_refused_and_nothing_starts(
@@ -321,12 +340,37 @@ async def test_the_cli_plans_then_applies_and_waits_with_the_counts(
     code, text = await deploybot(config, tmp_path, "migrate", "apply", str(out))
     assert code == 0, text
     assert "alma-9           for alma-9-golden, alma-base: build started" in text
-    assert "Source templates: 5 in scope: 4 rebuild, 0 on target, 1 not mappable." in text
-    assert "Target sim after the apply: 3 of the 3 profile(s)" in text
+    assert table_of(text) == {
+        "rebuild": (4, "4"), "on target": (0, "0"), "not mappable": (1, "0"),
+        "total": (5, "4"), "moves as is": (0, STAYS), "decisions": (0, STAYS),
+        "blocked": (0, STAYS),
+    }  # fmt: skip
+    assert "Profiles on sim: 3 of the 3 the migrating templates need: alma-9" in text
     assert "smoke test passed" in text  # the builds' own progress, run by this process
     code, text = await deploybot(config, tmp_path, "migrate", "apply", plan_id)
     assert code == 0, text
     assert text.count("not again") == 3 and "build started" not in text
+    # --json: the same counts, stdout a JSON document alone.
+    code, stdout, stderr = await run_deploybot(
+        config, tmp_path, "migrate", "apply", plan_id, "--json"
+    )  # fmt: skip
+    assert code == 0, stdout + stderr
+    document = json.loads(stdout)
+    assert document["counts"] == {
+        "template": {
+            "rebuildable": {"source": 4, "target": 4},
+            "on-target": {"source": 0, "target": 0},
+            "not-mappable": {"source": 1, "target": 0},
+        },
+        "vm": {
+            c: {"source": 0, "target": None, "note": STAYS}
+            for c in ("moves-as-is", "needs-decisions", "blocked")
+        },
+    }
+    assert document["ended"] is True and document["left"]["under_way"] == []
+    assert [p["profile"] for p in document["profiles_on_target"]] == [
+        "alma-9", "debian-13", "ubuntu-22.04"]  # fmt: skip
+    assert [f["name"] for f in document["left"]["not_mappable"]] == ["win2019"]
     code, text = await deploybot(config, tmp_path, "migrate", "apply", "mnotaplan2")
     assert code == 2 and "There is no migration plan mnotaplan2" in text
     assert proxy.mutations() == []
@@ -341,6 +385,11 @@ def _toml(entry: dict[str, Any]) -> str:
 
 
 async def deploybot(config: Path, cwd: Path, *args: str) -> tuple[int, str]:
+    code, out, err = await run_deploybot(config, cwd, *args)
+    return code, out + err
+
+
+async def run_deploybot(config: Path, cwd: Path, *args: str) -> tuple[int, str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DEPLOYBOT_")}
     env.update(DEPLOYBOT_CONFIG=str(config), VCSIM_PASSWORD=PASSWORD)
     process = await asyncio.create_subprocess_exec(
@@ -353,7 +402,7 @@ async def deploybot(config: Path, cwd: Path, *args: str) -> tuple[int, str]:
     )
     stdout, stderr = await process.communicate()
     assert process.returncode is not None
-    return process.returncode, stdout.decode() + stderr.decode()
+    return process.returncode, stdout.decode(), stderr.decode()
 
 
 async def test_slack_plans_and_applies_by_id_for_approvers_only(
@@ -391,7 +440,9 @@ async def test_slack_plans_and_applies_by_id_for_approvers_only(
         assert await h.deployer.store.builds.recent() == []
         started = await ask(f"migrate apply {plan_id}", BOB)
         assert started.text.count("build started") == 3, started.text
-        assert "Source templates: 5 in scope" in started.text
+        # Answered at once: the builds are queued, the target holds none yet.
+        assert "Counts, source vcenter against target sim now:" in started.text
+        assert table_of(started.text)["rebuild"] == (4, "0")
         await h.deployer.drain()
         await h.settle()
         builds = await h.deployer.store.builds.recent()
@@ -399,7 +450,9 @@ async def test_slack_plans_and_applies_by_id_for_approvers_only(
         assert {b.requester for b in builds} == {BOB}
         again = await ask(f"migrate apply {plan_id}", BOB)
         assert again.text.count("not again") == 3 and "build started" not in again.text
-        assert "Target sim after the apply: 3 of the 3 profile(s)" in again.text
+        assert table_of(again.text)["rebuild"] == (4, "4")
+        assert table_of(again.text)["total"] == (5, "4")
+        assert "Profiles on sim: 3 of the 3 the migrating templates need" in again.text
         assert "win2019: no build profile is for its guest OS" in again.text
         missing = await ask("migrate apply mnotaplan2", BOB)
         assert "There is no migration plan mnotaplan2" in missing.text
@@ -427,6 +480,17 @@ async def test_no_wait_leaves_the_builds_to_a_serving_process(
     assert done.missing() == set() and done.rebuilds[0].build is not None
     assert done.rebuilds[0].build.owner == deployer.runner.id
     assert done.rebuilds[0].build.state is BuildState.PUBLISHED
+
+
+ROW = re.compile(
+    r"^  (rebuild|on target|not mappable|total|moves as is|decisions|blocked) +(\d+) +(.+)$"
+)
+
+
+def table_of(text: str) -> dict[str, tuple[int, str]]:
+    """The apply's count table: category -> (source count, what the target column says)."""
+    rows = [ROW.match(line) for line in text.splitlines()]
+    return {m.group(1): (int(m.group(2)), m.group(3)) for m in rows if m is not None}
 
 
 def _debian(source_id: str, name: str) -> TemplateFacts:
@@ -642,3 +706,118 @@ def test_the_chat_apply_reply_keeps_source_text_flat_and_caps_what_is_left() -> 
     # The command line lists every one.
     every = applied_lines(outcome, ends=True)
     assert sum(line.startswith("  win-") for line in every) == len(left)
+
+
+async def test_an_apply_counts_the_plans_vms_and_moves_none(
+    deployer: Deployer, lab: Simulated, proxy: SoapProxy, target: SimBackend
+) -> None:
+    """The simulator's VM DC0_C0_RP0_VM3 (blocked: no subnet maps its network): counted
+    per category on the source, and said to stay there; nothing is built for it."""
+    plan = await plan_of(lab, proxy, target, Scope(name="DC0_*"))
+    applied = await deployer.migrations.apply(plan, "bob")
+    assert applied.rebuilds == ()
+    outcome = await deployer.migrations.outcome(applied)
+    text = "\n".join(applied_lines(outcome, ends=True))
+    assert table_of(text) == {
+        "rebuild": (0, "0"), "on target": (0, "0"), "not mappable": (0, "0"),
+        "total": (0, "0"), "moves as is": (0, STAYS), "decisions": (0, STAYS),
+        "blocked": (1, STAYS),
+    }  # fmt: skip
+    assert "Left on vcenter: 1 VM(s), as the plan found them (an apply moves no VM" in text
+    assert await deployer.store.builds.recent() == []
+    assert proxy.mutations() == []
+
+
+def _blocks_text(call: Call) -> str:
+    blocks = call.args.get("blocks") or []
+    return "\n".join(str(b["text"]["text"]).strip("`") for b in blocks if "text" in b)
+
+
+def _ends(fake: FakeSlack) -> list[Call]:
+    """The apply's end, told in the channel it was asked from."""
+    return [
+        c
+        for c in fake.called("chat.postMessage", channel=CHANNEL)
+        if "every build has ended" in c.text and "thread_ts" not in c.args
+    ]
+
+
+async def _plan_in_slack(h: Harness) -> str:
+    await h.command("migrate plan --from vcenter --to sim folder=golden", user=BOB)
+    await h.bot.settle()
+    answer = h.fake.called("chat.postEphemeral", user=BOB)[-1]
+    found = re.search(r"Migration plan (m[a-z0-9]{9}) \(dry run", answer.text)
+    assert found, answer.text
+    return found.group(1)
+
+
+async def test_slack_tells_the_end_of_an_apply_in_its_channel_once(
+    lab: Simulated, proxy: SoapProxy, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`/deploy migrate apply` answers at once; when its last build ends, the channel
+    it was asked from gets the final table (drawn from the store), once: a restart of
+    the bot on the same database and Slack does not say it again."""
+    monkeypatch.setenv(PASSWORD_ENV, PASSWORD)
+    backends = [
+        {"kind": "sim", "name": "sim", "time_scale": SIM_SCALE},
+        lab.sim.config(port=proxy.port),
+    ]
+    fake = await new_fake()
+    try:
+        async with slack_bot(tmp_path, backends=backends, fake=fake) as h:
+            plan_id = await _plan_in_slack(h)
+            await h.command(f"migrate apply {plan_id}", user=BOB)
+            await h.bot.settle()
+            started = h.fake.called("chat.postEphemeral", user=BOB)[-1]
+            assert "final table is posted in this channel" in started.text, started.text
+            await h.deployer.drain()
+            await h.settle()
+            (end,) = _ends(fake)
+            assert f"migration apply of plan {plan_id} from vcenter to sim" in end.text
+            assert f"<@{BOB}>" in end.text  # the one who asked
+            table = _blocks_text(end)
+            assert table_of(table) == {
+                "rebuild": (4, "4"), "on target": (0, "0"), "not mappable": (1, "0"),
+                "total": (5, "4"), "moves as is": (0, STAYS), "decisions": (0, STAYS),
+                "blocked": (0, STAYS),
+            }  # fmt: skip
+            assert "Profiles on sim: 3 of the 3 the migrating templates need" in table
+            assert "win2019: no build profile is for its guest OS" in table
+        async with slack_bot(tmp_path, backends=backends, fake=fake) as again:
+            await again.settle()
+        assert len(_ends(fake)) == 1
+    finally:
+        await fake.close()
+
+
+async def test_the_end_of_an_apply_is_told_by_a_restart_when_its_teller_died(
+    lab: Simulated, proxy: SoapProxy, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The process that took the apply stops delivering (as if killed) before its
+    builds end: the end is in the store with the change that ended the last build, so
+    the next process tells it once, and the one after that not again."""
+    monkeypatch.setenv(PASSWORD_ENV, PASSWORD)
+    backends = [
+        {"kind": "sim", "name": "sim", "time_scale": SIM_SCALE},
+        lab.sim.config(port=proxy.port),
+    ]
+    fake = await new_fake()
+    try:
+        async with slack_bot(tmp_path, backends=backends, fake=fake) as h:
+            plan_id = await _plan_in_slack(h)
+            await h.threads.close()  # its deliverer is gone: nothing more reaches Slack
+            await h.command(f"migrate apply {plan_id}", user=BOB)
+            await h.bot.settle()
+            await h.deployer.drain()
+            builds = await h.deployer.store.builds.recent()
+            assert sorted(b.state for b in builds) == [BuildState.PUBLISHED] * 3
+        assert _ends(fake) == []
+        async with slack_bot(tmp_path, backends=backends, fake=fake) as restarted:
+            await restarted.settle()
+        (end,) = _ends(fake)
+        assert table_of(_blocks_text(end))["total"] == (5, "4")
+        async with slack_bot(tmp_path, backends=backends, fake=fake) as third:
+            await third.settle()
+        assert len(_ends(fake)) == 1
+    finally:
+        await fake.close()

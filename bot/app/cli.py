@@ -185,6 +185,9 @@ def _migrate_parser(sub: Any) -> None:
     apply.add_argument("plan", metavar="PLAN", help="a plan file (--out), or a plan's id")
     apply.add_argument("--user", default=default_user(), help="who asks for the builds")
     apply.add_argument(
+        "--json", action="store_true", help="the end as JSON (progress goes to stderr)"
+    )
+    apply.add_argument(
         "--no-wait",
         action="store_true",
         help="ask for the builds and leave them to a running `deploybot serve`",

@@ -398,7 +398,9 @@ class Deployer:
         async with self.audit_log.audited(user, f"migrate apply {plan_id[:40]}"):
             await self.migrations.check_approver(user)
             plan = await self.migrations.load(plan_id)
-            applied: Applied = await self.migrations.apply(plan, user, origin=origin)
+            applied: Applied = await self.migrations.apply(
+                plan, user, origin=origin, plan_id=plan_id
+            )
             return await self.migrations.outcome(applied)
 
     # --- per-user settings and front-end references (bot/people/personal.py) -----------------

@@ -23,13 +23,14 @@ import asyncio
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
+from typing import Any
 
 from backends.building import TemplateVersion
 from backends.migrating import ReadOnlySource, TemplateFacts, VMFacts
 from bot.addresses.subnets import Subnet
 from bot.images.profiles import Profile
 from bot.migration.classify import Category, Finding, classify_template
-from bot.migration.plan import Plan, PlanFileError, source_unchanged
+from bot.migration.plan import CATEGORIES, Plan, PlanFileError, source_unchanged
 from bot.migration.vms import classify_vm, network_map
 from bot.models.builds import ACTIVE_BUILD_STATES, Build, BuildState
 from bot.models.errors import Conflict, UserError
@@ -70,6 +71,7 @@ class Rebuild:
     build: Build | None = None  # the build started, or the one found in flight/published
     started: bool = False  # this apply started `build` (False: it was there already)
     on_target: str | None = None  # the target holds it already (its template's name)
+    on_target_version: int | None = None  # and that template's build version
     refused: str | None = None  # why no build could be asked for (the build kind's words)
 
     @property
@@ -82,6 +84,21 @@ class Rebuild:
 class Applied:
     plan: Plan
     rebuilds: tuple[Rebuild, ...]
+    # The store's record of an apply asked from chat with builds in flight (its id):
+    # its end is told where it was asked once the last build ends (store/applies.py).
+    recorded: str | None = None
+
+
+@dataclass(frozen=True)
+class Count:
+    """One category of the plan at both ends: how many the plan found on the source,
+    and how many of those the target holds now (`target`: a template counts when the
+    target holds its profile's template; None for VMs, which an apply never moves)."""
+
+    kind: str  # "template" or "vm"
+    category: Category
+    source: int
+    target: int | None
 
 
 @dataclass(frozen=True)
@@ -118,6 +135,25 @@ class Outcome:
             for r in self.rebuilds
             if r.refused or (r.build is not None and r.build.state in UNBUILT)
         ]
+
+    def counts(self) -> tuple[Count, ...]:
+        """Every category of the plan (templates, then VMs), source against target,
+        counted per source template: two templates of one profile count twice."""
+        findings = self.applied.plan.findings
+        rows = []
+        for category in CATEGORIES["template"]:
+            found = [f for f in findings if f.kind == "template" and f.category is category]
+            held = [f for f in found if f.profile is not None and f.profile in self.target]
+            rows.append(Count("template", category, len(found), len(held)))
+        for category in CATEGORIES["vm"]:
+            moved = sum(1 for f in findings if f.kind == "vm" and f.category is category)
+            rows.append(Count("vm", category, moved, None))
+        return tuple(rows)
+
+    def built(self) -> list[tuple[str, str, int]]:
+        """The profiles the migrating templates need that the target holds now, as
+        (profile, its template's name, its build version), by profile."""
+        return [(p, *self.target[p]) for p in sorted(self.wanted()) if p in self.target]
 
     def left(self) -> list[Finding]:
         """The templates no apply can rebuild (not mappable), with their reasons."""
@@ -272,7 +308,9 @@ async def start(
         if going is not None:
             done.append(replace(rebuild, build=going))
         elif there is not None:  # with the build that made it, when this store knows it
-            done.append(replace(rebuild, build=built, on_target=there.name))
+            done.append(
+                replace(rebuild, build=built, on_target=there.name, on_target_version=there.version)
+            )
         else:  # never built, or built and since removed from the target
             done.append(await _ask(rebuild, request, again))
     return Applied(plan, tuple(done))
@@ -310,7 +348,60 @@ async def refresh(applied: Applied, get: Callable[[str], Awaitable[Build | None]
     for rebuild in applied.rebuilds:
         build = await get(rebuild.build.id) if rebuild.build is not None else None
         fresh.append(replace(rebuild, build=build or rebuild.build))
-    return Applied(applied.plan, tuple(fresh))
+    return replace(applied, rebuilds=tuple(fresh))
+
+
+def rebuilds_document(applied: Applied) -> list[dict[str, Any]]:
+    """The rebuilds as JSON data, their builds by id (kept with an apply's record)."""
+    return [
+        {
+            "profile": r.profile,
+            "templates": list(r.templates),
+            "build": r.build.id if r.build is not None else None,
+            "started": r.started,
+            "on_target": r.on_target,
+            "on_target_version": r.on_target_version,
+            "refused": r.refused,
+        }
+        for r in applied.rebuilds
+    ]
+
+
+async def rebuilds_from_document(
+    document: Sequence[Mapping[str, Any]], get: Callable[[str], Awaitable[Build | None]]
+) -> tuple[Rebuild, ...]:
+    """`rebuilds_document` read back, each build as the store holds it now."""
+    rebuilds = []
+    for data in document:
+        build = await get(str(data["build"])) if data.get("build") else None
+        rebuilds.append(
+            Rebuild(
+                profile=str(data["profile"]),
+                templates=tuple(str(t) for t in data["templates"]),
+                build=build,
+                started=bool(data["started"]),
+                on_target=data.get("on_target"),
+                on_target_version=data.get("on_target_version"),
+                refused=data.get("refused"),
+            )
+        )
+    return tuple(rebuilds)
+
+
+def stored_target(applied: Applied) -> dict[str, tuple[str, int]]:
+    """The target's templates of the apply's profiles as the store knows them, without
+    asking the target: each profile's build that published, else the template the apply
+    found there. (A template removed by hand since is not seen: `migrate apply` again
+    asks the target.)"""
+    held: dict[str, tuple[str, int]] = {}
+    for rebuild in applied.rebuilds:
+        build = rebuild.build
+        if build is not None and build.state is BuildState.PUBLISHED:
+            held[rebuild.profile] = (build.name, build.version)
+        elif rebuild.on_target is not None:
+            version = rebuild.on_target_version or (build.version if build else 0)
+            held[rebuild.profile] = (rebuild.on_target, version)
+    return held
 
 
 async def wait_for_builds(

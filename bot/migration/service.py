@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import replace
 from pathlib import Path
 
 from backends.base import Backend
@@ -28,9 +29,12 @@ from bot.migration.apply import (
     check_age,
     check_findings,
     check_source,
+    rebuilds_document,
+    rebuilds_from_document,
     rebuilds_of,
     refresh,
     start,
+    stored_target,
     target_profiles,
     wait_for_builds,
 )
@@ -38,7 +42,7 @@ from bot.migration.plan import Plan, PlanFileError, make_plan, plan_from_documen
 from bot.models import utcnow
 from bot.models.builds import Build
 from bot.models.errors import BackendError, JobNotFound, NotAllowed, RequestInvalid, UserError
-from bot.models.plans import PLAN_ID_RE, KeptPlan
+from bot.models.plans import PLAN_ID_RE, KeptPlan, MigrationApply
 from bot.ownership.claims import Clock
 from store.db import Store
 
@@ -124,11 +128,19 @@ class Migrations:
     # --- the apply ------------------------------------------------------------------
 
     async def apply(
-        self, plan: Plan, user: str, *, origin: str | None = None, hand_off: bool = False
+        self,
+        plan: Plan,
+        user: str,
+        *,
+        origin: str | None = None,
+        hand_off: bool = False,
+        plan_id: str | None = None,
     ) -> Applied:
         """Check the plan (its age, its source read again), then ask for the builds it
         needs. `hand_off`: queued builds are left to a serving process (the command
-        line's --no-wait) rather than run here."""
+        line's --no-wait) rather than run here. Asked from chat (`origin`, a kept plan's
+        `plan_id`) with builds still in flight, the apply is recorded: its final table
+        is told in `origin` when the last of them ends (`record`)."""
         check_age(plan, self.clock(), self.settings.migration.plan_valid_s)
         check_findings(plan, self.settings.images.all_profiles(), self.settings.subnets)
         sources.check_distinct(self.settings.backends, plan.source, plan.target)
@@ -154,7 +166,41 @@ class Migrations:
         async def again(profile: str) -> list[Build]:
             return await self.store.builds.of_profiles(plan.target, [profile])
 
-        return await start(plan, request, known, target, again)
+        applied = await start(plan, request, known, target, again)
+        kept = plan_id is not None and PLAN_ID_RE.fullmatch(plan_id) is not None
+        if origin is None or plan_id is None or not kept:
+            return applied
+        if all(r.ended for r in applied.rebuilds):
+            return applied
+        return await self.record(applied, plan_id, user, origin)
+
+    async def record(self, applied: Applied, plan_id: str, user: str, origin: str) -> Applied:
+        """Keep the apply with its builds (store/applies.py): whichever process ends the
+        last of them keeps, in that same transaction, the notice of its end."""
+        record = MigrationApply(
+            plan_id=plan_id,
+            requester=user,
+            origin=origin,
+            rebuilds=json.dumps(rebuilds_document(applied), sort_keys=True),
+            build_ids=tuple(r.build.id for r in applied.rebuilds if r.build is not None),
+        )
+        await self.store.migration_applies.record(record)
+        return replace(applied, recorded=record.id)
+
+    async def ended(self, apply_id: str) -> tuple[MigrationApply, Outcome] | None:
+        """A recorded apply at its end, from the store alone (its plan, its builds, the
+        templates they published): Slack delivery asks no backend. None when the record
+        or its plan is gone."""
+        record = await self.store.migration_applies.get(apply_id)
+        if record is None:
+            return None
+        try:
+            plan = await self.load(record.plan_id)
+        except UserError:
+            return None
+        rebuilds = await rebuilds_from_document(json.loads(record.rebuilds), self.store.builds.get)
+        applied = Applied(plan, rebuilds, recorded=record.id)
+        return record, Outcome(applied, stored_target(applied))
 
     async def wait(
         self,

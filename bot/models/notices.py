@@ -32,6 +32,9 @@ BUILD_DECIDED = "decided"  # approved, rejected or expired
 BUILD_STARTED = "started"
 BUILD_NOTE = "note"
 BUILD_FINISHED = "finished"  # published, failed or cancelled
+# The last build of a migration apply asked from chat ended (store/applies.py): `text`
+# is the apply's id, whose final table goes to the channel it was asked from.
+MIGRATION_ENDED = "migration_ended"
 
 # Delivered before progress when a channel is backlogged: the outcome is what people wait for.
 URGENT_NOTICES = frozenset({NoticeKind.FINISHED})

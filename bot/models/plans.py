@@ -31,3 +31,29 @@ class KeptPlan(BaseModel):
     document: str  # the plan as JSON (what a plan file holds)
     created_at: datetime = Field(default_factory=utcnow)
     created_by: str
+
+
+# "a" and 9 letters: an apply asked from chat, whose end is told where it was asked.
+APPLY_ID_RE = re.compile(r"a[a-z0-9]{9}")
+
+
+def new_apply_id() -> str:
+    return "a" + random_letters(9)
+
+
+class MigrationApply(BaseModel):
+    """One row of `migration_applies` (schema v20): an apply asked from chat whose builds
+    were still in flight when it answered. The store ends it, and keeps the notice that
+    tells its final table in `origin`, in the transaction that ends the last of
+    `build_ids` (store/applies.py); the table is drawn from the store at delivery."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: str = Field(default_factory=new_apply_id, pattern=APPLY_ID_RE.pattern)
+    plan_id: str  # the kept plan (migration_plans), applied by its id
+    requester: str
+    origin: str  # the channel it was asked from
+    rebuilds: str  # JSON: the apply's rebuilds (bot/migration/apply.py `rebuilds_document`)
+    build_ids: tuple[str, ...]
+    created_at: datetime = Field(default_factory=utcnow)
+    ended_at: datetime | None = None

@@ -13,8 +13,9 @@ from bot.migration.classify import Category, Finding, MatchedBy, Missing, Note, 
 from bot.migration.plan import CATEGORIES, Plan
 from bot.migration.vms import NOT_SAID, WEIGHT, Weight, proxmox_tag
 from bot.models.builds import Build, BuildState
-from bot.models.plans import KeptPlan
+from bot.models.plans import KeptPlan, MigrationApply
 from handlers.messages.builds import BUILD_LABELS
+from handlers.messages.text import Said
 
 CATEGORY_WORDS = {
     Category.REBUILDABLE: "rebuild",
@@ -377,38 +378,109 @@ def started_lines(outcome: Outcome) -> list[str]:
 
 
 def applied_lines(outcome: Outcome, *, ends: bool, cap: int | None = None) -> list[str]:
-    """What the apply asked for, then the source's counts against the target's and what
-    is left (`ends`: every build has ended; chat answers at once, before they do; `cap`:
-    chat's, the most templates listed as left, the rest counted)."""
-    count = count_line(outcome.applied.plan)
-    return [
-        *started_lines(outcome),
-        "Source " + count[0].lower() + count[1:],
-        destination_line(outcome, ends=ends),
-        *_vms_stay(outcome),
-        *left_lines(outcome, cap),
-    ]
+    """What the apply asked for, then the count per category, source against target,
+    and what is left (`ends`: every build has ended; chat answers at once, before they
+    do; `cap`: chat's, the most templates listed as left, the rest counted)."""
+    lines = [*started_lines(outcome), *count_table(outcome, ends=ends), *left_lines(outcome, cap)]
+    if outcome.applied.recorded is not None:  # asked from chat, builds in flight
+        lines.append("When the last build ends, the final table is posted in this channel.")
+    return lines
 
 
-def _vms_stay(outcome: Outcome) -> list[str]:
-    """VMs are the plan's to report and an operator's to decide: an apply moves none."""
+def apply_ended_lines(record: MigrationApply, outcome: Outcome) -> list[Said]:
+    """Told in the channel an apply was asked from, once its last build ended: the
+    final table, drawn from the store (the builds that published, the templates the
+    apply found on the target)."""
     plan = outcome.applied.plan
-    if not plan.counts()["vm"] or not any(f.kind == "vm" for f in plan.findings):
-        return []
-    line = vm_count_line(plan)
-    return [f"Source {line[0].lower()}{line[1:-1]} (an apply moves no VM: the plan reports them)."]
-
-
-def destination_line(outcome: Outcome, *, ends: bool) -> str:
-    plan = outcome.applied.plan
-    wanted = sorted(outcome.wanted())
-    held = [p for p in wanted if p in outcome.target]
-    names = ", ".join(f"{p} ({outcome.target[p][0]} v{outcome.target[p][1]})" for p in held)
-    when = "after the apply" if ends else "now"
-    return (
-        f"Target {plan.target} {when}: {len(held)} of the {len(wanted)} profile(s) the "
-        f"migrating templates need" + (f": {names}." if names else ".")
+    head = Said(
+        f"{record.requester}: migration apply of plan {record.plan_id} from {plan.source} "
+        f"to {plan.target}: every build has ended.",
+        (record.requester,),
     )
+    body = [
+        *[rebuild_line(r) for r in outcome.rebuilds],
+        *count_table(outcome, ends=True),
+        *left_lines(outcome, CHAT_FINDINGS),
+    ]
+    return [head, *(Said(line) for line in body)]
+
+
+STAYS = "stays on source: apply moves no VM"
+KIND_WORDS = {"template": "templates", "vm": "VMs"}
+
+
+def count_table(outcome: Outcome, *, ends: bool) -> list[str]:
+    """Each category of the plan with its count on the source and on the target (a
+    template counts there when the target holds its profile's template), then the
+    profiles built; VMs stay where they are."""
+    plan = outcome.applied.plan
+    when = "after the apply" if ends else "now"
+    lines = [f"Counts, source {plan.source} against target {plan.target} {when}:"]
+    rows = outcome.counts()
+    for kind in ("template", "vm"):
+        lines.append(f"  {KIND_WORDS[kind]:<14} {'source':>7} {'target':>7}")
+        mine = [r for r in rows if r.kind == kind]
+        for row in mine:
+            there = f"{row.target:>7}" if row.target is not None else f"  {STAYS}"
+            lines.append(f"  {CATEGORY_WORDS[row.category]:<14} {row.source:>7} {there}")
+        if kind == "template":
+            held = sum(r.target or 0 for r in mine)
+            lines.append(f"  {'total':<14} {sum(r.source for r in mine):>7} {held:>7}")
+    lines.append(built_line(outcome))
+    return lines
+
+
+def built_line(outcome: Outcome) -> str:
+    plan, built = outcome.applied.plan, outcome.built()
+    names = ", ".join(f"{p} ({name} v{version})" for p, name, version in built)
+    return (
+        f"Profiles on {plan.target}: {len(built)} of the {len(outcome.wanted())} the "
+        "migrating templates need" + (f": {names}." if names else ".")
+    )
+
+
+def applied_json(outcome: Outcome, *, ends: bool) -> dict[str, Any]:
+    """The apply's end for machines (`migrate apply --json`): the same counts, the
+    builds, and what is left."""
+    plan = outcome.applied.plan
+    counts: dict[str, dict[str, dict[str, Any]]] = {"template": {}, "vm": {}}
+    for row in outcome.counts():
+        entry: dict[str, Any] = {"source": row.source, "target": row.target}
+        if row.target is None:
+            entry["note"] = STAYS
+        counts[row.kind][row.category.value] = entry
+    return {
+        "source": plan.source,
+        "target": plan.target,
+        "digest": plan.digest,
+        "ended": ends,
+        "counts": counts,
+        "profiles_needed": sorted(outcome.wanted()),
+        "profiles_on_target": [
+            {"profile": p, "template": name, "version": version}
+            for p, name, version in outcome.built()
+        ],
+        "rebuilds": [_rebuild_json(r) for r in outcome.rebuilds],
+        "left": {
+            "not_mappable": [{"name": f.name, "reason": reason(f)} for f in outcome.left()],
+            "not_built": [r.profile for r in outcome.failed()],
+            "under_way": [r.profile for r in outcome.rebuilds if not r.ended],
+        },
+    }
+
+
+def _rebuild_json(rebuild: Rebuild) -> dict[str, Any]:
+    build = rebuild.build
+    return {
+        "profile": rebuild.profile,
+        "templates": list(rebuild.templates),
+        "build": build.id if build is not None else None,
+        "state": build.state.value if build is not None else None,
+        "error": build.error if build is not None else None,
+        "started": rebuild.started,
+        "on_target": rebuild.on_target,
+        "refused": rebuild.refused,
+    }
 
 
 def left_lines(outcome: Outcome, cap: int | None = None) -> list[str]:
@@ -436,7 +508,15 @@ def left_lines(outcome: Outcome, cap: int | None = None) -> list[str]:
             "stand and starts nothing twice."
         )
     if not (left or failed or going):
-        lines.append("Nothing is left: every template of the plan has its profile on the target.")
+        lines.append(
+            "No template is left: every template of the plan has its profile on the target."
+        )
+    vms = sum(1 for f in outcome.applied.plan.findings if f.kind == "vm")
+    if vms:
+        lines.append(
+            f"Left on {outcome.applied.plan.source}: {vms} VM(s), as the plan found them (an "
+            "apply moves no VM: the plan says what each needs)."
+        )
     return lines
 
 

@@ -15,6 +15,7 @@ from bot.models.notices import (
     BUILD_DECIDED,
     BUILD_FINISHED,
     BUILD_NOTE,
+    MIGRATION_ENDED,
     Notice,
     NoticeKind,
 )
@@ -24,9 +25,17 @@ from handlers.messages.builds import (
     build_thread_update,
     slack_build_end,
 )
+from handlers.messages.migration import apply_ended_lines
 from handlers.slack import views
 from handlers.slack.delivery import Parts
-from handlers.slack.items import BuildCard, BuildThread, DirectMessages, Line, parse_ref
+from handlers.slack.items import (
+    BuildCard,
+    BuildThread,
+    ChannelMessage,
+    DirectMessages,
+    Line,
+    parse_ref,
+)
 from handlers.slack.outbox import Outboxes
 
 
@@ -83,8 +92,28 @@ class BuildDelivery:
             self._parts.finish([n.id for n in notices if n.id is not None])
             return len(notices)
         for notice in notices:
-            self.apply(build, notice)
+            if notice.kind is NoticeKind.BUILD and notice.step == MIGRATION_ENDED:
+                await self._migration_ended(notice)
+            else:
+                self.apply(build, notice)
         return len(notices)
+
+    async def _migration_ended(self, notice: Notice) -> None:
+        """The last build of a migration apply asked from chat ended: its final table,
+        drawn from the store (no backend is asked), posted once in the channel it was
+        asked from. A record or plan that is gone leaves nothing to show."""
+        nid = self._parts.hold(notice)
+        ended = await self._deployer.migrations.ended(notice.text)
+        part = self._parts.part(nid, "end") if ended is not None else None
+        if ended is not None and part is not None:
+            record, outcome = ended
+            head, *body = apply_ended_lines(record, outcome)
+            text = views.mrkdwn(head)
+            blocks = views.answer([text])
+            blocks += views.answer([views.mrkdwn(line) for line in body], monospace=True)
+            message = ChannelMessage(record.origin, text, blocks, part, self._parts.done)
+            self._outboxes.touch(message)
+        self._parts.release(nid)
 
     def apply(self, build: Build, notice: Notice) -> None:
         """A build's notice: a line in its thread (the end, urgent), its headline, and

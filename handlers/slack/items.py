@@ -401,6 +401,13 @@ class DirectCard:
 
 
 @dataclass(eq=False)
+class ChannelMessage(DirectCard):
+    """One message posted once to a channel: a migration apply's final table, told in
+    the channel it was asked from (handlers/slack/buildthreads.py). `channel` is the
+    channel's id, not a person's."""
+
+
+@dataclass(eq=False)
 class BuildThread(_Thread):
     """One template build's parent message and thread (`/deploy template build`): its
     progress lines, and its end (published, or why not and what was removed)."""

@@ -26,6 +26,7 @@ from store.migrations import (
     JOB_ADDRESSES,
     KIND_COLUMN,
     LEASE_COLUMNS,
+    MIGRATION_APPLIES,
     MIGRATION_PLANS_TABLE,
     SCHEMA_VERSION,
     newer_schema,
@@ -164,10 +165,12 @@ _V19 = [
     "WHEN (OLD.state IS DISTINCT FROM NEW.state) EXECUTE FUNCTION job_addresses_state()",
 ]
 
+_V20 = MIGRATION_APPLIES
+
 # version -> the statements that bring the schema from the version before to it.
 STEPS: dict[int, list[str]] = {
     6: _V6, 7: _V7, 8: _V8, 9: _V9, 10: _V10, 11: _V11, 12: _V12, 13: _V13, 14: _V14,
-    15: _V15, 16: _V16, 17: _V17, 18: _V18, 19: _V19,
+    15: _V15, 16: _V16, 17: _V17, 18: _V18, 19: _V19, 20: _V20,
 }  # fmt: skip
 
 # What a constraint protects, as SQLite names it in its errors (store/sql.ConstraintViolation).
@@ -183,6 +186,10 @@ CONSTRAINTS = {
     "builds_active": "builds.backend, builds.name",
     "builds_version": "builds.backend, builds.name, builds.version",
     "migration_plans_pkey": "migration_plans.id",
+    "migration_applies_pkey": "migration_applies.id",
+    "migration_apply_builds_pkey": (
+        "migration_apply_builds.apply_id, migration_apply_builds.build_id"
+    ),
 }
 
 

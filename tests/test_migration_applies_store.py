@@ -1,0 +1,101 @@
+"""A migration apply asked from chat (store/applies.py, schema v20), on both stores: it
+ends, with the one notice that tells its final table, in the transaction that ends the
+last of its builds; recorded after they all ended, at once; never twice."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+
+from bot.models.builds import Build, BuildState
+from bot.models.notices import MIGRATION_ENDED, Notice
+from bot.models.plans import MigrationApply
+from store.db import Store
+from tests.support.postgres import PASSWORD_ENV
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+async def store(request: pytest.FixtureRequest, tmp_path: Path):  # type: ignore[no-untyped-def]
+    if request.param == "postgres":
+        url = request.getfixturevalue("pg_url")
+        s = await Store.open(url, password=os.environ[PASSWORD_ENV])
+    else:
+        s = await Store.open(tmp_path / "jobs.db")
+    yield s
+    await s.close()
+
+
+def build(name: str, **fields: object) -> Build:
+    return Build.model_validate(
+        {
+            "state": BuildState.QUEUED,
+            "requester": "UBOB",
+            "profile": name,
+            "backend": "pve",
+            "name": name,
+            "version": 1,
+            **fields,
+        }
+    )
+
+
+def apply_of(*builds: Build) -> MigrationApply:
+    return MigrationApply(
+        plan_id="mplan00001",
+        requester="UBOB",
+        origin="C0DEPLOYS",
+        rebuilds="[]",
+        build_ids=tuple(b.id for b in builds),
+    )
+
+
+async def ends(store: Store, build_id: str) -> list[Notice]:
+    return [n for n in await store.outbox.undelivered(build_id) if n.step == MIGRATION_ENDED]
+
+
+async def test_the_last_build_to_end_ends_the_apply_with_one_notice(store: Store) -> None:
+    # No origin: a build the apply found in flight, asked from the command line.
+    first = await store.builds.insert(build("alma-9"))
+    second = await store.builds.insert(build("debian-13", origin="C0DEPLOYS"))
+    record = apply_of(first, second)
+    assert await store.migration_applies.record(record) is False
+    await store.builds.move(first.id, [BuildState.QUEUED], BuildState.RUNNING)
+    await store.builds.move(first.id, [BuildState.RUNNING], BuildState.PUBLISHED)
+    assert await ends(store, first.id) == []  # debian-13 is still queued
+    kept = await store.migration_applies.get(record.id)
+    assert kept is not None and kept.ended_at is None
+    assert kept.build_ids == tuple(sorted((first.id, second.id)))
+    await store.builds.move(second.id, [BuildState.QUEUED], BuildState.CANCELLED)
+    (notice,) = await ends(store, second.id)
+    assert notice.text == record.id
+    ended = await store.migration_applies.get(record.id)
+    assert ended is not None and ended.ended_at is not None
+    assert await ends(store, first.id) == []
+
+
+async def test_an_apply_recorded_after_its_builds_ended_ends_at_once(store: Store) -> None:
+    done = await store.builds.insert(build("alma-9"))
+    await store.builds.move(done.id, [BuildState.QUEUED], BuildState.CANCELLED)
+    record = apply_of(done)
+    assert await store.migration_applies.record(record) is True
+    (notice,) = await ends(store, done.id)
+    assert notice.text == record.id
+
+
+async def test_a_record_racing_its_last_build_ends_it_exactly_once(store: Store) -> None:
+    """The apply's record and its build's end, side by side, many times: each apply
+    ends once, in whichever order they ran."""
+    builds = [await store.builds.insert(build(f"p{i}")) for i in range(12)]
+    records = [apply_of(b) for b in builds]
+
+    async def end(b: Build) -> None:
+        await store.builds.move(b.id, [BuildState.QUEUED], BuildState.CANCELLED)
+
+    await asyncio.gather(
+        *(store.migration_applies.record(r) for r in records), *(end(b) for b in builds)
+    )
+    for b, r in zip(builds, records, strict=True):
+        assert [n.text for n in await ends(store, b.id)] == [r.id]
