@@ -185,6 +185,17 @@ async def test_a_missing_field_refuses_the_request_saying_what_to_make(
     vlan_field(nb)  # made: the next request records its VLAN, no restart needed
     await ask(two_subnets, "web01 10.0.0.50")
     assert vlan_of(nb, "10.0.0.50") == (10, "backend10")
+    # Deleted after deploybot found it right: NetBox's refusal says the same fix.
+    nb.api().extras.custom_fields.get(name=FIELD).delete()
+    with pytest.raises(RequestInvalid) as refused:
+        await ask(two_subnets, "web02 10.0.0.51")
+    message = refused.value.message
+    assert "NetBox refused the VLAN in custom field 'vlan' (" in message, message
+    assert message.endswith(
+        "create custom field vlan of type Object (related object type IPAM > VLAN) on IPAM > "
+        "IP address, or unset [ipam] vlan_field"
+    ), message
+    assert list(nb.api().ipam.ip_addresses.filter(address="10.0.0.51")) == []
 
 
 async def test_check_says_the_field_is_missing_or_of_the_wrong_type(
@@ -217,8 +228,14 @@ async def test_check_warns_when_netbox_and_the_segment_name_other_vlans(
 ) -> None:
     prefix(nb, "10.0.0.0/24", 10)  # lab's segment has no tag: nothing to compare
     prefix(nb, "10.0.20.0/24", 30, name="storage")  # lab20's tags VLAN 20
+    settings = settings_for(tmp_path, nb, [LAB, LAB20])
+    # Said with the problems, when there are some: all at once.
+    missing, mismatch = await check_ipam(settings)
+    assert (missing.ok, mismatch.ok, mismatch.warning) == (False, True, True)
+    assert missing.detail.startswith("NetBox has no custom field 'vlan'")
     vlan_field(nb)
-    results = await check_ipam(settings_for(tmp_path, nb, [LAB, LAB20]))
+    results = await check_ipam(settings)
+    assert results[1] == mismatch
     assert [(r.ok, r.warning) for r in results] == [(True, False), (True, True)]
     assert results[0].detail.endswith("each address records its prefix's VLAN in vlan")
     warning = results[1]

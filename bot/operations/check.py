@@ -72,8 +72,10 @@ async def run_checks(settings: Settings) -> list[CheckResult]:
 
 
 async def check_ipam(settings: Settings) -> list[CheckResult]:
-    """The IPAM: each subnet's prefix (or range) exists, the tags exist, and the token
-    may add and delete an address (one is reserved and deleted per subnet)."""
+    """The IPAM: each subnet's prefix (or range) exists, the tags exist, the VLAN field
+    (NetBox's `vlan_field`) can hold a VLAN, and the token may add and delete an address
+    (one is reserved and deleted per subnet); a warning for each segment whose VLAN tag
+    is not the subnet's VLAN in the IPAM."""
     if settings.ipam.provider == "builtin":
         return [CheckResult("ipam", True, "builtin: deploybot's own database, no server")]
     try:
@@ -81,10 +83,11 @@ async def check_ipam(settings: Settings) -> list[CheckResult]:
     except BackendError as exc:  # no token in the environment
         return [CheckResult("ipam: set-up", False, exc.message)]
     try:
-        problems = await ipam.problems([s.as_pool() for s in settings.subnets])
-        warnings = [] if problems else await check_vlans(ipam, settings.subnets)
-    except BackendError as exc:
-        problems, warnings = [exc.message], []
+        try:
+            problems = await ipam.problems([s.as_pool() for s in settings.subnets])
+        except BackendError as exc:
+            problems = [exc.message]
+        warnings = await check_vlans(ipam, settings.subnets)
     finally:
         await ipam.close()
     if not problems:
@@ -93,7 +96,7 @@ async def check_ipam(settings: Settings) -> list[CheckResult]:
         if settings.ipam.vlan_field:
             detail += f"; each address records its prefix's VLAN in {settings.ipam.vlan_field}"
         return [CheckResult("ipam", True, detail), *warnings]
-    return [CheckResult("ipam", False, problem) for problem in problems]
+    return [CheckResult("ipam", False, problem) for problem in problems] + warnings
 
 
 async def check_vlans(ipam: Ipam, subnets: tuple[Subnet, ...]) -> list[CheckResult]:
@@ -104,7 +107,10 @@ async def check_vlans(ipam: Ipam, subnets: tuple[Subnet, ...]) -> list[CheckResu
     out = []
     for subnet in subnets:
         tagged = {b: s.vlan for b, s in subnet.segments.items() if s.vlan is not None}
-        vlan = await ipam.vlan(subnet.as_pool()) if tagged else None
+        try:
+            vlan = await ipam.vlan(subnet.as_pool()) if tagged else None
+        except BackendError:
+            continue  # no prefix, no answer: a problem `problems` already said
         for backend, tag in tagged.items():
             if vlan is None or vlan.vid == tag:
                 continue
