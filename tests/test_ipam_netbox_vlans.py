@@ -223,6 +223,23 @@ async def test_check_says_the_field_is_missing_or_of_the_wrong_type(
     assert list(nb.api().ipam.ip_addresses.all()) == []  # every probe given back
 
 
+async def test_a_token_that_may_not_view_custom_fields_is_told_so(nb: NetBox) -> None:
+    """The reader's user may view IPAM objects only: not the custom field."""
+    prefix(nb, "10.0.20.0/24", 20)
+    vlan_field(nb)
+    config = IpamConfig(provider="netbox", url=nb.url, vlan_field=FIELD, tags=())
+    ipam = NetBoxIpam.create(config, {TOKEN_ENV: nb.read_only_token})
+    try:
+        said = await ipam.problems([Subnet.model_validate(LAB20).as_pool()])
+    finally:
+        await ipam.close()
+    assert said[0] == (
+        f"NetBox refused to show custom field 'vlan' to the token in {TOKEN_ENV}: give its "
+        "user permission to view custom fields, or unset [ipam] vlan_field"
+    )
+    assert said[1].startswith(f"subnet lab20: NetBox refused the token in {TOKEN_ENV}")
+
+
 async def test_check_warns_when_netbox_and_the_segment_name_other_vlans(
     tmp_path: Path, nb: NetBox
 ) -> None:

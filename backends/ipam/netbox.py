@@ -201,8 +201,8 @@ class NetBox:
                 raise
             return (
                 f"NetBox refused to show custom field {name!r} to the token in "
-                f"{self.config.token_env}: give its user permission to view custom fields "
-                "(and VLANs), or unset [ipam] vlan_field"
+                f"{self.config.token_env}: give its user permission to view custom fields, "
+                "or unset [ipam] vlan_field"
             )
         if field is None:
             return f"NetBox has no custom field {name!r}: {self._field_fix()}"
