@@ -95,6 +95,17 @@ class Reservation:
 
 
 @dataclass(frozen=True)
+class Vlan:
+    """The VLAN the IPAM says a pool's addresses are in (NetBox: its prefix's VLAN)."""
+
+    vid: int  # the 802.1Q tag, 1-4094
+    name: str
+
+    def __str__(self) -> str:
+        return f"VLAN {self.vid} ({self.name})" if self.name else f"VLAN {self.vid}"
+
+
+@dataclass(frozen=True)
 class Record:
     """A reservation of this installation found in the IPAM (for reconciliation)."""
 
@@ -135,6 +146,11 @@ class Ipam(Protocol):
     async def problems(self, pools: list[Pool]) -> list[str]:
         """What stops this IPAM from serving these pools (`deploybot check`): the token
         cannot read a prefix or create an address, a prefix does not exist."""
+        ...
+
+    async def vlan(self, pool: Pool) -> Vlan | None:
+        """The VLAN the IPAM puts the pool's addresses in (None: it says none), for
+        `deploybot check` to compare with the subnet's segments."""
         ...
 
     async def close(self) -> None: ...

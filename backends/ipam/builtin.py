@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 
-from backends.ipam.base import Pool, PoolExhausted, Record, Reservation, ReservedFor
+from backends.ipam.base import Pool, PoolExhausted, Record, Reservation, ReservedFor, Vlan
 
 
 class Builtin:
@@ -45,6 +45,9 @@ class Builtin:
 
     async def problems(self, pools: list[Pool]) -> list[str]:
         return []
+
+    async def vlan(self, pool: Pool) -> Vlan | None:
+        return None  # no server, no VLANs: the segment's tag is the only word on it
 
     async def close(self) -> None:
         return None

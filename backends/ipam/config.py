@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -17,7 +18,12 @@ class IpamConfig(BaseModel):
     `probe` (off by default) also asks, before a clone, whether something answers on the
     address (a TCP connection to `probe_ports` from the bot, or from the backend's jump
     host): a host that answers, even with a refusal, holds the address. Only addresses
-    inside the configured subnets are ever probed."""
+    inside the configured subnets are ever probed.
+
+    `vlan_field` (NetBox only; unset: no VLAN is recorded) names a custom field on NetBox's
+    IP addresses, of type Object with related object type IPAM > VLAN: each address
+    deploybot reserves gets its subnet's VLAN there, the VLAN of the subnet's NetBox
+    prefix (NetBox 4 has no VLAN on an address of its own)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -31,6 +37,9 @@ class IpamConfig(BaseModel):
     # A reservation a crash left behind (its job never recorded) is released only after
     # this long: another process may be between reserving and recording it.
     stale_after_s: float = Field(default=600.0, ge=60)
+    # NetBox's custom field (on IPAM > IP address, type Object -> IPAM > VLAN) that each
+    # reserved address gets its prefix's VLAN in; unset: no VLAN is recorded.
+    vlan_field: str | None = None
     probe: bool = False
     probe_ports: tuple[int, ...] = (22,)
     probe_timeout_s: float = Field(default=1.0, gt=0, le=10)
@@ -39,6 +48,17 @@ class IpamConfig(BaseModel):
     @classmethod
     def _readable(cls, path: Path | None) -> Path | None:
         return None if path is None else readable_file(path)
+
+    @field_validator("vlan_field")
+    @classmethod
+    def _field_name(cls, name: str | None) -> str | None:
+        # NetBox's own rule for a custom field's name (extras.CustomField.name).
+        if name is not None and (not re.fullmatch(r"[a-z0-9_]{1,50}", name) or "__" in name):
+            raise ValueError(
+                f"{name!r} is not a NetBox custom field name: its Name (not its label), of "
+                "lower-case letters, digits and single underscores, e.g. vlan"
+            )
+        return name
 
     @field_validator("tags")
     @classmethod
@@ -54,5 +74,10 @@ class IpamConfig(BaseModel):
             raise ValueError(
                 'provider = "netbox" needs url = "https://netbox.example/" (the NetBox '
                 "server, without /api)"
+            )
+        if self.vlan_field is not None and self.provider != "netbox":
+            raise ValueError(
+                'vlan_field names a NetBox custom field: it goes with provider = "netbox" '
+                "(the built-in provider records no VLAN); remove it"
             )
         return self

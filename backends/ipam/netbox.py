@@ -6,6 +6,12 @@ range's) `available-ips` endpoint, which NetBox serialises itself, so two proces
 never get the same address. Each record says whose it is in its description
 ("deploybot <installation> job <id>: <name>"): release and activate refuse a record
 that does not name the job (changed by hand), and reconciliation finds them by it.
+
+NetBox 4 has no VLAN on an IP address: an address is in a prefix, and the prefix has the
+VLAN (`Prefix.vlan`; NetBox's answer to "assign an IP to a VLAN", netbox#1234). With
+`[ipam] vlan_field`, each reserved address also gets its prefix's VLAN in that custom
+field (type Object, IPAM > VLAN), read with the prefix deploybot looks up anyway: no
+call more per reservation.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from backends.ipam.base import (
     Record,
     Reservation,
     ReservedFor,
+    Vlan,
 )
 from backends.ipam.config import IpamConfig
 
@@ -65,6 +72,9 @@ class NetBox:
         self.api = api
         self.config = config
         self._containers: dict[Pool, tuple[Any, int | None]] = {}
+        # Each pool's VLAN (NetBox's id and what it is), None: its prefix has none.
+        self._vlans: dict[Pool, tuple[int, Vlan] | None] = {}
+        self._field_ready = False  # [ipam] vlan_field found right (asked until it is)
 
     @classmethod
     def create(cls, config: IpamConfig, environ: Mapping[str, str]) -> NetBox:
@@ -100,6 +110,12 @@ class NetBox:
 
     def _refused(self, exc: Any) -> PermanentError | Unreachable:
         status = int(getattr(exc.req, "status_code", 0))
+        if status == 400 and self.config.vlan_field and "custom_fields" in _detail(exc):
+            self._field_ready = False  # changed since it was checked: ask again next time
+            return PermanentError(
+                f"NetBox refused the VLAN in custom field {self.config.vlan_field!r} "
+                f"({_detail(exc)}): {self._field_fix()}"
+            )
         if status >= 500:
             return Unreachable(f"NetBox at {self.config.url} answered {status}")
         if status in (401, 403):
@@ -124,8 +140,7 @@ class NetBox:
                 raise PermanentError(f"NetBox has no VRF {pool.ipam_vrf!r} (subnet {pool.name})")
             vrf_id = int(vrf.id)
         scope: dict[str, Any] = {"vrf_id": vrf_id if vrf_id is not None else "null"}
-        whole = pool.first == pool.cidr.network_address and pool.last == pool.cidr.broadcast_address
-        if whole:
+        if _whole(pool):
             prefix = pool.ipam_prefix or str(pool.cidr)
             found = list(self.api.ipam.prefixes.filter(prefix=prefix, **scope))
             what = f"prefix {prefix}"
@@ -147,7 +162,90 @@ class NetBox:
         self._containers[pool] = (found[0], vrf_id)
         return self._containers[pool]
 
-    def _fields(self, reserved_for: ReservedFor, vrf_id: int | None) -> dict[str, Any]:
+    def _prefix(self, pool: Pool, vrf_id: int | None) -> Any | None:
+        """The subnet's prefix, for a pool whose container is an IP range (a range has
+        no VLAN of its own); None when NetBox has none (the range is enough to serve)."""
+        scope: dict[str, Any] = {"vrf_id": vrf_id if vrf_id is not None else "null"}
+        prefix = pool.ipam_prefix or str(pool.cidr)
+        found = list(self.api.ipam.prefixes.filter(prefix=prefix, **scope))
+        return found[0] if found else None
+
+    def _pool_vlan(self, pool: Pool) -> tuple[int, Vlan] | None:
+        """The VLAN of the pool's prefix: read from the prefix `_container` already
+        holds (a range: its prefix, asked once). Once per process, like the prefix."""
+        if pool in self._vlans:
+            return self._vlans[pool]
+        container, vrf_id = self._container(pool)
+        prefix = container if _whole(pool) else self._prefix(pool, vrf_id)
+        nested = getattr(prefix, "vlan", None) if prefix is not None else None
+        found = None
+        if nested is not None:
+            found = (int(nested.id), Vlan(int(nested.vid), str(getattr(nested, "name", "") or "")))
+        self._vlans[pool] = found
+        return found
+
+    def _field_fix(self) -> str:
+        return (
+            f"create custom field {self.config.vlan_field} of type Object (related object "
+            "type IPAM > VLAN) on IPAM > IP address, or unset [ipam] vlan_field"
+        )
+
+    def _field_problem(self) -> str | None:
+        """What is wrong with `[ipam] vlan_field` in NetBox: missing, not on IP
+        addresses, not an Object field of VLANs, or not live yet; None: ready."""
+        name = self.config.vlan_field
+        try:
+            field = self.api.extras.custom_fields.get(name=name)
+        except pynetbox.RequestError as exc:
+            if int(getattr(exc.req, "status_code", 0)) not in (401, 403):
+                raise
+            return (
+                f"NetBox refused to show custom field {name!r} to the token in "
+                f"{self.config.token_env}: give its user permission to view custom fields, "
+                "or unset [ipam] vlan_field"
+            )
+        if field is None:
+            return f"NetBox has no custom field {name!r}: {self._field_fix()}"
+        kind = str(getattr(field.type, "value", field.type))
+        related = str(field.related_object_type or "")
+        if "ipam.ipaddress" not in [str(t) for t in field.object_types or ()]:
+            on = ", ".join(str(t) for t in field.object_types or ()) or "nothing"
+            return (
+                f"NetBox's custom field {name!r} is not on IP addresses (it is on {on}): add "
+                "IPAM > IP address to its object types, or unset [ipam] vlan_field"
+            )
+        if kind != "object" or related != "ipam.vlan":
+            label = str(getattr(field.type, "label", kind)) + (f" ({related})" if related else "")
+            return (
+                f"NetBox's custom field {name!r} is of type {label}, not Object (IPAM > "
+                f"VLAN): {self._field_fix()}"
+            )
+        status = str(getattr(getattr(field, "status", None), "value", "active"))
+        if status != "active":
+            return (
+                f"NetBox's custom field {name!r} is not live yet (status {status}: a NetBox "
+                "background job is updating its data); it is used once that job is done"
+            )
+        return None
+
+    def _vlan_to_record(self, pool: Pool) -> int | None:
+        """NetBox's id of the VLAN a reservation in `pool` records, None: none (no
+        `vlan_field`, or the prefix has no VLAN). The field is checked once a process."""
+        if not self.config.vlan_field:
+            return None
+        found = self._pool_vlan(pool)
+        if found is None:
+            return None
+        if not self._field_ready:
+            problem = self._field_problem()
+            if problem is not None:
+                raise PermanentError(problem)
+            self._field_ready = True
+        return found[0]
+
+    def _fields(
+        self, reserved_for: ReservedFor, vrf_id: int | None, vlan_id: int | None
+    ) -> dict[str, Any]:
         fields: dict[str, Any] = {
             "status": "reserved",
             "dns_name": reserved_for.dns_name,
@@ -156,6 +254,8 @@ class NetBox:
         }
         if vrf_id is not None:
             fields["vrf"] = vrf_id
+        if vlan_id is not None:
+            fields["custom_fields"] = {self.config.vlan_field: vlan_id}
         return fields
 
     def _at(self, address: ipaddress.IPv4Address, vrf_id: int | None) -> list[Any]:
@@ -182,9 +282,12 @@ class NetBox:
         reserved_for: ReservedFor,
         address: ipaddress.IPv4Address | None,
         skip: frozenset[ipaddress.IPv4Address],
+        *,
+        record_vlan: bool = True,
     ) -> Reservation:
         container, vrf_id = self._container(pool)
-        fields = self._fields(reserved_for, vrf_id)
+        vlan_id = self._vlan_to_record(pool) if record_vlan else None
+        fields = self._fields(reserved_for, vrf_id, vlan_id)
         if address is not None:
             taken = [r for r in self._at(address, vrf_id) if not _names(r, reserved_for)]
             if taken:
@@ -273,18 +376,33 @@ class NetBox:
 
         return await self._call(find)
 
+    async def vlan(self, pool: Pool) -> Vlan | None:
+        def find() -> Vlan | None:
+            found = self._pool_vlan(pool)
+            return found[1] if found is not None else None
+
+        return await self._call(find)
+
     async def problems(self, pools: list[Pool]) -> list[str]:
-        """Each pool's prefix or range exists, the tags exist, and the token may add and
-        delete an address (one is reserved and deleted at once, named as a check)."""
+        """Each pool's prefix or range exists, the tags exist, `vlan_field` is a custom
+        field that can hold a VLAN, and the token may add and delete an address (one is
+        reserved, with its VLAN, and deleted at once, named as a check)."""
         out = []
         for tag in self.config.tags:
             found = await self._call(functools.partial(self.api.extras.tags.get, slug=tag))
             if found is None:
                 out.append(f"NetBox has no tag {tag!r}: create it, or set [ipam] tags = []")
+        field_problem = None
+        if self.config.vlan_field:
+            field_problem = await self._call(self._field_problem)
+            out += [field_problem] if field_problem else []
+            self._field_ready = field_problem is None
         reserved_for = ReservedFor("jcheck00", "check", "deploybot-check", "deploybot-check")
         for pool in pools:
             try:
-                made = await self.reserve(pool, reserved_for)
+                # With the field wrong, every probe would only say so again: probe the rest.
+                probe = functools.partial(self._reserve, pool, reserved_for, None, pool.excluded)
+                made = await self._call(functools.partial(probe, record_vlan=not field_problem))
                 await self.release(str(made.ref), reserved_for)
             except PoolExhausted:
                 continue  # full, but reachable and writable enough to say so
@@ -316,6 +434,12 @@ def _why_unanswered(exc: BaseException, timeout_s: float) -> str:
         reason = getattr(link, "reason", None)  # urllib3's MaxRetryError holds the cause
         link = reason if isinstance(reason, BaseException) else link.__cause__ or link.__context__
     return type(exc).__name__
+
+
+def _whole(pool: Pool) -> bool:
+    """Whether the pool is its whole subnet (addresses come from the prefix), not an IP
+    range of it."""
+    return pool.first == pool.cidr.network_address and pool.last == pool.cidr.broadcast_address
 
 
 def _owner(record: Any) -> tuple[str, str] | tuple[None, None]:

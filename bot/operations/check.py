@@ -22,6 +22,8 @@ from backends import advice
 from backends.abilities import ChecksPrivileges, ChecksSegments
 from backends.base import Backend, Segment
 from backends.ipam import open_ipam
+from backends.ipam.base import Ipam
+from bot.addresses.subnets import Subnet
 from bot.app.runtime import make_backend
 from bot.config.settings import Settings
 from bot.models.errors import BackendError, ConfigError, UserError
@@ -34,7 +36,10 @@ class CheckResult:
     name: str  # what was checked, e.g. "pve: template ubuntu-24.04"
     ok: bool
     detail: str  # what was found
-    fix: str = ""  # what to change, when not ok
+    fix: str = ""  # what to change, when not ok (or when a warning)
+    # ok, but two things that should agree do not (e.g. NetBox's VLAN and a segment's
+    # tag): said, not counted as a problem.
+    warning: bool = False
 
 
 async def run_checks(settings: Settings) -> list[CheckResult]:
@@ -67,8 +72,10 @@ async def run_checks(settings: Settings) -> list[CheckResult]:
 
 
 async def check_ipam(settings: Settings) -> list[CheckResult]:
-    """The IPAM: each subnet's prefix (or range) exists, the tags exist, and the token
-    may add and delete an address (one is reserved and deleted per subnet)."""
+    """The IPAM: each subnet's prefix (or range) exists, the tags exist, the VLAN field
+    (NetBox's `vlan_field`) can hold a VLAN, and the token may add and delete an address
+    (one is reserved and deleted per subnet); a warning for each segment whose VLAN tag
+    is not the subnet's VLAN in the IPAM."""
     if settings.ipam.provider == "builtin":
         return [CheckResult("ipam", True, "builtin: deploybot's own database, no server")]
     try:
@@ -76,16 +83,49 @@ async def check_ipam(settings: Settings) -> list[CheckResult]:
     except BackendError as exc:  # no token in the environment
         return [CheckResult("ipam: set-up", False, exc.message)]
     try:
-        problems = await ipam.problems([s.as_pool() for s in settings.subnets])
-    except BackendError as exc:
-        problems = [exc.message]
+        try:
+            problems = await ipam.problems([s.as_pool() for s in settings.subnets])
+        except BackendError as exc:
+            problems = [exc.message]
+        warnings = await check_vlans(ipam, settings.subnets)
     finally:
         await ipam.close()
     if not problems:
         where = f"NetBox at {settings.ipam.url}"
         detail = f"{where}: every subnet's prefix found; the token may add and delete addresses"
-        return [CheckResult("ipam", True, detail)]
-    return [CheckResult("ipam", False, problem) for problem in problems]
+        if settings.ipam.vlan_field:
+            detail += f"; each address records its prefix's VLAN in {settings.ipam.vlan_field}"
+        return [CheckResult("ipam", True, detail), *warnings]
+    return [CheckResult("ipam", False, problem) for problem in problems] + warnings
+
+
+async def check_vlans(ipam: Ipam, subnets: tuple[Subnet, ...]) -> list[CheckResult]:
+    """A warning for each segment whose VLAN tag is not the VLAN the IPAM gives the
+    subnet (NetBox: its prefix's): one of the two is wrong, and a VM would sit on the
+    tag's VLAN while NetBox says the other. A segment without a tag (an access bridge,
+    a vSphere portgroup) says no VLAN deploybot could compare."""
+    out = []
+    for subnet in subnets:
+        tagged = {b: s.vlan for b, s in subnet.segments.items() if s.vlan is not None}
+        try:
+            vlan = await ipam.vlan(subnet.as_pool()) if tagged else None
+        except BackendError:
+            continue  # no prefix, no answer: a problem `problems` already said
+        for backend, tag in tagged.items():
+            if vlan is None or vlan.vid == tag:
+                continue
+            segment = subnet.segments[backend].segment()
+            detail = (
+                f"{ipam.name}'s prefix {subnet.ipam_prefix or subnet.cidr} is in {vlan}, but "
+                f"the subnet's segment on {backend} is {segment}"
+            )
+            fix = (
+                f"make them one VLAN: the prefix's VLAN in {ipam.name}, or vlan in "
+                f"[subnets.segments.{backend}] of {subnet.label}"
+            )
+            name = f"ipam: subnet {subnet.label} VLAN"
+            out.append(CheckResult(name, True, detail, fix, warning=True))
+    return out
 
 
 def check_host_ca(settings: Settings) -> list[CheckResult]:

@@ -383,11 +383,14 @@ def check_lines(results: Sequence[CheckResult]) -> list[str]:
     """`deploybot check`: one line a check, its fix on the next, and a verdict."""
     lines = []
     for result in results:
-        lines.append(f"{'ok' if result.ok else 'PROBLEM':7}  {result.name}: {result.detail}")
+        label = "PROBLEM" if not result.ok else "WARNING" if result.warning else "ok"
+        lines.append(f"{label:7}  {result.name}: {result.detail}")
         if result.fix:
             lines.append(f"         fix: {result.fix}")
     problems = sum(not r.ok for r in results)
-    lines.append(f"{problems} problem(s)." if problems else "All checks passed.")
+    warnings = sum(r.ok and r.warning for r in results)
+    verdict = f"{problems} problem(s)." if problems else "All checks passed."
+    lines.append(verdict + (f" {warnings} warning(s): read them above." if warnings else ""))
     return lines
 
 

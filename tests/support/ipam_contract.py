@@ -208,6 +208,12 @@ async def test_records_finds_reservations_left_behind(ipam_subject: Subject) -> 
     assert await ipam_subject.ipam.records(INSTALLATION) == []
 
 
+async def test_a_pool_the_ipam_gives_no_vlan_has_none(ipam_subject: Subject) -> None:
+    """`vlan` is what the IPAM says of the pool's VLAN (NetBox: its prefix's), None when
+    nothing: the contract's pool has none (tests/test_ipam_netbox_vlans.py has VLANs)."""
+    assert await ipam_subject.ipam.vlan(ipam_subject.pool) is None
+
+
 async def calls(ipam: Ipam, pool: Pool) -> AsyncIterator[tuple[str, Awaitable[object]]]:
     """Each method of the contract that talks to the IPAM, once."""
     yield "reserve", ipam.reserve(pool, job(1))
@@ -216,6 +222,7 @@ async def calls(ipam: Ipam, pool: Pool) -> AsyncIterator[tuple[str, Awaitable[ob
     yield "activate", ipam.activate("1", job(1))
     yield "release", ipam.release("1", job(1))
     yield "records", ipam.records(INSTALLATION)
+    yield "vlan", ipam.vlan(pool)
 
 
 async def test_an_ipam_that_does_not_answer_is_unreachable(ipam_subject: Subject) -> None:

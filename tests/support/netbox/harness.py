@@ -30,12 +30,15 @@ from tests.support.netbox.server import Server, log_tail
 from tests.support.postgres import Cluster
 
 # What reset_ipam() empties, in an order NetBox's protections allow (an address before
-# its VRF, everything before the tags on it).
+# its VRF, a prefix before its VLAN, everything before the tags on it); the custom
+# fields too (a VLAN field one test makes is one another test must not find).
 IPAM_ENDPOINTS = (
     "ipam/ip-addresses",
+    "extras/custom-fields",
     "ipam/ip-ranges",
     "ipam/prefixes",
     "ipam/vrfs",
+    "ipam/vlans",
     "extras/tags",
 )
 
@@ -94,8 +97,9 @@ class NetBox:
         return log_tail(self.log_path, lines)
 
     def reset_ipam(self) -> None:
-        """Delete every IP address, IP range, prefix, VRF and tag, through the API with
-        bulk deletes, so that a test does not see what an earlier one made."""
+        """Delete every IP address, custom field, IP range, prefix, VRF, VLAN and tag,
+        through the API with bulk deletes, so that a test does not see what an earlier one
+        made."""
         with requests.Session() as http:
             http.headers.update(self.headers())
             for endpoint in IPAM_ENDPOINTS:
