@@ -58,7 +58,7 @@ from tests.support.vsphere.simulator import (
     vcsim_binary_fixture,  # noqa: F401
     vcsim_tls_fixture,  # noqa: F401
 )
-from tests.support.vsphere.soapproxy import READ_METHODS, SoapProxy
+from tests.support.vsphere.soapproxy import READ_METHODS, SoapProxy, counting_proxy
 
 GOLDEN_SCOPE = Scope(folder="golden")
 
@@ -73,19 +73,20 @@ def lab(vcsim_binary: Path, vcsim_tls: TlsFiles, tmp_path_factory: Any) -> Itera
 
 @pytest.fixture
 async def proxy(lab: Simulated) -> AsyncIterator[SoapProxy]:
-    counting = SoapProxy(lab.sim.port, lab.sim.tls)
-    await counting.start()
-    yield counting
-    await counting.stop()
+    async with counting_proxy(lab.sim.port, lab.sim.tls) as counting:
+        yield counting
 
 
-def lab_settings(tmp_path: Path, lab: Simulated, proxy: SoapProxy, **overrides: Any) -> Settings:
+def lab_backends(lab: Simulated, proxy: SoapProxy) -> list[dict[str, Any]]:
     """The simulator as the target, vcsim (through the proxy) as the source."""
-    backends = [
+    return [
         {"kind": "sim", "name": "sim", "time_scale": SIM_SCALE},
         lab.sim.config(port=proxy.port),
     ]
-    return make_settings(tmp_path, backends=backends, **overrides)
+
+
+def lab_settings(tmp_path: Path, lab: Simulated, proxy: SoapProxy, **overrides: Any) -> Settings:
+    return make_settings(tmp_path, backends=lab_backends(lab, proxy), **overrides)
 
 
 @pytest.fixture
@@ -412,10 +413,7 @@ async def test_slack_plans_and_applies_by_id_for_approvers_only(
     `/deploy migrate apply ID` starts the builds; both refuse a non-approver; applied
     again, nothing starts twice and the end is counted."""
     monkeypatch.setenv(PASSWORD_ENV, PASSWORD)
-    backends = [
-        {"kind": "sim", "name": "sim", "time_scale": SIM_SCALE},
-        lab.sim.config(port=proxy.port),
-    ]
+    backends = lab_backends(lab, proxy)
     async with slack_bot(tmp_path, backends=backends) as h:
 
         async def ask(text: str, user: str) -> Call:
@@ -758,10 +756,7 @@ async def test_slack_tells_the_end_of_an_apply_in_its_channel_once(
     it was asked from gets the final table (drawn from the store), once: a restart of
     the bot on the same database and Slack does not say it again."""
     monkeypatch.setenv(PASSWORD_ENV, PASSWORD)
-    backends = [
-        {"kind": "sim", "name": "sim", "time_scale": SIM_SCALE},
-        lab.sim.config(port=proxy.port),
-    ]
+    backends = lab_backends(lab, proxy)
     fake = await new_fake()
     try:
         async with slack_bot(tmp_path, backends=backends, fake=fake) as h:
@@ -797,10 +792,7 @@ async def test_the_end_of_an_apply_is_told_by_a_restart_when_its_teller_died(
     builds end: the end is in the store with the change that ended the last build, so
     the next process tells it once, and the one after that not again."""
     monkeypatch.setenv(PASSWORD_ENV, PASSWORD)
-    backends = [
-        {"kind": "sim", "name": "sim", "time_scale": SIM_SCALE},
-        lab.sim.config(port=proxy.port),
-    ]
+    backends = lab_backends(lab, proxy)
     fake = await new_fake()
     try:
         async with slack_bot(tmp_path, backends=backends, fake=fake) as h:

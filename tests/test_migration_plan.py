@@ -84,7 +84,13 @@ from tests.support.vsphere.simulator import (
     vcsim_binary_fixture,  # noqa: F401
     vcsim_tls_fixture,  # noqa: F401
 )
-from tests.support.vsphere.soapproxy import READ_METHODS, RestSeen, SoapProxy, rest_mutating
+from tests.support.vsphere.soapproxy import (
+    READ_METHODS,
+    RestSeen,
+    SoapProxy,
+    counting_proxy,
+    rest_mutating,
+)
 
 pve = testing.pve
 pve_schema = testing.pve_schema
@@ -284,10 +290,8 @@ def lab(vcsim_binary: Path, vcsim_tls: TlsFiles, tmp_path_factory: Any) -> Itera
 
 @pytest.fixture
 async def proxy(lab: Simulated) -> AsyncIterator[SoapProxy]:
-    counting = SoapProxy(lab.sim.port, lab.sim.tls)
-    await counting.start()
-    yield counting
-    await counting.stop()
+    async with counting_proxy(lab.sim.port, lab.sim.tls) as counting:
+        yield counting
 
 
 def _target(fake: FakePVE) -> None:

@@ -22,6 +22,8 @@ from __future__ import annotations
 import re
 import ssl
 from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -189,3 +191,14 @@ class SoapProxy:
         return all(
             s.this_type in _SESSION_OBJECTS for s in self.seen if s.method.startswith("Destroy")
         )
+
+
+@asynccontextmanager
+async def counting_proxy(port: int, tls: TlsFiles) -> AsyncIterator[SoapProxy]:
+    """A started `SoapProxy` in front of vcsim's `port`, stopped at the end."""
+    counting = SoapProxy(port, tls)
+    await counting.start()
+    try:
+        yield counting
+    finally:
+        await counting.stop()
