@@ -5,27 +5,14 @@ last of its builds; recorded after they all ended, at once; never twice."""
 from __future__ import annotations
 
 import asyncio
-import os
-from pathlib import Path
-
-import pytest
 
 from bot.models.builds import Build, BuildState
 from bot.models.notices import MIGRATION_ENDED, Notice
 from bot.models.plans import MigrationApply
 from store.db import Store
-from tests.support.postgres import PASSWORD_ENV
+from tests.support.store import store
 
-
-@pytest.fixture(params=["sqlite", "postgres"])
-async def store(request: pytest.FixtureRequest, tmp_path: Path):  # type: ignore[no-untyped-def]
-    if request.param == "postgres":
-        url = request.getfixturevalue("pg_url")
-        s = await Store.open(url, password=os.environ[PASSWORD_ENV])
-    else:
-        s = await Store.open(tmp_path / "jobs.db")
-    yield s
-    await s.close()
+__all__ = ["store"]  # the fixture (SQLite and PostgreSQL), used by name below
 
 
 def build(name: str, **fields: object) -> Build:

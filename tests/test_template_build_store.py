@@ -3,9 +3,7 @@ fenced by state and owner."""
 
 from __future__ import annotations
 
-import os
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 
@@ -13,18 +11,9 @@ from bot.models import utcnow
 from bot.models.builds import Build, BuildState
 from bot.models.plans import KeptPlan
 from store.db import DuplicateActive, Store
-from tests.support.postgres import PASSWORD_ENV
+from tests.support.store import store
 
-
-@pytest.fixture(params=["sqlite", "postgres"])
-async def store(request: pytest.FixtureRequest, tmp_path: Path):  # type: ignore[no-untyped-def]
-    if request.param == "postgres":
-        url = request.getfixturevalue("pg_url")
-        s = await Store.open(url, password=os.environ[PASSWORD_ENV])
-    else:
-        s = await Store.open(tmp_path / "jobs.db")
-    yield s
-    await s.close()
+__all__ = ["store"]  # the fixture (SQLite and PostgreSQL), used by name below
 
 
 def build(name: str = "debian-12", backend: str = "pve", **fields: object) -> Build:
