@@ -319,9 +319,12 @@ async def _known_hosts(inv: Invocation, command: KnownHosts) -> Reply:
 
 
 async def _ssh_ca(inv: Invocation, command: SshCa) -> Reply:
-    return authority_answer(inv.deployer.host_ca)
+    ca = inv.deployer.host_ca
+    revoked = await inv.deployer.revoked_host_keys() if ca is not None else []
+    return authority_answer(ca, revoked, cap=REVOKED_SHOWN)
 
 
+REVOKED_SHOWN = 20  # @revoked lines in chat; `deploybot ssh-ca` prints them all
 LIST_PER_PAGE = 10  # rows a page; Slack's Block Kit page stays far under 50 blocks
 
 
@@ -390,7 +393,7 @@ COMMANDS = Registry(
         Spec(Destroy, "destroy", Who.OWNER_APPROVERS_DESTROYERS, _destroy),
         Spec(ListVMs, "list", ANYONE, _list, slack=VIEW),
         Spec(KnownHosts, "known-hosts", ANYONE, _known_hosts),
-        Spec(SshCa, "ssh-ca", ANYONE, _ssh_ca, slack=IN_ACK),
+        Spec(SshCa, "ssh-ca", ANYONE, _ssh_ca),
         Spec(ExtendLease, "lease extend", Who.REQUESTER_OR_APPROVERS, _extend),
         Spec(BuildTemplate, "template build", Who.DEPLOYERS, _build),
         Spec(TemplateProfiles, "template profiles", ANYONE, _profiles, table=True),

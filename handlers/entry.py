@@ -149,15 +149,22 @@ async def known_hosts(args: argparse.Namespace, settings: Settings) -> int:
 
 
 async def ssh_ca(args: argparse.Namespace, settings: Settings) -> int:
-    # Only the configuration and the environment: no store, no backend. The line alone
-    # goes to stdout (`deploybot ssh-ca >> ~/.ssh/known_hosts`), what it is to stderr.
+    # The configuration, the environment and the store's jobs (no backend). The lines
+    # for known_hosts alone go to stdout (`deploybot ssh-ca >> ~/.ssh/known_hosts`),
+    # what they are to stderr.
     ca = load_host_ca(settings, os.environ)
-    *said, line = authority_answer(ca)
     if ca is None:
-        print("\n".join([*said, line]), file=sys.stderr)
+        print("\n".join(authority_answer(ca)), file=sys.stderr)
         return 1
-    print("\n".join(said), file=sys.stderr)
-    print(line.removeprefix("    "))
+    async with running_deployer(
+        settings, TerminalThread(), runner_kind="ssh-ca", takes_over=False, start=False
+    ) as deployer:
+        revoked = await deployer.revoked_host_keys()
+    for line in authority_answer(ca, revoked):
+        if line.startswith("    "):
+            print(line.removeprefix("    "))
+        else:
+            print(line, file=sys.stderr)
     return 0
 
 

@@ -492,6 +492,19 @@ def jobs_in(db: Db, states: Collection[JobState]) -> list[Job]:
     return _jobs(db, sql, values)[0]
 
 
+def host_keys(db: Db, states: Collection[JobState]) -> list[tuple[str, str | None, str | None]]:
+    """(name, host key, host certificate) of the jobs in `states` that recorded either:
+    what `deploybot ssh-ca` needs to name the keys of VMs that are gone (bot/sshca/)."""
+    values = [s.value for s in states]
+    marks = ", ".join("?" for _ in values)
+    rows = db.execute(
+        f"SELECT name, host_key, host_certificate FROM jobs WHERE state IN ({marks}) "
+        "AND (host_key IS NOT NULL OR host_certificate IS NOT NULL) ORDER BY created_at",
+        values,
+    ).fetchall()
+    return [(str(name), key, certificate) for name, key, certificate in rows]
+
+
 def count_by_state(db: Db) -> dict[str, int]:
     """How many jobs are in each state (for metrics)."""
     rows = db.execute("SELECT state, count(*) FROM jobs GROUP BY state").fetchall()

@@ -58,6 +58,7 @@ class Jobs(Repository):
     count_by_state = call(jobs.count_by_state)
     with_wreckage = call(jobs.jobs_with_wreckage)
     in_states = call(jobs.jobs_in)
+    host_keys = call(jobs.host_keys)
     live = call(destroys.live)
     count_live = call(destroys.count_live)
     quota_usage = call(quotas.usage)

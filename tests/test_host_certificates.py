@@ -8,6 +8,7 @@ The certificate verifies against the CA, and a real SSH client that trusts only 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -34,12 +35,15 @@ from bot.models.errors import ConfigError
 from bot.operations.check import check_backend, check_host_ca
 from bot.sshca.authority import load_host_ca
 from bot.sshca.certificates import certify, read_certificate
+from bot.sshca.revocation import RevokedKey, revoked_keys
 from handlers.commands import answer
 from handlers.messages.core import finished, slack_outcome_dm
 from handlers.messages.hostkeys import certificate_lines
 from tests.support.cli import CONFIG, deploybot, no_traceback
 from tests.support.crash import KillPoint, job_state, restart, run_round, write_config
 from tests.support.deployer import SIM_SCALE, Recorder, deploy, make_settings
+from tests.support.realguest import openssh
+from tests.support.realguest.support import unavailable
 
 CA_ENV = "TEST_DEPLOYBOT_HOST_CA"  # not DEPLOYBOT_*: the CLI helpers drop those
 CERT_TYPE_HOST = 2  # OpenSSH's SSH2_CERT_TYPE_HOST
@@ -383,6 +387,29 @@ async def test_ssh_ca_prints_the_line_or_how_to_get_one(
     assert "try again" not in none
 
 
+async def test_ssh_ca_names_the_keys_of_vms_that_are_gone_until_their_certificates_end(
+    tmp_path: Path, ca_key: asyncssh.SSHKey
+) -> None:
+    """web01 is destroyed while its certificate holds: `ssh-ca` adds an @revoked line
+    for its key (never web02's, which lives); once the certificate ends, none."""
+    sim = SimBackend("sim", time_scale=SIM_SCALE)
+    async with running_deployer(ca_settings(tmp_path), Recorder(), backends={"sim": sim}) as d:
+        gone = await deploy(d, "web01 10.0.0.50")
+        alive = await deploy(d, "web02 10.0.0.51")
+        assert gone.state is alive.state is JobState.SUCCEEDED, (gone.error, alive.error)
+        await d.request_destroy("web01", "bob")  # an approver
+        await d.drain()
+        assert (await d.status(gone.id)).job.state is JobState.DESTROYED
+        said = await answer(d, "alice", "ssh-ca")
+        info = read_certificate(gone.host_certificate or "")
+        assert info is not None and alive.host_key is not None
+        revoked = [line.strip() for line in said if line.startswith("    @revoked")]
+        assert revoked == [f"@revoked * {info.key} deploybot-gone:web01"]
+        assert not any(alive.host_key in line for line in said)
+        assert await revoked_keys(d.store, info.valid_before - timedelta(seconds=1)) != []
+        assert await revoked_keys(d.store, info.valid_before) == []  # it ended: no line
+
+
 # --- a real SSH client trusts the certificate through the @cert-authority line --------
 
 
@@ -450,6 +477,74 @@ async def test_a_client_trusting_only_the_ca_line_accepts_the_vm_and_nothing_els
     finally:
         server.close()
         await server.wait_closed()
+
+
+async def test_the_real_openssh_client_refuses_a_revoked_key_the_ca_certified(
+    tmp_path: Path, ca_key: asyncssh.SSHKey
+) -> None:
+    """OpenSSH itself (/usr/bin/ssh): the certificate is accepted through the CA line
+    alone (the host key passes, only the login is refused), and refused once the
+    known_hosts file also holds the key's @revoked line as `ssh-ca` prints it."""
+    if not openssh.available():
+        unavailable(f"no OpenSSH client at {openssh.SSH} (apt-get install openssh-client)")
+    ca = load_host_ca(
+        ca_settings(tmp_path), {CA_ENV: ca_key.export_private_key("openssh").decode()}
+    )
+    assert ca is not None
+    host_key = asyncssh.generate_private_key("ssh-ed25519")
+    public = " ".join(host_key.export_public_key().decode().split()[:2])
+    line = ca.sign(
+        public, principals=["web01.lab.example"], valid_after=utcnow() - timedelta(minutes=5),
+        valid_before=utcnow() + timedelta(days=1), key_id="deploybot:test:web01",
+    )  # fmt: skip
+    server = await asyncssh.create_server(
+        _LetsNobodyIn, "127.0.0.1", 0,
+        server_host_keys=[(host_key, asyncssh.import_certificate(line))],
+    )  # fmt: skip
+    port = server.sockets[0].getsockname()[1]
+    identity = tmp_path / "id"
+    asyncssh.generate_private_key("ssh-ed25519").write_private_key(str(identity))
+    identity.chmod(0o600)
+    revoked = RevokedKey("web01", public, utcnow() + timedelta(days=1)).line
+    try:
+        trusted = await _real_ssh(tmp_path, port, identity, [ca.authority_line()])
+        refused = await _real_ssh(tmp_path, port, identity, [ca.authority_line(), revoked])
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert "Permission denied" in trusted and "Host key verification failed" not in trusted
+    assert "REVOKED HOST KEY" in refused and "Permission denied" not in refused
+
+
+class _LetsNobodyIn(asyncssh.SSHServer):
+    """Asks for a key and takes none: a client that trusted the host key hears
+    "Permission denied"."""
+
+    def begin_auth(self, username: str) -> bool:
+        return True
+
+    def public_key_auth_supported(self) -> bool:
+        return True
+
+    def validate_public_key(self, username: str, key: asyncssh.SSHKey) -> bool:
+        return False
+
+
+async def _real_ssh(tmp_path: Path, port: int, identity: Path, known: list[str]) -> str:
+    """What /usr/bin/ssh says connecting to 127.0.0.1:port as web01.lab.example with
+    only `known` as its known_hosts (it never gets a shell: the server lets nobody in)."""
+    known_hosts = tmp_path / "known_hosts"
+    known_hosts.write_text("\n".join(known) + "\n", encoding="utf-8")
+    command = openssh.argv(
+        None, user="nobody", host="web01.lab.example", address="127.0.0.1", port=port,
+        identity=identity, known_hosts=known_hosts, command="true",
+    )  # fmt: skip
+    process = await asyncio.create_subprocess_exec(
+        *command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+    )
+    out, _ = await asyncio.wait_for(process.communicate(), openssh.TIMEOUT_S)
+    assert process.returncode == 255, out
+    return out.decode()
 
 
 # --- the command line, and a restart in the middle of `certify` --------------------------

@@ -37,7 +37,7 @@ from bot.leases.enforce import Leases
 from bot.migration.apply import Applied, Outcome
 from bot.migration.plan import Plan
 from bot.migration.service import Migrations
-from bot.models import Job, UserPrefs
+from bot.models import Job, UserPrefs, utcnow
 from bot.models.builds import Build
 from bot.models.errors import BackendError, JobNotFound
 from bot.models.plans import KeptPlan
@@ -50,6 +50,7 @@ from bot.requests.intake import Intake
 from bot.requests.parsed import DeployArgs
 from bot.requests.quotas import Standing
 from bot.sshca.authority import HostCA
+from bot.sshca.revocation import RevokedKey, revoked_keys
 from store.db import Store
 
 log = logging.getLogger(__name__)
@@ -444,6 +445,10 @@ class Deployer:
 
     async def quota_standing(self, user: str) -> list[Standing]:
         return await self.queries.quota_standing(user)
+
+    async def revoked_host_keys(self) -> list[RevokedKey]:
+        """Keys of VMs that are gone whose certificates hold still (bot/sshca/revocation.py)."""
+        return await revoked_keys(self.store, utcnow())
 
 
 def _job(record: Record) -> Job:

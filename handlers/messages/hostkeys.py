@@ -5,12 +5,14 @@ signed one (the end of a deploy, its DM, and `/deploy known-hosts NAME`); and
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime
 
 from backends.sshcheck import fingerprint
 from bot.models import HostKeySource, Job, utcnow
 from bot.sshca.authority import HostCA
 from bot.sshca.certificates import read_certificate
+from bot.sshca.revocation import RevokedKey
 from handlers.messages.text import STATE_LABELS
 
 HOW_CONFIRMED = {
@@ -79,8 +81,12 @@ def certificate_lines(job: Job, now: datetime | None = None) -> list[str]:
     ]
 
 
-def authority_answer(ca: HostCA | None) -> list[str]:
-    """`ssh-ca`: the @cert-authority line for known_hosts, or how to get one."""
+def authority_answer(
+    ca: HostCA | None, revoked: Sequence[RevokedKey] = (), cap: int | None = None
+) -> list[str]:
+    """`ssh-ca`: the @cert-authority line for known_hosts, or how to get one; then the
+    @revoked lines of keys of VMs that are gone (the first `cap`, the rest counted).
+    The lines for known_hosts are the indented ones."""
     if ca is None:
         return [
             "This deploybot has no host CA, so its VMs' host keys are not certified: compare "
@@ -95,7 +101,24 @@ def authority_answer(ca: HostCA | None) -> list[str]:
         f"builds for {', '.join(ca.patterns)}. Add this line to ~/.ssh/known_hosts, and ssh "
         "asks nothing about those VMs' keys while their certificates hold:",
         f"    {ca.authority_line()}",
+        *_revoked_lines(revoked, cap),
     ]
+
+
+def _revoked_lines(revoked: Sequence[RevokedKey], cap: int | None) -> list[str]:
+    if not revoked:
+        return []
+    shown = revoked if cap is None else revoked[:cap]
+    lines = [
+        f"{len(revoked)} VM(s) are gone whose host keys are certified still (until "
+        f"{revoked[-1].until:%Y-%m-%d %H:%M} UTC at the latest). Add these lines too, and "
+        "ssh refuses those keys, so nobody who kept one can pass for a new VM of that "
+        "name or address:",
+        *(f"    {key.line}" for key in shown),
+    ]
+    if len(shown) < len(revoked):
+        lines.append(f"... and {len(revoked) - len(shown)} more: `deploybot ssh-ca` prints all.")
+    return lines
 
 
 def known_hosts_fingerprint_only(job: Job) -> list[str]:
