@@ -31,9 +31,9 @@ from handlers.slack.delivery import Parts
 from handlers.slack.items import (
     BuildCard,
     BuildThread,
-    ChannelMessage,
     DirectMessages,
     Line,
+    OneMessage,
     parse_ref,
 )
 from handlers.slack.outbox import Outboxes
@@ -102,8 +102,11 @@ class BuildDelivery:
         """The last build of a migration apply asked from chat ended: its final table,
         drawn from the store (no backend is asked), posted once in the channel it was
         asked from. A record or plan that is gone leaves nothing to show."""
-        nid = self._parts.hold(notice)
+        # Read before holding: a read that fails leaves the notice held by nobody, so the
+        # build's claim goes and the orphan scan brings the notice back (held, it would
+        # wait for a part that never comes, its claim renewed for ever).
         ended = await self._deployer.migrations.ended(notice.text)
+        nid = self._parts.hold(notice)
         part = self._parts.part(nid, "end") if ended is not None else None
         if ended is not None and part is not None:
             record, outcome = ended
@@ -111,7 +114,7 @@ class BuildDelivery:
             text = views.mrkdwn(head)
             blocks = views.answer([text])
             blocks += views.answer([views.mrkdwn(line) for line in body], monospace=True)
-            message = ChannelMessage(record.origin, text, blocks, part, self._parts.done)
+            message = OneMessage(record.origin, text, blocks, part, self._parts.done)
             self._outboxes.touch(message)
         self._parts.release(nid)
 

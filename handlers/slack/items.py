@@ -372,11 +372,12 @@ class DirectMessages:
 
 
 @dataclass(eq=False)
-class DirectCard:
-    """One direct message with buttons (a lease reminder: Extend / Destroy now), posted
-    once. Slack posts a message to a member's id in the app's conversation with them."""
+class OneMessage:
+    """One message with blocks, posted once: a lease reminder with its buttons (Extend /
+    Destroy now) to a member's id, which Slack posts in the app's conversation with
+    them; a migration apply's final table to the channel it was asked from."""
 
-    channel: str  # the user's id
+    channel: str  # a channel's id, or a member's id for a direct message
     text: str  # mrkdwn: the notification
     blocks: list[dict[str, Any]]
     part: Part
@@ -398,13 +399,6 @@ class DirectCard:
     def give_up(self) -> None:
         self.dead = True
         self.done([self.part])
-
-
-@dataclass(eq=False)
-class ChannelMessage(DirectCard):
-    """One message posted once to a channel: a migration apply's final table, told in
-    the channel it was asked from (handlers/slack/buildthreads.py). `channel` is the
-    channel's id, not a person's."""
 
 
 @dataclass(eq=False)

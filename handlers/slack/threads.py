@@ -44,10 +44,10 @@ from handlers.slack.buildthreads import BuildDelivery
 from handlers.slack.delivery import Parts
 from handlers.slack.items import (
     ApprovalCard,
-    DirectCard,
     DirectMessages,
     JobThread,
     Line,
+    OneMessage,
     carries_outcome,
     parse_ref,
 )
@@ -339,7 +339,7 @@ class SlackThreads:
             blocks = views.lease_reminder(job, text, show_length(policy.step))
             part = self.parts.part(nid, "dm")
             if part is not None:
-                self.outboxes.touch(DirectCard(job.requester, text, blocks, part, self.parts.done))
+                self.outboxes.touch(OneMessage(job.requester, text, blocks, part, self.parts.done))
             return
         text = views.mrkdwn(lease_thread(job, step, when, notice.text, zone))
         self._say(job, text, nid)
