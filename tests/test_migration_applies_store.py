@@ -29,13 +29,16 @@ def build(name: str, **fields: object) -> Build:
     )
 
 
-def apply_of(*builds: Build) -> MigrationApply:
-    return MigrationApply(
-        plan_id="mplan00001",
-        requester="UBOB",
-        origin="C0DEPLOYS",
-        rebuilds="[]",
-        build_ids=tuple(b.id for b in builds),
+def apply_of(*builds: Build, plan_id: str = "mplan00001", **fields: str) -> MigrationApply:
+    return MigrationApply.model_validate(
+        {
+            "plan_id": plan_id,
+            "requester": "UBOB",
+            "origin": "C0DEPLOYS",
+            "rebuilds": "[]",
+            "build_ids": tuple(b.id for b in builds),
+            **fields,
+        }
     )
 
 
@@ -48,7 +51,7 @@ async def test_the_last_build_to_end_ends_the_apply_with_one_notice(store: Store
     first = await store.builds.insert(build("alma-9"))
     second = await store.builds.insert(build("debian-13", origin="C0DEPLOYS"))
     record = apply_of(first, second)
-    assert await store.migration_applies.record(record) is False
+    assert (await store.migration_applies.record(record)).ended_at is None
     await store.builds.move(first.id, [BuildState.QUEUED], BuildState.RUNNING)
     await store.builds.move(first.id, [BuildState.RUNNING], BuildState.PUBLISHED)
     assert await ends(store, first.id) == []  # debian-13 is still queued
@@ -67,7 +70,7 @@ async def test_an_apply_recorded_after_its_builds_ended_ends_at_once(store: Stor
     done = await store.builds.insert(build("alma-9"))
     await store.builds.move(done.id, [BuildState.QUEUED], BuildState.CANCELLED)
     record = apply_of(done)
-    assert await store.migration_applies.record(record) is True
+    assert (await store.migration_applies.record(record)).ended_at is not None
     (notice,) = await ends(store, done.id)
     assert notice.text == record.id
 
@@ -76,7 +79,7 @@ async def test_a_record_racing_its_last_build_ends_it_exactly_once(store: Store)
     """The apply's record and its build's end, side by side, many times: each apply
     ends once, in whichever order they ran."""
     builds = [await store.builds.insert(build(f"p{i}")) for i in range(12)]
-    records = [apply_of(b) for b in builds]
+    records = [apply_of(b, plan_id=f"mplan{i:05d}") for i, b in enumerate(builds)]
 
     async def end(b: Build) -> None:
         await store.builds.move(b.id, [BuildState.QUEUED], BuildState.CANCELLED)
@@ -86,3 +89,26 @@ async def test_a_record_racing_its_last_build_ends_it_exactly_once(store: Store)
     )
     for b, r in zip(builds, records, strict=True):
         assert [n.text for n in await ends(store, b.id)] == [r.id]
+
+
+async def test_the_same_command_or_a_re_run_in_the_channel_keeps_one_apply(
+    store: Store,
+) -> None:
+    """A command recorded again under its id (redelivered, or re-run after its process
+    died), or the same plan applied again in the same channel while its apply is live,
+    keeps no second apply: the live one answers, and its end is told once. Once it has
+    ended, an apply of the plan is kept again; another channel has its own."""
+    first = await store.builds.insert(build("alma-9"))
+    record = apply_of(first, id="akey000001")
+    assert (await store.migration_applies.record(record)).id == record.id
+    assert (await store.migration_applies.record(record)).id == record.id
+    rerun = apply_of(first, id="akey000002", requester="UALICE")
+    assert (await store.migration_applies.record(rerun)).id == record.id
+    assert await store.migration_applies.get(rerun.id) is None
+    elsewhere = apply_of(first, id="akey000003", origin="C0OTHER")
+    assert (await store.migration_applies.record(elsewhere)).id == elsewhere.id
+    await store.builds.move(first.id, [BuildState.QUEUED], BuildState.CANCELLED)
+    assert sorted(n.text for n in await ends(store, first.id)) == [record.id, elsewhere.id]
+    second = await store.builds.insert(build("alma-9"))
+    later = apply_of(second, id="akey000004")
+    assert (await store.migration_applies.record(later)).id == later.id

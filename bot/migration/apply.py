@@ -87,6 +87,9 @@ class Applied:
     # The store's record of an apply asked from chat with builds in flight (its id):
     # its end is told where it was asked once the last build ends (store/applies.py).
     recorded: str | None = None
+    # An apply of the same plan asked in the same channel was under way already: this
+    # one is told by its end (one table per plan and channel until it has ended).
+    joined: bool = False
 
 
 @dataclass(frozen=True)
