@@ -509,6 +509,42 @@ async def test_a_tag_added_after_the_plan_makes_the_apply_refuse_the_source(
     assert proxy.rest_mutations() == [] and proxy.mutations() == []
 
 
+async def test_a_plan_made_without_tags_applies_once_they_can_be_read(
+    lab: Simulated, proxy: SoapProxy, pve: FakePVE
+) -> None:
+    """A plan whose tags were not read (unreadable then, or made before tags were read)
+    is compared without them once they can be read; a plan made with tags whose tags
+    cannot be read now is refused saying so, not that everything changed."""
+    plan = await _plan_of(lab, proxy, pve, Scope(name="*01"))
+    assert any(f.tags for f in plan.vm_facts)  # the lab's VMs have tags attached
+    facts = tuple(dataclasses.replace(f, tags=None) for f in plan.facts)
+    vms = tuple(dataclasses.replace(v, tags=None) for v in plan.vm_facts)
+    digest = source_digest(plan.source, plan.scope, facts, vms)
+    untagged = dataclasses.replace(
+        plan, facts=facts, vm_facts=vms, digest=digest, tags_unreadable="refused (401)"
+    )
+    before_tags = dataclasses.replace(untagged, tags_unreadable=None)
+    source = create(_source_config(lab, proxy), {PASSWORD_ENV: PASSWORD})
+    try:
+        for made_without in (untagged, before_tags):
+            await check_source(made_without, source)
+            assert await source_unchanged(made_without, source)
+    finally:
+        await source.close()
+    proxy.rest_status = 404  # the tagging service is gone now
+    source = create(_source_config(lab, proxy), {PASSWORD_ENV: PASSWORD})
+    try:
+        with pytest.raises(SourceChanged) as refused:
+            await check_source(plan, source)
+        assert not await source_unchanged(plan, source)
+        await check_source(untagged, source)  # made without tags: none needed now
+    finally:
+        await source.close()
+    assert f"The tags of {plan.source} could not be read now: " in refused.value.message
+    assert "changed" not in refused.value.message.split(". This plan")[0]
+    assert proxy.rest_mutations() == [] and proxy.mutations() == []
+
+
 async def test_the_plan_file_keeps_the_vms_and_their_digest(
     lab: Simulated, proxy: SoapProxy, pve: FakePVE, tmp_path: Path
 ) -> None:

@@ -117,6 +117,9 @@ class SoapProxy:
     seen: list[Seen] = field(default_factory=list)
     rest: list[RestSeen] = field(default_factory=list)
     port: int = 0
+    # When set, every vAPI request is recorded and answered with this status, never
+    # forwarded: a vCenter whose tagging service is gone or refuses.
+    rest_status: int | None = None
 
     async def start(self) -> None:
         client_tls = ssl.create_default_context(cafile=str(self.tls.ca))
@@ -144,6 +147,8 @@ class SoapProxy:
         if request.path.startswith(_REST_PREFIXES):
             action = request.query.get("~action") or request.query.get("action") or ""
             self.rest.append(RestSeen(request.method, request.path, action))
+            if self.rest_status is not None:
+                return web.Response(status=self.rest_status)
         else:
             self._record(body)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
