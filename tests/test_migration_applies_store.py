@@ -4,12 +4,23 @@ last of its builds; recorded after they all ended, at once; never twice."""
 
 from __future__ import annotations
 
-import asyncio
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import psycopg
+import pytest
 
 from bot.models.builds import Build, BuildState
 from bot.models.notices import MIGRATION_ENDED, Notice
 from bot.models.plans import MigrationApply
+from store import applies, builds
 from store.db import Store
+from store.postgres.db import PgDb
+from store.sql import Db
+from tests.support.postgres import PASSWORD_ENV
 from tests.support.store import store
 
 __all__ = ["store"]  # the fixture (SQLite and PostgreSQL), used by name below
@@ -75,20 +86,66 @@ async def test_an_apply_recorded_after_its_builds_ended_ends_at_once(store: Stor
     assert notice.text == record.id
 
 
-async def test_a_record_racing_its_last_build_ends_it_exactly_once(store: Store) -> None:
-    """The apply's record and its build's end, side by side, many times: each apply
-    ends once, in whichever order they ran."""
-    builds = [await store.builds.insert(build(f"p{i}")) for i in range(12)]
-    records = [apply_of(b, plan_id=f"mplan{i:05d}") for i, b in enumerate(builds)]
+def _waits_on_a_lock(monitor: psycopg.Connection[Any], pid: int) -> bool:
+    row = monitor.execute(
+        "SELECT count(*) FROM pg_locks WHERE pid = %s AND NOT granted", [pid]
+    ).fetchone()
+    return row is not None and int(row[0]) > 0
 
-    async def end(b: Build) -> None:
-        await store.builds.move(b.id, [BuildState.QUEUED], BuildState.CANCELLED)
 
-    await asyncio.gather(
-        *(store.migration_applies.record(r) for r in records), *(end(b) for b in builds)
-    )
-    for b, r in zip(builds, records, strict=True):
-        assert [n.text for n in await ends(store, b.id)] == [r.id]
+def _second_waits_for_first(
+    url: str, first: Callable[[Db], object], second: Callable[[Db], object]
+) -> None:
+    """`first` in a transaction left open; `second` on another connection, in a thread;
+    once PostgreSQL says the second waits on a lock (or it ended without waiting), the
+    first commits and the second runs on."""
+    password = os.environ[PASSWORD_ENV]
+    with (
+        psycopg.connect(url, password=password, autocommit=True) as one,
+        psycopg.connect(url, password=password, autocommit=True) as two,
+        psycopg.connect(url, password=password, autocommit=True) as monitor,
+    ):
+        one.execute("BEGIN")
+        first(PgDb(one))  # its store transaction is a savepoint of this open one
+        with ThreadPoolExecutor(1) as pool:
+            running = pool.submit(second, PgDb(two))
+            deadline = time.monotonic() + 30
+            while not running.done() and not _waits_on_a_lock(monitor, two.info.backend_pid):
+                assert time.monotonic() < deadline, "the second neither waited nor ended"
+            one.execute("COMMIT")
+            running.result()
+
+
+@pytest.mark.parametrize("order", ["the build's end first", "the record first"])
+async def test_a_record_and_its_last_build_ending_side_by_side_end_it_once(
+    pg_url: str, order: str
+) -> None:
+    """On PostgreSQL, whose transactions run side by side: one of the two holds its
+    transaction open while the other starts; the other waits for it (`applies.LOCK`)
+    and so sees what it did, whichever order they ran: the apply ends exactly once.
+    Without the lock neither would see the other and the end would never be told."""
+    store = await Store.open(pg_url, password=os.environ[PASSWORD_ENV])
+    try:
+        await _side_by_side(store, pg_url, order)
+    finally:
+        await store.close()
+
+
+async def _side_by_side(store: Store, url: str, order: str) -> None:
+    b = await store.builds.insert(build("alma-9"))
+    record = apply_of(b)
+
+    def end(db: Db) -> object:
+        return builds.move_build(db, b.id, [BuildState.QUEUED], BuildState.CANCELLED)
+
+    def keep(db: Db) -> object:
+        return applies.record_apply(db, record)
+
+    if order == "the record first":
+        _second_waits_for_first(url, keep, end)
+    else:
+        _second_waits_for_first(url, end, keep)
+    assert [n.text for n in await ends(store, b.id)] == [record.id]
 
 
 async def test_the_same_command_or_a_re_run_in_the_channel_keeps_one_apply(
