@@ -35,6 +35,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 from pyVim.task import WaitForTask
 from pyVmomi import vim
@@ -487,6 +488,43 @@ def test_the_proxy_judges_rest_requests_by_what_they_do() -> None:
     ]
     assert [rest_mutating(r) for r in reads] == [False] * len(reads)
     assert [rest_mutating(r) for r in changes] == [True] * len(changes)
+
+
+async def test_the_proxy_counts_every_request_it_cannot_read_as_a_change(
+    lab: Simulated,
+) -> None:
+    """No request is dropped from the count: a PUT or DELETE outside the vAPI (a
+    datastore upload, an NFC lease), a POST whose body is no SOAP call, and a SOAP read
+    sent with another method are changes; a plain GET reads. (In front of a closed port:
+    nothing reaches the simulator.)"""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        closed = taken.getsockname()[1]
+    read = b"<soapenv:Envelope><soapenv:Body><RetrievePropertiesEx></RetrievePropertiesEx>"
+    sent = [
+        ("PUT", "/folder/x.iso", b"data"),
+        ("DELETE", "/nfc/52a1/disk-0.vmdk", b""),
+        ("POST", "/sdk", b"<not-soap/>"),
+        ("PUT", "/sdk", read),
+        ("GET", "/sdk/vimServiceVersions.xml", b""),
+        ("POST", "/sdk", read),
+    ]
+    async with (
+        counting_proxy(closed, lab.sim.tls) as counting,
+        aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=_tls(lab.sim.tls))) as client,
+    ):
+        for method, path, body in sent:
+            url = f"https://127.0.0.1:{counting.port}{path}"
+            async with client.request(method, url, data=body) as answer:
+                await answer.read()
+    assert [s.request for s in counting.mutations()] == [
+        "PUT /folder/x.iso",
+        "DELETE /nfc/52a1/disk-0.vmdk",
+        "POST /sdk",
+        "PUT /sdk",
+    ]
+    assert counting.reads == ["GET /sdk/vimServiceVersions.xml"]
+    assert counting.methods()["RetrievePropertiesEx"] == 1
 
 
 async def test_a_tag_added_after_the_plan_makes_the_apply_refuse_the_source(
