@@ -52,7 +52,7 @@ from backends.vsphere.readonly import (
     create,
 )
 from backends.vsphere.session import Session
-from backends.vsphere.tagging import TagReader, TagsUnreadable
+from backends.vsphere.tagging import SESSION, TAG, TagReader, TagsUnreadable
 from bot.addresses.subnets import Subnet
 from bot.images.profiles import catalogue
 from bot.migration.apply import SourceChanged, check_source
@@ -569,7 +569,7 @@ async def test_a_plan_made_without_tags_applies_once_they_can_be_read(
             assert await source_unchanged(made_without, source)
     finally:
         await source.close()
-    proxy.rest_status = 404  # the tagging service is gone now
+    proxy.rest_answers[""] = 404  # the tagging service is gone now
     source = create(_source_config(lab, proxy), {PASSWORD_ENV: PASSWORD})
     try:
         with pytest.raises(SourceChanged) as refused:
@@ -719,6 +719,60 @@ async def test_the_tag_reader_says_why_tags_cannot_be_read(
             await reader.attached(["vm-1"])
     assert PASSWORD not in unreachable.value.message
     assert proxy.rest_mutations() == []
+
+
+async def test_the_tag_reader_leaves_out_a_deleted_tag_and_follows_no_redirect(
+    lab: Simulated, proxy: SoapProxy
+) -> None:
+    """A tag deleted between the batch that named it and its GET (404) is no longer
+    attached: left out, not "no tagging service". A redirect is not followed (the
+    session id would go elsewhere): tags not readable, saying so."""
+    endpoint = endpoint_of(_source_config(lab, proxy))
+    operator = Tagger(lab.sim)  # straight to vcsim, not through the proxy
+    operator.attach("web01", "Change/vanishing", "Change/staying")
+    web01 = find_vm(lab.sim, "web01")._moId
+    try:
+        proxy.rest_answers[f"{TAG}/id:{operator.tag_id('Change/vanishing')}"] = 404
+        async with TagReader(endpoint, PASSWORD, _tls(lab.sim.tls)) as reader:
+            tags = await reader.attached([web01])
+    finally:
+        operator.detach("web01", "Change/vanishing")
+        operator.detach("web01", "Change/staying")
+    assert "Change/staying" in tags[web01] and "Change/vanishing" not in tags[web01]
+    proxy.rest_answers = {SESSION: 302}
+    sent = len(proxy.rest)
+    async with TagReader(endpoint, PASSWORD, _tls(lab.sim.tls)) as redirected:
+        with pytest.raises(TagsUnreadable, match=r"with a redirect \(302\), which is not"):
+            await redirected.attached([web01])
+    assert [r.path for r in proxy.rest[sent:]] == [SESSION] and proxy.reads == []
+    assert proxy.rest_mutations() == []
+
+
+async def test_a_cancelled_close_still_ends_the_soap_session(
+    lab: Simulated, proxy: SoapProxy
+) -> None:
+    """The source's close cancelled while the tags' logout is on its way: the SOAP
+    session is logged out all the same."""
+    arrived, release = asyncio.Event(), asyncio.Event()
+
+    async def hold_the_logout(seen: RestSeen) -> None:
+        if seen.method == "DELETE":
+            arrived.set()
+            await release.wait()
+
+    source = create(_source_config(lab, proxy), {PASSWORD_ENV: PASSWORD})
+    await source.vm_facts(Scope(name="web01"))  # logged in to SOAP and to the vAPI
+    assert source.tags_unreadable is None
+    proxy.rest_gate = hold_the_logout
+    closing = asyncio.create_task(source.close())
+    try:
+        await arrived.wait()
+        closing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await closing
+    finally:
+        release.set()
+    assert proxy.methods()["Logout"] == 1
 
 
 def test_the_read_only_type_has_no_method_that_changes_anything() -> None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import re
 import ssl
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -125,9 +125,12 @@ class SoapProxy:
     rest: list[RestSeen] = field(default_factory=list)
     reads: list[str] = field(default_factory=list)  # other GETs and HEADs: "GET /path"
     port: int = 0
-    # When set, every vAPI request is recorded and answered with this status, never
-    # forwarded: a vCenter whose tagging service is gone or refuses.
-    rest_status: int | None = None
+    # vAPI requests whose path starts with a key are recorded and answered with its
+    # status, never forwarded ("" : all of them): a vCenter whose tagging service is
+    # gone, refuses, redirects (a 3xx names /elsewhere), or lost one tag.
+    rest_answers: dict[str, int] = field(default_factory=dict)
+    # Awaited before a vAPI request is forwarded or answered: a test holds one there.
+    rest_gate: Callable[[RestSeen], Awaitable[None]] | None = None
 
     async def start(self) -> None:
         client_tls = ssl.create_default_context(cafile=str(self.tls.ca))
@@ -154,9 +157,14 @@ class SoapProxy:
         body = await request.read()
         if request.path.startswith(_REST_PREFIXES):
             action = request.query.get("~action") or request.query.get("action") or ""
-            self.rest.append(RestSeen(request.method, request.path, action))
-            if self.rest_status is not None:
-                return web.Response(status=self.rest_status)
+            seen = RestSeen(request.method, request.path, action)
+            self.rest.append(seen)
+            if self.rest_gate is not None:
+                await self.rest_gate(seen)
+            status = next((v for k, v in self.rest_answers.items() if seen.path.startswith(k)), 0)
+            if status:
+                where = {"Location": "/elsewhere"} if 300 <= status < 400 else {}
+                return web.Response(status=status, headers=where)
         elif request.method in ("GET", "HEAD"):
             self.reads.append(f"{request.method} {request.path}")
         elif request.method == "POST":  # a SOAP call is a POST
