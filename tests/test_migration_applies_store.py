@@ -14,7 +14,7 @@ import psycopg
 import pytest
 
 from bot.models.builds import Build, BuildState
-from bot.models.notices import MIGRATION_ENDED, Notice
+from bot.models.notices import MIGRATION_ENDED, Notice, NoticeKind
 from bot.models.plans import MigrationApply
 from store import applies, builds
 from store.db import Store
@@ -169,3 +169,16 @@ async def test_the_same_command_or_a_re_run_in_the_channel_keeps_one_apply(
     second = await store.builds.insert(build("alma-9"))
     later = apply_of(second, id="akey000004")
     assert (await store.migration_applies.record(later)).id == later.id
+
+
+async def test_an_apply_build_asked_elsewhere_gets_only_the_apply_end_told(store: Store) -> None:
+    """A build the apply found in flight, asked from the command line (no origin, no
+    approval): its own notices stay unfollowed; only the apply's end is kept for it."""
+    b = await store.builds.insert(build("alma-9"))
+    record = apply_of(b)
+    await store.migration_applies.record(record)
+    running = Notice(job_id=b.id, kind=NoticeKind.BUILD, step="running", text="started")
+    await store.builds.move(b.id, [BuildState.QUEUED], BuildState.RUNNING, notices=[running])
+    assert await store.outbox.undelivered(b.id) == []
+    await store.builds.move(b.id, [BuildState.RUNNING], BuildState.PUBLISHED)
+    assert [n.text for n in await store.outbox.undelivered(b.id)] == [record.id]
