@@ -66,8 +66,9 @@ class TagsUnreadable(PermanentError):
     """The server has no tagging service this user may read: a plan says so and goes on."""
 
 
-class _Gone(Exception):
-    """A tag or category read by its id is not there (deleted since the batch)."""
+# What `_send` answers for a tag or category read by its id that is not there (404:
+# deleted since the batch that named it).
+_GONE = object()
 
 
 class TagReader:
@@ -149,24 +150,28 @@ class TagReader:
         return ids
 
     async def _name(self, tag_id: str) -> str | None:
-        """ "Category/Tag"; None when the tag or its category was deleted since the batch."""
+        """'Category/Tag'; None when the tag or its category was deleted since the batch."""
         if tag_id not in self._names:
-            try:
-                tag = await self._get(TAG, tag_id, "tag")
-                category_id = str(tag.get("category_id") or "")
-                if category_id not in self._categories:
-                    category = await self._get(CATEGORY, category_id, "category")
-                    self._categories[category_id] = str(category.get("name") or category_id)
-            except _Gone:
-                self._names[tag_id] = None
-                return None
-            self._names[tag_id] = (
-                f"{self._categories[category_id]}{SEPARATOR}{tag.get('name') or tag_id}"
-            )
+            self._names[tag_id] = await self._read_name(tag_id)
         return self._names[tag_id]
 
-    async def _get(self, path: str, object_id: str, what: str) -> dict[str, Any]:
+    async def _read_name(self, tag_id: str) -> str | None:
+        tag = await self._get(TAG, tag_id, "tag")
+        if tag is None:
+            return None
+        category_id = str(tag.get("category_id") or "")
+        if category_id not in self._categories:
+            category = await self._get(CATEGORY, category_id, "category")
+            if category is None:
+                return None
+            self._categories[category_id] = str(category.get("name") or category_id)
+        return f"{self._categories[category_id]}{SEPARATOR}{tag.get('name') or tag_id}"
+
+    async def _get(self, path: str, object_id: str, what: str) -> dict[str, Any] | None:
+        """The object by its id; None when it is gone (deleted since the batch)."""
         value = await self._send("GET", f"{path}/id:{object_id}", what, session=self._session_id)
+        if value is _GONE:
+            return None
         if not isinstance(value, dict):
             raise TagsUnreadable(f"{self._where}: the vAPI answered no {what} for {object_id}")
         return value
@@ -199,7 +204,7 @@ class TagReader:
                 allow_redirects=False,  # the session id goes to the server named, only
             ) as answer:  # fmt: skip
                 if answer.status == 404 and method == "GET":  # a tag or category, by id
-                    raise _Gone
+                    return _GONE
                 _check(answer.status, self._endpoint, what)
                 data = await answer.json(content_type=None) if method != "DELETE" else {}
         except aiohttp.ClientConnectorCertificateError as exc:
