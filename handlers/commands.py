@@ -372,7 +372,9 @@ async def _migrate_plan(inv: Invocation, command: MigratePlan) -> Reply:
 
 
 async def _migrate_apply(inv: Invocation, command: MigrateApply) -> Reply:
-    outcome = await inv.deployer.migrate_apply(command.plan_id, inv.user, origin=inv.origin)
+    outcome = await inv.deployer.migrate_apply(
+        command.plan_id, inv.user, origin=inv.origin, dedupe_key=inv.key
+    )
     ended = all(r.ended for r in outcome.rebuilds)
     return applied_lines(outcome, ends=ended, cap=CHAT_FINDINGS)
 

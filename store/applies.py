@@ -9,6 +9,12 @@ and without it an apply recorded while its last build ended could see the build 
 flight while the build's move did not see the apply yet (neither would tell the end).
 The notice is filed under the build that ended (a `builds` row, so deliverers claim it
 like that build's other notices); its text is the apply's id.
+
+One apply, one table: `record_apply` keeps nothing new when the apply's id is kept
+already (a command redelivered, or run again after its process died: the id is derived
+from the command's key, bot/migration/service.py) or when an apply of the same plan
+asked in the same channel has not ended (a person running it again): it answers the
+apply already kept, whose end is told once.
 """
 
 from __future__ import annotations
@@ -27,23 +33,33 @@ LOCK = "migration_applies"
 _ACTIVE = tuple(sorted(s.value for s in ACTIVE_BUILD_STATES))
 
 
-def record_apply(db: Db, /, apply: MigrationApply) -> bool:
+def record_apply(db: Db, /, apply: MigrationApply) -> MigrationApply:
     """Keep `apply` and its builds; when they have all ended already (the last one
-    ended while the apply was asking for the others), its end is kept at once. True
-    when it ended here."""
+    ended while the apply was asking for the others), its end is kept at once. The
+    apply kept: this one (`ended_at` set when it ended here), or the one already kept
+    under its id or live for its plan and channel, which stands for it."""
     row: dict[str, Any] = {
         **apply.model_dump(exclude={"build_ids", "ended_at"}),
         "created_at": ts(apply.created_at),
     }
     with immediate(db):
-        db.lock(LOCK)
+        db.lock(LOCK)  # the look below and the insert are one step for every process
+        kept = db.execute(
+            "SELECT id FROM migration_applies WHERE id = ? "
+            "OR (plan_id = ? AND origin = ? AND ended_at IS NULL) ORDER BY id <> ?, id LIMIT 1",
+            [apply.id, apply.plan_id, apply.origin, apply.id],
+        ).fetchone()
+        if kept is not None:  # read under the lock every writer of applies takes
+            return get_apply(db, str(kept[0])) or apply
         db.execute(insert_sql("migration_applies", list(row)), row)
         for build_id in dict.fromkeys(apply.build_ids):
             db.execute(
                 "INSERT INTO migration_apply_builds (apply_id, build_id) VALUES (?, ?)",
                 [apply.id, build_id],
             )
-        return _end_if_done(db, apply.id, None)
+        if _end_if_done(db, apply.id, None):
+            return get_apply(db, apply.id) or apply
+        return apply
 
 
 def build_ended(db: Db, build_id: str) -> None:

@@ -12,9 +12,11 @@ dies between them leaves only the rest to say.
 Only jobs someone follows in chat get notices: one with an origin (asked in a channel)
 or an approval (its card goes to the approvers). Template builds (ids starting with `b`)
 get them on the same terms, in the same table: since schema v12 `job_id` names a job
-or a build, and this check, not a foreign key, is what keeps notices of neither out. A
-build of a migration apply asked from chat (store/applies.py, schema v20) is followed
-too: the apply's end is filed under the build that ended last.
+or a build, and this check, not a foreign key, is what keeps notices of neither out. The
+end of a migration apply asked from chat (store/applies.py, schema v20) is kept too,
+filed under the build of it that ended last, whatever that build's origin: that
+notice only, not the build's own (an apply's build asked from the command line stays
+unfollowed).
 These functions run on the store's worker thread (store/db.py).
 """
 
@@ -27,7 +29,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from bot.models import JobState
-from bot.models.notices import Notice
+from bot.models.notices import MIGRATION_ENDED, Notice
 from store.sql import Db, immediate
 from store.tx import ts
 
@@ -62,14 +64,16 @@ def add(db: Db, notices: Iterable[Notice], state: JobState | None = None) -> Non
             "  OR EXISTS (SELECT 1 FROM approvals WHERE job_id = :job)))"
             " OR EXISTS (SELECT 1 FROM builds WHERE id = :job"
             "  AND (origin IS NOT NULL OR approval_reason IS NOT NULL))"
-            # a build of a migration apply asked from chat (store/applies.py)
-            " OR EXISTS (SELECT 1 FROM migration_apply_builds WHERE build_id = :job)",
+            # the end of a migration apply asked from chat (store/applies.py)
+            " OR (:apply_end = 1"
+            "  AND EXISTS (SELECT 1 FROM migration_apply_builds WHERE build_id = :job))",
             {
                 "job": notice.job_id,
                 "kind": notice.kind.value,
                 "urgent": int(notice.urgent),
                 "body": body,
                 "at": ts(notice.at),
+                "apply_end": int(notice.step == MIGRATION_ENDED),
             },
         )
         if cursor.rowcount > 0:

@@ -43,6 +43,7 @@ from bot.migration.plan import (
 from bot.models import utcnow
 from bot.models.builds import BuildState
 from bot.models.errors import UserError
+from bot.models.notices import MIGRATION_ENDED
 from bot.models.plans import KeptPlan
 from handlers.messages.migration import CHAT_FINDINGS, STAYS, applied_lines, kept_plan_lines
 from tests.support.deployer import SIM_SCALE, make_settings
@@ -813,3 +814,34 @@ async def test_the_end_of_an_apply_is_told_by_a_restart_when_its_teller_died(
         assert len(_ends(fake)) == 1
     finally:
         await fake.close()
+
+
+async def test_a_chat_apply_run_again_or_redelivered_tells_its_end_once(
+    deployer: Deployer, lab: Simulated, proxy: SoapProxy, target: SimBackend
+) -> None:
+    """The same command recorded twice (its process died before its inbox item was
+    done, and another ran it again) and another approver's re-run in the same channel,
+    all while the build waits for an approver: one apply is kept, and the build's end
+    tells its table once. The re-run says the table comes once."""
+    kept, plan = await deployer.migrations.plan(
+        "vcenter", "sim", Scope(folder="golden", name="alma-*"), "bob"
+    )
+
+    async def apply(user: str, key: str) -> Applied:
+        return await deployer.migrations.apply(
+            plan, user, origin="C0DEPLOYS", plan_id=kept.id, dedupe_key=key
+        )
+
+    first = await apply("alice", "slash:T1:trigger-1")
+    (rebuild,) = first.rebuilds
+    assert rebuild.build is not None and rebuild.build.state is BuildState.AWAITING_APPROVAL
+    again = await apply("alice", "slash:T1:trigger-1")
+    assert again.recorded == first.recorded and not again.joined
+    rerun = await apply("carol", "slash:T1:trigger-2")
+    assert rerun.recorded == first.recorded and rerun.joined
+    text = "\n".join(applied_lines(await deployer.migrations.outcome(rerun), ends=False))
+    assert f"under way ({first.recorded}): its final table is posted here once" in text
+    await deployer.decide_build(rebuild.build.id, "bob", True)
+    await deployer.drain()
+    notices = await deployer.store.outbox.undelivered(rebuild.build.id)
+    assert [n.text for n in notices if n.step == MIGRATION_ENDED] == [first.recorded]

@@ -35,6 +35,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 from pyVim.task import WaitForTask
 from pyVmomi import vim
@@ -51,7 +52,7 @@ from backends.vsphere.readonly import (
     create,
 )
 from backends.vsphere.session import Session
-from backends.vsphere.tagging import TagReader, TagsUnreadable
+from backends.vsphere.tagging import SESSION, TAG, TagReader, TagsUnreadable
 from bot.addresses.subnets import Subnet
 from bot.images.profiles import catalogue
 from bot.migration.apply import SourceChanged, check_source
@@ -489,6 +490,43 @@ def test_the_proxy_judges_rest_requests_by_what_they_do() -> None:
     assert [rest_mutating(r) for r in changes] == [True] * len(changes)
 
 
+async def test_the_proxy_counts_every_request_it_cannot_read_as_a_change(
+    lab: Simulated,
+) -> None:
+    """No request is dropped from the count: a PUT or DELETE outside the vAPI (a
+    datastore upload, an NFC lease), a POST whose body is no SOAP call, and a SOAP read
+    sent with another method are changes; a plain GET reads. (In front of a closed port:
+    nothing reaches the simulator.)"""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        closed = taken.getsockname()[1]
+    read = b"<soapenv:Envelope><soapenv:Body><RetrievePropertiesEx></RetrievePropertiesEx>"
+    sent = [
+        ("PUT", "/folder/x.iso", b"data"),
+        ("DELETE", "/nfc/52a1/disk-0.vmdk", b""),
+        ("POST", "/sdk", b"<not-soap/>"),
+        ("PUT", "/sdk", read),
+        ("GET", "/sdk/vimServiceVersions.xml", b""),
+        ("POST", "/sdk", read),
+    ]
+    async with (
+        counting_proxy(closed, lab.sim.tls) as counting,
+        aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=_tls(lab.sim.tls))) as client,
+    ):
+        for method, path, body in sent:
+            url = f"https://127.0.0.1:{counting.port}{path}"
+            async with client.request(method, url, data=body) as answer:
+                await answer.read()
+    assert [s.request for s in counting.mutations()] == [
+        "PUT /folder/x.iso",
+        "DELETE /nfc/52a1/disk-0.vmdk",
+        "POST /sdk",
+        "PUT /sdk",
+    ]
+    assert counting.reads == ["GET /sdk/vimServiceVersions.xml"]
+    assert counting.methods()["RetrievePropertiesEx"] == 1
+
+
 async def test_a_tag_added_after_the_plan_makes_the_apply_refuse_the_source(
     lab: Simulated, proxy: SoapProxy, pve: FakePVE
 ) -> None:
@@ -506,6 +544,42 @@ async def test_a_tag_added_after_the_plan_makes_the_apply_refuse_the_source(
     finally:
         await source.close()
     assert "changed since this plan was made (web01 changed)" in refused.value.message
+    assert proxy.rest_mutations() == [] and proxy.mutations() == []
+
+
+async def test_a_plan_made_without_tags_applies_once_they_can_be_read(
+    lab: Simulated, proxy: SoapProxy, pve: FakePVE
+) -> None:
+    """A plan whose tags were not read (unreadable then, or made before tags were read)
+    is compared without them once they can be read; a plan made with tags whose tags
+    cannot be read now is refused saying so, not that everything changed."""
+    plan = await _plan_of(lab, proxy, pve, Scope(name="*01"))
+    assert any(f.tags for f in plan.vm_facts)  # the lab's VMs have tags attached
+    facts = tuple(dataclasses.replace(f, tags=None) for f in plan.facts)
+    vms = tuple(dataclasses.replace(v, tags=None) for v in plan.vm_facts)
+    digest = source_digest(plan.source, plan.scope, facts, vms)
+    untagged = dataclasses.replace(
+        plan, facts=facts, vm_facts=vms, digest=digest, tags_unreadable="refused (401)"
+    )
+    before_tags = dataclasses.replace(untagged, tags_unreadable=None)
+    source = create(_source_config(lab, proxy), {PASSWORD_ENV: PASSWORD})
+    try:
+        for made_without in (untagged, before_tags):
+            await check_source(made_without, source)
+            assert await source_unchanged(made_without, source)
+    finally:
+        await source.close()
+    proxy.rest_answers[""] = 404  # the tagging service is gone now
+    source = create(_source_config(lab, proxy), {PASSWORD_ENV: PASSWORD})
+    try:
+        with pytest.raises(SourceChanged) as refused:
+            await check_source(plan, source)
+        assert not await source_unchanged(plan, source)
+        await check_source(untagged, source)  # made without tags: none needed now
+    finally:
+        await source.close()
+    assert f"The tags of {plan.source} could not be read now: " in refused.value.message
+    assert "changed" not in refused.value.message.split(". This plan")[0]
     assert proxy.rest_mutations() == [] and proxy.mutations() == []
 
 
@@ -645,6 +719,60 @@ async def test_the_tag_reader_says_why_tags_cannot_be_read(
             await reader.attached(["vm-1"])
     assert PASSWORD not in unreachable.value.message
     assert proxy.rest_mutations() == []
+
+
+async def test_the_tag_reader_leaves_out_a_deleted_tag_and_follows_no_redirect(
+    lab: Simulated, proxy: SoapProxy
+) -> None:
+    """A tag deleted between the batch that named it and its GET (404) is no longer
+    attached: left out, not "no tagging service". A redirect is not followed (the
+    session id would go elsewhere): tags not readable, saying so."""
+    endpoint = endpoint_of(_source_config(lab, proxy))
+    operator = Tagger(lab.sim)  # straight to vcsim, not through the proxy
+    operator.attach("web01", "Change/vanishing", "Change/staying")
+    web01 = find_vm(lab.sim, "web01")._moId
+    try:
+        proxy.rest_answers[f"{TAG}/id:{operator.tag_id('Change/vanishing')}"] = 404
+        async with TagReader(endpoint, PASSWORD, _tls(lab.sim.tls)) as reader:
+            tags = await reader.attached([web01])
+    finally:
+        operator.detach("web01", "Change/vanishing")
+        operator.detach("web01", "Change/staying")
+    assert "Change/staying" in tags[web01] and "Change/vanishing" not in tags[web01]
+    proxy.rest_answers = {SESSION: 302}
+    sent = len(proxy.rest)
+    async with TagReader(endpoint, PASSWORD, _tls(lab.sim.tls)) as redirected:
+        with pytest.raises(TagsUnreadable, match=r"with a redirect \(302\), which is not"):
+            await redirected.attached([web01])
+    assert [r.path for r in proxy.rest[sent:]] == [SESSION] and proxy.reads == []
+    assert proxy.rest_mutations() == []
+
+
+async def test_a_cancelled_close_still_ends_the_soap_session(
+    lab: Simulated, proxy: SoapProxy
+) -> None:
+    """The source's close cancelled while the tags' logout is on its way: the SOAP
+    session is logged out all the same."""
+    arrived, release = asyncio.Event(), asyncio.Event()
+
+    async def hold_the_logout(seen: RestSeen) -> None:
+        if seen.method == "DELETE":
+            arrived.set()
+            await release.wait()
+
+    source = create(_source_config(lab, proxy), {PASSWORD_ENV: PASSWORD})
+    await source.vm_facts(Scope(name="web01"))  # logged in to SOAP and to the vAPI
+    assert source.tags_unreadable is None
+    proxy.rest_gate = hold_the_logout
+    closing = asyncio.create_task(source.close())
+    try:
+        await arrived.wait()
+        closing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await closing
+    finally:
+        release.set()
+    assert proxy.methods()["Logout"] == 1
 
 
 def test_the_read_only_type_has_no_method_that_changes_anything() -> None:

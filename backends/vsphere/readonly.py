@@ -246,9 +246,11 @@ class ReadOnlyVSphere:
 
     async def close(self) -> None:
         tags, self._tags = self._tags, None
-        if tags is not None:
-            await tags.close()
-        await self._session.close()
+        try:
+            if tags is not None:
+                await tags.close()
+        finally:  # a cancelled tags' logout still ends the SOAP session
+            await self._session.close()
 
 
 def _named(name: str, pattern: str | None) -> bool:

@@ -23,7 +23,10 @@ implements; `/api` is not there.
 Errors at the boundary: a server without the service (a standalone ESXi host, a
 vCenter whose vAPI endpoint answers 404) or one that refuses the user (401, 403) is
 `TagsUnreadable`, which the plan reports as "tags not readable: <why>" rather than
-failing; a server that does not answer (refused, timed out, 5xx) is `Unreachable`, as
+failing, as is a redirect (never followed: the reader talks to the server named, and
+its session header goes nowhere else); a tag (or its category) deleted between the
+batch that named it and its `GET` (404) is left out, as it is no longer attached; a
+server that does not answer (refused, timed out, 5xx) is `Unreachable`, as
 for SOAP; a TLS refusal is a `PermanentError` saying what to fix.
 """
 
@@ -63,6 +66,11 @@ class TagsUnreadable(PermanentError):
     """The server has no tagging service this user may read: a plan says so and goes on."""
 
 
+# What `_send` answers for a tag or category read by its id that is not there (404:
+# deleted since the batch that named it).
+_GONE = object()
+
+
 class TagReader:
     """One vAPI session that reads the tags attached to VMs and templates, and nothing
     else (see the module docstring). Used once per plan or check: `async with`."""
@@ -74,7 +82,7 @@ class TagReader:
         self._base = f"https://{endpoint.host}:{endpoint.port}"
         self._http: aiohttp.ClientSession | None = None
         self._session_id: str | None = None
-        self._names: dict[str, str] = {}  # tag id -> "Category/Tag"
+        self._names: dict[str, str | None] = {}  # tag id -> "Category/Tag", None: gone
         self._categories: dict[str, str] = {}  # category id -> its name
         self.calls: Counter[str] = Counter()  # requests sent, by what they are
 
@@ -101,7 +109,8 @@ class TagReader:
             chunk = vm_ids[start : start + BATCH_OBJECTS]
             for vm, tag_ids in (await self._attached_ids(chunk)).items():
                 if vm in found:
-                    found[vm] = tuple(sorted({await self._name(t) for t in tag_ids}))
+                    names = [await self._name(t) for t in tag_ids]
+                    found[vm] = tuple(sorted({n for n in names if n is not None}))
         return found
 
     async def close(self) -> None:
@@ -140,20 +149,29 @@ class TagReader:
                 ids[str(obj.get("id"))] = [str(t) for t in item.get("tag_ids") or []]
         return ids
 
-    async def _name(self, tag_id: str) -> str:
+    async def _name(self, tag_id: str) -> str | None:
+        """'Category/Tag'; None when the tag or its category was deleted since the batch."""
         if tag_id not in self._names:
-            tag = await self._get(TAG, tag_id, "tag")
-            category_id = str(tag.get("category_id") or "")
-            if category_id not in self._categories:
-                category = await self._get(CATEGORY, category_id, "category")
-                self._categories[category_id] = str(category.get("name") or category_id)
-            self._names[tag_id] = (
-                f"{self._categories[category_id]}{SEPARATOR}{tag.get('name') or tag_id}"
-            )
+            self._names[tag_id] = await self._read_name(tag_id)
         return self._names[tag_id]
 
-    async def _get(self, path: str, object_id: str, what: str) -> dict[str, Any]:
+    async def _read_name(self, tag_id: str) -> str | None:
+        tag = await self._get(TAG, tag_id, "tag")
+        if tag is None:
+            return None
+        category_id = str(tag.get("category_id") or "")
+        if category_id not in self._categories:
+            category = await self._get(CATEGORY, category_id, "category")
+            if category is None:
+                return None
+            self._categories[category_id] = str(category.get("name") or category_id)
+        return f"{self._categories[category_id]}{SEPARATOR}{tag.get('name') or tag_id}"
+
+    async def _get(self, path: str, object_id: str, what: str) -> dict[str, Any] | None:
+        """The object by its id; None when it is gone (deleted since the batch)."""
         value = await self._send("GET", f"{path}/id:{object_id}", what, session=self._session_id)
+        if value is _GONE:
+            return None
         if not isinstance(value, dict):
             raise TagsUnreadable(f"{self._where}: the vAPI answered no {what} for {object_id}")
         return value
@@ -182,8 +200,11 @@ class TagReader:
         self.calls[f"{method} {what}"] += 1
         try:
             async with http.request(
-                method, self._base + path, headers=headers, params=params, json=json
-            ) as answer:
+                method, self._base + path, headers=headers, params=params, json=json,
+                allow_redirects=False,  # the session id goes to the server named, only
+            ) as answer:  # fmt: skip
+                if answer.status == 404 and method == "GET":  # a tag or category, by id
+                    return _GONE
                 _check(answer.status, self._endpoint, what)
                 data = await answer.json(content_type=None) if method != "DELETE" else {}
         except aiohttp.ClientConnectorCertificateError as exc:
@@ -224,5 +245,10 @@ def _check(status: int, endpoint: Endpoint, what: str) -> None:
         )
     if status >= 500:
         raise Unreachable(f"{where} answers {status} to the {what}")
+    if 300 <= status < 400:
+        raise TagsUnreadable(
+            f"{where} answers the vAPI {what} with a redirect ({status}), which is not "
+            "followed: tags are read from the server named in the backend's url only"
+        )
     if status >= 400:
         raise TagsUnreadable(f"{where} answers {status} to the {what}")

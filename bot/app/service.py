@@ -393,14 +393,21 @@ class Deployer:
             await self.migrations.check_approver(user)
             return await self.migrations.plan(source, target, scope, user)
 
-    async def migrate_apply(self, plan_id: str, user: str, *, origin: str | None = None) -> Outcome:
+    async def migrate_apply(
+        self,
+        plan_id: str,
+        user: str,
+        *,
+        origin: str | None = None,
+        dedupe_key: str | None = None,
+    ) -> Outcome:
         """Apply a kept plan: its templates' builds asked for (or found), and where
-        the target stands now."""
+        the target stands now (`dedupe_key`: the chat command's inbox key)."""
         async with self.audit_log.audited(user, f"migrate apply {plan_id[:40]}"):
             await self.migrations.check_approver(user)
             plan = await self.migrations.load(plan_id)
             applied: Applied = await self.migrations.apply(
-                plan, user, origin=origin, plan_id=plan_id
+                plan, user, origin=origin, plan_id=plan_id, dedupe_key=dedupe_key
             )
             return await self.migrations.outcome(applied)
 

@@ -30,7 +30,14 @@ from backends.migrating import ReadOnlySource, TemplateFacts, VMFacts
 from bot.addresses.subnets import Subnet
 from bot.images.profiles import Profile
 from bot.migration.classify import Category, Finding, classify_template
-from bot.migration.plan import CATEGORIES, Plan, PlanFileError, source_unchanged
+from bot.migration.plan import (
+    CATEGORIES,
+    Plan,
+    PlanFileError,
+    read_again,
+    source_digest,
+    tags_read_again,
+)
 from bot.migration.vms import classify_vm, network_map
 from bot.models.builds import ACTIVE_BUILD_STATES, Build, BuildState
 from bot.models.errors import Conflict, UserError
@@ -87,6 +94,9 @@ class Applied:
     # The store's record of an apply asked from chat with builds in flight (its id):
     # its end is told where it was asked once the last build ends (store/applies.py).
     recorded: str | None = None
+    # An apply of the same plan asked in the same channel was under way already: this
+    # one is told by its end (one table per plan and channel until it has ended).
+    joined: bool = False
 
 
 @dataclass(frozen=True)
@@ -236,11 +246,18 @@ def check_age(plan: Plan, now: datetime, valid_s: float) -> None:
 
 async def check_source(plan: Plan, source: ReadOnlySource) -> None:
     """Read the plan's scope of the source again (read-only) and refuse the plan when
-    its digest differs, naming what changed."""
-    if await source_unchanged(plan, source):  # the plan's own comparison (plan.py)
+    its digest differs, naming what changed, or when the plan read tags and they could
+    not be read now (whether one changed cannot be told)."""
+    templates, vms = await read_again(plan, source)  # as the plan read it (plan.py)
+    if not tags_read_again(plan, source):
+        raise SourceChanged(
+            f"The tags of {plan.source} could not be read now: {source.tags_unreadable}. "
+            "This plan was made with them, so whether one changed since cannot be told. "
+            f"Nothing was started: make a new plan (migrate plan --from {plan.source} "
+            f"--to {plan.target}) and apply that."
+        )
+    if source_digest(plan.source, plan.scope, templates, vms) == plan.digest:
         return
-    templates = await source.template_facts(plan.scope)
-    vms = await source.vm_facts(plan.scope)
     changes = compare([*plan.facts, *plan.vm_facts], [*templates, *vms])
     said = [
         *(f"{n} is new" for n in changes.added),

@@ -17,6 +17,11 @@ damaged or edited by hand without care, and the apply still classifies the facts
 VMs are findings of kind "vm" with facts of their own (bot/migration/vms.py), under the
 same digest and counts per kind (`CATEGORIES`). A plan without VMs (an OVA, or a
 scope with none) digests exactly as one made before VMs were read.
+
+A plan whose tags were not read (unreadable then, or made before tags were read) is
+compared without them: the facts read again lose their tags first (`read_again`), so
+tags readable now do not make every object "changed". A plan made with tags needs
+them read again (`tags_read_again`).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import json
 import os
 import tempfile
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -262,10 +267,37 @@ def plan_from_document(data: Any, where: str) -> Plan:
 
 async def source_unchanged(plan: Plan, source: ReadOnlySource) -> bool:
     """Whether `source` (opened again, read-only) still holds what the plan read: the
-    same scope read again gives the same digest."""
+    same scope read again gives the same digest (and the tags, when the plan read
+    them, could be read again)."""
+    facts, vms = await read_again(plan, source)
+    if not tags_read_again(plan, source):
+        return False
+    return source_digest(plan.source, plan.scope, facts, vms) == plan.digest
+
+
+def read_tags(plan: Plan) -> bool:
+    """Whether the plan was made with its objects' tags read."""
+    if plan.tags_unreadable is not None:
+        return False
+    tags = [f.tags for f in plan.facts] + [v.tags for v in plan.vm_facts]
+    return any(t is not None for t in tags)
+
+
+def tags_read_again(plan: Plan, source: ReadOnlySource) -> bool:
+    """After `read_again`: false when the plan read tags and the source could not now."""
+    return not read_tags(plan) or source.tags_unreadable is None
+
+
+async def read_again(
+    plan: Plan, source: ReadOnlySource
+) -> tuple[list[TemplateFacts], list[VMFacts]]:
+    """The plan's scope of `source` read again, as the plan read it: without tags when
+    the plan has none (they are compared only when the plan read them)."""
     facts = await source.template_facts(plan.scope)
     vms = await source.vm_facts(plan.scope)
-    return source_digest(plan.source, plan.scope, facts, vms) == plan.digest
+    if read_tags(plan):
+        return facts, vms
+    return [replace(f, tags=None) for f in facts], [replace(v, tags=None) for v in vms]
 
 
 def _from_document(data: dict[str, Any]) -> Plan:

@@ -42,7 +42,7 @@ from bot.migration.plan import Plan, PlanFileError, make_plan, plan_from_documen
 from bot.models import utcnow
 from bot.models.builds import Build
 from bot.models.errors import BackendError, JobNotFound, NotAllowed, RequestInvalid, UserError
-from bot.models.plans import PLAN_ID_RE, KeptPlan, MigrationApply
+from bot.models.plans import PLAN_ID_RE, KeptPlan, MigrationApply, apply_id_of, new_apply_id
 from bot.ownership.claims import Clock
 from store.db import Store
 
@@ -135,12 +135,14 @@ class Migrations:
         origin: str | None = None,
         hand_off: bool = False,
         plan_id: str | None = None,
+        dedupe_key: str | None = None,
     ) -> Applied:
         """Check the plan (its age, its source read again), then ask for the builds it
         needs. `hand_off`: queued builds are left to a serving process (the command
         line's --no-wait) rather than run here. Asked from chat (`origin`, a kept plan's
         `plan_id`) with builds still in flight, the apply is recorded: its final table
-        is told in `origin` when the last of them ends (`record`)."""
+        is told in `origin` when the last of them ends (`record`; `dedupe_key`: the
+        command's inbox key, so a redelivered command records no second apply)."""
         check_age(plan, self.clock(), self.settings.migration.plan_valid_s)
         check_findings(plan, self.settings.images.all_profiles(), self.settings.subnets)
         sources.check_distinct(self.settings.backends, plan.source, plan.target)
@@ -172,20 +174,25 @@ class Migrations:
             return applied
         if all(r.ended for r in applied.rebuilds):
             return applied
-        return await self.record(applied, plan_id, user, origin)
+        return await self.record(applied, plan_id, user, origin, dedupe_key)
 
-    async def record(self, applied: Applied, plan_id: str, user: str, origin: str) -> Applied:
+    async def record(
+        self, applied: Applied, plan_id: str, user: str, origin: str, key: str | None = None
+    ) -> Applied:
         """Keep the apply with its builds (store/applies.py): whichever process ends the
-        last of them keeps, in that same transaction, the notice of its end."""
+        last of them keeps, in that same transaction, the notice of its end. An apply of
+        this plan kept already for this command (`key`) or live in this channel stands
+        for this one: its end is told once (`joined`)."""
         record = MigrationApply(
+            id=new_apply_id() if key is None else apply_id_of(key),
             plan_id=plan_id,
             requester=user,
             origin=origin,
             rebuilds=json.dumps(rebuilds_document(applied), sort_keys=True),
             build_ids=tuple(r.build.id for r in applied.rebuilds if r.build is not None),
         )
-        await self.store.migration_applies.record(record)
-        return replace(applied, recorded=record.id)
+        kept = await self.store.migration_applies.record(record)
+        return replace(applied, recorded=kept.id, joined=kept.id != record.id)
 
     async def ended(self, apply_id: str) -> tuple[MigrationApply, Outcome] | None:
         """A recorded apply at its end, from the store alone (its plan, its builds, the

@@ -5,6 +5,7 @@ own so that a row whose document no longer hashes to it is noticed."""
 
 from __future__ import annotations
 
+import hashlib
 import re
 from datetime import datetime
 
@@ -39,6 +40,12 @@ APPLY_ID_RE = re.compile(r"a[a-z0-9]{9}")
 
 def new_apply_id() -> str:
     return "a" + random_letters(9)
+
+
+def apply_id_of(key: str) -> str:
+    """The apply id of a chat command's inbox key: the same command, redelivered or
+    run again after its process died, records the same apply (store/applies.py)."""
+    return "a" + hashlib.sha256(key.encode()).hexdigest()[:9]
 
 
 class MigrationApply(BaseModel):

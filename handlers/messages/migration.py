@@ -382,7 +382,13 @@ def applied_lines(outcome: Outcome, *, ends: bool, cap: int | None = None) -> li
     and what is left (`ends`: every build has ended; chat answers at once, before they
     do; `cap`: chat's, the most templates listed as left, the rest counted)."""
     lines = [*started_lines(outcome), *count_table(outcome, ends=ends), *left_lines(outcome, cap)]
-    if outcome.applied.recorded is not None:  # asked from chat, builds in flight
+    if outcome.applied.joined:  # a live apply of this plan in this channel tells the end
+        lines.append(
+            f"An apply of this plan asked in this channel is under way "
+            f"({outcome.applied.recorded}): its final table is posted here once, "
+            "when its last build ends."
+        )
+    elif outcome.applied.recorded is not None:  # asked from chat, builds in flight
         lines.append("When the last build ends, the final table is posted in this channel.")
     return lines
 

@@ -155,6 +155,10 @@ class Tagger:
         path = f"/tagging/tag-association/id:{self._tag(tag)}?~action=detach"
         self._call("POST", path, {"object_id": target})
 
+    def tag_id(self, tag: str) -> str:
+        """The vAPI id of "Category/Tag" (made when it is not there yet)."""
+        return self._tag(tag)
+
     def _tag(self, tag: str) -> str:
         if not self._categories:  # what earlier sessions made (the lab is shared)
             self._known()

@@ -12,6 +12,12 @@ a DELETE only when it is the session's logout. Every other POST (create, attach,
 detach, any other action), every PUT and PATCH, and every other DELETE changes
 something.
 
+Every request is recorded. One that is neither a vAPI request nor a GET or HEAD (those
+read: pyvmomi's `GET /sdk/vimServiceVersions.xml`) is judged as SOAP: a body whose
+method it cannot read, any other method with any body, and a POST elsewhere (`/folder`, `/nfc`, a
+guest file transfer), is recorded with its request line and counts as a change, never
+dropped from the count.
+
 It serves the simulator's own certificate for 127.0.0.1 (the test CA's), so a client
 keeps TLS verification on; it runs in the test's event loop (pyvmomi calls from the
 backend's threads, so the loop is free to serve them).
@@ -22,7 +28,7 @@ from __future__ import annotations
 import re
 import ssl
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -87,9 +93,10 @@ _REST_PREFIXES = ("/rest/", "/api/")
 
 @dataclass(frozen=True)
 class Seen:
-    method: str
+    method: str  # the SOAP method; "" when the body held none the proxy could read
     this_type: str
     this_id: str
+    request: str = ""  # "PUT /folder/x", for a request that was no readable SOAP call
 
 
 @dataclass(frozen=True)
@@ -116,7 +123,14 @@ class SoapProxy:
     tls: TlsFiles
     seen: list[Seen] = field(default_factory=list)
     rest: list[RestSeen] = field(default_factory=list)
+    reads: list[str] = field(default_factory=list)  # other GETs and HEADs: "GET /path"
     port: int = 0
+    # vAPI requests whose path starts with a key are recorded and answered with its
+    # status, never forwarded ("" : all of them): a vCenter whose tagging service is
+    # gone, refuses, redirects (a 3xx names /elsewhere), or lost one tag.
+    rest_answers: dict[str, int] = field(default_factory=dict)
+    # Awaited before a vAPI request is forwarded or answered: a test holds one there.
+    rest_gate: Callable[[RestSeen], Awaitable[None]] | None = None
 
     async def start(self) -> None:
         client_tls = ssl.create_default_context(cafile=str(self.tls.ca))
@@ -143,9 +157,20 @@ class SoapProxy:
         body = await request.read()
         if request.path.startswith(_REST_PREFIXES):
             action = request.query.get("~action") or request.query.get("action") or ""
-            self.rest.append(RestSeen(request.method, request.path, action))
+            seen = RestSeen(request.method, request.path, action)
+            self.rest.append(seen)
+            if self.rest_gate is not None:
+                await self.rest_gate(seen)
+            status = next((v for k, v in self.rest_answers.items() if seen.path.startswith(k)), 0)
+            if status:
+                where = {"Location": "/elsewhere"} if 300 <= status < 400 else {}
+                return web.Response(status=status, headers=where)
+        elif request.method in ("GET", "HEAD"):
+            self.reads.append(f"{request.method} {request.path}")
+        elif request.method == "POST":  # a SOAP call is a POST
+            self._record(body, f"POST {request.path}")
         else:
-            self._record(body)
+            self.seen.append(Seen("", "", "", f"{request.method} {request.path}"))
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
         url = f"https://127.0.0.1:{self.upstream_port}{request.path_qs}"
         async with self._client.request(
@@ -158,9 +183,10 @@ class SoapProxy:
                     answer.headers.add(key, value)
             return answer
 
-    def _record(self, body: bytes) -> None:
+    def _record(self, body: bytes, request: str) -> None:
         method = _METHOD.search(body)
-        if method is None:
+        if method is None:  # no SOAP call it can read: a change until shown otherwise
+            self.seen.append(Seen("", "", "", request))
             return
         this = _THIS.search(body)
         self.seen.append(
@@ -172,10 +198,11 @@ class SoapProxy:
         )
 
     def methods(self) -> Counter[str]:
-        return Counter(s.method for s in self.seen)
+        """SOAP methods by name, and each unreadable request by its request line."""
+        return Counter(s.method or s.request for s in self.seen)
 
     def mutations(self) -> list[Seen]:
-        return [s for s in self.seen if mutating(s.method)]
+        return [s for s in self.seen if not s.method or mutating(s.method)]
 
     def rest_calls(self) -> Counter[str]:
         """The vAPI requests by "METHOD path[?action]"."""
