@@ -8,11 +8,8 @@ never sees a mutating SOAP method."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
 import re
-import sys
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
 from datetime import timedelta
@@ -46,6 +43,7 @@ from bot.models.errors import UserError
 from bot.models.notices import MIGRATION_ENDED
 from bot.models.plans import KeptPlan
 from handlers.messages.migration import CHAT_FINDINGS, STAYS, applied_lines, kept_plan_lines
+from tests.support.cli import run_async
 from tests.support.deployer import SIM_SCALE, make_settings
 from tests.support.slack.bot import ALICE, BOB, CHANNEL, Harness, new_fake, slack_bot
 from tests.support.slack.fake_api import Call, FakeSlack
@@ -392,19 +390,7 @@ async def deploybot(config: Path, cwd: Path, *args: str) -> tuple[int, str]:
 
 
 async def run_deploybot(config: Path, cwd: Path, *args: str) -> tuple[int, str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DEPLOYBOT_")}
-    env.update(DEPLOYBOT_CONFIG=str(config), VCSIM_PASSWORD=PASSWORD)
-    process = await asyncio.create_subprocess_exec(
-        str(Path(sys.executable).with_name("deploybot")),
-        *args,
-        env=env,
-        cwd=cwd,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    stdout, stderr = await process.communicate()
-    assert process.returncode is not None
-    return process.returncode, stdout.decode(), stderr.decode()
+    return await run_async(config, cwd, {"VCSIM_PASSWORD": PASSWORD}, *args)
 
 
 async def test_slack_plans_and_applies_by_id_for_approvers_only(

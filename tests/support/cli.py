@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 CONFIG = """
@@ -50,6 +52,26 @@ def deploybot(
         text=True,
         timeout=120,
     )
+
+
+async def run_async(
+    config: Path, cwd: Path, secrets: Mapping[str, str], *args: str
+) -> tuple[int, str, str]:
+    """The real `deploybot` command with `config` and `secrets` in its environment, for
+    async tests: (exit code, stdout, stderr)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DEPLOYBOT_")}
+    env.update(secrets, DEPLOYBOT_CONFIG=str(config))
+    process = await asyncio.create_subprocess_exec(
+        str(Path(sys.executable).with_name("deploybot")),
+        *args,
+        env=env,
+        cwd=cwd,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    stdout, stderr = await process.communicate()
+    assert process.returncode is not None
+    return process.returncode, stdout.decode(), stderr.decode()
 
 
 def no_traceback(result: subprocess.CompletedProcess[str]) -> None:

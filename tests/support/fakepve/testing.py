@@ -4,10 +4,7 @@ pipeline. Test modules import the fixtures they use by name."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import os
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Literal
@@ -17,6 +14,7 @@ import pytest
 from backends.proxmox import ProxmoxBackend, create
 from backends.proxmox.config import Config
 from bot.config.settings import Settings
+from tests.support.cli import run_async
 from tests.support.deployer import FAST_TIMEOUTS, make_settings
 from tests.support.fakepve.cluster import Timings
 from tests.support.fakepve.schema import ApiSchema
@@ -208,16 +206,4 @@ async def run_deploybot_apart(
     fake: FakePVE, config: Path, cwd: Path, *args: str
 ) -> tuple[int, str, str]:
     """The real `deploybot` command against this fake: (exit code, stdout, stderr)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DEPLOYBOT_")}
-    env.update(DEPLOYBOT_CONFIG=str(config), PVE_TOKEN_SECRET=fake.token_secret)
-    process = await asyncio.create_subprocess_exec(
-        str(Path(sys.executable).with_name("deploybot")),
-        *args,
-        env=env,
-        cwd=cwd,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    stdout, stderr = await process.communicate()
-    assert process.returncode is not None
-    return process.returncode, stdout.decode(), stderr.decode()
+    return await run_async(config, cwd, {"PVE_TOKEN_SECRET": fake.token_secret}, *args)
