@@ -26,11 +26,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import os
 import socket
 import ssl
 import stat
-import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -66,6 +64,7 @@ from bot.migration.plan import (
     write_plan,
 )
 from handlers.messages.migration import plan_lines
+from tests.support.cli import run_async
 from tests.support.fakepve import testing
 from tests.support.fakepve.server import FakePVE
 from tests.support.vsphere.migration import (
@@ -959,18 +958,6 @@ async def test_the_cli_apply_refuses_a_plan_whose_vm_was_tagged_since(
 
 
 async def _deploybot(config: Path, cwd: Path, fake: FakePVE, *args: str) -> tuple[int, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DEPLOYBOT_")}
-    env.update(
-        DEPLOYBOT_CONFIG=str(config), PVE_TOKEN_SECRET=fake.token_secret, VCSIM_PASSWORD=PASSWORD
-    )
-    process = await asyncio.create_subprocess_exec(
-        str(Path(sys.executable).with_name("deploybot")),
-        *args,
-        env=env,
-        cwd=cwd,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    stdout, stderr = await process.communicate()
-    assert process.returncode is not None
-    return process.returncode, stdout.decode() + stderr.decode()
+    secrets = {"PVE_TOKEN_SECRET": fake.token_secret, "VCSIM_PASSWORD": PASSWORD}
+    code, out, err = await run_async(config, cwd, secrets, *args)
+    return code, out + err
